@@ -1,0 +1,238 @@
+"""The TOML config file (SPEC.md §3), validated into one immutable tree.
+
+A bad file raises ConfigError with one line naming the file, the key and the problem.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+UNSHARDED = "unsharded"
+PERMISSIONS = ("submit", "read", "cancel", "work", "schedule", "admin")
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+class ConfigError(Exception):
+    """A config file that cannot be served; the message is one line."""
+
+
+def _parse_duration(value: Any) -> float:
+    """Seconds from a number or a string such as "500ms", "30s", "7d"."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration such as '30s', got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION.match(value)):
+        seconds = float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+    else:
+        raise ValueError(f"expected a duration such as '30s' or '7d', got {value!r}")
+    if seconds <= 0:
+        raise ValueError(f"duration must be positive, got {value!r}")
+    return seconds
+
+
+Duration = Annotated[float, BeforeValidator(_parse_duration)]
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TlsConfig(_Strict):
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+
+class PeerTlsConfig(_Strict):
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+
+class ServerConfig(_Strict):
+    listen: str = "127.0.0.1:7070"
+    http_listen: str = "127.0.0.1:7080"
+    advertise: str | None = None
+    tls: TlsConfig | None = None
+    peer_tls: PeerTlsConfig | None = None
+    insecure_peer_http: bool = False
+    allow_unauthenticated: bool = False
+
+
+class StoreConfig(_Strict):
+    kind: Literal["sqlite", "postgres"] = "sqlite"
+    path: str = "./cronoq.db"
+    url_env: str = "DATABASE_URL"
+    url: str | None = None
+    schema_: str | None = Field(default=None, alias="schema")
+    # SQLite: FULL makes each acknowledged write survive power loss, not only a crash.
+    synchronous: Literal["full", "normal"] = "full"
+
+
+class PoolConfig(_Strict):
+    name: Name
+    max_attempts: int = Field(default=3, ge=1, le=1000)
+    lease_ttl: Duration = 30.0
+    retry_backoff: Duration = 1.0
+    retry_backoff_max: Duration = 300.0
+    retry_backoff_multiplier: float = Field(default=2.0, ge=1.0, le=10.0)
+    retention: Duration = 7 * 86400.0
+
+
+class ResourceConfig(_Strict):
+    name: Name
+    shard: str | None = None
+    concurrency: int | None = Field(default=None, ge=1)
+    rate: float | None = Field(default=None, gt=0)
+    burst: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ResourceConfig:
+        if (self.concurrency is None) == (self.rate is None):
+            raise ValueError(f"resource {self.name!r} needs exactly one of 'concurrency' or 'rate'")
+        if self.burst is not None and self.rate is None:
+            raise ValueError(f"resource {self.name!r}: 'burst' applies only to a 'rate' resource")
+        return self
+
+
+class LimitsConfig(_Strict):
+    max_pending_total: int | None = Field(default=None, ge=1)
+    max_pending_per_pool: int | None = Field(default=None, ge=1)
+    max_payload_bytes: int = Field(default=1 << 20, ge=1)
+    max_batch_size: int = Field(default=1000, ge=1)
+
+
+class ShardConfig(_Strict):
+    name: Name
+    number: int = Field(ge=1, le=255)
+    pools: list[str]
+    endpoint: Annotated[str, Field(pattern=r"^https?://[^/]+$")]
+
+
+class TokenConfig(_Strict):
+    name: str
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-fA-F]{64}$")] | None = None
+    env: str | None = None
+    pools: list[str]
+    permissions: list[Literal["submit", "read", "cancel", "work", "schedule", "admin"]]
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TokenConfig:
+        if (self.sha256 is None) == (self.env is None):
+            raise ValueError(f"token {self.name!r} needs exactly one of 'sha256' or 'env'")
+        return self
+
+
+class ClientConfig(_Strict):
+    subject: str
+    pools: list[str]
+    permissions: list[Literal["submit", "read", "cancel", "work", "schedule", "admin"]]
+
+
+class Config(_Strict):
+    server: ServerConfig = ServerConfig()
+    store: StoreConfig = StoreConfig()
+    pools: list[PoolConfig] = [PoolConfig(name="default")]
+    resources: list[ResourceConfig] = []
+    limits: LimitsConfig = LimitsConfig()
+    shards: list[ShardConfig] = []
+    tokens: list[TokenConfig] = []
+    clients: list[ClientConfig] = []
+
+    @model_validator(mode="after")
+    def _cross_check(self) -> Config:
+        _check_cross_references(self)
+        return self
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.shards)
+
+    def pool(self, name: str) -> PoolConfig | None:
+        return next((p for p in self.pools if p.name == name), None)
+
+
+def _unique(items: list[Any], attr: str, where: str) -> None:
+    seen: set[Any] = set()
+    for i, item in enumerate(items):
+        value = getattr(item, attr)
+        if value in seen:
+            raise ValueError(f"{where}[{i}].{attr}: duplicate value {value!r}")
+        seen.add(value)
+
+
+def _check_cross_references(cfg: Config) -> None:
+    _unique(cfg.pools, "name", "pools")
+    _unique(cfg.resources, "name", "resources")
+    _unique(cfg.shards, "name", "shards")
+    _unique(cfg.shards, "number", "shards")
+    pool_names = {p.name for p in cfg.pools}
+    shard_names = {s.name for s in cfg.shards}
+    for i, res in enumerate(cfg.resources):
+        if cfg.shards and res.shard is None:
+            raise ValueError(f"resources[{i}].shard: required when [[shards]] are configured ({res.name!r})")
+        if res.shard is not None and res.shard not in shard_names:
+            raise ValueError(f"resources[{i}].shard: unknown shard {res.shard!r}")
+    if cfg.shards:
+        owner: dict[str, str] = {}
+        for i, shard in enumerate(cfg.shards):
+            for pool in shard.pools:
+                if pool not in pool_names:
+                    raise ValueError(f"shards[{i}].pools: unknown pool {pool!r}")
+                if pool in owner:
+                    raise ValueError(f"shards[{i}].pools: pool {pool!r} is already in shard {owner[pool]!r}")
+                owner[pool] = shard.name
+        for pool in cfg.pools:
+            if pool.name not in owner:
+                raise ValueError(f"pools: pool {pool.name!r} is in no shard")
+        if cfg.store.kind == "sqlite" and "{shard}" not in cfg.store.path:
+            raise ValueError(f"store.path: must contain {{shard}} when sharded, got {cfg.store.path!r}")
+        if cfg.store.schema_ is not None and "{shard}" not in cfg.store.schema_:
+            raise ValueError(f"store.schema: must contain {{shard}} when sharded, got {cfg.store.schema_!r}")
+    for section, entries in (("tokens", cfg.tokens), ("clients", cfg.clients)):
+        for i, entry in enumerate(entries):
+            for pool in entry.pools:
+                if pool != "*" and pool not in pool_names:
+                    raise ValueError(f"{section}[{i}].pools: unknown pool {pool!r}")
+
+
+def _format_error(path: str, err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ""
+    for part in first["loc"]:
+        loc += f"[{part}]" if isinstance(part, int) else (f".{part}" if loc else str(part))
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif first["type"] not in ("value_error", "missing") and "input" in first:
+        msg += f" (got {first['input']!r})"
+    return f"{path}: {loc}: {msg}" if loc else f"{path}: {msg}"
+
+
+def parse_config(data: dict[str, Any], path: str = "<config>") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(path, err)) from None
+
+
+def load_config(path: str | None) -> Config:
+    """The file's config, or the no-argument embedded default when path is None."""
+    if path is None:
+        return Config()
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    return parse_config(data, path)

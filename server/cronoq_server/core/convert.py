@@ -1,0 +1,47 @@
+"""Store rows to API messages."""
+
+from __future__ import annotations
+
+from cronoq.v1 import task_pb2, worker_service_pb2
+
+from ..ids import make_task_id
+from ..store.base import TaskRow, WorkerRow
+
+
+def to_task(row: TaskRow, shard_number: int) -> task_pb2.Task:
+    task = task_pb2.Task(
+        id=make_task_id(shard_number, row.seq),
+        pool=row.pool,
+        key=row.key or "",
+        payload=row.payload,
+        content_type=row.content_type,
+        priority=row.priority,
+        max_attempts=row.max_attempts,
+        depends_on=[make_task_id(shard_number, s) for s in row.depends_on],
+        resources=row.resources,
+        state=int(row.state),  # type: ignore[arg-type]
+        attempt=row.attempt,
+        worker_id=row.worker_id or "",
+        result=row.result or b"",
+        result_content_type=row.result_content_type,
+        error=row.error,
+        cancel_requested=row.cancel_requested,
+    )
+    task.run_at.FromMicroseconds(row.run_at)
+    task.created_at.FromMicroseconds(row.created_at)
+    if row.started_at is not None:
+        task.started_at.FromMicroseconds(row.started_at)
+    if row.finished_at is not None:
+        task.finished_at.FromMicroseconds(row.finished_at)
+    if row.lease_expires_at is not None:
+        task.lease_expires_at.FromMicroseconds(row.lease_expires_at)
+    return task
+
+
+def to_worker(row: WorkerRow, shard: str) -> worker_service_pb2.Worker:
+    worker = worker_service_pb2.Worker(
+        id=row.id, name=row.name, pools=row.pools, concurrency=row.concurrency, shard=shard, labels=row.labels
+    )
+    worker.registered_at.FromMicroseconds(row.registered_at)
+    worker.last_seen_at.FromMicroseconds(row.last_seen_at)
+    return worker

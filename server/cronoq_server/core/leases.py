@@ -1,0 +1,186 @@
+"""WorkerService: registration, lease long polls, heartbeats, fenced finish reports,
+and the leader's lease-expiry and retention sweeps."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+from cronoq.v1 import worker_service_pb2 as pb
+
+from ..auth import Principal
+from ..config import Config
+from ..errors import ApiError, invalid
+from ..metrics import START_LATENCY, TASKS_LEASED, record_finished
+from ..ids import make_task_id, seq_of, shard_of
+from ..store.base import Outcome, OutcomeKind, Store, WorkerRow
+from .convert import to_task, to_worker
+from .events import EventBus
+from .tasks import now_us
+
+log = logging.getLogger("cronoq.leases")
+
+MAX_LEASE_BATCH = 1000
+MAX_LEASE_WAIT_MS = 60_000
+# Even when no notification arrives, a long poll looks at the store this often.
+POLL_FALLBACK_S = 1.0
+
+
+class Leases:
+    def __init__(self, config: Config, store: Store, events: EventBus, shard_name: str, shard_number: int, pools: list[str]):
+        self._config = config
+        self._store = store
+        self._events = events
+        self._shard_name = shard_name
+        self._shard = shard_number
+        self._pools = set(pools)
+        self._workers: dict[str, WorkerRow] = {}
+        self.draining = False
+        self._drained = asyncio.Event()
+
+    # -- registration ---------------------------------------------------------
+
+    async def register_worker(self, req: pb.RegisterWorkerRequest, caller: Principal) -> pb.RegisterWorkerResponse:
+        if not req.pools:
+            raise invalid("pools: a worker needs at least one pool")
+        for pool in req.pools:
+            caller.require("work", pool)
+            if pool not in self._pools:
+                raise invalid(f"pools: unknown pool {pool!r}")
+        if req.concurrency < 0:
+            raise invalid(f"concurrency: {req.concurrency} is negative")
+        now = now_us()
+        worker = WorkerRow(uuid.uuid4().hex, req.name, list(req.pools), req.concurrency, dict(req.labels), now, now)
+        await self._store.register_worker(worker)
+        self._workers[worker.id] = worker
+        ttl = min(self._config.pool(p).lease_ttl for p in req.pools)  # type: ignore[union-attr]
+        log.info("worker %s (%s) registered for %s", worker.id, worker.name, ",".join(worker.pools))
+        return pb.RegisterWorkerResponse(
+            worker_id=worker.id, heartbeat_interval_ms=max(int(ttl * 1000 / 3), 100), shard=self._shard_name
+        )
+
+    async def _worker(self, worker_id: str, caller: Principal) -> WorkerRow:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            worker = await self._store.get_worker(worker_id)
+            if worker is None:
+                raise ApiError(grpc.StatusCode.NOT_FOUND, f"worker_id: worker {worker_id!r} is not registered; register again")
+            self._workers[worker_id] = worker
+        for pool in worker.pools:
+            caller.require("work", pool)
+        return worker
+
+    async def deregister_worker(self, req: pb.DeregisterWorkerRequest, caller: Principal) -> pb.DeregisterWorkerResponse:
+        await self._worker(req.worker_id, caller)
+        await self._store.deregister_worker(req.worker_id)
+        self._workers.pop(req.worker_id, None)
+        return pb.DeregisterWorkerResponse()
+
+    async def list_workers(self, req: pb.ListWorkersRequest, caller: Principal) -> pb.ListWorkersResponse:
+        rows = await self._store.list_workers()
+        visible = [
+            w for w in rows if (not req.pool or req.pool in w.pools) and any(caller.may("read", p) for p in w.pools)
+        ]
+        return pb.ListWorkersResponse(workers=[to_worker(w, self._shard_name) for w in visible])
+
+    # -- leases ---------------------------------------------------------------
+
+    async def lease_tasks(self, req: pb.LeaseTasksRequest, caller: Principal) -> pb.LeaseTasksResponse:
+        worker = await self._worker(req.worker_id, caller)
+        pools = list(req.pools) or worker.pools
+        for pool in pools:
+            if pool not in worker.pools:
+                raise invalid(f"pools: worker {worker.id!r} did not register for pool {pool!r}")
+        if req.max_tasks < 1:
+            raise invalid(f"max_tasks: {req.max_tasks} must be at least 1")
+        limit = min(req.max_tasks, MAX_LEASE_BATCH)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(req.wait_ms, MAX_LEASE_WAIT_MS) / 1000
+        while not self.draining:
+            signal = self._events.lease_signal()
+            now = now_us()
+            rows, next_due = await self._store.lease(worker.id, pools, limit, now)
+            if rows:
+                TASKS_LEASED.inc(len(rows))
+                for r in rows:
+                    START_LATENCY.observe(max(now - max(r.run_at, r.created_at), 0) / 1e6)
+                await self._events.publish([(r.seq, r.state) for r in rows], rows)
+                return pb.LeaseTasksResponse(tasks=[to_task(r, self._shard) for r in rows])
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            timeout = min(remaining, POLL_FALLBACK_S)
+            if next_due is not None:
+                timeout = min(timeout, max((next_due - now) / 1e6, 0.001))
+            try:
+                await asyncio.wait_for(signal.wait(), timeout)
+            except TimeoutError:
+                pass
+        return pb.LeaseTasksResponse()
+
+    async def heartbeat(self, req: pb.HeartbeatRequest, caller: Principal) -> pb.HeartbeatResponse:
+        await self._worker(req.worker_id, caller)
+        mine = [(seq_of(t.task_id), t.attempt) for t in req.tasks if shard_of(t.task_id) == self._shard]
+        foreign = [t.task_id for t in req.tasks if shard_of(t.task_id) != self._shard]
+        cancelled, lost = await self._store.heartbeat(req.worker_id, mine, now_us())
+        return pb.HeartbeatResponse(
+            cancelled_task_ids=[make_task_id(self._shard, s) for s in cancelled],
+            lost_task_ids=[make_task_id(self._shard, s) for s in lost] + foreign,
+        )
+
+    async def finish_tasks(self, req: pb.FinishTasksRequest, caller: Principal) -> pb.FinishTasksResponse:
+        await self._worker(req.worker_id, caller)
+        outcomes = []
+        for i, o in enumerate(req.outcomes):
+            kind = o.WhichOneof("outcome")
+            if kind is None:
+                raise invalid(f"outcomes[{i}]: give success, failure or cancelled")
+            if shard_of(o.task_id) != self._shard:
+                raise invalid(f"outcomes[{i}].task_id: task {o.task_id} belongs to another shard")
+            if kind == "success":
+                outcomes.append(
+                    Outcome(seq_of(o.task_id), o.attempt, OutcomeKind.SUCCESS, o.success.result, o.success.content_type)
+                )
+            elif kind == "failure":
+                f = o.failure
+                outcomes.append(
+                    Outcome(
+                        seq_of(o.task_id), o.attempt, OutcomeKind.FAILURE, error=f.error,
+                        retryable=f.retryable, retry_after_ms=f.retry_after_ms,
+                    )
+                )
+            else:
+                outcomes.append(Outcome(seq_of(o.task_id), o.attempt, OutcomeKind.CANCELLED, error=o.cancelled.reason or "cancelled"))
+        results, changes = await self._store.finish(outcomes, now_us())
+        await self._events.publish(changes)
+        record_finished(changes)
+        return pb.FinishTasksResponse(
+            results=[
+                pb.FinishTaskResult(task_id=make_task_id(self._shard, r.seq), accepted=r.accepted, code=r.code, message=r.message)
+                for r in results
+            ]
+        )
+
+    # -- leader's sweeps ------------------------------------------------------
+
+    async def sweep_forever(self, expiry_every: float = 0.5, purge_every: float = 60.0) -> None:
+        loop = asyncio.get_running_loop()
+        next_purge = loop.time() + purge_every
+        while True:
+            try:
+                changes = await self._store.expire_leases(now_us())
+                if changes:
+                    log.info("expired %d lease(s)", sum(1 for _ in changes))
+                    await self._events.publish(changes)
+                if loop.time() >= next_purge:
+                    next_purge = loop.time() + purge_every
+                    purged = await self._store.purge(now_us())
+                    if purged:
+                        log.info("purged %d task(s) past retention", purged)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("sweep failed; retrying")
+            await asyncio.sleep(expiry_every)

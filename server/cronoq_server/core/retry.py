@@ -1,0 +1,20 @@
+"""Retry backoff for failed attempts: exponential with full jitter, per pool."""
+
+from __future__ import annotations
+
+import random
+
+from ..config import PoolConfig
+
+
+def make_retry_at(pools: dict[str, PoolConfig]):  # type: ignore[no-untyped-def]
+    def retry_at(pool: str, attempt: int, now: int, retry_after_ms: int) -> int:
+        if retry_after_ms > 0:
+            return now + retry_after_ms * 1000
+        cfg = pools[pool]
+        ceiling = min(cfg.retry_backoff_max, cfg.retry_backoff * cfg.retry_backoff_multiplier ** max(attempt - 1, 0))
+        # Half fixed, half jitter: never sooner than half the backoff, spread to avoid herds.
+        delay = ceiling / 2 + random.uniform(0, ceiling / 2)
+        return now + int(delay * 1e6)
+
+    return retry_at

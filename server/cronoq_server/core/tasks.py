@@ -1,0 +1,237 @@
+"""TaskService: submit (with keys, dependencies and batches), get, wait, cancel, list, watch."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from cronoq.v1 import task_pb2, task_service_pb2 as pb
+
+from ..auth import Principal
+from ..config import Config
+from ..errors import ApiError, invalid, not_found
+from ..ids import make_task_id, seq_of, shard_of
+from ..store.base import TERMINAL, NewTask, State, Store, TaskRow
+from .convert import to_task
+from .events import EventBus, Watcher
+
+MAX_KEY_LENGTH = 256
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+DEFAULT_WAIT_MS = 30_000
+MAX_WAIT_MS = 3_600_000
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+class Tasks:
+    def __init__(self, config: Config, store: Store, events: EventBus, shard_name: str, shard_number: int, pools: list[str]):
+        self._config = config
+        self._store = store
+        self._events = events
+        self._shard_name = shard_name
+        self._shard = shard_number
+        self._pools = {p: config.pool(p) for p in pools}
+        self._resources = {r.name: r for r in config.resources if r.shard in (None, shard_name)}
+
+    def _task(self, row: TaskRow) -> task_pb2.Task:
+        return to_task(row, self._shard)
+
+    # -- submit ---------------------------------------------------------------
+
+    def _validate(self, req: pb.SubmitTaskRequest, where: str, caller: Principal) -> NewTask:
+        if not req.pool:
+            raise invalid(f"{where}pool: required")
+        caller.require("submit", req.pool)
+        pool = self._pools.get(req.pool)
+        if pool is None:
+            raise invalid(f"{where}pool: unknown pool {req.pool!r}")
+        if len(req.key) > MAX_KEY_LENGTH:
+            raise invalid(f"{where}key: {len(req.key)} characters, more than {MAX_KEY_LENGTH}")
+        limit = self._config.limits.max_payload_bytes
+        if len(req.payload) > limit:
+            raise invalid(f"{where}payload: {len(req.payload)} bytes exceeds limits.max_payload_bytes {limit}")
+        if req.max_attempts < 0 or req.max_attempts > 1000:
+            raise invalid(f"{where}max_attempts: {req.max_attempts} is not between 1 and 1000 (0 takes the pool's default)")
+        for name, amount in req.resources.items():
+            res = self._resources.get(name)
+            if res is None:
+                raise invalid(f"{where}resources: unknown resource {name!r} in shard {self._shard_name!r}")
+            if amount < 1 or (res.concurrency is not None and amount > res.concurrency):
+                raise invalid(f"{where}resources[{name!r}]: amount {amount} is not between 1 and its capacity")
+        task = NewTask(
+            pool=req.pool,
+            key=req.key or None,
+            payload=req.payload,
+            content_type=req.content_type,
+            priority=req.priority,
+            run_at=req.run_at.ToMicroseconds() if req.HasField("run_at") else None,
+            max_attempts=req.max_attempts or pool.max_attempts,
+            resources=dict(req.resources),
+        )
+        for i, ref in enumerate(req.depends_on):
+            kind = ref.WhichOneof("ref")
+            if kind == "id":
+                if shard_of(ref.id) != self._shard:
+                    raise invalid(
+                        f"{where}depends_on[{i}]: task {ref.id} belongs to shard number {shard_of(ref.id)}; "
+                        f"a task can only depend on tasks of its own shard ({self._shard})"
+                    )
+                task.dep_seqs.append(seq_of(ref.id))
+            elif kind == "key":
+                task.dep_keys.append(ref.key)
+            else:
+                raise invalid(f"{where}depends_on[{i}]: give an id or a key")
+        return task
+
+    async def submit_task(self, req: pb.SubmitTaskRequest, caller: Principal) -> pb.SubmitTaskResponse:
+        task = self._validate(req, "", caller)
+        if task.key is not None and task.key in task.dep_keys:
+            raise invalid(f"depends_on: task depends on its own key {task.key!r}")
+        (sub,), changes = await self._store.submit([task], now_us())
+        await self._events.publish(changes, [sub.row])
+        return pb.SubmitTaskResponse(task=self._task(sub.row), deduplicated=sub.deduplicated)
+
+    async def submit_batch(self, req: pb.SubmitBatchRequest, caller: Principal) -> pb.SubmitBatchResponse:
+        n = len(req.tasks)
+        if n == 0:
+            raise invalid("tasks: a batch needs at least one task")
+        if n > self._config.limits.max_batch_size:
+            raise invalid(f"tasks: batch of {n} exceeds limits.max_batch_size {self._config.limits.max_batch_size}")
+        tasks = [self._validate(r, f"tasks[{i}].", caller) for i, r in enumerate(req.tasks)]
+        order = _batch_order(tasks)
+        position = {original: pos for pos, original in enumerate(order)}
+        ordered = [tasks[i] for i in order]
+        key_index = {t.key: i for i, t in enumerate(tasks) if t.key is not None}
+        for t in ordered:
+            # Keys of the batch's own tasks become batch references; the rest are stored keys.
+            t.dep_batch = [position[key_index[k]] for k in t.dep_keys if k in key_index]
+            t.dep_keys = [k for k in t.dep_keys if k not in key_index]
+        subs, changes = await self._store.submit(ordered, now_us())
+        await self._events.publish(changes, [s.row for s in subs if not s.deduplicated])
+        by_original = [subs[position[i]] for i in range(n)]
+        return pb.SubmitBatchResponse(
+            tasks=[self._task(s.row) for s in by_original],
+            deduplicated_ids=[make_task_id(self._shard, s.row.seq) for s in by_original if s.deduplicated],
+        )
+
+    # -- lookups --------------------------------------------------------------
+
+    async def find(self, ref: task_pb2.TaskRef, caller: Principal, permission: str) -> TaskRow:
+        kind = ref.WhichOneof("ref")
+        if kind == "id":
+            if ref.id == 0:
+                raise invalid("task.id: 0 is not a task id")
+            row = await self._store.get(seq_of(ref.id)) if shard_of(ref.id) == self._shard else None
+            if row is None:
+                raise not_found(f"task {ref.id} not found")
+        elif kind == "key":
+            row = await self._store.get_by_key(ref.key)
+            if row is None:
+                raise not_found(f"no task with key {ref.key!r}")
+        else:
+            raise invalid("task: give an id or a key")
+        caller.require(permission, row.pool)
+        return row
+
+    async def get_task(self, req: pb.GetTaskRequest, caller: Principal) -> pb.GetTaskResponse:
+        return pb.GetTaskResponse(task=self._task(await self.find(req.task, caller, "read")))
+
+    async def wait_task(self, req: pb.WaitTaskRequest, caller: Principal) -> pb.WaitTaskResponse:
+        timeout_ms = min(req.timeout_ms or DEFAULT_WAIT_MS, MAX_WAIT_MS)
+        row = await self.find(req.task, caller, "read")
+        if row.state not in TERMINAL:
+            fut = self._events.wait_terminal(row.seq)
+            try:
+                row = await self._store.get(row.seq) or row  # it may have ended before we listened
+                if row.state not in TERMINAL:
+                    try:
+                        await asyncio.wait_for(asyncio.shield(fut), timeout_ms / 1000)
+                    except TimeoutError:
+                        pass
+                    row = await self._store.get(row.seq) or row
+            finally:
+                self._events.forget_waiter(row.seq, fut)
+        return pb.WaitTaskResponse(task=self._task(row), done=row.state in TERMINAL)
+
+    async def cancel_task(self, req: pb.CancelTaskRequest, caller: Principal) -> pb.CancelTaskResponse:
+        row = await self.find(req.task, caller, "cancel")
+        updated, changes = await self._store.cancel(row.seq, now_us())
+        if updated is None:
+            raise not_found(f"task {make_task_id(self._shard, row.seq)} not found")
+        await self._events.publish(changes)
+        return pb.CancelTaskResponse(task=self._task(updated))
+
+    def readable_pools(self, pool: str, caller: Principal) -> list[str] | None:
+        if pool:
+            caller.require("read", pool)
+            if pool not in self._pools:
+                raise invalid(f"pool: unknown pool {pool!r}")
+            return [pool]
+        if caller.pools is None and "read" in caller.permissions:
+            return None
+        return [p for p in self._pools if caller.may("read", p)]
+
+    async def list_tasks(self, req: pb.ListTasksRequest, caller: Principal) -> pb.ListTasksResponse:
+        pools = self.readable_pools(req.pool, caller)
+        if req.page_size < 0:
+            raise invalid(f"page_size: {req.page_size} is negative")
+        size = min(req.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        after = 0
+        if req.page_token:
+            if not req.page_token.isdigit():
+                raise invalid(f"page_token: {req.page_token!r} is not a token this server issued")
+            after = seq_of(int(req.page_token))
+        state = State(req.state) if req.state else None
+        rows = await self._store.list_tasks(pools, state, after, size + 1)
+        more = len(rows) > size
+        rows = rows[:size]
+        token = str(make_task_id(self._shard, rows[-1].seq)) if more else ""
+        return pb.ListTasksResponse(tasks=[self._task(r) for r in rows], next_page_token=token)
+
+    def watch(self, req: pb.WatchRequest, caller: Principal) -> AsyncIterator[pb.WatchResponse]:
+        """Checks the request now; the events come from the returned iterator."""
+        pools = self.readable_pools(req.pool, caller)
+        return self._stream(self._events.watch(None if pools is None else frozenset(pools)))
+
+    async def _stream(self, watcher: Watcher) -> AsyncIterator[pb.WatchResponse]:
+        try:
+            while True:
+                event = await watcher.queue.get()
+                if event is None:
+                    return
+                yield pb.WatchResponse(event=event)
+        finally:
+            self._events.unwatch(watcher)
+
+
+def _batch_order(tasks: list[NewTask]) -> list[int]:
+    """Indices in an order where each task follows the batch tasks it depends on."""
+    key_index: dict[str, int] = {}
+    for i, t in enumerate(tasks):
+        if t.key is not None:
+            if t.key in key_index:
+                raise invalid(f"tasks[{i}].key: {t.key!r} already names tasks[{key_index[t.key]}] of this batch")
+            key_index[t.key] = i
+    order: list[int] = []
+    state = [0] * len(tasks)  # 0 new, 1 visiting, 2 done
+
+    def visit(i: int, path: list[int]) -> None:
+        if state[i] == 2:
+            return
+        if state[i] == 1:
+            cycle = path[path.index(i) :] + [i]
+            raise invalid("depends_on: dependency cycle in batch: " + " -> ".join(repr(tasks[j].key) for j in cycle))
+        state[i] = 1
+        for k in tasks[i].dep_keys:
+            if k in key_index:
+                visit(key_index[k], path + [i])
+        state[i] = 2
+        order.append(i)
+
+    for i in range(len(tasks)):
+        visit(i, [])
+    return order

@@ -1,0 +1,121 @@
+"""`cronoq-server`: serve one shard (gRPC and HTTP in one event loop)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import signal
+import sys
+
+from grpc_health.v1 import health_pb2
+
+from . import __version__
+from .api.grpc import start_grpc
+from .api.http import start_http
+from .config import Config, ConfigError, load_config
+from .node import Node
+from .store.sqlite import StoreOwnedElsewhere
+
+log = logging.getLogger("cronoq.server")
+DRAIN_GRACE_S = 10.0
+
+
+def _is_loopback(listen: str) -> bool:
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_startup(config: Config, path: str, shard: str | None) -> None:
+    """Refusals that need more than the file: the shard flag and exposure rules."""
+    if config.sharded and shard is None:
+        names = ", ".join(s.name for s in config.shards)
+        raise ConfigError(f"{path}: shards: --shard is required with [[shards]] (one of: {names})")
+    if config.sharded and shard not in {s.name for s in config.shards}:
+        raise ConfigError(f"{path}: shards: --shard {shard!r} names no [[shards]] entry")
+    if not config.sharded and shard is not None:
+        raise ConfigError(f"{path}: shards: --shard {shard!r} given but the file has no [[shards]]")
+    s = config.server
+    if not (config.tokens or config.clients or s.allow_unauthenticated):
+        for key, listen in (("server.listen", s.listen), ("server.http_listen", s.http_listen)):
+            if not _is_loopback(listen):
+                raise ConfigError(
+                    f"{path}: {key}: {listen!r} is not loopback and no [[tokens]] or [[clients]] are configured "
+                    "(set server.allow_unauthenticated = true to allow)"
+                )
+
+
+async def serve(config: Config, shard: str | None) -> int:
+    node = Node(config, shard)
+    grpc_server, health = await start_grpc(node, config.server.listen)
+    http_runner = await start_http(node, config.server.http_listen)
+    log.info(
+        "cronoq-server %s: shard %s (number %d), pools %s, gRPC %s, HTTP %s, store %s",
+        __version__, node.shard_name, node.shard_number, ",".join(node.pools),
+        config.server.listen, config.server.http_listen, config.store.kind,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def lead() -> None:
+        await node.run_leadership()
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+
+    leading = asyncio.create_task(lead())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({leading, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if leading.done() and leading.exception() is not None:
+        log.error("shard %s: cannot lead: %s", node.shard_name, leading.exception())
+        code = 2 if isinstance(leading.exception(), StoreOwnedElsewhere) else 1
+    else:
+        await stopped
+        code = 0
+    leading.cancel()
+    log.info("shard %s: draining (grace %.0fs)", node.shard_name, DRAIN_GRACE_S)
+    await health.enter_graceful_shutdown()
+    await node.drain()
+    await grpc_server.stop(DRAIN_GRACE_S)
+    await http_runner.cleanup()
+    await node.stop()
+    log.info("shard %s: stopped, leadership released", node.shard_name)
+    return code
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="cronoq-server",
+        description="Serve one shard of cronoq. With no arguments: pool 'default' on SQLite ./cronoq.db, "
+        "gRPC on 127.0.0.1:7070, HTTP on 127.0.0.1:7080.",
+    )
+    parser.add_argument("--config", metavar="FILE", help="TOML config file (SPEC.md §3)")
+    parser.add_argument("--shard", metavar="NAME", help="the shard to serve; required with [[shards]]")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--version", action="version", version=f"cronoq-server {__version__}")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format=f"%(asctime)s %(levelname)s [shard={args.shard or 'unsharded'}] %(name)s: %(message)s",
+    )
+    try:
+        config = load_config(args.config)
+        check_startup(config, args.config or "<defaults>", args.shard)
+    except ConfigError as err:
+        print(f"cronoq-server: {err}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        import uvloop  # noqa: PLC0415
+    except ImportError:
+        sys.exit(asyncio.run(serve(config, args.shard)))
+    sys.exit(uvloop.run(serve(config, args.shard)))
+
+
+if __name__ == "__main__":
+    main()

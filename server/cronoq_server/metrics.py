@@ -1,0 +1,27 @@
+"""Prometheus metrics of one server (SPEC.md §11); /metrics serves them."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from .store.base import TERMINAL, Changes, State
+
+TASKS_SUBMITTED = Counter("cronoq_tasks_submitted_total", "Tasks admitted (deduplicated submissions excluded).", ["pool"])
+TASKS_LEASED = Counter("cronoq_tasks_leased_total", "Task attempts leased to workers.")
+TASKS_FINISHED = Counter("cronoq_tasks_finished_total", "Tasks that ended, by outcome.", ["outcome"])
+TASKS_BY_STATE = Gauge("cronoq_tasks", "Tasks in the store by pool and state.", ["pool", "state"])
+START_LATENCY = Histogram(
+    "cronoq_task_start_latency_seconds",
+    "From when a task was due (run_at or submission) to its lease.",
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+LEADER = Gauge("cronoq_leader", "1 while this server leads its shard.")
+WORKERS = Gauge("cronoq_workers", "Registered workers by pool.", ["pool"])
+FORWARDED = Counter("cronoq_forwarded_calls_total", "Calls forwarded to another shard.", ["shard", "code"])
+CALLS = Counter("cronoq_api_calls_total", "API calls by method and code.", ["method", "code"])
+
+
+def record_finished(changes: Changes) -> None:
+    for _, state in changes:
+        if state in TERMINAL:
+            TASKS_FINISHED.labels(outcome=State(state).name.lower()).inc()

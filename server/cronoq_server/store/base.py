@@ -1,0 +1,189 @@
+"""The Store interface every backend implements, and the records it speaks in.
+
+Each mutating method is one transaction. Times are integer microseconds since the
+Unix epoch (UTC); tasks are named inside a store by their per-shard sequence.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+
+class State(enum.IntEnum):
+    """Matches cronoq.v1.TaskState."""
+
+    PENDING = 1
+    BLOCKED = 2
+    RUNNING = 3
+    SUCCEEDED = 4
+    FAILED = 5
+    CANCELLED = 6
+
+
+TERMINAL = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
+
+# Column order of every task row a store returns.
+TASK_COLUMNS = (
+    "seq, pool, key, payload, content_type, priority, run_at, max_attempts, depends_on, resources, "
+    "state, attempt, worker_id, result, result_content_type, error, created_at, started_at, "
+    "finished_at, cancel_requested, lease_expires_at"
+)
+
+
+@dataclass(slots=True)
+class TaskRow:
+    seq: int
+    pool: str
+    key: str | None
+    payload: bytes
+    content_type: str
+    priority: int
+    run_at: int
+    max_attempts: int
+    depends_on: list[int]
+    resources: dict[str, int]
+    state: State
+    attempt: int
+    worker_id: str | None
+    result: bytes | None
+    result_content_type: str
+    error: str
+    created_at: int
+    started_at: int | None
+    finished_at: int | None
+    cancel_requested: bool
+    lease_expires_at: int | None
+
+
+@dataclass(slots=True)
+class NewTask:
+    """A validated submission. Dependencies are split by how they were named."""
+
+    pool: str
+    key: str | None
+    payload: bytes
+    content_type: str
+    priority: int
+    run_at: int | None
+    max_attempts: int
+    resources: dict[str, int] = field(default_factory=dict)
+    dep_seqs: list[int] = field(default_factory=list)
+    dep_keys: list[str] = field(default_factory=list)
+    # Indices of earlier tasks of the same batch (their keys, resolved by the core).
+    dep_batch: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Submitted:
+    row: TaskRow
+    deduplicated: bool
+
+
+class OutcomeKind(enum.Enum):
+    SUCCESS = "success"
+    FAILURE = "failure"
+    CANCELLED = "cancelled"
+
+
+@dataclass(slots=True)
+class Outcome:
+    seq: int
+    attempt: int
+    kind: OutcomeKind
+    result: bytes = b""
+    result_content_type: str = ""
+    error: str = ""
+    retryable: bool = True
+    retry_after_ms: int = 0
+
+
+@dataclass(slots=True)
+class OutcomeResult:
+    seq: int
+    accepted: bool
+    code: str = ""
+    message: str = ""
+
+
+@dataclass(slots=True)
+class WorkerRow:
+    id: str
+    name: str
+    pools: list[str]
+    concurrency: int
+    labels: dict[str, str]
+    registered_at: int
+    last_seen_at: int
+
+
+# (seq, new state) of every task a transaction changed, for events and waiters.
+Changes = list[tuple[int, State]]
+
+# retry_at(pool, attempt, now, retry_after_ms) -> when the next attempt may start.
+RetryAt = Callable[[str, int, int, int], int]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    shard_name: str
+    shard_number: int
+    lease_ttl_us: dict[str, int]
+    retention_us: dict[str, int]
+    retry_at: RetryAt
+    max_pending_total: int | None = None
+    max_pending_per_pool: int | None = None
+
+
+class Store(Protocol):
+    """One shard's tasks. SQLite and PostgreSQL pass the same suite (tests/store)."""
+
+    async def open(self) -> None:
+        """Creates or migrates the schema; refuses a store of another shard."""
+
+    async def close(self) -> None: ...
+
+    async def submit(self, tasks: list[NewTask], now: int) -> tuple[list[Submitted], Changes]:
+        """Admits all tasks or none (raises ApiError: NOT_FOUND dependency, RESOURCE_EXHAUSTED)."""
+
+    async def get(self, seq: int) -> TaskRow | None: ...
+
+    async def get_by_key(self, key: str) -> TaskRow | None: ...
+
+    async def get_many(self, seqs: list[int]) -> list[TaskRow]: ...
+
+    async def list_tasks(self, pools: list[str] | None, state: State | None, after_seq: int, limit: int) -> list[TaskRow]:
+        """Tasks of those pools (None: all) in seq order after after_seq."""
+
+    async def lease(
+        self, worker_id: str, pools: list[str], limit: int, now: int
+    ) -> tuple[list[TaskRow], int | None]:
+        """Leases up to limit PENDING tasks (priority, then run_at, then seq).
+
+        Returns the leased rows, and when none is due, the earliest future run_at.
+        """
+
+    async def heartbeat(
+        self, worker_id: str, attempts: list[tuple[int, int]], now: int
+    ) -> tuple[list[int], list[int]]:
+        """Extends the leases held; returns (cancel-requested seqs, lost seqs)."""
+
+    async def finish(self, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]: ...
+
+    async def expire_leases(self, now: int) -> Changes: ...
+
+    async def cancel(self, seq: int, now: int) -> tuple[TaskRow | None, Changes]: ...
+
+    async def purge(self, now: int) -> int:
+        """Deletes terminal tasks past their pool's retention; returns how many."""
+
+    async def register_worker(self, worker: WorkerRow) -> None: ...
+
+    async def deregister_worker(self, worker_id: str) -> None: ...
+
+    async def get_worker(self, worker_id: str) -> WorkerRow | None: ...
+
+    async def list_workers(self) -> list[WorkerRow]: ...
+
+    async def count_by_pool_and_state(self) -> dict[tuple[str, State], int]: ...

@@ -1,0 +1,592 @@
+"""SQLite store: WAL mode, one connection on one dedicated thread.
+
+Each Store method runs as one function on that thread inside one transaction, so
+a batch costs one thread hop rather than one per statement (aiosqlite's model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, TypeVar
+
+import grpc
+
+from ..errors import ApiError, not_found
+from ..ids import make_task_id
+from .base import (
+    TASK_COLUMNS,
+    TERMINAL,
+    Changes,
+    NewTask,
+    Outcome,
+    OutcomeKind,
+    OutcomeResult,
+    State,
+    StoreSettings,
+    Submitted,
+    TaskRow,
+    WorkerRow,
+)
+
+T = TypeVar("T")
+SCHEMA_VERSION = 1
+
+MIGRATIONS: dict[int, str] = {
+    1: """
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE tasks (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        pool TEXT NOT NULL,
+        key TEXT UNIQUE,
+        payload BLOB NOT NULL,
+        content_type TEXT NOT NULL DEFAULT '',
+        priority INTEGER NOT NULL DEFAULT 0,
+        run_at INTEGER NOT NULL,
+        max_attempts INTEGER NOT NULL,
+        depends_on TEXT,
+        resources TEXT,
+        state INTEGER NOT NULL,
+        attempt INTEGER NOT NULL DEFAULT 0,
+        worker_id TEXT,
+        result BLOB,
+        result_content_type TEXT NOT NULL DEFAULT '',
+        error TEXT NOT NULL DEFAULT '',
+        created_at INTEGER NOT NULL,
+        started_at INTEGER,
+        finished_at INTEGER,
+        cancel_requested INTEGER NOT NULL DEFAULT 0,
+        lease_expires_at INTEGER,
+        blocked_on INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE INDEX tasks_lease ON tasks (pool, priority DESC, run_at, seq) WHERE state = 1;
+    CREATE INDEX tasks_running ON tasks (lease_expires_at) WHERE state = 3;
+    CREATE INDEX tasks_finished ON tasks (finished_at) WHERE state IN (4, 5, 6);
+    CREATE INDEX tasks_pool ON tasks (pool, seq);
+    CREATE TABLE deps (task_seq INTEGER NOT NULL, dep_seq INTEGER NOT NULL, PRIMARY KEY (task_seq, dep_seq));
+    CREATE INDEX deps_dependents ON deps (dep_seq);
+    CREATE TABLE workers (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL,
+        pools TEXT NOT NULL,
+        concurrency INTEGER NOT NULL,
+        labels TEXT NOT NULL,
+        registered_at INTEGER NOT NULL,
+        last_seen_at INTEGER NOT NULL
+    );
+    """,
+}
+
+MAX_VARS = 900  # well under SQLite's bound on host parameters per statement
+
+
+def _chunks(items: list[T], size: int = MAX_VARS) -> Iterable[list[T]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def _marks(n: int) -> str:
+    return ",".join("?" * n)
+
+
+def _row(r: tuple[Any, ...]) -> TaskRow:
+    return TaskRow(
+        seq=r[0],
+        pool=r[1],
+        key=r[2],
+        payload=r[3],
+        content_type=r[4],
+        priority=r[5],
+        run_at=r[6],
+        max_attempts=r[7],
+        depends_on=json.loads(r[8]) if r[8] else [],
+        resources=json.loads(r[9]) if r[9] else {},
+        state=State(r[10]),
+        attempt=r[11],
+        worker_id=r[12],
+        result=r[13],
+        result_content_type=r[14],
+        error=r[15],
+        created_at=r[16],
+        started_at=r[17],
+        finished_at=r[18],
+        cancel_requested=bool(r[19]),
+        lease_expires_at=r[20],
+    )
+
+
+def _worker(r: tuple[Any, ...]) -> WorkerRow:
+    return WorkerRow(r[0], r[1], json.loads(r[2]), r[3], json.loads(r[4]), r[5], r[6])
+
+
+class StoreOwnedElsewhere(Exception):
+    """The database belongs to another shard."""
+
+
+class SqliteStore:
+    def __init__(self, path: str, settings: StoreSettings, synchronous: str = "full"):
+        self.path = path
+        self.settings = settings
+        self._synchronous = synchronous.upper()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="cronoq-sqlite")
+        self._db: sqlite3.Connection | None = None
+
+    # -- plumbing -------------------------------------------------------------
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _tx(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._run(self._in_tx, fn, *args)
+
+    def _in_tx(self, fn: Callable[..., T], *args: Any) -> T:
+        db = self._conn
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(db, *args)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+        return result
+
+    @property
+    def _conn(self) -> sqlite3.Connection:
+        assert self._db is not None, "store is not open"
+        return self._db
+
+    def _full_id(self, seq: int) -> int:
+        return make_task_id(self.settings.shard_number, seq)
+
+    # -- lifecycle ------------------------------------------------------------
+
+    async def open(self) -> None:
+        await self._run(self._open_sync)
+
+    def _open_sync(self) -> None:
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA synchronous={self._synchronous}")
+        db.execute("PRAGMA foreign_keys=OFF")
+        self._db = db
+        self._in_tx(self._migrate)
+
+    def _migrate(self, db: sqlite3.Connection) -> None:
+        has_meta = db.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone()
+        version = 0
+        if has_meta:
+            meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
+            version = int(meta.get("schema_version", "0"))
+            owner = (meta.get("shard_name"), meta.get("shard_number"))
+            mine = (self.settings.shard_name, str(self.settings.shard_number))
+            if owner != mine:
+                raise StoreOwnedElsewhere(
+                    f"store {self.path} holds shard {owner[0]!r} (number {owner[1]}), "
+                    f"not {mine[0]!r} (number {mine[1]})"
+                )
+        for v in sorted(MIGRATIONS):
+            if v > version:
+                for statement in MIGRATIONS[v].split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+        db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        db.execute("INSERT OR IGNORE INTO meta VALUES ('shard_name', ?)", (self.settings.shard_name,))
+        db.execute("INSERT OR IGNORE INTO meta VALUES ('shard_number', ?)", (str(self.settings.shard_number),))
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._run(self._conn.close)
+            self._db = None
+        self._executor.shutdown(wait=True)
+
+    # -- reads ----------------------------------------------------------------
+
+    def _select(self, db: sqlite3.Connection, where: str, params: Iterable[Any] = ()) -> list[TaskRow]:
+        return [_row(r) for r in db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE {where}", tuple(params))]
+
+    def _select_seqs(self, db: sqlite3.Connection, seqs: list[int]) -> list[TaskRow]:
+        rows: list[TaskRow] = []
+        for chunk in _chunks(seqs):
+            rows.extend(self._select(db, f"seq IN ({_marks(len(chunk))})", chunk))
+        return rows
+
+    async def get(self, seq: int) -> TaskRow | None:
+        rows = await self._run(lambda: self._select(self._conn, "seq = ?", (seq,)))
+        return rows[0] if rows else None
+
+    async def get_by_key(self, key: str) -> TaskRow | None:
+        rows = await self._run(lambda: self._select(self._conn, "key = ?", (key,)))
+        return rows[0] if rows else None
+
+    async def get_many(self, seqs: list[int]) -> list[TaskRow]:
+        return await self._run(self._select_seqs, self._conn, seqs)
+
+    async def list_tasks(self, pools: list[str] | None, state: State | None, after_seq: int, limit: int) -> list[TaskRow]:
+        where, params = "seq > ?", [after_seq]
+        if pools is not None:
+            where += f" AND pool IN ({_marks(len(pools))})"
+            params += pools
+        if state is not None:
+            where += " AND state = ?"
+            params.append(int(state))
+        where += " ORDER BY seq LIMIT ?"
+        params.append(limit)
+        return await self._run(lambda: self._select(self._conn, where, params))
+
+    async def count_by_pool_and_state(self) -> dict[tuple[str, State], int]:
+        def count(db: sqlite3.Connection) -> dict[tuple[str, State], int]:
+            sql = "SELECT pool, state, COUNT(*) FROM tasks GROUP BY pool, state"
+            return {(p, State(s)): n for p, s, n in db.execute(sql)}
+
+        return await self._run(count, self._conn)
+
+    # -- submit ---------------------------------------------------------------
+
+    async def submit(self, tasks: list[NewTask], now: int) -> tuple[list[Submitted], Changes]:
+        return await self._tx(self._submit, tasks, now)
+
+    def _submit(self, db: sqlite3.Connection, tasks: list[NewTask], now: int) -> tuple[list[Submitted], Changes]:
+        out: list[Submitted] = []
+        changes: Changes = []
+        for task in tasks:
+            if task.key is not None:
+                existing = self._select(db, "key = ?", (task.key,))
+                if existing:
+                    out.append(Submitted(existing[0], True))
+                    continue
+            deps = self._resolve_deps(db, task, out)
+            state, error, blocked_on = State.PENDING, "", 0
+            finished_at = None
+            for dep_seq, dep_state in deps:
+                if dep_state == State.FAILED:
+                    state, error = State.FAILED, f"dependency {self._full_id(dep_seq)} failed"
+                elif dep_state == State.CANCELLED and state != State.FAILED:
+                    state, error = State.CANCELLED, f"dependency {self._full_id(dep_seq)} was cancelled"
+                elif dep_state != State.SUCCEEDED:
+                    blocked_on += 1
+            if state in TERMINAL:
+                finished_at = now
+            elif blocked_on:
+                state = State.BLOCKED
+            dep_list = [s for s, _ in deps]
+            cur = db.execute(
+                "INSERT INTO tasks (pool, key, payload, content_type, priority, run_at, max_attempts, depends_on,"
+                " resources, state, error, created_at, finished_at, blocked_on)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    task.pool,
+                    task.key,
+                    task.payload,
+                    task.content_type,
+                    task.priority,
+                    task.run_at if task.run_at is not None else now,
+                    task.max_attempts,
+                    json.dumps(dep_list) if dep_list else None,
+                    json.dumps(task.resources) if task.resources else None,
+                    int(state),
+                    error,
+                    now,
+                    finished_at,
+                    blocked_on,
+                ),
+            )
+            seq = cur.lastrowid
+            assert seq is not None
+            if dep_list:
+                db.executemany("INSERT OR IGNORE INTO deps VALUES (?, ?)", [(seq, d) for d in dep_list])
+            out.append(Submitted(self._select(db, "seq = ?", (seq,))[0], False))
+            changes.append((seq, state))
+        self._check_limits(db, tasks, out)
+        return out, changes
+
+    def _resolve_deps(self, db: sqlite3.Connection, task: NewTask, earlier: list[Submitted]) -> list[tuple[int, State]]:
+        found: dict[int, State] = {}
+        if task.dep_seqs:
+            rows = dict(db.execute(f"SELECT seq, state FROM tasks WHERE seq IN ({_marks(len(task.dep_seqs))})", task.dep_seqs))
+            for seq in task.dep_seqs:
+                if seq not in rows:
+                    raise not_found(f"depends_on: task {self._full_id(seq)} not found")
+                found[seq] = State(rows[seq])
+        for key in task.dep_keys:
+            row = db.execute("SELECT seq, state FROM tasks WHERE key = ?", (key,)).fetchone()
+            if row is None:
+                raise not_found(f"depends_on: no task with key {key!r}")
+            found[row[0]] = State(row[1])
+        for index in task.dep_batch:
+            dep = earlier[index].row
+            found[dep.seq] = dep.state
+        return list(found.items())
+
+    def _check_limits(self, db: sqlite3.Connection, tasks: list[NewTask], out: list[Submitted]) -> None:
+        s = self.settings
+        if s.max_pending_total is None and s.max_pending_per_pool is None:
+            return
+        created = [r.row.pool for r in out if not r.deduplicated]
+        if not created:
+            return
+        counts = dict(db.execute("SELECT pool, COUNT(*) FROM tasks WHERE state IN (1, 2) GROUP BY pool"))
+        total = sum(counts.values())
+        if s.max_pending_total is not None and total > s.max_pending_total:
+            raise ApiError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"limits.max_pending_total: admitting {len(created)} task(s) would make {total} pending "
+                f"(limit {s.max_pending_total}); nothing was admitted",
+            )
+        if s.max_pending_per_pool is not None:
+            for pool in sorted(set(created)):
+                if counts.get(pool, 0) > s.max_pending_per_pool:
+                    raise ApiError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"limits.max_pending_per_pool: pool {pool!r} would have {counts[pool]} pending "
+                        f"(limit {s.max_pending_per_pool}); nothing was admitted",
+                    )
+
+    # -- leases ---------------------------------------------------------------
+
+    async def lease(self, worker_id: str, pools: list[str], limit: int, now: int) -> tuple[list[TaskRow], int | None]:
+        return await self._tx(self._lease, worker_id, pools, limit, now)
+
+    def _lease(
+        self, db: sqlite3.Connection, worker_id: str, pools: list[str], limit: int, now: int
+    ) -> tuple[list[TaskRow], int | None]:
+        ttl = self.settings.lease_ttl_us
+        expiry = "CASE pool " + " ".join("WHEN ? THEN ?" for _ in pools) + " END"
+        expiry_params: list[Any] = []
+        for p in pools:
+            expiry_params += [p, now + ttl[p]]
+        sql = (
+            f"UPDATE tasks SET state = 3, attempt = attempt + 1, worker_id = ?, started_at = ?,"
+            f" lease_expires_at = {expiry}"
+            f" WHERE seq IN (SELECT seq FROM tasks WHERE state = 1 AND pool IN ({_marks(len(pools))})"
+            f" AND run_at <= ? ORDER BY priority DESC, run_at, seq LIMIT ?)"
+            f" RETURNING {TASK_COLUMNS}"
+        )
+        rows = [_row(r) for r in db.execute(sql, (worker_id, now, *expiry_params, *pools, now, limit))]
+        if rows:
+            rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
+            return rows, None
+        sql = f"SELECT MIN(run_at) FROM tasks WHERE state = 1 AND pool IN ({_marks(len(pools))})"
+        return [], db.execute(sql, pools).fetchone()[0]
+
+    async def heartbeat(self, worker_id: str, attempts: list[tuple[int, int]], now: int) -> tuple[list[int], list[int]]:
+        return await self._tx(self._heartbeat, worker_id, attempts, now)
+
+    def _heartbeat(
+        self, db: sqlite3.Connection, worker_id: str, attempts: list[tuple[int, int]], now: int
+    ) -> tuple[list[int], list[int]]:
+        db.execute("UPDATE workers SET last_seen_at = ? WHERE id = ?", (now, worker_id))
+        current: dict[int, tuple[Any, ...]] = {}
+        seqs = [s for s, _ in attempts]
+        for chunk in _chunks(seqs):
+            sql = f"SELECT seq, state, attempt, worker_id, cancel_requested, pool FROM tasks WHERE seq IN ({_marks(len(chunk))})"
+            for r in db.execute(sql, chunk):
+                current[r[0]] = r
+        cancelled, lost, extend = [], [], []
+        for seq, attempt in attempts:
+            r = current.get(seq)
+            if r is None or r[1] != State.RUNNING or r[2] != attempt or r[3] != worker_id:
+                lost.append(seq)
+                continue
+            extend.append((now + self.settings.lease_ttl_us[r[5]], seq))
+            if r[4]:
+                cancelled.append(seq)
+        db.executemany("UPDATE tasks SET lease_expires_at = ? WHERE seq = ?", extend)
+        return cancelled, lost
+
+    # -- outcomes -------------------------------------------------------------
+
+    async def finish(self, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:
+        return await self._tx(self._finish, outcomes, now)
+
+    def _finish(self, db: sqlite3.Connection, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:
+        current: dict[int, tuple[Any, ...]] = {}
+        for chunk in _chunks([o.seq for o in outcomes]):
+            sql = f"SELECT seq, state, attempt, pool, max_attempts, cancel_requested FROM tasks WHERE seq IN ({_marks(len(chunk))})"
+            for r in db.execute(sql, chunk):
+                current[r[0]] = r
+        results: list[OutcomeResult] = []
+        accepted: list[tuple[Outcome, tuple[Any, ...]]] = []
+        seen: set[int] = set()
+        for o in outcomes:
+            r = current.get(o.seq)
+            full = self._full_id(o.seq)
+            if r is None:
+                results.append(OutcomeResult(o.seq, False, "NOT_FOUND", f"task {full} not found"))
+            elif r[1] != State.RUNNING or r[2] != o.attempt or o.seq in seen:
+                results.append(
+                    OutcomeResult(
+                        o.seq,
+                        False,
+                        "FAILED_PRECONDITION",
+                        f"task {full} attempt {o.attempt} is no longer current "
+                        f"(state {State(r[1]).name}, attempt {r[2]}): outcome refused",
+                    )
+                )
+            else:
+                seen.add(o.seq)
+                results.append(OutcomeResult(o.seq, True))
+                accepted.append((o, r))
+        changes = self._apply_outcomes(db, accepted, now)
+        return results, changes
+
+    def _apply_outcomes(self, db: sqlite3.Connection, accepted: list[tuple[Outcome, tuple[Any, ...]]], now: int) -> Changes:
+        """Ends or retries RUNNING tasks; r is (seq, state, attempt, pool, max_attempts, cancel_requested)."""
+        terminal: list[tuple[Any, ...]] = []
+        retries: list[tuple[Any, ...]] = []
+        changes: Changes = []
+        succeeded: list[int] = []
+        failed: list[int] = []
+        cancelled: list[int] = []
+        for o, r in accepted:
+            seq, attempt, pool, max_attempts, cancel_requested = r[0], r[2], r[3], r[4], r[5]
+            if o.kind is OutcomeKind.CANCELLED or cancel_requested:
+                state, error = State.CANCELLED, o.error or "cancelled"
+                cancelled.append(seq)
+            elif o.kind is OutcomeKind.SUCCESS:
+                state, error = State.SUCCEEDED, ""
+                succeeded.append(seq)
+            elif o.retryable and attempt < max_attempts:
+                run_at = self.settings.retry_at(pool, attempt, now, o.retry_after_ms)
+                retries.append((run_at, o.error, seq))
+                changes.append((seq, State.PENDING))
+                continue
+            else:
+                state, error = State.FAILED, o.error
+                failed.append(seq)
+            terminal.append((int(state), o.result or None, o.result_content_type, error, now, seq))
+            changes.append((seq, state))
+        db.executemany(
+            "UPDATE tasks SET state = ?, result = ?, result_content_type = ?, error = ?, finished_at = ?,"
+            " lease_expires_at = NULL WHERE seq = ?",
+            terminal,
+        )
+        db.executemany(
+            "UPDATE tasks SET state = 1, run_at = ?, error = ?, worker_id = NULL, lease_expires_at = NULL WHERE seq = ?",
+            retries,
+        )
+        changes += self._unblock_dependents(db, succeeded)
+        changes += self._end_dependents(db, failed, State.FAILED, now)
+        changes += self._end_dependents(db, cancelled, State.CANCELLED, now)
+        return changes
+
+    def _unblock_dependents(self, db: sqlite3.Connection, succeeded: list[int]) -> Changes:
+        changes: Changes = []
+        for chunk in _chunks(succeeded):
+            marks = _marks(len(chunk))
+            dependents = [
+                r[0]
+                for r in db.execute(
+                    f"SELECT d.task_seq, COUNT(*) FROM deps d JOIN tasks t ON t.seq = d.task_seq"
+                    f" WHERE d.dep_seq IN ({marks}) AND t.state = 2 GROUP BY d.task_seq",
+                    chunk,
+                )
+            ]
+            if not dependents:
+                continue
+            db.executemany(
+                f"UPDATE tasks SET blocked_on = blocked_on - (SELECT COUNT(*) FROM deps WHERE task_seq = ? AND dep_seq IN ({marks}))"
+                " WHERE seq = ?",
+                [(d, *chunk, d) for d in dependents],
+            )
+            for part in _chunks(dependents):
+                sql = f"UPDATE tasks SET state = 1 WHERE state = 2 AND blocked_on <= 0 AND seq IN ({_marks(len(part))}) RETURNING seq"
+                changes += [(r[0], State.PENDING) for r in db.execute(sql, part)]
+        return changes
+
+    def _end_dependents(self, db: sqlite3.Connection, ended: list[int], state: State, now: int) -> Changes:
+        """Fails (or cancels) BLOCKED dependents of ended tasks, transitively."""
+        changes: Changes = []
+        verb = "failed" if state == State.FAILED else "was cancelled"
+        frontier = ended
+        while frontier:
+            nxt: list[int] = []
+            for chunk in _chunks(frontier):
+                rows = db.execute(
+                    f"SELECT d.task_seq, MIN(d.dep_seq) FROM deps d JOIN tasks t ON t.seq = d.task_seq"
+                    f" WHERE d.dep_seq IN ({_marks(len(chunk))}) AND t.state = 2 GROUP BY d.task_seq",
+                    chunk,
+                ).fetchall()
+                db.executemany(
+                    "UPDATE tasks SET state = ?, error = ?, finished_at = ? WHERE seq = ? AND state = 2",
+                    [(int(state), f"dependency {self._full_id(dep)} {verb}", now, seq) for seq, dep in rows],
+                )
+                nxt += [seq for seq, _ in rows]
+            changes += [(seq, state) for seq in nxt]
+            frontier = nxt
+        return changes
+
+    async def expire_leases(self, now: int) -> Changes:
+        return await self._tx(self._expire_leases, now)
+
+    def _expire_leases(self, db: sqlite3.Connection, now: int) -> Changes:
+        sql = "SELECT seq, state, attempt, pool, max_attempts, cancel_requested FROM tasks WHERE state = 3 AND lease_expires_at < ?"
+        expired = [
+            (Outcome(r[0], r[2], OutcomeKind.FAILURE, error="lease expired", retryable=True), r)
+            for r in db.execute(sql, (now,))
+        ]
+        return self._apply_outcomes(db, expired, now) if expired else []
+
+    async def cancel(self, seq: int, now: int) -> tuple[TaskRow | None, Changes]:
+        return await self._tx(self._cancel, seq, now)
+
+    def _cancel(self, db: sqlite3.Connection, seq: int, now: int) -> tuple[TaskRow | None, Changes]:
+        rows = self._select(db, "seq = ?", (seq,))
+        if not rows:
+            return None, []
+        row = rows[0]
+        changes: Changes = []
+        if row.state in (State.PENDING, State.BLOCKED):
+            db.execute("UPDATE tasks SET state = 6, error = 'cancelled', finished_at = ? WHERE seq = ?", (now, seq))
+            changes = [(seq, State.CANCELLED)] + self._end_dependents(db, [seq], State.CANCELLED, now)
+        elif row.state == State.RUNNING and not row.cancel_requested:
+            db.execute("UPDATE tasks SET cancel_requested = 1 WHERE seq = ?", (seq,))
+            changes = [(seq, State.RUNNING)]
+        if changes:
+            row = self._select(db, "seq = ?", (seq,))[0]
+        return row, changes
+
+    async def purge(self, now: int) -> int:
+        return await self._tx(self._purge, now)
+
+    def _purge(self, db: sqlite3.Connection, now: int) -> int:
+        purged = 0
+        for pool, retention in self.settings.retention_us.items():
+            cond = "pool = ? AND state IN (4, 5, 6) AND finished_at < ?"
+            params = (pool, now - retention)
+            db.execute(f"DELETE FROM deps WHERE task_seq IN (SELECT seq FROM tasks WHERE {cond})", params)
+            purged += db.execute(f"DELETE FROM tasks WHERE {cond}", params).rowcount
+        return purged
+
+    # -- workers --------------------------------------------------------------
+
+    async def register_worker(self, worker: WorkerRow) -> None:
+        def insert(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT OR REPLACE INTO workers VALUES (?,?,?,?,?,?,?)",
+                (
+                    worker.id,
+                    worker.name,
+                    json.dumps(worker.pools),
+                    worker.concurrency,
+                    json.dumps(worker.labels),
+                    worker.registered_at,
+                    worker.last_seen_at,
+                ),
+            )
+
+        await self._tx(insert)
+
+    async def deregister_worker(self, worker_id: str) -> None:
+        await self._tx(lambda db: db.execute("DELETE FROM workers WHERE id = ?", (worker_id,)))
+
+    async def get_worker(self, worker_id: str) -> WorkerRow | None:
+        def get(db: sqlite3.Connection) -> WorkerRow | None:
+            r = db.execute("SELECT * FROM workers WHERE id = ?", (worker_id,)).fetchone()
+            return _worker(r) if r else None
+
+        return await self._run(get, self._conn)
+
+    async def list_workers(self) -> list[WorkerRow]:
+        return await self._run(lambda: [_worker(r) for r in self._conn.execute("SELECT * FROM workers ORDER BY id")])
