@@ -28,6 +28,8 @@ from ..node import Node
 
 log = logging.getLogger("cronoq.http")
 JSON_CONTENT_TYPE = "application/json"
+INT32_MAX = (1 << 31) - 1
+UINT32_MAX = (1 << 32) - 1
 
 
 def _error_response(err: ApiError) -> web.Response:
@@ -80,7 +82,13 @@ def _parse(body: Any, message: Message, where: str = "") -> Any:
 
 
 async def _body(request: web.Request) -> Any:
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise invalid(
+            f"body: larger than the {request.client_max_size} bytes this server reads "
+            f"(content-length {request.content_length}); payloads are capped by limits.max_payload_bytes"
+        ) from None
     if not raw:
         return {}
     try:
@@ -92,6 +100,8 @@ async def _body(request: web.Request) -> Any:
 def _ref(request: web.Request) -> task_pb2.TaskRef:
     if "id" in request.match_info:
         text = request.match_info["id"]
+        if not text.isascii():  # str.isdigit() accepts digits such as '١' and '²'
+            raise invalid(f"id: task id {text!r} is not a positive unsigned 64-bit decimal integer")
         try:
             return task_pb2.TaskRef(id=parse_task_id(text))
         except ValueError as err:
@@ -99,12 +109,14 @@ def _ref(request: web.Request) -> task_pb2.TaskRef:
     return task_pb2.TaskRef(key=request.match_info["key"])
 
 
-def _query_int(request: web.Request, name: str) -> int:
+def _query_int(request: web.Request, name: str, maximum: int) -> int:
     text = request.query.get(name, "")
     if not text:
         return 0
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):
         raise invalid(f"{name}: {text!r} is not a non-negative integer")
+    if int(text) > maximum:
+        raise invalid(f"{name}: {text} is more than {maximum}")
     return int(text)
 
 
@@ -141,7 +153,7 @@ async def _get_task(r: web.Request) -> Message:
 
 
 async def _wait_task(r: web.Request) -> Message:
-    return task_pb.WaitTaskRequest(task=_ref(r), timeout_ms=_query_int(r, "timeout_ms"))
+    return task_pb.WaitTaskRequest(task=_ref(r), timeout_ms=_query_int(r, "timeout_ms", UINT32_MAX))
 
 
 async def _cancel_task(r: web.Request) -> Message:
@@ -152,7 +164,7 @@ async def _list_tasks(r: web.Request) -> Message:
     return task_pb.ListTasksRequest(
         pool=r.query.get("pool", ""),
         state=_state(r.query.get("state", "")),  # type: ignore[arg-type]
-        page_size=_query_int(r, "page_size"),
+        page_size=_query_int(r, "page_size", INT32_MAX),
         page_token=r.query.get("page_token", ""),
     )
 

@@ -182,9 +182,11 @@ class Tasks:
         size = min(req.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
         after = 0
         if req.page_token:
-            if not req.page_token.isdigit():
+            if not (req.page_token.isascii() and req.page_token.isdigit()):
                 raise invalid(f"page_token: {req.page_token!r} is not a token this server issued")
             after = seq_of(int(req.page_token))
+        if req.state and req.state not in State.__members__.values():
+            raise invalid(f"state: unknown state {req.state}")
         state = State(req.state) if req.state else None
         rows = await self._store.list_tasks(pools, state, after, size + 1)
         more = len(rows) > size

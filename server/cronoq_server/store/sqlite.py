@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
 import grpc
@@ -79,7 +81,26 @@ MIGRATIONS: dict[int, str] = {
     """,
 }
 
+MAX_GROUP = 256  # writes committed together at most
 MAX_VARS = 900  # well under SQLite's bound on host parameters per statement
+
+
+@dataclass(slots=True)
+class _Op:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    write: bool
+    fut: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+
+def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if fut.cancelled():
+        return
+    if ok:
+        fut.set_result(value)
+    else:
+        fut.set_exception(value)
 
 
 def _chunks(items: list[T], size: int = MAX_VARS) -> Iterable[list[T]]:
@@ -130,27 +151,74 @@ class SqliteStore:
         self.path = path
         self.settings = settings
         self._synchronous = synchronous.upper()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="cronoq-sqlite")
         self._db: sqlite3.Connection | None = None
+        self._ops: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
     # -- plumbing -------------------------------------------------------------
+    #
+    # One thread owns the connection. Writes queued while it works are committed
+    # together (group commit): each runs inside its own SAVEPOINT, so one that fails
+    # rolls back alone, and every caller hears back only after the shared COMMIT.
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await self._submit_op(fn, args, False)
 
     async def _tx(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self._run(self._in_tx, fn, *args)
+        return await self._submit_op(fn, args, True)
 
-    def _in_tx(self, fn: Callable[..., T], *args: Any) -> T:
+    def _submit_op(self, fn: Callable[..., T], args: tuple[Any, ...], write: bool) -> asyncio.Future[T]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._ops.put(_Op(fn, args, write, fut, loop))
+        return fut
+
+    def _serve_ops(self) -> None:
+        while True:
+            op = self._ops.get()
+            if op is None:
+                return
+            batch = [op]
+            while len(batch) < MAX_GROUP:
+                try:
+                    nxt = self._ops.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._ops.put(None)
+                    break
+                batch.append(nxt)
+            self._run_batch(batch)
+
+    def _run_batch(self, batch: list[_Op]) -> None:
         db = self._conn
-        db.execute("BEGIN IMMEDIATE")
+        done: list[tuple[_Op, bool, Any]] = []
+        writes = [op for op in batch if op.write]
         try:
-            result = fn(db, *args)
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
-        return result
+            if writes:
+                db.execute("BEGIN IMMEDIATE")
+                for op in writes:
+                    db.execute("SAVEPOINT op")
+                    try:
+                        done.append((op, True, op.fn(db, *op.args)))
+                        db.execute("RELEASE op")
+                    except Exception as err:  # noqa: BLE001 - handed to the caller
+                        db.execute("ROLLBACK TO op")
+                        db.execute("RELEASE op")
+                        done.append((op, False, err))
+                db.execute("COMMIT")
+        except Exception as err:  # noqa: BLE001 - the commit itself failed: every write fails
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            done = [(op, False, err) for op in writes]
+        for op in batch:
+            if not op.write:
+                try:
+                    done.append((op, True, op.fn(*op.args)))
+                except Exception as err:  # noqa: BLE001
+                    done.append((op, False, err))
+        for op, ok, value in done:
+            op.loop.call_soon_threadsafe(_settle, op.fut, ok, value)
 
     @property
     def _conn(self) -> sqlite3.Connection:
@@ -163,15 +231,13 @@ class SqliteStore:
     # -- lifecycle ------------------------------------------------------------
 
     async def open(self) -> None:
-        await self._run(self._open_sync)
-
-    def _open_sync(self) -> None:
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute(f"PRAGMA synchronous={self._synchronous}")
-        db.execute("PRAGMA foreign_keys=OFF")
         self._db = db
-        self._in_tx(self._migrate)
+        self._thread = threading.Thread(target=self._serve_ops, name="cronoq-sqlite", daemon=True)
+        self._thread.start()
+        await self._tx(self._migrate)
 
     def _migrate(self, db: sqlite3.Connection) -> None:
         has_meta = db.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone()
@@ -196,10 +262,13 @@ class SqliteStore:
         db.execute("INSERT OR IGNORE INTO meta VALUES ('shard_number', ?)", (str(self.settings.shard_number),))
 
     async def close(self) -> None:
+        if self._thread is not None:
+            self._ops.put(None)
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            self._thread = None
         if self._db is not None:
-            await self._run(self._conn.close)
+            self._db.close()
             self._db = None
-        self._executor.shutdown(wait=True)
 
     # -- reads ----------------------------------------------------------------
 

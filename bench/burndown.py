@@ -1,0 +1,89 @@
+"""Burn-down: N no-op tasks submitted in batches, then drained by one worker process.
+
+    python bench/burndown.py [--tasks 20000] [--concurrency 64] [--batch 500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import cronoq  # noqa: E402
+from _servers import BenchServer  # noqa: E402
+
+
+def run_worker(endpoint: str, concurrency: int, total: int, ready: mp.Event, done_at: mp.Value) -> None:  # type: ignore[type-arg]
+    async def main() -> None:
+        count = 0
+
+        async def noop(task: cronoq.TaskContext) -> None:
+            nonlocal count
+            count += 1
+            if count >= total:
+                done_at.value = time.time()
+                worker.stop()
+
+        worker = cronoq.Worker(endpoint, "default", noop, concurrency=concurrency, poll_wait=1.0)
+        ready.set()
+        await worker.run()
+
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
+
+
+async def submit_all(endpoint: str, total: int, batch: int) -> float:
+    started = time.perf_counter()
+    async with cronoq.Client(endpoint) as client:
+        for i in range(0, total, batch):
+            n = min(batch, total - i)
+            await client.submit_batch([cronoq.task_spec("default", b"") for _ in range(n)])
+            print(f"\rsubmitted {i + n}/{total}", end="", file=sys.stderr)
+    print(file=sys.stderr)
+    return time.perf_counter() - started
+
+
+async def wait_all_done(endpoint: str, total: int) -> int:
+    async with cronoq.Client(endpoint) as client:
+        n = 0
+        async for _ in client.iter_tasks(state=cronoq.TaskState.Value("TASK_STATE_SUCCEEDED"), page_size=1000):
+            n += 1
+        return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tasks", type=int, default=20_000)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=500)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        server = BenchServer(Path(tmp))
+        try:
+            submit_s = asyncio.run(submit_all(server.endpoint, args.tasks, args.batch))
+            ready, done_at = mp.Event(), mp.Value("d", 0.0)
+            proc = mp.Process(target=run_worker, args=(server.endpoint, args.concurrency, args.tasks, ready, done_at))
+            started = time.time()
+            proc.start()
+            proc.join(600)
+            drain_s = done_at.value - started
+            succeeded = asyncio.run(wait_all_done(server.endpoint, args.tasks))
+        finally:
+            server.stop()
+    print(f"sqlite burn-down: submitted {args.tasks} in {submit_s:.2f}s ({args.tasks / submit_s:,.0f} tasks/s, batches of {args.batch})")
+    print(f"sqlite burn-down: drained {args.tasks} in {drain_s:.2f}s = {args.tasks / drain_s:,.0f} tasks/s "
+          f"(one worker process, concurrency {args.concurrency}, includes worker start); succeeded={succeeded}")
+
+
+if __name__ == "__main__":
+    main()

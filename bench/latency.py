@@ -1,0 +1,109 @@
+"""Submit→start latency at a fixed rate below saturation: one client submits single
+tasks at --rate per second; one worker process records when each handler starts.
+
+    python bench/latency.py [--rate 1000] [--seconds 5] [--concurrency 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import cronoq  # noqa: E402
+from _servers import BenchServer  # noqa: E402
+
+
+def run_worker(endpoint: str, concurrency: int, total: int, ready: mp.Event, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    async def main() -> None:
+        latencies: list[float] = []
+
+        async def record(task: cronoq.TaskContext) -> None:
+            latencies.append(time.time() - task.payload["t"])
+            if len(latencies) >= total:
+                worker.stop()
+
+        worker = cronoq.Worker(endpoint, "default", record, concurrency=concurrency, poll_wait=1.0)
+        ready.set()
+        await worker.run()
+        out.put(latencies)
+
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
+
+
+async def submit_at_rate(endpoint: str, rate: int, seconds: float) -> tuple[int, float]:
+    total = int(rate * seconds)
+    async with cronoq.Client(endpoint) as client:
+        await client.submit("default", {"t": time.time()})  # warm the channel
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        pending: set[asyncio.Task[object]] = set()
+        for i in range(total):
+            delay = start + i / rate - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            t = asyncio.create_task(client.submit("default", {"t": time.time()}))
+            pending.add(t)
+            t.add_done_callback(pending.discard)
+            if i % rate == 0:
+                print(f"\rsubmitted {i}/{total}", end="", file=sys.stderr)
+        await asyncio.gather(*pending)
+        achieved = total / (loop.time() - start)
+    print(file=sys.stderr)
+    return total + 1, achieved
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(len(ordered) * p / 100), len(ordered) - 1)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rate", type=int, default=1000)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--json", action="store_true", help="print one JSON line")
+    args = ap.parse_args()
+    total = int(args.rate * args.seconds) + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        server = BenchServer(Path(tmp))
+        try:
+            ready, out = mp.Event(), mp.Queue()
+            proc = mp.Process(target=run_worker, args=(server.endpoint, args.concurrency, total, ready, out))
+            proc.start()
+            ready.wait(30)
+            time.sleep(1.0)  # the worker registers and starts its long poll
+            _, achieved = asyncio.run(submit_at_rate(server.endpoint, args.rate, args.seconds))
+            latencies = out.get(timeout=120)
+            proc.join(30)
+        finally:
+            server.stop()
+    ms = [x * 1000 for x in latencies]
+    result = {
+        "store": "sqlite", "rate": args.rate, "achieved_rate": round(achieved), "tasks": len(ms),
+        "p50_ms": round(percentile(ms, 50), 2), "p90_ms": round(percentile(ms, 90), 2),
+        "p99_ms": round(percentile(ms, 99), 2), "max_ms": round(max(ms), 2), "mean_ms": round(statistics.mean(ms), 2),
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"sqlite submit→start at {args.rate}/s (achieved {achieved:,.0f}/s, {len(ms)} tasks): "
+              f"p50 {result['p50_ms']} ms, p90 {result['p90_ms']} ms, p99 {result['p99_ms']} ms, max {result['max_ms']} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The demo: an embedded cronoq server on SQLite, a worker in its own process, and
+tasks flowing through them. Run it with `./dev demo`."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import cronoq
+
+HERE = Path(__file__).parent
+STATE = {v: k.removeprefix("TASK_STATE_") for k, v in cronoq.TaskState.items()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(workdir: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+    grpc_port, http_port = free_port(), free_port()
+    config = workdir / "cronoq.toml"
+    config.write_text(
+        f'[server]\nlisten = "127.0.0.1:{grpc_port}"\nhttp_listen = "127.0.0.1:{http_port}"\n'
+        '[[pools]]\nname = "default"\nretry_backoff = "200ms"\n'
+    )
+    print(f"$ cronoq-server --config {config}   (SQLite at {workdir}/cronoq.db)")
+    proc = subprocess.Popen([sys.executable, "-m", "cronoq_server.main", "--config", str(config)], cwd=workdir)
+    http = f"http://127.0.0.1:{http_port}"
+    for _ in range(200):
+        try:
+            with urllib.request.urlopen(f"{http}/readyz", timeout=1):
+                break
+        except OSError:
+            time.sleep(0.05)
+    return proc, f"http://127.0.0.1:{grpc_port}", http
+
+
+async def submit_and_watch(endpoint: str) -> list[cronoq.Task]:
+    async with cronoq.Client(endpoint) as client:
+        first = await client.submit("default", {"kind": "hello", "to": "world"}, key="greeting-1")
+        again = await client.submit("default", {"kind": "hello", "to": "someone else"}, key="greeting-1")
+        print(f"submitted task {first.task.id} with key greeting-1; "
+              f"the same key again -> task {again.task.id}, deduplicated={again.deduplicated}")
+        batch = await client.submit_batch([
+            cronoq.task_spec("default", {"kind": "extract", "file": "a.csv"}, key="extract"),
+            cronoq.task_spec("default", {"kind": "load"}, key="load", depends_on=["extract"]),
+        ])
+        print(f"batch: extract={batch.tasks[0].id}, load={batch.tasks[1].id} "
+              f"(load is {STATE[batch.tasks[1].state]} until extract succeeds)")
+        flaky = await client.submit("default", {"kind": "flaky"}, key="flaky", max_attempts=5)
+        broken = await client.submit("default", {"kind": "broken"}, key="broken")
+        urgent = await client.submit("default", {"kind": "urgent"}, priority=10)
+        print(f"a flaky task {flaky.task.id} (fails twice, then succeeds), a broken one {broken.task.id}, "
+              f"an urgent one {urgent.task.id} (priority 10)")
+        ids = [first.task.id, *(t.id for t in batch.tasks), flaky.task.id, broken.task.id, urgent.task.id]
+        return [(await client.wait(i, timeout=30)).task for i in ids]
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory(prefix="cronoq-demo-") as tmp:
+        server, endpoint, http = start_server(Path(tmp))
+        print(f"server ready: gRPC {endpoint}, HTTP {http}")
+        worker = subprocess.Popen([sys.executable, str(HERE / "demo_worker.py"), endpoint])
+        try:
+            tasks = asyncio.run(submit_and_watch(endpoint))
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(30)
+        print(f"\n{'id':>4}  {'key':<11} {'state':<10} {'attempts':>8}  result / error")
+        for t in tasks:
+            outcome = cronoq.result_of(t) if t.state == cronoq.TaskState.Value("TASK_STATE_SUCCEEDED") else t.error
+            print(f"{t.id:>4}  {t.key or '-':<11} {STATE[t.state]:<10} {t.attempt:>8}  {outcome}")
+        with urllib.request.urlopen(f"{http}/metrics") as r:
+            finished = [ln for ln in r.read().decode().splitlines() if ln.startswith("cronoq_tasks_finished_total")]
+        print("\nfrom /metrics:", "; ".join(finished))
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+        expected = {"greeting-1": "SUCCEEDED", "extract": "SUCCEEDED", "load": "SUCCEEDED",
+                    "flaky": "SUCCEEDED", "broken": "FAILED"}
+        wrong = [t.key for t in tasks if t.key in expected and STATE[t.state] != expected[t.key]]
+        if wrong:
+            sys.exit(f"demo: unexpected outcome for {wrong}")
+        print("\ndemo finished: every task ended as expected")
+
+
+if __name__ == "__main__":
+    main()

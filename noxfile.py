@@ -1,0 +1,101 @@
+"""Every job of the repository is a nox session: demo, tests, proto, lint, bench.
+
+Run them through ./dev (which installs nox itself), e.g. `./dev demo`, `./dev tests`.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests"]
+
+ROOT = Path(__file__).parent
+PROTO_FILES = sorted(str(p.relative_to(ROOT / "proto")) for p in (ROOT / "proto").rglob("*.proto"))
+PY_GENERATED = ROOT / "sdk-python" / "cronoq" / "v1"
+# Pinned so that generated code is reproducible byte for byte.
+PROTO_TOOLS = ["grpcio-tools==1.85.1", "mypy-protobuf==5.1.0"]
+PACKAGES = ["-e", "sdk-python", "-e", "server"]
+TEST_DEPS = ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout>=2.3", "pytest-xdist>=3.5"]
+
+
+def _generate_python(session: nox.Session, out: Path) -> None:
+    session.run(
+        "python", "-m", "grpc_tools.protoc", "-I", "proto",
+        f"--python_out={out}", f"--grpc_python_out={out}", f"--mypy_out=quiet:{out}", f"--mypy_grpc_out=quiet:{out}",
+        *PROTO_FILES, silent=True,
+    )
+    (out / "cronoq" / "v1" / "__init__.py").write_text('"""Generated from proto/cronoq/v1 by `nox -s proto`; do not edit."""\n')
+
+
+def _buf(session: nox.Session, *args: str) -> None:
+    if not (ROOT / "node_modules" / ".bin" / "buf").exists():
+        session.run("npm", "ci", "--no-audit", "--no-fund", external=True)
+    session.run(str(ROOT / "node_modules" / ".bin" / "buf"), *args, external=True)
+
+
+@nox.session
+def proto(session: nox.Session) -> None:
+    """Lints the protos (buf) and regenerates the committed Python code (clean: stale files go)."""
+    session.install(*PROTO_TOOLS)
+    _buf(session, "lint")
+    with tempfile.TemporaryDirectory() as tmp:
+        _generate_python(session, Path(tmp))
+        shutil.rmtree(PY_GENERATED, ignore_errors=True)
+        shutil.copytree(Path(tmp) / "cronoq" / "v1", PY_GENERATED)
+    session.log(f"generated {PY_GENERATED.relative_to(ROOT)}")
+
+
+def check_generated(session: nox.Session) -> None:
+    """Fails when regenerating the protos would change the committed code."""
+    session.install(*PROTO_TOOLS)
+    _buf(session, "lint")
+    with tempfile.TemporaryDirectory() as tmp:
+        _generate_python(session, Path(tmp))
+        cmp = filecmp.dircmp(Path(tmp) / "cronoq" / "v1", PY_GENERATED, ignore=["__pycache__"])
+        stale = cmp.left_only + cmp.right_only + cmp.diff_files
+        if stale:
+            session.error(f"generated code is stale ({', '.join(sorted(stale))}): run `./dev proto` and commit")
+    session.log("generated code is up to date; buf lint passed")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Every test: generated-code check, buf lint, unit, store and integration tests."""
+    session.install(*PACKAGES, *TEST_DEPS)
+    check_generated(session)
+    args = session.posargs or ["-n", "2", "--dist", "loadfile"]
+    session.run("pytest", *args, env={"PYTHONDONTWRITEBYTECODE": "1"})
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff and mypy."""
+    session.install(*PACKAGES, "ruff>=0.6", "mypy>=1.10", "types-protobuf", "grpc-stubs", *TEST_DEPS)
+    session.run("ruff", "check", "server", "sdk-python", "tests", "bench", "noxfile.py")
+    session.run("mypy", "server/cronoq_server", "sdk-python/cronoq")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: an embedded server on SQLite, a worker, tasks flowing."""
+    session.install(*PACKAGES)
+    session.run("python", "examples/demo.py", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks: burn-down and submit→start latency (never run as tests)."""
+    session.install(*PACKAGES, "py-spy")
+    session.run("python", "bench/run_all.py", *session.posargs, env={"PYTHONDONTWRITEBYTECODE": "1"})
+
+
+if os.environ.get("CI"):
+    nox.options.error_on_missing_interpreters = True

@@ -1,0 +1,183 @@
+"""The async Client: submit, submit_batch, get, wait, cancel, list.
+
+    async with Client("http://127.0.0.1:7070") as client:
+        sub = await client.submit("default", {"n": 1}, key="invoice-42")
+        done = await client.wait(sub.task.id, timeout=30)
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .jsonform import JSON_CONTENT_TYPE
+from ._transport import Endpoint, RetryConfig, TlsConfig, call_metadata, open_channel, with_retries
+from .v1 import task_pb2, task_service_pb2 as pb, task_service_pb2_grpc
+
+Task = task_pb2.Task
+TaskState = task_pb2.TaskState
+TERMINAL_STATES = frozenset(
+    {task_pb2.TASK_STATE_SUCCEEDED, task_pb2.TASK_STATE_FAILED, task_pb2.TASK_STATE_CANCELLED}
+)
+
+TaskRefLike = int | str
+
+
+def task_ref(ref: TaskRefLike) -> task_pb2.TaskRef:
+    """An int names a task id, a str a key."""
+    if isinstance(ref, bool) or not isinstance(ref, (int, str)):
+        raise TypeError(f"task reference must be an id (int) or a key (str), got {ref!r}")
+    return task_pb2.TaskRef(id=ref) if isinstance(ref, int) else task_pb2.TaskRef(key=ref)
+
+
+def encode_payload(payload: Any) -> tuple[bytes, str]:
+    """bytes stay as they are; anything else is stored as JSON."""
+    if payload is None:
+        return b"", ""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return bytes(payload), ""
+    return json.dumps(payload, separators=(",", ":")).encode(), JSON_CONTENT_TYPE
+
+
+def decode(data: bytes, content_type: str) -> Any:
+    return json.loads(data or b"null") if content_type == JSON_CONTENT_TYPE else data
+
+
+def payload_of(task: Task) -> Any:
+    """The task's payload: the JSON value for JSON payloads, else bytes."""
+    return decode(task.payload, task.content_type)
+
+
+def result_of(task: Task) -> Any:
+    """The task's result: the JSON value for JSON results, else bytes."""
+    return decode(task.result, task.result_content_type)
+
+
+def task_spec(
+    pool: str,
+    payload: Any = None,
+    *,
+    key: str | None = None,
+    priority: int = 0,
+    run_at: dt.datetime | None = None,
+    delay: float | None = None,
+    max_attempts: int = 0,
+    depends_on: Sequence[TaskRefLike] = (),
+    resources: Mapping[str, int] | None = None,
+) -> pb.SubmitTaskRequest:
+    """One task to submit. payload: bytes, or any JSON value. delay: seconds from now."""
+    data, content_type = encode_payload(payload)
+    req = pb.SubmitTaskRequest(
+        pool=pool,
+        key=key or "",
+        payload=data,
+        content_type=content_type,
+        priority=priority,
+        max_attempts=max_attempts,
+        depends_on=[task_ref(r) for r in depends_on],
+        resources=dict(resources or {}),
+    )
+    if delay is not None:
+        run_at = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=delay)
+    if run_at is not None:
+        if run_at.tzinfo is None:
+            raise ValueError("run_at: give a timezone-aware datetime")
+        req.run_at.FromDatetime(run_at)
+    return req
+
+
+@dataclass(frozen=True)
+class Submitted:
+    task: Task
+    deduplicated: bool
+
+
+@dataclass(frozen=True)
+class WaitResult:
+    task: Task
+    done: bool
+
+
+class Client:
+    """Async client of one cronoq endpoint (any shard's server)."""
+
+    def __init__(
+        self,
+        endpoint: str = "http://127.0.0.1:7070",
+        *,
+        token: str | None = None,
+        tls: TlsConfig | None = None,
+        retry: RetryConfig = RetryConfig(),
+        timeout: float = 30.0,
+    ):
+        self.endpoint = Endpoint.parse(endpoint)
+        self._token = token
+        self._tls = tls
+        self._retry = retry
+        self._timeout = timeout
+        self._channel: Any = None
+        self._stub: task_service_pb2_grpc.TaskServiceStub | None = None
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+    @property
+    def stub(self) -> task_service_pb2_grpc.TaskServiceStub:
+        if self._stub is None:  # channels belong to the running loop: create them lazily
+            self._channel = open_channel(self.endpoint, self._tls)
+            self._stub = task_service_pb2_grpc.TaskServiceStub(self._channel)
+        return self._stub
+
+    async def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        rpc = getattr(self.stub, method)
+        md = call_metadata(self._token)
+        return await with_retries(lambda: rpc(request, metadata=md, timeout=timeout or self._timeout), self._retry, method)
+
+    async def submit(self, pool: str, payload: Any = None, **options: Any) -> Submitted:
+        """Submits one task (see task_spec for options); a known key returns the existing task."""
+        resp = await self._call("SubmitTask", task_spec(pool, payload, **options))
+        return Submitted(resp.task, resp.deduplicated)
+
+    async def submit_batch(self, specs: Sequence[pb.SubmitTaskRequest]) -> pb.SubmitBatchResponse:
+        """Admits every task or none; tasks may depend on the batch's own keys."""
+        return await self._call("SubmitBatch", pb.SubmitBatchRequest(tasks=list(specs)))
+
+    async def get(self, ref: TaskRefLike) -> Task:
+        return (await self._call("GetTask", pb.GetTaskRequest(task=task_ref(ref)))).task
+
+    async def wait(self, ref: TaskRefLike, timeout: float = 30.0) -> WaitResult:
+        """Blocks until the task is terminal or timeout seconds pass."""
+        req = pb.WaitTaskRequest(task=task_ref(ref), timeout_ms=max(int(timeout * 1000), 1))
+        resp = await self._call("WaitTask", req, timeout=timeout + self._timeout)
+        return WaitResult(resp.task, resp.done)
+
+    async def cancel(self, ref: TaskRefLike) -> Task:
+        return (await self._call("CancelTask", pb.CancelTaskRequest(task=task_ref(ref)))).task
+
+    async def list(
+        self, pool: str = "", state: int = 0, page_size: int = 100, page_token: str = ""
+    ) -> pb.ListTasksResponse:
+        """One page of tasks in id order; pass next_page_token for the next."""
+        req = pb.ListTasksRequest(pool=pool, state=state, page_size=page_size, page_token=page_token)  # type: ignore[arg-type]
+        return await self._call("ListTasks", req)
+
+    async def iter_tasks(self, pool: str = "", state: int = 0, page_size: int = 500) -> AsyncIterator[Task]:
+        token = ""
+        while True:
+            page = await self.list(pool, state, page_size, token)
+            for task in page.tasks:
+                yield task
+            token = page.next_page_token
+            if not token:
+                return

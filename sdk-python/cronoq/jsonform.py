@@ -1,0 +1,35 @@
+"""The JSON form of API messages: proto field names, ids as strings, and JSON
+payloads shown as `payload_json` (SPEC.md §6). The server's HTTP API uses it too."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+JSON_CONTENT_TYPE = "application/json"
+
+
+def task_dict(task: dict[str, Any]) -> dict[str, Any]:
+    """Replaces a JSON task payload (base64 in proto3 JSON) by its value, as payload_json."""
+    if task.get("content_type") == JSON_CONTENT_TYPE and "payload" in task:
+        try:
+            task["payload_json"] = json.loads(base64.b64decode(task["payload"]) or b"null")
+            del task["payload"]
+        except ValueError:
+            pass
+    return task
+
+
+def to_dict(msg: Message) -> dict[str, Any]:
+    out = json_format.MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    if "task" in out:
+        task_dict(out["task"])
+    for task in out.get("tasks", []):
+        task_dict(task)
+    if isinstance(out.get("event"), dict) and "task" in out["event"]:
+        task_dict(out["event"]["task"])
+    return out

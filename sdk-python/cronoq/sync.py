@@ -1,0 +1,50 @@
+"""SyncClient: the Client's calls for code that is not async."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from .client import Client, Submitted, Task, TaskRefLike, WaitResult
+from .v1 import task_service_pb2 as pb
+
+
+class SyncClient:
+    """Runs a Client on a private event loop; not for use inside a running loop."""
+
+    def __init__(self, endpoint: str = "http://127.0.0.1:7070", **options: Any):
+        self._loop = asyncio.new_event_loop()
+        self._client = Client(endpoint, **options)
+
+    def _run(self, coro: Any) -> Any:
+        return self._loop.run_until_complete(coro)
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._run(self._client.close())
+            self._loop.close()
+
+    def submit(self, pool: str, payload: Any = None, **options: Any) -> Submitted:
+        return self._run(self._client.submit(pool, payload, **options))
+
+    def submit_batch(self, specs: Sequence[pb.SubmitTaskRequest]) -> pb.SubmitBatchResponse:
+        return self._run(self._client.submit_batch(specs))
+
+    def get(self, ref: TaskRefLike) -> Task:
+        return self._run(self._client.get(ref))
+
+    def wait(self, ref: TaskRefLike, timeout: float = 30.0) -> WaitResult:
+        return self._run(self._client.wait(ref, timeout))
+
+    def cancel(self, ref: TaskRefLike) -> Task:
+        return self._run(self._client.cancel(ref))
+
+    def list(self, pool: str = "", state: int = 0, page_size: int = 100, page_token: str = "") -> pb.ListTasksResponse:
+        return self._run(self._client.list(pool, state, page_size, page_token))
