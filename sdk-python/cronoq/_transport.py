@@ -119,28 +119,27 @@ def _is_unavailable(err: BaseException) -> bool:
     return isinstance(err, Unavailable)
 
 
+async def _once(call: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return await call()
+    except grpc.aio.AioRpcError as err:
+        raise from_grpc_error(err) from None
+
+
 async def with_retries(call: Callable[[], Awaitable[T]], retry: RetryConfig, what: str) -> T:
     """Runs call, translating gRPC errors to the SDK tree and retrying UNAVAILABLE."""
-    stop = stop_never if retry.max_elapsed is None else stop_after_delay(retry.max_elapsed)
-
-    async def once() -> T:
-        try:
-            return await call()
-        except grpc.aio.AioRpcError as err:
-            raise from_grpc_error(err) from None
-
-    def before_sleep(state: object) -> None:
-        outcome = getattr(state, "outcome", None)
-        exc = outcome.exception() if outcome is not None else None
-        log.debug("%s: %s; retrying", what, exc)
-
+    try:
+        return await _once(call)  # the fast path: no retry machinery per call
+    except Unavailable as err:
+        if retry.max_elapsed is not None and retry.max_elapsed <= 0:
+            raise
+        log.debug("%s: %s; retrying", what, err)
     async for attempt in AsyncRetrying(
         retry=retry_if_exception(_is_unavailable),
-        wait=wait_exponential_jitter(initial=retry.initial_backoff, max=retry.max_backoff),
-        stop=stop,
+        wait=wait_exponential_jitter(multiplier=retry.initial_backoff, max=retry.max_backoff, jitter=retry.initial_backoff),
+        stop=stop_never if retry.max_elapsed is None else stop_after_delay(retry.max_elapsed),
         reraise=True,
-        before_sleep=before_sleep,
     ):
         with attempt:
-            return await once()
+            return await _once(call)
     raise CronoqError(f"{what}: gave up")  # unreachable: reraise=True

@@ -218,22 +218,26 @@ def _batch_order(tasks: list[NewTask]) -> list[int]:
             if t.key in key_index:
                 raise invalid(f"tasks[{i}].key: {t.key!r} already names tasks[{key_index[t.key]}] of this batch")
             key_index[t.key] = i
+    edges = [[key_index[k] for k in t.dep_keys if k in key_index] for t in tasks]
     order: list[int] = []
-    state = [0] * len(tasks)  # 0 new, 1 visiting, 2 done
-
-    def visit(i: int, path: list[int]) -> None:
-        if state[i] == 2:
-            return
-        if state[i] == 1:
-            cycle = path[path.index(i) :] + [i]
-            raise invalid("depends_on: dependency cycle in batch: " + " -> ".join(repr(tasks[j].key) for j in cycle))
-        state[i] = 1
-        for k in tasks[i].dep_keys:
-            if k in key_index:
-                visit(key_index[k], path + [i])
-        state[i] = 2
-        order.append(i)
-
-    for i in range(len(tasks)):
-        visit(i, [])
+    state = [0] * len(tasks)  # 0 new, 1 on the path, 2 placed
+    for root in range(len(tasks)):
+        if state[root]:
+            continue
+        path, stack = [root], [iter(edges[root])]
+        state[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                stack.pop()
+                done = path.pop()
+                state[done] = 2
+                order.append(done)
+            elif state[nxt] == 1:
+                cycle = path[path.index(nxt) :] + [nxt]
+                raise invalid("depends_on: dependency cycle in batch: " + " -> ".join(repr(tasks[j].key) for j in cycle))
+            elif state[nxt] == 0:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(edges[nxt]))
     return order

@@ -1,0 +1,399 @@
+"""The config file and the server command (SPEC.md §3).
+
+A bad file is refused at start with exit code 2 and exactly one line on stderr that
+names the file, the key and what is wrong. Each bad file runs as a real
+`python -m cronoq_server.main --config FILE [--shard NAME]`; the processes run a few
+at a time (one module fixture), each case checks its own outcome.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import json
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from cronoq.v1 import admin_service_pb2, admin_service_pb2_grpc
+
+LOOPBACK = '[server]\nlisten = "127.0.0.1:0"\nhttp_listen = "127.0.0.1:0"\n'
+POOL = '[[pools]]\nname = "default"\n'
+UNSHARDED = LOOPBACK + POOL
+SHARD_STORE = '[store]\npath = "cronoq-{shard}.db"\n'
+TWO_POOLS = '[[pools]]\nname = "a"\n[[pools]]\nname = "b"\n'
+
+
+def shard(name: str, number: int, pools: list[str], endpoint: str | None = None) -> str:
+    endpoint = endpoint or f"http://127.0.0.1:{7100 + number}"
+    return f'[[shards]]\nname = "{name}"\nnumber = {number}\npools = {json.dumps(pools)}\nendpoint = "{endpoint}"\n'
+
+
+SHARDS = shard("s1", 1, ["a"]) + shard("s2", 2, ["b"])
+SHARDED = LOOPBACK + SHARD_STORE + TWO_POOLS + SHARDS
+TOKEN_TAIL = 'pools = ["*"]\npermissions = ["read"]\n'
+SHA = "a" * 64
+UNSET_ENV = "CRONOQ_TEST_SURELY_UNSET_TOKEN"
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    text: str | None  # None: the file does not exist
+    fragments: tuple[str, ...]  # the key and the problem, each must be in the line
+    shard: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+CASES = [
+    # unknown keys, at every depth
+    Case("unknown top-level key", 'colour = "red"\n' + UNSHARDED, ("colour", "unknown key")),
+    Case("unknown top-level table", UNSHARDED + "[logging]\nlevel = 1\n", ("logging", "unknown key")),
+    Case("unknown key in [server]", LOOPBACK + "port = 7070\n" + POOL, ("server.port", "unknown key")),
+    Case(
+        "unknown key in [server.tls]",
+        LOOPBACK + '[server.tls]\ncert = "c.pem"\nkey = "k.pem"\npassphrase = "x"\n' + POOL,
+        ("server.tls.passphrase", "unknown key"),
+    ),
+    Case("unknown key in [[pools]]", LOOPBACK + POOL + 'colour = "red"\n', ("pools[0].colour", "unknown key")),
+    Case("unknown key in [store]", LOOPBACK + '[store]\nfile = "x.db"\n' + POOL, ("store.file", "unknown key")),
+    Case("unknown key in [limits]", UNSHARDED + "[limits]\nmax_payload = 5\n", ("limits.max_payload", "unknown key")),
+    Case("unknown key in [[shards]]", SHARDED + "weight = 3\n", ("shards[1].weight", "unknown key"), shard="s1"),
+    Case(
+        "unknown key in [[tokens]]",
+        UNSHARDED + f'[[tokens]]\nname = "t"\nsha256 = "{SHA}"\n' + TOKEN_TAIL + "expires = 1\n",
+        ("tokens[0].expires", "unknown key"),
+    ),
+    # bad types and values
+    Case("bad type: integer", UNSHARDED + '[limits]\nmax_batch_size = "many"\n', ("limits.max_batch_size", "integer", "'many'")),
+    Case("bad type: string", '[server]\nlisten = 7070\nhttp_listen = "127.0.0.1:0"\n' + POOL, ("server.listen", "string", "7070")),
+    Case("bad type: list", 'pools = "default"\n' + LOOPBACK, ("pools", "list", "'default'")),
+    Case("bad type: boolean", LOOPBACK + "allow_unauthenticated = 3\n" + POOL, ("server.allow_unauthenticated", "bool", "3")),
+    Case("bad type: table", 'store = "sqlite"\n' + UNSHARDED, ("store", "'sqlite'")),
+    Case("store.kind unknown", LOOPBACK + '[store]\nkind = "mysql"\n' + POOL, ("store.kind", "'mysql'")),
+    Case("max_attempts 0", UNSHARDED + "max_attempts = 0\n", ("pools[0].max_attempts", "greater than or equal to 1", "0")),
+    Case("max_attempts too big", UNSHARDED + "max_attempts = 100000\n", ("pools[0].max_attempts", "100000")),
+    Case("max_attempts negative", UNSHARDED + "max_attempts = -3\n", ("pools[0].max_attempts", "-3")),
+    Case("pool name empty", LOOPBACK + '[[pools]]\nname = ""\n', ("pools[0].name", "''")),
+    Case("limit zero", UNSHARDED + "[limits]\nmax_payload_bytes = 0\n", ("limits.max_payload_bytes", "0")),
+    # durations
+    Case("bad duration word", UNSHARDED + 'lease_ttl = "soon"\n', ("pools[0].lease_ttl", "duration", "'soon'")),
+    Case("bad duration unit", UNSHARDED + 'retention = "7 weeks"\n', ("pools[0].retention", "duration", "'7 weeks'")),
+    Case("negative duration", UNSHARDED + 'retry_backoff = "-1s"\n', ("pools[0].retry_backoff", "duration", "'-1s'")),
+    Case("zero duration", UNSHARDED + 'lease_ttl = "0s"\n', ("pools[0].lease_ttl", "positive", "'0s'")),
+    Case("boolean duration", UNSHARDED + "lease_ttl = true\n", ("pools[0].lease_ttl", "duration", "True")),
+    # listen addresses
+    Case(
+        "non-loopback listen without credentials",
+        '[server]\nlisten = "0.0.0.0:0"\nhttp_listen = "127.0.0.1:0"\n' + POOL,
+        ("server.listen", "'0.0.0.0:0'", "loopback", "allow_unauthenticated"),
+    ),
+    Case(
+        "non-loopback http_listen without credentials",
+        '[server]\nlisten = "127.0.0.1:0"\nhttp_listen = "[::]:0"\n' + POOL,
+        ("server.http_listen", "'[::]:0'", "loopback", "allow_unauthenticated"),
+    ),
+    Case(
+        "listen without a port",
+        '[server]\nlisten = "127.0.0.1"\nhttp_listen = "127.0.0.1:0"\nallow_unauthenticated = true\n' + POOL,
+        ("server.listen", "'127.0.0.1'", "port"),
+    ),
+    Case(
+        "http_listen with a bad port",
+        '[server]\nlisten = "127.0.0.1:0"\nhttp_listen = "127.0.0.1:http"\n' + POOL,
+        ("server.http_listen", "'127.0.0.1:http'", "port"),
+    ),
+    # shards
+    Case("pool in no shard", SHARDED + '[[pools]]\nname = "c"\n', ("pools", "'c'", "no shard"), shard="s1"),
+    Case(
+        "pool in two shards",
+        LOOPBACK + SHARD_STORE + TWO_POOLS + shard("s1", 1, ["a"]) + shard("s2", 2, ["b", "a"]),
+        ("shards[1].pools", "'a'", "already in shard 's1'"),
+        shard="s1",
+    ),
+    Case(
+        "shard with an unknown pool",
+        LOOPBACK + SHARD_STORE + TWO_POOLS + shard("s1", 1, ["a", "zzz"]) + shard("s2", 2, ["b"]),
+        ("shards[0].pools", "'zzz'", "unknown pool"),
+        shard="s1",
+    ),
+    Case(
+        "resource of an unknown shard",
+        SHARDED + '[[resources]]\nname = "gpu"\nshard = "s9"\nconcurrency = 1\n',
+        ("resources[0].shard", "'s9'", "unknown shard"),
+        shard="s1",
+    ),
+    Case(
+        "resource without shard when sharded",
+        SHARDED + '[[resources]]\nname = "gpu"\nconcurrency = 1\n',
+        ("resources[0].shard", "'gpu'", "required"),
+        shard="s1",
+    ),
+    Case(
+        "resource with a shard when unsharded",
+        UNSHARDED + '[[resources]]\nname = "gpu"\nshard = "s1"\nconcurrency = 1\n',
+        ("resources[0].shard", "'s1'", "unknown shard"),
+    ),
+    Case(
+        "resource of no kind",
+        UNSHARDED + '[[resources]]\nname = "gpu"\n',
+        ("resources[0]", "'gpu'", "concurrency", "rate"),
+    ),
+    Case(
+        "store.path without {shard} when sharded",
+        LOOPBACK + '[store]\npath = "cronoq.db"\n' + TWO_POOLS + SHARDS,
+        ("store.path", "{shard}", "'cronoq.db'"),
+        shard="s1",
+    ),
+    Case(
+        "store.path defaulted when sharded",
+        LOOPBACK + TWO_POOLS + SHARDS,
+        ("store.path", "{shard}", "'./cronoq.db'"),
+        shard="s1",
+    ),
+    Case(
+        "store.schema without {shard}",
+        LOOPBACK + '[store]\nkind = "postgres"\nschema = "cronoq"\n' + TWO_POOLS + SHARDS,
+        ("store.schema", "{shard}", "'cronoq'"),
+        shard="s1",
+    ),
+    Case(
+        "store.schema without {shard} on sqlite",
+        LOOPBACK + '[store]\npath = "c-{shard}.db"\nschema = "shared"\n' + TWO_POOLS + SHARDS,
+        ("store.schema", "{shard}", "'shared'"),
+        shard="s1",
+    ),
+    Case(
+        "duplicate shard number",
+        LOOPBACK + SHARD_STORE + TWO_POOLS + shard("s1", 1, ["a"]) + shard("s2", 1, ["b"]),
+        ("shards[1].number", "duplicate", "1"),
+        shard="s1",
+    ),
+    Case(
+        "duplicate shard name",
+        LOOPBACK + SHARD_STORE + TWO_POOLS + shard("s1", 1, ["a"]) + shard("s1", 2, ["b"]),
+        ("shards[1].name", "duplicate", "'s1'"),
+        shard="s1",
+    ),
+    Case("duplicate pool name", UNSHARDED + POOL, ("pools[1].name", "duplicate", "'default'")),
+    Case(
+        "shard number 0",
+        LOOPBACK + SHARD_STORE + TWO_POOLS + shard("s1", 0, ["a"]) + shard("s2", 2, ["b"]),
+        ("shards[0].number", "greater than or equal to 1", "0"),
+        shard="s1",
+    ),
+    Case(
+        "shard number 256",
+        LOOPBACK + SHARD_STORE + TWO_POOLS + shard("s1", 1, ["a"]) + shard("s2", 256, ["b"]),
+        ("shards[1].number", "less than or equal to 255", "256"),
+        shard="s1",
+    ),
+    Case(
+        "endpoint scheme grpc://",
+        LOOPBACK + SHARD_STORE + TWO_POOLS + shard("s1", 1, ["a"], "grpc://127.0.0.1:7101") + shard("s2", 2, ["b"]),
+        ("shards[0].endpoint", "'grpc://127.0.0.1:7101'", "http"),
+        shard="s1",
+    ),
+    Case(
+        "endpoint without scheme",
+        LOOPBACK + SHARD_STORE + TWO_POOLS + shard("s1", 1, ["a"]) + shard("s2", 2, ["b"], "10.0.0.2:7070"),
+        ("shards[1].endpoint", "'10.0.0.2:7070'", "http"),
+        shard="s1",
+    ),
+    Case("missing --shard with [[shards]]", SHARDED, ("--shard", "required", "s1", "s2")),
+    Case("unknown --shard", SHARDED, ("--shard", "'s9'"), shard="s9"),
+    Case("--shard without [[shards]]", UNSHARDED, ("--shard", "'s1'", "no [[shards]]"), shard="s1"),
+    # tokens
+    Case(
+        "token with neither sha256 nor env",
+        UNSHARDED + '[[tokens]]\nname = "ci"\n' + TOKEN_TAIL,
+        ("tokens[0]", "'ci'", "sha256", "env"),
+    ),
+    Case(
+        "token with both sha256 and env",
+        UNSHARDED + f'[[tokens]]\nname = "ci"\nsha256 = "{SHA}"\nenv = "X"\n' + TOKEN_TAIL,
+        ("tokens[0]", "'ci'", "sha256", "env"),
+    ),
+    Case(
+        "token sha256 not hex",
+        UNSHARDED + '[[tokens]]\nname = "ci"\nsha256 = "secret"\n' + TOKEN_TAIL,
+        ("tokens[0].sha256", "'secret'"),
+    ),
+    Case(
+        "token env variable unset",
+        UNSHARDED + f'[[tokens]]\nname = "ci"\nenv = "{UNSET_ENV}"\n' + TOKEN_TAIL,
+        ("tokens[0].env", f"'{UNSET_ENV}'"),
+    ),
+    Case(
+        "token env variable not a digest",
+        UNSHARDED + f'[[tokens]]\nname = "ci"\nenv = "{UNSET_ENV}_SET"\n' + TOKEN_TAIL,
+        ("tokens[0].env", f"'{UNSET_ENV}_SET'", "sha256"),
+        env={f"{UNSET_ENV}_SET": "plain-text-token"},
+    ),
+    Case(
+        "token of an unknown pool",
+        UNSHARDED + f'[[tokens]]\nname = "ci"\nsha256 = "{SHA}"\npools = ["zzz"]\npermissions = ["read"]\n',
+        ("tokens[0].pools", "'zzz'", "unknown pool"),
+    ),
+    Case(
+        "token with an unknown permission",
+        UNSHARDED + f'[[tokens]]\nname = "ci"\nsha256 = "{SHA}"\npools = ["*"]\npermissions = ["fly"]\n',
+        ("tokens[0].permissions[0]", "'fly'"),
+    ),
+    # the file itself
+    Case("invalid TOML syntax", "[server\nlisten = 1\n", ("not valid TOML", "line 1")),
+    Case("invalid TOML value", LOOPBACK + "allow_unauthenticated = yes\n", ("not valid TOML", "line 4")),
+    Case("duplicate TOML key", LOOPBACK + 'listen = "127.0.0.1:1"\n', ("not valid TOML", "line 4")),
+    Case("missing file", None, ("file not found",)),
+]
+
+
+@dataclass
+class Outcome:
+    returncode: int | None
+    stdout: str
+    stderr: str
+    path: str
+
+
+def _run_case(case: Case, workdir: Path) -> Outcome:
+    workdir.mkdir(parents=True)
+    path = workdir / "cronoq.toml"
+    if case.text is not None:
+        path.write_text(case.text)
+    cmd = [sys.executable, "-m", "cronoq_server.main", "--config", str(path)]
+    if case.shard:
+        cmd += ["--shard", case.shard]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(UNSET_ENV)} | case.env
+    try:
+        proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired as err:  # it started serving: a bad file was accepted
+        return Outcome(None, str(err.stdout or ""), str(err.stderr or ""), str(path))
+    return Outcome(proc.returncode, proc.stdout, proc.stderr, str(path))
+
+
+@pytest.fixture(scope="module")
+def outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[Outcome]]:
+    """Starts the selected cases' processes, a few at a time; each test waits for its own."""
+    selected = {
+        item.callspec.params["case"].id
+        for item in request.session.items
+        if hasattr(item, "callspec") and isinstance(item.callspec.params.get("case"), Case)
+    }
+    root = tmp_path_factory.mktemp("configs")
+    pool = ThreadPoolExecutor(max_workers=max(4, (os.cpu_count() or 2) * 2))
+    futures = {
+        case.id: pool.submit(_run_case, case, root / f"case{i}")
+        for i, case in enumerate(CASES)
+        if case.id in selected
+    }
+    request.addfinalizer(lambda: pool.shutdown(wait=True, cancel_futures=True))
+    return futures
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_config_is_refused(case: Case, outcomes: dict[str, Future[Outcome]]) -> None:
+    out = outcomes[case.id].result()
+    assert out.returncode == 2, f"exit code {out.returncode}, want 2; stderr:\n{out.stderr}"
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, f"want exactly one line on stderr, got {len(lines)}:\n{out.stderr}"
+    line = lines[0]
+    assert "Traceback" not in line
+    assert out.path in line, f"the line does not name the file {out.path}: {line}"
+    for frag in case.fragments:
+        assert frag in line, f"the line does not name {frag!r}: {line}"
+    assert out.stdout == "", out.stdout
+
+
+# -- files that start ----------------------------------------------------------
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def test_valid_sharded_file_serves_its_shard(start_server: Any, tmp_path: Path) -> None:
+    config = {
+        "store": {"path": str(tmp_path / "cronoq-{shard}.db")},
+        "pools": [{"name": "a"}, {"name": "b", "max_attempts": 5}],
+        "resources": [{"name": "gpu", "shard": "s2", "concurrency": 2}],
+        "shards": [
+            {"name": "s1", "number": 1, "pools": ["a"], "endpoint": "http://127.0.0.1:7101"},
+            {"name": "s2", "number": 200, "pools": ["b"], "endpoint": "https://shard-two.example:7070"},
+        ],
+    }
+    srv = start_server(config, shard="s2")
+    status, info = srv.http("GET", "/v1/info")
+    assert status == 200, info
+    assert (info["shard"], info["shard_number"], info["role"]) == ("s2", 200, "ROLE_LEADER")
+    with grpc.insecure_channel(srv.grpc_target) as channel:
+        grpc_info = admin_service_pb2_grpc.AdminServiceStub(channel).GetServerInfo(
+            admin_service_pb2.GetServerInfoRequest(), timeout=10
+        )
+    assert (grpc_info.shard, grpc_info.shard_number) == ("s2", 200)
+    status, body = srv.http("POST", "/v1/tasks", {"pool": "b", "resources": {"gpu": 1}})
+    assert status == 200, body
+    assert int(body["task"]["id"]) >> 56 == 200 and body["task"]["max_attempts"] == 5
+    assert (tmp_path / "cronoq-s2.db").exists() and not (tmp_path / "cronoq-s1.db").exists()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_no_arguments_serves_the_default_pool(tmp_path: Path) -> None:
+    if not (_port_free(7070) and _port_free(7080)):
+        pytest.skip("127.0.0.1:7070 or :7080 is in use")
+    exe = Path(sys.executable).with_name("cronoq-server")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "cronoq_server.main"]
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            assert proc.poll() is None, f"exited with {proc.returncode}:\n{log.read_text()}"
+            try:
+                if _get_json("http://127.0.0.1:7080/readyz")["status"] == "leader":
+                    break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            assert time.monotonic() < deadline, f"not ready:\n{log.read_text()}"
+            time.sleep(0.05)
+        info = _get_json("http://127.0.0.1:7080/v1/info")
+        assert (info["shard_number"], info["role"]) == (0, "ROLE_LEADER")
+        req = urllib.request.Request(
+            "http://127.0.0.1:7080/v1/tasks", data=b'{"pool": "default", "payload_json": 1}', method="POST"
+        )
+        with urllib.request.urlopen(req, timeout=5) as r:
+            task = json.loads(r.read())["task"]
+        assert task["pool"] == "default" and int(task["id"]) >> 56 == 0
+        with grpc.insecure_channel("127.0.0.1:7070") as channel:
+            grpc_info = admin_service_pb2_grpc.AdminServiceStub(channel).GetServerInfo(
+                admin_service_pb2.GetServerInfoRequest(), timeout=10
+            )
+        assert grpc_info.shard == info["shard"] and grpc_info.shard_number == 0
+        assert (tmp_path / "cronoq.db").exists()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+    assert proc.returncode == 0, log.read_text()

@@ -1,0 +1,90 @@
+"""Nothing lost, nothing twice: real worker processes, SIGKILLed workers and servers."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import signal
+
+import cronoq
+
+from _helpers import eventually, log_lines, start_worker
+
+SUCCEEDED = cronoq.TaskState.Value("TASK_STATE_SUCCEEDED")
+
+
+def test_worker_killed_mid_task_is_retried_after_lease_expiry(server, tmp_path):
+    log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
+    with cronoq.SyncClient(server.endpoint) as client:
+        task = client.submit("default", {"sleep_first": 60}).task
+        a = start_worker(server.endpoint, "default", log_a)
+        eventually(lambda: log_lines(log_a, "start"), what="worker A starts the task")
+        a.send_signal(signal.SIGKILL)
+        a.wait(10)
+        b = start_worker(server.endpoint, "default", log_b)
+        try:
+            done = client.wait(task.id, timeout=20)
+        finally:
+            b.terminate()
+            b.wait(20)
+    assert done.done and done.task.state == SUCCEEDED
+    assert done.task.attempt == 2  # attempt 1 died with worker A; its 2 s lease expired
+    assert cronoq.result_of(done.task)["pid"] == b.pid
+    assert log_lines(log_b, "done") == [(task.id, 2, b.pid)]
+
+
+def test_server_killed_and_restarted_keeps_every_acknowledged_task(server, tmp_path):
+    acknowledged: list[int] = []
+
+    async def submit_until_killed() -> None:
+        async with cronoq.Client(server.endpoint, retry=cronoq.RetryConfig(max_elapsed=0.5)) as client:
+            for i in range(10_000):
+                try:
+                    sub = await client.submit("default", {"i": i}, key=f"k{i}")
+                except cronoq.CronoqError:
+                    return
+                acknowledged.append(sub.task.id)
+                if len(acknowledged) == 300:
+                    server.proc.send_signal(signal.SIGKILL)
+
+    asyncio.run(submit_until_killed())
+    server.proc.wait(10)
+    assert len(acknowledged) >= 300
+    server.start()  # the same config: the same SQLite file
+    log = tmp_path / "w.log"
+    worker = start_worker(server.endpoint, "default", log, concurrency=32)
+    try:
+        with cronoq.SyncClient(server.endpoint) as client:
+            for task_id in acknowledged:
+                res = client.wait(task_id, timeout=30)
+                assert res.done and res.task.state == SUCCEEDED, f"task {task_id} lost or not done"
+    finally:
+        worker.terminate()
+        worker.wait(20)
+    done = collections.Counter(t for t, _, _ in log_lines(log, "done"))
+    assert all(done[t] == 1 for t in acknowledged)
+
+
+def test_1000_tasks_through_4_workers_each_finish_exactly_once(server, tmp_path):
+    logs = [tmp_path / f"w{i}.log" for i in range(4)]
+    workers = [start_worker(server.endpoint, "default", log, concurrency=16) for log in logs]
+    try:
+        with cronoq.SyncClient(server.endpoint) as client:
+            ids: list[int] = []
+            for start in range(0, 1000, 50):  # batches of the fixture's max_batch_size
+                resp = client.submit_batch([cronoq.task_spec("default", {"n": n}) for n in range(start, start + 50)])
+                ids += [t.id for t in resp.tasks]
+            results = [client.wait(i, timeout=60) for i in ids]
+    finally:
+        for w in workers:
+            w.terminate()
+        for w in workers:
+            assert w.wait(30) == 0
+    assert len(set(ids)) == 1000
+    assert all(r.done and r.task.state == SUCCEEDED and r.task.attempt == 1 for r in results)
+    done = [line for log in logs for line in log_lines(log, "done")]
+    per_task = collections.Counter(t for t, _, _ in done)
+    assert sorted(per_task) == sorted(ids) and set(per_task.values()) == {1}
+    by_pid = {t: pid for t, _, pid in done}
+    assert all(cronoq.result_of(r.task)["pid"] == by_pid[r.task.id] for r in results)
+    assert len({pid for _, _, pid in done}) >= 2, "work should spread over the workers"

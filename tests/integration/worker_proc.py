@@ -1,0 +1,46 @@
+"""A real worker process for the integration tests.
+
+    python worker_proc.py ENDPOINT POOL LOGFILE [--concurrency N]
+
+Each execution appends "task_id attempt pid" to LOGFILE before returning. A payload
+{"sleep": s} sleeps first, {"sleep_first": s} only on attempt 1; {"fail_until": n} fails attempts below n. SIGTERM stops it
+gracefully.
+"""
+
+import argparse
+import asyncio
+import os
+import signal
+
+import cronoq
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("endpoint")
+    ap.add_argument("pool")
+    ap.add_argument("logfile")
+    ap.add_argument("--concurrency", type=int, default=8)
+    args = ap.parse_args()
+    log = open(args.logfile, "a", buffering=1)
+
+    async def handle(task: cronoq.TaskContext) -> dict:
+        job = task.payload if isinstance(task.payload, dict) else {}
+        log.write(f"start {task.id} {task.attempt} {os.getpid()}\n")
+        if job.get("sleep"):
+            await asyncio.sleep(job["sleep"])
+        if job.get("sleep_first") and task.attempt == 1:
+            await asyncio.sleep(job["sleep_first"])
+        if task.attempt < job.get("fail_until", 0):
+            raise cronoq.TaskError(f"planned failure on attempt {task.attempt}")
+        log.write(f"done {task.id} {task.attempt} {os.getpid()}\n")
+        return {"pid": os.getpid(), "attempt": task.attempt}
+
+    worker = cronoq.Worker(args.endpoint, args.pool, handle, concurrency=args.concurrency, poll_wait=1.0)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.stop)
+    await worker.run()
+    log.write(f"stopped {os.getpid()}\n")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
