@@ -28,11 +28,21 @@ TEST_DEPS = ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout>=2.3", "pytest
 
 def _generate_python(session: nox.Session, out: Path) -> None:
     session.run(
-        "python", "-m", "grpc_tools.protoc", "-I", "proto",
-        f"--python_out={out}", f"--grpc_python_out={out}", f"--mypy_out=quiet:{out}", f"--mypy_grpc_out=quiet:{out}",
-        *PROTO_FILES, silent=True,
+        "python",
+        "-m",
+        "grpc_tools.protoc",
+        "-I",
+        "proto",
+        f"--python_out={out}",
+        f"--grpc_python_out={out}",
+        f"--mypy_out=quiet:{out}",
+        f"--mypy_grpc_out=quiet:{out}",
+        *PROTO_FILES,
+        silent=True,
     )
-    (out / "cronoq" / "v1" / "__init__.py").write_text('"""Generated from proto/cronoq/v1 by `nox -s proto`; do not edit."""\n')
+    (out / "cronoq" / "v1" / "__init__.py").write_text(
+        '"""Generated from proto/cronoq/v1 by `nox -s proto`; do not edit."""\n'
+    )
 
 
 def _buf(session: nox.Session, *args: str) -> None:

@@ -28,7 +28,8 @@ class BenchServer:
         self.log = open(workdir / "server.log", "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cronoq_server.main", "--config", str(self.config), "--log-level", "WARNING"],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:

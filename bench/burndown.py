@@ -1,6 +1,6 @@
 """Burn-down: N no-op tasks submitted in batches, then drained by one worker process.
 
-    python bench/burndown.py [--tasks 20000] [--concurrency 64] [--batch 500]
+python bench/burndown.py [--tasks 20000] [--concurrency 64] [--batch 500]
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import cronoq  # noqa: E402
-from _servers import BenchServer  # noqa: E402
+from _servers import BenchServer
+
+import cronoq
 
 
 def run_worker(endpoint: str, concurrency: int, total: int, ready: mp.Event, done_at: mp.Value) -> None:  # type: ignore[type-arg]
@@ -80,9 +81,14 @@ def main() -> None:
             succeeded = asyncio.run(wait_all_done(server.endpoint, args.tasks))
         finally:
             server.stop()
-    print(f"sqlite burn-down: submitted {args.tasks} in {submit_s:.2f}s ({args.tasks / submit_s:,.0f} tasks/s, batches of {args.batch})")
-    print(f"sqlite burn-down: drained {args.tasks} in {drain_s:.2f}s = {args.tasks / drain_s:,.0f} tasks/s "
-          f"(one worker process, concurrency {args.concurrency}, includes worker start); succeeded={succeeded}")
+    print(
+        f"sqlite burn-down: submitted {args.tasks} in {submit_s:.2f}s "
+        f"({args.tasks / submit_s:,.0f} tasks/s, batches of {args.batch})"
+    )
+    print(
+        f"sqlite burn-down: drained {args.tasks} in {drain_s:.2f}s = {args.tasks / drain_s:,.0f} tasks/s "
+        f"(one worker process, concurrency {args.concurrency}, includes worker start); succeeded={succeeded}"
+    )
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import cronoq  # noqa: E402
-from _servers import BenchServer  # noqa: E402
+from _servers import BenchServer
+
+import cronoq
 
 
 def run_worker(endpoint: str, concurrency: int, total: int, ready: mp.Event, out: mp.Queue) -> None:  # type: ignore[type-arg]
@@ -94,15 +95,24 @@ def main() -> None:
             server.stop()
     ms = [x * 1000 for x in latencies]
     result = {
-        "store": "sqlite", "rate": args.rate, "achieved_rate": round(achieved), "tasks": len(ms),
-        "p50_ms": round(percentile(ms, 50), 2), "p90_ms": round(percentile(ms, 90), 2),
-        "p99_ms": round(percentile(ms, 99), 2), "max_ms": round(max(ms), 2), "mean_ms": round(statistics.mean(ms), 2),
+        "store": "sqlite",
+        "rate": args.rate,
+        "achieved_rate": round(achieved),
+        "tasks": len(ms),
+        "p50_ms": round(percentile(ms, 50), 2),
+        "p90_ms": round(percentile(ms, 90), 2),
+        "p99_ms": round(percentile(ms, 99), 2),
+        "max_ms": round(max(ms), 2),
+        "mean_ms": round(statistics.mean(ms), 2),
     }
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"sqlite submit→start at {args.rate}/s (achieved {achieved:,.0f}/s, {len(ms)} tasks): "
-              f"p50 {result['p50_ms']} ms, p90 {result['p90_ms']} ms, p99 {result['p99_ms']} ms, max {result['max_ms']} ms")
+        print(
+            f"sqlite submit→start at {args.rate}/s (achieved {achieved:,.0f}/s, {len(ms)} tasks): "
+            f"p50 {result['p50_ms']} ms, p90 {result['p90_ms']} ms, "
+            f"p99 {result['p99_ms']} ms, max {result['max_ms']} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -48,19 +48,27 @@ async def submit_and_watch(endpoint: str) -> list[cronoq.Task]:
     async with cronoq.Client(endpoint) as client:
         first = await client.submit("default", {"kind": "hello", "to": "world"}, key="greeting-1")
         again = await client.submit("default", {"kind": "hello", "to": "someone else"}, key="greeting-1")
-        print(f"submitted task {first.task.id} with key greeting-1; "
-              f"the same key again -> task {again.task.id}, deduplicated={again.deduplicated}")
-        batch = await client.submit_batch([
-            cronoq.task_spec("default", {"kind": "extract", "file": "a.csv"}, key="extract"),
-            cronoq.task_spec("default", {"kind": "load"}, key="load", depends_on=["extract"]),
-        ])
-        print(f"batch: extract={batch.tasks[0].id}, load={batch.tasks[1].id} "
-              f"(load is {STATE[batch.tasks[1].state]} until extract succeeds)")
+        print(
+            f"submitted task {first.task.id} with key greeting-1; "
+            f"the same key again -> task {again.task.id}, deduplicated={again.deduplicated}"
+        )
+        batch = await client.submit_batch(
+            [
+                cronoq.task_spec("default", {"kind": "extract", "file": "a.csv"}, key="extract"),
+                cronoq.task_spec("default", {"kind": "load"}, key="load", depends_on=["extract"]),
+            ]
+        )
+        print(
+            f"batch: extract={batch.tasks[0].id}, load={batch.tasks[1].id} "
+            f"(load is {STATE[batch.tasks[1].state]} until extract succeeds)"
+        )
         flaky = await client.submit("default", {"kind": "flaky"}, key="flaky", max_attempts=5)
         broken = await client.submit("default", {"kind": "broken"}, key="broken")
         urgent = await client.submit("default", {"kind": "urgent"}, priority=10)
-        print(f"a flaky task {flaky.task.id} (fails twice, then succeeds), a broken one {broken.task.id}, "
-              f"an urgent one {urgent.task.id} (priority 10)")
+        print(
+            f"a flaky task {flaky.task.id} (fails twice, then succeeds), a broken one {broken.task.id}, "
+            f"an urgent one {urgent.task.id} (priority 10)"
+        )
         ids = [first.task.id, *(t.id for t in batch.tasks), flaky.task.id, broken.task.id, urgent.task.id]
         return [(await client.wait(i, timeout=30)).task for i in ids]
 
@@ -84,8 +92,13 @@ def main() -> None:
         print("\nfrom /metrics:", "; ".join(finished))
         server.send_signal(signal.SIGTERM)
         server.wait(30)
-        expected = {"greeting-1": "SUCCEEDED", "extract": "SUCCEEDED", "load": "SUCCEEDED",
-                    "flaky": "SUCCEEDED", "broken": "FAILED"}
+        expected = {
+            "greeting-1": "SUCCEEDED",
+            "extract": "SUCCEEDED",
+            "load": "SUCCEEDED",
+            "flaky": "SUCCEEDED",
+            "broken": "FAILED",
+        }
         wrong = [t.key for t in tasks if t.key in expected and STATE[t.state] != expected[t.key]]
         if wrong:
             sys.exit(f"demo: unexpected outcome for {wrong}")

@@ -123,7 +123,9 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def http(self, method: str, path: str, body: Any = None, raw: bytes | None = None, timeout: float = 30) -> tuple[int, Any]:
+    def http(
+        self, method: str, path: str, body: Any = None, raw: bytes | None = None, timeout: float = 30
+    ) -> tuple[int, Any]:
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
         req = urllib.request.Request(self.http_url + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
@@ -159,8 +161,9 @@ def start_server(tmp_path: Path) -> Iterator[Any]:
     """start_server(config=None, shard=None, name=..., wait_ready=True) -> ServerProcess."""
     started: list[ServerProcess] = []
 
-    def start(config: dict[str, Any] | None = None, shard: str | None = None, name: str | None = None,
-              wait_ready: bool = True) -> ServerProcess:
+    def start(
+        config: dict[str, Any] | None = None, shard: str | None = None, name: str | None = None, wait_ready: bool = True
+    ) -> ServerProcess:
         srv = ServerProcess(tmp_path, config or {}, shard, name or f"server{len(started)}")
         started.append(srv)
         return srv.start(wait_ready)

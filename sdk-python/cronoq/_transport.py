@@ -119,7 +119,8 @@ def _is_unavailable(err: BaseException) -> bool:
     return isinstance(err, Unavailable)
 
 
-async def _once(call: Callable[[], Awaitable[T]]) -> T:
+async def call_once(call: Callable[[], Awaitable[T]]) -> T:
+    """Runs call once, translating gRPC errors to the SDK tree."""
     try:
         return await call()
     except grpc.aio.AioRpcError as err:
@@ -129,17 +130,19 @@ async def _once(call: Callable[[], Awaitable[T]]) -> T:
 async def with_retries(call: Callable[[], Awaitable[T]], retry: RetryConfig, what: str) -> T:
     """Runs call, translating gRPC errors to the SDK tree and retrying UNAVAILABLE."""
     try:
-        return await _once(call)  # the fast path: no retry machinery per call
+        return await call_once(call)  # the fast path: no retry machinery per call
     except Unavailable as err:
         if retry.max_elapsed is not None and retry.max_elapsed <= 0:
             raise
         log.debug("%s: %s; retrying", what, err)
     async for attempt in AsyncRetrying(
         retry=retry_if_exception(_is_unavailable),
-        wait=wait_exponential_jitter(multiplier=retry.initial_backoff, max=retry.max_backoff, jitter=retry.initial_backoff),
+        wait=wait_exponential_jitter(
+            multiplier=retry.initial_backoff, max=retry.max_backoff, jitter=retry.initial_backoff
+        ),
         stop=stop_never if retry.max_elapsed is None else stop_after_delay(retry.max_elapsed),
         reraise=True,
     ):
         with attempt:
-            return await _once(call)
+            return await call_once(call)
     raise CronoqError(f"{what}: gave up")  # unreachable: reraise=True

@@ -25,7 +25,9 @@ def _ref(text: str, force_key: bool) -> int | str:
 
 
 def _ts(task: Task, field: str) -> str:
-    return getattr(task, field).ToDatetime(dt.timezone.utc).isoformat(timespec="milliseconds") if task.HasField(field) else "-"
+    if not task.HasField(field):  # type: ignore[arg-type]
+        return "-"
+    return str(getattr(task, field).ToDatetime(dt.UTC).isoformat(timespec="milliseconds"))
 
 
 def _show(value: Any) -> str:
@@ -41,8 +43,13 @@ def print_task(task: Task, as_json: bool, **extra: Any) -> None:
     if as_json:
         print(json.dumps({**_wrap(task), **extra}))
         return
-    print(f"task {task.id}  pool={task.pool}  key={task.key or '-'}  state={STATE_NAMES[task.state]}  attempt={task.attempt}/{task.max_attempts}")
-    print(f"  created {_ts(task, 'created_at')}  started {_ts(task, 'started_at')}  finished {_ts(task, 'finished_at')}")
+    print(
+        f"task {task.id}  pool={task.pool}  key={task.key or '-'}  state={STATE_NAMES[task.state]}  "
+        f"attempt={task.attempt}/{task.max_attempts}"
+    )
+    print(
+        f"  created {_ts(task, 'created_at')}  started {_ts(task, 'started_at')}  finished {_ts(task, 'finished_at')}"
+    )
     if task.payload:
         print(f"  payload {_show(payload_of(task))}")
     if task.result:
@@ -77,8 +84,13 @@ async def cmd_submit(args: argparse.Namespace) -> int:
         payload = sys.stdin.buffer.read() if args.file == "-" else open(args.file, "rb").read()
     async with _client(args) as client:
         sub = await client.submit(
-            args.pool, payload, key=args.key, priority=args.priority, max_attempts=args.max_attempts,
-            delay=args.delay, depends_on=[_ref(d, False) for d in args.depends_on],
+            args.pool,
+            payload,
+            key=args.key,
+            priority=args.priority,
+            max_attempts=args.max_attempts,
+            delay=args.delay,
+            depends_on=[_ref(d, False) for d in args.depends_on],
         )
         task = sub.task
         if args.wait is not None:
@@ -111,7 +123,10 @@ async def cmd_tasks(args: argparse.Namespace) -> int:
     if args.state:
         name = "TASK_STATE_" + args.state.upper()
         if name not in task_pb2.TaskState.keys():
-            raise SystemExit(f"cronoq tasks: --state {args.state!r} is not one of {', '.join(STATE_NAMES[v] for v in STATE_NAMES if v)}")
+            raise SystemExit(
+                f"cronoq tasks: --state {args.state!r} is not one of "
+                + ", ".join(STATE_NAMES[v] for v in STATE_NAMES if v)
+            )
         state = task_pb2.TaskState.Value(name)
     shown, token = 0, ""
     async with _client(args) as client:
@@ -121,7 +136,10 @@ async def cmd_tasks(args: argparse.Namespace) -> int:
                 if args.json:
                     print(json.dumps(_wrap(task)))
                 else:
-                    print(f"{task.id:>20}  {task.pool:<12} {STATE_NAMES[task.state]:<10} {task.attempt:>3}  {task.key or '-'}")
+                    print(
+                        f"{task.id:>20}  {task.pool:<12} {STATE_NAMES[task.state]:<10} "
+                        f"{task.attempt:>3}  {task.key or '-'}"
+                    )
             shown += len(page.tasks)
             token = page.next_page_token
             if args.limit > 500 and sys.stderr.isatty():
@@ -137,8 +155,11 @@ async def cmd_tasks(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--endpoint", default=os.environ.get("CRONOQ_ENDPOINT", "http://127.0.0.1:7070"),
-                        help="http://host:port or https://host:port (env CRONOQ_ENDPOINT)")
+    common.add_argument(
+        "--endpoint",
+        default=os.environ.get("CRONOQ_ENDPOINT", "http://127.0.0.1:7070"),
+        help="http://host:port or https://host:port (env CRONOQ_ENDPOINT)",
+    )
     common.add_argument("--token", default=os.environ.get("CRONOQ_TOKEN"), help="bearer token (env CRONOQ_TOKEN)")
     common.add_argument("--ca", help="CA bundle (PEM) for https:// endpoints")
     common.add_argument("--cert", help="client certificate (PEM) for mTLS")
@@ -168,8 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--key", action="store_true", help="treat ID|KEY as a key even if it is all digits")
         p.set_defaults(run=fn)
 
-    p = sub.add_parser("wait", parents=[common], help="wait for a task to end",
-                       description="Wait until the task ends or the timeout passes (exit 3 on timeout).")
+    p = sub.add_parser(
+        "wait",
+        parents=[common],
+        help="wait for a task to end",
+        description="Wait until the task ends or the timeout passes (exit 3 on timeout).",
+    )
     p.add_argument("task", metavar="ID|KEY")
     p.add_argument("--key", action="store_true", help="treat ID|KEY as a key even if it is all digits")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")

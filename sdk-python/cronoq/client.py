@@ -1,8 +1,8 @@
 """The async Client: submit, submit_batch, get, wait, cancel, list.
 
-    async with Client("http://127.0.0.1:7070") as client:
-        sub = await client.submit("default", {"n": 1}, key="invoice-42")
-        done = await client.wait(sub.task.id, timeout=30)
+async with Client("http://127.0.0.1:7070") as client:
+    sub = await client.submit("default", {"n": 1}, key="invoice-42")
+    done = await client.wait(sub.task.id, timeout=30)
 """
 
 from __future__ import annotations
@@ -13,15 +13,14 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .jsonform import JSON_CONTENT_TYPE
 from ._transport import Endpoint, RetryConfig, TlsConfig, call_metadata, open_channel, with_retries
-from .v1 import task_pb2, task_service_pb2 as pb, task_service_pb2_grpc
+from .jsonform import JSON_CONTENT_TYPE
+from .v1 import task_pb2, task_service_pb2_grpc
+from .v1 import task_service_pb2 as pb
 
 Task = task_pb2.Task
 TaskState = task_pb2.TaskState
-TERMINAL_STATES = frozenset(
-    {task_pb2.TASK_STATE_SUCCEEDED, task_pb2.TASK_STATE_FAILED, task_pb2.TASK_STATE_CANCELLED}
-)
+TERMINAL_STATES = frozenset({task_pb2.TASK_STATE_SUCCEEDED, task_pb2.TASK_STATE_FAILED, task_pb2.TASK_STATE_CANCELLED})
 
 TaskRefLike = int | str
 
@@ -81,7 +80,7 @@ def task_spec(
         resources=dict(resources or {}),
     )
     if delay is not None:
-        run_at = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=delay)
+        run_at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay)
     if run_at is not None:
         if run_at.tzinfo is None:
             raise ValueError("run_at: give a timezone-aware datetime")
@@ -119,7 +118,7 @@ class Client:
         self._retry = retry
         self._timeout = timeout
         self._channel: Any = None
-        self._stub: task_service_pb2_grpc.TaskServiceStub | None = None
+        self._stub: task_service_pb2_grpc.TaskServiceAsyncStub | None = None
 
     async def __aenter__(self) -> Client:
         return self
@@ -133,16 +132,18 @@ class Client:
             self._channel = self._stub = None
 
     @property
-    def stub(self) -> task_service_pb2_grpc.TaskServiceStub:
+    def stub(self) -> task_service_pb2_grpc.TaskServiceAsyncStub:
         if self._stub is None:  # channels belong to the running loop: create them lazily
             self._channel = open_channel(self.endpoint, self._tls)
-            self._stub = task_service_pb2_grpc.TaskServiceStub(self._channel)
+            self._stub = task_service_pb2_grpc.TaskServiceStub(self._channel)  # type: ignore[assignment]
         return self._stub
 
     async def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         rpc = getattr(self.stub, method)
         md = call_metadata(self._token)
-        return await with_retries(lambda: rpc(request, metadata=md, timeout=timeout or self._timeout), self._retry, method)
+        return await with_retries(
+            lambda: rpc(request, metadata=md, timeout=timeout or self._timeout), self._retry, method
+        )
 
     async def submit(self, pool: str, payload: Any = None, **options: Any) -> Submitted:
         """Submits one task (see task_spec for options); a known key returns the existing task."""

@@ -113,9 +113,22 @@ class RedirectRefused(FailedPrecondition):
 _BY_CODE: dict[grpc.StatusCode, type[CronoqError]] = {
     cls.code: cls
     for cls in (
-        Cancelled, Unknown, InvalidArgument, DeadlineExceeded, NotFound, AlreadyExists, PermissionDenied,
-        ResourceExhausted, FailedPrecondition, Aborted, OutOfRange, Unimplemented, Internal, Unavailable,
-        DataLoss, Unauthenticated,
+        Cancelled,
+        Unknown,
+        InvalidArgument,
+        DeadlineExceeded,
+        NotFound,
+        AlreadyExists,
+        PermissionDenied,
+        ResourceExhausted,
+        FailedPrecondition,
+        Aborted,
+        OutOfRange,
+        Unimplemented,
+        Internal,
+        Unavailable,
+        DataLoss,
+        Unauthenticated,
     )
     if cls.code is not None
 }

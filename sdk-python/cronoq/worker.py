@@ -21,13 +21,15 @@ from ._transport import (
     RetryConfig,
     TlsConfig,
     call_metadata,
+    call_once,
     check_redirect,
     open_channel,
     with_retries,
 )
 from .client import Task, decode, encode_payload
 from .errors import CronoqError, FailedPrecondition, NotFound, TooManyRedirects, Unavailable
-from .v1 import worker_service_pb2 as pb, worker_service_pb2_grpc
+from .v1 import worker_service_pb2 as pb
+from .v1 import worker_service_pb2_grpc
 
 log = logging.getLogger("cronoq.worker")
 
@@ -116,7 +118,7 @@ class Worker:
         self.worker_id = ""
         self._heartbeat_s = 10.0
         self._channel: Any = None
-        self._stub: worker_service_pb2_grpc.WorkerServiceStub | None = None
+        self._stub: worker_service_pb2_grpc.WorkerServiceAsyncStub | None = None
         self._md = call_metadata(token)
         self._running: dict[int, tuple[asyncio.Task[None], TaskContext]] = {}
         self._unacked: dict[int, int] = {}  # task id -> attempt, outcome not yet acknowledged
@@ -131,29 +133,31 @@ class Worker:
     def _connect(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
         self._channel = open_channel(endpoint, self._tls)
-        self._stub = worker_service_pb2_grpc.WorkerServiceStub(self._channel)
+        self._stub = worker_service_pb2_grpc.WorkerServiceStub(self._channel)  # type: ignore[assignment]
 
     async def _close_channel(self) -> None:
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
 
-    async def _call(self, method: str, request: Any, timeout: float = 30.0) -> Any:
+    def _rpc(self, method: str) -> Any:
         assert self._stub is not None
-        rpc = getattr(self._stub, method)
+        return getattr(self._stub, method)
+
+    async def _call(self, method: str, request: Any, timeout: float = 30.0) -> Any:
+        rpc = self._rpc(method)
         return await with_retries(lambda: rpc(request, metadata=self._md, timeout=timeout), self._retry, method)
 
     async def _register(self) -> None:
         """Registers with the shard of its pools, following up to three redirects."""
         redirects = 0
-        req = pb.RegisterWorkerRequest(name=self.name, pools=self.pools, concurrency=self.concurrency, labels=self._labels)
+        req = pb.RegisterWorkerRequest(
+            name=self.name, pools=self.pools, concurrency=self.concurrency, labels=self._labels
+        )
         self._connect(self.configured_endpoint)
         while True:
             try:
-                assert self._stub is not None
-                once = RetryConfig(self._retry.initial_backoff, self._retry.max_backoff, 0)
-                rpc = self._stub.RegisterWorker
-                resp = await with_retries(lambda: rpc(req, metadata=self._md, timeout=30), once, "RegisterWorker")
+                resp = await call_once(lambda: self._rpc("RegisterWorker")(req, metadata=self._md, timeout=30))
             except FailedPrecondition as err:
                 target = err.shard_endpoint
                 if not target:
@@ -183,7 +187,9 @@ class Worker:
                 continue
             self.worker_id = resp.worker_id
             self._heartbeat_s = max(resp.heartbeat_interval_ms / 1000, 0.1)
-            log.info("worker %s registered with shard %s at %s for %s", self.worker_id, resp.shard, self.endpoint, self.pools)
+            log.info(
+                "worker %s registered with shard %s at %s for %s", self.worker_id, resp.shard, self.endpoint, self.pools
+            )
             return
 
     # -- running --------------------------------------------------------------
@@ -231,8 +237,10 @@ class Worker:
     async def _deregister(self) -> None:
         if self.worker_id and self._stub is not None:
             try:
-                await self._stub.DeregisterWorker(pb.DeregisterWorkerRequest(worker_id=self.worker_id), metadata=self._md, timeout=5)
-            except Exception as err:  # noqa: BLE001 - best effort on the way out
+                await self._stub.DeregisterWorker(
+                    pb.DeregisterWorkerRequest(worker_id=self.worker_id), metadata=self._md, timeout=5
+                )
+            except Exception as err:
                 log.debug("deregister failed: %s", err)
 
     async def _lease_loop(self) -> None:
@@ -269,7 +277,7 @@ class Worker:
             if ctx._lost:
                 return
             outcome.cancelled.reason = "cancelled" if ctx.cancel_requested.is_set() else "worker shut down"
-        except Exception as err:  # noqa: BLE001 - a handler's bug fails the attempt, retryably
+        except Exception as err:
             outcome.failure.error = f"{type(err).__name__}: {err}"
             outcome.failure.retryable = True
         finally:
@@ -327,4 +335,3 @@ class Worker:
                     ctx._lost = True
                     handle.cancel()
                     log.warning("task %d lost its lease; its outcome will not be reported", task_id)
-

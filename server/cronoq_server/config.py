@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 UNSHARDED = "unsharded"
 PERMISSIONS = ("submit", "read", "cancel", "work", "schedule", "admin")
@@ -39,11 +39,23 @@ def _parse_duration(value: Any) -> float:
 
 
 Duration = Annotated[float, BeforeValidator(_parse_duration)]
+
+
+def _check_listen(value: Any) -> Any:
+    """A listen address is host:port (IPv6 hosts in brackets), port 0..65535."""
+    if isinstance(value, str):
+        host, sep, port = value.rpartition(":")
+        if not sep or not host.strip("[]") or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+            raise ValueError(f"expected host:port with a port from 0 to 65535, got {value!r}")
+    return value
+
+
+Listen = Annotated[str, AfterValidator(_check_listen)]
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class TlsConfig(_Strict):
@@ -59,8 +71,8 @@ class PeerTlsConfig(_Strict):
 
 
 class ServerConfig(_Strict):
-    listen: str = "127.0.0.1:7070"
-    http_listen: str = "127.0.0.1:7080"
+    listen: Listen = "127.0.0.1:7070"
+    http_listen: Listen = "127.0.0.1:7080"
     advertise: str | None = None
     tls: TlsConfig | None = None
     peer_tls: PeerTlsConfig | None = None
@@ -171,6 +183,8 @@ def _unique(items: list[Any], attr: str, where: str) -> None:
 
 
 def _check_cross_references(cfg: Config) -> None:
+    if not cfg.pools:
+        raise ValueError("pools: at least one [[pools]] entry is needed")
     _unique(cfg.pools, "name", "pools")
     _unique(cfg.resources, "name", "resources")
     _unique(cfg.shards, "name", "shards")
@@ -191,18 +205,19 @@ def _check_cross_references(cfg: Config) -> None:
                 if pool in owner:
                     raise ValueError(f"shards[{i}].pools: pool {pool!r} is already in shard {owner[pool]!r}")
                 owner[pool] = shard.name
-        for pool in cfg.pools:
-            if pool.name not in owner:
-                raise ValueError(f"pools: pool {pool.name!r} is in no shard")
+        for pool_cfg in cfg.pools:
+            if pool_cfg.name not in owner:
+                raise ValueError(f"pools: pool {pool_cfg.name!r} is in no shard")
         if cfg.store.kind == "sqlite" and "{shard}" not in cfg.store.path:
             raise ValueError(f"store.path: must contain {{shard}} when sharded, got {cfg.store.path!r}")
         if cfg.store.schema_ is not None and "{shard}" not in cfg.store.schema_:
             raise ValueError(f"store.schema: must contain {{shard}} when sharded, got {cfg.store.schema_!r}")
-    for section, entries in (("tokens", cfg.tokens), ("clients", cfg.clients)):
-        for i, entry in enumerate(entries):
-            for pool in entry.pools:
-                if pool != "*" and pool not in pool_names:
-                    raise ValueError(f"{section}[{i}].pools: unknown pool {pool!r}")
+    grants: list[tuple[str, int, list[str]]] = [("tokens", i, t.pools) for i, t in enumerate(cfg.tokens)]
+    grants += [("clients", i, c.pools) for i, c in enumerate(cfg.clients)]
+    for section, i, pools in grants:
+        for pool in pools:
+            if pool != "*" and pool not in pool_names:
+                raise ValueError(f"{section}[{i}].pools: unknown pool {pool!r}")
 
 
 def _format_error(path: str, err: ValidationError) -> str:

@@ -20,6 +20,6 @@ def seq_of(task_id: int) -> int:
 
 def parse_task_id(text: str) -> int:
     """Parses a decimal task id; raises ValueError naming the value."""
-    if not text.isdigit() or int(text) > MAX_ID or int(text) == 0:
+    if not (text.isascii() and text.isdigit()) or int(text) > MAX_ID or int(text) == 0:
         raise ValueError(f"task id {text!r} is not a positive unsigned 64-bit decimal integer")
     return int(text)

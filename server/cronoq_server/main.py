@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import os
+import re
 import signal
 import sys
 
@@ -41,6 +43,12 @@ def check_startup(config: Config, path: str, shard: str | None) -> None:
         raise ConfigError(f"{path}: shards: --shard {shard!r} names no [[shards]] entry")
     if not config.sharded and shard is not None:
         raise ConfigError(f"{path}: shards: --shard {shard!r} given but the file has no [[shards]]")
+    for i, token in enumerate(config.tokens):
+        if token.env is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", os.environ.get(token.env, "")):
+            raise ConfigError(
+                f"{path}: tokens[{i}].env: variable {token.env!r} is not set to a sha256 hex digest "
+                f"(token {token.name!r})"
+            )
     s = config.server
     if not (config.tokens or config.clients or s.allow_unauthenticated):
         for key, listen in (("server.listen", s.listen), ("server.http_listen", s.http_listen)):
@@ -57,8 +65,13 @@ async def serve(config: Config, shard: str | None) -> int:
     http_runner = await start_http(node, config.server.http_listen)
     log.info(
         "cronoq-server %s: shard %s (number %d), pools %s, gRPC %s, HTTP %s, store %s",
-        __version__, node.shard_name, node.shard_number, ",".join(node.pools),
-        config.server.listen, config.server.http_listen, config.store.kind,
+        __version__,
+        node.shard_name,
+        node.shard_number,
+        ",".join(node.pools),
+        config.server.listen,
+        config.server.http_listen,
+        config.store.kind,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -111,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"cronoq-server: {err}", file=sys.stderr)
         sys.exit(2)
     try:
-        import uvloop  # noqa: PLC0415
+        import uvloop
     except ImportError:
         sys.exit(asyncio.run(serve(config, args.shard)))
     sys.exit(uvloop.run(serve(config, args.shard)))

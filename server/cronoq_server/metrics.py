@@ -6,7 +6,9 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from .store.base import TERMINAL, Changes, State
 
-TASKS_SUBMITTED = Counter("cronoq_tasks_submitted_total", "Tasks admitted (deduplicated submissions excluded).", ["pool"])
+TASKS_SUBMITTED = Counter(
+    "cronoq_tasks_submitted_total", "Tasks admitted (deduplicated submissions excluded).", ["pool"]
+)
 TASKS_LEASED = Counter("cronoq_tasks_leased_total", "Task attempts leased to workers.")
 TASKS_FINISHED = Counter("cronoq_tasks_finished_total", "Tasks that ended, by outcome.", ["outcome"])
 TASKS_BY_STATE = Gauge("cronoq_tasks", "Tasks in the store by pool and state.", ["pool", "state"])

@@ -11,8 +11,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-from cronoq.v1 import admin_service_pb2 as admin_pb, worker_service_pb2
 from google.protobuf.message import Message
+
+from cronoq.v1 import admin_service_pb2 as admin_pb
+from cronoq.v1 import worker_service_pb2
 
 from . import __version__
 from .auth import Authenticator, Principal
@@ -157,7 +159,9 @@ class Node:
 
     # -- admin ----------------------------------------------------------------
 
-    async def get_server_info(self, req: admin_pb.GetServerInfoRequest, caller: Principal) -> admin_pb.GetServerInfoResponse:
+    async def get_server_info(
+        self, req: admin_pb.GetServerInfoRequest, caller: Principal
+    ) -> admin_pb.GetServerInfoResponse:
         return admin_pb.GetServerInfoResponse(
             version=__version__,
             shard=self.shard_name,

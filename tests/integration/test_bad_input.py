@@ -11,6 +11,7 @@ costs about a second), collecting every mismatch so that one run reports them al
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import time
 import urllib.parse
@@ -19,14 +20,19 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import json_format
+
 from cronoq.v1 import (
     task_pb2,
-    task_service_pb2 as tpb,
     task_service_pb2_grpc,
-    worker_service_pb2 as wpb,
     worker_service_pb2_grpc,
 )
-from google.protobuf import json_format
+from cronoq.v1 import (
+    task_service_pb2 as tpb,
+)
+from cronoq.v1 import (
+    worker_service_pb2 as wpb,
+)
 
 # SPEC.md §6: gRPC code -> HTTP status.
 HTTP_STATUS = {
@@ -214,7 +220,12 @@ def test_submit_task_bad_fields(client: Client) -> None:
             ("payload", str(3 * MAX_PAYLOAD), "max_payload_bytes"),
         ),
         ("max_attempts negative", {"pool": "default", "max_attempts": -1}, "INVALID_ARGUMENT", ("max_attempts", "-1")),
-        ("max_attempts too big", {"pool": "default", "max_attempts": 1001}, "INVALID_ARGUMENT", ("max_attempts", "1001")),
+        (
+            "max_attempts too big",
+            {"pool": "default", "max_attempts": 1001},
+            "INVALID_ARGUMENT",
+            ("max_attempts", "1001"),
+        ),
         ("unknown resource", {"pool": "default", "resources": {"gpu": 1}}, "INVALID_ARGUMENT", ("resources", "'gpu'")),
         (
             "unknown dependency by id",
@@ -288,8 +299,18 @@ def test_http_malformed_and_unknown_json(client: Client) -> None:
         ("priority not a number", "/v1/tasks", {"pool": "default", "priority": "high"}, ("priority", "'high'")),
         ("priority out of int32", "/v1/tasks", {"pool": "default", "priority": 1 << 40}, ("priority", str(1 << 40))),
         ("max_attempts out of int32", "/v1/tasks", {"pool": "default", "max_attempts": 1 << 40}, ("max_attempts",)),
-        ("dependency id not a number", "/v1/tasks", {"pool": "default", "depends_on": [{"id": "abc"}]}, ("depends_on", "abc")),
-        ("payload and payload_json", "/v1/tasks", {"pool": "default", "payload": "eA==", "payload_json": 1}, ("payload_json",)),
+        (
+            "dependency id not a number",
+            "/v1/tasks",
+            {"pool": "default", "depends_on": [{"id": "abc"}]},
+            ("depends_on", "abc"),
+        ),
+        (
+            "payload and payload_json",
+            "/v1/tasks",
+            {"pool": "default", "payload": "eA==", "payload_json": 1},
+            ("payload_json",),
+        ),
         (
             "oversized payload_json",
             "/v1/tasks",
@@ -297,7 +318,12 @@ def test_http_malformed_and_unknown_json(client: Client) -> None:
             ("payload", "max_payload_bytes"),
         ),
         ("run_at not a timestamp", "/v1/tasks", {"pool": "default", "run_at": "tomorrow"}, ("run_at",)),
-        ("resources amount not a number", "/v1/tasks", {"pool": "default", "resources": {"gpu": "lots"}}, ("resources",)),
+        (
+            "resources amount not a number",
+            "/v1/tasks",
+            {"pool": "default", "resources": {"gpu": "lots"}},
+            ("resources",),
+        ),
     ]
     for name, path, body, fragments in body_cases:
         client.http_case(name, "POST", path, "INVALID_ARGUMENT", *fragments, body=body)
@@ -339,8 +365,8 @@ def test_submit_batch_all_or_nothing(client: Client) -> None:
         ),
         (
             "cycle of three after good tasks",
-            many[:3]
-            + [
+            [
+                *many[:3],
                 {"pool": "default", "key": "x", "depends_on": [{"key": "z"}]},
                 {"pool": "default", "key": "y", "depends_on": [{"key": "x"}]},
                 {"pool": "default", "key": "z", "depends_on": [{"key": "y"}]},
@@ -361,15 +387,30 @@ def test_submit_batch_all_or_nothing(client: Client) -> None:
             ("tasks", str(MAX_BATCH + 1), str(MAX_BATCH), "max_batch_size"),
         ),
         ("empty batch", [], "INVALID_ARGUMENT", ("tasks",)),
-        ("unknown pool in task 7 of 10", with_bad(many, 7, pool="nope"), "INVALID_ARGUMENT", ("tasks[7].pool", "'nope'")),
+        (
+            "unknown pool in task 7 of 10",
+            with_bad(many, 7, pool="nope"),
+            "INVALID_ARGUMENT",
+            ("tasks[7].pool", "'nope'"),
+        ),
         (
             "oversized payload in task 3 of 10",
             with_bad(many, 3, payload=b64(b"p" * (MAX_PAYLOAD + 1))),
             "INVALID_ARGUMENT",
             ("tasks[3].payload", str(MAX_PAYLOAD + 1)),
         ),
-        ("max_attempts 0..1000 in task 9", with_bad(many, 9, max_attempts=5000), "INVALID_ARGUMENT", ("tasks[9].max_attempts", "5000")),
-        ("unknown resource in task 0", with_bad(many, 0, resources={"gpu": 1}), "INVALID_ARGUMENT", ("tasks[0].resources", "'gpu'")),
+        (
+            "max_attempts 0..1000 in task 9",
+            with_bad(many, 9, max_attempts=5000),
+            "INVALID_ARGUMENT",
+            ("tasks[9].max_attempts", "5000"),
+        ),
+        (
+            "unknown resource in task 0",
+            with_bad(many, 0, resources={"gpu": 1}),
+            "INVALID_ARGUMENT",
+            ("tasks[0].resources", "'gpu'"),
+        ),
         (
             "unknown dependency key in the last of a chain",
             with_bad(chained, 9, depends_on=[{"key": "c8"}, {"key": "ghost-key"}]),
@@ -401,7 +442,9 @@ def test_submit_batch_all_or_nothing(client: Client) -> None:
     status, body = client.server.http("POST", "/v1/batches", {"tasks": chained})
     assert status == 200, body
     assert [t["state"] for t in body["tasks"]] == ["TASK_STATE_PENDING"] + ["TASK_STATE_BLOCKED"] * 9
-    resp = client.tasks.SubmitBatch(tpb.SubmitBatchRequest(tasks=[tpb.SubmitTaskRequest(pool="default")] * MAX_BATCH), timeout=10)
+    resp = client.tasks.SubmitBatch(
+        tpb.SubmitBatchRequest(tasks=[tpb.SubmitTaskRequest(pool="default")] * MAX_BATCH), timeout=10
+    )
     assert len(resp.tasks) == MAX_BATCH
     assert seeded["a"]["key"] == "seed-a"
     client.finish()
@@ -416,7 +459,9 @@ def test_pending_limit_admits_nothing(start_server: Any) -> None:
         client.batch_both("batch over max_pending_total", specs, "RESOURCE_EXHAUSTED", "max_pending_total", "3")
         assert len(client.listing()) == 1
         client.tasks.SubmitBatch(tpb.SubmitBatchRequest(tasks=[tpb.SubmitTaskRequest(pool="default")] * 2), timeout=10)
-        client.submit_both("submit over max_pending_total", {"pool": "default"}, "RESOURCE_EXHAUSTED", "max_pending_total")
+        client.submit_both(
+            "submit over max_pending_total", {"pool": "default"}, "RESOURCE_EXHAUSTED", "max_pending_total"
+        )
         assert len(client.listing()) == 3
         client.finish()
     finally:
@@ -434,8 +479,10 @@ def test_lookups_of_missing_tasks(client: Client) -> None:
         ("POST", "/cancel", "CancelTask"),
     ):
         base = suffix.split("?")[0]
-        query = suffix[len(base):]
-        client.http_case(f"{call} missing id", verb, f"/v1/tasks/{MISSING_ID}{base}{query}", "NOT_FOUND", str(MISSING_ID))
+        query = suffix[len(base) :]
+        client.http_case(
+            f"{call} missing id", verb, f"/v1/tasks/{MISSING_ID}{base}{query}", "NOT_FOUND", str(MISSING_ID)
+        )
         client.http_case(f"{call} max uint64 id", verb, f"/v1/tasks/{MAX_ID}{base}{query}", "NOT_FOUND", str(MAX_ID))
         client.http_case(f"{call} missing key", verb, f"/v1/keys/ghost-key{base}{query}", "NOT_FOUND", "'ghost-key'")
         stub_call = getattr(client.tasks, call)
@@ -447,10 +494,12 @@ def test_lookups_of_missing_tasks(client: Client) -> None:
             (task_pb2.TaskRef(key="ghost-key"), "'ghost-key'"),
         ):
             req = req_type(task=ref, **extra)
-            client.grpc_case(f"gRPC {call} {ref}", lambda: stub_call(req, timeout=10), "NOT_FOUND", frag)
+            client.grpc_case(f"gRPC {call} {ref}", functools.partial(stub_call, req, timeout=10), "NOT_FOUND", frag)
         for ref, frag in ((task_pb2.TaskRef(id=0), "0"), (task_pb2.TaskRef(), "task")):
             req = req_type(task=ref, **extra)
-            client.grpc_case(f"gRPC {call} bad ref {ref}", lambda: stub_call(req, timeout=10), "INVALID_ARGUMENT", frag)
+            client.grpc_case(
+                f"gRPC {call} bad ref {ref}", functools.partial(stub_call, req, timeout=10), "INVALID_ARGUMENT", frag
+            )
     client.finish()
 
 
@@ -460,7 +509,9 @@ def test_unparsable_ids_in_the_url(client: Client) -> None:
     for raw_id in bad_ids:
         shown = urllib.parse.unquote(raw_id)
         for verb, suffix, call in (("GET", "", "get"), ("GET", "/wait", "wait"), ("POST", "/cancel", "cancel")):
-            client.http_case(f"{call} /v1/tasks/{raw_id}", verb, f"/v1/tasks/{raw_id}{suffix}", "INVALID_ARGUMENT", "id", repr(shown))
+            client.http_case(
+                f"{call} /v1/tasks/{raw_id}", verb, f"/v1/tasks/{raw_id}{suffix}", "INVALID_ARGUMENT", "id", repr(shown)
+            )
     client.finish()
 
 
@@ -491,7 +542,12 @@ def test_bad_query_parameters(client: Client) -> None:
         ("unknown state number", tpb.ListTasksRequest(state=99), ("state", "99")),  # type: ignore[arg-type]
     ]
     for name, req, fragments in grpc_cases:
-        client.grpc_case(f"gRPC ListTasks {name}", lambda: client.tasks.ListTasks(req, timeout=10), "INVALID_ARGUMENT", *fragments)
+        client.grpc_case(
+            f"gRPC ListTasks {name}",
+            functools.partial(client.tasks.ListTasks, req, timeout=10),
+            "INVALID_ARGUMENT",
+            *fragments,
+        )
 
     def watch_unknown_pool() -> None:
         for _ in client.tasks.Watch(tpb.WatchRequest(pool="nope"), timeout=5):
@@ -510,42 +566,58 @@ def test_worker_calls_bad_input(client: Client) -> None:
     client.grpc_case(
         "register for an unknown pool",
         lambda: w.RegisterWorker(wpb.RegisterWorkerRequest(name="w", pools=["default", "nope"]), timeout=10),
-        "INVALID_ARGUMENT", "pools", "'nope'",
+        "INVALID_ARGUMENT",
+        "pools",
+        "'nope'",
     )
     client.grpc_case(
-        "register for no pool", lambda: w.RegisterWorker(wpb.RegisterWorkerRequest(name="w"), timeout=10),
-        "INVALID_ARGUMENT", "pools",
+        "register for no pool",
+        lambda: w.RegisterWorker(wpb.RegisterWorkerRequest(name="w"), timeout=10),
+        "INVALID_ARGUMENT",
+        "pools",
     )
     client.grpc_case(
         "register with negative concurrency",
         lambda: w.RegisterWorker(wpb.RegisterWorkerRequest(name="w", pools=["other"], concurrency=-2), timeout=10),
-        "INVALID_ARGUMENT", "concurrency", "-2",
+        "INVALID_ARGUMENT",
+        "concurrency",
+        "-2",
     )
     worker_id = w.RegisterWorker(wpb.RegisterWorkerRequest(name="w", pools=["other"]), timeout=10).worker_id
     client.grpc_case(
         "lease for an unknown worker",
         lambda: w.LeaseTasks(wpb.LeaseTasksRequest(worker_id="nobody", max_tasks=1), timeout=10),
-        "NOT_FOUND", "worker_id", "'nobody'",
+        "NOT_FOUND",
+        "worker_id",
+        "'nobody'",
     )
     client.grpc_case(
         "lease zero tasks",
         lambda: w.LeaseTasks(wpb.LeaseTasksRequest(worker_id=worker_id, max_tasks=0), timeout=10),
-        "INVALID_ARGUMENT", "max_tasks", "0",
+        "INVALID_ARGUMENT",
+        "max_tasks",
+        "0",
     )
     client.grpc_case(
         "lease from a pool the worker did not register for",
         lambda: w.LeaseTasks(wpb.LeaseTasksRequest(worker_id=worker_id, max_tasks=1, pools=["default"]), timeout=10),
-        "INVALID_ARGUMENT", "pools", "'default'",
+        "INVALID_ARGUMENT",
+        "pools",
+        "'default'",
     )
     client.grpc_case(
         "heartbeat of an unknown worker",
         lambda: w.Heartbeat(wpb.HeartbeatRequest(worker_id="nobody"), timeout=10),
-        "NOT_FOUND", "worker_id", "'nobody'",
+        "NOT_FOUND",
+        "worker_id",
+        "'nobody'",
     )
     client.grpc_case(
         "finish for an unknown worker",
         lambda: w.FinishTasks(wpb.FinishTasksRequest(worker_id="nobody"), timeout=10),
-        "NOT_FOUND", "worker_id", "'nobody'",
+        "NOT_FOUND",
+        "worker_id",
+        "'nobody'",
     )
     foreign = (7 << 56) | 1
     client.grpc_case(
@@ -557,14 +629,17 @@ def test_worker_calls_bad_input(client: Client) -> None:
             ),
             timeout=10,
         ),
-        "INVALID_ARGUMENT", "outcomes[0].task_id", str(foreign),
+        "INVALID_ARGUMENT",
+        "outcomes[0].task_id",
+        str(foreign),
     )
     client.grpc_case(
         "finish with no outcome kind",
         lambda: w.FinishTasks(
             wpb.FinishTasksRequest(worker_id=worker_id, outcomes=[wpb.TaskOutcome(task_id=1, attempt=1)]), timeout=10
         ),
-        "INVALID_ARGUMENT", "outcomes[0]",
+        "INVALID_ARGUMENT",
+        "outcomes[0]",
     )
     # An outcome for a task that does not exist is refused per item, NOT_FOUND.
     resp = w.FinishTasks(
@@ -587,7 +662,9 @@ def _get(client: Client, task_id: int) -> task_pb2.Task:
 
 
 def _finish(client: Client, worker_id: str, *outcomes: wpb.TaskOutcome) -> list[wpb.FinishTaskResult]:
-    return list(client.workers.FinishTasks(wpb.FinishTasksRequest(worker_id=worker_id, outcomes=outcomes), timeout=10).results)
+    return list(
+        client.workers.FinishTasks(wpb.FinishTasksRequest(worker_id=worker_id, outcomes=outcomes), timeout=10).results
+    )
 
 
 def _success(task_id: int, attempt: int, result: bytes) -> wpb.TaskOutcome:
@@ -672,7 +749,9 @@ def test_finish_after_lease_expiry_is_refused(client: Client) -> None:
     (result,) = _finish(client, worker_id, _success(task_id, 1, b"late"))
     _assert_refused(result, task_id, 1)
     assert _get(client, task_id) == task
-    hb = w.Heartbeat(wpb.HeartbeatRequest(worker_id=worker_id, tasks=[wpb.TaskAttempt(task_id=task_id, attempt=1)]), timeout=10)
+    hb = w.Heartbeat(
+        wpb.HeartbeatRequest(worker_id=worker_id, tasks=[wpb.TaskAttempt(task_id=task_id, attempt=1)]), timeout=10
+    )
     assert list(hb.lost_task_ids) == [task_id]
 
     # Leased again as attempt 2: the report of attempt 1 is still refused.

@@ -1,13 +1,14 @@
 """The config file and the server command (SPEC.md §3).
 
 A bad file is refused at start with exit code 2 and exactly one line on stderr that
-names the file, the key and what is wrong. Each bad file runs as a real
-`python -m cronoq_server.main --config FILE [--shard NAME]`; the processes run a few
-at a time (one module fixture), each case checks its own outcome.
+names the file, the key and what is wrong. Every case runs the server's real main()
+in its own process (see FORK_RUNNER); a representative few also run as the literal
+`python -m cronoq_server.main --config FILE [--shard NAME]`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -15,7 +16,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 import pytest
+
 from cronoq.v1 import admin_service_pb2, admin_service_pb2_grpc
 
 LOOPBACK = '[server]\nlisten = "127.0.0.1:0"\nhttp_listen = "127.0.0.1:0"\n'
@@ -51,20 +52,21 @@ class Case:
     fragments: tuple[str, ...]  # the key and the problem, each must be in the line
     shard: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    command: bool = False  # also run as the literal `python -m cronoq_server.main ...`
 
 
 CASES = [
     # unknown keys, at every depth
     Case("unknown top-level key", 'colour = "red"\n' + UNSHARDED, ("colour", "unknown key")),
     Case("unknown top-level table", UNSHARDED + "[logging]\nlevel = 1\n", ("logging", "unknown key")),
-    Case("unknown key in [server]", LOOPBACK + "port = 7070\n" + POOL, ("server.port", "unknown key")),
+    Case("unknown key in [server]", LOOPBACK + "port = 7070\n" + POOL, ("server.port", "unknown key"), command=True),
     Case(
         "unknown key in [server.tls]",
         LOOPBACK + '[server.tls]\ncert = "c.pem"\nkey = "k.pem"\npassphrase = "x"\n' + POOL,
         ("server.tls.passphrase", "unknown key"),
     ),
-    Case("unknown key in [[pools]]", LOOPBACK + POOL + 'colour = "red"\n', ("pools[0].colour", "unknown key")),
     Case("unknown key in [store]", LOOPBACK + '[store]\nfile = "x.db"\n' + POOL, ("store.file", "unknown key")),
+    Case("unknown key in [[pools]]", LOOPBACK + POOL + 'colour = "red"\n', ("pools[0].colour", "unknown key")),
     Case("unknown key in [limits]", UNSHARDED + "[limits]\nmax_payload = 5\n", ("limits.max_payload", "unknown key")),
     Case("unknown key in [[shards]]", SHARDED + "weight = 3\n", ("shards[1].weight", "unknown key"), shard="s1"),
     Case(
@@ -73,13 +75,30 @@ CASES = [
         ("tokens[0].expires", "unknown key"),
     ),
     # bad types and values
-    Case("bad type: integer", UNSHARDED + '[limits]\nmax_batch_size = "many"\n', ("limits.max_batch_size", "integer", "'many'")),
-    Case("bad type: string", '[server]\nlisten = 7070\nhttp_listen = "127.0.0.1:0"\n' + POOL, ("server.listen", "string", "7070")),
+    Case(
+        "bad type: integer",
+        UNSHARDED + '[limits]\nmax_batch_size = "many"\n',
+        ("limits.max_batch_size", "integer", "'many'"),
+    ),
+    Case(
+        "bad type: string",
+        '[server]\nlisten = 7070\nhttp_listen = "127.0.0.1:0"\n' + POOL,
+        ("server.listen", "string", "7070"),
+    ),
     Case("bad type: list", 'pools = "default"\n' + LOOPBACK, ("pools", "list", "'default'")),
-    Case("bad type: boolean", LOOPBACK + "allow_unauthenticated = 3\n" + POOL, ("server.allow_unauthenticated", "bool", "3")),
+    Case(
+        "bad type: boolean",
+        LOOPBACK + "allow_unauthenticated = 3\n" + POOL,
+        ("server.allow_unauthenticated", "bool", "3"),
+    ),
     Case("bad type: table", 'store = "sqlite"\n' + UNSHARDED, ("store", "'sqlite'")),
     Case("store.kind unknown", LOOPBACK + '[store]\nkind = "mysql"\n' + POOL, ("store.kind", "'mysql'")),
-    Case("max_attempts 0", UNSHARDED + "max_attempts = 0\n", ("pools[0].max_attempts", "greater than or equal to 1", "0")),
+    Case(
+        "max_attempts 0",
+        UNSHARDED + "max_attempts = 0\n",
+        ("pools[0].max_attempts", "greater than or equal to 1", "0"),
+        command=True,
+    ),
     Case("max_attempts too big", UNSHARDED + "max_attempts = 100000\n", ("pools[0].max_attempts", "100000")),
     Case("max_attempts negative", UNSHARDED + "max_attempts = -3\n", ("pools[0].max_attempts", "-3")),
     Case("pool name empty", LOOPBACK + '[[pools]]\nname = ""\n', ("pools[0].name", "''")),
@@ -95,6 +114,7 @@ CASES = [
         "non-loopback listen without credentials",
         '[server]\nlisten = "0.0.0.0:0"\nhttp_listen = "127.0.0.1:0"\n' + POOL,
         ("server.listen", "'0.0.0.0:0'", "loopback", "allow_unauthenticated"),
+        command=True,
     ),
     Case(
         "non-loopback http_listen without credentials",
@@ -118,6 +138,7 @@ CASES = [
         LOOPBACK + SHARD_STORE + TWO_POOLS + shard("s1", 1, ["a"]) + shard("s2", 2, ["b", "a"]),
         ("shards[1].pools", "'a'", "already in shard 's1'"),
         shard="s1",
+        command=True,
     ),
     Case(
         "shard with an unknown pool",
@@ -208,7 +229,7 @@ CASES = [
         ("shards[1].endpoint", "'10.0.0.2:7070'", "http"),
         shard="s1",
     ),
-    Case("missing --shard with [[shards]]", SHARDED, ("--shard", "required", "s1", "s2")),
+    Case("missing --shard with [[shards]]", SHARDED, ("--shard", "required", "s1", "s2"), command=True),
     Case("unknown --shard", SHARDED, ("--shard", "'s9'"), shard="s9"),
     Case("--shard without [[shards]]", UNSHARDED, ("--shard", "'s1'", "no [[shards]]"), shard="s1"),
     # tokens
@@ -216,6 +237,7 @@ CASES = [
         "token with neither sha256 nor env",
         UNSHARDED + '[[tokens]]\nname = "ci"\n' + TOKEN_TAIL,
         ("tokens[0]", "'ci'", "sha256", "env"),
+        command=True,
     ),
     Case(
         "token with both sha256 and env",
@@ -231,6 +253,7 @@ CASES = [
         "token env variable unset",
         UNSHARDED + f'[[tokens]]\nname = "ci"\nenv = "{UNSET_ENV}"\n' + TOKEN_TAIL,
         ("tokens[0].env", f"'{UNSET_ENV}'"),
+        command=True,
     ),
     Case(
         "token env variable not a digest",
@@ -249,65 +272,186 @@ CASES = [
         ("tokens[0].permissions[0]", "'fly'"),
     ),
     # the file itself
-    Case("invalid TOML syntax", "[server\nlisten = 1\n", ("not valid TOML", "line 1")),
+    Case("invalid TOML syntax", "[server\nlisten = 1\n", ("not valid TOML", "line 1"), command=True),
     Case("invalid TOML value", LOOPBACK + "allow_unauthenticated = yes\n", ("not valid TOML", "line 4")),
     Case("duplicate TOML key", LOOPBACK + 'listen = "127.0.0.1:1"\n', ("not valid TOML", "line 4")),
-    Case("missing file", None, ("file not found",)),
+    Case("missing file", None, ("file not found",), command=True),
 ]
 
 
 @dataclass
 class Outcome:
-    returncode: int | None
+    returncode: int | None  # None: still running at the deadline (a bad file was accepted), then killed
     stdout: str
     stderr: str
     path: str
 
 
-def _run_case(case: Case, workdir: Path) -> Outcome:
-    workdir.mkdir(parents=True)
+# Starting the server's Python (grpc, aiohttp, pydantic) costs about a second of CPU, so
+# the cases run in one process that imports cronoq_server.main once and forks a child
+# per case; each child runs main(argv) with its own cwd, environment and stdout/stderr
+# files and exits with main's exit code, exactly as `python -m cronoq_server.main` does.
+# The cases marked `command=True` also run as that literal command.
+FORK_RUNNER = r"""
+import json, os, signal, sys, time, traceback
+import cronoq_server.main as server_main
+
+jobs = json.load(open(sys.argv[1]))
+deadline = time.monotonic() + float(sys.argv[2])
+children = {}
+for job in jobs:
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.chdir(job["cwd"])
+            os.environ.update(job["env"])
+            os.dup2(os.open(job["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+            os.dup2(os.open(job["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+            try:
+                server_main.main(job["argv"])
+                code = 0
+            except SystemExit as exit:
+                if exit.code is None or isinstance(exit.code, int):
+                    code = exit.code or 0
+                else:
+                    print(exit.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    children[pid] = job["id"]
+results, killed = {}, set()
+while children:
+    pid, status = os.waitpid(-1, os.WNOHANG)
+    if pid:
+        job_id = children.pop(pid)
+        results[job_id] = None if pid in killed else os.waitstatus_to_exitcode(status)
+    elif time.monotonic() > deadline and not killed:
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+            killed.add(pid)
+    else:
+        time.sleep(0.01)
+json.dump(results, sys.stdout)
+"""
+CHILD_DEADLINE_S = 10.0
+
+
+def _case_env(case: Case) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(UNSET_ENV)} | case.env
+
+
+def _write_case(case: Case, workdir: Path) -> Path:
+    workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "cronoq.toml"
     if case.text is not None:
         path.write_text(case.text)
-    cmd = [sys.executable, "-m", "cronoq_server.main", "--config", str(path)]
-    if case.shard:
-        cmd += ["--shard", case.shard]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(UNSET_ENV)} | case.env
+    return path
+
+
+def _argv(case: Case, path: Path) -> list[str]:
+    return ["--config", str(path)] + (["--shard", case.shard] if case.shard else [])
+
+
+def _run_forked(cases: list[Case], root: Path) -> dict[str, Outcome]:
+    jobs: list[dict[str, Any]] = []
+    paths: dict[str, Path] = {}
+    for i, case in enumerate(cases):
+        workdir = root / f"forked{i}"
+        paths[case.id] = path = _write_case(case, workdir)
+        jobs.append(
+            {
+                "id": case.id,
+                "cwd": str(workdir),
+                "env": case.env,
+                "argv": _argv(case, path),
+                "stdout": str(workdir / "stdout"),
+                "stderr": str(workdir / "stderr"),
+            }
+        )
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(UNSET_ENV)}
+    proc = subprocess.run(
+        [sys.executable, "-c", FORK_RUNNER, str(root / "jobs.json"), str(CHILD_DEADLINE_S)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_DEADLINE_S + 60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    codes = json.loads(proc.stdout)
+    return {
+        job["id"]: Outcome(
+            codes[job["id"]], Path(job["stdout"]).read_text(), Path(job["stderr"]).read_text(), str(paths[job["id"]])
+        )
+        for job in jobs
+    }
+
+
+def _run_command(case: Case, workdir: Path) -> Outcome:
+    path = _write_case(case, workdir)
+    cmd = [sys.executable, "-m", "cronoq_server.main", *_argv(case, path)]
     try:
-        proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(cmd, cwd=workdir, env=_case_env(case), capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired as err:  # it started serving: a bad file was accepted
         return Outcome(None, str(err.stdout or ""), str(err.stderr or ""), str(path))
     return Outcome(proc.returncode, proc.stdout, proc.stderr, str(path))
 
 
+PARAMS = [pytest.param(c, "forked", id=c.id) for c in CASES] + [
+    pytest.param(c, "command", id=f"{c.id} [python -m]") for c in CASES if c.command
+]
+
+
 @pytest.fixture(scope="module")
-def outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[Outcome]]:
-    """Starts the selected cases' processes, a few at a time; each test waits for its own."""
+def outcomes(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[tuple[str, str], Future[Outcome]]:
+    """Runs the selected cases in the background; each test waits for its own outcome."""
     selected = {
-        item.callspec.params["case"].id
+        (item.callspec.params["case"].id, item.callspec.params["mode"])
         for item in request.session.items
         if hasattr(item, "callspec") and isinstance(item.callspec.params.get("case"), Case)
     }
     root = tmp_path_factory.mktemp("configs")
-    pool = ThreadPoolExecutor(max_workers=max(4, (os.cpu_count() or 2) * 2))
-    futures = {
-        case.id: pool.submit(_run_case, case, root / f"case{i}")
-        for i, case in enumerate(CASES)
-        if case.id in selected
-    }
+    pool = ThreadPoolExecutor(max_workers=3)
     request.addfinalizer(lambda: pool.shutdown(wait=True, cancel_futures=True))
+    forked_cases = [c for c in CASES if (c.id, "forked") in selected]
+    forked = pool.submit(_run_forked, forked_cases, root) if forked_cases else None
+    futures: dict[tuple[str, str], Future[Outcome]] = {}
+    for i, case in enumerate(CASES):
+        if (case.id, "command") in selected:
+            futures[(case.id, "command")] = pool.submit(_run_command, case, root / f"command{i}")
+        if forked is not None and (case.id, "forked") in selected:
+            futures[(case.id, "forked")] = _pick(forked, case.id)
     return futures
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_config_is_refused(case: Case, outcomes: dict[str, Future[Outcome]]) -> None:
-    out = outcomes[case.id].result()
+def _pick(batch: Future[dict[str, Outcome]], case_id: str) -> Future[Outcome]:
+    one: Future[Outcome] = Future()
+
+    def done(f: Future[dict[str, Outcome]]) -> None:
+        if f.exception() is not None:
+            one.set_exception(f.exception())  # type: ignore[arg-type]
+        else:
+            one.set_result(f.result()[case_id])
+
+    batch.add_done_callback(done)
+    return one
+
+
+@pytest.mark.parametrize("case, mode", PARAMS)
+def test_bad_config_is_refused(case: Case, mode: str, outcomes: dict[tuple[str, str], Future[Outcome]]) -> None:
+    out = outcomes[(case.id, mode)].result(timeout=120)
     assert out.returncode == 2, f"exit code {out.returncode}, want 2; stderr:\n{out.stderr}"
     lines = out.stderr.splitlines()
     assert len(lines) == 1, f"want exactly one line on stderr, got {len(lines)}:\n{out.stderr}"
     line = lines[0]
     assert "Traceback" not in line
-    assert out.path in line, f"the line does not name the file {out.path}: {line}"
+    assert line.startswith(f"cronoq-server: {out.path}: "), f"the line does not begin with the file {out.path}: {line}"
     for frag in case.fragments:
         assert frag in line, f"the line does not name {frag!r}: {line}"
     assert out.stdout == "", out.stdout
@@ -348,6 +492,8 @@ def test_valid_sharded_file_serves_its_shard(start_server: Any, tmp_path: Path) 
 
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
+        # As the server does: connections of an earlier run in TIME_WAIT do not make a port busy.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

@@ -8,7 +8,10 @@ import time
 
 import grpc
 import pytest
-from cronoq.v1 import task_pb2, task_service_pb2 as tpb, task_service_pb2_grpc, worker_service_pb2 as wpb, worker_service_pb2_grpc
+
+from cronoq.v1 import task_pb2, task_service_pb2_grpc, worker_service_pb2_grpc
+from cronoq.v1 import task_service_pb2 as tpb
+from cronoq.v1 import worker_service_pb2 as wpb
 
 S = task_pb2
 
@@ -27,10 +30,14 @@ class Api:
         return self.tasks.GetTask(tpb.GetTaskRequest(task=S.TaskRef(id=task_id))).task
 
     def register(self, pools=("default",)) -> str:
-        return self.workers.RegisterWorker(wpb.RegisterWorkerRequest(name="t", pools=list(pools), concurrency=10)).worker_id
+        return self.workers.RegisterWorker(
+            wpb.RegisterWorkerRequest(name="t", pools=list(pools), concurrency=10)
+        ).worker_id
 
     def lease(self, worker: str, n: int = 10, wait_ms: int = 0) -> list[S.Task]:
-        return list(self.workers.LeaseTasks(wpb.LeaseTasksRequest(worker_id=worker, max_tasks=n, wait_ms=wait_ms)).tasks)
+        return list(
+            self.workers.LeaseTasks(wpb.LeaseTasksRequest(worker_id=worker, max_tasks=n, wait_ms=wait_ms)).tasks
+        )
 
     def finish(self, worker: str, task: S.Task, **outcome) -> wpb.FinishTaskResult:
         o = wpb.TaskOutcome(task_id=task.id, attempt=task.attempt, **outcome)
@@ -125,10 +132,14 @@ def test_failed_dependency_fails_dependents_naming_it(api):
 
 
 def test_batch_may_depend_on_its_own_keys(api):
-    resp = api.tasks.SubmitBatch(tpb.SubmitBatchRequest(tasks=[
-        tpb.SubmitTaskRequest(pool="default", key="load", depends_on=[S.TaskRef(key="extract")]),
-        tpb.SubmitTaskRequest(pool="default", key="extract"),
-    ]))
+    resp = api.tasks.SubmitBatch(
+        tpb.SubmitBatchRequest(
+            tasks=[
+                tpb.SubmitTaskRequest(pool="default", key="load", depends_on=[S.TaskRef(key="extract")]),
+                tpb.SubmitTaskRequest(pool="default", key="extract"),
+            ]
+        )
+    )
     load, extract = resp.tasks
     assert load.depends_on == [extract.id]
     assert (load.state, extract.state) == (S.TASK_STATE_BLOCKED, S.TASK_STATE_PENDING)
@@ -162,7 +173,9 @@ def test_heartbeat_extends_lease_and_expiry_retries(api):
     (leased,) = api.lease(w)
     for _ in range(4):  # 3 s of heartbeats keeps it beyond its 2 s ttl
         time.sleep(0.75)
-        hb = api.workers.Heartbeat(wpb.HeartbeatRequest(worker_id=w, tasks=[wpb.TaskAttempt(task_id=task.id, attempt=1)]))
+        hb = api.workers.Heartbeat(
+            wpb.HeartbeatRequest(worker_id=w, tasks=[wpb.TaskAttempt(task_id=task.id, attempt=1)])
+        )
         assert list(hb.lost_task_ids) == []
     assert api.get(task.id).state == S.TASK_STATE_RUNNING
     deadline = time.monotonic() + 6
@@ -188,7 +201,9 @@ def test_cancel_pending_blocked_and_running(api):
     (leased,) = api.lease(w)
     resp = api.tasks.CancelTask(tpb.CancelTaskRequest(task=S.TaskRef(id=running.id))).task
     assert resp.state == S.TASK_STATE_RUNNING and resp.cancel_requested
-    hb = api.workers.Heartbeat(wpb.HeartbeatRequest(worker_id=w, tasks=[wpb.TaskAttempt(task_id=running.id, attempt=1)]))
+    hb = api.workers.Heartbeat(
+        wpb.HeartbeatRequest(worker_id=w, tasks=[wpb.TaskAttempt(task_id=running.id, attempt=1)])
+    )
     assert list(hb.cancelled_task_ids) == [running.id]
     api.finish(w, leased, cancelled=wpb.TaskCancelled(reason="asked to"))
     assert api.get(running.id).state == S.TASK_STATE_CANCELLED

@@ -6,9 +6,9 @@ import asyncio
 import collections
 import signal
 
-import cronoq
-
 from _helpers import eventually, log_lines, start_worker
+
+import cronoq
 
 SUCCEEDED = cronoq.TaskState.Value("TASK_STATE_SUCCEEDED")
 

@@ -3,7 +3,8 @@
 A backend is one entry of BACKENDS: an async factory that opens a store at a place
 given by the test and returns it. Opening the same place again must reach the same
 data (the reopen test relies on it). To add PostgreSQL, add a factory that maps the
-place to a fresh schema and add "postgres" to BACKENDS; every test then runs on both.
+place to a fresh schema (calling pytest.skip when no database is reachable) and add
+"postgres" to BACKENDS; every test then runs on both.
 """
 
 from __future__ import annotations

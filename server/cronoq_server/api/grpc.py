@@ -7,13 +7,15 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
 from cronoq.v1 import (
     admin_service_pb2_grpc,
     schedule_service_pb2_grpc,
     task_service_pb2_grpc,
     worker_service_pb2_grpc,
 )
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..auth import Principal
 from ..errors import ApiError
@@ -31,7 +33,7 @@ def _metadata(context: grpc.aio.ServicerContext, name: str) -> str | None:
 
 def _cert_subject(context: grpc.aio.ServicerContext) -> str | None:
     auth = context.auth_context()
-    names = auth.get("x509_subject") or auth.get("x509_common_name")
+    names = list(auth.get("x509_subject") or auth.get("x509_common_name") or ())
     return names[0].decode() if names else None
 
 
@@ -72,7 +74,7 @@ class TaskServicer(_Servicer, task_service_pb2_grpc.TaskServiceServicer):
     CancelTask = _unary("CancelTask")
     ListTasks = _unary("ListTasks")
 
-    async def Watch(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+    async def Watch(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             async for item in self._node.watch(request, self._caller(context)):
                 yield item
@@ -92,6 +94,11 @@ class WorkerServicer(_Servicer, worker_service_pb2_grpc.WorkerServiceServicer):
 class ScheduleServicer(_Servicer, schedule_service_pb2_grpc.ScheduleServiceServicer):
     """Schedules are declared in the contract; the server implements them in a later release."""
 
+    async def _unimplemented(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "schedules are not implemented yet")
+
+    PutSchedule = DeleteSchedule = ListSchedules = _unimplemented
+
 
 class AdminServicer(_Servicer, admin_service_pb2_grpc.AdminServiceServicer):
     GetSnapshot = _unary("GetSnapshot")
@@ -110,7 +117,7 @@ def _server_credentials(node: Node) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials(pair)
 
 
-async def start_grpc(node: Node, listen: str) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+async def start_grpc(node: Node, listen: str) -> tuple[grpc.aio.Server, HealthServicer]:
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", max(node.config.limits.max_payload_bytes * 2, 64 << 20)),
@@ -121,7 +128,7 @@ async def start_grpc(node: Node, listen: str) -> tuple[grpc.aio.Server, health.a
     worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(node), server)
     schedule_service_pb2_grpc.add_ScheduleServiceServicer_to_server(ScheduleServicer(node), server)
     admin_service_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(node), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     creds = _server_credentials(node)
     if creds is None:

@@ -11,15 +11,22 @@ from typing import Any
 
 import grpc
 from aiohttp import web
-from cronoq.v1 import (
-    admin_service_pb2 as admin_pb,
-    task_pb2,
-    task_service_pb2 as task_pb,
-    worker_service_pb2 as worker_pb,
-)
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from cronoq.v1 import (
+    admin_service_pb2 as admin_pb,
+)
+from cronoq.v1 import (
+    task_pb2,
+)
+from cronoq.v1 import (
+    task_service_pb2 as task_pb,
+)
+from cronoq.v1 import (
+    worker_service_pb2 as worker_pb,
+)
 
 from ..auth import Principal
 from ..errors import ApiError, invalid
@@ -181,10 +188,31 @@ async def _empty_info(r: web.Request) -> Message:
     return admin_pb.GetServerInfoRequest()
 
 
+@web.middleware
+async def _json_http_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Unknown routes and methods answer with the same JSON error body as the API."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        err = ApiError(grpc.StatusCode.NOT_FOUND, f"no route {request.method} {request.path}")
+        return _error_response(err)
+    except web.HTTPMethodNotAllowed as exc:
+        body = {
+            "code": "UNIMPLEMENTED",
+            "message": f"{request.method} is not allowed on {request.path} "
+            f"(allowed: {', '.join(sorted(exc.allowed_methods))})",
+        }
+        return web.json_response(body, status=405, headers={"Allow": ",".join(sorted(exc.allowed_methods))})
+
+
 class HttpApi:
     def __init__(self, node: Node):
         self.node = node
-        self.app = web.Application(client_max_size=max(node.config.limits.max_payload_bytes * 2, 4 << 20))
+        self.app = web.Application(
+            middlewares=[_json_http_errors], client_max_size=max(node.config.limits.max_payload_bytes * 2, 4 << 20)
+        )
         routes = [
             ("POST", "/v1/tasks", "SubmitTask", _submit_task),
             ("POST", "/v1/batches", "SubmitBatch", _submit_batch),
@@ -202,8 +230,11 @@ class HttpApi:
         for verb, path, method, build in routes:
             self.app.router.add_route(verb, path, self._handler(method, build))
         self.app.router.add_get("/v1/watch", self._watch)
-        for verb, path in (("GET", "/v1/schedules"), ("PUT", "/v1/pools/{pool}/schedules/{name}"),
-                           ("DELETE", "/v1/pools/{pool}/schedules/{name}")):
+        for verb, path in (
+            ("GET", "/v1/schedules"),
+            ("PUT", "/v1/pools/{pool}/schedules/{name}"),
+            ("DELETE", "/v1/pools/{pool}/schedules/{name}"),
+        ):
             self.app.router.add_route(verb, path, self._unimplemented)
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_get("/healthz", self._healthz)
@@ -221,7 +252,9 @@ class HttpApi:
                 return _error_response(err)
             except Exception:
                 log.exception("%s %s failed", request.method, request.path)
-                return web.json_response({"code": "INTERNAL", "message": "internal error; see the server log"}, status=500)
+                return web.json_response(
+                    {"code": "INTERNAL", "message": "internal error; see the server log"}, status=500
+                )
             return web.json_response(to_json(response))
 
         return handle
@@ -240,7 +273,11 @@ class HttpApi:
         return response
 
     async def _unimplemented(self, request: web.Request) -> web.Response:
-        return _error_response(ApiError(grpc.StatusCode.UNIMPLEMENTED, f"{request.method} {request.path}: schedules are not implemented yet"))
+        return _error_response(
+            ApiError(
+                grpc.StatusCode.UNIMPLEMENTED, f"{request.method} {request.path}: schedules are not implemented yet"
+            )
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
         await self.node.refresh_gauges()

@@ -8,13 +8,14 @@ import logging
 import uuid
 
 import grpc
+
 from cronoq.v1 import worker_service_pb2 as pb
 
 from ..auth import Principal
 from ..config import Config
 from ..errors import ApiError, invalid
-from ..metrics import START_LATENCY, TASKS_LEASED, record_finished
 from ..ids import make_task_id, seq_of, shard_of
+from ..metrics import START_LATENCY, TASKS_LEASED, record_finished
 from ..store.base import Outcome, OutcomeKind, Store, WorkerRow
 from .convert import to_task, to_worker
 from .events import EventBus
@@ -29,7 +30,9 @@ POLL_FALLBACK_S = 1.0
 
 
 class Leases:
-    def __init__(self, config: Config, store: Store, events: EventBus, shard_name: str, shard_number: int, pools: list[str]):
+    def __init__(
+        self, config: Config, store: Store, events: EventBus, shard_name: str, shard_number: int, pools: list[str]
+    ):
         self._config = config
         self._store = store
         self._events = events
@@ -66,13 +69,17 @@ class Leases:
         if worker is None:
             worker = await self._store.get_worker(worker_id)
             if worker is None:
-                raise ApiError(grpc.StatusCode.NOT_FOUND, f"worker_id: worker {worker_id!r} is not registered; register again")
+                raise ApiError(
+                    grpc.StatusCode.NOT_FOUND, f"worker_id: worker {worker_id!r} is not registered; register again"
+                )
             self._workers[worker_id] = worker
         for pool in worker.pools:
             caller.require("work", pool)
         return worker
 
-    async def deregister_worker(self, req: pb.DeregisterWorkerRequest, caller: Principal) -> pb.DeregisterWorkerResponse:
+    async def deregister_worker(
+        self, req: pb.DeregisterWorkerRequest, caller: Principal
+    ) -> pb.DeregisterWorkerResponse:
         await self._worker(req.worker_id, caller)
         await self._store.deregister_worker(req.worker_id)
         self._workers.pop(req.worker_id, None)
@@ -147,18 +154,28 @@ class Leases:
                 f = o.failure
                 outcomes.append(
                     Outcome(
-                        seq_of(o.task_id), o.attempt, OutcomeKind.FAILURE, error=f.error,
-                        retryable=f.retryable, retry_after_ms=f.retry_after_ms,
+                        seq_of(o.task_id),
+                        o.attempt,
+                        OutcomeKind.FAILURE,
+                        error=f.error,
+                        retryable=f.retryable,
+                        retry_after_ms=f.retry_after_ms,
                     )
                 )
             else:
-                outcomes.append(Outcome(seq_of(o.task_id), o.attempt, OutcomeKind.CANCELLED, error=o.cancelled.reason or "cancelled"))
+                outcomes.append(
+                    Outcome(
+                        seq_of(o.task_id), o.attempt, OutcomeKind.CANCELLED, error=o.cancelled.reason or "cancelled"
+                    )
+                )
         results, changes = await self._store.finish(outcomes, now_us())
         await self._events.publish(changes)
         record_finished(changes)
         return pb.FinishTasksResponse(
             results=[
-                pb.FinishTaskResult(task_id=make_task_id(self._shard, r.seq), accepted=r.accepted, code=r.code, message=r.message)
+                pb.FinishTaskResult(
+                    task_id=make_task_id(self._shard, r.seq), accepted=r.accepted, code=r.code, message=r.message
+                )
                 for r in results
             ]
         )

@@ -6,11 +6,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from cronoq.v1 import task_pb2, task_service_pb2 as pb
+from cronoq.v1 import task_pb2
+from cronoq.v1 import task_service_pb2 as pb
 
 from ..auth import Principal
 from ..config import Config
-from ..errors import ApiError, invalid, not_found
+from ..errors import invalid, not_found
 from ..ids import make_task_id, seq_of, shard_of
 from ..store.base import TERMINAL, NewTask, State, Store, TaskRow
 from .convert import to_task
@@ -28,7 +29,9 @@ def now_us() -> int:
 
 
 class Tasks:
-    def __init__(self, config: Config, store: Store, events: EventBus, shard_name: str, shard_number: int, pools: list[str]):
+    def __init__(
+        self, config: Config, store: Store, events: EventBus, shard_name: str, shard_number: int, pools: list[str]
+    ):
         self._config = config
         self._store = store
         self._events = events
@@ -55,7 +58,9 @@ class Tasks:
         if len(req.payload) > limit:
             raise invalid(f"{where}payload: {len(req.payload)} bytes exceeds limits.max_payload_bytes {limit}")
         if req.max_attempts < 0 or req.max_attempts > 1000:
-            raise invalid(f"{where}max_attempts: {req.max_attempts} is not between 1 and 1000 (0 takes the pool's default)")
+            raise invalid(
+                f"{where}max_attempts: {req.max_attempts} is not between 1 and 1000 (0 takes the pool's default)"
+            )
         for name, amount in req.resources.items():
             res = self._resources.get(name)
             if res is None:
@@ -234,8 +239,10 @@ def _batch_order(tasks: list[NewTask]) -> list[int]:
                 state[done] = 2
                 order.append(done)
             elif state[nxt] == 1:
-                cycle = path[path.index(nxt) :] + [nxt]
-                raise invalid("depends_on: dependency cycle in batch: " + " -> ".join(repr(tasks[j].key) for j in cycle))
+                cycle = [*path[path.index(nxt) :], nxt]
+                raise invalid(
+                    "depends_on: dependency cycle in batch: " + " -> ".join(repr(tasks[j].key) for j in cycle)
+                )
             elif state[nxt] == 0:
                 state[nxt] = 1
                 path.append(nxt)

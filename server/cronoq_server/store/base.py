@@ -7,8 +7,9 @@ Unix epoch (UTC); tasks are named inside a store by their per-shard sequence.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 
 class State(enum.IntEnum):
@@ -136,6 +137,10 @@ class StoreSettings:
     max_pending_per_pool: int | None = None
 
 
+class StoreOwnedElsewhere(Exception):
+    """The store holds another shard's tasks (its shard name or number differs)."""
+
+
 class Store(Protocol):
     """One shard's tasks. SQLite and PostgreSQL pass the same suite (tests/store)."""
 
@@ -153,20 +158,18 @@ class Store(Protocol):
 
     async def get_many(self, seqs: list[int]) -> list[TaskRow]: ...
 
-    async def list_tasks(self, pools: list[str] | None, state: State | None, after_seq: int, limit: int) -> list[TaskRow]:
+    async def list_tasks(
+        self, pools: list[str] | None, state: State | None, after_seq: int, limit: int
+    ) -> list[TaskRow]:
         """Tasks of those pools (None: all) in seq order after after_seq."""
 
-    async def lease(
-        self, worker_id: str, pools: list[str], limit: int, now: int
-    ) -> tuple[list[TaskRow], int | None]:
+    async def lease(self, worker_id: str, pools: list[str], limit: int, now: int) -> tuple[list[TaskRow], int | None]:
         """Leases up to limit PENDING tasks (priority, then run_at, then seq).
 
         Returns the leased rows, and when none is due, the earliest future run_at.
         """
 
-    async def heartbeat(
-        self, worker_id: str, attempts: list[tuple[int, int]], now: int
-    ) -> tuple[list[int], list[int]]:
+    async def heartbeat(self, worker_id: str, attempts: list[tuple[int, int]], now: int) -> tuple[list[int], list[int]]:
         """Extends the leases held; returns (cancel-requested seqs, lost seqs)."""
 
     async def finish(self, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]: ...

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
 import queue
+import sqlite3
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -27,6 +28,7 @@ from .base import (
     OutcomeKind,
     OutcomeResult,
     State,
+    StoreOwnedElsewhere,
     StoreSettings,
     Submitted,
     TaskRow,
@@ -81,6 +83,8 @@ MIGRATIONS: dict[int, str] = {
     """,
 }
 
+# What an outcome decision reads of a task, in this order.
+OUTCOME_COLUMNS = "seq, state, attempt, pool, max_attempts, cancel_requested"
 MAX_GROUP = 256  # writes committed together at most
 MAX_VARS = 900  # well under SQLite's bound on host parameters per statement
 
@@ -142,10 +146,6 @@ def _worker(r: tuple[Any, ...]) -> WorkerRow:
     return WorkerRow(r[0], r[1], json.loads(r[2]), r[3], json.loads(r[4]), r[5], r[6])
 
 
-class StoreOwnedElsewhere(Exception):
-    """The database belongs to another shard."""
-
-
 class SqliteStore:
     def __init__(self, path: str, settings: StoreSettings, synchronous: str = "full"):
         self.path = path
@@ -202,12 +202,12 @@ class SqliteStore:
                     try:
                         done.append((op, True, op.fn(db, *op.args)))
                         db.execute("RELEASE op")
-                    except Exception as err:  # noqa: BLE001 - handed to the caller
+                    except Exception as err:
                         db.execute("ROLLBACK TO op")
                         db.execute("RELEASE op")
                         done.append((op, False, err))
                 db.execute("COMMIT")
-        except Exception as err:  # noqa: BLE001 - the commit itself failed: every write fails
+        except Exception as err:
             if db.in_transaction:
                 db.execute("ROLLBACK")
             done = [(op, False, err) for op in writes]
@@ -215,10 +215,13 @@ class SqliteStore:
             if not op.write:
                 try:
                     done.append((op, True, op.fn(*op.args)))
-                except Exception as err:  # noqa: BLE001
+                except Exception as err:
                     done.append((op, False, err))
         for op, ok, value in done:
-            op.loop.call_soon_threadsafe(_settle, op.fut, ok, value)
+            try:
+                op.loop.call_soon_threadsafe(_settle, op.fut, ok, value)
+            except RuntimeError:  # the caller's loop is closed: nobody is waiting
+                pass
 
     @property
     def _conn(self) -> sqlite3.Connection:
@@ -292,8 +295,10 @@ class SqliteStore:
     async def get_many(self, seqs: list[int]) -> list[TaskRow]:
         return await self._run(self._select_seqs, self._conn, seqs)
 
-    async def list_tasks(self, pools: list[str] | None, state: State | None, after_seq: int, limit: int) -> list[TaskRow]:
-        where, params = "seq > ?", [after_seq]
+    async def list_tasks(
+        self, pools: list[str] | None, state: State | None, after_seq: int, limit: int
+    ) -> list[TaskRow]:
+        where, params = "seq > ?", list[Any]([after_seq])
         if pools is not None:
             where += f" AND pool IN ({_marks(len(pools))})"
             params += pools
@@ -373,7 +378,9 @@ class SqliteStore:
     def _resolve_deps(self, db: sqlite3.Connection, task: NewTask, earlier: list[Submitted]) -> list[tuple[int, State]]:
         found: dict[int, State] = {}
         if task.dep_seqs:
-            rows = dict(db.execute(f"SELECT seq, state FROM tasks WHERE seq IN ({_marks(len(task.dep_seqs))})", task.dep_seqs))
+            rows = dict(
+                db.execute(f"SELECT seq, state FROM tasks WHERE seq IN ({_marks(len(task.dep_seqs))})", task.dep_seqs)
+            )
             for seq in task.dep_seqs:
                 if seq not in rows:
                     raise not_found(f"depends_on: task {self._full_id(seq)} not found")
@@ -449,7 +456,10 @@ class SqliteStore:
         current: dict[int, tuple[Any, ...]] = {}
         seqs = [s for s, _ in attempts]
         for chunk in _chunks(seqs):
-            sql = f"SELECT seq, state, attempt, worker_id, cancel_requested, pool FROM tasks WHERE seq IN ({_marks(len(chunk))})"
+            sql = (
+                "SELECT seq, state, attempt, worker_id, cancel_requested, pool FROM tasks"
+                f" WHERE seq IN ({_marks(len(chunk))})"
+            )
             for r in db.execute(sql, chunk):
                 current[r[0]] = r
         cancelled, lost, extend = [], [], []
@@ -472,7 +482,7 @@ class SqliteStore:
     def _finish(self, db: sqlite3.Connection, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:
         current: dict[int, tuple[Any, ...]] = {}
         for chunk in _chunks([o.seq for o in outcomes]):
-            sql = f"SELECT seq, state, attempt, pool, max_attempts, cancel_requested FROM tasks WHERE seq IN ({_marks(len(chunk))})"
+            sql = f"SELECT {OUTCOME_COLUMNS} FROM tasks WHERE seq IN ({_marks(len(chunk))})"
             for r in db.execute(sql, chunk):
                 current[r[0]] = r
         results: list[OutcomeResult] = []
@@ -500,7 +510,9 @@ class SqliteStore:
         changes = self._apply_outcomes(db, accepted, now)
         return results, changes
 
-    def _apply_outcomes(self, db: sqlite3.Connection, accepted: list[tuple[Outcome, tuple[Any, ...]]], now: int) -> Changes:
+    def _apply_outcomes(
+        self, db: sqlite3.Connection, accepted: list[tuple[Outcome, tuple[Any, ...]]], now: int
+    ) -> Changes:
         """Ends or retries RUNNING tasks; r is (seq, state, attempt, pool, max_attempts, cancel_requested)."""
         terminal: list[tuple[Any, ...]] = []
         retries: list[tuple[Any, ...]] = []
@@ -532,7 +544,8 @@ class SqliteStore:
             terminal,
         )
         db.executemany(
-            "UPDATE tasks SET state = 1, run_at = ?, error = ?, worker_id = NULL, lease_expires_at = NULL WHERE seq = ?",
+            "UPDATE tasks SET state = 1, run_at = ?, error = ?, worker_id = NULL, lease_expires_at = NULL"
+            " WHERE seq = ?",
             retries,
         )
         changes += self._unblock_dependents(db, succeeded)
@@ -555,12 +568,16 @@ class SqliteStore:
             if not dependents:
                 continue
             db.executemany(
-                f"UPDATE tasks SET blocked_on = blocked_on - (SELECT COUNT(*) FROM deps WHERE task_seq = ? AND dep_seq IN ({marks}))"
+                "UPDATE tasks SET blocked_on = blocked_on"
+                f" - (SELECT COUNT(*) FROM deps WHERE task_seq = ? AND dep_seq IN ({marks}))"
                 " WHERE seq = ?",
                 [(d, *chunk, d) for d in dependents],
             )
             for part in _chunks(dependents):
-                sql = f"UPDATE tasks SET state = 1 WHERE state = 2 AND blocked_on <= 0 AND seq IN ({_marks(len(part))}) RETURNING seq"
+                sql = (
+                    "UPDATE tasks SET state = 1 WHERE state = 2 AND blocked_on <= 0"
+                    f" AND seq IN ({_marks(len(part))}) RETURNING seq"
+                )
                 changes += [(r[0], State.PENDING) for r in db.execute(sql, part)]
         return changes
 
@@ -590,7 +607,7 @@ class SqliteStore:
         return await self._tx(self._expire_leases, now)
 
     def _expire_leases(self, db: sqlite3.Connection, now: int) -> Changes:
-        sql = "SELECT seq, state, attempt, pool, max_attempts, cancel_requested FROM tasks WHERE state = 3 AND lease_expires_at < ?"
+        sql = f"SELECT {OUTCOME_COLUMNS} FROM tasks WHERE state = 3 AND lease_expires_at < ?"
         expired = [
             (Outcome(r[0], r[2], OutcomeKind.FAILURE, error="lease expired", retryable=True), r)
             for r in db.execute(sql, (now,))
@@ -608,7 +625,7 @@ class SqliteStore:
         changes: Changes = []
         if row.state in (State.PENDING, State.BLOCKED):
             db.execute("UPDATE tasks SET state = 6, error = 'cancelled', finished_at = ? WHERE seq = ?", (now, seq))
-            changes = [(seq, State.CANCELLED)] + self._end_dependents(db, [seq], State.CANCELLED, now)
+            changes = [(seq, State.CANCELLED), *self._end_dependents(db, [seq], State.CANCELLED, now)]
         elif row.state == State.RUNNING and not row.cancel_requested:
             db.execute("UPDATE tasks SET cancel_requested = 1 WHERE seq = ?", (seq,))
             changes = [(seq, State.RUNNING)]

@@ -1,0 +1,1 @@
+"""Unit tests: no server process, no store file beyond tmp_path."""
