@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+
+# The SQLite durability the bench runs with (the server's default is "full").
+SYNCHRONOUS = os.environ.get("CRONOQ_BENCH_SYNCHRONOUS", "full")
 
 
 def free_port() -> int:
@@ -22,7 +27,7 @@ class BenchServer:
         self.config = workdir / "bench.toml"
         self.config.write_text(
             f'[server]\nlisten = "127.0.0.1:{self.grpc_port}"\nhttp_listen = "127.0.0.1:{self.http_port}"\n'
-            f'[store]\npath = "{workdir}/bench.db"\n{store_toml}\n'
+            f'[store]\npath = "{workdir}/bench.db"\nsynchronous = "{SYNCHRONOUS}"\n{store_toml}\n'
             '[limits]\nmax_batch_size = 1000\n[[pools]]\nname = "default"\n'
         )
         self.log = open(workdir / "server.log", "wb")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import sys
 import tempfile
@@ -67,6 +68,7 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=20_000)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--batch", type=int, default=500)
+    ap.add_argument("--json", action="store_true", help="print one JSON line")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         server = BenchServer(Path(tmp))
@@ -81,6 +83,17 @@ def main() -> None:
             succeeded = asyncio.run(wait_all_done(server.endpoint, args.tasks))
         finally:
             server.stop()
+    result = {
+        "store": "sqlite",
+        "tasks": args.tasks,
+        "submit_tasks_per_s": round(args.tasks / submit_s),
+        "drain_tasks_per_s": round(args.tasks / drain_s),
+        "drain_s": round(drain_s, 2),
+        "succeeded": succeeded,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return
     print(
         f"sqlite burn-down: submitted {args.tasks} in {submit_s:.2f}s "
         f"({args.tasks / submit_s:,.0f} tasks/s, batches of {args.batch})"

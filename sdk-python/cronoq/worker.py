@@ -99,6 +99,7 @@ class Worker:
         insecure_redirect_http: bool = False,
         labels: dict[str, str] | None = None,
         shutdown_grace: float = 30.0,
+        finish_linger: float = 0.002,
     ):
         if concurrency < 1:
             raise ValueError(f"concurrency: {concurrency} must be at least 1")
@@ -115,6 +116,7 @@ class Worker:
         self._insecure_redirect_http = insecure_redirect_http
         self._labels = labels or {}
         self._shutdown_grace = shutdown_grace
+        self._finish_linger = finish_linger
         self.worker_id = ""
         self._heartbeat_s = 10.0
         self._channel: Any = None
@@ -291,6 +293,8 @@ class Worker:
         """One FinishTasks call in flight; outcomes that arrive meanwhile form the next batch."""
         while True:
             await self._outcome_ready.wait()
+            if self._finish_linger > 0 and len(self._outcomes) < MAX_FINISH_BATCH and not self._stopping.is_set():
+                await asyncio.sleep(self._finish_linger)  # let more outcomes join this report
             self._outcome_ready.clear()
             while self._outcomes:
                 batch, self._outcomes = self._outcomes[:MAX_FINISH_BATCH], self._outcomes[MAX_FINISH_BATCH:]
