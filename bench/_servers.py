@@ -10,7 +10,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-
 # The SQLite durability the bench runs with (the server's default is "full").
 SYNCHRONOUS = os.environ.get("CRONOQ_BENCH_SYNCHRONOUS", "full")
 
