@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from pgserver import TempPostgres, find_bin_dir
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -154,6 +156,20 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(5)
         return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[TempPostgres]:
+    """A real PostgreSQL for this test process; with CRONOQ_REQUIRE_POSTGRES=1 a missing one fails."""
+    bin_dir = find_bin_dir()
+    if bin_dir is None:
+        message = "PostgreSQL binaries (initdb, pg_ctl) not found: install Debian's 'postgresql'"
+        if os.environ.get("CRONOQ_REQUIRE_POSTGRES") == "1":
+            pytest.fail(message + " (CRONOQ_REQUIRE_POSTGRES=1)")
+        pytest.skip(message)
+    pg = TempPostgres(bin_dir).init().start()
+    yield pg
+    pg.cleanup()
 
 
 @pytest.fixture

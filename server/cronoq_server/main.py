@@ -18,7 +18,7 @@ from .api.grpc import start_grpc
 from .api.http import start_http
 from .config import Config, ConfigError, load_config
 from .node import Node
-from .store.sqlite import StoreOwnedElsewhere
+from .store.base import StoreOwnedElsewhere
 
 log = logging.getLogger("cronoq.server")
 DRAIN_GRACE_S = 10.0
@@ -49,6 +49,10 @@ def check_startup(config: Config, path: str, shard: str | None) -> None:
                 f"{path}: tokens[{i}].env: variable {token.env!r} is not set to a sha256 hex digest "
                 f"(token {token.name!r})"
             )
+    if config.store.kind == "postgres" and not config.store.url and not os.environ.get(config.store.url_env):
+        raise ConfigError(
+            f"{path}: store.url_env: environment variable {config.store.url_env!r} is not set (or give store.url)"
+        )
     s = config.server
     if not (config.tokens or config.clients or s.allow_unauthenticated):
         for key, listen in (("server.listen", s.listen), ("server.http_listen", s.http_listen)):
@@ -71,16 +75,20 @@ async def serve(config: Config, shard: str | None) -> int:
         ",".join(node.pools),
         config.server.listen,
         config.server.http_listen,
-        config.store.kind,
+        node.describe_store(),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    async def set_health(leading: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if leading else health_pb2.HealthCheckResponse.NOT_SERVING
+        await health.set("", status)
+
     async def lead() -> None:
-        await node.run_leadership()
-        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await node.open_store()
+        await node.run_leadership(set_health)
 
     leading = asyncio.create_task(lead())
     stopped = asyncio.create_task(stop.wait())

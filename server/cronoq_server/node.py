@@ -24,9 +24,10 @@ from .core.leases import Leases
 from .core.retry import make_retry_at
 from .core.tasks import Tasks
 from .errors import ApiError
-from .leader import FileLeadership
+from .leader import FileLeadership, PgLeadership
 from .metrics import CALLS, LEADER, TASKS_BY_STATE, TASKS_SUBMITTED, WORKERS
-from .store.base import State, Store, StoreSettings
+from .store.base import State, Store, StoreSettings, StoreUnavailable
+from .store.postgres import PostgresStore
 from .store.sqlite import SqliteStore
 
 log = logging.getLogger("cronoq.node")
@@ -51,11 +52,20 @@ class Node:
         self.server_id = f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.auth = Authenticator(config)
         self.store: Store = self._make_store()
-        self.leadership = FileLeadership(self._store_path(), self.advertise)
         self.events = EventBus(self.store, self.shard_name, self.shard_number)
+        self.leadership: FileLeadership | PgLeadership
+        if isinstance(self.store, PostgresStore):
+            self.leadership = PgLeadership(
+                self.store.url, self.store.schema, self.advertise, self.server_id, self.events.wake_leasers
+            )
+        else:
+            self.leadership = FileLeadership(self._store_path(), self.advertise)
         self.tasks = Tasks(config, self.store, self.events, self.shard_name, self.shard_number, self.pools)
-        self.leases = Leases(config, self.store, self.events, self.shard_name, self.shard_number, self.pools)
+        self.leases = Leases(
+            config, self.store, self.events, self.shard_name, self.shard_number, self.pools, lambda: self.is_leader
+        )
         self.is_leader = False
+        self._store_open = False
         self._background: list[asyncio.Task[None]] = []
         self._unary: dict[str, Callable[[Any, Principal], Awaitable[Message]]] = {
             "SubmitTask": self.tasks.submit_task,
@@ -87,24 +97,73 @@ class Node:
             max_pending_total=self.config.limits.max_pending_total,
             max_pending_per_pool=self.config.limits.max_pending_per_pool,
         )
-        if self.config.store.kind != "sqlite":
-            raise ValueError(f"store.kind: {self.config.store.kind!r} is not available in this build")
-        return SqliteStore(self._store_path(), settings, self.config.store.synchronous)
+        store = self.config.store
+        if store.kind == "sqlite":
+            return SqliteStore(self._store_path(), settings, store.synchronous)
+        url = store.url or os.environ.get(store.url_env)
+        if not url:
+            raise ValueError(f"store.url_env: environment variable {store.url_env!r} is not set (or give store.url)")
+        default_schema = "cronoq_{shard}" if self.config.sharded else "cronoq"
+        schema = (store.schema_ or default_schema).replace("{shard}", self.shard_name)
+        return PostgresStore(url, schema, settings)
+
+    def describe_store(self) -> str:
+        if isinstance(self.store, PostgresStore):
+            return f"postgres schema {self.store.schema}"
+        return f"sqlite {self._store_path()}"
 
     # -- leadership -----------------------------------------------------------
 
-    async def run_leadership(self, became_leader: Callable[[], None] | None = None) -> None:
-        """Waits for the lock, then opens the store and starts the leader's work."""
-        if not self.leadership.try_acquire():
-            log.info("shard %s: standby, waiting for leadership (lock %s)", self.shard_name, self.leadership.path)
-            await self.leadership.acquire()
-        await self.store.open()
+    async def run_leadership(self, on_change: Callable[[bool], Awaitable[None]] | None = None) -> None:
+        """Leads whenever it holds the lock; steps down the moment it loses it, then tries again."""
+        while True:
+            if not await self.leadership.try_acquire():
+                log.info("shard %s: standby, waiting for leadership (%s)", self.shard_name, self.leadership.describe)
+                await self.leadership.acquire()
+            try:
+                await self._lead()
+                if on_change:
+                    await on_change(True)
+                await self.leadership.lost()
+                log.error("shard %s: lost leadership (term %d); stepping down", self.shard_name, self.leadership.term)
+            finally:
+                await self._step_down()
+                if on_change:
+                    await on_change(False)
+
+    async def open_store(self) -> None:
+        """Opens (creating or migrating) the store, waiting while it is unreachable.
+
+        Raises StoreOwnedElsewhere when the store holds another shard's tasks.
+        """
+        while not self._store_open:
+            try:
+                await self.store.open()
+                self._store_open = True
+            except StoreUnavailable as err:
+                log.warning("shard %s: %s; retrying", self.shard_name, err)
+                await self.store.close()
+                await asyncio.sleep(1.0)
+
+    async def _lead(self) -> None:
+        if isinstance(self.store, PostgresStore):
+            self.store.term = self.leadership.term
         self.is_leader = True
         LEADER.set(1)
         self._background.append(asyncio.create_task(self.leases.sweep_forever()))
-        log.info("shard %s: leader at %s (store %s)", self.shard_name, self.advertise, self._store_path())
-        if became_leader:
-            became_leader()
+        log.info(
+            "shard %s: leader (term %d) at %s, store %s",
+            self.shard_name, self.leadership.term, self.advertise, self.describe_store(),
+        )  # fmt: skip
+
+    async def _step_down(self) -> None:
+        self.is_leader = False
+        LEADER.set(0)
+        self.events.wake_leasers()  # long polls see they no longer lead and return
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self._background.clear()
 
     async def drain(self) -> None:
         """Stops leasing: long polls return empty and Watch streams end."""
@@ -113,14 +172,11 @@ class Node:
         self.events.close_watchers()
 
     async def stop(self) -> None:
-        for task in self._background:
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        if self.is_leader:
+        await self._step_down()
+        await self.leadership.release()
+        if self._store_open:
             await self.store.close()
-        self.is_leader = False
-        LEADER.set(0)
-        self.leadership.release()
+            self._store_open = False
 
     # -- the one call path ----------------------------------------------------
 
@@ -147,6 +203,10 @@ class Node:
         except ApiError as err:
             code = err.code.name
             raise
+        except StoreUnavailable as err:
+            code = "UNAVAILABLE"
+            leader = self.leadership.current_leader()
+            raise ApiError(grpc.StatusCode.UNAVAILABLE, str(err), {"cronoq-leader": leader} if leader else {}) from None
         except Exception:
             code = "INTERNAL"
             raise

@@ -10,6 +10,7 @@ place to a fresh schema (calling pytest.skip when no database is reachable) and 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from cronoq_server.store.base import Store, StoreSettings
+from cronoq_server.store.postgres import PostgresStore
 from cronoq_server.store.sqlite import SqliteStore
 
 POOLS = ("default", "other")
@@ -52,9 +54,22 @@ async def open_sqlite(place: Path, settings: StoreSettings) -> Store:
     return store
 
 
-# name -> async factory(place, settings) returning an opened store.
-BACKENDS: dict[str, Callable[[Path, StoreSettings], Awaitable[Store]]] = {
-    "sqlite": open_sqlite,
+async def open_postgres(place: Path, settings: StoreSettings, url: str) -> Store:
+    # One schema per test place: reopening the same place reaches the same schema.
+    schema = "t_" + hashlib.sha1(str(place).encode()).hexdigest()[:16]
+    store = PostgresStore(url, schema, settings)
+    try:
+        await store.open()
+    except BaseException:
+        await store.close()
+        raise
+    return store
+
+
+# name -> async factory(place, settings, url) returning an opened store.
+BACKENDS: dict[str, Callable[..., Awaitable[Store]]] = {
+    "sqlite": lambda place, settings, url: open_sqlite(place, settings),
+    "postgres": open_postgres,
 }
 
 OpenStore = Callable[..., Awaitable[Store]]
@@ -66,15 +81,16 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-async def open_store(backend: str, tmp_path: Path) -> AsyncIterator[OpenStore]:
+async def open_store(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[OpenStore]:
     """open_store(**settings_overrides) -> an opened store at this test's place.
 
     Every store opened is closed after the test, so close() must be idempotent.
     """
     opened: list[Store] = []
+    url = request.getfixturevalue("postgres").url if backend == "postgres" else ""
 
     async def open_(**overrides: Any) -> Store:
-        store = await BACKENDS[backend](tmp_path, make_settings(**overrides))
+        store = await BACKENDS[backend](tmp_path, make_settings(**overrides), url)
         opened.append(store)
         return store
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 
 import grpc
 
@@ -31,8 +32,16 @@ POLL_FALLBACK_S = 1.0
 
 class Leases:
     def __init__(
-        self, config: Config, store: Store, events: EventBus, shard_name: str, shard_number: int, pools: list[str]
+        self,
+        config: Config,
+        store: Store,
+        events: EventBus,
+        shard_name: str,
+        shard_number: int,
+        pools: list[str],
+        is_leader: Callable[[], bool] = lambda: True,
     ):
+        self._is_leader = is_leader
         self._config = config
         self._store = store
         self._events = events
@@ -41,7 +50,6 @@ class Leases:
         self._pools = set(pools)
         self._workers: dict[str, WorkerRow] = {}
         self.draining = False
-        self._drained = asyncio.Event()
 
     # -- registration ---------------------------------------------------------
 
@@ -105,7 +113,7 @@ class Leases:
         limit = min(req.max_tasks, MAX_LEASE_BATCH)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(req.wait_ms, MAX_LEASE_WAIT_MS) / 1000
-        while not self.draining:
+        while not self.draining and self._is_leader():
             signal = self._events.lease_signal()
             now = now_us()
             rows, next_due = await self._store.lease(worker.id, pools, limit, now)

@@ -141,6 +141,14 @@ class StoreOwnedElsewhere(Exception):
     """The store holds another shard's tasks (its shard name or number differs)."""
 
 
+class StoreUnavailable(Exception):
+    """The store cannot be reached now; the call may be retried."""
+
+
+class Fenced(StoreUnavailable):
+    """This server's leadership term is over: its writes are refused."""
+
+
 class Store(Protocol):
     """One shard's tasks. SQLite and PostgreSQL pass the same suite (tests/store)."""
 

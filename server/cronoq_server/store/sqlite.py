@@ -25,7 +25,6 @@ from .base import (
     Changes,
     NewTask,
     Outcome,
-    OutcomeKind,
     OutcomeResult,
     State,
     StoreOwnedElsewhere,
@@ -33,6 +32,17 @@ from .base import (
     Submitted,
     TaskRow,
     WorkerRow,
+)
+from .logic import (
+    HEARTBEAT_COLUMNS,
+    OUTCOME_COLUMNS,
+    check_outcomes,
+    decide_heartbeat,
+    decide_outcomes,
+    dependency_error,
+    expired_outcome,
+    initial_state,
+    task_row,
 )
 
 T = TypeVar("T")
@@ -83,8 +93,6 @@ MIGRATIONS: dict[int, str] = {
     """,
 }
 
-# What an outcome decision reads of a task, in this order.
-OUTCOME_COLUMNS = "seq, state, attempt, pool, max_attempts, cancel_requested"
 MAX_GROUP = 256  # writes committed together at most
 MAX_VARS = 900  # well under SQLite's bound on host parameters per statement
 
@@ -114,32 +122,6 @@ def _chunks(items: list[T], size: int = MAX_VARS) -> Iterable[list[T]]:
 
 def _marks(n: int) -> str:
     return ",".join("?" * n)
-
-
-def _row(r: tuple[Any, ...]) -> TaskRow:
-    return TaskRow(
-        seq=r[0],
-        pool=r[1],
-        key=r[2],
-        payload=r[3],
-        content_type=r[4],
-        priority=r[5],
-        run_at=r[6],
-        max_attempts=r[7],
-        depends_on=json.loads(r[8]) if r[8] else [],
-        resources=json.loads(r[9]) if r[9] else {},
-        state=State(r[10]),
-        attempt=r[11],
-        worker_id=r[12],
-        result=r[13],
-        result_content_type=r[14],
-        error=r[15],
-        created_at=r[16],
-        started_at=r[17],
-        finished_at=r[18],
-        cancel_requested=bool(r[19]),
-        lease_expires_at=r[20],
-    )
 
 
 def _worker(r: tuple[Any, ...]) -> WorkerRow:
@@ -276,7 +258,7 @@ class SqliteStore:
     # -- reads ----------------------------------------------------------------
 
     def _select(self, db: sqlite3.Connection, where: str, params: Iterable[Any] = ()) -> list[TaskRow]:
-        return [_row(r) for r in db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE {where}", tuple(params))]
+        return [task_row(r) for r in db.execute(f"SELECT {TASK_COLUMNS} FROM tasks WHERE {where}", tuple(params))]
 
     def _select_seqs(self, db: sqlite3.Connection, seqs: list[int]) -> list[TaskRow]:
         rows: list[TaskRow] = []
@@ -331,19 +313,8 @@ class SqliteStore:
                     out.append(Submitted(existing[0], True))
                     continue
             deps = self._resolve_deps(db, task, out)
-            state, error, blocked_on = State.PENDING, "", 0
-            finished_at = None
-            for dep_seq, dep_state in deps:
-                if dep_state == State.FAILED:
-                    state, error = State.FAILED, f"dependency {self._full_id(dep_seq)} failed"
-                elif dep_state == State.CANCELLED and state != State.FAILED:
-                    state, error = State.CANCELLED, f"dependency {self._full_id(dep_seq)} was cancelled"
-                elif dep_state != State.SUCCEEDED:
-                    blocked_on += 1
-            if state in TERMINAL:
-                finished_at = now
-            elif blocked_on:
-                state = State.BLOCKED
+            state, error, blocked_on = initial_state(deps, self._full_id)
+            finished_at = now if state in TERMINAL else None
             dep_list = [s for s, _ in deps]
             cur = db.execute(
                 "INSERT INTO tasks (pool, key, payload, content_type, priority, run_at, max_attempts, depends_on,"
@@ -439,7 +410,7 @@ class SqliteStore:
             f" AND run_at <= ? ORDER BY priority DESC, run_at, seq LIMIT ?)"
             f" RETURNING {TASK_COLUMNS}"
         )
-        rows = [_row(r) for r in db.execute(sql, (worker_id, now, *expiry_params, *pools, now, limit))]
+        rows = [task_row(r) for r in db.execute(sql, (worker_id, now, *expiry_params, *pools, now, limit))]
         if rows:
             rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
             return rows, None
@@ -456,21 +427,10 @@ class SqliteStore:
         current: dict[int, tuple[Any, ...]] = {}
         seqs = [s for s, _ in attempts]
         for chunk in _chunks(seqs):
-            sql = (
-                "SELECT seq, state, attempt, worker_id, cancel_requested, pool FROM tasks"
-                f" WHERE seq IN ({_marks(len(chunk))})"
-            )
+            sql = f"SELECT {HEARTBEAT_COLUMNS} FROM tasks WHERE seq IN ({_marks(len(chunk))})"
             for r in db.execute(sql, chunk):
                 current[r[0]] = r
-        cancelled, lost, extend = [], [], []
-        for seq, attempt in attempts:
-            r = current.get(seq)
-            if r is None or r[1] != State.RUNNING or r[2] != attempt or r[3] != worker_id:
-                lost.append(seq)
-                continue
-            extend.append((now + self.settings.lease_ttl_us[r[5]], seq))
-            if r[4]:
-                cancelled.append(seq)
+        cancelled, lost, extend = decide_heartbeat(worker_id, attempts, current, now, self.settings.lease_ttl_us)
         db.executemany("UPDATE tasks SET lease_expires_at = ? WHERE seq = ?", extend)
         return cancelled, lost
 
@@ -485,72 +445,28 @@ class SqliteStore:
             sql = f"SELECT {OUTCOME_COLUMNS} FROM tasks WHERE seq IN ({_marks(len(chunk))})"
             for r in db.execute(sql, chunk):
                 current[r[0]] = r
-        results: list[OutcomeResult] = []
-        accepted: list[tuple[Outcome, tuple[Any, ...]]] = []
-        seen: set[int] = set()
-        for o in outcomes:
-            r = current.get(o.seq)
-            full = self._full_id(o.seq)
-            if r is None:
-                results.append(OutcomeResult(o.seq, False, "NOT_FOUND", f"task {full} not found"))
-            elif r[1] != State.RUNNING or r[2] != o.attempt or o.seq in seen:
-                results.append(
-                    OutcomeResult(
-                        o.seq,
-                        False,
-                        "FAILED_PRECONDITION",
-                        f"task {full} attempt {o.attempt} is no longer current "
-                        f"(state {State(r[1]).name}, attempt {r[2]}): outcome refused",
-                    )
-                )
-            else:
-                seen.add(o.seq)
-                results.append(OutcomeResult(o.seq, True))
-                accepted.append((o, r))
+        results, accepted = check_outcomes(outcomes, current, self._full_id)
         changes = self._apply_outcomes(db, accepted, now)
         return results, changes
 
     def _apply_outcomes(
         self, db: sqlite3.Connection, accepted: list[tuple[Outcome, tuple[Any, ...]]], now: int
     ) -> Changes:
-        """Ends or retries RUNNING tasks; r is (seq, state, attempt, pool, max_attempts, cancel_requested)."""
-        terminal: list[tuple[Any, ...]] = []
-        retries: list[tuple[Any, ...]] = []
-        changes: Changes = []
-        succeeded: list[int] = []
-        failed: list[int] = []
-        cancelled: list[int] = []
-        for o, r in accepted:
-            seq, attempt, pool, max_attempts, cancel_requested = r[0], r[2], r[3], r[4], r[5]
-            if o.kind is OutcomeKind.CANCELLED or cancel_requested:
-                state, error = State.CANCELLED, o.error or "cancelled"
-                cancelled.append(seq)
-            elif o.kind is OutcomeKind.SUCCESS:
-                state, error = State.SUCCEEDED, ""
-                succeeded.append(seq)
-            elif o.retryable and attempt < max_attempts:
-                run_at = self.settings.retry_at(pool, attempt, now, o.retry_after_ms)
-                retries.append((run_at, o.error, seq))
-                changes.append((seq, State.PENDING))
-                continue
-            else:
-                state, error = State.FAILED, o.error
-                failed.append(seq)
-            terminal.append((int(state), o.result or None, o.result_content_type, error, now, seq))
-            changes.append((seq, state))
+        d = decide_outcomes(accepted, now, self.settings.retry_at)
         db.executemany(
             "UPDATE tasks SET state = ?, result = ?, result_content_type = ?, error = ?, finished_at = ?,"
             " lease_expires_at = NULL WHERE seq = ?",
-            terminal,
+            d.terminal,
         )
         db.executemany(
             "UPDATE tasks SET state = 1, run_at = ?, error = ?, worker_id = NULL, lease_expires_at = NULL"
             " WHERE seq = ?",
-            retries,
+            d.retries,
         )
-        changes += self._unblock_dependents(db, succeeded)
-        changes += self._end_dependents(db, failed, State.FAILED, now)
-        changes += self._end_dependents(db, cancelled, State.CANCELLED, now)
+        changes = d.changes
+        changes += self._unblock_dependents(db, d.succeeded)
+        changes += self._end_dependents(db, d.failed, State.FAILED, now)
+        changes += self._end_dependents(db, d.cancelled, State.CANCELLED, now)
         return changes
 
     def _unblock_dependents(self, db: sqlite3.Connection, succeeded: list[int]) -> Changes:
@@ -584,7 +500,6 @@ class SqliteStore:
     def _end_dependents(self, db: sqlite3.Connection, ended: list[int], state: State, now: int) -> Changes:
         """Fails (or cancels) BLOCKED dependents of ended tasks, transitively."""
         changes: Changes = []
-        verb = "failed" if state == State.FAILED else "was cancelled"
         frontier = ended
         while frontier:
             nxt: list[int] = []
@@ -596,7 +511,7 @@ class SqliteStore:
                 ).fetchall()
                 db.executemany(
                     "UPDATE tasks SET state = ?, error = ?, finished_at = ? WHERE seq = ? AND state = 2",
-                    [(int(state), f"dependency {self._full_id(dep)} {verb}", now, seq) for seq, dep in rows],
+                    [(int(state), dependency_error(state, self._full_id(dep)), now, seq) for seq, dep in rows],
                 )
                 nxt += [seq for seq, _ in rows]
             changes += [(seq, state) for seq in nxt]
@@ -608,10 +523,7 @@ class SqliteStore:
 
     def _expire_leases(self, db: sqlite3.Connection, now: int) -> Changes:
         sql = f"SELECT {OUTCOME_COLUMNS} FROM tasks WHERE state = 3 AND lease_expires_at < ?"
-        expired = [
-            (Outcome(r[0], r[2], OutcomeKind.FAILURE, error="lease expired", retryable=True), r)
-            for r in db.execute(sql, (now,))
-        ]
+        expired = [expired_outcome(r) for r in db.execute(sql, (now,))]
         return self._apply_outcomes(db, expired, now) if expired else []
 
     async def cancel(self, seq: int, now: int) -> tuple[TaskRow | None, Changes]:

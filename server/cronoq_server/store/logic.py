@@ -1,0 +1,154 @@
+"""The decisions every backend makes the same way; backends only read and write rows.
+
+Rows handed in here are tuples (seq, state, attempt, pool, max_attempts, cancel_requested)
+for outcomes, and (seq, state, attempt, worker_id, cancel_requested, pool) for heartbeats.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .base import TERMINAL, Changes, Outcome, OutcomeKind, OutcomeResult, RetryAt, State, TaskRow
+
+# What an outcome decision reads of a task, in this order.
+OUTCOME_COLUMNS = "seq, state, attempt, pool, max_attempts, cancel_requested"
+HEARTBEAT_COLUMNS = "seq, state, attempt, worker_id, cancel_requested, pool"
+
+
+def task_row(r: Any) -> TaskRow:
+    """A TaskRow from a row read in TASK_COLUMNS order (JSON text for depends_on and resources)."""
+    return TaskRow(
+        seq=r[0],
+        pool=r[1],
+        key=r[2],
+        payload=r[3],
+        content_type=r[4],
+        priority=r[5],
+        run_at=r[6],
+        max_attempts=r[7],
+        depends_on=json.loads(r[8]) if r[8] else [],
+        resources=json.loads(r[9]) if r[9] else {},
+        state=State(r[10]),
+        attempt=r[11],
+        worker_id=r[12],
+        result=r[13],
+        result_content_type=r[14],
+        error=r[15],
+        created_at=r[16],
+        started_at=r[17],
+        finished_at=r[18],
+        cancel_requested=bool(r[19]),
+        lease_expires_at=r[20],
+    )
+
+
+def initial_state(deps: Iterable[tuple[int, State]], full_id: Callable[[int], int]) -> tuple[State, str, int]:
+    """A new task's (state, error, unfinished dependency count) from its dependencies' states."""
+    state, error, blocked_on = State.PENDING, "", 0
+    for dep_seq, dep_state in deps:
+        if dep_state == State.FAILED:
+            state, error = State.FAILED, f"dependency {full_id(dep_seq)} failed"
+        elif dep_state == State.CANCELLED and state != State.FAILED:
+            state, error = State.CANCELLED, f"dependency {full_id(dep_seq)} was cancelled"
+        elif dep_state != State.SUCCEEDED:
+            blocked_on += 1
+    if state not in TERMINAL and blocked_on:
+        state = State.BLOCKED
+    return state, error, blocked_on
+
+
+def check_outcomes(
+    outcomes: list[Outcome], current: Mapping[int, tuple[Any, ...]], full_id: Callable[[int], int]
+) -> tuple[list[OutcomeResult], list[tuple[Outcome, tuple[Any, ...]]]]:
+    """Fences reports by attempt: only the current attempt of a RUNNING task is accepted, once."""
+    results: list[OutcomeResult] = []
+    accepted: list[tuple[Outcome, tuple[Any, ...]]] = []
+    seen: set[int] = set()
+    for o in outcomes:
+        r = current.get(o.seq)
+        if r is None:
+            results.append(OutcomeResult(o.seq, False, "NOT_FOUND", f"task {full_id(o.seq)} not found"))
+        elif r[1] != State.RUNNING or r[2] != o.attempt or o.seq in seen:
+            results.append(
+                OutcomeResult(
+                    o.seq,
+                    False,
+                    "FAILED_PRECONDITION",
+                    f"task {full_id(o.seq)} attempt {o.attempt} is no longer current "
+                    f"(state {State(r[1]).name}, attempt {r[2]}): outcome refused",
+                )
+            )
+        else:
+            seen.add(o.seq)
+            results.append(OutcomeResult(o.seq, True))
+            accepted.append((o, r))
+    return results, accepted
+
+
+@dataclass
+class Decisions:
+    """What accepted outcomes do to their tasks."""
+
+    # (state, result, result_content_type, error, finished_at, seq)
+    terminal: list[tuple[int, bytes | None, str, str, int, int]] = field(default_factory=list)
+    # (run_at, error, seq)
+    retries: list[tuple[int, str, int]] = field(default_factory=list)
+    succeeded: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    cancelled: list[int] = field(default_factory=list)
+    changes: Changes = field(default_factory=list)
+
+
+def decide_outcomes(accepted: list[tuple[Outcome, tuple[Any, ...]]], now: int, retry_at: RetryAt) -> Decisions:
+    """Ends or retries RUNNING tasks: cancel wins, then success, then retry while attempts remain."""
+    d = Decisions()
+    for o, r in accepted:
+        seq, attempt, pool, max_attempts, cancel_requested = r[0], r[2], r[3], r[4], r[5]
+        if o.kind is OutcomeKind.CANCELLED or cancel_requested:
+            state, error = State.CANCELLED, o.error or "cancelled"
+            d.cancelled.append(seq)
+        elif o.kind is OutcomeKind.SUCCESS:
+            state, error = State.SUCCEEDED, ""
+            d.succeeded.append(seq)
+        elif o.retryable and attempt < max_attempts:
+            d.retries.append((retry_at(pool, attempt, now, o.retry_after_ms), o.error, seq))
+            d.changes.append((seq, State.PENDING))
+            continue
+        else:
+            state, error = State.FAILED, o.error
+            d.failed.append(seq)
+        d.terminal.append((int(state), o.result or None, o.result_content_type, error, now, seq))
+        d.changes.append((seq, state))
+    return d
+
+
+def expired_outcome(row: tuple[Any, ...]) -> tuple[Outcome, tuple[Any, ...]]:
+    """An expired lease counts as a failed, retryable attempt."""
+    return Outcome(row[0], row[2], OutcomeKind.FAILURE, error="lease expired", retryable=True), row
+
+
+def decide_heartbeat(
+    worker_id: str,
+    attempts: list[tuple[int, int]],
+    current: Mapping[int, tuple[Any, ...]],
+    now: int,
+    lease_ttl_us: Mapping[str, int],
+) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """(cancel-requested seqs, lost seqs, (new expiry, seq) to extend)."""
+    cancelled, lost, extend = [], [], []
+    for seq, attempt in attempts:
+        r = current.get(seq)
+        if r is None or r[1] != State.RUNNING or r[2] != attempt or r[3] != worker_id:
+            lost.append(seq)
+            continue
+        extend.append((now + lease_ttl_us[r[5]], seq))
+        if r[4]:
+            cancelled.append(seq)
+    return cancelled, lost, extend
+
+
+def dependency_error(state: State, dep_full_id: int) -> str:
+    return f"dependency {dep_full_id} {'failed' if state == State.FAILED else 'was cancelled'}"
