@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import grpc
@@ -127,22 +128,125 @@ async def call_once(call: Callable[[], Awaitable[T]]) -> T:
         raise from_grpc_error(err) from None
 
 
-async def with_retries(call: Callable[[], Awaitable[T]], retry: RetryConfig, what: str) -> T:
-    """Runs call, translating gRPC errors to the SDK tree and retrying UNAVAILABLE."""
+async def with_retries(
+    call: Callable[[], Awaitable[T]],
+    retry: RetryConfig,
+    what: str,
+    on_unavailable: Callable[[Unavailable], None] | None = None,
+) -> T:
+    """Runs call, translating gRPC errors to the SDK tree and retrying UNAVAILABLE.
+
+    on_unavailable sees each UNAVAILABLE before the retry (to switch to the leader).
+    """
     try:
         return await call_once(call)  # the fast path: no retry machinery per call
     except Unavailable as err:
         if retry.max_elapsed is not None and retry.max_elapsed <= 0:
             raise
         log.debug("%s: %s; retrying", what, err)
+        if on_unavailable:
+            on_unavailable(err)
+
+    def before_sleep(state: Any) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        if on_unavailable and isinstance(exc, Unavailable):
+            on_unavailable(exc)
+
     async for attempt in AsyncRetrying(
         retry=retry_if_exception(_is_unavailable),
         wait=wait_exponential_jitter(
             multiplier=retry.initial_backoff, max=retry.max_backoff, jitter=retry.initial_backoff
         ),
         stop=stop_never if retry.max_elapsed is None else stop_after_delay(retry.max_elapsed),
+        before_sleep=before_sleep,
         reraise=True,
     ):
         with attempt:
             return await call_once(call)
     raise CronoqError(f"{what}: gave up")  # unreachable: reraise=True
+
+
+def parse_endpoints(text: str) -> list[Endpoint]:
+    """One endpoint, or several separated by commas (servers of one deployment)."""
+    endpoints = [Endpoint.parse(part.strip()) for part in text.split(",") if part.strip()]
+    if not endpoints:
+        raise InvalidArgument(f"endpoint: {text!r} names no endpoint")
+    return endpoints
+
+
+class Connection:
+    """A channel to one server of the configured endpoints, moved on UNAVAILABLE.
+
+    A standby's UNAVAILABLE names the leader (cronoq-leader): the connection goes there,
+    within the redirect rules. Otherwise it tries the next configured endpoint.
+    """
+
+    def __init__(
+        self,
+        endpoints: str,
+        stub_factory: Callable[[grpc.aio.Channel], Any],
+        *,
+        token: str | None,
+        tls: TlsConfig | None,
+        insecure_redirect_http: bool = False,
+    ):
+        self.configured = parse_endpoints(endpoints)
+        self.current = self.configured[0]
+        self._next = 0
+        self._factory = stub_factory
+        self._token = token
+        self._tls = tls
+        self._insecure_redirect_http = insecure_redirect_http
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: Any = None
+        self.metadata = call_metadata(token)
+
+    @property
+    def stub(self) -> Any:
+        if self._stub is None:  # channels belong to the running loop: create them lazily
+            self._channel = open_channel(self.current, self._tls)
+            self._stub = self._factory(self._channel)
+        return self._stub
+
+    def switch(self, endpoint: Endpoint) -> None:
+        if endpoint == self.current and self._stub is not None:
+            return
+        old = self._channel
+        self.current, self._channel, self._stub = endpoint, None, None
+        if old is not None:
+            task = asyncio.ensure_future(old.close(None))
+            task.add_done_callback(lambda t: t.exception())
+
+    def follow(self, target: str) -> None:
+        """Moves to target (a redirect or the leader) if the connection rules allow it."""
+        dest = Endpoint.parse(target)
+        check_redirect(self.current, dest, self._token, self._insecure_redirect_http)
+        self.switch(dest)
+
+    def on_unavailable(self, err: Unavailable) -> None:
+        if err.leader:
+            try:
+                if Endpoint.parse(err.leader) != self.current:
+                    self.follow(err.leader)
+                    return
+            except CronoqError as refused:
+                log.warning("not following leader %s: %s", err.leader, refused)
+        if len(self.configured) > 1 or self.current != self.configured[0]:
+            self._next = (self._next + 1) % len(self.configured)
+            self.switch(self.configured[self._next])
+
+    def rpc(self, method: str) -> Any:
+        return getattr(self.stub, method)
+
+    async def call(self, method: str, request: Any, timeout: float, retry: RetryConfig) -> Any:
+        return await with_retries(
+            lambda: self.rpc(method)(request, metadata=self.metadata, timeout=timeout),
+            retry,
+            method,
+            self.on_unavailable,
+        )
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close(None)
+        self._channel = self._stub = None

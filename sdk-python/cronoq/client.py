@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._transport import Endpoint, RetryConfig, TlsConfig, call_metadata, open_channel, with_retries
+from ._transport import Connection, Endpoint, RetryConfig, TlsConfig
 from .jsonform import JSON_CONTENT_TYPE
 from .v1 import task_pb2, task_service_pb2_grpc
 from .v1 import task_service_pb2 as pb
@@ -101,7 +101,8 @@ class WaitResult:
 
 
 class Client:
-    """Async client of one cronoq endpoint (any shard's server)."""
+    """Async client of cronoq: any shard's server, or several servers separated by commas
+    (UNAVAILABLE moves to the leader a standby names, or to the next endpoint)."""
 
     def __init__(
         self,
@@ -112,13 +113,14 @@ class Client:
         retry: RetryConfig = RetryConfig(),
         timeout: float = 30.0,
     ):
-        self.endpoint = Endpoint.parse(endpoint)
-        self._token = token
-        self._tls = tls
+        self._conn = Connection(endpoint, task_service_pb2_grpc.TaskServiceStub, token=token, tls=tls)
         self._retry = retry
         self._timeout = timeout
-        self._channel: Any = None
-        self._stub: task_service_pb2_grpc.TaskServiceAsyncStub | None = None
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """The server this client talks to now."""
+        return self._conn.current
 
     async def __aenter__(self) -> Client:
         return self
@@ -127,23 +129,10 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = self._stub = None
-
-    @property
-    def stub(self) -> task_service_pb2_grpc.TaskServiceAsyncStub:
-        if self._stub is None:  # channels belong to the running loop: create them lazily
-            self._channel = open_channel(self.endpoint, self._tls)
-            self._stub = task_service_pb2_grpc.TaskServiceStub(self._channel)  # type: ignore[assignment]
-        return self._stub
+        await self._conn.close()
 
     async def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
-        rpc = getattr(self.stub, method)
-        md = call_metadata(self._token)
-        return await with_retries(
-            lambda: rpc(request, metadata=md, timeout=timeout or self._timeout), self._retry, method
-        )
+        return await self._conn.call(method, request, timeout or self._timeout, self._retry)
 
     async def submit(self, pool: str, payload: Any = None, **options: Any) -> Submitted:
         """Submits one task (see task_spec for options); a known key returns the existing task."""

@@ -12,20 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from ._transport import (
-    Endpoint,
-    RetryConfig,
-    TlsConfig,
-    call_metadata,
-    call_once,
-    check_redirect,
-    open_channel,
-    with_retries,
-)
+from ._transport import Connection, Endpoint, RetryConfig, TlsConfig, call_once
 from .client import Task, decode, encode_payload
 from .errors import CronoqError, FailedPrecondition, NotFound, TooManyRedirects, Unavailable
 from .v1 import worker_service_pb2 as pb
@@ -103,25 +95,24 @@ class Worker:
     ):
         if concurrency < 1:
             raise ValueError(f"concurrency: {concurrency} must be at least 1")
-        self.configured_endpoint = Endpoint.parse(endpoint)
-        self.endpoint = self.configured_endpoint
+        self._conn = Connection(
+            endpoint,
+            worker_service_pb2_grpc.WorkerServiceStub,
+            token=token,
+            tls=tls,
+            insecure_redirect_http=insecure_redirect_http,
+        )
         self.pools = [pools] if isinstance(pools, str) else list(pools)
         self.handler = handler
         self.concurrency = concurrency
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
-        self._token = token
-        self._tls = tls
         self._retry = retry
         self._poll_wait_ms = int(poll_wait * 1000)
-        self._insecure_redirect_http = insecure_redirect_http
         self._labels = labels or {}
         self._shutdown_grace = shutdown_grace
         self._finish_linger = finish_linger
         self.worker_id = ""
         self._heartbeat_s = 10.0
-        self._channel: Any = None
-        self._stub: worker_service_pb2_grpc.WorkerServiceAsyncStub | None = None
-        self._md = call_metadata(token)
         self._running: dict[int, tuple[asyncio.Task[None], TaskContext]] = {}
         self._unacked: dict[int, int] = {}  # task id -> attempt, outcome not yet acknowledged
         self._outcomes: list[pb.TaskOutcome] = []
@@ -132,34 +123,25 @@ class Worker:
 
     # -- connection -----------------------------------------------------------
 
-    def _connect(self, endpoint: Endpoint) -> None:
-        self.endpoint = endpoint
-        self._channel = open_channel(endpoint, self._tls)
-        self._stub = worker_service_pb2_grpc.WorkerServiceStub(self._channel)  # type: ignore[assignment]
-
-    async def _close_channel(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
-
-    def _rpc(self, method: str) -> Any:
-        assert self._stub is not None
-        return getattr(self._stub, method)
+    @property
+    def endpoint(self) -> Endpoint:
+        """The server this worker talks to now."""
+        return self._conn.current
 
     async def _call(self, method: str, request: Any, timeout: float = 30.0) -> Any:
-        rpc = self._rpc(method)
-        return await with_retries(lambda: rpc(request, metadata=self._md, timeout=timeout), self._retry, method)
+        return await self._conn.call(method, request, timeout, self._retry)
 
     async def _register(self) -> None:
-        """Registers with the shard of its pools, following up to three redirects."""
-        redirects = 0
+        """Registers with the shard of its pools, following up to three redirects in a row."""
+        redirects, unavailable = 0, 0
         req = pb.RegisterWorkerRequest(
             name=self.name, pools=self.pools, concurrency=self.concurrency, labels=self._labels
         )
-        self._connect(self.configured_endpoint)
         while True:
             try:
-                resp = await call_once(lambda: self._rpc("RegisterWorker")(req, metadata=self._md, timeout=30))
+                resp = await call_once(
+                    lambda: self._conn.rpc("RegisterWorker")(req, metadata=self._conn.metadata, timeout=30)
+                )
             except FailedPrecondition as err:
                 target = err.shard_endpoint
                 if not target:
@@ -170,22 +152,20 @@ class Worker:
                         f"worker for {self.pools} was redirected more than {MAX_REDIRECTS} times in a row "
                         f"(last to {target}): check the [[shards]] endpoints"
                     ) from None
-                dest = Endpoint.parse(target)
-                check_redirect(self.endpoint, dest, self._token, self._insecure_redirect_http)
-                log.info("shard %s serves %s: reconnecting to %s", err.shard, self.pools, dest)
-                await self._close_channel()
-                self._connect(dest)
+                log.info("shard %s serves %s: reconnecting to %s", err.shard, self.pools, target)
+                self._conn.follow(target)
                 continue
-            except Unavailable:
-                if self.endpoint != self.configured_endpoint:
-                    # The shard we were sent to is down: ask the configured endpoint again.
-                    log.warning("%s unavailable; asking %s again", self.endpoint, self.configured_endpoint)
-                    await self._close_channel()
-                    self._connect(self.configured_endpoint)
-                    redirects = 0
-                await asyncio.sleep(self._retry.initial_backoff)
+            except Unavailable as err:
                 if self._stopping.is_set():
                     raise
+                # The leader a standby names, or else the next configured endpoint (so a
+                # redirect target that is down sends the worker back to its configured one).
+                self._conn.on_unavailable(err)
+                if self._conn.current in self._conn.configured:
+                    redirects = 0
+                unavailable += 1
+                delay = min(self._retry.initial_backoff * 2 ** min(unavailable, 10), self._retry.max_backoff)
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
                 continue
             self.worker_id = resp.worker_id
             self._heartbeat_s = max(resp.heartbeat_interval_ms / 1000, 0.1)
@@ -221,7 +201,7 @@ class Worker:
             flusher.cancel()
             await asyncio.gather(flusher, return_exceptions=True)
             await self._deregister()
-            await self._close_channel()
+            await self._conn.close()
 
     async def _finish_running(self) -> None:
         """Graceful shutdown: running tasks finish (within the grace) and are reported."""
@@ -237,10 +217,10 @@ class Worker:
             await asyncio.sleep(0.01)
 
     async def _deregister(self) -> None:
-        if self.worker_id and self._stub is not None:
+        if self.worker_id:
             try:
-                await self._stub.DeregisterWorker(
-                    pb.DeregisterWorkerRequest(worker_id=self.worker_id), metadata=self._md, timeout=5
+                await self._conn.rpc("DeregisterWorker")(
+                    pb.DeregisterWorkerRequest(worker_id=self.worker_id), metadata=self._conn.metadata, timeout=5
                 )
             except Exception as err:
                 log.debug("deregister failed: %s", err)
