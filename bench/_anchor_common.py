@@ -136,6 +136,7 @@ class WorkerState:
         self.count = 0
         self.latencies: list[float] = []
         self.t_start = time.time()
+        self.t_first = 0.0
         self.t_done = 0.0
         self.done = asyncio.Event()
         self._report_every = max(self.total // 10, 1)
@@ -147,6 +148,8 @@ class WorkerState:
         """Call first thing in the job handler (enqueued_at: the payload's time, for latency)."""
         now = time.time()
         self.count += 1
+        if self.count == 1:
+            self.t_first = now
         if enqueued_at is not None:
             self.latencies.append(now - enqueued_at)
         if self.mode == "burndown" and self.count % self._report_every == 0:
@@ -158,8 +161,8 @@ class WorkerState:
             self.done.set()
 
     def write_result(self, **extra: Any) -> None:
-        self._write("result.json", {"t_start": self.t_start, "t_done": self.t_done, "count": self.count,
-                                    "latencies": self.latencies, **extra})
+        self._write("result.json", {"t_start": self.t_start, "t_first": self.t_first, "t_done": self.t_done,
+                                    "count": self.count, "latencies": self.latencies, **extra})
 
     def _write(self, name: str, data: dict[str, Any]) -> None:
         tmp = self.dir / (name + ".tmp")
@@ -290,6 +293,9 @@ def run_bench(
     up in the new database; the enqueue_* callables are synchronous wrappers around the
     system's own client; verify(db_url) returns extra result fields read from the database
     once the worker has stopped."""
+    # A TERM (e.g. bench/anchors.py's timeout) unwinds through the finally below, which
+    # stops the worker and drops the database.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     dbname = fresh_db_name(system, args.kind)
     db_url = with_database(args.url, dbname)
     worker: WorkerProcess | None = None
@@ -321,12 +327,16 @@ def run_bench(
         time.sleep(1.0)  # as bench/latency.py: the worker connects and starts listening
         log(f"[{system}] enqueueing {args.rate}/s for {args.seconds:g}s in calls of {args.batch}")
         _, achieved = enqueue_latency(db_url, args.rate, args.seconds, args.batch)
-        res = worker.wait_result(min(args.timeout, 120.0))
+        res = worker.wait_result(args.timeout + 30)
         if res["count"] < total:
             raise RuntimeError(f"worker saw only {res['count']}/{total} jobs")
         if worker.join(30) is None:
             raise TimeoutError("worker did not exit after its last job")
-        return latency_result(system, args.rate, args.batch, achieved, res["latencies"], **verify(db_url))
+        # How fast the worker started jobs while they arrived: below achieved_rate means it fell
+        # behind and the latencies measure a growing backlog rather than pickup delay.
+        started_per_s = (total - 1) / max(res["t_done"] - res["t_first"], 1e-9)
+        return latency_result(system, args.rate, args.batch, achieved, res["latencies"],
+                              started_per_s=round(started_per_s), **verify(db_url))
     finally:
         if worker is not None:
             worker.stop()

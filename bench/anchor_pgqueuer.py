@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 sys.path.insert(0, str(Path(__file__).parent))
 
 import asyncpg
+import pgqueuer
 from _anchor_common import (
     WorkerState,
     build_parser,
@@ -39,8 +40,6 @@ from _anchor_common import (
     run_bench,
     submit_at_rate,
 )
-
-import pgqueuer
 from pgqueuer import PgQueuer
 from pgqueuer.db import AsyncpgPoolDriver
 from pgqueuer.models import Job

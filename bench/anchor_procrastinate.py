@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import procrastinate
 import psycopg
 from _anchor_common import (
     WorkerState,
@@ -41,8 +42,6 @@ from _anchor_common import (
     run_bench,
     submit_at_rate,
 )
-
-import procrastinate
 
 SYSTEM = "procrastinate"
 TASK = "noop"
@@ -190,4 +189,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run from the module, not __main__: procrastinate warns about (and its docs advise against)
+    # an App created in the __main__ module (docs/discussions.md, "top-level-app").
+    import anchor_procrastinate
+
+    anchor_procrastinate.main()

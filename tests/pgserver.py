@@ -66,8 +66,19 @@ class TempPostgres:
         opts = f"-p {self.port} -k {self.sock} -c listen_addresses=127.0.0.1 " + " ".join(
             f"-c {k}={v}" for k, v in self.settings.items()
         )
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "postgres.log"), "-o", opts, "-w", "-t",
-                  str(int(timeout)), "start")
+        self._run(
+            "pg_ctl",
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.root / "postgres.log"),
+            "-o",
+            opts,
+            "-w",
+            "-t",
+            str(int(timeout)),
+            "start",
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with socket.socket() as s:

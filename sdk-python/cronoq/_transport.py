@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
@@ -198,6 +197,7 @@ class Connection:
         self._tls = tls
         self._insecure_redirect_http = insecure_redirect_http
         self._channel: grpc.aio.Channel | None = None
+        self._retired: list[grpc.aio.Channel] = []
         self._stub: Any = None
         self.metadata = call_metadata(token)
 
@@ -211,11 +211,10 @@ class Connection:
     def switch(self, endpoint: Endpoint) -> None:
         if endpoint == self.current and self._stub is not None:
             return
-        old = self._channel
+        if self._channel is not None:
+            # Closed in close(): a channel left open keeps grpc.aio bound to this event loop.
+            self._retired.append(self._channel)
         self.current, self._channel, self._stub = endpoint, None, None
-        if old is not None:
-            task = asyncio.ensure_future(old.close(None))
-            task.add_done_callback(lambda t: t.exception())
 
     def follow(self, target: str) -> None:
         """Moves to target (a redirect or the leader) if the connection rules allow it."""
@@ -247,6 +246,7 @@ class Connection:
         )
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close(None)
-        self._channel = self._stub = None
+        channels = [*self._retired, *([self._channel] if self._channel is not None else [])]
+        self._retired, self._channel, self._stub = [], None, None
+        for channel in channels:
+            await channel.close(None)

@@ -54,6 +54,9 @@ class FileLeadership:
     async def lost(self) -> None:
         await asyncio.Event().wait()
 
+    def mark_lost(self) -> None:
+        """No fencing on SQLite: a flock cannot be taken over while its holder lives."""
+
     def current_leader(self) -> str:
         try:
             with open(self.path) as f:
@@ -127,8 +130,8 @@ class PgLeadership:
         while not self._lost.is_set():
             try:
                 await asyncio.wait_for(conn.fetchval("SELECT 1"), PING_S * 4)
-            except (TimeoutError, *CONNECTION_ERRORS, asyncpg.PostgresError) as err:
-                log.error("leadership lock connection lost: %s", err)
+            except Exception as err:
+                log.error("leadership lock connection lost: %s: %s", type(err).__name__, err)
                 self._lost.set()
                 break
             await asyncio.sleep(PING_S)
@@ -136,6 +139,10 @@ class PgLeadership:
     async def acquire(self) -> None:
         while not await self.try_acquire():
             await asyncio.sleep(RETRY_S)
+
+    def mark_lost(self) -> None:
+        """A write was fenced: another server has a newer term, so this one no longer leads."""
+        self._lost.set()
 
     async def lost(self) -> None:
         await self._lost.wait()

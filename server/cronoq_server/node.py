@@ -148,6 +148,7 @@ class Node:
     async def _lead(self) -> None:
         if isinstance(self.store, PostgresStore):
             self.store.term = self.leadership.term
+            self.store.on_fenced = self.leadership.mark_lost
         self.is_leader = True
         LEADER.set(1)
         self._background.append(asyncio.create_task(self.leases.sweep_forever()))

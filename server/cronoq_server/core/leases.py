@@ -17,7 +17,7 @@ from ..config import Config
 from ..errors import ApiError, invalid
 from ..ids import make_task_id, seq_of, shard_of
 from ..metrics import START_LATENCY, TASKS_LEASED, record_finished
-from ..store.base import Outcome, OutcomeKind, Store, WorkerRow
+from ..store.base import Outcome, OutcomeKind, Store, StoreUnavailable, WorkerRow
 from .convert import to_task, to_worker
 from .events import EventBus
 from .tasks import now_us
@@ -206,6 +206,8 @@ class Leases:
                         log.info("purged %d task(s) past retention", purged)
             except asyncio.CancelledError:
                 raise
+            except StoreUnavailable as err:
+                log.warning("sweep skipped: %s", err)
             except Exception:
                 log.exception("sweep failed; retrying")
             await asyncio.sleep(expiry_every)

@@ -106,6 +106,7 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
     asyncpg.exceptions.ConnectionDoesNotExistError,
     asyncpg.exceptions.InterfaceError,
+    asyncpg.exceptions.InternalClientError,  # a connection that broke mid-operation
     asyncpg.exceptions.CannotConnectNowError,
     asyncpg.exceptions.AdminShutdownError,
     asyncpg.exceptions.PostgresConnectionError,
@@ -130,6 +131,7 @@ class PostgresStore:
         self._pool_size = pool_size
         self._pool: asyncpg.Pool | None = None
         self.term: int | None = None  # set by the leader: every write checks it
+        self.on_fenced: Callable[[], None] | None = None
         self.channel = notify_channel(schema)
 
     def _full_id(self, seq: int) -> int:
@@ -152,6 +154,8 @@ class PostgresStore:
                 if fenced and self.term is not None:
                     term = await conn.fetchval(self._sql("SELECT term FROM {s}.leader WHERE id = 1 FOR SHARE"))
                     if term != self.term:
+                        if self.on_fenced is not None:
+                            self.on_fenced()
                         raise Fenced(f"leadership term {self.term} is over (store term {term}): write refused")
                 return await fn(conn)
         except CONNECTION_ERRORS as err:
