@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from pgserver import TempPostgres, find_bin_dir
 
 REPO = Path(__file__).resolve().parent.parent

@@ -15,9 +15,9 @@ from typing import Any
 
 import asyncpg
 import pytest
+from _helpers import eventually, log_lines, start_worker
 
 import cronoq
-from _helpers import eventually, log_lines, start_worker
 
 SUCCEEDED = cronoq.TaskState.Value("TASK_STATE_SUCCEEDED")
 
