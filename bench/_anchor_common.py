@@ -83,8 +83,22 @@ class WorkerProcess:
 
     def __init__(self, script: str, url: str, mode: str, total: int, timeout: float, extra: list[str]):
         self.dir = Path(tempfile.mkdtemp(prefix="anchor-worker-"))
-        cmd = [sys.executable, script, "_worker", "--url", url, "--mode", mode, "--total", str(total),
-               "--dir", str(self.dir), "--timeout", str(timeout), *extra]
+        cmd = [
+            sys.executable,
+            script,
+            "_worker",
+            "--url",
+            url,
+            "--mode",
+            mode,
+            "--total",
+            str(total),
+            "--dir",
+            str(self.dir),
+            "--timeout",
+            str(timeout),
+            *extra,
+        ]
         self.spawned_at = time.time()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=sys.stderr)
 
@@ -161,8 +175,17 @@ class WorkerState:
             self.done.set()
 
     def write_result(self, **extra: Any) -> None:
-        self._write("result.json", {"t_start": self.t_start, "t_first": self.t_first, "t_done": self.t_done,
-                                    "count": self.count, "latencies": self.latencies, **extra})
+        self._write(
+            "result.json",
+            {
+                "t_start": self.t_start,
+                "t_first": self.t_first,
+                "t_done": self.t_done,
+                "count": self.count,
+                "latencies": self.latencies,
+                **extra,
+            },
+        )
 
     def _write(self, name: str, data: dict[str, Any]) -> None:
         tmp = self.dir / (name + ".tmp")
@@ -244,8 +267,9 @@ def burndown_result(system: str, tasks: int, enqueue_s: float, drain_s: float, *
     }
 
 
-def latency_result(system: str, rate: int, batch: int, achieved: float, latencies: list[float],
-                   **extra: Any) -> dict[str, Any]:
+def latency_result(
+    system: str, rate: int, batch: int, achieved: float, latencies: list[float], **extra: Any
+) -> dict[str, Any]:
     ms = [x * 1000 for x in latencies]
     return {
         "system": system,
@@ -266,12 +290,16 @@ def emit(result: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(result), flush=True)
         return
     if "drain_per_s" in result:
-        print(f"{result['system']} burn-down: enqueued {result['tasks']} at {result['enqueue_per_s']:,} jobs/s; "
-              f"drained in {result['drain_s']} s = {result['drain_per_s']:,} jobs/s (one worker process)")
+        print(
+            f"{result['system']} burn-down: enqueued {result['tasks']} at {result['enqueue_per_s']:,} jobs/s; "
+            f"drained in {result['drain_s']} s = {result['drain_per_s']:,} jobs/s (one worker process)"
+        )
     else:
-        print(f"{result['system']} submit→start at {result['rate']}/s in calls of {result['batch']} "
-              f"(achieved {result['achieved_rate']:,}/s, {result['tasks']} jobs): p50 {result['p50_ms']} ms, "
-              f"p90 {result['p90_ms']} ms, p99 {result['p99_ms']} ms, max {result['max_ms']} ms")
+        print(
+            f"{result['system']} submit→start at {result['rate']}/s in calls of {result['batch']} "
+            f"(achieved {result['achieved_rate']:,}/s, {result['tasks']} jobs): p50 {result['p50_ms']} ms, "
+            f"p90 {result['p90_ms']} ms, p99 {result['p99_ms']} ms, max {result['max_ms']} ms"
+        )
 
 
 def run_bench(
@@ -318,8 +346,12 @@ def run_bench(
                 raise TimeoutError("worker did not exit after its last job")
             drain_s = res["t_done"] - ready["t_start"]
             return burndown_result(
-                system, args.tasks, enqueue_s, drain_s,
-                drain_s_from_spawn=round(res["t_done"] - worker.spawned_at, 2), **verify(db_url),
+                system,
+                args.tasks,
+                enqueue_s,
+                drain_s,
+                drain_s_from_spawn=round(res["t_done"] - worker.spawned_at, 2),
+                **verify(db_url),
             )
         total = latency_total(args.rate, args.seconds, args.batch)
         worker = WorkerProcess(script, db_url, "latency", total, args.timeout, worker_extra)
@@ -335,8 +367,15 @@ def run_bench(
         # How fast the worker started jobs while they arrived: below achieved_rate means it fell
         # behind and the latencies measure a growing backlog rather than pickup delay.
         started_per_s = (total - 1) / max(res["t_done"] - res["t_first"], 1e-9)
-        return latency_result(system, args.rate, args.batch, achieved, res["latencies"],
-                              started_per_s=round(started_per_s), **verify(db_url))
+        return latency_result(
+            system,
+            args.rate,
+            args.batch,
+            achieved,
+            res["latencies"],
+            started_per_s=round(started_per_s),
+            **verify(db_url),
+        )
     finally:
         if worker is not None:
             worker.stop()

@@ -53,10 +53,18 @@ T = TypeVar("T")
 
 def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=25, help="worker dequeue batch size (pgq run --batch-size)")
-    p.add_argument("--durability", choices=["durable", "balanced", "volatile"], default="durable",
-                   help="pgq install --durability (balanced/volatile make tables UNLOGGED)")
-    p.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop",
-                   help="event loop of worker and producer (the pgq CLI uses uvloop)")
+    p.add_argument(
+        "--durability",
+        choices=["durable", "balanced", "volatile"],
+        default="durable",
+        help="pgq install --durability (balanced/volatile make tables UNLOGGED)",
+    )
+    p.add_argument(
+        "--loop",
+        choices=["uvloop", "asyncio"],
+        default="uvloop",
+        help="event loop of worker and producer (the pgq CLI uses uvloop)",
+    )
 
 
 def run_loop(loop: str, coro: Coroutine[Any, Any, T]) -> T:
@@ -166,8 +174,9 @@ def make_hooks(args: Any) -> dict[str, Any]:
                     payload = json.dumps({"t": t}).encode()
                     await q.enqueue([ENTRYPOINT] * n, [payload] * n, [0] * n)
 
-                return await asyncio.wait_for(submit_at_rate(submit_one, submit_batch, rate, seconds, batch),
-                                              seconds * 3 + 60)
+                return await asyncio.wait_for(
+                    submit_at_rate(submit_one, submit_batch, rate, seconds, batch), seconds * 3 + 60
+                )
 
         return run_loop(args.loop, go())
 
@@ -176,16 +185,21 @@ def make_hooks(args: Any) -> dict[str, Any]:
             conn = await asyncpg.connect(db_url, timeout=30)
             try:
                 left = await conn.fetchval("SELECT count(*) FROM pgqueuer", timeout=30)
-                done = await conn.fetchval("SELECT count(*) FROM pgqueuer_log WHERE status = 'successful'",
-                                           timeout=30)
+                done = await conn.fetchval("SELECT count(*) FROM pgqueuer_log WHERE status = 'successful'", timeout=30)
             finally:
                 await conn.close(timeout=10)
             return {"succeeded": done, "left_in_queue": left}
 
         return asyncio.run(go())
 
-    return {"create_db": create_db, "drop_db": drop_db, "install_schema": install_schema,
-            "enqueue_burndown": enqueue_burndown, "enqueue_latency": enqueue_latency, "verify": verify}
+    return {
+        "create_db": create_db,
+        "drop_db": drop_db,
+        "install_schema": install_schema,
+        "enqueue_burndown": enqueue_burndown,
+        "enqueue_latency": enqueue_latency,
+        "verify": verify,
+    }
 
 
 def main() -> None:

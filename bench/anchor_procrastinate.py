@@ -50,10 +50,18 @@ T = TypeVar("T")
 
 def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=30, help="worker concurrency (sub-workers)")
-    p.add_argument("--delete-jobs", choices=["never", "successful", "always"], default="never",
-                   help="worker delete_jobs (default: keep finished jobs, procrastinate's default)")
-    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio",
-                   help="event loop of worker and producer (the procrastinate CLI uses asyncio.run)")
+    p.add_argument(
+        "--delete-jobs",
+        choices=["never", "successful", "always"],
+        default="never",
+        help="worker delete_jobs (default: keep finished jobs, procrastinate's default)",
+    )
+    p.add_argument(
+        "--loop",
+        choices=["asyncio", "uvloop"],
+        default="asyncio",
+        help="event loop of worker and producer (the procrastinate CLI uses asyncio.run)",
+    )
 
 
 def run_loop(loop: str, coro: Coroutine[Any, Any, T]) -> T:
@@ -100,8 +108,9 @@ async def worker_main(args: Any) -> None:
             )
             done = asyncio.create_task(state.done.wait())
             stopped = asyncio.create_task(stop.wait())
-            finished, _ = await asyncio.wait({worker, done, stopped}, timeout=args.timeout,
-                                             return_when=asyncio.FIRST_COMPLETED)
+            finished, _ = await asyncio.wait(
+                {worker, done, stopped}, timeout=args.timeout, return_when=asyncio.FIRST_COMPLETED
+            )
             if not finished:
                 log(f"[{SYSTEM} worker] timed out after {args.timeout:.0f}s with {state.count}/{state.total} jobs")
             for t in (done, stopped):
@@ -161,8 +170,9 @@ def make_hooks(args: Any) -> dict[str, Any]:
                 async def submit_batch(n: int, t: float) -> None:
                     await task.batch_defer_async(*({"t": t} for _ in range(n)))
 
-                return await asyncio.wait_for(submit_at_rate(submit_one, submit_batch, rate, seconds, batch),
-                                              seconds * 3 + 60)
+                return await asyncio.wait_for(
+                    submit_at_rate(submit_one, submit_batch, rate, seconds, batch), seconds * 3 + 60
+                )
 
         return run_loop(args.loop, go())
 
@@ -171,8 +181,14 @@ def make_hooks(args: Any) -> dict[str, Any]:
             rows = dict(conn.execute("SELECT status::text, count(*) FROM procrastinate_jobs GROUP BY 1").fetchall())
         return {"succeeded": rows.get("succeeded", 0), "left_in_queue": rows.get("todo", 0) + rows.get("doing", 0)}
 
-    return {"create_db": create_db, "drop_db": drop_db, "install_schema": install_schema,
-            "enqueue_burndown": enqueue_burndown, "enqueue_latency": enqueue_latency, "verify": verify}
+    return {
+        "create_db": create_db,
+        "drop_db": drop_db,
+        "install_schema": install_schema,
+        "enqueue_burndown": enqueue_burndown,
+        "enqueue_latency": enqueue_latency,
+        "verify": verify,
+    }
 
 
 def main() -> None:

@@ -106,8 +106,9 @@ def ensure_venv() -> Path:
         timeout=1200,
         stdout=sys.stderr,
     )
-    subprocess.run([str(python), "-c", "import pgqueuer, procrastinate, asyncpg, psycopg, uvloop"],
-                   check=True, timeout=120)
+    subprocess.run(
+        [str(python), "-c", "import pgqueuer, procrastinate, asyncpg, psycopg, uvloop"], check=True, timeout=120
+    )
     stamp.write_text(wanted)
     return python
 
@@ -160,10 +161,14 @@ def describe(result: dict[str, Any]) -> str:
     if "error" in result:
         return f"failed: {result['error']}"
     if "drain_per_s" in result:
-        return (f"{result['drain_per_s']:,} jobs/s drained in {result['drain_s']} s "
-                f"({result['enqueue_per_s']:,} jobs/s enqueued)")
-    text = (f"p50 {result['p50_ms']} ms, p90 {result['p90_ms']} ms, p99 {result['p99_ms']} ms, "
-            f"max {result['max_ms']} ms (achieved {result['achieved_rate']:,}/s")
+        return (
+            f"{result['drain_per_s']:,} jobs/s drained in {result['drain_s']} s "
+            f"({result['enqueue_per_s']:,} jobs/s enqueued)"
+        )
+    text = (
+        f"p50 {result['p50_ms']} ms, p90 {result['p90_ms']} ms, p99 {result['p99_ms']} ms, "
+        f"max {result['max_ms']} ms (achieved {result['achieved_rate']:,}/s"
+    )
     if result.get("started_per_s", result["achieved_rate"]) < 0.95 * result["achieved_rate"]:
         text += f"; worker kept up with only {result['started_per_s']:,}/s"
     return text + ")"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _servers import BenchServer
+from _servers import BenchServer, add_store_arguments, bench_store
 
 import cronoq
 
@@ -69,9 +69,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--json", action="store_true", help="print one JSON line")
+    add_store_arguments(ap)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        server = BenchServer(Path(tmp))
+    with bench_store(args.store, args.url) as url, tempfile.TemporaryDirectory() as tmp:
+        server = BenchServer(Path(tmp), url)
         try:
             submit_s = asyncio.run(submit_all(server.endpoint, args.tasks, args.batch))
             ready, done_at = mp.Event(), mp.Value("d", 0.0)
@@ -84,7 +85,7 @@ def main() -> None:
         finally:
             server.stop()
     result = {
-        "store": "sqlite",
+        "store": args.store,
         "tasks": args.tasks,
         "submit_tasks_per_s": round(args.tasks / submit_s),
         "drain_tasks_per_s": round(args.tasks / drain_s),
@@ -95,11 +96,11 @@ def main() -> None:
         print(json.dumps(result))
         return
     print(
-        f"sqlite burn-down: submitted {args.tasks} in {submit_s:.2f}s "
+        f"{args.store} burn-down: submitted {args.tasks} in {submit_s:.2f}s "
         f"({args.tasks / submit_s:,.0f} tasks/s, batches of {args.batch})"
     )
     print(
-        f"sqlite burn-down: drained {args.tasks} in {drain_s:.2f}s = {args.tasks / drain_s:,.0f} tasks/s "
+        f"{args.store} burn-down: drained {args.tasks} in {drain_s:.2f}s = {args.tasks / drain_s:,.0f} tasks/s "
         f"(one worker process, concurrency {args.concurrency}, includes worker start); succeeded={succeeded}"
     )
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _servers import BenchServer
+from _servers import BenchServer, add_store_arguments, bench_store
 
 import cronoq
 
@@ -85,10 +85,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1, help="tasks per submit call (1: one SubmitTask per task)")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
+    add_store_arguments(ap)
     args = ap.parse_args()
     total = int(args.rate * args.seconds / args.batch) * args.batch + 1
-    with tempfile.TemporaryDirectory() as tmp:
-        server = BenchServer(Path(tmp))
+    with bench_store(args.store, args.url) as url, tempfile.TemporaryDirectory() as tmp:
+        server = BenchServer(Path(tmp), url)
         try:
             ready, out = mp.Event(), mp.Queue()
             proc = mp.Process(target=run_worker, args=(server.endpoint, args.concurrency, total, ready, out))
@@ -102,7 +103,7 @@ def main() -> None:
             server.stop()
     ms = [x * 1000 for x in latencies]
     result = {
-        "store": "sqlite",
+        "store": args.store,
         "rate": args.rate,
         "achieved_rate": round(achieved),
         "tasks": len(ms),
@@ -116,7 +117,7 @@ def main() -> None:
         print(json.dumps(result))
     else:
         print(
-            f"sqlite submit→start at {args.rate}/s in calls of {args.batch} "
+            f"{args.store} submit→start at {args.rate}/s in calls of {args.batch} "
             f"(achieved {achieved:,.0f}/s, {len(ms)} tasks): "
             f"p50 {result['p50_ms']} ms, p90 {result['p90_ms']} ms, "
             f"p99 {result['p99_ms']} ms, max {result['max_ms']} ms"

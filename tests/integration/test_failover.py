@@ -248,3 +248,37 @@ async def test_store_refuses_writes_from_an_old_term(postgres):
     finally:
         await old.close()
         await new.close()
+
+
+async def _insert_task_behind_the_servers_back(url: str, schema: str, notify: bool) -> None:
+    conn = await asyncpg.connect(url)
+    try:
+        now = int(time.time() * 1e6)
+        await conn.execute(
+            f'INSERT INTO "{schema}".tasks (pool, payload, run_at, max_attempts, state, created_at)'
+            " VALUES ('default', '', $1, 3, 1, $1)",
+            now,
+        )
+        if notify:
+            await conn.execute("SELECT pg_notify($1, '')", f"cronoq_{schema}")
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize("notify", [True, False], ids=["notify", "polling-fallback"])
+def test_lease_long_poll_wakes_on_notify_or_falls_back_to_polling(start_server, postgres, notify):
+    from cronoq.v1 import worker_service_pb2 as wpb
+    from test_lifecycle import Api
+
+    config = pg_config(postgres)
+    server = start_server(config)
+    api = Api(server.grpc_target)
+    worker = api.register()
+    poll = api.workers.LeaseTasks.future(wpb.LeaseTasksRequest(worker_id=worker, max_tasks=1, wait_ms=10_000))
+    time.sleep(0.3)
+    started = time.monotonic()
+    asyncio.run(_insert_task_behind_the_servers_back(postgres.url, config["store"]["schema"], notify))
+    leased = poll.result(timeout=10).tasks
+    waited = time.monotonic() - started
+    assert len(leased) == 1
+    assert waited < (0.3 if notify else 1.5), f"leased after {waited:.2f}s"
