@@ -267,8 +267,9 @@ async def _insert_task_behind_the_servers_back(url: str, schema: str, notify: bo
 
 @pytest.mark.parametrize("notify", [True, False], ids=["notify", "polling-fallback"])
 def test_lease_long_poll_wakes_on_notify_or_falls_back_to_polling(start_server, postgres, notify):
-    from cronoq.v1 import worker_service_pb2 as wpb
     from test_lifecycle import Api
+
+    from cronoq.v1 import worker_service_pb2 as wpb
 
     config = pg_config(postgres)
     server = start_server(config)
