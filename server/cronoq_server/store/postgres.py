@@ -86,6 +86,7 @@ MIGRATIONS: dict[int, list[str]] = {
         """CREATE INDEX tasks_lease ON {s}.tasks (pool, priority DESC, run_at, seq) WHERE state = 1""",
         """CREATE INDEX tasks_running ON {s}.tasks (lease_expires_at) WHERE state = 3""",
         """CREATE INDEX tasks_finished ON {s}.tasks (finished_at) WHERE state IN (4, 5, 6)""",
+        """CREATE INDEX tasks_blocked ON {s}.tasks (seq) WHERE state = 2""",
         """CREATE INDEX tasks_pool ON {s}.tasks (pool, seq)""",
         """CREATE TABLE {s}.deps (task_seq bigint NOT NULL, dep_seq bigint NOT NULL,
             PRIMARY KEY (task_seq, dep_seq))""",
@@ -132,6 +133,10 @@ class PostgresStore:
         self._pool: asyncpg.Pool | None = None
         self.term: int | None = None  # set by the leader: every write checks it
         self.on_fenced: Callable[[], None] | None = None
+        # Finish reports skip the dependents query while no task is BLOCKED: the sweep
+        # records the generation it saw none at; creating a BLOCKED task moves it on.
+        self._blocked_generation = 1
+        self._no_blocked_since = 0
         self.channel = notify_channel(schema)
 
     def _full_id(self, seq: int) -> int:
@@ -307,6 +312,8 @@ class PostgresStore:
                 by_key[row.key] = row
             out.append(Submitted(row, False))
             changes.append((seq, state))
+            if state == State.BLOCKED:
+                self._blocked_generation += 1
         if inserts:
             columns = list(zip(*inserts, strict=True))
             await conn.execute(
@@ -360,20 +367,22 @@ class PostgresStore:
     async def lease(self, worker_id: str, pools: list[str], limit: int, now: int) -> tuple[list[TaskRow], int | None]:
         ttl = self.settings.lease_ttl_us
         cols = ", ".join(f"t.{c.strip()}" for c in TASK_COLUMNS.split(","))
+        # One index-ordered scan per pool ("pool = ANY" would sort every pending row).
         sql = self._sql(
-            "WITH picked AS (SELECT seq FROM {s}.tasks WHERE state = 1 AND pool = ANY($1::text[]) AND run_at <= $2"
-            " ORDER BY priority DESC, run_at, seq LIMIT $3 FOR UPDATE SKIP LOCKED),"
-            " ttl AS (SELECT * FROM unnest($5::text[], $6::bigint[]) AS x(pool, ttl))"
-            " UPDATE {s}.tasks t SET state = 3, attempt = t.attempt + 1, worker_id = $4, started_at = $2,"
-            " lease_expires_at = $2 + ttl.ttl FROM picked, ttl WHERE t.seq = picked.seq AND ttl.pool = t.pool"
+            "WITH picked AS (SELECT x.seq FROM unnest($4::text[]) AS p(pool), LATERAL"
+            " (SELECT seq, priority, run_at FROM {s}.tasks WHERE state = 1 AND pool = p.pool AND run_at <= $1"
+            " ORDER BY priority DESC, run_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED) AS x"
+            " ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $2),"
+            " ttl AS (SELECT * FROM unnest($4::text[], $5::bigint[]) AS x(pool, ttl))"
+            " UPDATE {s}.tasks t SET state = 3, attempt = t.attempt + 1, worker_id = $3, started_at = $1,"
+            " lease_expires_at = $1 + ttl.ttl FROM picked, ttl WHERE t.seq = picked.seq AND ttl.pool = t.pool"
             f" RETURNING {cols}"
         )
         due_sql = self._sql("SELECT min(run_at) FROM {s}.tasks WHERE state = 1 AND pool = ANY($1::text[])")
+        args = (now, limit, worker_id, pools, [ttl[p] for p in pools])
 
         async def lease(conn: asyncpg.Connection) -> tuple[list[TaskRow], int | None]:
-            rows = [
-                task_row(r) for r in await conn.fetch(sql, pools, now, limit, worker_id, pools, [ttl[p] for p in pools])
-            ]
+            rows = [task_row(r) for r in await conn.fetch(sql, *args)]
             if rows:
                 rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
                 return rows, None
@@ -443,8 +452,8 @@ class PostgresStore:
         return changes
 
     async def _unblock_dependents(self, conn: asyncpg.Connection, succeeded: list[int]) -> Changes:
-        if not succeeded:
-            return []
+        if not succeeded or self._no_blocked_since == self._blocked_generation:
+            return []  # no task waits for anything: nothing to unblock
         rows = await conn.fetch(
             self._sql(
                 "WITH dec AS (SELECT task_seq, count(*) AS n FROM {s}.deps WHERE dep_seq = ANY($1::bigint[])"
@@ -485,6 +494,12 @@ class PostgresStore:
             changes += [(seq, state) for seq in frontier]
         return changes
 
+    async def _check_blocked(self, conn: asyncpg.Connection) -> None:
+        generation = self._blocked_generation
+        blocked = await conn.fetchval(self._sql("SELECT EXISTS (SELECT 1 FROM {s}.tasks WHERE state = 2)"))
+        if not blocked:
+            self._no_blocked_since = generation
+
     async def expire_leases(self, now: int) -> Changes:
         async def expire(conn: asyncpg.Connection) -> Changes:
             sql = self._sql(
@@ -492,7 +507,9 @@ class PostgresStore:
                 " FOR UPDATE SKIP LOCKED"
             )
             expired = [expired_outcome(tuple(r)) for r in await conn.fetch(sql, now)]
-            return await self._apply_outcomes(conn, expired, now) if expired else []
+            changes = await self._apply_outcomes(conn, expired, now) if expired else []
+            await self._check_blocked(conn)
+            return changes
 
         return await self._tx(expire)
 
