@@ -15,6 +15,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from cronoq.jsonform import JSON_CONTENT_TYPE, to_dict
 from cronoq.v1 import (
     admin_service_pb2 as admin_pb,
 )
@@ -34,7 +35,6 @@ from ..ids import parse_task_id
 from ..node import Node
 
 log = logging.getLogger("cronoq.http")
-JSON_CONTENT_TYPE = "application/json"
 INT32_MAX = (1 << 31) - 1
 UINT32_MAX = (1 << 32) - 1
 
@@ -46,27 +46,6 @@ def _error_response(err: ApiError) -> web.Response:
     if "cronoq-shard-endpoint" in err.metadata:
         body["shard_endpoint"] = err.metadata["cronoq-shard-endpoint"]
     return web.json_response(body, status=err.http_status, headers=err.metadata)
-
-
-def _task_json(task: dict[str, Any]) -> dict[str, Any]:
-    """Shows a JSON payload as payload_json, as it was submitted."""
-    if task.get("content_type") == JSON_CONTENT_TYPE and "payload" in task:
-        try:
-            task["payload_json"] = json.loads(base64.b64decode(task.pop("payload")) or b"null")
-        except ValueError:
-            pass
-    return task
-
-
-def to_json(msg: Message) -> dict[str, Any]:
-    out = json_format.MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-    if "task" in out:
-        _task_json(out["task"])
-    for task in out.get("tasks", []):
-        _task_json(task)
-    if "event" in out and "task" in out["event"]:
-        _task_json(out["event"]["task"])
-    return out
 
 
 def _spec_from_json(body: Any, where: str) -> task_pb.SubmitTaskRequest:
@@ -255,7 +234,7 @@ class HttpApi:
                 return web.json_response(
                     {"code": "INTERNAL", "message": "internal error; see the server log"}, status=500
                 )
-            return web.json_response(to_json(response))
+            return web.json_response(to_dict(response))
 
         return handle
 
@@ -269,7 +248,7 @@ class HttpApi:
         await response.prepare(request)
         await response.write(b": watching\n\n")
         async for item in stream:
-            await response.write(f"data: {json.dumps(to_json(item)['event'])}\n\n".encode())
+            await response.write(f"data: {json.dumps(to_dict(item)['event'])}\n\n".encode())
         return response
 
     async def _unimplemented(self, request: web.Request) -> web.Response:

@@ -11,7 +11,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import TERMINAL, Changes, Outcome, OutcomeKind, OutcomeResult, RetryAt, State, TaskRow
+import grpc
+
+from ..errors import ApiError
+from .base import TERMINAL, Changes, Outcome, OutcomeKind, OutcomeResult, RetryAt, State, StoreSettings, TaskRow
 
 # What an outcome decision reads of a task, in this order.
 OUTCOME_COLUMNS = "seq, state, attempt, pool, max_attempts, cancel_requested"
@@ -152,3 +155,29 @@ def decide_heartbeat(
 
 def dependency_error(state: State, dep_full_id: int) -> str:
     return f"dependency {dep_full_id} {'failed' if state == State.FAILED else 'was cancelled'}"
+
+
+def check_pending_limits(settings: StoreSettings, counts: Mapping[str, int], created: list[str]) -> None:
+    """Refuses (and so rolls back) a submission that leaves too many PENDING or BLOCKED tasks.
+
+    counts: pending tasks by pool after the submission; created: the pools of its new tasks.
+    """
+    total = sum(counts.values())
+    if settings.max_pending_total is not None and total > settings.max_pending_total:
+        raise ApiError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"limits.max_pending_total: admitting {len(created)} task(s) would make {total} pending "
+            f"(limit {settings.max_pending_total}); nothing was admitted",
+        )
+    if settings.max_pending_per_pool is not None:
+        for pool in sorted(set(created)):
+            if counts.get(pool, 0) > settings.max_pending_per_pool:
+                raise ApiError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"limits.max_pending_per_pool: pool {pool!r} would have {counts[pool]} pending "
+                    f"(limit {settings.max_pending_per_pool}); nothing was admitted",
+                )
+
+
+def limits_apply(settings: StoreSettings) -> bool:
+    return settings.max_pending_total is not None or settings.max_pending_per_pool is not None

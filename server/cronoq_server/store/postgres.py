@@ -15,9 +15,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import asyncpg
-import grpc
 
-from ..errors import ApiError, not_found
+from ..errors import not_found
 from ..ids import make_task_id
 from .base import (
     TASK_COLUMNS,
@@ -39,11 +38,13 @@ from .logic import (
     HEARTBEAT_COLUMNS,
     OUTCOME_COLUMNS,
     check_outcomes,
+    check_pending_limits,
     decide_heartbeat,
     decide_outcomes,
     dependency_error,
     expired_outcome,
     initial_state,
+    limits_apply,
     task_row,
 )
 
@@ -341,26 +342,9 @@ class PostgresStore:
         return out, changes
 
     async def _check_limits(self, conn: asyncpg.Connection, created: list[str]) -> None:
-        s = self.settings
-        if s.max_pending_total is None and s.max_pending_per_pool is None:
-            return
-        sql = self._sql("SELECT pool, count(*) FROM {s}.tasks WHERE state IN (1, 2) GROUP BY pool")
-        counts = {r[0]: r[1] for r in await conn.fetch(sql)}
-        total = sum(counts.values())
-        if s.max_pending_total is not None and total > s.max_pending_total:
-            raise ApiError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"limits.max_pending_total: admitting {len(created)} task(s) would make {total} pending "
-                f"(limit {s.max_pending_total}); nothing was admitted",
-            )
-        if s.max_pending_per_pool is not None:
-            for pool in sorted(set(created)):
-                if counts.get(pool, 0) > s.max_pending_per_pool:
-                    raise ApiError(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"limits.max_pending_per_pool: pool {pool!r} would have {counts[pool]} pending "
-                        f"(limit {s.max_pending_per_pool}); nothing was admitted",
-                    )
+        if created and limits_apply(self.settings):
+            sql = self._sql("SELECT pool, count(*) FROM {s}.tasks WHERE state IN (1, 2) GROUP BY pool")
+            check_pending_limits(self.settings, {r[0]: r[1] for r in await conn.fetch(sql)}, created)
 
     # -- leases ---------------------------------------------------------------
 

@@ -15,9 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
-
-from ..errors import ApiError, not_found
+from ..errors import not_found
 from ..ids import make_task_id
 from .base import (
     TASK_COLUMNS,
@@ -37,11 +35,13 @@ from .logic import (
     HEARTBEAT_COLUMNS,
     OUTCOME_COLUMNS,
     check_outcomes,
+    check_pending_limits,
     decide_heartbeat,
     decide_outcomes,
     dependency_error,
     expired_outcome,
     initial_state,
+    limits_apply,
     task_row,
 )
 
@@ -367,28 +367,10 @@ class SqliteStore:
         return list(found.items())
 
     def _check_limits(self, db: sqlite3.Connection, tasks: list[NewTask], out: list[Submitted]) -> None:
-        s = self.settings
-        if s.max_pending_total is None and s.max_pending_per_pool is None:
-            return
         created = [r.row.pool for r in out if not r.deduplicated]
-        if not created:
-            return
-        counts = dict(db.execute("SELECT pool, COUNT(*) FROM tasks WHERE state IN (1, 2) GROUP BY pool"))
-        total = sum(counts.values())
-        if s.max_pending_total is not None and total > s.max_pending_total:
-            raise ApiError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"limits.max_pending_total: admitting {len(created)} task(s) would make {total} pending "
-                f"(limit {s.max_pending_total}); nothing was admitted",
-            )
-        if s.max_pending_per_pool is not None:
-            for pool in sorted(set(created)):
-                if counts.get(pool, 0) > s.max_pending_per_pool:
-                    raise ApiError(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"limits.max_pending_per_pool: pool {pool!r} would have {counts[pool]} pending "
-                        f"(limit {s.max_pending_per_pool}); nothing was admitted",
-                    )
+        if created and limits_apply(self.settings):
+            counts = dict(db.execute("SELECT pool, COUNT(*) FROM tasks WHERE state IN (1, 2) GROUP BY pool"))
+            check_pending_limits(self.settings, counts, created)
 
     # -- leases ---------------------------------------------------------------
 
