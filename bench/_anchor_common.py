@@ -45,6 +45,11 @@ def build_parser(description: str | None, system_options: Callable[[argparse.Arg
     b = sub.add_parser("burndown", help="enqueue --tasks no-op jobs in batches, then drain them with one worker")
     b.add_argument("--tasks", type=int, default=20_000)
     b.add_argument("--batch", type=int, default=500, help="jobs per enqueue call while filling the queue")
+    b.add_argument(
+        "--analyze",
+        action="store_true",
+        help="run ANALYZE after filling the queue (default: leave it to autovacuum, as deployed)",
+    )
     common(b)
 
     lat = sub.add_parser("latency", help="enqueue at --rate jobs/s for --seconds while one worker runs")
@@ -313,6 +318,7 @@ def run_bench(
     enqueue_burndown: Callable[[str, int, int], float],
     enqueue_latency: Callable[[str, int, float, int], tuple[int, float]],
     verify: Callable[[str], dict[str, Any]],
+    analyze: Callable[[str], None],
     worker_extra: list[str],
 ) -> dict[str, Any]:
     """The shared driver of one run: fresh database, schema, worker, enqueueing, cleanup.
@@ -320,7 +326,7 @@ def run_bench(
     create_db/drop_db(name) act on args.url's server; install_schema(db_url) sets the system
     up in the new database; the enqueue_* callables are synchronous wrappers around the
     system's own client; verify(db_url) returns extra result fields read from the database
-    once the worker has stopped."""
+    once the worker has stopped; analyze(db_url) runs ANALYZE (burndown --analyze)."""
     # A TERM (e.g. bench/anchors.py's timeout) unwinds through the finally below, which
     # stops the worker and drops the database.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -336,6 +342,9 @@ def run_bench(
         if args.kind == "burndown":
             log(f"[{system}] enqueueing {args.tasks} no-op jobs in batches of {args.batch}")
             enqueue_s = enqueue_burndown(db_url, args.tasks, args.batch)
+            if args.analyze:
+                log(f"[{system}] ANALYZE")
+                analyze(db_url)
             log(f"[{system}] starting one worker process")
             worker = WorkerProcess(script, db_url, "burndown", args.tasks, args.timeout, worker_extra)
             ready = worker.wait_ready()

@@ -125,8 +125,8 @@ async def worker_main(args: Any) -> None:
 
 
 def make_hooks(args: Any) -> dict[str, Any]:
-    async def admin(sql: str) -> None:
-        conn = await asyncpg.connect(args.url, timeout=30)
+    async def admin(sql: str, url: str = args.url) -> None:
+        conn = await asyncpg.connect(url, timeout=30)
         try:
             await conn.execute(sql, timeout=60)
         finally:
@@ -137,6 +137,9 @@ def make_hooks(args: Any) -> dict[str, Any]:
 
     def drop_db(name: str) -> None:
         asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+    def analyze(db_url: str) -> None:
+        asyncio.run(admin("ANALYZE", db_url))
 
     def pgq_cli(db_url: str, *cmd: str) -> None:
         log(f"[{SYSTEM}] pgq {' '.join(cmd)}")
@@ -199,6 +202,7 @@ def make_hooks(args: Any) -> dict[str, Any]:
         "enqueue_burndown": enqueue_burndown,
         "enqueue_latency": enqueue_latency,
         "verify": verify,
+        "analyze": analyze,
     }
 
 

@@ -126,8 +126,8 @@ async def worker_main(args: Any) -> None:
 
 
 def make_hooks(args: Any) -> dict[str, Any]:
-    def admin(sql: str) -> None:
-        with psycopg.connect(args.url, autocommit=True, connect_timeout=30) as conn:
+    def admin(sql: str, url: str = args.url) -> None:
+        with psycopg.connect(url, autocommit=True, connect_timeout=30) as conn:
             conn.execute(sql)
 
     def create_db(name: str) -> None:
@@ -135,6 +135,9 @@ def make_hooks(args: Any) -> dict[str, Any]:
 
     def drop_db(name: str) -> None:
         admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    def analyze(db_url: str) -> None:
+        admin("ANALYZE", db_url)
 
     def install_schema(db_url: str) -> None:
         async def go() -> None:
@@ -188,6 +191,7 @@ def make_hooks(args: Any) -> dict[str, Any]:
         "enqueue_burndown": enqueue_burndown,
         "enqueue_latency": enqueue_latency,
         "verify": verify,
+        "analyze": analyze,
     }
 
 

@@ -1,42 +1,94 @@
-"""`./dev bench`: every benchmark, one after the other, and a summary table.
+"""`./dev bench`: every benchmark in one run, and a summary table.
 
-Each benchmark runs in its own process (they start their own servers and workers).
+cronoq on SQLite and on PostgreSQL (burn-down and submit→start latency), then the
+anchors PgQueuer and procrastinate on the same PostgreSQL server and the same
+workloads, and cronoq's ratio to each. Each run is its own process with its own
+servers and workers. `--quick` runs smaller sizes; `--no-anchors` skips the anchors.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
 
-RUNS = [
-    ("burn-down, 20,000 no-op tasks, 1 worker process, concurrency 64", ["burndown.py", "--json"]),
-    ("submit→start at 1,000 tasks/s, 100 calls/s of 10 tasks", ["latency.py", "--batch", "10", "--json"]),
-    ("submit→start at 1,000 tasks/s, one SubmitTask per task", ["latency.py", "--batch", "1", "--json"]),
-    ("submit→start at 300 tasks/s, one SubmitTask per task", ["latency.py", "--rate", "300", "--json"]),
-]
+from _servers import bench_store  # noqa: E402
+
+
+def run(script: str, *args: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, str(HERE / script), *args, "--json"], check=True, stdout=subprocess.PIPE, text=True
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def latency_text(r: dict[str, Any]) -> str:
+    return f"p50 {r['p50_ms']} ms, p90 {r['p90_ms']} ms, p99 {r['p99_ms']} ms (achieved {r['achieved_rate']:,}/s)"
 
 
 def main() -> None:
-    rows = []
-    for title, cmd in RUNS:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="5,000 tasks and 3 s latency runs")
+    ap.add_argument("--no-anchors", action="store_true")
+    args = ap.parse_args()
+    tasks = "5000" if args.quick else "20000"
+    seconds = "3" if args.quick else "5"
+    rows: list[tuple[str, str]] = []
+    ratios: list[tuple[str, str]] = []
+
+    def step(title: str) -> None:
         print(f"== {title}", file=sys.stderr, flush=True)
-        out = subprocess.run(
-            [sys.executable, str(HERE / cmd[0]), *cmd[1:], *sys.argv[1:]], check=True, stdout=subprocess.PIPE, text=True
-        ).stdout
-        rows.append((title, json.loads(out.strip().splitlines()[-1])))
-    print("\n| run | result |\n|---|---|")
-    for title, r in rows:
-        if "drain_tasks_per_s" in r:
-            text = f"{r['drain_tasks_per_s']:,} tasks/s drained ({r['submit_tasks_per_s']:,} tasks/s submitted)"
-        else:
-            text = (
-                f"p50 {r['p50_ms']} ms, p90 {r['p90_ms']} ms, p99 {r['p99_ms']} ms (achieved {r['achieved_rate']:,}/s)"
+
+    for store in ("sqlite", "postgres"):
+        with bench_store(store, None) as url:
+            extra = ["--store", store] + (["--url", url] if url else [])
+            step(f"cronoq on {store}: burn-down")
+            burn = run("burndown.py", "--tasks", tasks, *extra)
+            rows.append(
+                (
+                    f"cronoq {store}: burn-down {tasks} no-op tasks, 1 worker process, concurrency 64",
+                    f"{burn['drain_tasks_per_s']:,} tasks/s",
+                )
             )
-        print(f"| {r['store']}: {title} | {text} |")
+            lat = {}
+            for batch in ("10", "1"):
+                step(f"cronoq on {store}: latency, calls of {batch}")
+                lat[batch] = run("latency.py", "--seconds", seconds, "--batch", batch, *extra)
+                how = "100 calls/s of 10 tasks" if batch == "10" else "one SubmitTask per task"
+                rows.append((f"cronoq {store}: submit→start at 1,000 tasks/s, {how}", latency_text(lat[batch])))
+            if store == "postgres" and not args.no_anchors:
+                import anchors  # the anchors' own virtualenv; never a product dependency
+
+                for name in anchors.SYSTEMS:
+                    step(f"{name} on the same PostgreSQL: burn-down")
+                    a_burn = anchors.run_anchor(name, "burndown", url, tasks=int(tasks))
+                    rows.append(
+                        (
+                            f"{name}: burn-down {tasks} no-op jobs, 1 worker process",
+                            f"{a_burn['drain_per_s']:,.0f} jobs/s",
+                        )
+                    )
+                    step(f"{name} on the same PostgreSQL: latency")
+                    a_lat = anchors.run_anchor(name, "latency", url, rate=1000, seconds=float(seconds), batch=10)
+                    rows.append((f"{name}: submit→start at 1,000 jobs/s, 100 calls/s of 10 jobs", latency_text(a_lat)))
+                    ratios.append(
+                        (f"cronoq / {name}, burn-down", f"{burn['drain_tasks_per_s'] / a_burn['drain_per_s']:.2f}×")
+                    )
+                    ratios.append(
+                        (
+                            f"{name} p50 / cronoq p50, latency (higher: cronoq faster)",
+                            f"{a_lat['p50_ms'] / max(lat['10']['p50_ms'], 0.01):.2f}×",
+                        )
+                    )
+    print("\n| run | result |\n|---|---|")
+    for title, text in rows + ratios:
+        print(f"| {title} | {text} |")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import signal
+import time
 
 from _helpers import eventually, log_lines, start_worker
 
@@ -88,3 +89,34 @@ def test_1000_tasks_through_4_workers_each_finish_exactly_once(server, tmp_path)
     by_pid = {t: pid for t, _, pid in done}
     assert all(cronoq.result_of(r.task)["pid"] == by_pid[r.task.id] for r in results)
     assert len({pid for _, _, pid in done}) >= 2, "work should spread over the workers"
+
+
+def test_worker_handler_observes_cancellation(server, tmp_path):
+    log = tmp_path / "w.log"
+    worker = start_worker(server.endpoint, "default", log)
+    try:
+        with cronoq.SyncClient(server.endpoint) as client:
+            task = client.submit("default", {"sleep": 60}).task
+            eventually(lambda: log_lines(log, "start"), what="the task starts")
+            assert client.cancel(task.id).cancel_requested
+            started = time.monotonic()
+            done = client.wait(task.id, timeout=10)
+    finally:
+        worker.terminate()
+        worker.wait(20)
+    assert done.done and done.task.state == cronoq.TaskState.Value("TASK_STATE_CANCELLED")
+    assert time.monotonic() - started < 3  # learnt at the next heartbeat (every ttl/3 = 0.67 s)
+    assert log_lines(log, "done") == []
+
+
+def test_worker_sigterm_lets_running_tasks_finish(server, tmp_path):
+    log = tmp_path / "w.log"
+    worker = start_worker(server.endpoint, "default", log)
+    with cronoq.SyncClient(server.endpoint) as client:
+        ids = [client.submit("default", {"sleep": 1.0}).task.id for _ in range(3)]
+        eventually(lambda: len(log_lines(log, "start")) == 3, what="three tasks start")
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0
+        results = [client.get(i) for i in ids]
+    assert all(t.state == SUCCEEDED for t in results)
+    assert sorted(t for t, _, _ in log_lines(log, "done")) == sorted(ids)
