@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import queue
 import statistics
 import sys
 import tempfile
@@ -23,9 +24,14 @@ from _servers import BenchServer, add_store_arguments, bench_store
 import cronoq
 
 
-def run_worker(endpoint: str, concurrency: int, total: int, ready: mp.Event, out: mp.Queue) -> None:  # type: ignore[type-arg]
+def run_worker(endpoint: str, concurrency: int, total: int, ready: mp.Event, out: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
     async def main() -> None:
         latencies: list[float] = []
+
+        async def stop_when_told() -> None:
+            while not stop.is_set():
+                await asyncio.sleep(0.2)
+            worker.stop()
 
         async def record(task: cronoq.TaskContext) -> None:
             latencies.append(time.time() - task.payload["t"])
@@ -34,7 +40,9 @@ def run_worker(endpoint: str, concurrency: int, total: int, ready: mp.Event, out
 
         worker = cronoq.Worker(endpoint, "default", record, concurrency=concurrency, poll_wait=1.0)
         ready.set()
+        watcher = asyncio.create_task(stop_when_told())
         await worker.run()
+        watcher.cancel()
         out.put(latencies)
 
     try:
@@ -67,7 +75,10 @@ async def submit_at_rate(endpoint: str, rate: int, seconds: float, batch: int) -
             t.add_done_callback(pending.discard)
             if i % max(rate // batch, 1) == 0:
                 print(f"\rsubmitted {i * batch}/{calls * batch}", end="", file=sys.stderr)
-        await asyncio.gather(*pending)
+        results = await asyncio.gather(*pending, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            print(f"\n{len(failed)} submit call(s) failed, e.g. {failed[0]}", file=sys.stderr)
         achieved = calls * batch / (loop.time() - start)
     print(file=sys.stderr)
     return calls * batch + 1, achieved
@@ -91,13 +102,17 @@ def main() -> None:
     with bench_store(args.store, args.url) as url, tempfile.TemporaryDirectory() as tmp:
         server = BenchServer(Path(tmp), url)
         try:
-            ready, out = mp.Event(), mp.Queue()
-            proc = mp.Process(target=run_worker, args=(server.endpoint, args.concurrency, total, ready, out))
+            ready, out, stop = mp.Event(), mp.Queue(), mp.Event()
+            proc = mp.Process(target=run_worker, args=(server.endpoint, args.concurrency, total, ready, out, stop))
             proc.start()
             ready.wait(30)
             time.sleep(1.0)  # the worker registers and starts its long poll
             _, achieved = asyncio.run(submit_at_rate(server.endpoint, args.rate, args.seconds, args.batch))
-            latencies = out.get(timeout=120)
+            try:  # every task started, or a saturated run stopped after a bounded drain
+                latencies = out.get(timeout=60)
+            except queue.Empty:
+                stop.set()
+                latencies = out.get(timeout=60)
             proc.join(30)
         finally:
             server.stop()

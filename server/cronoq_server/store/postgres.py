@@ -167,6 +167,32 @@ class PostgresStore:
         except CONNECTION_ERRORS as err:
             raise StoreUnavailable(f"store unreachable: {type(err).__name__}: {err}") from None
 
+    def _fence(self, param: int) -> str:
+        """A condition that holds only while this server's term is the store's (true when unfenced)."""
+        if self.term is None:
+            return "true"
+        return self._sql(f"EXISTS (SELECT 1 FROM {{s}}.leader WHERE id = 1 AND term = ${param} FOR SHARE)")
+
+    async def _fenced_fetch(self, sql: str, *args: Any) -> list[Any]:
+        """One statement in its own transaction (one round trip), fenced by `{fence}` in sql.
+
+        The statement does nothing when fenced; an empty result is then checked against the term.
+        """
+        fenced_sql = sql.replace("{fence}", self._fence(len(args) + 1))
+        params = (*args, self.term) if self.term is not None else args
+        try:
+            async with self.pool.acquire() as conn:
+                rows = await conn.fetch(fenced_sql, *params)
+                if not rows and self.term is not None:
+                    term = await conn.fetchval(self._sql("SELECT term FROM {s}.leader WHERE id = 1"))
+                    if term != self.term:
+                        if self.on_fenced is not None:
+                            self.on_fenced()
+                        raise Fenced(f"leadership term {self.term} is over (store term {term}): write refused")
+                return list(rows)
+        except CONNECTION_ERRORS as err:
+            raise StoreUnavailable(f"store unreachable: {type(err).__name__}: {err}") from None
+
     async def _read(self, fn: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
         try:
             async with self.pool.acquire() as conn:
@@ -248,6 +274,10 @@ class PostgresStore:
     # -- submit ---------------------------------------------------------------
 
     async def submit(self, tasks: list[NewTask], now: int) -> tuple[list[Submitted], Changes]:
+        if not limits_apply(self.settings) and all(
+            t.key is None and not (t.dep_seqs or t.dep_keys or t.dep_batch) for t in tasks
+        ):
+            return await self._submit_plain(tasks, now)
         for attempt in range(3):
             try:
                 return await self._tx(lambda c: self._submit(c, tasks, now))
@@ -256,6 +286,50 @@ class PostgresStore:
                     raise
                 # A concurrent submission took one of the keys: run again, deduplicating it.
         raise AssertionError("unreachable")
+
+    async def _submit_plain(self, tasks: list[NewTask], now: int) -> tuple[list[Submitted], Changes]:
+        """Tasks without keys, dependencies or limits: one fenced multi-row INSERT, one round trip."""
+        run_at = [t.run_at if t.run_at is not None else now for t in tasks]
+        # ids maps each input position to its sequence number, whatever order rows are inserted in.
+        sql = self._sql(
+            "WITH ids AS MATERIALIZED (SELECT n, nextval(pg_get_serial_sequence('{s}.tasks', 'seq')) AS seq"
+            " FROM generate_series(1, $10::int) AS n),"
+            " ins AS (INSERT INTO {s}.tasks (seq, pool, payload, content_type, priority, run_at, max_attempts,"
+            " resources, state, created_at)"
+            " SELECT ids.seq, u.pool, u.payload, u.content_type, u.priority, u.run_at, u.max_attempts,"
+            " u.resources, 1, $8"
+            " FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int[], $5::bigint[], $6::int[], $7::text[])"
+            " WITH ORDINALITY AS u(pool, payload, content_type, priority, run_at, max_attempts, resources, n)"
+            " JOIN ids ON ids.n = u.n WHERE {fence} RETURNING seq)"
+            " SELECT ids.seq, (SELECT pg_notify($9, '')) FROM ins JOIN ids ON ids.seq = ins.seq ORDER BY ids.n"
+        )
+        rows = await self._fenced_fetch(
+            sql,
+            [t.pool for t in tasks],
+            [t.payload for t in tasks],
+            [t.content_type for t in tasks],
+            [t.priority for t in tasks],
+            run_at,
+            [t.max_attempts for t in tasks],
+            [json.dumps(t.resources) if t.resources else None for t in tasks],
+            now,
+            self.channel,
+            len(tasks),
+        )
+        out = [
+            Submitted(
+                TaskRow(
+                    seq=r[0], pool=t.pool, key=None, payload=t.payload, content_type=t.content_type,
+                    priority=t.priority, run_at=at, max_attempts=t.max_attempts, depends_on=[],
+                    resources=t.resources, state=State.PENDING, attempt=0, worker_id=None, result=None,
+                    result_content_type="", error="", created_at=now, started_at=None, finished_at=None,
+                    cancel_requested=False, lease_expires_at=None,
+                ),
+                False,
+            )
+            for r, t, at in zip(rows, tasks, run_at, strict=True)
+        ]  # fmt: skip
+        return out, [(s.row.seq, State.PENDING) for s in out]
 
     async def _submit(
         self, conn: asyncpg.Connection, tasks: list[NewTask], now: int
@@ -356,7 +430,7 @@ class PostgresStore:
             "WITH picked AS (SELECT x.seq FROM unnest($4::text[]) AS p(pool), LATERAL"
             " (SELECT seq, priority, run_at FROM {s}.tasks WHERE state = 1 AND pool = p.pool AND run_at <= $1"
             " ORDER BY priority DESC, run_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED) AS x"
-            " ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $2),"
+            " WHERE {fence} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $2),"
             " ttl AS (SELECT * FROM unnest($4::text[], $5::bigint[]) AS x(pool, ttl))"
             " UPDATE {s}.tasks t SET state = 3, attempt = t.attempt + 1, worker_id = $3, started_at = $1,"
             " lease_expires_at = $1 + ttl.ttl FROM picked, ttl WHERE t.seq = picked.seq AND ttl.pool = t.pool"
@@ -365,14 +439,11 @@ class PostgresStore:
         due_sql = self._sql("SELECT min(run_at) FROM {s}.tasks WHERE state = 1 AND pool = ANY($1::text[])")
         args = (now, limit, worker_id, pools, [ttl[p] for p in pools])
 
-        async def lease(conn: asyncpg.Connection) -> tuple[list[TaskRow], int | None]:
-            rows = [task_row(r) for r in await conn.fetch(sql, *args)]
-            if rows:
-                rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
-                return rows, None
-            return [], await conn.fetchval(due_sql, pools)
-
-        return await self._tx(lease)
+        rows = [task_row(r) for r in await self._fenced_fetch(sql, *args)]
+        if rows:
+            rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
+            return rows, None
+        return [], await self._read(lambda c: c.fetchval(due_sql, pools))
 
     async def heartbeat(self, worker_id: str, attempts: list[tuple[int, int]], now: int) -> tuple[list[int], list[int]]:
         async def beat(conn: asyncpg.Connection) -> tuple[list[int], list[int]]:
