@@ -60,7 +60,7 @@ async def submit_at_rate(endpoint: str, rate: int, seconds: float, batch: int) -
         await client.submit("default", {"t": time.time()})  # warm the channel
         loop = asyncio.get_running_loop()
         start = loop.time()
-        pending: set[asyncio.Task[object]] = set()
+        calls_made: list[asyncio.Task[object]] = []
         for i in range(calls):
             delay = start + i * batch / rate - loop.time()
             if delay > 0:
@@ -70,12 +70,10 @@ async def submit_at_rate(endpoint: str, rate: int, seconds: float, batch: int) -
             else:
                 now = time.time()
                 call = client.submit_batch([cronoq.task_spec("default", {"t": now}) for _ in range(batch)])
-            t = asyncio.create_task(call)
-            pending.add(t)
-            t.add_done_callback(pending.discard)
+            calls_made.append(asyncio.create_task(call))
             if i % max(rate // batch, 1) == 0:
                 print(f"\rsubmitted {i * batch}/{calls * batch}", end="", file=sys.stderr)
-        results = await asyncio.gather(*pending, return_exceptions=True)
+        results = await asyncio.gather(*calls_made, return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             print(f"\n{len(failed)} submit call(s) failed, e.g. {failed[0]}", file=sys.stderr)
