@@ -641,3 +641,32 @@ async def test_concurrent_leases_never_share_a_task(store: Store) -> None:
     results = await asyncio.gather(*(store.lease(f"w{i}", ["default"], 6, T0) for i in range(5)))
     leased = [r.seq for rows, _ in results for r in rows]
     assert sorted(leased) == list(range(1, 21))
+
+
+async def test_finish_reports_after_a_sweep_saw_nothing_blocked(store: Store) -> None:
+    """Once the leader's sweep has seen no BLOCKED task, backends may take a faster finish path:
+    it must keep the same fencing by attempt and the same cancel-wins rule."""
+    for _ in range(3):
+        await submit_one(store)
+    await store.expire_leases(T0)  # the sweep: nothing BLOCKED
+    first, second, third = [await lease_one(store, seq) for seq in (1, 2, 3)]
+    await store.cancel(3, T0 + 1)
+    results, changes = await store.finish(
+        [
+            Outcome(1, first.attempt, OutcomeKind.SUCCESS, result=b"r1"),
+            Outcome(2, second.attempt + 1, OutcomeKind.SUCCESS),  # a stale attempt
+            Outcome(3, third.attempt, OutcomeKind.SUCCESS),
+            Outcome(99, 1, OutcomeKind.SUCCESS),
+        ],
+        T0 + 2,
+    )
+    assert [(r.seq, r.accepted, r.code) for r in results] == [
+        (1, True, ""),
+        (2, False, "FAILED_PRECONDITION"),
+        (3, True, ""),
+        (99, False, "NOT_FOUND"),
+    ]
+    assert sorted(changes) == [(1, State.SUCCEEDED), (3, State.CANCELLED)]
+    assert (await row(store, 1)).result == b"r1"
+    assert (await row(store, 2)).state == State.RUNNING
+    assert (await row(store, 3)).state == State.CANCELLED

@@ -25,6 +25,7 @@ from .base import (
     Fenced,
     NewTask,
     Outcome,
+    OutcomeKind,
     OutcomeResult,
     State,
     StoreOwnedElsewhere,
@@ -467,6 +468,14 @@ class PostgresStore:
     # -- outcomes -------------------------------------------------------------
 
     async def finish(self, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:
+        seqs = [o.seq for o in outcomes]
+        if (
+            self._no_blocked_since == self._blocked_generation
+            and all(o.kind is OutcomeKind.SUCCESS for o in outcomes)
+            and len(set(seqs)) == len(seqs)
+        ):
+            return await self._finish_successes(outcomes, now)
+
         async def finish(conn: asyncpg.Connection) -> tuple[list[OutcomeResult], Changes]:
             sql = self._sql(f"SELECT {OUTCOME_COLUMNS} FROM {{s}}.tasks WHERE seq = ANY($1::bigint[]) FOR UPDATE")
             current = {r[0]: tuple(r) for r in await conn.fetch(sql, [o.seq for o in outcomes])}
@@ -474,6 +483,44 @@ class PostgresStore:
             return results, await self._apply_outcomes(conn, accepted, now)
 
         return await self._tx(finish)
+
+    async def _finish_successes(self, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:
+        """Successes while no task is BLOCKED: one fenced UPDATE, fenced by attempt in its WHERE.
+
+        A cancel requested meanwhile still ends the task CANCELLED, as decide_outcomes does.
+        """
+        sql = self._sql(
+            "UPDATE {s}.tasks t SET state = CASE WHEN t.cancel_requested THEN 6 ELSE 4 END, result = u.result,"
+            " result_content_type = u.rct, error = CASE WHEN t.cancel_requested THEN 'cancelled' ELSE '' END,"
+            " finished_at = $5, lease_expires_at = NULL"
+            " FROM unnest($1::bigint[], $2::int[], $3::bytea[], $4::text[]) AS u(seq, attempt, result, rct)"
+            " WHERE t.seq = u.seq AND t.state = 3 AND t.attempt = u.attempt AND {fence}"
+            " RETURNING t.seq, t.state"
+        )
+        rows = await self._fenced_fetch(
+            sql,
+            [o.seq for o in outcomes],
+            [o.attempt for o in outcomes],
+            [o.result or None for o in outcomes],
+            [o.result_content_type for o in outcomes],
+            now,
+        )
+        ended = {r[0]: State(r[1]) for r in rows}
+        refused = [o for o in outcomes if o.seq not in ended]
+        reasons: dict[int, OutcomeResult] = {}
+        if refused:  # read why: the task moved on, or does not exist
+            sql = self._sql(f"SELECT {OUTCOME_COLUMNS} FROM {{s}}.tasks WHERE seq = ANY($1::bigint[])")
+            rows = await self._read(lambda c: c.fetch(sql, [o.seq for o in refused]))
+            current = {r[0]: tuple(r) for r in rows}
+            for result in check_outcomes(refused, current, self._full_id)[0]:
+                reasons[result.seq] = (
+                    result if not result.accepted else OutcomeResult(
+                        result.seq, False, "FAILED_PRECONDITION",
+                        f"task {self._full_id(result.seq)} attempt changed while reporting: outcome refused",
+                    )
+                )  # fmt: skip
+        results = [reasons.get(o.seq) or OutcomeResult(o.seq, True) for o in outcomes]
+        return results, list(ended.items())
 
     async def _apply_outcomes(self, conn: asyncpg.Connection, accepted: list[tuple[Outcome, Any]], now: int) -> Changes:
         d = decide_outcomes(accepted, now, self.settings.retry_at)
