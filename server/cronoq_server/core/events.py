@@ -64,8 +64,10 @@ class EventBus:
         self._watchers.discard(watcher)
 
     def close_watchers(self) -> None:
+        """Ends every Watch stream (on shutdown); a full queue's consumer was already dropped."""
         for watcher in self._watchers:
-            watcher.queue.put_nowait(None) if not watcher.queue.full() else None
+            if not watcher.queue.full():
+                watcher.queue.put_nowait(None)
 
     # -- publishing -----------------------------------------------------------
 

@@ -211,6 +211,8 @@ class Tasks:
                 if event is None:
                     return
                 yield pb.WatchResponse(event=event)
+                if watcher.overflowed and watcher.queue.empty():
+                    return  # too slow to keep up: the stream ends and the caller reconnects
         finally:
             self._events.unwatch(watcher)
 
