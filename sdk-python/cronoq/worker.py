@@ -19,13 +19,25 @@ from typing import Any
 
 from ._transport import Connection, Endpoint, RetryConfig, TlsConfig, call_once
 from .client import Task, decode, encode_payload
-from .errors import CronoqError, FailedPrecondition, NotFound, TooManyRedirects, Unavailable
+from .errors import (
+    Cancelled,
+    CronoqError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    NotFound,
+    TooManyRedirects,
+    Unavailable,
+    Unknown,
+)
 from .v1 import worker_service_pb2 as pb
 from .v1 import worker_service_pb2_grpc
 
 log = logging.getLogger("cronoq.worker")
 
 MAX_REDIRECTS = 3
+# Failures of a worker's own calls that say nothing about the request: they are retried.
+TRANSIENT = (Unavailable, Cancelled, DeadlineExceeded, Internal, Unknown)
 MAX_FINISH_BATCH = 1000
 
 
@@ -239,6 +251,10 @@ class Worker:
                 log.warning("worker %s unknown to the server; registering again", self.worker_id)
                 await self._register()
                 continue
+            except TRANSIENT as err:  # e.g. a server that stops mid-call: ask again
+                log.warning("lease failed (%s); retrying", err)
+                await self._pause_after(err)
+                continue
             for task in resp.tasks:
                 ctx = TaskContext(task)
                 self._running[task.id] = (asyncio.create_task(self._execute(ctx)), ctx)
@@ -285,6 +301,13 @@ class Worker:
                     await self._register()
                     self._outcomes[:0] = batch
                     continue
+                except TRANSIENT as err:
+                    # Reports are fenced by attempt, so sending one again is safe; dropping it would
+                    # leave the task to its lease expiry and run it twice.
+                    log.warning("finish report of %d task(s) failed (%s); retrying", len(batch), err)
+                    self._outcomes[:0] = batch
+                    await self._pause_after(err)
+                    continue
                 except CronoqError as err:
                     log.error("finish report of %d task(s) refused: %s", len(batch), err)
                     resp = None
@@ -294,6 +317,12 @@ class Worker:
                 for r in resp.results if resp else ():
                     if not r.accepted:
                         log.warning("outcome of task %d refused: %s %s", r.task_id, r.code, r.message)
+
+    async def _pause_after(self, err: CronoqError) -> None:
+        """Backs off after a transient failure, moving to another server when one is named or known."""
+        if isinstance(err, Unavailable):
+            self._conn.on_unavailable(err)
+        await asyncio.sleep(self._retry.initial_backoff * random.uniform(1.0, 4.0))
 
     async def _heartbeat_loop(self) -> None:
         while True:
