@@ -20,10 +20,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
+
+T = TypeVar("T")
 
 
 def log(msg: str, end: str = "\n") -> None:
@@ -393,3 +395,12 @@ def run_bench(
                 drop_db(dbname)
             except Exception as exc:  # cleanup must not hide the run's own error
                 log(f"[{system}] could not drop {dbname}: {exc!r}")
+
+
+def run_loop(loop: str, coro: Coroutine[Any, Any, T]) -> T:
+    """Runs coro on uvloop or plain asyncio (uvloop is imported only when asked for)."""
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(coro)
+    return asyncio.run(coro)

@@ -22,7 +22,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,6 +38,7 @@ from _anchor_common import (
     install_stop_signals,
     log,
     run_bench,
+    run_loop,
     submit_at_rate,
 )
 from pgqueuer import PgQueuer
@@ -65,14 +66,6 @@ def options(p: argparse.ArgumentParser) -> None:
         default="uvloop",
         help="event loop of worker and producer (the pgq CLI uses uvloop)",
     )
-
-
-def run_loop(loop: str, coro: Coroutine[Any, Any, T]) -> T:
-    if loop == "uvloop":
-        import uvloop
-
-        return uvloop.run(coro)
-    return asyncio.run(coro)
 
 
 # ---- the worker process ------------------------------------------------------------------------

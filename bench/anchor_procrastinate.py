@@ -24,7 +24,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,6 +40,7 @@ from _anchor_common import (
     install_stop_signals,
     log,
     run_bench,
+    run_loop,
     submit_at_rate,
 )
 
@@ -62,14 +63,6 @@ def options(p: argparse.ArgumentParser) -> None:
         default="asyncio",
         help="event loop of worker and producer (the procrastinate CLI uses asyncio.run)",
     )
-
-
-def run_loop(loop: str, coro: Coroutine[Any, Any, T]) -> T:
-    if loop == "uvloop":
-        import uvloop
-
-        return uvloop.run(coro)
-    return asyncio.run(coro)
 
 
 def make_app(db_url: str, pool_size: int, state: WorkerState | None = None) -> procrastinate.App:
