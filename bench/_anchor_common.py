@@ -1,6 +1,7 @@
 """Shared, standard-library-only plumbing of the anchor benchmarks (anchor_pgqueuer.py,
 anchor_procrastinate.py): argument parsing, the worker subprocess, rate-paced enqueue,
-percentiles and the result line. It imports no queue library, so it runs under any Python.
+percentiles and the result line (latency.py uses the same latency_result for cronoq).
+It imports no queue library, so it runs under any Python.
 
 Protocol between a bench script and its worker process (the same script, run as
 `SCRIPT _worker ...`): the worker writes `ready.json` ({"t_start": ...}) in a scratch

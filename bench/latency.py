@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from _anchor_common import latency_result
 from _servers import BenchServer, add_store_arguments, bench_store
 
 import cronoq
@@ -82,11 +83,6 @@ async def submit_at_rate(endpoint: str, rate: int, seconds: float, batch: int) -
     return calls * batch + 1, achieved
 
 
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(int(len(ordered) * p / 100), len(ordered) - 1)]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rate", type=int, default=1000)
@@ -114,24 +110,16 @@ def main() -> None:
             proc.join(30)
         finally:
             server.stop()
-    ms = [x * 1000 for x in latencies]
-    result = {
-        "store": args.store,
-        "rate": args.rate,
-        "achieved_rate": round(achieved),
-        "tasks": len(ms),
-        "p50_ms": round(percentile(ms, 50), 2),
-        "p90_ms": round(percentile(ms, 90), 2),
-        "p99_ms": round(percentile(ms, 99), 2),
-        "max_ms": round(max(ms), 2),
-        "mean_ms": round(statistics.mean(ms), 2),
-    }
+    result = latency_result(
+        "cronoq", args.rate, args.batch, achieved, latencies, store=args.store,
+        mean_ms=round(statistics.mean(latencies) * 1000, 2),
+    )  # fmt: skip
     if args.json:
         print(json.dumps(result))
     else:
         print(
             f"{args.store} submit→start at {args.rate}/s in calls of {args.batch} "
-            f"(achieved {achieved:,.0f}/s, {len(ms)} tasks): "
+            f"(achieved {achieved:,.0f}/s, {result['tasks']} tasks): "
             f"p50 {result['p50_ms']} ms, p90 {result['p90_ms']} ms, "
             f"p99 {result['p99_ms']} ms, max {result['max_ms']} ms"
         )
