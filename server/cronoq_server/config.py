@@ -78,6 +78,8 @@ class ServerConfig(_Strict):
     peer_tls: PeerTlsConfig | None = None
     insecure_peer_http: bool = False
     allow_unauthenticated: bool = False
+    # With credentials configured, /metrics needs a token with `admin` unless this is true.
+    metrics_public: bool = False
 
 
 class StoreConfig(_Strict):
@@ -120,6 +122,7 @@ class LimitsConfig(_Strict):
     max_pending_total: int | None = Field(default=None, ge=1)
     max_pending_per_pool: int | None = Field(default=None, ge=1)
     max_payload_bytes: int = Field(default=1 << 20, ge=1)
+    max_result_bytes: int = Field(default=4 << 20, ge=1)
     max_batch_size: int = Field(default=1000, ge=1)
 
 

@@ -35,7 +35,7 @@ class _TaskStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskState.V
     TASK_STATE_CANCELLED: _TaskState.ValueType  # 6
 
 class TaskState(_TaskState, metaclass=_TaskStateEnumTypeWrapper):
-    """The lifecycle state of a task (SPEC.md §2)."""
+    """The lifecycle state of a task."""
 
 TASK_STATE_UNSPECIFIED: TaskState.ValueType  # 0
 TASK_STATE_PENDING: TaskState.ValueType  # 1

@@ -53,6 +53,7 @@ class SubmitTaskRequest(_message.Message):
     MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
     DEPENDS_ON_FIELD_NUMBER: _builtins.int
     RESOURCES_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     key: _builtins.str
     """Deduplicates within a shard."""
@@ -61,6 +62,10 @@ class SubmitTaskRequest(_message.Message):
     priority: _builtins.int
     max_attempts: _builtins.int
     """0 takes the pool's default."""
+    request_id: _builtins.str
+    """Set by the SDKs (a UUID): a repeated request_id returns what the first call created,
+    so a retry after UNAVAILABLE never creates a second task. Ignored inside a batch.
+    """
     @_builtins.property
     def run_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -81,10 +86,11 @@ class SubmitTaskRequest(_message.Message):
         max_attempts: _builtins.int = ...,
         depends_on: _abc.Iterable[_task_pb2.TaskRef] | None = ...,
         resources: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["run_at", b"run_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "depends_on", b"depends_on", "key", b"key", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "resources", b"resources", "run_at", b"run_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "depends_on", b"depends_on", "key", b"key", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "request_id", b"request_id", "resources", b"resources", "run_at", b"run_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -119,16 +125,20 @@ class SubmitBatchRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TASKS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """As SubmitTaskRequest.request_id, for the whole batch."""
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___SubmitTaskRequest]: ...
     def __init__(
         self,
         *,
         tasks: _abc.Iterable[Global___SubmitTaskRequest] | None = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -359,16 +369,20 @@ class WatchRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     POOL_FIELD_NUMBER: _builtins.int
+    INCLUDE_PAYLOADS_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     """Empty: every pool the caller may read."""
+    include_payloads: _builtins.bool
+    """Events carry tasks' payloads and results only when this is set."""
     def __init__(
         self,
         *,
         pool: _builtins.str = ...,
+        include_payloads: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_payloads", b"include_payloads", "pool", b"pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

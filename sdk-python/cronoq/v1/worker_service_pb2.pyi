@@ -141,20 +141,28 @@ class RegisterWorkerResponse(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     SHARD_FIELD_NUMBER: _builtins.int
+    MAX_RESULT_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_LEASE_BYTES_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     heartbeat_interval_ms: _builtins.int
     """How often the worker should heartbeat to keep its leases."""
     shard: _builtins.str
+    max_result_bytes: _builtins.int
+    """Results larger than this are refused: report a failure instead."""
+    max_lease_bytes: _builtins.int
+    """The server caps a LeaseTasks reply at this many bytes of tasks."""
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
         heartbeat_interval_ms: _builtins.int = ...,
         shard: _builtins.str = ...,
+        max_result_bytes: _builtins.int = ...,
+        max_lease_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_ms", b"heartbeat_interval_ms", "shard", b"shard", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_ms", b"heartbeat_interval_ms", "max_lease_bytes", b"max_lease_bytes", "max_result_bytes", b"max_result_bytes", "shard", b"shard", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -168,9 +176,14 @@ class LeaseTasksRequest(_message.Message):
     MAX_TASKS_FIELD_NUMBER: _builtins.int
     WAIT_MS_FIELD_NUMBER: _builtins.int
     POOLS_FIELD_NUMBER: _builtins.int
+    MAX_BYTES_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     max_tasks: _builtins.int
     wait_ms: _builtins.int
+    max_bytes: _builtins.int
+    """Caps the reply's size: tasks are added while their bytes fit (one task is always
+    leased alone, whatever its size). 0 or more than the server's cap: the server's cap.
+    """
     @_builtins.property
     def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Empty: every pool the worker registered for."""
@@ -182,10 +195,11 @@ class LeaseTasksRequest(_message.Message):
         max_tasks: _builtins.int = ...,
         wait_ms: _builtins.int = ...,
         pools: _abc.Iterable[_builtins.str] | None = ...,
+        max_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_tasks", b"max_tasks", "pools", b"pools", "wait_ms", b"wait_ms", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_bytes", b"max_bytes", "max_tasks", b"max_tasks", "pools", b"pools", "wait_ms", b"wait_ms", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -355,6 +369,29 @@ class TaskCancelled(_message.Message):
 Global___TaskCancelled: _TypeAlias = TaskCancelled  # noqa: Y015
 
 @_typing.final
+class TaskReleased(_message.Message):
+    """The worker gives the task back unfinished (it is shutting down): the task is PENDING
+    again at once and the attempt is not counted.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskReleased: _TypeAlias = TaskReleased  # noqa: Y015
+
+@_typing.final
 class TaskOutcome(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -363,6 +400,7 @@ class TaskOutcome(_message.Message):
     SUCCESS_FIELD_NUMBER: _builtins.int
     FAILURE_FIELD_NUMBER: _builtins.int
     CANCELLED_FIELD_NUMBER: _builtins.int
+    RELEASED_FIELD_NUMBER: _builtins.int
     task_id: _builtins.int
     attempt: _builtins.int
     @_builtins.property
@@ -371,6 +409,8 @@ class TaskOutcome(_message.Message):
     def failure(self) -> Global___TaskFailure: ...
     @_builtins.property
     def cancelled(self) -> Global___TaskCancelled: ...
+    @_builtins.property
+    def released(self) -> Global___TaskReleased: ...
     def __init__(
         self,
         *,
@@ -379,12 +419,13 @@ class TaskOutcome(_message.Message):
         success: Global___TaskSuccess | None = ...,
         failure: Global___TaskFailure | None = ...,
         cancelled: Global___TaskCancelled | None = ...,
+        released: Global___TaskReleased | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "failure", b"failure", "outcome", b"outcome", "success", b"success"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "failure", b"failure", "outcome", b"outcome", "released", b"released", "success", b"success"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancelled", b"cancelled", "failure", b"failure", "outcome", b"outcome", "success", b"success", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancelled", b"cancelled", "failure", b"failure", "outcome", b"outcome", "released", b"released", "success", b"success", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["success", "failure", "cancelled"]  # noqa: Y015
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["success", "failure", "cancelled", "released"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 
