@@ -21,7 +21,12 @@ from .node import Node
 from .store.base import StoreOwnedElsewhere
 
 log = logging.getLogger("cronoq.server")
+# A drain answers the calls in flight within this, then releases leadership.
 DRAIN_GRACE_S = 10.0
+# After releasing leadership, calls still arriving are refused with UNAVAILABLE this long, so
+# callers move to another server before the listeners close (a call a closing gRPC server
+# has received but not yet handed to a handler would come back CANCELLED).
+HANDOFF_S = 0.5
 
 
 def _is_loopback(listen: str) -> bool:
@@ -99,14 +104,19 @@ async def serve(config: Config, shard: str | None) -> int:
     else:
         await stopped
         code = 0
-    leading.cancel()
     log.info("shard %s: draining (grace %.0fs)", node.shard_name, DRAIN_GRACE_S)
     await health.enter_graceful_shutdown()
     await node.drain()
-    await grpc_server.stop(DRAIN_GRACE_S)
-    await http_runner.cleanup()
+    if not await node.wait_idle(DRAIN_GRACE_S):
+        log.warning("shard %s: calls still in flight after %.0fs; stopping anyway", node.shard_name, DRAIN_GRACE_S)
+    leading.cancel()
+    await asyncio.gather(leading, return_exceptions=True)
     await node.stop()
-    log.info("shard %s: stopped, leadership released", node.shard_name)
+    log.info("shard %s: leadership released", node.shard_name)
+    await asyncio.sleep(HANDOFF_S)
+    await grpc_server.stop(1.0)
+    await http_runner.cleanup()
+    log.info("shard %s: stopped", node.shard_name)
     return code
 
 
@@ -116,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         description="Serve one shard of cronoq. With no arguments: pool 'default' on SQLite ./cronoq.db, "
         "gRPC on 127.0.0.1:7070, HTTP on 127.0.0.1:7080.",
     )
-    parser.add_argument("--config", metavar="FILE", help="TOML config file (SPEC.md §3)")
+    parser.add_argument("--config", metavar="FILE", help="TOML config file (see docs/configuration.md)")
     parser.add_argument("--shard", metavar="NAME", help="the shard to serve; required with [[shards]]")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--version", action="version", version=f"cronoq-server {__version__}")

@@ -34,6 +34,8 @@ log = logging.getLogger("cronoq.node")
 
 # Calls a standby answers itself; every other call needs the leader.
 STANDBY_CALLS = {"GetServerInfo"}
+# Gauges of tasks by pool and state are counted at most this often, off the callers' path.
+GAUGE_MAX_AGE_S = 5.0
 
 
 class Node:
@@ -56,7 +58,7 @@ class Node:
         self.leadership: FileLeadership | PgLeadership
         if isinstance(self.store, PostgresStore):
             self.leadership = PgLeadership(
-                self.store.url, self.store.schema, self.advertise, self.server_id, self.events.wake_leasers
+                self.store.url, self.store.schema, self.advertise, self.server_id, self.events.nudge_leasers
             )
         else:
             self.leadership = FileLeadership(self._store_path(), self.advertise)
@@ -65,6 +67,12 @@ class Node:
             config, self.store, self.events, self.shard_name, self.shard_number, self.pools, lambda: self.is_leader
         )
         self.is_leader = False
+        self.draining = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._gauges_at = -GAUGE_MAX_AGE_S
+        self._gauges: asyncio.Task[None] | None = None
         self._store_open = False
         self._background: list[asyncio.Task[None]] = []
         self._unary: dict[str, Callable[[Any, Principal], Awaitable[Message]]] = {
@@ -167,10 +175,19 @@ class Node:
         self._background.clear()
 
     async def drain(self) -> None:
-        """Stops leasing: long polls return empty and Watch streams end."""
+        """Stops serving: new calls are refused with UNAVAILABLE (callers move to another server),
+        open waits are answered with the task as it is, long polls return empty, Watch streams end."""
+        self.draining = True
         self.leases.draining = True
-        self.events.wake_leasers()
-        self.events.close_watchers()
+        self.events.drain()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Until every call in flight is answered, or timeout seconds pass; True when idle."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
 
     async def stop(self) -> None:
         await self._step_down()
@@ -185,6 +202,9 @@ class Node:
         return self.auth.authenticate(authorization, cert_subject)
 
     def _require_leader(self, method: str) -> None:
+        if self.draining and method not in STANDBY_CALLS:
+            # No leader named: it is about to change, so the caller tries its next endpoint.
+            raise ApiError(grpc.StatusCode.UNAVAILABLE, f"this server of shard {self.shard_name!r} is shutting down")
         if not self.is_leader and method not in STANDBY_CALLS:
             leader = self.leadership.current_leader()
             raise ApiError(
@@ -195,6 +215,8 @@ class Node:
 
     async def call(self, method: str, request: Message, caller: Principal) -> Message:
         code = "OK"
+        self._in_flight += 1
+        self._idle.clear()
         try:
             self._require_leader(method)
             response = await self._unary[method](request, caller)
@@ -213,6 +235,9 @@ class Node:
             raise
         finally:
             CALLS.labels(method=method, code=code).inc()
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
 
     def watch(self, request: Message, caller: Principal) -> AsyncIterator[Message]:
         self._require_leader("Watch")
@@ -248,8 +273,22 @@ class Node:
         return admin_pb.GetSnapshotResponse(shards=[snap])
 
     async def refresh_gauges(self) -> None:
-        if not self.is_leader:
+        """Starts a recount of the gauges when the last is older than GAUGE_MAX_AGE_S; a scrape
+        never waits for it (it reads the gauges as last counted)."""
+        loop = asyncio.get_running_loop()
+        if not self.is_leader or loop.time() - self._gauges_at < GAUGE_MAX_AGE_S:
             return
+        if self._gauges is None or self._gauges.done():
+            self._gauges_at = loop.time()
+            self._gauges = asyncio.create_task(self._count_gauges())
+
+    async def _count_gauges(self) -> None:
+        try:
+            await self._set_gauges()
+        except Exception as err:
+            log.warning("gauges not refreshed: %s", err)
+
+    async def _set_gauges(self) -> None:
         counts = await self.store.count_by_pool_and_state()
         for pool in self.pools:
             for state in State:

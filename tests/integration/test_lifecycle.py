@@ -8,6 +8,7 @@ import time
 
 import grpc
 import pytest
+from _helpers import eventually
 
 from cronoq.v1 import task_pb2, task_service_pb2_grpc, worker_service_pb2_grpc
 from cronoq.v1 import task_service_pb2 as tpb
@@ -269,10 +270,15 @@ def test_health_ready_and_metrics(server):
     import urllib.request
 
     server.http("POST", "/v1/tasks", {"pool": "default"})
-    text = urllib.request.urlopen(server.http_url + "/metrics").read().decode()
+
+    def scrape() -> str:
+        return urllib.request.urlopen(server.http_url + "/metrics").read().decode()
+
+    text = scrape()
     assert 'cronoq_tasks_submitted_total{pool="default"} 1.0' in text
     assert "cronoq_leader 1.0" in text
-    assert 'cronoq_tasks{pool="default",state="pending"} 1.0' in text
+    # Task gauges are recounted in the background, at most every few seconds.
+    eventually(lambda: 'cronoq_tasks{pool="default",state="pending"} 1.0' in scrape(), timeout=15, interval=0.5)
 
 
 def test_sigterm_drains_and_exits_cleanly(server, api):

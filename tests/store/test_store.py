@@ -88,7 +88,9 @@ def failure(task: TaskRow, error: str = "boom", retryable: bool = True, retry_af
 
 
 async def finish_ok(store: Store, outcome: Outcome, now: int) -> None:
-    results, _ = await store.finish([outcome], now)
+    """Reports the outcome as the worker that holds the task."""
+    holder = await store.get(outcome.seq)
+    results, _ = await store.finish(holder.worker_id if holder and holder.worker_id else "w1", [outcome], now)
     assert results[0].accepted, results[0]
 
 
@@ -176,10 +178,10 @@ async def test_success_unblocks_after_every_dependency(store: Store) -> None:
     both = await submit_one(store, dep_keys=["a", "b"])
     leased, _ = await store.lease("w1", ["default"], 2, T0)
     assert [r.seq for r in leased] == [a.seq, b.seq]
-    _, changes = await store.finish([success(leased[0])], T0 + 1)
+    _, changes = await store.finish("w1", [success(leased[0])], T0 + 1)
     assert (one.seq, State.PENDING) in changes
     assert await states(store, one.seq, both.seq) == [State.PENDING, State.BLOCKED]
-    _, changes = await store.finish([success(leased[1])], T0 + 2)
+    _, changes = await store.finish("w1", [success(leased[1])], T0 + 2)
     assert (both.seq, State.PENDING) in changes
     assert await states(store, both.seq) == [State.PENDING]
 
@@ -188,7 +190,7 @@ async def test_two_dependencies_succeeding_together_unblock(store: Store) -> Non
     a, b = await submit_one(store), await submit_one(store)
     both = await submit_one(store, dep_seqs=[a.seq, b.seq])
     leased, _ = await store.lease("w1", ["default"], 2, T0)
-    results, _ = await store.finish([success(t) for t in leased], T0 + 1)
+    results, _ = await store.finish("w1", [success(t) for t in leased], T0 + 1)
     assert all(r.accepted for r in results)
     assert await states(store, both.seq) == [State.PENDING]
 
@@ -200,7 +202,7 @@ async def test_failure_fails_dependents_transitively(open_store: Any) -> None:
     c = await submit_one(store, dep_seqs=[b.seq])
     d = await submit_one(store, dep_seqs=[c.seq])
     other = await submit_one(store)
-    _, changes = await store.finish([failure(await lease_one(store, a.seq), retryable=False)], T0 + 1)
+    _, changes = await store.finish("w1", [failure(await lease_one(store, a.seq), retryable=False)], T0 + 1)
     assert await states(store, a.seq, b.seq, c.seq, d.seq, other.seq) == [
         State.FAILED,
         State.FAILED,
@@ -302,7 +304,7 @@ async def test_lease_marks_running(store: Store, settings: StoreSettings) -> Non
 
 async def test_finish_success(store: Store) -> None:
     task = await lease_one(store, (await submit_one(store)).seq)
-    results, changes = await store.finish([success(task, b"42")], T0 + 9)
+    results, changes = await store.finish("w1", [success(task, b"42")], T0 + 9)
     assert [(r.seq, r.accepted) for r in results] == [(task.seq, True)]
     assert changes == [(task.seq, State.SUCCEEDED)]
     done = await row(store, task.seq)
@@ -319,7 +321,7 @@ async def test_second_finish_of_an_attempt_is_refused(store: Store) -> None:
     task = await lease_one(store, (await submit_one(store)).seq)
     await finish_ok(store, success(task, b"first"), T0 + 1)
     before = await row(store, task.seq)
-    results, changes = await store.finish([failure(task, retryable=False)], T0 + 2)
+    results, changes = await store.finish("w1", [failure(task, retryable=False)], T0 + 2)
     assert not results[0].accepted and results[0].code == "FAILED_PRECONDITION"
     assert str(task.seq) in results[0].message
     assert changes == []
@@ -328,20 +330,21 @@ async def test_second_finish_of_an_attempt_is_refused(store: Store) -> None:
 
 async def test_duplicate_outcomes_in_one_report_count_once(store: Store) -> None:
     task = await lease_one(store, (await submit_one(store)).seq)
-    results, _ = await store.finish([success(task, b"one"), success(task, b"two")], T0 + 1)
+    results, _ = await store.finish("w1", [success(task, b"one"), success(task, b"two")], T0 + 1)
     assert [r.accepted for r in results] == [True, False]
     assert (await row(store, task.seq)).result == b"one"
 
 
 async def test_finish_of_unknown_task(store: Store) -> None:
-    results, changes = await store.finish([Outcome(77, 1, OutcomeKind.SUCCESS)], T0)
-    assert [(r.seq, r.accepted, r.code) for r in results] == [(77, False, "NOT_FOUND")]
+    results, changes = await store.finish("w1", [Outcome(77, 1, OutcomeKind.SUCCESS)], T0)
+    assert [(r.seq, r.accepted, r.code) for r in results] == [(77, False, "FAILED_PRECONDITION")]
+    assert results[0].message == "task 77 is not leased to worker w1 at attempt 1"
     assert changes == []
 
 
 async def test_retryable_failure_with_attempts_left_is_retried(store: Store, settings: StoreSettings) -> None:
     task = await lease_one(store, (await submit_one(store, max_attempts=3)).seq)
-    results, changes = await store.finish([failure(task, "flaky")], T0 + 10)
+    results, changes = await store.finish("w1", [failure(task, "flaky")], T0 + 10)
     assert results[0].accepted and changes == [(task.seq, State.PENDING)]
     retried = await row(store, task.seq)
     assert (retried.state, retried.error, retried.attempt, retried.worker_id) == (State.PENDING, "flaky", 1, None)
@@ -358,7 +361,7 @@ async def test_stale_attempt_is_refused_after_retry(store: Store) -> None:
     first = await lease_one(store, (await submit_one(store)).seq)
     await finish_ok(store, failure(first), T0 + 1)
     second = await lease_one(store, first.seq, T0 + SEC)
-    results, _ = await store.finish([success(first)], T0 + SEC + 1)
+    results, _ = await store.finish("w1", [success(first)], T0 + SEC + 1)
     assert results[0].code == "FAILED_PRECONDITION"
     assert (await row(store, first.seq)).state == State.RUNNING
     await finish_ok(store, success(second), T0 + SEC + 2)
@@ -368,7 +371,7 @@ async def test_non_retryable_or_last_attempt_fails(store: Store) -> None:
     non_retryable = await lease_one(store, (await submit_one(store, max_attempts=5)).seq)
     await finish_ok(store, failure(non_retryable, "bad input", retryable=False), T0 + 1)
     last = await lease_one(store, (await submit_one(store, max_attempts=1)).seq)
-    _, changes = await store.finish([failure(last, "still broken")], T0 + 2)
+    _, changes = await store.finish("w1", [failure(last, "still broken")], T0 + 2)
     assert changes == [(last.seq, State.FAILED)]
     for seq, error, finished in ((non_retryable.seq, "bad input", T0 + 1), (last.seq, "still broken", T0 + 2)):
         ended = await row(store, seq)
@@ -377,7 +380,7 @@ async def test_non_retryable_or_last_attempt_fails(store: Store) -> None:
 
 async def test_cancelled_outcome(store: Store) -> None:
     task = await lease_one(store, (await submit_one(store)).seq)
-    _, changes = await store.finish([Outcome(task.seq, task.attempt, OutcomeKind.CANCELLED)], T0 + 1)
+    _, changes = await store.finish("w1", [Outcome(task.seq, task.attempt, OutcomeKind.CANCELLED)], T0 + 1)
     assert changes == [(task.seq, State.CANCELLED)]
     assert (await row(store, task.seq)).state == State.CANCELLED
 
@@ -452,7 +455,7 @@ async def test_cancel_running_requests_then_ends_cancelled(store: Store) -> None
     assert changes == [(task.seq, State.RUNNING)]
     again, changes = await store.cancel(task.seq, T0 + 2)
     assert again is not None and again.cancel_requested and changes == []
-    _, changes = await store.finish([success(task)], T0 + 3)
+    _, changes = await store.finish("w1", [success(task)], T0 + 3)
     assert changes == [(task.seq, State.CANCELLED)]
     assert (await row(store, task.seq)).state == State.CANCELLED
 
@@ -550,8 +553,8 @@ async def test_list_tasks_pages_by_seq_with_filters(store: Store) -> None:
 
 
 async def test_workers(store: Store) -> None:
-    w2 = WorkerRow("w2", "beta", ["other"], 4, {"zone": "b"}, T0, T0)
-    w1 = WorkerRow("w1", "alpha", ["default", "other"], 8, {}, T0, T0)
+    w2 = WorkerRow("w2", "beta", ["other"], 4, {"zone": "b"}, T0, T0, principal="token-b")
+    w1 = WorkerRow("w1", "alpha", ["default", "other"], 8, {}, T0, T0, principal="token-a")
     await store.register_worker(w2)
     await store.register_worker(w1)
     assert await store.get_worker("w1") == w1
@@ -652,6 +655,7 @@ async def test_finish_reports_after_a_sweep_saw_nothing_blocked(store: Store) ->
     first, second, third = [await lease_one(store, seq) for seq in (1, 2, 3)]
     await store.cancel(3, T0 + 1)
     results, changes = await store.finish(
+        "w1",
         [
             Outcome(1, first.attempt, OutcomeKind.SUCCESS, result=b"r1"),
             Outcome(2, second.attempt + 1, OutcomeKind.SUCCESS),  # a stale attempt
@@ -664,9 +668,126 @@ async def test_finish_reports_after_a_sweep_saw_nothing_blocked(store: Store) ->
         (1, True, ""),
         (2, False, "FAILED_PRECONDITION"),
         (3, True, ""),
-        (99, False, "NOT_FOUND"),
+        (99, False, "FAILED_PRECONDITION"),
     ]
     assert sorted(changes) == [(1, State.SUCCEEDED), (3, State.CANCELLED)]
     assert (await row(store, 1)).result == b"r1"
     assert (await row(store, 2)).state == State.RUNNING
     assert (await row(store, 3)).state == State.CANCELLED
+
+
+# -- hardening: fencing by worker, release, keys across pools, request ids, sizes ---------
+
+
+@pytest.mark.parametrize("after_sweep", [False, True], ids=["slow-path", "fast-path"])
+async def test_outcome_from_another_worker_is_refused_and_changes_nothing(store: Store, after_sweep: bool) -> None:
+    task = await lease_one(store, (await submit_one(store)).seq, worker="w1")
+    if after_sweep:
+        await store.expire_leases(T0)  # lets a backend take its fast success path
+    results, changes = await store.finish("w2", [success(task, b"forged")], T0 + 1)
+    full_id = make_task_id(0, task.seq)
+    assert [(r.accepted, r.code, r.message) for r in results] == [
+        (False, "FAILED_PRECONDITION", f"task {full_id} is not leased to worker w2 at attempt 1")
+    ]
+    assert changes == []
+    now = await row(store, task.seq)
+    assert (now.state, now.result, now.worker_id) == (State.RUNNING, None, "w1")
+    await finish_ok(store, success(task, b"real"), T0 + 2)  # its own worker still can
+
+
+async def test_heartbeat_from_another_worker_extends_nothing(store: Store) -> None:
+    task = await lease_one(store, (await submit_one(store)).seq, worker="w1")
+    cancelled, lost = await store.heartbeat("w2", [(task.seq, task.attempt)], T0 + SEC)
+    assert (cancelled, lost) == ([], [task.seq])
+    assert (await row(store, task.seq)).lease_expires_at == task.lease_expires_at
+
+
+async def test_released_task_is_pending_at_once_and_the_attempt_not_counted(store: Store) -> None:
+    sub = await submit_one(store, max_attempts=1)
+    task = await lease_one(store, sub.seq)
+    results, changes = await store.finish(
+        "w1", [Outcome(task.seq, task.attempt, OutcomeKind.RELEASED, error="worker shut down")], T0 + 5
+    )
+    assert results[0].accepted and changes == [(task.seq, State.PENDING)]
+    again = await row(store, task.seq)
+    assert (again.state, again.attempt, again.worker_id, again.run_at) == (State.PENDING, 0, None, sub.run_at)
+    second = await lease_one(store, task.seq, T0 + 5, worker="w2")
+    assert second.attempt == 1  # max_attempts 1: the release did not use it up
+    await finish_ok(store, Outcome(second.seq, 1, OutcomeKind.RELEASED), T0 + 6)
+    results, _ = await store.finish("w2", [success(second)], T0 + 7)
+    assert not results[0].accepted  # a released attempt is over
+
+
+async def test_released_task_with_cancel_requested_ends_cancelled(store: Store) -> None:
+    task = await lease_one(store, (await submit_one(store)).seq)
+    await store.cancel(task.seq, T0 + 1)
+    _, changes = await store.finish("w1", [Outcome(task.seq, task.attempt, OutcomeKind.RELEASED)], T0 + 2)
+    assert changes == [(task.seq, State.CANCELLED)]
+
+
+async def test_key_of_another_pool_is_refused_with_no_task(store: Store) -> None:
+    await submit_one(store, pool="other", key="K", payload=b"secret")
+    with pytest.raises(ApiError) as err:
+        await store.submit([new("default", "K")], T0 + 1)
+    assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert err.value.message == "key 'K' already names a task of another pool"
+    with pytest.raises(ApiError) as err:
+        await store.submit([new("default", "fresh"), new("default", "K")], T0 + 1)
+    assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert [t.key for t in await store.list_tasks(None, None, 0, 100)] == ["K"]  # nothing of the batch
+
+
+async def test_dependency_in_a_pool_the_caller_may_not_read_is_missing(store: Store) -> None:
+    hidden = await submit_one(store, pool="other", key="hidden")
+    visible = frozenset({"default"})
+    for task, message in (
+        (new(dep_seqs=[hidden.seq]), f"depends_on: task {make_task_id(0, hidden.seq)} not found"),
+        (new(dep_keys=["hidden"]), "depends_on: no task with key 'hidden'"),
+    ):
+        with pytest.raises(ApiError) as err:
+            await store.submit([task], T0, visible=visible)
+        assert (err.value.code, err.value.message) == (grpc.StatusCode.NOT_FOUND, message)
+    (sub,), _ = await store.submit([new(dep_keys=["hidden"])], T0)  # visible=None: every pool
+    assert sub.row.state == State.BLOCKED
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "keyed"])
+async def test_repeated_request_id_returns_what_the_first_call_created(store: Store, keyed: bool) -> None:
+    batch = [new(key="k1" if keyed else None), new(key="k2" if keyed else None)]
+    first, changes = await store.submit(batch, T0, request_id="req-1")
+    assert len(changes) == 2
+    again, changes = await store.submit(batch, T0 + SEC, request_id="req-1")
+    assert changes == []
+    assert [(s.row.seq, s.deduplicated) for s in again] == [(s.row.seq, s.deduplicated) for s in first]
+    assert len(await store.list_tasks(None, None, 0, 100)) == 2
+    other, _ = await store.submit([new()], T0, request_id="req-2")
+    assert other[0].row.seq not in {s.row.seq for s in first}
+
+
+async def test_concurrent_calls_with_one_request_id_create_once(store: Store) -> None:
+    results = await asyncio.gather(*(store.submit([new()], T0, request_id="same") for _ in range(5)))
+    assert {subs[0].row.seq for subs, _ in results} == {1}
+    assert len(await store.list_tasks(None, None, 0, 100)) == 1
+
+
+async def test_lease_is_bounded_by_bytes_and_one_task_always_fits(open_store: Any) -> None:
+    store = await open_store(lease_overhead_bytes=0)
+    await store.submit([new(payload=b"x" * 1000) for _ in range(10)], T0)
+    rows, _ = await store.lease("w1", ["default"], 10, T0, max_bytes=3500)
+    assert [r.seq for r in rows] == [1, 2, 3]
+    rows, _ = await store.lease("w1", ["default"], 10, T0, max_bytes=10)
+    assert [r.seq for r in rows] == [4]  # larger than max_bytes, leased alone
+    rows, _ = await store.lease("w1", ["default"], 10, T0, max_bytes=0)
+    assert [r.seq for r in rows] == [5, 6, 7, 8, 9, 10]
+
+
+async def test_dependent_is_released_when_a_sweep_ran_during_its_submission(store: Store) -> None:
+    """A sweep that finds nothing BLOCKED while a dependent's submission is in flight must not
+    let the dependency's success skip releasing it."""
+    dep = await lease_one(store, (await submit_one(store)).seq)
+    submitting = asyncio.create_task(store.submit([new(dep_seqs=[dep.seq])], T0 + 1))
+    await store.expire_leases(T0 + 1)  # the sweep, racing the submission
+    (sub,), _ = await submitting
+    await store.expire_leases(T0 + 2)
+    await finish_ok(store, success(dep), T0 + 3)
+    assert (await row(store, sub.row.seq)).state == State.PENDING

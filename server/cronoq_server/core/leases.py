@@ -4,6 +4,7 @@ and the leader's lease-expiry and retention sweeps."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import Callable
@@ -20,14 +21,28 @@ from ..metrics import START_LATENCY, TASKS_LEASED, record_finished
 from ..store.base import Outcome, OutcomeKind, Store, StoreUnavailable, WorkerRow
 from .convert import to_task, to_worker
 from .events import EventBus
+from .limits import (
+    MAX_CONTENT_TYPE,
+    MAX_LABEL_KEY,
+    MAX_LABEL_VALUE,
+    MAX_LABELS,
+    MAX_WORKER_NAME,
+    cap_error,
+    check_text,
+)
 from .tasks import now_us
 
 log = logging.getLogger("cronoq.leases")
 
+
 MAX_LEASE_BATCH = 1000
 MAX_LEASE_WAIT_MS = 60_000
-# Even when no notification arrives, a long poll looks at the store this often.
-POLL_FALLBACK_S = 1.0
+# A lease reply holds at most this many bytes of tasks (below the SDKs' 64 MiB receive limit);
+# a worker may ask for less with max_bytes. A single larger task is still leased alone.
+MAX_LEASE_BYTES = 16 << 20
+# Even when no change announces work, the leader has one long poll per pool look at the store
+# this often (work written behind the server's back).
+NUDGE_EVERY_S = 1.0
 
 
 class Leases:
@@ -62,17 +77,32 @@ class Leases:
                 raise invalid(f"pools: unknown pool {pool!r}")
         if req.concurrency < 0:
             raise invalid(f"concurrency: {req.concurrency} is negative")
+        check_text("name", req.name, MAX_WORKER_NAME)
+        if len(req.labels) > MAX_LABELS:
+            raise invalid(f"labels: {len(req.labels)} labels, more than {MAX_LABELS}")
+        for key, value in req.labels.items():
+            check_text("labels key", key, MAX_LABEL_KEY)
+            check_text(f"labels[{key!r}]", value, MAX_LABEL_VALUE)
         now = now_us()
-        worker = WorkerRow(uuid.uuid4().hex, req.name, list(req.pools), req.concurrency, dict(req.labels), now, now)
+        worker = WorkerRow(
+            uuid.uuid4().hex, req.name, list(req.pools), req.concurrency, dict(req.labels), now, now, caller.name
+        )
         await self._store.register_worker(worker)
         self._workers[worker.id] = worker
         ttl = min(self._config.pool(p).lease_ttl for p in req.pools)  # type: ignore[union-attr]
-        log.info("worker %s (%s) registered for %s", worker.id, worker.name, ",".join(worker.pools))
+        log.info("worker %s (%r) registered for %s", worker.id, worker.name, ",".join(worker.pools))
         return pb.RegisterWorkerResponse(
-            worker_id=worker.id, heartbeat_interval_ms=max(int(ttl * 1000 / 3), 100), shard=self._shard_name
+            worker_id=worker.id,
+            heartbeat_interval_ms=max(int(ttl * 1000 / 3), 100),
+            shard=self._shard_name,
+            max_result_bytes=self._config.limits.max_result_bytes,
+            max_lease_bytes=MAX_LEASE_BYTES,
         )
 
     async def _worker(self, worker_id: str, caller: Principal) -> WorkerRow:
+        """The registered worker, used by the principal that registered it only."""
+        if len(worker_id) > 64:
+            raise invalid(f"worker_id: {len(worker_id)} characters; worker ids are 32")
         worker = self._workers.get(worker_id)
         if worker is None:
             worker = await self._store.get_worker(worker_id)
@@ -81,6 +111,11 @@ class Leases:
                     grpc.StatusCode.NOT_FOUND, f"worker_id: worker {worker_id!r} is not registered; register again"
                 )
             self._workers[worker_id] = worker
+        if worker.principal != caller.name:
+            raise ApiError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"worker_id: worker {worker_id!r} was registered by another principal; register your own",
+            )
         for pool in worker.pools:
             caller.require("work", pool)
         return worker
@@ -94,11 +129,16 @@ class Leases:
         return pb.DeregisterWorkerResponse()
 
     async def list_workers(self, req: pb.ListWorkersRequest, caller: Principal) -> pb.ListWorkersResponse:
+        """Workers as far as the caller may read: a worker of mixed pools shows only readable ones."""
+        if req.pool:
+            caller.require("read", req.pool)
         rows = await self._store.list_workers()
-        visible = [
-            w for w in rows if (not req.pool or req.pool in w.pools) and any(caller.may("read", p) for p in w.pools)
-        ]
-        return pb.ListWorkersResponse(workers=[to_worker(w, self._shard_name) for w in visible])
+        visible = []
+        for w in rows:
+            pools = [p for p in w.pools if caller.may("read", p)]
+            if pools and (not req.pool or req.pool in pools):
+                visible.append(to_worker(dataclasses.replace(w, pools=pools), self._shard_name))
+        return pb.ListWorkersResponse(workers=visible)
 
     # -- leases ---------------------------------------------------------------
 
@@ -111,28 +151,32 @@ class Leases:
         if req.max_tasks < 1:
             raise invalid(f"max_tasks: {req.max_tasks} must be at least 1")
         limit = min(req.max_tasks, MAX_LEASE_BATCH)
+        max_bytes = min(req.max_bytes or MAX_LEASE_BYTES, MAX_LEASE_BYTES)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(req.wait_ms, MAX_LEASE_WAIT_MS) / 1000
         while not self.draining and self._is_leader():
-            signal = self._events.lease_signal()
-            now = now_us()
-            rows, next_due = await self._store.lease(worker.id, pools, limit, now)
-            if rows:
-                TASKS_LEASED.inc(len(rows))
-                for r in rows:
-                    START_LATENCY.observe(max(now - max(r.run_at, r.created_at), 0) / 1e6)
-                await self._events.publish([(r.seq, r.state) for r in rows], rows)
-                return pb.LeaseTasksResponse(tasks=[to_task(r, self._shard) for r in rows])
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            timeout = min(remaining, POLL_FALLBACK_S)
-            if next_due is not None:
-                timeout = min(timeout, max((next_due - now) / 1e6, 0.001))
+            waiter = self._events.lease_waiter(pools)
             try:
-                await asyncio.wait_for(signal.wait(), timeout)
-            except TimeoutError:
-                pass
+                now = now_us()
+                rows, next_due = await self._store.lease(worker.id, pools, limit, now, max_bytes)
+                if rows:
+                    TASKS_LEASED.inc(len(rows))
+                    for r in rows:
+                        START_LATENCY.observe(max(now - max(r.run_at, r.created_at), 0) / 1e6)
+                    await self._events.publish([(r.seq, r.state) for r in rows], rows)
+                    return pb.LeaseTasksResponse(tasks=[to_task(r, self._shard) for r in rows])
+                remaining = deadline - loop.time()
+                if remaining <= 0 or self.draining:
+                    break
+                timeout = remaining
+                if next_due is not None:
+                    timeout = min(timeout, max((next_due - now) / 1e6, 0.001))
+                try:
+                    await asyncio.wait_for(waiter.event.wait(), timeout)
+                except TimeoutError:
+                    pass
+            finally:
+                self._events.forget_leaser(waiter)
         return pb.LeaseTasksResponse()
 
     async def heartbeat(self, req: pb.HeartbeatRequest, caller: Principal) -> pb.HeartbeatResponse:
@@ -147,36 +191,41 @@ class Leases:
 
     async def finish_tasks(self, req: pb.FinishTasksRequest, caller: Principal) -> pb.FinishTasksResponse:
         await self._worker(req.worker_id, caller)
+        max_result = self._config.limits.max_result_bytes
         outcomes = []
         for i, o in enumerate(req.outcomes):
             kind = o.WhichOneof("outcome")
             if kind is None:
-                raise invalid(f"outcomes[{i}]: give success, failure or cancelled")
+                raise invalid(f"outcomes[{i}]: give success, failure, cancelled or released")
             if shard_of(o.task_id) != self._shard:
                 raise invalid(f"outcomes[{i}].task_id: task {o.task_id} belongs to another shard")
-            if kind == "success":
-                outcomes.append(
-                    Outcome(seq_of(o.task_id), o.attempt, OutcomeKind.SUCCESS, o.success.result, o.success.content_type)
-                )
+            seq = seq_of(o.task_id)
+            if kind == "success" and len(o.success.result) > max_result:
+                # Applied as the failure it is, rather than leaving the task to its lease expiry.
+                error = f"result of {len(o.success.result)} bytes exceeds max_result_bytes {max_result}"
+                outcomes.append(Outcome(seq, o.attempt, OutcomeKind.FAILURE, error=error, retryable=False))
+            elif kind == "success":
+                check_text(f"outcomes[{i}].success.content_type", o.success.content_type, MAX_CONTENT_TYPE)
+                outcomes.append(Outcome(seq, o.attempt, OutcomeKind.SUCCESS, o.success.result, o.success.content_type))
             elif kind == "failure":
                 f = o.failure
                 outcomes.append(
                     Outcome(
-                        seq_of(o.task_id),
+                        seq,
                         o.attempt,
                         OutcomeKind.FAILURE,
-                        error=f.error,
+                        error=cap_error(f.error),
                         retryable=f.retryable,
                         retry_after_ms=f.retry_after_ms,
                     )
                 )
-            else:
+            elif kind == "cancelled":
                 outcomes.append(
-                    Outcome(
-                        seq_of(o.task_id), o.attempt, OutcomeKind.CANCELLED, error=o.cancelled.reason or "cancelled"
-                    )
+                    Outcome(seq, o.attempt, OutcomeKind.CANCELLED, error=cap_error(o.cancelled.reason or "cancelled"))
                 )
-        results, changes = await self._store.finish(outcomes, now_us())
+            else:
+                outcomes.append(Outcome(seq, o.attempt, OutcomeKind.RELEASED))
+        results, changes = await self._store.finish(req.worker_id, outcomes, now_us())
         await self._events.publish(changes)
         record_finished(changes)
         return pb.FinishTasksResponse(
@@ -193,7 +242,11 @@ class Leases:
     async def sweep_forever(self, expiry_every: float = 0.5, purge_every: float = 60.0) -> None:
         loop = asyncio.get_running_loop()
         next_purge = loop.time() + purge_every
+        next_nudge = loop.time() + NUDGE_EVERY_S
         while True:
+            if loop.time() >= next_nudge:
+                next_nudge = loop.time() + NUDGE_EVERY_S
+                self._events.nudge_leasers()
             try:
                 changes = await self._store.expire_leases(now_us())
                 if changes:

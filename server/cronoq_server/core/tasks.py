@@ -11,13 +11,17 @@ from cronoq.v1 import task_service_pb2 as pb
 
 from ..auth import Principal
 from ..config import Config
-from ..errors import invalid, not_found
-from ..ids import make_task_id, seq_of, shard_of
-from ..store.base import TERMINAL, NewTask, State, Store, TaskRow
+from ..errors import failed_precondition, invalid, not_found
+from ..ids import MAX_ID, make_task_id, seq_of, shard_of
+from ..store.base import TERMINAL, NewTask, State, Store, Submitted, TaskRow
 from .convert import to_task
 from .events import EventBus, Watcher
+from .limits import MAX_CONTENT_TYPE, MAX_KEY_LENGTH, MAX_REQUEST_ID, check_text
 
-MAX_KEY_LENGTH = 256
+# google.protobuf.Timestamp's range: 0001-01-01T00:00:00Z to 9999-12-31T23:59:59.999999999Z.
+MIN_TIMESTAMP_S = -62_135_596_800
+MAX_TIMESTAMP_S = 253_402_300_799
+
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 DEFAULT_WAIT_MS = 30_000
@@ -52,8 +56,8 @@ class Tasks:
         pool = self._pools.get(req.pool)
         if pool is None:
             raise invalid(f"{where}pool: unknown pool {req.pool!r}")
-        if len(req.key) > MAX_KEY_LENGTH:
-            raise invalid(f"{where}key: {len(req.key)} characters, more than {MAX_KEY_LENGTH}")
+        check_text(f"{where}key", req.key, MAX_KEY_LENGTH)
+        check_text(f"{where}content_type", req.content_type, MAX_CONTENT_TYPE)
         limit = self._config.limits.max_payload_bytes
         if len(req.payload) > limit:
             raise invalid(f"{where}payload: {len(req.payload)} bytes exceeds limits.max_payload_bytes {limit}")
@@ -67,6 +71,13 @@ class Tasks:
                 raise invalid(f"{where}resources: unknown resource {name!r} in shard {self._shard_name!r}")
             if amount < 1 or (res.concurrency is not None and amount > res.concurrency):
                 raise invalid(f"{where}resources[{name!r}]: amount {amount} is not between 1 and its capacity")
+        if req.HasField("run_at") and not (
+            MIN_TIMESTAMP_S <= req.run_at.seconds <= MAX_TIMESTAMP_S and 0 <= req.run_at.nanos < 1_000_000_000
+        ):
+            raise invalid(
+                f"{where}run_at: seconds {req.run_at.seconds}, nanos {req.run_at.nanos} is outside the Timestamp "
+                "range (0001-01-01 to 9999-12-31)"
+            )
         task = NewTask(
             pool=req.pool,
             key=req.key or None,
@@ -80,6 +91,8 @@ class Tasks:
         for i, ref in enumerate(req.depends_on):
             kind = ref.WhichOneof("ref")
             if kind == "id":
+                if ref.id == 0:
+                    raise invalid(f"{where}depends_on[{i}].id: 0 is not a task id")
                 if shard_of(ref.id) != self._shard:
                     raise invalid(
                         f"{where}depends_on[{i}]: task {ref.id} belongs to shard number {shard_of(ref.id)}; "
@@ -87,18 +100,42 @@ class Tasks:
                     )
                 task.dep_seqs.append(seq_of(ref.id))
             elif kind == "key":
+                check_text(f"{where}depends_on[{i}].key", ref.key, MAX_KEY_LENGTH)
                 task.dep_keys.append(ref.key)
             else:
                 raise invalid(f"{where}depends_on[{i}]: give an id or a key")
         return task
 
+    def _request_id(self, request_id: str, caller: Principal) -> str | None:
+        """The stored form of a request_id: scoped to the caller, so one cannot replay another's."""
+        if not request_id:
+            return None
+        check_text("request_id", request_id, MAX_REQUEST_ID)
+        return f"{len(caller.name)}:{caller.name}:{request_id}"
+
+    def _visible(self, caller: Principal) -> frozenset[str] | None:
+        """The pools whose tasks the caller may name as dependencies (None: every pool)."""
+        if caller.pools is None and "read" in caller.permissions:
+            return None
+        return frozenset(p for p in self._pools if caller.may("read", p))
+
+    def _submitted(self, sub: Submitted, caller: Principal) -> task_pb2.Task:
+        """A deduplicated submission shows the existing task whole only to a caller who may read it."""
+        if sub.deduplicated and not caller.may("read", sub.row.pool):
+            return task_pb2.Task(id=make_task_id(self._shard, sub.row.seq), pool=sub.row.pool, key=sub.row.key or "")
+        return self._task(sub.row)
+
     async def submit_task(self, req: pb.SubmitTaskRequest, caller: Principal) -> pb.SubmitTaskResponse:
         task = self._validate(req, "", caller)
         if task.key is not None and task.key in task.dep_keys:
             raise invalid(f"depends_on: task depends on its own key {task.key!r}")
-        (sub,), changes = await self._store.submit([task], now_us())
+        subs, changes = await self._store.submit(
+            [task], now_us(), self._request_id(req.request_id, caller), self._visible(caller)
+        )
+        _check_replay(req.request_id, subs, 1)
+        sub = subs[0]
         await self._events.publish(changes, [sub.row])
-        return pb.SubmitTaskResponse(task=self._task(sub.row), deduplicated=sub.deduplicated)
+        return pb.SubmitTaskResponse(task=self._submitted(sub, caller), deduplicated=sub.deduplicated)
 
     async def submit_batch(self, req: pb.SubmitBatchRequest, caller: Principal) -> pb.SubmitBatchResponse:
         n = len(req.tasks)
@@ -115,27 +152,31 @@ class Tasks:
             # Keys of the batch's own tasks become batch references; the rest are stored keys.
             t.dep_batch = [position[key_index[k]] for k in t.dep_keys if k in key_index]
             t.dep_keys = [k for k in t.dep_keys if k not in key_index]
-        subs, changes = await self._store.submit(ordered, now_us())
+        request_id = self._request_id(req.request_id, caller)
+        subs, changes = await self._store.submit(ordered, now_us(), request_id, self._visible(caller))
         await self._events.publish(changes, [s.row for s in subs if not s.deduplicated])
+        _check_replay(req.request_id, subs, n)
         by_original = [subs[position[i]] for i in range(n)]
         return pb.SubmitBatchResponse(
-            tasks=[self._task(s.row) for s in by_original],
+            tasks=[self._submitted(s, caller) for s in by_original],
             deduplicated_ids=[make_task_id(self._shard, s.row.seq) for s in by_original if s.deduplicated],
         )
 
     # -- lookups --------------------------------------------------------------
 
     async def find(self, ref: task_pb2.TaskRef, caller: Principal, permission: str) -> TaskRow:
+        """The task a ref names. One the caller may not read is, to that caller, a missing task."""
         kind = ref.WhichOneof("ref")
         if kind == "id":
             if ref.id == 0:
                 raise invalid("task.id: 0 is not a task id")
             row = await self._store.get(seq_of(ref.id)) if shard_of(ref.id) == self._shard else None
-            if row is None:
+            if row is None or not caller.may("read", row.pool):
                 raise not_found(f"task {ref.id} not found")
         elif kind == "key":
+            check_text("task.key", ref.key, MAX_KEY_LENGTH)
             row = await self._store.get_by_key(ref.key)
-            if row is None:
+            if row is None or not caller.may("read", row.pool):
                 raise not_found(f"no task with key {ref.key!r}")
         else:
             raise invalid("task: give an id or a key")
@@ -187,9 +228,7 @@ class Tasks:
         size = min(req.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
         after = 0
         if req.page_token:
-            if not (req.page_token.isascii() and req.page_token.isdigit()):
-                raise invalid(f"page_token: {req.page_token!r} is not a token this server issued")
-            after = seq_of(int(req.page_token))
+            after = self._page_after(req.page_token)
         if req.state and req.state not in State.__members__.values():
             raise invalid(f"state: unknown state {req.state}")
         state = State(req.state) if req.state else None
@@ -199,22 +238,37 @@ class Tasks:
         token = str(make_task_id(self._shard, rows[-1].seq)) if more else ""
         return pb.ListTasksResponse(tasks=[self._task(r) for r in rows], next_page_token=token)
 
+    def _page_after(self, token: str) -> int:
+        """The sequence a page token continues after; a token this shard did not issue is refused."""
+        shown = token if len(token) <= 24 else token[:24] + "…"
+        if not (token.isascii() and token.isdigit() and len(token) <= 20) or not 0 < int(token) <= MAX_ID:
+            raise invalid(f"page_token: {shown!r} is not a token this server issued")
+        if shard_of(int(token)) != self._shard:
+            raise invalid(f"page_token: {shown!r} was issued by another shard (number {shard_of(int(token))})")
+        return seq_of(int(token))
+
     def watch(self, req: pb.WatchRequest, caller: Principal) -> AsyncIterator[pb.WatchResponse]:
         """Checks the request now; the events come from the returned iterator."""
         pools = self.readable_pools(req.pool, caller)
-        return self._stream(self._events.watch(None if pools is None else frozenset(pools)))
+        watcher = self._events.watch(None if pools is None else frozenset(pools), req.include_payloads)
+        return self._stream(watcher)
 
     async def _stream(self, watcher: Watcher) -> AsyncIterator[pb.WatchResponse]:
+        """Events until the stream ends; one that fell behind raises ApiError (ABORTED) last."""
         try:
-            while True:
-                event = await watcher.queue.get()
-                if event is None:
-                    return
+            while (event := await watcher.next()) is not None:
                 yield pb.WatchResponse(event=event)
-                if watcher.overflowed and watcher.queue.empty():
-                    return  # too slow to keep up: the stream ends and the caller reconnects
         finally:
             self._events.unwatch(watcher)
+
+
+def _check_replay(request_id: str, subs: list[Submitted], expected: int) -> None:
+    """A repeated request_id answers with what the first call made: it must still fit this call."""
+    if len(subs) != expected:
+        raise failed_precondition(
+            f"request_id {request_id!r}: already used for a call that created {len(subs)} task(s) still stored, "
+            f"not {expected}; use a new request_id per call"
+        )
 
 
 def _batch_order(tasks: list[NewTask]) -> list[int]:

@@ -86,6 +86,7 @@ class OutcomeKind(enum.Enum):
     SUCCESS = "success"
     FAILURE = "failure"
     CANCELLED = "cancelled"
+    RELEASED = "released"  # given back unfinished: PENDING again, the attempt not counted
 
 
 @dataclass(slots=True)
@@ -117,6 +118,7 @@ class WorkerRow:
     labels: dict[str, str]
     registered_at: int
     last_seen_at: int
+    principal: str = ""  # who registered it: only that principal may use this worker id
 
 
 # (seq, new state) of every task a transaction changed, for events and waiters.
@@ -135,6 +137,8 @@ class StoreSettings:
     retry_at: RetryAt
     max_pending_total: int | None = None
     max_pending_per_pool: int | None = None
+    # Tasks' overhead in a lease reply beyond payload, key and content type (an estimate).
+    lease_overhead_bytes: int = 256
 
 
 class StoreOwnedElsewhere(Exception):
@@ -157,8 +161,16 @@ class Store(Protocol):
 
     async def close(self) -> None: ...
 
-    async def submit(self, tasks: list[NewTask], now: int) -> tuple[list[Submitted], Changes]:
-        """Admits all tasks or none (raises ApiError: NOT_FOUND dependency, RESOURCE_EXHAUSTED)."""
+    async def submit(
+        self, tasks: list[NewTask], now: int, request_id: str | None = None, visible: frozenset[str] | None = None
+    ) -> tuple[list[Submitted], Changes]:
+        """Admits all tasks or none (raises ApiError: NOT_FOUND dependency, ALREADY_EXISTS key of
+        another pool, RESOURCE_EXHAUSTED).
+
+        request_id: a repeated one returns what the first call created (and changes nothing).
+        visible: the pools whose tasks may be named as dependencies (None: all); a task of
+        another pool is, as a dependency, a missing task.
+        """
 
     async def get(self, seq: int) -> TaskRow | None: ...
 
@@ -171,8 +183,11 @@ class Store(Protocol):
     ) -> list[TaskRow]:
         """Tasks of those pools (None: all) in seq order after after_seq."""
 
-    async def lease(self, worker_id: str, pools: list[str], limit: int, now: int) -> tuple[list[TaskRow], int | None]:
-        """Leases up to limit PENDING tasks (priority, then run_at, then seq).
+    async def lease(
+        self, worker_id: str, pools: list[str], limit: int, now: int, max_bytes: int = 0
+    ) -> tuple[list[TaskRow], int | None]:
+        """Leases up to limit PENDING tasks (priority, then run_at, then seq), and while
+        max_bytes > 0, only as many as fit in max_bytes (the first one always).
 
         Returns the leased rows, and when none is due, the earliest future run_at.
         """
@@ -180,7 +195,8 @@ class Store(Protocol):
     async def heartbeat(self, worker_id: str, attempts: list[tuple[int, int]], now: int) -> tuple[list[int], list[int]]:
         """Extends the leases held; returns (cancel-requested seqs, lost seqs)."""
 
-    async def finish(self, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]: ...
+    async def finish(self, worker_id: str, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:
+        """Applies the outcomes of tasks leased to worker_id at their attempts; refuses the rest."""
 
     async def expire_leases(self, now: int) -> Changes: ...
 

@@ -1,7 +1,8 @@
 """The decisions every backend makes the same way; backends only read and write rows.
 
-Rows handed in here are tuples (seq, state, attempt, pool, max_attempts, cancel_requested)
-for outcomes, and (seq, state, attempt, worker_id, cancel_requested, pool) for heartbeats.
+Rows handed in here are tuples (seq, state, attempt, pool, max_attempts, cancel_requested,
+worker_id) for outcomes, and (seq, state, attempt, worker_id, cancel_requested, pool) for
+heartbeats.
 """
 
 from __future__ import annotations
@@ -14,10 +15,22 @@ from typing import Any
 import grpc
 
 from ..errors import ApiError
-from .base import TERMINAL, Changes, Outcome, OutcomeKind, OutcomeResult, RetryAt, State, StoreSettings, TaskRow
+from ..ids import seq_of
+from .base import (
+    TERMINAL,
+    Changes,
+    Outcome,
+    OutcomeKind,
+    OutcomeResult,
+    RetryAt,
+    State,
+    StoreSettings,
+    Submitted,
+    TaskRow,
+)
 
 # What an outcome decision reads of a task, in this order.
-OUTCOME_COLUMNS = "seq, state, attempt, pool, max_attempts, cancel_requested"
+OUTCOME_COLUMNS = "seq, state, attempt, pool, max_attempts, cancel_requested, worker_id"
 HEARTBEAT_COLUMNS = "seq, state, attempt, worker_id, cancel_requested, pool"
 
 
@@ -63,27 +76,28 @@ def initial_state(deps: Iterable[tuple[int, State]], full_id: Callable[[int], in
     return state, error, blocked_on
 
 
+def not_leased(worker_id: str, task_id: int, attempt: int) -> OutcomeResult:
+    """The one refusal of a report: the same whether the task is missing, moved on, or another's."""
+    return OutcomeResult(
+        seq_of(task_id),
+        False,
+        "FAILED_PRECONDITION",
+        f"task {task_id} is not leased to worker {worker_id} at attempt {attempt}",
+    )
+
+
 def check_outcomes(
-    outcomes: list[Outcome], current: Mapping[int, tuple[Any, ...]], full_id: Callable[[int], int]
+    worker_id: str, outcomes: list[Outcome], current: Mapping[int, tuple[Any, ...]], full_id: Callable[[int], int]
 ) -> tuple[list[OutcomeResult], list[tuple[Outcome, tuple[Any, ...]]]]:
-    """Fences reports by attempt: only the current attempt of a RUNNING task is accepted, once."""
+    """Fences reports: only the current attempt of a RUNNING task leased to worker_id is
+    accepted, once; anything else is refused and changes nothing."""
     results: list[OutcomeResult] = []
     accepted: list[tuple[Outcome, tuple[Any, ...]]] = []
     seen: set[int] = set()
     for o in outcomes:
         r = current.get(o.seq)
-        if r is None:
-            results.append(OutcomeResult(o.seq, False, "NOT_FOUND", f"task {full_id(o.seq)} not found"))
-        elif r[1] != State.RUNNING or r[2] != o.attempt or o.seq in seen:
-            results.append(
-                OutcomeResult(
-                    o.seq,
-                    False,
-                    "FAILED_PRECONDITION",
-                    f"task {full_id(o.seq)} attempt {o.attempt} is no longer current "
-                    f"(state {State(r[1]).name}, attempt {r[2]}): outcome refused",
-                )
-            )
+        if r is None or r[1] != State.RUNNING or r[2] != o.attempt or r[6] != worker_id or o.seq in seen:
+            results.append(not_leased(worker_id, full_id(o.seq), o.attempt))
         else:
             seen.add(o.seq)
             results.append(OutcomeResult(o.seq, True))
@@ -99,6 +113,8 @@ class Decisions:
     terminal: list[tuple[int, bytes | None, str, str, int, int]] = field(default_factory=list)
     # (run_at, error, seq)
     retries: list[tuple[int, str, int]] = field(default_factory=list)
+    # seqs given back unfinished: PENDING again at the same run_at, attempt not counted
+    released: list[int] = field(default_factory=list)
     succeeded: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
     cancelled: list[int] = field(default_factory=list)
@@ -110,7 +126,11 @@ def decide_outcomes(accepted: list[tuple[Outcome, tuple[Any, ...]]], now: int, r
     d = Decisions()
     for o, r in accepted:
         seq, attempt, pool, max_attempts, cancel_requested = r[0], r[2], r[3], r[4], r[5]
-        if o.kind is OutcomeKind.CANCELLED or cancel_requested:
+        if o.kind is OutcomeKind.RELEASED and not cancel_requested:
+            d.released.append(seq)
+            d.changes.append((seq, State.PENDING))
+            continue
+        if o.kind in (OutcomeKind.CANCELLED, OutcomeKind.RELEASED) or cancel_requested:
             state, error = State.CANCELLED, o.error or "cancelled"
             d.cancelled.append(seq)
         elif o.kind is OutcomeKind.SUCCESS:
@@ -151,6 +171,32 @@ def decide_heartbeat(
         if r[4]:
             cancelled.append(seq)
     return cancelled, lost, extend
+
+
+def key_of_another_pool(key: str, pool: str, existing_pool: str) -> None:
+    """Keys deduplicate within a pool; naming another pool's task is refused, revealing nothing of it."""
+    if existing_pool != pool:
+        raise ApiError(grpc.StatusCode.ALREADY_EXISTS, f"key {key!r} already names a task of another pool")
+
+
+def encode_request(subs: list[Submitted]) -> str:
+    """What a request created, kept under its request_id: [[seq, deduplicated], ...]."""
+    return json.dumps([[s.row.seq, s.deduplicated] for s in subs])
+
+
+def replay_request(text: str, rows: list[TaskRow]) -> list[Submitted]:
+    """The answer to a repeated request_id, from its record and the rows still stored."""
+    by_seq = {r.seq: r for r in rows}
+    return [Submitted(by_seq[seq], dedup) for seq, dedup in json.loads(text) if seq in by_seq]
+
+
+def request_seqs(text: str) -> list[int]:
+    return [seq for seq, _ in json.loads(text)]
+
+
+def request_retention(settings: StoreSettings) -> int:
+    """How long a request_id is remembered: as long as any pool keeps its tasks (µs)."""
+    return max(settings.retention_us.values(), default=7 * 86_400_000_000)
 
 
 def dependency_error(state: State, dep_full_id: int) -> str:

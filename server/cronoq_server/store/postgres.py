@@ -43,9 +43,15 @@ from .logic import (
     decide_heartbeat,
     decide_outcomes,
     dependency_error,
+    encode_request,
     expired_outcome,
     initial_state,
+    key_of_another_pool,
     limits_apply,
+    not_leased,
+    replay_request,
+    request_retention,
+    request_seqs,
     task_row,
 )
 
@@ -102,7 +108,13 @@ MIGRATIONS: dict[int, list[str]] = {
             registered_at bigint NOT NULL,
             last_seen_at bigint NOT NULL)""",
     ],
+    2: [
+        """ALTER TABLE {s}.workers ADD COLUMN principal text NOT NULL DEFAULT ''""",
+        """CREATE TABLE {s}.requests (id text PRIMARY KEY, created text NOT NULL, created_at bigint NOT NULL)""",
+        """CREATE INDEX requests_created_at ON {s}.requests (created_at)""",
+    ],
 }
+WORKER_COLUMNS = "id, name, pools, concurrency, labels, registered_at, last_seen_at, principal"
 
 # Errors that mean "the database is not reachable right now".
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
@@ -136,9 +148,13 @@ class PostgresStore:
         self.term: int | None = None  # set by the leader: every write checks it
         self.on_fenced: Callable[[], None] | None = None
         # Finish reports skip the dependents query while no task is BLOCKED: the sweep
-        # records the generation it saw none at; creating a BLOCKED task moves it on.
+        # records the generation it saw none at. A submission that may create a BLOCKED
+        # task moves the generation on when it starts and again once it has committed, and
+        # while one is in flight the sweep records nothing: a sweep whose query ran before
+        # that commit never turns the fast path on.
         self._blocked_generation = 1
         self._no_blocked_since = 0
+        self._blocking_submits = 0
         self.channel = notify_channel(schema)
 
     def _full_id(self, seq: int) -> int:
@@ -272,36 +288,61 @@ class PostgresStore:
         rows = await self._read(lambda c: c.fetch(sql))
         return {(r[0], State(r[1])): r[2] for r in rows}
 
+    def _nothing_blocked(self) -> bool:
+        return self._blocking_submits == 0 and self._no_blocked_since == self._blocked_generation
+
     # -- submit ---------------------------------------------------------------
 
-    async def submit(self, tasks: list[NewTask], now: int) -> tuple[list[Submitted], Changes]:
-        if not limits_apply(self.settings) and all(
-            t.key is None and not (t.dep_seqs or t.dep_keys or t.dep_batch) for t in tasks
-        ):
-            return await self._submit_plain(tasks, now)
-        for attempt in range(3):
-            try:
-                return await self._tx(lambda c: self._submit(c, tasks, now))
-            except asyncpg.exceptions.UniqueViolationError:
-                if attempt == 2:
-                    raise
-                # A concurrent submission took one of the keys: run again, deduplicating it.
-        raise AssertionError("unreachable")
+    async def submit(
+        self, tasks: list[NewTask], now: int, request_id: str | None = None, visible: frozenset[str] | None = None
+    ) -> tuple[list[Submitted], Changes]:
+        may_block = any(t.dep_seqs or t.dep_keys or t.dep_batch for t in tasks)
+        if not limits_apply(self.settings) and not may_block and all(t.key is None for t in tasks):
+            return await self._submit_plain(tasks, now, request_id)
+        if may_block:
+            self._blocking_submits += 1
+            self._blocked_generation += 1
+        try:
+            for attempt in range(3):
+                try:
+                    return await self._tx(lambda c: self._submit(c, tasks, now, request_id, visible))
+                except asyncpg.exceptions.UniqueViolationError:
+                    if attempt == 2:
+                        raise
+                    # A concurrent submission took one of the keys: run again, deduplicating it.
+            raise AssertionError("unreachable")
+        finally:
+            if may_block:
+                self._blocking_submits -= 1
+                self._blocked_generation += 1
 
-    async def _submit_plain(self, tasks: list[NewTask], now: int) -> tuple[list[Submitted], Changes]:
-        """Tasks without keys, dependencies or limits: one fenced multi-row INSERT, one round trip."""
+    async def _replay(self, conn: asyncpg.Connection, created: str) -> list[Submitted]:
+        return replay_request(created, await self._select(conn, "seq = ANY($1::bigint[])", request_seqs(created)))
+
+    async def _submit_plain(
+        self, tasks: list[NewTask], now: int, request_id: str | None
+    ) -> tuple[list[Submitted], Changes]:
+        """Tasks without keys, dependencies or limits: one fenced multi-row INSERT, one round trip.
+
+        With a request_id, the same statement records it; when it is already recorded, nothing
+        is inserted and the first call's tasks are read back.
+        """
         run_at = [t.run_at if t.run_at is not None else now for t in tasks]
         # ids maps each input position to its sequence number, whatever order rows are inserted in.
         sql = self._sql(
             "WITH ids AS MATERIALIZED (SELECT n, nextval(pg_get_serial_sequence('{s}.tasks', 'seq')) AS seq"
             " FROM generate_series(1, $10::int) AS n),"
+            " req AS (INSERT INTO {s}.requests (id, created, created_at)"
+            " SELECT $11::text, (SELECT json_agg(json_build_array(seq, false) ORDER BY n) FROM ids)::text, $8"
+            " WHERE $11::text IS NOT NULL ON CONFLICT (id) DO NOTHING RETURNING 1),"
             " ins AS (INSERT INTO {s}.tasks (seq, pool, payload, content_type, priority, run_at, max_attempts,"
             " resources, state, created_at)"
             " SELECT ids.seq, u.pool, u.payload, u.content_type, u.priority, u.run_at, u.max_attempts,"
             " u.resources, 1, $8"
             " FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int[], $5::bigint[], $6::int[], $7::text[])"
             " WITH ORDINALITY AS u(pool, payload, content_type, priority, run_at, max_attempts, resources, n)"
-            " JOIN ids ON ids.n = u.n WHERE {fence} RETURNING seq)"
+            " JOIN ids ON ids.n = u.n WHERE {fence} AND ($11::text IS NULL OR EXISTS (SELECT 1 FROM req))"
+            " RETURNING seq)"
             " SELECT ids.seq, (SELECT pg_notify($9, '')) FROM ins JOIN ids ON ids.seq = ins.seq ORDER BY ids.n"
         )
         rows = await self._fenced_fetch(
@@ -316,7 +357,16 @@ class PostgresStore:
             now,
             self.channel,
             len(tasks),
+            request_id,
         )
+        if not rows and request_id is not None:  # a repeated request: answer as the first time
+            sql = self._sql("SELECT created FROM {s}.requests WHERE id = $1")
+
+            async def replay(conn: asyncpg.Connection) -> list[Submitted]:
+                created = await conn.fetchval(sql, request_id)
+                return await self._replay(conn, created) if created is not None else []
+
+            return await self._read(replay), []
         out = [
             Submitted(
                 TaskRow(
@@ -333,17 +383,37 @@ class PostgresStore:
         return out, [(s.row.seq, State.PENDING) for s in out]
 
     async def _submit(
-        self, conn: asyncpg.Connection, tasks: list[NewTask], now: int
+        self,
+        conn: asyncpg.Connection,
+        tasks: list[NewTask],
+        now: int,
+        request_id: str | None,
+        visible: frozenset[str] | None,
     ) -> tuple[list[Submitted], Changes]:
+        if request_id is not None:
+            # Recorded first: a concurrent call with the same request_id waits here for this one.
+            sql = self._sql(
+                "INSERT INTO {s}.requests (id, created, created_at) VALUES ($1, '[]', $2)"
+                " ON CONFLICT (id) DO NOTHING RETURNING 1"
+            )
+            if await conn.fetchval(sql, request_id, now) is None:
+                created = await conn.fetchval(self._sql("SELECT created FROM {s}.requests WHERE id = $1"), request_id)
+                return await self._replay(conn, created), []
+        # Dependencies are read under a share lock: a dependency cannot end between this read
+        # and this commit, so its ending always sees the dependents created here.
         keys = {t.key for t in tasks if t.key is not None} | {k for t in tasks for k in t.dep_keys}
         by_key: dict[str, TaskRow] = {}
         if keys:
-            by_key = {r.key: r for r in await self._select(conn, "key = ANY($1::text[])", list(keys)) if r.key}
+            by_key = {
+                r.key: r for r in await self._select(conn, "key = ANY($1::text[]) FOR SHARE", list(keys)) if r.key
+            }
         dep_seqs = list({s for t in tasks for s in t.dep_seqs})
         dep_state: dict[int, State] = {}
         if dep_seqs:
-            sql = self._sql("SELECT seq, state FROM {s}.tasks WHERE seq = ANY($1::bigint[])")
-            dep_state = {r[0]: State(r[1]) for r in await conn.fetch(sql, dep_seqs)}
+            sql = self._sql("SELECT seq, state, pool FROM {s}.tasks WHERE seq = ANY($1::bigint[]) FOR SHARE")
+            dep_state = {
+                r[0]: State(r[1]) for r in await conn.fetch(sql, dep_seqs) if visible is None or r[2] in visible
+            }
         fresh = sum(1 for t in tasks if t.key is None or t.key not in by_key)
         seq_sql = self._sql("SELECT nextval(pg_get_serial_sequence('{s}.tasks', 'seq')) FROM generate_series(1, $1)")
         new_seqs = iter([r[0] for r in await conn.fetch(seq_sql, fresh)] if fresh else [])
@@ -353,6 +423,7 @@ class PostgresStore:
         dep_rows: list[tuple[int, int]] = []
         for task in tasks:
             if task.key is not None and task.key in by_key:
+                key_of_another_pool(task.key, task.pool, by_key[task.key].pool)
                 out.append(Submitted(by_key[task.key], True))
                 continue
             deps: dict[int, State] = {}
@@ -361,7 +432,7 @@ class PostgresStore:
                     raise not_found(f"depends_on: task {self._full_id(seq)} not found")
                 deps[seq] = dep_state[seq]
             for key in task.dep_keys:
-                if key not in by_key:
+                if key not in by_key or (visible is not None and by_key[key].pool not in visible):
                     raise not_found(f"depends_on: no task with key {key!r}")
                 deps[by_key[key].seq] = by_key[key].state
             for index in task.dep_batch:
@@ -388,8 +459,6 @@ class PostgresStore:
                 by_key[row.key] = row
             out.append(Submitted(row, False))
             changes.append((seq, state))
-            if state == State.BLOCKED:
-                self._blocked_generation += 1
         if inserts:
             columns = list(zip(*inserts, strict=True))
             await conn.execute(
@@ -414,6 +483,9 @@ class PostgresStore:
             await self._check_limits(conn, [s.row.pool for s in out if not s.deduplicated])
             if any(state == State.PENDING for _, state in changes):
                 await conn.execute("SELECT pg_notify($1, '')", self.channel)
+        if request_id is not None:
+            sql = self._sql("UPDATE {s}.requests SET created = $2 WHERE id = $1")
+            await conn.execute(sql, request_id, encode_request(out))
         return out, changes
 
     async def _check_limits(self, conn: asyncpg.Connection, created: list[str]) -> None:
@@ -423,22 +495,30 @@ class PostgresStore:
 
     # -- leases ---------------------------------------------------------------
 
-    async def lease(self, worker_id: str, pools: list[str], limit: int, now: int) -> tuple[list[TaskRow], int | None]:
+    async def lease(
+        self, worker_id: str, pools: list[str], limit: int, now: int, max_bytes: int = 0
+    ) -> tuple[list[TaskRow], int | None]:
         ttl = self.settings.lease_ttl_us
         cols = ", ".join(f"t.{c.strip()}" for c in TASK_COLUMNS.split(","))
-        # One index-ordered scan per pool ("pool = ANY" would sort every pending row).
+        # One index-ordered scan per pool ("pool = ANY" would sort every pending row); of the
+        # rows picked, the first always and then as many as fit in max_bytes (octet_length
+        # reads a stored value's size without decompressing it).
         sql = self._sql(
-            "WITH picked AS (SELECT x.seq FROM unnest($4::text[]) AS p(pool), LATERAL"
+            "WITH picked AS (SELECT x.seq, x.priority, x.run_at FROM unnest($4::text[]) AS p(pool), LATERAL"
             " (SELECT seq, priority, run_at FROM {s}.tasks WHERE state = 1 AND pool = p.pool AND run_at <= $1"
             " ORDER BY priority DESC, run_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED) AS x"
             " WHERE {fence} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $2),"
+            " sized AS (SELECT p.seq, row_number() OVER w AS n, sum(octet_length(t.payload)"
+            " + octet_length(coalesce(t.key, '')) + octet_length(t.content_type) + $7) OVER w AS upto"
+            " FROM picked p JOIN {s}.tasks t ON t.seq = p.seq WINDOW w AS (ORDER BY p.priority DESC, p.run_at, p.seq)),"
+            " chosen AS (SELECT seq FROM sized WHERE n = 1 OR $6::bigint <= 0 OR upto <= $6::bigint),"
             " ttl AS (SELECT * FROM unnest($4::text[], $5::bigint[]) AS x(pool, ttl))"
             " UPDATE {s}.tasks t SET state = 3, attempt = t.attempt + 1, worker_id = $3, started_at = $1,"
-            " lease_expires_at = $1 + ttl.ttl FROM picked, ttl WHERE t.seq = picked.seq AND ttl.pool = t.pool"
+            " lease_expires_at = $1 + ttl.ttl FROM chosen, ttl WHERE t.seq = chosen.seq AND ttl.pool = t.pool"
             f" RETURNING {cols}"
         )
         due_sql = self._sql("SELECT min(run_at) FROM {s}.tasks WHERE state = 1 AND pool = ANY($1::text[])")
-        args = (now, limit, worker_id, pools, [ttl[p] for p in pools])
+        args = (now, limit, worker_id, pools, [ttl[p] for p in pools], max_bytes, self.settings.lease_overhead_bytes)
 
         rows = [task_row(r) for r in await self._fenced_fetch(sql, *args)]
         if rows:
@@ -467,34 +547,41 @@ class PostgresStore:
 
     # -- outcomes -------------------------------------------------------------
 
-    async def finish(self, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:
+    async def finish(self, worker_id: str, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:
         seqs = [o.seq for o in outcomes]
         if (
-            self._no_blocked_since == self._blocked_generation
+            self._nothing_blocked()
             and all(o.kind is OutcomeKind.SUCCESS for o in outcomes)
             and len(set(seqs)) == len(seqs)
         ):
-            return await self._finish_successes(outcomes, now)
+            generation = self._blocked_generation
+            results, changes = await self._finish_successes(worker_id, outcomes, now)
+            if generation != self._blocked_generation and changes:
+                # A submission naming these tasks as dependencies ran meanwhile: it may have
+                # created dependents this statement could not see. Release them now.
+                changes += await self._tx(lambda c: self._release_unblocked(c, [seq for seq, _ in changes]))
+            return results, changes
 
         async def finish(conn: asyncpg.Connection) -> tuple[list[OutcomeResult], Changes]:
             sql = self._sql(f"SELECT {OUTCOME_COLUMNS} FROM {{s}}.tasks WHERE seq = ANY($1::bigint[]) FOR UPDATE")
             current = {r[0]: tuple(r) for r in await conn.fetch(sql, [o.seq for o in outcomes])}
-            results, accepted = check_outcomes(outcomes, current, self._full_id)
+            results, accepted = check_outcomes(worker_id, outcomes, current, self._full_id)
             return results, await self._apply_outcomes(conn, accepted, now)
 
         return await self._tx(finish)
 
-    async def _finish_successes(self, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:
-        """Successes while no task is BLOCKED: one fenced UPDATE, fenced by attempt in its WHERE.
-
-        A cancel requested meanwhile still ends the task CANCELLED, as decide_outcomes does.
+    async def _finish_successes(
+        self, worker_id: str, outcomes: list[Outcome], now: int
+    ) -> tuple[list[OutcomeResult], Changes]:
+        """Successes while no task is BLOCKED: one fenced UPDATE, fenced by worker and attempt in
+        its WHERE. A cancel requested meanwhile still ends the task CANCELLED, as decide_outcomes does.
         """
         sql = self._sql(
             "UPDATE {s}.tasks t SET state = CASE WHEN t.cancel_requested THEN 6 ELSE 4 END, result = u.result,"
             " result_content_type = u.rct, error = CASE WHEN t.cancel_requested THEN 'cancelled' ELSE '' END,"
             " finished_at = $5, lease_expires_at = NULL"
             " FROM unnest($1::bigint[], $2::int[], $3::bytea[], $4::text[]) AS u(seq, attempt, result, rct)"
-            " WHERE t.seq = u.seq AND t.state = 3 AND t.attempt = u.attempt AND {fence}"
+            " WHERE t.seq = u.seq AND t.state = 3 AND t.attempt = u.attempt AND t.worker_id = $6 AND {fence}"
             " RETURNING t.seq, t.state"
         )
         rows = await self._fenced_fetch(
@@ -504,23 +591,32 @@ class PostgresStore:
             [o.result or None for o in outcomes],
             [o.result_content_type for o in outcomes],
             now,
+            worker_id,
         )
         ended = {r[0]: State(r[1]) for r in rows}
-        refused = [o for o in outcomes if o.seq not in ended]
-        reasons: dict[int, OutcomeResult] = {}
-        if refused:  # read why: the task moved on, or does not exist
-            sql = self._sql(f"SELECT {OUTCOME_COLUMNS} FROM {{s}}.tasks WHERE seq = ANY($1::bigint[])")
-            rows = await self._read(lambda c: c.fetch(sql, [o.seq for o in refused]))
-            current = {r[0]: tuple(r) for r in rows}
-            for result in check_outcomes(refused, current, self._full_id)[0]:
-                reasons[result.seq] = (
-                    result if not result.accepted else OutcomeResult(
-                        result.seq, False, "FAILED_PRECONDITION",
-                        f"task {self._full_id(result.seq)} attempt changed while reporting: outcome refused",
-                    )
-                )  # fmt: skip
-        results = [reasons.get(o.seq) or OutcomeResult(o.seq, True) for o in outcomes]
+        results = [
+            OutcomeResult(o.seq, True) if o.seq in ended else not_leased(worker_id, self._full_id(o.seq), o.attempt)
+            for o in outcomes
+        ]
         return results, list(ended.items())
+
+    async def _release_unblocked(self, conn: asyncpg.Connection, succeeded: list[int]) -> Changes:
+        """BLOCKED dependents of these tasks whose every dependency has succeeded become PENDING.
+
+        Reads the states themselves (not the blocked_on counts), so running it again is harmless.
+        """
+        rows = await conn.fetch(
+            self._sql(
+                "UPDATE {s}.tasks t SET state = 1, blocked_on = 0"
+                " WHERE t.state = 2 AND t.seq IN (SELECT task_seq FROM {s}.deps WHERE dep_seq = ANY($1::bigint[]))"
+                " AND NOT EXISTS (SELECT 1 FROM {s}.deps d JOIN {s}.tasks x ON x.seq = d.dep_seq"
+                " WHERE d.task_seq = t.seq AND x.state <> 4) RETURNING t.seq"
+            ),
+            succeeded,
+        )
+        if rows:
+            await conn.execute("SELECT pg_notify($1, '')", self.channel)
+        return [(r[0], State.PENDING) for r in rows]
 
     async def _apply_outcomes(self, conn: asyncpg.Connection, accepted: list[tuple[Outcome, Any]], now: int) -> Changes:
         d = decide_outcomes(accepted, now, self.settings.retry_at)
@@ -545,6 +641,14 @@ class PostgresStore:
                 ),
                 *[list(c) for c in cols],
             )
+        if d.released:
+            await conn.execute(
+                self._sql(
+                    "UPDATE {s}.tasks SET state = 1, attempt = attempt - 1, worker_id = NULL, started_at = NULL,"
+                    " lease_expires_at = NULL WHERE seq = ANY($1::bigint[])"
+                ),
+                d.released,
+            )
         changes = d.changes
         changes += await self._unblock_dependents(conn, d.succeeded)
         changes += await self._end_dependents(conn, d.failed, State.FAILED, now)
@@ -554,7 +658,7 @@ class PostgresStore:
         return changes
 
     async def _unblock_dependents(self, conn: asyncpg.Connection, succeeded: list[int]) -> Changes:
-        if not succeeded or self._no_blocked_since == self._blocked_generation:
+        if not succeeded or self._nothing_blocked():
             return []  # no task waits for anything: nothing to unblock
         rows = await conn.fetch(
             self._sql(
@@ -598,6 +702,8 @@ class PostgresStore:
 
     async def _check_blocked(self, conn: asyncpg.Connection) -> None:
         generation = self._blocked_generation
+        if self._blocking_submits:
+            return  # a BLOCKED task may be about to commit: this query could miss it
         blocked = await conn.fetchval(self._sql("SELECT EXISTS (SELECT 1 FROM {s}.tasks WHERE state = 2)"))
         if not blocked:
             self._no_blocked_since = generation
@@ -646,6 +752,9 @@ class PostgresStore:
                 )
                 status = await conn.execute(self._sql(f"DELETE FROM {{s}}.tasks WHERE {cond}"), pool, now - retention)
                 purged += int(status.split()[-1])
+            # A request's record is kept as long as the tasks it created can be.
+            sql = self._sql("DELETE FROM {s}.requests WHERE created_at < $1")
+            await conn.execute(sql, now - request_retention(self.settings))
             return purged
 
         return await self._tx(purge)
@@ -654,24 +763,26 @@ class PostgresStore:
 
     async def register_worker(self, worker: WorkerRow) -> None:
         sql = self._sql(
-            "INSERT INTO {s}.workers VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (id) DO UPDATE SET"
+            f"INSERT INTO {{s}}.workers ({WORKER_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
+            " ON CONFLICT (id) DO UPDATE SET"
             " name = excluded.name, pools = excluded.pools, concurrency = excluded.concurrency,"
             " labels = excluded.labels, last_seen_at = excluded.last_seen_at"
         )
         args = (worker.id, worker.name, json.dumps(worker.pools), worker.concurrency, json.dumps(worker.labels))
-        await self._tx(lambda c: c.execute(sql, *args, worker.registered_at, worker.last_seen_at))
+        await self._tx(lambda c: c.execute(sql, *args, worker.registered_at, worker.last_seen_at, worker.principal))
 
     async def deregister_worker(self, worker_id: str) -> None:
         await self._tx(lambda c: c.execute(self._sql("DELETE FROM {s}.workers WHERE id = $1"), worker_id))
 
     async def get_worker(self, worker_id: str) -> WorkerRow | None:
-        r = await self._read(lambda c: c.fetchrow(self._sql("SELECT * FROM {s}.workers WHERE id = $1"), worker_id))
+        sql = self._sql(f"SELECT {WORKER_COLUMNS} FROM {{s}}.workers WHERE id = $1")
+        r = await self._read(lambda c: c.fetchrow(sql, worker_id))
         return _worker(r) if r else None
 
     async def list_workers(self) -> list[WorkerRow]:
-        rows = await self._read(lambda c: c.fetch(self._sql("SELECT * FROM {s}.workers ORDER BY id")))
+        rows = await self._read(lambda c: c.fetch(self._sql(f"SELECT {WORKER_COLUMNS} FROM {{s}}.workers ORDER BY id")))
         return [_worker(r) for r in rows]
 
 
 def _worker(r: Any) -> WorkerRow:
-    return WorkerRow(r[0], r[1], json.loads(r[2]), r[3], json.loads(r[4]), r[5], r[6])
+    return WorkerRow(r[0], r[1], json.loads(r[2]), r[3], json.loads(r[4]), r[5], r[6], r[7])

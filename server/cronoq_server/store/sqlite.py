@@ -39,14 +39,18 @@ from .logic import (
     decide_heartbeat,
     decide_outcomes,
     dependency_error,
+    encode_request,
     expired_outcome,
     initial_state,
+    key_of_another_pool,
     limits_apply,
+    replay_request,
+    request_retention,
+    request_seqs,
     task_row,
 )
 
 T = TypeVar("T")
-SCHEMA_VERSION = 1
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -91,6 +95,11 @@ MIGRATIONS: dict[int, str] = {
         last_seen_at INTEGER NOT NULL
     );
     """,
+    2: """
+    ALTER TABLE workers ADD COLUMN principal TEXT NOT NULL DEFAULT '';
+    CREATE TABLE requests (id TEXT PRIMARY KEY, created TEXT NOT NULL, created_at INTEGER NOT NULL);
+    CREATE INDEX requests_created_at ON requests (created_at);
+    """,
 }
 
 MAX_GROUP = 256  # writes committed together at most
@@ -124,8 +133,11 @@ def _marks(n: int) -> str:
     return ",".join("?" * n)
 
 
+WORKER_COLUMNS = "id, name, pools, concurrency, labels, registered_at, last_seen_at, principal"
+
+
 def _worker(r: tuple[Any, ...]) -> WorkerRow:
-    return WorkerRow(r[0], r[1], json.loads(r[2]), r[3], json.loads(r[4]), r[5], r[6])
+    return WorkerRow(r[0], r[1], json.loads(r[2]), r[3], json.loads(r[4]), r[5], r[6], r[7])
 
 
 class SqliteStore:
@@ -242,7 +254,7 @@ class SqliteStore:
                 for statement in MIGRATIONS[v].split(";"):
                     if statement.strip():
                         db.execute(statement)
-        db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(max(MIGRATIONS)),))
         db.execute("INSERT OR IGNORE INTO meta VALUES ('shard_name', ?)", (self.settings.shard_name,))
         db.execute("INSERT OR IGNORE INTO meta VALUES ('shard_number', ?)", (str(self.settings.shard_number),))
 
@@ -292,27 +304,49 @@ class SqliteStore:
         return await self._run(lambda: self._select(self._conn, where, params))
 
     async def count_by_pool_and_state(self) -> dict[tuple[str, State], int]:
-        def count(db: sqlite3.Connection) -> dict[tuple[str, State], int]:
-            sql = "SELECT pool, state, COUNT(*) FROM tasks GROUP BY pool, state"
-            return {(p, State(s)): n for p, s, n in db.execute(sql)}
+        """Counted on a connection of its own, off the store's thread: a full scan must not
+        hold up the writes queued there (WAL lets it read beside them)."""
 
-        return await self._run(count, self._conn)
+        def count() -> dict[tuple[str, State], int]:
+            db = sqlite3.connect(self.path, isolation_level=None, timeout=30)
+            try:
+                db.execute("PRAGMA query_only = 1")
+                sql = "SELECT pool, state, COUNT(*) FROM tasks GROUP BY pool, state"
+                return {(p, State(s)): n for p, s, n in db.execute(sql)}
+            finally:
+                db.close()
+
+        return await asyncio.get_running_loop().run_in_executor(None, count)
 
     # -- submit ---------------------------------------------------------------
 
-    async def submit(self, tasks: list[NewTask], now: int) -> tuple[list[Submitted], Changes]:
-        return await self._tx(self._submit, tasks, now)
+    async def submit(
+        self, tasks: list[NewTask], now: int, request_id: str | None = None, visible: frozenset[str] | None = None
+    ) -> tuple[list[Submitted], Changes]:
+        return await self._tx(self._submit, tasks, now, request_id, visible)
 
-    def _submit(self, db: sqlite3.Connection, tasks: list[NewTask], now: int) -> tuple[list[Submitted], Changes]:
+    def _submit(
+        self,
+        db: sqlite3.Connection,
+        tasks: list[NewTask],
+        now: int,
+        request_id: str | None,
+        visible: frozenset[str] | None,
+    ) -> tuple[list[Submitted], Changes]:
+        if request_id is not None:
+            known = db.execute("SELECT created FROM requests WHERE id = ?", (request_id,)).fetchone()
+            if known is not None:
+                return replay_request(known[0], self._select_seqs(db, request_seqs(known[0]))), []
         out: list[Submitted] = []
         changes: Changes = []
         for task in tasks:
             if task.key is not None:
                 existing = self._select(db, "key = ?", (task.key,))
                 if existing:
+                    key_of_another_pool(task.key, task.pool, existing[0].pool)
                     out.append(Submitted(existing[0], True))
                     continue
-            deps = self._resolve_deps(db, task, out)
+            deps = self._resolve_deps(db, task, out, visible)
             state, error, blocked_on = initial_state(deps, self._full_id)
             finished_at = now if state in TERMINAL else None
             dep_list = [s for s, _ in deps]
@@ -344,21 +378,24 @@ class SqliteStore:
             out.append(Submitted(self._select(db, "seq = ?", (seq,))[0], False))
             changes.append((seq, state))
         self._check_limits(db, tasks, out)
+        if request_id is not None:
+            db.execute("INSERT INTO requests VALUES (?, ?, ?)", (request_id, encode_request(out), now))
         return out, changes
 
-    def _resolve_deps(self, db: sqlite3.Connection, task: NewTask, earlier: list[Submitted]) -> list[tuple[int, State]]:
+    def _resolve_deps(
+        self, db: sqlite3.Connection, task: NewTask, earlier: list[Submitted], visible: frozenset[str] | None
+    ) -> list[tuple[int, State]]:
         found: dict[int, State] = {}
         if task.dep_seqs:
-            rows = dict(
-                db.execute(f"SELECT seq, state FROM tasks WHERE seq IN ({_marks(len(task.dep_seqs))})", task.dep_seqs)
-            )
+            sql = f"SELECT seq, state, pool FROM tasks WHERE seq IN ({_marks(len(task.dep_seqs))})"
+            rows = {r[0]: r for r in db.execute(sql, task.dep_seqs)}
             for seq in task.dep_seqs:
-                if seq not in rows:
+                if seq not in rows or (visible is not None and rows[seq][2] not in visible):
                     raise not_found(f"depends_on: task {self._full_id(seq)} not found")
-                found[seq] = State(rows[seq])
+                found[seq] = State(rows[seq][1])
         for key in task.dep_keys:
-            row = db.execute("SELECT seq, state FROM tasks WHERE key = ?", (key,)).fetchone()
-            if row is None:
+            row = db.execute("SELECT seq, state, pool FROM tasks WHERE key = ?", (key,)).fetchone()
+            if row is None or (visible is not None and row[2] not in visible):
                 raise not_found(f"depends_on: no task with key {key!r}")
             found[row[0]] = State(row[1])
         for index in task.dep_batch:
@@ -374,11 +411,13 @@ class SqliteStore:
 
     # -- leases ---------------------------------------------------------------
 
-    async def lease(self, worker_id: str, pools: list[str], limit: int, now: int) -> tuple[list[TaskRow], int | None]:
-        return await self._tx(self._lease, worker_id, pools, limit, now)
+    async def lease(
+        self, worker_id: str, pools: list[str], limit: int, now: int, max_bytes: int = 0
+    ) -> tuple[list[TaskRow], int | None]:
+        return await self._tx(self._lease, worker_id, pools, limit, now, max_bytes)
 
     def _lease(
-        self, db: sqlite3.Connection, worker_id: str, pools: list[str], limit: int, now: int
+        self, db: sqlite3.Connection, worker_id: str, pools: list[str], limit: int, now: int, max_bytes: int
     ) -> tuple[list[TaskRow], int | None]:
         ttl = self.settings.lease_ttl_us
         expiry = "CASE pool " + " ".join("WHEN ? THEN ?" for _ in pools) + " END"
@@ -388,11 +427,18 @@ class SqliteStore:
         sql = (
             f"UPDATE tasks SET state = 3, attempt = attempt + 1, worker_id = ?, started_at = ?,"
             f" lease_expires_at = {expiry}"
-            f" WHERE seq IN (SELECT seq FROM tasks WHERE state = 1 AND pool IN ({_marks(len(pools))})"
-            f" AND run_at <= ? ORDER BY priority DESC, run_at, seq LIMIT ?)"
+            # The first `limit` due tasks in lease order, then as many as fit in max_bytes.
+            f" WHERE seq IN (SELECT seq FROM (SELECT seq, row_number() OVER w AS n, sum(size) OVER w AS upto"
+            f" FROM (SELECT seq, priority, run_at,"
+            f" length(payload) + length(coalesce(key, '')) + length(content_type) + ? AS size"
+            f" FROM tasks WHERE state = 1 AND pool IN ({_marks(len(pools))}) AND run_at <= ?"
+            f" ORDER BY priority DESC, run_at, seq LIMIT ?)"
+            f" WINDOW w AS (ORDER BY priority DESC, run_at, seq)) WHERE n = 1 OR ? <= 0 OR upto <= ?)"
             f" RETURNING {TASK_COLUMNS}"
         )
-        rows = [task_row(r) for r in db.execute(sql, (worker_id, now, *expiry_params, *pools, now, limit))]
+        overhead = self.settings.lease_overhead_bytes
+        params = (worker_id, now, *expiry_params, overhead, *pools, now, limit, max_bytes, max_bytes)
+        rows = [task_row(r) for r in db.execute(sql, params)]
         if rows:
             rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
             return rows, None
@@ -418,16 +464,18 @@ class SqliteStore:
 
     # -- outcomes -------------------------------------------------------------
 
-    async def finish(self, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:
-        return await self._tx(self._finish, outcomes, now)
+    async def finish(self, worker_id: str, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:
+        return await self._tx(self._finish, worker_id, outcomes, now)
 
-    def _finish(self, db: sqlite3.Connection, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:
+    def _finish(
+        self, db: sqlite3.Connection, worker_id: str, outcomes: list[Outcome], now: int
+    ) -> tuple[list[OutcomeResult], Changes]:
         current: dict[int, tuple[Any, ...]] = {}
         for chunk in _chunks([o.seq for o in outcomes]):
             sql = f"SELECT {OUTCOME_COLUMNS} FROM tasks WHERE seq IN ({_marks(len(chunk))})"
             for r in db.execute(sql, chunk):
                 current[r[0]] = r
-        results, accepted = check_outcomes(outcomes, current, self._full_id)
+        results, accepted = check_outcomes(worker_id, outcomes, current, self._full_id)
         changes = self._apply_outcomes(db, accepted, now)
         return results, changes
 
@@ -444,6 +492,11 @@ class SqliteStore:
             "UPDATE tasks SET state = 1, run_at = ?, error = ?, worker_id = NULL, lease_expires_at = NULL"
             " WHERE seq = ?",
             d.retries,
+        )
+        db.executemany(
+            "UPDATE tasks SET state = 1, attempt = attempt - 1, worker_id = NULL, started_at = NULL,"
+            " lease_expires_at = NULL WHERE seq = ?",
+            [(seq,) for seq in d.released],
         )
         changes = d.changes
         changes += self._unblock_dependents(db, d.succeeded)
@@ -537,6 +590,8 @@ class SqliteStore:
             params = (pool, now - retention)
             db.execute(f"DELETE FROM deps WHERE task_seq IN (SELECT seq FROM tasks WHERE {cond})", params)
             purged += db.execute(f"DELETE FROM tasks WHERE {cond}", params).rowcount
+        # A request's record is kept as long as the tasks it created can be.
+        db.execute("DELETE FROM requests WHERE created_at < ?", (now - request_retention(self.settings),))
         return purged
 
     # -- workers --------------------------------------------------------------
@@ -544,7 +599,7 @@ class SqliteStore:
     async def register_worker(self, worker: WorkerRow) -> None:
         def insert(db: sqlite3.Connection) -> None:
             db.execute(
-                "INSERT OR REPLACE INTO workers VALUES (?,?,?,?,?,?,?)",
+                f"INSERT OR REPLACE INTO workers ({WORKER_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)",
                 (
                     worker.id,
                     worker.name,
@@ -553,6 +608,7 @@ class SqliteStore:
                     json.dumps(worker.labels),
                     worker.registered_at,
                     worker.last_seen_at,
+                    worker.principal,
                 ),
             )
 
@@ -563,10 +619,11 @@ class SqliteStore:
 
     async def get_worker(self, worker_id: str) -> WorkerRow | None:
         def get(db: sqlite3.Connection) -> WorkerRow | None:
-            r = db.execute("SELECT * FROM workers WHERE id = ?", (worker_id,)).fetchone()
+            r = db.execute(f"SELECT {WORKER_COLUMNS} FROM workers WHERE id = ?", (worker_id,)).fetchone()
             return _worker(r) if r else None
 
         return await self._run(get, self._conn)
 
     async def list_workers(self) -> list[WorkerRow]:
-        return await self._run(lambda: [_worker(r) for r in self._conn.execute("SELECT * FROM workers ORDER BY id")])
+        sql = f"SELECT {WORKER_COLUMNS} FROM workers ORDER BY id"
+        return await self._run(lambda: [_worker(r) for r in self._conn.execute(sql)])

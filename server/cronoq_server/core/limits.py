@@ -1,0 +1,36 @@
+"""Caps on what callers send: sizes of names, labels and texts, and characters allowed in them."""
+
+from __future__ import annotations
+
+from ..errors import invalid
+
+MAX_KEY_LENGTH = 256
+MAX_CONTENT_TYPE = 256
+MAX_REQUEST_ID = 128
+# What a worker states about itself.
+MAX_WORKER_NAME = 256
+MAX_LABELS = 64
+MAX_LABEL_KEY = 128
+MAX_LABEL_VALUE = 1024
+# An error text longer than this is cut, with a marker saying how much was dropped.
+MAX_ERROR_BYTES = 16 << 10
+
+TRUNCATED = "… [truncated {n} bytes]"
+
+
+def check_text(field: str, value: str, limit: int) -> None:
+    """A caller-chosen name or label: bounded, and free of control characters (they forge log lines)."""
+    if len(value) > limit:
+        raise invalid(f"{field}: {len(value)} characters, more than {limit}")
+    bad = next((c for c in value if ord(c) < 32 or 127 <= ord(c) < 160), None)
+    if bad is not None:
+        raise invalid(f"{field}: control character {bad!r} in {value[:64]!r}")
+
+
+def cap_error(text: str) -> str:
+    """An error text cut to MAX_ERROR_BYTES (UTF-8), with a marker naming what was dropped."""
+    data = text.encode()
+    if len(data) <= MAX_ERROR_BYTES:
+        return text
+    kept = data[: MAX_ERROR_BYTES - 64].decode(errors="ignore")
+    return kept + TRUNCATED.format(n=len(data) - len(kept.encode()))
