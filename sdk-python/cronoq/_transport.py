@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, stop_never, wait_exponential_jitter
 
-from .errors import CronoqError, InvalidArgument, RedirectRefused, Unavailable, from_grpc_error
+from .errors import Cancelled, CronoqError, InvalidArgument, RedirectRefused, Unavailable, from_grpc_error
 
 log = logging.getLogger("cronoq")
 T = TypeVar("T")
@@ -79,7 +79,9 @@ class Endpoint:
 
 
 def check_redirect(current: Endpoint, target: Endpoint, token: str | None, insecure_redirect_http: bool) -> None:
-    """The connection rules of SPEC.md §10 for following a shard redirect."""
+    """The connection rules for following a shard redirect (or a standby's leader hint):
+    never from https:// to http://, and a bearer token goes over plain http:// only to a
+    loopback host unless insecure_redirect_http is set."""
     if current.secure and not target.secure:
         raise RedirectRefused(f"redirect from {current} to {target} refused: never follow https:// to http://")
     if token and not target.secure and not target.is_loopback and not insecure_redirect_http:
@@ -116,7 +118,9 @@ def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 def _is_unavailable(err: BaseException) -> bool:
-    return isinstance(err, Unavailable)
+    # CANCELLED that the caller did not ask for comes from a server that closed while the call
+    # waited for a handler: as safe to retry as UNAVAILABLE (submissions carry a request_id).
+    return isinstance(err, (Unavailable, Cancelled))
 
 
 async def call_once(call: Callable[[], Awaitable[T]]) -> T:
@@ -131,7 +135,7 @@ async def with_retries(
     call: Callable[[], Awaitable[T]],
     retry: RetryConfig,
     what: str,
-    on_unavailable: Callable[[Unavailable], None] | None = None,
+    on_unavailable: Callable[[CronoqError], None] | None = None,
 ) -> T:
     """Runs call, translating gRPC errors to the SDK tree and retrying UNAVAILABLE.
 
@@ -139,7 +143,7 @@ async def with_retries(
     """
     try:
         return await call_once(call)  # the fast path: no retry machinery per call
-    except Unavailable as err:
+    except (Unavailable, Cancelled) as err:
         if retry.max_elapsed is not None and retry.max_elapsed <= 0:
             raise
         log.debug("%s: %s; retrying", what, err)
@@ -148,7 +152,7 @@ async def with_retries(
 
     def before_sleep(state: Any) -> None:
         exc = state.outcome.exception() if state.outcome else None
-        if on_unavailable and isinstance(exc, Unavailable):
+        if on_unavailable and isinstance(exc, (Unavailable, Cancelled)):
             on_unavailable(exc)
 
     async for attempt in AsyncRetrying(
@@ -222,7 +226,7 @@ class Connection:
         check_redirect(self.current, dest, self._token, self._insecure_redirect_http)
         self.switch(dest)
 
-    def on_unavailable(self, err: Unavailable) -> None:
+    def on_unavailable(self, err: CronoqError) -> None:
         if err.leader:
             try:
                 if Endpoint.parse(err.leader) != self.current:

@@ -20,8 +20,17 @@ from .v1 import task_pb2, task_service_pb2
 STATE_NAMES = {v: k.removeprefix("TASK_STATE_").lower() for k, v in task_pb2.TaskState.items()}
 
 
+MAX_TASK_ID = 2**64 - 1
+
+
 def _ref(text: str, force_key: bool) -> int | str:
-    return text if force_key or not text.isdigit() else int(text)
+    """A decimal id (ASCII digits only: '²' or '١' are keys), else a key."""
+    if force_key or not (text.isascii() and text.isdigit()):
+        return text
+    task_id = int(text)
+    if task_id > MAX_TASK_ID:
+        raise SystemExit(f"cronoq: {text} is too large for a task id (ids fit in 64 bits)")
+    return task_id
 
 
 def _ts(task: Task, field: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +89,11 @@ def task_spec(
     return req
 
 
+def new_request_id() -> str:
+    """A fresh request id: the server answers a repeated one with what the first call created."""
+    return uuid.uuid4().hex
+
+
 @dataclass(frozen=True)
 class Submitted:
     task: Task
@@ -134,14 +140,30 @@ class Client:
     async def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         return await self._conn.call(method, request, timeout or self._timeout, self._retry)
 
-    async def submit(self, pool: str, payload: Any = None, **options: Any) -> Submitted:
-        """Submits one task (see task_spec for options); a known key returns the existing task."""
-        resp = await self._call("SubmitTask", task_spec(pool, payload, **options))
+    async def submit(
+        self, pool: str, payload: Any = None, *, request_id: str | None = None, **options: Any
+    ) -> Submitted:
+        """Submits one task (see task_spec for options); a known key returns the existing task.
+
+        request_id (a fresh UUID unless given) is sent with every transport retry of this
+        call, so a retry after UNAVAILABLE returns the task the first attempt created.
+        """
+        req = task_spec(pool, payload, **options)
+        req.request_id = request_id or new_request_id()
+        resp = await self._call("SubmitTask", req)
         return Submitted(resp.task, resp.deduplicated)
 
-    async def submit_batch(self, specs: Sequence[pb.SubmitTaskRequest]) -> pb.SubmitBatchResponse:
-        """Admits every task or none; tasks may depend on the batch's own keys."""
-        return await self._call("SubmitBatch", pb.SubmitBatchRequest(tasks=list(specs)))
+    async def submit_batch(
+        self, specs: Sequence[pb.SubmitTaskRequest], *, request_id: str | None = None
+    ) -> pb.SubmitBatchResponse:
+        """Admits every task or none; tasks may depend on the batch's own keys.
+
+        request_id works as in submit, for the whole batch (the specs' own are cleared).
+        """
+        req = pb.SubmitBatchRequest(tasks=list(specs), request_id=request_id or new_request_id())
+        for spec in req.tasks:  # copies: the caller's specs are untouched
+            spec.ClearField("request_id")
+        return await self._call("SubmitBatch", req)
 
     async def get(self, ref: TaskRefLike) -> Task:
         return (await self._call("GetTask", pb.GetTaskRequest(task=task_ref(ref)))).task

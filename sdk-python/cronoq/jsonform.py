@@ -1,5 +1,6 @@
-"""The JSON form of API messages: proto field names, ids as strings, and JSON
-payloads shown as `payload_json` (SPEC.md §6). The server's HTTP API uses it too."""
+"""The JSON form of API messages: proto field names, 64-bit ids as strings, and a task
+payload whose content type is application/json shown decoded as `payload_json` instead
+of base64. The server's HTTP API uses it too."""
 
 from __future__ import annotations
 

@@ -34,8 +34,10 @@ class SyncClient:
     def submit(self, pool: str, payload: Any = None, **options: Any) -> Submitted:
         return self._run(self._client.submit(pool, payload, **options))
 
-    def submit_batch(self, specs: Sequence[pb.SubmitTaskRequest]) -> pb.SubmitBatchResponse:
-        return self._run(self._client.submit_batch(specs))
+    def submit_batch(
+        self, specs: Sequence[pb.SubmitTaskRequest], *, request_id: str | None = None
+    ) -> pb.SubmitBatchResponse:
+        return self._run(self._client.submit_batch(specs, request_id=request_id))
 
     def get(self, ref: TaskRefLike) -> Task:
         return self._run(self._client.get(ref))

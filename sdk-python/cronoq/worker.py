@@ -1,5 +1,6 @@
-"""The async Worker: register, lease with bounded concurrency, heartbeat, batched
-finish reports, transport retries, and a graceful shutdown.
+"""The async Worker: register, lease with bounded concurrency (and replies bounded in
+bytes), heartbeat, batched finish reports split by size, transport retries, and a
+graceful shutdown that gives unfinished tasks back to the server.
 
     async def handle(task: cronoq.TaskContext) -> dict:
         return {"doubled": task.payload["n"] * 2}
@@ -17,7 +18,7 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from ._transport import Connection, Endpoint, RetryConfig, TlsConfig, call_once
+from ._transport import MAX_MESSAGE_BYTES, Connection, Endpoint, RetryConfig, TlsConfig, call_once
 from .client import Task, decode, encode_payload
 from .errors import (
     Cancelled,
@@ -26,7 +27,9 @@ from .errors import (
     FailedPrecondition,
     Internal,
     NotFound,
+    PermissionDenied,
     TooManyRedirects,
+    Unauthenticated,
     Unavailable,
     Unknown,
 )
@@ -39,6 +42,24 @@ MAX_REDIRECTS = 3
 # Failures of a worker's own calls that say nothing about the request: they are retried.
 TRANSIENT = (Unavailable, Cancelled, DeadlineExceeded, Internal, Unknown)
 MAX_FINISH_BATCH = 1000
+MiB = 1 << 20
+# What a server that does not say otherwise (RegisterWorkerResponse fields left 0) allows.
+DEFAULT_MAX_RESULT_BYTES = 4 * MiB
+DEFAULT_MAX_LEASE_BYTES = 16 * MiB
+# Room left under MAX_MESSAGE_BYTES (the channel's send and receive limit) for what a
+# message carries besides its tasks or outcomes.
+MESSAGE_MARGIN_BYTES = 1 * MiB
+MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES - MESSAGE_MARGIN_BYTES
+# A LeaseTasks call that fails for good halves max_bytes, down to this.
+MIN_LEASE_BYTES = 1 * MiB
+# Bytes an outcome adds to a FinishTasksRequest besides its own: tag and length prefix.
+OUTCOME_FRAMING_BYTES = 16
+RELEASE_REASON = "worker shut down"
+# After the shutdown grace: how long cancelled handlers get to unwind, and the whole
+# time left (from the end of the grace) for them and for the last outcome reports.
+UNWIND_S = 1.0
+STOP_EXTRA_S = 3.0
+DEREGISTER_TIMEOUT_S = 2.0
 
 
 class TaskError(Exception):
@@ -87,6 +108,10 @@ class TaskContext:
 Handler = Callable[[TaskContext], Awaitable[Any]]
 
 
+def _released() -> pb.TaskReleased:
+    return pb.TaskReleased(reason=RELEASE_REASON)
+
+
 class Worker:
     def __init__(
         self,
@@ -125,6 +150,10 @@ class Worker:
         self._finish_linger = finish_linger
         self.worker_id = ""
         self._heartbeat_s = 10.0
+        # Set from the server's RegisterWorkerResponse (defaults for an older server).
+        self.max_result_bytes = DEFAULT_MAX_RESULT_BYTES
+        self._max_lease_bytes = DEFAULT_MAX_LEASE_BYTES
+        self.lease_bytes = DEFAULT_MAX_LEASE_BYTES  # LeaseTasksRequest.max_bytes now
         self._running: dict[int, tuple[asyncio.Task[None], TaskContext]] = {}
         self._unacked: dict[int, int] = {}  # task id -> attempt, outcome not yet acknowledged
         self._outcomes: list[pb.TaskOutcome] = []
@@ -181,6 +210,11 @@ class Worker:
                 continue
             self.worker_id = resp.worker_id
             self._heartbeat_s = max(resp.heartbeat_interval_ms / 1000, 0.1)
+            # A result must also fit one FinishTasks request on its own.
+            self.max_result_bytes = min(resp.max_result_bytes or DEFAULT_MAX_RESULT_BYTES, MAX_REQUEST_BYTES)
+            # A reply must fit what this channel receives.
+            self._max_lease_bytes = min(resp.max_lease_bytes or DEFAULT_MAX_LEASE_BYTES, MAX_REQUEST_BYTES)
+            self.lease_bytes = self._max_lease_bytes
             log.info(
                 "worker %s registered with shard %s at %s for %s", self.worker_id, resp.shard, self.endpoint, self.pools
             )
@@ -189,7 +223,12 @@ class Worker:
     # -- running --------------------------------------------------------------
 
     def stop(self) -> None:
-        """Stops leasing; run() returns once running tasks finish and are reported."""
+        """Stops leasing; run() returns once running tasks finish and are reported.
+
+        A task still running after shutdown_grace seconds has its handler cancelled and is
+        released: the server makes it PENDING again at once, without counting the attempt.
+        run() returns within about shutdown_grace + STOP_EXTRA_S seconds.
+        """
         self._stopping.set()
         self._slot_free.set()
 
@@ -204,6 +243,7 @@ class Worker:
             if leasing.done() and leasing.exception():
                 raise leasing.exception()  # type: ignore[misc]
         finally:
+            self._stopping.set()  # also when leasing failed: unfinished tasks are released
             leasing.cancel()
             stopping.cancel()
             await asyncio.gather(leasing, return_exceptions=True)
@@ -216,56 +256,106 @@ class Worker:
             await self._conn.close()
 
     async def _finish_running(self) -> None:
-        """Graceful shutdown: running tasks finish (within the grace) and are reported."""
+        """Graceful shutdown: running tasks finish within the grace, the others are released;
+        then every outcome is reported, for at most STOP_EXTRA_S more seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._shutdown_grace + STOP_EXTRA_S
         if self._running:
             log.info("worker %s: waiting for %d running task(s)", self.worker_id, len(self._running))
             tasks = [t for t, _ in self._running.values()]
             _, pending = await asyncio.wait(tasks, timeout=self._shutdown_grace)
-            for t in pending:
-                t.cancel()
-        deadline = asyncio.get_running_loop().time() + self._shutdown_grace
-        while (self._outcomes or self._unacked) and asyncio.get_running_loop().time() < deadline:
+            if pending:
+                log.warning(
+                    "worker %s: releasing %d task(s) still running after the %gs shutdown grace",
+                    self.worker_id,
+                    len(pending),
+                    self._shutdown_grace,
+                )
+                for t in pending:
+                    t.cancel()  # _execute reports them released
+                _, stuck = await asyncio.wait(pending, timeout=UNWIND_S)
+                for task_id, (handle, ctx) in list(self._running.items()):
+                    if handle in stuck:  # the handler ignores its cancellation: release it anyway
+                        log.warning("task %d: handler ignores cancellation; releasing the task", task_id)
+                        ctx._lost = True  # whatever it returns later is not reported
+                        self._report(pb.TaskOutcome(task_id=task_id, attempt=ctx.attempt, released=_released()))
+        while (self._outcomes or self._unacked) and loop.time() < deadline:
             self._outcome_ready.set()
             await asyncio.sleep(0.01)
+        if self._outcomes or self._unacked:
+            log.warning(
+                "worker %s: %d outcome(s) not acknowledged at shutdown; their leases will expire",
+                self.worker_id,
+                len(self._unacked),
+            )
 
     async def _deregister(self) -> None:
         if self.worker_id:
             try:
                 await self._conn.rpc("DeregisterWorker")(
-                    pb.DeregisterWorkerRequest(worker_id=self.worker_id), metadata=self._conn.metadata, timeout=5
+                    pb.DeregisterWorkerRequest(worker_id=self.worker_id),
+                    metadata=self._conn.metadata,
+                    timeout=DEREGISTER_TIMEOUT_S,
                 )
             except Exception as err:
                 log.debug("deregister failed: %s", err)
 
     async def _lease_loop(self) -> None:
+        failures = 0  # in a row, of the kind that shrinks max_bytes
         while not self._stopping.is_set():
             free = self.concurrency - len(self._running)
             if free <= 0:
                 self._slot_free.clear()
                 await self._slot_free.wait()
                 continue
-            req = pb.LeaseTasksRequest(worker_id=self.worker_id, max_tasks=free, wait_ms=self._poll_wait_ms)
+            req = pb.LeaseTasksRequest(
+                worker_id=self.worker_id, max_tasks=free, wait_ms=self._poll_wait_ms, max_bytes=self.lease_bytes
+            )
             try:
                 resp = await self._call("LeaseTasks", req, timeout=self._poll_wait_ms / 1000 + 30)
             except NotFound:
                 log.warning("worker %s unknown to the server; registering again", self.worker_id)
                 await self._register()
                 continue
+            except (PermissionDenied, Unauthenticated):
+                raise  # credentials refused: no retry can help, so run() fails with the reason
+            except FailedPrecondition as err:
+                if err.shard_endpoint:  # the pools moved to another shard
+                    raise
+                failures += 1
+                await self._lease_refused(err, failures)
+                continue
             except TRANSIENT as err:  # e.g. a server that stops mid-call: ask again
                 log.warning("lease failed (%s); retrying", err)
                 await self._pause_after(err)
                 continue
+            except Exception as err:  # e.g. RESOURCE_EXHAUSTED: a reply over the receive limit
+                failures += 1
+                await self._lease_refused(err, failures)
+                continue
+            failures = 0
             for task in resp.tasks:
                 ctx = TaskContext(task)
                 self._running[task.id] = (asyncio.create_task(self._execute(ctx)), ctx)
+
+    async def _lease_refused(self, err: Exception, failures: int) -> None:
+        """A LeaseTasks call failed for good: smaller replies, a backoff, and lease again."""
+        self.lease_bytes = max(self.lease_bytes // 2, MIN_LEASE_BYTES)
+        log.error("lease failed (%s); leasing again with max_bytes %d", err, self.lease_bytes)
+        delay = min(self._retry.initial_backoff * 2 ** min(failures, 10), self._retry.max_backoff)
+        await asyncio.sleep(delay * random.uniform(0.5, 1.0))
 
     async def _execute(self, ctx: TaskContext) -> None:
         outcome = pb.TaskOutcome(task_id=ctx.id, attempt=ctx.attempt)
         try:
             result = await self.handler(ctx)
             data, content_type = encode_payload(result)
-            outcome.success.result = data
-            outcome.success.content_type = content_type
+            if len(data) > self.max_result_bytes:
+                outcome.failure.error = f"result of {len(data)} bytes exceeds max_result_bytes {self.max_result_bytes}"
+                outcome.failure.retryable = False
+            else:
+                outcome.success.result = data
+                outcome.success.content_type = content_type
         except TaskError as err:
             outcome.failure.error = str(err)
             outcome.failure.retryable = err.retryable
@@ -274,45 +364,85 @@ class Worker:
         except asyncio.CancelledError:
             if ctx._lost:
                 return
-            outcome.cancelled.reason = "cancelled" if ctx.cancel_requested.is_set() else "worker shut down"
+            if ctx.cancel_requested.is_set():  # the server asked: the task ends CANCELLED
+                outcome.cancelled.reason = "cancelled"
+            elif self._stopping.is_set():  # shutdown: give it back unfinished
+                outcome.released.reason = RELEASE_REASON
+            else:  # the handler's own CancelledError: a failed attempt
+                outcome.failure.error = "CancelledError: the handler was cancelled"
+                outcome.failure.retryable = True
         except Exception as err:
             outcome.failure.error = f"{type(err).__name__}: {err}"
             outcome.failure.retryable = True
         finally:
             self._running.pop(ctx.id, None)
             self._slot_free.set()
-        self._unacked[ctx.id] = ctx.attempt
+        if ctx._lost:  # no longer ours (or released already at shutdown)
+            return
+        self._report(outcome)
+
+    def _report(self, outcome: pb.TaskOutcome) -> None:
+        self._unacked[outcome.task_id] = outcome.attempt
         self._outcomes.append(outcome)
         self._outcome_ready.set()
 
+    def _next_batch(self) -> list[pb.TaskOutcome]:
+        """The oldest outcomes that fit one FinishTasks request: at most MAX_FINISH_BATCH of
+        them and MAX_REQUEST_BYTES serialized (one outcome always goes, alone if need be)."""
+        size = len(self.worker_id.encode()) + OUTCOME_FRAMING_BYTES
+        n = 0
+        for o in self._outcomes:
+            if n == MAX_FINISH_BATCH:
+                break
+            size += o.ByteSize() + OUTCOME_FRAMING_BYTES
+            if n and size > MAX_REQUEST_BYTES:
+                break
+            n += 1
+        batch, self._outcomes = self._outcomes[:n], self._outcomes[n:]
+        return batch
+
     async def _flush_loop(self) -> None:
-        """One FinishTasks call in flight; outcomes that arrive meanwhile form the next batch."""
+        """One FinishTasks call in flight; outcomes that arrive meanwhile form the next batch.
+
+        No outcome is dropped unless the server refuses it alone: a request refused as a
+        whole is sent again in halves, and transient failures are retried.
+        """
+        again: list[list[pb.TaskOutcome]] = []  # batches to send before new outcomes; last first
         while True:
             await self._outcome_ready.wait()
             if self._finish_linger > 0 and len(self._outcomes) < MAX_FINISH_BATCH and not self._stopping.is_set():
                 await asyncio.sleep(self._finish_linger)  # let more outcomes join this report
             self._outcome_ready.clear()
-            while self._outcomes:
-                batch, self._outcomes = self._outcomes[:MAX_FINISH_BATCH], self._outcomes[MAX_FINISH_BATCH:]
+            while again or self._outcomes:
+                batch = again.pop() if again else self._next_batch()
                 req = pb.FinishTasksRequest(worker_id=self.worker_id, outcomes=batch)
                 try:
                     resp = await self._call("FinishTasks", req)
                 except NotFound:
                     await self._register()
-                    self._outcomes[:0] = batch
+                    again.append(batch)
                     continue
                 except TRANSIENT as err:
                     # Reports are fenced by attempt, so sending one again is safe; dropping it would
                     # leave the task to its lease expiry and run it twice.
                     log.warning("finish report of %d task(s) failed (%s); retrying", len(batch), err)
-                    self._outcomes[:0] = batch
+                    again.append(batch)
                     await self._pause_after(err)
                     continue
-                except CronoqError as err:
-                    log.error("finish report of %d task(s) refused: %s", len(batch), err)
+                except Exception as err:  # refused as a whole, e.g. RESOURCE_EXHAUSTED, INVALID_ARGUMENT
+                    if len(batch) > 1:
+                        half = len(batch) // 2
+                        log.warning(
+                            "finish report of %d task(s) refused (%s); sending it again in halves", len(batch), err
+                        )
+                        again += [batch[half:], batch[:half]]
+                        continue
+                    o = batch[0]
+                    log.error("outcome of task %d (attempt %d) refused, dropped: %s", o.task_id, o.attempt, err)
                     resp = None
                 for o in batch:
-                    self._unacked.pop(o.task_id, None)
+                    if self._unacked.get(o.task_id) == o.attempt:
+                        del self._unacked[o.task_id]
                 self.processed += len(batch)
                 for r in resp.results if resp else ():
                     if not r.accepted:

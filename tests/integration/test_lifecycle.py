@@ -6,49 +6,14 @@ import signal
 import threading
 import time
 
-import grpc
 import pytest
-from _helpers import eventually
+from _helpers import Api, eventually
 
-from cronoq.v1 import task_pb2, task_service_pb2_grpc, worker_service_pb2_grpc
+from cronoq.v1 import task_pb2
 from cronoq.v1 import task_service_pb2 as tpb
 from cronoq.v1 import worker_service_pb2 as wpb
 
 S = task_pb2
-
-
-class Api:
-    def __init__(self, target: str):
-        self.channel = grpc.insecure_channel(target)
-        self.tasks = task_service_pb2_grpc.TaskServiceStub(self.channel)
-        self.workers = worker_service_pb2_grpc.WorkerServiceStub(self.channel)
-
-    def submit(self, pool: str = "default", **kw) -> S.Task:
-        deps = [S.TaskRef(id=d) if isinstance(d, int) else S.TaskRef(key=d) for d in kw.pop("depends_on", [])]
-        return self.tasks.SubmitTask(tpb.SubmitTaskRequest(pool=pool, depends_on=deps, **kw)).task
-
-    def get(self, task_id: int) -> S.Task:
-        return self.tasks.GetTask(tpb.GetTaskRequest(task=S.TaskRef(id=task_id))).task
-
-    def register(self, pools=("default",)) -> str:
-        return self.workers.RegisterWorker(
-            wpb.RegisterWorkerRequest(name="t", pools=list(pools), concurrency=10)
-        ).worker_id
-
-    def lease(self, worker: str, n: int = 10, wait_ms: int = 0) -> list[S.Task]:
-        return list(
-            self.workers.LeaseTasks(wpb.LeaseTasksRequest(worker_id=worker, max_tasks=n, wait_ms=wait_ms)).tasks
-        )
-
-    def finish(self, worker: str, task: S.Task, **outcome) -> wpb.FinishTaskResult:
-        o = wpb.TaskOutcome(task_id=task.id, attempt=task.attempt, **outcome)
-        return self.workers.FinishTasks(wpb.FinishTasksRequest(worker_id=worker, outcomes=[o])).results[0]
-
-    def succeed(self, worker: str, task: S.Task, result: bytes = b"ok") -> wpb.FinishTaskResult:
-        return self.finish(worker, task, success=wpb.TaskSuccess(result=result))
-
-    def fail(self, worker: str, task: S.Task, retryable: bool = True) -> wpb.FinishTaskResult:
-        return self.finish(worker, task, failure=wpb.TaskFailure(error="boom", retryable=retryable))
 
 
 @pytest.fixture

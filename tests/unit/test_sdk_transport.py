@@ -1,4 +1,4 @@
-"""Python SDK helpers: endpoints, redirect rules (SPEC.md §10), the error tree, JSON form."""
+"""Python SDK helpers: endpoints, redirect rules, the error tree, JSON form."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ log = logging.getLogger("cronoq.events")
 
 # What one Watch stream may hold unread before it is ended (it reconnects).
 WATCH_MAX_EVENTS = 10_000
-WATCH_MAX_BYTES = 16 << 20
+WATCH_MAX_BYTES = 8 << 20
 # Changes waiting to be sent to Watch streams; past this, every stream is behind and ends.
 FANOUT_MAX_BATCHES = 10_000
 

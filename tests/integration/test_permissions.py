@@ -1,0 +1,1359 @@
+"""The permission matrix: every RPC and every HTTP route x credentials -> expected code,
+against real cronoq-server processes (SQLite, pools "a" and "b", [[tokens]] by sha256).
+
+Rules asserted:
+1. A task in a pool the caller may not `read` is, to that caller, a missing task: NOT_FOUND
+   with the very message a missing id/key of the same shape gets (Get, Wait, Cancel by id or
+   key, and as a dependency). Who may read but lacks `cancel` gets PERMISSION_DENIED.
+2. A key naming a task of another pool: ALREADY_EXISTS "key K already names a task of another
+   pool", no task in the answer, nothing of a batch admitted. A deduplicated submission shows
+   the full task only to a caller who may read its pool, else only id, pool and key.
+3. A worker id belongs to the principal that registered it; a finish report for a task leased
+   to another worker (or attempt) is refused per outcome; a heartbeat for it reports it lost.
+4. ListWorkers, ListTasks, Watch and GetSnapshot show only pools the caller may read.
+5. Nothing changes on refusal: a full listing (by an all-pools admin token) is compared before
+   and after every refused call.
+
+The matrix is a table of call specs (`Call`): a name, the permission, how to call over gRPC
+and over HTTP, which target to prepare, the expected code per token, and optional checks of an
+accepted answer or of a refusal. Add rows to `matrix_calls()`; every row runs against every
+credential in CREDS. Each test starts one server and collects every mismatch, asserting once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf.message import Message
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from cronoq.jsonform import to_dict
+from cronoq.v1 import (
+    admin_service_pb2 as apb,
+)
+from cronoq.v1 import (
+    admin_service_pb2_grpc,
+    schedule_service_pb2_grpc,
+    task_pb2,
+    task_service_pb2_grpc,
+    worker_service_pb2_grpc,
+)
+from cronoq.v1 import (
+    schedule_service_pb2 as spb,
+)
+from cronoq.v1 import (
+    task_service_pb2 as tpb,
+)
+from cronoq.v1 import (
+    worker_service_pb2 as wpb,
+)
+
+OK = "OK"
+UNAUTH = "UNAUTHENTICATED"
+DENIED = "PERMISSION_DENIED"
+NOT_FOUND = "NOT_FOUND"
+EXISTS = "ALREADY_EXISTS"
+HTTP_STATUS = {
+    OK: 200,
+    "INVALID_ARGUMENT": 400,
+    UNAUTH: 401,
+    DENIED: 403,
+    NOT_FOUND: 404,
+    EXISTS: 409,
+    "ABORTED": 409,
+    "FAILED_PRECONDITION": 409,
+    "RESOURCE_EXHAUSTED": 429,
+    "UNIMPLEMENTED": 501,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
+POOLS = ("a", "b")
+PERMISSIONS = ("submit", "read", "cancel", "work", "schedule", "admin")
+MISSING_ID = 987654321  # shard 0, a sequence no test reaches
+MISSING_KEY = "kx-999999"  # the shape of every key below: k<pool>-<6 digits>
+# A gRPC Watch that neither fails nor sends within this is an open stream. A refusal comes at
+# once, so where one is expected the call is given longer (a slow server is not taken for OK).
+WATCH_OPEN_S = 0.5
+WATCH_REFUSAL_S = 5.0
+TIMEOUT = 10
+
+
+# -- credentials ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tok:
+    """One [[tokens]] entry; `label` is unique, `name` is the principal's name."""
+
+    label: str
+    name: str
+    pools: tuple[str, ...]
+    perms: frozenset[str]
+
+    @property
+    def secret(self) -> str:
+        return f"secret-{self.label}"
+
+    @property
+    def header(self) -> str:
+        return f"Bearer {self.secret}"
+
+    def may(self, permission: str, pool: str) -> bool:
+        return permission in self.perms and ("*" in self.pools or pool in self.pools)
+
+    def readable(self) -> set[str]:
+        return {p for p in POOLS if self.may("read", p)}
+
+
+def _tok(label: str, pools: list[str], perms: Any, name: str | None = None) -> Tok:
+    return Tok(label, name or label, tuple(pools), frozenset(perms))
+
+
+TOKENS: dict[str, Tok] = {
+    t.label: t
+    for t in [
+        _tok("admin-all", ["*"], PERMISSIONS),  # takes the listings that show nothing changed
+        _tok("full-a", ["a"], PERMISSIONS),
+        _tok("full-b", ["b"], PERMISSIONS),
+        _tok("full-ab", ["a", "b"], PERMISSIONS),
+        *[_tok(f"{p}-a", ["a"], [p]) for p in PERMISSIONS],  # schedule-a: the "none" token for the rest
+        *[_tok(f"no-{p}-a", ["a"], [q for q in PERMISSIONS if q != p]) for p in PERMISSIONS],
+        # Two tokens of one principal "shared": only the first may work.
+        _tok("shared-work", ["a"], ["work"], name="shared"),
+        _tok("shared-read", ["a"], ["read"], name="shared"),
+    ]
+}
+# Refused before any permission is looked at.
+BAD_CREDENTIALS: dict[str, str | None] = {
+    "no token": None,
+    "unknown token": "Bearer secret-nobody",
+    "Basic scheme": "Basic eDp5",
+    "empty Bearer": "Bearer",
+}
+
+
+@dataclass(frozen=True)
+class Cred:
+    label: str
+    header: str | None
+    tok: Tok | None  # None: a bad credential
+
+
+CREDS: list[Cred] = [Cred(k, v, None) for k, v in BAD_CREDENTIALS.items()] + [
+    Cred(t.label, t.header, t) for t in TOKENS.values()
+]
+
+
+def sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def token_config() -> dict[str, Any]:
+    return {
+        "pools": [{"name": "a", "lease_ttl": "30s"}, {"name": "b", "lease_ttl": "30s"}],
+        "tokens": [
+            {"name": t.name, "sha256": sha256(t.secret), "pools": list(t.pools), "permissions": sorted(t.perms)}
+            for t in TOKENS.values()
+        ],
+    }
+
+
+def future_ts() -> Timestamp:
+    """A run_at a day ahead: seeded tasks are never leased by the matrix's LeaseTasks calls."""
+    ts = Timestamp()
+    ts.FromSeconds(int(time.time()) + 86400)
+    return ts
+
+
+# -- one server, its stubs and the checks -------------------------------------------
+
+
+@dataclass
+class Target:
+    """What a call acts on: a task (id, key, pool) and/or a worker."""
+
+    task_id: int = 0
+    key: str = ""
+    pool: str = "a"
+    worker_id: str = ""
+
+
+@dataclass
+class Outcome:
+    code: str  # OK or a gRPC status code name
+    message: str = ""
+    body: Any = None  # the answer in its JSON form (to_dict for gRPC)
+    status: int | None = None  # HTTP status
+    raw: bytes = b""
+
+
+Metadata = list[tuple[str, str]] | None
+
+
+class Env:
+    def __init__(self, server: Any):
+        self.server = server
+        self.channel = grpc.insecure_channel(server.grpc_target)
+        self.tasks = task_service_pb2_grpc.TaskServiceStub(self.channel)
+        self.workers = worker_service_pb2_grpc.WorkerServiceStub(self.channel)
+        self.admin = admin_service_pb2_grpc.AdminServiceStub(self.channel)
+        self.schedules = schedule_service_pb2_grpc.ScheduleServiceStub(self.channel)
+        self.problems: list[str] = []
+        self.notes: list[str] = []
+        self._n = 0
+        self._shared: dict[Any, Target] = {}
+        self.auth = bool(getattr(server, "config", {}).get("tokens"))
+        self.expecting_ok = True  # set per cell: how long a gRPC Watch is given to be refused
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def fail(self, case: str, what: str) -> None:
+        self.problems.append(f"{case}: {what}")
+
+    def finish(self) -> None:
+        for note in self.notes:
+            warnings.warn(note, stacklevel=2)
+        assert not self.problems, f"{len(self.problems)} mismatch(es):\n" + "\n".join(self.problems)
+
+    # credentials ----------------------------------------------------------------
+
+    @staticmethod
+    def md(header: str | None) -> Metadata:
+        return [("authorization", header)] if header is not None else None
+
+    def as_(self, label: str) -> Metadata:
+        return self.md(TOKENS[label].header) if self.auth else None
+
+    # transports ------------------------------------------------------------------
+
+    def grpc(self, fn: Callable[[Metadata], Any], header: str | None) -> Outcome:
+        try:
+            resp = fn(self.md(header))
+        except grpc.RpcError as err:
+            return Outcome(err.code().name, err.details() or "")
+        return Outcome(OK, body=to_dict(resp) if isinstance(resp, Message) else resp)
+
+    def http(self, method: str, path: str, header: str | None, body: Any = None) -> Outcome:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.server.http_url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        if header is not None:
+            req.add_header("Authorization", header)
+        try:
+            with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+                status, ctype = r.status, r.headers.get("Content-Type", "")
+                # An SSE stream: its first line (a comment or an event) is enough.
+                raw = r.readline() if ctype.startswith("text/event-stream") else r.read()
+        except urllib.error.HTTPError as err:
+            status, ctype, raw = err.code, err.headers.get("Content-Type", ""), err.read()
+        parsed: Any = None
+        if ctype.startswith("application/json"):
+            try:
+                parsed = json.loads(raw or b"null")
+            except ValueError:
+                parsed = None
+        if status == 200:
+            return Outcome(OK, body=parsed, status=status, raw=raw)
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("code"), str):
+            return Outcome(f"HTTP {status} without a JSON error body", raw.decode(errors="replace")[:200], None, status)
+        return Outcome(parsed["code"], str(parsed.get("message", "")), parsed, status, raw)
+
+    # state: what "nothing changed" compares --------------------------------------
+
+    def state(self) -> tuple[dict[int, bytes], dict[str, bytes]]:
+        md = self.as_("admin-all")
+        tasks: dict[int, bytes] = {}
+        token = ""
+        while True:
+            resp = self.tasks.ListTasks(
+                tpb.ListTasksRequest(page_size=1000, page_token=token), metadata=md, timeout=TIMEOUT
+            )
+            tasks.update({t.id: t.SerializeToString(deterministic=True) for t in resp.tasks})
+            token = resp.next_page_token
+            if not token:
+                break
+        workers = self.workers.ListWorkers(wpb.ListWorkersRequest(), metadata=md, timeout=TIMEOUT).workers
+        return tasks, {w.id: w.SerializeToString(deterministic=True) for w in workers}
+
+    @staticmethod
+    def state_diff(before: Any, after: Any) -> str:
+        out: list[str] = []
+        pairs = (("task", task_pb2.Task, before[0], after[0]), ("worker", wpb.Worker, before[1], after[1]))
+        for kind, msg_type, b, a in pairs:
+            for k in sorted(set(b) | set(a), key=str):
+                if k not in b:
+                    out.append(f"{kind} {k} appeared")
+                elif k not in a:
+                    out.append(f"{kind} {k} vanished")
+                elif a[k] != b[k]:
+                    old, new = msg_type.FromString(b[k]), msg_type.FromString(a[k])
+                    fields = sorted({f.name for f, _ in old.ListFields()} | {f.name for f, _ in new.ListFields()})
+                    changed = [f for f in fields if getattr(old, f) != getattr(new, f)]
+                    out.append(f"{kind} {k} changed {changed}")
+        return "; ".join(out[:4]) + (f" (+{len(out) - 4} more)" if len(out) > 4 else "")
+
+    def admin_tasks(self) -> list[dict[str, Any]]:
+        resp = self.tasks.ListTasks(tpb.ListTasksRequest(page_size=1000), metadata=self.as_("admin-all"), timeout=10)
+        return [to_dict(tpb.GetTaskResponse(task=t))["task"] for t in resp.tasks]
+
+    def admin_workers(self) -> list[wpb.Worker]:
+        return list(
+            self.workers.ListWorkers(wpb.ListWorkersRequest(), metadata=self.as_("admin-all"), timeout=10).workers
+        )
+
+    # fixtures of the matrix -------------------------------------------------------
+
+    def spec(self, pool: str, key: str = "", **extra: Any) -> tpb.SubmitTaskRequest:
+        self._n += 1
+        return tpb.SubmitTaskRequest(
+            pool=pool,
+            key=key,
+            payload=json.dumps({"n": self._n, "pool": pool}).encode(),
+            content_type="application/json",
+            run_at=future_ts(),
+            **extra,
+        )
+
+    def spec_json(self, pool: str, key: str = "", depends_on: list[dict[str, str]] | None = None) -> dict[str, Any]:
+        self._n += 1
+        body: dict[str, Any] = {"pool": pool, "payload_json": {"n": self._n}, "run_at": future_ts().ToJsonString()}
+        if key:
+            body["key"] = key
+        if depends_on:
+            body["depends_on"] = depends_on
+        return body
+
+    def new_key(self, pool: str) -> str:
+        self._n += 1
+        return f"k{pool}-{self._n:06d}"
+
+    def submit(self, pool: str, due_now: bool = False, label: str = "admin-all") -> task_pb2.Task:
+        spec = self.spec(pool, self.new_key(pool))
+        if due_now:
+            spec.ClearField("run_at")
+        return self.tasks.SubmitTask(spec, metadata=self.as_(label), timeout=TIMEOUT).task
+
+    def fresh_task(self, pool: str) -> Target:
+        t = self.submit(pool)
+        return Target(task_id=t.id, key=t.key, pool=pool)
+
+    def shared_task(self, pool: str) -> Target:
+        if pool not in self._shared:
+            self._shared[pool] = self.fresh_task(pool)
+        return self._shared[pool]
+
+    def register(self, label: str, pools: list[str], name: str = "w") -> str:
+        req = wpb.RegisterWorkerRequest(name=name, pools=pools)
+        return self.workers.RegisterWorker(req, metadata=self.as_(label), timeout=TIMEOUT).worker_id
+
+    def worker(self, label: str, fresh: bool) -> Target:
+        if fresh:
+            return Target(worker_id=self.register(label, ["a"], f"{label}-fresh"))
+        if ("worker", label) not in self._shared:
+            self._shared[("worker", label)] = Target(worker_id=self.register(label, ["a"], label))
+        return self._shared[("worker", label)]
+
+
+# -- call specs -------------------------------------------------------------------
+
+GrpcFn = Callable[[Env, Target, Metadata], Any]
+HttpFn = Callable[[Env, Target], tuple[str, str, Any]]
+CheckFn = Callable[[Env, Tok, Target, Outcome], list[str]]
+
+
+@dataclass
+class Call:
+    """One row of the matrix."""
+
+    name: str
+    permission: str | None  # documentation: the permission the call needs
+    expect: Callable[[Tok], str | None]  # the code for a valid token; None: not asserted (not called)
+    grpc: GrpcFn | None = None
+    http: HttpFn | None = None
+    prepare: Callable[[Env, Tok | None], Target] = lambda env, tok: Target()
+    # Calls that change nothing even when accepted: the listing is compared for OK too.
+    pure: bool = False
+    # For rule 1: the target of the same shape that does not exist, and the text naming a target.
+    missing: Callable[[Target], Target] | None = None
+    ref: Callable[[Target], str] | None = None
+    check_ok: CheckFn | None = None
+    check_refusal: CheckFn | None = None
+
+
+def needs(permission: str, *pools: str) -> Callable[[Tok], str]:
+    pools = pools or ("a",)
+    return lambda tok: OK if all(tok.may(permission, p) for p in pools) else DENIED
+
+
+def anyone(tok: Tok) -> str:
+    return OK
+
+
+def hidden_unless_readable(permission: str, pool: str) -> Callable[[Tok], str]:
+    """Rule 1: without read on the task's pool it is missing; with read, the permission decides."""
+
+    def expect(tok: Tok) -> str:
+        if not tok.may("read", pool):
+            return NOT_FOUND
+        return OK if tok.may(permission, pool) else DENIED
+
+    return expect
+
+
+def depends_across(tok: Tok) -> str:
+    """Submitting to a with a dependency on a pool-b task."""
+    if not tok.may("submit", "a"):
+        return DENIED
+    return OK if tok.may("read", "b") else NOT_FOUND
+
+
+def key_across(tok: Tok) -> str | None:
+    """Submitting to a under the key of a pool-b task (asserted for callers who cannot read b)."""
+    if not tok.may("submit", "a"):
+        return DENIED
+    return EXISTS if not tok.may("read", "b") else None
+
+
+def owned_by(label: str) -> Callable[[Tok], str]:
+    owner = TOKENS[label]
+    return lambda tok: OK if tok.name == owner.name and tok.may("work", "a") else DENIED
+
+
+def _ref(kind: str, t: Target) -> task_pb2.TaskRef:
+    return task_pb2.TaskRef(id=t.task_id) if kind == "id" else task_pb2.TaskRef(key=t.key)
+
+
+def _ref_text(kind: str) -> Callable[[Target], str]:
+    return lambda t: str(t.task_id) if kind == "id" else t.key
+
+
+def _missing(kind: str) -> Callable[[Target], Target]:
+    return lambda t: Target(task_id=MISSING_ID, key=MISSING_KEY, pool=t.pool)
+
+
+def _dep_json(kind: str, t: Target) -> dict[str, str]:
+    return {"id": str(t.task_id)} if kind == "id" else {"key": t.key}
+
+
+# checks of accepted answers ---------------------------------------------------------
+
+
+def _pools_of(tasks: list[dict[str, Any]]) -> set[str]:
+    return {t.get("pool", "") for t in tasks}
+
+
+def check_task_is(state: str | None = None) -> CheckFn:
+    def check(env: Env, tok: Tok, target: Target, out: Outcome) -> list[str]:
+        task = (out.body or {}).get("task") or {}
+        problems = []
+        if str(task.get("id")) != str(target.task_id):
+            problems.append(f"answer names task {task.get('id')}, want {target.task_id}")
+        if state and task.get("state") != state:
+            problems.append(f"task state {task.get('state')}, want {state}")
+        return problems
+
+    return check
+
+
+def check_submitted(env: Env, tok: Tok, target: Target, out: Outcome) -> list[str]:
+    body = out.body or {}
+    tasks = body.get("tasks") or [body.get("task") or {}]
+    if _pools_of(tasks) != {"a"} or body.get("deduplicated") or body.get("deduplicated_ids"):
+        return [f"expected new pool-a task(s), got {body!r}"]
+    return []
+
+
+def check_listing(pool: str | None) -> CheckFn:
+    """ListTasks shows exactly the tasks of the pools the caller may read (or of `pool`)."""
+
+    def check(env: Env, tok: Tok, target: Target, out: Outcome) -> list[str]:
+        shown = (out.body or {}).get("tasks", [])
+        pools = {pool} if pool else tok.readable()
+        want = sorted(str(t["id"]) for t in env.admin_tasks() if t["pool"] in pools)
+        got = sorted(str(t["id"]) for t in shown)
+        if got != want:
+            return [
+                f"listed pools {sorted(_pools_of(shown))} ({len(got)} tasks), want pools {sorted(pools)} ({len(want)})"
+            ]
+        return []
+
+    return check
+
+
+def check_workers(env: Env, tok: Tok, target: Target, out: Outcome) -> list[str]:
+    """ListWorkers: only readable pools, and every worker of a readable pool."""
+    readable = tok.readable()
+    shown = {w["id"]: w.get("pools", []) for w in (out.body or {}).get("workers", [])}
+    want = {w.id: [p for p in w.pools if p in readable] for w in env.admin_workers()}
+    want = {k: v for k, v in want.items() if v}
+    if shown != want:
+        extra = {k: v for k, v in shown.items() if want.get(k) != v}
+        return [f"workers shown with pools not as readable {sorted(readable)}: e.g. {dict(list(extra.items())[:3])!r}"]
+    return []
+
+
+def check_snapshot(env: Env, tok: Tok, target: Target, out: Outcome) -> list[str]:
+    shards = (out.body or {}).get("shards", [])
+    readable = tok.readable()
+    problems = []
+    pools = sorted(p["pool"] for s in shards for p in s.get("pools", []))
+    if pools != sorted(readable):
+        problems.append(f"snapshot pools {pools}, want {sorted(readable)}")
+    worker_pools = {p for s in shards for w in s.get("workers", []) for p in w.get("pools", [])}
+    if not worker_pools <= readable:
+        problems.append(f"snapshot shows workers of pools {sorted(worker_pools - readable)}")
+    return problems
+
+
+def check_watch_opened(env: Env, tok: Tok, target: Target, out: Outcome) -> list[str]:
+    if out.status is not None and not out.raw.startswith((b":", b"data:")):
+        return [f"SSE stream began with {out.raw!r}"]
+    return []
+
+
+DEFAULTS = ("", 0, "0", [], {}, False, None, "TASK_STATE_UNSPECIFIED")
+
+
+def _extra_fields(task: dict[str, Any]) -> list[str]:
+    return sorted(k for k, v in task.items() if k not in ("id", "pool", "key") and v not in DEFAULTS)
+
+
+def check_dedup(batch: bool) -> CheckFn:
+    """Rule 2: a deduplicated submission shows the full task only to who may read its pool."""
+
+    def check(env: Env, tok: Tok, target: Target, out: Outcome) -> list[str]:
+        body = out.body or {}
+        if batch:
+            tasks = body.get("tasks") or [{}]
+            task = tasks[0]
+            deduplicated = [str(i) for i in body.get("deduplicated_ids", [])] == [str(target.task_id)]
+        else:
+            task = body.get("task") or {}
+            deduplicated = body.get("deduplicated") is True
+        problems = []
+        if not deduplicated or str(task.get("id")) != str(target.task_id):
+            problems.append(f"not deduplicated to task {target.task_id}: {body!r}")
+        if (task.get("pool"), task.get("key")) != (target.pool, target.key):
+            problems.append(f"deduplicated answer lacks pool/key: {task!r}")
+        if tok.may("read", target.pool):
+            if not (task.get("payload_json") or task.get("payload")) or task.get("state") != "TASK_STATE_PENDING":
+                problems.append(f"a reader gets the full task, got {task!r}")
+        elif extra := _extra_fields(task):
+            problems.append(f"a caller without read sees fields {extra} of the deduplicated task")
+        return problems
+
+    return check
+
+
+# checks of refusals -----------------------------------------------------------------
+
+
+def check_key_taken(env: Env, tok: Tok, target: Target, out: Outcome) -> list[str]:
+    if out.code != EXISTS:
+        return []
+    problems = []
+    want = f"key {target.key} already names a task of another pool"
+    if want not in out.message.replace(repr(target.key), target.key).replace(f'"{target.key}"', target.key):
+        problems.append(f"message {out.message!r}, want {want!r}")
+    if isinstance(out.body, dict) and ({"task", "tasks"} & set(out.body)):
+        problems.append(f"the refusal carries a task: {out.body!r}")
+    return problems
+
+
+# the rows ---------------------------------------------------------------------------
+
+
+def lookup_rows() -> list[Call]:
+    rows = []
+    for pool in POOLS:
+        for kind in ("id", "key"):
+            for verb in ("Get", "Wait", "Cancel"):
+                permission = "cancel" if verb == "Cancel" else "read"
+
+                def grpc_call(env: Env, t: Target, md: Metadata, verb: str = verb, kind: str = kind) -> Any:
+                    ref = _ref(kind, t)
+                    if verb == "Get":
+                        return env.tasks.GetTask(tpb.GetTaskRequest(task=ref), metadata=md, timeout=TIMEOUT)
+                    if verb == "Wait":
+                        req = tpb.WaitTaskRequest(task=ref, timeout_ms=1)
+                        return env.tasks.WaitTask(req, metadata=md, timeout=TIMEOUT)
+                    return env.tasks.CancelTask(tpb.CancelTaskRequest(task=ref), metadata=md, timeout=TIMEOUT)
+
+                def http_call(env: Env, t: Target, verb: str = verb, kind: str = kind) -> tuple[str, str, Any]:
+                    base = f"/v1/tasks/{t.task_id}" if kind == "id" else f"/v1/keys/{t.key}"
+                    if verb == "Get":
+                        return "GET", base, None
+                    if verb == "Wait":
+                        return "GET", base + "/wait?timeout_ms=1", None
+                    return "POST", base + "/cancel", None
+
+                fresh = verb == "Cancel"
+                rows.append(
+                    Call(
+                        f"{verb}Task by {kind} (pool-{pool} task)",
+                        permission,
+                        hidden_unless_readable(permission, pool),
+                        grpc_call,
+                        http_call,
+                        prepare=(
+                            (lambda env, tok, pool=pool: env.fresh_task(pool))
+                            if fresh
+                            else (lambda env, tok, pool=pool: env.shared_task(pool))
+                        ),
+                        pure=not fresh,
+                        missing=_missing(kind),
+                        ref=_ref_text(kind),
+                        check_ok=check_task_is("TASK_STATE_CANCELLED" if fresh else None),
+                    )
+                )
+    return rows
+
+
+def submit_rows() -> list[Call]:
+    rows = [
+        Call(
+            "SubmitTask",
+            "submit",
+            needs("submit"),
+            lambda env, t, md: env.tasks.SubmitTask(env.spec("a"), metadata=md, timeout=TIMEOUT),
+            lambda env, t: ("POST", "/v1/tasks", env.spec_json("a")),
+            check_ok=check_submitted,
+        ),
+        Call(
+            "SubmitBatch",
+            "submit",
+            needs("submit"),
+            lambda env, t, md: env.tasks.SubmitBatch(
+                tpb.SubmitBatchRequest(tasks=[env.spec("a"), env.spec("a")]), metadata=md, timeout=TIMEOUT
+            ),
+            lambda env, t: ("POST", "/v1/batches", {"tasks": [env.spec_json("a"), env.spec_json("a")]}),
+            check_ok=check_submitted,
+        ),
+        Call(
+            "SubmitTask, pool b",
+            "submit",
+            needs("submit", "b"),
+            lambda env, t, md: env.tasks.SubmitTask(env.spec("b"), metadata=md, timeout=TIMEOUT),
+            lambda env, t: ("POST", "/v1/tasks", env.spec_json("b")),
+        ),
+        Call(
+            "SubmitBatch, pools a and b",
+            "submit",
+            needs("submit", "a", "b"),
+            lambda env, t, md: env.tasks.SubmitBatch(
+                tpb.SubmitBatchRequest(tasks=[env.spec("a"), env.spec("b")]), metadata=md, timeout=TIMEOUT
+            ),
+            lambda env, t: ("POST", "/v1/batches", {"tasks": [env.spec_json("a"), env.spec_json("b")]}),
+        ),
+    ]
+    for kind in ("id", "key"):
+        rows += [
+            Call(
+                f"SubmitTask to a, depends_on a pool-b task by {kind}",
+                "submit",
+                depends_across,
+                lambda env, t, md, kind=kind: env.tasks.SubmitTask(
+                    env.spec("a", depends_on=[_ref(kind, t)]), metadata=md, timeout=TIMEOUT
+                ),
+                lambda env, t, kind=kind: ("POST", "/v1/tasks", env.spec_json("a", depends_on=[_dep_json(kind, t)])),
+                prepare=lambda env, tok: env.shared_task("b"),
+                missing=_missing(kind),
+                ref=_ref_text(kind),
+            ),
+            Call(
+                f"SubmitBatch to a, depends_on a pool-b task by {kind}",
+                "submit",
+                depends_across,
+                lambda env, t, md, kind=kind: env.tasks.SubmitBatch(
+                    tpb.SubmitBatchRequest(tasks=[env.spec("a"), env.spec("a", depends_on=[_ref(kind, t)])]),
+                    metadata=md,
+                    timeout=TIMEOUT,
+                ),
+                lambda env, t, kind=kind: (
+                    "POST",
+                    "/v1/batches",
+                    {"tasks": [env.spec_json("a"), env.spec_json("a", depends_on=[_dep_json(kind, t)])]},
+                ),
+                prepare=lambda env, tok: env.shared_task("b"),
+                missing=_missing(kind),
+                ref=_ref_text(kind),
+            ),
+        ]
+    rows += [
+        Call(
+            "SubmitTask to a under the key of a pool-b task",
+            "submit",
+            key_across,
+            lambda env, t, md: env.tasks.SubmitTask(env.spec("a", t.key), metadata=md, timeout=TIMEOUT),
+            lambda env, t: ("POST", "/v1/tasks", env.spec_json("a", t.key)),
+            prepare=lambda env, tok: env.shared_task("b"),
+            check_refusal=check_key_taken,
+        ),
+        Call(
+            "SubmitBatch to a, second task under the key of a pool-b task",
+            "submit",
+            key_across,
+            lambda env, t, md: env.tasks.SubmitBatch(
+                tpb.SubmitBatchRequest(tasks=[env.spec("a", env.new_key("a")), env.spec("a", t.key)]),
+                metadata=md,
+                timeout=TIMEOUT,
+            ),
+            lambda env, t: (
+                "POST",
+                "/v1/batches",
+                {"tasks": [env.spec_json("a", env.new_key("a")), env.spec_json("a", t.key)]},
+            ),
+            prepare=lambda env, tok: env.shared_task("b"),
+            check_refusal=check_key_taken,
+        ),
+        Call(
+            "SubmitTask deduplicated (same key, same pool)",
+            "submit",
+            needs("submit"),
+            lambda env, t, md: env.tasks.SubmitTask(env.spec("a", t.key), metadata=md, timeout=TIMEOUT),
+            lambda env, t: ("POST", "/v1/tasks", env.spec_json("a", t.key)),
+            prepare=lambda env, tok: env.shared_task("a"),
+            pure=True,
+            check_ok=check_dedup(batch=False),
+        ),
+        Call(
+            "SubmitBatch deduplicated (same key, same pool)",
+            "submit",
+            needs("submit"),
+            lambda env, t, md: env.tasks.SubmitBatch(
+                tpb.SubmitBatchRequest(tasks=[env.spec("a", t.key)]), metadata=md, timeout=TIMEOUT
+            ),
+            lambda env, t: ("POST", "/v1/batches", {"tasks": [env.spec_json("a", t.key)]}),
+            prepare=lambda env, tok: env.shared_task("a"),
+            pure=True,
+            check_ok=check_dedup(batch=True),
+        ),
+    ]
+    return rows
+
+
+def grpc_watch(pool: str) -> GrpcFn:
+    def call(env: Env, t: Target, md: Metadata) -> Any:
+        wait = WATCH_OPEN_S if env.expecting_ok else WATCH_REFUSAL_S
+        stream = env.tasks.Watch(tpb.WatchRequest(pool=pool), metadata=md, timeout=wait)
+        try:
+            return next(stream)
+        except StopIteration:
+            return None
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return None  # open, nothing to send yet: accepted
+            raise
+        finally:
+            stream.cancel()
+
+    return call
+
+
+def list_and_watch_rows() -> list[Call]:
+    rows = []
+    for pool in ("a", "b", ""):
+        req = tpb.ListTasksRequest(pool=pool, page_size=1000)
+        rows.append(
+            Call(
+                f"ListTasks pool={pool or '(all)'}",
+                "read",
+                needs("read", pool) if pool else anyone,
+                lambda env, t, md, req=req: env.tasks.ListTasks(req, metadata=md, timeout=TIMEOUT),
+                lambda env, t, pool=pool: ("GET", f"/v1/tasks?page_size=1000&pool={pool}", None),
+                pure=True,
+                check_ok=check_listing(pool or None),
+            )
+        )
+    for pool in ("a", "b"):
+        rows.append(
+            Call(
+                f"Watch pool={pool}",
+                "read",
+                needs("read", pool),
+                grpc_watch(pool),
+                lambda env, t, pool=pool: ("GET", f"/v1/watch?pool={pool}", None),
+                pure=True,
+                check_ok=check_watch_opened,
+            )
+        )
+    return rows
+
+
+def worker_rows() -> list[Call]:
+    rows = [
+        Call(
+            "RegisterWorker pools=[a]",
+            "work",
+            needs("work"),
+            lambda env, t, md: env.workers.RegisterWorker(
+                wpb.RegisterWorkerRequest(name="m", pools=["a"]), metadata=md, timeout=TIMEOUT
+            ),
+            check_ok=lambda env, tok, t, out: [] if (out.body or {}).get("worker_id") else ["no worker_id"],
+        ),
+        Call(
+            "RegisterWorker pools=[a, b]",
+            "work",
+            needs("work", "a", "b"),
+            lambda env, t, md: env.workers.RegisterWorker(
+                wpb.RegisterWorkerRequest(name="m", pools=["a", "b"]), metadata=md, timeout=TIMEOUT
+            ),
+        ),
+    ]
+    verbs: dict[str, GrpcFn] = {
+        "LeaseTasks": lambda env, t, md: env.workers.LeaseTasks(
+            wpb.LeaseTasksRequest(worker_id=t.worker_id, max_tasks=1, wait_ms=0), metadata=md, timeout=TIMEOUT
+        ),
+        "Heartbeat": lambda env, t, md: env.workers.Heartbeat(
+            wpb.HeartbeatRequest(worker_id=t.worker_id), metadata=md, timeout=TIMEOUT
+        ),
+        "FinishTasks": lambda env, t, md: env.workers.FinishTasks(
+            wpb.FinishTasksRequest(worker_id=t.worker_id), metadata=md, timeout=TIMEOUT
+        ),
+        "DeregisterWorker": lambda env, t, md: env.workers.DeregisterWorker(
+            wpb.DeregisterWorkerRequest(worker_id=t.worker_id), metadata=md, timeout=TIMEOUT
+        ),
+    }
+    for verb, fn in verbs.items():
+        fresh = verb == "DeregisterWorker"
+        # The worker of full-a: every other principal is refused, whatever it may do (rule 3).
+        rows.append(
+            Call(
+                f"{verb} (worker of full-a)",
+                "work",
+                owned_by("full-a"),
+                fn,
+                prepare=lambda env, tok, fresh=fresh: env.worker("full-a", fresh),
+            )
+        )
+
+        # The caller's own worker (full-a's for a caller that cannot register one).
+        def own(env: Env, tok: Tok | None, fresh: bool = fresh) -> Target:
+            label = tok.label if tok is not None and tok.may("work", "a") else "full-a"
+            return env.worker(label, fresh)
+
+        rows.append(Call(f"{verb} (the caller's own worker)", "work", needs("work"), fn, prepare=own))
+    for pool in ("a", "b"):
+        rows.append(
+            Call(
+                f"ListWorkers pool={pool}",
+                "read",
+                needs("read", pool),
+                lambda env, t, md, pool=pool: env.workers.ListWorkers(
+                    wpb.ListWorkersRequest(pool=pool), metadata=md, timeout=TIMEOUT
+                ),
+                lambda env, t, pool=pool: ("GET", f"/v1/workers?pool={pool}", None),
+                pure=True,
+            )
+        )
+    rows.append(
+        Call(
+            "ListWorkers",
+            "read",
+            anyone,
+            lambda env, t, md: env.workers.ListWorkers(wpb.ListWorkersRequest(), metadata=md, timeout=TIMEOUT),
+            lambda env, t: ("GET", "/v1/workers", None),
+            pure=True,
+            check_ok=check_workers,
+        )
+    )
+    return rows
+
+
+def admin_rows() -> list[Call]:
+    return [
+        Call(
+            "GetSnapshot",
+            None,
+            anyone,
+            lambda env, t, md: env.admin.GetSnapshot(apb.GetSnapshotRequest(), metadata=md, timeout=TIMEOUT),
+            lambda env, t: ("GET", "/v1/snapshot", None),
+            pure=True,
+            check_ok=check_snapshot,
+        ),
+        Call(
+            "GetServerInfo",
+            None,
+            anyone,
+            lambda env, t, md: env.admin.GetServerInfo(apb.GetServerInfoRequest(), metadata=md, timeout=TIMEOUT),
+            lambda env, t: ("GET", "/v1/info", None),
+            pure=True,
+        ),
+        Call(
+            "/metrics",
+            "admin",
+            lambda tok: OK if "admin" in tok.perms else DENIED,
+            http=lambda env, t: ("GET", "/metrics", None),
+            pure=True,
+        ),
+    ]
+
+
+def matrix_calls() -> list[Call]:
+    return submit_rows() + lookup_rows() + list_and_watch_rows() + worker_rows() + admin_rows()
+
+
+# -- the runner -------------------------------------------------------------------
+
+
+def _norm(message: str, ref: str) -> str:
+    return message.replace(ref, "<ref>") if ref else message
+
+
+def invoke(env: Env, call: Call, transport: str, target: Target, header: str | None) -> Outcome:
+    if transport == "gRPC":
+        assert call.grpc is not None
+        return env.grpc(lambda md: call.grpc(env, target, md), header)  # type: ignore[misc]
+    assert call.http is not None
+    method, path, body = call.http(env, target)
+    return env.http(method, path, header, body)
+
+
+def run_cell(env: Env, call: Call, transport: str, cred: Cred, want: str) -> None:
+    case = f"{transport} {call.name} as {cred.label}"
+    target = call.prepare(env, cred.tok)
+    before = env.state() if (want != OK or call.pure) else None
+    env.expecting_ok = want == OK
+    out = invoke(env, call, transport, target, cred.header)
+    if out.code != want:
+        env.fail(case, f"got {out.code} ({out.message!r}), want {want}")
+    if out.status is not None and out.code in HTTP_STATUS and out.status != HTTP_STATUS[out.code]:
+        env.fail(case, f"HTTP status {out.status} for code {out.code}, want {HTTP_STATUS[out.code]}")
+    if before is not None:
+        after = env.state()
+        if after != before:
+            env.fail(
+                case, f"changed state ({'accepted' if out.code == OK else 'refused'}): {env.state_diff(before, after)}"
+            )
+    if out.code == want == OK and call.check_ok and cred.tok is not None:
+        for p in call.check_ok(env, cred.tok, target, out):
+            env.fail(case, p)
+    if out.code == want != OK and call.check_refusal and cred.tok is not None:
+        for p in call.check_refusal(env, cred.tok, target, out):
+            env.fail(case, p)
+    if want == NOT_FOUND == out.code and call.missing and call.ref:
+        ghost = call.missing(target)
+        miss = invoke(env, call, transport, ghost, cred.header)
+        if miss.code != NOT_FOUND:
+            env.fail(case, f"a missing ref of the same shape got {miss.code} ({miss.message!r})")
+        elif _norm(out.message, call.ref(target)) != _norm(miss.message, call.ref(ghost)):
+            env.fail(
+                case,
+                f"message {out.message!r} differs from a missing one's {miss.message!r} "
+                f"(after substituting {call.ref(target)!r} / {call.ref(ghost)!r})",
+            )
+
+
+def run_matrix(env: Env, calls: list[Call], creds: list[Cred]) -> None:
+    for call in calls:
+        for cred in creds:
+            want = UNAUTH if cred.tok is None else call.expect(cred.tok)
+            if want is None:
+                continue
+            for transport, fn in (("gRPC", call.grpc), ("HTTP", call.http)):
+                if fn is not None:
+                    run_cell(env, call, transport, cred, want)
+
+
+# -- tests --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def env(start_server: Any) -> Iterator[Env]:
+    e = Env(start_server(token_config()))
+    yield e
+    e.close()
+
+
+def seed(env: Env) -> None:
+    """Tasks in both pools, and workers of a, b and a+b, so that filters have something to hide."""
+    for pool in POOLS:
+        env.shared_task(pool)
+        env.submit(pool)
+    env.register("full-ab", ["a", "b"], "both")
+    env.register("full-b", ["b"], "only-b")
+    env.register("full-a", ["a"], "only-a")
+
+
+def test_permission_matrix(env: Env) -> None:
+    seed(env)
+    run_matrix(env, matrix_calls(), CREDS)
+    check_open_routes(env)
+    check_schedules(env)
+    env.finish()
+
+
+def check_open_routes(env: Env) -> None:
+    """/healthz and /readyz answer without credentials, and name no pool."""
+    for path in ("/healthz", "/readyz"):
+        out = env.http("GET", path, None)
+        if out.code != OK:
+            env.fail(f"HTTP {path} without a token", f"got {out.code} ({out.message!r}), want 200")
+            continue
+
+        def strings(v: Any) -> Iterator[str]:
+            if isinstance(v, dict):
+                for k, x in v.items():
+                    yield k
+                    yield from strings(x)
+            elif isinstance(v, list):
+                for x in v:
+                    yield from strings(x)
+            elif isinstance(v, str):
+                yield v
+
+        named = [s for s in strings(out.body) if s in POOLS or s == "pools"]
+        if named:
+            env.fail(f"HTTP {path}", f"body names pools: {out.body!r}")
+
+
+def check_schedules(env: Env) -> None:
+    """Schedules are UNIMPLEMENTED; if credentials are checked first, bad ones get 401 first."""
+    sched = spb.Schedule(pool="a", name="nightly", cron="0 3 * * *")
+    calls: list[tuple[str, Callable[[Metadata], Any], tuple[str, str, Any]]] = [
+        (
+            "ListSchedules",
+            lambda md: env.schedules.ListSchedules(spb.ListSchedulesRequest(pool="a"), metadata=md, timeout=TIMEOUT),
+            ("GET", "/v1/schedules?pool=a", None),
+        ),
+        (
+            "PutSchedule",
+            lambda md: env.schedules.PutSchedule(spb.PutScheduleRequest(schedule=sched), metadata=md, timeout=TIMEOUT),
+            ("PUT", "/v1/pools/a/schedules/nightly", {"cron": "0 3 * * *"}),
+        ),
+        (
+            "DeleteSchedule",
+            lambda md: env.schedules.DeleteSchedule(
+                spb.DeleteScheduleRequest(pool="a", name="nightly"), metadata=md, timeout=TIMEOUT
+            ),
+            ("DELETE", "/v1/pools/a/schedules/nightly", None),
+        ),
+    ]
+    for name, grpc_fn, (method, path, body) in calls:
+        for transport in ("gRPC", "HTTP"):
+
+            def call(
+                header: str | None,
+                transport: str = transport,
+                grpc_fn: Callable[[Metadata], Any] = grpc_fn,
+                http_call: tuple[str, str, Any] = (method, path, body),
+            ) -> Outcome:
+                if transport == "gRPC":
+                    return env.grpc(grpc_fn, header)
+                return env.http(*http_call[:2], header, http_call[2])
+
+            probe = call(None)
+            if probe.code != UNAUTH:
+                env.notes.append(
+                    f"{transport} {name} without a token answers {probe.code} ({probe.message!r}): "
+                    "the server does not check credentials before UNIMPLEMENTED"
+                )
+                continue
+            for label, header in BAD_CREDENTIALS.items():
+                out = call(header)
+                if out.code != UNAUTH:
+                    env.fail(f"{transport} {name} as {label}", f"got {out.code}, want {UNAUTH}")
+
+
+# -- rule 4: Watch of all pools streams only readable pools --------------------------
+
+
+def _await_task(events: queue.Queue[Any], task_id: int, timeout: float) -> list[Any] | None:
+    """Events up to and including the one of task_id (None if it did not come in time)."""
+    got: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            item = events.get(timeout=left)
+        except queue.Empty:
+            break
+        got.append(item)
+        if isinstance(item, Exception):
+            return got
+        if str(item["task"]["id"]) == str(task_id):
+            return got
+    return None
+
+
+def _watch_pools(label: str) -> tuple[str, list[str]]:
+    """A pool the token may read (its marker events must come) and those it may not."""
+    readable = TOKENS[label].readable()
+    return sorted(readable)[0], [p for p in POOLS if p not in readable]
+
+
+def check_grpc_watch_all(env: Env, label: str) -> None:
+    case = f"gRPC Watch (all pools) as {label}"
+    stream = env.tasks.Watch(tpb.WatchRequest(), metadata=env.as_(label), timeout=30)
+    events: queue.Queue[Any] = queue.Queue()
+
+    def reader() -> None:
+        try:
+            for resp in stream:
+                events.put(to_dict(resp)["event"])
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.CANCELLED:
+                events.put(err)
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    try:
+        shown, hidden = _watch_pools(label)
+        seen: list[Any] | None = None
+        for _ in range(20):  # the stream is live once a probe task's event arrives
+            seen = _await_task(events, env.submit(shown).id, 0.5)
+            if seen is not None:
+                break
+        if seen is None:
+            env.fail(case, f"no event for pool-{shown} tasks within 10 s")
+            return
+        for pool in hidden:
+            env.submit(pool)
+        marker = env.submit(shown)
+        more = _await_task(events, marker.id, 5)
+        if more is None:
+            env.fail(case, f"the pool-{shown} marker event never came")
+            return
+        _check_events(env, case, label, seen + more)
+    finally:
+        stream.cancel()
+        thread.join(5)
+
+
+def check_sse_watch_all(env: Env, label: str) -> None:
+    case = f"HTTP Watch (all pools) as {label}"
+    req = urllib.request.Request(env.server.http_url + "/v1/watch")
+    req.add_header("Authorization", TOKENS[label].header)
+    try:
+        resp = urllib.request.urlopen(req, timeout=5)
+    except urllib.error.HTTPError as err:
+        env.fail(case, f"HTTP {err.code}: {err.read()!r}")
+        return
+    with resp:
+        first = resp.readline()
+        if not first.startswith(b":"):
+            env.fail(case, f"stream began with {first!r}, want the ': watching' comment")
+        shown, hidden = _watch_pools(label)
+        for pool in hidden:
+            env.submit(pool)
+        marker = env.submit(shown)
+        got: list[Any] = []
+        try:
+            while True:
+                line = resp.readline()
+                if not line:
+                    env.fail(case, "stream ended before the marker event")
+                    return
+                if line.startswith(b"data:"):
+                    got.append(json.loads(line[5:]))
+                    if str(got[-1]["task"]["id"]) == str(marker.id):
+                        break
+        except TimeoutError:
+            env.fail(case, f"the pool-{shown} marker event never came (got {len(got)} events)")
+            return
+        _check_events(env, case, label, got)
+
+
+def _check_events(env: Env, case: str, label: str, events: list[Any]) -> None:
+    errors = [e for e in events if isinstance(e, Exception)]
+    if errors:
+        env.fail(case, f"stream failed: {errors[0]!r}")
+    pools = {e["task"]["pool"] for e in events if not isinstance(e, Exception)}
+    if not pools <= TOKENS[label].readable():
+        env.fail(case, f"streamed events of pools {sorted(pools - TOKENS[label].readable())}")
+
+
+def test_visibility_of_pools(env: Env) -> None:
+    """Rule 4, beyond the matrix: what each caller sees of workers, tasks and events."""
+    seed(env)
+    both = env.register("full-ab", ["a", "b"], "ab-explicit")
+    for label, want_pools in (("read-a", ["a"]), ("full-b", ["b"]), ("full-ab", ["a", "b"])):
+        for transport in ("gRPC", "HTTP"):
+            if transport == "gRPC":
+                out = env.grpc(
+                    lambda md: env.workers.ListWorkers(wpb.ListWorkersRequest(), metadata=md, timeout=TIMEOUT),
+                    TOKENS[label].header,
+                )
+            else:
+                out = env.http("GET", "/v1/workers", TOKENS[label].header)
+            shown = {w["id"]: w.get("pools") for w in (out.body or {}).get("workers", [])}
+            if shown.get(both) != want_pools:
+                env.fail(
+                    f"{transport} ListWorkers as {label}",
+                    f"worker of a+b shows pools {shown.get(both)}, want {want_pools}",
+                )
+    for label in ("read-a", "full-b", "full-ab"):
+        check_grpc_watch_all(env, label)
+        check_sse_watch_all(env, label)
+    for label, pool in (("read-a", "b"), ("full-b", "a"), ("submit-a", "a")):
+        for transport, out in (
+            ("gRPC", env.grpc(lambda md, pool=pool: grpc_watch(pool)(env, Target(), md), TOKENS[label].header)),
+            ("HTTP", env.http("GET", f"/v1/watch?pool={pool}", TOKENS[label].header)),
+            (
+                "gRPC ListTasks",
+                env.grpc(
+                    lambda md, pool=pool: env.tasks.ListTasks(tpb.ListTasksRequest(pool=pool), metadata=md, timeout=10),
+                    TOKENS[label].header,
+                ),
+            ),
+        ):
+            if out.code != DENIED:
+                env.fail(f"{transport} pool={pool} as {label}", f"got {out.code} ({out.message!r}), want {DENIED}")
+    env.finish()
+
+
+# -- rule 3: workers belong to their principal; reports are fenced by worker -----------
+
+
+def _task(env: Env, task_id: int) -> task_pb2.Task:
+    req = tpb.GetTaskRequest(task=task_pb2.TaskRef(id=task_id))
+    return env.tasks.GetTask(req, metadata=env.as_("admin-all"), timeout=TIMEOUT).task
+
+
+def check_fenced_finish(env: Env, owner: str) -> None:
+    """w1 holds task T (attempt 1); w2, registered by the same principal, cannot finish it;
+    nor can w1 report another attempt; w2's heartbeat reports it lost and extends nothing."""
+    md = env.as_(owner)
+    w1 = env.register(owner, ["a"], "w1")
+    w2 = env.register(owner, ["a"], "w2")
+    task_id = env.submit("a", due_now=True).id
+    leased = env.workers.LeaseTasks(
+        wpb.LeaseTasksRequest(worker_id=w1, max_tasks=1, wait_ms=2000), metadata=md, timeout=TIMEOUT
+    ).tasks
+    assert [(t.id, t.attempt) for t in leased] == [(task_id, 1)], leased
+    running = _task(env, task_id)
+    assert running.state == task_pb2.TASK_STATE_RUNNING and running.worker_id == w1, running
+
+    cases = [
+        (w2, 1, wpb.TaskOutcome(task_id=task_id, attempt=1, success=wpb.TaskSuccess(result=b"stolen"))),
+        (w2, 1, wpb.TaskOutcome(task_id=task_id, attempt=1, failure=wpb.TaskFailure(error="x", retryable=False))),
+        (w2, 1, wpb.TaskOutcome(task_id=task_id, attempt=1, cancelled=wpb.TaskCancelled(reason="x"))),
+        (w1, 2, wpb.TaskOutcome(task_id=task_id, attempt=2, success=wpb.TaskSuccess(result=b"future"))),
+        (w1, 0, wpb.TaskOutcome(task_id=task_id, attempt=0, success=wpb.TaskSuccess(result=b"past"))),
+    ]
+    for worker, attempt, outcome in cases:
+        case = f"FinishTasks by {'w2' if worker == w2 else 'w1'} ({outcome.WhichOneof('outcome')}, attempt {attempt})"
+        try:
+            results = env.workers.FinishTasks(
+                wpb.FinishTasksRequest(worker_id=worker, outcomes=[outcome]), metadata=md, timeout=TIMEOUT
+            ).results
+        except grpc.RpcError as err:
+            env.fail(case, f"call failed with {err.code().name} ({err.details()!r}); want a per-outcome refusal")
+            continue
+        (r,) = results
+        want = f"task {task_id} is not leased to worker {worker} at attempt {attempt}"
+        message = r.message.replace(repr(worker), worker)
+        if r.accepted or r.code != "FAILED_PRECONDITION" or want not in message:
+            env.fail(
+                case,
+                f"result accepted={r.accepted} code={r.code!r} message={r.message!r}; want refused, "
+                f"FAILED_PRECONDITION, {want!r}",
+            )
+        now = _task(env, task_id)
+        if now != running:
+            env.fail(case, f"task changed: state {task_pb2.TaskState.Name(now.state)}, result {now.result!r}")
+            return
+    time.sleep(0.01)
+    hb = env.workers.Heartbeat(
+        wpb.HeartbeatRequest(worker_id=w2, tasks=[wpb.TaskAttempt(task_id=task_id, attempt=1)]),
+        metadata=md,
+        timeout=TIMEOUT,
+    )
+    if list(hb.lost_task_ids) != [task_id] or list(hb.cancelled_task_ids):
+        env.fail("Heartbeat by w2 for w1's task", f"lost {list(hb.lost_task_ids)}, want [{task_id}]")
+    if _task(env, task_id) != running:
+        env.fail("Heartbeat by w2 for w1's task", "the task changed (lease extended?)")
+    (ok,) = env.workers.FinishTasks(
+        wpb.FinishTasksRequest(
+            worker_id=w1, outcomes=[wpb.TaskOutcome(task_id=task_id, attempt=1, success=wpb.TaskSuccess(result=b"ok"))]
+        ),
+        metadata=md,
+        timeout=TIMEOUT,
+    ).results
+    if not ok.accepted or _task(env, task_id).state != task_pb2.TASK_STATE_SUCCEEDED:
+        env.fail("FinishTasks by w1 (its own lease)", f"refused: {ok.code} {ok.message!r}")
+
+
+def test_workers_belong_to_their_principal(env: Env) -> None:
+    seed(env)
+    # Another principal's worker: refused even with work on the pool (the matrix has more).
+    # Two tokens of one principal: the one without `work` still cannot drive the worker.
+    shared = Target(worker_id=env.register("shared-work", ["a"], "shared"))
+    theirs = env.worker("full-a", fresh=False)
+    rows = [r for r in worker_rows() if "worker of full-a" in r.name]
+    for call in rows:
+        for label, target, want in (
+            ("work-a", theirs, DENIED),
+            ("full-ab", theirs, DENIED),
+            ("shared-read", shared, DENIED),
+            ("shared-work", shared, OK),
+        ):
+            if call.name.startswith("DeregisterWorker") and want == OK:
+                continue  # keeps the worker for the next rows; the matrix deregisters own workers
+            spec = Call(
+                call.name.replace("full-a", "its owner"),
+                "work",
+                lambda tok, w=want: w,
+                call.grpc,
+                prepare=lambda env, tok, target=target: target,
+            )
+            run_cell(env, spec, "gRPC", Cred(label, TOKENS[label].header, TOKENS[label]), want)
+    check_fenced_finish(env, "full-a")
+    env.finish()
+
+
+def test_fenced_finish_without_tokens(start_server: Any) -> None:
+    """No credentials configured: still, worker w2 cannot finish w1's task."""
+    env = Env(start_server({"pools": [{"name": "a", "lease_ttl": "30s"}, {"name": "b", "lease_ttl": "30s"}]}))
+    try:
+        check_fenced_finish(env, "admin-all")
+        env.finish()
+    finally:
+        env.close()
+
+
+# -- rule 6 (documentation): which cases fail if one check in core/ is deleted ---------
+# submit  Tasks._validate: caller.require("submit", pool)
+#           SubmitTask, SubmitBatch, "SubmitTask, pool b", "SubmitBatch, pools a and b" as
+#           read-a, schedule-a, no-submit-a, full-b (and full-a for pool b): want
+#           PERMISSION_DENIED, would be admitted (code and "changed state" mismatches).
+# read    Tasks.find, the read test for an id and for a key (missing if unreadable)
+#           Get/Wait/Cancel by id (resp. by key) of a pool-b task as read-a, full-a...: want
+#           NOT_FOUND, would get PERMISSION_DENIED (Get/Wait) or OK (Cancel as cancel-a,
+#           no-read-a of a pool-a task, which also changes state).
+#         Tasks.readable_pools, caller.require("read", pool)
+#           ListTasks pool=a|b and Watch pool=a|b as no-read-a, full-b...: want
+#           PERMISSION_DENIED, would be OK; test_visibility_of_pools likewise.
+#         Tasks.readable_pools, the filter when no pool is given
+#           ListTasks pool=(all) check_ok (exactly the readable pools' tasks);
+#           test_visibility_of_pools: Watch of all pools streams no pool-b event to read-a.
+#         Tasks._visible (dependencies only on readable tasks)
+#           "Submit* to a, depends_on a pool-b task by id|key" as submit-a, full-a: want
+#           NOT_FOUND with the missing dependency's message, would be admitted.
+#         Tasks._submitted (a deduplicated task shown whole only to readers)
+#           "Submit* deduplicated" as submit-a, no-read-a: check_dedup finds payload, state...
+#         Leases.list_workers, caller.require("read", pool) and the per-pool filter
+#           ListWorkers pool=a|b as no-read-a, full-b: want PERMISSION_DENIED; ListWorkers
+#           check_ok and test_visibility_of_pools: a worker of a+b shows ["a"] to read-a.
+# work    Leases.register_worker: caller.require("work", pool) for each pool
+#           RegisterWorker pools=[a] as no-work-a, read-a, full-b; pools=[a, b] as full-a.
+#         Leases._worker: the owner test (worker.principal == caller.name)
+#           "... (worker of full-a)" rows as work-a, full-ab, admin-all, no-submit-a...: want
+#           PERMISSION_DENIED, would be OK (Deregister also removes the worker).
+#         Leases._worker: caller.require("work", pool) for the worker's pools
+#           only a principal that registered the worker yet lacks work can show it:
+#           test_workers_belong_to_their_principal, shared-read (principal "shared", read
+#           only) driving shared-work's worker: want PERMISSION_DENIED, would be OK.

@@ -1,0 +1,184 @@
+"""The Python Worker against a real server: big payloads and results never kill the worker
+or lose a report, and a stopping worker gives unfinished tasks back at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import cronoq
+
+S = cronoq.TaskState
+MB = 1_000_000
+MiB = 1 << 20
+
+
+@contextlib.asynccontextmanager
+async def running(worker: cronoq.Worker) -> AsyncIterator[asyncio.Task[None]]:
+    """Runs the worker for the block; stops it (and surfaces its failure) on the way out."""
+    run = asyncio.create_task(worker.run())
+    try:
+        yield run
+    finally:
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+
+
+async def until(check: Callable[[], Any], run: asyncio.Task[None], timeout: float, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not check():
+        if run.done():
+            run.result()  # the worker died: show why
+            raise AssertionError(f"the worker stopped before {what}")
+        if loop.time() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        await asyncio.sleep(0.02)
+
+
+def worker(server: Any, pool: str, handler: Any, **options: Any) -> cronoq.Worker:
+    options.setdefault("poll_wait", 1.0)
+    return cronoq.Worker(server.endpoint, pool, handler, **options)
+
+
+async def test_lease_replies_of_big_payloads_fit_the_receive_limit(start_server):
+    # 160 tasks of 1 MB against a worker with 100 free slots: unbounded, the first reply
+    # would be 100 MB, over the SDK's 64 MiB receive limit. The server must cap replies at
+    # LeaseTasksRequest.max_bytes; a 30 s lease makes a lost reply show as a timeout.
+    server = start_server({"pools": [{"name": "big", "lease_ttl": "30s"}], "limits": {"max_payload_bytes": 2 * MiB}})
+    calls: Counter[int] = Counter()
+
+    async def handle(task: cronoq.TaskContext) -> dict[str, int]:
+        calls[task.id] += 1
+        assert len(task.payload) == MB
+        await asyncio.sleep(0.01)
+        return {"n": len(task.payload)}
+
+    async with cronoq.Client(server.endpoint) as client:
+        ids = [(await client.submit("big", bytes([i]) * MB)).task.id for i in range(160)]
+        w = worker(server, "big", handle, concurrency=100)
+        async with running(w) as run:
+            await until(lambda: len(calls) == 160 and not w._unacked, run, 20, "all 160 tasks reported")
+        for task_id in ids:
+            task = await client.get(task_id)
+            assert (task.state, task.attempt) == (S.Value("TASK_STATE_SUCCEEDED"), 1), task_id
+            assert cronoq.result_of(task) == {"n": MB}
+    assert calls == Counter({i: 1 for i in ids})
+
+
+async def test_an_oversized_result_fails_its_task_and_no_other_report_is_lost(start_server):
+    server = start_server({"pools": [{"name": "default", "lease_ttl": "5s"}], "limits": {"max_result_bytes": 4 * MiB}})
+    calls: Counter[int] = Counter()
+    all_started = asyncio.Event()
+    big = b"x" * (70 * MB)
+
+    async def handle(task: cronoq.TaskContext) -> Any:
+        calls[task.id] += 1
+        if len(calls) == 8:
+            all_started.set()
+        await all_started.wait()  # the eight outcomes are ready together: one report
+        return big if task.payload["big"] else {"i": task.payload["i"]}
+
+    async with cronoq.Client(server.endpoint) as client:
+        ids = [(await client.submit("default", {"i": i, "big": i == 3})).task.id for i in range(8)]
+        async with running(worker(server, "default", handle, concurrency=8)) as run:
+            for task_id in ids:
+                done = await client.wait(task_id, timeout=15)
+                assert done.done, f"task {task_id} still {S.Name(done.task.state)}"
+                assert not run.done()
+        tasks = [await client.get(task_id) for task_id in ids]
+    for i, task in enumerate(tasks):
+        if i == 3:
+            assert task.state == S.Value("TASK_STATE_FAILED")
+            assert task.error == f"result of {70 * MB} bytes exceeds max_result_bytes {4 * MiB}"
+            assert task.attempt == 1  # not retried
+        else:
+            assert (task.state, task.attempt) == (S.Value("TASK_STATE_SUCCEEDED"), 1)
+            assert cronoq.result_of(task) == {"i": i}
+    assert calls == Counter({task_id: 1 for task_id in ids})  # nothing ran twice
+
+
+async def test_results_too_big_for_one_report_are_reported_in_several(start_server):
+    # Twenty results of 4 MB each (under max_result_bytes) finish together: 80 MB, more than
+    # one request may carry. Every one must be reported once, none left to its lease expiry.
+    server = start_server({"pools": [{"name": "default", "lease_ttl": "5s"}]})
+    calls: Counter[int] = Counter()
+    all_started = asyncio.Event()
+
+    async def handle(task: cronoq.TaskContext) -> bytes:
+        calls[task.id] += 1
+        if len(calls) == 20:
+            all_started.set()
+        await all_started.wait()
+        return bytes([task.payload["i"]]) * (4 * MB)
+
+    async with cronoq.Client(server.endpoint) as client:
+        ids = [(await client.submit("default", {"i": i})).task.id for i in range(20)]
+        async with running(worker(server, "default", handle, concurrency=20)) as run:
+            for task_id in ids:
+                done = await client.wait(task_id, timeout=15)
+                assert done.done, f"task {task_id} still {S.Name(done.task.state)}"
+                assert not run.done()
+        for i, task_id in enumerate(ids):
+            task = await client.get(task_id)
+            assert (task.state, task.attempt) == (S.Value("TASK_STATE_SUCCEEDED"), 1)
+            assert task.result == bytes([i]) * (4 * MB)
+    assert calls == Counter({task_id: 1 for task_id in ids})
+
+
+async def test_stop_releases_a_task_running_past_the_grace_to_another_worker(start_server):
+    # A 30 s lease: only a release, not a lease expiry, can make the task PENDING in time.
+    server = start_server({"pools": [{"name": "slow", "lease_ttl": "30s", "max_attempts": 1}]})
+    seen: list[tuple[str, int, int]] = []
+    started = asyncio.Event()
+
+    async def sleeper(task: cronoq.TaskContext) -> str:
+        seen.append(("a", task.id, task.attempt))
+        started.set()
+        await asyncio.sleep(60)
+        return "a"
+
+    async def quick(task: cronoq.TaskContext) -> str:
+        seen.append(("b", task.id, task.attempt))
+        return "b"
+
+    async with cronoq.Client(server.endpoint) as client:
+        task_id = (await client.submit("slow", {"n": 1})).task.id
+        a = worker(server, "slow", sleeper, shutdown_grace=0.5)
+        run_a = asyncio.create_task(a.run())
+        await asyncio.wait_for(started.wait(), 10)
+        loop = asyncio.get_running_loop()
+        stopped_at = loop.time()
+        a.stop()
+        await asyncio.wait_for(run_a, 10)
+        assert loop.time() - stopped_at < 0.5 + 4  # the grace, then a bounded report
+
+        released = await client.get(task_id)
+        assert released.state == S.Value("TASK_STATE_PENDING"), S.Name(released.state)
+        assert released.attempt == 0  # the released attempt is not counted
+        assert not released.error
+
+        async with running(worker(server, "slow", quick)):
+            done = await client.wait(task_id, timeout=10)
+    assert done.done and done.task.state == S.Value("TASK_STATE_SUCCEEDED")
+    assert done.task.attempt == 1 and cronoq.result_of(done.task) == "b"
+    assert seen == [("a", task_id, 1), ("b", task_id, 1)]
+
+
+async def test_a_repeated_request_id_returns_the_first_submission(server):
+    async with cronoq.Client(server.endpoint) as client:
+        first = await client.submit("default", {"n": 1}, request_id="req-1")
+        again = await client.submit("default", {"n": 1}, request_id="req-1")
+        other = await client.submit("default", {"n": 1})
+        assert again.task.id == first.task.id and other.task.id != first.task.id
+
+        specs = [cronoq.task_spec("default", {"n": 2}), cronoq.task_spec("default", {"n": 3})]
+        batch = await client.submit_batch(specs, request_id="req-2")
+        repeat = await client.submit_batch(specs, request_id="req-2")
+        assert [t.id for t in repeat.tasks] == [t.id for t in batch.tasks]
+
+        listed = (await client.list("default")).tasks
+    assert sorted(t.id for t in listed) == sorted([first.task.id, other.task.id, *(t.id for t in batch.tasks)])

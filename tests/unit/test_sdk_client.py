@@ -1,0 +1,118 @@
+"""Client submissions carry a request_id that every transport retry of the call reuses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+
+import cronoq
+from cronoq.v1 import task_pb2
+from cronoq.v1 import task_service_pb2 as pb
+
+FAST = cronoq.RetryConfig(initial_backoff=0.001, max_backoff=0.01, max_elapsed=5)
+
+
+def unavailable(code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "stopping")
+
+
+class FakeTaskStub:
+    """Fails the first `failures` calls with UNAVAILABLE and records every request it sees."""
+
+    def __init__(self, failures: int = 1, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+        self.failures = failures
+        self.code = code
+        self.requests: list[Any] = []
+
+    async def _answer(self, req: Any, resp: Any) -> Any:
+        seen = type(req)()
+        seen.CopyFrom(req)
+        self.requests.append(seen)
+        if self.failures:
+            self.failures -= 1
+            raise unavailable(self.code)
+        return resp
+
+    def SubmitTask(self, req: pb.SubmitTaskRequest, metadata: Any = None, timeout: Any = None) -> Any:
+        return self._answer(req, pb.SubmitTaskResponse(task=task_pb2.Task(id=7, pool=req.pool)))
+
+    def SubmitBatch(self, req: pb.SubmitBatchRequest, metadata: Any = None, timeout: Any = None) -> Any:
+        tasks = [task_pb2.Task(id=10 + i, pool=t.pool) for i, t in enumerate(req.tasks)]
+        return self._answer(req, pb.SubmitBatchResponse(tasks=tasks))
+
+
+def client_with(stub: FakeTaskStub) -> cronoq.Client:
+    client = cronoq.Client("http://127.0.0.1:1", retry=FAST)
+    client._conn._stub = stub  # no channel: every call goes to the fake
+    return client
+
+
+def is_uuid_hex(text: str) -> bool:
+    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
+
+
+async def test_submit_sets_a_request_id_and_keeps_it_across_a_retry() -> None:
+    stub = FakeTaskStub(failures=1)
+    client = client_with(stub)
+    sub = await client.submit("default", {"n": 1}, key="k")
+    assert sub.task.id == 7
+    first, retry = stub.requests
+    assert is_uuid_hex(first.request_id)
+    assert retry.request_id == first.request_id  # the retry is the same logical call
+    assert retry == first and first.key == "k"
+
+    await client.submit("default", {"n": 1}, key="k")  # another call: another id
+    assert is_uuid_hex(stub.requests[2].request_id) and stub.requests[2].request_id != first.request_id
+
+
+async def test_submit_takes_the_callers_request_id() -> None:
+    stub = FakeTaskStub(failures=2)
+    await client_with(stub).submit("default", b"x", request_id="order-42-submit")
+    assert [r.request_id for r in stub.requests] == ["order-42-submit"] * 3
+
+
+async def test_submit_batch_sets_one_request_id_for_the_batch_not_for_its_tasks() -> None:
+    stub = FakeTaskStub(failures=1)
+    client = client_with(stub)
+    spec = cronoq.task_spec("default", {"n": 2}, key="b")
+    spec.request_id = "set-by-hand"  # meaningless inside a batch: cleared on the wire
+    resp = await client.submit_batch([cronoq.task_spec("default", {"n": 1}), spec])
+    assert [t.id for t in resp.tasks] == [10, 11]
+    first, retry = stub.requests
+    assert is_uuid_hex(first.request_id) and retry.request_id == first.request_id
+    assert [t.request_id for t in first.tasks] == ["", ""]
+    assert spec.request_id == "set-by-hand"  # the caller's spec is not modified
+
+    await client.submit_batch([cronoq.task_spec("default")], request_id="batch-1")
+    assert stub.requests[-1].request_id == "batch-1"
+
+
+def test_task_spec_leaves_request_id_empty() -> None:
+    assert cronoq.task_spec("default", {"n": 1}).request_id == ""
+
+
+def test_sync_client_passes_request_ids() -> None:
+    stub = FakeTaskStub(failures=1)
+    with cronoq.SyncClient("http://127.0.0.1:1", retry=FAST) as client:
+        client._client._conn._stub = stub
+        client.submit("default", request_id="s-1")
+        client.submit_batch([cronoq.task_spec("default")], request_id="b-1")
+    assert [r.request_id for r in stub.requests] == ["s-1", "s-1", "b-1"]
+
+
+@pytest.mark.parametrize("failures", [0, 3])
+async def test_every_attempt_of_one_submit_sends_the_same_request(failures: int) -> None:
+    stub = FakeTaskStub(failures=failures)
+    await client_with(stub).submit("default", {"n": 1}, priority=3)
+    assert len(stub.requests) == failures + 1
+    assert len({r.SerializeToString(deterministic=True) for r in stub.requests}) == 1
+
+
+async def test_a_call_a_closing_server_cancelled_is_retried_with_the_same_request_id() -> None:
+    """A gRPC server that stops cancels calls it received but had not handed to a handler."""
+    stub = FakeTaskStub(failures=2, code=grpc.StatusCode.CANCELLED)
+    sub = await client_with(stub).submit("default", {"n": 1})
+    assert sub.task.id == 7
+    assert len({r.request_id for r in stub.requests}) == 1 and len(stub.requests) == 3
