@@ -32,7 +32,7 @@ def add_store_arguments(ap: argparse.ArgumentParser) -> None:
 class BenchServer:
     """A cronoq-server on SQLite in workdir, or on a fresh schema of a PostgreSQL URL."""
 
-    def __init__(self, workdir: Path, postgres_url: str | None = None):
+    def __init__(self, workdir: Path, postgres_url: str | None = None, extra_pools: tuple[str, ...] = ()):
         self.grpc_port, self.http_port = free_port(), free_port()
         self.config = workdir / "bench.toml"
         if postgres_url:
@@ -43,6 +43,7 @@ class BenchServer:
             f'[server]\nlisten = "127.0.0.1:{self.grpc_port}"\nhttp_listen = "127.0.0.1:{self.http_port}"\n'
             f"[store]\n{store}\n"
             '[limits]\nmax_batch_size = 1000\n[[pools]]\nname = "default"\n'
+            + "".join(f'[[pools]]\nname = "{name}"\n' for name in extra_pools)
         )
         self.log = open(workdir / "server.log", "wb")
         self.proc = subprocess.Popen(

@@ -2,7 +2,7 @@
 
 cronoq on SQLite and on PostgreSQL (burn-down and submit→start latency), then the
 anchors PgQueuer and procrastinate on the same PostgreSQL server and the same
-workloads, and cronoq's ratio to each. Each run is its own process with its own
+workloads, and cronoq's ratio to each; then submit latency under idle load. Each run is its own process with its own
 servers and workers. `--quick` runs smaller sizes; `--no-anchors` skips the anchors.
 """
 
@@ -86,6 +86,19 @@ def main() -> None:
                             f"{a_lat['p50_ms'] / max(lat['10']['p50_ms'], 0.01):.2f}×",
                         )
                     )
+    step("cronoq on sqlite: submit latency under idle load (long polls, stalled watchers, scrapes)")
+    busy = run("contention.py", "--tasks", "50000" if args.quick else "300000")
+    quiet = busy["quiet_p50_ms"]
+    for title, key in (
+        ("quiet", "quiet_p50_ms"),
+        ("1,000 idle long polls", "idle_polls_p50_ms"),
+        ("2 stalled watchers", "stalled_watchers_p50_ms"),
+        (f"{busy['stored_tasks']:,} tasks stored", "stored_p50_ms"),
+        (f"{busy['stored_tasks']:,} tasks stored, /metrics scraped 10/s", "scraped_p50_ms"),
+    ):
+        rows.append(
+            (f"cronoq sqlite: single SubmitTask p50, {title}", f"{busy[key]} ms ({busy[key] / quiet:.2f}× quiet)")
+        )
     print("\n| run | result |\n|---|---|")
     for title, text in rows + ratios:
         print(f"| {title} | {text} |")
