@@ -1,4 +1,4 @@
-"""The TOML config file (SPEC.md §3), validated into one immutable tree.
+"""The TOML config file (docs/configuration.md), validated into one immutable tree.
 
 A bad file raises ConfigError with one line naming the file, the key and the problem.
 """

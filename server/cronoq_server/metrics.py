@@ -1,4 +1,4 @@
-"""Prometheus metrics of one server (SPEC.md §11); /metrics serves them."""
+"""Prometheus metrics of one server; /metrics serves them."""
 
 from __future__ import annotations
 

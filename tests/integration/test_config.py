@@ -1,4 +1,4 @@
-"""The config file and the server command (SPEC.md §3).
+"""The config file and the server command.
 
 A bad file is refused at start with exit code 2 and exactly one line on stderr that
 names the file, the key and what is wrong. Every case runs the server's real main()

@@ -1,4 +1,4 @@
-"""High availability (SPEC.md §8): one leader per store, standbys that take over, fencing,
+"""High availability: one leader per store, standbys that take over, fencing,
 and clients and workers that ride through it. Real servers, a real PostgreSQL."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The task lifecycle of SPEC.md §2 against a real server, through the gRPC API."""
+"""The task lifecycle against a real server, through the gRPC API."""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
 A backend is one entry of BACKENDS: an async factory that opens a store at a place
 given by the test and returns it. Opening the same place again must reach the same
-data (the reopen test relies on it). To add PostgreSQL, add a factory that maps the
-place to a fresh schema (calling pytest.skip when no database is reachable) and add
-"postgres" to BACKENDS; every test then runs on both.
+data (the reopen test relies on it). SQLite opens a file in the test's directory;
+PostgreSQL maps the place to a schema of the session's throwaway server. Every test
+runs on both.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Authenticator and Principal (SPEC.md §7): tokens by sha256, mTLS subjects, pool scopes."""
+"""Authenticator and Principal: tokens by sha256, mTLS subjects, pool scopes."""
 
 from __future__ import annotations
 

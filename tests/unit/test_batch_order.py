@@ -1,4 +1,4 @@
-"""core.tasks._batch_order: a batch may depend on its own tasks by key (SPEC.md §2)."""
+"""core.tasks._batch_order: a batch may depend on its own tasks by key."""
 
 from __future__ import annotations
 

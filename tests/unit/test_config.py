@@ -1,4 +1,4 @@
-"""The config file (SPEC.md §3): defaults, durations, cross-checks, one-line errors."""
+"""The config file: defaults, durations, cross-checks, one-line errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Task ids (SPEC.md §2): shard number in the top 8 bits, per-shard sequence below."""
+"""Task ids: shard number in the top 8 bits, per-shard sequence below."""
 
 from __future__ import annotations
 

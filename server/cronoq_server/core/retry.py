@@ -1,4 +1,4 @@
-"""Retry backoff for failed attempts: exponential with full jitter, per pool."""
+"""Retry backoff for failed attempts: exponential with equal jitter (half fixed, half random), per pool."""
 
 from __future__ import annotations
 
