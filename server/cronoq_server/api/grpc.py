@@ -20,8 +20,23 @@ from cronoq.v1 import (
 from ..auth import Principal
 from ..errors import ApiError
 from ..node import Node
+from .listen import ListenError, precheck_bind, probe_bind
 
 log = logging.getLogger("cronoq.grpc")
+
+# Connection management of the gRPC listener (the HTTP listener's is in api/http.py).
+KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
+    # Ping a connection quiet for a minute; no answer in 20 s and it is closed: a client that
+    # vanished (no FIN) is noticed even while it holds a long poll or a Watch stream.
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.max_pings_without_data", 0),  # the server's pings need no data frames in between
+    # Clients may ping too, with no call open, as often as every 10 s, without being sent GOAWAY.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    # A connection with no call for 5 minutes gets GOAWAY; clients reconnect on their next call.
+    ("grpc.max_connection_idle_ms", 300_000),
+]
 
 
 def _metadata(context: grpc.aio.ServicerContext, name: str) -> str | None:
@@ -76,10 +91,17 @@ class TaskServicer(_Servicer, task_service_pb2_grpc.TaskServiceServicer):
 
     async def Watch(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for item in self._node.watch(request, self._caller(context)):
-                yield item
+            stream = self._node.watch(request, self._caller(context))
         except ApiError as err:
             await _abort(context, err)
+            return
+        try:
+            async for item in stream:
+                yield item
+        except ApiError as err:  # e.g. ABORTED, a watcher too slow to keep up: after events were sent
+            await _abort(context, err)
+        finally:
+            await stream.aclose()  # a cancelled call must not leave the watcher registered
 
 
 class WorkerServicer(_Servicer, worker_service_pb2_grpc.WorkerServiceServicer):
@@ -95,6 +117,10 @@ class ScheduleServicer(_Servicer, schedule_service_pb2_grpc.ScheduleServiceServi
     """Schedules are declared in the contract; the server implements them in a later release."""
 
     async def _unimplemented(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._caller(context)  # credentials first, as on every call
+        except ApiError as err:
+            await _abort(context, err)
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "schedules are not implemented yet")
 
     PutSchedule = DeleteSchedule = ListSchedules = _unimplemented
@@ -117,13 +143,17 @@ def _server_credentials(node: Node) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials(pair)
 
 
+def server_options(node: Node) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max(node.config.limits.max_payload_bytes * 2, 64 << 20)),
+        ("grpc.so_reuseport", 0),
+        *KEEPALIVE_OPTIONS,
+    ]
+
+
 async def start_grpc(node: Node, listen: str) -> tuple[grpc.aio.Server, HealthServicer]:
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", max(node.config.limits.max_payload_bytes * 2, 64 << 20)),
-            ("grpc.so_reuseport", 0),
-        ]
-    )
+    """Serves the gRPC API on `listen`; raises ListenError (one line) when it cannot bind."""
+    server = grpc.aio.server(options=server_options(node))
     task_service_pb2_grpc.add_TaskServiceServicer_to_server(TaskServicer(node), server)
     worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(node), server)
     schedule_service_pb2_grpc.add_ScheduleServiceServicer_to_server(ScheduleServicer(node), server)
@@ -131,10 +161,15 @@ async def start_grpc(node: Node, listen: str) -> tuple[grpc.aio.Server, HealthSe
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     creds = _server_credentials(node)
-    if creds is None:
-        server.add_insecure_port(listen)
-    else:
-        server.add_secure_port(listen, creds)
+    reason = precheck_bind(listen)
+    if reason:
+        raise ListenError(f"server.listen: cannot listen on {listen}: {reason}")
+    try:
+        port = server.add_insecure_port(listen) if creds is None else server.add_secure_port(listen, creds)
+    except RuntimeError:  # grpc.aio raises where grpc returns 0
+        port = 0
+    if port == 0:
+        raise ListenError(f"server.listen: cannot listen on {listen}: {probe_bind(listen)}")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     return server, health_servicer

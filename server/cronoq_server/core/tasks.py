@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from cronoq.v1 import task_pb2
 from cronoq.v1 import task_service_pb2 as pb
@@ -247,13 +247,13 @@ class Tasks:
             raise invalid(f"page_token: {shown!r} was issued by another shard (number {shard_of(int(token))})")
         return seq_of(int(token))
 
-    def watch(self, req: pb.WatchRequest, caller: Principal) -> AsyncIterator[pb.WatchResponse]:
+    def watch(self, req: pb.WatchRequest, caller: Principal) -> AsyncGenerator[pb.WatchResponse, None]:
         """Checks the request now; the events come from the returned iterator."""
         pools = self.readable_pools(req.pool, caller)
         watcher = self._events.watch(None if pools is None else frozenset(pools), req.include_payloads)
         return self._stream(watcher)
 
-    async def _stream(self, watcher: Watcher) -> AsyncIterator[pb.WatchResponse]:
+    async def _stream(self, watcher: Watcher) -> AsyncGenerator[pb.WatchResponse, None]:
         """Events until the stream ends; one that fell behind raises ApiError (ABORTED) last."""
         try:
             while (event := await watcher.next()) is not None:
