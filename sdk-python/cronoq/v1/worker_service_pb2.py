@@ -22,65 +22,79 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from cronoq.v1 import options_pb2 as cronoq_dot_v1_dot_options__pb2
 from cronoq.v1 import task_pb2 as cronoq_dot_v1_dot_task__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63ronoq/v1/worker_service.proto\x12\tcronoq.v1\x1a\x14\x63ronoq/v1/task.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x98\x02\n\x06Worker\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05pools\x18\x03 \x03(\t\x12\x13\n\x0b\x63oncurrency\x18\x04 \x01(\x05\x12\x31\n\rregistered_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0clast_seen_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05shard\x18\x07 \x01(\t\x12-\n\x06labels\x18\x08 \x03(\x0b\x32\x1d.cronoq.v1.Worker.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb6\x01\n\x15RegisterWorkerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05pools\x18\x02 \x03(\t\x12\x13\n\x0b\x63oncurrency\x18\x03 \x01(\x05\x12<\n\x06labels\x18\x04 \x03(\x0b\x32,.cronoq.v1.RegisterWorkerRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8c\x01\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\r\n\x05shard\x18\x03 \x01(\t\x12\x18\n\x10max_result_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fmax_lease_bytes\x18\x05 \x01(\x04\"l\n\x11LeaseTasksRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tmax_tasks\x18\x02 \x01(\x05\x12\x0f\n\x07wait_ms\x18\x03 \x01(\r\x12\r\n\x05pools\x18\x04 \x03(\t\x12\x11\n\tmax_bytes\x18\x05 \x01(\x04\"4\n\x12LeaseTasksResponse\x12\x1e\n\x05tasks\x18\x01 \x03(\x0b\x32\x0f.cronoq.v1.Task\"/\n\x0bTaskAttempt\x12\x0f\n\x07task_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\"L\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x05tasks\x18\x02 \x03(\x0b\x32\x16.cronoq.v1.TaskAttempt\"F\n\x11HeartbeatResponse\x12\x1a\n\x12\x63\x61ncelled_task_ids\x18\x01 \x03(\x04\x12\x15\n\rlost_task_ids\x18\x02 \x03(\x04\"3\n\x0bTaskSuccess\x12\x0e\n\x06result\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63ontent_type\x18\x02 \x01(\t\"G\n\x0bTaskFailure\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x11\n\tretryable\x18\x02 \x01(\x08\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\r\"\x1f\n\rTaskCancelled\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x1e\n\x0cTaskReleased\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xec\x01\n\x0bTaskOutcome\x12\x0f\n\x07task_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12)\n\x07success\x18\x03 \x01(\x0b\x32\x16.cronoq.v1.TaskSuccessH\x00\x12)\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x16.cronoq.v1.TaskFailureH\x00\x12-\n\tcancelled\x18\x05 \x01(\x0b\x32\x18.cronoq.v1.TaskCancelledH\x00\x12+\n\x08released\x18\x06 \x01(\x0b\x32\x17.cronoq.v1.TaskReleasedH\x00\x42\t\n\x07outcome\"Q\n\x12\x46inishTasksRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12(\n\x08outcomes\x18\x02 \x03(\x0b\x32\x16.cronoq.v1.TaskOutcome\"T\n\x10\x46inishTaskResult\x12\x0f\n\x07task_id\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"C\n\x13\x46inishTasksResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.cronoq.v1.FinishTaskResult\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerWorkerResponse\"\"\n\x12ListWorkersRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"U\n\x13ListWorkersResponse\x12\"\n\x07workers\x18\x01 \x03(\x0b\x32\x11.cronoq.v1.Worker\x12\x1a\n\x12unavailable_shards\x18\x02 \x03(\t2\xf2\x03\n\rWorkerService\x12U\n\x0eRegisterWorker\x12 .cronoq.v1.RegisterWorkerRequest\x1a!.cronoq.v1.RegisterWorkerResponse\x12I\n\nLeaseTasks\x12\x1c.cronoq.v1.LeaseTasksRequest\x1a\x1d.cronoq.v1.LeaseTasksResponse\x12\x46\n\tHeartbeat\x12\x1b.cronoq.v1.HeartbeatRequest\x1a\x1c.cronoq.v1.HeartbeatResponse\x12L\n\x0b\x46inishTasks\x12\x1d.cronoq.v1.FinishTasksRequest\x1a\x1e.cronoq.v1.FinishTasksResponse\x12[\n\x10\x44\x65registerWorker\x12\".cronoq.v1.DeregisterWorkerRequest\x1a#.cronoq.v1.DeregisterWorkerResponse\x12L\n\x0bListWorkers\x12\x1d.cronoq.v1.ListWorkersRequest\x1a\x1e.cronoq.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63ronoq/v1/worker_service.proto\x12\tcronoq.v1\x1a\x17\x63ronoq/v1/options.proto\x1a\x14\x63ronoq/v1/task.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x98\x02\n\x06Worker\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05pools\x18\x03 \x03(\t\x12\x13\n\x0b\x63oncurrency\x18\x04 \x01(\x05\x12\x31\n\rregistered_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0clast_seen_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05shard\x18\x07 \x01(\t\x12-\n\x06labels\x18\x08 \x03(\x0b\x32\x1d.cronoq.v1.Worker.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb6\x01\n\x15RegisterWorkerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05pools\x18\x02 \x03(\t\x12\x13\n\x0b\x63oncurrency\x18\x03 \x01(\x05\x12<\n\x06labels\x18\x04 \x03(\x0b\x32,.cronoq.v1.RegisterWorkerRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8c\x01\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\r\n\x05shard\x18\x03 \x01(\t\x12\x18\n\x10max_result_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fmax_lease_bytes\x18\x05 \x01(\x04\"l\n\x11LeaseTasksRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tmax_tasks\x18\x02 \x01(\x05\x12\x0f\n\x07wait_ms\x18\x03 \x01(\r\x12\r\n\x05pools\x18\x04 \x03(\t\x12\x11\n\tmax_bytes\x18\x05 \x01(\x04\"4\n\x12LeaseTasksResponse\x12\x1e\n\x05tasks\x18\x01 \x03(\x0b\x32\x0f.cronoq.v1.Task\"/\n\x0bTaskAttempt\x12\x0f\n\x07task_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\"L\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x05tasks\x18\x02 \x03(\x0b\x32\x16.cronoq.v1.TaskAttempt\"F\n\x11HeartbeatResponse\x12\x1a\n\x12\x63\x61ncelled_task_ids\x18\x01 \x03(\x04\x12\x15\n\rlost_task_ids\x18\x02 \x03(\x04\"3\n\x0bTaskSuccess\x12\x0e\n\x06result\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63ontent_type\x18\x02 \x01(\t\"G\n\x0bTaskFailure\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x11\n\tretryable\x18\x02 \x01(\x08\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\r\"\x1f\n\rTaskCancelled\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x1e\n\x0cTaskReleased\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xec\x01\n\x0bTaskOutcome\x12\x0f\n\x07task_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12)\n\x07success\x18\x03 \x01(\x0b\x32\x16.cronoq.v1.TaskSuccessH\x00\x12)\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x16.cronoq.v1.TaskFailureH\x00\x12-\n\tcancelled\x18\x05 \x01(\x0b\x32\x18.cronoq.v1.TaskCancelledH\x00\x12+\n\x08released\x18\x06 \x01(\x0b\x32\x17.cronoq.v1.TaskReleasedH\x00\x42\t\n\x07outcome\"Q\n\x12\x46inishTasksRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12(\n\x08outcomes\x18\x02 \x03(\x0b\x32\x16.cronoq.v1.TaskOutcome\"T\n\x10\x46inishTaskResult\x12\x0f\n\x07task_id\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"C\n\x13\x46inishTasksResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.cronoq.v1.FinishTaskResult\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerWorkerResponse\"\"\n\x12ListWorkersRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"U\n\x13ListWorkersResponse\x12\"\n\x07workers\x18\x01 \x03(\x0b\x32\x11.cronoq.v1.Worker\x12\x1a\n\x12unavailable_shards\x18\x02 \x03(\t2\xc2\x04\n\rWorkerService\x12_\n\x0eRegisterWorker\x12 .cronoq.v1.RegisterWorkerRequest\x1a!.cronoq.v1.RegisterWorkerResponse\"\x08\xea\xe0\x18\x04\x08\x04\x18\x02\x12S\n\nLeaseTasks\x12\x1c.cronoq.v1.LeaseTasksRequest\x1a\x1d.cronoq.v1.LeaseTasksResponse\"\x08\xea\xe0\x18\x04\x08\x04\x18\x05\x12P\n\tHeartbeat\x12\x1b.cronoq.v1.HeartbeatRequest\x1a\x1c.cronoq.v1.HeartbeatResponse\"\x08\xea\xe0\x18\x04\x08\x04\x18\x05\x12V\n\x0b\x46inishTasks\x12\x1d.cronoq.v1.FinishTasksRequest\x1a\x1e.cronoq.v1.FinishTasksResponse\"\x08\xea\xe0\x18\x04\x08\x04\x18\x05\x12\x65\n\x10\x44\x65registerWorker\x12\".cronoq.v1.DeregisterWorkerRequest\x1a#.cronoq.v1.DeregisterWorkerResponse\"\x08\xea\xe0\x18\x04\x08\x04\x18\x05\x12j\n\x0bListWorkers\x12\x1d.cronoq.v1.ListWorkersRequest\x1a\x1e.cronoq.v1.ListWorkersResponse\"\x1c\xea\xe0\x18\x18\x08\x02\x18\x04\"\x12\n\x03GET\x12\x0b/v1/workersB8Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cronoq.v1.worker_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1'
   _globals['_WORKER_LABELSENTRY']._loaded_options = None
   _globals['_WORKER_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_REGISTERWORKERREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_REGISTERWORKERREQUEST_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_WORKER']._serialized_start=101
-  _globals['_WORKER']._serialized_end=381
-  _globals['_WORKER_LABELSENTRY']._serialized_start=336
-  _globals['_WORKER_LABELSENTRY']._serialized_end=381
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=384
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=566
-  _globals['_REGISTERWORKERREQUEST_LABELSENTRY']._serialized_start=336
-  _globals['_REGISTERWORKERREQUEST_LABELSENTRY']._serialized_end=381
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=569
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=709
-  _globals['_LEASETASKSREQUEST']._serialized_start=711
-  _globals['_LEASETASKSREQUEST']._serialized_end=819
-  _globals['_LEASETASKSRESPONSE']._serialized_start=821
-  _globals['_LEASETASKSRESPONSE']._serialized_end=873
-  _globals['_TASKATTEMPT']._serialized_start=875
-  _globals['_TASKATTEMPT']._serialized_end=922
-  _globals['_HEARTBEATREQUEST']._serialized_start=924
-  _globals['_HEARTBEATREQUEST']._serialized_end=1000
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1002
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1072
-  _globals['_TASKSUCCESS']._serialized_start=1074
-  _globals['_TASKSUCCESS']._serialized_end=1125
-  _globals['_TASKFAILURE']._serialized_start=1127
-  _globals['_TASKFAILURE']._serialized_end=1198
-  _globals['_TASKCANCELLED']._serialized_start=1200
-  _globals['_TASKCANCELLED']._serialized_end=1231
-  _globals['_TASKRELEASED']._serialized_start=1233
-  _globals['_TASKRELEASED']._serialized_end=1263
-  _globals['_TASKOUTCOME']._serialized_start=1266
-  _globals['_TASKOUTCOME']._serialized_end=1502
-  _globals['_FINISHTASKSREQUEST']._serialized_start=1504
-  _globals['_FINISHTASKSREQUEST']._serialized_end=1585
-  _globals['_FINISHTASKRESULT']._serialized_start=1587
-  _globals['_FINISHTASKRESULT']._serialized_end=1671
-  _globals['_FINISHTASKSRESPONSE']._serialized_start=1673
-  _globals['_FINISHTASKSRESPONSE']._serialized_end=1740
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1742
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1786
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1788
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1814
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1816
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1850
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1852
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1937
-  _globals['_WORKERSERVICE']._serialized_start=1940
-  _globals['_WORKERSERVICE']._serialized_end=2438
+  _globals['_WORKERSERVICE'].methods_by_name['RegisterWorker']._loaded_options = None
+  _globals['_WORKERSERVICE'].methods_by_name['RegisterWorker']._serialized_options = b'\352\340\030\004\010\004\030\002'
+  _globals['_WORKERSERVICE'].methods_by_name['LeaseTasks']._loaded_options = None
+  _globals['_WORKERSERVICE'].methods_by_name['LeaseTasks']._serialized_options = b'\352\340\030\004\010\004\030\005'
+  _globals['_WORKERSERVICE'].methods_by_name['Heartbeat']._loaded_options = None
+  _globals['_WORKERSERVICE'].methods_by_name['Heartbeat']._serialized_options = b'\352\340\030\004\010\004\030\005'
+  _globals['_WORKERSERVICE'].methods_by_name['FinishTasks']._loaded_options = None
+  _globals['_WORKERSERVICE'].methods_by_name['FinishTasks']._serialized_options = b'\352\340\030\004\010\004\030\005'
+  _globals['_WORKERSERVICE'].methods_by_name['DeregisterWorker']._loaded_options = None
+  _globals['_WORKERSERVICE'].methods_by_name['DeregisterWorker']._serialized_options = b'\352\340\030\004\010\004\030\005'
+  _globals['_WORKERSERVICE'].methods_by_name['ListWorkers']._loaded_options = None
+  _globals['_WORKERSERVICE'].methods_by_name['ListWorkers']._serialized_options = b'\352\340\030\030\010\002\030\004\"\022\n\003GET\022\013/v1/workers'
+  _globals['_WORKER']._serialized_start=126
+  _globals['_WORKER']._serialized_end=406
+  _globals['_WORKER_LABELSENTRY']._serialized_start=361
+  _globals['_WORKER_LABELSENTRY']._serialized_end=406
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=409
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=591
+  _globals['_REGISTERWORKERREQUEST_LABELSENTRY']._serialized_start=361
+  _globals['_REGISTERWORKERREQUEST_LABELSENTRY']._serialized_end=406
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=594
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=734
+  _globals['_LEASETASKSREQUEST']._serialized_start=736
+  _globals['_LEASETASKSREQUEST']._serialized_end=844
+  _globals['_LEASETASKSRESPONSE']._serialized_start=846
+  _globals['_LEASETASKSRESPONSE']._serialized_end=898
+  _globals['_TASKATTEMPT']._serialized_start=900
+  _globals['_TASKATTEMPT']._serialized_end=947
+  _globals['_HEARTBEATREQUEST']._serialized_start=949
+  _globals['_HEARTBEATREQUEST']._serialized_end=1025
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1027
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1097
+  _globals['_TASKSUCCESS']._serialized_start=1099
+  _globals['_TASKSUCCESS']._serialized_end=1150
+  _globals['_TASKFAILURE']._serialized_start=1152
+  _globals['_TASKFAILURE']._serialized_end=1223
+  _globals['_TASKCANCELLED']._serialized_start=1225
+  _globals['_TASKCANCELLED']._serialized_end=1256
+  _globals['_TASKRELEASED']._serialized_start=1258
+  _globals['_TASKRELEASED']._serialized_end=1288
+  _globals['_TASKOUTCOME']._serialized_start=1291
+  _globals['_TASKOUTCOME']._serialized_end=1527
+  _globals['_FINISHTASKSREQUEST']._serialized_start=1529
+  _globals['_FINISHTASKSREQUEST']._serialized_end=1610
+  _globals['_FINISHTASKRESULT']._serialized_start=1612
+  _globals['_FINISHTASKRESULT']._serialized_end=1696
+  _globals['_FINISHTASKSRESPONSE']._serialized_start=1698
+  _globals['_FINISHTASKSRESPONSE']._serialized_end=1765
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1767
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1811
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1813
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1839
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1841
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1875
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1877
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1962
+  _globals['_WORKERSERVICE']._serialized_start=1965
+  _globals['_WORKERSERVICE']._serialized_end=2543
 # @@protoc_insertion_point(module_scope)
