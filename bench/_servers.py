@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -13,6 +15,9 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import cronoq
 
 # The SQLite durability the bench runs with (the server's default is "full").
 SYNCHRONOUS = os.environ.get("CRONOQ_BENCH_SYNCHRONOUS", "full")
@@ -29,11 +34,44 @@ def add_store_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--url", help="PostgreSQL URL (default: a throwaway server started for the run)")
 
 
-class BenchServer:
-    """A cronoq-server on SQLite in workdir, or on a fresh schema of a PostgreSQL URL."""
+BENCH_TOKEN = "bench-token"
 
-    def __init__(self, workdir: Path, postgres_url: str | None = None, extra_pools: tuple[str, ...] = ()):
+
+class BenchServer:
+    """A cronoq-server on SQLite in workdir, or on a fresh schema of a PostgreSQL URL.
+
+    secure: TLS on both listeners (a CA made for the run) and a bearer token required; clients
+    then connect with `client_options`.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        postgres_url: str | None = None,
+        extra_pools: tuple[str, ...] = (),
+        secure: bool = False,
+    ):
         self.grpc_port, self.http_port = free_port(), free_port()
+        self.secure = secure
+        self.client_options: dict[str, Any] = {}
+        self._ssl: ssl.SSLContext | None = None
+        security = ""
+        if secure:
+            import trustme
+
+            ca = trustme.CA()
+            issued = ca.issue_cert("127.0.0.1")
+            ca.cert_pem.write_to_path(str(workdir / "ca.pem"))
+            issued.cert_chain_pems[0].write_to_path(str(workdir / "server.pem"))
+            issued.private_key_pem.write_to_path(str(workdir / "server.key"))
+            digest = hashlib.sha256(BENCH_TOKEN.encode()).hexdigest()
+            security = (
+                f'[server.tls]\ncert = "{workdir}/server.pem"\nkey = "{workdir}/server.key"\n'
+                f'[[tokens]]\nname = "bench"\nsha256 = "{digest}"\npools = ["*"]\n'
+                'permissions = ["submit", "read", "cancel", "work", "schedule", "admin"]\n'
+            )
+            self.client_options = {"token": BENCH_TOKEN, "tls": cronoq.TlsConfig(ca=str(workdir / "ca.pem"))}
+            self._ssl = ssl.create_default_context(cafile=str(workdir / "ca.pem"))
         self.config = workdir / "bench.toml"
         if postgres_url:
             store = f'kind = "postgres"\nurl = "{postgres_url}"\nschema = "bench_{uuid.uuid4().hex[:10]}"'
@@ -44,6 +82,7 @@ class BenchServer:
             f"[store]\n{store}\n"
             '[limits]\nmax_batch_size = 1000\n[[pools]]\nname = "default"\n'
             + "".join(f'[[pools]]\nname = "{name}"\n' for name in extra_pools)
+            + security
         )
         self.log = open(workdir / "server.log", "wb")
         self.proc = subprocess.Popen(
@@ -54,7 +93,7 @@ class BenchServer:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/readyz", timeout=1):
+                with urllib.request.urlopen(f"{self.http_url}/readyz", timeout=1, context=self._ssl):
                     return
             except OSError:
                 time.sleep(0.05)
@@ -62,7 +101,11 @@ class BenchServer:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.grpc_port}"
+        return f"{'https' if self.secure else 'http'}://127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"{'https' if self.secure else 'http'}://127.0.0.1:{self.http_port}"
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -21,7 +22,14 @@ from _servers import BenchServer, add_store_arguments, bench_store
 import cronoq
 
 
-def run_worker(endpoint: str, concurrency: int, total: int, ready: mp.Event, done_at: mp.Value) -> None:  # type: ignore[type-arg]
+def run_worker(
+    endpoint: str,
+    concurrency: int,
+    total: int,
+    ready: mp.Event,  # type: ignore[type-arg]
+    done_at: mp.Value,  # type: ignore[type-arg]
+    options: dict[str, Any],
+) -> None:
     async def main() -> None:
         count = 0
 
@@ -32,7 +40,7 @@ def run_worker(endpoint: str, concurrency: int, total: int, ready: mp.Event, don
                 done_at.value = time.time()
                 worker.stop()
 
-        worker = cronoq.Worker(endpoint, "default", noop, concurrency=concurrency, poll_wait=1.0)
+        worker = cronoq.Worker(endpoint, "default", noop, concurrency=concurrency, poll_wait=1.0, **options)
         ready.set()
         await worker.run()
 
@@ -44,9 +52,9 @@ def run_worker(endpoint: str, concurrency: int, total: int, ready: mp.Event, don
         asyncio.run(main())
 
 
-async def submit_all(endpoint: str, total: int, batch: int) -> float:
+async def submit_all(endpoint: str, total: int, batch: int, options: dict[str, Any]) -> float:
     started = time.perf_counter()
-    async with cronoq.Client(endpoint) as client:
+    async with cronoq.Client(endpoint, **options) as client:
         for i in range(0, total, batch):
             n = min(batch, total - i)
             await client.submit_batch([cronoq.task_spec("default", b"") for _ in range(n)])
@@ -55,8 +63,8 @@ async def submit_all(endpoint: str, total: int, batch: int) -> float:
     return time.perf_counter() - started
 
 
-async def wait_all_done(endpoint: str, total: int) -> int:
-    async with cronoq.Client(endpoint) as client:
+async def wait_all_done(endpoint: str, total: int, options: dict[str, Any]) -> int:
+    async with cronoq.Client(endpoint, **options) as client:
         n = 0
         async for _ in client.iter_tasks(state=cronoq.TaskState.Value("TASK_STATE_SUCCEEDED"), page_size=1000):
             n += 1
@@ -69,23 +77,28 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--json", action="store_true", help="print one JSON line")
+    ap.add_argument("--secure", action="store_true", help="TLS on both sides and a bearer token")
     add_store_arguments(ap)
     args = ap.parse_args()
     with bench_store(args.store, args.url) as url, tempfile.TemporaryDirectory() as tmp:
-        server = BenchServer(Path(tmp), url)
+        server = BenchServer(Path(tmp), url, secure=args.secure)
+        options = server.client_options
         try:
-            submit_s = asyncio.run(submit_all(server.endpoint, args.tasks, args.batch))
+            submit_s = asyncio.run(submit_all(server.endpoint, args.tasks, args.batch, options))
             ready, done_at = mp.Event(), mp.Value("d", 0.0)
-            proc = mp.Process(target=run_worker, args=(server.endpoint, args.concurrency, args.tasks, ready, done_at))
+            proc = mp.Process(
+                target=run_worker, args=(server.endpoint, args.concurrency, args.tasks, ready, done_at, options)
+            )
             started = time.time()
             proc.start()
             proc.join(600)
             drain_s = done_at.value - started
-            succeeded = asyncio.run(wait_all_done(server.endpoint, args.tasks))
+            succeeded = asyncio.run(wait_all_done(server.endpoint, args.tasks, options))
         finally:
             server.stop()
     result = {
         "store": args.store,
+        "secure": args.secure,
         "tasks": args.tasks,
         "submit_tasks_per_s": round(args.tasks / submit_s),
         "drain_tasks_per_s": round(args.tasks / drain_s),

@@ -56,6 +56,15 @@ def main() -> None:
                     f"{burn['drain_tasks_per_s']:,} tasks/s",
                 )
             )
+            step(f"cronoq on {store}: burn-down over TLS with a bearer token")
+            secure = run("burndown.py", "--tasks", tasks, "--secure", *extra)
+            rows.append(
+                (
+                    f"cronoq {store}: the same burn-down over TLS (both sides) with a token",
+                    f"{secure['drain_tasks_per_s']:,} tasks/s "
+                    f"({secure['drain_tasks_per_s'] / burn['drain_tasks_per_s']:.2f}× plain)",
+                )
+            )
             lat = {}
             for batch in ("10", "1"):
                 step(f"cronoq on {store}: latency, calls of {batch}")

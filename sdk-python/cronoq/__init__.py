@@ -1,22 +1,43 @@
-"""cronoq Python SDK: an async Client (with SyncClient), a Worker, and one error tree."""
+"""cronoq Python SDK: an async Client (with SyncClient), a Worker, and one error tree.
 
-from ._transport import RetryConfig, TlsConfig
-from .client import (
-    TERMINAL_STATES,
-    Client,
-    Submitted,
-    Task,
-    TaskState,
-    WaitResult,
-    payload_of,
-    result_of,
-    task_spec,
-)
-from .errors import CronoqError, from_grpc_error
-from .sync import SyncClient
-from .worker import TaskContext, TaskError, Worker
+`cronoq` is shared by two distributions: this one (the SDK) and `cronoq-api`
+(proto/python: the generated `cronoq.v1` and `cronoq.jsonform`), which the server
+uses without the SDK. `__path__` takes in every `cronoq` directory on sys.path, so
+`cronoq.v1` is found wherever cronoq-api is installed; and the public names are
+imported on first use, so `import cronoq.v1.task_pb2` loads neither the client, the
+worker nor tenacity.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import TYPE_CHECKING, Any
+
+__path__ = pkgutil.extend_path(__path__, __name__)
 
 __version__ = "0.1.0"
+
+# public name -> the submodule that defines it
+_EXPORTS: dict[str, str] = {
+    "RetryConfig": "_transport",
+    "TlsConfig": "_transport",
+    "TERMINAL_STATES": "client",
+    "Client": "client",
+    "Submitted": "client",
+    "Task": "client",
+    "TaskState": "client",
+    "WaitResult": "client",
+    "payload_of": "client",
+    "result_of": "client",
+    "task_spec": "client",
+    "CronoqError": "errors",
+    "from_grpc_error": "errors",
+    "SyncClient": "sync",
+    "TaskContext": "worker",
+    "TaskError": "worker",
+    "Worker": "worker",
+}
 
 __all__ = [
     "TERMINAL_STATES",
@@ -37,3 +58,33 @@ __all__ = [
     "result_of",
     "task_spec",
 ]
+
+if TYPE_CHECKING:
+    from ._transport import RetryConfig, TlsConfig
+    from .client import (
+        TERMINAL_STATES,
+        Client,
+        Submitted,
+        Task,
+        TaskState,
+        WaitResult,
+        payload_of,
+        result_of,
+        task_spec,
+    )
+    from .errors import CronoqError, from_grpc_error
+    from .sync import SyncClient
+    from .worker import TaskContext, TaskError, Worker
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import datetime as dt
 import ipaddress
 import logging
+import socket
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -12,7 +16,17 @@ from urllib.parse import urlsplit
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, stop_never, wait_exponential_jitter
 
-from .errors import Cancelled, CronoqError, InvalidArgument, RedirectRefused, Unavailable, from_grpc_error
+from .errors import (
+    Cancelled,
+    CronoqError,
+    InvalidArgument,
+    RedirectRefused,
+    TlsError,
+    Unavailable,
+    from_grpc_error,
+    tls_failure_reason,
+    tls_verify_reason,
+)
 
 log = logging.getLogger("cronoq")
 T = TypeVar("T")
@@ -32,11 +46,23 @@ class RetryConfig:
 
 @dataclass(frozen=True)
 class TlsConfig:
-    """TLS settings for https:// endpoints; all paths are PEM files."""
+    """TLS settings for https:// endpoints; all paths are PEM files.
+
+    ca: the CA bundle the server's certificate must chain to (without it, the default roots).
+    cert and key: a client certificate and its key, for servers with server.tls.client_ca.
+    """
 
     ca: str | None = None
     cert: str | None = None
     key: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise InvalidArgument("tls: give both cert and key (a client certificate and its key), or neither")
+
+
+# A probe that tells why a TLS connection failed gives up after this (per step).
+PROBE_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -91,14 +117,44 @@ def check_redirect(current: Endpoint, target: Endpoint, token: str | None, insec
         )
 
 
-def _read(path: str | None) -> bytes | None:
+def _read(path: str | None, what: str) -> bytes | None:
     if path is None:
         return None
-    with open(path, "rb") as f:
-        return f.read()
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as err:
+        raise InvalidArgument(f"tls.{what}: cannot read {path!r}: {(err.strerror or str(err)).lower()}") from None
 
 
-def open_channel(endpoint: Endpoint, tls: TlsConfig | None) -> grpc.aio.Channel:
+class TlsFiles:
+    """A TlsConfig's files, read and checked once: the gRPC channel credentials, and an ssl
+    context with the same CA and client certificate for probing a failed handshake."""
+
+    def __init__(self, tls: TlsConfig | None):
+        self.config = tls or TlsConfig()
+        ca, cert, key = _read(self.config.ca, "ca"), _read(self.config.cert, "cert"), _read(self.config.key, "key")
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        self.context.set_alpn_protocols(["h2"])
+        try:
+            if self.config.ca is not None:
+                self.context.load_verify_locations(cafile=self.config.ca)
+            else:
+                self.context.load_default_certs()
+        except (ssl.SSLError, ValueError) as err:
+            raise InvalidArgument(f"tls.ca: {self.config.ca!r} holds no PEM certificate ({err})") from None
+        if self.config.cert is not None and self.config.key is not None:
+            try:
+                self.context.load_cert_chain(self.config.cert, self.config.key)
+            except (ssl.SSLError, OSError, ValueError) as err:
+                raise InvalidArgument(
+                    f"tls.cert: {self.config.cert!r} with tls.key {self.config.key!r} is not a PEM certificate "
+                    f"and its unencrypted key ({err})"
+                ) from None
+        self.credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def open_channel(endpoint: Endpoint, tls: TlsConfig | TlsFiles | None) -> grpc.aio.Channel:
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -106,11 +162,127 @@ def open_channel(endpoint: Endpoint, tls: TlsConfig | None) -> grpc.aio.Channel:
     ]
     if not endpoint.secure:
         return grpc.aio.insecure_channel(endpoint.target, options=options)
-    tls = tls or TlsConfig()
-    creds = grpc.ssl_channel_credentials(
-        root_certificates=_read(tls.ca), private_key=_read(tls.key), certificate_chain=_read(tls.cert)
+    files = tls if isinstance(tls, TlsFiles) else TlsFiles(tls)
+    return grpc.aio.secure_channel(endpoint.target, files.credentials, options=options)
+
+
+# gRPC's words for a connection the server closed; over TLS, also how a refused client
+# certificate shows (the server closes the connection right after the handshake).
+_CLOSED = ("Socket closed", "Connection reset", "End of TCP stream", "connection closed")
+
+
+def _client_cert_reason(tls: TlsConfig) -> str:
+    """Why a server that closes the connection after the handshake refused this client."""
+    if tls.cert is None:
+        return "the server requires a client certificate (none given: set cert and key; CRONOQ_CERT, CRONOQ_KEY)"
+    try:
+        from cryptography import x509
+
+        with open(tls.cert, "rb") as f:
+            leaf = x509.load_pem_x509_certificate(f.read())
+        now = dt.datetime.now(dt.UTC)
+        if leaf.not_valid_after_utc < now:
+            return f"the client certificate {tls.cert!r} has expired (on {leaf.not_valid_after_utc:%Y-%m-%d %H:%M} UTC)"
+        if leaf.not_valid_before_utc > now:
+            return f"the client certificate {tls.cert!r} is not yet valid"
+    except Exception:  # cryptography absent, or a file it cannot read: say what is known
+        pass
+    return (
+        f"the server refused the client certificate {tls.cert!r} "
+        "(not signed by a CA in its server.tls.client_ca, or expired)"
     )
-    return grpc.aio.secure_channel(endpoint.target, creds, options=options)
+
+
+_ALERTS = (
+    ("CERTIFICATE_REQUIRED", None),  # None: the client certificate's own reason
+    ("CERTIFICATE_EXPIRED", None),
+    ("UNKNOWN_CA", None),
+    ("BAD_CERTIFICATE", None),
+    ("HANDSHAKE_FAILURE", "the server refused the handshake (no common protocol or cipher)"),
+    ("WRONG_VERSION_NUMBER", "the server does not speak TLS on this port (wrong version number): "
+     "is it an http:// endpoint?"),
+)  # fmt: skip
+
+
+def _alert_reason(err: ssl.SSLError, tls: TlsConfig) -> str:
+    """The reason for a TLS alert from the server, or for a connection it closed (no alert)."""
+    text = f"{err.reason or ''} {err}".upper()
+    for marker, reason in _ALERTS:
+        if marker in text:
+            return reason or _client_cert_reason(tls)
+    if isinstance(err, (ssl.SSLEOFError, ssl.SSLZeroReturnError)) or "EOF" in text:
+        return _client_cert_reason(tls)
+    return " ".join(str(err).split())
+
+
+# The HTTP/2 client connection preface and an empty SETTINGS frame.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def probe_tls(endpoint: Endpoint, files: TlsFiles, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why a TLS connection to endpoint fails (blocking), or None if it does not, or if the
+    server cannot be reached at all (that is not a TLS problem)."""
+    try:
+        raw = socket.create_connection((endpoint.host, endpoint.port), timeout=timeout)
+    except OSError:
+        return None
+    with raw:
+        try:
+            conn = files.context.wrap_socket(raw, server_hostname=endpoint.host)
+        except ssl.SSLCertVerificationError as err:
+            return tls_verify_reason(err.verify_message or str(err))
+        except ssl.SSLError as err:
+            return _alert_reason(err, files.config)
+        except TimeoutError:
+            return None
+        except OSError:
+            return _client_cert_reason(files.config)  # closed during the handshake
+        with conn:
+            # TLS 1.3: the server checks the client's certificate after the client's side of the
+            # handshake is done; a server that refuses it closes the connection (with an alert,
+            # or none). One that accepts it answers the HTTP/2 preface with its SETTINGS frame.
+            try:
+                conn.sendall(_H2_PREFACE)
+                return None if conn.recv(1) else _client_cert_reason(files.config)
+            except ssl.SSLError as err:
+                return _alert_reason(err, files.config)
+            except TimeoutError:
+                return None
+            except OSError:
+                return _client_cert_reason(files.config)
+
+
+def probe_speaks_tls(endpoint: Endpoint, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether a TLS handshake (unverified) with endpoint completes: a TLS server on a port
+    the client was told is plaintext (http://)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((endpoint.host, endpoint.port), timeout=timeout) as raw:
+            with context.wrap_socket(raw, server_hostname=endpoint.host):
+                return True
+    except ssl.SSLError as err:  # a TLS alert from the server (e.g. "certificate required") is TLS too
+        return "ALERT" in f"{err.reason or ''}".upper()
+    except OSError:
+        return False
+
+
+async def diagnose_tls(endpoint: Endpoint, files: TlsFiles | None, details: str) -> TlsError | None:
+    """The TlsError a gRPC UNAVAILABLE (its details) stands for, or None if it is no TLS failure."""
+    if endpoint.secure:
+        reason = tls_failure_reason(details)
+        if reason is None and files is not None and any(m in details for m in _CLOSED):
+            reason = await asyncio.to_thread(probe_tls, endpoint, files)
+        if reason is None:
+            return None
+        if reason.startswith("hostname mismatch"):
+            reason = f"hostname mismatch: the server's certificate is not valid for {endpoint.host!r}"
+        return TlsError(f"{endpoint}: TLS handshake failed: {reason}")
+    if any(m in details for m in _CLOSED) and await asyncio.to_thread(probe_speaks_tls, endpoint):
+        secure = Endpoint("https", endpoint.host, endpoint.port)
+        return TlsError(f"{endpoint}: the server speaks TLS on this port: use {secure}")
+    return None
 
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -199,6 +371,7 @@ class Connection:
         self._factory = stub_factory
         self._token = token
         self._tls = tls
+        self._tls_files = TlsFiles(tls) if tls is not None or any(e.secure for e in self.configured) else None
         self._insecure_redirect_http = insecure_redirect_http
         self._channel: grpc.aio.Channel | None = None
         self._retired: list[grpc.aio.Channel] = []
@@ -208,7 +381,9 @@ class Connection:
     @property
     def stub(self) -> Any:
         if self._stub is None:  # channels belong to the running loop: create them lazily
-            self._channel = open_channel(self.current, self._tls)
+            if self.current.secure and self._tls_files is None:  # a redirect to https://
+                self._tls_files = TlsFiles(self._tls)
+            self._channel = open_channel(self.current, self._tls_files)
             self._stub = self._factory(self._channel)
         return self._stub
 
@@ -239,7 +414,23 @@ class Connection:
             self.switch(self.configured[self._next])
 
     def rpc(self, method: str) -> Any:
-        return getattr(self.stub, method)
+        """The stub's method; a unary one raises TlsError (not retried) for a failed handshake."""
+        call = getattr(self.stub, method)
+        if not isinstance(call, grpc.aio.UnaryUnaryMultiCallable):
+            return call
+        endpoint, files = self.current, self._tls_files
+
+        async def unary(request: Any, **kwargs: Any) -> Any:
+            try:
+                return await call(request, **kwargs)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    failure = await diagnose_tls(endpoint, files, err.details() or "")
+                    if failure is not None:
+                        raise failure from None
+                raise
+
+        return unary
 
     async def call(self, method: str, request: Any, timeout: float, retry: RetryConfig) -> Any:
         return await with_retries(

@@ -74,8 +74,10 @@ def _wrap(task: Task) -> dict[str, Any]:
 
 
 def _client(args: argparse.Namespace) -> Client:
-    tls = TlsConfig(args.ca, args.cert, args.key) if (args.ca or args.cert) else None
-    return Client(args.endpoint, token=args.token, tls=tls, retry=RetryConfig(max_elapsed=10))
+    if bool(args.cert) != bool(args.key_file):
+        raise SystemExit(f"cronoq {args.command}: give --cert and --key-file together (env CRONOQ_CERT and CRONOQ_KEY)")
+    tls = TlsConfig(args.ca or None, args.cert or None, args.key_file or None) if (args.ca or args.cert) else None
+    return Client(args.endpoint, token=args.token or None, tls=tls, retry=RetryConfig(max_elapsed=10))
 
 
 async def cmd_submit(args: argparse.Namespace) -> int:
@@ -167,12 +169,26 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--endpoint",
         default=os.environ.get("CRONOQ_ENDPOINT", "http://127.0.0.1:7070"),
-        help="http://host:port or https://host:port (env CRONOQ_ENDPOINT)",
+        help="http://host:port, or https://host:port for TLS (env CRONOQ_ENDPOINT)",
     )
     common.add_argument("--token", default=os.environ.get("CRONOQ_TOKEN"), help="bearer token (env CRONOQ_TOKEN)")
-    common.add_argument("--ca", help="CA bundle (PEM) for https:// endpoints")
-    common.add_argument("--cert", help="client certificate (PEM) for mTLS")
-    common.add_argument("--key-file", dest="key", help="client key (PEM) for mTLS")
+    common.add_argument(
+        "--ca",
+        default=os.environ.get("CRONOQ_CA"),
+        help="CA bundle (PEM) the server's certificate must chain to, for https:// endpoints; "
+        "default: the system's roots (env CRONOQ_CA)",
+    )
+    common.add_argument(
+        "--cert",
+        default=os.environ.get("CRONOQ_CERT"),
+        help="client certificate (PEM), for servers that require one (env CRONOQ_CERT)",
+    )
+    common.add_argument(
+        "--key-file",
+        dest="key_file",  # not "key": submit's --key (a task key) and get's --key (by key) have that dest
+        default=os.environ.get("CRONOQ_KEY"),
+        help="the client certificate's private key (PEM, unencrypted) (env CRONOQ_KEY)",
+    )
     common.add_argument("--json", action="store_true", help="print JSON (proto field names, ids as strings)")
 
     parser = argparse.ArgumentParser(prog="cronoq", description="Submit and inspect cronoq tasks.")

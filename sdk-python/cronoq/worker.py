@@ -28,6 +28,7 @@ from .errors import (
     Internal,
     NotFound,
     PermissionDenied,
+    TlsError,
     TooManyRedirects,
     Unauthenticated,
     Unavailable,
@@ -317,8 +318,8 @@ class Worker:
                 log.warning("worker %s unknown to the server; registering again", self.worker_id)
                 await self._register()
                 continue
-            except (PermissionDenied, Unauthenticated):
-                raise  # credentials refused: no retry can help, so run() fails with the reason
+            except (PermissionDenied, Unauthenticated, TlsError):
+                raise  # credentials or TLS refused: no retry can help, so run() fails with the reason
             except FailedPrecondition as err:
                 if err.shard_endpoint:  # the pools moved to another shard
                     raise
@@ -428,6 +429,12 @@ class Worker:
                     log.warning("finish report of %d task(s) failed (%s); retrying", len(batch), err)
                     again.append(batch)
                     await self._pause_after(err)
+                    continue
+                except (PermissionDenied, Unauthenticated, TlsError) as err:
+                    # Not the report's fault: kept and sent again (leasing stops the worker meanwhile).
+                    log.error("finish report of %d task(s) refused (%s); retrying", len(batch), err)
+                    again.append(batch)
+                    await asyncio.sleep(self._retry.max_backoff)
                     continue
                 except Exception as err:  # refused as a whole, e.g. RESOURCE_EXHAUSTED, INVALID_ARGUMENT
                     if len(batch) > 1:

@@ -1,10 +1,12 @@
-"""Credentials: bearer tokens (compared by hash, in constant time) and mTLS subjects."""
+"""Credentials: bearer tokens (compared by hash, in constant time) and verified client certificate
+subjects (canonical RFC 4514, matched against [[clients]]; see api/tls.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import os
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -33,6 +35,8 @@ class Principal:
 
 
 ANONYMOUS = Principal("anonymous", None, frozenset(PERMISSIONS))
+MAX_TOKEN_CHARS = 4096
+_VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 
 
 def _scope(pools: list[str]) -> frozenset[str] | None:
@@ -54,12 +58,13 @@ class Authenticator:
         self.enabled = bool(self._tokens or self._clients)
 
     def authenticate(self, authorization: str | None, cert_subject: str | None) -> Principal:
+        """The caller: by its bearer token if it sends one (a token wins over a certificate, and a
+        wrong one is refused even with a good certificate), else by the subject of its verified
+        client certificate (canonical RFC 4514), else UNAUTHENTICATED."""
         if not self.enabled:
             return ANONYMOUS
         if authorization:
-            scheme, _, token = authorization.partition(" ")
-            if scheme.lower() != "bearer" or not token:
-                raise ApiError(grpc.StatusCode.UNAUTHENTICATED, "authorization: expected 'Bearer <token>'")
+            token = _bearer_token(authorization)
             digest = hashlib.sha256(token.encode()).digest()
             match = None
             for known, principal in self._tokens:  # every entry is compared: constant time
@@ -68,6 +73,32 @@ class Authenticator:
             if match is None:
                 raise ApiError(grpc.StatusCode.UNAUTHENTICATED, "authorization: unknown token")
             return Principal(match.name, match.pools, match.permissions, token=token)
-        if cert_subject and cert_subject in self._clients:
-            return self._clients[cert_subject]
-        raise ApiError(grpc.StatusCode.UNAUTHENTICATED, "credentials required: send 'authorization: Bearer <token>'")
+        if cert_subject:
+            client = self._clients.get(cert_subject)
+            if client is None:
+                shown = cert_subject if len(cert_subject) <= 200 else cert_subject[:200] + "..."
+                raise ApiError(
+                    grpc.StatusCode.UNAUTHENTICATED, f"client certificate {shown!r}: subject not in [[clients]]"
+                )
+            return client
+        wanted = "'authorization: Bearer <token>'" + (" or a client certificate" if self._clients else "")
+        raise ApiError(grpc.StatusCode.UNAUTHENTICATED, f"credentials required: send {wanted}")
+
+
+def _bearer_token(authorization: str) -> str:
+    """The token of 'Bearer <token>' (scheme in any case, one or more spaces after it); a token
+    must be 1 to MAX_TOKEN_CHARS visible ASCII characters. Never echoes the value."""
+    scheme, _, rest = authorization.partition(" ")
+    token = rest.lstrip(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise ApiError(grpc.StatusCode.UNAUTHENTICATED, "authorization: expected 'Bearer <token>'")
+    if len(token) > MAX_TOKEN_CHARS:
+        raise ApiError(
+            grpc.StatusCode.UNAUTHENTICATED, f"authorization: token longer than {MAX_TOKEN_CHARS} characters"
+        )
+    if not _VISIBLE_ASCII.fullmatch(token):
+        raise ApiError(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "authorization: a token is visible ASCII only (no spaces, control or non-ASCII characters)",
+        )
+    return token

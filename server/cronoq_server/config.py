@@ -10,6 +10,8 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from cryptography import x509
+from cryptography.x509.oid import NameOID, ObjectIdentifier
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 UNSHARDED = "unsharded"
@@ -58,16 +60,121 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
+# Attribute types a [[clients]] subject may name (in any case), besides dotted OIDs.
+_SUBJECT_ATTRIBUTES = {
+    "CN": NameOID.COMMON_NAME,
+    "O": NameOID.ORGANIZATION_NAME,
+    "OU": NameOID.ORGANIZATIONAL_UNIT_NAME,
+    "C": NameOID.COUNTRY_NAME,
+    "L": NameOID.LOCALITY_NAME,
+    "ST": NameOID.STATE_OR_PROVINCE_NAME,
+    "STREET": NameOID.STREET_ADDRESS,
+    "DC": NameOID.DOMAIN_COMPONENT,
+    "UID": NameOID.USER_ID,
+    "EMAILADDRESS": NameOID.EMAIL_ADDRESS,
+    "E": NameOID.EMAIL_ADDRESS,
+    "SERIALNUMBER": NameOID.SERIAL_NUMBER,
+    "SN": NameOID.SURNAME,
+    "GN": NameOID.GIVEN_NAME,
+    "GIVENNAME": NameOID.GIVEN_NAME,
+    "TITLE": NameOID.TITLE,
+    "POSTALCODE": NameOID.POSTAL_CODE,
+}
+_DOTTED_OID = re.compile(r"^[0-2](\.(0|[1-9][0-9]*))+$")
+
+
+def _split_unescaped(text: str, separators: str) -> list[str]:
+    """text cut at every separator that no backslash escapes; escapes are kept as written."""
+    parts: list[str] = []
+    current, i = "", 0
+    while i < len(text):
+        if text[i] == "\\":
+            current += text[i : i + 2]
+            i += 2
+            continue
+        if text[i] in separators:
+            parts.append(current)
+            current = ""
+        else:
+            current += text[i]
+        i += 1
+    parts.append(current)
+    return parts
+
+
+def _strip_value(value: str) -> str:
+    """Unescaped spaces around a value are not part of it (an escaped trailing space is)."""
+    value = value.lstrip(" ")
+    while value.endswith(" "):
+        backslashes = len(value) - 1 - len(value[:-1].rstrip("\\"))
+        if backslashes % 2:
+            break
+        value = value[:-1]
+    return value
+
+
+def subject_string(name: x509.Name) -> str:
+    """A certificate's subject as compared with [[clients]] subjects: RFC 4514 (the most specific
+    first), with the attributes of a multi-valued RDN in a fixed order."""
+    return ",".join("+".join(sorted(a.rfc4514_string() for a in rdn)) for rdn in reversed(name.rdns))
+
+
+def rfc4514_subject(text: str) -> str:
+    """The canonical RFC 4514 string of a distinguished name ("CN=worker-a,O=acme"), the form a
+    verified client certificate's subject is compared in. Attribute types may be in any case
+    (CN, cn, emailAddress, or dotted OIDs) and separators may have spaces around them; the
+    order is kept as written (RFC 4514: the most specific first). Raises ValueError."""
+    if not text.strip():
+        raise ValueError("empty subject")
+    rdns: list[str] = []
+    for rdn in _split_unescaped(text, ","):
+        avas: list[str] = []
+        for ava in _split_unescaped(rdn, "+"):
+            kind, sep, value = ava.partition("=")
+            name = kind.strip().upper()
+            if not sep or not name or "\\" in name:
+                raise ValueError(f"{ava.strip()!r} is not TYPE=value")
+            oid = _SUBJECT_ATTRIBUTES.get(name)
+            if oid is None and not _DOTTED_OID.match(name):
+                raise ValueError(f"unknown attribute type {kind.strip()!r}")
+            value = _strip_value(value)
+            if not value:
+                raise ValueError(f"{kind.strip()}: empty value")
+            avas.append(f"{(oid or ObjectIdentifier(name)).dotted_string}={value}")
+        rdns.append("+".join(avas))
+    try:
+        return subject_string(x509.Name.from_rfc4514_string(",".join(rdns)))
+    except ValueError as err:
+        raise ValueError(" ".join(str(err).split()) or "not a valid RFC 4514 string") from None
+
+
+def _check_subject(value: str) -> str:
+    try:
+        return rfc4514_subject(value)
+    except ValueError as err:
+        raise ValueError(f"not a distinguished name such as 'CN=worker-a,O=acme' ({err}), got {value!r}") from None
+
+
 class TlsConfig(_Strict):
+    """Both listeners. With client_ca, every connection must present a certificate it signed."""
+
     cert: str
     key: str
     client_ca: str | None = None
 
 
 class PeerTlsConfig(_Strict):
+    """This server's channels to other servers (https:// endpoints); system roots without ca."""
+
     ca: str | None = None
     cert: str | None = None
     key: str | None = None
+
+    @model_validator(mode="after")
+    def _pair(self) -> PeerTlsConfig:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("give both 'cert' and 'key' (a client certificate and its key), or neither")
+        return self
 
 
 class ServerConfig(_Strict):
@@ -148,7 +255,7 @@ class TokenConfig(_Strict):
 
 
 class ClientConfig(_Strict):
-    subject: str
+    subject: Annotated[str, AfterValidator(_check_subject)]  # kept in canonical RFC 4514 form
     pools: list[str]
     permissions: list[Literal["submit", "read", "cancel", "work", "schedule", "admin"]]
 
@@ -192,6 +299,7 @@ def _check_cross_references(cfg: Config) -> None:
     _unique(cfg.resources, "name", "resources")
     _unique(cfg.shards, "name", "shards")
     _unique(cfg.shards, "number", "shards")
+    _unique(cfg.clients, "subject", "clients")
     pool_names = {p.name for p in cfg.pools}
     shard_names = {s.name for s in cfg.shards}
     for i, res in enumerate(cfg.resources):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
+import hashlib
 import ipaddress
 import logging
 import os
 import re
 import signal
 import sys
+from typing import TextIO
 
 from grpc_health.v1 import health_pb2
 
@@ -17,6 +20,8 @@ from . import __version__
 from .api.grpc import start_grpc
 from .api.http import start_http
 from .api.listen import ListenError
+from .api.tls import check_tls_files, describe
+from .auth import MAX_TOKEN_CHARS
 from .config import Config, ConfigError, load_config
 from .node import Node
 from .store.base import StoreOwnedElsewhere
@@ -60,6 +65,11 @@ def check_startup(config: Config, path: str, shard: str | None) -> None:
             f"{path}: store.url_env: environment variable {config.store.url_env!r} is not set (or give store.url)"
         )
     s = config.server
+    if config.clients and (s.tls is None or s.tls.client_ca is None):
+        raise ConfigError(
+            f"{path}: clients: [[clients]] authenticate by client certificate, which needs "
+            "server.tls with client_ca (or use [[tokens]])"
+        )
     if not (config.tokens or config.clients or s.allow_unauthenticated):
         for key, listen in (("server.listen", s.listen), ("server.http_listen", s.http_listen)):
             if not _is_loopback(listen):
@@ -67,29 +77,31 @@ def check_startup(config: Config, path: str, shard: str | None) -> None:
                     f"{path}: {key}: {listen!r} is not loopback and no [[tokens]] or [[clients]] are configured "
                     "(set server.allow_unauthenticated = true to allow)"
                 )
+    check_tls_files(config, path)
 
 
 async def serve(config: Config, shard: str | None) -> int:
     node = Node(config, shard)
     try:
         grpc_server, health = await start_grpc(node, config.server.listen)
-    except ListenError as err:
+    except (ListenError, ConfigError) as err:
         print(f"cronoq-server: {err}", file=sys.stderr)
         return 2
     try:
         http_runner = await start_http(node, config.server.http_listen)
-    except ListenError as err:
+    except (ListenError, ConfigError) as err:
         print(f"cronoq-server: {err}", file=sys.stderr)
         await grpc_server.stop(None)
         return 2
     log.info(
-        "cronoq-server %s: shard %s (number %d), pools %s, gRPC %s, HTTP %s, store %s",
+        "cronoq-server %s: shard %s (number %d), pools %s, gRPC %s, HTTP %s, TLS %s, store %s",
         __version__,
         node.shard_name,
         node.shard_number,
         ",".join(node.pools),
         config.server.listen,
         config.server.http_listen,
+        describe(config.server.tls),
         node.describe_store(),
     )
     stop = asyncio.Event()
@@ -130,6 +142,28 @@ async def serve(config: Config, shard: str | None) -> int:
     return code
 
 
+def hash_token(stdin: TextIO) -> int:
+    """`cronoq-server hash-token`: the sha256 hex of the token on stdin, for [[tokens]] sha256."""
+    text = getpass.getpass("token: ") if stdin.isatty() else stdin.read()
+    lines = text.splitlines()
+    token = lines[0].strip() if lines else ""
+    if not token:
+        print("cronoq-server hash-token: no token on stdin", file=sys.stderr)
+        return 2
+    if len(lines) > 1 and any(line.strip() for line in lines[1:]):
+        print("cronoq-server hash-token: more than one line on stdin (one token, one line)", file=sys.stderr)
+        return 2
+    if not re.fullmatch(r"[\x21-\x7e]+", token) or len(token) > MAX_TOKEN_CHARS:
+        print(
+            f"cronoq-server hash-token: a token is 1 to {MAX_TOKEN_CHARS} visible ASCII characters "
+            "(no spaces, control or non-ASCII characters)",
+            file=sys.stderr,
+        )
+        return 2
+    print(hashlib.sha256(token.encode()).hexdigest())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="cronoq-server",
@@ -140,7 +174,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard", metavar="NAME", help="the shard to serve; required with [[shards]]")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--version", action="version", version=f"cronoq-server {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.add_parser(
+        "hash-token",
+        help="print the sha256 of a token read on stdin (for [[tokens]] sha256)",
+        description="Read one token on stdin (prompted for, unechoed, on a terminal) and print its sha256 "
+        "in hex: the value of a [[tokens]] entry's sha256, or of the variable its env names. The server "
+        'keeps only this digest. Example: printf %s "$TOKEN" | cronoq-server hash-token',
+    )
     args = parser.parse_args(argv)
+    if args.command == "hash-token":
+        sys.exit(hash_token(sys.stdin))
     logging.basicConfig(
         level=args.log_level,
         format=f"%(asctime)s %(levelname)s [shard={args.shard or 'unsharded'}] %(name)s: %(message)s",

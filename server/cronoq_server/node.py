@@ -26,14 +26,13 @@ from .core.tasks import Tasks
 from .errors import ApiError
 from .leader import FileLeadership, PgLeadership
 from .metrics import CALLS, LEADER, TASKS_BY_STATE, TASKS_SUBMITTED, WORKERS
+from .registry import RegistryError, registry
 from .store.base import State, Store, StoreSettings, StoreUnavailable
 from .store.postgres import PostgresStore
 from .store.sqlite import SqliteStore
 
 log = logging.getLogger("cronoq.node")
 
-# Calls a standby answers itself; every other call needs the leader.
-STANDBY_CALLS = {"GetServerInfo"}
 # Gauges of tasks by pool and state are counted at most this often, off the callers' path.
 GAUGE_MAX_AGE_S = 5.0
 
@@ -88,9 +87,16 @@ class Node:
             "FinishTasks": self.leases.finish_tasks,
             "DeregisterWorker": self.leases.deregister_worker,
             "ListWorkers": self.leases.list_workers,
+            "PutSchedule": self._schedules_unimplemented,
+            "DeleteSchedule": self._schedules_unimplemented,
+            "ListSchedules": self._schedules_unimplemented,
             "GetServerInfo": self.get_server_info,
             "GetSnapshot": self.get_snapshot,
         }
+        self.rpcs = registry()
+        unhandled = [r.path for r in self.rpcs.values() if not r.server_streaming and r.name not in self._unary]
+        if unhandled:
+            raise RegistryError(f"RPCs without a handler: {', '.join(unhandled)}")
 
     def _store_path(self) -> str:
         return self.config.store.path.replace("{shard}", self.shard_name)
@@ -201,16 +207,31 @@ class Node:
     def authenticate(self, authorization: str | None, cert_subject: str | None) -> Principal:
         return self.auth.authenticate(authorization, cert_subject)
 
-    def _require_leader(self, method: str) -> None:
-        if self.draining and method not in STANDBY_CALLS:
+    def admit(self, method: str, caller: Principal) -> None:
+        """What every call passes before its request is looked at: this server must be able to
+        answer it (the leader, or a standby for calls declared so), and the caller must hold
+        the permission the RPC declares on some pool (each pool is checked again by the call)."""
+        rpc = self.rpcs[method]
+        if self.draining and not rpc.standby:
             # No leader named: it is about to change, so the caller tries its next endpoint.
-            raise ApiError(grpc.StatusCode.UNAVAILABLE, f"this server of shard {self.shard_name!r} is shutting down")
-        if not self.is_leader and method not in STANDBY_CALLS:
+            raise ApiError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"this server of shard {self.shard_name!r} is shutting down",
+                reason="SHUTTING_DOWN",
+                retry_delay=0.1,
+            )
+        if not self.is_leader and not rpc.standby:
             leader = self.leadership.current_leader()
             raise ApiError(
                 grpc.StatusCode.UNAVAILABLE,
                 f"this server is a standby of shard {self.shard_name!r}; the leader is {leader or 'not known yet'}",
                 {"cronoq-leader": leader} if leader else {},
+                reason="NOT_LEADER",
+                retry_delay=0.1,
+            )
+        if rpc.permission is not None and rpc.permission not in caller.permissions:
+            raise ApiError(
+                grpc.StatusCode.PERMISSION_DENIED, f"{caller.name!r} lacks permission {rpc.permission!r} ({method})"
             )
 
     async def call(self, method: str, request: Message, caller: Principal) -> Message:
@@ -218,7 +239,7 @@ class Node:
         self._in_flight += 1
         self._idle.clear()
         try:
-            self._require_leader(method)
+            self.admit(method, caller)
             response = await self._unary[method](request, caller)
             if method in ("SubmitTask", "SubmitBatch"):
                 _count_submitted(method, request, response)
@@ -229,7 +250,10 @@ class Node:
         except StoreUnavailable as err:
             code = "UNAVAILABLE"
             leader = self.leadership.current_leader()
-            raise ApiError(grpc.StatusCode.UNAVAILABLE, str(err), {"cronoq-leader": leader} if leader else {}) from None
+            metadata = {"cronoq-leader": leader} if leader else {}
+            raise ApiError(
+                grpc.StatusCode.UNAVAILABLE, str(err), metadata, reason="STORE_UNAVAILABLE", retry_delay=0.5
+            ) from None
         except Exception:
             code = "INTERNAL"
             raise
@@ -240,8 +264,11 @@ class Node:
                 self._idle.set()
 
     def watch(self, request: Message, caller: Principal) -> AsyncGenerator[Message, None]:
-        self._require_leader("Watch")
+        self.admit("Watch", caller)
         return self.tasks.watch(request, caller)  # type: ignore[arg-type]
+
+    async def _schedules_unimplemented(self, request: Message, caller: Principal) -> Message:
+        raise ApiError(grpc.StatusCode.UNIMPLEMENTED, "schedules are not implemented yet")
 
     # -- admin ----------------------------------------------------------------
 
@@ -262,7 +289,7 @@ class Node:
         counts = await self.store.count_by_pool_and_state()
         snap = admin_pb.ShardSnapshot(shard=self.shard_name, number=self.shard_number, leader=self.advertise)
         for pool in self.pools:
-            if not caller.may("read", pool):
+            if not (caller.may("read", pool) or caller.may("admin", pool)):
                 continue
             pc = admin_pb.PoolCounts(pool=pool)
             for state in State:

@@ -378,7 +378,7 @@ def test_parser_errors_answer_with_the_json_error_body(client: Client) -> None:
         except ValueError:
             client.fail(name, f"body is not JSON: {body[:300]!r}")
             continue
-        if set(err) != {"code", "message"} or err["code"] != "INVALID_ARGUMENT":
+        if set(err) != {"code", "message", "reason"} or err["code"] != "INVALID_ARGUMENT":
             client.fail(name, f"body {err!r}, want code INVALID_ARGUMENT and a message")
         elif fragment.lower() not in err["message"].lower():
             client.fail(name, f"message {err['message']!r} does not name {fragment!r}")
@@ -654,6 +654,9 @@ class ScriptedNode:
     def authenticate(self, authorization: str | None, cert_subject: str | None) -> Any:
         return ANONYMOUS
 
+    def admit(self, method: str, caller: Any) -> None:
+        pass
+
     async def call(self, method: str, request: Any, caller: Any) -> Any:
         raise ApiError(grpc.StatusCode.UNIMPLEMENTED, f"{method}: not scripted")
 
@@ -711,7 +714,7 @@ async def test_sse_error_event_after_events_and_include_payloads() -> None:
         assert json.loads(blocks[1][6:])["task"]["id"] == "2"
         assert blocks[2].startswith(b"event: error\ndata: "), blocks[2]
         err = json.loads(blocks[2].split(b"data: ", 1)[1])
-        assert err == {"code": "ABORTED", "message": BEHIND.message}
+        assert err == {"code": "ABORTED", "message": BEHIND.message, "reason": BEHIND.reason}
         assert rest.strip() == b"0", rest  # nothing after the error event
         assert node.requests[0].include_payloads is True and node.requests[0].pool == "default"
         assert node.closed.is_set()

@@ -6,6 +6,7 @@ import signal
 import threading
 import time
 
+import grpc
 import pytest
 from _helpers import Api, eventually
 
@@ -272,3 +273,14 @@ def test_sharded_ids_carry_the_shard_number(start_server, tmp_path):
     assert task.id >> 56 == 200 and task.id & ((1 << 56) - 1) == 1
     status, body = srv.http("GET", f"/v1/tasks/{task.id}")
     assert status == 200 and body["task"]["id"] == str(task.id)
+
+
+def test_refusals_carry_standard_error_details_and_a_reason(server, api):
+    from cronoq.status import decode_details
+
+    with pytest.raises(grpc.RpcError) as err:
+        api.get(987654321)
+    details = decode_details(err.value.trailing_metadata())
+    assert details is not None and details.reason == "NOT_FOUND"
+    status, body = server.http("GET", "/v1/tasks/987654321")
+    assert status == 404 and body["reason"] == "NOT_FOUND" and body["code"] == "NOT_FOUND"

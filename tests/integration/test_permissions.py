@@ -403,10 +403,18 @@ def anyone(tok: Tok) -> str:
     return OK
 
 
+def holds(permission: str) -> Callable[[Tok], str]:
+    """A call over every pool the caller may see: it needs the permission on some pool."""
+    return lambda tok: OK if permission in tok.perms else DENIED
+
+
 def hidden_unless_readable(permission: str, pool: str) -> Callable[[Tok], str]:
-    """Rule 1: without read on the task's pool it is missing; with read, the permission decides."""
+    """Rule 1: without read on the task's pool it is missing; with read, the permission decides.
+    A caller who holds the RPC's permission on no pool at all is refused before any lookup."""
 
     def expect(tok: Tok) -> str:
+        if permission not in tok.perms:
+            return DENIED
         if not tok.may("read", pool):
             return NOT_FOUND
         return OK if tok.may(permission, pool) else DENIED
@@ -509,10 +517,11 @@ def check_workers(env: Env, tok: Tok, target: Target, out: Outcome) -> list[str]
 def check_snapshot(env: Env, tok: Tok, target: Target, out: Outcome) -> list[str]:
     shards = (out.body or {}).get("shards", [])
     readable = tok.readable()
+    shown = readable | {p for p in POOLS if tok.may("admin", p)}  # counts: pools it may read or administer
     problems = []
     pools = sorted(p["pool"] for s in shards for p in s.get("pools", []))
-    if pools != sorted(readable):
-        problems.append(f"snapshot pools {pools}, want {sorted(readable)}")
+    if pools != sorted(shown):
+        problems.append(f"snapshot pools {pools}, want {sorted(shown)}")
     worker_pools = {p for s in shards for w in s.get("workers", []) for p in w.get("pools", [])}
     if not worker_pools <= readable:
         problems.append(f"snapshot shows workers of pools {sorted(worker_pools - readable)}")
@@ -772,7 +781,7 @@ def list_and_watch_rows() -> list[Call]:
             Call(
                 f"ListTasks pool={pool or '(all)'}",
                 "read",
-                needs("read", pool) if pool else anyone,
+                needs("read", pool) if pool else holds("read"),
                 lambda env, t, md, req=req: env.tasks.ListTasks(req, metadata=md, timeout=TIMEOUT),
                 lambda env, t, pool=pool: ("GET", f"/v1/tasks?page_size=1000&pool={pool}", None),
                 pure=True,
@@ -864,7 +873,7 @@ def worker_rows() -> list[Call]:
         Call(
             "ListWorkers",
             "read",
-            anyone,
+            holds("read"),
             lambda env, t, md: env.workers.ListWorkers(wpb.ListWorkersRequest(), metadata=md, timeout=TIMEOUT),
             lambda env, t: ("GET", "/v1/workers", None),
             pure=True,
@@ -878,8 +887,8 @@ def admin_rows() -> list[Call]:
     return [
         Call(
             "GetSnapshot",
-            None,
-            anyone,
+            "admin",
+            holds("admin"),
             lambda env, t, md: env.admin.GetSnapshot(apb.GetSnapshotRequest(), metadata=md, timeout=TIMEOUT),
             lambda env, t: ("GET", "/v1/snapshot", None),
             pure=True,

@@ -101,3 +101,55 @@ def test_pool_scope_and_permission_are_enforced_by_require() -> None:
             mailer.require(permission, pool)
         assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and err.value.http_status == 403
         assert repr(permission) in err.value.message and repr(pool) in err.value.message
+
+
+# -- malformed authorization values and certificate subjects -----------------------
+
+
+@pytest.mark.parametrize(
+    ("authorization", "problem"),
+    [
+        ("Bearer", "expected 'Bearer <token>'"),
+        ("Bearer    ", "expected 'Bearer <token>'"),
+        ("Bearer\ts3cret", "expected 'Bearer <token>'"),
+        (" Bearer s3cret", "expected 'Bearer <token>'"),
+        ("Bearer s3 cret", "visible ASCII"),
+        ("Bearer s3cret ", "visible ASCII"),
+        ("Bearer s3cret\n", "visible ASCII"),
+        ("Bearer s3\tcret", "visible ASCII"),
+        ("Bearer s3cr\u00e9t", "visible ASCII"),
+        ("Bearer \udcff\udcfe", "visible ASCII"),  # undecodable bytes as aiohttp hands them over
+        ("Bearer \x00", "visible ASCII"),
+        ("Bearer " + "x" * 5000, "longer than 4096"),
+        ("Bearer " + "x" * 65536, "longer than 4096"),
+        ("x" * 65536, "expected 'Bearer <token>'"),
+    ],
+)
+def test_malformed_authorization_is_unauthenticated_and_never_echoed(authorization: str, problem: str) -> None:
+    auth = authenticator(tokens=[{"name": "ops", "sha256": sha256("s3cret"), "pools": ["*"], "permissions": ["read"]}])
+    err = refused(auth, authorization)
+    assert err.code == grpc.StatusCode.UNAUTHENTICATED and problem in err.message, err.message
+    assert "s3" not in err.message and "xxx" not in err.message and len(err.message) < 200
+
+
+def test_one_or_more_spaces_after_the_scheme() -> None:
+    auth = authenticator(tokens=[{"name": "ops", "sha256": sha256("s3cret"), "pools": ["*"], "permissions": ["read"]}])
+    for authorization in ("Bearer s3cret", "BEARER   s3cret", "bearer s3cret"):
+        assert auth.authenticate(authorization, None).name == "ops"
+
+
+def test_token_wins_over_certificate_and_subjects_are_canonical() -> None:
+    auth = authenticator(
+        tokens=[{"name": "reader", "sha256": sha256("r"), "pools": ["*"], "permissions": ["read"]}],
+        clients=[{"subject": "cn=worker, o=acme", "pools": ["default"], "permissions": ["work"]}],
+    )
+    via_cert = auth.authenticate(None, "CN=worker,O=acme")  # what api/tls.py reports for the certificate
+    assert via_cert.name == "CN=worker,O=acme" and via_cert.via_certificate and via_cert.token is None
+    via_token = auth.authenticate("Bearer r", "CN=worker,O=acme")
+    assert via_token.name == "reader" and not via_token.via_certificate and via_token.token == "r"
+    err = refused(auth, None, "O=acme,CN=worker")  # another order is another name
+    assert err.code == grpc.StatusCode.UNAUTHENTICATED and "'O=acme,CN=worker'" in err.message
+    long_subject = "CN=" + "a" * 64 + ",O=" + "b" * 64 + ",OU=" + "c" * 64 + ",L=" + "d" * 64
+    assert len(refused(auth, None, long_subject).message) < 300
+    err = refused(auth, None, None)
+    assert "credentials required" in err.message and "client certificate" in err.message

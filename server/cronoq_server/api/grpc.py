@@ -1,26 +1,22 @@
-"""The gRPC API (grpc.aio): thin servicers over Node.call, plus grpc.health.v1."""
+"""The gRPC API (grpc.aio): a handler per RPC of the registry over Node.call, plus grpc.health.v1."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from cronoq.v1 import (
-    admin_service_pb2_grpc,
-    schedule_service_pb2_grpc,
-    task_service_pb2_grpc,
-    worker_service_pb2_grpc,
-)
-
 from ..auth import Principal
 from ..errors import ApiError
 from ..node import Node
+from ..registry import Rpc, registry
 from .listen import ListenError, precheck_bind, probe_bind
+from .reflection import enable_reflection
+from .tls import grpc_cert_subject, grpc_server_credentials
 
 log = logging.getLogger("cronoq.grpc")
 
@@ -47,100 +43,68 @@ def _metadata(context: grpc.aio.ServicerContext, name: str) -> str | None:
 
 
 def _cert_subject(context: grpc.aio.ServicerContext) -> str | None:
-    auth = context.auth_context()
-    names = list(auth.get("x509_subject") or auth.get("x509_common_name") or ())
-    return names[0].decode() if names else None
+    return grpc_cert_subject(context)
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: ApiError) -> None:
-    await context.abort(err.code, err.message, trailing_metadata=tuple(err.metadata.items()))
+    await context.abort(err.code, err.message, trailing_metadata=err.trailers())
 
 
-class _Servicer:
+class _Handlers:
+    """The gRPC handler of every RPC in the registry, each a thin call into the Node."""
+
     def __init__(self, node: Node):
         self._node = node
 
     def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
         return self._node.authenticate(_metadata(context, "authorization"), _cert_subject(context))
 
-    async def _serve(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await self._node.call(method, request, self._caller(context))
-        except ApiError as err:
-            await _abort(context, err)
-        except Exception:
-            log.exception("%s failed", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log")
+    def unary(self, rpc: Rpc) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await self._node.call(rpc.name, request, self._caller(context))
+            except ApiError as err:
+                await _abort(context, err)
+            except Exception:
+                log.exception("%s failed", rpc.name)
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc.name}; see the server log")
 
+        return handle
 
-def _unary(method: str) -> Callable[..., Any]:
-    async def handler(self: _Servicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._serve(method, request, context)
+    def stream(self, rpc: Rpc) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                stream = self._node.watch(request, self._caller(context))
+            except ApiError as err:
+                await _abort(context, err)
+                return
+            try:
+                async for item in stream:
+                    yield item
+            except ApiError as err:  # e.g. ABORTED, a watcher too slow to keep up: after events were sent
+                await _abort(context, err)
+            finally:
+                await stream.aclose()  # a cancelled call must not leave the watcher registered
 
-    handler.__name__ = method
-    return handler
+        return handle
 
-
-class TaskServicer(_Servicer, task_service_pb2_grpc.TaskServiceServicer):
-    SubmitTask = _unary("SubmitTask")
-    SubmitBatch = _unary("SubmitBatch")
-    GetTask = _unary("GetTask")
-    WaitTask = _unary("WaitTask")
-    CancelTask = _unary("CancelTask")
-    ListTasks = _unary("ListTasks")
-
-    async def Watch(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        try:
-            stream = self._node.watch(request, self._caller(context))
-        except ApiError as err:
-            await _abort(context, err)
-            return
-        try:
-            async for item in stream:
-                yield item
-        except ApiError as err:  # e.g. ABORTED, a watcher too slow to keep up: after events were sent
-            await _abort(context, err)
-        finally:
-            await stream.aclose()  # a cancelled call must not leave the watcher registered
-
-
-class WorkerServicer(_Servicer, worker_service_pb2_grpc.WorkerServiceServicer):
-    RegisterWorker = _unary("RegisterWorker")
-    LeaseTasks = _unary("LeaseTasks")
-    Heartbeat = _unary("Heartbeat")
-    FinishTasks = _unary("FinishTasks")
-    DeregisterWorker = _unary("DeregisterWorker")
-    ListWorkers = _unary("ListWorkers")
-
-
-class ScheduleServicer(_Servicer, schedule_service_pb2_grpc.ScheduleServiceServicer):
-    """Schedules are declared in the contract; the server implements them in a later release."""
-
-    async def _unimplemented(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            self._caller(context)  # credentials first, as on every call
-        except ApiError as err:
-            await _abort(context, err)
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "schedules are not implemented yet")
-
-    PutSchedule = DeleteSchedule = ListSchedules = _unimplemented
-
-
-class AdminServicer(_Servicer, admin_service_pb2_grpc.AdminServiceServicer):
-    GetSnapshot = _unary("GetSnapshot")
-    GetServerInfo = _unary("GetServerInfo")
+    def generic(self) -> list[grpc.GenericRpcHandler]:
+        by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
+        for rpc in registry().values():
+            if rpc.server_streaming:
+                handler = grpc.unary_stream_rpc_method_handler(
+                    self.stream(rpc), rpc.request.FromString, rpc.response.SerializeToString
+                )
+            else:
+                handler = grpc.unary_unary_rpc_method_handler(
+                    self.unary(rpc), rpc.request.FromString, rpc.response.SerializeToString
+                )
+            by_service.setdefault(rpc.service, {})[rpc.name] = handler
+        return [grpc.method_handlers_generic_handler(name, methods) for name, methods in by_service.items()]
 
 
 def _server_credentials(node: Node) -> grpc.ServerCredentials | None:
-    tls = node.config.server.tls
-    if tls is None:
-        return None
-    with open(tls.key, "rb") as k, open(tls.cert, "rb") as c:
-        pair = [(k.read(), c.read())]
-    if tls.client_ca:
-        with open(tls.client_ca, "rb") as ca:
-            return grpc.ssl_server_credentials(pair, root_certificates=ca.read(), require_client_auth=False)
-    return grpc.ssl_server_credentials(pair)
+    return grpc_server_credentials(node.config.server.tls)
 
 
 def server_options(node: Node) -> list[tuple[str, int]]:
@@ -154,12 +118,10 @@ def server_options(node: Node) -> list[tuple[str, int]]:
 async def start_grpc(node: Node, listen: str) -> tuple[grpc.aio.Server, HealthServicer]:
     """Serves the gRPC API on `listen`; raises ListenError (one line) when it cannot bind."""
     server = grpc.aio.server(options=server_options(node))
-    task_service_pb2_grpc.add_TaskServiceServicer_to_server(TaskServicer(node), server)
-    worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(node), server)
-    schedule_service_pb2_grpc.add_ScheduleServiceServicer_to_server(ScheduleServicer(node), server)
-    admin_service_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(node), server)
+    server.add_generic_rpc_handlers(_Handlers(node).generic())
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    enable_reflection(server)  # the descriptors, for grpcurl and grpcui; needs no credentials
     creds = _server_credentials(node)
     reason = precheck_bind(listen)
     if reason:

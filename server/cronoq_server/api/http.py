@@ -5,7 +5,6 @@ connection layer (timeouts, the connection cap) is in http_listener."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -14,32 +13,21 @@ from typing import Any
 import grpc
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from google.protobuf import json_format
 from google.protobuf.message import Message
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from cronoq.jsonform import JSON_CONTENT_TYPE, to_dict
-from cronoq.v1 import (
-    admin_service_pb2 as admin_pb,
-)
-from cronoq.v1 import (
-    task_pb2,
-)
-from cronoq.v1 import (
-    task_service_pb2 as task_pb,
-)
-from cronoq.v1 import (
-    worker_service_pb2 as worker_pb,
-)
+from cronoq.jsonform import to_dict
 
 from ..auth import Principal
-from ..errors import ApiError, invalid
-from ..ids import parse_task_id
+from ..errors import ApiError
 from ..node import Node
+from ..registry import HttpRoute, Rpc, registry
 from . import http_listener
-from .http_body import check_base64, decode_json
+from .http_body import decode_json
 from .http_listener import Connection, GuardedRunner, connection_guard, error_body, one_line
+from .http_request import build_request
 from .listen import ListenError, os_reason, split_listen
+from .tls import http_cert_subject, http_site
 
 log = logging.getLogger("cronoq.http")
 INT32_MAX = (1 << 31) - 1
@@ -64,7 +52,7 @@ class _HttpError(ApiError):
 
 
 def _error_response(err: ApiError) -> web.Response:
-    body: dict[str, Any] = {"code": err.code.name, "message": err.message}
+    body: dict[str, Any] = {"code": err.code.name, "message": err.message, "reason": err.reason}
     if "cronoq-shard" in err.metadata:
         body["shard"] = err.metadata["cronoq-shard"]
     if "cronoq-shard-endpoint" in err.metadata:
@@ -73,27 +61,6 @@ def _error_response(err: ApiError) -> web.Response:
     if isinstance(err, _HttpError) and err.close:
         response.force_close()
     return response
-
-
-def _spec_from_json(body: Any, where: str) -> task_pb.SubmitTaskRequest:
-    if not isinstance(body, dict):
-        raise invalid(f"{where or 'body'}: expected a JSON object")
-    body = dict(body)
-    if "payload_json" in body:
-        if "payload" in body:
-            raise invalid(f"{where}payload_json: give payload or payload_json, not both")
-        body["payload"] = base64.b64encode(json.dumps(body.pop("payload_json")).encode()).decode()
-        body.setdefault("content_type", JSON_CONTENT_TYPE)
-    elif "payload" in body:
-        check_base64(body["payload"], f"{where}payload")
-    return _parse(body, task_pb.SubmitTaskRequest(), where)
-
-
-def _parse(body: Any, message: Message, where: str = "") -> Any:
-    try:
-        return json_format.ParseDict(body, message)
-    except json_format.ParseError as err:
-        raise invalid(f"{where}{err}") from None
 
 
 def _too_large(request: web.BaseRequest) -> _HttpError:
@@ -154,104 +121,6 @@ async def _body(request: web.Request) -> Any:
     return decode_json(raw)
 
 
-def _ref(request: web.Request) -> task_pb2.TaskRef:
-    if "id" in request.match_info:
-        text = request.match_info["id"]
-        if not text.isascii():  # str.isdigit() accepts digits such as '١' and '²'
-            raise invalid(f"id: task id {text!r} is not a positive unsigned 64-bit decimal integer")
-        try:
-            return task_pb2.TaskRef(id=parse_task_id(text))
-        except ValueError as err:
-            raise invalid(f"id: {err}") from None
-    return task_pb2.TaskRef(key=request.match_info["key"])
-
-
-def _query_int(request: web.Request, name: str, maximum: int) -> int:
-    text = request.query.get(name, "")
-    if not text:
-        return 0
-    if not (text.isascii() and text.isdigit()):
-        raise invalid(f"{name}: {text!r} is not a non-negative integer")
-    if len(text) > 20 or int(text) > maximum:
-        raise invalid(f"{name}: {text[:40]} is more than {maximum}")
-    return int(text)
-
-
-def _query_bool(request: web.Request, name: str) -> bool:
-    text = request.query.get(name, "").lower()
-    if text in ("", "false", "0"):
-        return False
-    if text in ("true", "1"):
-        return True
-    raise invalid(f"{name}: {request.query[name]!r} is not true or false")
-
-
-def _state(text: str) -> int:
-    if not text:
-        return 0
-    name = text.upper()
-    name = name if name.startswith("TASK_STATE_") else f"TASK_STATE_{name}"
-    try:
-        return task_pb2.TaskState.Value(name)
-    except ValueError:
-        raise invalid(f"state: unknown state {text!r}") from None
-
-
-Builder = Callable[[web.Request], Awaitable[Message]]
-
-
-async def _submit_task(r: web.Request) -> Message:
-    return _spec_from_json(await _body(r), "")
-
-
-async def _submit_batch(r: web.Request) -> Message:
-    body = await _body(r)
-    if not isinstance(body, dict) or not isinstance(body.get("tasks"), list):
-        raise invalid("tasks: expected a JSON object with a list of tasks")
-    extra = set(body) - {"tasks", "request_id"}
-    if extra:
-        raise invalid(f"body: unknown field {sorted(extra)[0]!r}")
-    request_id = body.get("request_id", "")
-    if not isinstance(request_id, str):
-        raise invalid(f"request_id: expected a string, got {json.dumps(request_id)[:40]}")
-    return task_pb.SubmitBatchRequest(
-        tasks=[_spec_from_json(t, f"tasks[{i}].") for i, t in enumerate(body["tasks"])], request_id=request_id
-    )
-
-
-async def _get_task(r: web.Request) -> Message:
-    return task_pb.GetTaskRequest(task=_ref(r))
-
-
-async def _wait_task(r: web.Request) -> Message:
-    return task_pb.WaitTaskRequest(task=_ref(r), timeout_ms=_query_int(r, "timeout_ms", UINT32_MAX))
-
-
-async def _cancel_task(r: web.Request) -> Message:
-    return task_pb.CancelTaskRequest(task=_ref(r))
-
-
-async def _list_tasks(r: web.Request) -> Message:
-    return task_pb.ListTasksRequest(
-        pool=r.query.get("pool", ""),
-        state=_state(r.query.get("state", "")),  # type: ignore[arg-type]
-        page_size=_query_int(r, "page_size", INT32_MAX),
-        page_token=r.query.get("page_token", ""),
-    )
-
-
-async def _list_workers(r: web.Request) -> Message:
-    return worker_pb.ListWorkersRequest(pool=r.query.get("pool", ""))
-
-
-async def _empty_snapshot(r: web.Request) -> Message:
-    return admin_pb.GetSnapshotRequest()
-
-
-async def _empty_info(r: web.Request) -> Message:
-    return admin_pb.GetServerInfoRequest()
-
-
 @web.middleware
 async def _json_http_errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -278,7 +147,7 @@ _PAYLOAD_FIELDS = ("payload", "payload_json", "result")
 
 
 def _sse_error(err: ApiError) -> bytes:
-    return b"event: error\ndata: " + error_body(err.code.name, err.message) + b"\n\n"
+    return b"event: error\ndata: " + error_body(err.code.name, err.message, err.reason) + b"\n\n"
 
 
 class HttpApi:
@@ -288,41 +157,25 @@ class HttpApi:
             middlewares=[connection_guard, _json_http_errors],
             client_max_size=max(node.config.limits.max_payload_bytes * 2, 4 << 20),
         )
-        routes = [
-            ("POST", "/v1/tasks", "SubmitTask", _submit_task),
-            ("POST", "/v1/batches", "SubmitBatch", _submit_batch),
-            ("GET", "/v1/tasks/{id}", "GetTask", _get_task),
-            ("GET", "/v1/keys/{key}", "GetTask", _get_task),
-            ("GET", "/v1/tasks/{id}/wait", "WaitTask", _wait_task),
-            ("GET", "/v1/keys/{key}/wait", "WaitTask", _wait_task),
-            ("POST", "/v1/tasks/{id}/cancel", "CancelTask", _cancel_task),
-            ("POST", "/v1/keys/{key}/cancel", "CancelTask", _cancel_task),
-            ("GET", "/v1/tasks", "ListTasks", _list_tasks),
-            ("GET", "/v1/workers", "ListWorkers", _list_workers),
-            ("GET", "/v1/snapshot", "GetSnapshot", _empty_snapshot),
-            ("GET", "/v1/info", "GetServerInfo", _empty_info),
-        ]
-        for verb, path, method, build in routes:
-            self.app.router.add_route(verb, path, self._handler(method, build), expect_handler=_expect)
-        self.app.router.add_get("/v1/watch", self._watch)
-        for verb, path in (
-            ("GET", "/v1/schedules"),
-            ("PUT", "/v1/pools/{pool}/schedules/{name}"),
-            ("DELETE", "/v1/pools/{pool}/schedules/{name}"),
-        ):
-            self.app.router.add_route(verb, path, self._unimplemented)
+        for rpc in registry().values():
+            for route in rpc.http:
+                handle = self._sse(rpc, route) if route.sse else self._handler(rpc, route)
+                self.app.router.add_route(route.method, route.aiohttp_path, handle, expect_handler=_expect)
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_get("/healthz", self._healthz)
         self.app.router.add_get("/readyz", self._readyz)
 
     def _caller(self, request: web.Request) -> Principal:
-        return self.node.authenticate(request.headers.get("Authorization"), None)
+        return self.node.authenticate(request.headers.get("Authorization"), http_cert_subject(request))
 
-    def _handler(self, method: str, build: Builder) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    def _handler(self, rpc: Rpc, route: HttpRoute) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handle(request: web.Request) -> web.StreamResponse:
             try:
-                caller = self._caller(request)
-                response = await self.node.call(method, await build(request), caller)
+                caller = self._caller(request)  # credentials first, then the permission, then the body
+                self.node.admit(rpc.name, caller)
+                body = await _body(request) if route.method in ("POST", "PUT") else None
+                message = build_request(rpc, route, request.match_info, request.query, body)
+                response = await self.node.call(rpc.name, message, caller)
             except ApiError as err:
                 return _error_response(err)
             except Exception:
@@ -334,21 +187,26 @@ class HttpApi:
 
         return handle
 
-    async def _watch(self, request: web.Request) -> web.StreamResponse:
+    def _sse(self, rpc: Rpc, route: HttpRoute) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self._watch(rpc, route, request)
+
+        return handle
+
+    async def _watch(self, rpc: Rpc, route: HttpRoute, request: web.Request) -> web.StreamResponse:
         """Server-sent events: `data: <TaskEvent JSON>` per event; a stream the server ends with
         an error (a watcher too slow to keep up) ends with `event: error` and a JSON error body."""
         try:
             caller = self._caller(request)
-            watch = task_pb.WatchRequest(
-                pool=request.query.get("pool", ""), include_payloads=_query_bool(request, "include_payloads")
-            )
+            self.node.admit(rpc.name, caller)
+            watch = build_request(rpc, route, request.match_info, request.query, None)
             stream = self.node.watch(watch, caller)
         except ApiError as err:
             return _error_response(err)
         conn = request.protocol
         lost = conn.lost() if isinstance(conn, Connection) else asyncio.get_running_loop().create_future()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        events = self._events(stream, lost, watch.include_payloads)
+        events = self._events(stream, lost, watch.include_payloads)  # type: ignore[attr-defined]
         try:
             await response.prepare(request)
             await response.write(b": watching\n\n")
@@ -402,18 +260,6 @@ class HttpApi:
                     event["task"].pop(name, None)
             yield f"data: {json.dumps(event)}\n\n".encode()
 
-    async def _unimplemented(self, request: web.Request) -> web.Response:
-        """Credentials are checked first, as on every route: an unknown caller learns nothing."""
-        try:
-            self._caller(request)
-        except ApiError as err:
-            return _error_response(err)
-        return _error_response(
-            ApiError(
-                grpc.StatusCode.UNIMPLEMENTED, f"{request.method} {request.path}: schedules are not implemented yet"
-            )
-        )
-
     async def _metrics(self, request: web.Request) -> web.Response:
         """Open without credentials configured or with server.metrics_public; else needs `admin` on any pool."""
         if self.node.auth.enabled and not self.node.config.server.metrics_public:
@@ -457,7 +303,7 @@ async def start_http(node: Node, listen: str) -> web.AppRunner:
     await runner.setup()
     host, port = split_listen(listen)
     try:
-        await web.TCPSite(runner, host, port, backlog=http_listener.LISTEN_BACKLOG).start()
+        await http_site(runner, host, port, http_listener.LISTEN_BACKLOG, node.config.server.tls).start()
     except OSError as err:
         await runner.cleanup()
         raise ListenError(f"server.http_listen: cannot listen on {listen}: {os_reason(err)}") from None

@@ -37,8 +37,9 @@ MAX_HEADERS = 128  # header fields per request (aiohttp's default, named in refu
 LISTEN_BACKLOG = 1024  # connections the kernel queues before accept (aiohttp's default 128 overflows in bursts)
 
 
-def error_body(code: str, message: str) -> bytes:
-    return json.dumps({"code": code, "message": message}).encode()
+def error_body(code: str, message: str, reason: str | None = None) -> bytes:
+    """The API's JSON error body (the reason is the code's name unless given)."""
+    return json.dumps({"code": code, "message": message, "reason": reason or code}).encode()
 
 
 def one_line(value: Any, limit: int = 300) -> str:

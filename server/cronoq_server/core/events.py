@@ -60,7 +60,7 @@ class Watcher:
         while not self._events:
             if self.ended is not None:
                 if self.ended.startswith("watch fell behind"):
-                    raise ApiError(grpc.StatusCode.ABORTED, self.ended)
+                    raise ApiError(grpc.StatusCode.ABORTED, self.ended, reason="WATCH_FELL_BEHIND", retry_delay=0.0)
                 return None
             self._ready.clear()
             await self._ready.wait()

@@ -176,7 +176,11 @@ def decide_heartbeat(
 def key_of_another_pool(key: str, pool: str, existing_pool: str) -> None:
     """Keys deduplicate within a pool; naming another pool's task is refused, revealing nothing of it."""
     if existing_pool != pool:
-        raise ApiError(grpc.StatusCode.ALREADY_EXISTS, f"key {key!r} already names a task of another pool")
+        raise ApiError(
+            grpc.StatusCode.ALREADY_EXISTS,
+            f"key {key!r} already names a task of another pool",
+            reason="KEY_IN_ANOTHER_POOL",
+        )
 
 
 def encode_request(subs: list[Submitted]) -> str:
@@ -214,6 +218,8 @@ def check_pending_limits(settings: StoreSettings, counts: Mapping[str, int], cre
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"limits.max_pending_total: admitting {len(created)} task(s) would make {total} pending "
             f"(limit {settings.max_pending_total}); nothing was admitted",
+            reason="PENDING_LIMIT",
+            retry_delay=1.0,
         )
     if settings.max_pending_per_pool is not None:
         for pool in sorted(set(created)):
@@ -222,6 +228,8 @@ def check_pending_limits(settings: StoreSettings, counts: Mapping[str, int], cre
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"limits.max_pending_per_pool: pool {pool!r} would have {counts[pool]} pending "
                     f"(limit {settings.max_pending_per_pool}); nothing was admitted",
+                    reason="PENDING_LIMIT",
+                    retry_delay=1.0,
                 )
 
 

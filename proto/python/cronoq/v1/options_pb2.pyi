@@ -122,7 +122,8 @@ Global___MethodRule: _TypeAlias = MethodRule  # noqa: Y015
 @_typing.final
 class HttpRoute(_message.Message):
     """One HTTP route of an RPC. Path variables name request fields ("{task.id}"); for GET and
-    DELETE the other fields come from the query string; for the others from the JSON body.
+    DELETE the other top-level fields come from the query string; for the others from the
+    JSON body (the proto3 JSON form of the request, or of the field named by `body`).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -130,20 +131,24 @@ class HttpRoute(_message.Message):
     METHOD_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
     SSE_FIELD_NUMBER: _builtins.int
+    BODY_FIELD_NUMBER: _builtins.int
     method: _builtins.str
     path: _builtins.str
     sse: _builtins.bool
     """Server-Sent Events: a server-streaming RPC over HTTP."""
+    body: _builtins.str
+    """The request field the JSON body fills; empty: the whole request."""
     def __init__(
         self,
         *,
         method: _builtins.str = ...,
         path: _builtins.str = ...,
         sse: _builtins.bool = ...,
+        body: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["method", b"method", "path", b"path", "sse", b"sse"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "method", b"method", "path", b"path", "sse", b"sse"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
