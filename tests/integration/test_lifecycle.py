@@ -284,3 +284,11 @@ def test_refusals_carry_standard_error_details_and_a_reason(server, api):
     assert details is not None and details.reason == "NOT_FOUND"
     status, body = server.http("GET", "/v1/tasks/987654321")
     assert status == 404 and body["reason"] == "NOT_FOUND" and body["code"] == "NOT_FOUND"
+
+
+def test_the_sdk_exposes_the_reason_of_a_refusal(server):
+    import cronoq
+
+    with cronoq.SyncClient(server.endpoint) as client, pytest.raises(cronoq.errors.NotFound) as err:
+        client.get(987654321)
+    assert err.value.reason == "NOT_FOUND" and err.value.retry_delay is None
