@@ -23,6 +23,11 @@ class Principal:
     token: str | None = None  # kept to forward the caller's own credentials
     via_certificate: bool = False
 
+    @property
+    def identity(self) -> str:
+        """Who this is, across kinds of credentials: a token named "CN=x" is not certificate CN=x."""
+        return f"{'certificate' if self.via_certificate else 'token'}:{self.name}"
+
     def may(self, permission: str, pool: str) -> bool:
         return permission in self.permissions and (self.pools is None or pool in self.pools)
 

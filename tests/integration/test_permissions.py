@@ -18,13 +18,30 @@ The matrix is a table of call specs (`Call`): a name, the permission, how to cal
 and over HTTP, which target to prepare, the expected code per token, and optional checks of an
 accepted answer or of a refusal. Add rows to `matrix_calls()`; every row runs against every
 credential in CREDS. Each test starts one server and collects every mismatch, asserting once.
+
+Over mTLS (the *_mtls tests): a second server with [server.tls] (cert, key, client_ca: a
+client certificate is required on both listeners), the same [[tokens]], and [[clients]] for
+certificate principals mirroring some tokens (CN=full-a, CN=read-a, ... with the same pools
+and permissions), CN=carrier (everything) and CN=none (nothing). The same table runs there:
+a credential is a (token header, client certificate) pair (`Cred`), and the Env presents the
+call's certificate on its gRPC channel (grpc.ssl_channel_credentials) or HTTPS connection
+(an ssl.SSLContext). Columns: every token, sent with the certificate of CN=carrier (a token
+wins over the certificate, so it must get exactly what it gets over plaintext); every
+[[clients]] certificate without a token (judged by its entry's pools and permissions, as a
+token with the same ones; the subject is the principal's name); the bad tokens with the
+carrier certificate, and the certificate of a subject no [[clients]] entry names, without a
+token: UNAUTHENTICATED on every call and route. The full matrix runs there (about 40 s of
+the file's ~70 s); to trim it, take a subset of the token columns in test_permission_matrix_mtls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import http.client
 import json
 import queue
+import ssl
 import threading
 import time
 import urllib.error
@@ -32,12 +49,14 @@ import urllib.request
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
+from tls_pki import Pair, Pki
 
 from cronoq.jsonform import to_dict
 from cronoq.v1 import (
@@ -146,14 +165,61 @@ BAD_CREDENTIALS: dict[str, str | None] = {
 
 @dataclass(frozen=True)
 class Cred:
+    """What a call is sent with: an authorization header and, over mTLS, a client certificate
+    (a key of CERT_SUBJECTS; None: the Env's default, the carrier). `tok` is the principal the
+    call must be judged as (None: a bad credential, UNAUTHENTICATED everywhere)."""
+
     label: str
     header: str | None
-    tok: Tok | None  # None: a bad credential
+    tok: Tok | None
+    cert: str | None = None
 
 
 CREDS: list[Cred] = [Cred(k, v, None) for k, v in BAD_CREDENTIALS.items()] + [
     Cred(t.label, t.header, t) for t in TOKENS.values()
 ]
+
+# -- mTLS: the same matrix over [server.tls] with client_ca (a certificate is required) ------
+# [[clients]]: certificate principals mirroring tokens (the same pools and permissions; the
+# subject is the principal's name, so "CN=full-a" is not the token principal "full-a"), plus
+# "CN=carrier" (every permission on every pool) and "CN=none" (pool a, no permission).
+CERT_TOKS: dict[str, Tok] = {
+    f"CN={t.label}": Tok(f"CN={t.label}", f"CN={t.label}", t.pools, t.perms)
+    for t in (TOKENS[x] for x in ("full-a", "full-b", "full-ab", "read-a", "work-a", "submit-a", "no-read-a"))
+}
+CERT_TOKS["CN=carrier"] = Tok("CN=carrier", "CN=carrier", ("*",), frozenset(PERMISSIONS))
+CERT_TOKS["CN=none"] = Tok("CN=none", "CN=none", ("a",), frozenset())
+# Client certificates by name: one per [[clients]] entry (named as its label without "CN="),
+# a second one of subject CN=full-a (another key: the same principal), and one of a subject
+# that no [[clients]] entry names.
+CERT_SUBJECTS: dict[str, str] = {
+    **{label.removeprefix("CN="): label for label in CERT_TOKS},
+    "full-a-2": "CN=full-a",
+    "stranger": "CN=stranger",
+}
+# Every token is sent with the certificate of CN=carrier, which may do everything: a token
+# must win over the certificate (docs/configuration.md), so a token column over mTLS expects
+# exactly what it expects over plaintext. Were the certificate's permissions used instead of
+# the token's, or added to them, every cell where the token is refused would turn OK (and
+# change state); were the certificate's name used, the "worker of full-a" rows would turn OK.
+# (Sending no token with it is the certificate column CN=carrier.)
+CARRIER = "carrier"
+MTLS_BAD_CREDS: list[Cred] = [
+    Cred(f"{k} (with certificate CN=carrier)", v, None, CARRIER) for k, v in BAD_CREDENTIALS.items() if v is not None
+] + [Cred("certificate of an unknown subject (CN=stranger), no token", None, None, "stranger")]
+
+
+def cert_cred(label: str, cert: str | None = None) -> Cred:
+    """A certificate column: the certificate of a [[clients]] principal, no token."""
+    return Cred(f"certificate {label}", None, CERT_TOKS[label], cert or label.removeprefix("CN="))
+
+
+MTLS_CERT_CREDS: list[Cred] = [cert_cred(label) for label in CERT_TOKS]
+
+
+def tok_of(label: str) -> Tok:
+    """A principal by label: a token's label, or a certificate principal's ("CN=...")."""
+    return TOKENS[label] if label in TOKENS else CERT_TOKS[label]
 
 
 def sha256(text: str) -> str:
@@ -202,14 +268,53 @@ class Outcome:
 Metadata = list[tuple[str, str]] | None
 
 
+class Stubs:
+    """The four service stubs of one channel."""
+
+    def __init__(self, channel: grpc.Channel):
+        self.channel = channel
+        self.tasks = task_service_pb2_grpc.TaskServiceStub(channel)
+        self.workers = worker_service_pb2_grpc.WorkerServiceStub(channel)
+        self.admin = admin_service_pb2_grpc.AdminServiceStub(channel)
+        self.schedules = schedule_service_pb2_grpc.ScheduleServiceStub(channel)
+
+
+@dataclass
+class ClientTls:
+    """The client side of an mTLS server: its CA and the client certificates by name."""
+
+    ca_path: str
+    certs: dict[str, Pair]
+    default: str = CARRIER  # presented when a call names no certificate
+
+    def channel_credentials(self, cert: str) -> grpc.ChannelCredentials:
+        pair = self.certs[cert]
+        return grpc.ssl_channel_credentials(
+            root_certificates=Path(self.ca_path).read_bytes(),
+            private_key=Path(pair.key).read_bytes(),
+            certificate_chain=Path(pair.cert).read_bytes(),
+        )
+
+    def ssl_context(self, cert: str) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=self.ca_path)
+        pair = self.certs[cert]
+        ctx.load_cert_chain(pair.cert, pair.key)
+        return ctx
+
+
 class Env:
-    def __init__(self, server: Any):
+    """One server, its stubs and the checks. With `tls`, every gRPC channel and HTTPS connection
+    presents a client certificate: the one a call names (Cred.cert), else the default; the
+    stubs `tasks`, `workers`, ... are those of the certificate being presented."""
+
+    def __init__(self, server: Any, tls: ClientTls | None = None):
         self.server = server
-        self.channel = grpc.insecure_channel(server.grpc_target)
-        self.tasks = task_service_pb2_grpc.TaskServiceStub(self.channel)
-        self.workers = worker_service_pb2_grpc.WorkerServiceStub(self.channel)
-        self.admin = admin_service_pb2_grpc.AdminServiceStub(self.channel)
-        self.schedules = schedule_service_pb2_grpc.ScheduleServiceStub(self.channel)
+        self.tls = tls
+        self.base_url = f"https://127.0.0.1:{server.http_port}" if tls else server.http_url
+        self.prefix = "mTLS " if tls else ""  # of every case name
+        self._stubs: dict[str | None, Stubs] = {}
+        self._contexts: dict[str, ssl.SSLContext] = {}
+        self._current: str | None = tls.default if tls else None
         self.problems: list[str] = []
         self.notes: list[str] = []
         self._n = 0
@@ -218,15 +323,66 @@ class Env:
         self.expecting_ok = True  # set per cell: how long a gRPC Watch is given to be refused
 
     def close(self) -> None:
-        self.channel.close()
+        for stubs in self._stubs.values():
+            stubs.channel.close()
 
     def fail(self, case: str, what: str) -> None:
-        self.problems.append(f"{case}: {what}")
+        self.problems.append(f"{self.prefix}{case}: {what}")
 
     def finish(self) -> None:
         for note in self.notes:
             warnings.warn(note, stacklevel=2)
         assert not self.problems, f"{len(self.problems)} mismatch(es):\n" + "\n".join(self.problems)
+
+    # channels and certificates -----------------------------------------------------
+
+    def stubs(self, cert: str | None = None) -> Stubs:
+        """The stubs of a channel presenting `cert` (the default without one; none without TLS)."""
+        key = (cert or self.tls.default) if self.tls else None
+        if key not in self._stubs:
+            if self.tls is None:
+                channel = grpc.insecure_channel(self.server.grpc_target)
+            else:
+                assert key is not None
+                channel = grpc.secure_channel(self.server.grpc_target, self.tls.channel_credentials(key))
+            self._stubs[key] = Stubs(channel)
+        return self._stubs[key]
+
+    def ssl_context(self, cert: str | None) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        key = cert or self.tls.default
+        if key not in self._contexts:
+            self._contexts[key] = self.tls.ssl_context(key)
+        return self._contexts[key]
+
+    @contextlib.contextmanager
+    def presenting(self, cert: str | None) -> Iterator[None]:
+        """Within: `tasks`, `workers`, `admin`, `schedules` are the stubs presenting `cert`."""
+        saved, self._current = self._current, cert
+        try:
+            yield
+        finally:
+            self._current = saved
+
+    @property
+    def tasks(self) -> task_service_pb2_grpc.TaskServiceStub:
+        return self.stubs(self._current).tasks
+
+    @property
+    def workers(self) -> worker_service_pb2_grpc.WorkerServiceStub:
+        return self.stubs(self._current).workers
+
+    @property
+    def admin(self) -> admin_service_pb2_grpc.AdminServiceStub:
+        return self.stubs(self._current).admin
+
+    @property
+    def schedules(self) -> schedule_service_pb2_grpc.ScheduleServiceStub:
+        return self.stubs(self._current).schedules
+
+    def urlopen(self, req: urllib.request.Request, cert: str | None, timeout: float) -> Any:
+        return urllib.request.urlopen(req, timeout=timeout, context=self.ssl_context(cert))
 
     # credentials ----------------------------------------------------------------
 
@@ -234,27 +390,36 @@ class Env:
     def md(header: str | None) -> Metadata:
         return [("authorization", header)] if header is not None else None
 
+    def cred(self, label: str) -> Cred:
+        """A principal's credential: a token (over mTLS, with the default certificate) or, for
+        a certificate principal ("CN=..."), its certificate and no token."""
+        if label in TOKENS:
+            return Cred(label, TOKENS[label].header if self.auth else None, TOKENS[label])
+        assert self.tls is not None, f"{label}: a certificate principal needs the mTLS server"
+        return cert_cred(label)
+
     def as_(self, label: str) -> Metadata:
-        return self.md(TOKENS[label].header) if self.auth else None
+        return self.md(self.cred(label).header)
 
     # transports ------------------------------------------------------------------
 
-    def grpc(self, fn: Callable[[Metadata], Any], header: str | None) -> Outcome:
+    def grpc(self, fn: Callable[[Metadata], Any], header: str | None, cert: str | None = None) -> Outcome:
         try:
-            resp = fn(self.md(header))
+            with self.presenting(cert):
+                resp = fn(self.md(header))
         except grpc.RpcError as err:
             return Outcome(err.code().name, err.details() or "")
         return Outcome(OK, body=to_dict(resp) if isinstance(resp, Message) else resp)
 
-    def http(self, method: str, path: str, header: str | None, body: Any = None) -> Outcome:
+    def http(self, method: str, path: str, header: str | None, body: Any = None, cert: str | None = None) -> Outcome:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.server.http_url + path, data=data, method=method)
+        req = urllib.request.Request(self.base_url + path, data=data, method=method)
         if data is not None:
             req.add_header("Content-Type", "application/json")
         if header is not None:
             req.add_header("Authorization", header)
         try:
-            with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+            with self.urlopen(req, cert, TIMEOUT) as r:
                 status, ctype = r.status, r.headers.get("Content-Type", "")
                 # An SSE stream: its first line (a comment or an event) is enough.
                 raw = r.readline() if ctype.startswith("text/event-stream") else r.read()
@@ -279,14 +444,14 @@ class Env:
         tasks: dict[int, bytes] = {}
         token = ""
         while True:
-            resp = self.tasks.ListTasks(
+            resp = self.stubs().tasks.ListTasks(
                 tpb.ListTasksRequest(page_size=1000, page_token=token), metadata=md, timeout=TIMEOUT
             )
             tasks.update({t.id: t.SerializeToString(deterministic=True) for t in resp.tasks})
             token = resp.next_page_token
             if not token:
                 break
-        workers = self.workers.ListWorkers(wpb.ListWorkersRequest(), metadata=md, timeout=TIMEOUT).workers
+        workers = self.stubs().workers.ListWorkers(wpb.ListWorkersRequest(), metadata=md, timeout=TIMEOUT).workers
         return tasks, {w.id: w.SerializeToString(deterministic=True) for w in workers}
 
     @staticmethod
@@ -307,13 +472,14 @@ class Env:
         return "; ".join(out[:4]) + (f" (+{len(out) - 4} more)" if len(out) > 4 else "")
 
     def admin_tasks(self) -> list[dict[str, Any]]:
-        resp = self.tasks.ListTasks(tpb.ListTasksRequest(page_size=1000), metadata=self.as_("admin-all"), timeout=10)
+        resp = self.stubs().tasks.ListTasks(
+            tpb.ListTasksRequest(page_size=1000), metadata=self.as_("admin-all"), timeout=10
+        )
         return [to_dict(tpb.GetTaskResponse(task=t))["task"] for t in resp.tasks]
 
     def admin_workers(self) -> list[wpb.Worker]:
-        return list(
-            self.workers.ListWorkers(wpb.ListWorkersRequest(), metadata=self.as_("admin-all"), timeout=10).workers
-        )
+        req = wpb.ListWorkersRequest()
+        return list(self.stubs().workers.ListWorkers(req, metadata=self.as_("admin-all"), timeout=10).workers)
 
     # fixtures of the matrix -------------------------------------------------------
 
@@ -345,7 +511,8 @@ class Env:
         spec = self.spec(pool, self.new_key(pool))
         if due_now:
             spec.ClearField("run_at")
-        return self.tasks.SubmitTask(spec, metadata=self.as_(label), timeout=TIMEOUT).task
+        c = self.cred(label)
+        return self.stubs(c.cert).tasks.SubmitTask(spec, metadata=self.md(c.header), timeout=TIMEOUT).task
 
     def fresh_task(self, pool: str) -> Target:
         t = self.submit(pool)
@@ -358,7 +525,8 @@ class Env:
 
     def register(self, label: str, pools: list[str], name: str = "w") -> str:
         req = wpb.RegisterWorkerRequest(name=name, pools=pools)
-        return self.workers.RegisterWorker(req, metadata=self.as_(label), timeout=TIMEOUT).worker_id
+        c = self.cred(label)
+        return self.stubs(c.cert).workers.RegisterWorker(req, metadata=self.md(c.header), timeout=TIMEOUT).worker_id
 
     def worker(self, label: str, fresh: bool) -> Target:
         if fresh:
@@ -923,13 +1091,13 @@ def _norm(message: str, ref: str) -> str:
     return message.replace(ref, "<ref>") if ref else message
 
 
-def invoke(env: Env, call: Call, transport: str, target: Target, header: str | None) -> Outcome:
+def invoke(env: Env, call: Call, transport: str, target: Target, cred: Cred) -> Outcome:
     if transport == "gRPC":
         assert call.grpc is not None
-        return env.grpc(lambda md: call.grpc(env, target, md), header)  # type: ignore[misc]
+        return env.grpc(lambda md: call.grpc(env, target, md), cred.header, cred.cert)  # type: ignore[misc]
     assert call.http is not None
     method, path, body = call.http(env, target)
-    return env.http(method, path, header, body)
+    return env.http(method, path, cred.header, body, cred.cert)
 
 
 def run_cell(env: Env, call: Call, transport: str, cred: Cred, want: str) -> None:
@@ -937,7 +1105,7 @@ def run_cell(env: Env, call: Call, transport: str, cred: Cred, want: str) -> Non
     target = call.prepare(env, cred.tok)
     before = env.state() if (want != OK or call.pure) else None
     env.expecting_ok = want == OK
-    out = invoke(env, call, transport, target, cred.header)
+    out = invoke(env, call, transport, target, cred)
     if out.code != want:
         env.fail(case, f"got {out.code} ({out.message!r}), want {want}")
     if out.status is not None and out.code in HTTP_STATUS and out.status != HTTP_STATUS[out.code]:
@@ -956,7 +1124,7 @@ def run_cell(env: Env, call: Call, transport: str, cred: Cred, want: str) -> Non
             env.fail(case, p)
     if want == NOT_FOUND == out.code and call.missing and call.ref:
         ghost = call.missing(target)
-        miss = invoke(env, call, transport, ghost, cred.header)
+        miss = invoke(env, call, transport, ghost, cred)
         if miss.code != NOT_FOUND:
             env.fail(case, f"a missing ref of the same shape got {miss.code} ({miss.message!r})")
         elif _norm(out.message, call.ref(target)) != _norm(miss.message, call.ref(ghost)):
@@ -988,6 +1156,46 @@ def env(start_server: Any) -> Iterator[Env]:
     e.close()
 
 
+def mtls_config(pki: Pki, server_cert: Pair) -> dict[str, Any]:
+    """The same pools and [[tokens]], [server.tls] with client_ca, and [[clients]] for CERT_TOKS."""
+    return {
+        **token_config(),
+        "server": {"tls": {"cert": server_cert.cert, "key": server_cert.key, "client_ca": pki.ca_path}},
+        "clients": [
+            {"subject": t.name, "pools": list(t.pools), "permissions": sorted(t.perms)} for t in CERT_TOKS.values()
+        ],
+    }
+
+
+def wait_ready_tls(srv: Any, tls: ClientTls, timeout: float = 15.0) -> None:
+    """conftest's readiness poll speaks plaintext; this one presents the default certificate."""
+    ctx = tls.ssl_context(tls.default)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if srv.proc.poll() is not None:
+            raise RuntimeError(f"{srv.name} exited with {srv.proc.returncode}:\n{srv.log()}")
+        try:
+            with urllib.request.urlopen(f"https://127.0.0.1:{srv.http_port}/readyz", timeout=1, context=ctx) as r:
+                if r.status == 200:
+                    return
+        except (OSError, http.client.HTTPException):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{srv.name} not ready in {timeout} s:\n{srv.log()}")
+
+
+@pytest.fixture
+def mtls_env(start_server: Any, tmp_path: Path) -> Iterator[Env]:
+    """A server with [server.tls] + client_ca: every call presents a client certificate."""
+    pki = Pki(tmp_path)
+    tls = ClientTls(pki.ca_path, {name: pki.client(subject, name) for name, subject in CERT_SUBJECTS.items()})
+    srv = start_server(mtls_config(pki, pki.server()), name="mtls", wait_ready=False)
+    wait_ready_tls(srv, tls)
+    e = Env(srv, tls)
+    yield e
+    e.close()
+
+
 def seed(env: Env) -> None:
     """Tasks in both pools, and workers of a, b and a+b, so that filters have something to hide."""
     for pool in POOLS:
@@ -1002,16 +1210,33 @@ def test_permission_matrix(env: Env) -> None:
     seed(env)
     run_matrix(env, matrix_calls(), CREDS)
     check_open_routes(env)
-    check_schedules(env)
+    check_schedules(env, [c for c in CREDS if c.tok is None])
     env.finish()
 
 
-def check_open_routes(env: Env) -> None:
+def test_permission_matrix_mtls(mtls_env: Env) -> None:
+    """The whole table over mTLS: every token column (sent with the certificate of CN=carrier,
+    it must get what it gets over plaintext), a column per [[clients]] certificate without a
+    token (judged by its entry's pools and permissions, as the token with the same ones), the
+    bad tokens with a good certificate, and a certificate of an unknown subject without a
+    token (UNAUTHENTICATED on every call and route)."""
+    env = mtls_env
+    seed(env)
+    run_matrix(env, matrix_calls(), MTLS_BAD_CREDS + MTLS_CERT_CREDS + [c for c in CREDS if c.tok is not None])
+    check_open_routes(env, cert="stranger")  # open: no [[clients]] entry needed, only a certificate
+    check_schedules(env, MTLS_BAD_CREDS)
+    env.finish()
+
+
+def check_open_routes(env: Env, cert: str | None = None) -> None:
     """/healthz and /readyz answer without credentials, and name no pool."""
     for path in ("/healthz", "/readyz"):
-        out = env.http("GET", path, None)
+        out = env.http("GET", path, None, cert=cert)
         if out.code != OK:
-            env.fail(f"HTTP {path} without a token", f"got {out.code} ({out.message!r}), want 200")
+            env.fail(
+                f"HTTP {path} without a token" + (f" (certificate {CERT_SUBJECTS[cert]})" if cert else ""),
+                f"got {out.code} ({out.message!r}), want 200",
+            )
             continue
 
         def strings(v: Any) -> Iterator[str]:
@@ -1030,7 +1255,7 @@ def check_open_routes(env: Env) -> None:
             env.fail(f"HTTP {path}", f"body names pools: {out.body!r}")
 
 
-def check_schedules(env: Env) -> None:
+def check_schedules(env: Env, bad: list[Cred]) -> None:
     """Schedules are UNIMPLEMENTED, but credentials are checked first: bad ones get 401 first."""
     sched = spb.Schedule(pool="a", name="nightly", cron="0 3 * * *")
     calls: list[tuple[str, Callable[[Metadata], Any], tuple[str, str, Any]]] = [
@@ -1056,19 +1281,19 @@ def check_schedules(env: Env) -> None:
         for transport in ("gRPC", "HTTP"):
 
             def call(
-                header: str | None,
+                cred: Cred,
                 transport: str = transport,
                 grpc_fn: Callable[[Metadata], Any] = grpc_fn,
                 http_call: tuple[str, str, Any] = (method, path, body),
             ) -> Outcome:
                 if transport == "gRPC":
-                    return env.grpc(grpc_fn, header)
-                return env.http(*http_call[:2], header, http_call[2])
+                    return env.grpc(grpc_fn, cred.header, cred.cert)
+                return env.http(*http_call[:2], cred.header, http_call[2], cred.cert)
 
-            for label, header in BAD_CREDENTIALS.items():
-                out = call(header)
+            for cred in bad:
+                out = call(cred)
                 if out.code != UNAUTH:
-                    env.fail(f"{transport} {name} as {label}", f"got {out.code}, want {UNAUTH}")
+                    env.fail(f"{transport} {name} as {cred.label}", f"got {out.code}, want {UNAUTH}")
 
 
 # -- rule 4: Watch of all pools streams only readable pools --------------------------
@@ -1093,13 +1318,14 @@ def _await_task(events: queue.Queue[Any], task_id: int, timeout: float) -> list[
 
 def _watch_pools(label: str) -> tuple[str, list[str]]:
     """A pool the token may read (its marker events must come) and those it may not."""
-    readable = TOKENS[label].readable()
+    readable = tok_of(label).readable()
     return sorted(readable)[0], [p for p in POOLS if p not in readable]
 
 
 def check_grpc_watch_all(env: Env, label: str) -> None:
     case = f"gRPC Watch (all pools) as {label}"
-    stream = env.tasks.Watch(tpb.WatchRequest(), metadata=env.as_(label), timeout=30)
+    cred = env.cred(label)
+    stream = env.stubs(cred.cert).tasks.Watch(tpb.WatchRequest(), metadata=env.md(cred.header), timeout=30)
     events: queue.Queue[Any] = queue.Queue()
 
     def reader() -> None:
@@ -1137,10 +1363,12 @@ def check_grpc_watch_all(env: Env, label: str) -> None:
 
 def check_sse_watch_all(env: Env, label: str) -> None:
     case = f"HTTP Watch (all pools) as {label}"
-    req = urllib.request.Request(env.server.http_url + "/v1/watch")
-    req.add_header("Authorization", TOKENS[label].header)
+    cred = env.cred(label)
+    req = urllib.request.Request(env.base_url + "/v1/watch")
+    if cred.header is not None:
+        req.add_header("Authorization", cred.header)
     try:
-        resp = urllib.request.urlopen(req, timeout=5)
+        resp = env.urlopen(req, cred.cert, timeout=5)
     except urllib.error.HTTPError as err:
         env.fail(case, f"HTTP {err.code}: {err.read()!r}")
         return
@@ -1174,41 +1402,46 @@ def _check_events(env: Env, case: str, label: str, events: list[Any]) -> None:
     if errors:
         env.fail(case, f"stream failed: {errors[0]!r}")
     pools = {e["task"]["pool"] for e in events if not isinstance(e, Exception)}
-    if not pools <= TOKENS[label].readable():
-        env.fail(case, f"streamed events of pools {sorted(pools - TOKENS[label].readable())}")
+    if not pools <= tok_of(label).readable():
+        env.fail(case, f"streamed events of pools {sorted(pools - tok_of(label).readable())}")
 
 
-def test_visibility_of_pools(env: Env) -> None:
-    """Rule 4, beyond the matrix: what each caller sees of workers, tasks and events."""
+def check_visibility(env: Env, p: str) -> None:
+    """Rule 4, beyond the matrix: what each caller sees of workers, tasks and events. `p` is
+    prepended to the principals' labels: "" for tokens, "CN=" for certificate principals."""
     seed(env)
-    both = env.register("full-ab", ["a", "b"], "ab-explicit")
-    for label, want_pools in (("read-a", ["a"]), ("full-b", ["b"]), ("full-ab", ["a", "b"])):
+    both = env.register(p + "full-ab", ["a", "b"], "ab-explicit")
+    for label, want_pools in ((p + "read-a", ["a"]), (p + "full-b", ["b"]), (p + "full-ab", ["a", "b"])):
+        cred = env.cred(label)
         for transport in ("gRPC", "HTTP"):
             if transport == "gRPC":
                 out = env.grpc(
                     lambda md: env.workers.ListWorkers(wpb.ListWorkersRequest(), metadata=md, timeout=TIMEOUT),
-                    TOKENS[label].header,
+                    cred.header,
+                    cred.cert,
                 )
             else:
-                out = env.http("GET", "/v1/workers", TOKENS[label].header)
+                out = env.http("GET", "/v1/workers", cred.header, cert=cred.cert)
             shown = {w["id"]: w.get("pools") for w in (out.body or {}).get("workers", [])}
             if shown.get(both) != want_pools:
                 env.fail(
                     f"{transport} ListWorkers as {label}",
                     f"worker of a+b shows pools {shown.get(both)}, want {want_pools}",
                 )
-    for label in ("read-a", "full-b", "full-ab"):
+    for label in (p + "read-a", p + "full-b", p + "full-ab"):
         check_grpc_watch_all(env, label)
         check_sse_watch_all(env, label)
-    for label, pool in (("read-a", "b"), ("full-b", "a"), ("submit-a", "a")):
+    for label, pool in ((p + "read-a", "b"), (p + "full-b", "a"), (p + "submit-a", "a")):
+        cred = env.cred(label)
         for transport, out in (
-            ("gRPC", env.grpc(lambda md, pool=pool: grpc_watch(pool)(env, Target(), md), TOKENS[label].header)),
-            ("HTTP", env.http("GET", f"/v1/watch?pool={pool}", TOKENS[label].header)),
+            ("gRPC", env.grpc(lambda md, pool=pool: grpc_watch(pool)(env, Target(), md), cred.header, cred.cert)),
+            ("HTTP", env.http("GET", f"/v1/watch?pool={pool}", cred.header, cert=cred.cert)),
             (
                 "gRPC ListTasks",
                 env.grpc(
                     lambda md, pool=pool: env.tasks.ListTasks(tpb.ListTasksRequest(pool=pool), metadata=md, timeout=10),
-                    TOKENS[label].header,
+                    cred.header,
+                    cred.cert,
                 ),
             ),
         ):
@@ -1217,22 +1450,32 @@ def test_visibility_of_pools(env: Env) -> None:
     env.finish()
 
 
+def test_visibility_of_pools(env: Env) -> None:
+    check_visibility(env, "")
+
+
+def test_visibility_of_pools_mtls(mtls_env: Env) -> None:
+    """The same, for certificate principals (no token) over mTLS."""
+    check_visibility(mtls_env, "CN=")
+
+
 # -- rule 3: workers belong to their principal; reports are fenced by worker -----------
 
 
 def _task(env: Env, task_id: int) -> task_pb2.Task:
     req = tpb.GetTaskRequest(task=task_pb2.TaskRef(id=task_id))
-    return env.tasks.GetTask(req, metadata=env.as_("admin-all"), timeout=TIMEOUT).task
+    return env.stubs().tasks.GetTask(req, metadata=env.as_("admin-all"), timeout=TIMEOUT).task
 
 
 def check_fenced_finish(env: Env, owner: str) -> None:
     """w1 holds task T (attempt 1); w2, registered by the same principal, cannot finish it;
     nor can w1 report another attempt; w2's heartbeat reports it lost and extends nothing."""
-    md = env.as_(owner)
+    cred = env.cred(owner)
+    md, workers = env.md(cred.header), env.stubs(cred.cert).workers
     w1 = env.register(owner, ["a"], "w1")
     w2 = env.register(owner, ["a"], "w2")
     task_id = env.submit("a", due_now=True).id
-    leased = env.workers.LeaseTasks(
+    leased = workers.LeaseTasks(
         wpb.LeaseTasksRequest(worker_id=w1, max_tasks=1, wait_ms=2000), metadata=md, timeout=TIMEOUT
     ).tasks
     assert [(t.id, t.attempt) for t in leased] == [(task_id, 1)], leased
@@ -1249,7 +1492,7 @@ def check_fenced_finish(env: Env, owner: str) -> None:
     for worker, attempt, outcome in cases:
         case = f"FinishTasks by {'w2' if worker == w2 else 'w1'} ({outcome.WhichOneof('outcome')}, attempt {attempt})"
         try:
-            results = env.workers.FinishTasks(
+            results = workers.FinishTasks(
                 wpb.FinishTasksRequest(worker_id=worker, outcomes=[outcome]), metadata=md, timeout=TIMEOUT
             ).results
         except grpc.RpcError as err:
@@ -1269,7 +1512,7 @@ def check_fenced_finish(env: Env, owner: str) -> None:
             env.fail(case, f"task changed: state {task_pb2.TaskState.Name(now.state)}, result {now.result!r}")
             return
     time.sleep(0.01)
-    hb = env.workers.Heartbeat(
+    hb = workers.Heartbeat(
         wpb.HeartbeatRequest(worker_id=w2, tasks=[wpb.TaskAttempt(task_id=task_id, attempt=1)]),
         metadata=md,
         timeout=TIMEOUT,
@@ -1278,7 +1521,7 @@ def check_fenced_finish(env: Env, owner: str) -> None:
         env.fail("Heartbeat by w2 for w1's task", f"lost {list(hb.lost_task_ids)}, want [{task_id}]")
     if _task(env, task_id) != running:
         env.fail("Heartbeat by w2 for w1's task", "the task changed (lease extended?)")
-    (ok,) = env.workers.FinishTasks(
+    (ok,) = workers.FinishTasks(
         wpb.FinishTasksRequest(
             worker_id=w1, outcomes=[wpb.TaskOutcome(task_id=task_id, attempt=1, success=wpb.TaskSuccess(result=b"ok"))]
         ),
@@ -1289,20 +1532,10 @@ def check_fenced_finish(env: Env, owner: str) -> None:
         env.fail("FinishTasks by w1 (its own lease)", f"refused: {ok.code} {ok.message!r}")
 
 
-def test_workers_belong_to_their_principal(env: Env) -> None:
-    seed(env)
-    # Another principal's worker: refused even with work on the pool (the matrix has more).
-    # Two tokens of one principal: the one without `work` still cannot drive the worker.
-    shared = Target(worker_id=env.register("shared-work", ["a"], "shared"))
-    theirs = env.worker("full-a", fresh=False)
-    rows = [r for r in worker_rows() if "worker of full-a" in r.name]
-    for call in rows:
-        for label, target, want in (
-            ("work-a", theirs, DENIED),
-            ("full-ab", theirs, DENIED),
-            ("shared-read", shared, DENIED),
-            ("shared-work", shared, OK),
-        ):
+def check_foreign_workers(env: Env, cases: list[tuple[Cred, Target, str]]) -> None:
+    """The "worker of full-a" rows (gRPC) with the given callers and workers."""
+    for call in [r for r in worker_rows() if "worker of full-a" in r.name]:
+        for cred, target, want in cases:
             if call.name.startswith("DeregisterWorker") and want == OK:
                 continue  # keeps the worker for the next rows; the matrix deregisters own workers
             spec = Call(
@@ -1312,8 +1545,52 @@ def test_workers_belong_to_their_principal(env: Env) -> None:
                 call.grpc,
                 prepare=lambda env, tok, target=target: target,
             )
-            run_cell(env, spec, "gRPC", Cred(label, TOKENS[label].header, TOKENS[label]), want)
+            run_cell(env, spec, "gRPC", cred, want)
+
+
+def test_workers_belong_to_their_principal(env: Env) -> None:
+    seed(env)
+    # Another principal's worker: refused even with work on the pool (the matrix has more).
+    # Two tokens of one principal: the one without `work` still cannot drive the worker.
+    shared = Target(worker_id=env.register("shared-work", ["a"], "shared"))
+    theirs = env.worker("full-a", fresh=False)
+    check_foreign_workers(
+        env,
+        [
+            (env.cred("work-a"), theirs, DENIED),
+            (env.cred("full-ab"), theirs, DENIED),
+            (env.cred("shared-read"), shared, DENIED),
+            (env.cred("shared-work"), shared, OK),
+        ],
+    )
     check_fenced_finish(env, "full-a")
+    env.finish()
+
+
+def test_workers_belong_to_their_principal_mtls(mtls_env: Env) -> None:
+    """Over mTLS: a worker registered with the certificate of CN=full-a (no token) belongs to
+    the principal CN=full-a: another certificate principal with work on the pool, the token
+    principal "full-a" (another principal, whatever the likeness of names), and CN=full-a's own
+    certificate sent with a token (the token wins) are all refused; a second certificate of
+    the same subject (another key) is the same principal. And the fenced finish, by CN=full-a."""
+    env = mtls_env
+    seed(env)
+    theirs = env.worker("CN=full-a", fresh=False)
+    tokens = env.worker("full-a", fresh=False)  # registered by the token full-a
+    tok_full_a, cert_full_a = TOKENS["full-a"], CERT_TOKS["CN=full-a"]
+    check_foreign_workers(
+        env,
+        [
+            (cert_cred("CN=work-a"), theirs, DENIED),
+            (cert_cred("CN=full-ab"), theirs, DENIED),
+            (cert_cred("CN=carrier"), theirs, DENIED),  # every permission on every pool: still not the owner
+            (Cred("token full-a (certificate CN=carrier)", tok_full_a.header, tok_full_a, CARRIER), theirs, DENIED),
+            (Cred("token full-a with certificate CN=full-a", tok_full_a.header, tok_full_a, "full-a"), theirs, DENIED),
+            (Cred("certificate CN=full-a, the token full-a's worker", None, cert_full_a, "full-a"), tokens, DENIED),
+            (Cred("a second certificate of CN=full-a (another key)", None, cert_full_a, "full-a-2"), theirs, OK),
+        ],
+    )
+    check_fenced_finish(env, "CN=full-a")
     env.finish()
 
 

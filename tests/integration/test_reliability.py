@@ -70,6 +70,8 @@ def test_1000_tasks_through_4_workers_each_finish_exactly_once(server, tmp_path)
     logs = [tmp_path / f"w{i}.log" for i in range(4)]
     workers = [start_worker(server.endpoint, "default", log, concurrency=16) for log in logs]
     try:
+        # Every worker is registered (and so polling) before the first task exists.
+        eventually(lambda: len(server.http("GET", "/v1/workers")[1]["workers"]) == 4, what="4 workers registered")
         with cronoq.SyncClient(server.endpoint) as client:
             ids: list[int] = []
             for start in range(0, 1000, 50):  # batches of the fixture's max_batch_size

@@ -153,3 +153,11 @@ def test_token_wins_over_certificate_and_subjects_are_canonical() -> None:
     assert len(refused(auth, None, long_subject).message) < 300
     err = refused(auth, None, None)
     assert "credentials required" in err.message and "client certificate" in err.message
+
+
+def test_a_token_and_a_certificate_of_the_same_name_are_different_principals() -> None:
+    from cronoq_server.auth import Principal
+
+    token = Principal("CN=worker-a", None, frozenset({"work"}))
+    certificate = Principal("CN=worker-a", None, frozenset({"work"}), via_certificate=True)
+    assert token.identity != certificate.identity

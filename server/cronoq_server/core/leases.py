@@ -85,7 +85,7 @@ class Leases:
             check_text(f"labels[{key!r}]", value, MAX_LABEL_VALUE)
         now = now_us()
         worker = WorkerRow(
-            uuid.uuid4().hex, req.name, list(req.pools), req.concurrency, dict(req.labels), now, now, caller.name
+            uuid.uuid4().hex, req.name, list(req.pools), req.concurrency, dict(req.labels), now, now, caller.identity
         )
         await self._store.register_worker(worker)
         self._workers[worker.id] = worker
@@ -111,7 +111,7 @@ class Leases:
                     grpc.StatusCode.NOT_FOUND, f"worker_id: worker {worker_id!r} is not registered; register again"
                 )
             self._workers[worker_id] = worker
-        if worker.principal != caller.name:
+        if worker.principal != caller.identity:
             raise ApiError(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"worker_id: worker {worker_id!r} was registered by another principal; register your own",

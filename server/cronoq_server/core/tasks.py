@@ -111,7 +111,7 @@ class Tasks:
         if not request_id:
             return None
         check_text("request_id", request_id, MAX_REQUEST_ID)
-        return f"{len(caller.name)}:{caller.name}:{request_id}"
+        return f"{len(caller.identity)}:{caller.identity}:{request_id}"
 
     def _visible(self, caller: Principal) -> frozenset[str] | None:
         """The pools whose tasks the caller may name as dependencies (None: every pool)."""
