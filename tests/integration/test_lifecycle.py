@@ -292,3 +292,15 @@ def test_the_sdk_exposes_the_reason_of_a_refusal(server):
     with cronoq.SyncClient(server.endpoint) as client, pytest.raises(cronoq.errors.NotFound) as err:
         client.get(987654321)
     assert err.value.reason == "NOT_FOUND" and err.value.retry_delay is None
+
+
+def test_a_json_result_reads_as_json_over_http_beside_its_base64(server, api):
+    worker = api.register()
+    status, body = server.http("POST", "/v1/tasks", {"pool": "default", "payload_json": {"n": 2}})
+    (task,) = api.lease(worker, 1)
+    assert api.finish(
+        worker, task, success=wpb.TaskSuccess(result=b'{"doubled": 4}', content_type="application/json")
+    ).accepted
+    status, got = server.http("GET", f"/v1/tasks/{body['task']['id']}")
+    assert status == 200 and got["task"]["result_json"] == {"doubled": 4}
+    assert got["task"]["result"] == "eyJkb3VibGVkIjogNH0="  # the bytes, as proto3 JSON has them

@@ -1,6 +1,7 @@
-"""The JSON form of API messages: proto field names, 64-bit ids as strings, and a task
-payload whose content type is application/json shown decoded as `payload_json` instead
-of base64. The server's HTTP API uses it too."""
+"""The JSON form of API messages: proto field names, 64-bit ids as strings, a task payload
+whose content type is application/json shown decoded as `payload_json` instead of base64,
+and such a result shown decoded as `result_json` beside `result`. The server's HTTP API
+uses it too."""
 
 from __future__ import annotations
 
@@ -14,14 +15,25 @@ from google.protobuf.message import Message
 JSON_CONTENT_TYPE = "application/json"
 
 
+def _decoded(data: str) -> tuple[bool, Any]:
+    try:
+        return True, json.loads(base64.b64decode(data) or b"null")
+    except ValueError:
+        return False, None
+
+
 def task_dict(task: dict[str, Any]) -> dict[str, Any]:
-    """Replaces a JSON task payload (base64 in proto3 JSON) by its value, as payload_json."""
+    """Replaces a JSON task payload (base64 in proto3 JSON) by its value, as payload_json, and
+    adds a JSON result's value as result_json."""
     if task.get("content_type") == JSON_CONTENT_TYPE and "payload" in task:
-        try:
-            task["payload_json"] = json.loads(base64.b64decode(task["payload"]) or b"null")
+        ok, value = _decoded(task["payload"])
+        if ok:
+            task["payload_json"] = value
             del task["payload"]
-        except ValueError:
-            pass
+    if task.get("result_content_type") == JSON_CONTENT_TYPE and task.get("result"):
+        ok, value = _decoded(task["result"])
+        if ok:
+            task["result_json"] = value
     return task
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
