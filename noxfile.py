@@ -27,7 +27,14 @@ PY_GENERATED = PY_API / "cronoq" / "v1"
 PROTO_TOOLS = ["grpcio-tools==1.85.1", "mypy-protobuf==5.1.0"]
 # cronoq-api first: the SDK and the server depend on it (uv takes it from here, not an index).
 PACKAGES = ["-e", "proto/python", "-e", "sdk-python", "-e", "server"]
-TEST_DEPS = ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "trustme>=1.1"]
+TEST_DEPS = [
+    "pytest>=8",
+    "pytest-asyncio>=0.23",
+    "pytest-timeout>=2.3",
+    "pytest-xdist>=3.5",
+    "trustme>=1.1",
+    "setuptools>=68",
+]
 
 
 def _generate_python(session: nox.Session, out: Path) -> None:
@@ -93,9 +100,7 @@ def tests(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff and mypy."""
     session.install(*PACKAGES, "ruff>=0.6", "mypy>=1.10", "types-protobuf", "grpc-stubs", *TEST_DEPS)
-    session.run(
-        "ruff", "check", "server", "sdk-python", "proto/python", "tests", "bench", "noxfile.py"
-    )
+    session.run("ruff", "check", "server", "sdk-python", "proto/python", "tests", "bench", "noxfile.py")
     # `cronoq` spans sdk-python/ and proto/python/: module names come from these bases, so
     # that cronoq.jsonform and the generated stubs are checked (not silenced as installed code).
     bases = os.pathsep.join(str(ROOT / d) for d in ("proto/python", "sdk-python", "server"))
