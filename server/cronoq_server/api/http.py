@@ -30,8 +30,6 @@ from .listen import ListenError, os_reason, split_listen
 from .tls import http_cert_subject, http_site
 
 log = logging.getLogger("cronoq.http")
-INT32_MAX = (1 << 31) - 1
-UINT32_MAX = (1 << 32) - 1
 
 # -- limits of the HTTP listener ---------------------------------------------------
 BODY_TIMEOUT_S = 30.0  # for a request's body, once its headers have arrived

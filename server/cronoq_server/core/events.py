@@ -35,11 +35,12 @@ class Watcher:
         self._bytes = 0
         self._ready = asyncio.Event()
         self.ended: str | None = None  # why the stream ends, once it must
+        self._behind = False  # it ends because it fell behind: an error, not a clean end
 
     def offer(self, event: task_pb2.TaskEvent, size: int) -> bool:
         """Buffers the event; False when the stream is too far behind (it is then ended)."""
         if len(self._events) >= WATCH_MAX_EVENTS or self._bytes + size > WATCH_MAX_BYTES:
-            self.end(
+            self.fell_behind(
                 f"watch fell behind: {len(self._events)} events ({self._bytes} bytes) unread, over the limit of "
                 f"{WATCH_MAX_EVENTS} events or {WATCH_MAX_BYTES} bytes; reconnect to resume"
             )
@@ -54,12 +55,18 @@ class Watcher:
             self.ended = reason
         self._ready.set()
 
+    def fell_behind(self, reason: str) -> None:
+        """Ends the stream with an error (ABORTED) after what it holds: the caller reconnects."""
+        if self.ended is None:
+            self._behind = True
+        self.end(reason)
+
     async def next(self) -> task_pb2.TaskEvent | None:
         """The next event; None when the stream ended cleanly. Raises ApiError (ABORTED) when
         it fell behind: everything buffered before that is delivered first."""
         while not self._events:
             if self.ended is not None:
-                if self.ended.startswith("watch fell behind"):
+                if self._behind:
                     raise ApiError(grpc.StatusCode.ABORTED, self.ended, reason="WATCH_FELL_BEHIND", retry_delay=0.0)
                 return None
             self._ready.clear()
@@ -112,8 +119,8 @@ class EventBus:
                 if not queue:
                     del self._leasers[pool]
 
-    def work_available(self, pool: str, count: int) -> None:
-        """Wakes up to count long polls of the pool, longest waiting first."""
+    def work_available(self, pool: str, count: int) -> int:
+        """Wakes up to count long polls of the pool, longest waiting first; returns how many."""
         queue = self._leasers.get(pool)
         woken = 0
         while queue and woken < count:
@@ -123,6 +130,7 @@ class EventBus:
                 woken += 1
         if queue is not None and not queue:
             self._leasers.pop(pool, None)
+        return woken
 
     def nudge_leasers(self) -> None:
         """Wakes the longest-waiting long poll of each pool: it looks at the store once more.
@@ -215,20 +223,15 @@ class EventBus:
         for pool in list(self._leasers):
             if count <= 0:
                 return
-            queue = self._leasers.get(pool)
-            while queue and count > 0:
-                waiter = queue.popleft()
-                if not waiter.event.is_set():
-                    waiter.event.set()
-                    count -= 1
-            if queue is not None and not queue:
-                self._leasers.pop(pool, None)
+            count -= self.work_available(pool, count)
 
     def _queue_fanout(self, changes: Changes, rows: list[TaskRow] | None) -> None:
         if len(self._fanout) >= FANOUT_MAX_BATCHES:
             self._fanout.clear()
             for watcher in list(self._watchers):
-                watcher.end(f"watch fell behind: more than {FANOUT_MAX_BATCHES} changes unsent; reconnect to resume")
+                watcher.fell_behind(
+                    f"watch fell behind: more than {FANOUT_MAX_BATCHES} changes unsent; reconnect to resume"
+                )
             self._watchers.clear()
             return
         self._fanout.append((changes, rows))
@@ -255,7 +258,7 @@ class EventBus:
             except Exception as err:  # a store hiccup loses events: end streams, they reconnect
                 log.warning("watch: cannot read changed tasks (%s); ending watch streams", err)
                 for watcher in list(self._watchers):
-                    watcher.end(f"watch fell behind: changed tasks could not be read ({err}); reconnect")
+                    watcher.fell_behind(f"watch fell behind: changed tasks could not be read ({err}); reconnect")
                 self._watchers.clear()
                 continue
             self._send_to_watchers(rows)
