@@ -187,6 +187,10 @@ class ServerConfig(_Strict):
     allow_unauthenticated: bool = False
     # With credentials configured, /metrics needs a token with `admin` unless this is true.
     metrics_public: bool = False
+    # How long task events are kept in the store for Watch streams to resume from a cursor.
+    watch_window: Duration = 3600.0
+    # A worker that has not heartbeated (or leased, or reported) for this long is removed.
+    worker_reap_after: Duration = 600.0
 
 
 class StoreConfig(_Strict):
@@ -207,6 +211,8 @@ class PoolConfig(_Strict):
     retry_backoff_max: Duration = 300.0
     retry_backoff_multiplier: float = Field(default=2.0, ge=1.0, le=10.0)
     retention: Duration = 7 * 86400.0
+    # Execution timeout of each attempt (none when unset); a task's timeout_ms is capped by it.
+    timeout: Duration | None = None
 
 
 class ResourceConfig(_Strict):

@@ -20,7 +20,8 @@ from . import __version__
 from .auth import Authenticator, Principal
 from .config import UNSHARDED, Config
 from .core.events import EventBus
-from .core.leases import Leases
+from .core.leases import NUDGE_EVERY_S, Leases
+from .core.maintenance import Periodic, Services
 from .core.retry import make_retry_at
 from .core.tasks import Tasks
 from .errors import ApiError
@@ -73,7 +74,11 @@ class Node:
         self._gauges_at = -GAUGE_MAX_AGE_S
         self._gauges: asyncio.Task[None] | None = None
         self._store_open = False
-        self._background: list[asyncio.Task[None]] = []
+        # The leader's periodic work: started on taking over, stopped on stepping down.
+        self.services = Services()
+        self.services.add(Periodic("lease expiry", 0.5, self.leases.expire_once))
+        self.services.add(Periodic("long poll nudge", NUDGE_EVERY_S, self.leases.nudge_once))
+        self.services.add(Periodic("retention", 60.0, self.leases.purge_once))
         self._unary: dict[str, Callable[[Any, Principal], Awaitable[Message]]] = {
             "SubmitTask": self.tasks.submit_task,
             "SubmitBatch": self.tasks.submit_batch,
@@ -165,7 +170,7 @@ class Node:
             self.store.on_fenced = self.leadership.mark_lost
         self.is_leader = True
         LEADER.set(1)
-        self._background.append(asyncio.create_task(self.leases.sweep_forever()))
+        self.services.start()
         log.info(
             "shard %s: leader (term %d) at %s, store %s",
             self.shard_name, self.leadership.term, self.advertise, self.describe_store(),
@@ -175,10 +180,7 @@ class Node:
         self.is_leader = False
         LEADER.set(0)
         self.events.wake_leasers()  # long polls see they no longer lead and return
-        for task in self._background:
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        self._background.clear()
+        await self.services.stop()
 
     async def drain(self) -> None:
         """Stops serving: new calls are refused with UNAVAILABLE (callers move to another server),

@@ -26,6 +26,7 @@ def to_task(row: TaskRow, shard_number: int) -> task_pb2.Task:
         result_content_type=row.result_content_type,
         error=row.error,
         cancel_requested=row.cancel_requested,
+        timeout_ms=row.timeout_ms,
     )
     task.run_at.FromMicroseconds(row.run_at)
     task.created_at.FromMicroseconds(row.created_at)

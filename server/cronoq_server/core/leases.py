@@ -1,5 +1,5 @@
 """WorkerService: registration, lease long polls, heartbeats, fenced finish reports,
-and the leader's lease-expiry and retention sweeps."""
+and the leader's lease-expiry and retention steps (run by core.maintenance)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ..config import Config
 from ..errors import ApiError, invalid
 from ..ids import make_task_id, seq_of, shard_of
 from ..metrics import START_LATENCY, TASKS_LEASED, record_finished
-from ..store.base import Outcome, OutcomeKind, Store, StoreUnavailable, WorkerRow
+from ..store.base import Outcome, OutcomeKind, Store, WorkerRow
 from .convert import to_task, to_worker
 from .events import EventBus
 from .limits import (
@@ -237,30 +237,20 @@ class Leases:
             ]
         )
 
-    # -- leader's sweeps ------------------------------------------------------
+    # -- the leader's services -----------------------------------------------
 
-    async def sweep_forever(self, expiry_every: float = 0.5, purge_every: float = 60.0) -> None:
-        loop = asyncio.get_running_loop()
-        next_purge = loop.time() + purge_every
-        next_nudge = loop.time() + NUDGE_EVERY_S
-        while True:
-            if loop.time() >= next_nudge:
-                next_nudge = loop.time() + NUDGE_EVERY_S
-                self._events.nudge_leasers()
-            try:
-                changes = await self._store.expire_leases(now_us())
-                if changes:
-                    log.info("expired %d lease(s)", sum(1 for _ in changes))
-                    await self._events.publish(changes)
-                if loop.time() >= next_purge:
-                    next_purge = loop.time() + purge_every
-                    purged = await self._store.purge(now_us())
-                    if purged:
-                        log.info("purged %d task(s) past retention", purged)
-            except asyncio.CancelledError:
-                raise
-            except StoreUnavailable as err:
-                log.warning("sweep skipped: %s", err)
-            except Exception:
-                log.exception("sweep failed; retrying")
-            await asyncio.sleep(expiry_every)
+    async def expire_once(self) -> None:
+        """Ends every lease past its expiry (a failed, retryable attempt)."""
+        changes = await self._store.expire_leases(now_us())
+        if changes:
+            log.info("expired %d lease(s)", len(changes))
+            await self._events.publish(changes)
+
+    async def purge_once(self) -> None:
+        purged = await self._store.purge(now_us())
+        if purged:
+            log.info("purged %d task(s) past retention", purged)
+
+    async def nudge_once(self) -> None:
+        """Has one long poll per pool look at the store (work written behind the server's back)."""
+        self._events.nudge_leasers()

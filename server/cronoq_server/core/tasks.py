@@ -32,6 +32,14 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
+def _timeout_ms(asked_ms: int, pool_timeout_s: float | None) -> int:
+    """A task's timeout: what it asks, capped by its pool's; the pool's when it asks none (0: none)."""
+    pool_ms = int(pool_timeout_s * 1000) if pool_timeout_s is not None else 0
+    if asked_ms and pool_ms:
+        return min(asked_ms, pool_ms)
+    return asked_ms or pool_ms
+
+
 class Tasks:
     def __init__(
         self, config: Config, store: Store, events: EventBus, shard_name: str, shard_number: int, pools: list[str]
@@ -78,6 +86,8 @@ class Tasks:
                 f"{where}run_at: seconds {req.run_at.seconds}, nanos {req.run_at.nanos} is outside the Timestamp "
                 "range (0001-01-01 to 9999-12-31)"
             )
+        if req.timeout_ms < 0:
+            raise invalid(f"{where}timeout_ms: {req.timeout_ms} is negative (0 takes the pool's timeout)")
         task = NewTask(
             pool=req.pool,
             key=req.key or None,
@@ -87,6 +97,7 @@ class Tasks:
             run_at=req.run_at.ToMicroseconds() if req.HasField("run_at") else None,
             max_attempts=req.max_attempts or pool.max_attempts,
             resources=dict(req.resources),
+            timeout_ms=_timeout_ms(req.timeout_ms, pool.timeout),
         )
         for i, ref in enumerate(req.depends_on):
             kind = ref.WhichOneof("ref")

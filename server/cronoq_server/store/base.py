@@ -29,7 +29,7 @@ TERMINAL = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
 TASK_COLUMNS = (
     "seq, pool, key, payload, content_type, priority, run_at, max_attempts, depends_on, resources, "
     "state, attempt, worker_id, result, result_content_type, error, created_at, started_at, "
-    "finished_at, cancel_requested, lease_expires_at"
+    "finished_at, cancel_requested, lease_expires_at, timeout_ms"
 )
 
 
@@ -56,6 +56,7 @@ class TaskRow:
     finished_at: int | None
     cancel_requested: bool
     lease_expires_at: int | None
+    timeout_ms: int = 0  # each attempt's execution timeout; 0: none
 
 
 @dataclass(slots=True)
@@ -70,6 +71,7 @@ class NewTask:
     run_at: int | None
     max_attempts: int
     resources: dict[str, int] = field(default_factory=dict)
+    timeout_ms: int = 0
     dep_seqs: list[int] = field(default_factory=list)
     dep_keys: list[str] = field(default_factory=list)
     # Indices of earlier tasks of the same batch (their keys, resolved by the core).

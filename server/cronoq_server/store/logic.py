@@ -1,8 +1,8 @@
 """The decisions every backend makes the same way; backends only read and write rows.
 
 Rows handed in here are tuples (seq, state, attempt, pool, max_attempts, cancel_requested,
-worker_id) for outcomes, and (seq, state, attempt, worker_id, cancel_requested, pool) for
-heartbeats.
+worker_id) for outcomes, and (seq, state, attempt, worker_id, cancel_requested, pool, started_at,
+timeout_ms) for heartbeats.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .base import (
 
 # What an outcome decision reads of a task, in this order.
 OUTCOME_COLUMNS = "seq, state, attempt, pool, max_attempts, cancel_requested, worker_id"
-HEARTBEAT_COLUMNS = "seq, state, attempt, worker_id, cancel_requested, pool"
+HEARTBEAT_COLUMNS = "seq, state, attempt, worker_id, cancel_requested, pool, started_at, timeout_ms"
 
 
 def task_row(r: Any) -> TaskRow:
@@ -58,6 +58,7 @@ def task_row(r: Any) -> TaskRow:
         finished_at=r[18],
         cancel_requested=bool(r[19]),
         lease_expires_at=r[20],
+        timeout_ms=r[21],
     )
 
 
@@ -167,7 +168,10 @@ def decide_heartbeat(
         if r is None or r[1] != State.RUNNING or r[2] != attempt or r[3] != worker_id:
             lost.append(seq)
             continue
-        extend.append((now + lease_ttl_us[r[5]], seq))
+        expiry = now + lease_ttl_us[r[5]]
+        if r[7] > 0:  # never past the attempt's deadline: a hung worker loses the task there
+            expiry = min(expiry, r[6] + r[7] * 1000)
+        extend.append((expiry, seq))
         if r[4]:
             cancelled.append(seq)
     return cancelled, lost, extend

@@ -100,6 +100,41 @@ MIGRATIONS: dict[int, str] = {
     CREATE TABLE requests (id TEXT PRIMARY KEY, created TEXT NOT NULL, created_at INTEGER NOT NULL);
     CREATE INDEX requests_created_at ON requests (created_at);
     """,
+    3: """
+    ALTER TABLE tasks ADD COLUMN timeout_ms INTEGER NOT NULL DEFAULT 0;
+    """,
+    4: """
+    CREATE TABLE schedules (
+        pool TEXT NOT NULL,
+        name TEXT NOT NULL,
+        cron TEXT NOT NULL,
+        timezone TEXT NOT NULL DEFAULT '',
+        payload BLOB NOT NULL,
+        content_type TEXT NOT NULL DEFAULT '',
+        priority INTEGER NOT NULL DEFAULT 0,
+        max_attempts INTEGER NOT NULL DEFAULT 0,
+        resources TEXT,
+        timeout_ms INTEGER NOT NULL DEFAULT 0,
+        paused INTEGER NOT NULL DEFAULT 0,
+        fire_all_missed INTEGER NOT NULL DEFAULT 0,
+        next_fire_at INTEGER,
+        last_fire_at INTEGER,
+        created_at INTEGER NOT NULL,
+        updated_at INTEGER NOT NULL,
+        PRIMARY KEY (pool, name)
+    );
+    CREATE INDEX schedules_due ON schedules (next_fire_at) WHERE paused = 0;
+    """,
+    5: """
+    CREATE TABLE events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        task_seq INTEGER NOT NULL,
+        state INTEGER NOT NULL,
+        attempt INTEGER NOT NULL,
+        at INTEGER NOT NULL
+    );
+    CREATE INDEX events_at ON events (at);
+    """,
 }
 
 MAX_GROUP = 256  # writes committed together at most
@@ -352,8 +387,8 @@ class SqliteStore:
             dep_list = [s for s, _ in deps]
             cur = db.execute(
                 "INSERT INTO tasks (pool, key, payload, content_type, priority, run_at, max_attempts, depends_on,"
-                " resources, state, error, created_at, finished_at, blocked_on)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " resources, state, error, created_at, finished_at, blocked_on, timeout_ms)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     task.pool,
                     task.key,
@@ -369,6 +404,7 @@ class SqliteStore:
                     now,
                     finished_at,
                     blocked_on,
+                    task.timeout_ms,
                 ),
             )
             seq = cur.lastrowid
@@ -426,7 +462,8 @@ class SqliteStore:
             expiry_params += [p, now + ttl[p]]
         sql = (
             f"UPDATE tasks SET state = 3, attempt = attempt + 1, worker_id = ?, started_at = ?,"
-            f" lease_expires_at = {expiry}"
+            # Never past the attempt's deadline (started_at + timeout_ms).
+            f" lease_expires_at = CASE WHEN timeout_ms > 0 THEN min({expiry}, ? + timeout_ms * 1000) ELSE {expiry} END"
             # The first `limit` due tasks in lease order, then as many as fit in max_bytes.
             f" WHERE seq IN (SELECT seq FROM (SELECT seq, row_number() OVER w AS n, sum(size) OVER w AS upto"
             f" FROM (SELECT seq, priority, run_at,"
@@ -437,7 +474,9 @@ class SqliteStore:
             f" RETURNING {TASK_COLUMNS}"
         )
         overhead = self.settings.lease_overhead_bytes
-        params = (worker_id, now, *expiry_params, overhead, *pools, now, limit, max_bytes, max_bytes)
+        params = (
+            worker_id, now, *expiry_params, now, *expiry_params, overhead, *pools, now, limit, max_bytes, max_bytes
+        )  # fmt: skip
         rows = [task_row(r) for r in db.execute(sql, params)]
         if rows:
             rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))

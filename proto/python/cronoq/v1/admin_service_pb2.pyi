@@ -117,10 +117,13 @@ class ShardSnapshot(_message.Message):
     POOLS_FIELD_NUMBER: _builtins.int
     RESOURCES_FIELD_NUMBER: _builtins.int
     WORKERS_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
     shard: _builtins.str
     number: _builtins.int
     leader: _builtins.str
     """Advertised address of the shard's leader."""
+    term: _builtins.int
+    """The leader's leadership term (0 on SQLite, where a file lock needs no fencing)."""
     @_builtins.property
     def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolCounts]: ...
     @_builtins.property
@@ -136,10 +139,11 @@ class ShardSnapshot(_message.Message):
         pools: _abc.Iterable[Global___PoolCounts] | None = ...,
         resources: _abc.Iterable[Global___ResourceUsage] | None = ...,
         workers: _abc.Iterable[_worker_service_pb2.Worker] | None = ...,
+        term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["leader", b"leader", "number", b"number", "pools", b"pools", "resources", b"resources", "shard", b"shard", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leader", b"leader", "number", b"number", "pools", b"pools", "resources", b"resources", "shard", b"shard", "term", b"term", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -210,6 +214,7 @@ class GetServerInfoResponse(_message.Message):
     SERVER_ID_FIELD_NUMBER: _builtins.int
     ADVERTISE_FIELD_NUMBER: _builtins.int
     LEADER_FIELD_NUMBER: _builtins.int
+    TERM_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     shard: _builtins.str
     shard_number: _builtins.int
@@ -218,6 +223,8 @@ class GetServerInfoResponse(_message.Message):
     advertise: _builtins.str
     leader: _builtins.str
     """Advertised address of the current leader, when known."""
+    term: _builtins.int
+    """This server's leadership term while it leads."""
     def __init__(
         self,
         *,
@@ -228,10 +235,11 @@ class GetServerInfoResponse(_message.Message):
         server_id: _builtins.str = ...,
         advertise: _builtins.str = ...,
         leader: _builtins.str = ...,
+        term: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise", b"advertise", "leader", b"leader", "role", b"role", "server_id", b"server_id", "shard", b"shard", "shard_number", b"shard_number", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise", b"advertise", "leader", b"leader", "role", b"role", "server_id", b"server_id", "shard", b"shard", "shard_number", b"shard_number", "term", b"term", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

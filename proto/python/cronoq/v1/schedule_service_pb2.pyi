@@ -57,10 +57,14 @@ class Schedule(_message.Message):
     PAUSED_FIELD_NUMBER: _builtins.int
     NEXT_FIRE_AT_FIELD_NUMBER: _builtins.int
     LAST_FIRE_AT_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    FIRE_ALL_MISSED_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     name: _builtins.str
     cron: _builtins.str
-    """Five-field cron expression."""
+    """Cron expression: five fields (minute hour day-of-month month day-of-week), or six with
+    seconds first ("*/5 * * * * *" is every five seconds).
+    """
     timezone: _builtins.str
     """IANA zone name; UTC when empty."""
     payload: _builtins.bytes
@@ -68,6 +72,10 @@ class Schedule(_message.Message):
     priority: _builtins.int
     max_attempts: _builtins.int
     paused: _builtins.bool
+    timeout_ms: _builtins.int
+    """The timeout of each fired task (0: the pool's)."""
+    fire_all_missed: _builtins.bool
+    """After downtime, fire every missed slot rather than only the latest."""
     @_builtins.property
     def resources(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     @_builtins.property
@@ -89,10 +97,12 @@ class Schedule(_message.Message):
         paused: _builtins.bool = ...,
         next_fire_at: _timestamp_pb2.Timestamp | None = ...,
         last_fire_at: _timestamp_pb2.Timestamp | None = ...,
+        timeout_ms: _builtins.int = ...,
+        fire_all_missed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_fire_at", b"last_fire_at", "next_fire_at", b"next_fire_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "cron", b"cron", "last_fire_at", b"last_fire_at", "max_attempts", b"max_attempts", "name", b"name", "next_fire_at", b"next_fire_at", "paused", b"paused", "payload", b"payload", "pool", b"pool", "priority", b"priority", "resources", b"resources", "timezone", b"timezone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "cron", b"cron", "fire_all_missed", b"fire_all_missed", "last_fire_at", b"last_fire_at", "max_attempts", b"max_attempts", "name", b"name", "next_fire_at", b"next_fire_at", "paused", b"paused", "payload", b"payload", "pool", b"pool", "priority", b"priority", "resources", b"resources", "timeout_ms", b"timeout_ms", "timezone", b"timezone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -119,6 +119,7 @@ class Task(_message.Message):
     CANCEL_REQUESTED_FIELD_NUMBER: _builtins.int
     LEASE_EXPIRES_AT_FIELD_NUMBER: _builtins.int
     RESULT_CONTENT_TYPE_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Top 8 bits: shard number (0 unsharded); low 56 bits: per-shard sequence."""
     pool: _builtins.str
@@ -135,6 +136,10 @@ class Task(_message.Message):
     error: _builtins.str
     cancel_requested: _builtins.bool
     result_content_type: _builtins.str
+    timeout_ms: _builtins.int
+    """The execution timeout of each attempt, in milliseconds (0: none): the worker cancels the
+    handler past it, and the lease is never extended past started_at + timeout_ms.
+    """
     @_builtins.property
     def run_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -175,10 +180,11 @@ class Task(_message.Message):
         cancel_requested: _builtins.bool = ...,
         lease_expires_at: _timestamp_pb2.Timestamp | None = ...,
         result_content_type: _builtins.str = ...,
+        timeout_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "finished_at", b"finished_at", "lease_expires_at", b"lease_expires_at", "run_at", b"run_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel_requested", b"cancel_requested", "content_type", b"content_type", "created_at", b"created_at", "depends_on", b"depends_on", "error", b"error", "finished_at", b"finished_at", "id", b"id", "key", b"key", "lease_expires_at", b"lease_expires_at", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "resources", b"resources", "result", b"result", "result_content_type", b"result_content_type", "run_at", b"run_at", "started_at", b"started_at", "state", b"state", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel_requested", b"cancel_requested", "content_type", b"content_type", "created_at", b"created_at", "depends_on", b"depends_on", "error", b"error", "finished_at", b"finished_at", "id", b"id", "key", b"key", "lease_expires_at", b"lease_expires_at", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "resources", b"resources", "result", b"result", "result_content_type", b"result_content_type", "run_at", b"run_at", "started_at", b"started_at", "state", b"state", "timeout_ms", b"timeout_ms", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -193,8 +199,14 @@ class TaskEvent(_message.Message):
     TASK_FIELD_NUMBER: _builtins.int
     TIME_FIELD_NUMBER: _builtins.int
     SHARD_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
     shard: _builtins.str
     """The shard that produced the event."""
+    seq: _builtins.int
+    """The event's per-shard sequence number: increasing, in the order the changes committed."""
+    cursor: _builtins.str
+    """Where a Watch resumes after this event (WatchRequest.cursor, the SSE id). Opaque."""
     @_builtins.property
     def task(self) -> Global___Task: ...
     @_builtins.property
@@ -205,10 +217,12 @@ class TaskEvent(_message.Message):
         task: Global___Task | None = ...,
         time: _timestamp_pb2.Timestamp | None = ...,
         shard: _builtins.str = ...,
+        seq: _builtins.int = ...,
+        cursor: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["shard", b"shard", "task", b"task", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "seq", b"seq", "shard", b"shard", "task", b"task", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

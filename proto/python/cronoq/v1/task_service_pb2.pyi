@@ -54,6 +54,7 @@ class SubmitTaskRequest(_message.Message):
     DEPENDS_ON_FIELD_NUMBER: _builtins.int
     RESOURCES_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     key: _builtins.str
     """Deduplicates within a shard."""
@@ -66,6 +67,8 @@ class SubmitTaskRequest(_message.Message):
     """Set by the SDKs (a UUID): a repeated request_id returns what the first call created,
     so a retry after UNAVAILABLE never creates a second task. Ignored inside a batch.
     """
+    timeout_ms: _builtins.int
+    """The execution timeout of each attempt (0: the pool's `timeout`, if any); capped by the pool's."""
     @_builtins.property
     def run_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -87,10 +90,11 @@ class SubmitTaskRequest(_message.Message):
         depends_on: _abc.Iterable[_task_pb2.TaskRef] | None = ...,
         resources: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         request_id: _builtins.str = ...,
+        timeout_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["run_at", b"run_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "depends_on", b"depends_on", "key", b"key", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "request_id", b"request_id", "resources", b"resources", "run_at", b"run_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "depends_on", b"depends_on", "key", b"key", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "request_id", b"request_id", "resources", b"resources", "run_at", b"run_at", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -370,19 +374,26 @@ class WatchRequest(_message.Message):
 
     POOL_FIELD_NUMBER: _builtins.int
     INCLUDE_PAYLOADS_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     """Empty: every pool the caller may read."""
     include_payloads: _builtins.bool
     """Events carry tasks' payloads and results only when this is set."""
+    cursor: _builtins.str
+    """Resume after this event's cursor (TaskEvent.cursor): the events missed are replayed first,
+    then the stream goes live. Empty: live only. A cursor older than the server keeps events
+    for is refused with OUT_OF_RANGE.
+    """
     def __init__(
         self,
         *,
         pool: _builtins.str = ...,
         include_payloads: _builtins.bool = ...,
+        cursor: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_payloads", b"include_payloads", "pool", b"pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "include_payloads", b"include_payloads", "pool", b"pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -52,10 +52,13 @@ class Worker(_message.Message):
     LAST_SEEN_AT_FIELD_NUMBER: _builtins.int
     SHARD_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    RUNNING_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     name: _builtins.str
     concurrency: _builtins.int
     shard: _builtins.str
+    running: _builtins.int
+    """Tasks leased to this worker and still running."""
     @_builtins.property
     def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -75,10 +78,11 @@ class Worker(_message.Message):
         last_seen_at: _timestamp_pb2.Timestamp | None = ...,
         shard: _builtins.str = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        running: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_seen_at", b"last_seen_at", "registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "id", b"id", "labels", b"labels", "last_seen_at", b"last_seen_at", "name", b"name", "pools", b"pools", "registered_at", b"registered_at", "shard", b"shard"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "id", b"id", "labels", b"labels", "last_seen_at", b"last_seen_at", "name", b"name", "pools", b"pools", "registered_at", b"registered_at", "running", b"running", "shard", b"shard"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
