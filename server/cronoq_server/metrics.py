@@ -20,6 +20,10 @@ START_LATENCY = Histogram(
 LEADER = Gauge("cronoq_leader", "1 while this server leads its shard.")
 WORKERS = Gauge("cronoq_workers", "Registered workers by pool.", ["pool"])
 FORWARDED = Counter("cronoq_forwarded_calls_total", "Calls forwarded to another shard.", ["shard", "code"])
+RESOURCE_IN_USE = Gauge("cronoq_resource_in_use", "Concurrency slots held by running tasks.", ["resource"])
+RESOURCE_CAPACITY = Gauge(
+    "cronoq_resource_capacity", "A resource's capacity: concurrency slots, or a rate's burst.", ["resource"]
+)
 CALLS = Counter("cronoq_api_calls_total", "API calls by method and code.", ["method", "code"])
 
 

@@ -22,6 +22,7 @@ from .config import UNSHARDED, Config
 from .core.events import EventBus
 from .core.leases import NUDGE_EVERY_S, Leases
 from .core.maintenance import Periodic, Services
+from .core.resources import ResourceGate
 from .core.retry import make_retry_at
 from .core.tasks import Tasks
 from .errors import ApiError
@@ -63,8 +64,16 @@ class Node:
         else:
             self.leadership = FileLeadership(self._store_path(), self.advertise)
         self.tasks = Tasks(config, self.store, self.events, self.shard_name, self.shard_number, self.pools)
+        self.gate = ResourceGate(r for r in config.resources if r.shard in (None, self.shard_name))
         self.leases = Leases(
-            config, self.store, self.events, self.shard_name, self.shard_number, self.pools, lambda: self.is_leader
+            config,
+            self.store,
+            self.events,
+            self.shard_name,
+            self.shard_number,
+            self.pools,
+            lambda: self.is_leader,
+            self.gate,
         )
         self.is_leader = False
         self.draining = False
@@ -168,6 +177,15 @@ class Node:
         if isinstance(self.store, PostgresStore):
             self.store.term = self.leadership.term
             self.store.on_fenced = self.leadership.mark_lost
+        if self.gate.enabled:
+            # Slots held by tasks that were running under the previous leader stay held.
+            while True:
+                try:
+                    self.gate.rebuild(await self.store.running_resources())
+                    break
+                except StoreUnavailable as err:
+                    log.warning("shard %s: resources not rebuilt yet: %s; retrying", self.shard_name, err)
+                    await asyncio.sleep(0.5)
         self.is_leader = True
         LEADER.set(1)
         self.services.start()

@@ -409,8 +409,8 @@ async def test_expired_leases_are_retried_then_failed(store: Store, settings: St
     retried = await submit_one(store, max_attempts=2)
     await store.lease("w1", ["default"], 1, T0)
     ttl = settings.lease_ttl_us["default"]
-    assert await store.expire_leases(T0 + ttl - 1) == []
-    changes = await store.expire_leases(T0 + ttl + 1)
+    assert await store.expire_leases(T0 + ttl - 1) == ([], [])
+    changes, _ = await store.expire_leases(T0 + ttl + 1)
     assert changes == [(retried.seq, State.PENDING)]
     after = await row(store, retried.seq)
     assert (after.state, after.error, after.worker_id) == (State.PENDING, "lease expired", None)
@@ -418,8 +418,8 @@ async def test_expired_leases_are_retried_then_failed(store: Store, settings: St
     second = await lease_one(store, retried.seq, after.run_at)
     # A heartbeat keeps the lease past the first expiry.
     await store.heartbeat("w1", [(second.seq, second.attempt)], after.run_at + ttl - 1)
-    assert await store.expire_leases(after.run_at + ttl + 1) == []
-    changes = await store.expire_leases(after.run_at + 2 * ttl)
+    assert await store.expire_leases(after.run_at + ttl + 1) == ([], [])
+    changes, _ = await store.expire_leases(after.run_at + 2 * ttl)
     assert changes == [(retried.seq, State.FAILED)]
     failed = await row(store, retried.seq)
     assert (failed.state, failed.error, failed.attempt) == (State.FAILED, "lease expired", 2)
@@ -429,7 +429,7 @@ async def test_expiry_on_the_last_attempt_fails_dependents(store: Store, setting
     dep = await submit_one(store, max_attempts=1)
     dependent = await submit_one(store, dep_seqs=[dep.seq])
     await lease_one(store, dep.seq)
-    changes = await store.expire_leases(T0 + settings.lease_ttl_us["default"] + 1)
+    changes, _ = await store.expire_leases(T0 + settings.lease_ttl_us["default"] + 1)
     assert set(changes) == {(dep.seq, State.FAILED), (dependent.seq, State.FAILED)}
 
 

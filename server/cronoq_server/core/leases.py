@@ -18,7 +18,7 @@ from ..config import Config
 from ..errors import ApiError, invalid
 from ..ids import make_task_id, seq_of, shard_of
 from ..metrics import START_LATENCY, TASKS_LEASED, record_finished
-from ..store.base import Outcome, OutcomeKind, Store, WorkerRow
+from ..store.base import Outcome, OutcomeKind, Store, TaskRow, WorkerRow
 from .convert import to_task, to_worker
 from .events import EventBus
 from .limits import (
@@ -30,6 +30,7 @@ from .limits import (
     cap_error,
     check_text,
 )
+from .resources import ResourceGate
 from .tasks import now_us
 
 log = logging.getLogger("cronoq.leases")
@@ -55,8 +56,10 @@ class Leases:
         shard_number: int,
         pools: list[str],
         is_leader: Callable[[], bool] = lambda: True,
+        gate: ResourceGate | None = None,
     ):
         self._is_leader = is_leader
+        self._gate = gate or ResourceGate([])
         self._config = config
         self._store = store
         self._events = events
@@ -158,7 +161,7 @@ class Leases:
             waiter = self._events.lease_waiter(pools)
             try:
                 now = now_us()
-                rows, next_due = await self._store.lease(worker.id, pools, limit, now, max_bytes)
+                rows, next_due = await self._lease(worker.id, pools, limit, now, max_bytes)
                 if rows:
                     TASKS_LEASED.inc(len(rows))
                     for r in rows:
@@ -171,6 +174,9 @@ class Leases:
                 timeout = remaining
                 if next_due is not None:
                     timeout = min(timeout, max((next_due - now) / 1e6, 0.001))
+                token_in = self._gate.next_token_in()
+                if token_in is not None:  # a rate resource refills: its tasks may run then
+                    timeout = min(timeout, max(token_in, 0.001))
                 try:
                     await asyncio.wait_for(waiter.event.wait(), timeout)
                 except TimeoutError:
@@ -178,6 +184,28 @@ class Leases:
             finally:
                 self._events.forget_leaser(waiter)
         return pb.LeaseTasksResponse()
+
+    async def _lease(
+        self, worker_id: str, pools: list[str], limit: int, now: int, max_bytes: int
+    ) -> tuple[list[TaskRow], int | None]:
+        """The store's lease, with tasks that name resources admitted by the gate."""
+        if not self._gate.enabled:
+            return await self._store.lease(worker_id, pools, limit, now, max_bytes)
+        reservation = self._gate.reservation()
+        try:
+            rows, next_due = await self._store.lease(
+                worker_id, pools, limit, now, max_bytes, reservation.admit, self._gate.exhausted()
+            )
+        except BaseException:
+            reservation.cancel()
+            raise
+        reservation.keep((r.seq, r.attempt) for r in rows)
+        return rows, next_due
+
+    def _ended(self, attempts: list[tuple[int, int]]) -> None:
+        """These attempts ended: their resource slots are free, and waiting leases look again."""
+        if self._gate.release(attempts):
+            self._events.nudge_leasers()
 
     async def heartbeat(self, req: pb.HeartbeatRequest, caller: Principal) -> pb.HeartbeatResponse:
         await self._worker(req.worker_id, caller)
@@ -226,6 +254,8 @@ class Leases:
             else:
                 outcomes.append(Outcome(seq, o.attempt, OutcomeKind.RELEASED))
         results, changes = await self._store.finish(req.worker_id, outcomes, now_us())
+        attempts = {o.seq: o.attempt for o in outcomes}
+        self._ended([(r.seq, attempts[r.seq]) for r in results if r.accepted])
         await self._events.publish(changes)
         record_finished(changes)
         return pb.FinishTasksResponse(
@@ -241,7 +271,8 @@ class Leases:
 
     async def expire_once(self) -> None:
         """Ends every lease past its expiry (a failed, retryable attempt)."""
-        changes = await self._store.expire_leases(now_us())
+        changes, ended = await self._store.expire_leases(now_us())
+        self._ended(ended)
         if changes:
             log.info("expired %d lease(s)", len(changes))
             await self._events.publish(changes)

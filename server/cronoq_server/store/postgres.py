@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import asyncpg
@@ -21,6 +21,7 @@ from ..ids import make_task_id
 from .base import (
     TASK_COLUMNS,
     TERMINAL,
+    Admit,
     Changes,
     Fenced,
     NewTask,
@@ -40,6 +41,7 @@ from .logic import (
     OUTCOME_COLUMNS,
     check_outcomes,
     check_pending_limits,
+    choose_leases,
     decide_heartbeat,
     decide_outcomes,
     dependency_error,
@@ -47,6 +49,7 @@ from .logic import (
     expired_outcome,
     initial_state,
     key_of_another_pool,
+    lease_scan,
     limits_apply,
     not_leased,
     replay_request,
@@ -154,6 +157,18 @@ MIGRATIONS: dict[int, list[str]] = {
 }
 WORKER_COLUMNS = "id, name, pools, concurrency, labels, registered_at, last_seen_at, principal"
 
+# What a task weighs in a lease reply ({t}: the table's alias and dot, or nothing).
+LEASE_SIZE = "octet_length({t}payload) + octet_length(coalesce({t}key, '')) + octet_length({t}content_type)"
+# Leases the `chosen` tasks: $1 now, $3 worker id, $4 pools and $5 their lease TTLs (µs), as a
+# statement's tail after a WITH that names `chosen`. The lease never runs past the attempt's
+# deadline (started_at + timeout_ms).
+LEASE_UPDATE = (
+    ", ttl AS (SELECT * FROM unnest($4::text[], $5::bigint[]) AS x(pool, ttl))"
+    " UPDATE {s}.tasks t SET state = 3, attempt = t.attempt + 1, worker_id = $3, started_at = $1,"
+    " lease_expires_at = $1 + CASE WHEN t.timeout_ms > 0 THEN least(ttl.ttl, t.timeout_ms * 1000)"
+    " ELSE ttl.ttl END FROM chosen, ttl WHERE t.seq = chosen.seq AND ttl.pool = t.pool"
+)
+
 # Errors that mean "the database is not reachable right now".
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
@@ -194,6 +209,7 @@ class PostgresStore:
         self._no_blocked_since = 0
         self._blocking_submits = 0
         self.channel = notify_channel(schema)
+        self._cols = ", ".join(f"t.{c.strip()}" for c in TASK_COLUMNS.split(","))
 
     def _full_id(self, seq: int) -> int:
         return make_task_id(self.settings.shard_number, seq)
@@ -537,37 +553,79 @@ class PostgresStore:
     # -- leases ---------------------------------------------------------------
 
     async def lease(
-        self, worker_id: str, pools: list[str], limit: int, now: int, max_bytes: int = 0
+        self,
+        worker_id: str,
+        pools: list[str],
+        limit: int,
+        now: int,
+        max_bytes: int = 0,
+        admit: Admit | None = None,
+        exhausted: Sequence[str] = (),
     ) -> tuple[list[TaskRow], int | None]:
         ttl = self.settings.lease_ttl_us
-        cols = ", ".join(f"t.{c.strip()}" for c in TASK_COLUMNS.split(","))
-        # One index-ordered scan per pool ("pool = ANY" would sort every pending row); of the
-        # rows picked, the first always and then as many as fit in max_bytes (octet_length
-        # reads a stored value's size without decompressing it).
-        sql = self._sql(
-            "WITH picked AS (SELECT x.seq, x.priority, x.run_at FROM unnest($4::text[]) AS p(pool), LATERAL"
-            " (SELECT seq, priority, run_at FROM {s}.tasks WHERE state = 1 AND pool = p.pool AND run_at <= $1"
-            " ORDER BY priority DESC, run_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED) AS x"
-            " WHERE {fence} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $2),"
-            " sized AS (SELECT p.seq, row_number() OVER w AS n, sum(octet_length(t.payload)"
-            " + octet_length(coalesce(t.key, '')) + octet_length(t.content_type) + $7) OVER w AS upto"
-            " FROM picked p JOIN {s}.tasks t ON t.seq = p.seq WINDOW w AS (ORDER BY p.priority DESC, p.run_at, p.seq)),"
-            " chosen AS (SELECT seq FROM sized WHERE n = 1 OR $6::bigint <= 0 OR upto <= $6::bigint),"
-            " ttl AS (SELECT * FROM unnest($4::text[], $5::bigint[]) AS x(pool, ttl))"
-            " UPDATE {s}.tasks t SET state = 3, attempt = t.attempt + 1, worker_id = $3, started_at = $1,"
-            # Never past the attempt's deadline (started_at + timeout_ms).
-            " lease_expires_at = $1 + CASE WHEN t.timeout_ms > 0 THEN least(ttl.ttl, t.timeout_ms * 1000)"
-            " ELSE ttl.ttl END FROM chosen, ttl WHERE t.seq = chosen.seq AND ttl.pool = t.pool"
-            f" RETURNING {cols}"
-        )
-        due_sql = self._sql("SELECT min(run_at) FROM {s}.tasks WHERE state = 1 AND pool = ANY($1::text[])")
-        args = (now, limit, worker_id, pools, [ttl[p] for p in pools], max_bytes, self.settings.lease_overhead_bytes)
-
-        rows = [task_row(r) for r in await self._fenced_fetch(sql, *args)]
+        ttls = [ttl[p] for p in pools]
+        overhead = self.settings.lease_overhead_bytes
+        if admit is not None:
+            rows = await self._tx(
+                lambda c: self._lease_admitted(c, worker_id, pools, ttls, limit, now, max_bytes, admit, exhausted)
+            )
+        else:
+            # One index-ordered scan per pool ("pool = ANY" would sort every pending row); of the
+            # rows picked, the first always and then as many as fit in max_bytes (octet_length
+            # reads a stored value's size without decompressing it).
+            sql = self._sql(
+                "WITH picked AS (SELECT x.seq, x.priority, x.run_at FROM unnest($4::text[]) AS p(pool), LATERAL"
+                " (SELECT seq, priority, run_at FROM {s}.tasks WHERE state = 1 AND pool = p.pool AND run_at <= $1"
+                " ORDER BY priority DESC, run_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED) AS x"
+                " WHERE {fence} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $2),"
+                f" sized AS (SELECT p.seq, row_number() OVER w AS n, sum({LEASE_SIZE.format(t='t.')} + $7) OVER w"
+                " AS upto FROM picked p JOIN {s}.tasks t ON t.seq = p.seq"
+                " WINDOW w AS (ORDER BY p.priority DESC, p.run_at, p.seq)),"
+                " chosen AS (SELECT seq FROM sized WHERE n = 1 OR $6::bigint <= 0 OR upto <= $6::bigint)"
+                f" {LEASE_UPDATE} RETURNING {self._cols}"
+            )
+            args = (now, limit, worker_id, pools, ttls, max_bytes, overhead)
+            rows = [task_row(r) for r in await self._fenced_fetch(sql, *args)]
         if rows:
             rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
             return rows, None
+        due_sql = self._sql("SELECT min(run_at) FROM {s}.tasks WHERE state = 1 AND pool = ANY($1::text[])")
         return [], await self._read(lambda c: c.fetchval(due_sql, pools))
+
+    async def _lease_admitted(
+        self,
+        conn: asyncpg.Connection,
+        worker_id: str,
+        pools: list[str],
+        ttls: list[int],
+        limit: int,
+        now: int,
+        max_bytes: int,
+        admit: Admit,
+        exhausted: Sequence[str],
+    ) -> list[TaskRow]:
+        """Leases the due tasks admit lets run (resources), skipping those it refuses; the
+        candidates are locked until the transaction ends, so no other lease takes them."""
+        sql = self._sql(
+            "SELECT x.seq, x.resources, x.size FROM unnest($4::text[]) AS p(pool), LATERAL"
+            f" (SELECT seq, priority, run_at, resources, {LEASE_SIZE.format(t='')} + $5 AS size FROM {{s}}.tasks"
+            " WHERE state = 1 AND pool = p.pool AND run_at <= $1"
+            " AND (resources IS NULL OR NOT (resources::jsonb ?| $3::text[]))"
+            " ORDER BY priority DESC, run_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED) AS x"
+            " ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $2"
+        )
+        overhead = self.settings.lease_overhead_bytes
+        candidates = await conn.fetch(sql, now, lease_scan(limit), list(exhausted), pools, overhead)
+        seqs = choose_leases(candidates, limit, max_bytes, admit)
+        if not seqs:
+            return []
+        sql = self._sql(f"WITH chosen AS (SELECT unnest($2::bigint[]) AS seq) {LEASE_UPDATE} RETURNING {self._cols}")
+        return [task_row(r) for r in await conn.fetch(sql, now, seqs, worker_id, pools, ttls)]
+
+    async def running_resources(self) -> list[tuple[int, int, dict[str, int]]]:
+        sql = self._sql("SELECT seq, attempt, resources FROM {s}.tasks WHERE state = 3 AND resources IS NOT NULL")
+        rows = await self._read(lambda c: c.fetch(sql))
+        return [(r[0], r[1], json.loads(r[2])) for r in rows]
 
     async def heartbeat(self, worker_id: str, attempts: list[tuple[int, int]], now: int) -> tuple[list[int], list[int]]:
         async def beat(conn: asyncpg.Connection) -> tuple[list[int], list[int]]:
@@ -751,8 +809,8 @@ class PostgresStore:
         if not blocked:
             self._no_blocked_since = generation
 
-    async def expire_leases(self, now: int) -> Changes:
-        async def expire(conn: asyncpg.Connection) -> Changes:
+    async def expire_leases(self, now: int) -> tuple[Changes, list[tuple[int, int]]]:
+        async def expire(conn: asyncpg.Connection) -> tuple[Changes, list[tuple[int, int]]]:
             sql = self._sql(
                 f"SELECT {OUTCOME_COLUMNS} FROM {{s}}.tasks WHERE state = 3 AND lease_expires_at < $1"
                 " FOR UPDATE SKIP LOCKED"
@@ -760,7 +818,7 @@ class PostgresStore:
             expired = [expired_outcome(tuple(r)) for r in await conn.fetch(sql, now)]
             changes = await self._apply_outcomes(conn, expired, now) if expired else []
             await self._check_blocked(conn)
-            return changes
+            return changes, [(o.seq, o.attempt) for o, _ in expired]
 
         return await self._tx(expire)
 

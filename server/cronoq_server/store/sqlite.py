@@ -11,7 +11,7 @@ import json
 import queue
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -20,6 +20,7 @@ from ..ids import make_task_id
 from .base import (
     TASK_COLUMNS,
     TERMINAL,
+    Admit,
     Changes,
     NewTask,
     Outcome,
@@ -36,6 +37,7 @@ from .logic import (
     OUTCOME_COLUMNS,
     check_outcomes,
     check_pending_limits,
+    choose_leases,
     decide_heartbeat,
     decide_outcomes,
     dependency_error,
@@ -43,6 +45,7 @@ from .logic import (
     expired_outcome,
     initial_state,
     key_of_another_pool,
+    lease_scan,
     limits_apply,
     replay_request,
     request_retention,
@@ -448,13 +451,62 @@ class SqliteStore:
     # -- leases ---------------------------------------------------------------
 
     async def lease(
-        self, worker_id: str, pools: list[str], limit: int, now: int, max_bytes: int = 0
+        self,
+        worker_id: str,
+        pools: list[str],
+        limit: int,
+        now: int,
+        max_bytes: int = 0,
+        admit: Admit | None = None,
+        exhausted: Sequence[str] = (),
     ) -> tuple[list[TaskRow], int | None]:
-        return await self._tx(self._lease, worker_id, pools, limit, now, max_bytes)
+        return await self._tx(self._lease, worker_id, pools, limit, now, max_bytes, admit, exhausted)
 
     def _lease(
-        self, db: sqlite3.Connection, worker_id: str, pools: list[str], limit: int, now: int, max_bytes: int
+        self,
+        db: sqlite3.Connection,
+        worker_id: str,
+        pools: list[str],
+        limit: int,
+        now: int,
+        max_bytes: int,
+        admit: Admit | None,
+        exhausted: Sequence[str],
     ) -> tuple[list[TaskRow], int | None]:
+        overhead = self.settings.lease_overhead_bytes
+        size = f"length(payload) + length(coalesce(key, '')) + length(content_type) + {int(overhead)}"
+        due = f"state = 1 AND pool IN ({_marks(len(pools))}) AND run_at <= ?"
+        order = "priority DESC, run_at, seq"
+        if admit is None:
+            # The first `limit` due tasks in lease order, then as many as fit in max_bytes.
+            chosen = (
+                f"SELECT seq FROM (SELECT seq, row_number() OVER w AS n, sum(size) OVER w AS upto"
+                f" FROM (SELECT seq, priority, run_at, {size} AS size FROM tasks WHERE {due}"
+                f" ORDER BY {order} LIMIT ?) WINDOW w AS (ORDER BY {order})) WHERE n = 1 OR ? <= 0 OR upto <= ?"
+            )
+            rows = self._lease_seqs(db, worker_id, pools, now, chosen, (*pools, now, limit, max_bytes, max_bytes))
+        else:
+            skip = ""
+            if exhausted:
+                skip = (
+                    " AND (resources IS NULL OR NOT EXISTS (SELECT 1 FROM json_each(tasks.resources)"
+                    f" WHERE json_each.key IN ({_marks(len(exhausted))})))"
+                )
+            sql = f"SELECT seq, resources, {size} FROM tasks WHERE {due}{skip} ORDER BY {order} LIMIT ?"
+            candidates = db.execute(sql, (*pools, now, *exhausted, lease_scan(limit))).fetchall()
+            seqs = choose_leases(candidates, limit, max_bytes, admit)
+            chosen = "SELECT value FROM json_each(?)"
+            rows = self._lease_seqs(db, worker_id, pools, now, chosen, (json.dumps(seqs),)) if seqs else []
+        if rows:
+            rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
+            return rows, None
+        sql = f"SELECT MIN(run_at) FROM tasks WHERE state = 1 AND pool IN ({_marks(len(pools))})"
+        return [], db.execute(sql, pools).fetchone()[0]
+
+    def _lease_seqs(
+        self, db: sqlite3.Connection, worker_id: str, pools: list[str], now: int, chosen: str, params: tuple[Any, ...]
+    ) -> list[TaskRow]:
+        """Leases the tasks the `chosen` query names (seqs, with its params)."""
         ttl = self.settings.lease_ttl_us
         expiry = "CASE pool " + " ".join("WHEN ? THEN ?" for _ in pools) + " END"
         expiry_params: list[Any] = []
@@ -464,25 +516,10 @@ class SqliteStore:
             f"UPDATE tasks SET state = 3, attempt = attempt + 1, worker_id = ?, started_at = ?,"
             # Never past the attempt's deadline (started_at + timeout_ms).
             f" lease_expires_at = CASE WHEN timeout_ms > 0 THEN min({expiry}, ? + timeout_ms * 1000) ELSE {expiry} END"
-            # The first `limit` due tasks in lease order, then as many as fit in max_bytes.
-            f" WHERE seq IN (SELECT seq FROM (SELECT seq, row_number() OVER w AS n, sum(size) OVER w AS upto"
-            f" FROM (SELECT seq, priority, run_at,"
-            f" length(payload) + length(coalesce(key, '')) + length(content_type) + ? AS size"
-            f" FROM tasks WHERE state = 1 AND pool IN ({_marks(len(pools))}) AND run_at <= ?"
-            f" ORDER BY priority DESC, run_at, seq LIMIT ?)"
-            f" WINDOW w AS (ORDER BY priority DESC, run_at, seq)) WHERE n = 1 OR ? <= 0 OR upto <= ?)"
-            f" RETURNING {TASK_COLUMNS}"
+            f" WHERE state = 1 AND seq IN ({chosen}) RETURNING {TASK_COLUMNS}"
         )
-        overhead = self.settings.lease_overhead_bytes
-        params = (
-            worker_id, now, *expiry_params, now, *expiry_params, overhead, *pools, now, limit, max_bytes, max_bytes
-        )  # fmt: skip
-        rows = [task_row(r) for r in db.execute(sql, params)]
-        if rows:
-            rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
-            return rows, None
-        sql = f"SELECT MIN(run_at) FROM tasks WHERE state = 1 AND pool IN ({_marks(len(pools))})"
-        return [], db.execute(sql, pools).fetchone()[0]
+        all_params = (worker_id, now, *expiry_params, now, *expiry_params, *params)
+        return [task_row(r) for r in db.execute(sql, all_params)]
 
     async def heartbeat(self, worker_id: str, attempts: list[tuple[int, int]], now: int) -> tuple[list[int], list[int]]:
         return await self._tx(self._heartbeat, worker_id, attempts, now)
@@ -592,13 +629,19 @@ class SqliteStore:
             frontier = nxt
         return changes
 
-    async def expire_leases(self, now: int) -> Changes:
+    async def expire_leases(self, now: int) -> tuple[Changes, list[tuple[int, int]]]:
         return await self._tx(self._expire_leases, now)
 
-    def _expire_leases(self, db: sqlite3.Connection, now: int) -> Changes:
+    def _expire_leases(self, db: sqlite3.Connection, now: int) -> tuple[Changes, list[tuple[int, int]]]:
         sql = f"SELECT {OUTCOME_COLUMNS} FROM tasks WHERE state = 3 AND lease_expires_at < ?"
         expired = [expired_outcome(r) for r in db.execute(sql, (now,))]
-        return self._apply_outcomes(db, expired, now) if expired else []
+        if not expired:
+            return [], []
+        return self._apply_outcomes(db, expired, now), [(o.seq, o.attempt) for o, _ in expired]
+
+    async def running_resources(self) -> list[tuple[int, int, dict[str, int]]]:
+        sql = "SELECT seq, attempt, resources FROM tasks WHERE state = 3 AND resources IS NOT NULL"
+        return await self._run(lambda: [(r[0], r[1], json.loads(r[2])) for r in self._conn.execute(sql)])
 
     async def cancel(self, seq: int, now: int) -> tuple[TaskRow | None, Changes]:
         return await self._tx(self._cancel, seq, now)

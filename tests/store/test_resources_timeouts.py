@@ -1,0 +1,109 @@
+"""Leases that admit tasks by resources, and execution timeouts, on every backend."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from test_store import SEC, T0, failure, finish_ok, new
+
+from cronoq_server.store.base import Store, StoreSettings
+
+
+def with_resources(resources: dict[str, int], **kw) -> object:
+    return dataclasses.replace(new(**kw), resources=resources)
+
+
+async def test_admit_skips_refused_tasks_without_blocking_those_behind(store: Store) -> None:
+    subs, _ = await store.submit(
+        [
+            with_resources({"gpu": 1}, priority=9),
+            with_resources({"gpu": 1}, priority=8),
+            new(priority=1),
+            new(priority=0),
+        ],  # type: ignore[list-item]
+        T0,
+    )
+    gpu_a, gpu_b, plain_a, plain_b = (s.row.seq for s in subs)
+    asked: list[tuple[int, dict[str, int]]] = []
+    free = {"gpu": 1}
+
+    def admit(seq: int, resources: dict[str, int]) -> bool:
+        asked.append((seq, resources))
+        if free["gpu"] >= resources["gpu"]:
+            free["gpu"] -= resources["gpu"]
+            return True
+        return False
+
+    rows, _ = await store.lease("w1", ["default"], 10, T0, admit=admit)
+    assert [r.seq for r in rows] == [gpu_a, plain_a, plain_b]  # the second gpu task waits, plain ones run
+    assert asked == [(gpu_a, {"gpu": 1}), (gpu_b, {"gpu": 1})]  # plain tasks are not asked about
+    assert (await store.get(gpu_b)).state.name == "PENDING"  # type: ignore[union-attr]
+
+
+async def test_exhausted_resources_are_not_looked_at(store: Store) -> None:
+    subs, _ = await store.submit([with_resources({"gpu": 1}), with_resources({"api": 1}), new()], T0)  # type: ignore[list-item]
+    gpu, api, plain = (s.row.seq for s in subs)
+    asked: list[int] = []
+
+    def admit(seq: int, resources: dict[str, int]) -> bool:
+        asked.append(seq)
+        return True
+
+    rows, _ = await store.lease("w1", ["default"], 10, T0, admit=admit, exhausted=["gpu"])
+    assert sorted(r.seq for r in rows) == [api, plain]
+    assert asked == [api]
+    assert (await store.get(gpu)).state.name == "PENDING"  # type: ignore[union-attr]
+
+
+async def test_admitted_lease_respects_limit_and_bytes(store: Store) -> None:
+    subs, _ = await store.submit([with_resources({"gpu": 1}, payload=b"x" * 1000) for _ in range(5)], T0)  # type: ignore[misc]
+    rows, _ = await store.lease("w1", ["default"], 3, T0, admit=lambda s, r: True)
+    assert [r.seq for r in rows] == [s.row.seq for s in subs[:3]]
+    rows, _ = await store.lease("w1", ["default"], 10, T0, max_bytes=1500, admit=lambda s, r: True)
+    assert [r.seq for r in rows] == [subs[3].row.seq]  # the first always; the second does not fit
+
+
+async def test_running_resources_lists_running_tasks_that_name_resources(store: Store) -> None:
+    subs, _ = await store.submit([with_resources({"gpu": 2}), new(), with_resources({"api": 1})], T0)  # type: ignore[list-item]
+    rows, _ = await store.lease("w1", ["default"], 2, T0, admit=lambda s, r: True)
+    assert len(rows) == 2
+    assert await store.running_resources() == [(subs[0].row.seq, 1, {"gpu": 2})]
+
+
+async def test_expiry_reports_the_attempts_it_ended(store: Store, settings: StoreSettings) -> None:
+    (sub,), _ = await store.submit([with_resources({"gpu": 1})], T0)  # type: ignore[list-item]
+    await store.lease("w1", ["default"], 1, T0, admit=lambda s, r: True)
+    changes, ended = await store.expire_leases(T0 + settings.lease_ttl_us["default"] + 1)
+    assert ended == [(sub.row.seq, 1)]
+    assert await store.running_resources() == []
+
+
+async def test_lease_never_outlives_the_attempts_deadline(store: Store, settings: StoreSettings) -> None:
+    ttl = settings.lease_ttl_us["default"]
+    short = dataclasses.replace(new(), timeout_ms=2000)  # 2 s, well under the 10 s lease TTL
+    long = dataclasses.replace(new(), timeout_ms=60_000)
+    subs, _ = await store.submit([short, long], T0)
+    assert [s.row.timeout_ms for s in subs] == [2000, 60_000]
+    rows, _ = await store.lease("w1", ["default"], 2, T0)
+    expiry = {r.seq: r.lease_expires_at for r in rows}
+    assert expiry[subs[0].row.seq] == T0 + 2 * SEC
+    assert expiry[subs[1].row.seq] == T0 + ttl
+    # Heartbeats extend the lease, but never past started_at + timeout.
+    attempts = [(r.seq, r.attempt) for r in rows]
+    cancelled, lost = await store.heartbeat("w1", attempts, T0 + 1 * SEC)
+    assert (cancelled, lost) == ([], [])
+    assert (await store.get(subs[0].row.seq)).lease_expires_at == T0 + 2 * SEC  # type: ignore[union-attr]
+    assert (await store.get(subs[1].row.seq)).lease_expires_at == T0 + 1 * SEC + ttl  # type: ignore[union-attr]
+    # A worker that hangs loses the task at its deadline: the lease expires then.
+    changes, ended = await store.expire_leases(T0 + 2 * SEC + 1)
+    assert ended == [(subs[0].row.seq, 1)]
+    task = await store.get(subs[0].row.seq)
+    assert task is not None and task.state.name == "PENDING" and task.error == "lease expired"
+
+
+async def test_timeout_is_kept_across_retries(store: Store) -> None:
+    (sub,), _ = await store.submit([dataclasses.replace(new(), timeout_ms=1500)], T0)
+    rows, _ = await store.lease("w1", ["default"], 1, T0)
+    await finish_ok(store, failure(rows[0]), T0 + SEC)
+    rows, _ = await store.lease("w1", ["default"], 1, T0 + 10 * SEC)
+    assert rows[0].attempt == 2 and rows[0].lease_expires_at == T0 + 10 * SEC + 1500 * 1000
