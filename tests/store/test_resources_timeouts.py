@@ -73,7 +73,7 @@ async def test_running_resources_lists_running_tasks_that_name_resources(store: 
 async def test_expiry_reports_the_attempts_it_ended(store: Store, settings: StoreSettings) -> None:
     (sub,), _ = await store.submit([with_resources({"gpu": 1})], T0)  # type: ignore[list-item]
     await store.lease("w1", ["default"], 1, T0, admit=lambda s, r: True)
-    changes, ended = await store.expire_leases(T0 + settings.lease_ttl_us["default"] + 1)
+    _changes, ended = await store.expire_leases(T0 + settings.lease_ttl_us["default"] + 1)
     assert ended == [(sub.row.seq, 1)]
     assert await store.running_resources() == []
 
@@ -95,14 +95,14 @@ async def test_lease_never_outlives_the_attempts_deadline(store: Store, settings
     assert (await store.get(subs[0].row.seq)).lease_expires_at == T0 + 2 * SEC  # type: ignore[union-attr]
     assert (await store.get(subs[1].row.seq)).lease_expires_at == T0 + 1 * SEC + ttl  # type: ignore[union-attr]
     # A worker that hangs loses the task at its deadline: the lease expires then.
-    changes, ended = await store.expire_leases(T0 + 2 * SEC + 1)
+    _changes, ended = await store.expire_leases(T0 + 2 * SEC + 1)
     assert ended == [(subs[0].row.seq, 1)]
     task = await store.get(subs[0].row.seq)
     assert task is not None and task.state.name == "PENDING" and task.error == "lease expired"
 
 
 async def test_timeout_is_kept_across_retries(store: Store) -> None:
-    (sub,), _ = await store.submit([dataclasses.replace(new(), timeout_ms=1500)], T0)
+    (_sub,), _ = await store.submit([dataclasses.replace(new(), timeout_ms=1500)], T0)
     rows, _ = await store.lease("w1", ["default"], 1, T0)
     await finish_ok(store, failure(rows[0]), T0 + SEC)
     rows, _ = await store.lease("w1", ["default"], 1, T0 + 10 * SEC)
