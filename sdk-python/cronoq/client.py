@@ -67,8 +67,10 @@ def task_spec(
     max_attempts: int = 0,
     depends_on: Sequence[TaskRefLike] = (),
     resources: Mapping[str, int] | None = None,
+    timeout: float | None = None,
 ) -> pb.SubmitTaskRequest:
-    """One task to submit. payload: bytes, or any JSON value. delay: seconds from now."""
+    """One task to submit. payload: bytes, or any JSON value. delay: seconds from now.
+    timeout: seconds each attempt may run (capped by the pool's); the worker cancels it then."""
     data, content_type = encode_payload(payload)
     req = pb.SubmitTaskRequest(
         pool=pool,
@@ -79,6 +81,7 @@ def task_spec(
         max_attempts=max_attempts,
         depends_on=[task_ref(r) for r in depends_on],
         resources=dict(resources or {}),
+        timeout_ms=max(int(timeout * 1000), 1) if timeout is not None else 0,
     )
     if delay is not None:
         run_at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay)

@@ -348,8 +348,17 @@ class Worker:
 
     async def _execute(self, ctx: TaskContext) -> None:
         outcome = pb.TaskOutcome(task_id=ctx.id, attempt=ctx.attempt)
+        timeout_ms = ctx.task.timeout_ms
+        # The server never extends the lease past the attempt's deadline: the handler is cancelled there.
+        deadline = asyncio.timeout(timeout_ms / 1000 if timeout_ms > 0 else None)
         try:
-            result = await self.handler(ctx)
+            try:
+                async with deadline:
+                    result = await self.handler(ctx)
+            except TimeoutError:
+                if not deadline.expired():
+                    raise
+                raise TaskError(f"timed out after {timeout_ms} ms", retryable=True) from None
             data, content_type = encode_payload(result)
             if len(data) > self.max_result_bytes:
                 outcome.failure.error = f"result of {len(data)} bytes exceeds max_result_bytes {self.max_result_bytes}"

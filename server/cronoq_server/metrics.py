@@ -18,6 +18,7 @@ START_LATENCY = Histogram(
     buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 LEADER = Gauge("cronoq_leader", "1 while this server leads its shard.")
+LEADER_TERM = Gauge("cronoq_leader_term", "The leadership term this server last led in (0 on SQLite).")
 WORKERS = Gauge("cronoq_workers", "Registered workers by pool.", ["pool"])
 FORWARDED = Counter("cronoq_forwarded_calls_total", "Calls forwarded to another shard.", ["shard", "code"])
 RESOURCE_IN_USE = Gauge("cronoq_resource_in_use", "Concurrency slots held by running tasks.", ["resource"])

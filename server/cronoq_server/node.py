@@ -27,7 +27,7 @@ from .core.retry import make_retry_at
 from .core.tasks import Tasks
 from .errors import ApiError
 from .leader import FileLeadership, PgLeadership
-from .metrics import CALLS, LEADER, TASKS_BY_STATE, TASKS_SUBMITTED, WORKERS
+from .metrics import CALLS, LEADER, LEADER_TERM, TASKS_BY_STATE, TASKS_SUBMITTED, WORKERS
 from .registry import RegistryError, registry
 from .store.base import State, Store, StoreSettings, StoreUnavailable
 from .store.postgres import PostgresStore
@@ -35,8 +35,8 @@ from .store.sqlite import SqliteStore
 
 log = logging.getLogger("cronoq.node")
 
-# Gauges of tasks by pool and state are counted at most this often, off the callers' path.
-GAUGE_MAX_AGE_S = 5.0
+# The leader recounts the gauges of tasks by pool and state this often (never for a scrape).
+GAUGES_EVERY_S = 5.0
 
 
 class Node:
@@ -80,14 +80,15 @@ class Node:
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._gauges_at = -GAUGE_MAX_AGE_S
-        self._gauges: asyncio.Task[None] | None = None
         self._store_open = False
         # The leader's periodic work: started on taking over, stopped on stepping down.
         self.services = Services()
         self.services.add(Periodic("lease expiry", 0.5, self.leases.expire_once))
         self.services.add(Periodic("long poll nudge", NUDGE_EVERY_S, self.leases.nudge_once))
         self.services.add(Periodic("retention", 60.0, self.leases.purge_once))
+        reap_every = min(max(config.server.worker_reap_after / 4, 1.0), 60.0)
+        self.services.add(Periodic("worker reaper", reap_every, self.leases.reap_once))
+        self.services.add(Periodic("task gauges", GAUGES_EVERY_S, self._set_gauges))
         self._unary: dict[str, Callable[[Any, Principal], Awaitable[Message]]] = {
             "SubmitTask": self.tasks.submit_task,
             "SubmitBatch": self.tasks.submit_batch,
@@ -188,6 +189,7 @@ class Node:
                     await asyncio.sleep(0.5)
         self.is_leader = True
         LEADER.set(1)
+        LEADER_TERM.set(self.leadership.term)
         self.services.start()
         log.info(
             "shard %s: leader (term %d) at %s, store %s",
@@ -303,11 +305,14 @@ class Node:
             server_id=self.server_id,
             advertise=self.advertise,
             leader=self.advertise if self.is_leader else self.leadership.current_leader(),
+            term=self.leadership.term if self.is_leader else 0,
         )
 
     async def get_snapshot(self, req: admin_pb.GetSnapshotRequest, caller: Principal) -> admin_pb.GetSnapshotResponse:
         counts = await self.store.count_by_pool_and_state()
-        snap = admin_pb.ShardSnapshot(shard=self.shard_name, number=self.shard_number, leader=self.advertise)
+        snap = admin_pb.ShardSnapshot(
+            shard=self.shard_name, number=self.shard_number, leader=self.advertise, term=self.leadership.term
+        )
         for pool in self.pools:
             if not (caller.may("read", pool) or caller.may("admin", pool)):
                 continue
@@ -315,25 +320,15 @@ class Node:
             for state in State:
                 setattr(pc, state.name.lower(), counts.get((pool, state), 0))
             snap.pools.append(pc)
+        for usage in self.gate.usage():
+            snap.resources.append(
+                admin_pb.ResourceUsage(
+                    name=usage.name, in_use=usage.in_use, capacity=usage.capacity, rate=usage.rate, burst=usage.burst
+                )
+            )
         workers = await self.leases.list_workers(worker_service_pb2.ListWorkersRequest(), caller)
         snap.workers.extend(workers.workers)
         return admin_pb.GetSnapshotResponse(shards=[snap])
-
-    async def refresh_gauges(self) -> None:
-        """Starts a recount of the gauges when the last is older than GAUGE_MAX_AGE_S; a scrape
-        never waits for it (it reads the gauges as last counted)."""
-        loop = asyncio.get_running_loop()
-        if not self.is_leader or loop.time() - self._gauges_at < GAUGE_MAX_AGE_S:
-            return
-        if self._gauges is None or self._gauges.done():
-            self._gauges_at = loop.time()
-            self._gauges = asyncio.create_task(self._count_gauges())
-
-    async def _count_gauges(self) -> None:
-        try:
-            await self._set_gauges()
-        except Exception as err:
-            log.warning("gauges not refreshed: %s", err)
 
     async def _set_gauges(self) -> None:
         counts = await self.store.count_by_pool_and_state()

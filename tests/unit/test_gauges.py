@@ -1,37 +1,26 @@
-"""Scrapes read gauges counted in the background, at most every GAUGE_MAX_AGE_S."""
+"""The leader recounts task and worker gauges as a service of its own; scrapes only read them."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
+from prometheus_client import REGISTRY
+
 from cronoq_server.config import parse_config
-from cronoq_server.node import Node
+from cronoq_server.node import GAUGES_EVERY_S, Node
+from cronoq_server.store.base import NewTask
 
 
-async def test_scrapes_never_wait_for_a_count_and_count_at_most_once_per_period(tmp_path: Path) -> None:
+async def test_the_gauges_service_counts_tasks_by_pool_and_state(tmp_path: Path) -> None:
     node = Node(parse_config({"store": {"path": str(tmp_path / "cronoq.db")}}))
     await node.store.open()
     try:
-        node.is_leader = True
-        counted = 0
-        real_count = node.store.count_by_pool_and_state
-
-        async def counting() -> dict:  # type: ignore[type-arg]
-            nonlocal counted
-            counted += 1
-            await asyncio.sleep(0.2)  # a slow full scan
-            return await real_count()
-
-        node.store.count_by_pool_and_state = counting  # type: ignore[method-assign]
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        for _ in range(50):  # a scrape loop at full speed
-            await node.refresh_gauges()
-        assert loop.time() - started < 0.1  # no scrape waited for the count
-        await asyncio.sleep(0.3)
-        for _ in range(50):
-            await node.refresh_gauges()
-        assert counted == 1
+        task = NewTask(pool="default", key=None, payload=b"", content_type="", priority=0, run_at=None, max_attempts=1)
+        await node.store.submit([task, task], 1)
+        service = next(s for s in node.services if s.name == "task gauges")
+        assert service.every == GAUGES_EVERY_S
+        await node._set_gauges()
+        assert REGISTRY.get_sample_value("cronoq_tasks", {"pool": "default", "state": "pending"}) == 2
+        assert REGISTRY.get_sample_value("cronoq_tasks", {"pool": "default", "state": "running"}) == 0
     finally:
         await node.store.close()

@@ -275,7 +275,6 @@ class HttpApi:
                         "or set server.metrics_public = true",
                     )
                 )
-        await self.node.refresh_gauges()
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _healthz(self, request: web.Request) -> web.Response:

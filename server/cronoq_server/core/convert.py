@@ -39,9 +39,15 @@ def to_task(row: TaskRow, shard_number: int) -> task_pb2.Task:
     return task
 
 
-def to_worker(row: WorkerRow, shard: str) -> worker_service_pb2.Worker:
+def to_worker(row: WorkerRow, shard: str, running: int = 0) -> worker_service_pb2.Worker:
     worker = worker_service_pb2.Worker(
-        id=row.id, name=row.name, pools=row.pools, concurrency=row.concurrency, shard=shard, labels=row.labels
+        id=row.id,
+        name=row.name,
+        pools=row.pools,
+        concurrency=row.concurrency,
+        shard=shard,
+        labels=row.labels,
+        running=running,
     )
     worker.registered_at.FromMicroseconds(row.registered_at)
     worker.last_seen_at.FromMicroseconds(row.last_seen_at)

@@ -44,6 +44,8 @@ MAX_LEASE_BYTES = 16 << 20
 # Even when no change announces work, the leader has one long poll per pool look at the store
 # this often (work written behind the server's back).
 NUDGE_EVERY_S = 1.0
+# Worker rows kept in memory (a worker not among them is read from the store).
+MAX_CACHED_WORKERS = 10_000
 
 
 class Leases:
@@ -91,7 +93,7 @@ class Leases:
             uuid.uuid4().hex, req.name, list(req.pools), req.concurrency, dict(req.labels), now, now, caller.identity
         )
         await self._store.register_worker(worker)
-        self._workers[worker.id] = worker
+        self._remember(worker)
         ttl = min(self._config.pool(p).lease_ttl for p in req.pools)  # type: ignore[union-attr]
         log.info("worker %s (%r) registered for %s", worker.id, worker.name, ",".join(worker.pools))
         return pb.RegisterWorkerResponse(
@@ -101,6 +103,12 @@ class Leases:
             max_result_bytes=self._config.limits.max_result_bytes,
             max_lease_bytes=MAX_LEASE_BYTES,
         )
+
+    def _remember(self, worker: WorkerRow) -> None:
+        """Caches a worker's row (its pools and principal), the oldest dropped past the bound."""
+        self._workers[worker.id] = worker
+        while len(self._workers) > MAX_CACHED_WORKERS:
+            del self._workers[next(iter(self._workers))]
 
     async def _worker(self, worker_id: str, caller: Principal) -> WorkerRow:
         """The registered worker, used by the principal that registered it only."""
@@ -113,7 +121,7 @@ class Leases:
                 raise ApiError(
                     grpc.StatusCode.NOT_FOUND, f"worker_id: worker {worker_id!r} is not registered; register again"
                 )
-            self._workers[worker_id] = worker
+            self._remember(worker)
         if worker.principal != caller.identity:
             raise ApiError(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -136,11 +144,13 @@ class Leases:
         if req.pool:
             caller.require("read", req.pool)
         rows = await self._store.list_workers()
+        running = await self._store.running_by_worker()
         visible = []
         for w in rows:
             pools = [p for p in w.pools if caller.may("read", p)]
             if pools and (not req.pool or req.pool in pools):
-                visible.append(to_worker(dataclasses.replace(w, pools=pools), self._shard_name))
+                worker = dataclasses.replace(w, pools=pools)
+                visible.append(to_worker(worker, self._shard_name, running.get(w.id, 0)))
         return pb.ListWorkersResponse(workers=visible)
 
     # -- leases ---------------------------------------------------------------
@@ -281,6 +291,16 @@ class Leases:
         purged = await self._store.purge(now_us())
         if purged:
             log.info("purged %d task(s) past retention", purged)
+
+    async def reap_once(self) -> None:
+        """Removes workers silent for longer than server.worker_reap_after; their tasks were
+        already lost to lease expiry. A reaped worker that comes back registers again."""
+        cutoff = now_us() - int(self._config.server.worker_reap_after * 1e6)
+        reaped = await self._store.reap_workers(cutoff)
+        for worker_id in reaped:
+            self._workers.pop(worker_id, None)
+        if reaped:
+            log.info("reaped %d worker(s) silent for over %.0fs", len(reaped), self._config.server.worker_reap_after)
 
     async def nudge_once(self) -> None:
         """Has one long poll per pool look at the store (work written behind the server's back)."""

@@ -233,4 +233,10 @@ class Store(Protocol):
 
     async def list_workers(self) -> list[WorkerRow]: ...
 
+    async def running_by_worker(self) -> dict[str, int]:
+        """How many RUNNING tasks each worker holds (workers with none are left out)."""
+
+    async def reap_workers(self, seen_before: int) -> list[str]:
+        """Removes workers last seen before seen_before (µs); returns their ids."""
+
     async def count_by_pool_and_state(self) -> dict[tuple[str, State], int]: ...

@@ -884,6 +884,14 @@ class PostgresStore:
         rows = await self._read(lambda c: c.fetch(self._sql(f"SELECT {WORKER_COLUMNS} FROM {{s}}.workers ORDER BY id")))
         return [_worker(r) for r in rows]
 
+    async def running_by_worker(self) -> dict[str, int]:
+        sql = self._sql("SELECT worker_id, count(*) FROM {s}.tasks WHERE state = 3 GROUP BY worker_id")
+        return {r[0]: r[1] for r in await self._read(lambda c: c.fetch(sql))}
+
+    async def reap_workers(self, seen_before: int) -> list[str]:
+        sql = self._sql("DELETE FROM {s}.workers WHERE last_seen_at < $1 RETURNING id")
+        return [r[0] for r in await self._tx(lambda c: c.fetch(sql, seen_before))]
+
 
 def _worker(r: Any) -> WorkerRow:
     return WorkerRow(r[0], r[1], json.loads(r[2]), r[3], json.loads(r[4]), r[5], r[6], r[7])

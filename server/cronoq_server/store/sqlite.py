@@ -709,3 +709,11 @@ class SqliteStore:
     async def list_workers(self) -> list[WorkerRow]:
         sql = f"SELECT {WORKER_COLUMNS} FROM workers ORDER BY id"
         return await self._run(lambda: [_worker(r) for r in self._conn.execute(sql)])
+
+    async def running_by_worker(self) -> dict[str, int]:
+        sql = "SELECT worker_id, COUNT(*) FROM tasks WHERE state = 3 GROUP BY worker_id"
+        return await self._run(lambda: {r[0]: r[1] for r in self._conn.execute(sql)})
+
+    async def reap_workers(self, seen_before: int) -> list[str]:
+        sql = "DELETE FROM workers WHERE last_seen_at < ? RETURNING id"
+        return await self._tx(lambda db: [r[0] for r in db.execute(sql, (seen_before,))])
