@@ -82,6 +82,31 @@ def log_lines(logfile: Path, kind: str) -> list[tuple[int, int, int]]:
     out = []
     for line in logfile.read_text().splitlines():
         parts = line.split()
-        if parts and parts[0] == kind and len(parts) == 4:
+        if parts and parts[0] == kind and len(parts) >= 4:
             out.append((int(parts[1]), int(parts[2]), int(parts[3])))
     return out
+
+
+def run_intervals(logfile: Path) -> list[tuple[float, float]]:
+    """(start, end) unix times of every execution that finished, from worker_proc's log."""
+    starts: dict[tuple[int, int], float] = {}
+    out = []
+    for line in logfile.read_text().splitlines() if logfile.exists() else []:
+        parts = line.split()
+        if len(parts) == 5 and parts[0] in ("start", "done"):
+            attempt = (int(parts[1]), int(parts[2]))
+            if parts[0] == "start":
+                starts[attempt] = float(parts[4])
+            elif attempt in starts:
+                out.append((starts[attempt], float(parts[4])))
+    return out
+
+
+def max_overlap(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals open at one instant (an end before a start at the same time)."""
+    points = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals], key=lambda p: (p[0], p[1]))
+    most = running = 0
+    for _, step in points:
+        running += step
+        most = max(most, running)
+    return most

@@ -2,7 +2,7 @@
 
     python worker_proc.py ENDPOINT POOL LOGFILE [--concurrency N]
 
-Each execution appends "task_id attempt pid" to LOGFILE before returning. A payload
+Each execution appends "start|done task_id attempt pid unix_time" to LOGFILE. A payload
 {"sleep": s} sleeps first, {"sleep_first": s} only on attempt 1; {"fail_until": n} fails attempts below n. SIGTERM stops it
 gracefully.
 """
@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import os
 import signal
+import time
 
 import cronoq
 
@@ -26,14 +27,14 @@ async def main() -> None:
 
     async def handle(task: cronoq.TaskContext) -> dict:
         job = task.payload if isinstance(task.payload, dict) else {}
-        log.write(f"start {task.id} {task.attempt} {os.getpid()}\n")
+        log.write(f"start {task.id} {task.attempt} {os.getpid()} {time.time():.6f}\n")
         if job.get("sleep"):
             await asyncio.sleep(job["sleep"])
         if job.get("sleep_first") and task.attempt == 1:
             await asyncio.sleep(job["sleep_first"])
         if task.attempt < job.get("fail_until", 0):
             raise cronoq.TaskError(f"planned failure on attempt {task.attempt}")
-        log.write(f"done {task.id} {task.attempt} {os.getpid()}\n")
+        log.write(f"done {task.id} {task.attempt} {os.getpid()} {time.time():.6f}\n")
         return {"pid": os.getpid(), "attempt": task.attempt}
 
     worker = cronoq.Worker(args.endpoint, args.pool, handle, concurrency=args.concurrency, poll_wait=1.0)
