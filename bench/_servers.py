@@ -41,7 +41,7 @@ class BenchServer:
     """A cronoq-server on SQLite in workdir, or on a fresh schema of a PostgreSQL URL.
 
     secure: TLS on both listeners (a CA made for the run) and a bearer token required; clients
-    then connect with `client_options`.
+    then connect with `client_options`. extra_config: TOML appended to the config file.
     """
 
     def __init__(
@@ -50,6 +50,7 @@ class BenchServer:
         postgres_url: str | None = None,
         extra_pools: tuple[str, ...] = (),
         secure: bool = False,
+        extra_config: str = "",
     ):
         self.grpc_port, self.http_port = free_port(), free_port()
         self.secure = secure
@@ -83,6 +84,7 @@ class BenchServer:
             '[limits]\nmax_batch_size = 1000\n[[pools]]\nname = "default"\n'
             + "".join(f'[[pools]]\nname = "{name}"\n' for name in extra_pools)
             + security
+            + extra_config
         )
         self.log = open(workdir / "server.log", "wb")
         self.proc = subprocess.Popen(

@@ -1,6 +1,8 @@
 """Burn-down: N no-op tasks submitted in batches, then drained by one worker process.
 
-python bench/burndown.py [--tasks 20000] [--concurrency 64] [--batch 500]
+python bench/burndown.py [--tasks 20000] [--concurrency 64] [--batch 500] [--resource-capacity N]
+
+With --resource-capacity, every task asks for one slot of a concurrency resource of that capacity.
 """
 
 from __future__ import annotations
@@ -52,12 +54,14 @@ def run_worker(
         asyncio.run(main())
 
 
-async def submit_all(endpoint: str, total: int, batch: int, options: dict[str, Any]) -> float:
+async def submit_all(
+    endpoint: str, total: int, batch: int, options: dict[str, Any], resources: dict[str, int]
+) -> float:
     started = time.perf_counter()
     async with cronoq.Client(endpoint, **options) as client:
         for i in range(0, total, batch):
             n = min(batch, total - i)
-            await client.submit_batch([cronoq.task_spec("default", b"") for _ in range(n)])
+            await client.submit_batch([cronoq.task_spec("default", b"", resources=resources) for _ in range(n)])
             print(f"\rsubmitted {i + n}/{total}", end="", file=sys.stderr)
     print(file=sys.stderr)
     return time.perf_counter() - started
@@ -78,13 +82,21 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--secure", action="store_true", help="TLS on both sides and a bearer token")
+    ap.add_argument(
+        "--resource-capacity", type=int, default=0, help="every task takes a slot of a resource of this capacity"
+    )
     add_store_arguments(ap)
     args = ap.parse_args()
+    resources: dict[str, int] = {}
+    extra = ""
+    if args.resource_capacity:
+        resources = {"slots": 1}
+        extra = f'[[resources]]\nname = "slots"\nconcurrency = {args.resource_capacity}\n'
     with bench_store(args.store, args.url) as url, tempfile.TemporaryDirectory() as tmp:
-        server = BenchServer(Path(tmp), url, secure=args.secure)
+        server = BenchServer(Path(tmp), url, secure=args.secure, extra_config=extra)
         options = server.client_options
         try:
-            submit_s = asyncio.run(submit_all(server.endpoint, args.tasks, args.batch, options))
+            submit_s = asyncio.run(submit_all(server.endpoint, args.tasks, args.batch, options, resources))
             ready, done_at = mp.Event(), mp.Value("d", 0.0)
             proc = mp.Process(
                 target=run_worker, args=(server.endpoint, args.concurrency, args.tasks, ready, done_at, options)
@@ -99,6 +111,7 @@ def main() -> None:
     result = {
         "store": args.store,
         "secure": args.secure,
+        "resource_capacity": args.resource_capacity,
         "tasks": args.tasks,
         "submit_tasks_per_s": round(args.tasks / submit_s),
         "drain_tasks_per_s": round(args.tasks / drain_s),

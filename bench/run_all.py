@@ -65,6 +65,15 @@ def main() -> None:
                     f"({secure['drain_tasks_per_s'] / burn['drain_tasks_per_s']:.2f}× plain)",
                 )
             )
+            step(f"cronoq on {store}: burn-down with a concurrency resource (capacity 64) on every task")
+            slots = run("burndown.py", "--tasks", tasks, "--resource-capacity", "64", *extra)
+            rows.append(
+                (
+                    f"cronoq {store}: the same burn-down, every task holding a slot of a resource of capacity 64",
+                    f"{slots['drain_tasks_per_s']:,} tasks/s "
+                    f"({slots['drain_tasks_per_s'] / burn['drain_tasks_per_s']:.2f}× without)",
+                )
+            )
             lat = {}
             for batch in ("10", "1"):
                 step(f"cronoq on {store}: latency, calls of {batch}")
