@@ -11,6 +11,7 @@ graceful shutdown that gives unfinished tasks back to the server.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import random
@@ -43,6 +44,8 @@ MAX_REDIRECTS = 3
 # Failures of a worker's own calls that say nothing about the request: they are retried.
 TRANSIENT = (Unavailable, Cancelled, DeadlineExceeded, Internal, Unknown)
 MAX_FINISH_BATCH = 1000
+# Handlers that returned, told with each lease (their resource slots are free at once).
+MAX_DONE = 1000
 MiB = 1 << 20
 # What a server that does not say otherwise (RegisterWorkerResponse fields left 0) allows.
 DEFAULT_MAX_RESULT_BYTES = 4 * MiB
@@ -308,9 +311,14 @@ class Worker:
             if free <= 0:
                 self._slot_free.clear()
                 await self._slot_free.wait()
+                await asyncio.sleep(0)  # handlers ending together free their slots for one lease
                 continue
             req = pb.LeaseTasksRequest(
                 worker_id=self.worker_id, max_tasks=free, wait_ms=self._poll_wait_ms, max_bytes=self.lease_bytes
+            )
+            # Handlers that returned, their outcomes on the way: their resource slots are free now.
+            req.done.extend(
+                pb.TaskAttempt(task_id=i, attempt=a) for i, a in itertools.islice(self._unacked.items(), MAX_DONE)
             )
             try:
                 resp = await self._call("LeaseTasks", req, timeout=self._poll_wait_ms / 1000 + 30)
@@ -420,7 +428,12 @@ class Worker:
         again: list[list[pb.TaskOutcome]] = []  # batches to send before new outcomes; last first
         while True:
             await self._outcome_ready.wait()
-            if self._finish_linger > 0 and len(self._outcomes) < MAX_FINISH_BATCH and not self._stopping.is_set():
+            if (
+                self._finish_linger > 0
+                and self._running  # none running: no outcome is coming to join this report
+                and len(self._outcomes) < MAX_FINISH_BATCH
+                and not self._stopping.is_set()
+            ):
                 await asyncio.sleep(self._finish_linger)  # let more outcomes join this report
             self._outcome_ready.clear()
             while again or self._outcomes:

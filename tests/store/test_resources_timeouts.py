@@ -13,7 +13,7 @@ def with_resources(resources: dict[str, int], **kw) -> object:
     return dataclasses.replace(new(**kw), resources=resources)
 
 
-async def test_admit_skips_refused_tasks_without_blocking_those_behind(store: Store) -> None:
+async def test_tasks_that_do_not_fit_are_skipped_without_blocking_those_behind(store: Store) -> None:
     subs, _ = await store.submit(
         [
             with_resources({"gpu": 1}, priority=9),
@@ -24,55 +24,50 @@ async def test_admit_skips_refused_tasks_without_blocking_those_behind(store: St
         T0,
     )
     gpu_a, gpu_b, plain_a, plain_b = (s.row.seq for s in subs)
-    asked: list[tuple[int, dict[str, int]]] = []
-    free = {"gpu": 1}
-
-    def admit(seq: int, resources: dict[str, int]) -> bool:
-        asked.append((seq, resources))
-        if free["gpu"] >= resources["gpu"]:
-            free["gpu"] -= resources["gpu"]
-            return True
-        return False
-
-    rows, _ = await store.lease("w1", ["default"], 10, T0, admit=admit)
+    rows, _ = await store.lease("w1", ["default"], 10, T0, free={"gpu": 1})
     assert [r.seq for r in rows] == [gpu_a, plain_a, plain_b]  # the second gpu task waits, plain ones run
-    assert asked == [(gpu_a, {"gpu": 1}), (gpu_b, {"gpu": 1})]  # plain tasks are not asked about
     assert (await store.get(gpu_b)).state.name == "PENDING"  # type: ignore[union-attr]
+    rows, _ = await store.lease("w1", ["default"], 10, T0, free={})  # gpu used up: not looked at
+    assert rows == []
 
 
-async def test_exhausted_resources_are_not_looked_at(store: Store) -> None:
-    subs, _ = await store.submit([with_resources({"gpu": 1}), with_resources({"api": 1}), new()], T0)  # type: ignore[list-item]
-    gpu, api, plain = (s.row.seq for s in subs)
-    asked: list[int] = []
+async def test_resources_used_up_are_skipped_and_free_is_never_exceeded(store: Store) -> None:
+    subs, _ = await store.submit(
+        [
+            with_resources({"gpu": 2}),  # more than is free alone: skipped
+            with_resources({"gpu": 1, "api": 1}),
+            with_resources({"api": 1}),
+            with_resources({"api": 1}),  # api would then be over: skipped
+            with_resources({"disk": 1}),  # not available at all
+            new(),
+        ],  # type: ignore[list-item]
+        T0,
+    )
+    seqs = [s.row.seq for s in subs]
+    rows, _ = await store.lease("w1", ["default"], 10, T0, free={"gpu": 1, "api": 2})
+    assert sorted(r.seq for r in rows) == [seqs[1], seqs[2], seqs[5]]
+    rows, _ = await store.lease("w1", ["default"], 10, T0, free={"gpu": 2, "api": 1, "disk": 1})
+    assert sorted(r.seq for r in rows) == [seqs[0], seqs[3], seqs[4]]
 
-    def admit(seq: int, resources: dict[str, int]) -> bool:
-        asked.append(seq)
-        return True
 
-    rows, _ = await store.lease("w1", ["default"], 10, T0, admit=admit, exhausted=["gpu"])
-    assert sorted(r.seq for r in rows) == [api, plain]
-    assert asked == [api]
-    assert (await store.get(gpu)).state.name == "PENDING"  # type: ignore[union-attr]
-
-
-async def test_admitted_lease_respects_limit_and_bytes(store: Store) -> None:
+async def test_resource_lease_respects_limit_and_bytes(store: Store) -> None:
     subs, _ = await store.submit([with_resources({"gpu": 1}, payload=b"x" * 1000) for _ in range(5)], T0)  # type: ignore[misc]
-    rows, _ = await store.lease("w1", ["default"], 3, T0, admit=lambda s, r: True)
+    rows, _ = await store.lease("w1", ["default"], 3, T0, free={"gpu": 10})
     assert [r.seq for r in rows] == [s.row.seq for s in subs[:3]]
-    rows, _ = await store.lease("w1", ["default"], 10, T0, max_bytes=1500, admit=lambda s, r: True)
+    rows, _ = await store.lease("w1", ["default"], 10, T0, max_bytes=1500, free={"gpu": 10})
     assert [r.seq for r in rows] == [subs[3].row.seq]  # the first always; the second does not fit
 
 
 async def test_running_resources_lists_running_tasks_that_name_resources(store: Store) -> None:
     subs, _ = await store.submit([with_resources({"gpu": 2}), new(), with_resources({"api": 1})], T0)  # type: ignore[list-item]
-    rows, _ = await store.lease("w1", ["default"], 2, T0, admit=lambda s, r: True)
+    rows, _ = await store.lease("w1", ["default"], 2, T0, free={"gpu": 2, "api": 1})
     assert len(rows) == 2
-    assert await store.running_resources() == [(subs[0].row.seq, 1, {"gpu": 2})]
+    assert await store.running_resources() == [(subs[0].row.seq, 1, "w1", {"gpu": 2})]
 
 
 async def test_expiry_reports_the_attempts_it_ended(store: Store, settings: StoreSettings) -> None:
     (sub,), _ = await store.submit([with_resources({"gpu": 1})], T0)  # type: ignore[list-item]
-    await store.lease("w1", ["default"], 1, T0, admit=lambda s, r: True)
+    await store.lease("w1", ["default"], 1, T0, free={"gpu": 1})
     _changes, ended = await store.expire_leases(T0 + settings.lease_ttl_us["default"] + 1)
     assert ended == [(sub.row.seq, 1)]
     assert await store.running_resources() == []

@@ -37,6 +37,7 @@ log = logging.getLogger("cronoq.leases")
 
 
 MAX_LEASE_BATCH = 1000
+MAX_DONE = 10_000
 MAX_LEASE_WAIT_MS = 60_000
 # A lease reply holds at most this many bytes of tasks (below the SDKs' 64 MiB receive limit);
 # a worker may ask for less with max_bytes. A single larger task is still leased alone.
@@ -62,6 +63,7 @@ class Leases:
     ):
         self._is_leader = is_leader
         self._gate = gate or ResourceGate([])
+        self._resource_lease = asyncio.Lock()
         self._config = config
         self._store = store
         self._events = events
@@ -164,6 +166,11 @@ class Leases:
         if req.max_tasks < 1:
             raise invalid(f"max_tasks: {req.max_tasks} must be at least 1")
         limit = min(req.max_tasks, MAX_LEASE_BATCH)
+        if len(req.done) > MAX_DONE:
+            raise invalid(f"done: {len(req.done)} attempts, more than {MAX_DONE}")
+        if req.done:  # the worker's handlers that returned: their slots are free for this lease
+            done = [(seq_of(a.task_id), a.attempt) for a in req.done if shard_of(a.task_id) == self._shard]
+            self._ended(done, worker.id)
         max_bytes = min(req.max_bytes or MAX_LEASE_BYTES, MAX_LEASE_BYTES)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(req.wait_ms, MAX_LEASE_WAIT_MS) / 1000
@@ -198,23 +205,19 @@ class Leases:
     async def _lease(
         self, worker_id: str, pools: list[str], limit: int, now: int, max_bytes: int
     ) -> tuple[list[TaskRow], int | None]:
-        """The store's lease, with tasks that name resources admitted by the gate."""
+        """The store's lease; with resources configured, only tasks that fit in what is available
+        (one such lease at a time, so what was available is still there when it is taken)."""
         if not self._gate.enabled:
             return await self._store.lease(worker_id, pools, limit, now, max_bytes)
-        reservation = self._gate.reservation()
-        try:
-            rows, next_due = await self._store.lease(
-                worker_id, pools, limit, now, max_bytes, reservation.admit, self._gate.exhausted()
-            )
-        except BaseException:
-            reservation.cancel()
-            raise
-        reservation.keep((r.seq, r.attempt) for r in rows)
+        async with self._resource_lease:
+            rows, next_due = await self._store.lease(worker_id, pools, limit, now, max_bytes, self._gate.available())
+            self._gate.take(worker_id, ((r.seq, r.attempt, r.resources) for r in rows if r.resources))
         return rows, next_due
 
-    def _ended(self, attempts: list[tuple[int, int]]) -> None:
-        """These attempts ended: their resource slots are free, and waiting leases look again."""
-        if self._gate.release(attempts):
+    def _ended(self, attempts: list[tuple[int, int]], worker_id: str | None = None) -> None:
+        """These attempts ended (of worker_id, when given): their resource slots are free, and
+        waiting leases look again."""
+        if self._gate.release(attempts, worker_id):
             self._events.nudge_leasers()
 
     async def heartbeat(self, req: pb.HeartbeatRequest, caller: Principal) -> pb.HeartbeatResponse:

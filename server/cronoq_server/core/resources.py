@@ -2,15 +2,15 @@
 buckets for rates. Enforced at lease time; rebuilt from the store's RUNNING tasks when a
 server takes over, so a failover never lets more run than the capacity.
 
-A lease takes amounts through a Reservation while the store picks tasks (on the store's
-thread for SQLite, hence the lock), then either keeps them for the tasks it leased or gives
-them back when the lease failed. A slot is released when its attempt ends: finished, failed,
-cancelled, released, or its lease expired.
+A lease asks the gate what is available, has the store lease only tasks that fit in it (one
+statement), and then takes what the leased tasks name. Leases that name resources run one
+at a time (Leases holds a lock), so what was available is still there when they take it. A
+slot is released when its attempt ends: finished, failed, cancelled, released, or its lease
+expired.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -43,7 +43,6 @@ class Usage:
 class ResourceGate:
     def __init__(self, resources: Iterable[ResourceConfig], clock: Callable[[], float] = time.monotonic):
         self._clock = clock
-        self._lock = threading.Lock()
         self._capacity: dict[str, int] = {}
         self._buckets: dict[str, _Bucket] = {}
         for r in resources:
@@ -53,8 +52,8 @@ class ResourceGate:
                 burst = float(r.burst or 1)
                 self._buckets[r.name] = _Bucket(r.rate, burst, burst, clock())
         self._in_use: dict[str, int] = dict.fromkeys(self._capacity, 0)
-        # seq -> (attempt, concurrency amounts) of each running attempt holding slots
-        self._holders: dict[int, tuple[int, dict[str, int]]] = {}
+        # seq -> (attempt, worker id, concurrency amounts) of each running attempt holding slots
+        self._holders: dict[int, tuple[int, str, dict[str, int]]] = {}
         for name, capacity in self._capacity.items():
             RESOURCE_CAPACITY.labels(resource=name).set(capacity)
         for name, bucket in self._buckets.items():
@@ -66,107 +65,74 @@ class ResourceGate:
 
     # -- takeover -------------------------------------------------------------
 
-    def rebuild(self, running: Iterable[tuple[int, int, dict[str, int]]]) -> None:
-        """Slots held by the store's RUNNING tasks (seq, attempt, resources); buckets start full."""
-        with self._lock:
-            self._in_use = dict.fromkeys(self._capacity, 0)
-            self._holders.clear()
-            for seq, attempt, resources in running:
-                self._hold(seq, attempt, resources)
-            now = self._clock()
-            for bucket in self._buckets.values():
-                bucket.tokens, bucket.at = bucket.capacity, now
-            self._export()
+    def rebuild(self, running: Iterable[tuple[int, int, str, dict[str, int]]]) -> None:
+        """Slots held by the store's RUNNING tasks (seq, attempt, worker id, resources); buckets
+        start full."""
+        self._in_use = dict.fromkeys(self._capacity, 0)
+        self._holders.clear()
+        for seq, attempt, worker_id, resources in running:
+            self._hold(seq, attempt, worker_id, resources)
+        now = self._clock()
+        for bucket in self._buckets.values():
+            bucket.tokens, bucket.at = bucket.capacity, now
+        self._export()
 
     # -- leases ---------------------------------------------------------------
 
-    def exhausted(self) -> list[str]:
-        """Resources with nothing left now: tasks asking for them need not be looked at."""
-        with self._lock:
-            now = self._clock()
-            names = [n for n, cap in self._capacity.items() if self._in_use[n] >= cap]
-            for name, bucket in self._buckets.items():
-                bucket.refill(now)
-                if bucket.tokens < 1:
-                    names.append(name)
-            return names
+    def available(self) -> dict[str, int]:
+        """What a lease may take now: free slots, and whole tokens; resources with none left
+        are left out (tasks naming them are not looked at)."""
+        now = self._clock()
+        free = {n: cap - self._in_use[n] for n, cap in self._capacity.items() if self._in_use[n] < cap}
+        for name, bucket in self._buckets.items():
+            bucket.refill(now)
+            if bucket.tokens >= 1:
+                free[name] = int(bucket.tokens)
+        return free
 
-    def reservation(self) -> Reservation:
-        return Reservation(self)
+    def take(self, worker_id: str, leased: Iterable[tuple[int, int, dict[str, int]]]) -> None:
+        """The attempts (seq, attempt, resources) leased to worker_id take what they name:
+        slots held until the attempt ends, tokens spent."""
+        for seq, attempt, resources in leased:
+            previous = self._holders.pop(seq, None)
+            if previous is not None:  # an earlier attempt of it ended unannounced: its slots are free
+                self._free(previous[2])
+            for name, amount in resources.items():
+                if name in self._buckets:
+                    self._buckets[name].tokens -= amount
+            self._hold(seq, attempt, worker_id, resources)
+        self._export()
 
     def next_token_in(self) -> float | None:
         """Seconds until an exhausted rate resource has a token again (None: none is exhausted)."""
-        with self._lock:
-            now = self._clock()
-            waits = []
-            for bucket in self._buckets.values():
-                bucket.refill(now)
-                if bucket.tokens < 1:
-                    waits.append((1 - bucket.tokens) / bucket.rate)
-            return min(waits) if waits else None
-
-    def _try_take(self, amounts: dict[str, int]) -> bool:
-        with self._lock:
-            now = self._clock()
-            for name, amount in amounts.items():
-                if name in self._capacity:
-                    if self._in_use[name] + amount > self._capacity[name]:
-                        return False
-                elif name in self._buckets:
-                    bucket = self._buckets[name]
-                    bucket.refill(now)
-                    if bucket.tokens < amount:
-                        return False
-                else:
-                    return False  # no longer configured: never runs here (submit refuses it)
-            for name, amount in amounts.items():
-                if name in self._capacity:
-                    self._in_use[name] += amount
-                else:
-                    self._buckets[name].tokens -= amount
-            return True
-
-    def _give_back(self, amounts: dict[str, int]) -> None:
-        with self._lock:
-            for name, amount in amounts.items():
-                if name in self._capacity:
-                    self._in_use[name] -= amount
-                elif name in self._buckets:
-                    bucket = self._buckets[name]
-                    bucket.tokens = min(bucket.capacity, bucket.tokens + amount)
-
-    def _keep(self, taken: list[tuple[int, int, dict[str, int]]]) -> None:
-        """Records the leased attempts that hold what their reservation took."""
-        with self._lock:
-            for seq, attempt, amounts in taken:
-                slots = {n: a for n, a in amounts.items() if n in self._capacity}
-                previous = self._holders.pop(seq, None)
-                if previous is not None:  # an earlier attempt of it ended unannounced: its slots are free
-                    self._free(previous[1])
-                if slots:
-                    self._holders[seq] = (attempt, slots)
-            self._export()
+        now = self._clock()
+        waits = []
+        for bucket in self._buckets.values():
+            bucket.refill(now)
+            if bucket.tokens < 1:
+                waits.append((1 - bucket.tokens) / bucket.rate)
+        return min(waits) if waits else None
 
     # -- attempts ending ------------------------------------------------------
 
-    def release(self, ended: Iterable[tuple[int, int]]) -> bool:
-        """Frees the slots of these ended attempts (seq, attempt); True when any were freed."""
+    def release(self, ended: Iterable[tuple[int, int]], worker_id: str | None = None) -> bool:
+        """Frees the slots of these ended attempts (seq, attempt) — only of worker_id's when it
+        is given (a worker telling of its own handlers that returned); True when any were freed."""
         freed = False
-        with self._lock:
-            for seq, attempt in ended:
-                holder = self._holders.get(seq)
-                if holder is not None and holder[0] == attempt:
-                    del self._holders[seq]
-                    self._free(holder[1])
-                    freed = True
-            if freed:
-                self._export()
+        for seq, attempt in ended:
+            holder = self._holders.get(seq)
+            if holder is not None and holder[0] == attempt and worker_id in (None, holder[1]):
+                del self._holders[seq]
+                self._free(holder[2])
+                freed = True
+        if freed:
+            self._export()
         return freed
 
-    def _hold(self, seq: int, attempt: int, resources: dict[str, int]) -> None:
+    def _hold(self, seq: int, attempt: int, worker_id: str, resources: dict[str, int]) -> None:
         slots = {n: a for n, a in resources.items() if n in self._capacity}
         if slots:
-            self._holders[seq] = (attempt, slots)
+            self._holders[seq] = (attempt, worker_id, slots)
             for name, amount in slots.items():
                 self._in_use[name] += amount
 
@@ -181,39 +147,6 @@ class ResourceGate:
     # -- reads ----------------------------------------------------------------
 
     def usage(self) -> list[Usage]:
-        with self._lock:
-            out = [Usage(n, self._in_use[n], cap, 0.0, 0) for n, cap in sorted(self._capacity.items())]
-            out += [Usage(n, 0, 0, b.rate, int(b.capacity)) for n, b in sorted(self._buckets.items())]
-            return out
-
-
-class Reservation:
-    """What one lease takes while its store transaction picks tasks."""
-
-    def __init__(self, gate: ResourceGate):
-        self._gate = gate
-        self._taken: dict[int, dict[str, int]] = {}  # seq -> amounts
-
-    def admit(self, seq: int, amounts: dict[str, int]) -> bool:
-        """Takes the task's amounts if all are available now (called by the store)."""
-        if self._gate._try_take(amounts):
-            self._taken[seq] = amounts
-            return True
-        return False
-
-    def keep(self, leased: Iterable[tuple[int, int]]) -> None:
-        """The lease committed: (seq, attempt) of the tasks it leased hold what they took;
-        anything taken for a task not leased is given back."""
-        kept = []
-        for seq, attempt in leased:
-            amounts = self._taken.pop(seq, None)
-            if amounts is not None:
-                kept.append((seq, attempt, amounts))
-        self.cancel()
-        self._gate._keep(kept)
-
-    def cancel(self) -> None:
-        """The lease failed: everything it took is given back."""
-        for amounts in self._taken.values():
-            self._gate._give_back(amounts)
-        self._taken.clear()
+        out = [Usage(n, self._in_use[n], cap, 0.0, 0) for n, cap in sorted(self._capacity.items())]
+        out += [Usage(n, 0, 0, b.rate, int(b.capacity)) for n, b in sorted(self._buckets.items())]
+        return out

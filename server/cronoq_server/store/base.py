@@ -7,7 +7,7 @@ Unix epoch (UTC); tasks are named inside a store by their per-shard sequence.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -126,9 +126,6 @@ class WorkerRow:
 # (seq, new state) of every task a transaction changed, for events and waiters.
 Changes = list[tuple[int, State]]
 
-# admit(seq, resources) -> whether a task naming resources may be leased now (it takes them).
-Admit = Callable[[int, dict[str, int]], bool]
-
 # retry_at(pool, attempt, now, retry_after_ms) -> when the next attempt may start.
 RetryAt = Callable[[str, int, int, int], int]
 
@@ -195,21 +192,20 @@ class Store(Protocol):
         limit: int,
         now: int,
         max_bytes: int = 0,
-        admit: Admit | None = None,
-        exhausted: Sequence[str] = (),
+        free: Mapping[str, int] | None = None,
     ) -> tuple[list[TaskRow], int | None]:
         """Leases up to limit PENDING tasks (priority, then run_at, then seq), and while
         max_bytes > 0, only as many as fit in max_bytes (the first one always).
 
-        admit: asked about each due task that names resources, in lease order; a task it
-        refuses is skipped and the tasks behind it are still leased. Tasks naming any of the
-        exhausted resources are not looked at.
+        free: when given, what of each resource these tasks may take together; a task naming
+        a resource not in it, or more than is left of it, is skipped (the tasks behind it are
+        still leased). Never more than free is taken.
 
         Returns the leased rows, and when none is due, the earliest future run_at.
         """
 
-    async def running_resources(self) -> list[tuple[int, int, dict[str, int]]]:
-        """(seq, attempt, resources) of every RUNNING task that names resources."""
+    async def running_resources(self) -> list[tuple[int, int, str, dict[str, int]]]:
+        """(seq, attempt, worker id, resources) of every RUNNING task that names resources."""
 
     async def heartbeat(self, worker_id: str, attempts: list[tuple[int, int]], now: int) -> tuple[list[int], list[int]]:
         """Extends the leases held; returns (cancel-requested seqs, lost seqs)."""

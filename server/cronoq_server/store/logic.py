@@ -18,7 +18,6 @@ from ..errors import ApiError
 from ..ids import seq_of
 from .base import (
     TERMINAL,
-    Admit,
     Changes,
     Outcome,
     OutcomeKind,
@@ -242,27 +241,14 @@ def limits_apply(settings: StoreSettings) -> bool:
     return settings.max_pending_total is not None or settings.max_pending_per_pool is not None
 
 
-# A lease that admits tasks by resources looks at up to this many due tasks beyond its limit:
-# tasks that cannot run now are skipped without blocking the ones behind them.
-LEASE_SCAN_EXTRA = 100
+# A lease looks at most at this many of the first due tasks that name resources: those of a
+# resource that is used up are skipped, and past this many of them, the tasks behind wait for
+# a later lease. Tasks that name no resources are never behind them (an index of their own).
+LEASE_RESOURCE_WINDOW = 1000
 
 
 def lease_scan(limit: int) -> int:
-    return limit * 4 + LEASE_SCAN_EXTRA
-
-
-def choose_leases(candidates: Iterable[Any], limit: int, max_bytes: int, admit: Admit) -> list[int]:
-    """The due tasks a lease takes, from (seq, resources JSON, size) rows in lease order: up to
-    limit, within max_bytes (the first always), skipping tasks whose resources admit refuses."""
-    chosen: list[int] = []
-    total = 0
-    for seq, resources, size in candidates:
-        if len(chosen) >= limit:
-            break
-        if chosen and max_bytes > 0 and total + size > max_bytes:
-            break
-        if resources and not admit(seq, json.loads(resources)):
-            continue
-        chosen.append(seq)
-        total += size
-    return chosen
+    """How many due tasks a lease that checks resources looks at for limit of them: tasks
+    whose resources are used up are not among them, but a task that fits alone may not fit
+    beside those before it, and is then skipped."""
+    return limit * 2 + 16

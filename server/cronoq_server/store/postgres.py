@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import asyncpg
@@ -21,7 +21,6 @@ from ..ids import make_task_id
 from .base import (
     TASK_COLUMNS,
     TERMINAL,
-    Admit,
     Changes,
     Fenced,
     NewTask,
@@ -38,10 +37,10 @@ from .base import (
 )
 from .logic import (
     HEARTBEAT_COLUMNS,
+    LEASE_RESOURCE_WINDOW,
     OUTCOME_COLUMNS,
     check_outcomes,
     check_pending_limits,
-    choose_leases,
     decide_heartbeat,
     decide_outcomes,
     dependency_error,
@@ -118,6 +117,13 @@ MIGRATIONS: dict[int, list[str]] = {
     ],
     3: [
         """ALTER TABLE {s}.tasks ADD COLUMN timeout_ms bigint NOT NULL DEFAULT 0""",
+        # Tasks that name resources are leased from an index of their own, so that tasks that
+        # name none never wait behind them.
+        """DROP INDEX {s}.tasks_lease""",
+        """CREATE INDEX tasks_lease ON {s}.tasks (pool, priority DESC, run_at, seq)
+            WHERE state = 1 AND resources IS NULL""",
+        """CREATE INDEX tasks_lease_resources ON {s}.tasks (pool, priority DESC, run_at, seq)
+            WHERE state = 1 AND resources IS NOT NULL""",
     ],
     4: [
         """CREATE TABLE {s}.schedules (
@@ -157,17 +163,8 @@ MIGRATIONS: dict[int, list[str]] = {
 }
 WORKER_COLUMNS = "id, name, pools, concurrency, labels, registered_at, last_seen_at, principal"
 
-# What a task weighs in a lease reply ({t}: the table's alias and dot, or nothing).
-LEASE_SIZE = "octet_length({t}payload) + octet_length(coalesce({t}key, '')) + octet_length({t}content_type)"
-# Leases the `chosen` tasks: $1 now, $3 worker id, $4 pools and $5 their lease TTLs (µs), as a
-# statement's tail after a WITH that names `chosen`. The lease never runs past the attempt's
-# deadline (started_at + timeout_ms).
-LEASE_UPDATE = (
-    ", ttl AS (SELECT * FROM unnest($4::text[], $5::bigint[]) AS x(pool, ttl))"
-    " UPDATE {s}.tasks t SET state = 3, attempt = t.attempt + 1, worker_id = $3, started_at = $1,"
-    " lease_expires_at = $1 + CASE WHEN t.timeout_ms > 0 THEN least(ttl.ttl, t.timeout_ms * 1000)"
-    " ELSE ttl.ttl END FROM chosen, ttl WHERE t.seq = chosen.seq AND ttl.pool = t.pool"
-)
+# What a task (alias t) weighs in a lease reply.
+LEASE_SIZE = "octet_length(t.payload) + octet_length(coalesce(t.key, '')) + octet_length(t.content_type)"
 
 # Errors that mean "the database is not reachable right now".
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
@@ -559,73 +556,73 @@ class PostgresStore:
         limit: int,
         now: int,
         max_bytes: int = 0,
-        admit: Admit | None = None,
-        exhausted: Sequence[str] = (),
+        free: Mapping[str, int] | None = None,
     ) -> tuple[list[TaskRow], int | None]:
         ttl = self.settings.lease_ttl_us
-        ttls = [ttl[p] for p in pools]
+        # One index-ordered scan per pool ("pool = ANY" would sort every pending row).
+        # Tasks that name no resources, and those that do, are in indexes of their own: the
+        # first never wait behind the second.
+        plain = (
+            "SELECT x.seq, x.priority, x.run_at FROM unnest($4::text[]) AS p(pool), LATERAL"
+            " (SELECT seq, priority, run_at FROM {s}.tasks WHERE state = 1 AND pool = p.pool AND run_at <= $1"
+            " AND resources IS NULL ORDER BY priority DESC, run_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED) AS x"
+            " WHERE {fence}"
+        )
+        picked = f"picked AS ({plain} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $2)"
+        args: tuple[Any, ...] = ()
+        if free:
+            # Of the first due tasks that name resources, those whose every amount is available
+            # alone; of those, the ones that still fit beside the tasks before them (running
+            # totals per resource).
+            picked = (
+                "free AS (SELECT key AS name, value::bigint AS amount FROM jsonb_each_text($8::jsonb)),"
+                " head AS (SELECT x.seq, x.priority, x.run_at, x.resources FROM unnest($4::text[]) AS p(pool),"
+                " LATERAL (SELECT seq, priority, run_at, resources FROM {s}.tasks WHERE state = 1"
+                " AND pool = p.pool AND run_at <= $1 AND resources IS NOT NULL ORDER BY priority DESC, run_at, seq"
+                f" LIMIT {LEASE_RESOURCE_WINDOW}) AS x),"
+                " cand AS (SELECT t.seq, t.priority, t.run_at, t.resources FROM {s}.tasks t"
+                " WHERE t.seq IN (SELECT h.seq FROM head h WHERE NOT EXISTS"
+                " (SELECT 1 FROM jsonb_each_text(h.resources::jsonb) r LEFT JOIN free ON free.name = r.key"
+                " WHERE free.amount IS NULL OR r.value::bigint > free.amount)"
+                " ORDER BY h.priority DESC, h.run_at, h.seq LIMIT $9)"
+                " AND t.state = 1 AND {fence} FOR UPDATE SKIP LOCKED),"
+                " need AS (SELECT c.seq, r.key AS name, sum(r.value::bigint) OVER (PARTITION BY r.key"
+                " ORDER BY c.priority DESC, c.run_at, c.seq) AS upto"
+                " FROM cand c, jsonb_each_text(c.resources::jsonb) r),"
+                f" picked AS (SELECT * FROM ({plain}) AS plain"
+                " UNION ALL SELECT seq, priority, run_at FROM cand WHERE seq NOT IN (SELECT need.seq FROM need"
+                " JOIN free ON free.name = need.name WHERE need.upto > free.amount)"
+                " ORDER BY priority DESC, run_at, seq LIMIT $2)"
+            )
+            args = (json.dumps(dict(free)), lease_scan(limit))
+        # Of the rows picked, the first always and then as many as fit in max_bytes (octet_length
+        # reads a stored value's size without decompressing it).
+        sql = self._sql(
+            f"WITH {picked},"
+            f" sized AS (SELECT p.seq, row_number() OVER w AS n, sum({LEASE_SIZE} + $7) OVER w"
+            " AS upto FROM picked p JOIN {s}.tasks t ON t.seq = p.seq"
+            " WINDOW w AS (ORDER BY p.priority DESC, p.run_at, p.seq)),"
+            " chosen AS (SELECT seq FROM sized WHERE n = 1 OR $6::bigint <= 0 OR upto <= $6::bigint),"
+            " ttl AS (SELECT * FROM unnest($4::text[], $5::bigint[]) AS x(pool, ttl))"
+            " UPDATE {s}.tasks t SET state = 3, attempt = t.attempt + 1, worker_id = $3, started_at = $1,"
+            # Never past the attempt's deadline (started_at + timeout_ms).
+            " lease_expires_at = $1 + CASE WHEN t.timeout_ms > 0 THEN least(ttl.ttl, t.timeout_ms * 1000)"
+            " ELSE ttl.ttl END FROM chosen, ttl WHERE t.seq = chosen.seq AND ttl.pool = t.pool"
+            f" RETURNING {self._cols}"
+        )
         overhead = self.settings.lease_overhead_bytes
-        if admit is not None:
-            rows = await self._tx(
-                lambda c: self._lease_admitted(c, worker_id, pools, ttls, limit, now, max_bytes, admit, exhausted)
-            )
-        else:
-            # One index-ordered scan per pool ("pool = ANY" would sort every pending row); of the
-            # rows picked, the first always and then as many as fit in max_bytes (octet_length
-            # reads a stored value's size without decompressing it).
-            sql = self._sql(
-                "WITH picked AS (SELECT x.seq, x.priority, x.run_at FROM unnest($4::text[]) AS p(pool), LATERAL"
-                " (SELECT seq, priority, run_at FROM {s}.tasks WHERE state = 1 AND pool = p.pool AND run_at <= $1"
-                " ORDER BY priority DESC, run_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED) AS x"
-                " WHERE {fence} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $2),"
-                f" sized AS (SELECT p.seq, row_number() OVER w AS n, sum({LEASE_SIZE.format(t='t.')} + $7) OVER w"
-                " AS upto FROM picked p JOIN {s}.tasks t ON t.seq = p.seq"
-                " WINDOW w AS (ORDER BY p.priority DESC, p.run_at, p.seq)),"
-                " chosen AS (SELECT seq FROM sized WHERE n = 1 OR $6::bigint <= 0 OR upto <= $6::bigint)"
-                f" {LEASE_UPDATE} RETURNING {self._cols}"
-            )
-            args = (now, limit, worker_id, pools, ttls, max_bytes, overhead)
-            rows = [task_row(r) for r in await self._fenced_fetch(sql, *args)]
+        args = (now, limit, worker_id, pools, [ttl[p] for p in pools], max_bytes, overhead, *args)
+        rows = [task_row(r) for r in await self._fenced_fetch(sql, *args)]
         if rows:
             rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
             return rows, None
         due_sql = self._sql("SELECT min(run_at) FROM {s}.tasks WHERE state = 1 AND pool = ANY($1::text[])")
         return [], await self._read(lambda c: c.fetchval(due_sql, pools))
 
-    async def _lease_admitted(
-        self,
-        conn: asyncpg.Connection,
-        worker_id: str,
-        pools: list[str],
-        ttls: list[int],
-        limit: int,
-        now: int,
-        max_bytes: int,
-        admit: Admit,
-        exhausted: Sequence[str],
-    ) -> list[TaskRow]:
-        """Leases the due tasks admit lets run (resources), skipping those it refuses; the
-        candidates are locked until the transaction ends, so no other lease takes them."""
-        sql = self._sql(
-            "SELECT x.seq, x.resources, x.size FROM unnest($4::text[]) AS p(pool), LATERAL"
-            f" (SELECT seq, priority, run_at, resources, {LEASE_SIZE.format(t='')} + $5 AS size FROM {{s}}.tasks"
-            " WHERE state = 1 AND pool = p.pool AND run_at <= $1"
-            " AND (resources IS NULL OR NOT (resources::jsonb ?| $3::text[]))"
-            " ORDER BY priority DESC, run_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED) AS x"
-            " ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $2"
-        )
-        overhead = self.settings.lease_overhead_bytes
-        candidates = await conn.fetch(sql, now, lease_scan(limit), list(exhausted), pools, overhead)
-        seqs = choose_leases(candidates, limit, max_bytes, admit)
-        if not seqs:
-            return []
-        sql = self._sql(f"WITH chosen AS (SELECT unnest($2::bigint[]) AS seq) {LEASE_UPDATE} RETURNING {self._cols}")
-        return [task_row(r) for r in await conn.fetch(sql, now, seqs, worker_id, pools, ttls)]
-
-    async def running_resources(self) -> list[tuple[int, int, dict[str, int]]]:
-        sql = self._sql("SELECT seq, attempt, resources FROM {s}.tasks WHERE state = 3 AND resources IS NOT NULL")
-        rows = await self._read(lambda c: c.fetch(sql))
-        return [(r[0], r[1], json.loads(r[2])) for r in rows]
+    async def running_resources(self) -> list[tuple[int, int, str, dict[str, int]]]:
+        sql = "SELECT seq, attempt, worker_id, resources FROM {s}.tasks WHERE state = 3 AND resources IS NOT NULL"
+        rows = await self._read(lambda c: c.fetch(self._sql(sql)))
+        return [(r[0], r[1], r[2], json.loads(r[3])) for r in rows]
 
     async def heartbeat(self, worker_id: str, attempts: list[tuple[int, int]], now: int) -> tuple[list[int], list[int]]:
         async def beat(conn: asyncpg.Connection) -> tuple[list[int], list[int]]:

@@ -11,7 +11,7 @@ import json
 import queue
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -20,7 +20,6 @@ from ..ids import make_task_id
 from .base import (
     TASK_COLUMNS,
     TERMINAL,
-    Admit,
     Changes,
     NewTask,
     Outcome,
@@ -34,10 +33,10 @@ from .base import (
 )
 from .logic import (
     HEARTBEAT_COLUMNS,
+    LEASE_RESOURCE_WINDOW,
     OUTCOME_COLUMNS,
     check_outcomes,
     check_pending_limits,
-    choose_leases,
     decide_heartbeat,
     decide_outcomes,
     dependency_error,
@@ -105,6 +104,10 @@ MIGRATIONS: dict[int, str] = {
     """,
     3: """
     ALTER TABLE tasks ADD COLUMN timeout_ms INTEGER NOT NULL DEFAULT 0;
+    DROP INDEX tasks_lease;
+    CREATE INDEX tasks_lease ON tasks (pool, priority DESC, run_at, seq) WHERE state = 1 AND resources IS NULL;
+    CREATE INDEX tasks_lease_resources ON tasks (pool, priority DESC, run_at, seq)
+        WHERE state = 1 AND resources IS NOT NULL;
     """,
     4: """
     CREATE TABLE schedules (
@@ -457,10 +460,9 @@ class SqliteStore:
         limit: int,
         now: int,
         max_bytes: int = 0,
-        admit: Admit | None = None,
-        exhausted: Sequence[str] = (),
+        free: Mapping[str, int] | None = None,
     ) -> tuple[list[TaskRow], int | None]:
-        return await self._tx(self._lease, worker_id, pools, limit, now, max_bytes, admit, exhausted)
+        return await self._tx(self._lease, worker_id, pools, limit, now, max_bytes, free)
 
     def _lease(
         self,
@@ -470,43 +472,41 @@ class SqliteStore:
         limit: int,
         now: int,
         max_bytes: int,
-        admit: Admit | None,
-        exhausted: Sequence[str],
+        free: Mapping[str, int] | None,
     ) -> tuple[list[TaskRow], int | None]:
-        overhead = self.settings.lease_overhead_bytes
-        size = f"length(payload) + length(coalesce(key, '')) + length(content_type) + {int(overhead)}"
+        overhead = int(self.settings.lease_overhead_bytes)
+        size = f"length(payload) + length(coalesce(key, '')) + length(content_type) + {overhead}"
         due = f"state = 1 AND pool IN ({_marks(len(pools))}) AND run_at <= ?"
         order = "priority DESC, run_at, seq"
-        if admit is None:
-            # The first `limit` due tasks in lease order, then as many as fit in max_bytes.
-            chosen = (
-                f"SELECT seq FROM (SELECT seq, row_number() OVER w AS n, sum(size) OVER w AS upto"
-                f" FROM (SELECT seq, priority, run_at, {size} AS size FROM tasks WHERE {due}"
-                f" ORDER BY {order} LIMIT ?) WINDOW w AS (ORDER BY {order})) WHERE n = 1 OR ? <= 0 OR upto <= ?"
+        # Tasks that name no resources, and those that do, are in indexes of their own: the
+        # first never wait behind the second.
+        plain = f"SELECT seq, priority, run_at, {size} AS size FROM tasks WHERE {due} AND resources IS NULL"
+        ok = f"{plain} ORDER BY {order} LIMIT ?"
+        params: tuple[Any, ...] = (*pools, now, limit)
+        if free:
+            # Of the first due tasks that name resources, those whose every amount is available
+            # alone; of those, the ones that still fit beside the tasks before them (running
+            # totals per resource).
+            ok = (
+                f"WITH free AS (SELECT key AS name, value AS amount FROM json_each(?)),"
+                f" head AS (SELECT seq, priority, run_at, resources, {size} AS size FROM tasks WHERE {due}"
+                f" AND resources IS NOT NULL ORDER BY {order} LIMIT {LEASE_RESOURCE_WINDOW}),"
+                f" cand AS (SELECT * FROM head WHERE NOT EXISTS (SELECT 1 FROM json_each(head.resources) r"
+                f" LEFT JOIN free ON free.name = r.key WHERE free.amount IS NULL OR r.value > free.amount)"
+                f" ORDER BY {order} LIMIT ?),"
+                f" need AS (SELECT c.seq, r.key AS name, sum(r.value) OVER (PARTITION BY r.key"
+                f" ORDER BY c.priority DESC, c.run_at, c.seq) AS upto FROM cand c, json_each(c.resources) r)"
+                f" SELECT * FROM (SELECT * FROM ({ok})"
+                f" UNION ALL SELECT seq, priority, run_at, size FROM cand WHERE seq NOT IN"
+                f" (SELECT need.seq FROM need JOIN free ON free.name = need.name WHERE need.upto > free.amount))"
+                f" ORDER BY {order} LIMIT ?"
             )
-            rows = self._lease_seqs(db, worker_id, pools, now, chosen, (*pools, now, limit, max_bytes, max_bytes))
-        else:
-            skip = ""
-            if exhausted:
-                skip = (
-                    " AND (resources IS NULL OR NOT EXISTS (SELECT 1 FROM json_each(tasks.resources)"
-                    f" WHERE json_each.key IN ({_marks(len(exhausted))})))"
-                )
-            sql = f"SELECT seq, resources, {size} FROM tasks WHERE {due}{skip} ORDER BY {order} LIMIT ?"
-            candidates = db.execute(sql, (*pools, now, *exhausted, lease_scan(limit))).fetchall()
-            seqs = choose_leases(candidates, limit, max_bytes, admit)
-            chosen = "SELECT value FROM json_each(?)"
-            rows = self._lease_seqs(db, worker_id, pools, now, chosen, (json.dumps(seqs),)) if seqs else []
-        if rows:
-            rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
-            return rows, None
-        sql = f"SELECT MIN(run_at) FROM tasks WHERE state = 1 AND pool IN ({_marks(len(pools))})"
-        return [], db.execute(sql, pools).fetchone()[0]
-
-    def _lease_seqs(
-        self, db: sqlite3.Connection, worker_id: str, pools: list[str], now: int, chosen: str, params: tuple[Any, ...]
-    ) -> list[TaskRow]:
-        """Leases the tasks the `chosen` query names (seqs, with its params)."""
+            params = (json.dumps(dict(free)), *pools, now, lease_scan(limit), *params, limit)
+        # Of those, the first always, then as many as fit in max_bytes.
+        chosen = (
+            f"SELECT seq FROM (SELECT seq, row_number() OVER w AS n, sum(size) OVER w AS upto FROM ({ok})"
+            f" WINDOW w AS (ORDER BY {order})) WHERE n = 1 OR ? <= 0 OR upto <= ?"
+        )
         ttl = self.settings.lease_ttl_us
         expiry = "CASE pool " + " ".join("WHEN ? THEN ?" for _ in pools) + " END"
         expiry_params: list[Any] = []
@@ -516,10 +516,15 @@ class SqliteStore:
             f"UPDATE tasks SET state = 3, attempt = attempt + 1, worker_id = ?, started_at = ?,"
             # Never past the attempt's deadline (started_at + timeout_ms).
             f" lease_expires_at = CASE WHEN timeout_ms > 0 THEN min({expiry}, ? + timeout_ms * 1000) ELSE {expiry} END"
-            f" WHERE state = 1 AND seq IN ({chosen}) RETURNING {TASK_COLUMNS}"
+            f" WHERE seq IN ({chosen}) RETURNING {TASK_COLUMNS}"
         )
-        all_params = (worker_id, now, *expiry_params, now, *expiry_params, *params)
-        return [task_row(r) for r in db.execute(sql, all_params)]
+        all_params = (worker_id, now, *expiry_params, now, *expiry_params, *params, max_bytes, max_bytes)
+        rows = [task_row(r) for r in db.execute(sql, all_params)]
+        if rows:
+            rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
+            return rows, None
+        sql = f"SELECT MIN(run_at) FROM tasks WHERE state = 1 AND pool IN ({_marks(len(pools))})"
+        return [], db.execute(sql, pools).fetchone()[0]
 
     async def heartbeat(self, worker_id: str, attempts: list[tuple[int, int]], now: int) -> tuple[list[int], list[int]]:
         return await self._tx(self._heartbeat, worker_id, attempts, now)
@@ -639,9 +644,9 @@ class SqliteStore:
             return [], []
         return self._apply_outcomes(db, expired, now), [(o.seq, o.attempt) for o, _ in expired]
 
-    async def running_resources(self) -> list[tuple[int, int, dict[str, int]]]:
-        sql = "SELECT seq, attempt, resources FROM tasks WHERE state = 3 AND resources IS NOT NULL"
-        return await self._run(lambda: [(r[0], r[1], json.loads(r[2])) for r in self._conn.execute(sql)])
+    async def running_resources(self) -> list[tuple[int, int, str, dict[str, int]]]:
+        sql = "SELECT seq, attempt, worker_id, resources FROM tasks WHERE state = 3 AND resources IS NOT NULL"
+        return await self._run(lambda: [(r[0], r[1], r[2], json.loads(r[3])) for r in self._conn.execute(sql)])
 
     async def cancel(self, seq: int, now: int) -> tuple[TaskRow | None, Changes]:
         return await self._tx(self._cancel, seq, now)

@@ -27,7 +27,7 @@ from cronoq.v1 import task_pb2 as cronoq_dot_v1_dot_task__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63ronoq/v1/worker_service.proto\x12\tcronoq.v1\x1a\x17\x63ronoq/v1/options.proto\x1a\x14\x63ronoq/v1/task.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa9\x02\n\x06Worker\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05pools\x18\x03 \x03(\t\x12\x13\n\x0b\x63oncurrency\x18\x04 \x01(\x05\x12\x31\n\rregistered_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0clast_seen_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05shard\x18\x07 \x01(\t\x12-\n\x06labels\x18\x08 \x03(\x0b\x32\x1d.cronoq.v1.Worker.LabelsEntry\x12\x0f\n\x07running\x18\t \x01(\x05\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb6\x01\n\x15RegisterWorkerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05pools\x18\x02 \x03(\t\x12\x13\n\x0b\x63oncurrency\x18\x03 \x01(\x05\x12<\n\x06labels\x18\x04 \x03(\x0b\x32,.cronoq.v1.RegisterWorkerRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8c\x01\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\r\n\x05shard\x18\x03 \x01(\t\x12\x18\n\x10max_result_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fmax_lease_bytes\x18\x05 \x01(\x04\"l\n\x11LeaseTasksRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tmax_tasks\x18\x02 \x01(\x05\x12\x0f\n\x07wait_ms\x18\x03 \x01(\r\x12\r\n\x05pools\x18\x04 \x03(\t\x12\x11\n\tmax_bytes\x18\x05 \x01(\x04\"4\n\x12LeaseTasksResponse\x12\x1e\n\x05tasks\x18\x01 \x03(\x0b\x32\x0f.cronoq.v1.Task\"/\n\x0bTaskAttempt\x12\x0f\n\x07task_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\"L\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x05tasks\x18\x02 \x03(\x0b\x32\x16.cronoq.v1.TaskAttempt\"F\n\x11HeartbeatResponse\x12\x1a\n\x12\x63\x61ncelled_task_ids\x18\x01 \x03(\x04\x12\x15\n\rlost_task_ids\x18\x02 \x03(\x04\"3\n\x0bTaskSuccess\x12\x0e\n\x06result\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63ontent_type\x18\x02 \x01(\t\"G\n\x0bTaskFailure\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x11\n\tretryable\x18\x02 \x01(\x08\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\r\"\x1f\n\rTaskCancelled\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x1e\n\x0cTaskReleased\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xec\x01\n\x0bTaskOutcome\x12\x0f\n\x07task_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12)\n\x07success\x18\x03 \x01(\x0b\x32\x16.cronoq.v1.TaskSuccessH\x00\x12)\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x16.cronoq.v1.TaskFailureH\x00\x12-\n\tcancelled\x18\x05 \x01(\x0b\x32\x18.cronoq.v1.TaskCancelledH\x00\x12+\n\x08released\x18\x06 \x01(\x0b\x32\x17.cronoq.v1.TaskReleasedH\x00\x42\t\n\x07outcome\"Q\n\x12\x46inishTasksRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12(\n\x08outcomes\x18\x02 \x03(\x0b\x32\x16.cronoq.v1.TaskOutcome\"T\n\x10\x46inishTaskResult\x12\x0f\n\x07task_id\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"C\n\x13\x46inishTasksResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.cronoq.v1.FinishTaskResult\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerWorkerResponse\"\"\n\x12ListWorkersRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"U\n\x13ListWorkersResponse\x12\"\n\x07workers\x18\x01 \x03(\x0b\x32\x11.cronoq.v1.Worker\x12\x1a\n\x12unavailable_shards\x18\x02 \x03(\t2\xc2\x04\n\rWorkerService\x12_\n\x0eRegisterWorker\x12 .cronoq.v1.RegisterWorkerRequest\x1a!.cronoq.v1.RegisterWorkerResponse\"\x08\xea\xe0\x18\x04\x08\x04\x18\x02\x12S\n\nLeaseTasks\x12\x1c.cronoq.v1.LeaseTasksRequest\x1a\x1d.cronoq.v1.LeaseTasksResponse\"\x08\xea\xe0\x18\x04\x08\x04\x18\x05\x12P\n\tHeartbeat\x12\x1b.cronoq.v1.HeartbeatRequest\x1a\x1c.cronoq.v1.HeartbeatResponse\"\x08\xea\xe0\x18\x04\x08\x04\x18\x05\x12V\n\x0b\x46inishTasks\x12\x1d.cronoq.v1.FinishTasksRequest\x1a\x1e.cronoq.v1.FinishTasksResponse\"\x08\xea\xe0\x18\x04\x08\x04\x18\x05\x12\x65\n\x10\x44\x65registerWorker\x12\".cronoq.v1.DeregisterWorkerRequest\x1a#.cronoq.v1.DeregisterWorkerResponse\"\x08\xea\xe0\x18\x04\x08\x04\x18\x05\x12j\n\x0bListWorkers\x12\x1d.cronoq.v1.ListWorkersRequest\x1a\x1e.cronoq.v1.ListWorkersResponse\"\x1c\xea\xe0\x18\x18\x08\x02\x18\x04\"\x12\n\x03GET\x12\x0b/v1/workersB8Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63ronoq/v1/worker_service.proto\x12\tcronoq.v1\x1a\x17\x63ronoq/v1/options.proto\x1a\x14\x63ronoq/v1/task.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa9\x02\n\x06Worker\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05pools\x18\x03 \x03(\t\x12\x13\n\x0b\x63oncurrency\x18\x04 \x01(\x05\x12\x31\n\rregistered_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0clast_seen_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05shard\x18\x07 \x01(\t\x12-\n\x06labels\x18\x08 \x03(\x0b\x32\x1d.cronoq.v1.Worker.LabelsEntry\x12\x0f\n\x07running\x18\t \x01(\x05\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb6\x01\n\x15RegisterWorkerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05pools\x18\x02 \x03(\t\x12\x13\n\x0b\x63oncurrency\x18\x03 \x01(\x05\x12<\n\x06labels\x18\x04 \x03(\x0b\x32,.cronoq.v1.RegisterWorkerRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8c\x01\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\r\n\x05shard\x18\x03 \x01(\t\x12\x18\n\x10max_result_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fmax_lease_bytes\x18\x05 \x01(\x04\"\x92\x01\n\x11LeaseTasksRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tmax_tasks\x18\x02 \x01(\x05\x12\x0f\n\x07wait_ms\x18\x03 \x01(\r\x12\r\n\x05pools\x18\x04 \x03(\t\x12\x11\n\tmax_bytes\x18\x05 \x01(\x04\x12$\n\x04\x64one\x18\x06 \x03(\x0b\x32\x16.cronoq.v1.TaskAttempt\"4\n\x12LeaseTasksResponse\x12\x1e\n\x05tasks\x18\x01 \x03(\x0b\x32\x0f.cronoq.v1.Task\"/\n\x0bTaskAttempt\x12\x0f\n\x07task_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\"L\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12%\n\x05tasks\x18\x02 \x03(\x0b\x32\x16.cronoq.v1.TaskAttempt\"F\n\x11HeartbeatResponse\x12\x1a\n\x12\x63\x61ncelled_task_ids\x18\x01 \x03(\x04\x12\x15\n\rlost_task_ids\x18\x02 \x03(\x04\"3\n\x0bTaskSuccess\x12\x0e\n\x06result\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63ontent_type\x18\x02 \x01(\t\"G\n\x0bTaskFailure\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x11\n\tretryable\x18\x02 \x01(\x08\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\r\"\x1f\n\rTaskCancelled\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x1e\n\x0cTaskReleased\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xec\x01\n\x0bTaskOutcome\x12\x0f\n\x07task_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12)\n\x07success\x18\x03 \x01(\x0b\x32\x16.cronoq.v1.TaskSuccessH\x00\x12)\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x16.cronoq.v1.TaskFailureH\x00\x12-\n\tcancelled\x18\x05 \x01(\x0b\x32\x18.cronoq.v1.TaskCancelledH\x00\x12+\n\x08released\x18\x06 \x01(\x0b\x32\x17.cronoq.v1.TaskReleasedH\x00\x42\t\n\x07outcome\"Q\n\x12\x46inishTasksRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12(\n\x08outcomes\x18\x02 \x03(\x0b\x32\x16.cronoq.v1.TaskOutcome\"T\n\x10\x46inishTaskResult\x12\x0f\n\x07task_id\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"C\n\x13\x46inishTasksResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.cronoq.v1.FinishTaskResult\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerWorkerResponse\"\"\n\x12ListWorkersRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"U\n\x13ListWorkersResponse\x12\"\n\x07workers\x18\x01 \x03(\x0b\x32\x11.cronoq.v1.Worker\x12\x1a\n\x12unavailable_shards\x18\x02 \x03(\t2\xc2\x04\n\rWorkerService\x12_\n\x0eRegisterWorker\x12 .cronoq.v1.RegisterWorkerRequest\x1a!.cronoq.v1.RegisterWorkerResponse\"\x08\xea\xe0\x18\x04\x08\x04\x18\x02\x12S\n\nLeaseTasks\x12\x1c.cronoq.v1.LeaseTasksRequest\x1a\x1d.cronoq.v1.LeaseTasksResponse\"\x08\xea\xe0\x18\x04\x08\x04\x18\x05\x12P\n\tHeartbeat\x12\x1b.cronoq.v1.HeartbeatRequest\x1a\x1c.cronoq.v1.HeartbeatResponse\"\x08\xea\xe0\x18\x04\x08\x04\x18\x05\x12V\n\x0b\x46inishTasks\x12\x1d.cronoq.v1.FinishTasksRequest\x1a\x1e.cronoq.v1.FinishTasksResponse\"\x08\xea\xe0\x18\x04\x08\x04\x18\x05\x12\x65\n\x10\x44\x65registerWorker\x12\".cronoq.v1.DeregisterWorkerRequest\x1a#.cronoq.v1.DeregisterWorkerResponse\"\x08\xea\xe0\x18\x04\x08\x04\x18\x05\x12j\n\x0bListWorkers\x12\x1d.cronoq.v1.ListWorkersRequest\x1a\x1e.cronoq.v1.ListWorkersResponse\"\x1c\xea\xe0\x18\x18\x08\x02\x18\x04\"\x12\n\x03GET\x12\x0b/v1/workersB8Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -61,40 +61,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERWORKERREQUEST_LABELSENTRY']._serialized_end=423
   _globals['_REGISTERWORKERRESPONSE']._serialized_start=611
   _globals['_REGISTERWORKERRESPONSE']._serialized_end=751
-  _globals['_LEASETASKSREQUEST']._serialized_start=753
-  _globals['_LEASETASKSREQUEST']._serialized_end=861
-  _globals['_LEASETASKSRESPONSE']._serialized_start=863
-  _globals['_LEASETASKSRESPONSE']._serialized_end=915
-  _globals['_TASKATTEMPT']._serialized_start=917
-  _globals['_TASKATTEMPT']._serialized_end=964
-  _globals['_HEARTBEATREQUEST']._serialized_start=966
-  _globals['_HEARTBEATREQUEST']._serialized_end=1042
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1044
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1114
-  _globals['_TASKSUCCESS']._serialized_start=1116
-  _globals['_TASKSUCCESS']._serialized_end=1167
-  _globals['_TASKFAILURE']._serialized_start=1169
-  _globals['_TASKFAILURE']._serialized_end=1240
-  _globals['_TASKCANCELLED']._serialized_start=1242
-  _globals['_TASKCANCELLED']._serialized_end=1273
-  _globals['_TASKRELEASED']._serialized_start=1275
-  _globals['_TASKRELEASED']._serialized_end=1305
-  _globals['_TASKOUTCOME']._serialized_start=1308
-  _globals['_TASKOUTCOME']._serialized_end=1544
-  _globals['_FINISHTASKSREQUEST']._serialized_start=1546
-  _globals['_FINISHTASKSREQUEST']._serialized_end=1627
-  _globals['_FINISHTASKRESULT']._serialized_start=1629
-  _globals['_FINISHTASKRESULT']._serialized_end=1713
-  _globals['_FINISHTASKSRESPONSE']._serialized_start=1715
-  _globals['_FINISHTASKSRESPONSE']._serialized_end=1782
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1784
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1828
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1830
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1856
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1858
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1892
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1894
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1979
-  _globals['_WORKERSERVICE']._serialized_start=1982
-  _globals['_WORKERSERVICE']._serialized_end=2560
+  _globals['_LEASETASKSREQUEST']._serialized_start=754
+  _globals['_LEASETASKSREQUEST']._serialized_end=900
+  _globals['_LEASETASKSRESPONSE']._serialized_start=902
+  _globals['_LEASETASKSRESPONSE']._serialized_end=954
+  _globals['_TASKATTEMPT']._serialized_start=956
+  _globals['_TASKATTEMPT']._serialized_end=1003
+  _globals['_HEARTBEATREQUEST']._serialized_start=1005
+  _globals['_HEARTBEATREQUEST']._serialized_end=1081
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1083
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1153
+  _globals['_TASKSUCCESS']._serialized_start=1155
+  _globals['_TASKSUCCESS']._serialized_end=1206
+  _globals['_TASKFAILURE']._serialized_start=1208
+  _globals['_TASKFAILURE']._serialized_end=1279
+  _globals['_TASKCANCELLED']._serialized_start=1281
+  _globals['_TASKCANCELLED']._serialized_end=1312
+  _globals['_TASKRELEASED']._serialized_start=1314
+  _globals['_TASKRELEASED']._serialized_end=1344
+  _globals['_TASKOUTCOME']._serialized_start=1347
+  _globals['_TASKOUTCOME']._serialized_end=1583
+  _globals['_FINISHTASKSREQUEST']._serialized_start=1585
+  _globals['_FINISHTASKSREQUEST']._serialized_end=1666
+  _globals['_FINISHTASKRESULT']._serialized_start=1668
+  _globals['_FINISHTASKRESULT']._serialized_end=1752
+  _globals['_FINISHTASKSRESPONSE']._serialized_start=1754
+  _globals['_FINISHTASKSRESPONSE']._serialized_end=1821
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1823
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1867
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1869
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1895
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1897
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1931
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1933
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=2018
+  _globals['_WORKERSERVICE']._serialized_start=2021
+  _globals['_WORKERSERVICE']._serialized_end=2599
 # @@protoc_insertion_point(module_scope)

@@ -181,6 +181,7 @@ class LeaseTasksRequest(_message.Message):
     WAIT_MS_FIELD_NUMBER: _builtins.int
     POOLS_FIELD_NUMBER: _builtins.int
     MAX_BYTES_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     max_tasks: _builtins.int
     wait_ms: _builtins.int
@@ -192,6 +193,12 @@ class LeaseTasksRequest(_message.Message):
     def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Empty: every pool the worker registered for."""
 
+    @_builtins.property
+    def done(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAttempt]:
+        """Attempts of this worker whose handlers have returned, their outcomes not yet acknowledged:
+        the resource slots they hold are free for this lease (the outcomes follow in FinishTasks).
+        """
+
     def __init__(
         self,
         *,
@@ -200,10 +207,11 @@ class LeaseTasksRequest(_message.Message):
         wait_ms: _builtins.int = ...,
         pools: _abc.Iterable[_builtins.str] | None = ...,
         max_bytes: _builtins.int = ...,
+        done: _abc.Iterable[Global___TaskAttempt] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_bytes", b"max_bytes", "max_tasks", b"max_tasks", "pools", b"pools", "wait_ms", b"wait_ms", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "max_bytes", b"max_bytes", "max_tasks", b"max_tasks", "pools", b"pools", "wait_ms", b"wait_ms", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
