@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
@@ -226,16 +227,22 @@ def event_json(event: TaskEvent) -> dict[str, Any]:
 
 async def cmd_watch(args: argparse.Namespace) -> int:
     async with _client(args, retry_for=args.retry_for) as client:
+        said = ""
 
         def reconnecting(err: CronoqError | None, cursor: str) -> None:
+            nonlocal said
             why = str(err) if err is not None else "the server ended the stream"
-            since = f"after cursor {cursor}" if cursor else "live (no cursor yet: events meanwhile are not replayed)"
-            print(f"cronoq watch: {why}; reconnecting to {client.endpoint}, {since}", file=sys.stderr, flush=True)
+            since = f"after cursor {cursor}" if cursor else "live (no cursor to resume from: events meanwhile are lost)"
+            line = f"cronoq watch: {why}; reconnecting to {client.endpoint}, {since}"
+            if line != said:  # one line per reason, not one per attempt while a server is down
+                print(line, file=sys.stderr, flush=True)
+                said = line
 
         async for event in client.watch(
             args.pool or None, cursor=args.cursor, include_payloads=args.include_payloads, on_reconnect=reconnecting
         ):
             print(json.dumps(event_json(event)) if args.json else event_line(event), flush=True)
+            said = ""
     return 0
 
 
@@ -554,7 +561,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C: how `watch` is meant to end; any command, no traceback
         code = 130
     except BrokenPipeError:  # stdout closed by the reader (`cronoq watch | head`): quiet, as if by SIGPIPE
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
+        with contextlib.suppress(OSError):  # the exit's flush of stdout must not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 141
     except OSError as err:
         print(f"cronoq {_title(args)}: {err}", file=sys.stderr)
