@@ -6,6 +6,7 @@ import asyncio
 import datetime as dt
 import ipaddress
 import logging
+import random
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
@@ -285,6 +286,14 @@ async def diagnose_tls(endpoint: Endpoint, files: TlsFiles | None, details: str)
     return None
 
 
+def backoff_delay(retry: RetryConfig, failures: int) -> float:
+    """Seconds to wait after `failures` earlier failures in a row (0 for the first), as
+    with_retries waits: initial_backoff doubled per failure plus up to initial_backoff of
+    jitter, capped at max_backoff."""
+    jitter = random.uniform(0, retry.initial_backoff)
+    return min(retry.max_backoff, retry.initial_backoff * 2 ** min(failures, 32) + jitter)
+
+
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
@@ -431,6 +440,11 @@ class Connection:
                 raise
 
         return unary
+
+    async def diagnose(self, err: CronoqError) -> TlsError | None:
+        """The TlsError an UNAVAILABLE from the current endpoint stands for (a stream's; unary
+        calls are diagnosed by rpc), or None when it is no TLS failure."""
+        return await diagnose_tls(self.current, self._tls_files, err.message)
 
     async def call(self, method: str, request: Any, timeout: float, retry: RetryConfig) -> Any:
         return await with_retries(

@@ -1,21 +1,26 @@
-"""`cronoq`: submit, get, wait, cancel and list tasks from the shell."""
+"""`cronoq`: submit, get, wait, cancel, list and watch tasks; list workers; manage
+schedules; show a snapshot of the cluster."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
+
+from google.protobuf.message import Message
 
 from . import __version__
 from ._transport import RetryConfig, TlsConfig
-from .client import Client, Task, payload_of, result_of
+from .client import Client, Schedule, Task, TaskEvent, payload_of, result_of
 from .errors import CronoqError
-from .jsonform import to_dict
-from .v1 import task_pb2, task_service_pb2
+from .jsonform import task_dict, to_dict
+from .v1 import admin_service_pb2, schedule_service_pb2, task_pb2, task_service_pb2, worker_service_pb2
 
 STATE_NAMES = {v: k.removeprefix("TASK_STATE_").lower() for k, v in task_pb2.TaskState.items()}
 
@@ -33,10 +38,11 @@ def _ref(text: str, force_key: bool) -> int | str:
     return task_id
 
 
-def _ts(task: Task, field: str) -> str:
-    if not task.HasField(field):  # type: ignore[arg-type]
+def _ts(msg: Message, field: str, timespec: str = "milliseconds") -> str:
+    """A Timestamp field in ISO 8601 (UTC), or "-" when unset."""
+    if not msg.HasField(field):
         return "-"
-    return str(getattr(task, field).ToDatetime(dt.UTC).isoformat(timespec="milliseconds"))
+    return str(getattr(msg, field).ToDatetime(dt.UTC).isoformat(timespec=timespec))
 
 
 def _show(value: Any) -> str:
@@ -73,11 +79,54 @@ def _wrap(task: Task) -> dict[str, Any]:
     return to_dict(task_service_pb2.GetTaskResponse(task=task))["task"]
 
 
-def _client(args: argparse.Namespace) -> Client:
+def _title(args: argparse.Namespace) -> str:
+    """The command as typed ("get", "schedules put"), for messages."""
+    return str(getattr(args, "title", None) or args.command)
+
+
+def _client(args: argparse.Namespace, retry_for: float = 10.0) -> Client:
     if bool(args.cert) != bool(args.key_file):
-        raise SystemExit(f"cronoq {args.command}: give --cert and --key-file together (env CRONOQ_CERT and CRONOQ_KEY)")
+        raise SystemExit(f"cronoq {_title(args)}: give --cert and --key-file together (env CRONOQ_CERT and CRONOQ_KEY)")
     tls = TlsConfig(args.ca or None, args.cert or None, args.key_file or None) if (args.ca or args.cert) else None
-    return Client(args.endpoint, token=args.token or None, tls=tls, retry=RetryConfig(max_elapsed=10))
+    return Client(args.endpoint, token=args.token or None, tls=tls, retry=RetryConfig(max_elapsed=retry_for))
+
+
+def _warn_unavailable(args: argparse.Namespace, shards: Sequence[str]) -> None:
+    if shards:
+        print(f"cronoq {_title(args)}: shards unavailable (not shown): {', '.join(shards)}", file=sys.stderr)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "") -> list[str]:
+    """Columns as wide as their widest cell; columns of numbers (or "-") aligned right."""
+    cells = [list(headers), *([str(c) for c in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    right = [
+        any(_number(r[i]) for r in rows) and all(_number(r[i]) or r[i] == "-" for r in rows)
+        for i in range(len(headers))
+    ]
+    lines = []
+    for row in cells:
+        padded = (c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right, strict=True))
+        lines.append((indent + "  ".join(padded)).rstrip())
+    return lines
+
+
+def age(msg: Message, field: str, now: dt.datetime) -> str:
+    """How long ago a Timestamp field was ("4s ago", "3m12s ago", "2h5m ago"), or "-"."""
+    if not msg.HasField(field):
+        return "-"
+    seconds = max(0, int((now - getattr(msg, field).ToDatetime(dt.UTC)).total_seconds()))
+    if seconds < 60:
+        return f"{seconds}s ago"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60}s ago"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60}m ago"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600}h ago"
 
 
 async def cmd_submit(args: argparse.Namespace) -> int:
@@ -164,6 +213,178 @@ async def cmd_tasks(args: argparse.Namespace) -> int:
     return 0
 
 
+def event_line(event: TaskEvent) -> str:
+    task = event.task
+    return (
+        f"{_ts(event, 'time')}  {task.id:>20}  {task.pool:<12} {STATE_NAMES[task.state]:<10} "
+        f"{task.attempt}/{task.max_attempts}  {task.key or '-'}"
+    )
+
+
+def event_json(event: TaskEvent) -> dict[str, Any]:
+    return to_dict(task_service_pb2.WatchResponse(event=event))["event"]
+
+
+async def cmd_watch(args: argparse.Namespace) -> int:
+    async with _client(args, retry_for=args.retry_for) as client:
+        said = ""
+
+        def reconnecting(err: CronoqError | None, cursor: str) -> None:
+            nonlocal said
+            why = str(err) if err is not None else "the server ended the stream"
+            since = f"after cursor {cursor}" if cursor else "live (no cursor to resume from: events meanwhile are lost)"
+            line = f"cronoq watch: {why}; reconnecting to {client.endpoint}, {since}"
+            if line != said:  # one line per reason, not one per attempt while a server is down
+                print(line, file=sys.stderr, flush=True)
+                said = line
+
+        async for event in client.watch(
+            args.pool or None, cursor=args.cursor, include_payloads=args.include_payloads, on_reconnect=reconnecting
+        ):
+            print(json.dumps(event_json(event)) if args.json else event_line(event), flush=True)
+            said = ""
+    return 0
+
+
+def format_workers(workers: Sequence[worker_service_pb2.Worker], now: dt.datetime) -> list[str]:
+    rows = [(w.id, w.name, ",".join(w.pools), w.concurrency, w.running, age(w, "last_seen_at", now)) for w in workers]
+    return format_table(("ID", "NAME", "POOLS", "CONCURRENCY", "RUNNING", "LAST HEARTBEAT"), rows)
+
+
+async def cmd_workers(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        resp = await client.list_workers(args.pool or None)
+    if args.json:
+        for worker in resp.workers:
+            print(json.dumps(to_dict(worker)))
+    else:
+        print("\n".join(format_workers(resp.workers, dt.datetime.now(dt.UTC))))
+    _warn_unavailable(args, resp.unavailable_shards)
+    return 0
+
+
+def schedule_json(schedule: Schedule) -> dict[str, Any]:
+    """The proto JSON form, with a JSON payload shown decoded as payload_json (as for tasks)."""
+    return task_dict(to_dict(schedule))
+
+
+def format_schedules(schedules: Sequence[Schedule]) -> list[str]:
+    rows = [
+        (
+            s.pool,
+            s.name,
+            s.cron,
+            s.timezone or "UTC",
+            "yes" if s.paused else "no",
+            _ts(s, "next_fire_at", "seconds"),
+            _ts(s, "last_fire_at", "seconds"),
+        )
+        for s in schedules
+    ]
+    return format_table(("POOL", "NAME", "CRON", "TIMEZONE", "PAUSED", "NEXT FIRE", "LAST FIRE"), rows)
+
+
+def resource_arg(text: str) -> tuple[str, int]:
+    name, sep, amount = text.partition("=")
+    try:
+        if not (sep and name):
+            raise ValueError
+        return name, int(amount)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=AMOUNT (an integer amount)") from None
+
+
+async def cmd_schedules_put(args: argparse.Namespace) -> int:
+    payload: Any = None
+    if args.payload_json is not None:
+        try:
+            payload = json.loads(args.payload_json)
+        except ValueError as err:
+            raise SystemExit(f"cronoq schedules put: --payload-json is not valid JSON: {err}") from None
+    elif args.payload is not None:
+        payload = args.payload.encode()
+    resources: dict[str, int] = {}
+    for name, amount in args.resource:
+        if name in resources:
+            raise SystemExit(f"cronoq schedules put: --resource {name!r} given twice")
+        resources[name] = amount
+    async with _client(args) as client:
+        schedule = await client.put_schedule(
+            args.pool,
+            args.name,
+            args.cron,
+            payload=payload,
+            timezone=args.timezone,
+            priority=args.priority,
+            max_attempts=args.max_attempts,
+            resources=resources,
+            timeout_ms=args.timeout_ms,
+            paused=args.paused,
+            fire_all_missed=args.fire_all_missed,
+        )
+    print(json.dumps(schedule_json(schedule)) if args.json else "\n".join(format_schedules([schedule])))
+    return 0
+
+
+async def cmd_schedules_delete(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        await client.delete_schedule(args.pool, args.name)
+    if args.json:
+        print(json.dumps(to_dict(schedule_service_pb2.DeleteScheduleRequest(pool=args.pool, name=args.name))))
+    else:
+        print(f"deleted schedule {args.name!r} of pool {args.pool!r}")
+    return 0
+
+
+async def cmd_schedules_list(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        resp = await client.list_schedules(args.pool or None)
+    if args.json:
+        for schedule in resp.schedules:
+            print(json.dumps(schedule_json(schedule)))
+    else:
+        print("\n".join(format_schedules(resp.schedules)))
+    _warn_unavailable(args, resp.unavailable_shards)
+    return 0
+
+
+POOL_STATES = ("pending", "blocked", "running", "succeeded", "failed", "cancelled")
+
+
+def format_snapshot(snap: admin_service_pb2.GetSnapshotResponse) -> list[str]:
+    """Per shard: a header line, then tables of pools by state and of resources, and workers."""
+    lines: list[str] = []
+    for shard in snap.shards:
+        if lines:
+            lines.append("")
+        lines.append(f"shard {shard.shard} (#{shard.number})  leader {shard.leader or '-'}  term {shard.term}")
+        pools = [(p.pool, *(getattr(p, state) for state in POOL_STATES)) for p in shard.pools]
+        lines += format_table(("POOL", *(state.upper() for state in POOL_STATES)), pools, "  ")
+        if shard.resources:
+            resources = [
+                (
+                    r.name,
+                    r.in_use if r.capacity else "-",
+                    r.capacity or "-",
+                    f"{r.rate:g}/s" if r.rate else "-",
+                    r.burst or "-",
+                )
+                for r in shard.resources
+            ]
+            lines += format_table(("RESOURCE", "IN USE", "CAPACITY", "RATE", "BURST"), resources, "  ")
+        running = sum(w.running for w in shard.workers)
+        lines.append(f"  workers: {len(shard.workers)}, running {running} task(s)")
+    return lines
+
+
+async def cmd_snapshot(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        snap = await client.snapshot()
+    print(json.dumps(to_dict(snap)) if args.json else "\n".join(format_snapshot(snap)))
+    _warn_unavailable(args, snap.unavailable_shards)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -191,7 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_argument("--json", action="store_true", help="print JSON (proto field names, ids as strings)")
 
-    parser = argparse.ArgumentParser(prog="cronoq", description="Submit and inspect cronoq tasks.")
+    parser = argparse.ArgumentParser(
+        prog="cronoq", description="Submit, inspect and watch cronoq tasks; list workers; manage schedules."
+    )
     parser.add_argument("--version", action="version", version=f"cronoq {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -230,6 +453,101 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state", help="pending, blocked, running, succeeded, failed or cancelled")
     p.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
     p.set_defaults(run=cmd_tasks)
+
+    p = sub.add_parser(
+        "watch",
+        parents=[common],
+        help="print task events as they happen",
+        description="Print one line per task event as it happens (--json: one object per line, with the cursor "
+        "to resume from) until Ctrl-C (exit 130). When the stream breaks (a server restart, a new leader) it "
+        "reconnects, saying so on stderr, from the last event's cursor: the events in between are printed, "
+        "none twice.",
+    )
+    p.add_argument("--pool", default="", help="one pool (default: every pool you may read)")
+    p.add_argument("--cursor", help="start after this event's cursor (from --json output) instead of live")
+    p.add_argument("--include-payloads", action="store_true", help="events carry payloads and results")
+    p.add_argument(
+        "--retry-for",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="give up when no server answers for this long after the stream breaks (default 60)",
+    )
+    p.set_defaults(run=cmd_watch)
+
+    p = sub.add_parser(
+        "workers",
+        parents=[common],
+        help="list workers",
+        description="List registered workers: id, name, pools, concurrency, tasks running, last heartbeat.",
+    )
+    p.add_argument("--pool", default="", help="only workers of this pool")
+    p.set_defaults(run=cmd_workers)
+
+    p = sub.add_parser(
+        "schedules",
+        help="put, delete and list schedules",
+        description="Cron schedules that create tasks in a pool, named by (pool, name).",
+    )
+    schedules = p.add_subparsers(dest="schedules_command", required=True, metavar="SUBCOMMAND")
+    p = schedules.add_parser(
+        "put",
+        parents=[common],
+        help="create or replace a schedule",
+        description="Create or replace the schedule NAME of POOL; prints it with its next fire time.",
+    )
+    p.add_argument("pool", metavar="POOL")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument(
+        "--cron",
+        required=True,
+        metavar="EXPR",
+        help="five fields (minute hour day-of-month month day-of-week), or six with seconds first",
+    )
+    p.add_argument("--timezone", metavar="ZONE", help="IANA timezone name, e.g. Europe/Paris (default UTC)")
+    payload = p.add_mutually_exclusive_group()
+    payload.add_argument("--payload-json", metavar="JSON", help="a JSON payload for every task it fires")
+    payload.add_argument("--payload", metavar="TEXT", help="a text payload, stored as bytes")
+    p.add_argument("--priority", type=int, default=0, help="of the tasks it fires; higher runs first")
+    p.add_argument("--max-attempts", type=int, default=0, help="of the tasks it fires; 0 takes the pool's default")
+    p.add_argument(
+        "--resource",
+        type=resource_arg,
+        action="append",
+        default=[],
+        metavar="NAME=AMOUNT",
+        help="a resource each fired task needs (repeatable)",
+    )
+    p.add_argument("--timeout-ms", type=int, default=0, help="each fired task's timeout; 0 takes the pool's")
+    p.add_argument("--paused", action="store_true", help="keep it, but fire nothing until put again without this")
+    p.add_argument(
+        "--fire-all-missed", action="store_true", help="after downtime, fire every missed slot (not only the latest)"
+    )
+    p.set_defaults(run=cmd_schedules_put, title="schedules put")
+
+    p = schedules.add_parser(
+        "delete", parents=[common], help="delete a schedule", description="Delete the schedule NAME of POOL."
+    )
+    p.add_argument("pool", metavar="POOL")
+    p.add_argument("name", metavar="NAME")
+    p.set_defaults(run=cmd_schedules_delete, title="schedules delete")
+
+    p = schedules.add_parser(
+        "list",
+        parents=[common],
+        help="list schedules",
+        description="List schedules: pool, name, cron, timezone, paused, next and last fire (UTC).",
+    )
+    p.add_argument("--pool", default="", help="only schedules of this pool")
+    p.set_defaults(run=cmd_schedules_list, title="schedules list")
+
+    p = sub.add_parser(
+        "snapshot",
+        parents=[common],
+        help="show the state of every shard",
+        description="Per shard: its leader and term, task counts by pool and state, resources in use, workers.",
+    )
+    p.set_defaults(run=cmd_snapshot)
     return parser
 
 
@@ -238,10 +556,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = asyncio.run(args.run(args))
     except CronoqError as err:
-        print(f"cronoq {args.command}: {err}", file=sys.stderr)
+        print(f"cronoq {_title(args)}: {err}", file=sys.stderr)
         code = 1
+    except KeyboardInterrupt:  # Ctrl-C: how `watch` is meant to end; any command, no traceback
+        code = 130
+    except BrokenPipeError:  # stdout closed by the reader (`cronoq watch | head`): quiet, as if by SIGPIPE
+        with contextlib.suppress(OSError):  # the exit's flush of stdout must not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141
     except OSError as err:
-        print(f"cronoq {args.command}: {err}", file=sys.stderr)
+        print(f"cronoq {_title(args)}: {err}", file=sys.stderr)
         code = 1
     sys.exit(code)
 

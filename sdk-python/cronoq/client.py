@@ -1,26 +1,48 @@
-"""The async Client: submit, submit_batch, get, wait, cancel, list.
+"""The async Client: tasks (submit, submit_batch, get, wait, cancel, list, watch), workers,
+schedules and the cluster's snapshot.
 
 async with Client("http://127.0.0.1:7070") as client:
     sub = await client.submit("default", {"n": 1}, key="invoice-42")
     done = await client.wait(sub.task.id, timeout=30)
+    async for event in client.watch("default"):   # resumes after a reconnect
+        print(event.task.id, event.task.state)
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
+import logging
+import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._transport import Connection, Endpoint, RetryConfig, TlsConfig
+import grpc
+
+from ._transport import Connection, Endpoint, RetryConfig, TlsConfig, backoff_delay
+from .errors import Aborted, Cancelled, CronoqError, Internal, Unavailable, from_grpc_error
 from .jsonform import JSON_CONTENT_TYPE
-from .v1 import task_pb2, task_service_pb2_grpc
+from .v1 import (
+    admin_service_pb2,
+    admin_service_pb2_grpc,
+    schedule_service_pb2,
+    schedule_service_pb2_grpc,
+    task_pb2,
+    task_service_pb2_grpc,
+    worker_service_pb2,
+    worker_service_pb2_grpc,
+)
 from .v1 import task_service_pb2 as pb
+
+log = logging.getLogger("cronoq")
 
 Task = task_pb2.Task
 TaskState = task_pb2.TaskState
+TaskEvent = task_pb2.TaskEvent
+Schedule = schedule_service_pb2.Schedule
 TERMINAL_STATES = frozenset({task_pb2.TASK_STATE_SUCCEEDED, task_pb2.TASK_STATE_FAILED, task_pb2.TASK_STATE_CANCELLED})
 
 TaskRefLike = int | str
@@ -97,6 +119,33 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+class ServiceStubs:
+    """The stubs of every service the client calls, on one channel (their method names differ)."""
+
+    def __init__(self, channel: grpc.aio.Channel):
+        for stub in (
+            task_service_pb2_grpc.TaskServiceStub(channel),
+            worker_service_pb2_grpc.WorkerServiceStub(channel),
+            schedule_service_pb2_grpc.ScheduleServiceStub(channel),
+            admin_service_pb2_grpc.AdminServiceStub(channel),
+        ):
+            self.__dict__.update(vars(stub))
+
+
+# Watch failures a new stream gets past: the server went away or was replaced (UNAVAILABLE,
+# CANCELLED, INTERNAL from a reset connection), or it ended this stream (ABORTED: the
+# watcher fell behind). Anything else (PERMISSION_DENIED, INVALID_ARGUMENT, OUT_OF_RANGE for
+# a cursor older than the server keeps, ...) is raised.
+WATCH_TRANSIENT = (Unavailable, Cancelled, Aborted, Internal)
+# A Watch stream that stayed open this long was connected: a failure after it starts a new
+# row of failures (RetryConfig.max_elapsed bounds a row), as an event received does.
+WATCH_CONNECTED_S = 5.0
+
+# What watch() calls before each reconnection: the error that ended the stream (None when
+# the server ended it cleanly, e.g. while draining) and the cursor it resumes from ("" if none).
+ReconnectHook = Callable[[CronoqError | None, str], None]
+
+
 @dataclass(frozen=True)
 class Submitted:
     task: Task
@@ -122,7 +171,7 @@ class Client:
         retry: RetryConfig = RetryConfig(),
         timeout: float = 30.0,
     ):
-        self._conn = Connection(endpoint, task_service_pb2_grpc.TaskServiceStub, token=token, tls=tls)
+        self._conn = Connection(endpoint, ServiceStubs, token=token, tls=tls)
         self._retry = retry
         self._timeout = timeout
 
@@ -196,3 +245,132 @@ class Client:
             token = page.next_page_token
             if not token:
                 return
+
+    async def watch(
+        self,
+        pool: str | None = None,
+        *,
+        cursor: str | None = None,
+        include_payloads: bool = False,
+        resume: bool = True,
+        on_reconnect: ReconnectHook | None = None,
+    ) -> AsyncIterator[TaskEvent]:
+        """Task events as they happen (every pool the caller may read when pool is None).
+
+        cursor: start after that event (a TaskEvent.cursor) instead of live. With resume, a
+        stream that ends or breaks (server restart or drain, leader change, UNAVAILABLE, or
+        ABORTED because this watcher fell behind) is opened again, through the endpoint logic
+        of every call, from the last event's cursor: the events in between are replayed, and
+        an event seen already (its shard's seq not past the last one yielded) is skipped. A
+        row of failures with no event is given up after the client's RetryConfig.max_elapsed;
+        other errors (PERMISSION_DENIED, INVALID_ARGUMENT, OUT_OF_RANGE for a cursor the
+        server no longer keeps, ...) are raised at once. Without resume the iterator ends with
+        the stream and raises its error. Break out of the loop to stop watching.
+        """
+        last_seq: dict[str, int] = {}  # shard -> the seq of the last event yielded
+        failing_since: float | None = None
+        failures = 0
+        while True:
+            req = pb.WatchRequest(pool=pool or "", include_payloads=include_payloads, cursor=cursor or "")
+            opened = time.monotonic()
+            received = False
+            error: CronoqError | None = None
+            call = self._conn.rpc("Watch")(req, metadata=self._conn.metadata)
+            try:
+                async for resp in call:
+                    event = resp.event
+                    received, failing_since, failures = True, None, 0
+                    if event.cursor:
+                        cursor = event.cursor
+                    if event.seq:
+                        if event.seq <= last_seq.get(event.shard, 0):
+                            continue  # replayed after a reconnect, and yielded before it
+                        last_seq[event.shard] = event.seq
+                    yield event
+            except grpc.aio.AioRpcError as err:
+                error = from_grpc_error(err)
+            finally:
+                call.cancel()  # a caller that stops early closes the stream
+            if error is not None and (not resume or not isinstance(error, WATCH_TRANSIENT)):
+                raise error
+            if error is None and not resume:
+                return
+            if isinstance(error, Unavailable) and not received:
+                tls = await self._conn.diagnose(error)
+                if tls is not None:
+                    raise tls from None
+            now = time.monotonic()
+            if now - opened >= WATCH_CONNECTED_S:
+                failing_since, failures = None, 0
+            if failing_since is None:
+                failing_since = now
+            max_elapsed = self._retry.max_elapsed
+            if max_elapsed is not None and now - failing_since >= max_elapsed:
+                raise error or Unavailable(f"watch: the server kept ending the stream for {max_elapsed:g}s")
+            if isinstance(error, (Unavailable, Cancelled)):
+                self._conn.on_unavailable(error)  # to the leader a standby names, or the next endpoint
+            log.info("watch: stream ended (%s); reconnecting to %s", error or "closed by the server", self.endpoint)
+            if on_reconnect is not None:
+                on_reconnect(error, cursor or "")
+            await asyncio.sleep(backoff_delay(self._retry, failures))
+            failures += 1
+
+    # -- workers, schedules, admin ---------------------------------------------
+
+    async def list_workers(self, pool: str | None = None) -> worker_service_pb2.ListWorkersResponse:
+        """Registered workers (of one pool, or of every pool the caller may read)."""
+        return await self._call("ListWorkers", worker_service_pb2.ListWorkersRequest(pool=pool or ""))
+
+    async def put_schedule(
+        self,
+        pool: str,
+        name: str,
+        cron: str,
+        *,
+        payload: Any = None,
+        timezone: str | None = None,
+        priority: int = 0,
+        max_attempts: int = 0,
+        resources: Mapping[str, int] | None = None,
+        timeout_ms: int = 0,
+        paused: bool = False,
+        fire_all_missed: bool = False,
+    ) -> Schedule:
+        """Creates or replaces the schedule (pool, name); returns it with its next_fire_at.
+
+        cron: five fields, or six with seconds first; timezone: an IANA name (UTC if None).
+        payload: bytes, or any JSON value, given to every task it fires; the other options
+        are those of the tasks it fires (0: the pool's default).
+        """
+        data, content_type = encode_payload(payload)
+        schedule = Schedule(
+            pool=pool,
+            name=name,
+            cron=cron,
+            timezone=timezone or "",
+            payload=data,
+            content_type=content_type,
+            priority=priority,
+            max_attempts=max_attempts,
+            resources=dict(resources or {}),
+            timeout_ms=timeout_ms,
+            paused=paused,
+            fire_all_missed=fire_all_missed,
+        )
+        resp = await self._call("PutSchedule", schedule_service_pb2.PutScheduleRequest(schedule=schedule))
+        return resp.schedule
+
+    async def delete_schedule(self, pool: str, name: str) -> None:
+        await self._call("DeleteSchedule", schedule_service_pb2.DeleteScheduleRequest(pool=pool, name=name))
+
+    async def list_schedules(self, pool: str | None = None) -> schedule_service_pb2.ListSchedulesResponse:
+        """Schedules of one pool, or of every pool the caller may read."""
+        return await self._call("ListSchedules", schedule_service_pb2.ListSchedulesRequest(pool=pool or ""))
+
+    async def snapshot(self) -> admin_service_pb2.GetSnapshotResponse:
+        """Per shard: its leader and term, task counts by pool and state, resources, workers."""
+        return await self._call("GetSnapshot", admin_service_pb2.GetSnapshotRequest())
+
+    async def server_info(self) -> admin_service_pb2.GetServerInfoResponse:
+        """The server this client talks to: version, shard, role, leader (a standby answers too)."""
+        return await self._call("GetServerInfo", admin_service_pb2.GetServerInfoRequest())

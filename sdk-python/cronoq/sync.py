@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from .client import Client, Submitted, Task, TaskRefLike, WaitResult
+from .client import Client, Schedule, Submitted, Task, TaskEvent, TaskRefLike, WaitResult
+from .v1 import admin_service_pb2, schedule_service_pb2, worker_service_pb2
 from .v1 import task_service_pb2 as pb
 
 
@@ -50,3 +51,34 @@ class SyncClient:
 
     def list(self, pool: str = "", state: int = 0, page_size: int = 100, page_token: str = "") -> pb.ListTasksResponse:
         return self._run(self._client.list(pool, state, page_size, page_token))
+
+    def watch(self, pool: str | None = None, **options: Any) -> Iterator[TaskEvent]:
+        """Client.watch as a generator (same options); close it, or break out, to stop."""
+        events = self._client.watch(pool, **options)
+        try:
+            while True:
+                try:
+                    yield self._run(events.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self._loop.is_closed():
+                self._run(events.aclose())  # type: ignore[attr-defined]
+
+    def list_workers(self, pool: str | None = None) -> worker_service_pb2.ListWorkersResponse:
+        return self._run(self._client.list_workers(pool))
+
+    def put_schedule(self, pool: str, name: str, cron: str, **options: Any) -> Schedule:
+        return self._run(self._client.put_schedule(pool, name, cron, **options))
+
+    def delete_schedule(self, pool: str, name: str) -> None:
+        self._run(self._client.delete_schedule(pool, name))
+
+    def list_schedules(self, pool: str | None = None) -> schedule_service_pb2.ListSchedulesResponse:
+        return self._run(self._client.list_schedules(pool))
+
+    def snapshot(self) -> admin_service_pb2.GetSnapshotResponse:
+        return self._run(self._client.snapshot())
+
+    def server_info(self) -> admin_service_pb2.GetServerInfoResponse:
+        return self._run(self._client.server_info())

@@ -1,13 +1,16 @@
-"""Shared helpers for integration tests: worker processes and polling."""
+"""Shared helpers for integration tests: worker and CLI processes, and polling."""
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, Any, TypeVar
 
 import grpc
 
@@ -110,3 +113,95 @@ def max_overlap(intervals: list[tuple[float, float]]) -> int:
         running += step
         most = max(most, running)
     return most
+
+
+def cli(server: Any, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Runs `cronoq ARGS --endpoint <server>` (server None: no endpoint) to its end."""
+    endpoint = ["--endpoint", server.endpoint] if server is not None else []
+    cmd = [sys.executable, "-m", "cronoq.cli", *args, *endpoint]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=check)
+
+
+class LineReader:
+    """Reads a process's output lines on a thread, so that a test can wait for them."""
+
+    def __init__(self, stream: IO[str]):
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+
+    def wait_for(self, check: Callable[[list[str]], T], timeout: float = 20.0, what: str = "output") -> T:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                result = check(list(self.lines))
+                if result:
+                    return result
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(f"{what} not seen within {timeout}s; last lines: {self.lines[-5:]}")
+                self._changed.wait(remaining)
+
+
+class Watcher:
+    """`cronoq watch --json ARGS` (or without --json) running against a server."""
+
+    def __init__(self, server: Any, stderr_path: Path, *args: str, as_json: bool = True):
+        self.stderr_path = stderr_path
+        json_flag = ["--json"] if as_json else []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cronoq.cli", "watch", *json_flag, "--endpoint", server.endpoint, *args],
+            stdout=subprocess.PIPE,
+            stderr=open(stderr_path, "w"),
+            text=True,
+            # Ctrl-C must reach it even from a test runner whose own processes ignore SIGINT.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        assert self.proc.stdout is not None
+        self.reader = LineReader(self.proc.stdout)
+
+    def events(self) -> list[dict[str, Any]]:
+        """The events printed so far (with --json)."""
+        return [json.loads(line) for line in list(self.reader.lines)]
+
+    def wait_connected(self, api: Api, pool: str = "default", timeout: float = 20.0) -> None:
+        """Submits a probe task every 0.3 s until one shows: the watch is live from then on."""
+        deadline = time.monotonic() + timeout
+        while True:
+            api.submit(pool)
+            try:
+                self.reader.wait_for(bool, timeout=0.3)
+                return
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"cronoq watch saw no event in {timeout}s: {self.stderr()}") from None
+
+    def wait_created(self, task_ids: list[int], timeout: float = 20.0) -> None:
+        """Until the creation event (PENDING) of every task is printed."""
+
+        def seen(lines: list[str]) -> bool:
+            created = {e["task"]["id"] for e in map(json.loads, lines) if e["task"]["state"] == "TASK_STATE_PENDING"}
+            return {str(i) for i in task_ids} <= created
+
+        self.reader.wait_for(seen, timeout, what=f"creation events of {task_ids}")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def interrupt(self, timeout: float = 10.0) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)

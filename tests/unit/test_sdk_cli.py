@@ -1,10 +1,15 @@
-"""The CLI's ID|KEY arguments: ASCII decimal digits name an id, anything else a key."""
+"""The CLI without a server: ID|KEY arguments (ASCII decimal digits name an id, anything
+else a key), the parser, and the tables and JSON lines printed from hand-built messages."""
 
 from __future__ import annotations
 
+import datetime as dt
+
 import pytest
 
-from cronoq.cli import _ref
+from cronoq import cli
+from cronoq.cli import _ref, build_parser, format_table
+from cronoq.v1 import admin_service_pb2, schedule_service_pb2, task_pb2, worker_service_pb2
 
 
 @pytest.mark.parametrize(
@@ -34,3 +39,155 @@ def test_key_flag_always_names_a_key(text: str) -> None:
 def test_an_id_past_64_bits_is_a_clear_error() -> None:
     with pytest.raises(SystemExit, match="too large for a task id"):
         _ref("18446744073709551616", False)
+
+
+# -- the parser and the output of watch, workers, schedules and snapshot --------------
+
+NOW = dt.datetime(2025, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
+
+
+def test_schedules_put_parses_every_option() -> None:
+    args = build_parser().parse_args(
+        [
+            *("schedules", "put", "default", "nightly", "--cron", "0 3 * * *", "--timezone", "Europe/Paris"),
+            *("--payload-json", '{"n": 1}', "--priority", "5", "--max-attempts", "2", "--resource", "gpu=1"),
+            *("--resource", "api=2", "--timeout-ms", "1500", "--paused", "--fire-all-missed", "--json"),
+        ]
+    )
+    assert (args.pool, args.name, args.cron, args.timezone) == ("default", "nightly", "0 3 * * *", "Europe/Paris")
+    assert (args.payload_json, args.payload, args.priority, args.max_attempts) == ('{"n": 1}', None, 5, 2)
+    assert args.resource == [("gpu", 1), ("api", 2)] and args.timeout_ms == 1500
+    assert args.paused and args.fire_all_missed and args.json
+    assert args.run is cli.cmd_schedules_put and args.title == "schedules put"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["schedules", "put", "p", "n"],  # --cron is required
+        ["schedules", "put", "p", "n", "--cron", "* * * * *", "--payload", "x", "--payload-json", "1"],
+        ["schedules", "put", "p", "n", "--cron", "* * * * *", "--resource", "gpu"],
+        ["schedules", "put", "p", "n", "--cron", "* * * * *", "--resource", "gpu=x"],
+        ["schedules", "put", "p", "n", "--cron", "* * * * *", "--resource", "=1"],
+        ["schedules"],  # a subcommand is required
+    ],
+)
+def test_bad_arguments_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2 and "usage: cronoq" in capsys.readouterr().err
+
+
+def test_watch_workers_snapshot_and_schedule_listing_parse() -> None:
+    parse = build_parser().parse_args
+    args = parse(["watch", "--pool", "p", "--cursor", "c9", "--include-payloads", "--json"])
+    assert (args.pool, args.cursor, args.include_payloads, args.json, args.retry_for) == ("p", "c9", True, True, 60)
+    assert parse(["workers", "--pool", "p"]).run is cli.cmd_workers
+    assert parse(["schedules", "list"]).pool == "" and parse(["schedules", "delete", "p", "n"]).name == "n"
+    assert parse(["snapshot", "--json"]).run is cli.cmd_snapshot
+
+
+def test_format_table_aligns_numbers_right_and_text_left() -> None:
+    assert format_table(("NAME", "N", "WHEN"), [("a", 1, "-"), ("bbb", 100, "now")]) == [
+        "NAME    N  WHEN",
+        "a       1  -",
+        "bbb   100  now",
+    ]
+
+
+def test_event_line_and_json() -> None:
+    task = task_pb2.Task(
+        id=2**63 + 1, pool="default", key="k", state=task_pb2.TASK_STATE_RUNNING, attempt=1, max_attempts=3
+    )
+    task.payload, task.content_type = b'{"n": 1}', "application/json"
+    event = task_pb2.TaskEvent(task=task, shard="s0", seq=7, cursor="s0:7")
+    event.time.FromDatetime(NOW)
+    assert cli.event_line(event) == f"2025-01-01T12:00:00.000+00:00  {2**63 + 1:>20}  default      running    1/3  k"
+    out = cli.event_json(event)
+    assert out["task"]["id"] == str(2**63 + 1) and out["task"]["payload_json"] == {"n": 1}
+    assert (out["seq"], out["cursor"], out["shard"], out["time"]) == ("7", "s0:7", "s0", "2025-01-01T12:00:00Z")
+
+
+def test_workers_table_shows_the_heartbeat_age() -> None:
+    seen = worker_service_pb2.Worker(id="w-1", name="host-1", pools=["default", "other"], concurrency=32, running=3)
+    seen.last_seen_at.FromDatetime(NOW - dt.timedelta(seconds=75))
+    never = worker_service_pb2.Worker(id="w-22", name="h", pools=["x"], concurrency=1)
+    assert cli.format_workers([seen, never], NOW) == [
+        "ID    NAME    POOLS          CONCURRENCY  RUNNING  LAST HEARTBEAT",
+        "w-1   host-1  default,other           32        3  1m15s ago",
+        "w-22  h       x                        1        0  -",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(0, "0s ago"), (59, "59s ago"), (61, "1m1s ago"), (3720, "1h2m ago"), (90000, "1d1h ago")]
+)
+def test_age(seconds: int, text: str) -> None:
+    worker = worker_service_pb2.Worker()
+    worker.last_seen_at.FromDatetime(NOW - dt.timedelta(seconds=seconds))
+    assert cli.age(worker, "last_seen_at", NOW) == text
+
+
+def test_schedules_table_and_json() -> None:
+    nightly = schedule_service_pb2.Schedule(
+        pool="default", name="nightly", cron="0 3 * * *", timezone="Europe/Paris", payload=b"[1]"
+    )
+    nightly.content_type = "application/json"
+    nightly.next_fire_at.FromDatetime(NOW)
+    paused = schedule_service_pb2.Schedule(pool="p", name="n", cron="* * * * * *", paused=True)
+    assert cli.format_schedules([nightly, paused]) == [
+        "POOL     NAME     CRON         TIMEZONE      PAUSED  NEXT FIRE                  LAST FIRE",
+        "default  nightly  0 3 * * *    Europe/Paris  no      2025-01-01T12:00:00+00:00  -",
+        "p        n        * * * * * *  UTC           yes     -                          -",
+    ]
+    out = cli.schedule_json(nightly)
+    assert out["payload_json"] == [1] and "payload" not in out and out["next_fire_at"] == "2025-01-01T12:00:00Z"
+    assert cli.schedule_json(paused)["paused"] is True
+
+
+def test_snapshot_table_per_shard() -> None:
+    busy = worker_service_pb2.Worker(id="w", running=3)
+    snap = admin_service_pb2.GetSnapshotResponse(
+        shards=[
+            admin_service_pb2.ShardSnapshot(
+                shard="eu",
+                number=1,
+                leader="http://10.0.0.1:7070",
+                term=4,
+                pools=[admin_service_pb2.PoolCounts(pool="default", pending=12, running=3, succeeded=1234)],
+                resources=[
+                    admin_service_pb2.ResourceUsage(name="gpu", in_use=1, capacity=4),
+                    admin_service_pb2.ResourceUsage(name="api", rate=2.5, burst=20),
+                ],
+                workers=[busy, worker_service_pb2.Worker(id="idle")],
+            ),
+            admin_service_pb2.ShardSnapshot(shard="us", number=2, leader="http://10.0.0.2:7070"),
+        ]
+    )
+    assert cli.format_snapshot(snap) == [
+        "shard eu (#1)  leader http://10.0.0.1:7070  term 4",
+        "  POOL     PENDING  BLOCKED  RUNNING  SUCCEEDED  FAILED  CANCELLED",
+        "  default       12        0        3       1234       0          0",
+        "  RESOURCE  IN USE  CAPACITY  RATE   BURST",
+        "  gpu            1         4  -          -",
+        "  api            -         -  2.5/s     20",
+        "  workers: 2, running 3 task(s)",
+        "",
+        "shard us (#2)  leader http://10.0.0.2:7070  term 0",
+        "  POOL  PENDING  BLOCKED  RUNNING  SUCCEEDED  FAILED  CANCELLED",
+        "  workers: 0, running 0 task(s)",
+    ]
+
+
+@pytest.mark.parametrize(("raised", "code"), [(KeyboardInterrupt(), 130), (BrokenPipeError(), 141)])
+def test_ctrl_c_and_a_closed_pipe_end_without_a_traceback(
+    raised: BaseException, code: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def interrupted(args: object) -> int:
+        raise raised
+
+    monkeypatch.setattr(cli, "cmd_watch", interrupted)
+    monkeypatch.setattr(cli.os, "dup2", lambda *a: None)  # keeps pytest's stdout
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["watch"])
+    assert exit_.value.code == code and capsys.readouterr().err == ""
