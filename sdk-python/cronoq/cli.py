@@ -129,6 +129,15 @@ def age(msg: Message, field: str, now: dt.datetime) -> str:
     return f"{seconds // 86400}d{seconds % 86400 // 3600}h ago"
 
 
+def _resources(command: str, given: list[tuple[str, int]]) -> dict[str, int]:
+    resources: dict[str, int] = {}
+    for name, amount in given:
+        if name in resources:
+            raise SystemExit(f"cronoq {command}: --resource {name!r} given twice")
+        resources[name] = amount
+    return resources
+
+
 async def cmd_submit(args: argparse.Namespace) -> int:
     if sum(x is not None for x in (args.json_payload, args.data, args.file)) > 1:
         raise SystemExit("cronoq submit: give at most one of --json, --data, --file")
@@ -151,6 +160,8 @@ async def cmd_submit(args: argparse.Namespace) -> int:
             max_attempts=args.max_attempts,
             delay=args.delay,
             depends_on=[_ref(d, False) for d in args.depends_on],
+            resources=_resources("submit", args.resource),
+            timeout=args.timeout,
         )
         task = sub.task
         if args.wait is not None:
@@ -303,11 +314,7 @@ async def cmd_schedules_put(args: argparse.Namespace) -> int:
             raise SystemExit(f"cronoq schedules put: --payload-json is not valid JSON: {err}") from None
     elif args.payload is not None:
         payload = args.payload.encode()
-    resources: dict[str, int] = {}
-    for name, amount in args.resource:
-        if name in resources:
-            raise SystemExit(f"cronoq schedules put: --resource {name!r} given twice")
-        resources[name] = amount
+    resources = _resources("schedules put", args.resource)
     async with _client(args) as client:
         schedule = await client.put_schedule(
             args.pool,
@@ -428,6 +435,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-attempts", type=int, default=0, help="0 takes the pool's default")
     p.add_argument("--delay", type=float, help="seconds before the task may start")
     p.add_argument("--depends-on", action="append", default=[], metavar="ID|KEY", help="repeatable")
+    p.add_argument(
+        "--resource",
+        type=resource_arg,
+        action="append",
+        default=[],
+        metavar="NAME=AMOUNT",
+        help="a resource the task needs while it runs (repeatable)",
+    )
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help="each attempt's timeout (capped by the pool's)")
     p.add_argument("--wait", type=float, metavar="SECONDS", help="wait for the task to end")
     p.set_defaults(run=cmd_submit)
 

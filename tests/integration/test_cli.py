@@ -164,3 +164,15 @@ def test_watch_without_a_server_gives_up_with_one_line(tmp_path):
     )
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.splitlines()[-1].startswith("cronoq watch: UNAVAILABLE: ")
+
+
+def test_submit_with_resources_and_a_timeout(start_server):
+    srv = start_server(
+        {"pools": [{"name": "default", "timeout": "5s"}], "resources": [{"name": "gpu", "concurrency": 2}]}
+    )
+    task = json.loads(cli(srv, "submit", "--resource", "gpu=1", "--timeout", "2.5", "--json").stdout)
+    assert task["resources"] == {"gpu": "1"} and task["timeout_ms"] == "2500"
+    capped = json.loads(cli(srv, "submit", "--timeout", "60", "--json").stdout)
+    assert capped["timeout_ms"] == "5000"  # the pool's timeout caps it
+    out = cli(srv, "submit", "--resource", "gpu=3", check=False)
+    assert out.returncode != 0 and "gpu" in out.stderr and "capacity" in out.stderr
