@@ -80,7 +80,8 @@ class Node:
         self.services.add(Periodic("long poll nudge", NUDGE_EVERY_S, self.leases.nudge_once))
         self.services.add(Periodic("retention", 60.0, self.leases.purge_once))
         self.services.add(Periodic("event sequencer", SEQUENCE_EVERY_S, self.events.sequence_once))
-        self.services.add(Periodic("event retention", EVENT_RETENTION_EVERY_S, self.events.purge_once))
+        purge_every = min(EVENT_RETENTION_EVERY_S, max(config.server.watch_window / 4, 0.1))
+        self.services.add(Periodic("event retention", purge_every, self.events.purge_once))
         self._unary: dict[str, Callable[[Any, Principal], Awaitable[Message]]] = {
             "SubmitTask": self.tasks.submit_task,
             "SubmitBatch": self.tasks.submit_batch,
