@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cronoq_server.core import events as events_module
 from cronoq.v1 import task_pb2
+from cronoq_server.core import events as events_module
 from cronoq_server.core.events import EventBus, parse_cursor
 from cronoq_server.core.tasks import now_us
 from cronoq_server.errors import ApiError
