@@ -73,7 +73,8 @@ def main() -> None:
                 rows.append((f"cronoq {store}: submit→start at 1,000 tasks/s, {how}", latency_text(lat[batch])))
             step(f"cronoq on {store}: Watch delivery latency")
             watch = run("watch_latency.py", "--seconds", seconds, *extra)
-            rows.append((f"cronoq {store}: submit→Watch event at 500 tasks/s, one SubmitTask per task", latency_text(watch)))
+            title = f"cronoq {store}: submit→Watch event at 500 tasks/s, one SubmitTask per task"
+            rows.append((title, latency_text(watch)))
             if store == "postgres" and not args.no_anchors:
                 import anchors  # the anchors' own virtualenv; never a product dependency
 

@@ -113,7 +113,8 @@ def main() -> None:
         print(
             f"{args.store} submit→Watch event at {args.rate}/s, one SubmitTask per task "
             f"(achieved {achieved:,.0f}/s, {result['tasks']} events): "
-            f"p50 {result['p50_ms']} ms, p90 {result['p90_ms']} ms, p99 {result['p99_ms']} ms, max {result['max_ms']} ms"
+            f"p50 {result['p50_ms']} ms, p90 {result['p90_ms']} ms, p99 {result['p99_ms']} ms, "
+            f"max {result['max_ms']} ms"
         )
 
 
