@@ -1,6 +1,6 @@
 """`./dev bench`: every benchmark in one run, and a summary table.
 
-cronoq on SQLite and on PostgreSQL (burn-down and submit→start latency), then the
+cronoq on SQLite and on PostgreSQL (burn-down, submit→start and submit→Watch event latency), then the
 anchors PgQueuer and procrastinate on the same PostgreSQL server and the same
 workloads, and cronoq's ratio to each; then submit latency under idle load. Each run is its own process with its own
 servers and workers. `--quick` runs smaller sizes; `--no-anchors` skips the anchors.
@@ -80,6 +80,10 @@ def main() -> None:
                 lat[batch] = run("latency.py", "--seconds", seconds, "--batch", batch, *extra)
                 how = "100 calls/s of 10 tasks" if batch == "10" else "one SubmitTask per task"
                 rows.append((f"cronoq {store}: submit→start at 1,000 tasks/s, {how}", latency_text(lat[batch])))
+            step(f"cronoq on {store}: Watch delivery latency")
+            watch = run("watch_latency.py", "--seconds", seconds, *extra)
+            title = f"cronoq {store}: submit→Watch event at 500 tasks/s, one SubmitTask per task"
+            rows.append((title, latency_text(watch)))
             if store == "postgres" and not args.no_anchors:
                 import anchors  # the anchors' own virtualenv; never a product dependency
 

@@ -11,6 +11,7 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
     grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.ABORTED: 409,
     grpc.StatusCode.FAILED_PRECONDITION: 409,

@@ -19,7 +19,7 @@ from cronoq.v1 import worker_service_pb2
 from . import __version__
 from .auth import Authenticator, Principal
 from .config import UNSHARDED, Config
-from .core.events import EventBus
+from .core.events import EVENT_RETENTION_EVERY_S, SEQUENCE_EVERY_S, EventBus
 from .core.leases import NUDGE_EVERY_S, Leases
 from .core.maintenance import Periodic, Services
 from .core.resources import ResourceGate
@@ -55,7 +55,7 @@ class Node:
         self.server_id = f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.auth = Authenticator(config)
         self.store: Store = self._make_store()
-        self.events = EventBus(self.store, self.shard_name, self.shard_number)
+        self.events = EventBus(self.store, self.shard_name, self.shard_number, config.server.watch_window)
         self.leadership: FileLeadership | PgLeadership
         if isinstance(self.store, PostgresStore):
             self.leadership = PgLeadership(
@@ -89,6 +89,9 @@ class Node:
         reap_every = min(max(config.server.worker_reap_after / 4, 1.0), 60.0)
         self.services.add(Periodic("worker reaper", reap_every, self.leases.reap_once))
         self.services.add(Periodic("task gauges", GAUGES_EVERY_S, self._set_gauges))
+        self.services.add(Periodic("event sequencer", SEQUENCE_EVERY_S, self.events.sequence_once))
+        purge_every = min(EVENT_RETENTION_EVERY_S, max(config.server.watch_window / 4, 0.1))
+        self.services.add(Periodic("event retention", purge_every, self.events.purge_once))
         self._unary: dict[str, Callable[[Any, Principal], Awaitable[Message]]] = {
             "SubmitTask": self.tasks.submit_task,
             "SubmitBatch": self.tasks.submit_batch,
@@ -187,6 +190,7 @@ class Node:
                 except StoreUnavailable as err:
                     log.warning("shard %s: resources not rebuilt yet: %s; retrying", self.shard_name, err)
                     await asyncio.sleep(0.5)
+        self.events.lead()
         self.is_leader = True
         LEADER.set(1)
         LEADER_TERM.set(self.leadership.term)
@@ -200,6 +204,14 @@ class Node:
         self.is_leader = False
         LEADER.set(0)
         self.events.wake_leasers()  # long polls see they no longer lead and return
+        self.events.fail_watchers(  # Watch streams resume from their cursors on the next leader
+            ApiError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"this server no longer leads shard {self.shard_name!r}; watch again with the last cursor",
+                reason="NOT_LEADER",
+                retry_delay=0.1,
+            )
+        )
         await self.services.stop()
 
     async def drain(self) -> None:
@@ -285,9 +297,13 @@ class Node:
             if not self._in_flight:
                 self._idle.set()
 
-    def watch(self, request: Message, caller: Principal) -> AsyncGenerator[Message, None]:
+    async def watch(self, request: Message, caller: Principal) -> AsyncGenerator[Message, None]:
+        """Admits and checks the call (its cursor too); the events come from the returned iterator."""
         self.admit("Watch", caller)
-        return self.tasks.watch(request, caller)  # type: ignore[arg-type]
+        try:
+            return await self.tasks.watch(request, caller)  # type: ignore[arg-type]
+        except StoreUnavailable as err:
+            raise ApiError(grpc.StatusCode.UNAVAILABLE, str(err), reason="STORE_UNAVAILABLE", retry_delay=0.5) from None
 
     async def _schedules_unimplemented(self, request: Message, caller: Principal) -> Message:
         raise ApiError(grpc.StatusCode.UNIMPLEMENTED, "schedules are not implemented yet")

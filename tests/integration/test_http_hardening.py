@@ -660,7 +660,7 @@ class ScriptedNode:
     async def call(self, method: str, request: Any, caller: Any) -> Any:
         raise ApiError(grpc.StatusCode.UNIMPLEMENTED, f"{method}: not scripted")
 
-    def watch(self, request: tpb.WatchRequest, caller: Any) -> AsyncIterator[tpb.WatchResponse]:
+    async def watch(self, request: tpb.WatchRequest, caller: Any) -> AsyncIterator[tpb.WatchResponse]:
         self.requests.append(request)
         return self._stream()
 

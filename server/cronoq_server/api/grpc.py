@@ -74,7 +74,7 @@ class _Handlers:
     def stream(self, rpc: Rpc) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                stream = self._node.watch(request, self._caller(context))
+                stream = await self._node.watch(request, self._caller(context))
             except ApiError as err:
                 await _abort(context, err)
                 return

@@ -192,13 +192,18 @@ class HttpApi:
         return handle
 
     async def _watch(self, rpc: Rpc, route: HttpRoute, request: web.Request) -> web.StreamResponse:
-        """Server-sent events: `data: <TaskEvent JSON>` per event; a stream the server ends with
-        an error (a watcher too slow to keep up) ends with `event: error` and a JSON error body."""
+        """Server-sent events: `id: <cursor>` and `data: <TaskEvent JSON>` per event; a stream the
+        server ends with an error (a watcher too slow to keep up) ends with `event: error` and a
+        JSON error body. `Last-Event-ID` (an EventSource reconnecting) resumes like `?cursor=`,
+        and wins over it: the query is the one the stream was first opened with."""
         try:
             caller = self._caller(request)
             self.node.admit(rpc.name, caller)
             watch = build_request(rpc, route, request.match_info, request.query, None)
-            stream = self.node.watch(watch, caller)
+            last_event_id = request.headers.get("Last-Event-ID", "").strip()
+            if last_event_id:
+                watch.cursor = last_event_id  # type: ignore[attr-defined]
+            stream = await self.node.watch(watch, caller)
         except ApiError as err:
             return _error_response(err)
         conn = request.protocol
@@ -256,7 +261,9 @@ class HttpApi:
             if not include_payloads and isinstance(event.get("task"), dict):
                 for name in _PAYLOAD_FIELDS:  # not sent: absent, rather than shown empty or null
                     event["task"].pop(name, None)
-            yield f"data: {json.dumps(event)}\n\n".encode()
+            cursor = event.get("cursor")  # digits and a colon: safe on an SSE line
+            head = f"id: {cursor}\n" if cursor else ""
+            yield f"{head}data: {json.dumps(event)}\n\n".encode()
 
     async def _metrics(self, request: web.Request) -> web.Response:
         """Open without credentials configured or with server.metrics_public; else needs `admin` on any pool."""

@@ -6,14 +6,14 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import AsyncGenerator, Iterable
 
 import grpc
 
 from cronoq.v1 import task_pb2
 
-from ..errors import ApiError
-from ..store.base import TERMINAL, Changes, State, Store, TaskRow
+from ..errors import ApiError, invalid
+from ..store.base import TERMINAL, Changes, EventRow, State, Store, StoreUnavailable, TaskRow
 from .convert import to_task
 
 log = logging.getLogger("cronoq.events")
@@ -21,8 +21,13 @@ log = logging.getLogger("cronoq.events")
 # What one Watch stream may hold unread before it is ended (it reconnects).
 WATCH_MAX_EVENTS = 10_000
 WATCH_MAX_BYTES = 8 << 20
-# Changes waiting to be sent to Watch streams; past this, every stream is behind and ends.
-FANOUT_MAX_BATCHES = 10_000
+# Events read from the store at a time: by the fan-out, by a replay, by the retention purge.
+FANOUT_BATCH = 1000
+REPLAY_BATCH = 1000
+PURGE_BATCH = 10_000
+# How often the leader numbers committed events (besides right after each change) and purges.
+SEQUENCE_EVERY_S = 0.5
+EVENT_RETENTION_EVERY_S = 10.0
 
 
 class Watcher:
@@ -31,18 +36,20 @@ class Watcher:
     def __init__(self, pools: frozenset[str] | None, include_payloads: bool):
         self.pools = pools
         self.include_payloads = include_payloads
+        self.pos = 0  # the last event seq this stream has passed (delivered, or not its pools')
+        self.live = False  # the fan-out offers it events (once any replay has caught up)
         self._events: deque[tuple[task_pb2.TaskEvent, int]] = deque()
         self._bytes = 0
         self._ready = asyncio.Event()
         self.ended: str | None = None  # why the stream ends, once it must
-        self._behind = False  # it ends because it fell behind: an error, not a clean end
+        self._error: ApiError | None = None  # it ends with this error, not cleanly
 
     def offer(self, event: task_pb2.TaskEvent, size: int) -> bool:
         """Buffers the event; False when the stream is too far behind (it is then ended)."""
         if len(self._events) >= WATCH_MAX_EVENTS or self._bytes + size > WATCH_MAX_BYTES:
             self.fell_behind(
                 f"watch fell behind: {len(self._events)} events ({self._bytes} bytes) unread, over the limit of "
-                f"{WATCH_MAX_EVENTS} events or {WATCH_MAX_BYTES} bytes; reconnect to resume"
+                f"{WATCH_MAX_EVENTS} events or {WATCH_MAX_BYTES} bytes; reconnect with the last cursor to resume"
             )
             return False
         self._events.append((event, size))
@@ -57,17 +64,21 @@ class Watcher:
 
     def fell_behind(self, reason: str) -> None:
         """Ends the stream with an error (ABORTED) after what it holds: the caller reconnects."""
+        self.fail(ApiError(grpc.StatusCode.ABORTED, reason, reason="WATCH_FELL_BEHIND", retry_delay=0.0))
+
+    def fail(self, error: ApiError) -> None:
+        """Ends the stream with this error, after what it holds."""
         if self.ended is None:
-            self._behind = True
-        self.end(reason)
+            self._error = error
+        self.end(error.message)
 
     async def next(self) -> task_pb2.TaskEvent | None:
-        """The next event; None when the stream ended cleanly. Raises ApiError (ABORTED) when
-        it fell behind: everything buffered before that is delivered first."""
+        """The next event; None when the stream ended cleanly. Raises the ApiError it was ended
+        with (ABORTED when it fell behind): everything buffered before that is delivered first."""
         while not self._events:
             if self.ended is not None:
-                if self._behind:
-                    raise ApiError(grpc.StatusCode.ABORTED, self.ended, reason="WATCH_FELL_BEHIND", retry_delay=0.0)
+                if self._error is not None:
+                    raise self._error
                 return None
             self._ready.clear()
             await self._ready.wait()
@@ -87,14 +98,16 @@ class LeaseWaiter:
 
 
 class EventBus:
-    def __init__(self, store: Store, shard_name: str, shard_number: int):
+    def __init__(self, store: Store, shard_name: str, shard_number: int, watch_window_s: float = 3600.0):
         self._store = store
         self._shard_name = shard_name
         self._shard_number = shard_number
+        self._watch_window_us = int(watch_window_s * 1e6)
         self._leasers: dict[str, deque[LeaseWaiter]] = {}
         self._waiters: dict[int, list[asyncio.Future[None]]] = {}
         self._watchers: set[Watcher] = set()
-        self._fanout: deque[tuple[Changes, list[TaskRow] | None]] = deque()
+        # The last event seq the fan-out has passed to live streams (None: read it from the store).
+        self._delivered: int | None = None
         self._fanout_ready = asyncio.Event()
         self._fanout_task: asyncio.Task[None] | None = None
         self.draining = False
@@ -176,13 +189,95 @@ class EventBus:
         self.close_watchers()
 
     # -- watch ----------------------------------------------------------------
+    #
+    # Streams read the stored event sequence, never in-process change lists: a stream that
+    # resumes from a cursor replays from the store, then goes live; the fan-out reads the events
+    # after the last it delivered (woken by publish and by the sequencer) and offers them to the
+    # live streams. A stream's pos drops what it has already passed, so the handover from
+    # replay to live repeats nothing and skips nothing.
 
-    def watch(self, pools: frozenset[str] | None, include_payloads: bool = False) -> Watcher:
+    async def open_watch(
+        self, pools: frozenset[str] | None, include_payloads: bool, after: int | None = None, cursor: str = ""
+    ) -> Watcher:
+        """A registered stream: live from now (after None), or replaying the events after seq
+        `after` first. Raises OUT_OF_RANGE when those events are no longer all kept."""
+        if after is not None:
+            await self._check_resumable(after, cursor)
         watcher = Watcher(pools, include_payloads)
         if self.draining:
             watcher.end("server is shutting down")
+        if after is None:
+            watcher.pos = await self.position()
+            watcher.live = True  # no await since the position was read: no event falls between
+        else:
+            watcher.pos = after
         self._watchers.add(watcher)
         return watcher
+
+    async def _check_resumable(self, after: int, cursor: str) -> None:
+        purged, last = await self._store.event_bounds()
+        if after < purged:
+            raise ApiError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"cursor {cursor!r}: the events after it are no longer kept (events up to {purged} were "
+                f"purged; server.watch_window is {self._watch_window_us / 1e6:g}s); "
+                "watch again without a cursor and read the tasks' current state",
+                reason="CURSOR_EXPIRED",
+            )
+        if after > last:
+            raise ApiError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"cursor {cursor!r} is past shard {self._shard_name!r}'s last event ({last}): "
+                "its store was reset or the cursor is from another cluster; watch again without a cursor",
+                reason="CURSOR_AHEAD",
+            )
+
+    async def stream(self, watcher: Watcher) -> AsyncGenerator[task_pb2.TaskEvent, None]:
+        """The stream's events: any replay, then live ones until it ends (raising its error)."""
+        try:
+            if not watcher.live:
+                try:
+                    async for replayed in self._replay(watcher):
+                        yield replayed
+                except StoreUnavailable as err:
+                    raise ApiError(
+                        grpc.StatusCode.UNAVAILABLE, f"watch: {err}", reason="STORE_UNAVAILABLE", retry_delay=0.5
+                    ) from None
+            while (event := await watcher.next()) is not None:
+                yield event
+        finally:
+            self.unwatch(watcher)
+
+    async def _replay(self, watcher: Watcher) -> AsyncGenerator[task_pb2.TaskEvent, None]:
+        """Stored events after watcher.pos, as fast as the caller reads, until it reaches what the
+        fan-out has delivered; then it is live (the check and the switch with no await between)."""
+        while watcher.ended is None:
+            if watcher.pos >= await self.position():
+                watcher.live = True
+                self._wake_fanout()  # events past the fan-out's position go out now
+                return
+            events = await self._store.read_events(watcher.pos, REPLAY_BATCH)
+            if not events or events[0].seq != watcher.pos + 1:  # purged since the check
+                raise ApiError(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"cursor {make_cursor(self._shard_number, watcher.pos)!r}: the events after it were purged "
+                    f"while replaying (server.watch_window is {self._watch_window_us / 1e6:g}s); watch again "
+                    "without a cursor",
+                    reason="CURSOR_EXPIRED",
+                )
+            for ev, row in await self._join(events):
+                watcher.pos = ev.seq
+                if watcher.pools is None or row.pool in watcher.pools:
+                    yield self._event(ev, row, watcher.include_payloads)[0]
+            watcher.pos = events[-1].seq
+
+    async def position(self) -> int:
+        """The last event seq the fan-out has delivered (read from the store when not known)."""
+        if self._delivered is None:
+            last = await self._store.sequence_events()
+            if self._delivered is None:
+                self._delivered = last
+        return self._delivered
 
     def unwatch(self, watcher: Watcher) -> None:
         self._watchers.discard(watcher)
@@ -193,13 +288,46 @@ class EventBus:
             watcher.end("server is shutting down")
         self._watchers.clear()
 
+    def fail_watchers(self, error: ApiError) -> None:
+        """Ends every Watch stream with an error after what it holds (they reconnect with a cursor)."""
+        for watcher in self._watchers:
+            watcher.fail(error)
+        self._watchers.clear()
+
+    def lead(self) -> None:
+        """On taking over: the store moved on while this server did not lead."""
+        self._delivered = None
+
+    # -- the leader's event services --------------------------------------------
+
+    async def sequence_once(self) -> None:
+        """Numbers committed events (PostgreSQL) and has live streams sent what is new."""
+        last = await self._store.sequence_events()
+        if self._delivered is None or last > self._delivered:
+            if any(w.live for w in self._watchers):
+                self._wake_fanout()
+            else:  # nobody to deliver to: a new stream starts from here
+                self._delivered = last
+
+    async def purge_once(self) -> None:
+        """Deletes events older than the watch window, a bounded batch per transaction."""
+        before = time.time_ns() // 1000 - self._watch_window_us
+        purged = 0
+        while (n := await self._store.purge_events(before, PURGE_BATCH)) > 0:
+            purged += n
+            if n < PURGE_BATCH:
+                break
+        if purged:
+            log.info("purged %d event(s) older than server.watch_window", purged)
+
     # -- publishing -----------------------------------------------------------
 
     async def publish(self, changes: Changes, rows: list[TaskRow] | None = None) -> None:
-        """Tells everyone who waits about changes; rows, when given, spare a read.
+        """Tells everyone who waits about changes (already committed, with their events); rows,
+        when given, spare a read.
 
         Long polls and waits are told now; Watch streams are fed by a task of their own, off
-        the caller's path.
+        the caller's path, from the stored events.
         """
         if not changes:
             return
@@ -217,7 +345,7 @@ class EventBus:
                     if not fut.done():
                         fut.set_result(None)
         if self._watchers:
-            self._queue_fanout(changes, rows)
+            self._wake_fanout()
 
     def _wake_any(self, count: int) -> None:
         for pool in list(self._leasers):
@@ -225,66 +353,102 @@ class EventBus:
                 return
             count -= self.work_available(pool, count)
 
-    def _queue_fanout(self, changes: Changes, rows: list[TaskRow] | None) -> None:
-        if len(self._fanout) >= FANOUT_MAX_BATCHES:
-            self._fanout.clear()
-            for watcher in list(self._watchers):
-                watcher.fell_behind(
-                    f"watch fell behind: more than {FANOUT_MAX_BATCHES} changes unsent; reconnect to resume"
-                )
-            self._watchers.clear()
-            return
-        self._fanout.append((changes, rows))
+    def _wake_fanout(self) -> None:
         self._fanout_ready.set()
         if self._fanout_task is None or self._fanout_task.done():
             self._fanout_task = asyncio.create_task(self._fanout_forever())
 
     async def _fanout_forever(self) -> None:
-        while True:
-            while not self._fanout:
+        while self._watchers:
+            self._fanout_ready.clear()
+            try:
+                await self._fanout_once()
+            except Exception as err:  # streams cannot be fed now: they reconnect with their cursors
+                log.warning("watch: cannot read events (%s); ending live watch streams", err)
+                for watcher in [w for w in self._watchers if w.live]:
+                    watcher.fell_behind(f"watch fell behind: events could not be read ({err}); reconnect")
+                    self._watchers.discard(watcher)
+            if not self._fanout_ready.is_set():
                 if not self._watchers:
                     return
-                self._fanout_ready.clear()
                 await self._fanout_ready.wait()
-            changes, rows = self._fanout.popleft()
-            if not self._watchers:
-                continue
-            try:
-                if rows is None:
-                    rows = await self._store.get_many([seq for seq, _ in changes])
-                else:
-                    wanted = {seq for seq, _ in changes}
-                    rows = [r for r in rows if r.seq in wanted]
-            except Exception as err:  # a store hiccup loses events: end streams, they reconnect
-                log.warning("watch: cannot read changed tasks (%s); ending watch streams", err)
-                for watcher in list(self._watchers):
-                    watcher.fell_behind(f"watch fell behind: changed tasks could not be read ({err}); reconnect")
-                self._watchers.clear()
-                continue
-            self._send_to_watchers(rows)
 
-    def _send_to_watchers(self, rows: list[TaskRow]) -> None:
-        now_us = time.time_ns() // 1000
-        for row in rows:
+    async def _fanout_once(self) -> None:
+        last = await self._store.sequence_events()
+        pos = await self.position()
+        while pos < last and self._watchers:
+            if not any(w.live for w in self._watchers):
+                if self._delivered == pos:
+                    self._delivered = last  # replaying streams read the store up to here themselves
+                return
+            events = await self._store.read_events(pos, FANOUT_BATCH)
+            if not events:
+                return
+            joined = await self._join(events)
+            if self._delivered != pos:
+                return  # moved meanwhile (a new term): start again from there
+            self._send(joined, events[-1].seq)
+            pos = events[-1].seq
+
+    async def _join(self, events: list[EventRow]) -> list[tuple[EventRow, TaskRow]]:
+        """Each event with its task's row; events of tasks no longer stored are dropped."""
+        rows = {r.seq: r for r in await self._store.get_many(list({e.task_seq for e in events}))}
+        return [(e, rows[e.task_seq]) for e in events if e.task_seq in rows]
+
+    def _send(self, joined: list[tuple[EventRow, TaskRow]], last: int) -> None:
+        """Offers events to the live streams that have not passed them; no await: atomic."""
+        live = [w for w in self._watchers if w.live]
+        for ev, row in joined:
             full: tuple[task_pb2.TaskEvent, int] | None = None
             bare: tuple[task_pb2.TaskEvent, int] | None = None
-            for watcher in list(self._watchers):
+            for watcher in live:
+                if ev.seq <= watcher.pos or watcher.ended is not None:
+                    continue
+                watcher.pos = ev.seq
                 if watcher.pools is not None and row.pool not in watcher.pools:
                     continue
                 if watcher.include_payloads:
-                    full = full or self._event(row, now_us, True)
+                    full = full or self._event(ev, row, True)
                     event, size = full
                 else:
-                    bare = bare or self._event(row, now_us, False)
+                    bare = bare or self._event(ev, row, False)
                     event, size = bare
                 if not watcher.offer(event, size):
                     self._watchers.discard(watcher)
+        for watcher in live:
+            watcher.pos = max(watcher.pos, last)
+        self._delivered = last
 
-    def _event(self, row: TaskRow, now_us: int, include_payloads: bool) -> tuple[task_pb2.TaskEvent, int]:
+    def _event(self, ev: EventRow, row: TaskRow, include_payloads: bool) -> tuple[task_pb2.TaskEvent, int]:
+        """The task as stored now, with the state and attempt the event recorded."""
         task = to_task(row, self._shard_number)
+        task.state = int(ev.state)  # type: ignore[assignment]
+        task.attempt = ev.attempt
         if not include_payloads:
             task.ClearField("payload")
             task.ClearField("result")
-        event = task_pb2.TaskEvent(task=task, shard=self._shard_name)
-        event.time.FromMicroseconds(now_us)
+        event = task_pb2.TaskEvent(
+            task=task, shard=self._shard_name, seq=ev.seq, cursor=make_cursor(self._shard_number, ev.seq)
+        )
+        event.time.FromMicroseconds(ev.at)
         return event, event.ByteSize()
+
+
+# -- cursors ------------------------------------------------------------------------
+#
+# "<shard number>:<event seq>": a Watch across shards (issue 9) joins one per shard.
+
+
+def make_cursor(shard_number: int, seq: int) -> str:
+    return f"{shard_number}:{seq}"
+
+
+def parse_cursor(cursor: str, shard_number: int) -> int:
+    """The event seq a cursor of this shard resumes after; INVALID_ARGUMENT naming `cursor` else."""
+    shown = cursor if len(cursor) <= 40 else cursor[:40] + "…"
+    shard, sep, seq = cursor.partition(":")
+    if not (sep and shard.isascii() and shard.isdigit() and seq.isascii() and seq.isdigit() and len(seq) <= 19):
+        raise invalid(f"cursor: {shown!r} is not a cursor this server issued (TaskEvent.cursor, e.g. '0:1234')")
+    if int(shard) != shard_number:
+        raise invalid(f"cursor: {shown!r} was issued by shard number {int(shard)}, not this one ({shard_number})")
+    return int(seq)

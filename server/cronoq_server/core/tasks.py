@@ -15,7 +15,7 @@ from ..errors import failed_precondition, invalid, not_found
 from ..ids import MAX_ID, make_task_id, seq_of, shard_of
 from ..store.base import TERMINAL, NewTask, State, Store, Submitted, TaskRow
 from .convert import to_task
-from .events import EventBus, Watcher
+from .events import EventBus, Watcher, parse_cursor
 from .limits import MAX_CONTENT_TYPE, MAX_KEY_LENGTH, MAX_REQUEST_ID, check_text
 
 # google.protobuf.Timestamp's range: 0001-01-01T00:00:00Z to 9999-12-31T23:59:59.999999999Z.
@@ -258,19 +258,25 @@ class Tasks:
             raise invalid(f"page_token: {shown!r} was issued by another shard (number {shard_of(int(token))})")
         return seq_of(int(token))
 
-    def watch(self, req: pb.WatchRequest, caller: Principal) -> AsyncGenerator[pb.WatchResponse, None]:
-        """Checks the request now; the events come from the returned iterator."""
+    async def watch(self, req: pb.WatchRequest, caller: Principal) -> AsyncGenerator[pb.WatchResponse, None]:
+        """Checks the request (and that its cursor can be resumed) now; the events come from the
+        returned iterator."""
         pools = self.readable_pools(req.pool, caller)
-        watcher = self._events.watch(None if pools is None else frozenset(pools), req.include_payloads)
+        after = parse_cursor(req.cursor, self._shard) if req.cursor else None
+        watcher = await self._events.open_watch(
+            None if pools is None else frozenset(pools), req.include_payloads, after, req.cursor
+        )
         return self._stream(watcher)
 
     async def _stream(self, watcher: Watcher) -> AsyncGenerator[pb.WatchResponse, None]:
-        """Events until the stream ends; one that fell behind raises ApiError (ABORTED) last."""
+        """Events until the stream ends; one ended with an error (ABORTED when it fell behind)
+        raises that ApiError last."""
+        events = self._events.stream(watcher)
         try:
-            while (event := await watcher.next()) is not None:
+            async for event in events:
                 yield pb.WatchResponse(event=event)
         finally:
-            self._events.unwatch(watcher)
+            await events.aclose()
 
 
 def _check_replay(request_id: str, subs: list[Submitted], expected: int) -> None:

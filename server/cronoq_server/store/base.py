@@ -126,6 +126,21 @@ class WorkerRow:
 # (seq, new state) of every task a transaction changed, for events and waiters.
 Changes = list[tuple[int, State]]
 
+
+@dataclass(slots=True)
+class EventRow:
+    """One recorded change of a task, written in the transaction that made it.
+
+    seq is the shard's event sequence: dense, increasing, and in each task's order of changes.
+    """
+
+    seq: int
+    task_seq: int
+    state: State
+    attempt: int
+    at: int
+
+
 # retry_at(pool, attempt, now, retry_after_ms) -> when the next attempt may start.
 RetryAt = Callable[[str, int, int, int], int]
 
@@ -236,3 +251,18 @@ class Store(Protocol):
         """Removes workers last seen before seen_before (µs); returns their ids."""
 
     async def count_by_pool_and_state(self) -> dict[tuple[str, State], int]: ...
+
+    # -- events (every method above that changes a task records an EventRow with it)
+
+    async def sequence_events(self) -> int:
+        """Numbers the events committed since the last call (PostgreSQL; SQLite's ids already are
+        the sequence); returns the last event seq."""
+
+    async def read_events(self, after: int, limit: int) -> list[EventRow]:
+        """Numbered events after seq `after`, in seq order."""
+
+    async def event_bounds(self) -> tuple[int, int]:
+        """(purged_through, last): events up to purged_through are gone; last is the last seq."""
+
+    async def purge_events(self, before: int, limit: int) -> int:
+        """Deletes up to limit of the oldest numbered events recorded before `before`; returns how many."""

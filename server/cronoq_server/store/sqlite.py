@@ -21,6 +21,7 @@ from .base import (
     TASK_COLUMNS,
     TERMINAL,
     Changes,
+    EventRow,
     NewTask,
     Outcome,
     OutcomeResult,
@@ -139,9 +140,15 @@ MIGRATIONS: dict[int, str] = {
         attempt INTEGER NOT NULL,
         at INTEGER NOT NULL
     );
-    CREATE INDEX events_at ON events (at);
+    CREATE TABLE event_log (id INTEGER PRIMARY KEY CHECK (id = 1), purged_through INTEGER NOT NULL DEFAULT 0);
+    INSERT INTO event_log (id) VALUES (1);
     """,
 }
+
+_INSERT_EVENT = "INSERT INTO events (task_seq, state, attempt, at) VALUES (?, ?, ?, ?)"
+_RECORD_EVENT = (
+    "INSERT INTO events (task_seq, state, attempt, at) SELECT seq, state, attempt, ? FROM tasks WHERE seq = ?"
+)
 
 MAX_GROUP = 256  # writes committed together at most
 MAX_VARS = 900  # well under SQLite's bound on host parameters per statement
@@ -420,6 +427,7 @@ class SqliteStore:
             out.append(Submitted(self._select(db, "seq = ?", (seq,))[0], False))
             changes.append((seq, state))
         self._check_limits(db, tasks, out)
+        self._record_events(db, changes, now)
         if request_id is not None:
             db.execute("INSERT INTO requests VALUES (?, ?, ?)", (request_id, encode_request(out), now))
         return out, changes
@@ -522,6 +530,7 @@ class SqliteStore:
         rows = [task_row(r) for r in db.execute(sql, all_params)]
         if rows:
             rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
+            db.executemany(_INSERT_EVENT, [(r.seq, int(State.RUNNING), r.attempt, now) for r in rows])
             return rows, None
         sql = f"SELECT MIN(run_at) FROM tasks WHERE state = 1 AND pool IN ({_marks(len(pools))})"
         return [], db.execute(sql, pools).fetchone()[0]
@@ -583,6 +592,7 @@ class SqliteStore:
         changes += self._unblock_dependents(db, d.succeeded)
         changes += self._end_dependents(db, d.failed, State.FAILED, now)
         changes += self._end_dependents(db, d.cancelled, State.CANCELLED, now)
+        self._record_events(db, changes, now)
         return changes
 
     def _unblock_dependents(self, db: sqlite3.Connection, succeeded: list[int]) -> Changes:
@@ -664,6 +674,7 @@ class SqliteStore:
             db.execute("UPDATE tasks SET cancel_requested = 1 WHERE seq = ?", (seq,))
             changes = [(seq, State.RUNNING)]
         if changes:
+            self._record_events(db, changes, now)
             row = self._select(db, "seq = ?", (seq,))[0]
         return row, changes
 
@@ -680,6 +691,48 @@ class SqliteStore:
         # A request's record is kept as long as the tasks it created can be.
         db.execute("DELETE FROM requests WHERE created_at < ?", (now - request_retention(self.settings),))
         return purged
+
+    # -- events ---------------------------------------------------------------
+    #
+    # Written in the op that changes the task, so committed with it. One transaction commits at
+    # a time, so ids are in commit order: they are the event sequence (dense, since a rolled
+    # back op rolls back its ids too). Nothing to number: sequence_events reads the last id.
+
+    def _record_events(self, db: sqlite3.Connection, changes: Changes, now: int) -> None:
+        """An event per change, with the task's state and attempt as the op left them."""
+        db.executemany(_RECORD_EVENT, [(now, seq) for seq, _ in changes])
+
+    def _last_event(self, db: sqlite3.Connection) -> int:
+        row = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'events'").fetchone()
+        return row[0] if row else 0
+
+    async def sequence_events(self) -> int:
+        return await self._run(self._last_event, self._conn)
+
+    async def read_events(self, after: int, limit: int) -> list[EventRow]:
+        sql = "SELECT id, task_seq, state, attempt, at FROM events WHERE id > ? ORDER BY id LIMIT ?"
+        rows = await self._run(lambda: self._conn.execute(sql, (after, limit)).fetchall())
+        return [EventRow(r[0], r[1], State(r[2]), r[3], r[4]) for r in rows]
+
+    async def event_bounds(self) -> tuple[int, int]:
+        def bounds() -> tuple[int, int]:
+            purged = self._conn.execute("SELECT purged_through FROM event_log WHERE id = 1").fetchone()[0]
+            return purged, max(self._last_event(self._conn), purged)
+
+        return await self._run(bounds)
+
+    async def purge_events(self, before: int, limit: int) -> int:
+        return await self._tx(self._purge_events, before, limit)
+
+    def _purge_events(self, db: sqlite3.Connection, before: int, limit: int) -> int:
+        # Only the oldest `limit` events are looked at: the scan never reaches into the window.
+        sql = "SELECT max(id) FROM (SELECT id, at FROM events ORDER BY id LIMIT ?) WHERE at < ?"
+        bound = db.execute(sql, (limit, before)).fetchone()[0]
+        if bound is None:
+            return 0
+        deleted = db.execute("DELETE FROM events WHERE id <= ?", (bound,)).rowcount
+        db.execute("UPDATE event_log SET purged_through = max(purged_through, ?) WHERE id = 1", (bound,))
+        return deleted
 
     # -- workers --------------------------------------------------------------
 
