@@ -20,6 +20,11 @@ START_LATENCY = Histogram(
 LEADER = Gauge("cronoq_leader", "1 while this server leads its shard.")
 WORKERS = Gauge("cronoq_workers", "Registered workers by pool.", ["pool"])
 FORWARDED = Counter("cronoq_forwarded_calls_total", "Calls forwarded to another shard.", ["shard", "code"])
+SCHEDULE_FIRES = Counter(
+    "cronoq_schedule_fires_total",
+    "Tasks created by schedules (also counted in cronoq_tasks_submitted_total).",
+    ["pool"],
+)
 CALLS = Counter("cronoq_api_calls_total", "API calls by method and code.", ["method", "code"])
 
 

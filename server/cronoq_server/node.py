@@ -23,6 +23,7 @@ from .core.events import EventBus
 from .core.leases import NUDGE_EVERY_S, Leases
 from .core.maintenance import Periodic, Services
 from .core.retry import make_retry_at
+from .core.schedules import Schedules
 from .core.tasks import Tasks
 from .errors import ApiError
 from .leader import FileLeadership, PgLeadership
@@ -66,6 +67,7 @@ class Node:
         self.leases = Leases(
             config, self.store, self.events, self.shard_name, self.shard_number, self.pools, lambda: self.is_leader
         )
+        self.schedules = Schedules(config, self.store, self.events, self.tasks, self.pools)
         self.is_leader = False
         self.draining = False
         self._in_flight = 0
@@ -79,6 +81,7 @@ class Node:
         self.services.add(Periodic("lease expiry", 0.5, self.leases.expire_once))
         self.services.add(Periodic("long poll nudge", NUDGE_EVERY_S, self.leases.nudge_once))
         self.services.add(Periodic("retention", 60.0, self.leases.purge_once))
+        self.schedules.wake = self.services.add(Periodic("schedules", 1.0, self.schedules.fire_due)).poke
         self._unary: dict[str, Callable[[Any, Principal], Awaitable[Message]]] = {
             "SubmitTask": self.tasks.submit_task,
             "SubmitBatch": self.tasks.submit_batch,
@@ -92,9 +95,9 @@ class Node:
             "FinishTasks": self.leases.finish_tasks,
             "DeregisterWorker": self.leases.deregister_worker,
             "ListWorkers": self.leases.list_workers,
-            "PutSchedule": self._schedules_unimplemented,
-            "DeleteSchedule": self._schedules_unimplemented,
-            "ListSchedules": self._schedules_unimplemented,
+            "PutSchedule": self.schedules.put_schedule,
+            "DeleteSchedule": self.schedules.delete_schedule,
+            "ListSchedules": self.schedules.list_schedules,
             "GetServerInfo": self.get_server_info,
             "GetSnapshot": self.get_snapshot,
         }
@@ -268,9 +271,6 @@ class Node:
     def watch(self, request: Message, caller: Principal) -> AsyncGenerator[Message, None]:
         self.admit("Watch", caller)
         return self.tasks.watch(request, caller)  # type: ignore[arg-type]
-
-    async def _schedules_unimplemented(self, request: Message, caller: Principal) -> Message:
-        raise ApiError(grpc.StatusCode.UNIMPLEMENTED, "schedules are not implemented yet")
 
     # -- admin ----------------------------------------------------------------
 

@@ -38,7 +38,7 @@ _SHORTHANDS = {
     "@hourly": "0 0 * * * *",
 }
 # (name, low, high, names) of the six fields, seconds first.
-_FIELDS = (
+_FIELDS: tuple[tuple[str, int, int, dict[str, int]], ...] = (
     ("second", 0, 59, {}),
     ("minute", 0, 59, {}),
     ("hour", 0, 23, {}),
