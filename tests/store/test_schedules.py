@@ -104,7 +104,9 @@ async def test_a_slot_fired_twice_creates_one_task(store: Store) -> None:
 async def test_concurrent_fires_of_one_slot_create_one_task(store: Store) -> None:
     s = await store.put_schedule(sched(), T0)
     slot = T0 + SEC
-    results = await asyncio.gather(*(store.fire_schedule(s, [slot_task(s, slot)], slot, slot + SEC, slot) for _ in range(5)))
+    results = await asyncio.gather(
+        *(store.fire_schedule(s, [slot_task(s, slot)], slot, slot + SEC, slot) for _ in range(5))
+    )
     assert sum(r is not None for r in results) == 1
     assert len(await store.list_tasks(None, None, 0, 10)) == 1
 

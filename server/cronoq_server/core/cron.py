@@ -89,9 +89,7 @@ def parse(expr: str) -> Cron:
         )
     sets = [_field(part, *spec) for part, spec in zip(parts, _FIELDS, strict=True)]
     weekdays = frozenset(d % 7 for d in sets[5])
-    return Cron(
-        sets[0], sets[1], sets[2], sets[3], sets[4], weekdays, parts[3][0] in "*?", parts[5][0] in "*?"
-    )
+    return Cron(sets[0], sets[1], sets[2], sets[3], sets[4], weekdays, parts[3][0] in "*?", parts[5][0] in "*?")
 
 
 def _field(text: str, name: str, low: int, high: int, names: dict[str, int]) -> frozenset[int]:
