@@ -25,6 +25,11 @@ RESOURCE_IN_USE = Gauge("cronoq_resource_in_use", "Concurrency slots held by run
 RESOURCE_CAPACITY = Gauge(
     "cronoq_resource_capacity", "A resource's capacity: concurrency slots, or a rate's burst.", ["resource"]
 )
+SCHEDULE_FIRES = Counter(
+    "cronoq_schedule_fires_total",
+    "Tasks created by schedules (also counted in cronoq_tasks_submitted_total).",
+    ["pool"],
+)
 CALLS = Counter("cronoq_api_calls_total", "API calls by method and code.", ["method", "code"])
 
 

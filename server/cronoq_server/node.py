@@ -24,6 +24,7 @@ from .core.leases import NUDGE_EVERY_S, Leases
 from .core.maintenance import Periodic, Services
 from .core.resources import ResourceGate
 from .core.retry import make_retry_at
+from .core.schedules import Schedules
 from .core.tasks import Tasks
 from .errors import ApiError
 from .leader import FileLeadership, PgLeadership
@@ -75,6 +76,7 @@ class Node:
             lambda: self.is_leader,
             self.gate,
         )
+        self.schedules = Schedules(config, self.store, self.events, self.tasks, self.pools)
         self.is_leader = False
         self.draining = False
         self._in_flight = 0
@@ -92,6 +94,7 @@ class Node:
         self.services.add(Periodic("event sequencer", SEQUENCE_EVERY_S, self.events.sequence_once))
         purge_every = min(EVENT_RETENTION_EVERY_S, max(config.server.watch_window / 4, 0.1))
         self.services.add(Periodic("event retention", purge_every, self.events.purge_once))
+        self.schedules.wake = self.services.add(Periodic("schedules", 1.0, self.schedules.fire_due)).poke
         self._unary: dict[str, Callable[[Any, Principal], Awaitable[Message]]] = {
             "SubmitTask": self.tasks.submit_task,
             "SubmitBatch": self.tasks.submit_batch,
@@ -105,9 +108,9 @@ class Node:
             "FinishTasks": self.leases.finish_tasks,
             "DeregisterWorker": self.leases.deregister_worker,
             "ListWorkers": self.leases.list_workers,
-            "PutSchedule": self._schedules_unimplemented,
-            "DeleteSchedule": self._schedules_unimplemented,
-            "ListSchedules": self._schedules_unimplemented,
+            "PutSchedule": self.schedules.put_schedule,
+            "DeleteSchedule": self.schedules.delete_schedule,
+            "ListSchedules": self.schedules.list_schedules,
             "GetServerInfo": self.get_server_info,
             "GetSnapshot": self.get_snapshot,
         }
@@ -304,9 +307,6 @@ class Node:
             return await self.tasks.watch(request, caller)  # type: ignore[arg-type]
         except StoreUnavailable as err:
             raise ApiError(grpc.StatusCode.UNAVAILABLE, str(err), reason="STORE_UNAVAILABLE", retry_delay=0.5) from None
-
-    async def _schedules_unimplemented(self, request: Message, caller: Principal) -> Message:
-        raise ApiError(grpc.StatusCode.UNIMPLEMENTED, "schedules are not implemented yet")
 
     # -- admin ----------------------------------------------------------------
 

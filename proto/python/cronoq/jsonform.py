@@ -1,5 +1,5 @@
-"""The JSON form of API messages: proto field names, 64-bit ids as strings, a task payload
-whose content type is application/json shown decoded as `payload_json` instead of base64,
+"""The JSON form of API messages: proto field names, 64-bit ids as strings, a task's (or a
+schedule's) payload whose content type is application/json shown decoded as `payload_json` instead of base64,
 and such a result shown decoded as `result_json` beside `result`. The server's HTTP API
 uses it too."""
 
@@ -45,4 +45,9 @@ def to_dict(msg: Message) -> dict[str, Any]:
         task_dict(task)
     if isinstance(out.get("event"), dict) and "task" in out["event"]:
         task_dict(out["event"]["task"])
+    # A schedule's task template, shown as its tasks are.
+    if "schedule" in out:
+        task_dict(out["schedule"])
+    for schedule in out.get("schedules", []):
+        task_dict(schedule)
     return out

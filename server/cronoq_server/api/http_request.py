@@ -28,7 +28,7 @@ _INT_MAX = {
     FieldDescriptor.TYPE_UINT64: (1 << 64) - 1,
 }
 # Messages whose JSON form takes `payload_json` (any JSON value) instead of base64 `payload`.
-_JSON_PAYLOAD_MESSAGES = frozenset({"cronoq.v1.SubmitTaskRequest"})
+_JSON_PAYLOAD_MESSAGES = frozenset({"cronoq.v1.SubmitTaskRequest", "cronoq.v1.Schedule"})
 
 
 def build_request(

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from cronoq.v1 import task_pb2, worker_service_pb2
+from cronoq.v1 import schedule_service_pb2, task_pb2, worker_service_pb2
 
 from ..ids import make_task_id
-from ..store.base import TaskRow, WorkerRow
+from ..store.base import ScheduleRow, TaskRow, WorkerRow
 
 
 def to_task(row: TaskRow, shard_number: int) -> task_pb2.Task:
@@ -52,3 +52,25 @@ def to_worker(row: WorkerRow, shard: str, running: int = 0) -> worker_service_pb
     worker.registered_at.FromMicroseconds(row.registered_at)
     worker.last_seen_at.FromMicroseconds(row.last_seen_at)
     return worker
+
+
+def to_schedule(row: ScheduleRow) -> schedule_service_pb2.Schedule:
+    schedule = schedule_service_pb2.Schedule(
+        pool=row.pool,
+        name=row.name,
+        cron=row.cron,
+        timezone=row.timezone,
+        payload=row.payload,
+        content_type=row.content_type,
+        priority=row.priority,
+        max_attempts=row.max_attempts,
+        resources=row.resources,
+        paused=row.paused,
+        timeout_ms=row.timeout_ms,
+        fire_all_missed=row.fire_all_missed,
+    )
+    if row.next_fire_at is not None:
+        schedule.next_fire_at.FromMicroseconds(row.next_fire_at)
+    if row.last_fire_at is not None:
+        schedule.last_fire_at.FromMicroseconds(row.last_fire_at)
+    return schedule

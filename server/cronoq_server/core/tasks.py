@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
+from typing import Protocol
 
 from cronoq.v1 import task_pb2
 from cronoq.v1 import task_service_pb2 as pb
@@ -26,6 +27,21 @@ DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 DEFAULT_WAIT_MS = 30_000
 MAX_WAIT_MS = 3_600_000
+
+
+class TaskTemplate(Protocol):
+    """The fields a SubmitTaskRequest and a Schedule share: what each task carries."""
+
+    @property
+    def payload(self) -> bytes: ...
+    @property
+    def content_type(self) -> str: ...
+    @property
+    def max_attempts(self) -> int: ...
+    @property
+    def resources(self) -> Mapping[str, int]: ...
+    @property
+    def timeout_ms(self) -> int: ...
 
 
 def now_us() -> int:
@@ -65,20 +81,7 @@ class Tasks:
         if pool is None:
             raise invalid(f"{where}pool: unknown pool {req.pool!r}")
         check_text(f"{where}key", req.key, MAX_KEY_LENGTH)
-        check_text(f"{where}content_type", req.content_type, MAX_CONTENT_TYPE)
-        limit = self._config.limits.max_payload_bytes
-        if len(req.payload) > limit:
-            raise invalid(f"{where}payload: {len(req.payload)} bytes exceeds limits.max_payload_bytes {limit}")
-        if req.max_attempts < 0 or req.max_attempts > 1000:
-            raise invalid(
-                f"{where}max_attempts: {req.max_attempts} is not between 1 and 1000 (0 takes the pool's default)"
-            )
-        for name, amount in req.resources.items():
-            res = self._resources.get(name)
-            if res is None:
-                raise invalid(f"{where}resources: unknown resource {name!r} in shard {self._shard_name!r}")
-            if amount < 1 or (res.concurrency is not None and amount > res.concurrency):
-                raise invalid(f"{where}resources[{name!r}]: amount {amount} is not between 1 and its capacity")
+        self.check_template(req, where)
         if req.HasField("run_at") and not (
             MIN_TIMESTAMP_S <= req.run_at.seconds <= MAX_TIMESTAMP_S and 0 <= req.run_at.nanos < 1_000_000_000
         ):
@@ -86,8 +89,6 @@ class Tasks:
                 f"{where}run_at: seconds {req.run_at.seconds}, nanos {req.run_at.nanos} is outside the Timestamp "
                 "range (0001-01-01 to 9999-12-31)"
             )
-        if req.timeout_ms < 0:
-            raise invalid(f"{where}timeout_ms: {req.timeout_ms} is negative (0 takes the pool's timeout)")
         task = NewTask(
             pool=req.pool,
             key=req.key or None,
@@ -116,6 +117,33 @@ class Tasks:
             else:
                 raise invalid(f"{where}depends_on[{i}]: give an id or a key")
         return task
+
+    def check_template(self, req: TaskTemplate, where: str) -> None:
+        """What a task carries beyond its pool, key, run_at and dependencies, checked alike for a
+        submission and for a schedule's template (each field named with `where` before it)."""
+        check_text(f"{where}content_type", req.content_type, MAX_CONTENT_TYPE)
+        limit = self._config.limits.max_payload_bytes
+        if len(req.payload) > limit:
+            raise invalid(f"{where}payload: {len(req.payload)} bytes exceeds limits.max_payload_bytes {limit}")
+        if req.max_attempts < 0 or req.max_attempts > 1000:
+            raise invalid(
+                f"{where}max_attempts: {req.max_attempts} is not between 1 and 1000 (0 takes the pool's default)"
+            )
+        for name, amount in req.resources.items():
+            res = self._resources.get(name)
+            if res is None:
+                raise invalid(f"{where}resources: unknown resource {name!r} in shard {self._shard_name!r}")
+            if amount < 1 or (res.concurrency is not None and amount > res.concurrency):
+                raise invalid(f"{where}resources[{name!r}]: amount {amount} is not between 1 and its capacity")
+        if req.timeout_ms < 0:
+            raise invalid(f"{where}timeout_ms: {req.timeout_ms} is negative (0 takes the pool's timeout)")
+
+    def pool_defaults(self, pool: str, max_attempts: int, timeout_ms: int) -> tuple[int, int]:
+        """A task's max_attempts and timeout_ms as stored: what it asks (0: the pool's), the timeout
+        capped by the pool's."""
+        config = self._pools[pool]
+        assert config is not None, f"pool {pool!r} is not configured"
+        return max_attempts or config.max_attempts, _timeout_ms(timeout_ms, config.timeout)
 
     def _request_id(self, request_id: str, caller: Principal) -> str | None:
         """The stored form of a request_id: scoped to the caller, so one cannot replay another's."""

@@ -123,6 +123,30 @@ class WorkerRow:
     principal: str = ""  # who registered it: only that principal may use this worker id
 
 
+@dataclass(slots=True)
+class ScheduleRow:
+    """A cron schedule and the template of the tasks it creates. max_attempts and timeout_ms
+    are kept as given (0: the pool's, resolved when a slot fires). next_fire_at is None while
+    paused (or when the cron has no further slot)."""
+
+    pool: str
+    name: str
+    cron: str
+    timezone: str
+    payload: bytes
+    content_type: str
+    priority: int
+    max_attempts: int
+    resources: dict[str, int]
+    timeout_ms: int
+    paused: bool
+    fire_all_missed: bool
+    next_fire_at: int | None
+    last_fire_at: int | None = None
+    created_at: int = 0
+    updated_at: int = 0
+
+
 # (seq, new state) of every task a transaction changed, for events and waiters.
 Changes = list[tuple[int, State]]
 
@@ -266,3 +290,26 @@ class Store(Protocol):
 
     async def purge_events(self, before: int, limit: int) -> int:
         """Deletes up to limit of the oldest numbered events recorded before `before`; returns how many."""
+
+    # -- schedules --
+
+    async def put_schedule(self, schedule: ScheduleRow, now: int) -> ScheduleRow:
+        """Creates or replaces the schedule (pool, name), keeping its last_fire_at and created_at."""
+
+    async def delete_schedule(self, pool: str, name: str) -> bool:
+        """False when there was no such schedule."""
+
+    async def list_schedules(self, pools: list[str] | None) -> list[ScheduleRow]:
+        """Schedules of those pools (None: all), by pool then name."""
+
+    async def due_schedules(self, now: int, limit: int) -> tuple[list[ScheduleRow], int | None]:
+        """Up to limit unpaused schedules whose next_fire_at <= now (earliest first), and the
+        earliest next_fire_at after now (None: none)."""
+
+    async def fire_schedule(
+        self, schedule: ScheduleRow, tasks: list[NewTask], last_fire_at: int, next_fire_at: int | None, now: int
+    ) -> tuple[list[Submitted], Changes] | None:
+        """In one transaction: submits the slots' tasks (keyed: a slot already fired is
+        deduplicated) and moves the schedule to last_fire_at / next_fire_at, only if it is
+        still unpaused with the next_fire_at it was read with; None (nothing done) otherwise.
+        A task whose key names a task of another pool is skipped, not fired."""

@@ -23,6 +23,7 @@ from .base import (
     OutcomeKind,
     OutcomeResult,
     RetryAt,
+    ScheduleRow,
     State,
     StoreSettings,
     Submitted,
@@ -252,3 +253,47 @@ def lease_scan(limit: int) -> int:
     whose resources are used up are not among them, but a task that fits alone may not fit
     beside those before it, and is then skipped."""
     return limit * 2 + 16
+
+
+# -- schedules ------------------------------------------------------------------
+
+SCHEDULE_COLUMNS = (
+    "pool, name, cron, timezone, payload, content_type, priority, max_attempts, resources, timeout_ms, "
+    "paused, fire_all_missed, next_fire_at, last_fire_at, created_at, updated_at"
+)
+
+
+def schedule_row(r: Any) -> ScheduleRow:
+    """A ScheduleRow from a row read in SCHEDULE_COLUMNS order (JSON text for resources)."""
+    return ScheduleRow(
+        pool=r[0],
+        name=r[1],
+        cron=r[2],
+        timezone=r[3],
+        payload=bytes(r[4]),
+        content_type=r[5],
+        priority=r[6],
+        max_attempts=r[7],
+        resources=json.loads(r[8]) if r[8] else {},
+        timeout_ms=r[9],
+        paused=bool(r[10]),
+        fire_all_missed=bool(r[11]),
+        next_fire_at=r[12],
+        last_fire_at=r[13],
+        created_at=r[14],
+        updated_at=r[15],
+    )
+
+
+def schedule_values(s: ScheduleRow, now: int) -> tuple[Any, ...]:
+    """The values of an upsert, in SCHEDULE_COLUMNS order (created_at and updated_at: now)."""
+    resources = json.dumps(s.resources) if s.resources else None
+    return (
+        s.pool, s.name, s.cron, s.timezone, s.payload, s.content_type, s.priority, s.max_attempts, resources,
+        s.timeout_ms, s.paused, s.fire_all_missed, s.next_fire_at, None, now, now,
+    )  # fmt: skip
+
+
+def key_in_another_pool(err: ApiError) -> bool:
+    """A fired slot's key already names another pool's task: that slot is skipped, not retried forever."""
+    return err.reason == "KEY_IN_ANOTHER_POOL"

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from ..errors import not_found
+from ..errors import ApiError, not_found
 from ..ids import make_task_id
 from .base import (
     TASK_COLUMNS,
@@ -28,6 +28,7 @@ from .base import (
     Outcome,
     OutcomeKind,
     OutcomeResult,
+    ScheduleRow,
     State,
     StoreOwnedElsewhere,
     StoreSettings,
@@ -40,6 +41,7 @@ from .logic import (
     HEARTBEAT_COLUMNS,
     LEASE_RESOURCE_WINDOW,
     OUTCOME_COLUMNS,
+    SCHEDULE_COLUMNS,
     check_outcomes,
     check_pending_limits,
     decide_heartbeat,
@@ -48,6 +50,7 @@ from .logic import (
     encode_request,
     expired_outcome,
     initial_state,
+    key_in_another_pool,
     key_of_another_pool,
     lease_scan,
     limits_apply,
@@ -55,6 +58,8 @@ from .logic import (
     replay_request,
     request_retention,
     request_seqs,
+    schedule_row,
+    schedule_values,
     task_row,
 )
 
@@ -980,6 +985,76 @@ class PostgresStore:
     async def reap_workers(self, seen_before: int) -> list[str]:
         sql = self._sql("DELETE FROM {s}.workers WHERE last_seen_at < $1 RETURNING id")
         return [r[0] for r in await self._tx(lambda c: c.fetch(sql, seen_before))]
+
+    # -- schedules ------------------------------------------------------------
+
+    async def put_schedule(self, schedule: ScheduleRow, now: int) -> ScheduleRow:
+        sql = self._sql(
+            f"INSERT INTO {{s}}.schedules ({SCHEDULE_COLUMNS})"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)"
+            " ON CONFLICT (pool, name) DO UPDATE SET cron = excluded.cron, timezone = excluded.timezone,"
+            " payload = excluded.payload, content_type = excluded.content_type, priority = excluded.priority,"
+            " max_attempts = excluded.max_attempts, resources = excluded.resources, timeout_ms = excluded.timeout_ms,"
+            " paused = excluded.paused, fire_all_missed = excluded.fire_all_missed,"
+            " next_fire_at = excluded.next_fire_at, updated_at = excluded.updated_at"
+            f" RETURNING {SCHEDULE_COLUMNS}"
+        )
+        values = schedule_values(schedule, now)
+        return schedule_row(await self._tx(lambda c: c.fetchrow(sql, *values)))
+
+    async def delete_schedule(self, pool: str, name: str) -> bool:
+        sql = self._sql("DELETE FROM {s}.schedules WHERE pool = $1 AND name = $2")
+        status = await self._tx(lambda c: c.execute(sql, pool, name))
+        return status != "DELETE 0"
+
+    async def list_schedules(self, pools: list[str] | None) -> list[ScheduleRow]:
+        sql = self._sql(
+            f"SELECT {SCHEDULE_COLUMNS} FROM {{s}}.schedules WHERE $1::text[] IS NULL OR pool = ANY($1)"
+            " ORDER BY pool, name"
+        )
+        return [schedule_row(r) for r in await self._read(lambda c: c.fetch(sql, pools))]
+
+    async def due_schedules(self, now: int, limit: int) -> tuple[list[ScheduleRow], int | None]:
+        due_sql = self._sql(
+            f"SELECT {SCHEDULE_COLUMNS} FROM {{s}}.schedules WHERE NOT paused AND next_fire_at <= $1"
+            " ORDER BY next_fire_at LIMIT $2"
+        )
+        next_sql = self._sql("SELECT min(next_fire_at) FROM {s}.schedules WHERE NOT paused AND next_fire_at > $1")
+
+        async def due(conn: asyncpg.Connection) -> tuple[list[ScheduleRow], int | None]:
+            rows = [schedule_row(r) for r in await conn.fetch(due_sql, now, limit)]
+            return rows, await conn.fetchval(next_sql, now)
+
+        return await self._read(due)
+
+    async def fire_schedule(
+        self, schedule: ScheduleRow, tasks: list[NewTask], last_fire_at: int, next_fire_at: int | None, now: int
+    ) -> tuple[list[Submitted], Changes] | None:
+        # The guard: a duplicate or stale fire, or a Put since the read, moves nothing (a
+        # concurrent one waits on the row lock, then finds next_fire_at moved).
+        guard = self._sql(
+            "UPDATE {s}.schedules SET last_fire_at = $1, next_fire_at = $2 WHERE pool = $3 AND name = $4"
+            " AND NOT paused AND next_fire_at = $5 AND updated_at = $6 RETURNING 1"
+        )
+
+        async def fire(conn: asyncpg.Connection) -> tuple[list[Submitted], Changes] | None:
+            args = (schedule.pool, schedule.name, schedule.next_fire_at, schedule.updated_at)
+            if await conn.fetchval(guard, last_fire_at, next_fire_at, *args) is None:
+                return None
+            out: list[Submitted] = []
+            changes: Changes = []
+            for task in tasks:
+                try:
+                    subs, created = await self._submit(conn, [task], now, None, None)
+                except ApiError as err:
+                    if key_in_another_pool(err):  # raised before anything of this task is written
+                        continue
+                    raise
+                out += subs
+                changes += created
+            return out, changes
+
+        return await self._tx(fire)
 
 
 def _worker(r: Any) -> WorkerRow:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..errors import not_found
+from ..errors import ApiError, not_found
 from ..ids import make_task_id
 from .base import (
     TASK_COLUMNS,
@@ -25,6 +25,7 @@ from .base import (
     NewTask,
     Outcome,
     OutcomeResult,
+    ScheduleRow,
     State,
     StoreOwnedElsewhere,
     StoreSettings,
@@ -36,6 +37,7 @@ from .logic import (
     HEARTBEAT_COLUMNS,
     LEASE_RESOURCE_WINDOW,
     OUTCOME_COLUMNS,
+    SCHEDULE_COLUMNS,
     check_outcomes,
     check_pending_limits,
     decide_heartbeat,
@@ -44,12 +46,15 @@ from .logic import (
     encode_request,
     expired_outcome,
     initial_state,
+    key_in_another_pool,
     key_of_another_pool,
     lease_scan,
     limits_apply,
     replay_request,
     request_retention,
     request_seqs,
+    schedule_row,
+    schedule_values,
     task_row,
 )
 
@@ -775,3 +780,77 @@ class SqliteStore:
     async def reap_workers(self, seen_before: int) -> list[str]:
         sql = "DELETE FROM workers WHERE last_seen_at < ? RETURNING id"
         return await self._tx(lambda db: [r[0] for r in db.execute(sql, (seen_before,))])
+
+    # -- schedules ------------------------------------------------------------
+
+    async def put_schedule(self, schedule: ScheduleRow, now: int) -> ScheduleRow:
+        sql = (
+            f"INSERT INTO schedules ({SCHEDULE_COLUMNS}) VALUES ({_marks(16)})"
+            " ON CONFLICT (pool, name) DO UPDATE SET cron = excluded.cron, timezone = excluded.timezone,"
+            " payload = excluded.payload, content_type = excluded.content_type, priority = excluded.priority,"
+            " max_attempts = excluded.max_attempts, resources = excluded.resources, timeout_ms = excluded.timeout_ms,"
+            " paused = excluded.paused, fire_all_missed = excluded.fire_all_missed,"
+            " next_fire_at = excluded.next_fire_at, updated_at = excluded.updated_at"
+            f" RETURNING {SCHEDULE_COLUMNS}"
+        )
+        values = schedule_values(schedule, now)
+        return await self._tx(lambda db: schedule_row(db.execute(sql, values).fetchone()))
+
+    async def delete_schedule(self, pool: str, name: str) -> bool:
+        sql = "DELETE FROM schedules WHERE pool = ? AND name = ?"
+        return bool(await self._tx(lambda db: db.execute(sql, (pool, name)).rowcount))
+
+    async def list_schedules(self, pools: list[str] | None) -> list[ScheduleRow]:
+        where, params = "", list[Any]()
+        if pools is not None:
+            where, params = f" WHERE pool IN ({_marks(len(pools))})", list(pools)
+        sql = f"SELECT {SCHEDULE_COLUMNS} FROM schedules{where} ORDER BY pool, name"
+        return await self._run(lambda: [schedule_row(r) for r in self._conn.execute(sql, params)])
+
+    async def due_schedules(self, now: int, limit: int) -> tuple[list[ScheduleRow], int | None]:
+        def due() -> tuple[list[ScheduleRow], int | None]:
+            db = self._conn
+            sql = (
+                f"SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE paused = 0 AND next_fire_at <= ?"
+                " ORDER BY next_fire_at LIMIT ?"
+            )
+            rows = [schedule_row(r) for r in db.execute(sql, (now, limit))]
+            sql = "SELECT MIN(next_fire_at) FROM schedules WHERE paused = 0 AND next_fire_at > ?"
+            return rows, db.execute(sql, (now,)).fetchone()[0]
+
+        return await self._run(due)
+
+    async def fire_schedule(
+        self, schedule: ScheduleRow, tasks: list[NewTask], last_fire_at: int, next_fire_at: int | None, now: int
+    ) -> tuple[list[Submitted], Changes] | None:
+        return await self._tx(self._fire_schedule, schedule, tasks, last_fire_at, next_fire_at, now)
+
+    def _fire_schedule(
+        self,
+        db: sqlite3.Connection,
+        schedule: ScheduleRow,
+        tasks: list[NewTask],
+        last_fire_at: int,
+        next_fire_at: int | None,
+        now: int,
+    ) -> tuple[list[Submitted], Changes] | None:
+        # The guard: a duplicate or stale fire, or a Put since the read, moves nothing.
+        moved = db.execute(
+            "UPDATE schedules SET last_fire_at = ?, next_fire_at = ? WHERE pool = ? AND name = ? AND paused = 0"
+            " AND next_fire_at = ? AND updated_at = ?",
+            (last_fire_at, next_fire_at, schedule.pool, schedule.name, schedule.next_fire_at, schedule.updated_at),
+        ).rowcount
+        if not moved:
+            return None
+        out: list[Submitted] = []
+        changes: Changes = []
+        for task in tasks:
+            try:
+                subs, created = self._submit(db, [task], now, None, None)
+            except ApiError as err:
+                if key_in_another_pool(err):
+                    continue
+                raise
+            out += subs
+            changes += created
+        return out, changes
