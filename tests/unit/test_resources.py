@@ -40,9 +40,25 @@ def test_rate_is_a_token_bucket() -> None:
     clock.now += 0.2
     assert g.available()["api"] == 1
     g.take("w", [(2, 1, {"api": 1})])
-    clock.now += 10  # idle time refills up to the burst only
+    clock.now += 10  # idle time refills up to the burst (and a quarter token) only
     assert g.available()["api"] == 1
     assert not g.release([(2, 1)])  # tokens are spent, not held
+
+
+def test_a_late_start_does_not_lower_the_rate() -> None:
+    clock = Clock()
+    g = gate(clock)
+    starts = []
+    t = clock.now
+    for _ in range(30):  # every start comes 30 ms after its token is due
+        wait = g.next_token_in() or 0.0
+        clock.now += wait + 0.030
+        assert "api" in g.available()
+        g.take("w", [(len(starts), 1, {"api": 1})])
+        starts.append(clock.now - t)
+    assert starts[-1] < 6.0  # 30 starts within 6 s at 5/s, despite the lateness
+    for i, s in enumerate(starts):  # and never more than rate + burst in any second
+        assert sum(1 for x in starts[i:] if x < s + 1.0) <= 6
 
 
 def test_rebuild_counts_running_tasks_of_the_previous_leader() -> None:
