@@ -149,19 +149,27 @@ class LineReader:
                 self._changed.wait(remaining)
 
 
+# Runs the CLI (sys.argv[1:]) with Ctrl-C raising KeyboardInterrupt, as in a terminal.
+RUN_WITH_CTRL_C = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv = sys.argv[1:]; runpy.run_module('cronoq.cli', run_name='__main__')"
+)
+
+
 class Watcher:
     """`cronoq watch --json ARGS` (or without --json) running against a server."""
 
     def __init__(self, server: Any, stderr_path: Path, *args: str, as_json: bool = True):
         self.stderr_path = stderr_path
         json_flag = ["--json"] if as_json else []
+        argv = ["cronoq", "watch", *json_flag, "--endpoint", server.endpoint, *args]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cronoq.cli", "watch", *json_flag, "--endpoint", server.endpoint, *args],
+            # Ctrl-C must reach it even from a test runner whose own processes ignore SIGINT. Not
+            # with preexec_fn: a fork of this multi-threaded process (grpc) may hang before exec.
+            [sys.executable, "-c", RUN_WITH_CTRL_C, *argv],
             stdout=subprocess.PIPE,
             stderr=open(stderr_path, "w"),
             text=True,
-            # Ctrl-C must reach it even from a test runner whose own processes ignore SIGINT.
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         assert self.proc.stdout is not None
         self.reader = LineReader(self.proc.stdout)
