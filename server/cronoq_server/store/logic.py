@@ -252,7 +252,7 @@ def lease_scan(limit: int) -> int:
     """How many due tasks a lease that checks resources looks at for limit of them: tasks
     whose resources are used up are not among them, but a task that fits alone may not fit
     beside those before it, and is then skipped."""
-    return limit * 2 + 16
+    return limit + 16
 
 
 # -- schedules ------------------------------------------------------------------

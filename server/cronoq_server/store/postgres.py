@@ -591,16 +591,15 @@ class PostgresStore:
             # totals per resource).
             picked = (
                 "free AS (SELECT key AS name, value::bigint AS amount FROM jsonb_each_text($8::jsonb)),"
-                " head AS (SELECT x.seq, x.priority, x.run_at, x.resources FROM unnest($4::text[]) AS p(pool),"
-                " LATERAL (SELECT seq, priority, run_at, resources FROM {s}.tasks WHERE state = 1"
-                " AND pool = p.pool AND run_at <= $1 AND resources IS NOT NULL ORDER BY priority DESC, run_at, seq"
-                f" LIMIT {LEASE_RESOURCE_WINDOW}) AS x),"
-                " cand AS (SELECT t.seq, t.priority, t.run_at, t.resources FROM {s}.tasks t"
-                " WHERE t.seq IN (SELECT h.seq FROM head h WHERE NOT EXISTS"
-                " (SELECT 1 FROM jsonb_each_text(h.resources::jsonb) r LEFT JOIN free ON free.name = r.key"
-                " WHERE free.amount IS NULL OR r.value::bigint > free.amount)"
-                " ORDER BY h.priority DESC, h.run_at, h.seq LIMIT $9)"
-                " AND t.state = 1 AND {fence} FOR UPDATE SKIP LOCKED),"
+                # Per pool, the first due tasks that name resources in index order (locked as
+                # they are read), checked only until enough fit.
+                " cand AS (SELECT x.seq, x.priority, x.run_at, x.resources FROM unnest($4::text[]) AS p(pool),"
+                " LATERAL (SELECT h.* FROM (SELECT seq, priority, run_at, resources FROM {s}.tasks"
+                " WHERE state = 1 AND pool = p.pool AND run_at <= $1 AND resources IS NOT NULL"
+                f" ORDER BY priority DESC, run_at, seq LIMIT {LEASE_RESOURCE_WINDOW} FOR UPDATE SKIP LOCKED) AS h"
+                " WHERE NOT EXISTS (SELECT 1 FROM jsonb_each_text(h.resources::jsonb) r"
+                " WHERE coalesce(($8::jsonb ->> r.key)::bigint, 0) < r.value::bigint)"
+                " LIMIT $9) AS x WHERE {fence} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $9),"
                 " need AS (SELECT c.seq, r.key AS name, sum(r.value::bigint) OVER (PARTITION BY r.key"
                 " ORDER BY c.priority DESC, c.run_at, c.seq) AS upto"
                 " FROM cand c, jsonb_each_text(c.resources::jsonb) r),"

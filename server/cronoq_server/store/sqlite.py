@@ -504,9 +504,10 @@ class SqliteStore:
                 f"WITH free AS (SELECT key AS name, value AS amount FROM json_each(?)),"
                 f" head AS (SELECT seq, priority, run_at, resources, {size} AS size FROM tasks WHERE {due}"
                 f" AND resources IS NOT NULL ORDER BY {order} LIMIT {LEASE_RESOURCE_WINDOW}),"
+                # In head's order, checked only until enough are found (no sort of the window).
                 f" cand AS (SELECT * FROM head WHERE NOT EXISTS (SELECT 1 FROM json_each(head.resources) r"
                 f" LEFT JOIN free ON free.name = r.key WHERE free.amount IS NULL OR r.value > free.amount)"
-                f" ORDER BY {order} LIMIT ?),"
+                f" LIMIT ?),"
                 f" need AS (SELECT c.seq, r.key AS name, sum(r.value) OVER (PARTITION BY r.key"
                 f" ORDER BY c.priority DESC, c.run_at, c.seq) AS upto FROM cand c, json_each(c.resources) r)"
                 f" SELECT * FROM (SELECT * FROM ({ok})"
