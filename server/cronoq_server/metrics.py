@@ -11,7 +11,11 @@ TASKS_SUBMITTED = Counter(
 )
 TASKS_LEASED = Counter("cronoq_tasks_leased_total", "Task attempts leased to workers.")
 TASKS_FINISHED = Counter("cronoq_tasks_finished_total", "Tasks that ended, by outcome.", ["outcome"])
-TASKS_BY_STATE = Gauge("cronoq_tasks", "Tasks in the store by pool and state.", ["pool", "state"])
+TASKS_BY_STATE = Gauge(
+    "cronoq_tasks",
+    "Unfinished tasks by pool and state (pending, blocked, running), kept by the leader as tasks change.",
+    ["pool", "state"],
+)
 START_LATENCY = Histogram(
     "cronoq_task_start_latency_seconds",
     "From when a task was due (run_at or submission) to its lease.",

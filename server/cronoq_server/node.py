@@ -28,7 +28,7 @@ from .core.schedules import Schedules
 from .core.tasks import Tasks
 from .errors import ApiError
 from .leader import FileLeadership, PgLeadership
-from .metrics import CALLS, LEADER, LEADER_TERM, TASKS_BY_STATE, TASKS_SUBMITTED, WORKERS
+from .metrics import CALLS, LEADER, LEADER_TERM, TASKS_SUBMITTED, WORKERS
 from .registry import RegistryError, registry
 from .store.base import State, Store, StoreSettings, StoreUnavailable
 from .store.postgres import PostgresStore
@@ -36,8 +36,9 @@ from .store.sqlite import SqliteStore
 
 log = logging.getLogger("cronoq.node")
 
-# The leader recounts the gauges of tasks by pool and state this often (never for a scrape).
-GAUGES_EVERY_S = 5.0
+# The leader recounts registered workers by pool this often (never for a scrape); tasks by pool
+# and state are kept from the events (core/counts.py).
+WORKER_GAUGES_EVERY_S = 5.0
 
 
 class Node:
@@ -56,7 +57,9 @@ class Node:
         self.server_id = f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.auth = Authenticator(config)
         self.store: Store = self._make_store()
-        self.events = EventBus(self.store, self.shard_name, self.shard_number, config.server.watch_window)
+        self.events = EventBus(
+            self.store, self.shard_name, self.shard_number, config.server.watch_window, pools=self.pools
+        )
         self.leadership: FileLeadership | PgLeadership
         if isinstance(self.store, PostgresStore):
             self.leadership = PgLeadership(
@@ -90,7 +93,7 @@ class Node:
         self.services.add(Periodic("retention", 60.0, self.leases.purge_once))
         reap_every = min(max(config.server.worker_reap_after / 4, 1.0), 60.0)
         self.services.add(Periodic("worker reaper", reap_every, self.leases.reap_once))
-        self.services.add(Periodic("task gauges", GAUGES_EVERY_S, self._set_gauges))
+        self.services.add(Periodic("worker gauges", WORKER_GAUGES_EVERY_S, self._set_worker_gauges))
         self.services.add(Periodic("event sequencer", SEQUENCE_EVERY_S, self.events.sequence_once))
         purge_every = min(EVENT_RETENTION_EVERY_S, max(config.server.watch_window / 4, 0.1))
         self.services.add(Periodic("event retention", purge_every, self.events.purge_once))
@@ -216,6 +219,7 @@ class Node:
             )
         )
         await self.services.stop()
+        self.events.step_down()  # after the sequencer stopped: nothing counts on
 
     async def drain(self) -> None:
         """Stops serving: new calls are refused with UNAVAILABLE (callers move to another server),
@@ -346,11 +350,8 @@ class Node:
         snap.workers.extend(workers.workers)
         return admin_pb.GetSnapshotResponse(shards=[snap])
 
-    async def _set_gauges(self) -> None:
-        counts = await self.store.count_by_pool_and_state()
-        for pool in self.pools:
-            for state in State:
-                TASKS_BY_STATE.labels(pool=pool, state=state.name.lower()).set(counts.get((pool, state), 0))
+    async def _set_worker_gauges(self) -> None:
+        """Workers by pool: the workers table is small (one row a worker process)."""
         per_pool: dict[str, int] = {p: 0 for p in self.pools}
         for w in await self.store.list_workers():
             for p in w.pools:

@@ -243,8 +243,8 @@ def test_health_ready_and_metrics(server):
     text = scrape()
     assert 'cronoq_tasks_submitted_total{pool="default"} 1.0' in text
     assert "cronoq_leader 1.0" in text
-    # Task gauges are recounted in the background, at most every few seconds.
-    eventually(lambda: 'cronoq_tasks{pool="default",state="pending"} 1.0' in scrape(), timeout=15, interval=0.5)
+    # Task gauges are kept by the leader from the events, well under a second behind.
+    eventually(lambda: 'cronoq_tasks{pool="default",state="pending"} 1.0' in scrape(), timeout=5, interval=0.1)
 
 
 def test_sigterm_drains_and_exits_cleanly(server, api):

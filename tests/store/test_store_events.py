@@ -13,6 +13,7 @@ import asyncpg
 import pytest
 from test_store import SEC, T0, failure, finish_ok, lease_one, new, submit_one, success
 
+from cronoq_server.core.counts import UNFINISHED, TaskCounts
 from cronoq_server.store.base import EventRow, NewTask, Outcome, OutcomeKind, State, Store
 from cronoq_server.store.postgres import PostgresStore
 
@@ -176,7 +177,12 @@ async def test_postgres_an_open_transaction_never_leaves_a_hole_below_a_reader(p
         await slow.start()
         await conn.execute(pg._sql("UPDATE {s}.tasks SET cancel_requested = true WHERE seq = $1"), t.seq)
         await conn.execute(
-            pg._sql("INSERT INTO {s}.events (task_seq, state, attempt, at) VALUES ($1, 1, 0, $2)"), t.seq, T0 + 1
+            pg._sql(
+                "INSERT INTO {s}.events (task_seq, pool, prev_state, state, attempt, at)"
+                " VALUES ($1, 'default', 1, 1, 0, $2)"
+            ),
+            t.seq,
+            T0 + 1,
         )
         others = [(await submit_one(pg, T0 + 2)).seq for _ in range(3)]  # commit after the slow one began
         read = await events(pg)
@@ -202,8 +208,9 @@ async def test_postgres_a_task_s_events_are_numbered_in_the_order_its_row_change
         await early.execute(
             pg._sql(
                 "WITH ended AS (UPDATE {s}.tasks SET state = 4, finished_at = $2 WHERE seq = $1 AND state = 3"
-                " RETURNING seq, state, attempt)"
-                " INSERT INTO {s}.events (task_seq, state, attempt, at) SELECT seq, state, attempt, $2 FROM ended"
+                " RETURNING seq, pool, state, attempt)"
+                " INSERT INTO {s}.events (task_seq, pool, prev_state, state, attempt, at)"
+                " SELECT seq, pool, 3, state, attempt, $2 FROM ended"
             ),
             t.seq,
             T0 + 2,
@@ -236,3 +243,207 @@ async def test_postgres_concurrent_writers_and_sequencers_number_each_event_once
     evs = await events(pg)
     assert_dense(evs)
     assert len(evs) == 4 * 20 * 3 and len({e.task_seq for e in evs}) == 240
+
+
+# -- what each event tells the leader's counts: the task's pool and the state it left ---------
+
+
+def transitions(evs: list[EventRow]) -> list[tuple[int, str, int, State]]:
+    """(task, pool, previous state (0: a new task), new state) of each event."""
+    return [(e.task_seq, e.pool, e.prev_state, e.state) for e in evs]
+
+
+def fold_all(evs: list[EventRow]) -> dict[tuple[str, State], int]:
+    counts = TaskCounts()
+    counts.start(0, {})
+    counts.fold(evs)
+    return counts.nonzero()
+
+
+async def unfinished(store: Store) -> dict[tuple[str, State], int]:
+    return {k: n for k, n in (await store.count_by_pool_and_state()).items() if k[1] in UNFINISHED}
+
+
+P, B, R = State.PENDING, State.BLOCKED, State.RUNNING
+
+
+async def test_events_carry_the_pool_and_the_state_each_change_left(store: Store) -> None:
+    subs, _ = await store.submit([new("other"), new("other")], T0)  # no key: PostgreSQL's one-statement submit
+    x, y = (s.row for s in subs)
+    a = await submit_one(store, key="a", pool="other")
+    b = await submit_one(store, key="b", pool="other", dep_keys=["a"])  # BLOCKED on a
+    c = await submit_one(store, key="c", pool="other", dep_keys=["b"])  # BLOCKED on b
+    d = await submit_one(store, key="d", pool="other", dep_keys=["a"])
+    start = len(await events(store))
+    assert transitions(await events(store)) == [
+        (x.seq, "other", 0, P), (y.seq, "other", 0, P), (a.seq, "other", 0, P), (b.seq, "other", 0, B),
+        (c.seq, "other", 0, B), (d.seq, "other", 0, B),
+    ]  # fmt: skip
+    rows, _ = await store.lease("w1", ["other"], 3, T0)  # x, y, a
+    by_seq = {r.seq: r for r in rows}
+    assert set(by_seq) == {x.seq, y.seq, a.seq}
+    results, _ = await store.finish(
+        "w1",
+        [
+            Outcome(x.seq, by_seq[x.seq].attempt, OutcomeKind.RELEASED),
+            failure(by_seq[y.seq]),  # retried
+            success(by_seq[a.seq]),  # b and d unblocked
+        ],
+        T0 + 1,
+    )
+    assert all(r.accepted for r in results)
+    cancelled_d, _ = await store.cancel(d.seq, T0 + 2)  # PENDING -> CANCELLED
+    assert cancelled_d is not None and cancelled_d.state == State.CANCELLED
+    rows, _ = await store.lease("w1", ["other"], 2, T0 + 3)  # x (released) and b
+    leased_b = next(r for r in rows if r.seq == b.seq)
+    await store.cancel(b.seq, T0 + 4)  # RUNNING: a request, the state stays
+    await finish_ok(store, Outcome(b.seq, leased_b.attempt, OutcomeKind.CANCELLED), T0 + 5)  # c cancelled
+    evs = (await events(store))[start:]
+    assert sorted(transitions(evs[:3])) == sorted([(s, "other", P, R) for s in (x.seq, y.seq, a.seq)])
+    assert transitions(evs[3:9]) == [
+        (x.seq, "other", R, P),  # released
+        (y.seq, "other", R, P),  # retried
+        (a.seq, "other", R, State.SUCCEEDED),
+        (b.seq, "other", B, P),  # unblocked
+        (d.seq, "other", B, P),
+        (d.seq, "other", P, State.CANCELLED),
+    ]
+    assert sorted(transitions(evs[9:11])) == sorted([(x.seq, "other", P, R), (b.seq, "other", P, R)])
+    assert transitions(evs[11:]) == [
+        (b.seq, "other", R, R),  # the cancel request
+        (b.seq, "other", R, State.CANCELLED),
+        (c.seq, "other", B, State.CANCELLED),  # its dependency was cancelled
+    ]
+    await check_counts_follow_the_events(store)
+
+
+async def test_events_of_failures_expiry_and_dependencies_ended_at_submit(store: Store) -> None:
+    p = await submit_one(store, key="p")
+    q = await submit_one(store, key="q", max_attempts=1)
+    child = await submit_one(store, key="child", dep_keys=["p"])
+    grandchild = await submit_one(store, key="grandchild", dep_keys=["child"])
+    blocked = await submit_one(store, key="blocked", dep_keys=["q"])
+    await finish_ok(store, failure(await lease_one(store, p.seq, T0), retryable=False), T0 + 1)
+    late = await submit_one(store, T0 + 2, key="late", dep_keys=["p"])  # its dependency failed: FAILED at once
+    cancelled_dep = await submit_one(store, T0 + 2, key="cd", pool="other")
+    await store.cancel(cancelled_dep.seq, T0 + 2)
+    orphan = await submit_one(store, T0 + 2, key="orphan", pool="other", dep_keys=["cd"])  # CANCELLED at once
+    blocked_cancel = await submit_one(store, T0 + 2, key="bc", dep_keys=["q"])
+    await store.cancel(blocked_cancel.seq, T0 + 3)  # BLOCKED -> CANCELLED
+    await lease_one(store, q.seq, T0 + 3)
+    await store.expire_leases(T0 + 3 + 11 * SEC)  # its last attempt: FAILED, and blocked with it
+    evs = await events(store)
+    got = transitions(evs)
+    d = "default"
+    assert got[5:] == [
+        (p.seq, d, P, R),
+        (p.seq, d, R, State.FAILED),
+        (child.seq, d, B, State.FAILED),
+        (grandchild.seq, d, B, State.FAILED),
+        (late.seq, d, 0, State.FAILED),
+        (cancelled_dep.seq, "other", 0, P),
+        (cancelled_dep.seq, "other", P, State.CANCELLED),
+        (orphan.seq, "other", 0, State.CANCELLED),
+        (blocked_cancel.seq, d, 0, B),
+        (blocked_cancel.seq, d, B, State.CANCELLED),
+        (q.seq, d, P, R),
+        (q.seq, d, R, State.FAILED),  # the lease expired
+        (blocked.seq, d, B, State.FAILED),
+    ]
+    await check_counts_follow_the_events(store)
+
+
+async def test_an_expired_lease_with_attempts_left_is_pending_again(store: Store) -> None:
+    t = await submit_one(store)
+    await lease_one(store, t.seq, T0)
+    await store.expire_leases(T0 + 11 * SEC)
+    assert transitions((await events(store))[1:]) == [(t.seq, "default", P, R), (t.seq, "default", R, P)]
+
+
+async def test_successes_while_nothing_is_blocked_record_the_pool_and_running(store: Store) -> None:
+    """PostgreSQL's one-statement finish, taken once a sweep saw no BLOCKED task."""
+    t = await submit_one(store, pool="other")
+    await store.expire_leases(T0)  # the sweep
+    await finish_ok(store, success(await lease_one(store, t.seq, T0, pool="other")), T0 + 1)
+    assert transitions(await events(store)) == [
+        (t.seq, "other", 0, P),
+        (t.seq, "other", P, R),
+        (t.seq, "other", R, State.SUCCEEDED),
+    ]
+
+
+async def test_schedule_fires_record_new_tasks(store: Store) -> None:
+    from test_store_schedules import sched, slot_task
+
+    s = await store.put_schedule(sched(pool="other"), T0)
+    fired = await store.fire_schedule(s, [slot_task(s, T0 + SEC)], T0 + SEC, T0 + 2 * SEC, T0 + SEC)
+    assert fired is not None
+    (sub,), _ = fired
+    assert transitions(await events(store)) == [(sub.row.seq, "other", 0, P)]
+
+
+async def check_counts_follow_the_events(store: Store) -> None:
+    """Counts from nothing plus every event, and counts at a position plus the events after it,
+    both equal the tasks' states."""
+    assert fold_all(await events(store)) == await unfinished(store)
+
+
+async def test_counts_at_a_position_plus_the_later_events_are_the_tasks_counts(store: Store) -> None:
+    a = await submit_one(store, key="a")
+    await submit_one(store, key="b", dep_keys=["a"], pool="other")
+    await submit_one(store, pool="other")
+    position, counts = await store.count_unfinished()
+    assert position == len(await events(store))
+    assert counts == {("default", P): 1, ("other", B): 1, ("other", P): 1}
+    leased = await lease_one(store, a.seq, T0 + 1)
+    await submit_one(store, T0 + 1, key="c", dep_keys=["b"])
+    await finish_ok(store, success(leased), T0 + 2)
+    tracked = TaskCounts()
+    tracked.start(position, counts)
+    tracked.fold(await events(store))  # events up to the position are skipped
+    assert tracked.nonzero() == await unfinished(store)
+    assert tracked.position == len(await events(store))
+
+
+async def test_postgres_released_dependents_record_blocked_to_pending(pg: PostgresStore) -> None:
+    """The release that follows a one-statement finish racing a blocking submission."""
+    a = await submit_one(pg, T0, key="a")
+    b = await submit_one(pg, T0, key="b", dep_keys=["a"], pool="other")
+    await finish_ok(pg, success(await lease_one(pg, a.seq, T0)), T0 + 1)  # b PENDING already
+    async with pg.pool.acquire() as conn:  # as if b were still BLOCKED when a ended
+        await conn.execute(pg._sql("UPDATE {s}.tasks SET state = 2 WHERE seq = $1"), b.seq)
+    start = len(await events(pg))
+    assert await pg._tx(lambda c: pg._release_unblocked(c, [a.seq], T0 + 2)) == [(b.seq, State.PENDING)]
+    assert transitions((await events(pg))[start:]) == [(b.seq, "other", B, P)]
+
+
+async def test_postgres_counts_at_a_position_under_concurrent_changes(pg: PostgresStore) -> None:
+    """Whatever commits while the counts are read is either in them (an event up to the
+    position) or not (an event after it), never both or neither."""
+    stop = asyncio.Event()
+
+    async def churn(pool: str) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            await pg.submit([new(pool, key=f"{pool}-{n}")], T0)
+            if n % 2:
+                rows, _ = await pg.lease(f"w-{pool}", [pool], 1, T0)
+                if rows:
+                    await pg.finish(f"w-{pool}", [success(rows[0])], T0)
+
+    workers = [asyncio.create_task(churn(p)) for p in ("default", "other")]
+    try:
+        starts = []
+        for _ in range(5):
+            await asyncio.sleep(0.05)
+            starts.append(await pg.count_unfinished())
+    finally:
+        stop.set()
+        await asyncio.gather(*workers)
+    evs = await events(pg)
+    for position, counts in starts:
+        tracked = TaskCounts()
+        tracked.start(position, counts)
+        tracked.fold(evs)
+        assert tracked.nonzero() == await unfinished(pg), position

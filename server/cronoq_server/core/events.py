@@ -15,6 +15,7 @@ from cronoq.v1 import task_pb2
 from ..errors import ApiError, invalid
 from ..store.base import TERMINAL, Changes, EventRow, State, Store, StoreUnavailable, TaskRow
 from .convert import to_task
+from .counts import TaskCounts
 
 log = logging.getLogger("cronoq.events")
 
@@ -25,6 +26,8 @@ WATCH_MAX_BYTES = 8 << 20
 FANOUT_BATCH = 1000
 REPLAY_BATCH = 1000
 PURGE_BATCH = 10_000
+# Events the leader's task counts read at a time, when the fan-out has not read them already.
+COUNT_BATCH = 5000
 # How often the leader numbers committed events (besides right after each change) and purges.
 SEQUENCE_EVERY_S = 0.5
 EVENT_RETENTION_EVERY_S = 10.0
@@ -98,7 +101,14 @@ class LeaseWaiter:
 
 
 class EventBus:
-    def __init__(self, store: Store, shard_name: str, shard_number: int, watch_window_s: float = 3600.0):
+    def __init__(
+        self,
+        store: Store,
+        shard_name: str,
+        shard_number: int,
+        watch_window_s: float = 3600.0,
+        pools: Iterable[str] = (),
+    ):
         self._store = store
         self._shard_name = shard_name
         self._shard_number = shard_number
@@ -111,6 +121,8 @@ class EventBus:
         self._fanout_ready = asyncio.Event()
         self._fanout_task: asyncio.Task[None] | None = None
         self.draining = False
+        # The leader's unfinished tasks by pool and state (the cronoq_tasks gauge), kept from the events.
+        self.counts = TaskCounts(pools, gauge=True)
 
     # -- lease long polls -----------------------------------------------------
 
@@ -295,19 +307,40 @@ class EventBus:
         self._watchers.clear()
 
     def lead(self) -> None:
-        """On taking over: the store moved on while this server did not lead."""
+        """On taking over: the store moved on while this server did not lead (the sequencer
+        starts the task counts again from the store)."""
         self._delivered = None
+        self.counts.stop()
+
+    def step_down(self) -> None:
+        """The task counts are the leader's: a standby shows none rather than stale ones."""
+        self.counts.stop()
 
     # -- the leader's event services --------------------------------------------
 
     async def sequence_once(self) -> None:
-        """Numbers committed events (PostgreSQL) and has live streams sent what is new."""
+        """Numbers committed events (PostgreSQL), folds them into the task counts, and has live
+        streams sent what is new."""
+        if self.counts.position is None:
+            self.counts.start(*await self._store.count_unfinished())
         last = await self._store.sequence_events()
+        await self._count_to(last)
         if self._delivered is None or last > self._delivered:
             if any(w.live for w in self._watchers):
                 self._wake_fanout()
             else:  # nobody to deliver to: a new stream starts from here
                 self._delivered = last
+
+    async def _count_to(self, last: int) -> None:
+        """Folds the events up to `last` that the fan-out has not folded already."""
+        while (pos := self.counts.position) is not None and pos < last:
+            events = await self._store.read_events(pos, COUNT_BATCH)
+            if self.counts.position is None:
+                return  # stepped down meanwhile
+            if not self.counts.fold(events) or self.counts.position == pos:  # what follows pos is gone
+                # Purged before they were counted (the store was out of reach that long): recount.
+                log.warning("task counts: events after %d are gone; counting the tasks again", pos)
+                self.counts.start(*await self._store.count_unfinished())
 
     async def purge_once(self) -> None:
         """Deletes events older than the watch window, a bounded batch per transaction."""
@@ -384,6 +417,7 @@ class EventBus:
             events = await self._store.read_events(pos, FANOUT_BATCH)
             if not events:
                 return
+            self.counts.fold(events)  # read anyway: the sequencer need not read them again
             joined = await self._join(events)
             if self._delivered != pos:
                 return  # moved meanwhile (a new term): start again from there

@@ -156,6 +156,8 @@ class EventRow:
     """One recorded change of a task, written in the transaction that made it.
 
     seq is the shard's event sequence: dense, increasing, and in each task's order of changes.
+    pool and prev_state (the state the change left; 0 for a new task) let the leader keep its
+    counts of tasks by pool and state from the events alone.
     """
 
     seq: int
@@ -163,6 +165,8 @@ class EventRow:
     state: State
     attempt: int
     at: int
+    pool: str
+    prev_state: int
 
 
 # retry_at(pool, attempt, now, retry_after_ms) -> when the next attempt may start.
@@ -284,6 +288,11 @@ class Store(Protocol):
 
     async def read_events(self, after: int, limit: int) -> list[EventRow]:
         """Numbered events after seq `after`, in seq order."""
+
+    async def count_unfinished(self) -> tuple[int, dict[tuple[str, State], int]]:
+        """Numbers committed events, then reads in one snapshot the last event seq and the
+        PENDING, BLOCKED and RUNNING tasks by pool (pairs with none left out): the counts are
+        exactly those after every event up to that seq and none after it."""
 
     async def event_bounds(self) -> tuple[int, int]:
         """(purged_through, last): events up to purged_through are gone; last is the last seq."""

@@ -11,7 +11,7 @@ import json
 import queue
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -141,6 +141,8 @@ MIGRATIONS: dict[int, str] = {
     CREATE TABLE events (
         id INTEGER PRIMARY KEY AUTOINCREMENT,
         task_seq INTEGER NOT NULL,
+        pool TEXT NOT NULL,
+        prev_state INTEGER NOT NULL,
         state INTEGER NOT NULL,
         attempt INTEGER NOT NULL,
         at INTEGER NOT NULL
@@ -150,9 +152,10 @@ MIGRATIONS: dict[int, str] = {
     """,
 }
 
-_INSERT_EVENT = "INSERT INTO events (task_seq, state, attempt, at) VALUES (?, ?, ?, ?)"
+_INSERT_EVENT = "INSERT INTO events (task_seq, pool, prev_state, state, attempt, at) VALUES (?, ?, ?, ?, ?, ?)"
 _RECORD_EVENT = (
-    "INSERT INTO events (task_seq, state, attempt, at) SELECT seq, state, attempt, ? FROM tasks WHERE seq = ?"
+    "INSERT INTO events (task_seq, pool, prev_state, state, attempt, at)"
+    " SELECT seq, pool, ?, state, attempt, ? FROM tasks WHERE seq = ?"
 )
 
 MAX_GROUP = 256  # writes committed together at most
@@ -432,7 +435,7 @@ class SqliteStore:
             out.append(Submitted(self._select(db, "seq = ?", (seq,))[0], False))
             changes.append((seq, state))
         self._check_limits(db, tasks, out)
-        self._record_events(db, changes, now)
+        self._record_events(db, changes, [0] * len(changes), now)
         if request_id is not None:
             db.execute("INSERT INTO requests VALUES (?, ?, ?)", (request_id, encode_request(out), now))
         return out, changes
@@ -536,7 +539,8 @@ class SqliteStore:
         rows = [task_row(r) for r in db.execute(sql, all_params)]
         if rows:
             rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
-            db.executemany(_INSERT_EVENT, [(r.seq, int(State.RUNNING), r.attempt, now) for r in rows])
+            running = int(State.RUNNING)
+            db.executemany(_INSERT_EVENT, [(r.seq, r.pool, int(State.PENDING), running, r.attempt, now) for r in rows])
             return rows, None
         sql = f"SELECT MIN(run_at) FROM tasks WHERE state = 1 AND pool IN ({_marks(len(pools))})"
         return [], db.execute(sql, pools).fetchone()[0]
@@ -595,10 +599,12 @@ class SqliteStore:
             [(seq,) for seq in d.released],
         )
         changes = d.changes
+        ended = len(changes)  # RUNNING before; the dependents after them were BLOCKED
         changes += self._unblock_dependents(db, d.succeeded)
         changes += self._end_dependents(db, d.failed, State.FAILED, now)
         changes += self._end_dependents(db, d.cancelled, State.CANCELLED, now)
-        self._record_events(db, changes, now)
+        prev = [State.RUNNING] * ended + [State.BLOCKED] * (len(changes) - ended)
+        self._record_events(db, changes, prev, now)
         return changes
 
     def _unblock_dependents(self, db: sqlite3.Connection, succeeded: list[int]) -> Changes:
@@ -680,7 +686,7 @@ class SqliteStore:
             db.execute("UPDATE tasks SET cancel_requested = 1 WHERE seq = ?", (seq,))
             changes = [(seq, State.RUNNING)]
         if changes:
-            self._record_events(db, changes, now)
+            self._record_events(db, changes, [row.state] + [State.BLOCKED] * (len(changes) - 1), now)
             row = self._select(db, "seq = ?", (seq,))[0]
         return row, changes
 
@@ -704,9 +710,10 @@ class SqliteStore:
     # a time, so ids are in commit order: they are the event sequence (dense, since a rolled
     # back op rolls back its ids too). Nothing to number: sequence_events reads the last id.
 
-    def _record_events(self, db: sqlite3.Connection, changes: Changes, now: int) -> None:
-        """An event per change, with the task's state and attempt as the op left them."""
-        db.executemany(_RECORD_EVENT, [(now, seq) for seq, _ in changes])
+    def _record_events(self, db: sqlite3.Connection, changes: Changes, prev: Sequence[int], now: int) -> None:
+        """An event per change, with the task's pool, state and attempt as the op left them, and
+        prev: the state each change left (0: a new task)."""
+        db.executemany(_RECORD_EVENT, [(int(p), now, seq) for (seq, _), p in zip(changes, prev, strict=True)])
 
     def _last_event(self, db: sqlite3.Connection) -> int:
         row = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'events'").fetchone()
@@ -716,9 +723,30 @@ class SqliteStore:
         return await self._run(self._last_event, self._conn)
 
     async def read_events(self, after: int, limit: int) -> list[EventRow]:
-        sql = "SELECT id, task_seq, state, attempt, at FROM events WHERE id > ? ORDER BY id LIMIT ?"
+        sql = (
+            "SELECT id, task_seq, state, attempt, at, pool, prev_state FROM events WHERE id > ? ORDER BY id LIMIT ?"
+        )
         rows = await self._run(lambda: self._conn.execute(sql, (after, limit)).fetchall())
-        return [EventRow(r[0], r[1], State(r[2]), r[3], r[4]) for r in rows]
+        return [EventRow(r[0], r[1], State(r[2]), r[3], r[4], r[5], r[6]) for r in rows]
+
+    async def count_unfinished(self) -> tuple[int, dict[tuple[str, State], int]]:
+        """Read in one read transaction on a connection of its own (WAL: one snapshot, and the
+        writes queued on the store's thread go on beside it)."""
+
+        def count() -> tuple[int, dict[tuple[str, State], int]]:
+            db = sqlite3.connect(self.path, isolation_level=None, timeout=30)
+            try:
+                db.execute("PRAGMA query_only = 1")
+                db.execute("BEGIN")
+                last = self._last_event(db)
+                sql = "SELECT pool, state, COUNT(*) FROM tasks WHERE state IN (1, 2, 3) GROUP BY pool, state"
+                counts = {(p, State(s)): n for p, s, n in db.execute(sql)}
+                db.execute("COMMIT")
+                return last, counts
+            finally:
+                db.close()
+
+        return await asyncio.get_running_loop().run_in_executor(None, count)
 
     async def event_bounds(self) -> tuple[int, int]:
         def bounds() -> tuple[int, int]:

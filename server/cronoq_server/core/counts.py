@@ -1,0 +1,79 @@
+"""The leader's counts of unfinished tasks by pool and state, kept as tasks change.
+
+They start from the store's counts at one event position (read in one snapshot with it) and
+fold every numbered event after it: an event leaves its previous state and enters its new one.
+Nothing recounts the tasks after that; a scrape only reads the gauge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from ..metrics import TASKS_BY_STATE
+from ..store.base import EventRow, State
+
+# The states the counts follow; terminal totals are counters (cronoq_tasks_finished_total).
+UNFINISHED = (State.PENDING, State.BLOCKED, State.RUNNING)
+
+
+class TaskCounts:
+    """Unfinished tasks by (pool, state) as of event `position` (None: not started)."""
+
+    def __init__(self, pools: Iterable[str] = (), gauge: bool = False):
+        self._pools = tuple(pools)
+        self._gauge = gauge
+        self._counts: dict[tuple[str, State], int] = {}
+        self.position: int | None = None
+
+    def start(self, position: int, counts: Mapping[tuple[str, State], int]) -> None:
+        """Counts after every event up to `position`, and no later one."""
+        self.position = position
+        self._counts = {k: n for k, n in counts.items() if k[1] in UNFINISHED}
+        if self._gauge:
+            for pool in {*self._pools, *(p for p, _ in self._counts)}:
+                for state in UNFINISHED:
+                    self._set_gauge(pool, state)
+
+    def stop(self) -> None:
+        """Not counting (not leading): the gauge drops its series rather than show stale counts."""
+        self.position = None
+        self._counts = {}
+        if self._gauge:
+            TASKS_BY_STATE.clear()
+
+    def fold(self, events: list[EventRow]) -> bool:
+        """Applies the events after `position`, in order; False when they do not follow it (an
+        event after it is missing), in which case nothing is applied."""
+        if self.position is None:
+            return False
+        fresh = [e for e in events if e.seq > self.position]
+        if not fresh:
+            return True
+        if fresh[0].seq != self.position + 1:
+            return False
+        touched: set[tuple[str, State]] = set()
+        for e in fresh:
+            if e.prev_state == e.state:
+                continue  # a change within a state (a cancel request)
+            if e.prev_state in UNFINISHED:
+                key = (e.pool, State(e.prev_state))
+                self._counts[key] = self._counts.get(key, 0) - 1
+                touched.add(key)
+            if e.state in UNFINISHED:
+                key = (e.pool, e.state)
+                self._counts[key] = self._counts.get(key, 0) + 1
+                touched.add(key)
+        self.position = fresh[-1].seq
+        if self._gauge:
+            for pool, state in touched:
+                self._set_gauge(pool, state)
+        return True
+
+    def get(self, pool: str, state: State) -> int:
+        return self._counts.get((pool, state), 0)
+
+    def nonzero(self) -> dict[tuple[str, State], int]:
+        return {k: n for k, n in self._counts.items() if n}
+
+    def _set_gauge(self, pool: str, state: State) -> None:
+        TASKS_BY_STATE.labels(pool=pool, state=state.name.lower()).set(self._counts.get((pool, state), 0))
