@@ -129,6 +129,16 @@ def age(msg: Message, field: str, now: dt.datetime) -> str:
     return f"{seconds // 86400}d{seconds % 86400 // 3600}h ago"
 
 
+def _payload(command: str, json_flag: str, json_text: str | None, text: str | None) -> Any:
+    """A JSON value from json_text, else text's bytes, else None."""
+    if json_text is not None:
+        try:
+            return json.loads(json_text)
+        except ValueError as err:
+            raise SystemExit(f"cronoq {command}: {json_flag} is not valid JSON: {err}") from None
+    return text.encode() if text is not None else None
+
+
 def _resources(command: str, given: list[tuple[str, int]]) -> dict[str, int]:
     resources: dict[str, int] = {}
     for name, amount in given:
@@ -141,15 +151,8 @@ def _resources(command: str, given: list[tuple[str, int]]) -> dict[str, int]:
 async def cmd_submit(args: argparse.Namespace) -> int:
     if sum(x is not None for x in (args.json_payload, args.data, args.file)) > 1:
         raise SystemExit("cronoq submit: give at most one of --json, --data, --file")
-    payload: Any = None
-    if args.json_payload is not None:
-        try:
-            payload = json.loads(args.json_payload)
-        except ValueError as err:
-            raise SystemExit(f"cronoq submit: --json is not valid JSON: {err}") from None
-    elif args.data is not None:
-        payload = args.data.encode()
-    elif args.file is not None:
+    payload = _payload("submit", "--json", args.json_payload, args.data)
+    if args.file is not None:
         payload = sys.stdin.buffer.read() if args.file == "-" else open(args.file, "rb").read()
     async with _client(args) as client:
         sub = await client.submit(
@@ -306,14 +309,7 @@ def resource_arg(text: str) -> tuple[str, int]:
 
 
 async def cmd_schedules_put(args: argparse.Namespace) -> int:
-    payload: Any = None
-    if args.payload_json is not None:
-        try:
-            payload = json.loads(args.payload_json)
-        except ValueError as err:
-            raise SystemExit(f"cronoq schedules put: --payload-json is not valid JSON: {err}") from None
-    elif args.payload is not None:
-        payload = args.payload.encode()
+    payload = _payload("schedules put", "--payload-json", args.payload_json, args.payload)
     resources = _resources("schedules put", args.resource)
     async with _client(args) as client:
         schedule = await client.put_schedule(

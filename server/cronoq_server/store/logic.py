@@ -261,6 +261,15 @@ SCHEDULE_COLUMNS = (
     "pool, name, cron, timezone, payload, content_type, priority, max_attempts, resources, timeout_ms, "
     "paused, fire_all_missed, next_fire_at, last_fire_at, created_at, updated_at"
 )
+# What a Put of an existing schedule replaces (its last_fire_at and created_at are kept).
+SCHEDULE_UPSERT = (
+    " ON CONFLICT (pool, name) DO UPDATE SET cron = excluded.cron, timezone = excluded.timezone,"
+    " payload = excluded.payload, content_type = excluded.content_type, priority = excluded.priority,"
+    " max_attempts = excluded.max_attempts, resources = excluded.resources, timeout_ms = excluded.timeout_ms,"
+    " paused = excluded.paused, fire_all_missed = excluded.fire_all_missed,"
+    " next_fire_at = excluded.next_fire_at, updated_at = excluded.updated_at"
+    f" RETURNING {SCHEDULE_COLUMNS}"
+)
 
 
 def schedule_row(r: Any) -> ScheduleRow:

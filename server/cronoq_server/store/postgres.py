@@ -42,6 +42,7 @@ from .logic import (
     LEASE_RESOURCE_WINDOW,
     OUTCOME_COLUMNS,
     SCHEDULE_COLUMNS,
+    SCHEDULE_UPSERT,
     check_outcomes,
     check_pending_limits,
     decide_heartbeat,
@@ -1032,13 +1033,7 @@ class PostgresStore:
     async def put_schedule(self, schedule: ScheduleRow, now: int) -> ScheduleRow:
         sql = self._sql(
             f"INSERT INTO {{s}}.schedules ({SCHEDULE_COLUMNS})"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)"
-            " ON CONFLICT (pool, name) DO UPDATE SET cron = excluded.cron, timezone = excluded.timezone,"
-            " payload = excluded.payload, content_type = excluded.content_type, priority = excluded.priority,"
-            " max_attempts = excluded.max_attempts, resources = excluded.resources, timeout_ms = excluded.timeout_ms,"
-            " paused = excluded.paused, fire_all_missed = excluded.fire_all_missed,"
-            " next_fire_at = excluded.next_fire_at, updated_at = excluded.updated_at"
-            f" RETURNING {SCHEDULE_COLUMNS}"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)" + SCHEDULE_UPSERT
         )
         values = schedule_values(schedule, now)
         return schedule_row(await self._tx(lambda c: c.fetchrow(sql, *values)))

@@ -38,6 +38,7 @@ from .logic import (
     LEASE_RESOURCE_WINDOW,
     OUTCOME_COLUMNS,
     SCHEDULE_COLUMNS,
+    SCHEDULE_UPSERT,
     check_outcomes,
     check_pending_limits,
     decide_heartbeat,
@@ -723,9 +724,7 @@ class SqliteStore:
         return await self._run(self._last_event, self._conn)
 
     async def read_events(self, after: int, limit: int) -> list[EventRow]:
-        sql = (
-            "SELECT id, task_seq, state, attempt, at, pool, prev_state FROM events WHERE id > ? ORDER BY id LIMIT ?"
-        )
+        sql = "SELECT id, task_seq, state, attempt, at, pool, prev_state FROM events WHERE id > ? ORDER BY id LIMIT ?"
         rows = await self._run(lambda: self._conn.execute(sql, (after, limit)).fetchall())
         return [EventRow(r[0], r[1], State(r[2]), r[3], r[4], r[5], r[6]) for r in rows]
 
@@ -813,15 +812,7 @@ class SqliteStore:
     # -- schedules ------------------------------------------------------------
 
     async def put_schedule(self, schedule: ScheduleRow, now: int) -> ScheduleRow:
-        sql = (
-            f"INSERT INTO schedules ({SCHEDULE_COLUMNS}) VALUES ({_marks(16)})"
-            " ON CONFLICT (pool, name) DO UPDATE SET cron = excluded.cron, timezone = excluded.timezone,"
-            " payload = excluded.payload, content_type = excluded.content_type, priority = excluded.priority,"
-            " max_attempts = excluded.max_attempts, resources = excluded.resources, timeout_ms = excluded.timeout_ms,"
-            " paused = excluded.paused, fire_all_missed = excluded.fire_all_missed,"
-            " next_fire_at = excluded.next_fire_at, updated_at = excluded.updated_at"
-            f" RETURNING {SCHEDULE_COLUMNS}"
-        )
+        sql = f"INSERT INTO schedules ({SCHEDULE_COLUMNS}) VALUES ({_marks(16)})" + SCHEDULE_UPSERT
         values = schedule_values(schedule, now)
         return await self._tx(lambda db: schedule_row(db.execute(sql, values).fetchone()))
 
