@@ -34,3 +34,8 @@ def cap_error(text: str) -> str:
         return text
     kept = data[: MAX_ERROR_BYTES - 64].decode(errors="ignore")
     return kept + TRUNCATED.format(n=len(data) - len(kept.encode()))
+
+
+# Keys of schedules' tasks start with this; a submission may not use it (it could take a
+# future slot's key and so suppress that fire).
+SCHEDULE_KEY_PREFIX = "schedule:"

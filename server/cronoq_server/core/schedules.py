@@ -23,6 +23,7 @@ from ..store.base import NewTask, ScheduleRow, Store
 from .convert import to_schedule
 from .cron import Cron, CronError, latest_at_or_before, next_after, parse, zone
 from .events import EventBus
+from .limits import SCHEDULE_KEY_PREFIX
 from .tasks import Tasks, now_us
 
 log = logging.getLogger("cronoq.schedules")
@@ -40,7 +41,7 @@ WAKE_MARGIN_S = 0.001
 
 def slot_key(pool: str, name: str, slot_us: int) -> str:
     """The key of a slot's task. Names hold no ':', so no two (pool, name, slot) share a key."""
-    return f"schedule:{pool}:{name}:{slot_us // 1_000_000}"
+    return f"{SCHEDULE_KEY_PREFIX}{pool}:{name}:{slot_us // 1_000_000}"
 
 
 class Schedules:

@@ -17,7 +17,7 @@ from ..ids import MAX_ID, make_task_id, seq_of, shard_of
 from ..store.base import TERMINAL, NewTask, State, Store, Submitted, TaskRow
 from .convert import to_task
 from .events import EventBus, Watcher, parse_cursor
-from .limits import MAX_CONTENT_TYPE, MAX_KEY_LENGTH, MAX_REQUEST_ID, check_text
+from .limits import MAX_CONTENT_TYPE, MAX_KEY_LENGTH, MAX_REQUEST_ID, SCHEDULE_KEY_PREFIX, check_text
 
 # google.protobuf.Timestamp's range: 0001-01-01T00:00:00Z to 9999-12-31T23:59:59.999999999Z.
 MIN_TIMESTAMP_S = -62_135_596_800
@@ -81,6 +81,10 @@ class Tasks:
         if pool is None:
             raise invalid(f"{where}pool: unknown pool {req.pool!r}")
         check_text(f"{where}key", req.key, MAX_KEY_LENGTH)
+        if req.key.startswith(SCHEDULE_KEY_PREFIX):
+            raise invalid(
+                f"{where}key: {req.key!r}: keys starting with {SCHEDULE_KEY_PREFIX!r} are reserved for schedules"
+            )
         self.check_template(req, where)
         if req.HasField("run_at") and not (
             MIN_TIMESTAMP_S <= req.run_at.seconds <= MAX_TIMESTAMP_S and 0 <= req.run_at.nanos < 1_000_000_000
