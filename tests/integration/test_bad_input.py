@@ -271,6 +271,7 @@ def test_submit_task_bad_fields(client: Client) -> None:
             ("depends_on", "'selfish'"),
         ),
         ("key too long", {"pool": "default", "key": "k" * 257}, "INVALID_ARGUMENT", ("key", "257")),
+        ("negative timeout", {"pool": "default", "timeout_ms": "-5"}, "INVALID_ARGUMENT", ("timeout_ms", "-5")),
         (
             "a schedule slot's key",  # else a submitter could take a future slot and suppress its fire
             {"pool": "default", "key": "schedule:default:nightly:1900000000"},
