@@ -292,6 +292,8 @@ class PeerChannels:
         if caller.via_certificate:
             return "the caller authenticated with a client certificate, which cannot be forwarded"
         url = urlsplit(endpoint)
+        if url.scheme not in ("http", "https") or not url.netloc:  # e.g. a server.advertise without a scheme
+            return f"{endpoint!r} is not an http:// or https:// address"
         if previous is not None and urlsplit(previous).scheme == "https" and url.scheme != "https":
             return f"{endpoint} is plain http:// and the shard's endpoint is https://"
         insecure_ok = self._config.server.insecure_peer_http
