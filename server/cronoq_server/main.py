@@ -24,6 +24,7 @@ from .api.tls import check_tls_files, describe
 from .auth import MAX_TOKEN_CHARS
 from .config import Config, ConfigError, load_config
 from .node import Node
+from .router import ShardRouter
 from .store.base import StoreOwnedElsewhere
 
 log = logging.getLogger("cronoq.server")
@@ -82,13 +83,14 @@ def check_startup(config: Config, path: str, shard: str | None) -> None:
 
 async def serve(config: Config, shard: str | None) -> int:
     node = Node(config, shard)
+    router = ShardRouter(node)
     try:
-        grpc_server, health = await start_grpc(node, config.server.listen)
+        grpc_server, health = await start_grpc(node, config.server.listen, router)
     except (ListenError, ConfigError) as err:
         print(f"cronoq-server: {err}", file=sys.stderr)
         return 2
     try:
-        http_runner = await start_http(node, config.server.http_listen)
+        http_runner = await start_http(node, config.server.http_listen, router)
     except (ListenError, ConfigError) as err:
         print(f"cronoq-server: {err}", file=sys.stderr)
         await grpc_server.stop(None)
@@ -138,6 +140,7 @@ async def serve(config: Config, shard: str | None) -> int:
     await asyncio.sleep(HANDOFF_S)
     await grpc_server.stop(1.0)
     await http_runner.cleanup()
+    await router.close()
     log.info("shard %s: stopped", node.shard_name)
     return code
 

@@ -4,10 +4,11 @@ call path that both APIs (gRPC and HTTP) go through."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -248,10 +249,13 @@ class Node:
     def authenticate(self, authorization: str | None, cert_subject: str | None) -> Principal:
         return self.auth.authenticate(authorization, cert_subject)
 
-    def admit(self, method: str, caller: Principal) -> None:
+    def admit(self, method: str, caller: Principal, *, leading: bool = True) -> None:
         """What every call passes before its request is looked at: this server must be able to
         answer it (the leader, or a standby for calls declared so), and the caller must hold
-        the permission the RPC declares on some pool (each pool is checked again by the call)."""
+        the permission the RPC declares on some pool (each pool is checked again by the call).
+
+        leading=False leaves out the leader check, for a call the shard router may forward
+        (a standby forwards to another shard as well as the leader does)."""
         rpc = self.rpcs[method]
         if self.draining and not rpc.standby:
             # No leader named: it is about to change, so the caller tries its next endpoint.
@@ -261,7 +265,7 @@ class Node:
                 reason="SHUTTING_DOWN",
                 retry_delay=0.1,
             )
-        if not self.is_leader and not rpc.standby:
+        if leading and not self.is_leader and not rpc.standby:
             leader = self.leadership.current_leader()
             raise ApiError(
                 grpc.StatusCode.UNAVAILABLE,
@@ -275,10 +279,24 @@ class Node:
                 grpc.StatusCode.PERMISSION_DENIED, f"{caller.name!r} lacks permission {rpc.permission!r} ({method})"
             )
 
-    async def call(self, method: str, request: Message, caller: Principal) -> Message:
-        code = "OK"
+    @contextlib.contextmanager
+    def in_flight(self) -> Iterator[None]:
+        """Counts a call as in flight until it is answered: drain waits for these."""
         self._in_flight += 1
         self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+
+    async def call(self, method: str, request: Message, caller: Principal) -> Message:
+        with self.in_flight():
+            return await self._call(method, request, caller)
+
+    async def _call(self, method: str, request: Message, caller: Principal) -> Message:
+        code = "OK"
         try:
             self.admit(method, caller)
             response = await self._unary[method](request, caller)
@@ -300,9 +318,6 @@ class Node:
             raise
         finally:
             CALLS.labels(method=method, code=code).inc()
-            self._in_flight -= 1
-            if not self._in_flight:
-                self._idle.set()
 
     async def watch(self, request: Message, caller: Principal) -> AsyncGenerator[Message, None]:
         """Admits and checks the call (its cursor too); the events come from the returned iterator."""

@@ -654,7 +654,7 @@ class ScriptedNode:
     def authenticate(self, authorization: str | None, cert_subject: str | None) -> Any:
         return ANONYMOUS
 
-    def admit(self, method: str, caller: Any) -> None:
+    def admit(self, method: str, caller: Any, *, leading: bool = True) -> None:
         pass
 
     async def call(self, method: str, request: Any, caller: Any) -> Any:

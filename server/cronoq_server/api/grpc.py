@@ -1,4 +1,4 @@
-"""The gRPC API (grpc.aio): a handler per RPC of the registry over Node.call, plus grpc.health.v1."""
+"""The gRPC API (grpc.aio): a handler per RPC of the registry over the shard router, plus grpc.health.v1."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from ..auth import Principal
 from ..errors import ApiError
 from ..node import Node
 from ..registry import Rpc, registry
+from ..router import FORWARDED_HEADER, Call, ShardRouter
 from .listen import ListenError, precheck_bind, probe_bind
 from .reflection import enable_reflection
 from .tls import grpc_cert_subject, grpc_server_credentials
@@ -51,18 +52,27 @@ async def _abort(context: grpc.aio.ServicerContext, err: ApiError) -> None:
 
 
 class _Handlers:
-    """The gRPC handler of every RPC in the registry, each a thin call into the Node."""
+    """The gRPC handler of every RPC in the registry, each a thin call into the shard router."""
 
-    def __init__(self, node: Node):
-        self._node = node
+    def __init__(self, router: ShardRouter):
+        self._node = router.node
+        self._router = router
 
     def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
         return self._node.authenticate(_metadata(context, "authorization"), _cert_subject(context))
 
+    def _call(self, context: grpc.aio.ServicerContext) -> Call:
+        """Credentials first: the caller is authenticated before anything is routed."""
+        return Call(
+            self._caller(context),
+            forwarded=_metadata(context, FORWARDED_HEADER) is not None,
+            timeout=context.time_remaining(),
+        )
+
     def unary(self, rpc: Rpc) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                return await self._node.call(rpc.name, request, self._caller(context))
+                return await self._router.call(rpc.name, request, self._call(context))
             except ApiError as err:
                 await _abort(context, err)
             except Exception:
@@ -74,7 +84,9 @@ class _Handlers:
     def stream(self, rpc: Rpc) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                stream = await self._node.watch(request, self._caller(context))
+                call = self._call(context)
+                self._router.admit(rpc.name, call)
+                stream = await self._router.watch(request, call)
             except ApiError as err:
                 await _abort(context, err)
                 return
@@ -115,10 +127,13 @@ def server_options(node: Node) -> list[tuple[str, int]]:
     ]
 
 
-async def start_grpc(node: Node, listen: str) -> tuple[grpc.aio.Server, HealthServicer]:
-    """Serves the gRPC API on `listen`; raises ListenError (one line) when it cannot bind."""
+async def start_grpc(
+    node: Node, listen: str, router: ShardRouter | None = None
+) -> tuple[grpc.aio.Server, HealthServicer]:
+    """Serves the gRPC API on `listen` (through `router`, or a router of its own); raises
+    ListenError (one line) when it cannot bind."""
     server = grpc.aio.server(options=server_options(node))
-    server.add_generic_rpc_handlers(_Handlers(node).generic())
+    server.add_generic_rpc_handlers(_Handlers(router or ShardRouter(node)).generic())
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection(server)  # the descriptors, for grpcurl and grpcui; needs no credentials

@@ -22,6 +22,7 @@ from ..auth import Principal
 from ..errors import ApiError
 from ..node import Node
 from ..registry import HttpRoute, Rpc, registry
+from ..router import FORWARDED_HEADER, Call, ShardRouter
 from . import http_listener
 from .http_body import decode_json
 from .http_listener import Connection, GuardedRunner, connection_guard, error_body, one_line
@@ -149,8 +150,9 @@ def _sse_error(err: ApiError) -> bytes:
 
 
 class HttpApi:
-    def __init__(self, node: Node):
+    def __init__(self, node: Node, router: ShardRouter | None = None):
         self.node = node
+        self.router = router or ShardRouter(node)
         self.app = web.Application(
             middlewares=[connection_guard, _json_http_errors],
             client_max_size=max(node.config.limits.max_payload_bytes * 2, 4 << 20),
@@ -166,14 +168,19 @@ class HttpApi:
     def _caller(self, request: web.Request) -> Principal:
         return self.node.authenticate(request.headers.get("Authorization"), http_cert_subject(request))
 
+    def _call(self, request: web.Request) -> Call:
+        """Credentials first: the caller is authenticated before anything is routed. An HTTP
+        call has no deadline to pass on; a forwarded one is answered for this shard only."""
+        return Call(self._caller(request), forwarded=request.headers.get(FORWARDED_HEADER) is not None)
+
     def _handler(self, rpc: Rpc, route: HttpRoute) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handle(request: web.Request) -> web.StreamResponse:
             try:
-                caller = self._caller(request)  # credentials first, then the permission, then the body
-                self.node.admit(rpc.name, caller)
+                call = self._call(request)  # credentials first, then the permission, then the body
+                self.router.admit(rpc.name, call)
                 body = await _body(request) if route.method in ("POST", "PUT") else None
                 message = build_request(rpc, route, request.match_info, request.query, body)
-                response = await self.node.call(rpc.name, message, caller)
+                response = await self.router.call(rpc.name, message, call)
             except ApiError as err:
                 return _error_response(err)
             except Exception:
@@ -197,13 +204,13 @@ class HttpApi:
         JSON error body. `Last-Event-ID` (an EventSource reconnecting) resumes like `?cursor=`,
         and wins over it: the query is the one the stream was first opened with."""
         try:
-            caller = self._caller(request)
-            self.node.admit(rpc.name, caller)
+            call = self._call(request)
+            self.router.admit(rpc.name, call)
             watch = build_request(rpc, route, request.match_info, request.query, None)
             last_event_id = request.headers.get("Last-Event-ID", "").strip()
             if last_event_id:
                 watch.cursor = last_event_id  # type: ignore[attr-defined]
-            stream = await self.node.watch(watch, caller)
+            stream = await self.router.watch(watch, call)
         except ApiError as err:
             return _error_response(err)
         conn = request.protocol
@@ -293,9 +300,10 @@ class HttpApi:
         return web.json_response({"status": "standby", "shard": self.node.shard_name}, status=503)
 
 
-async def start_http(node: Node, listen: str) -> web.AppRunner:
-    """Serves the HTTP API on `listen`; raises ListenError (one line) when it cannot bind."""
-    api = HttpApi(node)
+async def start_http(node: Node, listen: str, router: ShardRouter | None = None) -> web.AppRunner:
+    """Serves the HTTP API on `listen` (through `router`, or a router of its own); raises
+    ListenError (one line) when it cannot bind."""
+    api = HttpApi(node, router)
     runner = GuardedRunner(
         api.app,
         http_listener.max_connections_from_env(),

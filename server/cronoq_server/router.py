@@ -1,0 +1,336 @@
+"""The shard router: between the API layers (gRPC and HTTP) and this server's Node, which
+serves one shard only.
+
+Each RPC's routing class (registry.Rpc.routing) picks one strategy in ShardRouter._strategies:
+
+- by_pool (submissions, batches, schedules) and by_task (Get/Wait/Cancel by id; the shard is
+  the id's top 8 bits): the Node answers when the pool or task is this server's shard's, and
+  the call is forwarded to the owning shard's endpoint otherwise.
+- Everything else is answered by the Node for now: keys across shards, fan-out reads, the
+  merged Watch and worker redirects are strategies still to write (see _strategies).
+
+A forwarded call carries the caller's own token and `cronoq-forwarded: 1`, with the caller's
+remaining deadline; the other shard authenticates and authorizes it again, and its refusals
+come back with their code, message and cronoq-* metadata (but not its `cronoq-leader`, which
+names the other shard's leader, not this server's). A standby's UNAVAILABLE naming its
+leader is followed once.
+
+A call that arrives marked cronoq-forwarded (from a peer, or a client that set it) is
+answered for this shard only, never forwarded again: a pool or task id of another shard gets
+FAILED_PRECONDITION naming that shard and its endpoint (reason WRONG_SHARD).
+
+Instead of forwarding, FAILED_PRECONDITION naming the shard and its endpoint (message and
+cronoq-shard / cronoq-shard-endpoint) for a caller authenticated by client certificate (no
+token to forward), and for an http:// endpoint on a non-loopback host unless
+server.insecure_peer_http. An unreachable shard is UNAVAILABLE naming it
+(cronoq-unavailable-shards).
+
+Credentials first: the API layer authenticates and admit() checks the RPC's permission before
+any routing, and before any answer that names where a pool is served (a refusal, an
+unreachable shard, a batch across shards) the caller's permission on that pool is checked
+here, so a caller that may not use a pool learns nothing about where it is served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import grpc
+from google.protobuf.message import Message
+
+from cronoq.status import decode_details
+
+from .api.tls import peer_channel_credentials
+from .auth import Principal
+from .config import Config, ShardConfig
+from .errors import ApiError, invalid
+from .ids import shard_of
+from .metrics import FORWARDED
+from .node import Node
+from .registry import ROUTINGS, RegistryError, Rpc, registry
+
+log = logging.getLogger("cronoq.router")
+
+FORWARDED_HEADER = "cronoq-forwarded"
+# A shard that went away is retried at least this often by its channel, so it is used again
+# within about this long of coming back (gRPC's default backoff grows to 120 s).
+PEER_RECONNECT_MAX_MS = 2_000
+
+# The pools a by_pool call concerns. RegisterWorker is by_pool too, but a worker is sent to
+# its shard (a refusal with the endpoint) rather than forwarded: not in this table yet.
+_POOLS_OF: dict[str, Callable[[Any], list[str]]] = {
+    "SubmitTask": lambda req: [req.pool],
+    "SubmitBatch": lambda req: [t.pool for t in req.tasks],
+    "PutSchedule": lambda req: [req.schedule.pool],
+    "DeleteSchedule": lambda req: [req.pool],
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Who calls and how, beyond the request: what routing needs from the API layer."""
+
+    caller: Principal
+    forwarded: bool = False  # arrived with cronoq-forwarded: answered for this shard only
+    timeout: float | None = None  # seconds left before the caller's deadline; None: no deadline
+
+
+Strategy = Callable[[Rpc, Message, Call], Awaitable[Message]]
+
+
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class ShardRouter:
+    def __init__(self, node: Node):
+        self.node = node
+        config: Config = node.config
+        self.sharded = config.sharded
+        self.rpcs = registry()
+        self._shard_by_pool = {pool: s for s in config.shards for pool in s.pools}
+        self._shard_by_number = {s.number: s for s in config.shards}
+        self.peers = PeerChannels(config)
+        self._strategies: dict[str, Strategy] = {
+            "local": self._local,
+            "by_pool": self._to_pool_shard,
+            "by_task": self._to_task_shard,
+            "fan_out": self._local,  # to do: every shard in parallel, naming unavailable_shards
+            "by_worker": self._local,  # to do: the worker's shard (its id names it)
+        }
+        missing = set(ROUTINGS.values()) - set(self._strategies)
+        if missing:
+            raise RegistryError(f"routing classes without a strategy: {', '.join(sorted(missing))}")
+
+    async def close(self) -> None:
+        await self.peers.close()
+
+    # -- what the API layers call ---------------------------------------------
+
+    def admit(self, method: str, call: Call) -> None:
+        """Before the request is read: for a call that may concern another shard, that this
+        server is not draining and the caller holds the RPC's permission (a standby forwards
+        too; the Node checks the rest if it answers); else everything Node.admit checks."""
+        self.node.admit(method, call.caller, leading=not self._routed(self.rpcs[method]))
+
+    async def call(self, method: str, request: Message, call: Call) -> Message:
+        rpc = self.rpcs[method]
+        if not self.sharded:
+            return await self.node.call(method, request, call.caller)
+        self.admit(method, call)
+        return await self._strategies[rpc.routing](rpc, request, call)
+
+    async def watch(self, request: Message, call: Call) -> Any:
+        """This shard's events (to do: merged from every shard, with a composite cursor)."""
+        return await self.node.watch(request, call.caller)
+
+    # -- strategies -----------------------------------------------------------
+
+    def _routed(self, rpc: Rpc) -> bool:
+        """Whether the call may concern another shard than this server's (to do: fan-out too)."""
+        return self.sharded and rpc.routing in ("by_pool", "by_task")
+
+    async def _local(self, rpc: Rpc, request: Message, call: Call) -> Message:
+        return await self.node.call(rpc.name, request, call.caller)
+
+    async def _to_pool_shard(self, rpc: Rpc, request: Message, call: Call) -> Message:
+        pools_of = _POOLS_OF.get(rpc.name)
+        if pools_of is None:
+            return await self._local(rpc, request, call)
+        pools = pools_of(request)
+        owners: dict[str, ShardConfig] = {}
+        for pool in pools:
+            shard = self._shard_by_pool.get(pool)
+            if shard is not None:
+                owners.setdefault(shard.name, shard)
+        if not owners:  # no pool, or unknown pools: the Node names the field
+            return await self._local(rpc, request, call)
+        known = [p for p in pools if p in self._shard_by_pool]
+        if len(owners) > 1:
+            self._require(rpc, call.caller, known)
+            where = ", ".join(f"{p!r} in {self._shard_by_pool[p].name!r}" for p in dict.fromkeys(known))
+            raise invalid(
+                f"tasks: a batch is admitted by one shard, but its pools are in shards "
+                f"{', '.join(repr(n) for n in sorted(owners))} ({where}); submit one batch per shard"
+            )
+        (shard,) = owners.values()
+        return await self._on_shard(rpc, request, call, shard, known)
+
+    async def _to_task_shard(self, rpc: Rpc, request: Message, call: Call) -> Message:
+        ref = request.task  # type: ignore[attr-defined]
+        if ref.WhichOneof("ref") != "id":  # to do: a key is looked up in every shard
+            return await self._local(rpc, request, call)
+        shard = self._shard_by_number.get(shard_of(ref.id))
+        if shard is None:  # a shard number no shard has: the Node's "not found"
+            return await self._local(rpc, request, call)
+        return await self._on_shard(rpc, request, call, shard, [])  # the id names its shard anyway
+
+    async def _on_shard(self, rpc: Rpc, request: Message, call: Call, shard: ShardConfig, pools: list[str]) -> Message:
+        """Answers a call that concerns `shard`: here, or there. `pools` are those the answer
+        may reveal the shard of: the caller's permission on them is checked before it does."""
+        if shard.name == self.node.shard_name:
+            return await self._local(rpc, request, call)
+        if call.forwarded:
+            self._require(rpc, call.caller, pools)
+            raise _refusal(
+                shard,
+                f"this call is marked {FORWARDED_HEADER} and is answered by shard {self.node.shard_name!r} only",
+                "WRONG_SHARD",
+            )
+        reason = self.peers.refusal(shard.endpoint, call.caller)
+        if reason:
+            self._require(rpc, call.caller, pools)
+            raise _refusal(shard, reason, "NOT_FORWARDED")
+        with self.node.in_flight():
+            try:
+                return await self._forward(rpc, request, call, shard)
+            except ApiError as err:
+                if err.reason == "SHARD_UNAVAILABLE":
+                    self._require(rpc, call.caller, pools)
+                raise
+
+    def _require(self, rpc: Rpc, caller: Principal, pools: Iterable[str]) -> None:
+        if rpc.permission is not None:
+            for pool in pools:
+                caller.require(rpc.permission, pool)
+
+    async def _forward(self, rpc: Rpc, request: Message, call: Call, shard: ShardConfig) -> Message:
+        """forward_to_shard: the call at the shard's endpoint, then once at the leader a standby names."""
+        metadata: list[tuple[str, str]] = [(FORWARDED_HEADER, "1")]
+        if call.caller.token is not None:
+            metadata.append(("authorization", f"Bearer {call.caller.token}"))
+        loop = asyncio.get_running_loop()
+        deadline = None if call.timeout is None else loop.time() + call.timeout
+        endpoint = shard.endpoint
+        for redirected in (False, True):
+            timeout = None if deadline is None else max(deadline - loop.time(), 0.0)
+            try:
+                response = await self.peers.unary(endpoint, rpc, request, metadata, timeout)
+            except grpc.aio.AioRpcError as err:
+                raw: Any = err.trailing_metadata() or ()  # grpc-stubs type it as one entry
+                trailers: tuple[tuple[str, Any], ...] = tuple((str(k), v) for k, v in raw)
+                leader = _trailer(trailers, "cronoq-leader")
+                if (
+                    not redirected
+                    and err.code() == grpc.StatusCode.UNAVAILABLE
+                    and leader
+                    and leader != endpoint
+                    and not self.peers.refusal(leader, call.caller, previous=endpoint)
+                ):
+                    log.debug("%s for shard %s: %s is a standby, leader %s", rpc.name, shard.name, endpoint, leader)
+                    endpoint = leader
+                    continue
+                FORWARDED.labels(shard=shard.name, code=err.code().name).inc()
+                raise _peer_error(shard, endpoint, err, trailers) from None
+            FORWARDED.labels(shard=shard.name, code="OK").inc()
+            return response
+        raise AssertionError("unreachable")
+
+
+def _trailer(trailers: Iterable[tuple[str, Any]], name: str) -> str | None:
+    for key, value in trailers:
+        if key == name:
+            return value if isinstance(value, str) else value.decode()
+    return None
+
+
+def _refusal(shard: ShardConfig, why: str, reason: str) -> ApiError:
+    return ApiError(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"served by shard {shard.name!r} at {shard.endpoint}: {why}; call that shard there",
+        {"cronoq-shard": shard.name, "cronoq-shard-endpoint": shard.endpoint},
+        reason=reason,
+    )
+
+
+def _peer_error(
+    shard: ShardConfig, endpoint: str, err: grpc.aio.AioRpcError, trailers: tuple[tuple[str, Any], ...]
+) -> ApiError:
+    """The peer's refusal as this server's answer; a call that got no answer names the shard."""
+    code = err.code()
+    details = decode_details(trailers)
+    if details is None:  # the peer did not answer: gRPC's own status
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return ApiError(
+                code,
+                f"shard {shard.name!r} cannot be reached at {endpoint}: {err.details()}",
+                {"cronoq-unavailable-shards": shard.name},
+                reason="SHARD_UNAVAILABLE",
+                retry_delay=1.0,
+            )
+        return ApiError(code, f"shard {shard.name!r} at {endpoint}: {err.details()}")
+    metadata = {
+        key: value
+        for key, value in trailers
+        if key.startswith("cronoq-") and key != "cronoq-leader" and isinstance(value, str)
+    }
+    return ApiError(code, err.details() or "", metadata, reason=details.reason or None, retry_delay=details.retry_delay)
+
+
+class PeerChannels:
+    """This server's gRPC channels to other shards' endpoints: one pooled channel an endpoint,
+    [server.peer_tls] for https://, and the rules for when not to send a call at all."""
+
+    def __init__(self, config: Config):
+        self._config = config
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._credentials: grpc.ChannelCredentials | None = None
+
+    def refusal(self, endpoint: str, caller: Principal, previous: str | None = None) -> str | None:
+        """Why a call of `caller` must not be sent to `endpoint` (None: it may)."""
+        if caller.via_certificate:
+            return "the caller authenticated with a client certificate, which cannot be forwarded"
+        url = urlsplit(endpoint)
+        if url.scheme not in ("http", "https") or not url.netloc:  # e.g. a server.advertise without a scheme
+            return f"{endpoint!r} is not an http:// or https:// address"
+        if previous is not None and urlsplit(previous).scheme == "https" and url.scheme != "https":
+            return f"{endpoint} is plain http:// and the shard's endpoint is https://"
+        insecure_ok = self._config.server.insecure_peer_http
+        if url.scheme == "http" and not is_loopback_host(url.hostname or "") and not insecure_ok:
+            return (
+                "its endpoint is plain http:// on another host, and tokens are not sent unencrypted "
+                "(server.insecure_peer_http = false)"
+            )
+        return None
+
+    def channel(self, endpoint: str) -> grpc.aio.Channel:
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            url = urlsplit(endpoint)
+            options = [
+                ("grpc.max_receive_message_length", max(self._config.limits.max_payload_bytes * 2, 64 << 20)),
+                ("grpc.max_reconnect_backoff_ms", PEER_RECONNECT_MAX_MS),
+                ("grpc.keepalive_time_ms", 60_000),
+            ]
+            if url.scheme == "https":
+                if self._credentials is None:
+                    self._credentials = peer_channel_credentials(self._config)
+                channel = grpc.aio.secure_channel(url.netloc, self._credentials, options)
+            else:
+                channel = grpc.aio.insecure_channel(url.netloc, options)
+            self._channels[endpoint] = channel
+        return channel
+
+    async def unary(
+        self, endpoint: str, rpc: Rpc, request: Message, metadata: list[tuple[str, str]], timeout: float | None
+    ) -> Message:
+        method = self.channel(endpoint).unary_unary(
+            rpc.path, request_serializer=rpc.request.SerializeToString, response_deserializer=rpc.response.FromString
+        )
+        response: Message = await method(request, metadata=metadata, timeout=timeout)
+        return response
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(c.close(None) for c in channels), return_exceptions=True)
