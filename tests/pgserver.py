@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ports import free_port
+
 
 def find_bin_dir() -> Path | None:
     """The directory of Debian's PostgreSQL binaries (newest version), or PATH's."""
@@ -25,19 +27,13 @@ def find_bin_dir() -> Path | None:
     return Path(initdb).parent if initdb else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TempPostgres:
     def __init__(self, bin_dir: Path, root: Path | None = None, settings: dict[str, str] | None = None):
         self.bin_dir = bin_dir
         self.root = Path(root or tempfile.mkdtemp(prefix="cronoq-pg-"))
         self.data = self.root / "data"
         self.sock = self.root / "sock"
-        self.port = _free_port()
+        self.port = free_port()
         self.settings = {"max_connections": "200", "shared_buffers": "128MB", **(settings or {})}
         self._as_root = os.geteuid() == 0
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 import pytest
+from ports import free_port  # type: ignore[import-not-found]
 from test_bad_input import Client, has_traceback
 
 from cronoq.v1 import task_pb2, task_service_pb2_grpc
@@ -49,12 +50,6 @@ def get(url: str, headers: dict[str, str] | None = None, timeout: float = 10) ->
             return r.status, dict(r.headers), r.read()
     except urllib.error.HTTPError as err:
         return err.code, dict(err.headers), err.read()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- raw sockets --------------------------------------------------------------------

@@ -43,6 +43,7 @@ from typing import Any
 
 import grpc
 import pytest
+from ports import free_port  # type: ignore[import-not-found]
 from tls_pki import Pair, Pki
 
 import cronoq
@@ -61,12 +62,6 @@ PATIENT = cronoq.RetryConfig(initial_backoff=0.05, max_backoff=0.5, max_elapsed=
 
 def sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_cmd(config: Path, *args: str) -> list[str]:
