@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -58,6 +59,15 @@ class Api:
 
     def fail(self, worker: str, task: task_pb2.Task, retryable: bool = True) -> wpb.FinishTaskResult:
         return self.finish(worker, task, failure=wpb.TaskFailure(error="boom", retryable=retryable))
+
+
+def store_table(kind: str, request: Any, path: Path | None = None) -> dict[str, Any]:
+    """The [store] table of a fresh store: SQLite (at path, or the server's default) or a new
+    schema of the session's PostgreSQL."""
+    if kind == "postgres":
+        pg = request.getfixturevalue("postgres")
+        return {"kind": "postgres", "url": pg.url, "schema": f"t_{uuid.uuid4().hex[:10]}"}
+    return {"path": str(path)} if path is not None else {}
 
 
 def start_worker(endpoint: str, pool: str, logfile: Path, concurrency: int = 8) -> subprocess.Popen[bytes]:

@@ -7,12 +7,11 @@ import itertools
 import json
 import signal
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _helpers import Api, eventually, log_lines, max_overlap, run_intervals, start_worker
+from _helpers import Api, eventually, log_lines, max_overlap, run_intervals, start_worker, store_table
 
 from cronoq.v1 import task_pb2
 
@@ -22,10 +21,7 @@ SUCCEEDED = task_pb2.TASK_STATE_SUCCEEDED
 @pytest.fixture(params=["sqlite", "postgres"])
 def store_kind(request: pytest.FixtureRequest) -> dict[str, Any]:
     """The [store] table of a fresh store of each kind."""
-    if request.param == "sqlite":
-        return {}
-    pg = request.getfixturevalue("postgres")
-    return {"kind": "postgres", "url": pg.url, "schema": f"res_{uuid.uuid4().hex[:10]}"}
+    return store_table(request.param, request)
 
 
 def config(store: dict[str, Any], resources: list[dict[str, Any]], **pool: Any) -> dict[str, Any]:

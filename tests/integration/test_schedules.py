@@ -7,12 +7,11 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import time
-import uuid
 from typing import Any
 
 import grpc
 import pytest
-from _helpers import eventually
+from _helpers import eventually, store_table
 from test_failover import is_leader
 
 from cronoq.v1 import schedule_service_pb2 as spb
@@ -26,10 +25,7 @@ ON_TIME_US = 300_000  # a slot's task is created within this of the slot
 
 def store_config(kind: str, request: pytest.FixtureRequest, tmp_path: Any) -> dict[str, Any]:
     pools = [{"name": "default", "lease_ttl": "30s"}, {"name": "other", "lease_ttl": "30s"}]
-    if kind == "postgres":
-        pg = request.getfixturevalue("postgres")
-        return {"store": {"kind": "postgres", "url": pg.url, "schema": f"s_{uuid.uuid4().hex[:10]}"}, "pools": pools}
-    return {"store": {"path": str(tmp_path / "shared.db")}, "pools": pools}
+    return {"store": store_table(kind, request, tmp_path / "shared.db"), "pools": pools}
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

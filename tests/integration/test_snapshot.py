@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
-from _helpers import Api, eventually, log_lines, start_worker
+from _helpers import Api, eventually, log_lines, start_worker, store_table
 
 from cronoq.v1 import admin_service_pb2 as apb
 from cronoq.v1 import admin_service_pb2_grpc
@@ -58,11 +58,9 @@ def test_snapshot_shows_resources_in_use_and_workers_running_tasks(start_server:
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
 def test_silent_workers_are_reaped(start_server: Any, kind: str, request: pytest.FixtureRequest) -> None:
-    store: dict[str, Any] = {}
-    if kind == "postgres":
-        pg = request.getfixturevalue("postgres")
-        store = {"kind": "postgres", "url": pg.url, "schema": f"reap_{abs(hash(request.node.name)) % 10**8}"}
-    srv = start_server({"store": store, "server": {"worker_reap_after": "1s"}, "pools": [{"name": "default"}]})
+    srv = start_server(
+        {"store": store_table(kind, request), "server": {"worker_reap_after": "1s"}, "pools": [{"name": "default"}]}
+    )
     api = Api(srv.grpc_target)
     silent = api.register()
     lively = api.register()

@@ -41,10 +41,6 @@ class Periodic:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    @property
-    def running(self) -> bool:
-        return self._task is not None and not self._task.done()
-
     async def _run(self) -> None:
         while True:
             delay: float | None = None
