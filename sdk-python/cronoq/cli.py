@@ -202,10 +202,11 @@ async def cmd_tasks(args: argparse.Namespace) -> int:
                 + ", ".join(STATE_NAMES[v] for v in STATE_NAMES if v)
             )
         state = task_pb2.TaskState.Value(name)
-    shown, token = 0, ""
+    shown, token, unavailable = 0, "", set[str]()
     async with _client(args) as client:
         while shown < args.limit:
             page = await client.list(args.pool, state, min(500, args.limit - shown), token)
+            unavailable.update(page.unavailable_shards)
             for task in page.tasks:
                 if args.json:
                     print(json.dumps(_wrap(task)))
@@ -224,6 +225,7 @@ async def cmd_tasks(args: argparse.Namespace) -> int:
         print(file=sys.stderr)
     if not args.json:
         print(f"{shown} task(s)" + ("; more remain (raise --limit)" if token else ""), file=sys.stderr)
+    _warn_unavailable(args, sorted(unavailable))
     return 0
 
 

@@ -5,9 +5,18 @@ Each RPC's routing class (registry.Rpc.routing) picks one strategy in ShardRoute
 
 - by_pool (submissions, batches, schedules) and by_task (Get/Wait/Cancel by id; the shard is
   the id's top 8 bits): the Node answers when the pool or task is this server's shard's, and
-  the call is forwarded to the owning shard's endpoint otherwise.
-- Everything else is answered by the Node for now: keys across shards, fan-out reads, the
-  merged Watch and worker redirects are strategies still to write (see _strategies).
+  the call is forwarded to the owning shard's endpoint otherwise. A worker is not forwarded:
+  RegisterWorker for another shard's pools is refused with that shard's endpoint (WRONG_SHARD),
+  and the worker's later calls (by_worker) go to the server it registered with.
+- by_task with a key: every shard is asked in parallel (GetTask by key). One holds it: that
+  task (Get), or the call goes to that shard (Wait, Cancel). Two hold it: FAILED_PRECONDITION,
+  use the task id. Shards that could not be asked are named in `unavailable_shards` (and the
+  cronoq-unavailable-shards metadata); Cancel by key is refused while any is missing.
+- fan_out (ListTasks, ListWorkers, ListSchedules, GetSnapshot): every shard the request
+  concerns (one, for a `pool` filter) is asked in parallel and the answers merged; the shards
+  that could not be asked are named in `unavailable_shards`. ListTasks pages across shards in
+  id order: ids carry their shard number in the top 8 bits, so the page token (the page's
+  last id) tells which shards are done, which one continues after it, and which start over.
 
 A forwarded call carries the caller's own token and `cronoq-forwarded: 1`, with the caller's
 remaining deadline; the other shard authenticates and authorizes it again, and its refusals
@@ -22,8 +31,9 @@ FAILED_PRECONDITION naming that shard and its endpoint (reason WRONG_SHARD).
 Instead of forwarding, FAILED_PRECONDITION naming the shard and its endpoint (message and
 cronoq-shard / cronoq-shard-endpoint) for a caller authenticated by client certificate (no
 token to forward), and for an http:// endpoint on a non-loopback host unless
-server.insecure_peer_http. An unreachable shard is UNAVAILABLE naming it
-(cronoq-unavailable-shards).
+server.insecure_peer_http. For reads these shards are listed as unavailable instead, so a
+certificate caller's reads cover the receiving shard only. An unreachable shard is UNAVAILABLE
+naming it (cronoq-unavailable-shards).
 
 Credentials first: the API layer authenticates and admit() checks the RPC's permission before
 any routing, and before any answer that names where a pool is served (a refusal, an
@@ -45,11 +55,17 @@ import grpc
 from google.protobuf.message import Message
 
 from cronoq.status import decode_details
+from cronoq.v1 import admin_service_pb2 as admin_pb
+from cronoq.v1 import schedule_service_pb2 as schedule_pb
+from cronoq.v1 import task_pb2
+from cronoq.v1 import task_service_pb2 as task_pb
+from cronoq.v1 import worker_service_pb2 as worker_pb
 
 from .api.tls import peer_channel_credentials
 from .auth import Principal
 from .config import Config, ShardConfig
-from .errors import ApiError, invalid
+from .core.tasks import page_size, page_token_id
+from .errors import ApiError, invalid, not_found
 from .ids import shard_of
 from .metrics import FORWARDED
 from .node import Node
@@ -58,18 +74,27 @@ from .registry import ROUTINGS, RegistryError, Rpc, registry
 log = logging.getLogger("cronoq.router")
 
 FORWARDED_HEADER = "cronoq-forwarded"
+UNAVAILABLE_HEADER = "cronoq-unavailable-shards"
 # A shard that went away is retried at least this often by its channel, so it is used again
 # within about this long of coming back (gRPC's default backoff grows to 120 s).
 PEER_RECONNECT_MAX_MS = 2_000
+# How long a read that asks every shard (a fan-out, a lookup by key) waits for one shard
+# before it answers without it (naming it unavailable), when the caller allows longer.
+PEER_READ_TIMEOUT_S = 5.0
+# Peer answers that mean "this shard cannot answer now": it is named in unavailable_shards.
+_UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
-# The pools a by_pool call concerns. RegisterWorker is by_pool too, but a worker is sent to
-# its shard (a refusal with the endpoint) rather than forwarded: not in this table yet.
+# The pools a by_pool call concerns.
 _POOLS_OF: dict[str, Callable[[Any], list[str]]] = {
     "SubmitTask": lambda req: [req.pool],
     "SubmitBatch": lambda req: [t.pool for t in req.tasks],
     "PutSchedule": lambda req: [req.schedule.pool],
     "DeleteSchedule": lambda req: [req.pool],
+    "RegisterWorker": lambda req: list(req.pools),
 }
+# by_pool calls that are sent to their shard (a refusal naming its endpoint), never forwarded:
+# a worker's lease, heartbeat and finish calls must reach the shard directly.
+_NOT_FORWARDED = {"RegisterWorker": "a worker registers with the shard that owns its pools"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,13 +126,16 @@ class ShardRouter:
         self.rpcs = registry()
         self._shard_by_pool = {pool: s for s in config.shards for pool in s.pools}
         self._shard_by_number = {s.number: s for s in config.shards}
+        self._by_name = {s.name: s for s in config.shards}
+        self.shards = sorted(config.shards, key=lambda s: s.number)  # id order
         self.peers = PeerChannels(config)
         self._strategies: dict[str, Strategy] = {
             "local": self._local,
             "by_pool": self._to_pool_shard,
             "by_task": self._to_task_shard,
-            "fan_out": self._local,  # to do: every shard in parallel, naming unavailable_shards
-            "by_worker": self._local,  # to do: the worker's shard (its id names it)
+            "fan_out": self._fan_out,
+            # A worker calls the server it registered with (its shard's leader, see RegisterWorker).
+            "by_worker": self._local,
         }
         missing = set(ROUTINGS.values()) - set(self._strategies)
         if missing:
@@ -138,7 +166,9 @@ class ShardRouter:
     # -- strategies -----------------------------------------------------------
 
     def _routed(self, rpc: Rpc) -> bool:
-        """Whether the call may concern another shard than this server's (to do: fan-out too)."""
+        """Whether the call may be answered by another shard than this server's: a standby
+        forwards those too. (A fan-out read includes this shard's answer: a standby sends the
+        caller to its leader.)"""
         return self.sharded and rpc.routing in ("by_pool", "by_task")
 
     async def _local(self, rpc: Rpc, request: Message, call: Call) -> Message:
@@ -160,21 +190,146 @@ class ShardRouter:
         if len(owners) > 1:
             self._require(rpc, call.caller, known)
             where = ", ".join(f"{p!r} in {self._shard_by_pool[p].name!r}" for p in dict.fromkeys(known))
+            shards = ", ".join(repr(n) for n in sorted(owners))
+            if rpc.name == "RegisterWorker":
+                raise invalid(f"pools: a worker serves the pools of one shard, but these are in shards {shards} "
+                              f"({where}); run one worker per shard")  # fmt: skip
             raise invalid(
-                f"tasks: a batch is admitted by one shard, but its pools are in shards "
-                f"{', '.join(repr(n) for n in sorted(owners))} ({where}); submit one batch per shard"
+                f"tasks: a batch is admitted by one shard, but its pools are in shards {shards} ({where}); "
+                "submit one batch per shard"
             )
         (shard,) = owners.values()
+        why = _NOT_FORWARDED.get(rpc.name)
+        if why and shard.name != self.node.shard_name:
+            self._require(rpc, call.caller, known)
+            raise _refusal(shard, why, "WRONG_SHARD")
         return await self._on_shard(rpc, request, call, shard, known)
 
     async def _to_task_shard(self, rpc: Rpc, request: Message, call: Call) -> Message:
         ref = request.task  # type: ignore[attr-defined]
-        if ref.WhichOneof("ref") != "id":  # to do: a key is looked up in every shard
+        if ref.WhichOneof("ref") == "key" and not call.forwarded:
+            return await self._by_key(rpc, request, call)
+        if ref.WhichOneof("ref") != "id":
             return await self._local(rpc, request, call)
         shard = self._shard_by_number.get(shard_of(ref.id))
         if shard is None:  # a shard number no shard has: the Node's "not found"
             return await self._local(rpc, request, call)
         return await self._on_shard(rpc, request, call, shard, [])  # the id names its shard anyway
+
+    async def _by_key(self, rpc: Rpc, request: Message, call: Call) -> Message:
+        """A Get, Wait or Cancel by key: every shard is asked for the key, in parallel."""
+        self.node.admit(rpc.name, call.caller)  # this shard answers too: a standby sends the caller to its leader
+        key = request.task.key  # type: ignore[attr-defined]
+        if "read" not in call.caller.permissions:  # as on one shard: a task the caller cannot read is not found
+            raise not_found(f"no task with key {key!r}")
+        lookup = task_pb.GetTaskRequest(task=task_pb2.TaskRef(key=key))
+        answers = await self._ask(self.rpcs["GetTask"], {s.name: lookup for s in self.shards}, call)
+        found: dict[str, task_pb2.Task] = {}
+        for name, answer in answers.items():
+            if isinstance(answer, ApiError):
+                if answer.code != grpc.StatusCode.NOT_FOUND and not _missing(answer):
+                    raise answer
+            else:
+                found[name] = answer.task  # type: ignore[attr-defined]
+        missing = [name for name, answer in answers.items() if isinstance(answer, ApiError) and _missing(answer)]
+        if len(found) > 1:
+            where = " and ".join(f"{name!r} (id {task.id})" for name, task in found.items())
+            raise ApiError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"task.key: {key!r} names tasks in shards {where}; keys are unique only within a shard, "
+                "use the task id",
+                reason="KEY_IN_SEVERAL_SHARDS",
+            )
+        if missing and (rpc.name == "CancelTask" or not found):
+            raise self._key_unanswered(call, key, answers, missing, found)
+        if not found:
+            raise not_found(f"no task with key {key!r}")
+        (holder, task), unavailable = next(iter(found.items())), {"unavailable_shards": missing}
+        if rpc.name == "GetTask":
+            return task_pb.GetTaskResponse(task=task, **unavailable)
+        shard = self._by_name[holder]
+        if rpc.name == "CancelTask":  # by id: the task found, even if its key was reused since
+            request = task_pb.CancelTaskRequest(task=task_pb2.TaskRef(id=task.id))
+        response = await self._on_shard(rpc, request, call, shard, [])
+        if missing:
+            response.unavailable_shards.extend(missing)  # type: ignore[attr-defined]
+        return response
+
+    def _key_unanswered(
+        self, call: Call, key: str, answers: dict[str, Message | ApiError], missing: list[str], found: dict[str, Any]
+    ) -> ApiError:
+        """The refusal of a lookup by key that needs the shards that could not be asked."""
+        names = ", ".join(repr(n) for n in missing)
+        refused = [n for n in missing if getattr(answers[n], "reason", "") == "NOT_FORWARDED"]
+        what = (
+            f"cancelling by key asks every shard, and shards {names} cannot be asked: they may hold "
+            f"{key!r} too; cancel by task id" + (f" ({found[next(iter(found))].id})" if found else "")
+            if found
+            else f"no reachable shard holds a task with key {key!r}, and shards {names} cannot be asked"
+        )
+        metadata = {UNAVAILABLE_HEADER: ",".join(missing)}
+        if refused and len(refused) == len(missing):  # not forwarded (a certificate caller): no use retrying
+            code = grpc.StatusCode.FAILED_PRECONDITION if found else grpc.StatusCode.NOT_FOUND
+            shard = self._by_name[refused[0]]
+            metadata |= {"cronoq-shard": shard.name, "cronoq-shard-endpoint": shard.endpoint}
+            why = "the caller authenticated with a client certificate, which cannot be forwarded"
+            if not call.caller.via_certificate:
+                why = "their endpoints are plain http:// on other hosts (server.insecure_peer_http = false)"
+            return ApiError(code, f"task.key: {what}: {why}", metadata, reason="NOT_FORWARDED")
+        return ApiError(
+            grpc.StatusCode.UNAVAILABLE, f"task.key: {what}", metadata, reason="SHARD_UNAVAILABLE", retry_delay=1.0
+        )
+
+    async def _fan_out(self, rpc: Rpc, request: Message, call: Call) -> Message:
+        """A read of every shard the request concerns, merged; missing shards named."""
+        merge = _MERGES.get(rpc.name)
+        if merge is None or call.forwarded:
+            return await self._local(rpc, request, call)
+        shards = self.shards
+        pool = getattr(request, "pool", "")
+        if pool:
+            owner = self._shard_by_pool.get(pool)
+            if owner is None:  # the Node names the unknown pool
+                return await self._local(rpc, request, call)
+            self._require(rpc, call.caller, [pool])
+            shards = [owner]
+        requests = merge.requests(request, shards)
+        answers = await self._ask(rpc, requests, call)
+        responses: list[Message] = []
+        missing: list[str] = []
+        for name, answer in answers.items():
+            if isinstance(answer, ApiError):
+                if not _missing(answer):
+                    raise answer
+                missing.append(name)
+            else:
+                responses.append(answer)
+        response = merge.merge(request, responses)
+        response.unavailable_shards.extend(missing)  # type: ignore[attr-defined]
+        return response
+
+    async def _ask(self, rpc: Rpc, requests: dict[str, Message], call: Call) -> dict[str, Message | ApiError]:
+        """Each shard's answer (or refusal) to its request, asked in parallel; in shard order."""
+        loop = asyncio.get_running_loop()
+        timeout = PEER_READ_TIMEOUT_S if call.timeout is None else min(call.timeout, PEER_READ_TIMEOUT_S)
+        deadline = loop.time() + timeout
+
+        async def ask(shard: ShardConfig, request: Message) -> Message | ApiError:
+            try:
+                if shard.name == self.node.shard_name:
+                    return await self._local(rpc, request, call)
+                reason = self.peers.refusal(shard.endpoint, call.caller)
+                if reason:
+                    return _refusal(shard, reason, "NOT_FORWARDED")
+                with self.node.in_flight():
+                    left = Call(call.caller, timeout=max(deadline - loop.time(), 0.0))
+                    return await self._forward(rpc, request, left, shard)
+            except ApiError as err:
+                return err
+
+        shards = [self._by_name[name] for name in requests]
+        answers = await asyncio.gather(*(ask(shard, requests[shard.name]) for shard in shards))
+        return dict(zip(requests, answers, strict=True))
 
     async def _on_shard(self, rpc: Rpc, request: Message, call: Call, shard: ShardConfig, pools: list[str]) -> Message:
         """Answers a call that concerns `shard`: here, or there. `pools` are those the answer
@@ -238,6 +393,81 @@ class ShardRouter:
         raise AssertionError("unreachable")
 
 
+def unavailable_metadata(response: Message) -> dict[str, str]:
+    """The cronoq-unavailable-shards metadata of an answer that names shards it could not ask."""
+    missing = getattr(response, "unavailable_shards", None)
+    return {UNAVAILABLE_HEADER: ",".join(missing)} if missing else {}
+
+
+def _missing(err: ApiError) -> bool:
+    """Whether a shard's refusal means it could not be asked (unreachable, no leader, too slow,
+    or not to be sent this caller's call): it is then named in unavailable_shards."""
+    return err.code in _UNAVAILABLE or err.reason == "NOT_FORWARDED"
+
+
+class _Merge:
+    """How a fan-out read is asked of each shard, and how the answers are joined."""
+
+    def requests(self, request: Any, shards: list[ShardConfig]) -> dict[str, Message]:
+        return {shard.name: request for shard in shards}
+
+    def merge(self, request: Any, responses: list[Any]) -> Message:
+        raise NotImplementedError
+
+
+class _Concat(_Merge):
+    """Answers joined in shard order: the `field` lists of each shard's response."""
+
+    def __init__(self, response: type[Message], field: str):
+        self.response, self.field = response, field
+
+    def merge(self, request: Any, responses: list[Any]) -> Message:
+        merged = self.response()
+        for response in responses:
+            getattr(merged, self.field).extend(getattr(response, self.field))
+        return merged
+
+
+class _TaskPages(_Merge):
+    """ListTasks across shards in id order. Shards are numbered in id order, so the page token
+    (the last id shown) says it all: lower shards are done, its own shard continues after it,
+    higher shards start from their first task. Each is asked for a whole page."""
+
+    def requests(self, request: Any, shards: list[ShardConfig]) -> dict[str, Message]:
+        size = page_size(request.page_size)
+        after = page_token_id(request.page_token) if request.page_token else 0
+        if after and shard_of(after) not in {s.number for s in shards}:
+            raise invalid(
+                f"page_token: {request.page_token!r} names shard number {shard_of(after)}, which is not listed"
+            )
+        requests: dict[str, Message] = {}
+        for shard in shards:
+            if shard.number < shard_of(after):
+                continue
+            asked = task_pb.ListTasksRequest()
+            asked.CopyFrom(request)
+            asked.page_size = size
+            asked.page_token = request.page_token if shard.number == shard_of(after) else ""
+            requests[shard.name] = asked
+        return requests
+
+    def merge(self, request: Any, responses: list[Any]) -> Message:
+        size = page_size(request.page_size)
+        tasks = sorted((t for r in responses for t in r.tasks), key=lambda t: t.id)
+        more = len(tasks) > size or any(r.next_page_token for r in responses)
+        page = tasks[:size]
+        token = str(page[-1].id) if more and page else ""
+        return task_pb.ListTasksResponse(tasks=page, next_page_token=token)
+
+
+_MERGES: dict[str, _Merge] = {
+    "ListTasks": _TaskPages(),
+    "ListWorkers": _Concat(worker_pb.ListWorkersResponse, "workers"),
+    "ListSchedules": _Concat(schedule_pb.ListSchedulesResponse, "schedules"),
+    "GetSnapshot": _Concat(admin_pb.GetSnapshotResponse, "shards"),
+}
+
+
 def _trailer(trailers: Iterable[tuple[str, Any]], name: str) -> str | None:
     for key, value in trailers:
         if key == name:
@@ -265,7 +495,7 @@ def _peer_error(
             return ApiError(
                 code,
                 f"shard {shard.name!r} cannot be reached at {endpoint}: {err.details()}",
-                {"cronoq-unavailable-shards": shard.name},
+                {UNAVAILABLE_HEADER: shard.name},
                 reason="SHARD_UNAVAILABLE",
                 retry_delay=1.0,
             )

@@ -322,3 +322,250 @@ def test_a_standby_endpoint_is_followed_to_its_leader(tmp_path: Path, start_serv
     err = refusal(lambda: submit(Stubs(standby), "llm"))
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "cronoq-leader" in trailers(err)  # type: ignore[attr-defined]
     assert submit(cpu, "llm").task.id >> 56 == 2
+
+
+# -- lookups by key, fan-out reads, workers --------------------------------------------
+
+
+def by_key(stubs: Stubs, method: str, key: str, token: str = "full", **kw: Any) -> tuple[Any, dict[str, Any]]:
+    """A Get/Wait/Cancel by key, with its trailing metadata."""
+    request = getattr(tpb, f"{method}Request")(task=task_pb2.TaskRef(key=key), **kw)
+    response, call = getattr(stubs.tasks, method).with_call(request, metadata=bearer(token), timeout=TIMEOUT)
+    return response, dict(call.trailing_metadata() or ())
+
+
+def list_all(stubs: Stubs, page_size: int, **kw: Any) -> list[list[int]]:
+    """Every page of ListTasks, as lists of ids."""
+    pages, token = [], ""
+    while True:
+        page = stubs.tasks.ListTasks(
+            tpb.ListTasksRequest(page_size=page_size, page_token=token, **kw), metadata=bearer("full"), timeout=TIMEOUT
+        )
+        assert list(page.unavailable_shards) == []
+        pages.append([t.id for t in page.tasks])
+        token = page.next_page_token
+        if not token:
+            return pages
+
+
+def test_lookups_by_key_ask_every_shard(shards: TwoShards) -> None:
+    cpu, gpu = shards.stubs["cpu"], shards.stubs["gpu"]
+    only_llm = submit(cpu, "llm", key="only-llm").task
+    both = [submit(cpu, "default", key="both").task, submit(cpu, "llm", key="both").task]
+    assert [t.id >> 56 for t in both] == [1, 2]  # keys deduplicate per shard
+
+    for stubs in (cpu, gpu):
+        got, meta = by_key(stubs, "GetTask", "only-llm")
+        assert (
+            got.task.id == only_llm.id
+            and list(got.unavailable_shards) == []
+            and "cronoq-unavailable-shards" not in meta
+        )
+        waited, _ = by_key(stubs, "WaitTask", "only-llm", timeout_ms=50)
+        assert waited.task.id == only_llm.id and not waited.done
+        for method in ("GetTask", "WaitTask", "CancelTask"):
+            err = refusal(lambda stubs=stubs, method=method: by_key(stubs, method, "both"))
+            assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err  # type: ignore[attr-defined]
+            assert "use the task id" in err.details() and str(both[1].id) in err.details()  # type: ignore[attr-defined]
+        err = refusal(lambda stubs=stubs: by_key(stubs, "GetTask", "nobody"))
+        assert err.code() == grpc.StatusCode.NOT_FOUND and "'nobody'" in err.details()  # type: ignore[attr-defined]
+        # A caller that may not read llm does not find its tasks by key, from either server.
+        err = refusal(lambda stubs=stubs: by_key(stubs, "GetTask", "only-llm", token="default-only"))
+        assert err.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+        got, _ = by_key(stubs, "GetTask", "both", token="default-only")  # only its cpu task is visible
+        assert got.task.id == both[0].id
+    for stubs, task in ((cpu, both[0]), (gpu, both[1])):  # by id, the same key is no problem
+        got = stubs.tasks.GetTask(tpb.GetTaskRequest(task=task_pb2.TaskRef(id=task.id)), metadata=bearer("full"))
+        assert got.task.key == "both"
+
+    cancelled, _ = by_key(gpu, "CancelTask", "only-llm")
+    assert cancelled.task.id == only_llm.id and cancelled.task.state == task_pb2.TASK_STATE_CANCELLED
+    waited, _ = by_key(cpu, "WaitTask", "only-llm", timeout_ms=50)
+    assert waited.done
+    status, _, body = http(shards.gpu, "GET", "/v1/keys/only-llm")
+    assert status == 200 and body["task"]["id"] == str(only_llm.id), body
+    status, _, body = http(shards.gpu, "GET", "/v1/keys/both")
+    assert status == 409 and "use the task id" in body["message"], body
+
+
+def test_listings_page_across_shards_in_id_order(shards: TwoShards) -> None:
+    cpu, gpu = shards.stubs["cpu"], shards.stubs["gpu"]
+    ids = [submit(cpu, "default" if i % 3 else "llm").task.id for i in range(10)]  # 6 default, 4 llm
+    expected = sorted(ids)
+    assert [i >> 56 for i in expected] == [1] * 6 + [2] * 4
+    for stubs in (cpu, gpu):
+        pages = list_all(stubs, 4)  # the second page holds tasks of both shards
+        assert pages == [expected[0:4], expected[4:8], expected[8:10]]
+        assert list_all(stubs, 100) == [expected]
+        assert list_all(stubs, 3, pool="llm") == [expected[6:9], expected[9:]]
+        assert list_all(stubs, 5, state=task_pb2.TASK_STATE_PENDING) == [expected[0:5], expected[5:10]]
+    # A token of one server continues on the other.
+    first = cpu.tasks.ListTasks(tpb.ListTasksRequest(page_size=5), metadata=bearer("full"))
+    rest = gpu.tasks.ListTasks(tpb.ListTasksRequest(page_token=first.next_page_token), metadata=bearer("full"))
+    assert [t.id for t in rest.tasks] == expected[5:] and not rest.next_page_token
+    # Over HTTP, and a caller that may read only default sees only default's tasks.
+    status, _, body = http(shards.gpu, "GET", "/v1/tasks?page_size=7")
+    assert status == 200 and [int(t["id"]) for t in body["tasks"]] == expected[:7] and body["next_page_token"]
+    page = gpu.tasks.ListTasks(tpb.ListTasksRequest(), metadata=bearer("default-only"))
+    assert [t.id for t in page.tasks] == expected[:6]
+    err = refusal(lambda: gpu.tasks.ListTasks(tpb.ListTasksRequest(page_token="x1"), metadata=bearer("full")))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "page_token" in err.details()  # type: ignore[attr-defined]
+    err = refusal(lambda: cpu.tasks.ListTasks(tpb.ListTasksRequest(pool="llm"), metadata=bearer("default-only")))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "gpu" not in err.details()  # type: ignore[attr-defined]
+
+
+def test_workers_schedules_and_snapshots_cover_every_shard(shards: TwoShards) -> None:
+    from cronoq.v1 import admin_service_pb2 as apb
+    from cronoq.v1 import admin_service_pb2_grpc, worker_service_pb2_grpc
+    from cronoq.v1 import worker_service_pb2 as wpb
+
+    workers = {name: worker_service_pb2_grpc.WorkerServiceStub(stubs.channel) for name, stubs in shards.stubs.items()}
+    workers["cpu"].RegisterWorker(wpb.RegisterWorkerRequest(pools=["default"], name="w-cpu"), metadata=bearer("full"))
+    workers["gpu"].RegisterWorker(wpb.RegisterWorkerRequest(pools=["llm"], name="w-gpu"), metadata=bearer("full"))
+    for pool, name in (("default", "a"), ("llm", "b")):
+        shards.stubs["gpu"].schedules.PutSchedule(
+            spb.PutScheduleRequest(schedule=spb.Schedule(pool=pool, name=name, cron="0 3 * * *")),
+            metadata=bearer("full"),
+        )
+    for name, stubs in shards.stubs.items():
+        listed = workers[name].ListWorkers(wpb.ListWorkersRequest(), metadata=bearer("full"))
+        assert sorted(w.name for w in listed.workers) == ["w-cpu", "w-gpu"] and not listed.unavailable_shards
+        listed = workers[name].ListWorkers(wpb.ListWorkersRequest(pool="llm"), metadata=bearer("full"))
+        assert [w.name for w in listed.workers] == ["w-gpu"]
+        schedules = stubs.schedules.ListSchedules(spb.ListSchedulesRequest(), metadata=bearer("full"))
+        assert [(s.pool, s.name) for s in schedules.schedules] == [("default", "a"), ("llm", "b")]
+        snap = admin_service_pb2_grpc.AdminServiceStub(stubs.channel).GetSnapshot(
+            apb.GetSnapshotRequest(), metadata=bearer("full")
+        )
+        assert [(s.shard, s.number, [p.pool for p in s.pools]) for s in snap.shards] == [
+            ("cpu", 1, ["default"]),
+            ("gpu", 2, ["llm"]),
+        ]
+        assert [s.leader for s in snap.shards] == [shards.cpu.endpoint, shards.gpu.endpoint]
+
+
+def test_a_worker_is_sent_to_the_shard_of_its_pools(shards: TwoShards) -> None:
+    from cronoq.v1 import worker_service_pb2 as wpb
+    from cronoq.v1 import worker_service_pb2_grpc
+
+    cpu = worker_service_pb2_grpc.WorkerServiceStub(shards.stubs["cpu"].channel)
+    gpu_endpoint = shards.config["shards"][1]["endpoint"]
+    err = refusal(lambda: cpu.RegisterWorker(wpb.RegisterWorkerRequest(pools=["llm"]), metadata=bearer("full")))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+    assert trailers(err)["cronoq-shard"] == "gpu" and trailers(err)["cronoq-shard-endpoint"] == gpu_endpoint
+    assert decode_details(err.trailing_metadata()).reason == "WRONG_SHARD"  # type: ignore[attr-defined,union-attr]
+    err = refusal(
+        lambda: cpu.RegisterWorker(wpb.RegisterWorkerRequest(pools=["default", "llm"]), metadata=bearer("full"))
+    )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "one worker per shard" in err.details()  # type: ignore[attr-defined]
+    # Credentials first: no 'work' on llm, nothing learnt about its shard.
+    err = refusal(lambda: cpu.RegisterWorker(wpb.RegisterWorkerRequest(pools=["llm"]), metadata=bearer("default-only")))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "cronoq-shard" not in trailers(err)  # type: ignore[attr-defined]
+    assert cpu.RegisterWorker(wpb.RegisterWorkerRequest(pools=["default"]), metadata=bearer("full")).shard == "cpu"
+
+
+def test_with_a_shard_down_reads_answer_and_name_it(shards: TwoShards) -> None:
+    from cronoq.v1 import admin_service_pb2 as apb
+    from cronoq.v1 import admin_service_pb2_grpc
+
+    cpu = shards.stubs["cpu"]
+    mine = submit(cpu, "default", key="mine").task
+    submit(cpu, "default", key="both")
+    submit(cpu, "llm", key="both")
+    shards.gpu.kill()
+
+    page, call = cpu.tasks.ListTasks.with_call(tpb.ListTasksRequest(), metadata=bearer("full"), timeout=TIMEOUT)
+    assert [t.id >> 56 for t in page.tasks] == [1, 1] and list(page.unavailable_shards) == ["gpu"]
+    assert dict(call.trailing_metadata())["cronoq-unavailable-shards"] == "gpu"
+    snap = admin_service_pb2_grpc.AdminServiceStub(cpu.channel).GetSnapshot(
+        apb.GetSnapshotRequest(), metadata=bearer("full")
+    )
+    assert [s.shard for s in snap.shards] == ["cpu"] and list(snap.unavailable_shards) == ["gpu"]
+    status, headers, body = http(shards.cpu, "GET", "/v1/tasks")
+    assert status == 200 and body["unavailable_shards"] == ["gpu"] and headers["cronoq-unavailable-shards"] == "gpu"
+
+    for method, extra in (("GetTask", {}), ("WaitTask", {"timeout_ms": 10})):
+        got, meta = by_key(cpu, method, "mine", **extra)
+        assert got.task.id == mine.id and list(got.unavailable_shards) == ["gpu"], method
+        assert meta["cronoq-unavailable-shards"] == "gpu"
+    status, headers, body = http(shards.cpu, "GET", "/v1/keys/mine")
+    assert status == 200 and body["unavailable_shards"] == ["gpu"], body
+    # Cancel by key needs every shard: gpu might hold the key too.
+    err = refusal(lambda: by_key(cpu, "CancelTask", "mine"))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "'gpu'" in err.details()  # type: ignore[attr-defined]
+    assert trailers(err)["cronoq-unavailable-shards"] == "gpu"
+    # A key no reachable shard holds might be on gpu: unavailable, not "not found".
+    err = refusal(lambda: by_key(cpu, "GetTask", "elsewhere"))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    got, _ = by_key(cpu, "GetTask", "both")  # only cpu's answers now
+    assert got.task.id >> 56 == 1 and list(got.unavailable_shards) == ["gpu"]
+    assert (
+        cpu.tasks.CancelTask(
+            tpb.CancelTaskRequest(task=task_pb2.TaskRef(id=mine.id)), metadata=bearer("full")
+        ).task.state
+        == task_pb2.TASK_STATE_CANCELLED
+    )
+
+
+def test_a_certificate_caller_reads_only_the_receiving_shard(tmp_path: Path, start_server: Any) -> None:
+    """mTLS on both shards; a caller by client certificate has no token to forward: its reads
+    name the other shard unavailable, and calls for the other shard are refused with its
+    endpoint. A token caller on the same channels is forwarded (peer_tls with a certificate)."""
+    from tls_pki import Pki  # type: ignore[import-not-found]
+
+    from cronoq.v1 import admin_service_pb2 as apb
+    from cronoq.v1 import admin_service_pb2_grpc
+
+    pki = Pki(tmp_path)
+    leaf, peer, reader = pki.server(), pki.client("CN=cronoq-peer", "peer"), pki.client("CN=reader", "reader")
+    cpu_listen, gpu_listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    config = sharded_config(tmp_path, cpu_listen, f"https://{gpu_listen}", cpu_endpoint=f"https://{cpu_listen}")
+    config["clients"] = [{"subject": "CN=reader", "pools": ["*"], "permissions": ["submit", "read", "admin"]}]
+    server = {
+        "tls": {"cert": leaf.cert, "key": leaf.key, "client_ca": pki.ca_path},
+        "peer_tls": {"ca": pki.ca_path, "cert": peer.cert, "key": peer.key},
+    }
+    procs = [
+        start_server({**config, "server": {**server, "listen": listen}}, shard=name, name=name, wait_ready=False)
+        for name, listen in (("cpu", cpu_listen), ("gpu", gpu_listen))
+    ]
+    creds = grpc.ssl_channel_credentials(
+        Path(pki.ca_path).read_bytes(), Path(reader.key).read_bytes(), Path(reader.cert).read_bytes()
+    )
+    cpu, gpu = (Stubs.__new__(Stubs) for _ in range(2))
+    for stubs, listen in ((cpu, cpu_listen), (gpu, gpu_listen)):
+        stubs.channel = grpc.secure_channel(listen, creds)
+        stubs.tasks = task_service_pb2_grpc.TaskServiceStub(stubs.channel)
+    deadline = time.monotonic() + 20
+    for proc, stubs in zip(procs, (cpu, gpu), strict=True):
+        while True:  # ready: the leader answers a read
+            try:
+                stubs.tasks.ListTasks(tpb.ListTasksRequest(), metadata=bearer("full"), timeout=1)
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline and proc.proc.poll() is None, proc.log()  # type: ignore[union-attr]
+                time.sleep(0.1)
+
+    mine = cpu.tasks.SubmitTask(tpb.SubmitTaskRequest(pool="default", key="k"), timeout=TIMEOUT).task  # by certificate
+    theirs = submit(cpu, "llm", key="k").task  # by token: forwarded over mTLS
+    assert theirs.id >> 56 == 2
+
+    page = cpu.tasks.ListTasks(tpb.ListTasksRequest(), timeout=TIMEOUT)
+    assert [t.id for t in page.tasks] == [mine.id] and list(page.unavailable_shards) == ["gpu"]
+    page = cpu.tasks.ListTasks(tpb.ListTasksRequest(), metadata=bearer("full"), timeout=TIMEOUT)
+    assert [t.id for t in page.tasks] == [mine.id, theirs.id] and not page.unavailable_shards
+    snap = admin_service_pb2_grpc.AdminServiceStub(gpu.channel).GetSnapshot(apb.GetSnapshotRequest(), timeout=TIMEOUT)
+    assert [s.shard for s in snap.shards] == ["gpu"] and list(snap.unavailable_shards) == ["cpu"]
+    got = cpu.tasks.GetTask(tpb.GetTaskRequest(task=task_pb2.TaskRef(key="k")), timeout=TIMEOUT)
+    assert got.task.id == mine.id and list(got.unavailable_shards) == ["gpu"]
+
+    for call in (
+        lambda: cpu.tasks.SubmitTask(tpb.SubmitTaskRequest(pool="llm"), timeout=TIMEOUT),
+        lambda: cpu.tasks.GetTask(tpb.GetTaskRequest(task=task_pb2.TaskRef(id=theirs.id)), timeout=TIMEOUT),
+    ):
+        err = refusal(call)
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err  # type: ignore[attr-defined]
+        assert (
+            trailers(err)["cronoq-shard"] == "gpu" and trailers(err)["cronoq-shard-endpoint"] == f"https://{gpu_listen}"
+        )
+        assert "certificate" in err.details()  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ from ..auth import Principal
 from ..errors import ApiError
 from ..node import Node
 from ..registry import Rpc, registry
-from ..router import FORWARDED_HEADER, Call, ShardRouter
+from ..router import FORWARDED_HEADER, Call, ShardRouter, unavailable_metadata
 from .listen import ListenError, precheck_bind, probe_bind
 from .reflection import enable_reflection
 from .tls import grpc_cert_subject, grpc_server_credentials
@@ -72,7 +72,9 @@ class _Handlers:
     def unary(self, rpc: Rpc) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                return await self._router.call(rpc.name, request, self._call(context))
+                response = await self._router.call(rpc.name, request, self._call(context))
+                context.set_trailing_metadata(tuple(unavailable_metadata(response).items()))
+                return response
             except ApiError as err:
                 await _abort(context, err)
             except Exception:

@@ -22,7 +22,7 @@ from ..auth import Principal
 from ..errors import ApiError
 from ..node import Node
 from ..registry import HttpRoute, Rpc, registry
-from ..router import FORWARDED_HEADER, Call, ShardRouter
+from ..router import FORWARDED_HEADER, Call, ShardRouter, unavailable_metadata
 from . import http_listener
 from .http_body import decode_json
 from .http_listener import Connection, GuardedRunner, connection_guard, error_body, one_line
@@ -188,7 +188,7 @@ class HttpApi:
                 return web.json_response(
                     {"code": "INTERNAL", "message": "internal error; see the server log"}, status=500
                 )
-            return web.json_response(to_dict(response))
+            return web.json_response(to_dict(response), headers=unavailable_metadata(response))
 
         return handle
 

@@ -266,9 +266,7 @@ class Tasks:
 
     async def list_tasks(self, req: pb.ListTasksRequest, caller: Principal) -> pb.ListTasksResponse:
         pools = self.readable_pools(req.pool, caller)
-        if req.page_size < 0:
-            raise invalid(f"page_size: {req.page_size} is negative")
-        size = min(req.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        size = page_size(req.page_size)
         after = 0
         if req.page_token:
             after = self._page_after(req.page_token)
@@ -283,12 +281,10 @@ class Tasks:
 
     def _page_after(self, token: str) -> int:
         """The sequence a page token continues after; a token this shard did not issue is refused."""
-        shown = token if len(token) <= 24 else token[:24] + "…"
-        if not (token.isascii() and token.isdigit() and len(token) <= 20) or not 0 < int(token) <= MAX_ID:
-            raise invalid(f"page_token: {shown!r} is not a token this server issued")
-        if shard_of(int(token)) != self._shard:
-            raise invalid(f"page_token: {shown!r} was issued by another shard (number {shard_of(int(token))})")
-        return seq_of(int(token))
+        after = page_token_id(token)
+        if shard_of(after) != self._shard:
+            raise invalid(f"page_token: {_shown(token)!r} was issued by another shard (number {shard_of(after)})")
+        return seq_of(after)
 
     async def watch(self, req: pb.WatchRequest, caller: Principal) -> AsyncGenerator[pb.WatchResponse, None]:
         """Checks the request (and that its cursor can be resumed) now; the events come from the
@@ -309,6 +305,25 @@ class Tasks:
                 yield pb.WatchResponse(event=event)
         finally:
             await events.aclose()
+
+
+def page_size(requested: int) -> int:
+    """A ListTasks page's size: the default for 0, at most MAX_PAGE_SIZE."""
+    if requested < 0:
+        raise invalid(f"page_size: {requested} is negative")
+    return min(requested or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+
+
+def page_token_id(token: str) -> int:
+    """The task id a ListTasks page token continues after (the last id of the page before,
+    whatever shard it is of: a listing across shards is in id order too)."""
+    if not (token.isascii() and token.isdigit() and len(token) <= 20) or not 0 < int(token) <= MAX_ID:
+        raise invalid(f"page_token: {_shown(token)!r} is not a token this server issued")
+    return int(token)
+
+
+def _shown(token: str) -> str:
+    return token if len(token) <= 24 else token[:24] + "…"
 
 
 def _check_replay(request_id: str, subs: list[Submitted], expected: int) -> None:
