@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 import pytest
+from _helpers import store_table  # type: ignore[import-not-found]
 from conftest import ServerProcess, free_port  # type: ignore[import-not-found]
 
 from cronoq.status import decode_details
@@ -74,19 +75,42 @@ class Stubs:
 
 
 class TwoShards:
-    """cpu and gpu, one server each, both on loopback."""
+    """cpu and gpu on loopback, each a leader and `replicas - 1` standbys, on `store` (a
+    [store] table whose names contain {shard}; default: a SQLite file per shard)."""
 
-    def __init__(self, tmp_path: Path, start_server: Any, **server: Any):
+    def __init__(
+        self, tmp_path: Path, start_server: Any, store: dict[str, Any] | None = None, replicas: int = 1, **server: Any
+    ):
         cpu_listen, gpu_listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         self.config = sharded_config(tmp_path, cpu_listen, f"http://{gpu_listen}", **server)
+        if store is not None:
+            self.config["store"] = store
         self.cpu = start_server({**self.config, "server": {**server, "listen": cpu_listen}}, shard="cpu", name="cpu")
         self.gpu = start_server({**self.config, "server": {**server, "listen": gpu_listen}}, shard="gpu", name="gpu")
+        self.servers: dict[str, list[ServerProcess]] = {"cpu": [self.cpu], "gpu": [self.gpu]}
+        for name, replicas_of in self.servers.items():
+            for i in range(1, replicas):
+                standby = start_server({**self.config, "server": server}, name, f"{name}-standby{i}", wait_ready=False)
+                replicas_of.append(standby)
+        for standby in (s for replicas_of in self.servers.values() for s in replicas_of[1:]):
+            standby.wait_ready(leader=False)
         self.stubs = {"cpu": Stubs(self.cpu), "gpu": Stubs(self.gpu)}
 
+    def kill(self, shard: str) -> None:
+        """Every server of the shard: SIGKILL."""
+        for srv in self.servers[shard]:
+            srv.kill()
 
-@pytest.fixture
-def shards(tmp_path: Path, start_server: Any) -> TwoShards:
-    return TwoShards(tmp_path, start_server)
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def shards(request: pytest.FixtureRequest, tmp_path: Path, start_server: Any) -> TwoShards:
+    """The page's deployment, each shard with a standby: on a SQLite file per shard, or on a
+    schema per shard of one PostgreSQL."""
+    store = None
+    if request.param == "postgres":
+        store = store_table("postgres", request)
+        store["schema"] += "_{shard}"
+    return TwoShards(tmp_path, start_server, store, replicas=2)
 
 
 def submit(stubs: Stubs, pool: str, token: str = "full", forwarded: bool = False, **kw: Any) -> tpb.SubmitTaskResponse:
@@ -139,6 +163,7 @@ def test_calls_for_another_shard_are_forwarded_and_ids_name_their_shard(shards: 
     assert llm.id >> 56 == 2 and llm.pool == "llm"
     dflt = submit(gpu, "default").task
     assert dflt.id >> 56 == 1
+    assert submit(Stubs(shards.servers["gpu"][1]), "default").task.id >> 56 == 1  # a standby forwards too
 
     for stubs in (cpu, gpu):
         for task in (llm, dflt):
@@ -265,7 +290,7 @@ def test_a_call_marked_forwarded_is_answered_by_the_receiving_shard_only(shards:
 def test_a_shard_that_is_down_is_unavailable_by_name_quickly(shards: TwoShards) -> None:
     cpu = shards.stubs["cpu"]
     task = submit(cpu, "llm").task
-    shards.gpu.kill()
+    shards.kill("gpu")
     for _ in range(3):
         started = time.monotonic()
         err = refusal(lambda: submit(cpu, "llm"))
@@ -472,7 +497,7 @@ def test_with_a_shard_down_reads_answer_and_name_it(shards: TwoShards) -> None:
     mine = submit(cpu, "default", key="mine").task
     submit(cpu, "default", key="both")
     submit(cpu, "llm", key="both")
-    shards.gpu.kill()
+    shards.kill("gpu")
 
     page, call = cpu.tasks.ListTasks.with_call(tpb.ListTasksRequest(), metadata=bearer("full"), timeout=TIMEOUT)
     assert [t.id >> 56 for t in page.tasks] == [1, 1] and list(page.unavailable_shards) == ["gpu"]
