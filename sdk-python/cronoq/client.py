@@ -141,9 +141,19 @@ WATCH_TRANSIENT = (Unavailable, Cancelled, Aborted, Internal)
 # row of failures (RetryConfig.max_elapsed bounds a row), as an event received does.
 WATCH_CONNECTED_S = 5.0
 
+# Initial metadata of a sharded server's Watch: the cursor of where the stream starts.
+WATCH_START_KEY = "cronoq-watch-cursor"
+
 # What watch() calls before each reconnection: the error that ended the stream (None when
 # the server ended it cleanly, e.g. while draining) and the cursor it resumes from ("" if none).
 ReconnectHook = Callable[[CronoqError | None, str], None]
+
+
+def _metadata_value(metadata: Any, key: str) -> str | None:
+    for name, value in metadata or ():
+        if name == key:
+            return value if isinstance(value, str) else bytes(value).decode()
+    return None
 
 
 @dataclass(frozen=True)
@@ -260,9 +270,11 @@ class Client:
         cursor: start after that event (a TaskEvent.cursor) instead of live. With resume, a
         stream that ends or breaks (server restart or drain, leader change, UNAVAILABLE, or
         ABORTED because this watcher fell behind) is opened again, through the endpoint logic
-        of every call, from the last event's cursor: the events in between are replayed, and
-        an event seen already (its shard's seq not past the last one yielded) is skipped. A
-        row of failures with no event is given up after the client's RetryConfig.max_elapsed;
+        of every call, from the last event's cursor (a sharded deployment's names every shard;
+        before the first event, the cursor a sharded server says a live stream starts at):
+        the events in between are replayed, and an event seen already (its shard's seq not
+        past the last one yielded) is skipped. A row of failures with no event is given up
+        after the client's RetryConfig.max_elapsed;
         other errors (PERMISSION_DENIED, INVALID_ARGUMENT, OUT_OF_RANGE for a cursor the
         server no longer keeps, ...) are raised at once. Without resume the iterator ends with
         the stream and raises its error. Break out of the loop to stop watching.
@@ -277,6 +289,8 @@ class Client:
             error: CronoqError | None = None
             call = self._conn.rpc("Watch")(req, metadata=self._conn.metadata)
             try:
+                if not cursor:  # a sharded server says where a live stream starts: resume from there
+                    cursor = _metadata_value(await call.initial_metadata(), WATCH_START_KEY) or cursor
                 async for resp in call:
                     event = resp.event
                     received, failing_since, failures = True, None, 0

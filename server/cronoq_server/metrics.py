@@ -25,6 +25,11 @@ LEADER = Gauge("cronoq_leader", "1 while this server leads its shard.")
 LEADER_TERM = Gauge("cronoq_leader_term", "The leadership term this server last led in (0 on SQLite).")
 WORKERS = Gauge("cronoq_workers", "Registered workers by pool.", ["pool"])
 FORWARDED = Counter("cronoq_forwarded_calls_total", "Calls forwarded to another shard.", ["shard", "code"])
+WATCH_STREAMS = Gauge(
+    "cronoq_watch_streams",
+    "Open Watch streams: shard (this shard's events), merged (every shard's), peer (another shard's, for merged).",
+    ["kind"],
+)
 RESOURCE_IN_USE = Gauge("cronoq_resource_in_use", "Concurrency slots held by running tasks.", ["resource"])
 RESOURCE_CAPACITY = Gauge(
     "cronoq_resource_capacity", "A resource's capacity: concurrency slots, or a rate's burst.", ["resource"]

@@ -321,6 +321,10 @@ class Node:
 
     async def watch(self, request: Message, caller: Principal) -> AsyncGenerator[Message, None]:
         """Admits and checks the call (its cursor too); the events come from the returned iterator."""
+        return (await self.open_watch(request, caller))[1]
+
+    async def open_watch(self, request: Message, caller: Principal) -> tuple[int, AsyncGenerator[Message, None]]:
+        """watch, and the event seq the stream starts after (the cursor's; live, the last event's)."""
         self.admit("Watch", caller)
         try:
             return await self.tasks.watch(request, caller)  # type: ignore[arg-type]

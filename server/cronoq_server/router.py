@@ -160,8 +160,13 @@ class ShardRouter:
         return await self._strategies[rpc.routing](rpc, request, call)
 
     async def watch(self, request: Message, call: Call) -> Any:
-        """This shard's events (to do: merged from every shard, with a composite cursor)."""
-        return await self.node.watch(request, call.caller)
+        """A merged_watch.WatchStream. Unsharded: this server's events. Sharded: merged from every
+        shard the caller may read (or the pool's shard), with a composite cursor; see merged_watch."""
+        from .merged_watch import ShardWatch, open_watch  # it builds on this module
+
+        if not self.sharded:
+            return ShardWatch(await self.node.watch(request, call.caller))
+        return await open_watch(self.node, self.peers, self.rpcs["Watch"], request, call)  # type: ignore[arg-type]
 
     # -- strategies -----------------------------------------------------------
 
@@ -564,3 +569,12 @@ class PeerChannels:
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(c.close(None) for c in channels), return_exceptions=True)
+
+    def stream(
+        self, endpoint: str, rpc: Rpc, request: Message, metadata: list[tuple[str, str]], timeout: float | None
+    ) -> grpc.aio.UnaryStreamCall:  # type: ignore[type-arg]
+        """A server-streaming call at `endpoint`, started; the caller reads it and cancels it."""
+        method = self.channel(endpoint).unary_stream(
+            rpc.path, request_serializer=rpc.request.SerializeToString, response_deserializer=rpc.response.FromString
+        )
+        return method(request, metadata=metadata, timeout=timeout)

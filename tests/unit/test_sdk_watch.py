@@ -30,6 +30,7 @@ class Step:
     code: grpc.StatusCode | None = None
     message: str = ""
     trailers: tuple[tuple[str, str], ...] = ()
+    initial: tuple[tuple[str, str], ...] = ()  # initial metadata, sent first
 
 
 class ScriptedWatch(task_service_pb2_grpc.TaskServiceServicer):
@@ -42,6 +43,8 @@ class ScriptedWatch(task_service_pb2_grpc.TaskServiceServicer):
     ) -> AsyncIterator[pb.WatchResponse]:
         self.requests.append(request)
         step = self.steps.pop(0) if self.steps else Step(code=grpc.StatusCode.UNAVAILABLE, message="script over")
+        if step.initial:
+            await context.send_initial_metadata(step.initial)
         for ev in step.events:
             yield pb.WatchResponse(event=ev)
         if step.code is not None:
@@ -106,6 +109,19 @@ async def test_a_reconnect_before_any_event_keeps_the_callers_cursor(scripted):
     async with cronoq.Client(endpoint, retry=FAST) as client:
         await take(client, 1, cursor="c2")
     assert [r.cursor for r in servicer.requests] == ["c2", "c2"]
+
+
+async def test_a_live_stream_that_breaks_before_any_event_resumes_from_where_it_started(scripted):
+    """A sharded server states where a live stream starts (cronoq-watch-cursor, one position
+    per shard): a reconnect before any event resumes from there, not live again."""
+    servicer, endpoint, steps = scripted
+    start = (("cronoq-watch-cursor", "1:5,2:7"),)
+    steps += [Step(code=grpc.StatusCode.UNAVAILABLE, initial=start), Step([event(6, shard="cpu")], initial=start)]
+    reconnects: list[str] = []
+    async with cronoq.Client(endpoint, retry=FAST) as client:
+        await take(client, 1, on_reconnect=lambda err, cur: reconnects.append(cur))
+    assert [r.cursor for r in servicer.requests] == ["", "1:5,2:7"]
+    assert reconnects == ["1:5,2:7"]
 
 
 async def test_a_standby_sends_the_watch_to_the_leader_it_names(scripted):

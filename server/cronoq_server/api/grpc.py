@@ -93,6 +93,8 @@ class _Handlers:
                 await _abort(context, err)
                 return
             try:
+                if stream.metadata:  # a sharded Watch: where it starts, the shards it could not open
+                    await context.send_initial_metadata(tuple(stream.metadata.items()))
                 async for item in stream:
                     yield item
             except ApiError as err:  # e.g. ABORTED, a watcher too slow to keep up: after events were sent

@@ -215,7 +215,8 @@ class HttpApi:
             return _error_response(err)
         conn = request.protocol
         lost = conn.lost() if isinstance(conn, Connection) else asyncio.get_running_loop().create_future()
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **stream.metadata}
+        response = web.StreamResponse(headers=headers)
         events = self._events(stream, lost, watch.include_payloads)  # type: ignore[attr-defined]
         try:
             await response.prepare(request)
@@ -268,7 +269,7 @@ class HttpApi:
             if not include_payloads and isinstance(event.get("task"), dict):
                 for name in _PAYLOAD_FIELDS:  # not sent: absent, rather than shown empty or null
                     event["task"].pop(name, None)
-            cursor = event.get("cursor")  # digits and a colon: safe on an SSE line
+            cursor = event.get("cursor")  # digits, colons and commas: safe on an SSE line
             head = f"id: {cursor}\n" if cursor else ""
             yield f"{head}data: {json.dumps(event)}\n\n".encode()
 

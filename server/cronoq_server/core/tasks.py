@@ -286,15 +286,18 @@ class Tasks:
             raise invalid(f"page_token: {_shown(token)!r} was issued by another shard (number {shard_of(after)})")
         return seq_of(after)
 
-    async def watch(self, req: pb.WatchRequest, caller: Principal) -> AsyncGenerator[pb.WatchResponse, None]:
-        """Checks the request (and that its cursor can be resumed) now; the events come from the
-        returned iterator."""
+    async def watch(
+        self, req: pb.WatchRequest, caller: Principal
+    ) -> tuple[int, AsyncGenerator[pb.WatchResponse, None]]:
+        """Checks the request (and that its cursor can be resumed) now; returns the event seq the
+        stream starts after (the cursor's, or the last event's when live) and the iterator of
+        its events."""
         pools = self.readable_pools(req.pool, caller)
         after = parse_cursor(req.cursor, self._shard) if req.cursor else None
         watcher = await self._events.open_watch(
             None if pools is None else frozenset(pools), req.include_payloads, after, req.cursor
         )
-        return self._stream(watcher)
+        return watcher.pos, self._stream(watcher)
 
     async def _stream(self, watcher: Watcher) -> AsyncGenerator[pb.WatchResponse, None]:
         """Events until the stream ends; one ended with an error (ABORTED when it fell behind)
