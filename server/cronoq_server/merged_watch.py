@@ -436,16 +436,8 @@ class _Opener:
                 FORWARDED.labels(shard=shard.name, code="DEADLINE_EXCEEDED").inc()
                 return _Missing(shard, _unreachable(shard, endpoint, f"no stream within {PEER_OPEN_S:g}s"), True)
             except grpc.aio.AioRpcError as err:
-                raw: Any = err.trailing_metadata() or ()
-                trailers: tuple[tuple[str, Any], ...] = tuple((str(k), v) for k, v in raw)
-                leader = _trailer(trailers, "cronoq-leader")
-                if (
-                    not redirected
-                    and err.code() == grpc.StatusCode.UNAVAILABLE
-                    and leader
-                    and leader != endpoint
-                    and not self._peers.refusal(leader, self._caller, previous=endpoint)
-                ):
+                leader, trailers = self._peers.leader_to_follow(err, endpoint, self._caller)
+                if leader and not redirected:
                     endpoint = leader
                     continue
                 FORWARDED.labels(shard=shard.name, code=err.code().name).inc()

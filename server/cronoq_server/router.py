@@ -17,6 +17,7 @@ Each RPC's routing class (registry.Rpc.routing) picks one strategy in ShardRoute
   that could not be asked are named in `unavailable_shards`. ListTasks pages across shards in
   id order: ids carry their shard number in the top 8 bits, so the page token (the page's
   last id) tells which shards are done, which one continues after it, and which start over.
+- Watch (fan_out, streaming): merged from every shard, with a composite cursor; merged_watch.py.
 
 A forwarded call carries the caller's own token and `cronoq-forwarded: 1`, with the caller's
 remaining deadline; the other shard authenticates and authorizes it again, and its refusals
@@ -378,16 +379,8 @@ class ShardRouter:
             try:
                 response = await self.peers.unary(endpoint, rpc, request, metadata, timeout)
             except grpc.aio.AioRpcError as err:
-                raw: Any = err.trailing_metadata() or ()  # grpc-stubs type it as one entry
-                trailers: tuple[tuple[str, Any], ...] = tuple((str(k), v) for k, v in raw)
-                leader = _trailer(trailers, "cronoq-leader")
-                if (
-                    not redirected
-                    and err.code() == grpc.StatusCode.UNAVAILABLE
-                    and leader
-                    and leader != endpoint
-                    and not self.peers.refusal(leader, call.caller, previous=endpoint)
-                ):
+                leader, trailers = self.peers.leader_to_follow(err, endpoint, call.caller)
+                if leader and not redirected:
                     log.debug("%s for shard %s: %s is a standby, leader %s", rpc.name, shard.name, endpoint, leader)
                     endpoint = leader
                     continue
@@ -538,6 +531,23 @@ class PeerChannels:
                 "(server.insecure_peer_http = false)"
             )
         return None
+
+    def leader_to_follow(
+        self, err: grpc.aio.AioRpcError, endpoint: str, caller: Principal
+    ) -> tuple[str | None, tuple[tuple[str, Any], ...]]:
+        """A peer's refusal: the leader to try once more when `endpoint` is a standby naming one
+        these rules allow (else None), and the refusal's trailers."""
+        raw: Any = err.trailing_metadata() or ()  # grpc-stubs type it as one entry
+        trailers: tuple[tuple[str, Any], ...] = tuple((str(k), v) for k, v in raw)
+        leader = _trailer(trailers, "cronoq-leader")
+        if (
+            err.code() == grpc.StatusCode.UNAVAILABLE
+            and leader
+            and leader != endpoint
+            and not self.refusal(leader, caller, previous=endpoint)
+        ):
+            return leader, trailers
+        return None, trailers
 
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         channel = self._channels.get(endpoint)
