@@ -179,6 +179,7 @@ class Worker:
     async def _register(self) -> None:
         """Registers with the shard of its pools, following up to three redirects in a row."""
         redirects, unavailable = 0, 0
+        chain = [str(self._conn.current)]  # the servers of the redirects in a row, and where each sent it
         req = pb.RegisterWorkerRequest(
             name=self.name, pools=self.pools, concurrency=self.concurrency, labels=self._labels
         )
@@ -192,10 +193,11 @@ class Worker:
                 if not target:
                     raise
                 redirects += 1
+                chain.append(f"shard {err.shard or '?'} at {target}")
                 if redirects > MAX_REDIRECTS:
                     raise TooManyRedirects(
-                        f"worker for {self.pools} was redirected more than {MAX_REDIRECTS} times in a row "
-                        f"(last to {target}): check the [[shards]] endpoints"
+                        f"worker for {self.pools} was redirected more than {MAX_REDIRECTS} times in a row: "
+                        f"{' -> '.join(chain)}: check the [[shards]] endpoints"
                     ) from None
                 log.info("shard %s serves %s: reconnecting to %s", err.shard, self.pools, target)
                 self._conn.follow(target)
@@ -207,7 +209,7 @@ class Worker:
                 # redirect target that is down sends the worker back to its configured one).
                 self._conn.on_unavailable(err)
                 if self._conn.current in self._conn.configured:
-                    redirects = 0
+                    redirects, chain = 0, [str(self._conn.current)]
                 unavailable += 1
                 delay = min(self._retry.initial_backoff * 2 ** min(unavailable, 10), self._retry.max_backoff)
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
