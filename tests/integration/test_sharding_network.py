@@ -210,3 +210,50 @@ def test_a_redirect_loop_stops_after_three_redirects_naming_the_chain(tmp_path: 
     for srv in (a, b):  # every registration refused: no worker anywhere
         workers = worker_service_pb2_grpc.WorkerServiceStub(Stubs(srv).channel)
         assert list(workers.ListWorkers(wpb.ListWorkersRequest(), timeout=TIMEOUT).workers) == []
+
+
+async def test_the_sdk_worker_stops_after_three_redirects_naming_the_chain() -> None:
+    """The worker's half of the loop above, checked today: two in-process gRPC servers that
+    refuse every RegisterWorker with the other's endpoint (as the router will)."""
+    servers = [grpc.aio.server(), grpc.aio.server()]
+    endpoints = [f"http://127.0.0.1:{srv.add_insecure_port('127.0.0.1:0')}" for srv in servers]
+    calls = [0, 0]
+
+    def refuse(me: int, shard: str) -> grpc.GenericRpcHandler:
+        async def register(request: wpb.RegisterWorkerRequest, context: grpc.aio.ServicerContext) -> None:
+            calls[me] += 1
+            other = endpoints[1 - me]
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"served by shard {shard!r} at {other}",
+                trailing_metadata=(("cronoq-shard", shard), ("cronoq-shard-endpoint", other)),
+            )
+
+        handler = grpc.unary_unary_rpc_method_handler(
+            register,
+            request_deserializer=wpb.RegisterWorkerRequest.FromString,
+            response_serializer=wpb.RegisterWorkerResponse.SerializeToString,
+        )
+        return grpc.method_handlers_generic_handler("cronoq.v1.WorkerService", {"RegisterWorker": handler})
+
+    servers[0].add_generic_rpc_handlers((refuse(0, "gpu"),))
+    servers[1].add_generic_rpc_handlers((refuse(1, "cpu"),))
+    for srv in servers:
+        await srv.start()
+    try:
+
+        async def handle(task: cronoq.TaskContext) -> None:
+            raise AssertionError("no task is leased")
+
+        worker = cronoq.Worker(endpoints[0], "llm", handle)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(TooManyRedirects) as err:
+            await asyncio.wait_for(worker.run(), 10)
+        assert asyncio.get_running_loop().time() - started < 5.0
+    finally:
+        for srv in servers:
+            await srv.stop(None)
+    a, b = endpoints
+    chain = f"{a} -> shard gpu at {b} -> shard cpu at {a} -> shard gpu at {b} -> shard cpu at {a}"
+    assert "more than 3 times" in str(err.value) and chain in str(err.value), str(err.value)
+    assert calls == [2, 2]
