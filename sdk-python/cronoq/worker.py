@@ -179,7 +179,7 @@ class Worker:
     async def _register(self) -> None:
         """Registers with the shard of its pools, following up to three redirects in a row."""
         redirects, unavailable = 0, 0
-        chain = [str(self._conn.current)]  # the endpoints of the redirects in a row
+        chain = [str(self._conn.current)]  # the servers of the redirects in a row, and where each sent it
         req = pb.RegisterWorkerRequest(
             name=self.name, pools=self.pools, concurrency=self.concurrency, labels=self._labels
         )
@@ -193,11 +193,11 @@ class Worker:
                 if not target:
                     raise
                 redirects += 1
-                chain.append(target)
+                chain.append(f"shard {err.shard or '?'} at {target}")
                 if redirects > MAX_REDIRECTS:
                     raise TooManyRedirects(
-                        f"worker for {self.pools} was redirected more than {MAX_REDIRECTS} times in a row "
-                        f"({' -> '.join(chain)}): check the [[shards]] endpoints"
+                        f"worker for {self.pools} was redirected more than {MAX_REDIRECTS} times in a row: "
+                        f"{' -> '.join(chain)}: check the [[shards]] endpoints"
                     ) from None
                 log.info("shard %s serves %s: reconnecting to %s", err.shard, self.pools, target)
                 self._conn.follow(target)
