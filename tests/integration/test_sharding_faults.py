@@ -5,9 +5,6 @@ The deployment of test_sharding (shard `cpu` = number 1 owns pool `default`, sha
 number 2 owns `llm`), with real server processes on loopback, a real PostgreSQL (one fresh
 database per deployment, so the shards' default schemas cronoq_cpu and cronoq_gpu are used),
 and real worker processes.
-
-Tests marked xfail(strict=False) state what the router change under way (fan-out reads,
-keys across shards) will do; they are switched on when it lands.
 """
 
 from __future__ import annotations
@@ -42,7 +39,6 @@ pytestmark = pytest.mark.timeout(90)
 PENDING = task_pb2.TASK_STATE_PENDING
 SUCCEEDED = task_pb2.TASK_STATE_SUCCEEDED
 # Fan-out reads and keys across shards (the router change under way).
-FAN_OUT_PENDING = pytest.mark.xfail(strict=False, reason="fan-out reads land with the router change")
 
 # launch(config, shard, name, wait_ready) -> a started ServerProcess: the start_server fixture,
 # or the shard_down fixture's own (module-scoped).
@@ -485,7 +481,6 @@ def test_a_shard_entirely_down_is_unavailable_by_name_and_the_other_serves_on(sh
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "gpu" not in err.details()  # type: ignore[attr-defined]
 
 
-@FAN_OUT_PENDING
 def test_fan_out_reads_with_a_shard_down_answer_the_others_naming_it(shard_down: ShardDown) -> None:
     cpu, srv = shard_down.cpu, shard_down.cpu_server
     tasks = cpu.tasks.ListTasks(tpb.ListTasksRequest(page_size=1000), metadata=full_md(), timeout=TIMEOUT)
@@ -519,7 +514,6 @@ def unavailable_header(call: Any) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
 
-@FAN_OUT_PENDING
 def test_reads_by_key_with_a_shard_down_answer_naming_it(shard_down: ShardDown) -> None:
     """The key is cpu's; gpu might hold it too, and cannot say: the answer names gpu."""
     cpu, held = shard_down.cpu, shard_down.keyed["held-by-cpu"]
@@ -537,7 +531,6 @@ def test_reads_by_key_with_a_shard_down_answer_naming_it(shard_down: ShardDown) 
     assert headers["cronoq-unavailable-shards"] == "gpu"
 
 
-@FAN_OUT_PENDING
 def test_cancel_by_key_with_a_shard_down_is_refused(shard_down: ShardDown) -> None:
     """Which shard's task the key names is not known while gpu is down: nothing is cancelled."""
     cpu, task = shard_down.cpu, shard_down.keyed["cancel-me"]

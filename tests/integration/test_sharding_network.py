@@ -8,8 +8,7 @@ server.insecure_peer_http does connect (so the listener would have seen it). It 
 iproute2: in CI (CI=true) their absence fails the test; elsewhere it is skipped.
 
 Workers are not forwarded: a worker for another shard's pool is refused with that shard's
-endpoint, and the SDK worker follows up to three such redirects in a row. The refusal is
-being added to the router now; its tests are xfail(strict=False) until it lands.
+endpoint, and the SDK worker follows up to three such redirects in a row.
 """
 
 from __future__ import annotations
@@ -39,9 +38,6 @@ from cronoq.v1 import worker_service_pb2 as wpb
 
 pytestmark = pytest.mark.timeout(60)
 
-REGISTER_PENDING = pytest.mark.xfail(
-    strict=False, reason="RegisterWorker refusal for another shard's pool (WRONG_SHARD) lands with the router change"
-)
 SUCCEEDED = task_pb2.TASK_STATE_SUCCEEDED
 PEER_PORT = 7070  # inside the namespace: nothing else listens there
 
@@ -123,7 +119,6 @@ def tokenless(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k != "tokens"}
 
 
-@REGISTER_PENDING
 def test_register_worker_for_another_shards_pool_is_refused_with_its_endpoint(
     tmp_path: Path, start_server: Any
 ) -> None:
@@ -144,7 +139,6 @@ def test_register_worker_for_another_shards_pool_is_refused_with_its_endpoint(
         assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "cronoq-shard" not in trailers(err)  # type: ignore[attr-defined]
 
 
-@REGISTER_PENDING
 def test_a_worker_for_llm_connected_to_cpu_ends_up_on_gpu_and_runs_each_task_once(
     tmp_path: Path, start_server: Any
 ) -> None:
@@ -177,7 +171,6 @@ def test_a_worker_for_llm_connected_to_cpu_ends_up_on_gpu_and_runs_each_task_onc
     assert all(dones[i] == 1 and starts[i] == 1 for i in ids), (dones, starts)
 
 
-@REGISTER_PENDING
 def test_a_redirect_loop_stops_after_three_redirects_naming_the_chain(tmp_path: Path, start_server: Any) -> None:
     """Two servers whose [[shards]] disagree: A (shard cpu) has llm in gpu at B's address, B
     (shard gpu) has llm in cpu at A's. A worker for llm bounces between them."""
