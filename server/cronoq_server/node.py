@@ -29,7 +29,7 @@ from .core.schedules import Schedules
 from .core.tasks import Tasks
 from .errors import ApiError
 from .leader import FileLeadership, PgLeadership
-from .metrics import CALLS, LEADER, LEADER_TERM, TASKS_SUBMITTED, WORKERS
+from .metrics import LEADER, LEADER_TERM, TASKS_SUBMITTED, WORKERS
 from .registry import RegistryError, registry
 from .store.base import State, Store, StoreSettings, StoreUnavailable
 from .store.postgres import PostgresStore
@@ -296,28 +296,18 @@ class Node:
             return await self._call(method, request, caller)
 
     async def _call(self, method: str, request: Message, caller: Principal) -> Message:
-        code = "OK"
         try:
             self.admit(method, caller)
             response = await self._unary[method](request, caller)
             if method in ("SubmitTask", "SubmitBatch"):
                 _count_submitted(method, request, response)
             return response
-        except ApiError as err:
-            code = err.code.name
-            raise
         except StoreUnavailable as err:
-            code = "UNAVAILABLE"
             leader = self.leadership.current_leader()
             metadata = {"cronoq-leader": leader} if leader else {}
             raise ApiError(
                 grpc.StatusCode.UNAVAILABLE, str(err), metadata, reason="STORE_UNAVAILABLE", retry_delay=0.5
             ) from None
-        except Exception:
-            code = "INTERNAL"
-            raise
-        finally:
-            CALLS.labels(method=method, code=code).inc()
 
     async def watch(self, request: Message, caller: Principal) -> AsyncGenerator[Message, None]:
         """Admits and checks the call (its cursor too); the events come from the returned iterator."""

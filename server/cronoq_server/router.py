@@ -23,7 +23,8 @@ A forwarded call carries the caller's own token and `cronoq-forwarded: 1`, with 
 remaining deadline; the other shard authenticates and authorizes it again, and its refusals
 come back with their code, message and cronoq-* metadata (but not its `cronoq-leader`, which
 names the other shard's leader, not this server's). A standby's UNAVAILABLE naming its
-leader is followed once.
+leader is followed, and that leader is used for the shard's next calls until it cannot be
+reached: a shard's endpoint may be any of its servers, or a load balancer in front of them.
 
 A call that arrives marked cronoq-forwarded (from a peer, or a client that set it) is
 answered for this shard only, never forwarded again: a pool or task id of another shard gets
@@ -68,7 +69,7 @@ from .config import Config, ShardConfig
 from .core.tasks import page_size, page_token_id
 from .errors import ApiError, invalid, not_found
 from .ids import shard_of
-from .metrics import FORWARDED
+from .metrics import CALLS, FORWARDED
 from .node import Node
 from .registry import ROUTINGS, RegistryError, Rpc, registry
 
@@ -154,11 +155,22 @@ class ShardRouter:
         self.node.admit(method, call.caller, leading=not self._routed(self.rpcs[method]))
 
     async def call(self, method: str, request: Message, call: Call) -> Message:
-        rpc = self.rpcs[method]
-        if not self.sharded:
-            return await self.node.call(method, request, call.caller)
-        self.admit(method, call)
-        return await self._strategies[rpc.routing](rpc, request, call)
+        """The answer to one API call, whoever gives it (counted in cronoq_api_calls_total by
+        its final code: a forwarded call is counted here and where it was answered)."""
+        code = "OK"
+        try:
+            if not self.sharded:
+                return await self.node.call(method, request, call.caller)
+            self.admit(method, call)
+            return await self._strategies[self.rpcs[method].routing](self.rpcs[method], request, call)
+        except ApiError as err:
+            code = err.code.name
+            raise
+        except Exception:
+            code = "INTERNAL"
+            raise
+        finally:
+            CALLS.labels(method=method, code=code).inc()
 
     async def watch(self, request: Message, call: Call) -> Any:
         """A merged_watch.WatchStream. Unsharded: this server's events. Sharded: merged from every
@@ -367,22 +379,30 @@ class ShardRouter:
                 caller.require(rpc.permission, pool)
 
     async def _forward(self, rpc: Rpc, request: Message, call: Call, shard: ShardConfig) -> Message:
-        """forward_to_shard: the call at the shard's endpoint, then once at the leader a standby names."""
+        """forward_to_shard: the call at the shard's leader as last learnt (else its endpoint);
+        a standby's answer naming the leader is followed, and a learnt leader that cannot be
+        reached is forgotten for the configured endpoint: at most three tries."""
         metadata: list[tuple[str, str]] = [(FORWARDED_HEADER, "1")]
         if call.caller.token is not None:
             metadata.append(("authorization", f"Bearer {call.caller.token}"))
         loop = asyncio.get_running_loop()
         deadline = None if call.timeout is None else loop.time() + call.timeout
-        endpoint = shard.endpoint
-        for redirected in (False, True):
+        configured = shard.endpoint
+        endpoint = self.peers.leader_of(configured, call.caller)
+        for tries_left in (2, 1, 0):
             timeout = None if deadline is None else max(deadline - loop.time(), 0.0)
             try:
                 response = await self.peers.unary(endpoint, rpc, request, metadata, timeout)
             except grpc.aio.AioRpcError as err:
                 leader, trailers = self.peers.leader_to_follow(err, endpoint, call.caller)
-                if leader and not redirected:
+                if tries_left and leader:
                     log.debug("%s for shard %s: %s is a standby, leader %s", rpc.name, shard.name, endpoint, leader)
+                    self.peers.learn_leader(configured, leader)
                     endpoint = leader
+                    continue
+                if tries_left and endpoint != configured and err.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.peers.learn_leader(configured, None)
+                    endpoint = configured
                     continue
                 FORWARDED.labels(shard=shard.name, code=err.code().name).inc()
                 raise _peer_error(shard, endpoint, err, trailers) from None
@@ -513,6 +533,7 @@ class PeerChannels:
     def __init__(self, config: Config):
         self._config = config
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._leaders: dict[str, str] = {}  # a shard's endpoint -> the leader it last named
         self._credentials: grpc.ChannelCredentials | None = None
 
     def refusal(self, endpoint: str, caller: Principal, previous: str | None = None) -> str | None:
@@ -531,6 +552,21 @@ class PeerChannels:
                 "(server.insecure_peer_http = false)"
             )
         return None
+
+    def leader_of(self, endpoint: str, caller: Principal) -> str:
+        """Where to send a call for the shard at `endpoint`: the leader it last named, if any
+        (and if these rules allow it for this caller), else the endpoint itself."""
+        leader = self._leaders.get(endpoint)
+        if leader is None or self.refusal(leader, caller, previous=endpoint):
+            return endpoint
+        return leader
+
+    def learn_leader(self, endpoint: str, leader: str | None) -> None:
+        """The leader the shard at `endpoint` named (None: forget it, it could not be reached)."""
+        if leader is None:
+            self._leaders.pop(endpoint, None)
+        else:
+            self._leaders[endpoint] = leader
 
     def leader_to_follow(
         self, err: grpc.aio.AioRpcError, endpoint: str, caller: Principal

@@ -240,11 +240,13 @@ def test_two_replicas_a_shard_on_postgres(tmp_path: Path, start_server: Any, req
         assert via[name].id >> 56 == (2 if pool == "llm" else 1) and via[name].pool == pool, name
     status, _, body = http(cpu1, "POST", "/v1/tasks", {"pool": "llm", "payload_json": {"via": "cpu1"}})
     assert status == 200 and int(body["task"]["id"]) >> 56 == 2, body
-    # gpu's endpoint is its standby: each call cpu forwards to gpu is refused there first
-    # (UNAVAILABLE naming the leader) and then answered by the leader.
+    # gpu's endpoint is its standby: the first call each cpu server forwards to gpu is refused
+    # there (UNAVAILABLE naming the leader) and then answered by the leader, which the server
+    # then calls directly (cpu1's call over HTTP).
     forwarded_to_gpu = metric(gpu1, "cronoq_api_calls_total", method="SubmitTask", code="UNAVAILABLE")
-    assert forwarded_to_gpu == 3, forwarded_to_gpu  # cpu0's, cpu1's, and cpu1's over HTTP
-    assert metric(gpu0, "cronoq_api_calls_total", method="SubmitTask", code="OK") == 4  # with its own
+    assert forwarded_to_gpu == 2, forwarded_to_gpu  # cpu0's first, cpu1's first
+    # Its own, three forwarded to it, and the one it forwarded to cpu.
+    assert metric(gpu0, "cronoq_api_calls_total", method="SubmitTask", code="OK") == 5
     assert metric(cpu0, "cronoq_forwarded_calls_total", shard="gpu", code="OK") == 1
     assert metric(cpu1, "cronoq_forwarded_calls_total", shard="gpu", code="OK") == 2
     # A standby's own shard's call: UNAVAILABLE naming its leader (the SDK follows it).
