@@ -1,8 +1,13 @@
 """The demo: an embedded cronoq server on SQLite, a worker in its own process, and
-tasks flowing through them. Run it with `./dev demo`."""
+tasks flowing through them. Run it with `./dev demo`.
+
+`./dev demo --sharded`: two shards, each its own server process and SQLite file, with
+calls forwarded between them and workers redirected to their pool's shard (demo_sharded.py).
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
 import socket
@@ -35,13 +40,20 @@ def start_server(workdir: Path) -> tuple[subprocess.Popen[bytes], str, str]:
     print(f"$ cronoq-server --config {config}   (SQLite at {workdir}/cronoq.db)")
     proc = subprocess.Popen([sys.executable, "-m", "cronoq_server.main", "--config", str(config)], cwd=workdir)
     http = f"http://127.0.0.1:{http_port}"
-    for _ in range(200):
+    wait_ready(http)
+    return proc, f"http://127.0.0.1:{grpc_port}", http
+
+
+def wait_ready(http: str, seconds: float = 10.0) -> bool:
+    """Whether the server answers /readyz 200 (it leads its shard) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(f"{http}/readyz", timeout=1):
-                break
+                return True
         except OSError:
             time.sleep(0.05)
-    return proc, f"http://127.0.0.1:{grpc_port}", http
+    return False
 
 
 async def submit_and_watch(endpoint: str) -> list[cronoq.Task]:
@@ -74,6 +86,13 @@ async def submit_and_watch(endpoint: str) -> list[cronoq.Task]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sharded", action="store_true", help="two shards, forwarding and worker redirects")
+    if ap.parse_args().sharded:
+        from demo_sharded import run_sharded_demo
+
+        run_sharded_demo()
+        return
     with tempfile.TemporaryDirectory(prefix="cronoq-demo-") as tmp:
         server, endpoint, http = start_server(Path(tmp))
         print(f"server ready: gRPC {endpoint}, HTTP {http}")
