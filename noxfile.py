@@ -116,14 +116,15 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: an embedded server on SQLite, a worker, tasks flowing."""
+    """The main job: an embedded server on SQLite, a worker, tasks flowing (`-- --sharded`: two
+    shards, calls forwarded between them, workers redirected to their shard)."""
     session.install(*PACKAGES)
     session.run("python", "examples/demo.py", *session.posargs)
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks: burn-down and submit→start latency (never run as tests)."""
+    """Benchmarks: burn-down, submit→start latency, two shards (never run as tests)."""
     session.install(*PACKAGES, "py-spy", "trustme>=1.1")
     session.run("python", "bench/run_all.py", *session.posargs, env={"PYTHONDONTWRITEBYTECODE": "1"})
 

@@ -42,6 +42,9 @@ class BenchServer:
 
     secure: TLS on both listeners (a CA made for the run) and a bearer token required; clients
     then connect with `client_options`. extra_config: TOML appended to the config file.
+    shard: the shard this server serves (--shard), when extra_config has [[shards]]; its store
+    is then the shard's own (a file, or a schema, named with {shard}), and `ports` (gRPC, HTTP)
+    are those its [[shards]] endpoint names.
     """
 
     def __init__(
@@ -51,8 +54,11 @@ class BenchServer:
         extra_pools: tuple[str, ...] = (),
         secure: bool = False,
         extra_config: str = "",
+        shard: str | None = None,
+        ports: tuple[int, int] | None = None,
+        synchronous: str = SYNCHRONOUS,
     ):
-        self.grpc_port, self.http_port = free_port(), free_port()
+        self.grpc_port, self.http_port = ports or (free_port(), free_port())
         self.secure = secure
         self.client_options: dict[str, Any] = {}
         self._ssl: ssl.SSLContext | None = None
@@ -73,11 +79,13 @@ class BenchServer:
             )
             self.client_options = {"token": BENCH_TOKEN, "tls": cronoq.TlsConfig(ca=str(workdir / "ca.pem"))}
             self._ssl = ssl.create_default_context(cafile=str(workdir / "ca.pem"))
-        self.config = workdir / "bench.toml"
-        if postgres_url:
-            store = f'kind = "postgres"\nurl = "{postgres_url}"\nschema = "bench_{uuid.uuid4().hex[:10]}"'
+        own = f"-{shard}" if shard else ""  # this server's files
+        self.config = workdir / f"bench{own}.toml"
+        if postgres_url:  # sharded: the server puts its shard's name for {shard}
+            schema = f"bench_{uuid.uuid4().hex[:10]}{'_{shard}' if shard else ''}"
+            store = f'kind = "postgres"\nurl = "{postgres_url}"\nschema = "{schema}"'
         else:
-            store = f'path = "{workdir}/bench.db"\nsynchronous = "{SYNCHRONOUS}"'
+            store = f'path = "{workdir}/bench{"-{shard}" if shard else ""}.db"\nsynchronous = "{synchronous}"'
         self.config.write_text(
             f'[server]\nlisten = "127.0.0.1:{self.grpc_port}"\nhttp_listen = "127.0.0.1:{self.http_port}"\n'
             f"[store]\n{store}\n"
@@ -86,9 +94,10 @@ class BenchServer:
             + security
             + extra_config
         )
-        self.log = open(workdir / "server.log", "wb")
+        self.log = open(workdir / f"server{own}.log", "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cronoq_server.main", "--config", str(self.config), "--log-level", "WARNING"],
+            [sys.executable, "-m", "cronoq_server.main", "--config", str(self.config), "--log-level", "WARNING"]
+            + (["--shard", shard] if shard else []),
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )

@@ -55,14 +55,14 @@ def run_worker(
 
 
 async def submit_all(
-    endpoint: str, total: int, batch: int, options: dict[str, Any], resources: dict[str, int]
+    endpoint: str, total: int, batch: int, options: dict[str, Any], resources: dict[str, int], pool: str = "default"
 ) -> float:
     started = time.perf_counter()
     async with cronoq.Client(endpoint, **options) as client:
         for i in range(0, total, batch):
             n = min(batch, total - i)
-            await client.submit_batch([cronoq.task_spec("default", b"", resources=resources) for _ in range(n)])
-            print(f"\rsubmitted {i + n}/{total}", end="", file=sys.stderr)
+            await client.submit_batch([cronoq.task_spec(pool, b"", resources=resources) for _ in range(n)])
+            print(f"\rsubmitted {i + n}/{total} ({pool})", end="", file=sys.stderr)
     print(file=sys.stderr)
     return time.perf_counter() - started
 

@@ -1,6 +1,7 @@
 """`./dev bench`: every benchmark in one run, and a summary table.
 
-cronoq on SQLite and on PostgreSQL (burn-down, submit→start and submit→Watch event latency), then the
+cronoq on SQLite and on PostgreSQL (burn-down, submit→start and submit→Watch event latency, and two
+shards: forwarded calls, ListTasks across shards, burn-down across shards), then the
 anchors PgQueuer and procrastinate on the same PostgreSQL server and the same
 workloads, and cronoq's ratio to each; then submit latency under idle load. Each run is its own process with its own
 servers and workers. `--quick` runs smaller sizes; `--no-anchors` skips the anchors.
@@ -30,6 +31,40 @@ def run(script: str, *args: str) -> dict[str, Any]:
 
 def latency_text(r: dict[str, Any]) -> str:
     return f"p50 {r['p50_ms']} ms, p90 {r['p90_ms']} ms, p99 {r['p99_ms']} ms (achieved {r['achieved_rate']:,}/s)"
+
+
+def sharding_rows(store: str, r: dict[str, Any]) -> list[tuple[str, str]]:
+    """bench/sharding.py's figures as table rows."""
+
+    def forwarded(kind: str) -> str:
+        direct, fwd = r[f"{kind}_direct"], r[f"{kind}_forwarded"]
+        return (
+            f"p50 {direct['p50_ms']:.2f} → {fwd['p50_ms']:.2f} ms ({r[f'{kind}_forward_cost_p50_ms']:+.2f} ms), "
+            f"p99 {direct['p99_ms']:.2f} → {fwd['p99_ms']:.2f} ms"
+        )
+
+    def burn(b: dict[str, Any]) -> str:
+        two, one = b["2x1"], b["1x1"]
+        per = " + ".join(f"{pool} {n:,}" for pool, n in two["per_pool_tasks_per_s"].items())
+        return f"{two['tasks_per_s']:,} tasks/s ({per}) / {one['tasks_per_s']:,} tasks/s = {b['ratio']:.2f}×"
+
+    fan_out = "fanned out" if r["list_fanned_out"] else "not fanned out: the receiving shard's answer"
+    rows = [
+        (f"cronoq {store}, 2 shards: GetTask direct → forwarded to the other shard", forwarded("get")),
+        (f"cronoq {store}, 2 shards: SubmitTask direct → forwarded to the other shard", forwarded("submit")),
+        (
+            f"cronoq {store}, 2 shards: ListTasks (page of 100) across shards / one shard, p50",
+            f"{r['list_client']['p50_ms']:.2f} / {r['list_one_shard']['p50_ms']:.2f} ms = {r['list_ratio_p50']:.2f}× "
+            f"({fan_out})",
+        ),
+        (
+            f"cronoq {store}: burn-down over 2 shards, a worker process each / one server, one worker",
+            burn(r["burn_down"]) + f"; one server with 2 workers: {r['burn_down']['1x2']['tasks_per_s']:,} tasks/s",
+        ),
+    ]
+    if "burn_down_normal" in r:
+        rows.append((f"cronoq {store}: the same, synchronous = normal", burn(r["burn_down_normal"])))
+    return rows
 
 
 def main() -> None:
@@ -84,6 +119,9 @@ def main() -> None:
             watch = run("watch_latency.py", "--seconds", seconds, *extra)
             title = f"cronoq {store}: submit→Watch event at 500 tasks/s, one SubmitTask per task"
             rows.append((title, latency_text(watch)))
+            step(f"cronoq on {store}: two shards (forwarding, ListTasks across shards, burn-down across shards)")
+            small = ["--calls", "300", "--rounds", "1"] if args.quick else []
+            rows += sharding_rows(store, run("sharding.py", "--tasks", tasks, *small, *extra))
             if store == "postgres" and not args.no_anchors:
                 import anchors  # the anchors' own virtualenv; never a product dependency
 
