@@ -284,6 +284,49 @@ async def read_through_cpu(dep: Deployment) -> None:
                 print(f"  GetTask by key {key!r} (a task in each shard): {err}")
 
 
+class Watcher:
+    """One Watch through cpu's server for the whole run: the events of every shard, merged."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self.events: dict[str, int] = {}  # shard: events seen
+        self.cursor = ""
+        self._task: asyncio.Task[None] | None = None
+
+    async def _watch(self) -> None:
+        async with cronoq.Client(self.endpoint) as client:
+            async for event in client.watch():
+                self.events[event.shard] = self.events.get(event.shard, 0) + 1
+                self.cursor = event.cursor
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._watch())
+        await asyncio.sleep(0.5)  # the stream is open before the first submission
+
+    async def stop(self) -> None:
+        seen = -1
+        while seen != sum(self.events.values()):  # until the last events have arrived
+            seen = sum(self.events.values())
+            await asyncio.sleep(0.3)
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        counts = ", ".join(f"{n} from {shard}" for shard, n in sorted(self.events.items()))
+        print(f"  Watch (one stream, opened before the first submission): {seen} events, {counts}")
+        print(f"    the last event's cursor, one position per shard: {self.cursor}")
+
+
+async def exercise(dep: Deployment) -> tuple[dict[str, tuple[int, str]], list[cronoq.Task]]:
+    """Submits, waits and reads through cpu's server, watched by one Watch there."""
+    watcher = Watcher(dep.grpc["cpu"])
+    await watcher.start()
+    expected = await submit_through_cpu(dep)
+    tasks = await wait_through_cpu(dep, [i for i, _ in expected.values() if i])
+    await read_through_cpu(dep)
+    await watcher.stop()
+    return expected, tasks
+
+
 def metric_lines(http: str, name: str) -> list[str]:
     with urllib.request.urlopen(f"{http}/metrics", timeout=5) as r:
         return [ln for ln in r.read().decode().splitlines() if ln.startswith(name)]
@@ -329,9 +372,7 @@ def run_sharded_demo() -> None:
             with bounded(DEADLINE_S):
                 start_servers(dep)
                 start_workers(dep)
-                expected = asyncio.run(submit_through_cpu(dep))
-                tasks = asyncio.run(wait_through_cpu(dep, [i for i, _ in expected.values() if i]))
-                asyncio.run(read_through_cpu(dep))
+                expected, tasks = asyncio.run(exercise(dep))
                 print()
                 for name in SHARDS:
                     forwarded = metric_lines(dep.http[name], "cronoq_forwarded_calls_total")
