@@ -53,9 +53,9 @@ def sharding_rows(store: str, r: dict[str, Any]) -> list[tuple[str, str]]:
         (f"cronoq {store}, 2 shards: GetTask direct → forwarded to the other shard", forwarded("get")),
         (f"cronoq {store}, 2 shards: SubmitTask direct → forwarded to the other shard", forwarded("submit")),
         (
-            f"cronoq {store}, 2 shards: ListTasks (page of 100) across shards / one shard, p50",
+            f"cronoq {store}, 2 shards: ListTasks, a page of 100 straddling both shards / inside one shard, p50",
             f"{r['list_client']['p50_ms']:.2f} / {r['list_one_shard']['p50_ms']:.2f} ms = {r['list_ratio_p50']:.2f}× "
-            f"({fan_out})",
+            f"({fan_out}); the first page, which cpu fills: {r['list_first_page']['p50_ms']:.2f} ms",
         ),
         (
             f"cronoq {store}: burn-down over 2 shards, a worker process each / one server, one worker",

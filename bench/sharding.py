@@ -6,9 +6,10 @@ one PostgreSQL server).
 
   (a) GetTask of a cpu task, at cpu's server (direct) and at gpu's (forwarded to cpu);
   (b) SubmitTask into pool default, at cpu (direct) and at gpu (forwarded to cpu);
-  (c) ListTasks, first page of 100, no filter, at cpu: as clients send it (fanned out to every
-      shard, where the server does so; the run says which) and marked `cronoq-forwarded: 1`,
-      which every server answers from its own shard only;
+  (c) ListTasks at cpu, a page of 100 that straddles the shards (the last 50 of cpu's tasks,
+      then gpu's first 50: both shards asked in parallel and merged) against a page of 100
+      inside cpu's tasks marked `cronoq-forwarded: 1` (answered by cpu's shard alone); and
+      the first page, which cpu's tasks fill (so gpu's answer is not waited for);
   (d) burn-down: --tasks no-op tasks, half in each shard, one worker process per shard
       (concurrency 64) at its shard's server; against one unsharded server holding all of
       them, drained by the same two worker processes. Drain time runs from the workers' go
@@ -146,18 +147,37 @@ async def calls_across_shards(servers: dict[str, BenchServer], calls: int, store
             lambda: cpu.SubmitTask(submit), lambda: gpu.SubmitTask(submit), calls
         )
 
-        listing = tpb.ListTasksRequest(page_size=LIST_PAGE)
         seen = await tasks_by_shard(cpu)
         result["list_shards_seen"] = sorted(seen)
-        result["list_fanned_out"] = len(seen) > 1
-        first = await cpu.ListTasks(listing)
-        result["list_unavailable_shards"] = list(first.unavailable_shards)
+        # A page that straddles the shards: the last LIST_PAGE/2 of cpu's tasks, then gpu's
+        # first; against a page of LIST_PAGE inside cpu's tasks, answered by cpu alone.
+        straddle = tpb.ListTasksRequest(page_size=LIST_PAGE, page_token=await token_at(cpu, seen[1] - LIST_PAGE // 2))
+        inside = tpb.ListTasksRequest(page_size=LIST_PAGE, page_token=await token_at(cpu, seen[1] // 2))
+        page = await cpu.ListTasks(straddle)
+        result["list_page_shards"] = sorted({t.id >> 56 for t in page.tasks})
+        result["list_fanned_out"] = len(result["list_page_shards"]) > 1
+        result["list_unavailable_shards"] = list(page.unavailable_shards)
         how = "fanned out to both shards" if result["list_fanned_out"] else "answered by cpu's shard only"
-        log(f"(c) ListTasks at cpu ({how}) and marked cronoq-forwarded (cpu only), {calls // 2} calls each")
+        log(f"(c) ListTasks at cpu, a page across both shards ({how}) and one inside cpu's, {calls // 2} calls each")
         result["list_client"], result["list_one_shard"] = await alternate(
-            lambda: cpu.ListTasks(listing), lambda: cpu.ListTasks(listing, metadata=MARKED), calls // 2
+            lambda: cpu.ListTasks(straddle), lambda: cpu.ListTasks(inside, metadata=MARKED), calls // 2
+        )
+        first = tpb.ListTasksRequest(page_size=LIST_PAGE)
+        log(f"(c') ListTasks at cpu, the first page (cpu's tasks fill it: gpu is not waited for), {calls // 2} calls")
+        result["list_first_page"], _ = await alternate(
+            lambda: cpu.ListTasks(first), lambda: cpu.ListTasks(inside, metadata=MARKED), calls // 2
         )
     return result
+
+
+async def token_at(stub: Any, position: int) -> str:
+    """The page token after the first `position` tasks of the stub's own shard."""
+    token, left = "", position
+    while left > 0:
+        size = min(left, 1000)
+        page = await stub.ListTasks(tpb.ListTasksRequest(page_size=size, page_token=token), metadata=MARKED)
+        token, left = page.next_page_token, left - size
+    return token
 
 
 # -- (d) burn-down ------------------------------------------------------------------
@@ -398,9 +418,10 @@ def report(r: dict[str, Any]) -> None:
     else:
         what, judged = "NOT fanned out (answered from cpu's shard only)", "no fan-out to judge"
     print(
-        f"  ListTasks  page of {LIST_PAGE} at cpu, {what}: {lat(r['list_client'])}; "
-        f"cpu's shard alone {lat(r['list_one_shard'])}; {ratio:.2f}× ({judged})"
+        f"  ListTasks  page of {LIST_PAGE} across both shards at cpu, {what}: {lat(r['list_client'])}; "
+        f"a page of cpu's shard alone {lat(r['list_one_shard'])}; {ratio:.2f}× ({judged})"
     )
+    print(f"  ListTasks  first page at cpu (filled by cpu's tasks, gpu not waited for): {lat(r['list_first_page'])}")
 
     def per_shard(x: dict[str, Any]) -> str:
         return "per shard " + ", ".join(f"{pool} {n:,}" for pool, n in x["per_pool_tasks_per_s"].items())

@@ -312,7 +312,7 @@ class ShardRouter:
             self._require(rpc, call.caller, [pool])
             shards = [owner]
         requests = merge.requests(request, shards)
-        answers = await self._ask(rpc, requests, call)
+        answers = await self._ask(rpc, requests, call, lambda answered: merge.enough(request, answered))
         responses: list[Message] = []
         missing: list[str] = []
         for name, answer in answers.items():
@@ -322,12 +322,19 @@ class ShardRouter:
                 missing.append(name)
             else:
                 responses.append(answer)
-        response = merge.merge(request, responses)
+        response = merge.merge(request, responses, complete=len(answers) == len(requests))
         response.unavailable_shards.extend(missing)  # type: ignore[attr-defined]
         return response
 
-    async def _ask(self, rpc: Rpc, requests: dict[str, Message], call: Call) -> dict[str, Message | ApiError]:
-        """Each shard's answer (or refusal) to its request, asked in parallel; in shard order."""
+    async def _ask(
+        self,
+        rpc: Rpc,
+        requests: dict[str, Message],
+        call: Call,
+        enough: Callable[[list[Message]], bool] = lambda answered: False,
+    ) -> dict[str, Message | ApiError]:
+        """Each shard's answer (or refusal) to its request, asked in parallel, in shard order;
+        once the answers so far are `enough`, the later shards' are not waited for (nor named)."""
         loop = asyncio.get_running_loop()
         timeout = PEER_READ_TIMEOUT_S if call.timeout is None else min(call.timeout, PEER_READ_TIMEOUT_S)
         deadline = loop.time() + timeout
@@ -345,9 +352,17 @@ class ShardRouter:
             except ApiError as err:
                 return err
 
-        shards = [self._by_name[name] for name in requests]
-        answers = await asyncio.gather(*(ask(shard, requests[shard.name]) for shard in shards))
-        return dict(zip(requests, answers, strict=True))
+        asked = {name: asyncio.ensure_future(ask(self._by_name[name], req)) for name, req in requests.items()}
+        answers: dict[str, Message | ApiError] = {}
+        try:
+            for name, answer in asked.items():
+                answers[name] = await answer
+                if enough([a for a in answers.values() if not isinstance(a, ApiError)]):
+                    break
+        finally:
+            for pending in asked.values():
+                pending.cancel()
+        return answers
 
     async def _on_shard(self, rpc: Rpc, request: Message, call: Call, shard: ShardConfig, pools: list[str]) -> Message:
         """Answers a call that concerns `shard`: here, or there. `pools` are those the answer
@@ -429,8 +444,14 @@ class _Merge:
     def requests(self, request: Any, shards: list[ShardConfig]) -> dict[str, Message]:
         return {shard.name: request for shard in shards}
 
-    def merge(self, request: Any, responses: list[Any]) -> Message:
+    def merge(self, request: Any, responses: list[Any], complete: bool = True) -> Message:
+        """One answer from the shards' (in shard order); complete: every shard asked answered
+        or is named missing (else `enough` stopped early)."""
         raise NotImplementedError
+
+    def enough(self, request: Any, responses: list[Any]) -> bool:
+        """Whether the first shards' answers make the whole answer (the rest need not be asked)."""
+        return False
 
 
 class _Concat(_Merge):
@@ -439,7 +460,7 @@ class _Concat(_Merge):
     def __init__(self, response: type[Message], field: str):
         self.response, self.field = response, field
 
-    def merge(self, request: Any, responses: list[Any]) -> Message:
+    def merge(self, request: Any, responses: list[Any], complete: bool = True) -> Message:
         merged = self.response()
         for response in responses:
             getattr(merged, self.field).extend(getattr(response, self.field))
@@ -449,15 +470,14 @@ class _Concat(_Merge):
 class _TaskPages(_Merge):
     """ListTasks across shards in id order. Shards are numbered in id order, so the page token
     (the last id shown) says it all: lower shards are done, its own shard continues after it,
-    higher shards start from their first task. Each is asked for a whole page."""
+    higher shards start from their first task. Each is asked for a whole page, in parallel,
+    and a page the lower shards fill is answered without waiting for the higher ones."""
 
     def requests(self, request: Any, shards: list[ShardConfig]) -> dict[str, Message]:
         size = page_size(request.page_size)
         after = page_token_id(request.page_token) if request.page_token else 0
         if after and shard_of(after) not in {s.number for s in shards}:
-            raise invalid(
-                f"page_token: {request.page_token!r} names shard number {shard_of(after)}, which is not listed"
-            )
+            raise invalid(f"page_token: {request.page_token!r} was not issued for this listing")
         requests: dict[str, Message] = {}
         for shard in shards:
             if shard.number < shard_of(after):
@@ -469,13 +489,27 @@ class _TaskPages(_Merge):
             requests[shard.name] = asked
         return requests
 
-    def merge(self, request: Any, responses: list[Any]) -> Message:
+    def enough(self, request: Any, responses: list[Any]) -> bool:
+        """The lower shards' tasks come first: once they fill the page, the higher shards'
+        tasks are on later pages (and a higher shard that is down is named there)."""
+        return bool(responses) and (
+            bool(responses[-1].next_page_token) or sum(len(r.tasks) for r in responses) >= page_size(request.page_size)
+        )
+
+    def merge(self, request: Any, responses: list[Any], complete: bool = True) -> Message:
         size = page_size(request.page_size)
-        tasks = sorted((t for r in responses for t in r.tasks), key=lambda t: t.id)
-        more = len(tasks) > size or any(r.next_page_token for r in responses)
-        page = tasks[:size]
-        token = str(page[-1].id) if more and page else ""
-        return task_pb.ListTasksResponse(tasks=page, next_page_token=token)
+        more = not complete or sum(len(r.tasks) for r in responses) > size or any(r.next_page_token for r in responses)
+        holding = [r for r in responses if r.tasks]
+        if len(holding) == 1 and len(holding[0].tasks) <= size:  # the usual page: one shard's, as it is
+            merged = holding[0]
+            merged.next_page_token = ""
+        else:
+            merged = task_pb.ListTasksResponse()
+            for response in responses:  # in shard order, which is id order
+                merged.tasks.extend(response.tasks[: size - len(merged.tasks)])
+        if merged.tasks and more:
+            merged.next_page_token = str(merged.tasks[-1].id)
+        return merged
 
 
 _MERGES: dict[str, _Merge] = {

@@ -503,6 +503,14 @@ def test_with_a_shard_down_reads_answer_and_name_it(shards: TwoShards) -> None:
     page, call = cpu.tasks.ListTasks.with_call(tpb.ListTasksRequest(), metadata=bearer("full"), timeout=TIMEOUT)
     assert [t.id >> 56 for t in page.tasks] == [1, 1] and list(page.unavailable_shards) == ["gpu"]
     assert dict(call.trailing_metadata())["cronoq-unavailable-shards"] == "gpu"
+    # A page that cpu's tasks fill does not wait for gpu (its tasks would come later).
+    pages = []
+    token = ""
+    for _ in range(3):
+        page = cpu.tasks.ListTasks(tpb.ListTasksRequest(page_size=1, page_token=token), metadata=bearer("full"))
+        pages.append(([t.id >> 56 for t in page.tasks], list(page.unavailable_shards), bool(page.next_page_token)))
+        token = page.next_page_token
+    assert pages == [([1], [], True), ([1], [], True), ([], ["gpu"], False)]
     snap = admin_service_pb2_grpc.AdminServiceStub(cpu.channel).GetSnapshot(
         apb.GetSnapshotRequest(), metadata=bearer("full")
     )
