@@ -49,6 +49,10 @@ def sharded_config(
             {"name": "cpu", "number": 1, "pools": ["default"], "endpoint": cpu_endpoint or f"http://{cpu_listen}"},
             {"name": "gpu", "number": 2, "pools": ["llm"], "endpoint": gpu_endpoint},
         ],
+        "resources": [
+            {"name": "gpu_slots", "shard": "gpu", "concurrency": 2},
+            {"name": "api_cpu", "shard": "cpu", "rate": 6.0},
+        ],
         "store": {"path": str(tmp_path / "cronoq-{shard}.db")},
         "tokens": [
             {
@@ -603,3 +607,21 @@ def test_a_certificate_caller_reads_only_the_receiving_shard(tmp_path: Path, sta
             trailers(err)["cronoq-shard"] == "gpu" and trailers(err)["cronoq-shard-endpoint"] == f"https://{gpu_listen}"
         )
         assert "certificate" in err.details()  # type: ignore[attr-defined]
+
+
+def test_what_cannot_span_shards_is_refused(shards: TwoShards) -> None:
+    cpu, gpu = shards.stubs["cpu"], shards.stubs["gpu"]
+    first = submit(cpu, "default", key="first").task
+    for stubs in (cpu, gpu):
+        err = refusal(lambda stubs=stubs: submit(stubs, "llm", depends_on=[task_pb2.TaskRef(id=first.id)]))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err  # type: ignore[attr-defined]
+        assert "depends_on[0]" in err.details() and "its own shard" in err.details()  # type: ignore[attr-defined]
+        # By key: keys of the task's own shard, where 'first' names nothing.
+        err = refusal(lambda stubs=stubs: submit(stubs, "llm", depends_on=[task_pb2.TaskRef(key="first")]))
+        assert err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), err  # type: ignore[attr-defined]
+        assert "'first'" in err.details()  # type: ignore[attr-defined]
+        err = refusal(lambda stubs=stubs: submit(stubs, "default", resources={"gpu_slots": 1}))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err  # type: ignore[attr-defined]
+        assert "'gpu_slots'" in err.details() and "'cpu'" in err.details()  # type: ignore[attr-defined]
+    assert submit(cpu, "llm", resources={"gpu_slots": 1}).task.resources == {"gpu_slots": 1}
+    assert submit(gpu, "default", depends_on=[task_pb2.TaskRef(key="first")]).task.state == task_pb2.TASK_STATE_BLOCKED
