@@ -9,9 +9,12 @@ leader's writes fail instead of landing.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import asyncpg
@@ -192,6 +195,41 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+# Submissions committed together at most (group commit), and their tasks at most (one
+# submission alone may exceed it).
+MAX_GROUP = 64
+MAX_GROUP_TASKS = 4096
+
+# Retried in a fresh savepoint of the same group: a concurrent submission took a key (the retry
+# deduplicates it), or this group's locks met another transaction's in a deadlock.
+RETRYABLE = (asyncpg.exceptions.UniqueViolationError, asyncpg.exceptions.DeadlockDetectedError)
+
+SubmitResult = tuple[list[Submitted], Changes]
+
+
+@dataclass(slots=True)
+class _SubmitOp:
+    """One submit call waiting for its group's commit."""
+
+    tasks: list[NewTask]
+    now: int
+    request_id: str | None
+    visible: frozenset[str] | None
+    plain: bool  # no keys, no dependencies, no limits: merged into the group's one INSERT
+    # The call's answer; None: a plain call whose request_id was already recorded (the caller
+    # reads the first call's tasks back once the group has committed).
+    fut: asyncio.Future[SubmitResult | None]
+
+
+def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if fut.done():  # its caller was cancelled
+        return
+    if ok:
+        fut.set_result(value)
+    else:
+        fut.set_exception(value)
+
+
 def quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
@@ -219,6 +257,10 @@ class PostgresStore:
         self._no_blocked_since = 0
         self._blocking_submits = 0
         self.channel = notify_channel(schema)
+        # Group commit of submissions: calls queue here; one committer at a time takes all that
+        # wait (up to MAX_GROUP) into one transaction, each in its own savepoint.
+        self._submits: deque[_SubmitOp] = deque()
+        self._committer: asyncio.Task[None] | None = None
         self._cols = ", ".join(f"t.{c.strip()}" for c in TASK_COLUMNS.split(","))
 
     def _full_id(self, seq: int) -> int:
@@ -363,95 +405,188 @@ class PostgresStore:
         self, tasks: list[NewTask], now: int, request_id: str | None = None, visible: frozenset[str] | None = None
     ) -> tuple[list[Submitted], Changes]:
         may_block = any(t.dep_seqs or t.dep_keys or t.dep_batch for t in tasks)
-        if not limits_apply(self.settings) and not may_block and all(t.key is None for t in tasks):
-            return await self._submit_plain(tasks, now, request_id)
+        plain = not limits_apply(self.settings) and not may_block and all(t.key is None for t in tasks)
         if may_block:
             self._blocking_submits += 1
             self._blocked_generation += 1
         try:
-            for attempt in range(3):
-                try:
-                    return await self._tx(lambda c: self._submit(c, tasks, now, request_id, visible))
-                except asyncpg.exceptions.UniqueViolationError:
-                    if attempt == 2:
-                        raise
-                    # A concurrent submission took one of the keys: run again, deduplicating it.
-            raise AssertionError("unreachable")
+            fut: asyncio.Future[SubmitResult | None] = asyncio.get_running_loop().create_future()
+            self._submits.append(_SubmitOp(tasks, now, request_id, visible, plain, fut))
+            if self._committer is None or self._committer.done():
+                self._committer = asyncio.create_task(self._commit_submits())
+            result = await fut
         finally:
             if may_block:
                 self._blocking_submits -= 1
                 self._blocked_generation += 1
+        if result is not None:
+            return result
+        # A plain call repeating a recorded request_id: answer as the first time.
+        sql = self._sql("SELECT created FROM {s}.requests WHERE id = $1")
+
+        async def replay(conn: asyncpg.Connection) -> list[Submitted]:
+            created = await conn.fetchval(sql, request_id)
+            return await self._replay(conn, created) if created is not None else []
+
+        return await self._read(replay), []
+
+    # Group commit. A lone call is committed at once; calls made while a group commits wait
+    # for it, then go together: one transaction, one WAL flush. Each call's answer is given only
+    # after that commit. The plain calls of a group are one multi-row INSERT; every other call
+    # runs in a savepoint of its own, so one that fails (a missing dependency, a limit, a key
+    # of another pool) rolls back alone and gets its own error, and later calls of the group see
+    # what earlier ones wrote (keys to deduplicate against, pending counts, request_ids). When
+    # the transaction fails (connection lost, fenced, the commit itself), every call of the
+    # group gets that error.
+
+    async def _commit_submits(self) -> None:
+        while self._submits:
+            group = self._take_group()
+            if group:
+                await self._commit_group(group)
+
+    def _take_group(self) -> list[_SubmitOp]:
+        group: list[_SubmitOp] = []
+        deferred: list[_SubmitOp] = []
+        request_ids: set[str] = set()
+        tasks = 0
+        while self._submits and len(group) < MAX_GROUP:
+            op = self._submits[0]
+            if group and tasks + len(op.tasks) > MAX_GROUP_TASKS:
+                break
+            self._submits.popleft()
+            if op.fut.done():  # its caller gave up before it started
+                continue
+            if op.request_id is not None:
+                if op.request_id in request_ids:
+                    # A repeat of a call of this group: it goes in the next one, and replays.
+                    deferred.append(op)
+                    continue
+                request_ids.add(op.request_id)
+            group.append(op)
+            tasks += len(op.tasks)
+        self._submits.extendleft(reversed(deferred))
+        return group
+
+    async def _commit_group(self, group: list[_SubmitOp]) -> None:
+        plain = [op for op in group if op.plain]
+
+        async def run(conn: asyncpg.Connection) -> list[tuple[_SubmitOp, bool, Any]]:
+            done = await self._submit_plains(conn, plain) if plain else []
+            for op in group:
+                if not op.plain:
+                    done.append(await self._submit_in_savepoint(conn, op))
+            return done
+
+        try:
+            # Plain calls alone: their one statement is the transaction (one round trip).
+            done = await (self._submit_plains(None, plain) if len(plain) == len(group) else self._tx(run))
+        except Exception as err:
+            for op in group:
+                _settle(op.fut, False, err)
+            return
+        except BaseException:  # the committer itself is cancelled (the loop is closing)
+            for op in group:
+                op.fut.cancel()
+            raise
+        for op, ok, value in done:
+            _settle(op.fut, ok, value)
+
+    async def _submit_in_savepoint(self, conn: asyncpg.Connection, op: _SubmitOp) -> tuple[_SubmitOp, bool, Any]:
+        for attempt in range(3):
+            try:
+                async with conn.transaction():  # a savepoint
+                    return op, True, await self._submit(conn, op.tasks, op.now, op.request_id, op.visible)
+            except CONNECTION_ERRORS:
+                raise  # the transaction is lost: the whole group fails
+            except RETRYABLE as err:
+                if attempt == 2:
+                    return op, False, err
+            except Exception as err:
+                return op, False, err
+        raise AssertionError("unreachable")
 
     async def _replay(self, conn: asyncpg.Connection, created: str) -> list[Submitted]:
         return replay_request(created, await self._select(conn, "seq = ANY($1::bigint[])", request_seqs(created)))
 
-    async def _submit_plain(
-        self, tasks: list[NewTask], now: int, request_id: str | None
-    ) -> tuple[list[Submitted], Changes]:
-        """Tasks without keys, dependencies or limits: one fenced multi-row INSERT, one round trip.
+    async def _submit_plains(
+        self, conn: asyncpg.Connection | None, ops: list[_SubmitOp]
+    ) -> list[tuple[_SubmitOp, bool, Any]]:
+        """Plain calls (tasks without keys, dependencies or limits): one multi-row INSERT for all,
+        in conn's transaction (fenced there), or else in its own (fenced in the statement).
 
-        With a request_id, the same statement records it; when it is already recorded, nothing
-        is inserted and the first call's tasks are read back.
+        Each call's request_id is recorded by the same statement; a call whose request_id is
+        already recorded inserts nothing and is answered None (read back after the commit).
+        Two calls of a group never share a request_id (_take_group defers the repeat).
         """
-        run_at = [t.run_at if t.run_at is not None else now for t in tasks]
+        tasks = [(i, op, t) for i, op in enumerate(ops, 1) for t in op.tasks]
+        run_at = [t.run_at if t.run_at is not None else op.now for _, op, t in tasks]
         # ids maps each input position to its sequence number, whatever order rows are inserted in.
         sql = self._sql(
             "WITH ids AS MATERIALIZED (SELECT n, nextval(pg_get_serial_sequence('{s}.tasks', 'seq')) AS seq"
             " FROM generate_series(1, $10::int) AS n),"
+            " u AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int[], $5::bigint[], $6::int[],"
+            " $7::text[], $12::bigint[], $13::int[], $8::bigint[]) WITH ORDINALITY AS u(pool, payload, content_type,"
+            " priority, run_at, max_attempts, resources, timeout_ms, op, now, n)),"
+            " ops AS (SELECT * FROM unnest($11::text[], $14::bigint[]) WITH ORDINALITY AS o(rid, now, op)),"
             " req AS (INSERT INTO {s}.requests (id, created, created_at)"
-            " SELECT $11::text, (SELECT json_agg(json_build_array(seq, false) ORDER BY n) FROM ids)::text, $8"
-            " WHERE $11::text IS NOT NULL ON CONFLICT (id) DO NOTHING RETURNING 1),"
+            " SELECT o.rid, (SELECT json_agg(json_build_array(ids.seq, false) ORDER BY ids.n) FROM u"
+            " JOIN ids ON ids.n = u.n WHERE u.op = o.op)::text, o.now FROM ops o WHERE o.rid IS NOT NULL AND {fence}"
+            " ON CONFLICT (id) DO NOTHING RETURNING id),"
             " ins AS (INSERT INTO {s}.tasks (seq, pool, payload, content_type, priority, run_at, max_attempts,"
             " resources, state, created_at, timeout_ms)"
             " SELECT ids.seq, u.pool, u.payload, u.content_type, u.priority, u.run_at, u.max_attempts,"
-            " u.resources, 1, $8, u.timeout_ms"
-            " FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int[], $5::bigint[], $6::int[], $7::text[],"
-            " $12::bigint[])"
-            " WITH ORDINALITY AS u(pool, payload, content_type, priority, run_at, max_attempts, resources,"
-            " timeout_ms, n)"
-            " JOIN ids ON ids.n = u.n WHERE {fence} AND ($11::text IS NULL OR EXISTS (SELECT 1 FROM req))"
-            " RETURNING seq, pool),"
+            " u.resources, 1, u.now, u.timeout_ms"
+            " FROM u JOIN ids ON ids.n = u.n JOIN ops ON ops.op = u.op"
+            " WHERE {fence} AND (ops.rid IS NULL OR ops.rid IN (SELECT id FROM req))"
+            " RETURNING seq, pool, created_at),"
             " ev AS (INSERT INTO {s}.events (task_seq, pool, prev_state, state, attempt, at)"
-            " SELECT seq, pool, 0, 1, 0, $8 FROM ins)"
-            " SELECT ids.seq, (SELECT pg_notify($9, '')) FROM ins JOIN ids ON ids.seq = ins.seq ORDER BY ids.n"
+            " SELECT seq, pool, 0, 1, 0, created_at FROM ins ORDER BY seq)"
+            " SELECT ids.n, ids.seq, (SELECT pg_notify($9, '')) FROM ins JOIN ids ON ids.seq = ins.seq"
         )
-        rows = await self._fenced_fetch(
-            sql,
-            [t.pool for t in tasks],
-            [t.payload for t in tasks],
-            [t.content_type for t in tasks],
-            [t.priority for t in tasks],
+        args = (
+            [t.pool for _, _, t in tasks],
+            [t.payload for _, _, t in tasks],
+            [t.content_type for _, _, t in tasks],
+            [t.priority for _, _, t in tasks],
             run_at,
-            [t.max_attempts for t in tasks],
-            [json.dumps(t.resources) if t.resources else None for t in tasks],
-            now,
+            [t.max_attempts for _, _, t in tasks],
+            [json.dumps(t.resources) if t.resources else None for _, _, t in tasks],
+            [op.now for _, op, _ in tasks],
             self.channel,
             len(tasks),
-            request_id,
-            [t.timeout_ms for t in tasks],
+            [op.request_id for op in ops],
+            [t.timeout_ms for _, _, t in tasks],
+            [i for i, _, _ in tasks],
+            [op.now for op in ops],
         )
-        if not rows and request_id is not None:  # a repeated request: answer as the first time
-            sql = self._sql("SELECT created FROM {s}.requests WHERE id = $1")
-
-            async def replay(conn: asyncpg.Connection) -> list[Submitted]:
-                created = await conn.fetchval(sql, request_id)
-                return await self._replay(conn, created) if created is not None else []
-
-            return await self._read(replay), []
-        out = [
-            Submitted(
-                TaskRow(
-                    seq=r[0], pool=t.pool, key=None, payload=t.payload, content_type=t.content_type,
-                    priority=t.priority, run_at=at, max_attempts=t.max_attempts, depends_on=[],
-                    resources=t.resources, state=State.PENDING, attempt=0, worker_id=None, result=None,
-                    result_content_type="", error="", created_at=now, started_at=None, finished_at=None,
-                    cancel_requested=False, lease_expires_at=None, timeout_ms=t.timeout_ms,
-                ),
-                False,
-            )
-            for r, t, at in zip(rows, tasks, run_at, strict=True)
-        ]  # fmt: skip
-        return out, [(s.row.seq, State.PENDING) for s in out]
+        if conn is None:
+            rows = await self._fenced_fetch(sql, *args)
+        else:
+            rows = await conn.fetch(sql.replace("{fence}", "true"), *args)
+        seqs = {r[0]: r[1] for r in rows}
+        done: list[tuple[_SubmitOp, bool, Any]] = []
+        n = 0
+        for op in ops:
+            first, n = n + 1, n + len(op.tasks)
+            if first not in seqs:  # its request_id was recorded before: nothing inserted
+                done.append((op, True, None))
+                continue
+            out = [
+                Submitted(
+                    TaskRow(
+                        seq=seqs[first + j], pool=t.pool, key=None, payload=t.payload, content_type=t.content_type,
+                        priority=t.priority, run_at=run_at[first + j - 1], max_attempts=t.max_attempts,
+                        depends_on=[], resources=t.resources, state=State.PENDING, attempt=0, worker_id=None,
+                        result=None, result_content_type="", error="", created_at=op.now, started_at=None,
+                        finished_at=None, cancel_requested=False, lease_expires_at=None, timeout_ms=t.timeout_ms,
+                    ),
+                    False,
+                )
+                for j, t in enumerate(op.tasks)
+            ]  # fmt: skip
+            done.append((op, True, (out, [(s.row.seq, State.PENDING) for s in out])))
+        return done
 
     async def _submit(
         self,
