@@ -4,10 +4,12 @@ error, and later calls of a group see what earlier ones wrote (keys, limits, req
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from conftest import make_settings, open_postgres
 from test_store import T0, new
 
 from cronoq_server.errors import ApiError
@@ -49,9 +51,7 @@ async def test_one_failing_call_fails_alone(store: Store) -> None:
 
 async def test_pending_limit_counts_earlier_calls_of_the_group(open_store: Any) -> None:
     store: Store = await open_store(max_pending_total=10)
-    results = await asyncio.gather(
-        *[store.submit([new(key=f"k{i}")], T0) for i in range(25)], return_exceptions=True
-    )
+    results = await asyncio.gather(*[store.submit([new(key=f"k{i}")], T0) for i in range(25)], return_exceptions=True)
     ok = [r for r in results if not isinstance(r, BaseException)]
     refused = [r for r in results if isinstance(r, BaseException)]
     assert len(ok) == 10 and len(refused) == 15
@@ -84,10 +84,17 @@ async def test_concurrent_repeats_of_a_request_id_create_once(store: Store, keye
     assert len(await all_rows(store)) == 2 + N
 
 
-async def test_concurrent_submissions_share_transactions(store: Store) -> None:
+async def test_concurrent_submissions_share_transactions(tmp_path: Path, postgres: Any) -> None:
     """On PostgreSQL, calls made while a group commits go together in the next one."""
-    if not isinstance(store, PostgresStore):
-        pytest.skip("group commit of PostgreSQL")
+    store = await open_postgres(tmp_path, make_settings(), postgres.url)
+    assert isinstance(store, PostgresStore)
+    try:
+        await _share_transactions(store)
+    finally:
+        await store.close()
+
+
+async def _share_transactions(store: PostgresStore) -> None:
     groups: list[int] = []
     commit = store._commit_group
 
