@@ -151,7 +151,12 @@ def main() -> None:
                     )
                 for title, max_workers in anchors.RIVER_RUNS:
                     step(f"River on the same PostgreSQL: burn-down, MaxWorkers {max_workers}")
-                    river = anchors.run_river(url, jobs=int(tasks), max_workers=max_workers)
+                    try:
+                        river = anchors.run_river(url, jobs=int(tasks), max_workers=max_workers)
+                    except (subprocess.SubprocessError, RuntimeError, OSError) as exc:  # e.g. go build, no modules
+                        step(f"River failed: {exc}")
+                        rows.append(("River: burn-down", f"failed: {str(exc)[-200:]}"))
+                        break
                     if river is None:
                         step("River skipped: no `go` on PATH")
                         rows.append(("River: burn-down", "skipped (no `go` on PATH)"))
