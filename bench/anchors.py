@@ -1,14 +1,17 @@
-"""Anchor benchmarks: PgQueuer and procrastinate on the same PostgreSQL and the same
-workloads as cronoq's bench (burn-down of N no-op jobs by one worker process;
-enqueue→start latency at a fixed rate).
+"""Anchor benchmarks: PgQueuer, procrastinate and River on the same PostgreSQL and the
+same workloads as cronoq's bench (burn-down of N no-op jobs by one worker process;
+enqueue→start latency at a fixed rate; River: burn-down only).
 
 The anchors are the bench's own business, never cronoq's dependencies: they live in a
 separate virtualenv, bench/.venv-anchors (created once by ensure_venv(), with pinned
 versions), and the code importing them is in bench/anchor_pgqueuer.py and
-bench/anchor_procrastinate.py, run with that virtualenv's python. This module imports
-neither library and works from cronoq's own environment.
+bench/anchor_procrastinate.py, run with that virtualenv's python. River is Go: its
+anchor is the module bench/river (go.mod pins River), built by build_river() with the
+`go` on PATH into bench/river/river-bench (Go's build cache makes rebuilds cheap); without
+Go it is skipped. This module imports no anchor library and works from cronoq's own
+environment.
 
-    python bench/anchors.py [--url URL] [--only pgqueuer|procrastinate] [--tasks N]
+    python bench/anchors.py [--url URL] [--only pgqueuer|procrastinate|river] [--tasks N]
 
 Without --url a throwaway PostgreSQL is started (tests/pgserver.py). Every run creates
 and drops its own database on the server. From code:
@@ -16,6 +19,7 @@ and drops its own database on the server. From code:
     import anchors
     anchors.run_anchor("pgqueuer", "burndown", url, tasks=20000)
     anchors.run_anchor("procrastinate", "latency", url, rate=1000, batch=10)
+    anchors.run_river(url, jobs=20000, max_workers=64)  # None when Go is missing
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +37,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 VENV = HERE / ".venv-anchors"
+RIVER_DIR = HERE / "river"
+RIVER_BIN = RIVER_DIR / "river-bench"
 
 SYSTEMS = ("pgqueuer", "procrastinate")
 KINDS = ("burndown", "latency")
@@ -71,6 +78,15 @@ LOCK = [
     "typing-inspection==0.4.5",
     "typing_extensions==4.16.0",
     "tzdata==2026.6",
+]
+
+# River's burn-downs: (title, MaxWorkers). Both with River's own benchmark's fetch settings
+# (FetchCooldown 2 ms, FetchPollInterval 20 ms; bench/river/main.go's defaults): the
+# issue's workload (one client, MaxWorkers 64, cronoq's worker concurrency), and the
+# MaxWorkers of `river bench` itself.
+RIVER_RUNS = [
+    ("burn-down, {tasks:,} no-op jobs, one client, MaxWorkers 64", 64),
+    ("the same, River's bench settings (MaxWorkers 2000)", 2000),
 ]
 
 # (title, kind, options) of `main()`'s runs, the same workloads as bench/run_all.py.
@@ -130,6 +146,35 @@ def run_anchor(name: str, kind: str, url: str, timeout: float = 1200.0, **opts: 
             cmd.append(flag)
         elif value not in (False, None):
             cmd += [flag, str(value)]
+    return _run_json(cmd, timeout, f"{name} {kind}")
+
+
+def build_river() -> Path | None:
+    """Builds bench/river (River's burn-down) with the `go` on PATH; None when there is no Go.
+    A build failure (e.g. no module proxy and an empty module cache) raises."""
+    go = shutil.which("go")
+    if go is None:
+        return None
+    log(f"building {RIVER_BIN.relative_to(REPO)} (go build)")
+    subprocess.run([go, "build", "-o", str(RIVER_BIN), "."], cwd=RIVER_DIR, check=True, timeout=600, stdout=sys.stderr)
+    return RIVER_BIN
+
+
+def run_river(url: str, jobs: int, max_workers: int, timeout: float = 1200.0, **opts: Any) -> dict[str, Any] | None:
+    """River's burn-down of jobs no-op jobs (bench/river/main.go) on the server at url, one
+    client with max_workers; its JSON result ({"jobs_per_s", "seconds", ...}), or None when
+    Go is missing. opts become further flags (fetch_cooldown="100ms" → --fetch-cooldown 100ms)."""
+    binary = build_river()
+    if binary is None:
+        return None
+    cmd = [str(binary), "--url", url, "--jobs", str(jobs), "--max-workers", str(max_workers)]
+    cmd += [f"--{key.replace('_', '-')}={value}" for key, value in opts.items()]
+    return _run_json(cmd, timeout, f"river, MaxWorkers {max_workers}")
+
+
+def _run_json(cmd: list[str], timeout: float, what: str) -> dict[str, Any]:
+    """Runs cmd in its own process group (terminated, then killed, if it outlives timeout
+    seconds) and returns the last JSON line of its stdout."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -140,7 +185,7 @@ def run_anchor(name: str, kind: str, url: str, timeout: float = 1200.0, **opts: 
         raise subprocess.CalledProcessError(proc.returncode, cmd, out)
     lines = [line for line in out.strip().splitlines() if line.startswith("{")]
     if not lines:
-        raise RuntimeError(f"{name} {kind}: no JSON result on stdout: {out[-500:]!r}")
+        raise RuntimeError(f"{what}: no JSON result on stdout: {out[-500:]!r}")
     return json.loads(lines[-1])
 
 
@@ -160,6 +205,8 @@ def _stop_group(proc: subprocess.Popen[str]) -> None:
 def describe(result: dict[str, Any]) -> str:
     if "error" in result:
         return f"failed: {result['error']}"
+    if "jobs_per_s" in result:  # River
+        return f"{result['jobs_per_s']:,.0f} jobs/s drained in {result['seconds']} s"
     if "drain_per_s" in result:
         return (
             f"{result['drain_per_s']:,} jobs/s drained in {result['drain_s']} s "
@@ -177,12 +224,13 @@ def describe(result: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="PostgreSQL server URL (default: start a throwaway one)")
-    ap.add_argument("--only", choices=SYSTEMS, help="run one anchor only")
+    ap.add_argument("--only", choices=(*SYSTEMS, "river"), help="run one anchor only")
     ap.add_argument("--tasks", type=int, default=20_000, help="burn-down size")
     ap.add_argument("--json", action="store_true", help="also print every result as a JSON line")
     args = ap.parse_args()
 
-    ensure_venv()
+    if args.only != "river":
+        ensure_venv()
     pg = None
     url = args.url
     if url is None:
@@ -195,6 +243,8 @@ def main() -> None:
     rows: list[tuple[str, str, dict[str, Any]]] = []
     try:
         for name in [args.only] if args.only else SYSTEMS:
+            if name == "river":
+                continue
             for title, kind, opts in RUNS:
                 title = title.format(tasks=args.tasks)
                 log(f"== {name}: {title}")
@@ -206,6 +256,19 @@ def main() -> None:
                 rows.append((name, title, result))
                 if args.json:
                     print(json.dumps(result), flush=True)
+        for title, max_workers in RIVER_RUNS if args.only in (None, "river") else []:
+            title = title.format(tasks=args.tasks)
+            log(f"== river: {title}")
+            try:
+                river = run_river(url, args.tasks, max_workers)
+            except (subprocess.SubprocessError, RuntimeError, OSError, ValueError) as exc:
+                river = {"system": "river", "error": str(exc)[-300:]}
+            if river is None:
+                log("river skipped: no `go` on PATH")
+                break
+            rows.append(("river", title, river))
+            if args.json:
+                print(json.dumps(river), flush=True)
     finally:
         if pg is not None:
             pg.cleanup()

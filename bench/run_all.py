@@ -3,7 +3,8 @@
 cronoq on SQLite and on PostgreSQL (burn-down, submit→start and submit→Watch event latency, and two
 shards: forwarded calls, ListTasks across shards, burn-down across shards), then the
 anchors PgQueuer and procrastinate on the same PostgreSQL server and the same
-workloads, and cronoq's ratio to each; then submit latency under idle load. Each run is its own process with its own
+workloads, and River's burn-down there too (built with `go`; skipped when Go is
+missing), and cronoq's ratio to each; then submit latency under idle load. Each run is its own process with its own
 servers and workers. `--quick` runs smaller sizes; `--no-anchors` skips the anchors.
 """
 
@@ -125,6 +126,8 @@ def main() -> None:
             if store == "postgres" and not args.no_anchors:
                 import anchors  # the anchors' own virtualenv; never a product dependency
 
+                assert url is not None  # bench_store("postgres") yields a server's URL
+
                 for name in anchors.SYSTEMS:
                     step(f"{name} on the same PostgreSQL: burn-down")
                     a_burn = anchors.run_anchor(name, "burndown", url, tasks=int(tasks))
@@ -144,6 +147,26 @@ def main() -> None:
                         (
                             f"{name} p50 / cronoq p50, latency (higher: cronoq faster)",
                             f"{a_lat['p50_ms'] / max(lat['10']['p50_ms'], 0.01):.2f}×",
+                        )
+                    )
+                for title, max_workers in anchors.RIVER_RUNS:
+                    step(f"River on the same PostgreSQL: burn-down, MaxWorkers {max_workers}")
+                    try:
+                        river = anchors.run_river(url, jobs=int(tasks), max_workers=max_workers)
+                    except (subprocess.SubprocessError, RuntimeError, OSError) as exc:  # e.g. go build, no modules
+                        step(f"River failed: {exc}")
+                        rows.append(("River: burn-down", f"failed: {str(exc)[-200:]}"))
+                        break
+                    if river is None:
+                        step("River skipped: no `go` on PATH")
+                        rows.append(("River: burn-down", "skipped (no `go` on PATH)"))
+                        break
+                    title = title.format(tasks=int(tasks))
+                    rows.append((f"River {river['version']}: {title}", f"{river['jobs_per_s']:,.0f} jobs/s"))
+                    ratios.append(
+                        (
+                            f"cronoq / River, burn-down (MaxWorkers {max_workers})",
+                            f"{burn['drain_tasks_per_s'] / river['jobs_per_s']:.2f}×",
                         )
                     )
     step("cronoq on sqlite: submit latency under idle load (long polls, stalled watchers, scrapes)")
