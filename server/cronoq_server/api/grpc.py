@@ -73,7 +73,9 @@ class _Handlers:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
                 response = await self._router.call(rpc.name, request, self._call(context))
-                context.set_trailing_metadata(tuple(unavailable_metadata(response).items()))
+                missing = unavailable_metadata(response)
+                if missing:
+                    context.set_trailing_metadata(tuple(missing.items()))
                 return response
             except ApiError as err:
                 await _abort(context, err)
