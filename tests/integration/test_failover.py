@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import signal
 import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +93,10 @@ def assert_each_ran_once(logs: list[Path], ids: list[int]) -> None:
     assert not twice, f"tasks not completed exactly once: {[(t, done[t]) for t in twice[:5]]}"
 
 
-def run_failover(
-    servers: list[Any], tmp_path: Path, fault: Any, total: int = 400, same_may_lead: bool = False
-) -> float:
-    """Load (one submitter, two workers) across a fault on the leader; returns the takeover time.
-
-    same_may_lead: the fault leaves the old leader's process alive, so it may win again.
-    """
+@contextlib.contextmanager
+def under_load(servers: list[Any], tmp_path: Path, total: int) -> Iterator[tuple[Submitter, list[Path]]]:
+    """One submitter of `total` tasks and two worker processes on every server's endpoint,
+    running once the first third is acknowledged; the workers are stopped on the way out."""
     ep = endpoints(servers)
     logs = [tmp_path / f"worker{i}.log" for i in range(2)]
     workers = [start_worker(ep, "default", log, concurrency=16) for log in logs]
@@ -105,6 +104,22 @@ def run_failover(
     submitter.start()
     try:
         eventually(lambda: len(submitter.acknowledged) >= total // 3, timeout=30, what="first third submitted")
+        yield submitter, logs
+    finally:
+        for w in workers:
+            w.terminate()
+        for w in workers:
+            w.wait(30)
+
+
+def run_failover(
+    servers: list[Any], tmp_path: Path, fault: Any, total: int = 400, same_may_lead: bool = False
+) -> float:
+    """Load (one submitter, two workers) across a fault on the leader; returns the takeover time.
+
+    same_may_lead: the fault leaves the old leader's process alive, so it may win again.
+    """
+    with under_load(servers, tmp_path, total) as (submitter, logs):
         started = time.monotonic()
         fault(servers[0])
         if same_may_lead:
@@ -123,11 +138,6 @@ def run_failover(
         ids = list(submitter.acknowledged.values())
         assert len(ids) == total and len(submitter.results) == total
         assert_all_succeeded(submitter.results)
-    finally:
-        for w in workers:
-            w.terminate()
-        for w in workers:
-            w.wait(30)
     assert_each_ran_once(logs, ids)
     return takeover
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import grpc
 import pytest
-from _helpers import Api, eventually, start_worker
-from test_failover import Submitter, endpoints, is_leader, pg_config, start_replicas
+from _helpers import Api, eventually
+from test_failover import is_leader, pg_config, start_replicas, under_load
 
 from cronoq.v1 import task_pb2, task_service_pb2_grpc
 from cronoq.v1 import task_service_pb2 as tpb
@@ -201,33 +201,27 @@ class Recorder(threading.Thread):
 def check_watch_across_failover(servers: list[Any], tmp_path: Path, total: int) -> None:
     recorder = Recorder(servers)
     recorder.start()
-    ep = endpoints(servers)
-    logs = [tmp_path / f"worker{i}.log" for i in range(2)]
-    workers = [start_worker(ep, "default", log, concurrency=16) for log in logs]
-    submitter = Submitter(ep, total)
-    submitter.start()
     try:
-        eventually(lambda: len(submitter.acknowledged) >= total // 3, timeout=30, what="first third submitted")
-        before_kill = len(recorder.events)
-        servers[0].kill()
-        new_leader = eventually(
-            lambda: next((s for s in servers[1:] if is_leader(s)), None), timeout=10, interval=0.02, what="a new leader"
-        )
-        submitter.join(90)
-        assert not submitter.is_alive() and not submitter.errors, submitter.errors
-        ids = set(submitter.acknowledged.values())
-        assert len(ids) == total
+        with under_load(servers, tmp_path, total) as (submitter, _):
+            before_kill = len(recorder.events)
+            servers[0].kill()
+            new_leader = eventually(
+                lambda: next((s for s in servers[1:] if is_leader(s)), None),
+                timeout=10,
+                interval=0.02,
+                what="a new leader",
+            )
+            submitter.join(90)
+            assert not submitter.is_alive() and not submitter.errors, submitter.errors
+            ids = set(submitter.acknowledged.values())
+            assert len(ids) == total
 
-        def all_ended() -> bool:
-            return {e.task.id for e in recorder.events if e.task.state == SUCCEEDED} >= ids
+            def all_ended() -> bool:
+                return {e.task.id for e in recorder.events if e.task.state == SUCCEEDED} >= ids
 
-        eventually(all_ended, timeout=30, what="every task's SUCCEEDED event watched")
+            eventually(all_ended, timeout=30, what="every task's SUCCEEDED event watched")
     finally:
         recorder.stop()
-        for w in workers:
-            w.terminate()
-        for w in workers:
-            w.wait(30)
     watched = recorder.events
     assert before_kill > 0 and any(name == servers[0].name for name, _ in recorder.reconnects), recorder.reconnects
     # No event twice, none missed: the stream's sequence is dense from the first event.
