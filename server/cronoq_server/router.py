@@ -50,7 +50,7 @@ import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import grpc
@@ -243,13 +243,14 @@ class ShardRouter:
         lookup = task_pb.GetTaskRequest(task=task_pb2.TaskRef(key=key))
         answers = await self._ask(self.rpcs["GetTask"], {s.name: lookup for s in self.shards}, call)
         found: dict[str, task_pb2.Task] = {}
+        missing: list[str] = []
         for name, answer in answers.items():
-            if isinstance(answer, ApiError):
-                if answer.code != grpc.StatusCode.NOT_FOUND and not _missing(answer):
-                    raise answer
-            else:
+            if not isinstance(answer, ApiError):
                 found[name] = answer.task  # type: ignore[attr-defined]
-        missing = [name for name, answer in answers.items() if isinstance(answer, ApiError) and _missing(answer)]
+            elif _missing(answer):
+                missing.append(name)
+            elif answer.code != grpc.StatusCode.NOT_FOUND:
+                raise answer
         if len(found) > 1:
             where = " and ".join(f"{name!r} (id {task.id})" for name, task in found.items())
             raise ApiError(
@@ -278,21 +279,21 @@ class ShardRouter:
     ) -> ApiError:
         """The refusal of a lookup by key that needs the shards that could not be asked."""
         names = ", ".join(repr(n) for n in missing)
-        refused = [n for n in missing if getattr(answers[n], "reason", "") == "NOT_FORWARDED"]
-        what = (
-            f"cancelling by key asks every shard, and shards {names} cannot be asked: they may hold "
-            f"{key!r} too; cancel by task id" + (f" ({found[next(iter(found))].id})" if found else "")
-            if found
-            else f"no reachable shard holds a task with key {key!r}, and shards {names} cannot be asked"
-        )
+        if found:
+            (task,) = found.values()
+            what = (
+                f"cancelling by key asks every shard, and shards {names} cannot be asked: they may hold "
+                f"{key!r} too; cancel by task id ({task.id})"
+            )
+        else:
+            what = f"no reachable shard holds a task with key {key!r}, and shards {names} cannot be asked"
         metadata = {UNAVAILABLE_HEADER: ",".join(missing)}
-        if refused and len(refused) == len(missing):  # not forwarded (a certificate caller): no use retrying
+        refused = [self._by_name[n] for n in missing if cast(ApiError, answers[n]).reason == "NOT_FORWARDED"]
+        if len(refused) == len(missing):  # not to be forwarded (e.g. a certificate caller): no use retrying
             code = grpc.StatusCode.FAILED_PRECONDITION if found else grpc.StatusCode.NOT_FOUND
-            shard = self._by_name[refused[0]]
+            shard = refused[0]
             metadata |= {"cronoq-shard": shard.name, "cronoq-shard-endpoint": shard.endpoint}
-            why = "the caller authenticated with a client certificate, which cannot be forwarded"
-            if not call.caller.via_certificate:
-                why = "their endpoints are plain http:// on other hosts (server.insecure_peer_http = false)"
+            why = self.peers.refusal(shard.endpoint, call.caller)
             return ApiError(code, f"task.key: {what}: {why}", metadata, reason="NOT_FORWARDED")
         return ApiError(
             grpc.StatusCode.UNAVAILABLE, f"task.key: {what}", metadata, reason="SHARD_UNAVAILABLE", retry_delay=1.0
@@ -300,9 +301,9 @@ class ShardRouter:
 
     async def _fan_out(self, rpc: Rpc, request: Message, call: Call) -> Message:
         """A read of every shard the request concerns, merged; missing shards named."""
-        merge = _MERGES.get(rpc.name)
-        if merge is None or call.forwarded:
+        if call.forwarded:
             return await self._local(rpc, request, call)
+        merge = _MERGES[rpc.name]
         shards = self.shards
         pool = getattr(request, "pool", "")
         if pool:
@@ -341,14 +342,8 @@ class ShardRouter:
 
         async def ask(shard: ShardConfig, request: Message) -> Message | ApiError:
             try:
-                if shard.name == self.node.shard_name:
-                    return await self._local(rpc, request, call)
-                reason = self.peers.refusal(shard.endpoint, call.caller)
-                if reason:
-                    return _refusal(shard, reason, "NOT_FORWARDED")
-                with self.node.in_flight():
-                    left = Call(call.caller, timeout=max(deadline - loop.time(), 0.0))
-                    return await self._forward(rpc, request, left, shard)
+                left = Call(call.caller, timeout=max(deadline - loop.time(), 0.0))
+                return await self._on_shard(rpc, request, left, shard, [])
             except ApiError as err:
                 return err
 
