@@ -65,7 +65,16 @@ from .errors import ApiError, invalid
 from .metrics import FORWARDED, WATCH_STREAMS
 from .node import Node
 from .registry import Rpc
-from .router import FORWARDED_HEADER, Call, PeerChannels, _peer_error, _refusal, _trailer
+from .router import (
+    FORWARDED_HEADER,
+    Call,
+    PeerChannels,
+    forward_metadata,
+    peer_error,
+    shard_refusal,
+    trailer,
+    unreachable,
+)
 
 log = logging.getLogger("cronoq.watch")
 
@@ -314,7 +323,7 @@ async def open_watch(node: Node, peers: PeerChannels, rpc: Rpc, request: pb.Watc
     if call.forwarded:
         if owner is not None and owner is not here:
             why = f"this call is marked {FORWARDED_HEADER} and is answered by shard {here.name!r} only"
-            raise _refusal(owner, why, "WRONG_SHARD")
+            raise shard_refusal(owner, why, "WRONG_SHARD")
         if resumed and here.number not in resumed:
             shown = request.cursor if len(request.cursor) <= 80 else request.cursor[:80] + "…"
             raise invalid(
@@ -359,9 +368,7 @@ class _Opener:
     ):
         self._node, self._peers, self._rpc = node, peers, rpc
         self._request, self._caller, self._resumed = request, call.caller, resumed
-        self._metadata: list[tuple[str, str]] = [(FORWARDED_HEADER, "1")]
-        if call.caller.token is not None:
-            self._metadata.append(("authorization", f"Bearer {call.caller.token}"))
+        self._metadata = forward_metadata(call.caller)
         loop = asyncio.get_running_loop()
         self._deadline = None if call.timeout is None else loop.time() + call.timeout
 
@@ -419,7 +426,7 @@ class _Opener:
         refusal of it (its part of the cursor) is raised."""
         reason = self._peers.refusal(shard.endpoint, self._caller)
         if reason:
-            return _Missing(shard, _refusal(shard, reason, "NOT_FORWARDED"), retry=False)
+            return _Missing(shard, shard_refusal(shard, reason, "NOT_FORWARDED"), retry=False)
         request = self.shard_request(shard)
         endpoint = shard.endpoint
         for redirected in (False, True):
@@ -427,21 +434,21 @@ class _Opener:
             call = self._peers.stream(endpoint, self._rpc, request, self._metadata, remaining)
             try:
                 opened = await asyncio.wait_for(call.initial_metadata(), min(PEER_OPEN_S, remaining or PEER_OPEN_S))
-                stated = _trailer(opened, CURSOR_HEADER)
+                stated = trailer(opened, CURSOR_HEADER)
                 if stated is None and call.done():
                     await call.read()  # it ended before it started: raises its error, if any
-                    return _Missing(shard, _unreachable(shard, endpoint, "its stream ended at once"), True)
+                    return _Missing(shard, unreachable(shard, endpoint, "its stream ended at once"), True)
             except TimeoutError:
                 call.cancel()
                 FORWARDED.labels(shard=shard.name, code="DEADLINE_EXCEEDED").inc()
-                return _Missing(shard, _unreachable(shard, endpoint, f"no stream within {PEER_OPEN_S:g}s"), True)
+                return _Missing(shard, unreachable(shard, endpoint, f"no stream within {PEER_OPEN_S:g}s"), True)
             except grpc.aio.AioRpcError as err:
-                leader, trailers = self._peers.leader_to_follow(err, endpoint, self._caller)
+                leader = self._peers.leader_to_follow(err, endpoint, self._caller)
                 if leader and not redirected:
                     endpoint = leader
                     continue
                 FORWARDED.labels(shard=shard.name, code=err.code().name).inc()
-                error = _peer_error(shard, endpoint, err, trailers)
+                error = peer_error(shard, endpoint, err)
                 if err.code() == grpc.StatusCode.UNAVAILABLE:
                     return _Missing(shard, error, retry=True)
                 raise error from None
@@ -465,16 +472,6 @@ def _stated_start(stated: str | None, shard: ShardConfig) -> int | None:
         return None
 
 
-def _unreachable(shard: ShardConfig, endpoint: str, why: str) -> ApiError:
-    return ApiError(
-        grpc.StatusCode.UNAVAILABLE,
-        f"shard {shard.name!r} cannot be reached at {endpoint}: {why}",
-        {UNAVAILABLE_HEADER: shard.name},
-        reason="SHARD_UNAVAILABLE",
-        retry_delay=1.0,
-    )
-
-
 async def _peer_events(
     shard: ShardConfig, endpoint: str, call: grpc.aio.UnaryStreamCall[Any, Any]
 ) -> AsyncIterator[Message]:
@@ -483,8 +480,7 @@ async def _peer_events(
         async for response in call:
             yield response
     except grpc.aio.AioRpcError as err:
-        raw: Any = err.trailing_metadata() or ()
-        raise _peer_error(shard, endpoint, err, tuple((str(k), v) for k, v in raw)) from None
+        raise peer_error(shard, endpoint, err) from None
 
 
 def _readable(caller: Principal, shard: ShardConfig) -> bool:

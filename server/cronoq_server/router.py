@@ -220,7 +220,7 @@ class ShardRouter:
         why = _NOT_FORWARDED.get(rpc.name)
         if why and shard.name != self.node.shard_name:
             self._require(rpc, call.caller, known)
-            raise _refusal(shard, why, "WRONG_SHARD")
+            raise shard_refusal(shard, why, "WRONG_SHARD")
         return await self._on_shard(rpc, request, call, shard, known)
 
     async def _to_task_shard(self, rpc: Rpc, request: Message, call: Call) -> Message:
@@ -366,7 +366,7 @@ class ShardRouter:
             return await self._local(rpc, request, call)
         if call.forwarded:
             self._require(rpc, call.caller, pools)
-            raise _refusal(
+            raise shard_refusal(
                 shard,
                 f"this call is marked {FORWARDED_HEADER} and is answered by shard {self.node.shard_name!r} only",
                 "WRONG_SHARD",
@@ -374,7 +374,7 @@ class ShardRouter:
         reason = self.peers.refusal(shard.endpoint, call.caller)
         if reason:
             self._require(rpc, call.caller, pools)
-            raise _refusal(shard, reason, "NOT_FORWARDED")
+            raise shard_refusal(shard, reason, "NOT_FORWARDED")
         with self.node.in_flight():
             try:
                 return await self._forward(rpc, request, call, shard)
@@ -392,9 +392,7 @@ class ShardRouter:
         """forward_to_shard: the call at the shard's leader as last learnt (else its endpoint);
         a standby's answer naming the leader is followed, and a learnt leader that cannot be
         reached is forgotten for the configured endpoint: at most three tries."""
-        metadata: list[tuple[str, str]] = [(FORWARDED_HEADER, "1")]
-        if call.caller.token is not None:
-            metadata.append(("authorization", f"Bearer {call.caller.token}"))
+        metadata = forward_metadata(call.caller)
         loop = asyncio.get_running_loop()
         deadline = None if call.timeout is None else loop.time() + call.timeout
         configured = shard.endpoint
@@ -404,7 +402,7 @@ class ShardRouter:
             try:
                 response = await self.peers.unary(endpoint, rpc, request, metadata, timeout)
             except grpc.aio.AioRpcError as err:
-                leader, trailers = self.peers.leader_to_follow(err, endpoint, call.caller)
+                leader = self.peers.leader_to_follow(err, endpoint, call.caller)
                 if tries_left and leader:
                     log.debug("%s for shard %s: %s is a standby, leader %s", rpc.name, shard.name, endpoint, leader)
                     self.peers.learn_leader(configured, leader)
@@ -415,7 +413,7 @@ class ShardRouter:
                     endpoint = configured
                     continue
                 FORWARDED.labels(shard=shard.name, code=err.code().name).inc()
-                raise _peer_error(shard, endpoint, err, trailers) from None
+                raise peer_error(shard, endpoint, err) from None
             FORWARDED.labels(shard=shard.name, code="OK").inc()
             return response
         raise AssertionError("unreachable")
@@ -515,14 +513,14 @@ _MERGES: dict[str, _Merge] = {
 }
 
 
-def _trailer(trailers: Iterable[tuple[str, Any]], name: str) -> str | None:
+def trailer(trailers: Iterable[tuple[str, Any]], name: str) -> str | None:
     for key, value in trailers:
         if key == name:
             return value if isinstance(value, str) else value.decode()
     return None
 
 
-def _refusal(shard: ShardConfig, why: str, reason: str) -> ApiError:
+def shard_refusal(shard: ShardConfig, why: str, reason: str) -> ApiError:
     return ApiError(
         grpc.StatusCode.FAILED_PRECONDITION,
         f"served by shard {shard.name!r} at {shard.endpoint}: {why}; call that shard there",
@@ -531,21 +529,38 @@ def _refusal(shard: ShardConfig, why: str, reason: str) -> ApiError:
     )
 
 
-def _peer_error(
-    shard: ShardConfig, endpoint: str, err: grpc.aio.AioRpcError, trailers: tuple[tuple[str, Any], ...]
-) -> ApiError:
+def peer_trailers(err: grpc.aio.AioRpcError) -> tuple[tuple[str, Any], ...]:
+    raw: Any = err.trailing_metadata() or ()  # grpc-stubs type it as one entry
+    return tuple((str(k), v) for k, v in raw)
+
+
+def unreachable(shard: ShardConfig, endpoint: str, why: str) -> ApiError:
+    """UNAVAILABLE naming a shard that gave no answer (cronoq-unavailable-shards)."""
+    return ApiError(
+        grpc.StatusCode.UNAVAILABLE,
+        f"shard {shard.name!r} cannot be reached at {endpoint}: {why}",
+        {UNAVAILABLE_HEADER: shard.name},
+        reason="SHARD_UNAVAILABLE",
+        retry_delay=1.0,
+    )
+
+
+def forward_metadata(caller: Principal) -> list[tuple[str, str]]:
+    """What a call forwarded for `caller` carries: the mark, and the caller's own token."""
+    metadata = [(FORWARDED_HEADER, "1")]
+    if caller.token is not None:
+        metadata.append(("authorization", f"Bearer {caller.token}"))
+    return metadata
+
+
+def peer_error(shard: ShardConfig, endpoint: str, err: grpc.aio.AioRpcError) -> ApiError:
     """The peer's refusal as this server's answer; a call that got no answer names the shard."""
     code = err.code()
+    trailers = peer_trailers(err)
     details = decode_details(trailers)
     if details is None:  # the peer did not answer: gRPC's own status
         if code == grpc.StatusCode.UNAVAILABLE:
-            return ApiError(
-                code,
-                f"shard {shard.name!r} cannot be reached at {endpoint}: {err.details()}",
-                {UNAVAILABLE_HEADER: shard.name},
-                reason="SHARD_UNAVAILABLE",
-                retry_delay=1.0,
-            )
+            return unreachable(shard, endpoint, err.details() or "")
         return ApiError(code, f"shard {shard.name!r} at {endpoint}: {err.details()}")
     metadata = {
         key: value
@@ -597,22 +612,18 @@ class PeerChannels:
         else:
             self._leaders[endpoint] = leader
 
-    def leader_to_follow(
-        self, err: grpc.aio.AioRpcError, endpoint: str, caller: Principal
-    ) -> tuple[str | None, tuple[tuple[str, Any], ...]]:
-        """A peer's refusal: the leader to try once more when `endpoint` is a standby naming one
-        these rules allow (else None), and the refusal's trailers."""
-        raw: Any = err.trailing_metadata() or ()  # grpc-stubs type it as one entry
-        trailers: tuple[tuple[str, Any], ...] = tuple((str(k), v) for k, v in raw)
-        leader = _trailer(trailers, "cronoq-leader")
+    def leader_to_follow(self, err: grpc.aio.AioRpcError, endpoint: str, caller: Principal) -> str | None:
+        """The leader to try once more after a peer's refusal, when `endpoint` is a standby
+        naming one these rules allow (else None)."""
+        leader = trailer(peer_trailers(err), "cronoq-leader")
         if (
             err.code() == grpc.StatusCode.UNAVAILABLE
             and leader
             and leader != endpoint
             and not self.refusal(leader, caller, previous=endpoint)
         ):
-            return leader, trailers
-        return None, trailers
+            return leader
+        return None
 
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         channel = self._channels.get(endpoint)
