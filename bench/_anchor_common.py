@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -291,6 +292,25 @@ def latency_result(
         "max_ms": round(max(ms), 2),
         **extra,
     }
+
+
+def cronoq_latency(
+    rate: int, batch: int, achieved: float, latencies: list[float], store: str, as_json: bool, what: str, counted: str
+) -> dict[str, Any]:
+    """A cronoq latency run's result, printed: one JSON line, or `what` (e.g. "sqlite
+    submit→start at 1000/s in calls of 10") with the achieved rate and percentiles."""
+    result = latency_result(
+        "cronoq", rate, batch, achieved, latencies, store=store, mean_ms=round(statistics.mean(latencies) * 1000, 2)
+    )
+    if as_json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"{what} (achieved {achieved:,.0f}/s, {result['tasks']} {counted}): "
+            f"p50 {result['p50_ms']} ms, p90 {result['p90_ms']} ms, p99 {result['p99_ms']} ms, "
+            f"max {result['max_ms']} ms"
+        )
+    return result
 
 
 def emit(result: dict[str, Any], as_json: bool) -> None:

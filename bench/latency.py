@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import queue
-import statistics
 import sys
 import tempfile
 import time
@@ -19,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _anchor_common import latency_result
+from _anchor_common import cronoq_latency
 from _servers import BenchServer, add_store_arguments, bench_store
 
 import cronoq
@@ -110,19 +108,10 @@ def main() -> None:
             proc.join(30)
         finally:
             server.stop()
-    result = latency_result(
-        "cronoq", args.rate, args.batch, achieved, latencies, store=args.store,
-        mean_ms=round(statistics.mean(latencies) * 1000, 2),
+    cronoq_latency(
+        args.rate, args.batch, achieved, latencies, args.store, args.json,
+        f"{args.store} submit→start at {args.rate}/s in calls of {args.batch}", "tasks",
     )  # fmt: skip
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(
-            f"{args.store} submit→start at {args.rate}/s in calls of {args.batch} "
-            f"(achieved {achieved:,.0f}/s, {result['tasks']} tasks): "
-            f"p50 {result['p50_ms']} ms, p90 {result['p90_ms']} ms, "
-            f"p99 {result['p99_ms']} ms, max {result['max_ms']} ms"
-        )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import statistics
 import sys
 import tempfile
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import grpc
-from _anchor_common import latency_result
+from _anchor_common import cronoq_latency
 from _servers import BenchServer, add_store_arguments, bench_store
 
 import cronoq
@@ -103,19 +102,10 @@ def main() -> None:
             proc.join(30)
         finally:
             server.stop()
-    result = latency_result(
-        "cronoq", args.rate, 1, achieved, latencies, store=args.store,
-        mean_ms=round(statistics.mean(latencies) * 1000, 2),
+    cronoq_latency(
+        args.rate, 1, achieved, latencies, args.store, args.json,
+        f"{args.store} submit→Watch event at {args.rate}/s, one SubmitTask per task", "events",
     )  # fmt: skip
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(
-            f"{args.store} submit→Watch event at {args.rate}/s, one SubmitTask per task "
-            f"(achieved {achieved:,.0f}/s, {result['tasks']} events): "
-            f"p50 {result['p50_ms']} ms, p90 {result['p90_ms']} ms, p99 {result['p99_ms']} ms, "
-            f"max {result['max_ms']} ms"
-        )
 
 
 if __name__ == "__main__":
