@@ -309,12 +309,9 @@ class Node:
                 grpc.StatusCode.UNAVAILABLE, str(err), metadata, reason="STORE_UNAVAILABLE", retry_delay=0.5
             ) from None
 
-    async def watch(self, request: Message, caller: Principal) -> AsyncGenerator[Message, None]:
-        """Admits and checks the call (its cursor too); the events come from the returned iterator."""
-        return (await self.open_watch(request, caller))[1]
-
     async def open_watch(self, request: Message, caller: Principal) -> tuple[int, AsyncGenerator[Message, None]]:
-        """watch, and the event seq the stream starts after (the cursor's; live, the last event's)."""
+        """Admits and checks a Watch (its cursor too): the event seq the stream starts after (the
+        cursor's; live, the last event's), and the iterator the events come from."""
         self.admit("Watch", caller)
         try:
             return await self.tasks.watch(request, caller)  # type: ignore[arg-type]

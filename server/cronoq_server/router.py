@@ -178,7 +178,7 @@ class ShardRouter:
         from .merged_watch import ShardWatch, open_watch  # it builds on this module
 
         if not self.sharded:
-            return ShardWatch(await self.node.watch(request, call.caller))
+            return ShardWatch((await self.node.open_watch(request, call.caller))[1])
         return await open_watch(self.node, self.peers, self.rpcs["Watch"], request, call)  # type: ignore[arg-type]
 
     # -- strategies -----------------------------------------------------------

@@ -655,9 +655,9 @@ class ScriptedNode:
     async def call(self, method: str, request: Any, caller: Any) -> Any:
         raise ApiError(grpc.StatusCode.UNIMPLEMENTED, f"{method}: not scripted")
 
-    async def watch(self, request: tpb.WatchRequest, caller: Any) -> AsyncIterator[tpb.WatchResponse]:
+    async def open_watch(self, request: tpb.WatchRequest, caller: Any) -> tuple[int, AsyncIterator[tpb.WatchResponse]]:
         self.requests.append(request)
-        return self._stream()
+        return 0, self._stream()
 
     async def _stream(self) -> AsyncIterator[tpb.WatchResponse]:
         try:
