@@ -37,7 +37,7 @@ def run_worker(endpoint: str, concurrency: int, total: int, ready: mp.Event, out
             if len(latencies) >= total:
                 worker.stop()
 
-        worker = cronoq.Worker(endpoint, "default", record, concurrency=concurrency, poll_wait=1.0)
+        worker = cronoq.Worker(endpoint, "default", record, concurrency=concurrency)
         ready.set()
         watcher = asyncio.create_task(stop_when_told())
         await worker.run()

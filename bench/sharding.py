@@ -205,7 +205,7 @@ def drain_worker(
                 await asyncio.sleep(0.02)
             worker.stop()
 
-        worker = cronoq.Worker(endpoint, pool, noop, concurrency=concurrency, poll_wait=1.0)
+        worker = cronoq.Worker(endpoint, pool, noop, concurrency=concurrency)
         stopper = asyncio.create_task(stop_when_done())
         await worker.run()
         stopper.cancel()

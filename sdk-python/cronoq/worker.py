@@ -1,6 +1,7 @@
-"""The async Worker: register, lease with bounded concurrency (and replies bounded in
-bytes), heartbeat, batched finish reports split by size, transport retries, and a
-graceful shutdown that gives unfinished tasks back to the server.
+"""The async Worker: register, then one Work stream to the server: credits for its free
+slots (so it never holds more tasks than its concurrency), tasks down in answers bounded in
+bytes, outcomes batched and split by size, heartbeats; the stream opened again after a
+failure; and a graceful shutdown that gives unfinished tasks back to the server.
 
     async def handle(task: cronoq.TaskContext) -> dict:
         return {"doubled": task.payload["n"] * 2}
@@ -11,13 +12,14 @@ graceful shutdown that gives unfinished tasks back to the server.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import random
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
+
+import grpc
 
 from ._transport import MAX_MESSAGE_BYTES, Connection, Endpoint, RetryConfig, TlsConfig, call_once
 from .client import Task, decode, encode_payload
@@ -34,6 +36,7 @@ from .errors import (
     Unauthenticated,
     Unavailable,
     Unknown,
+    from_grpc_error,
 )
 from .v1 import worker_service_pb2 as pb
 from .v1 import worker_service_pb2_grpc
@@ -44,8 +47,6 @@ MAX_REDIRECTS = 3
 # Failures of a worker's own calls that say nothing about the request: they are retried.
 TRANSIENT = (Unavailable, Cancelled, DeadlineExceeded, Internal, Unknown)
 MAX_FINISH_BATCH = 1000
-# Handlers that returned, told with each lease (their resource slots are free at once).
-MAX_DONE = 1000
 MiB = 1 << 20
 # What a server that does not say otherwise (RegisterWorkerResponse fields left 0) allows.
 DEFAULT_MAX_RESULT_BYTES = 4 * MiB
@@ -128,7 +129,6 @@ class Worker:
         token: str | None = None,
         tls: TlsConfig | None = None,
         retry: RetryConfig = RetryConfig(max_elapsed=None),
-        poll_wait: float = 10.0,
         insecure_redirect_http: bool = False,
         labels: dict[str, str] | None = None,
         shutdown_grace: float = 30.0,
@@ -148,7 +148,6 @@ class Worker:
         self.concurrency = concurrency
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self._retry = retry
-        self._poll_wait_ms = int(poll_wait * 1000)
         self._labels = labels or {}
         self._shutdown_grace = shutdown_grace
         self._finish_linger = finish_linger
@@ -159,10 +158,11 @@ class Worker:
         self._max_lease_bytes = DEFAULT_MAX_LEASE_BYTES
         self.lease_bytes = DEFAULT_MAX_LEASE_BYTES  # LeaseTasksRequest.max_bytes now
         self._running: dict[int, tuple[asyncio.Task[None], TaskContext]] = {}
-        self._unacked: dict[int, int] = {}  # task id -> attempt, outcome not yet acknowledged
-        self._outcomes: list[pb.TaskOutcome] = []
-        self._outcome_ready = asyncio.Event()
-        self._slot_free = asyncio.Event()
+        self._unacked: dict[int, pb.TaskOutcome] = {}  # by task id: reported, not yet answered
+        self._outcomes: list[pb.TaskOutcome] = []  # not yet sent on the current stream
+        self._freed = 0  # slots freed and not yet given to the server as credits
+        self._beat_due = False
+        self._wake = asyncio.Event()  # the sender has something to send
         self._stopping = asyncio.Event()
         self.processed = 0
 
@@ -229,41 +229,37 @@ class Worker:
     # -- running --------------------------------------------------------------
 
     def stop(self) -> None:
-        """Stops leasing; run() returns once running tasks finish and are reported.
+        """Stops taking tasks; run() returns once running tasks finish and are reported.
 
         A task still running after shutdown_grace seconds has its handler cancelled and is
         released: the server makes it PENDING again at once, without counting the attempt.
         run() returns within about shutdown_grace + STOP_EXTRA_S seconds.
         """
         self._stopping.set()
-        self._slot_free.set()
+        self._wake.set()
 
     async def run(self) -> None:
         await self._register()
-        flusher = asyncio.create_task(self._flush_loop())
         heartbeats = asyncio.create_task(self._heartbeat_loop())
-        leasing = asyncio.create_task(self._lease_loop())
+        working = asyncio.create_task(self._work_loop())
         stopping = asyncio.create_task(self._stopping.wait())
         try:
-            await asyncio.wait({leasing, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if leasing.done() and leasing.exception():
-                raise leasing.exception()  # type: ignore[misc]
+            await asyncio.wait({working, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if working.done() and working.exception():
+                raise working.exception()  # type: ignore[misc]
         finally:
-            self._stopping.set()  # also when leasing failed: unfinished tasks are released
-            leasing.cancel()
+            self._stopping.set()  # also when the stream failed for good: unfinished tasks are released
             stopping.cancel()
-            await asyncio.gather(leasing, return_exceptions=True)
-            await self._finish_running()
+            await self._finish_running(working)
             heartbeats.cancel()
             await asyncio.gather(heartbeats, return_exceptions=True)
-            flusher.cancel()
-            await asyncio.gather(flusher, return_exceptions=True)
             await self._deregister()
             await self._conn.close()
 
-    async def _finish_running(self) -> None:
+    async def _finish_running(self, working: asyncio.Task[None]) -> None:
         """Graceful shutdown: running tasks finish within the grace, the others are released;
-        then every outcome is reported, for at most STOP_EXTRA_S more seconds."""
+        then every outcome is reported and the stream closed, for at most STOP_EXTRA_S more
+        seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._shutdown_grace + STOP_EXTRA_S
         if self._running:
@@ -284,11 +280,14 @@ class Worker:
                     if handle in stuck:  # the handler ignores its cancellation: release it anyway
                         log.warning("task %d: handler ignores cancellation; releasing the task", task_id)
                         ctx._lost = True  # whatever it returns later is not reported
+                        self._running.pop(task_id, None)
                         self._report(pb.TaskOutcome(task_id=task_id, attempt=ctx.attempt, released=_released()))
-        while (self._outcomes or self._unacked) and loop.time() < deadline:
-            self._outcome_ready.set()
-            await asyncio.sleep(0.01)
-        if self._outcomes or self._unacked:
+        self._wake.set()  # the stream closes its side once every outcome is answered
+        if not working.done():
+            await asyncio.wait({working}, timeout=max(deadline - loop.time(), 0))
+        working.cancel()
+        await asyncio.gather(working, return_exceptions=True)
+        if self._unacked:
             log.warning(
                 "worker %s: %d outcome(s) not acknowledged at shutdown; their leases will expire",
                 self.worker_id,
@@ -306,24 +305,21 @@ class Worker:
             except Exception as err:
                 log.debug("deregister failed: %s", err)
 
-    async def _lease_loop(self) -> None:
+    @property
+    def _finished(self) -> bool:
+        """Stopping, and nothing left to run or to report."""
+        return self._stopping.is_set() and not self._running and not self._unacked
+
+    async def _work_loop(self) -> None:
+        """Work streams one after the other until the worker stops: a stream that fails is
+        opened again (on the server an UNAVAILABLE names, after a backoff), and outcomes it
+        did not answer are sent again on the next (fenced by attempt, so that is safe)."""
         failures = 0  # in a row, of the kind that shrinks max_bytes
-        while not self._stopping.is_set():
-            free = self.concurrency - len(self._running)
-            if free <= 0:
-                self._slot_free.clear()
-                await self._slot_free.wait()
-                await asyncio.sleep(0)  # handlers ending together free their slots for one lease
-                continue
-            req = pb.LeaseTasksRequest(
-                worker_id=self.worker_id, max_tasks=free, wait_ms=self._poll_wait_ms, max_bytes=self.lease_bytes
-            )
-            # Handlers that returned, their outcomes on the way: their resource slots are free now.
-            req.done.extend(
-                pb.TaskAttempt(task_id=i, attempt=a) for i, a in itertools.islice(self._unacked.items(), MAX_DONE)
-            )
+        while not self._finished:
             try:
-                resp = await self._call("LeaseTasks", req, timeout=self._poll_wait_ms / 1000 + 30)
+                await self._work_stream()
+                failures = 0
+                continue
             except NotFound:
                 log.warning("worker %s unknown to the server; registering again", self.worker_id)
                 await self._register()
@@ -334,27 +330,107 @@ class Worker:
                 if err.shard_endpoint:  # the pools moved to another shard
                     raise
                 failures += 1
-                await self._lease_refused(err, failures)
-                continue
-            except TRANSIENT as err:  # e.g. a server that stops mid-call: ask again
-                log.warning("lease failed (%s); retrying", err)
+                await self._stream_refused(err, failures)
+            except TRANSIENT as err:  # e.g. a server that stops or steps down: open it again
+                if isinstance(err, Unavailable):
+                    failure = await self._conn.diagnose(err)
+                    if failure is not None:
+                        raise failure from None
+                log.warning("work stream ended (%s); opening it again", err)
                 await self._pause_after(err)
-                continue
-            except Exception as err:  # e.g. RESOURCE_EXHAUSTED: a reply over the receive limit
+            except CronoqError as err:  # e.g. RESOURCE_EXHAUSTED: an answer over the receive limit
                 failures += 1
-                await self._lease_refused(err, failures)
-                continue
-            failures = 0
-            for task in resp.tasks:
-                ctx = TaskContext(task)
-                self._running[task.id] = (asyncio.create_task(self._execute(ctx)), ctx)
+                await self._stream_refused(err, failures)
 
-    async def _lease_refused(self, err: Exception, failures: int) -> None:
-        """A LeaseTasks call failed for good: smaller replies, a backoff, and lease again."""
+    async def _stream_refused(self, err: Exception, failures: int) -> None:
+        """A stream failed for good: smaller answers, a backoff, and a new stream."""
         self.lease_bytes = max(self.lease_bytes // 2, MIN_LEASE_BYTES)
-        log.error("lease failed (%s); leasing again with max_bytes %d", err, self.lease_bytes)
+        log.error("work stream failed (%s); opening it again with max_bytes %d", err, self.lease_bytes)
         delay = min(self._retry.initial_backoff * 2 ** min(failures, 10), self._retry.max_backoff)
         await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+
+    async def _work_stream(self) -> None:
+        """One Work stream: its first message gives the free slots; the sender sends outcomes,
+        freed slots and heartbeats; tasks and answers are read here until the server ends it."""
+        call = self._conn.rpc("Work")(metadata=self._conn.metadata)
+        self._outcomes = list(self._unacked.values())  # what an earlier stream did not answer
+        self._freed = 0
+        free = 0 if self._stopping.is_set() else self.concurrency - len(self._running)
+        first = pb.WorkRequest(worker_id=self.worker_id, credits=free, max_bytes=self.lease_bytes)
+        sender = asyncio.create_task(self._send_loop(call, first))
+        try:
+            while True:
+                try:
+                    answer = await call.read()
+                except grpc.aio.AioRpcError as err:
+                    raise from_grpc_error(err) from None
+                if answer is grpc.aio.EOF:
+                    break
+                self._answered(answer)
+            if sender.done() and sender.exception():
+                raise sender.exception()  # type: ignore[misc]
+        finally:
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+            call.cancel()
+
+    async def _send_loop(self, call: Any, first: pb.WorkRequest) -> None:
+        """Sends the stream's messages: outcomes (lingering a moment while handlers run, so
+        more join), the slots handlers freed, heartbeats; closes its side once stopping and
+        every outcome is answered."""
+        message: pb.WorkRequest | None = first
+        while True:
+            if message is not None:
+                try:
+                    await call.write(message)
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    return  # the stream ended: the reader sees why
+            if self._finished:
+                await call.done_writing()
+                return
+            await self._wake.wait()
+            if (
+                self._finish_linger > 0
+                and self._outcomes
+                and self._running  # none running: no outcome is coming to join this report
+                and len(self._outcomes) < MAX_FINISH_BATCH
+                and not self._stopping.is_set()
+            ):
+                await asyncio.sleep(self._finish_linger)
+            self._wake.clear()
+            message = pb.WorkRequest(outcomes=self._next_batch())
+            if not self._stopping.is_set():
+                message.credits, self._freed = self._freed, 0
+            if self._beat_due:
+                self._beat_due = False
+                attempts = [pb.TaskAttempt(task_id=i, attempt=c.attempt) for i, (_, c) in self._running.items()]
+                attempts += [pb.TaskAttempt(task_id=i, attempt=o.attempt) for i, o in self._unacked.items()]
+                message.heartbeat.tasks.extend(attempts)
+            if self._outcomes:
+                self._wake.set()  # the rest in the next message
+            if not (message.outcomes or message.credits or message.HasField("heartbeat")):
+                message = None
+
+    def _answered(self, answer: pb.WorkResponse) -> None:
+        """What the server sent: tasks to run, the results of outcomes, a heartbeat's answer."""
+        for r in answer.results:
+            outcome = self._unacked.get(r.task_id)
+            if outcome is not None:
+                del self._unacked[r.task_id]
+                self.processed += 1
+            if not r.accepted:
+                log.warning("outcome of task %d refused: %s %s", r.task_id, r.code, r.message)
+        for task in answer.tasks:
+            ctx = TaskContext(task)
+            if self._stopping.is_set():  # sent for slots given before stop(): give it back
+                self._freed += 1
+                self._report(pb.TaskOutcome(task_id=task.id, attempt=task.attempt, released=_released()))
+                continue
+            self._running[task.id] = (asyncio.create_task(self._execute(ctx)), ctx)
+        if answer.HasField("heartbeat"):
+            self._heartbeat_answered(answer.heartbeat)
+        if self._finished:
+            self._wake.set()
 
     async def _execute(self, ctx: TaskContext) -> None:
         outcome = pb.TaskOutcome(task_id=ctx.id, attempt=ctx.attempt)
@@ -395,21 +471,22 @@ class Worker:
             outcome.failure.error = f"{type(err).__name__}: {err}"
             outcome.failure.retryable = True
         finally:
-            self._running.pop(ctx.id, None)
-            self._slot_free.set()
+            if self._running.pop(ctx.id, None) is not None:
+                self._freed += 1
+                self._wake.set()
         if ctx._lost:  # no longer ours (or released already at shutdown)
             return
         self._report(outcome)
 
     def _report(self, outcome: pb.TaskOutcome) -> None:
-        self._unacked[outcome.task_id] = outcome.attempt
+        self._unacked[outcome.task_id] = outcome
         self._outcomes.append(outcome)
-        self._outcome_ready.set()
+        self._wake.set()
 
     def _next_batch(self) -> list[pb.TaskOutcome]:
-        """The oldest outcomes that fit one FinishTasks request: at most MAX_FINISH_BATCH of
-        them and MAX_REQUEST_BYTES serialized (one outcome always goes, alone if need be)."""
-        size = len(self.worker_id.encode()) + OUTCOME_FRAMING_BYTES
+        """The oldest outcomes that fit one message: at most MAX_FINISH_BATCH of them and
+        MAX_REQUEST_BYTES serialized (one outcome always goes, alone if need be)."""
+        size = OUTCOME_FRAMING_BYTES
         n = 0
         for o in self._outcomes:
             if n == MAX_FINISH_BATCH:
@@ -421,64 +498,6 @@ class Worker:
         batch, self._outcomes = self._outcomes[:n], self._outcomes[n:]
         return batch
 
-    async def _flush_loop(self) -> None:
-        """One FinishTasks call in flight; outcomes that arrive meanwhile form the next batch.
-
-        No outcome is dropped unless the server refuses it alone: a request refused as a
-        whole is sent again in halves, and transient failures are retried.
-        """
-        again: list[list[pb.TaskOutcome]] = []  # batches to send before new outcomes; last first
-        while True:
-            await self._outcome_ready.wait()
-            if (
-                self._finish_linger > 0
-                and self._running  # none running: no outcome is coming to join this report
-                and len(self._outcomes) < MAX_FINISH_BATCH
-                and not self._stopping.is_set()
-            ):
-                await asyncio.sleep(self._finish_linger)  # let more outcomes join this report
-            self._outcome_ready.clear()
-            while again or self._outcomes:
-                batch = again.pop() if again else self._next_batch()
-                req = pb.FinishTasksRequest(worker_id=self.worker_id, outcomes=batch)
-                try:
-                    resp = await self._call("FinishTasks", req)
-                except NotFound:
-                    await self._register()
-                    again.append(batch)
-                    continue
-                except TRANSIENT as err:
-                    # Reports are fenced by attempt, so sending one again is safe; dropping it would
-                    # leave the task to its lease expiry and run it twice.
-                    log.warning("finish report of %d task(s) failed (%s); retrying", len(batch), err)
-                    again.append(batch)
-                    await self._pause_after(err)
-                    continue
-                except (PermissionDenied, Unauthenticated, TlsError) as err:
-                    # Not the report's fault: kept and sent again (leasing stops the worker meanwhile).
-                    log.error("finish report of %d task(s) refused (%s); retrying", len(batch), err)
-                    again.append(batch)
-                    await asyncio.sleep(self._retry.max_backoff)
-                    continue
-                except Exception as err:  # refused as a whole, e.g. RESOURCE_EXHAUSTED, INVALID_ARGUMENT
-                    if len(batch) > 1:
-                        half = len(batch) // 2
-                        log.warning(
-                            "finish report of %d task(s) refused (%s); sending it again in halves", len(batch), err
-                        )
-                        again += [batch[half:], batch[:half]]
-                        continue
-                    o = batch[0]
-                    log.error("outcome of task %d (attempt %d) refused, dropped: %s", o.task_id, o.attempt, err)
-                    resp = None
-                for o in batch:
-                    if self._unacked.get(o.task_id) == o.attempt:
-                        del self._unacked[o.task_id]
-                self.processed += len(batch)
-                for r in resp.results if resp else ():
-                    if not r.accepted:
-                        log.warning("outcome of task %d refused: %s %s", r.task_id, r.code, r.message)
-
     async def _pause_after(self, err: CronoqError) -> None:
         """Backs off after a transient failure, moving to another server when one is named or known."""
         if isinstance(err, Unavailable):
@@ -486,26 +505,21 @@ class Worker:
         await asyncio.sleep(self._retry.initial_backoff * random.uniform(1.0, 4.0))
 
     async def _heartbeat_loop(self) -> None:
+        """Asks the stream's sender for a heartbeat of the attempts held, every interval."""
         while True:
             await asyncio.sleep(self._heartbeat_s)
-            attempts = [pb.TaskAttempt(task_id=i, attempt=c.attempt) for i, (_, c) in self._running.items()]
-            attempts += [pb.TaskAttempt(task_id=i, attempt=a) for i, a in self._unacked.items()]
-            try:
-                resp = await self._call("Heartbeat", pb.HeartbeatRequest(worker_id=self.worker_id, tasks=attempts))
-            except NotFound:
-                await self._register()
-                continue
-            except CronoqError as err:
-                log.warning("heartbeat failed: %s", err)
-                continue
-            for task_id in resp.cancelled_task_ids:
-                if task_id in self._running:
-                    handle, ctx = self._running[task_id]
-                    ctx.cancel_requested.set()
-                    handle.cancel()
-            for task_id in resp.lost_task_ids:
-                if task_id in self._running:
-                    handle, ctx = self._running[task_id]
-                    ctx._lost = True
-                    handle.cancel()
-                    log.warning("task %d lost its lease; its outcome will not be reported", task_id)
+            self._beat_due = True
+            self._wake.set()
+
+    def _heartbeat_answered(self, resp: pb.HeartbeatResponse) -> None:
+        for task_id in resp.cancelled_task_ids:
+            if task_id in self._running:
+                handle, ctx = self._running[task_id]
+                ctx.cancel_requested.set()
+                handle.cancel()
+        for task_id in resp.lost_task_ids:
+            if task_id in self._running:
+                handle, ctx = self._running[task_id]
+                ctx._lost = True
+                handle.cancel()
+                log.warning("task %d lost its lease; its outcome will not be reported", task_id)

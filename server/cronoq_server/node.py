@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -303,11 +303,25 @@ class Node:
                 _count_submitted(method, request, response)
             return response
         except StoreUnavailable as err:
-            leader = self.leadership.current_leader()
-            metadata = {"cronoq-leader": leader} if leader else {}
-            raise ApiError(
-                grpc.StatusCode.UNAVAILABLE, str(err), metadata, reason="STORE_UNAVAILABLE", retry_delay=0.5
-            ) from None
+            raise self._store_unavailable(err) from None
+
+    def _store_unavailable(self, err: StoreUnavailable) -> ApiError:
+        leader = self.leadership.current_leader()
+        metadata = {"cronoq-leader": leader} if leader else {}
+        return ApiError(grpc.StatusCode.UNAVAILABLE, str(err), metadata, reason="STORE_UNAVAILABLE", retry_delay=0.5)
+
+    async def work(
+        self, requests: AsyncIterator[worker_service_pb2.WorkRequest], caller: Principal
+    ) -> AsyncIterator[worker_service_pb2.WorkResponse]:
+        """A worker's Work stream (see Leases.work); when this server stops leading or drains,
+        the stream ends with the UNAVAILABLE any call would get."""
+        self.admit("Work", caller)
+        try:
+            async for answer in self.leases.work(requests, caller, self.in_flight):
+                yield answer
+        except StoreUnavailable as err:
+            raise self._store_unavailable(err) from None
+        self.admit("Work", caller)
 
     async def open_watch(self, request: Message, caller: Principal) -> tuple[int, AsyncGenerator[Message, None]]:
         """Admits and checks a Watch (its cursor too): the event seq the stream starts after (the
@@ -316,7 +330,7 @@ class Node:
         try:
             return await self.tasks.watch(request, caller)  # type: ignore[arg-type]
         except StoreUnavailable as err:
-            raise ApiError(grpc.StatusCode.UNAVAILABLE, str(err), reason="STORE_UNAVAILABLE", retry_delay=0.5) from None
+            raise self._store_unavailable(err) from None
 
     # -- admin ----------------------------------------------------------------
 

@@ -75,6 +75,7 @@ class Rpc:
     request: type[Message]
     response: type[Message]
     server_streaming: bool
+    client_streaming: bool  # a bidirectional stream (gRPC only: no HTTP route)
     permission: str | None  # None: valid credentials are enough
     standby: bool
     routing: str
@@ -109,14 +110,17 @@ def _rpc(method: MethodDescriptor) -> Rpc:
     rule = options.Extensions[options_pb2.rule]
     if rule.routing not in ROUTINGS:
         raise RegistryError(f"{method.full_name}: no routing declared")
-    if method.client_streaming:
-        raise RegistryError(f"{method.full_name}: client streaming is not supported")
+    if method.client_streaming and not method.server_streaming:
+        raise RegistryError(f"{method.full_name}: client streaming is supported only both ways")
+    if method.client_streaming and rule.http:
+        raise RegistryError(f"{method.full_name}: a bidirectional stream has no HTTP route")
     return Rpc(
         service=method.containing_service.full_name,
         name=method.name,
         request=GetMessageClass(method.input_type),
         response=GetMessageClass(method.output_type),
         server_streaming=method.server_streaming,
+        client_streaming=method.client_streaming,
         permission=PERMISSIONS[rule.permission],
         standby=rule.standby,
         routing=ROUTINGS[rule.routing],

@@ -48,7 +48,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -171,6 +171,26 @@ class ShardRouter:
             raise
         finally:
             CALLS.labels(method=method, code=code).inc()
+
+    async def work(self, requests: AsyncIterator[Message], call: Call) -> AsyncIterator[Message]:
+        """A worker's Work stream, served here: a worker streams to the server it registered
+        with (by_worker), and a standby answers UNAVAILABLE naming the leader. Counted in
+        cronoq_api_calls_total when it ends."""
+        code = "OK"
+        try:
+            async for answer in self.node.work(requests, call.caller):  # type: ignore[arg-type]
+                yield answer
+        except ApiError as err:
+            code = err.code.name
+            raise
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except Exception:
+            code = "INTERNAL"
+            raise
+        finally:
+            CALLS.labels(method="Work", code=code).inc()
 
     async def watch(self, request: Message, call: Call) -> Any:
         """A merged_watch.WatchStream. Unsharded: this server's events. Sharded: merged from every

@@ -190,7 +190,7 @@ def test_a_redirect_loop_stops_after_three_redirects_naming_the_chain(tmp_path: 
         raise AssertionError("no task is leased")
 
     async def run() -> TooManyRedirects:
-        worker = cronoq.Worker(a.endpoint, "llm", handle, poll_wait=0.5)
+        worker = cronoq.Worker(a.endpoint, "llm", handle)
         with pytest.raises(TooManyRedirects) as err:
             await asyncio.wait_for(worker.run(), 15)
         return err.value

@@ -410,7 +410,7 @@ async def test_worker_over_mtls_and_fail_fast(mtls: TlsServer, certs: Certs) -> 
         return {"doubled": task.payload["n"] * 2}
 
     tls = certs.tls(certs.w)
-    worker = cronoq.Worker(mtls.endpoint, "default", handle, tls=tls, retry=FAST, poll_wait=0.5, shutdown_grace=1)
+    worker = cronoq.Worker(mtls.endpoint, "default", handle, tls=tls, retry=FAST, shutdown_grace=1)
     running = asyncio.create_task(worker.run())
     try:
         async with cronoq.Client(mtls.endpoint, tls=tls, retry=FAST) as client:
@@ -420,7 +420,7 @@ async def test_worker_over_mtls_and_fail_fast(mtls: TlsServer, certs: Certs) -> 
     finally:
         worker.stop()
         await asyncio.wait_for(running, 15)
-    bad = cronoq.Worker(mtls.endpoint, "default", handle, tls=certs.tls(certs.foreign), poll_wait=0.5)
+    bad = cronoq.Worker(mtls.endpoint, "default", handle, tls=certs.tls(certs.foreign))
     with pytest.raises(errors.TlsError) as err:
         await asyncio.wait_for(bad.run(), 10)  # registration fails at once instead of retrying forever
     assert "the server refused the client certificate" in str(err.value)

@@ -40,7 +40,6 @@ async def until(check: Callable[[], Any], run: asyncio.Task[None], timeout: floa
 
 
 def worker(server: Any, pool: str, handler: Any, **options: Any) -> cronoq.Worker:
-    options.setdefault("poll_wait", 1.0)
     return cronoq.Worker(server.endpoint, pool, handler, **options)
 
 

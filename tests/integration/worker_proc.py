@@ -37,7 +37,7 @@ async def main() -> None:
         log.write(f"done {task.id} {task.attempt} {os.getpid()} {time.time():.6f}\n")
         return {"pid": os.getpid(), "attempt": task.attempt}
 
-    worker = cronoq.Worker(args.endpoint, args.pool, handle, concurrency=args.concurrency, poll_wait=1.0)
+    worker = cronoq.Worker(args.endpoint, args.pool, handle, concurrency=args.concurrency)
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.stop)
     await worker.run()
     log.write(f"stopped {os.getpid()}\n")

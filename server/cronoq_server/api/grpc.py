@@ -106,10 +106,27 @@ class _Handlers:
 
         return handle
 
+    def bidi(self, rpc: Rpc) -> Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], AsyncIterator[Any]]:
+        async def handle(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for answer in self._router.work(requests, self._call(context)):
+                    yield answer
+            except ApiError as err:
+                await _abort(context, err)
+            except Exception:
+                log.exception("%s failed", rpc.name)
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc.name}; see the server log")
+
+        return handle
+
     def generic(self) -> list[grpc.GenericRpcHandler]:
         by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
         for rpc in registry().values():
-            if rpc.server_streaming:
+            if rpc.client_streaming:  # the Work stream, the one bidirectional RPC
+                handler = grpc.stream_stream_rpc_method_handler(
+                    self.bidi(rpc), rpc.request.FromString, rpc.response.SerializeToString
+                )
+            elif rpc.server_streaming:
                 handler = grpc.unary_stream_rpc_method_handler(
                     self.stream(rpc), rpc.request.FromString, rpc.response.SerializeToString
                 )

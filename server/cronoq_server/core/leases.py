@@ -7,20 +7,23 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import grpc
 
 from cronoq.v1 import worker_service_pb2 as pb
+from cronoq.v1.task_pb2 import Task
 
 from ..auth import Principal
 from ..config import Config
 from ..errors import ApiError, invalid
 from ..ids import make_task_id, seq_of, shard_of
 from ..metrics import START_LATENCY, TASKS_LEASED, record_finished
-from ..store.base import Outcome, OutcomeKind, Store, TaskRow, WorkerRow
+from ..store.base import Changes, Outcome, OutcomeKind, OutcomeResult, Store, TaskRow, WorkerRow
 from .convert import to_task, to_worker
-from .events import EventBus
+from .events import EventBus, LeaseWaiter
 from .limits import (
     MAX_CONTENT_TYPE,
     MAX_LABEL_KEY,
@@ -37,6 +40,10 @@ log = logging.getLogger("cronoq.leases")
 
 
 MAX_LEASE_BATCH = 1000
+# Credits a Work stream may hold unused (a worker's free slots).
+MAX_WORK_CREDITS = 100_000
+# Steps of one Work stream under way at once (see Leases.work).
+MAX_WORK_STEPS = 2
 MAX_DONE = 10_000
 MAX_LEASE_WAIT_MS = 60_000
 # A lease reply holds at most this many bytes of tasks (below the SDKs' 64 MiB receive limit);
@@ -157,12 +164,27 @@ class Leases:
 
     # -- leases ---------------------------------------------------------------
 
-    async def lease_tasks(self, req: pb.LeaseTasksRequest, caller: Principal) -> pb.LeaseTasksResponse:
-        worker = await self._worker(req.worker_id, caller)
-        pools = list(req.pools) or worker.pools
-        for pool in pools:
+    @staticmethod
+    def _lease_pools(worker: WorkerRow, asked: Sequence[str]) -> list[str]:
+        """The pools a lease of this worker takes from (asked: empty for all it registered for)."""
+        for pool in asked:
             if pool not in worker.pools:
                 raise invalid(f"pools: worker {worker.id!r} did not register for pool {pool!r}")
+        return list(asked) or worker.pools
+
+    async def _leased(self, rows: list[TaskRow], now: int) -> list[Task]:
+        """Counts, announces and converts the tasks a lease took."""
+        if not rows:
+            return []
+        TASKS_LEASED.inc(len(rows))
+        for r in rows:
+            START_LATENCY.observe(max(now - max(r.run_at, r.created_at), 0) / 1e6)
+        await self._events.publish([(r.seq, r.state) for r in rows], rows)
+        return [to_task(r, self._shard) for r in rows]
+
+    async def lease_tasks(self, req: pb.LeaseTasksRequest, caller: Principal) -> pb.LeaseTasksResponse:
+        worker = await self._worker(req.worker_id, caller)
+        pools = self._lease_pools(worker, req.pools)
         if req.max_tasks < 1:
             raise invalid(f"max_tasks: {req.max_tasks} must be at least 1")
         limit = min(req.max_tasks, MAX_LEASE_BATCH)
@@ -180,20 +202,11 @@ class Leases:
                 now = now_us()
                 rows, next_due = await self._lease(worker.id, pools, limit, now, max_bytes)
                 if rows:
-                    TASKS_LEASED.inc(len(rows))
-                    for r in rows:
-                        START_LATENCY.observe(max(now - max(r.run_at, r.created_at), 0) / 1e6)
-                    await self._events.publish([(r.seq, r.state) for r in rows], rows)
-                    return pb.LeaseTasksResponse(tasks=[to_task(r, self._shard) for r in rows])
+                    return pb.LeaseTasksResponse(tasks=await self._leased(rows, now))
                 remaining = deadline - loop.time()
                 if remaining <= 0 or self.draining:
                     break
-                timeout = remaining
-                if next_due is not None:
-                    timeout = min(timeout, max((next_due - now) / 1e6, 0.001))
-                token_in = self._gate.next_token_in()
-                if token_in is not None:  # a rate resource refills: its tasks may run then
-                    timeout = min(timeout, max(token_in, 0.001))
+                timeout = min(remaining, self._recheck_in(next_due, now))
                 try:
                     await asyncio.wait_for(waiter.event.wait(), timeout)
                 except TimeoutError:
@@ -214,6 +227,17 @@ class Leases:
             self._gate.take(worker_id, ((r.seq, r.attempt, r.resources) for r in rows if r.resources))
         return rows, next_due
 
+    def _recheck_in(self, next_due: int | None, now: int) -> float:
+        """Seconds until a lease that found nothing may find something without being told: the
+        next task due, or a rate resource's next token (inf: only when told)."""
+        timeout = float("inf")
+        if next_due is not None:
+            timeout = max((next_due - now) / 1e6, 0.001)
+        token_in = self._gate.next_token_in()
+        if token_in is not None:  # a rate resource refills: its tasks may run then
+            timeout = min(timeout, max(token_in, 0.001))
+        return timeout
+
     def _ended(self, attempts: list[tuple[int, int]], worker_id: str | None = None) -> None:
         """These attempts ended (of worker_id, when given): their resource slots are free, and
         waiting leases look again."""
@@ -222,9 +246,13 @@ class Leases:
 
     async def heartbeat(self, req: pb.HeartbeatRequest, caller: Principal) -> pb.HeartbeatResponse:
         await self._worker(req.worker_id, caller)
-        mine = [(seq_of(t.task_id), t.attempt) for t in req.tasks if shard_of(t.task_id) == self._shard]
-        foreign = [t.task_id for t in req.tasks if shard_of(t.task_id) != self._shard]
-        cancelled, lost = await self._store.heartbeat(req.worker_id, mine, now_us())
+        return await self._beat(req.worker_id, req.tasks)
+
+    async def _beat(self, worker_id: str, tasks: Sequence[pb.TaskAttempt]) -> pb.HeartbeatResponse:
+        """Extends the leases of these attempts held by the worker; the cancelled and lost among them."""
+        mine = [(seq_of(t.task_id), t.attempt) for t in tasks if shard_of(t.task_id) == self._shard]
+        foreign = [t.task_id for t in tasks if shard_of(t.task_id) != self._shard]
+        cancelled, lost = await self._store.heartbeat(worker_id, mine, now_us())
         return pb.HeartbeatResponse(
             cancelled_task_ids=[make_task_id(self._shard, s) for s in cancelled],
             lost_task_ids=[make_task_id(self._shard, s) for s in lost] + foreign,
@@ -232,53 +260,190 @@ class Leases:
 
     async def finish_tasks(self, req: pb.FinishTasksRequest, caller: Principal) -> pb.FinishTasksResponse:
         await self._worker(req.worker_id, caller)
-        max_result = self._config.limits.max_result_bytes
-        outcomes = []
-        for i, o in enumerate(req.outcomes):
-            kind = o.WhichOneof("outcome")
-            if kind is None:
-                raise invalid(f"outcomes[{i}]: give success, failure, cancelled or released")
-            if shard_of(o.task_id) != self._shard:
-                raise invalid(f"outcomes[{i}].task_id: task {o.task_id} belongs to another shard")
-            seq = seq_of(o.task_id)
-            if kind == "success" and len(o.success.result) > max_result:
-                # Applied as the failure it is, rather than leaving the task to its lease expiry.
-                error = f"result of {len(o.success.result)} bytes exceeds max_result_bytes {max_result}"
-                outcomes.append(Outcome(seq, o.attempt, OutcomeKind.FAILURE, error=error, retryable=False))
-            elif kind == "success":
-                check_text(f"outcomes[{i}].success.content_type", o.success.content_type, MAX_CONTENT_TYPE)
-                outcomes.append(Outcome(seq, o.attempt, OutcomeKind.SUCCESS, o.success.result, o.success.content_type))
-            elif kind == "failure":
-                f = o.failure
-                outcomes.append(
-                    Outcome(
-                        seq,
-                        o.attempt,
-                        OutcomeKind.FAILURE,
-                        error=cap_error(f.error),
-                        retryable=f.retryable,
-                        retry_after_ms=f.retry_after_ms,
-                    )
-                )
-            elif kind == "cancelled":
-                outcomes.append(
-                    Outcome(seq, o.attempt, OutcomeKind.CANCELLED, error=cap_error(o.cancelled.reason or "cancelled"))
-                )
-            else:
-                outcomes.append(Outcome(seq, o.attempt, OutcomeKind.RELEASED))
+        outcomes = [self._outcome(f"outcomes[{i}]", o) for i, o in enumerate(req.outcomes)]
         results, changes = await self._store.finish(req.worker_id, outcomes, now_us())
+        return pb.FinishTasksResponse(results=await self._finished(outcomes, results, changes))
+
+    def _outcome(self, field: str, o: pb.TaskOutcome) -> Outcome:
+        """The store's Outcome of a reported one; raises INVALID_ARGUMENT naming field."""
+        kind = o.WhichOneof("outcome")
+        if kind is None:
+            raise invalid(f"{field}: give success, failure, cancelled or released")
+        if shard_of(o.task_id) != self._shard:
+            raise invalid(f"{field}.task_id: task {o.task_id} belongs to another shard")
+        seq = seq_of(o.task_id)
+        max_result = self._config.limits.max_result_bytes
+        if kind == "success" and len(o.success.result) > max_result:
+            # Applied as the failure it is, rather than leaving the task to its lease expiry.
+            error = f"result of {len(o.success.result)} bytes exceeds max_result_bytes {max_result}"
+            return Outcome(seq, o.attempt, OutcomeKind.FAILURE, error=error, retryable=False)
+        if kind == "success":
+            check_text(f"{field}.success.content_type", o.success.content_type, MAX_CONTENT_TYPE)
+            return Outcome(seq, o.attempt, OutcomeKind.SUCCESS, o.success.result, o.success.content_type)
+        if kind == "failure":
+            f = o.failure
+            return Outcome(
+                seq,
+                o.attempt,
+                OutcomeKind.FAILURE,
+                error=cap_error(f.error),
+                retryable=f.retryable,
+                retry_after_ms=f.retry_after_ms,
+            )
+        if kind == "cancelled":
+            return Outcome(seq, o.attempt, OutcomeKind.CANCELLED, error=cap_error(o.cancelled.reason or "cancelled"))
+        return Outcome(seq, o.attempt, OutcomeKind.RELEASED)
+
+    async def _finished(
+        self, outcomes: list[Outcome], results: list[OutcomeResult], changes: Changes
+    ) -> list[pb.FinishTaskResult]:
+        """Frees the resource slots of the accepted outcomes, announces and counts the changes;
+        the results as the API gives them."""
         attempts = {o.seq: o.attempt for o in outcomes}
         self._ended([(r.seq, attempts[r.seq]) for r in results if r.accepted])
         await self._events.publish(changes)
         record_finished(changes)
-        return pb.FinishTasksResponse(
-            results=[
-                pb.FinishTaskResult(
-                    task_id=make_task_id(self._shard, r.seq), accepted=r.accepted, code=r.code, message=r.message
-                )
-                for r in results
-            ]
-        )
+        return [
+            pb.FinishTaskResult(
+                task_id=make_task_id(self._shard, r.seq), accepted=r.accepted, code=r.code, message=r.message
+            )
+            for r in results
+        ]
+
+    # -- the Work stream ------------------------------------------------------
+
+    async def work(
+        self,
+        requests: AsyncIterator[pb.WorkRequest],
+        caller: Principal,
+        in_flight: Callable[[], AbstractContextManager[None]],
+    ) -> AsyncIterator[pb.WorkResponse]:
+        """A worker's Work stream: outcomes and the next tasks in one store call (a step),
+        heartbeats, and tasks sent as soon as they are due while the worker has credits.
+
+        Up to MAX_WORK_STEPS steps run at once, each leasing at most half the worker's slots:
+        the store works on one while the worker runs the tasks of the other. Returns when the
+        worker closes its side (after answering what it sent), or when this server drains or
+        stops leading (after answering what it received: the caller says why); in_flight()
+        covers each step, so a drain waits for those under way.
+        """
+        first = await anext(aiter(requests), None)
+        if first is None:
+            return
+        worker = await self._worker(first.worker_id, caller)
+        pools = self._lease_pools(worker, first.pools)
+        max_bytes = min(first.max_bytes or MAX_LEASE_BYTES, MAX_LEASE_BYTES)
+        inbox = _WorkInbox(worker.id, first)
+        reader = asyncio.create_task(inbox.read(requests))
+        loop = asyncio.get_running_loop()
+        credits = 0  # given by the worker, not yet used or reserved by a step
+        chunk = 1  # the most one step leases: half the most credits seen
+        # The steps under way, each with the waiter registered before its lease.
+        steps: dict[asyncio.Task[tuple[pb.WorkResponse, float, int]], LeaseWaiter | None] = {}
+        waiter: LeaseWaiter | None = None  # registered before a lease, so no change is missed
+        look_again_at: float | None = None  # set: the last lease found less than it asked for
+        try:
+            while True:
+                if inbox.error is not None:
+                    raise inbox.error
+                if waiter is not None and waiter.event.is_set():  # work may be available
+                    self._events.forget_leaser(waiter)
+                    waiter, look_again_at = None, None
+                if look_again_at is not None and loop.time() >= look_again_at:
+                    look_again_at = None
+                leading = self._is_leader() and not self.draining
+                may_lease = bool(credits) and leading and look_again_at is None
+                if len(steps) < MAX_WORK_STEPS and (inbox.waiting or may_lease):
+                    received = inbox.take()
+                    credits += sum(r.credits for r in received)
+                    if credits > MAX_WORK_CREDITS:
+                        raise invalid(f"credits: {credits} given and not used, more than {MAX_WORK_CREDITS}")
+                    chunk = max(chunk, -(-credits // MAX_WORK_STEPS))
+                    limit = min(credits, chunk, MAX_LEASE_BATCH) if leading and look_again_at is None else 0
+                    credits -= limit
+                    if limit and waiter is None:
+                        waiter = self._events.lease_waiter(pools)
+                    step = self._work_step(worker, received, pools, limit, max_bytes, in_flight)
+                    steps[asyncio.create_task(step)] = waiter
+                    continue
+                if not steps and (not leading or (inbox.closed and not inbox.waiting)):
+                    return
+                wakes: set[asyncio.Future[Any]] = set(steps)
+                arrival = asyncio.ensure_future(inbox.arrived())
+                wakes.add(arrival)
+                if waiter is not None and credits:
+                    wakes.add(asyncio.ensure_future(waiter.event.wait()))
+                timeout = None if look_again_at is None else max(look_again_at - loop.time(), 0)
+                try:
+                    await asyncio.wait(wakes, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in wakes - set(steps):
+                        w.cancel()
+                for step in [t for t in steps if t.done()]:
+                    covered = steps.pop(step)
+                    answer, recheck_s, limit = step.result()
+                    credits += limit - len(answer.tasks)
+                    # Fewer tasks than asked for: wait to be told, unless a change since the
+                    # lease's query was announced (its waiter told: lease again at once).
+                    told = covered is not waiter or (covered is not None and covered.event.is_set())
+                    if len(answer.tasks) < limit and not _cut_by_bytes(answer, max_bytes) and not told:
+                        look_again_at = loop.time() + recheck_s  # or sooner, when the waiter is told
+                    if answer.tasks or answer.results or answer.HasField("heartbeat"):
+                        yield answer
+        finally:
+            for step in steps:
+                step.cancel()
+            reader.cancel()
+            await asyncio.gather(reader, *steps, return_exceptions=True)
+            if waiter is not None:
+                self._events.forget_leaser(waiter)
+
+    async def _work_step(
+        self,
+        worker: WorkerRow,
+        received: list[pb.WorkRequest],
+        pools: list[str],
+        limit: int,
+        max_bytes: int,
+        in_flight: Callable[[], AbstractContextManager[None]],
+    ) -> tuple[pb.WorkResponse, float, int]:
+        """The answer to what a Work stream received, with up to limit tasks leased; the
+        seconds until a lease that found fewer should look again; and limit."""
+        with in_flight():
+            answer, recheck_s = await self._work_answer(worker, received, pools, limit, max_bytes)
+        return answer, recheck_s, limit
+
+    async def _work_answer(
+        self, worker: WorkerRow, received: list[pb.WorkRequest], pools: list[str], limit: int, max_bytes: int
+    ) -> tuple[pb.WorkResponse, float]:
+        answer = pb.WorkResponse()
+        beats = [t for r in received if r.HasField("heartbeat") for t in r.heartbeat.tasks]
+        if any(r.HasField("heartbeat") for r in received):
+            answer.heartbeat.CopyFrom(await self._beat(worker.id, beats))
+        outcomes: list[Outcome] = []
+        refused: dict[int, pb.FinishTaskResult] = {}  # by position among the outcomes received
+        reported = [o for r in received for o in r.outcomes]
+        for i, o in enumerate(reported):
+            try:
+                outcomes.append(self._outcome(f"outcomes (task {o.task_id})", o))
+            except ApiError as err:  # a malformed outcome is refused alone
+                refused[i] = pb.FinishTaskResult(task_id=o.task_id, code=err.code.name, message=err.message)
+        if not outcomes and limit < 1:
+            answer.results.extend(refused.values())
+            return answer, float("inf")
+        now = now_us()
+        limit = min(limit, MAX_LEASE_BATCH)
+        if self._gate.enabled:  # leases that take resources go one at a time: see _lease
+            results, changes = await self._store.finish(worker.id, outcomes, now) if outcomes else ([], [])
+            rows, next_due = await self._lease(worker.id, pools, limit, now, max_bytes) if limit else ([], None)
+        else:
+            results, changes, rows, next_due = await self._store.finish_and_lease(
+                worker.id, outcomes, pools, limit, now, max_bytes
+            )
+        applied = iter(await self._finished(outcomes, results, changes))
+        answer.results.extend(refused[i] if i in refused else next(applied) for i in range(len(reported)))
+        answer.tasks.extend(await self._leased(rows, now))
+        return answer, self._recheck_in(next_due, now)
 
     # -- the leader's services -----------------------------------------------
 
@@ -308,3 +473,49 @@ class Leases:
     async def nudge_once(self) -> None:
         """Has one long poll per pool look at the store (work written behind the server's back)."""
         self._events.nudge_leasers()
+
+
+def _cut_by_bytes(answer: pb.WorkResponse, max_bytes: int) -> bool:
+    """Whether the tasks leased may have been fewer than asked for because of max_bytes."""
+    return sum(len(t.payload) for t in answer.tasks) >= max_bytes // 2
+
+
+class _WorkInbox:
+    """What a Work stream received and not yet answered, read by a task of its own."""
+
+    def __init__(self, worker_id: str, first: pb.WorkRequest):
+        self._worker_id = worker_id
+        self._received = [first]
+        self._arrived = asyncio.Event()
+        self._arrived.set()
+        self.closed = False  # the worker closed its side
+        self.error: ApiError | None = None  # a request that ends the stream
+
+    async def read(self, requests: AsyncIterator[pb.WorkRequest]) -> None:
+        try:
+            async for req in requests:
+                if req.worker_id and req.worker_id != self._worker_id:
+                    raise invalid(f"worker_id: {req.worker_id!r} sent on the Work stream of {self._worker_id!r}")
+                if req.pools or req.max_bytes:
+                    raise invalid("pools, max_bytes: given in the first message of a Work stream only")
+                self._received.append(req)
+                self._arrived.set()
+        except ApiError as err:
+            self.error = err
+        finally:
+            self.closed = True
+            self._arrived.set()
+
+    @property
+    def waiting(self) -> bool:
+        """Something to answer: requests received, or one that ends the stream."""
+        return bool(self._received) or self.error is not None
+
+    def take(self) -> list[pb.WorkRequest]:
+        received, self._received = self._received, []
+        self._arrived.clear()
+        return received
+
+    async def arrived(self) -> None:
+        """Until a request arrives or the worker closes its side."""
+        await self._arrived.wait()

@@ -256,6 +256,17 @@ class Store(Protocol):
     async def finish(self, worker_id: str, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:
         """Applies the outcomes of tasks leased to worker_id at their attempts; refuses the rest."""
 
+    async def finish_and_lease(
+        self,
+        worker_id: str,
+        outcomes: list[Outcome],
+        pools: list[str],
+        limit: int,
+        now: int,
+        max_bytes: int = 0,
+    ) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
+        """finish, then (limit > 0) lease without resources: as one transaction where the store can."""
+
     async def expire_leases(self, now: int) -> tuple[Changes, list[tuple[int, int]]]:
         """Ends every lease past its expiry; returns the changes and the (seq, attempt) ended."""
 

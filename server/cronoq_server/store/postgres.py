@@ -329,7 +329,9 @@ class PostgresStore:
 
     async def open(self) -> None:
         try:
-            self._pool = await asyncpg.create_pool(self.url, min_size=1, max_size=self._pool_size)
+            self._pool = await asyncpg.create_pool(
+                self.url, min_size=1, max_size=self._pool_size, reset=_reset_if_in_transaction
+            )
         except CONNECTION_ERRORS as err:
             raise StoreUnavailable(f"store unreachable: {err}") from None
         await self._tx(self._migrate, fenced=False)
@@ -714,6 +716,29 @@ class PostgresStore:
         max_bytes: int = 0,
         free: Mapping[str, int] | None = None,
     ) -> tuple[list[TaskRow], int | None]:
+        ctes, args = self._lease_ctes(worker_id, pools, limit, now, max_bytes, free)
+        rows = [task_row(r) for r in await self._fenced_fetch(self._sql(f"WITH {ctes} SELECT * FROM leased"), *args)]
+        return await self._leased(rows, pools)
+
+    async def _leased(self, rows: list[TaskRow], pools: list[str]) -> tuple[list[TaskRow], int | None]:
+        """The rows a lease took in order; none: when the next pending task of the pools is due."""
+        if rows:
+            rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
+            return rows, None
+        due_sql = self._sql("SELECT min(run_at) FROM {s}.tasks WHERE state = 1 AND pool = ANY($1::text[])")
+        return [], await self._read(lambda c: c.fetchval(due_sql, pools))
+
+    def _lease_ctes(
+        self,
+        worker_id: str,
+        pools: list[str],
+        limit: int,
+        now: int,
+        max_bytes: int,
+        free: Mapping[str, int] | None,
+    ) -> tuple[str, tuple[Any, ...]]:
+        """The CTEs of a lease ($1 to $7, $8 and $9 with resources): `leased` returns the tasks
+        it took in TASK_COLUMNS order, and their events are inserted."""
         ttl = self.settings.lease_ttl_us
         # One index-ordered scan per pool ("pool = ANY" would sort every pending row).
         # Tasks that name no resources, and those that do, are in indexes of their own: the
@@ -752,8 +777,8 @@ class PostgresStore:
             args = (json.dumps(dict(free)), lease_scan(limit))
         # Of the rows picked, the first always and then as many as fit in max_bytes (octet_length
         # reads a stored value's size without decompressing it).
-        sql = self._sql(
-            f"WITH {picked},"
+        ctes = (
+            f"{picked},"
             f" sized AS (SELECT p.seq, row_number() OVER w AS n, sum({LEASE_SIZE} + $7) OVER w"
             " AS upto FROM picked p JOIN {s}.tasks t ON t.seq = p.seq"
             " WINDOW w AS (ORDER BY p.priority DESC, p.run_at, p.seq)),"
@@ -764,18 +789,11 @@ class PostgresStore:
             " lease_expires_at = $1 + CASE WHEN t.timeout_ms > 0 THEN least(ttl.ttl, t.timeout_ms * 1000)"
             " ELSE ttl.ttl END FROM chosen, ttl WHERE t.seq = chosen.seq AND ttl.pool = t.pool"
             f" RETURNING {self._cols}),"
-            " ev AS (INSERT INTO {s}.events (task_seq, pool, prev_state, state, attempt, at)"
+            " lease_ev AS (INSERT INTO {s}.events (task_seq, pool, prev_state, state, attempt, at)"
             " SELECT seq, pool, 1, 3, attempt, $1 FROM leased)"
-            " SELECT * FROM leased"
         )
         overhead = self.settings.lease_overhead_bytes
-        args = (now, limit, worker_id, pools, [ttl[p] for p in pools], max_bytes, overhead, *args)
-        rows = [task_row(r) for r in await self._fenced_fetch(sql, *args)]
-        if rows:
-            rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
-            return rows, None
-        due_sql = self._sql("SELECT min(run_at) FROM {s}.tasks WHERE state = 1 AND pool = ANY($1::text[])")
-        return [], await self._read(lambda c: c.fetchval(due_sql, pools))
+        return ctes, (now, limit, worker_id, pools, [ttl[p] for p in pools], max_bytes, overhead, *args)
 
     async def running_resources(self) -> list[tuple[int, int, str, dict[str, int]]]:
         sql = "SELECT seq, attempt, worker_id, resources FROM {s}.tasks WHERE state = 3 AND resources IS NOT NULL"
@@ -803,20 +821,22 @@ class PostgresStore:
 
     # -- outcomes -------------------------------------------------------------
 
-    async def finish(self, worker_id: str, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:
-        seqs = [o.seq for o in outcomes]
-        if (
+    def _fast_finish(self, outcomes: list[Outcome]) -> bool:
+        """Whether these outcomes take the one-statement path: successes of distinct tasks while
+        no task is BLOCKED."""
+        seqs = {o.seq for o in outcomes}
+        return (
             self._nothing_blocked()
             and all(o.kind is OutcomeKind.SUCCESS for o in outcomes)
-            and len(set(seqs)) == len(seqs)
-        ):
+            and len(seqs) == len(outcomes)
+        )
+
+    async def finish(self, worker_id: str, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:
+        if self._fast_finish(outcomes):
             generation = self._blocked_generation
-            results, changes = await self._finish_successes(worker_id, outcomes, now)
-            if generation != self._blocked_generation and changes:
-                # A submission naming these tasks as dependencies ran meanwhile: it may have
-                # created dependents this statement could not see. Release them now.
-                changes += await self._tx(lambda c: self._release_unblocked(c, [seq for seq, _ in changes], now))
-            return results, changes
+            sql = self._sql(f"WITH {self._success_ctes(1, '$5', '$6')} SELECT seq, state FROM ended")
+            rows = await self._fenced_fetch(sql, *_success_args(outcomes), now, worker_id)
+            return await self._successes(worker_id, outcomes, {r[0]: State(r[1]) for r in rows}, generation, now)
 
         async def finish(conn: asyncpg.Connection) -> tuple[list[OutcomeResult], Changes]:
             sql = self._sql(f"SELECT {OUTCOME_COLUMNS} FROM {{s}}.tasks WHERE seq = ANY($1::bigint[]) FOR UPDATE")
@@ -826,39 +846,68 @@ class PostgresStore:
 
         return await self._tx(finish)
 
-    async def _finish_successes(
-        self, worker_id: str, outcomes: list[Outcome], now: int
-    ) -> tuple[list[OutcomeResult], Changes]:
-        """Successes while no task is BLOCKED: one fenced UPDATE, fenced by worker and attempt in
-        its WHERE. A cancel requested meanwhile still ends the task CANCELLED, as decide_outcomes does.
-        """
+    async def finish_and_lease(
+        self,
+        worker_id: str,
+        outcomes: list[Outcome],
+        pools: list[str],
+        limit: int,
+        now: int,
+        max_bytes: int = 0,
+    ) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
+        """finish, then lease: one statement (one round trip, one commit) when the outcomes take
+        the fast path, else one call after the other."""
+        if not outcomes or limit < 1 or not self._fast_finish(outcomes):
+            results, changes = await self.finish(worker_id, outcomes, now) if outcomes else ([], [])
+            rows, due = await self.lease(worker_id, pools, limit, now, max_bytes) if limit > 0 else ([], None)
+            return results, changes, rows, due
+        generation = self._blocked_generation
+        ctes, args = self._lease_ctes(worker_id, pools, limit, now, max_bytes, None)
+        # One row per leased task, or one without a task when none was: the ended tasks ride
+        # along as two arrays (none ended and none leased: no row, and the term is checked).
         sql = self._sql(
-            "WITH ended AS (UPDATE {s}.tasks t SET state = CASE WHEN t.cancel_requested THEN 6 ELSE 4 END,"
+            f"WITH {ctes}, {self._success_ctes(len(args) + 1, '$1', '$3')}"
+            " SELECT l.*, e.seqs, e.states FROM (SELECT array_agg(seq) AS seqs, array_agg(state) AS states"
+            " FROM ended) AS e LEFT JOIN leased l ON true WHERE e.seqs IS NOT NULL OR l.seq IS NOT NULL"
+        )
+        fetched = await self._fenced_fetch(sql, *args, *_success_args(outcomes))
+        ended = dict(zip(fetched[0][-2] or (), map(State, fetched[0][-1] or ()), strict=True)) if fetched else {}
+        results, changes = await self._successes(worker_id, outcomes, ended, generation, now)
+        rows, due = await self._leased([task_row(r) for r in fetched if r[0] is not None], pools)
+        return results, changes, rows, due
+
+    def _success_ctes(self, first: int, now: str, worker: str) -> str:
+        """The CTEs that end successes while no task is BLOCKED ($first to $first + 3: the
+        seqs, attempts, results and their content types), fenced by worker and attempt in
+        their WHERE: `ended` returns seq and state. A cancel requested meanwhile still ends
+        the task CANCELLED, as decide_outcomes does."""
+        a, b, c, d = (f"${first + i}" for i in range(4))
+        return (
+            "ended AS (UPDATE {s}.tasks t SET state = CASE WHEN t.cancel_requested THEN 6 ELSE 4 END,"
             " result = u.result, result_content_type = u.rct,"
             " error = CASE WHEN t.cancel_requested THEN 'cancelled' ELSE '' END,"
-            " finished_at = $5, lease_expires_at = NULL"
-            " FROM unnest($1::bigint[], $2::int[], $3::bytea[], $4::text[]) AS u(seq, attempt, result, rct)"
-            " WHERE t.seq = u.seq AND t.state = 3 AND t.attempt = u.attempt AND t.worker_id = $6 AND {fence}"
+            f" finished_at = {now}, lease_expires_at = NULL"
+            f" FROM unnest({a}::bigint[], {b}::int[], {c}::bytea[], {d}::text[]) AS u(seq, attempt, result, rct)"
+            f" WHERE t.seq = u.seq AND t.state = 3 AND t.attempt = u.attempt AND t.worker_id = {worker} AND {{fence}}"
             " RETURNING t.seq, t.pool, t.state, t.attempt),"
-            " ev AS (INSERT INTO {s}.events (task_seq, pool, prev_state, state, attempt, at)"
-            " SELECT seq, pool, 3, state, attempt, $5 FROM ended)"
-            " SELECT seq, state FROM ended"
+            " ended_ev AS (INSERT INTO {s}.events (task_seq, pool, prev_state, state, attempt, at)"
+            f" SELECT seq, pool, 3, state, attempt, {now} FROM ended)"
         )
-        rows = await self._fenced_fetch(
-            sql,
-            [o.seq for o in outcomes],
-            [o.attempt for o in outcomes],
-            [o.result or None for o in outcomes],
-            [o.result_content_type for o in outcomes],
-            now,
-            worker_id,
-        )
-        ended = {r[0]: State(r[1]) for r in rows}
+
+    async def _successes(
+        self, worker_id: str, outcomes: list[Outcome], ended: dict[int, State], generation: int, now: int
+    ) -> tuple[list[OutcomeResult], Changes]:
+        """The results of successes that took the fast path (ended: the tasks they ended)."""
         results = [
             OutcomeResult(o.seq, True) if o.seq in ended else not_leased(worker_id, self._full_id(o.seq), o.attempt)
             for o in outcomes
         ]
-        return results, list(ended.items())
+        changes: Changes = list(ended.items())
+        if generation != self._blocked_generation and changes:
+            # A submission naming these tasks as dependencies ran meanwhile: it may have
+            # created dependents the statement could not see. Release them now.
+            changes += await self._tx(lambda c: self._release_unblocked(c, [seq for seq, _ in changes], now))
+        return results, changes
 
     async def _release_unblocked(self, conn: asyncpg.Connection, succeeded: list[int], now: int) -> Changes:
         """BLOCKED dependents of these tasks whose every dependency has succeeded become PENDING.
@@ -1226,6 +1275,26 @@ class PostgresStore:
             return out, changes
 
         return await self._tx(fire)
+
+
+async def _reset_if_in_transaction(conn: asyncpg.Connection) -> None:
+    """What a pooled connection needs on its way back: nothing, unless a transaction was left
+    open (a cancelled call), when asyncpg's full reset rolls it back. The store sets no session
+    state (no SET, LISTEN or session advisory lock: those are on the leadership's own
+    connection), so asyncpg's default reset query would be one round trip per call for nothing.
+    """
+    if conn.is_in_transaction():
+        await conn.reset()
+
+
+def _success_args(outcomes: list[Outcome]) -> tuple[list[Any], ...]:
+    """The arrays of _success_ctes, in order."""
+    return (
+        [o.seq for o in outcomes],
+        [o.attempt for o in outcomes],
+        [o.result or None for o in outcomes],
+        [o.result_content_type for o in outcomes],
+    )
 
 
 def _worker(r: Any) -> WorkerRow:

@@ -568,6 +568,22 @@ class SqliteStore:
     async def finish(self, worker_id: str, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:
         return await self._tx(self._finish, worker_id, outcomes, now)
 
+    async def finish_and_lease(
+        self,
+        worker_id: str,
+        outcomes: list[Outcome],
+        pools: list[str],
+        limit: int,
+        now: int,
+        max_bytes: int = 0,
+    ) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
+        def both(db: sqlite3.Connection) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
+            results, changes = self._finish(db, worker_id, outcomes, now) if outcomes else ([], [])
+            rows, due = self._lease(db, worker_id, pools, limit, now, max_bytes, None) if limit > 0 else ([], None)
+            return results, changes, rows, due
+
+        return await self._tx(both)
+
     def _finish(
         self, db: sqlite3.Connection, worker_id: str, outcomes: list[Outcome], now: int
     ) -> tuple[list[OutcomeResult], Changes]:

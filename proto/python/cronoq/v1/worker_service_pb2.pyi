@@ -518,6 +518,120 @@ class FinishTasksResponse(_message.Message):
 Global___FinishTasksResponse: _TypeAlias = FinishTasksResponse  # noqa: Y015
 
 @_typing.final
+class WorkRequest(_message.Message):
+    """One message of a worker's Work stream. Every field may be combined with the others."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    CREDITS_FIELD_NUMBER: _builtins.int
+    OUTCOMES_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    POOLS_FIELD_NUMBER: _builtins.int
+    MAX_BYTES_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    """The worker, as RegisterWorker named it: required in the first message; a later message
+    may leave it empty or repeat it.
+    """
+    credits: _builtins.int
+    """How many more tasks the server may send: the first message gives the worker's free
+    slots, later ones the slots freed since (credits add up; each task sent uses one).
+    """
+    max_bytes: _builtins.int
+    @_builtins.property
+    def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskOutcome]:
+        """Outcomes of attempts, each fenced by its attempt; each is answered in a WorkResponse's
+        results (an outcome not answered before the stream ends may be sent again on the next).
+        """
+
+    @_builtins.property
+    def heartbeat(self) -> Global___WorkHeartbeat:
+        """When set: a heartbeat for these attempts (running, or with outcomes not yet answered)."""
+
+    @_builtins.property
+    def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """First message only: the pools to lease from (empty: every pool the worker registered
+        for), and the cap in bytes of the tasks of one WorkResponse (0 or more than
+        RegisterWorkerResponse.max_lease_bytes: that cap; one task is always sent alone).
+        """
+
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        credits: _builtins.int = ...,
+        outcomes: _abc.Iterable[Global___TaskOutcome] | None = ...,
+        heartbeat: Global___WorkHeartbeat | None = ...,
+        pools: _abc.Iterable[_builtins.str] | None = ...,
+        max_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["credits", b"credits", "heartbeat", b"heartbeat", "max_bytes", b"max_bytes", "outcomes", b"outcomes", "pools", b"pools", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkRequest: _TypeAlias = WorkRequest  # noqa: Y015
+
+@_typing.final
+class WorkHeartbeat(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAttempt]: ...
+    def __init__(
+        self,
+        *,
+        tasks: _abc.Iterable[Global___TaskAttempt] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkHeartbeat: _TypeAlias = WorkHeartbeat  # noqa: Y015
+
+@_typing.final
+class WorkResponse(_message.Message):
+    """One message of the server's side of a Work stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASKS_FIELD_NUMBER: _builtins.int
+    RESULTS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[_task_pb2.Task]:
+        """Leased to the worker now, at most the credits it gave."""
+
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___FinishTaskResult]:
+        """One per outcome received, in order: applied, or refused with a code (an outcome that
+        is malformed is refused alone, it does not end the stream).
+        """
+
+    @_builtins.property
+    def heartbeat(self) -> Global___HeartbeatResponse:
+        """Answers to a heartbeat (set when the message answers one)."""
+
+    def __init__(
+        self,
+        *,
+        tasks: _abc.Iterable[_task_pb2.Task] | None = ...,
+        results: _abc.Iterable[Global___FinishTaskResult] | None = ...,
+        heartbeat: Global___HeartbeatResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "results", b"results", "tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkResponse: _TypeAlias = WorkResponse  # noqa: Y015
+
+@_typing.final
 class DeregisterWorkerRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -55,6 +55,11 @@ class WorkerServiceStub:
                 request_serializer=cronoq_dot_v1_dot_worker__service__pb2.FinishTasksRequest.SerializeToString,
                 response_deserializer=cronoq_dot_v1_dot_worker__service__pb2.FinishTasksResponse.FromString,
                 _registered_method=True)
+        self.Work = channel.stream_stream(
+                '/cronoq.v1.WorkerService/Work',
+                request_serializer=cronoq_dot_v1_dot_worker__service__pb2.WorkRequest.SerializeToString,
+                response_deserializer=cronoq_dot_v1_dot_worker__service__pb2.WorkResponse.FromString,
+                _registered_method=True)
         self.DeregisterWorker = channel.unary_unary(
                 '/cronoq.v1.WorkerService/DeregisterWorker',
                 request_serializer=cronoq_dot_v1_dot_worker__service__pb2.DeregisterWorkerRequest.SerializeToString,
@@ -98,6 +103,17 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Work(self, request_iterator, context):
+        """The worker protocol the SDKs speak: one long-lived stream per registered worker. The
+        worker sends credits (free slots), outcomes and heartbeats; the server sends leased
+        tasks (never more than the credits given), the results of the outcomes, and the tasks
+        cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
+        Heartbeat and FinishTasks remain for simple clients and HTTP.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DeregisterWorker(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -132,6 +148,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.FinishTasks,
                     request_deserializer=cronoq_dot_v1_dot_worker__service__pb2.FinishTasksRequest.FromString,
                     response_serializer=cronoq_dot_v1_dot_worker__service__pb2.FinishTasksResponse.SerializeToString,
+            ),
+            'Work': grpc.stream_stream_rpc_method_handler(
+                    servicer.Work,
+                    request_deserializer=cronoq_dot_v1_dot_worker__service__pb2.WorkRequest.FromString,
+                    response_serializer=cronoq_dot_v1_dot_worker__service__pb2.WorkResponse.SerializeToString,
             ),
             'DeregisterWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.DeregisterWorker,
@@ -253,6 +274,33 @@ class WorkerService:
             '/cronoq.v1.WorkerService/FinishTasks',
             cronoq_dot_v1_dot_worker__service__pb2.FinishTasksRequest.SerializeToString,
             cronoq_dot_v1_dot_worker__service__pb2.FinishTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Work(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/cronoq.v1.WorkerService/Work',
+            cronoq_dot_v1_dot_worker__service__pb2.WorkRequest.SerializeToString,
+            cronoq_dot_v1_dot_worker__service__pb2.WorkResponse.FromString,
             options,
             channel_credentials,
             insecure,

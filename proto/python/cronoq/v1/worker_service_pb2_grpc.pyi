@@ -40,6 +40,13 @@ class WorkerServiceStub:
     """Extends the leases of running tasks; reports cancelled and lost tasks."""
     FinishTasks: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.FinishTasksRequest, _worker_service_pb2.FinishTasksResponse]
     """A batch of outcomes, each fenced by its attempt."""
+    Work: _grpc.StreamStreamMultiCallable[_worker_service_pb2.WorkRequest, _worker_service_pb2.WorkResponse]
+    """The worker protocol the SDKs speak: one long-lived stream per registered worker. The
+    worker sends credits (free slots), outcomes and heartbeats; the server sends leased
+    tasks (never more than the credits given), the results of the outcomes, and the tasks
+    cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
+    Heartbeat and FinishTasks remain for simple clients and HTTP.
+    """
     DeregisterWorker: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.DeregisterWorkerRequest, _worker_service_pb2.DeregisterWorkerResponse]
     ListWorkers: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.ListWorkersRequest, _worker_service_pb2.ListWorkersResponse]
 
@@ -55,6 +62,13 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """Extends the leases of running tasks; reports cancelled and lost tasks."""
     FinishTasks: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.FinishTasksRequest, _worker_service_pb2.FinishTasksResponse]  # type: ignore[assignment]
     """A batch of outcomes, each fenced by its attempt."""
+    Work: _aio.StreamStreamMultiCallable[_worker_service_pb2.WorkRequest, _worker_service_pb2.WorkResponse]  # type: ignore[assignment]
+    """The worker protocol the SDKs speak: one long-lived stream per registered worker. The
+    worker sends credits (free slots), outcomes and heartbeats; the server sends leased
+    tasks (never more than the credits given), the results of the outcomes, and the tasks
+    cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
+    Heartbeat and FinishTasks remain for simple clients and HTTP.
+    """
     DeregisterWorker: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.DeregisterWorkerRequest, _worker_service_pb2.DeregisterWorkerResponse]  # type: ignore[assignment]
     ListWorkers: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.ListWorkersRequest, _worker_service_pb2.ListWorkersResponse]  # type: ignore[assignment]
 
@@ -91,6 +105,19 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_service_pb2.FinishTasksResponse, _abc.Awaitable[_worker_service_pb2.FinishTasksResponse]]:
         """A batch of outcomes, each fenced by its attempt."""
+
+    @_abc_1.abstractmethod
+    def Work(
+        self,
+        request_iterator: _MaybeAsyncIterator[_worker_service_pb2.WorkRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_worker_service_pb2.WorkResponse], _abc.AsyncIterator[_worker_service_pb2.WorkResponse]]:
+        """The worker protocol the SDKs speak: one long-lived stream per registered worker. The
+        worker sends credits (free slots), outcomes and heartbeats; the server sends leased
+        tasks (never more than the credits given), the results of the outcomes, and the tasks
+        cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
+        Heartbeat and FinishTasks remain for simple clients and HTTP.
+        """
 
     @_abc_1.abstractmethod
     def DeregisterWorker(
