@@ -211,6 +211,7 @@ class Node:
         self.is_leader = False
         LEADER.set(0)
         self.events.wake_leasers()  # long polls see they no longer lead and return
+        self.leases.end_streams()
         self.events.fail_watchers(  # Watch streams resume from their cursors on the next leader
             ApiError(
                 grpc.StatusCode.UNAVAILABLE,
@@ -228,6 +229,7 @@ class Node:
         self.draining = True
         self.leases.draining = True
         self.events.drain()
+        self.leases.end_streams()
 
     async def wait_idle(self, timeout: float) -> bool:
         """Until every call in flight is answered, or timeout seconds pass; True when idle."""

@@ -1001,6 +1001,15 @@ def worker_rows() -> list[Call]:
         "FinishTasks": lambda env, t, md: env.workers.FinishTasks(
             wpb.FinishTasksRequest(worker_id=t.worker_id), metadata=md, timeout=TIMEOUT
         ),
+        # The worker's stream: one heartbeat, then the caller closes its side; the server
+        # answers it and ends the stream (OK), or refuses the stream.
+        "Work": lambda env, t, md: list(
+            env.workers.Work(
+                iter([wpb.WorkRequest(worker_id=t.worker_id, heartbeat=wpb.WorkHeartbeat())]),
+                metadata=md,
+                timeout=TIMEOUT,
+            )
+        ),
         "DeregisterWorker": lambda env, t, md: env.workers.DeregisterWorker(
             wpb.DeregisterWorkerRequest(worker_id=t.worker_id), metadata=md, timeout=TIMEOUT
         ),
@@ -1531,12 +1540,25 @@ def check_fenced_finish(env: Env, owner: str) -> None:
         (w1, 2, wpb.TaskOutcome(task_id=task_id, attempt=2, success=wpb.TaskSuccess(result=b"future"))),
         (w1, 0, wpb.TaskOutcome(task_id=task_id, attempt=0, success=wpb.TaskSuccess(result=b"past"))),
     ]
-    for worker, attempt, outcome in cases:
-        case = f"FinishTasks by {'w2' if worker == w2 else 'w1'} ({outcome.WhichOneof('outcome')}, attempt {attempt})"
+
+    def finish(worker: str, outcome: wpb.TaskOutcome) -> Any:
+        return workers.FinishTasks(
+            wpb.FinishTasksRequest(worker_id=worker, outcomes=[outcome]), metadata=md, timeout=TIMEOUT
+        ).results
+
+    def finish_on_stream(worker: str, outcome: wpb.TaskOutcome) -> Any:
+        """The outcome on the worker's Work stream (no credits: nothing is leased)."""
+        request = wpb.WorkRequest(worker_id=worker, outcomes=[outcome])
+        answers = list(workers.Work(iter([request]), metadata=md, timeout=TIMEOUT))
+        return [r for a in answers for r in a.results]
+
+    reports = [
+        (verb, fn, w, a, o) for verb, fn in (("FinishTasks", finish), ("Work", finish_on_stream)) for w, a, o in cases
+    ]
+    for verb, report, worker, attempt, outcome in reports:
+        case = f"{verb} by {'w2' if worker == w2 else 'w1'} ({outcome.WhichOneof('outcome')}, attempt {attempt})"
         try:
-            results = workers.FinishTasks(
-                wpb.FinishTasksRequest(worker_id=worker, outcomes=[outcome]), metadata=md, timeout=TIMEOUT
-            ).results
+            results = report(worker, outcome)
         except grpc.RpcError as err:
             env.fail(case, f"call failed with {err.code().name} ({err.details()!r}); want a per-outcome refusal")
             continue
@@ -1563,6 +1585,14 @@ def check_fenced_finish(env: Env, owner: str) -> None:
         env.fail("Heartbeat by w2 for w1's task", f"lost {list(hb.lost_task_ids)}, want [{task_id}]")
     if _task(env, task_id) != running:
         env.fail("Heartbeat by w2 for w1's task", "the task changed (lease extended?)")
+    beat = wpb.WorkRequest(
+        worker_id=w2, heartbeat=wpb.WorkHeartbeat(tasks=[wpb.TaskAttempt(task_id=task_id, attempt=1)])
+    )
+    (answer,) = workers.Work(iter([beat]), metadata=md, timeout=TIMEOUT)
+    if list(answer.heartbeat.lost_task_ids) != [task_id] or list(answer.heartbeat.cancelled_task_ids):
+        env.fail("Work heartbeat by w2 for w1's task", f"lost {list(answer.heartbeat.lost_task_ids)}, want [{task_id}]")
+    if _task(env, task_id) != running:
+        env.fail("Work heartbeat by w2 for w1's task", "the task changed (lease extended?)")
     (ok,) = workers.FinishTasks(
         wpb.FinishTasksRequest(
             worker_id=w1, outcomes=[wpb.TaskOutcome(task_id=task_id, attempt=1, success=wpb.TaskSuccess(result=b"ok"))]

@@ -79,6 +79,8 @@ class Leases:
         self._pools = set(pools)
         self._workers: dict[str, WorkerRow] = {}
         self.draining = False
+        # Set (and replaced) when this server stops leading or drains: Work streams end.
+        self._streams_end = asyncio.Event()
 
     # -- registration ---------------------------------------------------------
 
@@ -312,6 +314,11 @@ class Leases:
 
     # -- the Work stream ------------------------------------------------------
 
+    def end_streams(self) -> None:
+        """Has every Work stream answer what it received and end (is_leader or draining say why)."""
+        self._streams_end.set()
+        self._streams_end = asyncio.Event()
+
     async def work(
         self,
         requests: AsyncIterator[pb.WorkRequest],
@@ -369,8 +376,9 @@ class Leases:
                 if not steps and (not leading or (inbox.closed and not inbox.waiting)):
                     return
                 wakes: set[asyncio.Future[Any]] = set(steps)
-                arrival = asyncio.ensure_future(inbox.arrived())
-                wakes.add(arrival)
+                wakes.add(asyncio.ensure_future(inbox.arrived()))
+                if leading:
+                    wakes.add(asyncio.ensure_future(self._streams_end.wait()))
                 if waiter is not None and credits:
                     wakes.add(asyncio.ensure_future(waiter.event.wait()))
                 timeout = None if look_again_at is None else max(look_again_at - loop.time(), 0)

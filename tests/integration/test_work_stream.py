@@ -1,0 +1,233 @@
+"""The Work stream on the wire (raw gRPC, no SDK), on both stores: tasks only as credits
+allow, outcomes answered with the next tasks, tasks pushed when they arrive, heartbeats,
+a malformed outcome refused alone, refusals that name the field, and the end of the stream
+when the server drains."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from _helpers import Api, store_table
+
+from cronoq.v1 import task_pb2, task_service_pb2
+from cronoq.v1 import worker_service_pb2 as wpb
+
+QUIET_S = 0.4  # no message within this: none is coming
+
+
+class Stream:
+    """One Work stream: messages are sent from a queue, answers read by a thread of their own."""
+
+    def __init__(self, api: Api, first: wpb.WorkRequest):
+        self._out: queue.Queue[wpb.WorkRequest | None] = queue.Queue()
+        self._in: queue.Queue[Any] = queue.Queue()
+        self._out.put(first)
+        self.call = api.workers.Work(iter(self._out.get, None), timeout=60)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for answer in self.call:
+                self._in.put(answer)
+            self._in.put("ended")
+        except grpc.RpcError as err:
+            self._in.put(err)
+
+    def send(self, **fields: Any) -> None:
+        self._out.put(wpb.WorkRequest(**fields))
+
+    def close(self) -> None:
+        self._out.put(None)
+
+    def next(self, timeout: float = 10.0) -> Any:
+        """The next answer, "ended" (OK), or the RpcError that ended the stream."""
+        return self._in.get(timeout=timeout)
+
+    def quiet(self, seconds: float = QUIET_S) -> bool:
+        try:
+            item = self._in.get(timeout=seconds)
+        except queue.Empty:
+            return True
+        self._in.put(item)
+        return False
+
+    def collect(self, tasks: int = 0, results: int = 0, timeout: float = 10.0) -> tuple[list[Any], list[Any]]:
+        """Answers until at least this many tasks and results came."""
+        got_tasks: list[Any] = []
+        got_results: list[Any] = []
+        deadline = time.monotonic() + timeout
+        while len(got_tasks) < tasks or len(got_results) < results:
+            answer = self.next(max(deadline - time.monotonic(), 0.01))
+            assert isinstance(answer, wpb.WorkResponse), answer
+            got_tasks += answer.tasks
+            got_results += answer.results
+        return got_tasks, got_results
+
+
+def success(task: task_pb2.Task) -> wpb.TaskOutcome:
+    return wpb.TaskOutcome(task_id=task.id, attempt=task.attempt, success=wpb.TaskSuccess(result=b"ok"))
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def api(request: Any, start_server: Any, tmp_path: Path) -> Api:
+    server = start_server(
+        {"store": store_table(request.param, request, tmp_path / "cronoq.db"), "pools": [{"name": "default"}]}
+    )
+    api = Api(server.grpc_target)
+    api.server = server  # type: ignore[attr-defined]
+    return api
+
+
+def test_tasks_come_only_as_credits_allow_and_outcomes_are_answered_with_the_next(api: Api) -> None:
+    worker = api.register()
+    submitted = {api.submit().id for _ in range(5)}
+    stream = Stream(api, wpb.WorkRequest(worker_id=worker, credits=2))
+    first, _ = stream.collect(tasks=2)
+    assert len(first) == 2 and stream.quiet(), "more tasks than the 2 credits given"
+    stream.send(outcomes=[success(t) for t in first], credits=1)
+    second, results = stream.collect(tasks=1, results=2)
+    assert [(r.task_id, r.accepted) for r in results] == [(t.id, True) for t in first]
+    assert len(second) == 1 and stream.quiet(), "more tasks than the credit given back"
+    assert all(api.get(t.id).state == task_pb2.TASK_STATE_SUCCEEDED for t in first)
+    # Credits left over wait for work: a task submitted later is pushed at once.
+    stream.send(outcomes=[success(second[0])], credits=10)
+    rest, _ = stream.collect(tasks=2, results=1)
+    assert {t.id for t in first + second + rest} == submitted
+    late = api.submit().id
+    pushed, _ = stream.collect(tasks=1, timeout=3)
+    assert [t.id for t in pushed] == [late]
+    stream.send(outcomes=[success(t) for t in rest + pushed])
+    stream.collect(results=3)
+    stream.close()
+    assert stream.next() == "ended"
+    assert all(api.get(i).state == task_pb2.TASK_STATE_SUCCEEDED for i in submitted | {late})
+
+
+def test_a_malformed_outcome_is_refused_alone_and_the_stream_goes_on(api: Api) -> None:
+    worker = api.register()
+    api.submit()
+    stream = Stream(api, wpb.WorkRequest(worker_id=worker, credits=1))
+    (task,), _ = stream.collect(tasks=1)
+    bad = wpb.TaskOutcome(task_id=task.id, attempt=task.attempt)  # no outcome given
+    stream.send(outcomes=[bad, success(task)])
+    _, results = stream.collect(results=2)
+    assert (results[0].accepted, results[0].code) == (False, "INVALID_ARGUMENT")
+    assert f"task {task.id}" in results[0].message and "give success, failure" in results[0].message
+    assert results[1].accepted
+    stream.send(heartbeat=wpb.WorkHeartbeat())
+    assert isinstance(stream.next(), wpb.WorkResponse)  # still open
+    stream.close()
+    assert stream.next() == "ended"
+
+
+def test_a_heartbeat_on_the_stream_reports_a_cancelled_task(api: Api) -> None:
+    worker = api.register()
+    api.submit()
+    stream = Stream(api, wpb.WorkRequest(worker_id=worker, credits=1))
+    (task,), _ = stream.collect(tasks=1)
+    api.tasks.CancelTask(task_service_pb2.CancelTaskRequest(task=task_pb2.TaskRef(id=task.id)))
+    stream.send(heartbeat=wpb.WorkHeartbeat(tasks=[wpb.TaskAttempt(task_id=task.id, attempt=task.attempt)]))
+    answer = stream.next()
+    assert list(answer.heartbeat.cancelled_task_ids) == [task.id]
+    outcome = wpb.TaskOutcome(task_id=task.id, attempt=task.attempt, cancelled=wpb.TaskCancelled(reason="asked"))
+    stream.send(outcomes=[outcome])
+    _, (result,) = stream.collect(results=1)
+    assert result.accepted and api.get(task.id).state == task_pb2.TASK_STATE_CANCELLED
+    stream.close()
+
+
+def test_refusals_end_the_stream_naming_the_field(api: Api) -> None:
+    worker = api.register()
+    other = api.register()
+    cases: list[tuple[str, list[wpb.WorkRequest], grpc.StatusCode, str]] = [
+        ("unknown worker", [wpb.WorkRequest(worker_id="f" * 32, credits=1)], grpc.StatusCode.NOT_FOUND, "worker_id"),
+        (
+            "a pool the worker did not register for",
+            [wpb.WorkRequest(worker_id=worker, credits=1, pools=["elsewhere"])],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "pools",
+        ),
+        (
+            "another worker's id later on",
+            [wpb.WorkRequest(worker_id=worker), wpb.WorkRequest(worker_id=other)],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "worker_id",
+        ),
+        (
+            "pools after the first message",
+            [wpb.WorkRequest(worker_id=worker), wpb.WorkRequest(pools=["default"])],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "pools",
+        ),
+        (
+            "more credits than any worker has slots",
+            [wpb.WorkRequest(worker_id=worker, credits=100_001)],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "credits",
+        ),
+    ]
+    wrong = []
+    for name, messages, code, field in cases:
+        stream = Stream(api, messages[0])
+        for m in messages[1:]:
+            stream._out.put(m)
+        ended = stream.next()
+        while isinstance(ended, wpb.WorkResponse):
+            ended = stream.next()
+        if not isinstance(ended, grpc.RpcError) or ended.code() != code or field not in (ended.details() or ""):
+            wrong.append(f"{name}: {ended!r}, want {code.name} naming {field!r}")
+        stream.close()
+    assert not wrong, "\n".join(wrong)
+    # A stream closed before its first message is simply over.
+    assert list(api.workers.Work(iter([]), timeout=10)) == []
+
+
+def test_sigterm_ends_open_streams_promptly_after_answering_them(api: Api) -> None:
+    worker = api.register()
+    api.submit()
+    stream = Stream(api, wpb.WorkRequest(worker_id=worker, credits=1))
+    (task,), _ = stream.collect(tasks=1)
+    idle = Stream(api, wpb.WorkRequest(worker_id=api.register(), credits=0))  # waits for its worker only
+    stream.send(outcomes=[success(task)])
+    stream.collect(results=1)
+    started = time.monotonic()
+    api.server.signal(signal.SIGTERM)  # type: ignore[attr-defined]
+    for s in (stream, idle):
+        ended = s.next(timeout=10)
+        assert isinstance(ended, grpc.RpcError) and ended.code() == grpc.StatusCode.UNAVAILABLE, ended
+        assert "shutting down" in (ended.details() or ""), ended  # the drain's answer, not a cut connection
+    assert time.monotonic() - started < 5
+    assert api.server.proc.wait(20) == 0  # type: ignore[attr-defined]
+
+
+def test_tasks_submitted_while_steps_run_are_never_missed(api: Api) -> None:
+    """Submissions racing the stream's leases (a wake can come while a lease is under way and
+    find nothing new): every task is delivered, none waits for a later nudge."""
+    worker = api.register()
+    stream = Stream(api, wpb.WorkRequest(worker_id=worker, credits=4))
+    total, got = 150, []
+
+    def submit() -> None:
+        for i in range(total):
+            api.submit()
+            time.sleep(0.002 * (i % 3))
+
+    producer = threading.Thread(target=submit)
+    producer.start()
+    deadline = time.monotonic() + 30
+    while len(got) < total and time.monotonic() < deadline:
+        answer = stream.next(timeout=max(deadline - time.monotonic(), 0.01))
+        assert isinstance(answer, wpb.WorkResponse), answer
+        got += answer.tasks
+        if answer.tasks:
+            stream.send(outcomes=[success(t) for t in answer.tasks], credits=len(answer.tasks))
+    producer.join()
+    assert len(got) == total and len({t.id for t in got}) == total
+    stream.close()
