@@ -319,6 +319,8 @@ class Worker:
             try:
                 await self._work_stream()
                 failures = 0
+                if not self._finished:  # the server ended it cleanly: not one to reopen in a loop
+                    await asyncio.sleep(self._retry.initial_backoff * random.uniform(1.0, 2.0))
                 continue
             except NotFound:
                 log.warning("worker %s unknown to the server; registering again", self.worker_id)
@@ -357,6 +359,8 @@ class Worker:
         self._freed = 0
         free = 0 if self._stopping.is_set() else self.concurrency - len(self._running)
         first = pb.WorkRequest(worker_id=self.worker_id, credits=free, max_bytes=self.lease_bytes)
+        if self._outcomes:
+            self._wake.set()  # sent right after the first message
         sender = asyncio.create_task(self._send_loop(call, first))
         try:
             while True:
@@ -366,6 +370,8 @@ class Worker:
                     raise from_grpc_error(err) from None
                 if answer is grpc.aio.EOF:
                     break
+                if answer is None:  # grpc could not deserialize it (logged by grpc)
+                    raise CronoqError("an answer on the Work stream could not be read")
                 self._answered(answer)
             if sender.done() and sender.exception():
                 raise sender.exception()  # type: ignore[misc]

@@ -231,3 +231,30 @@ def test_tasks_submitted_while_steps_run_are_never_missed(api: Api) -> None:
     producer.join()
     assert len(got) == total and len({t.id for t in got}) == total
     stream.close()
+
+
+def test_a_stream_whose_lease_expired_gets_no_task_until_its_worker_speaks_again(api: Api) -> None:
+    """A hung worker keeps its stream open: when its lease expires, the task goes to another
+    worker (the hung one's long-standing wait would have been served first), and the hung
+    stream gets nothing more until its worker sends something."""
+    hung = Stream(api, wpb.WorkRequest(worker_id=api.register(), credits=5))
+    first = api.submit(timeout_ms=500, max_attempts=3)
+    (leased,), _ = hung.collect(tasks=1)
+    assert leased.id == first.id
+    healthy = Stream(api, wpb.WorkRequest(worker_id=api.register(), credits=5))
+    (again,), _ = healthy.collect(tasks=1, timeout=10)  # after the 500 ms deadline
+    assert (again.id, again.attempt) == (first.id, 2)
+    other = api.submit()
+    (pushed,), _ = healthy.collect(tasks=1)
+    assert pushed.id == other.id and hung.quiet()
+    # The hung worker comes back: a heartbeat, and it is served again.
+    hung.send(heartbeat=wpb.WorkHeartbeat(tasks=[wpb.TaskAttempt(task_id=leased.id, attempt=leased.attempt)]))
+    answer = hung.next()
+    assert list(answer.heartbeat.lost_task_ids) == [leased.id]
+    healthy.send(outcomes=[success(again), success(pushed)])
+    healthy.collect(results=2)
+    healthy.close()
+    late = api.submit()
+    (served,), _ = hung.collect(tasks=1)
+    assert served.id == late.id
+    hung.close()

@@ -1,6 +1,7 @@
-"""The Worker against a fake WorkerService: lease replies bounded in bytes, finish reports
-split by size and never dropped as a batch, oversized results, and a shutdown that
-releases unfinished tasks within a bounded time."""
+"""The Worker against a fake WorkerService speaking the Work stream: credits that bound the
+tasks sent, answers bounded in bytes, outcomes batched by size and sent again after a stream
+fails, heartbeats on the stream, oversized results, and a shutdown that releases unfinished
+tasks within a bounded time."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from cronoq.v1 import worker_service_pb2 as pb
 
 MiB = 1 << 20
 FAST = cronoq.RetryConfig(initial_backoff=0.001, max_backoff=0.01, max_elapsed=None)
+POLL_S = 0.005  # how often an idle fake stream looks at its script again
+UNREADABLE = object()  # in a script: an answer grpc cannot deserialize (read() returns None)
+HALF_CLOSE = object()  # in a stream's inbox: the worker called done_writing()
 
 
 def rpc_error(code: grpc.StatusCode, details: str = "", trailing: Any = ()) -> grpc.aio.AioRpcError:
@@ -34,49 +38,168 @@ def task(task_id: int, payload: Any = None, attempt: int = 1) -> task_pb2.Task:
     )
 
 
+class FakeStream:
+    """One Work call: what the worker writes is recorded and answered by `_serve`, which also
+    sends the script's tasks within the credits; read() returns the answers in order, then
+    the stream's end (a scripted error, or EOF once the worker half-closed)."""
+
+    def __init__(self, service: FakeWorkerService, metadata: Any):
+        self.service = service
+        self.metadata = metadata
+        self.requests: list[pb.WorkRequest] = []
+        self.credits = 0  # given by the worker and not yet used by a task
+        self.sent: list[int] = []  # ids of the tasks sent on this stream
+        self.cancelled = False
+        self.ended: Any = None  # the error or EOF that ended the stream
+        self._inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self._answers: asyncio.Queue[Any] = asyncio.Queue()
+        self._serving = asyncio.create_task(self._serve())
+
+    @property
+    def first(self) -> pb.WorkRequest:
+        return self.requests[0]
+
+    async def write(self, request: pb.WorkRequest) -> None:
+        if isinstance(self.ended, grpc.aio.AioRpcError):
+            raise self.ended
+        if self.ended is not None or self.cancelled:
+            raise asyncio.InvalidStateError("the stream has ended")
+        self._inbox.put_nowait(request)
+
+    async def done_writing(self) -> None:
+        self._inbox.put_nowait(HALF_CLOSE)
+
+    async def read(self) -> Any:
+        answer = await self._answers.get()
+        if isinstance(answer, BaseException):
+            self._answers.put_nowait(answer)  # a later read raises it again, as grpc does
+            raise answer
+        if answer is grpc.aio.EOF:
+            self._answers.put_nowait(answer)
+        return answer
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        self._serving.cancel()
+        return True
+
+    def _end(self, end: Any) -> None:
+        self.ended = end
+        self._answers.put_nowait(end)
+
+    def _send(self, answer: pb.WorkResponse, tasks: list[task_pb2.Task]) -> None:
+        # The protocol's central promise: never more tasks than the worker gave credits for.
+        assert len(tasks) <= self.credits, f"{len(tasks)} tasks for {self.credits} credits"
+        self.credits -= len(tasks)
+        self.sent += [t.id for t in tasks]
+        self.service.sent += [t.id for t in tasks]
+        answer.tasks.extend(tasks)
+
+    async def _serve(self) -> None:
+        try:
+            while True:
+                try:
+                    request = await asyncio.wait_for(self._inbox.get(), POLL_S)
+                except TimeoutError:
+                    request = None
+                if request is HALF_CLOSE:
+                    self._end(grpc.aio.EOF)
+                    return
+                answer = pb.WorkResponse()
+                if request is not None:
+                    try:
+                        await self._received(request, answer)
+                    except grpc.aio.AioRpcError as err:  # a stream that fails before answering
+                        self._end(err)
+                        return
+                if self.requests and self.service.script:  # nothing is sent before the first message
+                    step = self.service.script[0]
+                    if isinstance(step, BaseException):
+                        self.service.script.pop(0)
+                        self._end(step)
+                        return
+                    if step is UNREADABLE:
+                        self.service.script.pop(0)
+                        self._answers.put_nowait(None)
+                        continue
+                    n = min(self.credits, len(step))
+                    self._send(answer, step[:n])
+                    self.service.script[0] = step[n:]
+                    if not self.service.script[0]:
+                        self.service.script.pop(0)
+                if answer.tasks or answer.results or answer.HasField("heartbeat"):
+                    self._answers.put_nowait(answer)
+        except Exception as err:  # a broken fake (e.g. a failed assert): run() fails with it
+            self.service.errors.append(err)
+            self._end(err)
+
+    async def _received(self, request: pb.WorkRequest, answer: pb.WorkResponse) -> None:
+        if not self.requests:
+            assert request.worker_id == self.service.register_resp.worker_id, "the first message names the worker"
+        self.requests.append(request)
+        self.service.requests.append(request)
+        self.credits += request.credits
+        if request.outcomes:
+            kinds = [(o.task_id, o.WhichOneof("outcome")) for o in request.outcomes]
+            self.service.reports.append((request.ByteSize(), kinds))
+            answer.results.extend(await self.service.finish(request))
+        if request.HasField("heartbeat"):
+            self.service.heartbeats.append([(t.task_id, t.attempt) for t in request.heartbeat.tasks])
+            cancels, self.service.heartbeat_cancels = self.service.heartbeat_cancels, []
+            losts, self.service.heartbeat_losts = self.service.heartbeat_losts, []
+            answer.heartbeat.SetInParent()
+            answer.heartbeat.cancelled_task_ids.extend(cancels)
+            answer.heartbeat.lost_task_ids.extend(losts)
+
+
 class FakeWorkerService:
-    """A scripted WorkerService: `leases` holds replies (task lists) or errors to raise, in order;
-    `finish` decides each FinishTasks call (default: accept everything)."""
+    """A scripted WorkerService. `script` holds what its Work streams send, in order: task
+    lists (sent as the worker's credits allow, the rest of a list when more arrive), errors
+    that end the current stream, or UNREADABLE. `finish` answers the outcomes of each message
+    (default: accept them all); raising an AioRpcError ends the stream without answering."""
 
     def __init__(self, register: pb.RegisterWorkerResponse | None = None):
         self.register_resp = register or pb.RegisterWorkerResponse(worker_id="w1", heartbeat_interval_ms=60_000)
-        self.leases: list[list[task_pb2.Task] | BaseException] = []
-        self.lease_requests: list[pb.LeaseTasksRequest] = []
-        self.finish: Callable[[pb.FinishTasksRequest], Awaitable[pb.FinishTasksResponse]] = self.accept
-        self.finish_requests: list[tuple[int, list[tuple[int, str]]]] = []  # (ByteSize, [(task id, kind)])
+        self.script: list[Any] = []  # task lists, errors, UNREADABLE
+        self.streams: list[FakeStream] = []
+        self.requests: list[pb.WorkRequest] = []  # every message of every stream
+        self.sent: list[int] = []  # ids of the tasks sent, on every stream
+        self.finish: Callable[[pb.WorkRequest], Awaitable[list[pb.FinishTaskResult]]] = self.accept
+        self.reports: list[tuple[int, list[tuple[int, str]]]] = []  # (ByteSize, [(task id, kind)]) per message
         self.accepted: Counter[int] = Counter()
         self.outcomes: dict[int, pb.TaskOutcome] = {}  # accepted, by task id
-        self.heartbeat_cancels: list[int] = []
+        self.heartbeats: list[list[tuple[int, int]]] = []  # the (task id, attempt) pairs of each
+        self.heartbeat_cancels: list[int] = []  # for the next heartbeat answer
+        self.heartbeat_losts: list[int] = []
+        self.registrations = 0
         self.deregistered = False
+        self.errors: list[BaseException] = []  # the fake's own failures
 
-    async def accept(self, req: pb.FinishTasksRequest) -> pb.FinishTasksResponse:
+    def fail_reports(self, *errors: BaseException) -> None:
+        """The first reports end the stream with these errors, unanswered; the rest are accepted."""
+        failures = list(errors)
+
+        async def finish(req: pb.WorkRequest) -> list[pb.FinishTaskResult]:
+            if failures:
+                raise failures.pop(0)
+            return await self.accept(req)
+
+        self.finish = finish
+
+    async def accept(self, req: pb.WorkRequest) -> list[pb.FinishTaskResult]:
         for o in req.outcomes:
             self.accepted[o.task_id] += 1
             self.outcomes[o.task_id] = o
-        return pb.FinishTasksResponse(
-            results=[pb.FinishTaskResult(task_id=o.task_id, accepted=True) for o in req.outcomes]
-        )
+        return [pb.FinishTaskResult(task_id=o.task_id, accepted=True) for o in req.outcomes]
 
     async def RegisterWorker(self, req: Any, metadata: Any = None, timeout: Any = None) -> Any:
+        self.registrations += 1
         return self.register_resp
 
-    async def LeaseTasks(self, req: pb.LeaseTasksRequest, metadata: Any = None, timeout: Any = None) -> Any:
-        self.lease_requests.append(pb.LeaseTasksRequest(max_tasks=req.max_tasks, max_bytes=req.max_bytes))
-        if not self.leases:
-            await asyncio.sleep(min(req.wait_ms / 1000, 0.02))
-            return pb.LeaseTasksResponse()
-        reply = self.leases.pop(0)
-        if isinstance(reply, BaseException):
-            raise reply
-        return pb.LeaseTasksResponse(tasks=reply)
-
-    async def Heartbeat(self, req: pb.HeartbeatRequest, metadata: Any = None, timeout: Any = None) -> Any:
-        cancels, self.heartbeat_cancels = self.heartbeat_cancels, []
-        return pb.HeartbeatResponse(cancelled_task_ids=cancels)
-
-    async def FinishTasks(self, req: pb.FinishTasksRequest, metadata: Any = None, timeout: Any = None) -> Any:
-        self.finish_requests.append((req.ByteSize(), [(o.task_id, o.WhichOneof("outcome")) for o in req.outcomes]))
-        return await self.finish(req)
+    def Work(self, metadata: Any = None, timeout: Any = None) -> FakeStream:
+        stream = FakeStream(self, metadata)
+        self.streams.append(stream)
+        return stream
 
     async def DeregisterWorker(self, req: Any, metadata: Any = None, timeout: Any = None) -> Any:
         self.deregistered = True
@@ -85,16 +208,20 @@ class FakeWorkerService:
 
 def make_worker(fake: FakeWorkerService, handler: Any, **options: Any) -> cronoq.Worker:
     options.setdefault("concurrency", 8)
-    options.setdefault("poll_wait", 0.02)
     options.setdefault("retry", FAST)
     worker = cronoq.Worker("http://127.0.0.1:1", "default", handler, **options)
     worker._conn._stub = fake  # no channel: every call goes to the fake
     return worker
 
 
-async def until(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> None:
+async def until(
+    check: Callable[[], Any], timeout: float = 10.0, what: str = "condition", running: asyncio.Task[None] | None = None
+) -> None:
+    """Waits for check(); fails at once if run() (`running`) ended meanwhile."""
     deadline = asyncio.get_running_loop().time() + timeout
     while not check():
+        if running is not None and running.done():
+            raise AssertionError(f"run() ended before {what}: {running.exception()!r}")
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"{what} not reached within {timeout}s")
         await asyncio.sleep(0.005)
@@ -111,6 +238,19 @@ async def stop(worker: cronoq.Worker, running: asyncio.Task[None], timeout: floa
 
 async def echo(ctx: cronoq.TaskContext) -> Any:
     return {"id": ctx.id}
+
+
+def held_until(last: int) -> Callable[[cronoq.TaskContext], Awaitable[Any]]:
+    """A handler whose tasks all return once task `last` has started: their outcomes go together."""
+    release = asyncio.Event()
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        if ctx.id == last:
+            release.set()
+        await release.wait()
+        return {"id": ctx.id}
+
+    return handle
 
 
 # -- limits from registration -------------------------------------------------------
@@ -132,73 +272,156 @@ async def test_registration_sets_the_byte_limits(max_result: int, max_lease: int
     )
     worker = make_worker(fake, echo)
     running = asyncio.create_task(worker.run())
-    await until(lambda: fake.lease_requests, what="a lease")
+    await until(lambda: fake.requests, what="a stream", running=running)
     await stop(worker, running)
     assert worker.max_result_bytes == want_result
-    assert fake.lease_requests[0].max_bytes == want_lease
+    assert fake.streams[0].first.max_bytes == want_lease
 
 
-# -- lease failures -----------------------------------------------------------------
+# -- credits ------------------------------------------------------------------------
 
 
-async def test_refused_lease_replies_halve_max_bytes_and_the_worker_keeps_leasing(caplog):
+async def test_credits_bound_the_tasks_running_and_each_finished_task_gives_its_slot_back():
+    fake = FakeWorkerService()
+    fake.script = [[task(i, {"sleep": 0.001 * (i % 4)}) for i in range(1, 21)]]
+    busy, most = 0, 0
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        nonlocal busy, most
+        busy += 1
+        most = max(most, busy, len(worker._running))
+        await asyncio.sleep(ctx.payload["sleep"])
+        busy -= 1
+        return {"id": ctx.id}
+
+    worker = make_worker(fake, handle, concurrency=3)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: len(fake.accepted) == 20, what="twenty outcomes", running=running)
+    await until(lambda: sum(r.credits for r in fake.requests) >= 3 + 20, what="every slot given back")
+    await stop(worker, running)
+    assert sum(r.credits for r in fake.requests) == 3 + 20
+    assert [s.first.credits for s in fake.streams] == [3]
+    assert most == 3
+    assert fake.sent == list(range(1, 21))
+    # Credits come back only for tasks that ended: never more than the free slots.
+    given = ended = 0
+    for r in fake.requests:
+        given += r.credits
+        ended += len(r.outcomes)
+        assert given <= 3 + ended
+    assert set(fake.accepted.values()) == {1}
+
+
+async def test_a_new_stream_gives_the_slots_free_then_as_credits():
+    fake = FakeWorkerService()
+    fake.script = [[task(1)], rpc_error(grpc.StatusCode.UNAVAILABLE, "server restarting")]
+    release = asyncio.Event()
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        await release.wait()
+
+    worker = make_worker(fake, handle, concurrency=4)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: len(fake.streams) == 2 and fake.streams[1].requests, what="a second stream", running=running)
+    assert [s.first.credits for s in fake.streams] == [4, 3]  # task 1 still holds a slot
+    release.set()
+    await until(lambda: fake.accepted[1] == 1, what="the task to finish", running=running)
+    await until(lambda: sum(r.credits for r in fake.streams[1].requests) >= 4, what="its slot given back")
+    await stop(worker, running)
+    assert sum(r.credits for r in fake.streams[1].requests) == 4
+
+
+# -- stream failures ----------------------------------------------------------------
+
+
+async def test_refused_streams_halve_max_bytes_and_the_worker_keeps_working(caplog):
     caplog.set_level(logging.ERROR, "cronoq.worker")
     fake = FakeWorkerService()
-    fake.leases = [
+    fake.script = [
         rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (70000000 vs. 67108864)"),
         rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max"),
-        rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "max_tasks: odd"),
+        rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "max_bytes: odd"),
         rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "no shard named"),  # no endpoint: not a redirect
-        ValueError("a reply that cannot be read"),
+        rpc_error(grpc.StatusCode.DATA_LOSS, "an answer cut short"),
         [task(1, {"n": 1})],
     ]
     worker = make_worker(fake, echo)
     running = asyncio.create_task(worker.run())
-    await until(lambda: fake.accepted[1] == 1, what="the task leased after the failures to finish")
-    assert not running.done()
+    await until(lambda: fake.accepted[1] == 1, what="the task sent after the failures to finish", running=running)
     await stop(worker, running)
-    sent = [r.max_bytes for r in fake.lease_requests[:7]]
-    assert sent == [16 * MiB, 8 * MiB, 4 * MiB, 2 * MiB, 1 * MiB, 1 * MiB, 1 * MiB]
+    assert [s.first.max_bytes for s in fake.streams] == [16 * MiB, 8 * MiB, 4 * MiB, 2 * MiB, 1 * MiB, 1 * MiB]
     assert fake.outcomes[1].success.result == b'{"id":1}'
-    assert sum("lease failed" in r.getMessage() for r in caplog.records) == 5
+    assert sum("work stream failed" in r.getMessage() for r in caplog.records) == 5
+
+
+async def test_an_answer_that_cannot_be_read_halves_max_bytes_and_the_worker_keeps_working():
+    fake = FakeWorkerService()
+    fake.script = [UNREADABLE, [task(1)]]
+    worker = make_worker(fake, echo)
+    running = asyncio.create_task(worker.run())
+    try:
+        await until(lambda: fake.accepted[1] == 1, what="the task to finish", running=running)
+    finally:
+        await stop(worker, running)
+    assert [s.first.max_bytes for s in fake.streams] == [16 * MiB, 8 * MiB]
 
 
 @pytest.mark.parametrize("code", [grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED])
 async def test_refused_credentials_end_run_with_the_reason(code):
     fake = FakeWorkerService()
-    fake.leases = [rpc_error(code, "token revoked")]
+    fake.script = [rpc_error(code, "token revoked")]
     worker = make_worker(fake, echo)
     with pytest.raises(cronoq.CronoqError, match="token revoked"):
         await asyncio.wait_for(worker.run(), 10)
+    assert len(fake.streams) == 1 and fake.streams[0].cancelled
+    assert fake.deregistered
 
 
-async def test_transient_lease_failures_keep_max_bytes():
+async def test_transient_stream_failures_keep_max_bytes():
     fake = FakeWorkerService()
-    fake.leases = [rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED), rpc_error(grpc.StatusCode.INTERNAL), [task(1)]]
+    fake.script = [
+        rpc_error(grpc.StatusCode.UNAVAILABLE),
+        rpc_error(grpc.StatusCode.CANCELLED),
+        rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED),
+        rpc_error(grpc.StatusCode.INTERNAL),
+        rpc_error(grpc.StatusCode.UNKNOWN),
+        [task(1)],
+    ]
     worker = make_worker(fake, echo)
     running = asyncio.create_task(worker.run())
-    await until(lambda: fake.accepted[1] == 1, what="the task to finish")
+    await until(lambda: fake.accepted[1] == 1, what="the task to finish", running=running)
     await stop(worker, running)
-    assert {r.max_bytes for r in fake.lease_requests} == {16 * MiB}
+    assert [s.first.max_bytes for s in fake.streams] == [16 * MiB] * 6
 
 
-async def test_a_shard_redirect_while_leasing_still_ends_run():
+async def test_a_worker_the_server_forgot_registers_again_and_opens_a_new_stream():
+    fake = FakeWorkerService()
+    fake.script = [rpc_error(grpc.StatusCode.NOT_FOUND, "worker w1 unknown"), [task(1)]]
+    worker = make_worker(fake, echo)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: fake.accepted[1] == 1, what="the task to finish", running=running)
+    await stop(worker, running)
+    assert fake.registrations == 2
+    assert len(fake.streams) == 2
+
+
+async def test_a_shard_redirect_on_the_stream_still_ends_run():
     fake = FakeWorkerService()
     redirect = (("cronoq-shard", "west"), ("cronoq-shard-endpoint", "http://127.0.0.1:2"))
-    fake.leases = [rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "pool moved", redirect)]
+    fake.script = [rpc_error(grpc.StatusCode.FAILED_PRECONDITION, "pool moved", redirect)]
     worker = make_worker(fake, echo)
     with pytest.raises(cronoq.errors.FailedPrecondition, match="pool moved"):
         await asyncio.wait_for(worker.run(), 10)
 
 
-# -- results and finish reports -----------------------------------------------------
+# -- results and outcomes -----------------------------------------------------------
 
 
 async def test_a_result_over_max_result_bytes_is_a_final_failure():
     fake = FakeWorkerService(
         pb.RegisterWorkerResponse(worker_id="w1", heartbeat_interval_ms=60_000, max_result_bytes=1000)
     )
-    fake.leases = [[task(1, {"size": 1000}), task(2, {"size": 1001}), task(3, {"json": 995})]]
+    fake.script = [[task(1, {"size": 1000}), task(2, {"size": 1001}), task(3, {"json": 995})]]
 
     async def handle(ctx: cronoq.TaskContext) -> Any:
         if "json" in ctx.payload:
@@ -207,7 +430,7 @@ async def test_a_result_over_max_result_bytes_is_a_final_failure():
 
     worker = make_worker(fake, handle)
     running = asyncio.create_task(worker.run())
-    await until(lambda: len(fake.outcomes) == 3, what="three outcomes")
+    await until(lambda: len(fake.outcomes) == 3, what="three outcomes", running=running)
     await stop(worker, running)
     assert fake.outcomes[1].success.result == b"x" * 1000
     for task_id, size in ((2, 1001), (3, 1003)):
@@ -220,14 +443,15 @@ def outcome(task_id: int, result_bytes: int = 0) -> pb.TaskOutcome:
     return pb.TaskOutcome(task_id=task_id, attempt=1, success=pb.TaskSuccess(result=b"r" * result_bytes))
 
 
-def test_finish_batches_stay_under_the_send_limit_and_the_count_cap():
+def test_outcome_batches_stay_under_the_send_limit_and_the_count_cap():
     worker = make_worker(FakeWorkerService(), echo)
-    worker.worker_id = "w" * 32
     worker._outcomes = [outcome(i, 4_000_000) for i in range(40)]  # 160 MB in all
     sizes = []
     while worker._outcomes:
         batch = worker._next_batch()
-        size = pb.FinishTasksRequest(worker_id=worker.worker_id, outcomes=batch).ByteSize()
+        # The largest message: outcomes with credits and a heartbeat of a full worker.
+        heartbeat = pb.WorkHeartbeat(tasks=[pb.TaskAttempt(task_id=1 << 60, attempt=1 << 30)] * 1000)
+        size = pb.WorkRequest(credits=1 << 31, outcomes=batch, heartbeat=heartbeat).ByteSize()
         assert batch and size <= 64 * MiB - 1 * MiB
         sizes.append(len(batch))
     assert sizes == [16, 16, 8]
@@ -239,9 +463,9 @@ def test_finish_batches_stay_under_the_send_limit_and_the_count_cap():
     assert [[o.task_id for o in worker._next_batch()] for _ in range(2)] == [[1], [2]]
 
 
-async def test_big_results_finish_in_several_requests():
+async def test_big_results_are_reported_in_several_messages():
     fake = FakeWorkerService()
-    fake.leases = [[task(i) for i in range(1, 21)]]
+    fake.script = [[task(i) for i in range(1, 21)]]
     release = asyncio.Event()
 
     async def handle(ctx: cronoq.TaskContext) -> bytes:
@@ -252,81 +476,95 @@ async def test_big_results_finish_in_several_requests():
 
     worker = make_worker(fake, handle, concurrency=20)
     running = asyncio.create_task(worker.run())
-    await until(lambda: len(fake.accepted) == 20, what="twenty outcomes")
+    await until(lambda: len(fake.accepted) == 20, what="twenty outcomes", running=running)
     await stop(worker, running)
     assert set(fake.accepted.values()) == {1}
-    assert len(fake.finish_requests) >= 2
-    assert all(size <= 63 * MiB for size, _ in fake.finish_requests)
+    assert len(fake.reports) >= 2
+    assert all(size <= 63 * MiB for size, _ in fake.reports)
 
 
-async def test_a_refused_report_is_sent_again_in_halves_and_only_the_refused_outcome_is_dropped(caplog):
+async def test_an_outcome_refused_in_the_results_is_dropped_with_a_warning_and_the_others_are_applied(caplog):
     caplog.set_level(logging.WARNING, "cronoq.worker")
     fake = FakeWorkerService()
-    fake.leases = [[task(i) for i in range(1, 9)]]
+    fake.script = [[task(i) for i in range(1, 9)]]
     poison = 5
 
-    async def finish(req: pb.FinishTasksRequest) -> pb.FinishTasksResponse:
-        if any(o.task_id == poison for o in req.outcomes):
-            raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, f"outcomes: task {poison} is malformed")
-        return await fake.accept(req)
+    async def finish(req: pb.WorkRequest) -> list[pb.FinishTaskResult]:
+        good = pb.WorkRequest(outcomes=[o for o in req.outcomes if o.task_id != poison])
+        await fake.accept(good)
+        return [
+            pb.FinishTaskResult(task_id=o.task_id, accepted=True)
+            if o.task_id != poison
+            else pb.FinishTaskResult(task_id=poison, code="INVALID_ARGUMENT", message=f"task {poison} is malformed")
+            for o in req.outcomes
+        ]
 
     fake.finish = finish
-    release = asyncio.Event()
-
-    async def handle(ctx: cronoq.TaskContext) -> Any:
-        if ctx.id == 8:
-            release.set()
-        await release.wait()
-        return {"id": ctx.id}
-
-    worker = make_worker(fake, handle)
+    worker = make_worker(fake, held_until(8))
     running = asyncio.create_task(worker.run())
-    await until(lambda: len(fake.accepted) == 7 and not worker._unacked, what="seven accepted outcomes")
+    await until(lambda: len(fake.accepted) == 7 and not worker._unacked, what="every outcome answered", running=running)
     await stop(worker, running)
     assert fake.accepted == Counter({i: 1 for i in range(1, 9) if i != poison})
-    assert sorted(fake.finish_requests[0][1]) == [(i, "success") for i in range(1, 9)]  # one batch at first
-    assert [ids for _, ids in fake.finish_requests if ids == [(poison, "success")]]  # then refused alone
-    dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
-    assert len(dropped) == 1 and f"task {poison} " in dropped[0] and "malformed" in dropped[0]
+    assert sorted(fake.reports[0][1]) == [(i, "success") for i in range(1, 9)]  # one message
+    assert len(fake.reports) == 1  # the refused outcome is not sent again
+    assert len(fake.streams) == 1  # and the stream goes on
+    assert worker.processed == 8
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 1 and f"task {poison} " in refused[0] and "malformed" in refused[0]
 
 
-async def test_a_report_too_large_for_the_server_is_split_until_it_fits():
+async def test_outcomes_unanswered_when_a_stream_fails_are_sent_again_on_the_next_and_not_run_again():
     fake = FakeWorkerService()
-    fake.leases = [[task(i) for i in range(1, 9)]]
+    fake.script = [[task(i) for i in range(1, 5)]]
+    failed = False
 
-    async def finish(req: pb.FinishTasksRequest) -> pb.FinishTasksResponse:
-        if len(req.outcomes) > 2:  # e.g. a server with a smaller receive limit
-            raise rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max")
+    async def finish(req: pb.WorkRequest) -> list[pb.FinishTaskResult]:
+        nonlocal failed
+        if not failed and any(o.task_id in (3, 4) for o in req.outcomes):
+            failed = True  # received, not answered
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "connection reset")
         return await fake.accept(req)
 
     fake.finish = finish
     release = asyncio.Event()
+    runs: Counter[int] = Counter()
 
     async def handle(ctx: cronoq.TaskContext) -> Any:
-        if ctx.id == 8:
-            release.set()
-        await release.wait()
+        runs[ctx.id] += 1
+        if ctx.id in (3, 4):
+            await release.wait()
         return {"id": ctx.id}
 
     worker = make_worker(fake, handle)
     running = asyncio.create_task(worker.run())
-    await until(lambda: len(fake.accepted) == 8, what="eight accepted outcomes")
+    await until(lambda: len(fake.accepted) == 2, what="tasks 1 and 2 answered", running=running)
+    release.set()
+    await until(lambda: len(fake.accepted) == 4, what="tasks 3 and 4 answered", running=running)
     await stop(worker, running)
+    assert len(fake.streams) == 2
+    sent_again = [o.task_id for r in fake.streams[1].requests for o in r.outcomes]
+    assert sorted(sent_again) == [3, 4]  # exactly those unanswered
+    assert runs == Counter({1: 1, 2: 1, 3: 1, 4: 1})
+    assert fake.sent == [1, 2, 3, 4]
     assert set(fake.accepted.values()) == {1}
-    assert [len(ids) for _, ids in fake.finish_requests] == [8, 4, 2, 2, 4, 2, 2]
 
 
-async def test_transient_finish_failures_resend_the_same_batch():
+async def test_outcomes_unanswered_when_a_stream_fails_are_sent_again_at_once():
+    fake = FakeWorkerService()  # heartbeats every 60 s: none comes to wake the sender
+    fake.script = [[task(1)]]
+    fake.fail_reports(rpc_error(grpc.StatusCode.UNAVAILABLE, "connection reset"))
+    worker = make_worker(fake, echo)
+    running = asyncio.create_task(worker.run())
+    try:
+        await until(lambda: fake.accepted[1] == 1, timeout=1.0, what="the outcome sent again", running=running)
+    finally:
+        await stop(worker, running)
+
+
+async def test_transient_stream_failures_resend_the_same_outcomes():
     fake = FakeWorkerService()
-    fake.leases = [[task(i) for i in range(1, 4)]]
-    failures = [rpc_error(grpc.StatusCode.UNAVAILABLE), rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED)]
-
-    async def finish(req: pb.FinishTasksRequest) -> pb.FinishTasksResponse:
-        if failures:
-            raise failures.pop(0)
-        return await fake.accept(req)
-
-    fake.finish = finish
+    fake.script = [[task(i) for i in range(1, 4)]]
+    fake.fail_reports(rpc_error(grpc.StatusCode.UNAVAILABLE), rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED))
     release = asyncio.Event()
 
     async def handle(ctx: cronoq.TaskContext) -> Any:
@@ -336,10 +574,74 @@ async def test_transient_finish_failures_resend_the_same_batch():
 
     worker = make_worker(fake, handle)
     running = asyncio.create_task(worker.run())
-    await until(lambda: len(fake.accepted) == 3, what="three accepted outcomes")
+    await until(lambda: len(fake.accepted) == 3, what="three accepted outcomes", running=running)
     await stop(worker, running)
-    assert [len(ids) for _, ids in fake.finish_requests] == [3, 3, 3]
+    assert [sorted(ids) for _, ids in fake.reports] == [[(i, "success") for i in range(1, 4)]] * 3
     assert set(fake.accepted.values()) == {1}
+    assert [s.first.max_bytes for s in fake.streams] == [16 * MiB] * 3
+
+
+async def test_a_stream_refused_after_outcomes_were_sent_sends_them_again_on_the_next():
+    fake = FakeWorkerService()
+    fake.script = [[task(i) for i in range(1, 9)]]
+    fake.fail_reports(rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max"))
+    worker = make_worker(fake, held_until(8))
+    running = asyncio.create_task(worker.run())
+    await until(lambda: len(fake.accepted) == 8, what="eight accepted outcomes", running=running)
+    await stop(worker, running)
+    assert set(fake.accepted.values()) == {1}
+    assert [len(ids) for _, ids in fake.reports] == [8, 8]
+    assert [s.first.max_bytes for s in fake.streams] == [16 * MiB, 8 * MiB]
+
+
+# -- heartbeats ---------------------------------------------------------------------
+
+
+async def test_heartbeats_ride_on_the_stream_and_the_answer_cancels_or_drops_tasks():
+    fake = FakeWorkerService(pb.RegisterWorkerResponse(worker_id="w1", heartbeat_interval_ms=100))
+    fake.script = [[task(1, attempt=2), task(2, attempt=3)]]
+    interrupted: list[int] = []
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            interrupted.append(ctx.id)
+            raise
+
+    worker = make_worker(fake, handle, concurrency=2)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: fake.heartbeats, what="a heartbeat", running=running)
+    assert sorted(fake.heartbeats[0]) == [(1, 2), (2, 3)]
+    fake.heartbeat_cancels, fake.heartbeat_losts = [1], [2]
+    await until(lambda: 1 in fake.outcomes, what="the cancelled task's outcome", running=running)
+    await until(lambda: sum(r.credits for r in fake.requests) == 4, what="both slots given back", running=running)
+    await stop(worker, running)
+    assert sorted(interrupted) == [1, 2]
+    assert fake.outcomes[1].WhichOneof("outcome") == "cancelled"
+    assert fake.outcomes[1].cancelled.reason == "cancelled"
+    assert [ids for _, ids in fake.reports] == [[(1, "cancelled")]]  # the lost task is dropped silently
+    assert len(fake.streams) == 1
+
+
+async def test_heartbeats_carry_the_attempts_whose_outcomes_are_unanswered(monkeypatch):
+    monkeypatch.setattr(worker_mod, "STOP_EXTRA_S", 0.3)
+    fake = FakeWorkerService(pb.RegisterWorkerResponse(worker_id="w1", heartbeat_interval_ms=100))
+    fake.script = [[task(1, attempt=4)]]
+
+    async def unanswered(req: pb.WorkRequest) -> list[pb.FinishTaskResult]:
+        return []  # a server still applying them
+
+    fake.finish = unanswered
+    worker = make_worker(fake, echo, shutdown_grace=0.2)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: fake.reports, what="the outcome", running=running)
+    seen = len(fake.heartbeats)
+    await until(lambda: len(fake.heartbeats) > seen, what="a heartbeat after the outcome", running=running)
+    assert fake.heartbeats[-1] == [(1, 4)]
+    took = await stop(worker, running)
+    assert 0.2 + 0.3 <= took < 0.2 + 0.3 + 0.5  # the unanswered outcome holds shutdown to its bound
+    assert list(worker._unacked) == [1]
 
 
 # -- shutdown -----------------------------------------------------------------------
@@ -347,7 +649,7 @@ async def test_transient_finish_failures_resend_the_same_batch():
 
 async def test_stop_releases_a_task_still_running_after_the_grace():
     fake = FakeWorkerService()
-    fake.leases = [[task(1, {"sleep": 3600}), task(2, {"sleep": 0.05})]]
+    fake.script = [[task(1, {"sleep": 3600}), task(2, {"sleep": 0.05})]]
     started: list[int] = []
 
     async def handle(ctx: cronoq.TaskContext) -> Any:
@@ -357,19 +659,46 @@ async def test_stop_releases_a_task_still_running_after_the_grace():
 
     worker = make_worker(fake, handle, shutdown_grace=0.3)
     running = asyncio.create_task(worker.run())
-    await until(lambda: len(started) == 2, what="both tasks to start")
+    await until(lambda: len(started) == 2, what="both tasks to start", running=running)
     took = await stop(worker, running)
     assert 0.3 <= took < 0.3 + 1.0
     assert fake.outcomes[1].WhichOneof("outcome") == "released"
     assert fake.outcomes[1].released.reason == "worker shut down"
     assert fake.outcomes[1].attempt == 1
     assert fake.outcomes[2].success.result == b'"done"'  # finished within the grace
+    assert fake.streams[-1].ended is grpc.aio.EOF  # the worker half-closed once every outcome was answered
     assert fake.deregistered
+
+
+async def test_a_task_that_arrives_after_stop_is_released_not_run():
+    fake = FakeWorkerService()
+    fake.script = [[task(1)]]
+    release = asyncio.Event()
+    started: list[int] = []
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        started.append(ctx.id)
+        await release.wait()
+        return "done"
+
+    worker = make_worker(fake, handle)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: started, what="task 1 to start", running=running)
+    worker.stop()
+    fake.script.append([task(2, attempt=5)])  # within the credits given before stop()
+    await until(lambda: 2 in fake.outcomes, what="task 2 given back", running=running)
+    release.set()
+    await asyncio.wait_for(running, 10)
+    assert started == [1]
+    assert fake.outcomes[2].WhichOneof("outcome") == "released"
+    assert fake.outcomes[2].attempt == 5
+    assert fake.outcomes[1].success.result == b'"done"'
+    assert all(r.credits == 0 for r in fake.requests[1:])  # no credits once stopping
 
 
 async def test_a_task_the_server_cancelled_is_still_reported_cancelled_at_shutdown():
     fake = FakeWorkerService(pb.RegisterWorkerResponse(worker_id="w1", heartbeat_interval_ms=100))
-    fake.leases = [[task(1)]]
+    fake.script = [[task(1)]]
     cancels = 0
 
     async def handle(ctx: cronoq.TaskContext) -> Any:
@@ -384,9 +713,9 @@ async def test_a_task_the_server_cancelled_is_still_reported_cancelled_at_shutdo
 
     worker = make_worker(fake, handle, shutdown_grace=0.2)
     running = asyncio.create_task(worker.run())
-    await until(lambda: worker._running, what="the task to start")
+    await until(lambda: worker._running, what="the task to start", running=running)
     fake.heartbeat_cancels = [1]
-    await until(lambda: cancels == 1, what="the server's cancel")
+    await until(lambda: cancels == 1, what="the server's cancel", running=running)
     await stop(worker, running)
     assert fake.outcomes[1].WhichOneof("outcome") == "cancelled"
     assert fake.outcomes[1].cancelled.reason == "cancelled"
@@ -396,10 +725,10 @@ async def test_stop_is_bounded_with_a_handler_that_ignores_cancellation_and_a_se
     monkeypatch.setattr(worker_mod, "UNWIND_S", 0.1)
     monkeypatch.setattr(worker_mod, "STOP_EXTRA_S", 0.6)
     fake = FakeWorkerService()
-    fake.leases = [[task(1)]]
+    fake.script = [[task(1)]]
     reported = asyncio.Event()
 
-    async def hang(req: pb.FinishTasksRequest) -> pb.FinishTasksResponse:
+    async def hang(req: pb.WorkRequest) -> list[pb.FinishTaskResult]:
         reported.set()
         await asyncio.sleep(3600)  # a server that never answers
         raise AssertionError("unreachable")
@@ -407,8 +736,10 @@ async def test_stop_is_bounded_with_a_handler_that_ignores_cancellation_and_a_se
     fake.finish = hang
 
     stubborn_on = True
+    handles: list[asyncio.Task[Any]] = []
 
     async def stubborn(ctx: cronoq.TaskContext) -> Any:
+        handles.append(asyncio.current_task())
         while True:
             try:
                 await asyncio.sleep(3600)
@@ -418,27 +749,28 @@ async def test_stop_is_bounded_with_a_handler_that_ignores_cancellation_and_a_se
 
     worker = make_worker(fake, stubborn, shutdown_grace=0.3)
     running = asyncio.create_task(worker.run())
-    await until(lambda: worker._running, what="the task to start")
+    await until(lambda: worker._running, what="the task to start", running=running)
     took = await stop(worker, running)
     assert took < 0.3 + 0.6 + 0.5
     assert reported.is_set()
-    assert fake.finish_requests == [(fake.finish_requests[0][0], [(1, "released")])]
-    stubborn_on = False  # the stubborn handler was left running: end it
-    (handle, _), *_ = worker._running.values()
-    handle.cancel()
-    await asyncio.gather(handle, return_exceptions=True)
-    assert fake.finish_requests[1:] == []  # and its late end is not reported
+    assert fake.reports == [(fake.reports[0][0], [(1, "released")])]
+    assert fake.streams[-1].cancelled  # the stream was given up
+    assert not worker._running and not handles[0].done()  # released, yet its handler still runs
+    stubborn_on = False  # end it
+    handles[0].cancel()
+    await asyncio.gather(handles[0], return_exceptions=True)
+    assert worker._outcomes == [] and list(worker._unacked) == [1]  # and its late end is not reported
 
 
 async def test_a_handlers_own_cancelled_error_is_a_retryable_failure():
     fake = FakeWorkerService()
-    fake.leases = [[task(1)]]
+    fake.script = [[task(1)]]
 
     async def handle(ctx: cronoq.TaskContext) -> Any:
         raise asyncio.CancelledError
 
     worker = make_worker(fake, handle)
     running = asyncio.create_task(worker.run())
-    await until(lambda: fake.outcomes, what="an outcome")
+    await until(lambda: fake.outcomes, what="an outcome", running=running)
     await stop(worker, running)
     assert fake.outcomes[1].failure.retryable is True

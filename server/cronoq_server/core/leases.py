@@ -81,6 +81,7 @@ class Leases:
         self.draining = False
         # Set (and replaced) when this server stops leading or drains: Work streams end.
         self._streams_end = asyncio.Event()
+        self._streams: set[_WorkStream] = set()
 
     # -- registration ---------------------------------------------------------
 
@@ -343,44 +344,50 @@ class Leases:
         inbox = _WorkInbox(worker.id, first)
         reader = asyncio.create_task(inbox.read(requests))
         loop = asyncio.get_running_loop()
+        stream = _WorkStream()
+        self._streams.add(stream)
         credits = 0  # given by the worker, not yet used or reserved by a step
         chunk = 1  # the most one step leases: half the most credits seen
         # The steps under way, each with the waiter registered before its lease.
         steps: dict[asyncio.Task[tuple[pb.WorkResponse, float, int]], LeaseWaiter | None] = {}
-        waiter: LeaseWaiter | None = None  # registered before a lease, so no change is missed
         look_again_at: float | None = None  # set: the last lease found less than it asked for
         try:
             while True:
                 if inbox.error is not None:
                     raise inbox.error
+                waiter = stream.waiter
                 if waiter is not None and waiter.event.is_set():  # work may be available
                     self._events.forget_leaser(waiter)
-                    waiter, look_again_at = None, None
-                if look_again_at is not None and loop.time() >= look_again_at:
-                    look_again_at = None
+                    stream.waiter, look_again_at = None, None
+                if look_again_at is not None and (loop.time() >= look_again_at or stream.waiter is None):
+                    look_again_at = None  # due; or no waiter left to tell it (see expire_once)
                 leading = self._is_leader() and not self.draining
-                may_lease = bool(credits) and leading and look_again_at is None
-                if len(steps) < MAX_WORK_STEPS and (inbox.waiting or may_lease):
+                may_lease = leading and look_again_at is None and not stream.silent
+                if len(steps) < MAX_WORK_STEPS and (inbox.waiting or (credits and may_lease)):
                     received = inbox.take()
+                    stream.heard(received)
                     credits += sum(r.credits for r in received)
                     if credits > MAX_WORK_CREDITS:
                         raise invalid(f"credits: {credits} given and not used, more than {MAX_WORK_CREDITS}")
                     chunk = max(chunk, -(-credits // MAX_WORK_STEPS))
-                    limit = min(credits, chunk, MAX_LEASE_BATCH) if leading and look_again_at is None else 0
+                    limit = min(credits, chunk, MAX_LEASE_BATCH) if may_lease else 0
                     credits -= limit
-                    if limit and waiter is None:
-                        waiter = self._events.lease_waiter(pools)
+                    if limit and stream.waiter is None:
+                        stream.waiter = self._events.lease_waiter(pools)
                     step = self._work_step(worker, received, pools, limit, max_bytes, in_flight)
-                    steps[asyncio.create_task(step)] = waiter
+                    steps[asyncio.create_task(step)] = stream.waiter
                     continue
                 if not steps and (not leading or (inbox.closed and not inbox.waiting)):
                     return
+                # Until a step ends; with room for another step, also until a message arrives or
+                # (credits left) work may be available.
                 wakes: set[asyncio.Future[Any]] = set(steps)
-                wakes.add(asyncio.ensure_future(inbox.arrived()))
+                if len(steps) < MAX_WORK_STEPS:
+                    wakes.add(asyncio.ensure_future(inbox.arrived()))
+                    if stream.waiter is not None and credits:
+                        wakes.add(asyncio.ensure_future(stream.waiter.event.wait()))
                 if leading:
                     wakes.add(asyncio.ensure_future(self._streams_end.wait()))
-                if waiter is not None and credits:
-                    wakes.add(asyncio.ensure_future(waiter.event.wait()))
                 timeout = None if look_again_at is None else max(look_again_at - loop.time(), 0)
                 try:
                     await asyncio.wait(wakes, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -391,20 +398,22 @@ class Leases:
                     covered = steps.pop(step)
                     answer, recheck_s, limit = step.result()
                     credits += limit - len(answer.tasks)
+                    stream.leased(answer.tasks)
                     # Fewer tasks than asked for: wait to be told, unless a change since the
                     # lease's query was announced (its waiter told: lease again at once).
-                    told = covered is not waiter or (covered is not None and covered.event.is_set())
+                    told = covered is not stream.waiter or (covered is not None and covered.event.is_set())
                     if len(answer.tasks) < limit and not _cut_by_bytes(answer, max_bytes) and not told:
                         look_again_at = loop.time() + recheck_s  # or sooner, when the waiter is told
                     if answer.tasks or answer.results or answer.HasField("heartbeat"):
                         yield answer
         finally:
+            self._streams.discard(stream)
             for step in steps:
                 step.cancel()
             reader.cancel()
             await asyncio.gather(reader, *steps, return_exceptions=True)
-            if waiter is not None:
-                self._events.forget_leaser(waiter)
+            if stream.waiter is not None:
+                self._events.forget_leaser(stream.waiter)
 
     async def _work_step(
         self,
@@ -456,8 +465,16 @@ class Leases:
     # -- the leader's services -----------------------------------------------
 
     async def expire_once(self) -> None:
-        """Ends every lease past its expiry (a failed, retryable attempt)."""
+        """Ends every lease past its expiry (a failed, retryable attempt). A Work stream that
+        held one gets no task until its worker sends something again: a hung worker, its
+        stream still open, must not be handed the task again (nor any other)."""
         changes, ended = await self._store.expire_leases(now_us())
+        if ended:
+            expired = set(ended)
+            for stream in self._streams:
+                if stream.expired(expired) and stream.waiter is not None:
+                    self._events.forget_leaser(stream.waiter)  # the wake goes to another worker
+                    stream.waiter = None
         self._ended(ended)
         if changes:
             log.info("expired %d lease(s)", len(changes))
@@ -481,6 +498,37 @@ class Leases:
     async def nudge_once(self) -> None:
         """Has one long poll per pool look at the store (work written behind the server's back)."""
         self._events.nudge_leasers()
+
+
+class _WorkStream:
+    """What the leader's lease expiry needs to know of a Work stream: the attempts it sent and
+    has not heard of since, and whether its worker has gone silent (a lease of it expired)."""
+
+    __slots__ = ("running", "silent", "waiter")
+
+    def __init__(self) -> None:
+        self.running: set[tuple[int, int]] = set()  # (seq, attempt)
+        self.silent = False
+        self.waiter: LeaseWaiter | None = None  # registered before a lease, so no change is missed
+
+    def leased(self, tasks: Sequence[Task]) -> None:
+        self.running.update((seq_of(t.id), t.attempt) for t in tasks)
+
+    def heard(self, received: list[pb.WorkRequest]) -> None:
+        """The worker sent these: it is not silent, and the attempts it reported are over."""
+        if received:
+            self.silent = False
+        for r in received:
+            for o in r.outcomes:
+                self.running.discard((seq_of(o.task_id), o.attempt))
+
+    def expired(self, attempts: set[tuple[int, int]]) -> bool:
+        """Some of these expired leases were this stream's: its worker is silent from now on."""
+        mine = self.running & attempts
+        if mine:
+            self.running -= mine
+            self.silent = True
+        return bool(mine)
 
 
 def _cut_by_bytes(answer: pb.WorkResponse, max_bytes: int) -> bool:
