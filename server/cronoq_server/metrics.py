@@ -30,6 +30,7 @@ WATCH_STREAMS = Gauge(
     "Open Watch streams: shard (this shard's events), merged (every shard's), peer (another shard's, for merged).",
     ["kind"],
 )
+WORK_STREAMS = Gauge("cronoq_work_streams", "Open Work streams (one per connected worker).")
 RESOURCE_IN_USE = Gauge("cronoq_resource_in_use", "Concurrency slots held by running tasks.", ["resource"])
 RESOURCE_CAPACITY = Gauge(
     "cronoq_resource_capacity", "A resource's capacity: concurrency slots, or a rate's burst.", ["resource"]

@@ -9,6 +9,7 @@ import queue
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,13 @@ class Stream:
         return got_tasks, got_results
 
 
+def open_streams(api: Api) -> float:
+    """The server's cronoq_work_streams gauge."""
+    with urllib.request.urlopen(f"{api.server.http_url}/metrics", timeout=10) as r:  # type: ignore[attr-defined]
+        lines = r.read().decode().splitlines()
+    return float(next(line.split()[1] for line in lines if line.startswith("cronoq_work_streams ")))
+
+
 def success(task: task_pb2.Task) -> wpb.TaskOutcome:
     return wpb.TaskOutcome(task_id=task.id, attempt=task.attempt, success=wpb.TaskSuccess(result=b"ok"))
 
@@ -91,6 +99,7 @@ def test_tasks_come_only_as_credits_allow_and_outcomes_are_answered_with_the_nex
     stream = Stream(api, wpb.WorkRequest(worker_id=worker, credits=2))
     first, _ = stream.collect(tasks=2)
     assert len(first) == 2 and stream.quiet(), "more tasks than the 2 credits given"
+    assert open_streams(api) == 1
     stream.send(outcomes=[success(t) for t in first], credits=1)
     second, results = stream.collect(tasks=1, results=2)
     assert [(r.task_id, r.accepted) for r in results] == [(t.id, True) for t in first]
@@ -108,6 +117,7 @@ def test_tasks_come_only_as_credits_allow_and_outcomes_are_answered_with_the_nex
     stream.close()
     assert stream.next() == "ended"
     assert all(api.get(i).state == task_pb2.TASK_STATE_SUCCEEDED for i in submitted | {late})
+    assert open_streams(api) == 0
 
 
 def test_a_malformed_outcome_is_refused_alone_and_the_stream_goes_on(api: Api) -> None:
@@ -258,3 +268,29 @@ def test_a_stream_whose_lease_expired_gets_no_task_until_its_worker_speaks_again
     (served,), _ = hung.collect(tasks=1)
     assert served.id == late.id
     hung.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_an_outcome_frees_its_resource_for_the_tasks_sent_with_its_result(
+    kind: str, request: Any, start_server: Any, tmp_path: Path
+) -> None:
+    """Tasks that each take the whole resource: the answer to one's outcome brings the next."""
+    server = start_server(
+        {
+            "store": store_table(kind, request, tmp_path / "cronoq.db"),
+            "pools": [{"name": "default"}],
+            "resources": [{"name": "slot", "concurrency": 1}],
+        }
+    )
+    api = Api(server.grpc_target)
+    ids = [api.submit(resources={"slot": 1}).id for _ in range(3)]
+    stream = Stream(api, wpb.WorkRequest(worker_id=api.register(), credits=3))
+    (task,), _ = stream.collect(tasks=1)
+    for expected in ids[1:]:
+        assert task.id != expected and stream.quiet()  # the slot is taken
+        stream.send(outcomes=[success(task)], credits=1)
+        answer = stream.next()
+        assert [r.accepted for r in answer.results] == [True]
+        assert [t.id for t in answer.tasks] == [expected], "the slot freed by the outcome was not used"
+        (task,) = answer.tasks
+    stream.close()

@@ -20,7 +20,7 @@ from ..auth import Principal
 from ..config import Config
 from ..errors import ApiError, invalid
 from ..ids import make_task_id, seq_of, shard_of
-from ..metrics import START_LATENCY, TASKS_LEASED, record_finished
+from ..metrics import START_LATENCY, TASKS_LEASED, WORK_STREAMS, record_finished
 from ..store.base import Changes, Outcome, OutcomeKind, OutcomeResult, Store, TaskRow, WorkerRow
 from .convert import to_task, to_worker
 from .events import EventBus, LeaseWaiter
@@ -346,6 +346,7 @@ class Leases:
         loop = asyncio.get_running_loop()
         stream = _WorkStream()
         self._streams.add(stream)
+        WORK_STREAMS.inc()
         credits = 0  # given by the worker, not yet used or reserved by a step
         chunk = 1  # the most one step leases: half the most credits seen
         # The steps under way, each with the waiter registered before its lease.
@@ -370,7 +371,9 @@ class Leases:
                     if credits > MAX_WORK_CREDITS:
                         raise invalid(f"credits: {credits} given and not used, more than {MAX_WORK_CREDITS}")
                     chunk = max(chunk, -(-credits // MAX_WORK_STEPS))
-                    limit = min(credits, chunk, MAX_LEASE_BATCH) if may_lease else 0
+                    # Outcomes may free what a task waits for (a resource's slot): lease with them.
+                    reported = leading and not stream.silent and any(r.outcomes for r in received)
+                    limit = min(credits, chunk, MAX_LEASE_BATCH) if may_lease or reported else 0
                     credits -= limit
                     if limit and stream.waiter is None:
                         stream.waiter = self._events.lease_waiter(pools)
@@ -408,6 +411,7 @@ class Leases:
                         yield answer
         finally:
             self._streams.discard(stream)
+            WORK_STREAMS.dec()
             for step in steps:
                 step.cancel()
             reader.cancel()
@@ -450,14 +454,17 @@ class Leases:
             return answer, float("inf")
         now = now_us()
         limit = min(limit, MAX_LEASE_BATCH)
-        if self._gate.enabled:  # leases that take resources go one at a time: see _lease
+        if self._gate.enabled:  # leases that take resources go one at a time (see _lease), after
+            # the outcomes free their slots
             results, changes = await self._store.finish(worker.id, outcomes, now) if outcomes else ([], [])
+            finished = await self._finished(outcomes, results, changes)
             rows, next_due = await self._lease(worker.id, pools, limit, now, max_bytes) if limit else ([], None)
         else:
             results, changes, rows, next_due = await self._store.finish_and_lease(
                 worker.id, outcomes, pools, limit, now, max_bytes
             )
-        applied = iter(await self._finished(outcomes, results, changes))
+            finished = await self._finished(outcomes, results, changes)
+        applied = iter(finished)
         answer.results.extend(refused[i] if i in refused else next(applied) for i in range(len(reported)))
         answer.tasks.extend(await self._leased(rows, now))
         return answer, self._recheck_in(next_due, now)
