@@ -42,8 +42,6 @@ log = logging.getLogger("cronoq.leases")
 MAX_LEASE_BATCH = 1000
 # Credits a Work stream may hold unused (a worker's free slots).
 MAX_WORK_CREDITS = 100_000
-# Steps of one Work stream under way at once (see Leases.work).
-MAX_WORK_STEPS = 2
 MAX_DONE = 10_000
 MAX_LEASE_WAIT_MS = 60_000
 # A lease reply holds at most this many bytes of tasks (below the SDKs' 64 MiB receive limit);
@@ -329,8 +327,9 @@ class Leases:
         """A worker's Work stream: outcomes and the next tasks in one store call (a step),
         heartbeats, and tasks sent as soon as they are due while the worker has credits.
 
-        Up to MAX_WORK_STEPS steps run at once, each leasing at most half the worker's slots:
-        the store works on one while the worker runs the tasks of the other. Returns when the
+        Up to the store's work_steps steps run at once, each leasing at most that share of the
+        worker's slots: on PostgreSQL (two), the database works on one while the worker runs
+        the tasks of the other. Returns when the
         worker closes its side (after answering what it sent), or when this server drains or
         stops leading (after answering what it received: the caller says why); in_flight()
         covers each step, so a drain waits for those under way.
@@ -347,8 +346,9 @@ class Leases:
         stream = _WorkStream()
         self._streams.add(stream)
         WORK_STREAMS.inc()
+        most_steps = self._store.work_steps
         credits = 0  # given by the worker, not yet used or reserved by a step
-        chunk = 1  # the most one step leases: half the most credits seen
+        chunk = 1  # the most one step leases: a share of the most credits seen
         # The steps under way, each with the waiter registered before its lease.
         steps: dict[asyncio.Task[tuple[pb.WorkResponse, float, int]], LeaseWaiter | None] = {}
         look_again_at: float | None = None  # set: the last lease found less than it asked for
@@ -364,13 +364,13 @@ class Leases:
                     look_again_at = None  # due; or no waiter left to tell it (see expire_once)
                 leading = self._is_leader() and not self.draining
                 may_lease = leading and look_again_at is None and not stream.silent
-                if len(steps) < MAX_WORK_STEPS and (inbox.waiting or (credits and may_lease)):
+                if len(steps) < most_steps and (inbox.waiting or (credits and may_lease)):
                     received = inbox.take()
                     stream.heard(received)
                     credits += sum(r.credits for r in received)
                     if credits > MAX_WORK_CREDITS:
                         raise invalid(f"credits: {credits} given and not used, more than {MAX_WORK_CREDITS}")
-                    chunk = max(chunk, -(-credits // MAX_WORK_STEPS))
+                    chunk = max(chunk, -(-credits // most_steps))
                     # Outcomes may free what a task waits for (a resource's slot): lease with them.
                     reported = leading and not stream.silent and any(r.outcomes for r in received)
                     limit = min(credits, chunk, MAX_LEASE_BATCH) if may_lease or reported else 0
@@ -385,7 +385,7 @@ class Leases:
                 # Until a step ends; with room for another step, also until a message arrives or
                 # (credits left) work may be available.
                 wakes: set[asyncio.Future[Any]] = set(steps)
-                if len(steps) < MAX_WORK_STEPS:
+                if len(steps) < most_steps:
                     wakes.add(asyncio.ensure_future(inbox.arrived()))
                     if stream.waiter is not None and credits:
                         wakes.add(asyncio.ensure_future(stream.waiter.event.wait()))

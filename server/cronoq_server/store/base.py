@@ -201,6 +201,9 @@ class Fenced(StoreUnavailable):
 class Store(Protocol):
     """One shard's tasks. SQLite and PostgreSQL pass the same suite (tests/store)."""
 
+    # Steps of one Work stream (finish_and_lease calls) worth running at once.
+    work_steps: int
+
     async def open(self) -> None:
         """Creates or migrates the schema; refuses a store of another shard."""
 

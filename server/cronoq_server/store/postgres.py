@@ -239,6 +239,10 @@ def notify_channel(schema: str) -> str:
 
 
 class PostgresStore:
+    # Two steps of a Work stream at once, each leasing half the worker's slots: the database
+    # works on one while the worker runs the tasks of the other.
+    work_steps = 2
+
     def __init__(self, url: str, schema: str, settings: StoreSettings, pool_size: int = 8):
         self.url = url
         self.schema = schema

@@ -198,6 +198,11 @@ def _worker(r: tuple[Any, ...]) -> WorkerRow:
 
 
 class SqliteStore:
+    # The one writer thread runs a stream's steps one after the other anyway: one step of all
+    # the worker's free slots commits more per transaction (burn-down 18.1-18.4k tasks/s
+    # against 15.0-15.5k with two steps of half each).
+    work_steps = 1
+
     def __init__(self, path: str, settings: StoreSettings, synchronous: str = "full"):
         self.path = path
         self.settings = settings
