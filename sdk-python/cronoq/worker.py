@@ -368,7 +368,7 @@ class Worker:
                     answer = await call.read()
                 except grpc.aio.AioRpcError as err:
                     raise from_grpc_error(err) from None
-                if answer is grpc.aio.EOF:
+                if answer is grpc.aio.EOF:  # type: ignore[attr-defined]
                     break
                 if answer is None:  # grpc could not deserialize it (logged by grpc)
                     raise CronoqError("an answer on the Work stream could not be read")

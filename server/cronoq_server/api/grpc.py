@@ -51,6 +51,15 @@ async def _abort(context: grpc.aio.ServicerContext, err: ApiError) -> None:
     await context.abort(err.code, err.message, trailing_metadata=err.trailers())
 
 
+async def _fail(context: grpc.aio.ServicerContext, rpc: Rpc, err: Exception) -> None:
+    """Ends a call that failed: with the ApiError's code, or INTERNAL (the rest is logged here,
+    never sent: no stack trace reaches the caller)."""
+    if isinstance(err, ApiError):
+        await _abort(context, err)
+    log.error("%s failed", rpc.name, exc_info=err)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc.name}; see the server log")
+
+
 class _Handlers:
     """The gRPC handler of every RPC in the registry, each a thin call into the shard router."""
 
@@ -77,11 +86,8 @@ class _Handlers:
                 if missing:
                     context.set_trailing_metadata(tuple(missing.items()))
                 return response
-            except ApiError as err:
-                await _abort(context, err)
-            except Exception:
-                log.exception("%s failed", rpc.name)
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc.name}; see the server log")
+            except Exception as err:
+                await _fail(context, rpc, err)
 
         return handle
 
@@ -111,11 +117,8 @@ class _Handlers:
             try:
                 async for answer in self._router.work(requests, self._call(context)):
                     yield answer
-            except ApiError as err:
-                await _abort(context, err)
-            except Exception:
-                log.exception("%s failed", rpc.name)
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc.name}; see the server log")
+            except Exception as err:
+                await _fail(context, rpc, err)
 
         return handle
 

@@ -377,8 +377,8 @@ class Leases:
                     credits -= limit
                     if limit and stream.waiter is None:
                         stream.waiter = self._events.lease_waiter(pools)
-                    step = self._work_step(worker, received, pools, limit, max_bytes, in_flight)
-                    steps[asyncio.create_task(step)] = stream.waiter
+                    work = self._work_step(worker, received, pools, limit, max_bytes, in_flight)
+                    steps[asyncio.create_task(work)] = stream.waiter
                     continue
                 if not steps and (not leading or (inbox.closed and not inbox.waiting)):
                     return
