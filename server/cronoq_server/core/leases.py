@@ -329,10 +329,10 @@ class Leases:
 
         Up to the store's work_steps steps run at once, each leasing at most that share of the
         worker's slots: on PostgreSQL (two), the database works on one while the worker runs
-        the tasks of the other. Returns when the
-        worker closes its side (after answering what it sent), or when this server drains or
-        stops leading (after answering what it received: the caller says why); in_flight()
-        covers each step, so a drain waits for those under way.
+        the tasks of the other. Returns when the worker closes its side (after answering what
+        it sent), or when this server drains or stops leading (after answering what it
+        received: the caller says why); in_flight() covers each step, so a drain waits for
+        those under way.
         """
         first = await anext(aiter(requests), None)
         if first is None:
