@@ -36,7 +36,6 @@ from .errors import (
     Unauthenticated,
     Unavailable,
     Unknown,
-    from_grpc_error,
 )
 from .v1 import worker_service_pb2 as pb
 from .v1 import worker_service_pb2_grpc
@@ -328,11 +327,6 @@ class Worker:
                 continue
             except (PermissionDenied, Unauthenticated, TlsError):
                 raise  # credentials or TLS refused: no retry can help, so run() fails with the reason
-            except FailedPrecondition as err:
-                if err.shard_endpoint:  # the pools moved to another shard
-                    raise
-                failures += 1
-                await self._stream_refused(err, failures)
             except TRANSIENT as err:  # e.g. a server that stops or steps down: open it again
                 if isinstance(err, Unavailable):
                     failure = await self._conn.diagnose(err)
@@ -341,6 +335,8 @@ class Worker:
                 log.warning("work stream ended (%s); opening it again", err)
                 await self._pause_after(err)
             except CronoqError as err:  # e.g. RESOURCE_EXHAUSTED: an answer over the receive limit
+                if isinstance(err, FailedPrecondition) and err.shard_endpoint:  # the pools moved shard
+                    raise
                 failures += 1
                 await self._stream_refused(err, failures)
 
@@ -364,10 +360,7 @@ class Worker:
         sender = asyncio.create_task(self._send_loop(call, first))
         try:
             while True:
-                try:
-                    answer = await call.read()
-                except grpc.aio.AioRpcError as err:
-                    raise from_grpc_error(err) from None
+                answer = await call_once(call.read)
                 if answer is grpc.aio.EOF:  # type: ignore[attr-defined]
                     break
                 if answer is None:  # grpc could not deserialize it (logged by grpc)

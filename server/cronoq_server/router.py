@@ -46,9 +46,10 @@ here, so a caller that may not use a pool learns nothing about where it is serve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -157,40 +158,19 @@ class ShardRouter:
     async def call(self, method: str, request: Message, call: Call) -> Message:
         """The answer to one API call, whoever gives it (counted in cronoq_api_calls_total by
         its final code: a forwarded call is counted here and where it was answered)."""
-        code = "OK"
-        try:
+        with counted(method):
             if not self.sharded:
                 return await self.node.call(method, request, call.caller)
             self.admit(method, call)
             return await self._strategies[self.rpcs[method].routing](self.rpcs[method], request, call)
-        except ApiError as err:
-            code = err.code.name
-            raise
-        except Exception:
-            code = "INTERNAL"
-            raise
-        finally:
-            CALLS.labels(method=method, code=code).inc()
 
     async def work(self, requests: AsyncIterator[Message], call: Call) -> AsyncIterator[Message]:
         """A worker's Work stream, served here: a worker streams to the server it registered
         with (by_worker), and a standby answers UNAVAILABLE naming the leader. Counted in
         cronoq_api_calls_total when it ends."""
-        code = "OK"
-        try:
+        with counted("Work"):
             async for answer in self.node.work(requests, call.caller):  # type: ignore[arg-type]
                 yield answer
-        except ApiError as err:
-            code = err.code.name
-            raise
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-            raise
-        except Exception:
-            code = "INTERNAL"
-            raise
-        finally:
-            CALLS.labels(method="Work", code=code).inc()
 
     async def watch(self, request: Message, call: Call) -> Any:
         """A merged_watch.WatchStream. Unsharded: this server's events. Sharded: merged from every
@@ -437,6 +417,26 @@ class ShardRouter:
             FORWARDED.labels(shard=shard.name, code="OK").inc()
             return response
         raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def counted(method: str) -> Iterator[None]:
+    """Counts a call in cronoq_api_calls_total by how it ends: OK, its ApiError's code,
+    CANCELLED (the caller went away), or INTERNAL."""
+    code = "OK"
+    try:
+        yield
+    except ApiError as err:
+        code = err.code.name
+        raise
+    except asyncio.CancelledError:
+        code = "CANCELLED"
+        raise
+    except Exception:
+        code = "INTERNAL"
+        raise
+    finally:
+        CALLS.labels(method=method, code=code).inc()
 
 
 def unavailable_metadata(response: Message) -> dict[str, str]:

@@ -349,8 +349,8 @@ class Leases:
         most_steps = self._store.work_steps
         credits = 0  # given by the worker, not yet used or reserved by a step
         chunk = 1  # the most one step leases: a share of the most credits seen
-        # The steps under way, each with the waiter registered before its lease.
-        steps: dict[asyncio.Task[tuple[pb.WorkResponse, float, int]], LeaseWaiter | None] = {}
+        # The steps under way, each with the waiter registered before its lease, and its limit.
+        steps: dict[asyncio.Task[tuple[pb.WorkResponse, float]], tuple[LeaseWaiter | None, int]] = {}
         look_again_at: float | None = None  # set: the last lease found less than it asked for
         try:
             while True:
@@ -378,7 +378,7 @@ class Leases:
                     if limit and stream.waiter is None:
                         stream.waiter = self._events.lease_waiter(pools)
                     work = self._work_step(worker, received, pools, limit, max_bytes, in_flight)
-                    steps[asyncio.create_task(work)] = stream.waiter
+                    steps[asyncio.create_task(work)] = (stream.waiter, limit)
                     continue
                 if not steps and (not leading or (inbox.closed and not inbox.waiting)):
                     return
@@ -398,8 +398,8 @@ class Leases:
                     for w in wakes - set(steps):
                         w.cancel()
                 for step in [t for t in steps if t.done()]:
-                    covered = steps.pop(step)
-                    answer, recheck_s, limit = step.result()
+                    covered, limit = steps.pop(step)
+                    answer, recheck_s = step.result()
                     credits += limit - len(answer.tasks)
                     stream.leased(answer.tasks)
                     # Fewer tasks than asked for: wait to be told, unless a change since the
@@ -427,20 +427,10 @@ class Leases:
         limit: int,
         max_bytes: int,
         in_flight: Callable[[], AbstractContextManager[None]],
-    ) -> tuple[pb.WorkResponse, float, int]:
-        """The answer to what a Work stream received, with up to limit tasks leased; the
-        seconds until a lease that found fewer should look again; and limit."""
-        with in_flight():
-            answer, recheck_s = await self._work_answer(worker, received, pools, limit, max_bytes)
-        return answer, recheck_s, limit
-
-    async def _work_answer(
-        self, worker: WorkerRow, received: list[pb.WorkRequest], pools: list[str], limit: int, max_bytes: int
     ) -> tuple[pb.WorkResponse, float]:
+        """The answer to what a Work stream received, with up to limit tasks leased; and the
+        seconds until a lease that found fewer should look again."""
         answer = pb.WorkResponse()
-        beats = [t for r in received if r.HasField("heartbeat") for t in r.heartbeat.tasks]
-        if any(r.HasField("heartbeat") for r in received):
-            answer.heartbeat.CopyFrom(await self._beat(worker.id, beats))
         outcomes: list[Outcome] = []
         refused: dict[int, pb.FinishTaskResult] = {}  # by position among the outcomes received
         reported = [o for r in received for o in r.outcomes]
@@ -449,24 +439,27 @@ class Leases:
                 outcomes.append(self._outcome(f"outcomes (task {o.task_id})", o))
             except ApiError as err:  # a malformed outcome is refused alone
                 refused[i] = pb.FinishTaskResult(task_id=o.task_id, code=err.code.name, message=err.message)
-        if not outcomes and limit < 1:
-            answer.results.extend(refused.values())
-            return answer, float("inf")
-        now = now_us()
-        limit = min(limit, MAX_LEASE_BATCH)
-        if self._gate.enabled:  # leases that take resources go one at a time (see _lease), after
-            # the outcomes free their slots
-            results, changes = await self._store.finish(worker.id, outcomes, now) if outcomes else ([], [])
-            finished = await self._finished(outcomes, results, changes)
-            rows, next_due = await self._lease(worker.id, pools, limit, now, max_bytes) if limit else ([], None)
-        else:
-            results, changes, rows, next_due = await self._store.finish_and_lease(
-                worker.id, outcomes, pools, limit, now, max_bytes
-            )
-            finished = await self._finished(outcomes, results, changes)
+        beats = [r.heartbeat for r in received if r.HasField("heartbeat")]
+        with in_flight():
+            if beats:
+                answer.heartbeat.CopyFrom(await self._beat(worker.id, [t for b in beats for t in b.tasks]))
+            if not outcomes and limit < 1:
+                answer.results.extend(refused.values())
+                return answer, float("inf")
+            now = now_us()
+            if self._gate.enabled:  # leases that take resources go one at a time (see _lease),
+                # after the outcomes free their slots
+                results, changes = await self._store.finish(worker.id, outcomes, now) if outcomes else ([], [])
+                finished = await self._finished(outcomes, results, changes)
+                rows, next_due = await self._lease(worker.id, pools, limit, now, max_bytes) if limit else ([], None)
+            else:
+                results, changes, rows, next_due = await self._store.finish_and_lease(
+                    worker.id, outcomes, pools, limit, now, max_bytes
+                )
+                finished = await self._finished(outcomes, results, changes)
+            answer.tasks.extend(await self._leased(rows, now))
         applied = iter(finished)
         answer.results.extend(refused[i] if i in refused else next(applied) for i in range(len(reported)))
-        answer.tasks.extend(await self._leased(rows, now))
         return answer, self._recheck_in(next_due, now)
 
     # -- the leader's services -----------------------------------------------
