@@ -301,10 +301,13 @@ class Client:
                             continue  # replayed after a reconnect, and yielded before it
                         last_seq[event.shard] = event.seq
                     yield event
+                trailers = await call.trailing_metadata()
             except grpc.aio.AioRpcError as err:
-                error = from_grpc_error(err)
+                error, trailers = from_grpc_error(err), err.trailing_metadata()
             finally:
                 call.cancel()  # a caller that stops early closes the stream
+            if not cursor:  # grpc.aio loses the initial metadata of a call that ends at once: the server repeats them
+                cursor = _metadata_value(trailers, WATCH_START_KEY) or cursor
             if error is not None and (not resume or not isinstance(error, WATCH_TRANSIENT)):
                 raise error
             if error is None and not resume:

@@ -165,7 +165,7 @@ def test_sse_ids_are_composite_cursors_and_last_event_id_resumes_both_shards(sha
 def test_a_merged_watch_ends_when_a_shard_server_is_killed(shards: TwoShards) -> None:
     cpu = shards.stubs["cpu"]
     stream = watch(cpu)
-    opened(stream)
+    start = opened(stream)["cronoq-watch-cursor"]
     conn, resp = sse_open(shards.cpu)
     submit(cpu, "llm")
     take(stream, 1)
@@ -177,6 +177,7 @@ def test_a_merged_watch_ends_when_a_shard_server_is_killed(shards: TwoShards) ->
     assert time.monotonic() - started < 5.0
     assert err.code() == grpc.StatusCode.UNAVAILABLE, err  # type: ignore[attr-defined]
     assert "'gpu'" in err.details() and trailers(err)["cronoq-unavailable-shards"] == "gpu"  # type: ignore[attr-defined]
+    assert trailers(err)["cronoq-watch-cursor"] == start  # repeated: a client may not have read the initial metadata
     _, name, data = next(events)
     assert name == "error" and data["code"] == "UNAVAILABLE" and "'gpu'" in data["message"], data
     conn.close()

@@ -49,6 +49,7 @@ class ScriptedWatch(task_service_pb2_grpc.TaskServiceServicer):
             yield pb.WatchResponse(event=ev)
         if step.code is not None:
             await context.abort(step.code, step.message, trailing_metadata=step.trailers)
+        context.set_trailing_metadata(step.trailers)
 
 
 @pytest.fixture
@@ -116,12 +117,27 @@ async def test_a_live_stream_that_breaks_before_any_event_resumes_from_where_it_
     per shard): a reconnect before any event resumes from there, not live again."""
     servicer, endpoint, steps = scripted
     start = (("cronoq-watch-cursor", "1:5,2:7"),)
-    steps += [Step(code=grpc.StatusCode.UNAVAILABLE, initial=start), Step([event(6, shard="cpu")], initial=start)]
+    steps += [
+        Step(code=grpc.StatusCode.UNAVAILABLE, initial=start, trailers=start),  # as the server states it
+        Step([event(6, shard="cpu")], initial=start),
+    ]
     reconnects: list[str] = []
     async with cronoq.Client(endpoint, retry=FAST) as client:
         await take(client, 1, on_reconnect=lambda err, cur: reconnects.append(cur))
     assert [r.cursor for r in servicer.requests] == ["", "1:5,2:7"]
     assert reconnects == ["1:5,2:7"]
+
+
+@pytest.mark.parametrize("end", [grpc.StatusCode.UNAVAILABLE, None], ids=["broken", "ended"])
+async def test_a_stream_that_ends_at_once_resumes_from_the_start_its_trailers_repeat(scripted, end):
+    """grpc.aio gives empty initial metadata to a call that ends before the client reads them:
+    the server repeats its start in the trailers, and the client resumes from there."""
+    servicer, endpoint, steps = scripted
+    start = (("cronoq-watch-cursor", "1:5,2:7"),)
+    steps += [Step(code=end, trailers=start), Step([event(6, shard="cpu")])]
+    async with cronoq.Client(endpoint, retry=FAST) as client:
+        await take(client, 1)
+    assert [r.cursor for r in servicer.requests] == ["", "1:5,2:7"]
 
 
 async def test_a_standby_sends_the_watch_to_the_leader_it_names(scripted):

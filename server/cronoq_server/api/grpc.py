@@ -47,8 +47,10 @@ def _cert_subject(context: grpc.aio.ServicerContext) -> str | None:
     return grpc_cert_subject(context)
 
 
-async def _abort(context: grpc.aio.ServicerContext, err: ApiError) -> None:
-    await context.abort(err.code, err.message, trailing_metadata=err.trailers())
+async def _abort(
+    context: grpc.aio.ServicerContext, err: ApiError, also: tuple[tuple[str, str], ...] = ()
+) -> None:
+    await context.abort(err.code, err.message, trailing_metadata=also + err.trailers())
 
 
 async def _fail(context: grpc.aio.ServicerContext, rpc: Rpc, err: Exception) -> None:
@@ -100,13 +102,18 @@ class _Handlers:
             except ApiError as err:
                 await _abort(context, err)
                 return
+            # A sharded Watch states where it starts and the shards it could not open. Again in the
+            # trailers: grpc.aio gives a client empty initial metadata when the call ends before
+            # they are read, and a stream that breaks at once must still resume from its start.
+            stated = tuple(stream.metadata.items())
             try:
-                if stream.metadata:  # a sharded Watch: where it starts, the shards it could not open
-                    await context.send_initial_metadata(tuple(stream.metadata.items()))
+                if stated:
+                    await context.send_initial_metadata(stated)
+                    context.set_trailing_metadata(stated)
                 async for item in stream:
                     yield item
             except ApiError as err:  # e.g. ABORTED, a watcher too slow to keep up: after events were sent
-                await _abort(context, err)
+                await _abort(context, err, also=stated)
             finally:
                 await stream.aclose()  # a cancelled call must not leave the watcher registered
 
