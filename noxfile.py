@@ -1,4 +1,4 @@
-"""Every job of the repository is a nox session: demo, tests, proto, lint, bench.
+"""Every job of the repository is a nox session: demo, tests, conformance, proto, lint, bench.
 
 Run them through ./dev (which installs nox itself), e.g. `./dev demo`, `./dev tests`.
 """
@@ -94,13 +94,27 @@ def tests(session: nox.Session) -> None:
     check_generated(session)
     args = session.posargs or ["-n", "2", "--dist", "loadfile"]
     session.run("pytest", *args, env={"PYTHONDONTWRITEBYTECODE": "1"})
+    if not session.posargs:  # the whole suite: the conformance corpus too, with every SDK's driver
+        _conformance(session, [])
+
+
+def _conformance(session: nox.Session, args: list[str]) -> None:
+    session.run("python", "conformance/runner.py", *args, env={"PYTHONDONTWRITEBYTECODE": "1"})
+
+
+@nox.session
+def conformance(session: nox.Session) -> None:
+    """The conformance corpus against every SDK's driver (`-- --sdk python`: one SDK;
+    `-- --case NAME --verbose`: one case, with what the driver and the servers saw)."""
+    session.install(*PACKAGES, *TEST_DEPS)
+    _conformance(session, session.posargs)
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff and mypy."""
     session.install(*PACKAGES, "ruff>=0.6", "mypy>=1.10", "types-protobuf", "grpc-stubs", *TEST_DEPS)
-    session.run("ruff", "check", "server", "sdk-python", "proto/python", "tests", "bench", "noxfile.py")
+    session.run("ruff", "check", "server", "sdk-python", "proto/python", "tests", "bench", "conformance", "noxfile.py")
     # `cronoq` spans sdk-python/ and proto/python/: module names come from these bases, so
     # that cronoq.jsonform and the generated stubs are checked (not silenced as installed code).
     bases = os.pathsep.join(str(ROOT / d) for d in ("proto/python", "sdk-python", "server"))

@@ -1,0 +1,151 @@
+"""The conformance driver of the Python SDK: one case's input as JSON on stdin, one result as
+JSON on stdout (the protocol is in conformance/README.md). It uses the SDK's public API only."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Any
+
+import cronoq
+from cronoq.errors import RedirectRefused, TlsError, TooManyRedirects
+
+# The SDK's errors that are more than their gRPC code, by the protocol's kind names.
+KINDS = ((TooManyRedirects, "too_many_redirects"), (RedirectRefused, "redirect_refused"), (TlsError, "tls"))
+
+
+def error_of(err: BaseException) -> dict[str, Any]:
+    if not isinstance(err, cronoq.CronoqError):
+        return {"code": "", "kind": "other", "message": f"{type(err).__name__}: {err}"}
+    kind = next((name for cls, name in KINDS if isinstance(err, cls)), "")
+    return {
+        "code": err.code.name if err.code else "",
+        "kind": kind,
+        "message": err.message,
+        "shard": err.shard or "",
+        "shard_endpoint": err.shard_endpoint or "",
+        "leader": err.leader or "",
+        "reason": err.reason or "",
+    }
+
+
+def options(case: dict[str, Any]) -> dict[str, Any]:
+    tls = case.get("tls")
+    retry = case.get("retry", {})
+    elapsed = retry.get("max_elapsed_ms")
+    return {
+        "token": case.get("token"),
+        "tls": cronoq.TlsConfig(ca=tls.get("ca"), cert=tls.get("cert"), key=tls.get("key")) if tls else None,
+        "retry": cronoq.RetryConfig(
+            initial_backoff=retry.get("initial_backoff_ms", 20) / 1000,
+            max_backoff=retry.get("max_backoff_ms", 200) / 1000,
+            max_elapsed=None if elapsed is None else elapsed / 1000,
+        ),
+    }
+
+
+async def run_worker(case: dict[str, Any], step: dict[str, Any]) -> dict[str, Any]:
+    """Runs a worker until it has handled `until_handled` tasks (or started
+    `stop_after_started`), then stops it gracefully; or until it fails."""
+    started: list[str] = []
+    handled: list[dict[str, Any]] = []
+    enough = asyncio.Event()
+
+    running = most = 0
+
+    async def handler(ctx: cronoq.TaskContext) -> Any:
+        nonlocal running, most
+        started.append(str(ctx.id))
+        running += 1
+        most = max(most, running)
+        if len(started) == step.get("stop_after_started", 0):
+            enough.set()
+        payload = ctx.payload if isinstance(ctx.payload, dict) else {}
+        end = "cancelled"
+        try:
+            if payload.get("sleep_ms"):
+                await asyncio.sleep(payload["sleep_ms"] / 1000)
+            if "fail" in payload:
+                end = "raised"
+                raise cronoq.TaskError(payload["fail"], retryable=payload.get("retryable", True))
+            end = "returned"
+            return payload.get("result")
+        finally:
+            running -= 1
+            handled.append({"id": str(ctx.id), "attempt": ctx.attempt, "payload": ctx.payload, "end": end})
+            if len(handled) == step.get("until_handled", 0):
+                enough.set()
+
+    worker = cronoq.Worker(
+        ",".join(case["endpoints"]),
+        step["pools"],
+        handler,
+        concurrency=step.get("concurrency", 4),
+        insecure_redirect_http=case.get("insecure_redirect_http", False),
+        shutdown_grace=step.get("shutdown_grace_ms", 5000) / 1000,
+        **options(case),
+    )
+    run = asyncio.create_task(worker.run())
+    waiting = asyncio.create_task(enough.wait())
+    error: dict[str, Any] | None = None
+    done, _ = await asyncio.wait(
+        {run, waiting}, timeout=step.get("timeout_ms", 15000) / 1000, return_when="FIRST_COMPLETED"
+    )
+    if not done:
+        error = {
+            "code": "",
+            "kind": "timeout",
+            "message": f"the worker did not finish in {step.get('timeout_ms', 15000)} ms",
+        }
+    waiting.cancel()
+    worker.stop()
+    try:
+        await asyncio.wait_for(run, 30)
+    except Exception as err:
+        error = error or error_of(err)
+    return {
+        "started": started,
+        "handled": handled,
+        "max_running": most,
+        "endpoint": str(worker.endpoint),
+        "error": error,
+    }
+
+
+async def run_client_step(client: cronoq.Client, step: dict[str, Any]) -> dict[str, Any]:
+    op = step["op"]
+    try:
+        if op == "submit":
+            submitted = await client.submit(step["pool"], step.get("payload"))
+            return {"id": str(submitted.task.id), "error": None}
+        if op == "get":
+            task = await client.get(int(step["id"]))
+        elif op == "cancel":
+            task = await client.cancel(int(step["id"]))
+        elif op == "wait":
+            task = (await client.wait(int(step["id"]), timeout=step.get("timeout_ms", 10000) / 1000)).task
+        else:
+            return {"error": {"code": "", "kind": "unsupported", "message": f"unknown op {op!r}"}}
+        return {"id": str(task.id), "state": cronoq.TaskState.Name(task.state), "error": None}
+    except Exception as err:
+        return {"error": error_of(err)}
+
+
+async def main() -> None:
+    case = json.load(sys.stdin)
+    results: list[dict[str, Any]] = []
+    async with cronoq.Client(
+        ",".join(case["endpoints"]), timeout=case.get("timeout_ms", 5000) / 1000, **options(case)
+    ) as client:
+        for step in case["steps"]:
+            if step["op"] == "worker":
+                result = await run_worker(case, step)
+            else:
+                result = await run_client_step(client, step)
+            results.append({"op": step["op"], **result})
+    json.dump({"steps": results}, sys.stdout)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

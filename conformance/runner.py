@@ -1,0 +1,443 @@
+"""The conformance runner: every case of conformance/cases/ against every SDK's driver.
+
+    python conformance/runner.py [--sdk python] [--case NAME] [--verbose]
+
+For each case it starts the scripted servers the case's roles need (conformance/scripted.py:
+on loopback, and in a network namespace for roles on another host) or real cronoq-server
+processes (`deployment`), hands the driver the case's input, then compares what the driver
+observed and what the servers recorded with the case's `expect`. Prints a table case × SDK
+and exits 1 on any failure. The case format and the driver protocol: conformance/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from conftest import ServerProcess  # type: ignore[import-not-found]  # noqa: E402
+from netns import NetNs  # type: ignore[import-not-found]  # noqa: E402
+from ports import free_port  # type: ignore[import-not-found]  # noqa: E402
+from tls_pki import Pki  # type: ignore[import-not-found]  # noqa: E402
+
+# How each SDK's driver is started (from the repository's root).
+DRIVERS: dict[str, list[str]] = {
+    "python": [sys.executable, str(HERE / "drivers" / "python" / "driver.py")],
+}
+TOKEN = "conformance-token"
+CLIENT_SUBJECT = "CN=conformance-worker"
+REMOTE_PORTS = iter(range(31000, 32000))  # in the namespace nothing else listens
+CASE_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Pkis:
+    trusted: Pki
+    unknown: Pki
+    hosts: tuple[str, ...]
+    client: Any = None
+    servers: dict[str, Any] = field(default_factory=dict)
+
+    def server(self, unknown_ca: bool) -> Any:
+        key = "unknown" if unknown_ca else "trusted"
+        if key not in self.servers:
+            self.servers[key] = (self.unknown if unknown_ca else self.trusted).server(*self.hosts)
+        return self.servers[key]
+
+
+def load_cases() -> list[dict[str, Any]]:
+    cases = []
+    for path in sorted((HERE / "cases").glob("*.json")):
+        area = json.loads(path.read_text())
+        for case in area["cases"]:
+            cases.append({**case, "area": path.stem})
+    names = [c["name"] for c in cases]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise SystemExit(f"conformance: case names used twice: {sorted(dupes)}")
+    return cases
+
+
+def substitute(value: Any, urls: dict[str, str]) -> Any:
+    """Every "{role}" in the case's strings becomes that role's URL."""
+    if isinstance(value, str):
+        for name, url in urls.items():
+            value = value.replace("{" + name + "}", url)
+        return value
+    if isinstance(value, list):
+        return [substitute(v, urls) for v in value]
+    if isinstance(value, dict):
+        return {k: substitute(v, urls) for k, v in value.items()}
+    return value
+
+
+def task_json(task: dict[str, Any]) -> dict[str, Any]:
+    """A role's task as proto JSON: `payload_json` becomes a JSON payload."""
+    out = {"state": "TASK_STATE_RUNNING", "attempt": 1, "pool": "default", **task}
+    if "payload_json" in out:
+        out["payload"] = base64.b64encode(json.dumps(out.pop("payload_json")).encode()).decode()
+        out["content_type"] = "application/json"
+    return out
+
+
+class Scripted:
+    """The scripted server processes of one case (one per network namespace used)."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Path] = []
+
+    def start(self, plan: list[dict[str, Any]], where: str, netns: NetNs | None) -> None:
+        plan_path, log = self.workdir / f"plan-{where}.json", self.workdir / f"log-{where}.jsonl"
+        plan_path.write_text(json.dumps(plan))
+        cmd = [sys.executable, str(HERE / "scripted.py"), str(plan_path), str(log)]
+        if netns is not None:
+            cmd = ["ip", "netns", "exec", netns.name, *cmd]
+        stderr = open(self.workdir / f"scripted-{where}.stderr", "ab")
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+        )
+        self.procs.append(proc)
+        self.logs.append(log)
+        deadline = time.monotonic() + 15
+        while not (log.exists() and '"ready"' in log.read_text()):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                err = (self.workdir / f"scripted-{where}.stderr").read_text(errors="replace")
+                raise RuntimeError(f"scripted server ({where}) did not start: {err[-2000:]}")
+            time.sleep(0.02)
+
+    def stop(self) -> list[dict[str, Any]]:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        entries = []
+        for log in self.logs:
+            if log.exists():
+                entries += [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        return sorted((e for e in entries if "role" in e), key=lambda e: e["t"])
+
+
+@contextmanager
+def two_shards(workdir: Path) -> Iterator[dict[str, str]]:
+    """A real deployment: shards cpu (pool default) and gpu (pool llm), one server each."""
+    ports = {name: free_port() for name in ("cpu", "gpu")}
+    config: dict[str, Any] = {
+        "pools": [{"name": "default"}, {"name": "llm"}],
+        "shards": [
+            {"name": "cpu", "number": 1, "pools": ["default"], "endpoint": f"http://127.0.0.1:{ports['cpu']}"},
+            {"name": "gpu", "number": 2, "pools": ["llm"], "endpoint": f"http://127.0.0.1:{ports['gpu']}"},
+        ],
+        "store": {"path": str(workdir / "cronoq-{shard}.db")},
+        "tokens": [
+            {
+                "name": "conformance",
+                "sha256": hashlib.sha256(TOKEN.encode()).hexdigest(),
+                "pools": ["*"],
+                "permissions": ["submit", "read", "cancel", "work"],
+            }
+        ],
+    }
+    servers = [
+        ServerProcess(workdir, {**config, "server": {"listen": f"127.0.0.1:{ports[n]}"}}, n, n) for n in ("cpu", "gpu")
+    ]
+    try:
+        for server in servers:
+            server.start()
+        yield {s.name: s.endpoint for s in servers}
+    finally:
+        for server in servers:
+            if server.proc is not None:
+                server.stop()
+
+
+# -- expectations ------------------------------------------------------------
+
+
+def match(expected: Any, actual: Any, path: str) -> list[str]:
+    """Where actual differs from expected: a dict names only the keys it checks; `x_count`
+    checks the length of list x; `message_has` lists phrases the message contains."""
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict):
+            return [f"{path}: expected an object, got {actual!r}"]
+        problems = []
+        for key, want in expected.items():
+            if key == "message_has":
+                message = str(actual.get("message", "")).lower()
+                problems += [
+                    f"{path}.message: {actual.get('message')!r} lacks {p!r}" for p in want if p.lower() not in message
+                ]
+            elif key.endswith("_count") and key not in actual:
+                got = len(actual.get(key[: -len("_count")]) or [])
+                if got != want:
+                    problems.append(f"{path}.{key[:-6]}: {got} entries, expected {want}")
+            else:
+                problems += match(want, actual.get(key), f"{path}.{key}")
+        return problems
+    if isinstance(expected, list):
+        if not isinstance(actual, list) or len(actual) != len(expected):
+            return [f"{path}: expected {expected!r}, got {actual!r}"]
+        return [p for i, (w, a) in enumerate(zip(expected, actual, strict=True)) for p in match(w, a, f"{path}[{i}]")]
+    if expected != actual:
+        return [f"{path}: expected {expected!r}, got {actual!r}"]
+    return []
+
+
+def lookup(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = obj.get(part) if isinstance(obj, dict) else None
+    return obj
+
+
+def check_servers(expect: dict[str, Any], log: list[dict[str, Any]], token: str | None) -> list[str]:
+    """The case's expectations of what the scripted servers recorded."""
+    calls = [e for e in log if e["event"] == "call"]
+    problems = []
+    for want in expect.get("calls", []):
+        got = [c["role"] for c in calls if c["method"] in want["methods"]]
+        if got != want["roles"]:
+            problems.append(f"calls of {want['methods']}: on {got}, expected on {want['roles']}")
+    for role in expect.get("no_connection", []):
+        n = sum(1 for e in log if e["role"] == role and e["event"] == "connect")
+        if n:
+            problems.append(f"{role}: {n} connection(s), expected none")
+    for role in expect.get("connected", []):
+        if not any(e["role"] == role and e["event"] == "connect" for e in log):
+            problems.append(f"{role}: no connection, expected some")
+    bearer = f"Bearer {token}"
+    for role in expect.get("token_at", []):
+        there = [c for c in calls if c["role"] == role]
+        if not there or any(c["authorization"] != bearer for c in there):
+            problems.append(f"{role}: the token did not arrive with every call ({len(there)} call(s))")
+    for role in expect.get("token_not_at", []):
+        if any(token and token in c["authorization"] for c in calls if c["role"] == role):
+            problems.append(f"{role}: the token arrived there")
+    for role in expect.get("client_cert_at", []):
+        there = [c for c in calls if c["role"] == role]
+        if not there or any(not c["client_cert"] for c in there):
+            problems.append(f"{role}: calls without the client certificate ({len(there)} call(s))")
+    outcomes: dict[str, str] = {}
+    for e in log:
+        if e["event"] == "outcome":
+            outcomes[e["task_id"]] = e["kind"]
+    for task_id, kind in expect.get("outcomes", {}).items():
+        if outcomes.get(task_id) != kind:
+            problems.append(f"task {task_id}: outcome {outcomes.get(task_id)!r}, expected {kind!r}")
+    if expect.get("outcomes_batched"):
+        if not any(len((c["request"] or {}).get("outcomes", [])) >= 2 for c in calls):
+            problems.append("no request carried two outcomes or more: finishes are not batched")
+    for task_id, least in expect.get("heartbeats", {}).items():
+        beats = sum(
+            1
+            for c in calls
+            if any(t.get("task_id") == task_id for t in lookup(c["request"], "heartbeat.tasks") or [])
+            or (c["method"] == "Heartbeat" and any(t.get("task_id") == task_id for t in c["request"].get("tasks", [])))
+        )
+        if beats < least:
+            problems.append(f"task {task_id}: named in {beats} heartbeat(s), expected at least {least}")
+    for role, least in expect.get("streams", {}).items():
+        opened = sum(1 for e in log if e["role"] == role and e["event"] == "stream")
+        if opened < least:
+            problems.append(f"{role}: {opened} Work stream(s) opened, expected at least {least}")
+    for role, method in expect.get("retried", {}).items():
+        n = sum(1 for c in calls if c["role"] == role and c["method"] == method)
+        if n < 2:
+            problems.append(f"{role}: {method} called {n} time(s), expected retries")
+    for want in expect.get("requests", []):
+        values = [
+            lookup(c["request"], want["field"])
+            for c in calls
+            if c["role"] == want["role"] and c["method"] == want["method"]
+        ]
+        if want["equals"] not in values:
+            problems.append(
+                f"{want['role']} {want['method']}: {want['field']} was {values}, expected {want['equals']!r}"
+            )
+    return problems
+
+
+# -- one case ----------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    passed: bool
+    problems: list[str]
+    seconds: float
+
+
+def run_case(case: dict[str, Any], sdk: str, pkis: Pkis, netns: NetNs | None, verbose: bool) -> Outcome:
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"conformance-{sdk}-") as tmp, ExitStack() as stack:
+        workdir = Path(tmp)
+        roles: dict[str, dict[str, Any]] = case.get("roles", {})
+        urls: dict[str, str] = {}
+        if case.get("deployment") == "two_shards":
+            urls = stack.enter_context(two_shards(workdir))
+        hosts: dict[str, str] = {}
+        for name, role in roles.items():
+            remote = role.get("host") == "remote"
+            if remote and netns is None:
+                raise RuntimeError("a role on another host needs the network namespace")
+            host = netns.peer_ip if remote and netns else role.get("hostname", "127.0.0.1")
+            port = next(REMOTE_PORTS) if remote else free_port()
+            hosts[name] = "netns" if remote else "host"
+            scheme = "https" if role.get("tls") else "http"
+            urls[name] = f"{scheme}://{host}:{port}"
+        scripted = Scripted(workdir)
+        plans: dict[str, list[dict[str, Any]]] = {"host": [], "netns": []}
+        for name, role in roles.items():
+            if role.get("down"):
+                continue
+            url = urls[name]
+            tls = None
+            if role.get("tls"):
+                pair = pkis.server(unknown_ca=role["tls"] == "unknown_ca")
+                tls = {"cert": pair.cert, "key": pair.key}
+                if role.get("client_cert_required"):
+                    tls["client_ca"] = pkis.trusted.ca_path
+            plans[hosts[name]].append(
+                {
+                    "name": name,
+                    "host": url.rsplit("://", 1)[1].rsplit(":", 1)[0],
+                    "port": int(url.rsplit(":", 1)[1]),
+                    "tls": tls,
+                    "shard": role.get("shard", "default"),
+                    "heartbeat_interval_ms": role.get("heartbeat_interval_ms", 200),
+                    "script": substitute(role.get("script", {}), urls),
+                    "tasks": [task_json(t) for t in role.get("tasks", [])],
+                    "cancel": role.get("cancel", []),
+                }
+            )
+        try:
+            for where, plan in plans.items():
+                if plan:
+                    scripted.start(plan, where, netns if where == "netns" else None)
+            sdk_opts = case.get("sdk", {})
+            token = sdk_opts.get("token", TOKEN)
+            tls_opts: dict[str, str] = {}
+            if sdk_opts.get("ca"):
+                tls_opts["ca"] = pkis.trusted.ca_path
+            if sdk_opts.get("client_cert"):
+                tls_opts.update(cert=pkis.client.cert, key=pkis.client.key)
+            driver_input = {
+                "case": case["name"],
+                "endpoints": [urls[e] for e in sdk_opts.get("endpoints", [])],
+                "token": token,
+                "tls": tls_opts or None,
+                "insecure_redirect_http": sdk_opts.get("insecure_redirect_http", False),
+                "retry": sdk_opts.get(
+                    "retry", {"initial_backoff_ms": 20, "max_backoff_ms": 200, "max_elapsed_ms": 3000}
+                ),
+                "timeout_ms": sdk_opts.get("timeout_ms", 5000),
+                "steps": substitute(case["steps"], urls),
+            }
+            observed, problems = run_driver(sdk, driver_input, workdir, verbose)
+        finally:
+            log = scripted.stop()
+        if observed is not None:
+            expect = substitute(case.get("expect", {}), urls)
+            problems += match(expect.get("steps", []), observed.get("steps"), "steps")
+            problems += check_servers(expect, log, token)
+        if problems and verbose:
+            problems.append(f"driver input: {json.dumps(driver_input)}")
+            problems.append(f"observed: {json.dumps(observed)}")
+            problems += [f"server: {json.dumps(e)}" for e in log]
+    return Outcome(not problems, problems, time.monotonic() - started)
+
+
+def run_driver(
+    sdk: str, driver_input: dict[str, Any], workdir: Path, verbose: bool
+) -> tuple[dict[str, Any] | None, list[str]]:
+    try:
+        proc = subprocess.run(
+            DRIVERS[sdk],
+            input=json.dumps(driver_input).encode(),
+            capture_output=True,
+            timeout=CASE_TIMEOUT_S,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        )
+    except subprocess.TimeoutExpired as err:
+        tail = (err.stderr or b"").decode(errors="replace")[-2000:]
+        return None, [f"the driver did not answer in {CASE_TIMEOUT_S:g}s; stderr: {tail}"]
+    stderr = proc.stderr.decode(errors="replace")
+    if verbose and stderr:
+        (workdir.parent / f"{driver_input['case']}-{sdk}.stderr").write_text(stderr)
+    try:
+        return json.loads(proc.stdout), []
+    except json.JSONDecodeError:
+        return None, [f"the driver exited {proc.returncode} without a JSON result; stderr: {stderr[-2000:]}"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sdk", action="append", choices=sorted(DRIVERS), help="this SDK only (repeatable; default: all)")
+    ap.add_argument("--case", action="append", help="this case only (repeatable)")
+    ap.add_argument("--verbose", action="store_true", help="print what the driver and servers saw for a failed case")
+    args = ap.parse_args()
+    sdks = args.sdk or sorted(DRIVERS)
+    cases = load_cases()
+    if args.case:
+        unknown = set(args.case) - {c["name"] for c in cases}
+        if unknown:
+            print(f"conformance: no case named {sorted(unknown)}", file=sys.stderr)
+            return 2
+        cases = [c for c in cases if c["name"] in args.case]
+    results: dict[tuple[str, str], Outcome] = {}
+    with tempfile.TemporaryDirectory(prefix="conformance-pki-") as tmp, ExitStack() as stack:
+        netns = None
+        if any(r.get("host") == "remote" for c in cases for r in c.get("roles", {}).values()):
+            netns = stack.enter_context(NetNs())  # roles on another host: never skipped, a failure here fails the run
+        hosts = ("127.0.0.1", "localhost", *([netns.peer_ip] if netns else []))
+        pkis = Pkis(Pki(Path(tmp), "ca"), Pki(Path(tmp), "unknown-ca"), hosts)
+        pkis.client = pkis.trusted.client(CLIENT_SUBJECT, "worker")
+        for case in cases:
+            for sdk in sdks:
+                try:
+                    outcome = run_case(case, sdk, pkis, netns, args.verbose)
+                except Exception as err:
+                    outcome = Outcome(False, [f"the runner failed: {type(err).__name__}: {err}"], 0.0)
+                results[(case["name"], sdk)] = outcome
+                mark = "pass" if outcome.passed else "FAIL"
+                print(f"  {case['area']}/{case['name']} [{sdk}] {mark} ({outcome.seconds:.1f}s)", flush=True)
+    width = max(len(f"{c['area']}/{c['name']}") for c in cases)
+    print()
+    print(f"{'case':<{width}}  " + "  ".join(f"{s:<8}" for s in sdks))
+    for case in cases:
+        row = "  ".join(f"{'pass' if results[(case['name'], s)].passed else 'FAIL':<8}" for s in sdks)
+        print(f"{case['area'] + '/' + case['name']:<{width}}  {row}")
+    failed = [(k, o) for k, o in results.items() if not o.passed]
+    for (name, sdk), outcome in failed:
+        print(f"\n{name} [{sdk}]:")
+        for problem in outcome.problems:
+            print(f"  - {problem}")
+    total = len(results)
+    print(f"\nconformance: {total - len(failed)} of {total} passed ({len(cases)} cases x {len(sdks)} SDK(s))")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
