@@ -161,3 +161,16 @@ class NetNs:
         if "netns" in self._created:
             _ip("netns", "del", self.name)
         self._created = []
+
+
+def open_for_test() -> NetNs:
+    """A NetNs for a test; without one (no root or no `ip`) the test fails in CI (CI=true),
+    and is skipped elsewhere."""
+    import pytest
+
+    try:
+        return NetNs().__enter__()
+    except NetNsUnavailable as err:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"a network namespace is required in CI (root and iproute2): {err}")
+        pytest.skip(f"no network namespace (needs root and iproute2): {err}")

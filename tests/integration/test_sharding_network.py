@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ import grpc
 import pytest
 from _helpers import eventually, log_lines, start_worker
 from conftest import free_port  # type: ignore[import-not-found]
-from netns import NetNs, NetNsUnavailable  # type: ignore[import-not-found]
+from netns import NetNs, open_for_test  # type: ignore[import-not-found]
 from test_sharding import TIMEOUT, Stubs, TwoShards, bearer, http, metric, refusal, sharded_config, submit, trailers
 
 import cronoq
@@ -44,12 +43,7 @@ PEER_PORT = 7070  # inside the namespace: nothing else listens there
 
 @pytest.fixture
 def netns() -> Iterator[NetNs]:
-    try:
-        ns = NetNs().__enter__()
-    except NetNsUnavailable as err:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"a network namespace is required in CI (root and iproute2): {err}")
-        pytest.skip(f"no network namespace (needs root and iproute2): {err}")
+    ns = open_for_test()
     try:
         yield ns
     finally:
