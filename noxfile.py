@@ -108,13 +108,21 @@ def check_generated(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Every test: generated-code check, buf lint, unit, store and integration tests."""
+    """Every test: generated-code check, buf lint, unit, store and integration tests; without
+    arguments also the Go SDK's vet and unit tests and the conformance corpus."""
     session.install(*PACKAGES, *TEST_DEPS)
     check_generated(session)
     args = session.posargs or ["-n", "2", "--dist", "loadfile"]
     session.run("pytest", *args, env={"PYTHONDONTWRITEBYTECODE": "1"})
-    if not session.posargs:  # the whole suite: the conformance corpus too, with every SDK's driver
+    if not session.posargs:  # the whole suite: Go vet and unit tests, the conformance corpus with every driver
+        _go_checks(session)
         _conformance(session, [])
+
+
+def _go_checks(session: nox.Session) -> None:
+    """go vet and the Go SDK's unit tests (in sdk-go)."""
+    session.run("go", "-C", str(GO_SDK), "vet", "./...", external=True)
+    session.run("go", "-C", str(GO_SDK), "test", "./...", external=True)
 
 
 def _conformance(session: nox.Session, args: list[str]) -> None:
