@@ -4,6 +4,9 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
+	"io"
+	"iter"
 	"time"
 
 	"google.golang.org/grpc"
@@ -241,4 +244,148 @@ func (c *Client) List(ctx context.Context, opts ListOptions) (*cronoqv1.ListTask
 		return err
 	})
 	return resp, err
+}
+
+// WatchOptions select the events of Watch.
+type WatchOptions struct {
+	// Pool: empty for every pool the caller may read.
+	Pool string
+	// Cursor: start after that event (a TaskEvent's Cursor) instead of live.
+	Cursor string
+	// IncludePayloads: events carry tasks' payloads and results.
+	IncludePayloads bool
+	// NoResume: end with the stream (and its error) instead of opening it again.
+	NoResume bool
+	// OnReconnect, when set, is called before each reconnection with the error that ended
+	// the stream (nil when the server ended it cleanly) and the cursor it resumes from.
+	OnReconnect func(err error, cursor string)
+}
+
+// watchStartKey: a sharded server's initial metadata (and trailers) name where a live
+// stream starts, so a stream that breaks before its first event resumes from there.
+const watchStartKey = "cronoq-watch-cursor"
+
+// watchConnected: a stream that stayed open this long was connected: a failure after it
+// starts a new row of failures (Retry.MaxElapsed bounds a row), as an event received does.
+const watchConnected = 5 * time.Second
+
+// Watch streams task events as they happen. Unless NoResume, a stream that ends or
+// breaks (a restart or drain, a new leader, UNAVAILABLE, or ABORTED because the watcher
+// fell behind) is opened again from the last event's cursor, through the endpoint rules of
+// every call: the events in between are replayed, and one seen already is skipped. A row of
+// failures with no event is given up after Retry.MaxElapsed; other errors (PERMISSION_DENIED,
+// OUT_OF_RANGE for a cursor the server no longer keeps, ...) end the iteration at once.
+// Break out of the loop, or cancel ctx, to stop watching.
+//
+//	for event, err := range client.Watch(ctx, cronoq.WatchOptions{Pool: "default"}) {
+//		if err != nil { return err }
+//		fmt.Println(event.GetTask().GetId(), event.GetTask().GetState())
+//	}
+func (c *Client) Watch(ctx context.Context, opts WatchOptions) iter.Seq2[*cronoqv1.TaskEvent, error] {
+	return func(yield func(*cronoqv1.TaskEvent, error) bool) {
+		cursor := opts.Cursor
+		lastSeq := map[string]uint64{} // shard -> the seq of the last event yielded
+		var failingSince time.Time
+		failures := 0
+		for {
+			opened := time.Now()
+			stop, err := c.watchOnce(ctx, opts, &cursor, lastSeq, yield, &failingSince, &failures)
+			if stop {
+				return
+			}
+			if ctx.Err() != nil {
+				yield(nil, ctx.Err())
+				return
+			}
+			transient := err == nil || errors.Is(err, ErrUnavailable) || errors.Is(err, ErrCancelled) ||
+				errors.Is(err, ErrAborted) || errors.Is(err, ErrInternal)
+			if opts.NoResume || !transient {
+				if err != nil {
+					yield(nil, err)
+				}
+				return
+			}
+			now := time.Now()
+			if now.Sub(opened) >= watchConnected {
+				failingSince, failures = time.Time{}, 0
+			}
+			if failingSince.IsZero() {
+				failingSince = now
+			}
+			if c.conn.retry.MaxElapsed > 0 && now.Sub(failingSince) >= c.conn.retry.MaxElapsed {
+				if err == nil {
+					err = newError(codes.Unavailable, kindCode, "watch: the server kept ending the stream for %v", c.conn.retry.MaxElapsed)
+				}
+				yield(nil, err)
+				return
+			}
+			if errors.Is(err, ErrUnavailable) || errors.Is(err, ErrCancelled) {
+				c.conn.onUnavailable(err) // to the leader a standby names, or the next endpoint
+			}
+			c.conn.log.Info("cronoq: watch stream ended; reconnecting", "error", err, "endpoint", c.conn.endpoint().String())
+			if opts.OnReconnect != nil {
+				opts.OnReconnect(err, cursor)
+			}
+			if sleep(ctx, c.conn.retry.Backoff(failures)) != nil {
+				yield(nil, ctx.Err())
+				return
+			}
+			failures++
+		}
+	}
+}
+
+// watchOnce runs one Watch stream; stop: the caller broke out of its loop.
+func (c *Client) watchOnce(ctx context.Context, opts WatchOptions, cursor *string, lastSeq map[string]uint64,
+	yield func(*cronoqv1.TaskEvent, error) bool, failingSince *time.Time, failures *int,
+) (stop bool, err error) {
+	cc, ep, err := c.conn.channel()
+	if err != nil {
+		return false, err
+	}
+	sctx, cancel := context.WithCancel(c.conn.outgoing(ctx))
+	defer cancel() // a caller that stops early closes the stream
+	req := &cronoqv1.WatchRequest{Pool: opts.Pool, IncludePayloads: opts.IncludePayloads, Cursor: *cursor}
+	stream, err := cronoqv1.NewTaskServiceClient(cc).Watch(sctx, req)
+	if err != nil {
+		return false, diagnose(ep, fromGRPC(err, nil))
+	}
+	if *cursor == "" {
+		if header, herr := stream.Header(); herr == nil && len(header.Get(watchStartKey)) > 0 {
+			*cursor = header.Get(watchStartKey)[0]
+		}
+	}
+	received := false
+	for {
+		resp, rerr := stream.Recv()
+		if rerr != nil {
+			if *cursor == "" { // a call that ended at once: the server repeats the start in its trailers
+				if v := stream.Trailer().Get(watchStartKey); len(v) > 0 {
+					*cursor = v[0]
+				}
+			}
+			if rerr == io.EOF {
+				return false, nil
+			}
+			err := fromGRPC(rerr, stream.Trailer())
+			if !received {
+				err = diagnose(ep, err)
+			}
+			return false, err
+		}
+		event := resp.GetEvent()
+		received, *failingSince, *failures = true, time.Time{}, 0
+		if event.GetCursor() != "" {
+			*cursor = event.GetCursor()
+		}
+		if seq := event.GetSeq(); seq != 0 {
+			if seq <= lastSeq[event.GetShard()] {
+				continue // replayed after a reconnect, and yielded before it
+			}
+			lastSeq[event.GetShard()] = seq
+		}
+		if !yield(event, nil) {
+			return true, nil
+		}
+	}
 }
