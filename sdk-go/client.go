@@ -348,7 +348,7 @@ func (c *Client) watchOnce(ctx context.Context, opts WatchOptions, cursor *strin
 	req := &cronoqv1.WatchRequest{Pool: opts.Pool, IncludePayloads: opts.IncludePayloads, Cursor: *cursor}
 	stream, err := cronoqv1.NewTaskServiceClient(cc).Watch(sctx, req)
 	if err != nil {
-		return false, diagnose(ep, fromGRPC(err, nil))
+		return false, c.conn.diagnose(ep, fromGRPC(err, nil))
 	}
 	if *cursor == "" {
 		if header, herr := stream.Header(); herr == nil && len(header.Get(watchStartKey)) > 0 {
@@ -369,7 +369,7 @@ func (c *Client) watchOnce(ctx context.Context, opts WatchOptions, cursor *strin
 			}
 			err := fromGRPC(rerr, stream.Trailer())
 			if !received {
-				err = diagnose(ep, err)
+				err = c.conn.diagnose(ep, err)
 			}
 			return false, err
 		}

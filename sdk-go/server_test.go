@@ -193,3 +193,32 @@ func selfSigned(t *testing.T) tls.Certificate {
 	}
 	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
 }
+
+func TestPlainHTTPToATLSPortSaysUseHTTPS(t *testing.T) {
+	addr := serve(t, func(s *grpc.Server) {
+		cronoqv1.RegisterTaskServiceServer(s, &taskServer{})
+	}, grpc.Creds(credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{selfSigned(t)}})))
+	client, _ := NewClient(Options{Endpoint: "http://" + addr, Retry: fastRetry(), Logger: quietLogger()})
+	defer client.Close()
+	_, err := client.Get(context.Background(), ByID(1))
+	if want := "http://" + addr + ": the server speaks TLS on this port: use https://" + addr; !errors.Is(err, ErrTLS) || err.Error() != want {
+		t.Errorf("%v, want an ErrTLS %q", err, want)
+	}
+}
+
+func TestAClientCertificateTheServerRequiresIsNamed(t *testing.T) {
+	server := selfSigned(t)
+	leaf, _ := x509.ParseCertificate(server.Certificate[0])
+	roots := x509.NewCertPool()
+	roots.AddCert(leaf)
+	addr := serve(t, func(s *grpc.Server) {
+		cronoqv1.RegisterTaskServiceServer(s, &taskServer{})
+	}, grpc.Creds(credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{server}, ClientAuth: tls.RequireAnyClientCert})))
+	client, _ := NewClient(Options{Endpoint: "https://" + addr, Retry: fastRetry(), Logger: quietLogger()})
+	defer client.Close()
+	client.conn.tlsConfig.RootCAs = roots // trust the server: only the client certificate is missing
+	_, err := client.Get(context.Background(), ByID(1))
+	if !errors.Is(err, ErrTLS) || !strings.Contains(err.Error(), "the server requires a client certificate") {
+		t.Errorf("%v, want an ErrTLS saying a client certificate is required", err)
+	}
+}

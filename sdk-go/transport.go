@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
@@ -205,7 +206,8 @@ type connection struct {
 	configured []Endpoint
 	token      string
 	tlsConfig  *tls.Config
-	insecure   bool // follow redirects to plain http:// on other hosts with the token
+	tlsFiles   *TLSConfig // the file names, for messages
+	insecure   bool       // follow redirects to plain http:// on other hosts with the token
 	retry      RetryConfig
 	timeout    time.Duration
 	log        *slog.Logger
@@ -229,6 +231,7 @@ func newConnection(o *Options) (*connection, error) {
 		configured: configured,
 		token:      o.Token,
 		tlsConfig:  tlsConfig,
+		tlsFiles:   o.TLS,
 		insecure:   o.InsecureRedirectHTTP,
 		retry:      o.Retry.withDefaults(),
 		timeout:    o.timeout(),
@@ -342,7 +345,7 @@ func (c *connection) once(ctx context.Context, timeout time.Duration, call func(
 	}
 	var trailer metadata.MD
 	err = call(c.outgoing(ctx), cc, grpc.Trailer(&trailer))
-	return diagnose(ep, fromGRPC(err, trailer))
+	return c.diagnose(ep, fromGRPC(err, trailer))
 }
 
 // invoke runs call with the transport retries: UNAVAILABLE and CANCELLED (that ctx did
@@ -411,34 +414,138 @@ var tlsReasons = []struct{ marker, reason string }{
 }
 
 // diagnose turns an UNAVAILABLE that is a failed TLS handshake with ep into an ErrTLS.
-func diagnose(ep Endpoint, err error) error {
+// gRPC names most handshake failures; a server that refuses the client's certificate
+// (TLS 1.3) or that speaks TLS to a plaintext client just closes the connection, which a
+// probe tells apart from a server going away.
+func (c *connection) diagnose(ep Endpoint, err error) error {
 	var e *Error
-	if !ep.Secure() || !asError(err, &e) || e.Code != codes.Unavailable || e.kind != kindCode {
+	if !asError(err, &e) || e.Code != codes.Unavailable || e.kind != kindCode {
 		return err
 	}
 	msg := e.Message
-	if !strings.Contains(msg, "authentication handshake failed") && !strings.Contains(msg, "remote error: tls:") &&
-		!strings.Contains(msg, "x509:") && !strings.Contains(msg, "tls:") {
-		return err
-	}
+	closed := strings.Contains(msg, "error reading server preface") || strings.Contains(msg, "connection reset") ||
+		strings.Contains(msg, "connection closed")
 	reason := ""
-	for _, r := range tlsReasons {
-		if strings.Contains(msg, r.marker) {
-			reason = r.reason
-			if strings.Contains(reason, "%s") {
-				reason = fmt.Sprintf(reason, strconv.Quote(ep.Host))
-			}
-			break
+	switch {
+	case !ep.Secure():
+		if closed && probeSpeaksTLS(ep) {
+			secure := ep
+			secure.Scheme = "https"
+			out := *e
+			out.kind = kindTLS
+			out.Message = fmt.Sprintf("%s: the server speaks TLS on this port: use %s", ep, secure)
+			return &out
 		}
+		return err
+	case strings.Contains(msg, "authentication handshake failed") || strings.Contains(msg, "remote error: tls:") ||
+		strings.Contains(msg, "x509:"):
+		reason = tlsReason(msg, ep, c.tlsFiles)
+	case closed:
+		reason = probeTLS(ep, c.tlsConfig, c.tlsFiles)
 	}
 	if reason == "" {
-		reason = msg
-		if i := strings.Index(msg, "handshake failed: "); i >= 0 {
-			reason = strings.TrimSuffix(msg[i+len("handshake failed: "):], `"`)
-		}
+		return err
 	}
 	out := *e
 	out.kind = kindTLS
 	out.Message = fmt.Sprintf("%s: TLS handshake failed: %s (%s)", ep, reason, strings.TrimSpace(msg))
 	return &out
+}
+
+// tlsReason says what a handshake error means.
+func tlsReason(msg string, ep Endpoint, files *TLSConfig) string {
+	for _, r := range tlsReasons {
+		if strings.Contains(msg, r.marker) {
+			if strings.Contains(r.reason, "%s") {
+				return fmt.Sprintf(r.reason, strconv.Quote(ep.Host))
+			}
+			if strings.HasPrefix(r.reason, "the server refused the client certificate") ||
+				strings.HasPrefix(r.reason, "the server requires a client certificate") {
+				return clientCertReason(files)
+			}
+			return r.reason
+		}
+	}
+	if i := strings.Index(msg, "handshake failed: "); i >= 0 {
+		return strings.TrimSuffix(msg[i+len("handshake failed: "):], `"`)
+	}
+	return msg
+}
+
+// clientCertReason: why a server that closes the connection after the handshake refused this client.
+func clientCertReason(files *TLSConfig) string {
+	if files == nil || files.CertFile == "" {
+		return "the server requires a client certificate (none given: set TLSConfig.CertFile and KeyFile)"
+	}
+	if pair, err := tls.LoadX509KeyPair(files.CertFile, files.KeyFile); err == nil && len(pair.Certificate) > 0 {
+		if leaf, err := x509.ParseCertificate(pair.Certificate[0]); err == nil {
+			now := time.Now()
+			if now.After(leaf.NotAfter) {
+				return fmt.Sprintf("the client certificate %q has expired (on %s UTC)", files.CertFile, leaf.NotAfter.UTC().Format("2006-01-02 15:04"))
+			}
+			if now.Before(leaf.NotBefore) {
+				return fmt.Sprintf("the client certificate %q is not yet valid", files.CertFile)
+			}
+		}
+	}
+	return fmt.Sprintf("the server refused the client certificate %q (not signed by a CA in its server.tls.client_ca, or expired)", files.CertFile)
+}
+
+// probeTimeout bounds each step of a probe.
+const probeTimeout = 3 * time.Second
+
+// The HTTP/2 client connection preface and an empty SETTINGS frame.
+var h2Preface = []byte("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+
+// probeTLS is why a TLS connection to ep fails, or "" if it does not, or if the server
+// cannot be reached at all (that is no TLS problem).
+func probeTLS(ep Endpoint, cfg *tls.Config, files *TLSConfig) string {
+	raw, err := net.DialTimeout("tcp", ep.Target(), probeTimeout)
+	if err != nil {
+		return ""
+	}
+	defer raw.Close()
+	_ = raw.SetDeadline(time.Now().Add(probeTimeout))
+	cfg = cfg.Clone()
+	cfg.ServerName, cfg.NextProtos = ep.Host, []string{"h2"}
+	conn := tls.Client(raw, cfg)
+	if err := conn.Handshake(); err != nil {
+		if isTimeout(err) {
+			return ""
+		}
+		return tlsReason(err.Error(), ep, files)
+	}
+	// TLS 1.3: the server checks the client's certificate after the client's side of the
+	// handshake; one that refuses it closes the connection, one that accepts it answers the
+	// HTTP/2 preface with its SETTINGS.
+	if _, err := conn.Write(h2Preface); err != nil {
+		return clientCertReason(files)
+	}
+	var b [1]byte
+	if _, err := conn.Read(b[:]); err != nil && !isTimeout(err) {
+		if strings.Contains(err.Error(), "remote error: tls:") {
+			return tlsReason(err.Error(), ep, files)
+		}
+		return clientCertReason(files)
+	}
+	return ""
+}
+
+// probeSpeaksTLS reports whether a TLS handshake (unverified) with ep completes, or is
+// refused with a TLS alert: a TLS server on a port the client was told is plaintext.
+func probeSpeaksTLS(ep Endpoint) bool {
+	raw, err := net.DialTimeout("tcp", ep.Target(), probeTimeout)
+	if err != nil {
+		return false
+	}
+	defer raw.Close()
+	_ = raw.SetDeadline(time.Now().Add(probeTimeout))
+	conn := tls.Client(raw, &tls.Config{InsecureSkipVerify: true, ServerName: ep.Host}) //nolint:gosec // a probe: nothing is sent
+	err = conn.Handshake()
+	return err == nil || strings.Contains(err.Error(), "remote error: tls:")
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
 }

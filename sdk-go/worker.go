@@ -519,7 +519,7 @@ func (w *Worker) workStream(calls, tasks context.Context) error {
 	defer cancel()
 	stream, err := cronoqv1.NewWorkerServiceClient(cc).Work(ctx)
 	if err != nil {
-		return diagnose(ep, fromGRPC(err, nil))
+		return w.conn.diagnose(ep, fromGRPC(err, nil))
 	}
 	w.mu.Lock()
 	w.outcomes = w.outcomes[:0]
@@ -552,7 +552,7 @@ func (w *Worker) workStream(calls, tasks context.Context) error {
 			return nil
 		}
 		if err != nil {
-			return diagnose(ep, fromGRPC(err, stream.Trailer()))
+			return w.conn.diagnose(ep, fromGRPC(err, stream.Trailer()))
 		}
 		w.answered(tasks, answer)
 	}
