@@ -582,16 +582,32 @@ func (w *Worker) sendLoop(ctx context.Context, stream grpc.BidiStreamingClient[c
 		linger := w.opts.FinishLinger > 0 && len(w.outcomes) > 0 && len(w.running) > 0 &&
 			len(w.outcomes) < maxFinishBatch && !w.stopping
 		w.mu.Unlock()
-		if linger {
-			if sleep(ctx, w.opts.FinishLinger) != nil {
-				return
-			}
-			select { // what woke it during the linger is in this message
-			case <-w.wake:
-			default:
-			}
+		if linger && !w.linger(ctx) {
+			return
 		}
 		message = w.nextMessage()
+	}
+}
+
+// linger waits for more outcomes to join the ones pending: until every running handler
+// has returned, the batch is full, or FinishLinger passes. False when ctx ends first.
+func (w *Worker) linger(ctx context.Context) bool {
+	timer := time.NewTimer(w.opts.FinishLinger)
+	defer timer.Stop()
+	for {
+		select {
+		case <-w.wake: // each handler that returns wakes the sender
+			w.mu.Lock()
+			more := len(w.running) > 0 && len(w.outcomes) < maxFinishBatch
+			w.mu.Unlock()
+			if !more {
+				return true
+			}
+		case <-timer.C:
+			return true
+		case <-ctx.Done():
+			return false
+		}
 	}
 }
 
