@@ -308,11 +308,11 @@ func (c *connection) onUnavailable(err error) {
 	var e *Error
 	if asError(err, &e) && e.Leader != "" {
 		if leader, perr := ParseEndpoint(e.Leader); perr == nil && leader != c.endpoint() {
-			if ferr := c.follow(e.Leader); ferr == nil {
+			ferr := c.follow(e.Leader)
+			if ferr == nil {
 				return
-			} else {
-				c.log.Warn("cronoq: not following the leader", "leader", e.Leader, "error", ferr)
 			}
+			c.log.Warn("cronoq: not following the leader", "leader", e.Leader, "error", ferr)
 		}
 	}
 	c.mu.Lock()

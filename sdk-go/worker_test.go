@@ -24,7 +24,6 @@ type workServer struct {
 	cancel       map[uint64]bool
 	deregistered bool
 	unused       int // credits given and not used, on the current stream
-	overdrawn    bool
 }
 
 func newWorkServer(tasks ...*cronoqv1.Task) *workServer {
