@@ -4,12 +4,18 @@ import (
 	"context"
 	"errors"
 	"io"
+	"net"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 
 	cronoqv1 "github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1"
 )
@@ -245,4 +251,94 @@ func TestWorkerOptionsAreChecked(t *testing.T) {
 	if err != nil || w.opts.Concurrency != 16 || w.opts.ShutdownGrace != 30*time.Second || w.Endpoint().String() != DefaultEndpoint {
 		t.Errorf("defaults: %+v, %v", w.opts, err)
 	}
+}
+
+// redirectServer refuses RegisterWorker, naming another shard's endpoint.
+type redirectServer struct {
+	cronoqv1.UnimplementedWorkerServiceServer
+	to    string
+	calls atomic.Int32
+}
+
+func (s *redirectServer) RegisterWorker(ctx context.Context, _ *cronoqv1.RegisterWorkerRequest) (*cronoqv1.RegisterWorkerResponse, error) {
+	s.calls.Add(1)
+	_ = grpc.SetTrailer(ctx, metadata.Pairs("cronoq-shard", "gpu", "cronoq-shard-endpoint", s.to))
+	return nil, status.Error(codes.FailedPrecondition, "pool default is served by shard gpu at "+s.to)
+}
+
+func TestWorkerFollowsThreeRedirectsAndRefusesTheFourth(t *testing.T) {
+	// e <- d <- c <- b <- a: a worker configured with a is sent to b, c, d, and refused at d.
+	e := &redirectServer{to: "http://127.0.0.1:1"}
+	url := "http://" + serve(t, func(s *grpc.Server) { cronoqv1.RegisterWorkerServiceServer(s, e) })
+	chain := []*redirectServer{}
+	for range 4 {
+		r := &redirectServer{to: url}
+		chain = append([]*redirectServer{r}, chain...)
+		url = "http://" + serve(t, func(s *grpc.Server) { cronoqv1.RegisterWorkerServiceServer(s, r) })
+	}
+	w, err := NewWorker(WorkerOptions{Options: Options{Endpoint: url, Retry: fastRetry(), Logger: quietLogger()}, Pools: []string{"default"}},
+		func(context.Context, *Task) (any, error) { return nil, nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = w.Run(context.Background())
+	if !errors.Is(err, ErrTooManyRedirects) || !strings.Contains(err.Error(), "more than 3 times in a row") {
+		t.Fatalf("%v, want ErrTooManyRedirects", err)
+	}
+	for i, r := range chain {
+		if r.calls.Load() != 1 {
+			t.Errorf("server %d called %d times", i, r.calls.Load())
+		}
+	}
+	if e.calls.Load() != 0 {
+		t.Error("the 5th server was called")
+	}
+}
+
+func TestWorkerGoesBackToItsEndpointWhenTheRedirectTargetIsDown(t *testing.T) {
+	srv := newWorkServer(jsonTask(3, `{}`))
+	down := "http://127.0.0.1:" + strconv.Itoa(closedPort(t))
+	first := &onceRedirect{workServer: srv, to: down}
+	addr := serve(t, func(s *grpc.Server) { cronoqv1.RegisterWorkerServiceServer(s, first) })
+	w, err := NewWorker(WorkerOptions{Options: Options{Endpoint: "http://" + addr, Retry: fastRetry(), Logger: quietLogger()}, Pools: []string{"default"}},
+		func(context.Context, *Task) (any, error) { return nil, nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- w.Run(context.Background()) }()
+	waitFor(t, "the task's outcome", func() bool { return srv.outcome(3) != nil })
+	w.Stop()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if w.Endpoint().String() != "http://"+addr {
+		t.Errorf("endpoint %s, want the configured http://%s", w.Endpoint(), addr)
+	}
+}
+
+// onceRedirect redirects the first RegisterWorker, then serves.
+type onceRedirect struct {
+	*workServer
+	to         string
+	redirected atomic.Bool
+}
+
+func (s *onceRedirect) RegisterWorker(ctx context.Context, req *cronoqv1.RegisterWorkerRequest) (*cronoqv1.RegisterWorkerResponse, error) {
+	if s.redirected.CompareAndSwap(false, true) {
+		_ = grpc.SetTrailer(ctx, metadata.Pairs("cronoq-shard-endpoint", s.to))
+		return nil, status.Error(codes.FailedPrecondition, "served by another shard")
+	}
+	return s.workServer.RegisterWorker(ctx, req)
+}
+
+// closedPort is a loopback port where nothing listens.
+func closedPort(t *testing.T) int {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	l.Close()
+	return port
 }
