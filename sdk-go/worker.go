@@ -227,8 +227,12 @@ func (w *Worker) Run(ctx context.Context) error {
 	calls, cancelCalls := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelCalls()
 
-	if err := w.register(calls); err != nil || w.stopRequested() {
+	if err := w.register(calls); err != nil {
 		return err
+	}
+	if w.stopRequested() { // stopped while registering
+		w.deregister(context.WithoutCancel(ctx))
+		return nil
 	}
 	w.log.Info("cronoq: worker registered", "worker_id", w.ID(), "endpoint", w.Endpoint().String(), "pools", w.opts.Pools)
 
