@@ -25,6 +25,10 @@ PY_API = ROOT / "proto" / "python"
 PY_GENERATED = PY_API / "cronoq" / "v1"
 # Pinned so that generated code is reproducible byte for byte.
 PROTO_TOOLS = ["grpcio-tools==1.85.1", "mypy-protobuf==5.1.0"]
+# The Go SDK's generated package; its plugins are pinned as tools in sdk-go/go.mod and run
+# by buf with buf.gen.go.yaml (clean: stale files go).
+GO_SDK = ROOT / "sdk-go"
+GO_GENERATED = GO_SDK / "gen" / "cronoq" / "v1"
 # cronoq-api first: the SDK and the server depend on it (uv takes it from here, not an index).
 PACKAGES = ["-e", "proto/python", "-e", "sdk-python", "-e", "server"]
 TEST_DEPS = [
@@ -62,9 +66,19 @@ def _buf(session: nox.Session, *args: str) -> None:
     session.run(str(ROOT / "node_modules" / ".bin" / "buf"), *args, external=True)
 
 
+def _generate_go(session: nox.Session, out: Path) -> None:
+    """The Go SDK's generated code into out (as sdk-go/gen/cronoq/v1 holds it)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        template = Path(tmp) / "buf.gen.yaml"
+        template.write_text((ROOT / "buf.gen.go.yaml").read_text().replace("out: sdk-go/gen", f"out: {tmp}/gen"))
+        _buf(session, "generate", "--template", str(template))
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(Path(tmp) / "gen" / "cronoq" / "v1", out)
+
+
 @nox.session
 def proto(session: nox.Session) -> None:
-    """Lints the protos (buf) and regenerates the committed Python code (clean: stale files go)."""
+    """Lints the protos (buf) and regenerates the committed Python and Go code (clean: stale files go)."""
     session.install(*PROTO_TOOLS)
     _buf(session, "lint")
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,6 +86,8 @@ def proto(session: nox.Session) -> None:
         shutil.rmtree(PY_GENERATED, ignore_errors=True)
         shutil.copytree(Path(tmp) / "cronoq" / "v1", PY_GENERATED)
     session.log(f"generated {PY_GENERATED.relative_to(ROOT)}")
+    _generate_go(session, GO_GENERATED)
+    session.log(f"generated {GO_GENERATED.relative_to(ROOT)}")
 
 
 def check_generated(session: nox.Session) -> None:
@@ -82,6 +98,9 @@ def check_generated(session: nox.Session) -> None:
         _generate_python(session, Path(tmp))
         cmp = filecmp.dircmp(Path(tmp) / "cronoq" / "v1", PY_GENERATED, ignore=["__pycache__"])
         stale = cmp.left_only + cmp.right_only + cmp.diff_files
+        _generate_go(session, Path(tmp) / "go")
+        cmp = filecmp.dircmp(Path(tmp) / "go", GO_GENERATED)
+        stale += [f"sdk-go: {name}" for name in cmp.left_only + cmp.right_only + cmp.diff_files]
         if stale:
             session.error(f"generated code is stale ({', '.join(sorted(stale))}): run `./dev proto` and commit")
     session.log("generated code is up to date; buf lint passed")
@@ -89,13 +108,21 @@ def check_generated(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Every test: generated-code check, buf lint, unit, store and integration tests."""
+    """Every test: generated-code check, buf lint, unit, store and integration tests; without
+    arguments also the Go SDK's vet and unit tests and the conformance corpus."""
     session.install(*PACKAGES, *TEST_DEPS)
     check_generated(session)
     args = session.posargs or ["-n", "2", "--dist", "loadfile"]
     session.run("pytest", *args, env={"PYTHONDONTWRITEBYTECODE": "1"})
-    if not session.posargs:  # the whole suite: the conformance corpus too, with every SDK's driver
+    if not session.posargs:  # the whole suite: Go vet and unit tests, the conformance corpus with every driver
+        _go_checks(session)
         _conformance(session, [])
+
+
+def _go_checks(session: nox.Session) -> None:
+    """go vet and the Go SDK's unit tests (in sdk-go)."""
+    session.run("go", "-C", str(GO_SDK), "vet", "./...", external=True)
+    session.run("go", "-C", str(GO_SDK), "test", "./...", external=True)
 
 
 def _conformance(session: nox.Session, args: list[str]) -> None:

@@ -37,8 +37,14 @@ from ports import free_port  # type: ignore[import-not-found]  # noqa: E402
 from tls_pki import Pki  # type: ignore[import-not-found]  # noqa: E402
 
 # How each SDK's driver is started (from the repository's root).
+GO_DRIVER = ROOT / "sdk-go" / "bin" / "conformance-driver"  # gitignored: built by BUILDS
 DRIVERS: dict[str, list[str]] = {
     "python": [sys.executable, str(HERE / "drivers" / "python" / "driver.py")],
+    "go": [str(GO_DRIVER)],
+}
+# What builds an SDK's driver, run once per run before its cases (from the repository's root).
+BUILDS: dict[str, list[str]] = {
+    "go": ["go", "-C", "sdk-go", "build", "-o", str(GO_DRIVER), "./cmd/conformance-driver"],
 }
 TOKEN = "conformance-token"
 CLIENT_SUBJECT = "CN=conformance-worker"
@@ -392,6 +398,18 @@ def run_driver(
         return None, [f"the driver exited {proc.returncode} without a JSON result; stderr: {stderr[-2000:]}"]
 
 
+def build_drivers(sdks: list[str]) -> list[str]:
+    """Builds the drivers of these SDKs that need a build; the SDKs whose build failed."""
+    failed = []
+    for sdk in sdks:
+        if sdk not in BUILDS:
+            continue
+        print(f"conformance: building the {sdk} driver: {' '.join(BUILDS[sdk])}", flush=True)
+        if subprocess.run(BUILDS[sdk], cwd=ROOT).returncode != 0:
+            failed.append(sdk)
+    return failed
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sdk", action="append", choices=sorted(DRIVERS), help="this SDK only (repeatable; default: all)")
@@ -406,6 +424,10 @@ def main() -> int:
             print(f"conformance: no case named {sorted(unknown)}", file=sys.stderr)
             return 2
         cases = [c for c in cases if c["name"] in args.case]
+    unbuilt = build_drivers(sdks)
+    if unbuilt:
+        print(f"conformance: the driver of {', '.join(unbuilt)} did not build", file=sys.stderr)
+        return 1
     results: dict[tuple[str, str], Outcome] = {}
     with tempfile.TemporaryDirectory(prefix="conformance-pki-") as tmp, ExitStack() as stack:
         netns = None

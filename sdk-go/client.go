@@ -1,0 +1,391 @@
+package cronoq
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"io"
+	"iter"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	cronoqv1 "github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1"
+)
+
+// Client calls cronoq: any shard's server, or several servers (Options.Endpoint with
+// commas). UNAVAILABLE moves it to the leader a standby names, or to the next endpoint,
+// and is retried with backoff. A Client is safe for concurrent use; Close it when done.
+type Client struct {
+	conn *connection
+}
+
+// NewClient checks the options (endpoints, TLS files) and returns a Client; it connects
+// on its first call.
+func NewClient(opts Options) (*Client, error) {
+	opts = opts.withDefaults()
+	conn, err := newConnection(&opts)
+	if err != nil {
+		return nil, err
+	}
+	return &Client{conn: conn}, nil
+}
+
+// Endpoint is the server the client talks to now.
+func (c *Client) Endpoint() Endpoint { return c.conn.endpoint() }
+
+// Close closes the client's connections.
+func (c *Client) Close() error { return c.conn.close() }
+
+// TaskRef names one task, by id or by key: ByID or ByKey.
+type TaskRef struct {
+	ref *cronoqv1.TaskRef
+}
+
+// ByID names a task by its id.
+func ByID(id uint64) TaskRef {
+	return TaskRef{&cronoqv1.TaskRef{Ref: &cronoqv1.TaskRef_Id{Id: id}}}
+}
+
+// ByKey names a task by its key (unique within a shard).
+func ByKey(key string) TaskRef {
+	return TaskRef{&cronoqv1.TaskRef{Ref: &cronoqv1.TaskRef_Key{Key: key}}}
+}
+
+func (r TaskRef) proto() (*cronoqv1.TaskRef, error) {
+	if r.ref == nil {
+		return nil, newError(codes.InvalidArgument, kindCode, "task: give cronoq.ByID(id) or cronoq.ByKey(key)")
+	}
+	return r.ref, nil
+}
+
+// TaskSpec is one task to submit.
+type TaskSpec struct {
+	Pool string
+	// Payload: []byte as it is, anything else as JSON (see EncodePayload).
+	Payload any
+	// Key deduplicates within a shard: a known key returns the existing task.
+	Key      string
+	Priority int32
+	// RunAt: not before this time; Delay: not before now + Delay (RunAt wins when both are set).
+	RunAt time.Time
+	Delay time.Duration
+	// MaxAttempts: 0 takes the pool's default.
+	MaxAttempts int32
+	// DependsOn: tasks of the same shard (a batch may name its own keys).
+	DependsOn []TaskRef
+	Resources map[string]int64
+	// Timeout of each attempt (capped by the pool's); 0: the pool's.
+	Timeout time.Duration
+}
+
+func (s TaskSpec) proto() (*cronoqv1.SubmitTaskRequest, error) {
+	data, contentType, err := EncodePayload(s.Payload)
+	if err != nil {
+		return nil, newError(codes.InvalidArgument, kindCode, "payload: %v", err)
+	}
+	req := &cronoqv1.SubmitTaskRequest{
+		Pool:        s.Pool,
+		Key:         s.Key,
+		Payload:     data,
+		ContentType: contentType,
+		Priority:    s.Priority,
+		MaxAttempts: s.MaxAttempts,
+		Resources:   s.Resources,
+	}
+	if s.Timeout > 0 {
+		req.TimeoutMs = max(s.Timeout.Milliseconds(), 1)
+	}
+	switch {
+	case !s.RunAt.IsZero():
+		req.RunAt = timestamppb.New(s.RunAt)
+	case s.Delay > 0:
+		req.RunAt = timestamppb.New(time.Now().Add(s.Delay))
+	}
+	for _, d := range s.DependsOn {
+		ref, err := d.proto()
+		if err != nil {
+			return nil, err
+		}
+		req.DependsOn = append(req.DependsOn, ref)
+	}
+	return req, nil
+}
+
+// NewRequestID is a fresh request id: the server answers a repeated one with what the
+// first call created.
+func NewRequestID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// Submitted is a submission's answer.
+type Submitted struct {
+	Task *Task
+	// Deduplicated: the key already named a task; nothing was created.
+	Deduplicated bool
+}
+
+// Submit submits one task. Every transport retry of the call carries the same request id,
+// so a retry after UNAVAILABLE returns the task the first attempt created.
+func (c *Client) Submit(ctx context.Context, spec TaskSpec) (*Submitted, error) {
+	req, err := spec.proto()
+	if err != nil {
+		return nil, err
+	}
+	req.RequestId = NewRequestID()
+	var resp *cronoqv1.SubmitTaskResponse
+	err = c.conn.invoke(ctx, "SubmitTask", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
+		resp, err = cronoqv1.NewTaskServiceClient(cc).SubmitTask(ctx, req, opts...)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &Submitted{Task: resp.GetTask(), Deduplicated: resp.GetDeduplicated()}, nil
+}
+
+// SubmitBatch admits every task or none; tasks may depend on the batch's own keys.
+// The answer lists the tasks in the order given, and the ids that already existed.
+func (c *Client) SubmitBatch(ctx context.Context, specs []TaskSpec) (*cronoqv1.SubmitBatchResponse, error) {
+	req := &cronoqv1.SubmitBatchRequest{RequestId: NewRequestID()}
+	for _, spec := range specs {
+		task, err := spec.proto()
+		if err != nil {
+			return nil, err
+		}
+		req.Tasks = append(req.Tasks, task)
+	}
+	var resp *cronoqv1.SubmitBatchResponse
+	err := c.conn.invoke(ctx, "SubmitBatch", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
+		resp, err = cronoqv1.NewTaskServiceClient(cc).SubmitBatch(ctx, req, opts...)
+		return err
+	})
+	return resp, err
+}
+
+// Get reads one task.
+func (c *Client) Get(ctx context.Context, ref TaskRef) (*Task, error) {
+	r, err := ref.proto()
+	if err != nil {
+		return nil, err
+	}
+	var resp *cronoqv1.GetTaskResponse
+	err = c.conn.invoke(ctx, "GetTask", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
+		resp, err = cronoqv1.NewTaskServiceClient(cc).GetTask(ctx, &cronoqv1.GetTaskRequest{Task: r}, opts...)
+		return err
+	})
+	return resp.GetTask(), err
+}
+
+// Waited is a Wait's answer: the task, and whether it is terminal.
+type Waited struct {
+	Task *Task
+	Done bool
+}
+
+// Wait blocks until the task is terminal or timeout passes (then Done is false).
+func (c *Client) Wait(ctx context.Context, ref TaskRef, timeout time.Duration) (*Waited, error) {
+	r, err := ref.proto()
+	if err != nil {
+		return nil, err
+	}
+	ms := uint32(min(max(timeout.Milliseconds(), 1), 1<<31))
+	var resp *cronoqv1.WaitTaskResponse
+	err = c.conn.invoke(ctx, "WaitTask", timeout+c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
+		resp, err = cronoqv1.NewTaskServiceClient(cc).WaitTask(ctx, &cronoqv1.WaitTaskRequest{Task: r, TimeoutMs: ms}, opts...)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &Waited{Task: resp.GetTask(), Done: resp.GetDone()}, nil
+}
+
+// Cancel requests the task's cancellation and returns it.
+func (c *Client) Cancel(ctx context.Context, ref TaskRef) (*Task, error) {
+	r, err := ref.proto()
+	if err != nil {
+		return nil, err
+	}
+	var resp *cronoqv1.CancelTaskResponse
+	err = c.conn.invoke(ctx, "CancelTask", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
+		resp, err = cronoqv1.NewTaskServiceClient(cc).CancelTask(ctx, &cronoqv1.CancelTaskRequest{Task: r}, opts...)
+		return err
+	})
+	return resp.GetTask(), err
+}
+
+// ListOptions select a page of tasks.
+type ListOptions struct {
+	// Pool: empty for every pool the caller may read.
+	Pool string
+	// State: 0 for every state.
+	State TaskState
+	// PageSize: 100 when 0.
+	PageSize int32
+	// PageToken: the previous page's NextPageToken.
+	PageToken string
+}
+
+// List returns one page of tasks in id order; pass its NextPageToken for the next.
+func (c *Client) List(ctx context.Context, opts ListOptions) (*cronoqv1.ListTasksResponse, error) {
+	if opts.PageSize == 0 {
+		opts.PageSize = 100
+	}
+	req := &cronoqv1.ListTasksRequest{Pool: opts.Pool, State: opts.State, PageSize: opts.PageSize, PageToken: opts.PageToken}
+	var resp *cronoqv1.ListTasksResponse
+	err := c.conn.invoke(ctx, "ListTasks", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, callOpts ...grpc.CallOption) (err error) {
+		resp, err = cronoqv1.NewTaskServiceClient(cc).ListTasks(ctx, req, callOpts...)
+		return err
+	})
+	return resp, err
+}
+
+// WatchOptions select the events of Watch.
+type WatchOptions struct {
+	// Pool: empty for every pool the caller may read.
+	Pool string
+	// Cursor: start after that event (a TaskEvent's Cursor) instead of live.
+	Cursor string
+	// IncludePayloads: events carry tasks' payloads and results.
+	IncludePayloads bool
+	// NoResume: end with the stream (and its error) instead of opening it again.
+	NoResume bool
+	// OnReconnect, when set, is called before each reconnection with the error that ended
+	// the stream (nil when the server ended it cleanly) and the cursor it resumes from.
+	OnReconnect func(err error, cursor string)
+}
+
+// watchStartKey: a sharded server's initial metadata (and trailers) name where a live
+// stream starts, so a stream that breaks before its first event resumes from there.
+const watchStartKey = "cronoq-watch-cursor"
+
+// watchConnected: a stream that stayed open this long was connected: a failure after it
+// starts a new row of failures (Retry.MaxElapsed bounds a row), as an event received does.
+const watchConnected = 5 * time.Second
+
+// Watch streams task events as they happen. Unless NoResume, a stream that ends or
+// breaks (a restart or drain, a new leader, UNAVAILABLE, or ABORTED because the watcher
+// fell behind) is opened again from the last event's cursor, through the endpoint rules of
+// every call: the events in between are replayed, and one seen already is skipped. A row of
+// failures with no event is given up after Retry.MaxElapsed; other errors (PERMISSION_DENIED,
+// OUT_OF_RANGE for a cursor the server no longer keeps, ...) end the iteration at once.
+// Break out of the loop, or cancel ctx, to stop watching.
+//
+//	for event, err := range client.Watch(ctx, cronoq.WatchOptions{Pool: "default"}) {
+//		if err != nil { return err }
+//		fmt.Println(event.GetTask().GetId(), event.GetTask().GetState())
+//	}
+func (c *Client) Watch(ctx context.Context, opts WatchOptions) iter.Seq2[*cronoqv1.TaskEvent, error] {
+	return func(yield func(*cronoqv1.TaskEvent, error) bool) {
+		cursor := opts.Cursor
+		lastSeq := map[string]uint64{} // shard -> the seq of the last event yielded
+		var failingSince time.Time
+		failures := 0
+		for {
+			opened := time.Now()
+			stop, err := c.watchOnce(ctx, opts, &cursor, lastSeq, yield, &failingSince, &failures)
+			if stop {
+				return
+			}
+			if ctx.Err() != nil {
+				yield(nil, ctx.Err())
+				return
+			}
+			transient := err == nil || errors.Is(err, ErrUnavailable) || errors.Is(err, ErrCancelled) ||
+				errors.Is(err, ErrAborted) || errors.Is(err, ErrInternal)
+			if opts.NoResume || !transient {
+				if err != nil {
+					yield(nil, err)
+				}
+				return
+			}
+			now := time.Now()
+			if now.Sub(opened) >= watchConnected {
+				failingSince, failures = time.Time{}, 0
+			}
+			if failingSince.IsZero() {
+				failingSince = now
+			}
+			if c.conn.retry.MaxElapsed > 0 && now.Sub(failingSince) >= c.conn.retry.MaxElapsed {
+				if err == nil {
+					err = newError(codes.Unavailable, kindCode, "watch: the server kept ending the stream for %v", c.conn.retry.MaxElapsed)
+				}
+				yield(nil, err)
+				return
+			}
+			if errors.Is(err, ErrUnavailable) || errors.Is(err, ErrCancelled) {
+				c.conn.onUnavailable(err) // to the leader a standby names, or the next endpoint
+			}
+			c.conn.log.Info("cronoq: watch stream ended; reconnecting", "error", err, "endpoint", c.conn.endpoint().String())
+			if opts.OnReconnect != nil {
+				opts.OnReconnect(err, cursor)
+			}
+			if sleep(ctx, c.conn.retry.Backoff(failures)) != nil {
+				yield(nil, ctx.Err())
+				return
+			}
+			failures++
+		}
+	}
+}
+
+// watchOnce runs one Watch stream; stop: the caller broke out of its loop.
+func (c *Client) watchOnce(ctx context.Context, opts WatchOptions, cursor *string, lastSeq map[string]uint64,
+	yield func(*cronoqv1.TaskEvent, error) bool, failingSince *time.Time, failures *int,
+) (stop bool, err error) {
+	cc, ep, err := c.conn.channel()
+	if err != nil {
+		return false, err
+	}
+	sctx, cancel := context.WithCancel(c.conn.outgoing(ctx))
+	defer cancel() // a caller that stops early closes the stream
+	req := &cronoqv1.WatchRequest{Pool: opts.Pool, IncludePayloads: opts.IncludePayloads, Cursor: *cursor}
+	stream, err := cronoqv1.NewTaskServiceClient(cc).Watch(sctx, req)
+	if err != nil {
+		return false, c.conn.diagnose(ep, fromGRPC(err, nil))
+	}
+	if *cursor == "" {
+		if header, herr := stream.Header(); herr == nil && len(header.Get(watchStartKey)) > 0 {
+			*cursor = header.Get(watchStartKey)[0]
+		}
+	}
+	received := false
+	for {
+		resp, rerr := stream.Recv()
+		if rerr != nil {
+			if *cursor == "" { // a call that ended at once: the server repeats the start in its trailers
+				if v := stream.Trailer().Get(watchStartKey); len(v) > 0 {
+					*cursor = v[0]
+				}
+			}
+			if rerr == io.EOF {
+				return false, nil
+			}
+			err := fromGRPC(rerr, stream.Trailer())
+			if !received {
+				err = c.conn.diagnose(ep, err)
+			}
+			return false, err
+		}
+		event := resp.GetEvent()
+		received, *failingSince, *failures = true, time.Time{}, 0
+		if event.GetCursor() != "" {
+			*cursor = event.GetCursor()
+		}
+		if seq := event.GetSeq(); seq != 0 {
+			if seq <= lastSeq[event.GetShard()] {
+				continue // replayed after a reconnect, and yielded before it
+			}
+			lastSeq[event.GetShard()] = seq
+		}
+		if !yield(event, nil) {
+			return true, nil
+		}
+	}
+}

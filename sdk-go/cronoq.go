@@ -1,0 +1,95 @@
+// Package cronoq is the Go SDK of cronoq, a durable sharded task queue: a Client that
+// submits, reads, waits for and cancels tasks, and a Worker that runs them.
+//
+//	client, err := cronoq.NewClient(cronoq.Options{Endpoint: "http://127.0.0.1:7070"})
+//	sub, err := client.Submit(ctx, cronoq.TaskSpec{Pool: "default", Payload: map[string]int{"n": 21}})
+//
+//	worker, err := cronoq.NewWorker(cronoq.WorkerOptions{Pools: []string{"default"}},
+//		func(ctx context.Context, task *cronoq.Task) (any, error) {
+//			var in struct{ N int }
+//			if err := cronoq.DecodePayload(task, &in); err != nil {
+//				return nil, cronoq.NonRetryable(err)
+//			}
+//			return map[string]int{"doubled": in.N * 2}, nil
+//		})
+//	err = worker.Run(ctx) // until ctx is done or worker.Stop(); running tasks finish first
+//
+// Every call takes a context; errors are *Error values that match the sentinels of their
+// gRPC code with errors.Is (ErrNotFound, ErrUnavailable, ...) and carry the server's
+// reason, shard, shard endpoint and leader. Task ids are uint64: all 64 bits are used.
+package cronoq
+
+import (
+	"encoding/json"
+	"fmt"
+
+	cronoqv1 "github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1"
+)
+
+// Task is a task as the server holds it (the generated cronoq.v1.Task).
+type Task = cronoqv1.Task
+
+// TaskState is a task's lifecycle state.
+type TaskState = cronoqv1.TaskState
+
+// The task states.
+const (
+	TaskStatePending   = cronoqv1.TaskState_TASK_STATE_PENDING
+	TaskStateBlocked   = cronoqv1.TaskState_TASK_STATE_BLOCKED
+	TaskStateRunning   = cronoqv1.TaskState_TASK_STATE_RUNNING
+	TaskStateSucceeded = cronoqv1.TaskState_TASK_STATE_SUCCEEDED
+	TaskStateFailed    = cronoqv1.TaskState_TASK_STATE_FAILED
+	TaskStateCancelled = cronoqv1.TaskState_TASK_STATE_CANCELLED
+)
+
+// Terminal reports whether a task in this state will not change again.
+func Terminal(s TaskState) bool {
+	return s == TaskStateSucceeded || s == TaskStateFailed || s == TaskStateCancelled
+}
+
+// JSONContentType marks payloads and results stored as JSON.
+const JSONContentType = "application/json"
+
+// EncodePayload is how the SDK stores a payload or a result: []byte as it is, nil as
+// nothing, json.RawMessage and anything else as JSON.
+func EncodePayload(v any) (data []byte, contentType string, err error) {
+	switch p := v.(type) {
+	case nil:
+		return nil, "", nil
+	case []byte:
+		return p, "", nil
+	case json.RawMessage:
+		if len(p) == 0 {
+			return nil, "", nil
+		}
+		return p, JSONContentType, nil
+	}
+	data, err = json.Marshal(v)
+	if err != nil {
+		return nil, "", fmt.Errorf("cronoq: encoding as JSON: %w", err)
+	}
+	return data, JSONContentType, nil
+}
+
+// DecodePayload reads the task's JSON payload into v.
+func DecodePayload(task *Task, v any) error {
+	return decodeJSON(task.GetPayload(), task.GetContentType(), "payload", task.GetId(), v)
+}
+
+// DecodeResult reads the task's JSON result into v.
+func DecodeResult(task *Task, v any) error {
+	return decodeJSON(task.GetResult(), task.GetResultContentType(), "result", task.GetId(), v)
+}
+
+func decodeJSON(data []byte, contentType, what string, id uint64, v any) error {
+	if contentType != JSONContentType {
+		return fmt.Errorf("cronoq: task %d: the %s is not JSON (content type %q)", id, what, contentType)
+	}
+	if len(data) == 0 {
+		data = []byte("null")
+	}
+	if err := json.Unmarshal(data, v); err != nil {
+		return fmt.Errorf("cronoq: task %d: decoding the %s: %w", id, what, err)
+	}
+	return nil
+}

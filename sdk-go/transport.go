@@ -1,0 +1,551 @@
+package cronoq
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+)
+
+// MaxMessageBytes is the channel's send and receive limit.
+const MaxMessageBytes = 64 << 20
+
+// maxRedirects: a worker follows at most this many shard redirects in a row.
+const maxRedirects = 3
+
+// RetryConfig is the transport retry: UNAVAILABLE (and CANCELLED the caller did not ask
+// for) is retried after InitialBackoff doubled per failure in a row, plus up to
+// InitialBackoff of random jitter, capped at MaxBackoff.
+type RetryConfig struct {
+	// InitialBackoff: 50 ms when 0.
+	InitialBackoff time.Duration
+	// MaxBackoff: 2 s when 0.
+	MaxBackoff time.Duration
+	// MaxElapsed bounds a row of retries of one call: 30 s when 0; negative: no bound (a
+	// worker's own calls are retried until it stops, whatever this says).
+	MaxElapsed time.Duration
+}
+
+func (r RetryConfig) withDefaults() RetryConfig {
+	if r.InitialBackoff <= 0 {
+		r.InitialBackoff = 50 * time.Millisecond
+	}
+	if r.MaxBackoff <= 0 {
+		r.MaxBackoff = 2 * time.Second
+	}
+	if r.MaxBackoff < r.InitialBackoff {
+		r.MaxBackoff = r.InitialBackoff
+	}
+	if r.MaxElapsed == 0 {
+		r.MaxElapsed = 30 * time.Second
+	}
+	return r
+}
+
+// Backoff is how long to wait after failures earlier failures in a row (0 for the first):
+// InitialBackoff doubled per failure, plus up to InitialBackoff of jitter, capped at MaxBackoff.
+func (r RetryConfig) Backoff(failures int) time.Duration {
+	r = r.withDefaults()
+	jitter := time.Duration(rand.Int64N(int64(r.InitialBackoff) + 1))
+	d := r.InitialBackoff << min(failures, 30)
+	if d <= 0 || d > r.MaxBackoff { // <= 0: overflow
+		return r.MaxBackoff
+	}
+	return min(d+jitter, r.MaxBackoff)
+}
+
+// TLSConfig names PEM files for https:// endpoints.
+type TLSConfig struct {
+	// CAFile: the CA bundle the server's certificate must chain to; the system roots when empty.
+	CAFile string
+	// CertFile and KeyFile: a client certificate and its unencrypted key, for servers that
+	// require one (server.tls.client_ca). Give both or neither.
+	CertFile, KeyFile string
+}
+
+// load reads the files once; the result is kept for every endpoint, redirects included.
+func (t *TLSConfig) load() (*tls.Config, error) {
+	cfg := &tls.Config{MinVersion: tls.VersionTLS12}
+	if t == nil {
+		return cfg, nil
+	}
+	if (t.CertFile == "") != (t.KeyFile == "") {
+		return nil, newError(codes.InvalidArgument, kindCode,
+			"tls: give both CertFile and KeyFile (a client certificate and its key), or neither")
+	}
+	if t.CAFile != "" {
+		pem, err := os.ReadFile(t.CAFile)
+		if err != nil {
+			return nil, newError(codes.InvalidArgument, kindCode, "tls.CAFile: cannot read %q: %v", t.CAFile, err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, newError(codes.InvalidArgument, kindCode, "tls.CAFile: %q holds no PEM certificate", t.CAFile)
+		}
+		cfg.RootCAs = pool
+	}
+	if t.CertFile != "" {
+		pair, err := tls.LoadX509KeyPair(t.CertFile, t.KeyFile)
+		if err != nil {
+			return nil, newError(codes.InvalidArgument, kindCode,
+				"tls.CertFile: %q with tls.KeyFile %q is not a PEM certificate and its unencrypted key (%v)",
+				t.CertFile, t.KeyFile, err)
+		}
+		cfg.Certificates = []tls.Certificate{pair}
+	}
+	return cfg, nil
+}
+
+// Endpoint is one server: http://host:port or https://host:port.
+type Endpoint struct {
+	Scheme string
+	Host   string
+	Port   int
+}
+
+// ParseEndpoint reads "http://host:port" or "https://host:port" ("host:port" is http://;
+// the port defaults to 80 or 443).
+func ParseEndpoint(text string) (Endpoint, error) {
+	raw := strings.TrimSpace(text)
+	if !strings.Contains(raw, "://") {
+		raw = "http://" + raw
+	}
+	bad := newError(codes.InvalidArgument, kindCode, "endpoint: %q is not http://host:port or https://host:port", text)
+	u, err := url.Parse(raw)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Hostname() == "" ||
+		(u.Path != "" && u.Path != "/") || u.RawQuery != "" || u.User != nil {
+		return Endpoint{}, bad
+	}
+	port := 80
+	if u.Scheme == "https" {
+		port = 443
+	}
+	if p := u.Port(); p != "" {
+		n, err := strconv.Atoi(p)
+		if err != nil || n < 1 || n > 65535 {
+			return Endpoint{}, newError(codes.InvalidArgument, kindCode, "endpoint: %q has a bad port", text)
+		}
+		port = n
+	}
+	return Endpoint{Scheme: u.Scheme, Host: u.Hostname(), Port: port}, nil
+}
+
+// ParseEndpoints reads one endpoint, or several separated by commas (servers of one deployment).
+func ParseEndpoints(text string) ([]Endpoint, error) {
+	var out []Endpoint
+	for _, part := range strings.Split(text, ",") {
+		if strings.TrimSpace(part) == "" {
+			continue
+		}
+		ep, err := ParseEndpoint(part)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, ep)
+	}
+	if len(out) == 0 {
+		return nil, newError(codes.InvalidArgument, kindCode, "endpoint: %q names no endpoint", text)
+	}
+	return out, nil
+}
+
+// Secure reports whether the endpoint is https://.
+func (e Endpoint) Secure() bool { return e.Scheme == "https" }
+
+// Target is host:port as gRPC dials it.
+func (e Endpoint) Target() string { return net.JoinHostPort(e.Host, strconv.Itoa(e.Port)) }
+
+func (e Endpoint) String() string { return e.Scheme + "://" + e.Target() }
+
+// Loopback reports whether the host is localhost or a loopback address.
+func (e Endpoint) Loopback() bool {
+	if e.Host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(e.Host)
+	return ip != nil && ip.IsLoopback()
+}
+
+// CheckRedirect applies the connection rules to following a redirect (or a standby's
+// leader hint) from current to target: never from https:// to http://, and a bearer token
+// goes over plain http:// only to a loopback host unless insecureRedirectHTTP is set.
+func CheckRedirect(current, target Endpoint, hasToken, insecureRedirectHTTP bool) error {
+	if current.Secure() && !target.Secure() {
+		return newError(codes.FailedPrecondition, kindRedirectRefused,
+			"redirect from %s to %s refused: never follow https:// to http://", current, target)
+	}
+	if hasToken && !target.Secure() && !target.Loopback() && !insecureRedirectHTTP {
+		return newError(codes.FailedPrecondition, kindRedirectRefused,
+			"redirect to %s refused: the token would go over plain http:// to a non-loopback host "+
+				"(set InsecureRedirectHTTP, insecure_redirect_http, on trusted networks only)", target)
+	}
+	return nil
+}
+
+// connection is a channel to one server of the configured endpoints, moved on
+// UNAVAILABLE: to the leader a standby names (within the redirect rules), else to the next
+// configured endpoint. Channels are kept per endpoint until close.
+type connection struct {
+	configured []Endpoint
+	token      string
+	tlsConfig  *tls.Config
+	tlsFiles   *TLSConfig // the file names, for messages
+	insecure   bool       // follow redirects to plain http:// on other hosts with the token
+	retry      RetryConfig
+	timeout    time.Duration
+	log        *slog.Logger
+
+	mu      sync.Mutex
+	current Endpoint
+	next    int
+	conns   map[Endpoint]*grpc.ClientConn
+}
+
+func newConnection(o *Options) (*connection, error) {
+	configured, err := ParseEndpoints(o.Endpoint)
+	if err != nil {
+		return nil, err
+	}
+	tlsConfig, err := o.TLS.load()
+	if err != nil {
+		return nil, err
+	}
+	return &connection{
+		configured: configured,
+		token:      o.Token,
+		tlsConfig:  tlsConfig,
+		tlsFiles:   o.TLS,
+		insecure:   o.InsecureRedirectHTTP,
+		retry:      o.Retry.withDefaults(),
+		timeout:    o.timeout(),
+		log:        o.logger(),
+		current:    configured[0],
+		conns:      map[Endpoint]*grpc.ClientConn{},
+	}, nil
+}
+
+// endpoint is the server calls go to now.
+func (c *connection) endpoint() Endpoint {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.current
+}
+
+// isConfigured reports whether ep is one of the configured endpoints.
+func (c *connection) isConfigured(ep Endpoint) bool {
+	for _, e := range c.configured {
+		if e == ep {
+			return true
+		}
+	}
+	return false
+}
+
+// channel is the channel to the current endpoint (opened on first use) and that endpoint.
+func (c *connection) channel() (*grpc.ClientConn, Endpoint, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	ep := c.current
+	if cc, ok := c.conns[ep]; ok {
+		return cc, ep, nil
+	}
+	creds := insecure.NewCredentials()
+	if ep.Secure() {
+		creds = credentials.NewTLS(c.tlsConfig.Clone())
+	}
+	cc, err := grpc.NewClient(ep.Target(),
+		grpc.WithTransportCredentials(creds),
+		grpc.WithDisableRetry(),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(MaxMessageBytes), grpc.MaxCallSendMsgSize(MaxMessageBytes)),
+		// Reconnect as fast as the SDK's own retries, not gRPC's default (1 s, growing to 2 min).
+		grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff:           backoff.Config{BaseDelay: c.retry.InitialBackoff, Multiplier: 2, Jitter: 0.2, MaxDelay: c.retry.MaxBackoff},
+			MinConnectTimeout: 5 * time.Second,
+		}),
+	)
+	if err != nil {
+		return nil, ep, newError(codes.InvalidArgument, kindCode, "endpoint %s: %v", ep, err)
+	}
+	c.conns[ep] = cc
+	return cc, ep, nil
+}
+
+// follow moves to target (a redirect or the leader) if the connection rules allow it.
+func (c *connection) follow(target string) error {
+	dest, err := ParseEndpoint(target)
+	if err != nil {
+		return err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if err := CheckRedirect(c.current, dest, c.token != "", c.insecure); err != nil {
+		return err
+	}
+	c.current = dest
+	return nil
+}
+
+// onUnavailable moves after an UNAVAILABLE: to the leader it names, else (with several
+// endpoints, or away from a redirect target) to the next configured endpoint.
+func (c *connection) onUnavailable(err error) {
+	var e *Error
+	if asError(err, &e) && e.Leader != "" {
+		if leader, perr := ParseEndpoint(e.Leader); perr == nil && leader != c.endpoint() {
+			ferr := c.follow(e.Leader)
+			if ferr == nil {
+				return
+			}
+			c.log.Warn("cronoq: not following the leader", "leader", e.Leader, "error", ferr)
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if len(c.configured) > 1 || c.current != c.configured[0] {
+		c.next = (c.next + 1) % len(c.configured)
+		c.current = c.configured[c.next]
+	}
+}
+
+// outgoing adds the token to a call's context.
+func (c *connection) outgoing(ctx context.Context) context.Context {
+	if c.token == "" {
+		return ctx
+	}
+	return metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+c.token)
+}
+
+// once runs call once on the current endpoint, with the token and a timeout (0: none),
+// and translates its error to the SDK's (a failed TLS handshake is an ErrTLS).
+func (c *connection) once(ctx context.Context, timeout time.Duration, call func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) error) error {
+	cc, ep, err := c.channel()
+	if err != nil {
+		return err
+	}
+	if timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, timeout)
+		defer cancel()
+	}
+	var trailer metadata.MD
+	err = call(c.outgoing(ctx), cc, grpc.Trailer(&trailer))
+	return c.diagnose(ep, fromGRPC(err, trailer))
+}
+
+// invoke runs call with the transport retries: UNAVAILABLE and CANCELLED (that ctx did
+// not cause) are retried with backoff, moving to the leader or the next endpoint, until
+// the retry's MaxElapsed.
+func (c *connection) invoke(ctx context.Context, what string, timeout time.Duration, call func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) error) error {
+	started := time.Now()
+	for failures := 0; ; failures++ {
+		err := c.once(ctx, timeout, call)
+		if err == nil || !retryable(err) {
+			return err
+		}
+		if ctx.Err() != nil {
+			return err
+		}
+		if c.retry.MaxElapsed > 0 && time.Since(started) >= c.retry.MaxElapsed {
+			return err
+		}
+		c.onUnavailable(err)
+		delay := c.retry.Backoff(failures)
+		c.log.Debug("cronoq: retrying", "call", what, "error", err, "endpoint", c.endpoint(), "after", delay)
+		if err := sleep(ctx, delay); err != nil {
+			return err
+		}
+	}
+}
+
+func (c *connection) close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var first error
+	for ep, cc := range c.conns {
+		if err := cc.Close(); err != nil && first == nil {
+			first = err
+		}
+		delete(c.conns, ep)
+	}
+	return first
+}
+
+// sleep waits d, or returns ctx's error first.
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// What gRPC's transport says of a failed handshake, and what that means.
+var tlsReasons = []struct{ marker, reason string }{
+	{"certificate signed by unknown authority", "certificate verify failed: unknown CA (the server's certificate is not signed by a trusted CA)"},
+	{"certificate has expired", "certificate verify failed: the server's certificate has expired or is not yet valid"},
+	{"is not valid for", "hostname mismatch: the server's certificate is not valid for %s"},
+	{"certificate is valid for", "hostname mismatch: the server's certificate is not valid for %s"},
+	{"certificate required", "the server requires a client certificate (none given: set TLSConfig.CertFile and KeyFile)"},
+	{"unknown certificate authority", "the server refused the client certificate (not signed by a CA in its server.tls.client_ca)"},
+	{"bad certificate", "the server refused the client certificate (not signed by a CA in its server.tls.client_ca, or expired)"},
+	{"expired certificate", "the server refused the client certificate: it has expired"},
+	{"first record does not look like a TLS handshake", "the server does not speak TLS on this port: is it an http:// endpoint?"},
+	{"no application protocol", "the server does not speak gRPC (HTTP/2) here: is this its HTTP port rather than its gRPC port?"},
+	{"missing selected ALPN property", "the server does not speak gRPC (HTTP/2) here: is this its HTTP port rather than its gRPC port?"},
+}
+
+// diagnose turns an UNAVAILABLE that is a failed TLS handshake with ep into an ErrTLS.
+// gRPC names most handshake failures; a server that refuses the client's certificate
+// (TLS 1.3) or that speaks TLS to a plaintext client just closes the connection, which a
+// probe tells apart from a server going away.
+func (c *connection) diagnose(ep Endpoint, err error) error {
+	var e *Error
+	if !asError(err, &e) || e.Code != codes.Unavailable || e.kind != kindCode {
+		return err
+	}
+	msg := e.Message
+	closed := strings.Contains(msg, "error reading server preface") || strings.Contains(msg, "connection reset") ||
+		strings.Contains(msg, "connection closed")
+	reason := ""
+	switch {
+	case !ep.Secure():
+		if closed && probeSpeaksTLS(ep) {
+			secure := ep
+			secure.Scheme = "https"
+			out := *e
+			out.kind = kindTLS
+			out.Message = fmt.Sprintf("%s: the server speaks TLS on this port: use %s", ep, secure)
+			return &out
+		}
+		return err
+	case strings.Contains(msg, "authentication handshake failed") || strings.Contains(msg, "remote error: tls:") ||
+		strings.Contains(msg, "x509:"):
+		reason = tlsReason(msg, ep, c.tlsFiles)
+	case closed:
+		reason = probeTLS(ep, c.tlsConfig, c.tlsFiles)
+	}
+	if reason == "" {
+		return err
+	}
+	out := *e
+	out.kind = kindTLS
+	out.Message = fmt.Sprintf("%s: TLS handshake failed: %s (%s)", ep, reason, strings.TrimSpace(msg))
+	return &out
+}
+
+// tlsReason says what a handshake error means.
+func tlsReason(msg string, ep Endpoint, files *TLSConfig) string {
+	for _, r := range tlsReasons {
+		if strings.Contains(msg, r.marker) {
+			if strings.Contains(r.reason, "%s") {
+				return fmt.Sprintf(r.reason, strconv.Quote(ep.Host))
+			}
+			if strings.HasPrefix(r.reason, "the server refused the client certificate") ||
+				strings.HasPrefix(r.reason, "the server requires a client certificate") {
+				return clientCertReason(files)
+			}
+			return r.reason
+		}
+	}
+	if i := strings.Index(msg, "handshake failed: "); i >= 0 {
+		return strings.TrimSuffix(msg[i+len("handshake failed: "):], `"`)
+	}
+	return msg
+}
+
+// clientCertReason: why a server that closes the connection after the handshake refused this client.
+func clientCertReason(files *TLSConfig) string {
+	if files == nil || files.CertFile == "" {
+		return "the server requires a client certificate (none given: set TLSConfig.CertFile and KeyFile)"
+	}
+	if pair, err := tls.LoadX509KeyPair(files.CertFile, files.KeyFile); err == nil && len(pair.Certificate) > 0 {
+		if leaf, err := x509.ParseCertificate(pair.Certificate[0]); err == nil {
+			now := time.Now()
+			if now.After(leaf.NotAfter) {
+				return fmt.Sprintf("the client certificate %q has expired (on %s UTC)", files.CertFile, leaf.NotAfter.UTC().Format("2006-01-02 15:04"))
+			}
+			if now.Before(leaf.NotBefore) {
+				return fmt.Sprintf("the client certificate %q is not yet valid", files.CertFile)
+			}
+		}
+	}
+	return fmt.Sprintf("the server refused the client certificate %q (not signed by a CA in its server.tls.client_ca, or expired)", files.CertFile)
+}
+
+// probeTimeout bounds each step of a probe.
+const probeTimeout = 3 * time.Second
+
+// The HTTP/2 client connection preface and an empty SETTINGS frame.
+var h2Preface = []byte("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+
+// probeTLS is why a TLS connection to ep fails, or "" if it does not, or if the server
+// cannot be reached at all (that is no TLS problem).
+func probeTLS(ep Endpoint, cfg *tls.Config, files *TLSConfig) string {
+	raw, err := net.DialTimeout("tcp", ep.Target(), probeTimeout)
+	if err != nil {
+		return ""
+	}
+	defer raw.Close()
+	_ = raw.SetDeadline(time.Now().Add(probeTimeout))
+	cfg = cfg.Clone()
+	cfg.ServerName, cfg.NextProtos = ep.Host, []string{"h2"}
+	conn := tls.Client(raw, cfg)
+	if err := conn.Handshake(); err != nil {
+		if isTimeout(err) {
+			return ""
+		}
+		return tlsReason(err.Error(), ep, files)
+	}
+	// TLS 1.3: the server checks the client's certificate after the client's side of the
+	// handshake; one that refuses it closes the connection, one that accepts it answers the
+	// HTTP/2 preface with its SETTINGS.
+	if _, err := conn.Write(h2Preface); err != nil {
+		return clientCertReason(files)
+	}
+	var b [1]byte
+	if _, err := conn.Read(b[:]); err != nil && !isTimeout(err) {
+		if strings.Contains(err.Error(), "remote error: tls:") {
+			return tlsReason(err.Error(), ep, files)
+		}
+		return clientCertReason(files)
+	}
+	return ""
+}
+
+// probeSpeaksTLS reports whether a TLS handshake (unverified) with ep completes, or is
+// refused with a TLS alert: a TLS server on a port the client was told is plaintext.
+func probeSpeaksTLS(ep Endpoint) bool {
+	raw, err := net.DialTimeout("tcp", ep.Target(), probeTimeout)
+	if err != nil {
+		return false
+	}
+	defer raw.Close()
+	_ = raw.SetDeadline(time.Now().Add(probeTimeout))
+	conn := tls.Client(raw, &tls.Config{InsecureSkipVerify: true, ServerName: ep.Host}) //nolint:gosec // a probe: nothing is sent
+	err = conn.Handshake()
+	return err == nil || strings.Contains(err.Error(), "remote error: tls:")
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}

@@ -1,0 +1,819 @@
+package cronoq
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"runtime/debug"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/proto"
+
+	cronoqv1 "github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1"
+)
+
+// Handler runs one attempt of a task. Its result is stored as EncodePayload stores a
+// payload ([]byte as it is, anything else as JSON). An error fails the attempt, retried
+// with backoff while attempts remain unless it is NonRetryable; RetryAfter sets the delay.
+//
+// ctx is cancelled when the task's cancellation is requested (context.Cause(ctx) is
+// ErrTaskCancelled: the task ends CANCELLED), when its timeout passes, when its lease is
+// lost, or when the worker stops and the shutdown grace has passed (ErrWorkerStopping: the
+// task is given back to the server unfinished).
+type Handler func(ctx context.Context, task *Task) (any, error)
+
+// Why a handler's context was cancelled (context.Cause).
+var (
+	ErrTaskCancelled  = errors.New("cronoq: the task's cancellation was requested")
+	ErrWorkerStopping = errors.New("cronoq: the worker is stopping and its shutdown grace has passed")
+	ErrLeaseLost      = errors.New("cronoq: the task is no longer leased to this worker")
+	ErrTaskTimeout    = errors.New("cronoq: the attempt's timeout passed")
+)
+
+// TaskError is a handler's error that says how the attempt fails: NonRetryable or RetryAfter.
+type TaskError struct {
+	Err error
+	// Retryable: false ends the task FAILED whatever attempts remain.
+	Retryable bool
+	// RetryAfter overrides the pool's backoff before the next attempt when > 0.
+	RetryAfter time.Duration
+}
+
+func (e *TaskError) Error() string { return e.Err.Error() }
+func (e *TaskError) Unwrap() error { return e.Err }
+
+// NonRetryable fails the attempt and the task, whatever attempts remain.
+func NonRetryable(err error) error { return &TaskError{Err: err} }
+
+// RetryAfter fails the attempt; the next one starts no sooner than after d.
+func RetryAfter(err error, d time.Duration) error {
+	return &TaskError{Err: err, Retryable: true, RetryAfter: d}
+}
+
+// WorkerOptions configure a Worker.
+type WorkerOptions struct {
+	Options
+	// Pools the worker runs tasks of (required).
+	Pools []string
+	// Concurrency: the most handlers running at once; 16 when 0.
+	Concurrency int
+	// Name shown by ListWorkers; hostname-pid when empty.
+	Name   string
+	Labels map[string]string
+	// ShutdownGrace: how long running tasks may go on once the worker stops; those still
+	// running then are cancelled and given back to the server. 30 s when 0.
+	ShutdownGrace time.Duration
+	// FinishLinger: how long an outcome waits for others to join its report while handlers
+	// run; 2 ms when 0, none when negative.
+	FinishLinger time.Duration
+}
+
+const (
+	maxFinishBatch        = 1000
+	mib                   = 1 << 20
+	defaultMaxResultBytes = 4 * mib
+	defaultMaxLeaseBytes  = 16 * mib
+	// Room left under MaxMessageBytes for what a message carries besides tasks or outcomes.
+	maxRequestBytes = MaxMessageBytes - mib
+	minLeaseBytes   = mib
+	releaseReason   = "worker shut down"
+	// After the shutdown grace: how long cancelled handlers get to return, and the time left
+	// (from the end of the grace) for them and for the last reports.
+	unwindTime        = time.Second
+	stopExtraTime     = 3 * time.Second
+	deregisterTimeout = 2 * time.Second
+)
+
+// Worker registers with the shard of its pools and runs their tasks over one Work stream:
+// credits for its free slots (never more tasks than its concurrency), outcomes batched,
+// heartbeats naming the attempts it holds, the stream opened again after a failure, and a
+// graceful stop that gives unfinished tasks back. Create it with NewWorker; Run it once.
+type Worker struct {
+	opts    WorkerOptions
+	handler Handler
+	conn    *connection
+	log     *slog.Logger
+
+	started  atomic.Bool
+	stopOnce sync.Once
+	stopCh   chan struct{}
+	wake     chan struct{} // the sender has something to send
+
+	mu             sync.Mutex
+	workerID       string
+	heartbeat      time.Duration
+	maxResultBytes int
+	maxLeaseBytes  uint64
+	leaseBytes     uint64
+	running        map[uint64]*runningTask
+	unacked        map[uint64]*cronoqv1.TaskOutcome // reported, not yet answered
+	outcomes       []*cronoqv1.TaskOutcome          // not yet sent on the current stream
+	freed          uint32                           // slots freed, not yet given as credits
+	beatDue        bool
+	stopping       bool
+	processed      int64
+}
+
+type runningTask struct {
+	attempt         int32
+	cancel          context.CancelCauseFunc
+	done            chan struct{}
+	cancelRequested bool // the server asked: report it cancelled
+	releasing       bool // cancelled at shutdown: give it back
+	lost            bool // no longer ours: report nothing
+}
+
+// NewWorker checks the options and returns a worker that runs handler.
+func NewWorker(opts WorkerOptions, handler Handler) (*Worker, error) {
+	opts.Options = opts.Options.withDefaults()
+	if len(opts.Pools) == 0 {
+		return nil, newError(codes.InvalidArgument, kindCode, "pools: give at least one pool")
+	}
+	if opts.Concurrency < 0 {
+		return nil, newError(codes.InvalidArgument, kindCode, "concurrency: %d must be at least 1", opts.Concurrency)
+	}
+	if opts.Concurrency == 0 {
+		opts.Concurrency = 16
+	}
+	if handler == nil {
+		return nil, newError(codes.InvalidArgument, kindCode, "handler: give a Handler")
+	}
+	if opts.Name == "" {
+		host, _ := os.Hostname()
+		opts.Name = fmt.Sprintf("%s-%d", host, os.Getpid())
+	}
+	if opts.ShutdownGrace <= 0 {
+		opts.ShutdownGrace = 30 * time.Second
+	}
+	if opts.FinishLinger == 0 {
+		opts.FinishLinger = 2 * time.Millisecond
+	}
+	conn, err := newConnection(&opts.Options)
+	if err != nil {
+		return nil, err
+	}
+	return &Worker{
+		opts:           opts,
+		handler:        handler,
+		conn:           conn,
+		log:            opts.logger(),
+		stopCh:         make(chan struct{}),
+		wake:           make(chan struct{}, 1),
+		heartbeat:      10 * time.Second,
+		maxResultBytes: defaultMaxResultBytes,
+		maxLeaseBytes:  defaultMaxLeaseBytes,
+		leaseBytes:     defaultMaxLeaseBytes,
+		running:        map[uint64]*runningTask{},
+		unacked:        map[uint64]*cronoqv1.TaskOutcome{},
+	}, nil
+}
+
+// Endpoint is the server the worker talks to now.
+func (w *Worker) Endpoint() Endpoint { return w.conn.endpoint() }
+
+// ID is the worker id the server gave at registration ("" before).
+func (w *Worker) ID() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.workerID
+}
+
+// Processed is the number of outcomes the server has acknowledged.
+func (w *Worker) Processed() int64 {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.processed
+}
+
+// Stop asks the worker to stop taking tasks; Run returns once running tasks have finished
+// (within ShutdownGrace; the others are given back) and every outcome is reported.
+func (w *Worker) Stop() { w.stopOnce.Do(func() { close(w.stopCh) }) }
+
+func (w *Worker) notify() {
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
+}
+
+// Run registers and runs tasks until ctx is done or Stop is called, then stops
+// gracefully and returns nil. It returns an error when the worker cannot go on: a
+// refusal of its credentials, a TLS failure, a redirect refused or too many redirects.
+// It runs at most once per Worker.
+func (w *Worker) Run(ctx context.Context) error {
+	if !w.started.CompareAndSwap(false, true) {
+		return newError(codes.FailedPrecondition, kindCode, "worker: Run was called already")
+	}
+	defer w.conn.close()
+	runDone := make(chan struct{})
+	defer close(runDone)
+	go func() {
+		select {
+		case <-ctx.Done():
+			w.Stop()
+		case <-runDone:
+		}
+	}()
+	// The worker's own calls outlive ctx, for the bounded time of a graceful stop.
+	calls, cancelCalls := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelCalls()
+
+	if err := w.register(calls); err != nil {
+		return err
+	}
+	if w.stopRequested() { // stopped while registering
+		w.deregister(context.WithoutCancel(ctx))
+		return nil
+	}
+	w.log.Info("cronoq: worker registered", "worker_id", w.ID(), "endpoint", w.Endpoint().String(), "pools", w.opts.Pools)
+
+	heartbeats, stopHeartbeats := context.WithCancel(calls)
+	defer stopHeartbeats()
+	go w.heartbeatLoop(heartbeats)
+
+	tasks := context.WithoutCancel(ctx)
+	var workErr error
+	workDone := make(chan struct{})
+	go func() {
+		defer close(workDone)
+		workErr = w.workLoop(calls, tasks)
+	}()
+	select {
+	case <-workDone:
+	case <-w.stopCh:
+	}
+	w.mu.Lock()
+	w.stopping = true // also when the stream failed for good: unfinished tasks are released
+	w.mu.Unlock()
+	w.notify()
+	w.finishRunning(workDone, cancelCalls)
+	stopHeartbeats()
+	w.deregister(context.WithoutCancel(ctx))
+	return workErr
+}
+
+func (w *Worker) stopRequested() bool {
+	select {
+	case <-w.stopCh:
+		return true
+	default:
+		return false
+	}
+}
+
+// register registers with the shard of the worker's pools, following up to 3 redirects in
+// a row; UNAVAILABLE is retried (on the leader named, or the next configured endpoint)
+// until Stop. It returns nil without registering when stopped first.
+func (w *Worker) register(calls context.Context) error {
+	ctx, cancel := context.WithCancel(calls)
+	defer cancel()
+	go func() {
+		select {
+		case <-w.stopCh:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	redirects, unavailable := 0, 0
+	chain := []string{w.conn.endpoint().String()} // where it went, and where each server sent it
+	req := &cronoqv1.RegisterWorkerRequest{
+		Name: w.opts.Name, Pools: w.opts.Pools, Concurrency: int32(w.opts.Concurrency), Labels: w.opts.Labels,
+	}
+	for {
+		var resp *cronoqv1.RegisterWorkerResponse
+		err := w.conn.once(ctx, w.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
+			resp, err = cronoqv1.NewWorkerServiceClient(cc).RegisterWorker(ctx, req, opts...)
+			return err
+		})
+		if w.stopRequested() {
+			return nil
+		}
+		var e *Error
+		switch {
+		case err == nil:
+			w.registered(resp)
+			return nil
+		case errors.Is(err, ErrFailedPrecondition) && asError(err, &e) && e.ShardEndpoint != "" && e.kind == kindCode:
+			redirects++
+			shard := e.Shard
+			if shard == "" {
+				shard = "?"
+			}
+			chain = append(chain, fmt.Sprintf("shard %s at %s", shard, e.ShardEndpoint))
+			if redirects > maxRedirects {
+				return newError(codes.FailedPrecondition, kindTooManyRedirects,
+					"worker for %v was redirected more than %d times in a row: %s: check the [[shards]] endpoints",
+					w.opts.Pools, maxRedirects, strings.Join(chain, " -> "))
+			}
+			w.log.Info("cronoq: reconnecting to the shard of the worker's pools",
+				"shard", e.Shard, "endpoint", e.ShardEndpoint, "pools", w.opts.Pools)
+			if err := w.conn.follow(e.ShardEndpoint); err != nil {
+				return err
+			}
+		case errors.Is(err, ErrUnavailable):
+			// The leader a standby names, or else the next configured endpoint (so a redirect
+			// target that is down sends the worker back to its configured one).
+			w.conn.onUnavailable(err)
+			if w.conn.isConfigured(w.conn.endpoint()) {
+				redirects, chain = 0, []string{w.conn.endpoint().String()}
+			}
+			unavailable++
+			delay := min(w.conn.retry.InitialBackoff<<min(unavailable, 10), w.conn.retry.MaxBackoff)
+			delay = time.Duration(float64(delay) * (0.5 + rand.Float64()/2))
+			w.log.Debug("cronoq: register: retrying", "error", err, "endpoint", w.conn.endpoint().String(), "after", delay)
+			if sleep(ctx, delay) != nil {
+				return nil // stopped
+			}
+		default:
+			return err
+		}
+	}
+}
+
+func (w *Worker) registered(resp *cronoqv1.RegisterWorkerResponse) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.workerID = resp.GetWorkerId()
+	w.heartbeat = max(time.Duration(resp.GetHeartbeatIntervalMs())*time.Millisecond, 100*time.Millisecond)
+	// A result must also fit one request on its own; an answer, what this channel receives.
+	w.maxResultBytes = int(min(orDefault(resp.GetMaxResultBytes(), defaultMaxResultBytes), maxRequestBytes))
+	w.maxLeaseBytes = min(orDefault(resp.GetMaxLeaseBytes(), defaultMaxLeaseBytes), maxRequestBytes)
+	w.leaseBytes = w.maxLeaseBytes
+}
+
+func orDefault(v, def uint64) uint64 {
+	if v == 0 {
+		return def
+	}
+	return v
+}
+
+// finished: stopping, and nothing left to run or to report. Call with mu held.
+func (w *Worker) finished() bool {
+	return w.stopping && len(w.running) == 0 && len(w.unacked) == 0
+}
+
+func (w *Worker) isFinished() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.finished()
+}
+
+// finishRunning is the graceful stop: running tasks finish within the grace, the others
+// are cancelled and released; then every outcome is reported and the stream closed, for
+// at most stopExtraTime more.
+func (w *Worker) finishRunning(workDone chan struct{}, cancelCalls context.CancelFunc) {
+	deadline := time.Now().Add(w.opts.ShutdownGrace + stopExtraTime)
+	w.mu.Lock()
+	running := make(map[uint64]*runningTask, len(w.running))
+	for id, rt := range w.running {
+		running[id] = rt
+	}
+	w.mu.Unlock()
+	if len(running) > 0 {
+		w.log.Info("cronoq: waiting for running tasks", "worker_id", w.ID(), "running", len(running))
+		pending := waitAll(running, w.opts.ShutdownGrace)
+		if len(pending) > 0 {
+			w.log.Warn("cronoq: releasing tasks still running after the shutdown grace",
+				"worker_id", w.ID(), "tasks", len(pending), "grace", w.opts.ShutdownGrace)
+			w.mu.Lock()
+			for _, rt := range pending {
+				rt.releasing = true
+			}
+			w.mu.Unlock()
+			for _, rt := range pending {
+				rt.cancel(ErrWorkerStopping)
+			}
+			stuck := waitAll(pending, unwindTime)
+			w.mu.Lock()
+			for id, rt := range stuck { // the handler ignores its context: release the task anyway
+				w.log.Warn("cronoq: handler ignores cancellation; releasing the task", "task_id", id)
+				rt.lost = true // whatever it returns later is not reported
+				delete(w.running, id)
+				w.reportLocked(&cronoqv1.TaskOutcome{TaskId: id, Attempt: rt.attempt,
+					Outcome: &cronoqv1.TaskOutcome_Released{Released: &cronoqv1.TaskReleased{Reason: releaseReason}}})
+			}
+			w.mu.Unlock()
+		}
+	}
+	w.notify() // the stream closes its side once every outcome is answered
+	select {
+	case <-workDone:
+	case <-time.After(time.Until(deadline)):
+	}
+	cancelCalls()
+	<-workDone
+	w.mu.Lock()
+	left := len(w.unacked)
+	w.mu.Unlock()
+	if left > 0 {
+		w.log.Warn("cronoq: outcomes not acknowledged at shutdown; their leases will expire", "worker_id", w.ID(), "outcomes", left)
+	}
+}
+
+// waitAll waits up to d for the tasks' handlers to return; it returns those still running.
+func waitAll(tasks map[uint64]*runningTask, d time.Duration) map[uint64]*runningTask {
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	pending := map[uint64]*runningTask{}
+	for id, rt := range tasks {
+		select {
+		case <-rt.done:
+		case <-timer.C:
+			pending[id] = rt
+		}
+	}
+	// The timer fired: the rest, done or not, are checked without waiting.
+	for id, rt := range pending {
+		select {
+		case <-rt.done:
+			delete(pending, id)
+		default:
+		}
+	}
+	return pending
+}
+
+func (w *Worker) deregister(ctx context.Context) {
+	id := w.ID()
+	if id == "" {
+		return
+	}
+	err := w.conn.once(ctx, deregisterTimeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) error {
+		_, err := cronoqv1.NewWorkerServiceClient(cc).DeregisterWorker(ctx, &cronoqv1.DeregisterWorkerRequest{WorkerId: id}, opts...)
+		return err
+	})
+	if err != nil {
+		w.log.Debug("cronoq: deregister failed", "worker_id", id, "error", err)
+	}
+}
+
+// transientStream: failures of a Work stream that say nothing about the request.
+func transientStream(err error) bool {
+	for _, s := range []error{ErrUnavailable, ErrCancelled, ErrDeadlineExceeded, ErrInternal, ErrUnknown} {
+		if errors.Is(err, s) {
+			return true
+		}
+	}
+	var e *Error
+	return !asError(err, &e) // not a gRPC status: a broken connection
+}
+
+// workLoop opens Work streams one after the other until the worker is finished: a stream
+// that fails is opened again (on the server an UNAVAILABLE names, after a backoff), and
+// the outcomes it did not answer are sent again on the next (fenced by attempt: safe).
+func (w *Worker) workLoop(calls, tasks context.Context) error {
+	failures := 0 // in a row, of the kind that halves max_bytes
+	for !w.isFinished() {
+		err := w.workStream(calls, tasks)
+		if calls.Err() != nil {
+			return nil // the graceful stop's time is up
+		}
+		var e *Error
+		switch {
+		case err == nil: // the server ended it cleanly: do not reopen it in a tight loop
+			failures = 0
+			if !w.isFinished() {
+				_ = sleep(calls, time.Duration(float64(w.conn.retry.InitialBackoff)*(1+rand.Float64())))
+			}
+		case errors.Is(err, ErrNotFound):
+			w.log.Warn("cronoq: worker unknown to the server; registering again", "worker_id", w.ID())
+			if err := w.register(calls); err != nil {
+				return err
+			}
+		case errors.Is(err, ErrPermissionDenied), errors.Is(err, ErrUnauthenticated), errors.Is(err, ErrTLS):
+			return err // no retry can help: Run fails with the reason
+		case transientStream(err): // e.g. a server that stops or steps down
+			if errors.Is(err, ErrUnavailable) {
+				w.conn.onUnavailable(err)
+			}
+			w.log.Warn("cronoq: work stream ended; opening it again", "error", err, "endpoint", w.conn.endpoint().String())
+			_ = sleep(calls, time.Duration(float64(w.conn.retry.InitialBackoff)*(1+3*rand.Float64())))
+		case errors.Is(err, ErrFailedPrecondition) && asError(err, &e) && e.ShardEndpoint != "":
+			return err // the pools moved to another shard
+		default: // e.g. RESOURCE_EXHAUSTED, an answer over the receive limit: smaller answers
+			failures++
+			w.mu.Lock()
+			w.leaseBytes = max(w.leaseBytes/2, minLeaseBytes)
+			w.mu.Unlock()
+			w.log.Error("cronoq: work stream failed; opening it again with a smaller max_bytes", "error", err)
+			_ = sleep(calls, w.conn.retry.Backoff(failures))
+		}
+	}
+	return nil
+}
+
+// workStream is one Work stream: the first message gives the free slots; the sender sends
+// outcomes, freed slots and heartbeats; answers are read here until the server ends it.
+func (w *Worker) workStream(calls, tasks context.Context) error {
+	cc, ep, err := w.conn.channel()
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithCancel(w.conn.outgoing(calls))
+	defer cancel()
+	stream, err := cronoqv1.NewWorkerServiceClient(cc).Work(ctx)
+	if err != nil {
+		return w.conn.diagnose(ep, fromGRPC(err, nil))
+	}
+	w.mu.Lock()
+	w.outcomes = w.outcomes[:0]
+	for _, o := range w.unacked { // what an earlier stream did not answer
+		w.outcomes = append(w.outcomes, o)
+	}
+	w.freed = 0
+	free := 0
+	if !w.stopping {
+		free = w.opts.Concurrency - len(w.running)
+	}
+	first := &cronoqv1.WorkRequest{WorkerId: w.workerID, Credits: uint32(max(free, 0)), MaxBytes: w.leaseBytes}
+	resend := len(w.outcomes) > 0
+	w.mu.Unlock()
+	if resend {
+		w.notify() // sent right after the first message
+	}
+	sent := make(chan struct{})
+	go func() {
+		defer close(sent)
+		w.sendLoop(ctx, stream, first)
+	}()
+	defer func() {
+		cancel()
+		<-sent
+	}()
+	for {
+		answer, err := stream.Recv()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return w.conn.diagnose(ep, fromGRPC(err, stream.Trailer()))
+		}
+		w.answered(tasks, answer)
+	}
+}
+
+// sendLoop sends the stream's messages: outcomes (lingering a moment while handlers run,
+// so more join), the slots handlers freed, heartbeats; it closes its side once stopping
+// and every outcome is answered.
+func (w *Worker) sendLoop(ctx context.Context, stream grpc.BidiStreamingClient[cronoqv1.WorkRequest, cronoqv1.WorkResponse], first *cronoqv1.WorkRequest) {
+	message := first
+	for {
+		if message != nil {
+			if err := stream.Send(message); err != nil {
+				return // the stream ended: the reader sees why
+			}
+		}
+		if w.isFinished() {
+			_ = stream.CloseSend()
+			return
+		}
+		select {
+		case <-w.wake:
+		case <-ctx.Done():
+			return
+		}
+		w.mu.Lock()
+		linger := w.opts.FinishLinger > 0 && len(w.outcomes) > 0 && len(w.running) > 0 &&
+			len(w.outcomes) < maxFinishBatch && !w.stopping
+		w.mu.Unlock()
+		if linger && !w.linger(ctx) {
+			return
+		}
+		message = w.nextMessage()
+	}
+}
+
+// linger waits for more outcomes to join the ones pending: until every running handler
+// has returned, the batch is full, or FinishLinger passes. False when ctx ends first.
+func (w *Worker) linger(ctx context.Context) bool {
+	timer := time.NewTimer(w.opts.FinishLinger)
+	defer timer.Stop()
+	for {
+		select {
+		case <-w.wake: // each handler that returns wakes the sender
+			w.mu.Lock()
+			more := len(w.running) > 0 && len(w.outcomes) < maxFinishBatch
+			w.mu.Unlock()
+			if !more {
+				return true
+			}
+		case <-timer.C:
+			return true
+		case <-ctx.Done():
+			return false
+		}
+	}
+}
+
+// nextMessage is the next message to send, or nil when there is nothing to say.
+func (w *Worker) nextMessage() *cronoqv1.WorkRequest {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	m := &cronoqv1.WorkRequest{Outcomes: w.nextBatch()}
+	if !w.stopping {
+		m.Credits, w.freed = w.freed, 0
+	}
+	if w.beatDue {
+		w.beatDue = false
+		beat := &cronoqv1.WorkHeartbeat{}
+		for id, rt := range w.running {
+			beat.Tasks = append(beat.Tasks, &cronoqv1.TaskAttempt{TaskId: id, Attempt: rt.attempt})
+		}
+		for id, o := range w.unacked {
+			if _, ok := w.running[id]; !ok {
+				beat.Tasks = append(beat.Tasks, &cronoqv1.TaskAttempt{TaskId: id, Attempt: o.GetAttempt()})
+			}
+		}
+		m.Heartbeat = beat
+	}
+	if len(w.outcomes) > 0 {
+		w.notify() // the rest in the next message
+	}
+	if len(m.Outcomes) == 0 && m.Credits == 0 && m.Heartbeat == nil {
+		return nil
+	}
+	return m
+}
+
+// nextBatch takes the oldest outcomes that fit one message: at most maxFinishBatch and
+// maxRequestBytes serialized (one always goes, alone if need be). Call with mu held.
+func (w *Worker) nextBatch() []*cronoqv1.TaskOutcome {
+	const framing = 16 // an outcome's tag and length prefix, and the message's
+	size, n := framing, 0
+	for _, o := range w.outcomes {
+		if n == maxFinishBatch {
+			break
+		}
+		size += proto.Size(o) + framing
+		if n > 0 && size > maxRequestBytes {
+			break
+		}
+		n++
+	}
+	batch := append([]*cronoqv1.TaskOutcome(nil), w.outcomes[:n]...)
+	w.outcomes = w.outcomes[n:]
+	return batch
+}
+
+// answered handles what the server sent: tasks to run, the results of outcomes, a
+// heartbeat's answer.
+func (w *Worker) answered(tasks context.Context, answer *cronoqv1.WorkResponse) {
+	w.mu.Lock()
+	defer w.notify()
+	defer w.mu.Unlock()
+	for _, r := range answer.GetResults() {
+		if _, ok := w.unacked[r.GetTaskId()]; ok {
+			delete(w.unacked, r.GetTaskId())
+			w.processed++
+		}
+		if !r.GetAccepted() {
+			w.log.Warn("cronoq: outcome refused", "task_id", r.GetTaskId(), "code", r.GetCode(), "message", r.GetMessage())
+		}
+	}
+	for _, task := range answer.GetTasks() {
+		if w.stopping { // sent for slots given before the stop: give it back
+			w.freed++
+			w.reportLocked(&cronoqv1.TaskOutcome{TaskId: task.GetId(), Attempt: task.GetAttempt(),
+				Outcome: &cronoqv1.TaskOutcome_Released{Released: &cronoqv1.TaskReleased{Reason: releaseReason}}})
+			continue
+		}
+		w.start(tasks, task)
+	}
+	if beat := answer.GetHeartbeat(); beat != nil {
+		for _, id := range beat.GetCancelledTaskIds() {
+			if rt, ok := w.running[id]; ok {
+				rt.cancelRequested = true
+				rt.cancel(ErrTaskCancelled)
+			}
+		}
+		for _, id := range beat.GetLostTaskIds() {
+			if rt, ok := w.running[id]; ok {
+				w.log.Warn("cronoq: task lost its lease; its outcome will not be reported", "task_id", id)
+				rt.lost = true
+				rt.cancel(ErrLeaseLost)
+			}
+		}
+	}
+}
+
+// start runs a task's handler in its own goroutine. Call with mu held.
+func (w *Worker) start(tasks context.Context, task *Task) {
+	ctx, cancel := context.WithCancelCause(tasks)
+	rt := &runningTask{attempt: task.GetAttempt(), cancel: cancel, done: make(chan struct{})}
+	w.running[task.GetId()] = rt
+	go func() {
+		defer close(rt.done)
+		defer cancel(nil)
+		w.execute(ctx, rt, task)
+	}()
+}
+
+func (w *Worker) execute(ctx context.Context, rt *runningTask, task *Task) {
+	hctx := ctx
+	if ms := task.GetTimeoutMs(); ms > 0 {
+		// The server never extends the lease past the attempt's deadline: cancel it there.
+		var stop context.CancelFunc
+		hctx, stop = context.WithTimeoutCause(ctx, time.Duration(ms)*time.Millisecond, ErrTaskTimeout)
+		defer stop()
+	}
+	result, err := w.callHandler(hctx, task)
+	timedOut := errors.Is(context.Cause(hctx), ErrTaskTimeout)
+
+	outcome := &cronoqv1.TaskOutcome{TaskId: task.GetId(), Attempt: task.GetAttempt()}
+	w.mu.Lock()
+	if w.running[task.GetId()] == rt {
+		delete(w.running, task.GetId())
+		w.freed++
+	}
+	lost, cancelRequested, releasing, maxResult := rt.lost, rt.cancelRequested, rt.releasing, w.maxResultBytes
+	w.mu.Unlock()
+	if lost { // no longer ours (or released already at shutdown)
+		w.notify()
+		return
+	}
+	failure := func(msg string, retryable bool, after time.Duration) {
+		f := &cronoqv1.TaskFailure{Error: msg, Retryable: retryable}
+		if after > 0 {
+			f.RetryAfterMs = uint32(min(max(after.Milliseconds(), 1), 1<<31))
+		}
+		outcome.Outcome = &cronoqv1.TaskOutcome_Failure{Failure: f}
+	}
+	var taskErr *TaskError
+	switch {
+	case err == nil:
+		data, contentType, encErr := EncodePayload(result)
+		switch {
+		case encErr != nil:
+			failure(fmt.Sprintf("result: %v", encErr), false, 0)
+		case len(data) > maxResult:
+			failure(fmt.Sprintf("result of %d bytes exceeds max_result_bytes %d", len(data), maxResult), false, 0)
+		default:
+			outcome.Outcome = &cronoqv1.TaskOutcome_Success{Success: &cronoqv1.TaskSuccess{Result: data, ContentType: contentType}}
+		}
+	case cancelRequested: // the server asked: the task ends CANCELLED
+		outcome.Outcome = &cronoqv1.TaskOutcome_Cancelled{Cancelled: &cronoqv1.TaskCancelled{Reason: "cancelled"}}
+	case releasing: // shutdown: give it back unfinished
+		outcome.Outcome = &cronoqv1.TaskOutcome_Released{Released: &cronoqv1.TaskReleased{Reason: releaseReason}}
+	case timedOut:
+		failure(fmt.Sprintf("timed out after %d ms", task.GetTimeoutMs()), true, 0)
+	case errors.As(err, &taskErr):
+		failure(taskErr.Error(), taskErr.Retryable, taskErr.RetryAfter)
+	default:
+		failure(err.Error(), true, 0)
+	}
+	w.report(outcome)
+}
+
+// callHandler runs the handler; a panic fails the attempt (retryable) with its stack logged.
+func (w *Worker) callHandler(ctx context.Context, task *Task) (result any, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			w.log.Error("cronoq: handler panicked", "task_id", task.GetId(), "panic", p, "stack", string(debug.Stack()))
+			result, err = nil, fmt.Errorf("panic: %v", p)
+		}
+	}()
+	return w.handler(ctx, task)
+}
+
+func (w *Worker) report(outcome *cronoqv1.TaskOutcome) {
+	w.mu.Lock()
+	w.reportLocked(outcome)
+	w.mu.Unlock()
+	w.notify()
+}
+
+// reportLocked queues an outcome; call with mu held, then notify.
+func (w *Worker) reportLocked(outcome *cronoqv1.TaskOutcome) {
+	w.unacked[outcome.GetTaskId()] = outcome
+	w.outcomes = append(w.outcomes, outcome)
+}
+
+// heartbeatLoop asks the sender for a heartbeat of the attempts held, every interval.
+func (w *Worker) heartbeatLoop(ctx context.Context) {
+	w.mu.Lock()
+	interval := w.heartbeat
+	w.mu.Unlock()
+	ticker := time.NewTicker(interval)
+	defer ticker.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-ticker.C:
+			w.mu.Lock()
+			w.beatDue = true
+			w.mu.Unlock()
+			w.notify()
+		}
+	}
+}

@@ -1,0 +1,344 @@
+package cronoq
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	cronoqv1 "github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1"
+)
+
+// workServer hands out its tasks as credits allow and records every outcome.
+type workServer struct {
+	cronoqv1.UnimplementedWorkerServiceServer
+	mu           sync.Mutex
+	tasks        []*cronoqv1.Task
+	outcomes     map[uint64]*cronoqv1.TaskOutcome
+	beats        map[uint64]int
+	cancel       map[uint64]bool
+	deregistered bool
+	unused       int // credits given and not used, on the current stream
+}
+
+func newWorkServer(tasks ...*cronoqv1.Task) *workServer {
+	return &workServer{tasks: tasks, outcomes: map[uint64]*cronoqv1.TaskOutcome{}, beats: map[uint64]int{}, cancel: map[uint64]bool{}}
+}
+
+func (s *workServer) RegisterWorker(context.Context, *cronoqv1.RegisterWorkerRequest) (*cronoqv1.RegisterWorkerResponse, error) {
+	return &cronoqv1.RegisterWorkerResponse{WorkerId: "w-1", HeartbeatIntervalMs: 50, Shard: "default"}, nil
+}
+
+func (s *workServer) DeregisterWorker(context.Context, *cronoqv1.DeregisterWorkerRequest) (*cronoqv1.DeregisterWorkerResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.deregistered = true
+	return &cronoqv1.DeregisterWorkerResponse{}, nil
+}
+
+func (s *workServer) Work(stream grpc.BidiStreamingServer[cronoqv1.WorkRequest, cronoqv1.WorkResponse]) error {
+	s.mu.Lock()
+	s.unused = 0
+	s.mu.Unlock()
+	for {
+		req, err := stream.Recv()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		resp := s.step(req)
+		if err := stream.Send(resp); err != nil {
+			return err
+		}
+	}
+}
+
+func (s *workServer) step(req *cronoqv1.WorkRequest) *cronoqv1.WorkResponse {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	resp := &cronoqv1.WorkResponse{}
+	for _, o := range req.GetOutcomes() {
+		s.outcomes[o.GetTaskId()] = o
+		resp.Results = append(resp.Results, &cronoqv1.FinishTaskResult{TaskId: o.GetTaskId(), Accepted: true})
+	}
+	if beat := req.GetHeartbeat(); beat != nil {
+		resp.Heartbeat = &cronoqv1.HeartbeatResponse{}
+		for _, a := range beat.GetTasks() {
+			s.beats[a.GetTaskId()]++
+			if s.cancel[a.GetTaskId()] {
+				resp.Heartbeat.CancelledTaskIds = append(resp.Heartbeat.CancelledTaskIds, a.GetTaskId())
+			}
+		}
+	}
+	s.unused += int(req.GetCredits())
+	for s.unused > 0 && len(s.tasks) > 0 {
+		resp.Tasks = append(resp.Tasks, s.tasks[0])
+		s.tasks = s.tasks[1:]
+		s.unused--
+	}
+	return resp
+}
+
+func (s *workServer) outcome(id uint64) *cronoqv1.TaskOutcome {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.outcomes[id]
+}
+
+func jsonTask(id uint64, payload string) *cronoqv1.Task {
+	return &cronoqv1.Task{Id: id, Attempt: 1, Pool: "default", Payload: []byte(payload), ContentType: JSONContentType}
+}
+
+func startWorker(t *testing.T, srv *workServer, opts WorkerOptions, handler Handler) (*Worker, chan error) {
+	t.Helper()
+	addr := serve(t, func(s *grpc.Server) { cronoqv1.RegisterWorkerServiceServer(s, srv) })
+	opts.Endpoint, opts.Pools, opts.Logger = "http://"+addr, []string{"default"}, quietLogger()
+	opts.Retry = fastRetry()
+	w, err := NewWorker(opts, handler)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- w.Run(context.Background()) }()
+	return w, done
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestWorkerRunsTasksWithinItsConcurrency(t *testing.T) {
+	srv := newWorkServer()
+	for id := uint64(1); id <= 12; id++ {
+		srv.tasks = append(srv.tasks, jsonTask(id|1<<63, `{"n": 1}`))
+	}
+	srv.tasks = append(srv.tasks, jsonTask(100, `{"bad": true}`))
+	var running, most atomic.Int32
+	w, done := startWorker(t, srv, WorkerOptions{Concurrency: 3}, func(ctx context.Context, task *Task) (any, error) {
+		n := running.Add(1)
+		defer running.Add(-1)
+		for m := most.Load(); n > m && !most.CompareAndSwap(m, n); m = most.Load() {
+		}
+		var in map[string]any
+		if err := DecodePayload(task, &in); err != nil {
+			return nil, err
+		}
+		if in["bad"] == true {
+			return nil, NonRetryable(errors.New("bad input"))
+		}
+		time.Sleep(10 * time.Millisecond)
+		return map[string]uint64{"id": task.GetId()}, nil
+	})
+	waitFor(t, "13 outcomes", func() bool { return w.Processed() == 13 })
+	w.Stop()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if most.Load() > 3 {
+		t.Errorf("%d handlers ran at once, concurrency 3", most.Load())
+	}
+	top := srv.outcome(1 | 1<<63)
+	if top.GetSuccess() == nil || string(top.GetSuccess().GetResult()) != `{"id":9223372036854775809}` {
+		t.Errorf("top-bit task: %v", top)
+	}
+	if f := srv.outcome(100).GetFailure(); f == nil || f.GetRetryable() || f.GetError() != "bad input" {
+		t.Errorf("non-retryable failure: %v", srv.outcome(100))
+	}
+	if !srv.deregistered {
+		t.Error("not deregistered on stop")
+	}
+}
+
+func TestWorkerCancelThroughHeartbeat(t *testing.T) {
+	srv := newWorkServer(jsonTask(7, `{}`))
+	srv.cancel[7] = true
+	var cause atomic.Value
+	w, done := startWorker(t, srv, WorkerOptions{}, func(ctx context.Context, task *Task) (any, error) {
+		<-ctx.Done()
+		cause.Store(context.Cause(ctx))
+		return nil, ctx.Err()
+	})
+	waitFor(t, "the cancelled outcome", func() bool { return srv.outcome(7) != nil })
+	w.Stop()
+	<-done
+	if srv.outcome(7).GetCancelled() == nil || cause.Load() != ErrTaskCancelled {
+		t.Errorf("outcome %v, cause %v", srv.outcome(7), cause.Load())
+	}
+}
+
+func TestWorkerGracefulStopReleasesWhatItCannotFinish(t *testing.T) {
+	srv := newWorkServer(jsonTask(1, `{"sleep_ms": 60000}`), jsonTask(2, `{"sleep_ms": 50}`))
+	var started atomic.Int32
+	w, done := startWorker(t, srv, WorkerOptions{Concurrency: 2, ShutdownGrace: 300 * time.Millisecond},
+		func(ctx context.Context, task *Task) (any, error) {
+			started.Add(1)
+			var in struct {
+				SleepMs int64 `json:"sleep_ms"`
+			}
+			_ = DecodePayload(task, &in)
+			select {
+			case <-time.After(time.Duration(in.SleepMs) * time.Millisecond):
+				return "done", nil
+			case <-ctx.Done():
+				if context.Cause(ctx) != ErrWorkerStopping {
+					t.Errorf("cause %v", context.Cause(ctx))
+				}
+				return nil, ctx.Err()
+			}
+		})
+	waitFor(t, "both tasks started", func() bool { return started.Load() == 2 })
+	stopped := time.Now()
+	w.Stop()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(stopped); took < 300*time.Millisecond || took > 3*time.Second {
+		t.Errorf("stop took %v with a 300ms grace", took)
+	}
+	if srv.outcome(1).GetReleased() == nil || srv.outcome(2).GetSuccess() == nil {
+		t.Errorf("outcomes: 1 %v, 2 %v; want released, success", srv.outcome(1), srv.outcome(2))
+	}
+}
+
+func TestWorkerHeartbeatsNameRunningTasks(t *testing.T) {
+	srv := newWorkServer(jsonTask(5, `{}`))
+	w, done := startWorker(t, srv, WorkerOptions{}, func(ctx context.Context, task *Task) (any, error) {
+		time.Sleep(300 * time.Millisecond)
+		return nil, nil
+	})
+	waitFor(t, "the outcome", func() bool { return srv.outcome(5) != nil })
+	w.Stop()
+	<-done
+	srv.mu.Lock()
+	defer srv.mu.Unlock()
+	if srv.beats[5] < 2 {
+		t.Errorf("task 5 named in %d heartbeats over 300ms at 50ms intervals", srv.beats[5])
+	}
+}
+
+func TestWorkerOptionsAreChecked(t *testing.T) {
+	handler := func(context.Context, *Task) (any, error) { return nil, nil }
+	if _, err := NewWorker(WorkerOptions{}, handler); !errors.Is(err, ErrInvalidArgument) {
+		t.Errorf("no pools: %v", err)
+	}
+	if _, err := NewWorker(WorkerOptions{Pools: []string{"p"}, Concurrency: -1}, handler); !errors.Is(err, ErrInvalidArgument) {
+		t.Errorf("negative concurrency: %v", err)
+	}
+	if _, err := NewWorker(WorkerOptions{Pools: []string{"p"}}, nil); !errors.Is(err, ErrInvalidArgument) {
+		t.Errorf("no handler: %v", err)
+	}
+	w, err := NewWorker(WorkerOptions{Pools: []string{"p"}}, handler)
+	if err != nil || w.opts.Concurrency != 16 || w.opts.ShutdownGrace != 30*time.Second || w.Endpoint().String() != DefaultEndpoint {
+		t.Errorf("defaults: %+v, %v", w.opts, err)
+	}
+}
+
+// redirectServer refuses RegisterWorker, naming another shard's endpoint.
+type redirectServer struct {
+	cronoqv1.UnimplementedWorkerServiceServer
+	to    string
+	calls atomic.Int32
+}
+
+func (s *redirectServer) RegisterWorker(ctx context.Context, _ *cronoqv1.RegisterWorkerRequest) (*cronoqv1.RegisterWorkerResponse, error) {
+	s.calls.Add(1)
+	_ = grpc.SetTrailer(ctx, metadata.Pairs("cronoq-shard", "gpu", "cronoq-shard-endpoint", s.to))
+	return nil, status.Error(codes.FailedPrecondition, "pool default is served by shard gpu at "+s.to)
+}
+
+func TestWorkerFollowsThreeRedirectsAndRefusesTheFourth(t *testing.T) {
+	// e <- d <- c <- b <- a: a worker configured with a is sent to b, c, d, and refused at d.
+	e := &redirectServer{to: "http://127.0.0.1:1"}
+	url := "http://" + serve(t, func(s *grpc.Server) { cronoqv1.RegisterWorkerServiceServer(s, e) })
+	chain := []*redirectServer{}
+	for range 4 {
+		r := &redirectServer{to: url}
+		chain = append([]*redirectServer{r}, chain...)
+		url = "http://" + serve(t, func(s *grpc.Server) { cronoqv1.RegisterWorkerServiceServer(s, r) })
+	}
+	w, err := NewWorker(WorkerOptions{Options: Options{Endpoint: url, Retry: fastRetry(), Logger: quietLogger()}, Pools: []string{"default"}},
+		func(context.Context, *Task) (any, error) { return nil, nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = w.Run(context.Background())
+	if !errors.Is(err, ErrTooManyRedirects) || !strings.Contains(err.Error(), "more than 3 times in a row") {
+		t.Fatalf("%v, want ErrTooManyRedirects", err)
+	}
+	for i, r := range chain {
+		if r.calls.Load() != 1 {
+			t.Errorf("server %d called %d times", i, r.calls.Load())
+		}
+	}
+	if e.calls.Load() != 0 {
+		t.Error("the 5th server was called")
+	}
+}
+
+func TestWorkerGoesBackToItsEndpointWhenTheRedirectTargetIsDown(t *testing.T) {
+	srv := newWorkServer(jsonTask(3, `{}`))
+	down := "http://127.0.0.1:" + strconv.Itoa(closedPort(t))
+	first := &onceRedirect{workServer: srv, to: down}
+	addr := serve(t, func(s *grpc.Server) { cronoqv1.RegisterWorkerServiceServer(s, first) })
+	w, err := NewWorker(WorkerOptions{Options: Options{Endpoint: "http://" + addr, Retry: fastRetry(), Logger: quietLogger()}, Pools: []string{"default"}},
+		func(context.Context, *Task) (any, error) { return nil, nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- w.Run(context.Background()) }()
+	waitFor(t, "the task's outcome", func() bool { return srv.outcome(3) != nil })
+	w.Stop()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if w.Endpoint().String() != "http://"+addr {
+		t.Errorf("endpoint %s, want the configured http://%s", w.Endpoint(), addr)
+	}
+}
+
+// onceRedirect redirects the first RegisterWorker, then serves.
+type onceRedirect struct {
+	*workServer
+	to         string
+	redirected atomic.Bool
+}
+
+func (s *onceRedirect) RegisterWorker(ctx context.Context, req *cronoqv1.RegisterWorkerRequest) (*cronoqv1.RegisterWorkerResponse, error) {
+	if s.redirected.CompareAndSwap(false, true) {
+		_ = grpc.SetTrailer(ctx, metadata.Pairs("cronoq-shard-endpoint", s.to))
+		return nil, status.Error(codes.FailedPrecondition, "served by another shard")
+	}
+	return s.workServer.RegisterWorker(ctx, req)
+}
+
+// closedPort is a loopback port where nothing listens.
+func closedPort(t *testing.T) int {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	l.Close()
+	return port
+}
