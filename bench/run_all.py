@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,18 @@ def main() -> None:
                     f"{burn['drain_tasks_per_s']:,} tasks/s",
                 )
             )
+            if shutil.which("go"):
+                step(f"cronoq on {store}: burn-down with the Go SDK's worker")
+                go = run("burndown.py", "--tasks", tasks, "--worker", "go", *extra)
+                rows.append(
+                    (
+                        f"cronoq {store}: the same burn-down with the Go SDK's worker",
+                        f"{go['drain_tasks_per_s']:,} tasks/s ({go['drain_tasks_per_s'] / burn['drain_tasks_per_s']:.2f}× "
+                        "the Python worker)",
+                    )
+                )
+            else:
+                rows.append((f"cronoq {store}: the same burn-down with the Go SDK's worker", "skipped: no `go` on PATH"))
             step(f"cronoq on {store}: burn-down over TLS with a bearer token")
             secure = run("burndown.py", "--tasks", tasks, "--secure", *extra)
             rows.append(
