@@ -14,6 +14,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"strings"
 	"time"
 
 	"github.com/cronoq/cronoq/sdk-go"
@@ -93,7 +94,7 @@ func run(endpoint, pool string) error {
 		case cronoq.TaskStateSucceeded:
 			fmt.Printf("task %d: SUCCEEDED after %d attempt(s): %s\n", id, task.GetAttempt(), task.GetResult())
 		default:
-			fmt.Printf("task %d: %s after %d attempt(s): %s\n", id, task.GetState(), task.GetAttempt(), task.GetError())
+			fmt.Printf("task %d: %s after %d attempt(s): %s\n", id, strings.TrimPrefix(task.GetState().String(), "TASK_STATE_"), task.GetAttempt(), task.GetError())
 		}
 	}
 	stopWorker() // a graceful stop: running tasks finish, the others are given back
