@@ -171,9 +171,19 @@ class Wake {
   }
 }
 
+/** Waits for promise, at most ms (the timer does not outlive the wait). */
+async function within(promise: Promise<unknown>, ms: number): Promise<void> {
+  const timeout = new AbortController();
+  try {
+    await Promise.race([promise, sleep(ms, timeout.signal)]);
+  } finally {
+    timeout.abort();
+  }
+}
+
 /** Waits up to ms for the tasks' handlers to return; returns those still running. */
 async function waitAll(tasks: Array<[bigint, RunningTask]>, ms: number): Promise<Array<[bigint, RunningTask]>> {
-  await Promise.race([Promise.all(tasks.map(([, rt]) => rt.done)), sleep(ms)]);
+  await within(Promise.all(tasks.map(([, rt]) => rt.done)), ms);
   return tasks.filter(([, rt]) => !rt.finished);
 }
 
@@ -377,7 +387,7 @@ export class Worker {
       }
     }
     this.wake.notify(); // the stream closes its side once every outcome is answered
-    await Promise.race([workDone, sleep(Math.max(deadline - Date.now(), 0))]);
+    await within(workDone, Math.max(deadline - Date.now(), 0));
     this.calls.abort();
     await workDone;
     if (this.unacked.size > 0) {

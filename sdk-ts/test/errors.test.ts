@@ -1,7 +1,6 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { Metadata, status as Status } from "@grpc/grpc-js";
-import { BinaryWriter } from "@bufbuild/protobuf/wire";
 import {
   codeName,
   CronoqError,
@@ -13,23 +12,7 @@ import {
   TlsError,
   UnavailableError,
 } from "../src/errors.js";
-
-/** A google.rpc.Status with an ErrorInfo and a RetryInfo, serialized as grpc-status-details-bin carries it. */
-export function statusDetailsBin(reason: string, metadata: Record<string, string>, retryDelayMs = 0): Buffer {
-  const info = new BinaryWriter().uint32(10).string(reason).uint32(18).string("cronoq.dev");
-  for (const [k, v] of Object.entries(metadata)) {
-    info.uint32(26).fork().uint32(10).string(k).uint32(18).string(v).join();
-  }
-  const any = (typeUrl: string, value: Uint8Array) => new BinaryWriter().uint32(10).string(typeUrl).uint32(18).bytes(value).finish();
-  const w = new BinaryWriter().uint32(8).int32(9).uint32(18).string("refused");
-  w.uint32(26).bytes(any("type.googleapis.com/google.rpc.ErrorInfo", info.finish()));
-  if (retryDelayMs > 0) {
-    const duration = new BinaryWriter().uint32(8).int64(Math.floor(retryDelayMs / 1000)).uint32(16).int32((retryDelayMs % 1000) * 1e6).finish();
-    const retry = new BinaryWriter().uint32(10).bytes(duration).finish();
-    w.uint32(26).bytes(any("type.googleapis.com/google.rpc.RetryInfo", retry));
-  }
-  return Buffer.from(w.finish());
-}
+import { statusDetailsBin } from "./helpers.js";
 
 test("decodeStatusDetails reads ErrorInfo's reason and metadata and RetryInfo's delay", () => {
   const details = decodeStatusDetails(statusDetailsBin("WRONG_SHARD", { shard: "gpu", shard_endpoint: "https://gpu:7070" }, 1500));
