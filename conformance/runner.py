@@ -47,7 +47,11 @@ DRIVERS: dict[str, list[str]] = {
 # What builds an SDK's driver, run once per run before its cases (from the repository's root).
 BUILDS: dict[str, list[str]] = {
     "go": ["go", "-C", "sdk-go", "build", "-o", str(GO_DRIVER), "./cmd/conformance-driver"],
-    "ts": ["sh", "-c", "npm --prefix sdk-ts ci --no-audit --no-fund && sdk-ts/node_modules/.bin/tsc -p sdk-ts/tsconfig.driver.json"],
+    "ts": [
+        "sh",
+        "-c",
+        "npm --prefix sdk-ts ci --no-audit --no-fund && sdk-ts/node_modules/.bin/tsc -p sdk-ts/tsconfig.driver.json",
+    ],
 }
 TOKEN = "conformance-token"
 CLIENT_SUBJECT = "CN=conformance-worker"
