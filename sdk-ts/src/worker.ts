@@ -579,9 +579,11 @@ export class Worker {
       cancelRequested: false, releasing: false, lost: false,
     };
     this.running.set(task.id, rt);
-    rt.done = this.execute(task, rt).finally(() => {
-      rt.finished = true;
-    });
+    rt.done = this.execute(task, rt)
+      .catch((err: unknown) => this.conn.log.error("cronoq: reporting a task's outcome failed", { task_id: task.id.toString(), error: String(err) }))
+      .finally(() => {
+        rt.finished = true;
+      });
   }
 
   private async execute(task: Task, rt: RunningTask): Promise<void> {
