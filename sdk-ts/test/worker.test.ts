@@ -31,6 +31,8 @@ interface FakeOptions {
   tasks?: Task[];
   cancel?: bigint[];
   redirectTo?: () => string;
+  /** The first stream fails with UNAVAILABLE on the first outcomes, without answering them. */
+  failFirstStream?: boolean;
 }
 
 /** A server that registers workers (or redirects them), hands out its tasks as credits allow, and records outcomes. */
@@ -41,6 +43,7 @@ class FakeShard {
   readonly messagesWithOutcomes: number[] = [];
   readonly heartbeats: bigint[][] = [];
   registers = 0;
+  streams = 0;
   deregistered = false;
   tokens: string[] = [];
 
@@ -64,9 +67,15 @@ class FakeShard {
       },
       work: (call: ServerDuplexStream<WorkRequest, WorkResponse>) => {
         const queue = [...(opts.tasks ?? [])].filter((t) => !this.outcomes.some((o) => o.taskId === t.id));
+        const stream = ++this.streams;
         let credits = 0;
         call.on("data", (req: WorkRequest) => {
           credits += req.credits;
+          if (opts.failFirstStream && stream === 1 && req.outcomes.length > 0) {
+            this.outcomes.push(...req.outcomes);
+            call.emit("error", { code: Status.UNAVAILABLE, details: "draining" });
+            return;
+          }
           const answer: WorkResponse = { tasks: [], results: [], heartbeat: undefined };
           if (req.outcomes.length > 0) this.messagesWithOutcomes.push(req.outcomes.length);
           for (const o of req.outcomes) {
@@ -149,6 +158,18 @@ test("a worker runs tasks, keeps a top-bit id whole, batches outcomes and deregi
   assert.ok(shard.messagesWithOutcomes.some((n) => n >= 2), `outcomes batched: ${shard.messagesWithOutcomes}`);
   assert.ok(shard.deregistered);
   assert.deepEqual(new Set(shard.tokens), new Set(["Bearer t"]));
+});
+
+test("outcomes a failed stream did not answer are sent again on the next stream", async () => {
+  const shard = await new FakeShard({ tasks: [jsonTask(7n, {})], failFirstStream: true }).start();
+  const worker = new Worker({ endpoint: shard.url, pools: ["default"], logger: silent, retry: { initialBackoffMs: 5 } }, () => "ok");
+  const run = worker.run();
+  await until(() => worker.processed === 1);
+  worker.stop();
+  await run;
+  shard.stop();
+  assert.ok(shard.streams >= 2, `streams: ${shard.streams}`);
+  assert.deepEqual(shard.outcomes.map((o) => o.taskId), [7n, 7n]);
 });
 
 test("a cancellation named by a heartbeat aborts the handler and reports the task cancelled", async () => {
