@@ -1,5 +1,5 @@
 // The worker and the client against in-process grpc-js servers that play cronoq's services.
-import { test } from "node:test";
+import { after, test } from "node:test";
 import assert from "node:assert/strict";
 import {
   Metadata,
@@ -26,6 +26,14 @@ import { statusDetailsBin } from "./helpers.js";
 
 const TOP_BIT_ID = 18446744073709551615n;
 const silent = { debug() {}, info() {}, warn() {}, error() {} };
+
+// Whatever a failed test leaves running is stopped, so that the run ends.
+const started: Array<{ stop(): void }> = [];
+after(() => started.forEach((s) => s.stop()));
+function tracked<T extends { stop(): void }>(thing: T): T {
+  started.push(thing);
+  return thing;
+}
 
 interface FakeOptions {
   tasks?: Task[];
@@ -112,6 +120,7 @@ class FakeShard {
   }
 
   async start(): Promise<this> {
+    tracked(this);
     const port = await new Promise<number>((resolve, reject) =>
       this.server.bindAsync("127.0.0.1:0", ServerCredentials.createInsecure(), (err, p) => (err ? reject(err) : resolve(p))));
     this.url = `http://127.0.0.1:${port}`;
@@ -140,13 +149,13 @@ test("a worker runs tasks, keeps a top-bit id whole, batches outcomes and deregi
   const shard = await new FakeShard({ tasks }).start();
   let running = 0;
   let most = 0;
-  const worker = new Worker({ endpoint: shard.url, token: "t", pools: ["default"], concurrency: 3, logger: silent }, async () => {
+  const worker = tracked(new Worker({ endpoint: shard.url, token: "t", pools: ["default"], concurrency: 3, logger: silent }, async () => {
     running++;
     most = Math.max(most, running);
     await new Promise((r) => setTimeout(r, 20));
     running--;
     return { ok: true };
-  });
+  }));
   const run = worker.run();
   await until(() => shard.outcomes.length === tasks.length);
   worker.stop();
@@ -162,7 +171,7 @@ test("a worker runs tasks, keeps a top-bit id whole, batches outcomes and deregi
 
 test("outcomes a failed stream did not answer are sent again on the next stream", async () => {
   const shard = await new FakeShard({ tasks: [jsonTask(7n, {})], failFirstStream: true }).start();
-  const worker = new Worker({ endpoint: shard.url, pools: ["default"], logger: silent, retry: { initialBackoffMs: 5 } }, () => "ok");
+  const worker = tracked(new Worker({ endpoint: shard.url, pools: ["default"], logger: silent, retry: { initialBackoffMs: 5 } }, () => "ok"));
   const run = worker.run();
   await until(() => worker.processed === 1);
   worker.stop();
@@ -175,11 +184,11 @@ test("outcomes a failed stream did not answer are sent again on the next stream"
 test("a cancellation named by a heartbeat aborts the handler and reports the task cancelled", async () => {
   const shard = await new FakeShard({ tasks: [jsonTask(25n, {})], cancel: [25n] }).start();
   let reason: unknown;
-  const worker = new Worker({ endpoint: shard.url, pools: ["default"], logger: silent }, (_task, signal) =>
+  const worker = tracked(new Worker({ endpoint: shard.url, pools: ["default"], logger: silent }, (_task, signal) =>
     new Promise((_resolve, reject) => signal.addEventListener("abort", () => {
       reason = signal.reason;
       reject(signal.reason);
-    })));
+    }))));
   const run = worker.run();
   await until(() => shard.outcomes.length === 1);
   worker.stop();
@@ -193,7 +202,7 @@ test("a cancellation named by a heartbeat aborts the handler and reports the tas
 test("a graceful stop lets a task finish within the grace and releases one that outlives it", async () => {
   const shard = await new FakeShard({ tasks: [jsonTask(1n, { ms: 50 }), jsonTask(2n, { ms: 10_000 })] }).start();
   let started = 0;
-  const worker = new Worker({ endpoint: shard.url, pools: ["default"], concurrency: 2, shutdownGraceMs: 300, logger: silent },
+  const worker = tracked(new Worker({ endpoint: shard.url, pools: ["default"], concurrency: 2, shutdownGraceMs: 300, logger: silent },
     async (task, signal) => {
       started++;
       const { ms } = JSON.parse(task.payload.toString()) as { ms: number };
@@ -205,7 +214,7 @@ test("a graceful stop lets a task finish within the grace and releases one that 
         });
       });
       return "done";
-    });
+    }));
   const run = worker.run();
   await until(() => started === 2);
   worker.stop();
@@ -220,7 +229,7 @@ test("a worker follows 3 redirects in a row and refuses the 4th, naming the chai
   const shards: FakeShard[] = [];
   for (let i = 0; i < 5; i++) shards.push(new FakeShard({ redirectTo: () => shards[i + 1]!.url }));
   await Promise.all(shards.map((s) => s.start()));
-  const worker = new Worker({ endpoint: shards[0]!.url, pools: ["gpu"], logger: silent }, () => null);
+  const worker = tracked(new Worker({ endpoint: shards[0]!.url, pools: ["gpu"], logger: silent }, () => null));
   await assert.rejects(worker.run(), (err: unknown) =>
     err instanceof TooManyRedirectsError && /more than 3/.test(err.message) && err.message.includes(shards[3]!.url));
   assert.deepEqual(shards.map((s) => s.registers), [1, 1, 1, 1, 0]);
