@@ -29,6 +29,11 @@ PROTO_TOOLS = ["grpcio-tools==1.85.1", "mypy-protobuf==5.1.0"]
 # by buf with buf.gen.go.yaml (clean: stale files go).
 GO_SDK = ROOT / "sdk-go"
 GO_GENERATED = GO_SDK / "gen" / "cronoq" / "v1"
+# The TypeScript SDK's generated code (cronoq/v1 and the google/protobuf types it uses), by buf
+# with buf.gen.ts.yaml and the ts-proto plugin pinned in sdk-ts/package.json.
+TS_SDK = ROOT / "sdk-ts"
+TS_GENERATED = TS_SDK / "src" / "gen"
+TS_TESTS = sorted(str(p.relative_to(TS_SDK)) for p in (TS_SDK / "test").glob("*.test.ts"))
 # cronoq-api first: the SDK and the server depend on it (uv takes it from here, not an index).
 PACKAGES = ["-e", "proto/python", "-e", "sdk-python", "-e", "server"]
 TEST_DEPS = [
@@ -76,9 +81,37 @@ def _generate_go(session: nox.Session, out: Path) -> None:
         shutil.copytree(Path(tmp) / "gen" / "cronoq" / "v1", out)
 
 
+def _npm_ci_ts(session: nox.Session) -> None:
+    """Installs the TypeScript SDK's locked dependencies (its tsc, tsx and ts-proto) once."""
+    if not (TS_SDK / "node_modules" / ".bin" / "protoc-gen-ts_proto").exists():
+        session.run("npm", "--prefix", str(TS_SDK), "ci", "--no-audit", "--no-fund", external=True)
+
+
+def _generate_ts(session: nox.Session, out: Path) -> None:
+    """The TypeScript SDK's generated code into out (as sdk-ts/src/gen holds it)."""
+    _npm_ci_ts(session)
+    with tempfile.TemporaryDirectory() as tmp:
+        template = Path(tmp) / "buf.gen.yaml"
+        template.write_text((ROOT / "buf.gen.ts.yaml").read_text().replace("out: sdk-ts/src/gen", f"out: {tmp}/gen"))
+        _buf(session, "generate", "--template", str(template))
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(Path(tmp) / "gen", out)
+
+
+def _tree_diff(left: Path, right: Path) -> list[str]:
+    """Files that differ between two trees, or are in one only (relative paths)."""
+    names = {p.relative_to(left) for p in left.rglob("*") if p.is_file()}
+    names |= {p.relative_to(right) for p in right.rglob("*") if p.is_file()}
+    return sorted(
+        str(n)
+        for n in names
+        if not ((left / n).is_file() and (right / n).is_file() and filecmp.cmp(left / n, right / n, shallow=False))
+    )
+
+
 @nox.session
 def proto(session: nox.Session) -> None:
-    """Lints the protos (buf) and regenerates the committed Python and Go code (clean: stale files go)."""
+    """Lints the protos (buf) and regenerates the committed Python, Go and TypeScript code (clean: stale files go)."""
     session.install(*PROTO_TOOLS)
     _buf(session, "lint")
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,6 +121,8 @@ def proto(session: nox.Session) -> None:
     session.log(f"generated {PY_GENERATED.relative_to(ROOT)}")
     _generate_go(session, GO_GENERATED)
     session.log(f"generated {GO_GENERATED.relative_to(ROOT)}")
+    _generate_ts(session, TS_GENERATED)
+    session.log(f"generated {TS_GENERATED.relative_to(ROOT)}")
 
 
 def check_generated(session: nox.Session) -> None:
@@ -101,6 +136,8 @@ def check_generated(session: nox.Session) -> None:
         _generate_go(session, Path(tmp) / "go")
         cmp = filecmp.dircmp(Path(tmp) / "go", GO_GENERATED)
         stale += [f"sdk-go: {name}" for name in cmp.left_only + cmp.right_only + cmp.diff_files]
+        _generate_ts(session, Path(tmp) / "ts")
+        stale += [f"sdk-ts: {name}" for name in _tree_diff(Path(tmp) / "ts", TS_GENERATED)]
         if stale:
             session.error(f"generated code is stale ({', '.join(sorted(stale))}): run `./dev proto` and commit")
     session.log("generated code is up to date; buf lint passed")
@@ -109,13 +146,15 @@ def check_generated(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Every test: generated-code check, buf lint, unit, store and integration tests; without
-    arguments also the Go SDK's vet and unit tests and the conformance corpus."""
+    arguments also the Go SDK's vet and unit tests, the TypeScript SDK's strict type check and
+    unit tests, and the conformance corpus."""
     session.install(*PACKAGES, *TEST_DEPS)
     check_generated(session)
     args = session.posargs or ["-n", "2", "--dist", "loadfile"]
     session.run("pytest", *args, env={"PYTHONDONTWRITEBYTECODE": "1"})
     if not session.posargs:  # the whole suite: Go vet and unit tests, the conformance corpus with every driver
         _go_checks(session)
+        _ts_checks(session)
         _conformance(session, [])
 
 
@@ -123,6 +162,14 @@ def _go_checks(session: nox.Session) -> None:
     """go vet and the Go SDK's unit tests (in sdk-go)."""
     session.run("go", "-C", str(GO_SDK), "vet", "./...", external=True)
     session.run("go", "-C", str(GO_SDK), "test", "./...", external=True)
+
+
+def _ts_checks(session: nox.Session) -> None:
+    """The TypeScript SDK: its locked dependencies (npm ci), tsc --noEmit (strict), its unit tests."""
+    session.run("npm", "--prefix", str(TS_SDK), "ci", "--no-audit", "--no-fund", external=True)
+    session.run(str(TS_SDK / "node_modules" / ".bin" / "tsc"), "-p", str(TS_SDK), "--noEmit", external=True)
+    with session.chdir(TS_SDK):
+        session.run("node", "--import", "tsx", "--test", *TS_TESTS, external=True)
 
 
 def _conformance(session: nox.Session, args: list[str]) -> None:

@@ -38,13 +38,20 @@ from tls_pki import Pki  # type: ignore[import-not-found]  # noqa: E402
 
 # How each SDK's driver is started (from the repository's root).
 GO_DRIVER = ROOT / "sdk-go" / "bin" / "conformance-driver"  # gitignored: built by BUILDS
+TS_DRIVER = ROOT / "sdk-ts" / "bin" / "conformance" / "driver.js"  # gitignored: built by BUILDS
 DRIVERS: dict[str, list[str]] = {
     "python": [sys.executable, str(HERE / "drivers" / "python" / "driver.py")],
     "go": [str(GO_DRIVER)],
+    "ts": ["node", str(TS_DRIVER)],
 }
 # What builds an SDK's driver, run once per run before its cases (from the repository's root).
 BUILDS: dict[str, list[str]] = {
     "go": ["go", "-C", "sdk-go", "build", "-o", str(GO_DRIVER), "./cmd/conformance-driver"],
+    "ts": [
+        "sh",
+        "-c",
+        "npm --prefix sdk-ts ci --no-audit --no-fund && sdk-ts/node_modules/.bin/tsc -p sdk-ts/tsconfig.driver.json",
+    ],
 }
 TOKEN = "conformance-token"
 CLIENT_SUBJECT = "CN=conformance-worker"

@@ -1,0 +1,260 @@
+// The conformance driver of the TypeScript SDK: one case's input as JSON on stdin, one result
+// as JSON on stdout (the protocol: conformance/README.md in the cronoq repository). It uses
+// the SDK's public API only.
+import {
+  Client,
+  codeName,
+  CronoqError,
+  decodePayload,
+  nonRetryable,
+  RedirectRefusedError,
+  TaskFailure,
+  taskStateToJSON,
+  TlsError,
+  TooManyRedirectsError,
+  Worker,
+  type ConnectionOptions,
+  type Logger,
+  type Task,
+} from "../src/index.js";
+
+interface Input {
+  case: string;
+  endpoints: string[];
+  token: string | null;
+  tls: { ca?: string; cert?: string; key?: string } | null;
+  insecure_redirect_http?: boolean;
+  retry?: { initial_backoff_ms?: number; max_backoff_ms?: number; max_elapsed_ms?: number | null };
+  timeout_ms?: number;
+  steps: Step[];
+}
+
+interface Step {
+  op: string;
+  pool?: string;
+  payload?: unknown;
+  id?: string;
+  timeout_ms?: number;
+  pools?: string[];
+  concurrency?: number;
+  until_handled?: number;
+  stop_after_started?: number;
+  shutdown_grace_ms?: number;
+}
+
+type Result = Record<string, unknown>;
+
+const logger: Logger = {
+  debug: (m, f) => process.stderr.write(`DEBUG ${m} ${JSON.stringify(f ?? {})}\n`),
+  info: (m, f) => process.stderr.write(`INFO ${m} ${JSON.stringify(f ?? {})}\n`),
+  warn: (m, f) => process.stderr.write(`WARN ${m} ${JSON.stringify(f ?? {})}\n`),
+  error: (m, f) => process.stderr.write(`ERROR ${m} ${JSON.stringify(f ?? {})}\n`),
+};
+
+function options(input: Input): ConnectionOptions {
+  const retry = input.retry ?? {};
+  return {
+    endpoint: input.endpoints,
+    token: input.token ?? undefined,
+    tls: input.tls ? { caFile: input.tls.ca, certFile: input.tls.cert, keyFile: input.tls.key } : undefined,
+    insecureRedirectHttp: input.insecure_redirect_http ?? false,
+    retry: {
+      initialBackoffMs: retry.initial_backoff_ms,
+      maxBackoffMs: retry.max_backoff_ms,
+      maxElapsedMs: retry.max_elapsed_ms ?? -1, // null: no bound
+    },
+    timeoutMs: input.timeout_ms,
+    logger,
+  };
+}
+
+/** The protocol's form of an error. */
+function errorOf(err: unknown): Result {
+  if (!(err instanceof CronoqError)) {
+    return { code: "", kind: "other", message: err instanceof Error ? `${err.name}: ${err.message}` : String(err) };
+  }
+  const kind = err instanceof TooManyRedirectsError ? "too_many_redirects"
+    : err instanceof RedirectRefusedError ? "redirect_refused"
+    : err instanceof TlsError ? "tls" : "";
+  return {
+    code: codeName(err.code),
+    kind,
+    message: err.message,
+    shard: err.shard,
+    shard_endpoint: err.shardEndpoint,
+    leader: err.leader,
+    reason: err.reason,
+  };
+}
+
+async function clientStep(client: Client, step: Step): Promise<Result> {
+  if (step.op === "submit") {
+    const submitted = await client.submit({ pool: step.pool ?? "", payload: step.payload });
+    return { id: submitted.task.id.toString(), error: null };
+  }
+  let id: bigint;
+  try {
+    id = BigInt(step.id ?? "");
+  } catch {
+    return { error: { code: "", kind: "other", message: `id "${step.id}" is not an integer` } };
+  }
+  let task: Task;
+  switch (step.op) {
+    case "get":
+      task = await client.get(id);
+      break;
+    case "cancel":
+      task = await client.cancel(id);
+      break;
+    case "wait":
+      task = (await client.wait(id, step.timeout_ms && step.timeout_ms > 0 ? step.timeout_ms : 10_000)).task;
+      break;
+    default:
+      return { error: { code: "", kind: "unsupported", message: `unknown op "${step.op}"` } };
+  }
+  return { id: task.id.toString(), state: taskStateToJSON(task.state), error: null };
+}
+
+/** Runs a worker until it has handled until_handled tasks (or started stop_after_started), then stops it gracefully; or until it fails. */
+async function runWorker(opts: ConnectionOptions, step: Step): Promise<Result> {
+  const started: string[] = [];
+  const handled: Result[] = [];
+  let running = 0;
+  let most = 0;
+  let signalEnough: () => void = () => {};
+  const enough = new Promise<"enough">((resolve) => {
+    signalEnough = () => resolve("enough");
+  });
+  const handler = async (task: Task, signal: AbortSignal): Promise<unknown> => {
+    const id = task.id.toString();
+    let raw: unknown = null;
+    try {
+      raw = decodePayload(task);
+    } catch {
+      raw = null;
+    }
+    const payload = (raw && typeof raw === "object" ? raw : {}) as Record<string, unknown>;
+    started.push(id);
+    running++;
+    most = Math.max(most, running);
+    if (started.length === step.stop_after_started) signalEnough();
+    let end = "cancelled";
+    try {
+      const sleepMs = payload["sleep_ms"];
+      if (typeof sleepMs === "number" && sleepMs > 0) {
+        await new Promise<void>((resolve, reject) => {
+          const timer = setTimeout(() => {
+            signal.removeEventListener("abort", onAbort);
+            resolve();
+          }, sleepMs);
+          const onAbort = () => {
+            clearTimeout(timer);
+            reject(signal.reason);
+          };
+          if (signal.aborted) onAbort();
+          else signal.addEventListener("abort", onAbort, { once: true });
+        });
+      }
+      if ("fail" in payload) {
+        end = "raised";
+        const message = String(payload["fail"]);
+        if (payload["retryable"] === false) throw nonRetryable(message);
+        throw new TaskFailure(message);
+      }
+      end = "returned";
+      return payload["result"];
+    } finally {
+      running--;
+      handled.push({ id, attempt: task.attempt, payload: raw, end });
+      if (handled.length === step.until_handled) signalEnough();
+    }
+  };
+  let worker: Worker;
+  try {
+    worker = new Worker({
+      ...opts,
+      pools: step.pools ?? [],
+      concurrency: step.concurrency && step.concurrency > 0 ? step.concurrency : 4,
+      shutdownGraceMs: step.shutdown_grace_ms ?? 5000,
+    }, handler);
+  } catch (err) {
+    return { started, handled, max_running: 0, endpoint: "", error: errorOf(err) };
+  }
+  const timeoutMs = step.timeout_ms && step.timeout_ms > 0 ? step.timeout_ms : 15_000;
+  let failure: Result | null = null;
+  let finished = false;
+  const run = worker.run().then(() => null, (err: unknown) => err ?? new Error("run failed"));
+  let timer: NodeJS.Timeout | undefined;
+  const timeout = new Promise<"timeout">((resolve) => {
+    timer = setTimeout(() => resolve("timeout"), timeoutMs);
+  });
+  const first = await Promise.race([enough, run.then((err) => ({ err })), timeout]);
+  clearTimeout(timer);
+  if (first === "timeout") {
+    failure = { code: "", kind: "timeout", message: `the worker did not finish in ${timeoutMs} ms` };
+  } else if (first !== "enough") {
+    finished = true;
+    if (first.err) failure = errorOf(first.err);
+  }
+  worker.stop();
+  if (!finished) {
+    let stopTimer: NodeJS.Timeout | undefined;
+    const stopped = await Promise.race([
+      run.then((err) => ({ err })),
+      new Promise<"timeout">((resolve) => {
+        stopTimer = setTimeout(() => resolve("timeout"), 30_000);
+      }),
+    ]);
+    clearTimeout(stopTimer);
+    if (stopped === "timeout") {
+      failure ??= { code: "", kind: "timeout", message: "the worker did not stop in 30 s" };
+    } else if (stopped.err && failure === null) {
+      failure = errorOf(stopped.err);
+    }
+  }
+  return { started: [...started], handled: [...handled], max_running: most, endpoint: worker.endpoint.toString(), error: failure };
+}
+
+async function readStdin(): Promise<string> {
+  const chunks: Buffer[] = [];
+  for await (const chunk of process.stdin) chunks.push(chunk as Buffer);
+  return Buffer.concat(chunks).toString("utf8");
+}
+
+async function main(): Promise<number> {
+  let input: Input;
+  try {
+    input = JSON.parse(await readStdin()) as Input;
+  } catch (err) {
+    process.stderr.write(`conformance-driver: reading the case: ${String(err)}\n`);
+    return 2;
+  }
+  const opts = options(input);
+  let client: Client | undefined;
+  let clientError: unknown;
+  try {
+    client = new Client(opts);
+  } catch (err) {
+    clientError = err;
+  }
+  const results: Result[] = [];
+  for (const step of input.steps) {
+    let r: Result;
+    try {
+      if (step.op === "worker") r = await runWorker(opts, step);
+      else if (!client) r = { error: errorOf(clientError) };
+      else r = await clientStep(client, step);
+    } catch (err) {
+      r = { error: errorOf(err) };
+    }
+    results.push({ ...r, op: step.op });
+  }
+  client?.close();
+  process.stdout.write(JSON.stringify({ steps: results }) + "\n");
+  return 0;
+}
+
+main().then((code) => process.exit(code), (err: unknown) => {
+  process.stderr.write(`conformance-driver: ${String(err)}\n`);
+  process.exit(1);
+});

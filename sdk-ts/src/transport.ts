@@ -1,0 +1,371 @@
+// The connection: channels to the configured endpoints, moved on UNAVAILABLE (to the leader
+// a standby names, within the redirect rules, else to the next configured endpoint), the
+// token on every call, transport retries with exponential backoff and jitter, and the
+// diagnosis of failed TLS handshakes.
+import { readFileSync } from "node:fs";
+import { isIP } from "node:net";
+import * as tls from "node:tls";
+import {
+  ChannelCredentials,
+  credentials,
+  Metadata,
+  status as Status,
+  type CallOptions,
+  type ChannelOptions,
+  type ClientUnaryCall,
+  type ServiceError,
+} from "@grpc/grpc-js";
+import { TaskServiceClient } from "./gen/cronoq/v1/task_service.js";
+import { WorkerServiceClient } from "./gen/cronoq/v1/worker_service.js";
+import { checkRedirect, Endpoint } from "./endpoint.js";
+import { CronoqError, fromGrpcError, InvalidArgumentError, isRetryable, TlsError, UnavailableError } from "./errors.js";
+
+/** The channel's send and receive limit. */
+export const MAX_MESSAGE_BYTES = 64 << 20;
+
+/**
+ * Transport retries: UNAVAILABLE (and CANCELLED the caller did not ask for) is retried after
+ * initialBackoffMs doubled per failure in a row, plus up to initialBackoffMs of random
+ * jitter, capped at maxBackoffMs.
+ */
+export interface RetryConfig {
+  /** 50 ms when absent. */
+  initialBackoffMs?: number;
+  /** 2000 ms when absent. */
+  maxBackoffMs?: number;
+  /** Bounds a row of retries of one call: 30 s when absent; negative: no bound. A worker's own calls are retried until it stops. */
+  maxElapsedMs?: number;
+}
+
+/** PEM files for https:// endpoints, kept for every endpoint, redirects included. */
+export interface TlsOptions {
+  /** The CA bundle the server's certificate must chain to; Node's roots when absent. */
+  caFile?: string;
+  /** A client certificate and its unencrypted key, for servers that require one. Give both or neither. */
+  certFile?: string;
+  keyFile?: string;
+}
+
+/** Where log lines go; the default writes warnings and errors to the console. */
+export interface Logger {
+  debug(message: string, fields?: Record<string, unknown>): void;
+  info(message: string, fields?: Record<string, unknown>): void;
+  warn(message: string, fields?: Record<string, unknown>): void;
+  error(message: string, fields?: Record<string, unknown>): void;
+}
+
+export const consoleLogger: Logger = {
+  debug() {},
+  info() {},
+  warn: (message, fields) => console.warn(message, fields ?? ""),
+  error: (message, fields) => console.error(message, fields ?? ""),
+};
+
+/** What a client and a worker are configured with. */
+export interface ConnectionOptions {
+  /** "http://host:port" or "https://host:port"; several (comma-separated, or a list) are tried in turn. */
+  endpoint: string | string[];
+  /** A bearer token sent with every call. */
+  token?: string;
+  tls?: TlsOptions;
+  /** Follow redirects to plain http:// on non-loopback hosts with the token (trusted networks only). */
+  insecureRedirectHttp?: boolean;
+  retry?: RetryConfig;
+  /** Per call; 30 s when absent, none when 0. */
+  timeoutMs?: number;
+  logger?: Logger;
+}
+
+export interface Retry {
+  initialBackoffMs: number;
+  maxBackoffMs: number;
+  maxElapsedMs: number;
+}
+
+export function retryWithDefaults(r: RetryConfig = {}): Retry {
+  const initialBackoffMs = r.initialBackoffMs && r.initialBackoffMs > 0 ? r.initialBackoffMs : 50;
+  let maxBackoffMs = r.maxBackoffMs && r.maxBackoffMs > 0 ? r.maxBackoffMs : 2000;
+  maxBackoffMs = Math.max(maxBackoffMs, initialBackoffMs);
+  const maxElapsedMs = r.maxElapsedMs === undefined || r.maxElapsedMs === 0 ? 30_000 : r.maxElapsedMs;
+  return { initialBackoffMs, maxBackoffMs, maxElapsedMs };
+}
+
+/** How long to wait after `failures` earlier failures in a row: doubled per failure, plus up to initialBackoffMs of jitter, capped. */
+export function backoffMs(r: Retry, failures: number): number {
+  const base = r.initialBackoffMs * 2 ** Math.min(failures, 30);
+  if (base >= r.maxBackoffMs) return r.maxBackoffMs;
+  return Math.min(base + Math.random() * r.initialBackoffMs, r.maxBackoffMs);
+}
+
+/** Waits ms; resolves false at once when signal aborts first. */
+export function sleep(ms: number, signal?: AbortSignal): Promise<boolean> {
+  return new Promise((resolve) => {
+    if (signal?.aborted) return resolve(false);
+    const onAbort = () => {
+      clearTimeout(timer);
+      resolve(false);
+    };
+    const timer = setTimeout(() => {
+      signal?.removeEventListener("abort", onAbort);
+      resolve(true);
+    }, ms);
+    signal?.addEventListener("abort", onAbort, { once: true });
+  });
+}
+
+type Callback<Res> = (err: ServiceError | null, res?: Res) => void;
+/** One unary call on a generated client, with its metadata, options and callback. */
+export type UnaryCall<C, Res> = (client: C, md: Metadata, opts: Partial<CallOptions>, cb: Callback<Res>) => ClientUnaryCall;
+
+interface Clients {
+  task: TaskServiceClient;
+  worker: WorkerServiceClient;
+}
+
+interface TlsMaterial {
+  ca?: Buffer;
+  cert?: Buffer;
+  key?: Buffer;
+}
+
+function loadTls(opts: TlsOptions | undefined): TlsMaterial {
+  if (!opts) return {};
+  if (!opts.certFile !== !opts.keyFile) {
+    throw new InvalidArgumentError(Status.INVALID_ARGUMENT,
+      "tls: give both certFile and keyFile (a client certificate and its key), or neither");
+  }
+  const read = (what: string, file: string): Buffer => {
+    try {
+      return readFileSync(file);
+    } catch (err) {
+      throw new InvalidArgumentError(Status.INVALID_ARGUMENT, `tls.${what}: cannot read "${file}": ${(err as Error).message}`);
+    }
+  };
+  return {
+    ca: opts.caFile ? read("caFile", opts.caFile) : undefined,
+    cert: opts.certFile ? read("certFile", opts.certFile) : undefined,
+    key: opts.keyFile ? read("keyFile", opts.keyFile) : undefined,
+  };
+}
+
+export class Connection {
+  readonly configured: Endpoint[];
+  readonly retry: Retry;
+  readonly timeoutMs: number;
+  readonly log: Logger;
+  readonly token: string;
+  private readonly insecureRedirectHttp: boolean;
+  private readonly tlsFiles: TlsOptions | undefined;
+  private readonly tlsMaterial: TlsMaterial;
+  private current: Endpoint;
+  private next = 0;
+  private readonly channels = new Map<string, Clients>();
+
+  constructor(opts: ConnectionOptions) {
+    this.configured = Endpoint.parseList(opts.endpoint);
+    this.tlsFiles = opts.tls;
+    this.tlsMaterial = loadTls(opts.tls);
+    this.token = opts.token ?? "";
+    this.insecureRedirectHttp = opts.insecureRedirectHttp ?? false;
+    this.retry = retryWithDefaults(opts.retry);
+    this.timeoutMs = opts.timeoutMs ?? 30_000;
+    this.log = opts.logger ?? consoleLogger;
+    this.current = this.configured[0]!;
+  }
+
+  /** The server calls go to now. */
+  get endpoint(): Endpoint {
+    return this.current;
+  }
+
+  isConfigured(ep: Endpoint): boolean {
+    return this.configured.some((c) => c.equals(ep));
+  }
+
+  /** The generated clients of the current endpoint (opened on first use). */
+  clients(): { clients: Clients; endpoint: Endpoint } {
+    const ep = this.current;
+    const key = ep.toString();
+    let clients = this.channels.get(key);
+    if (!clients) {
+      const creds: ChannelCredentials = ep.secure
+        ? credentials.createSsl(this.tlsMaterial.ca ?? null, this.tlsMaterial.key ?? null, this.tlsMaterial.cert ?? null)
+        : credentials.createInsecure();
+      const options: ChannelOptions = {
+        "grpc.max_receive_message_length": MAX_MESSAGE_BYTES,
+        "grpc.max_send_message_length": MAX_MESSAGE_BYTES,
+        "grpc.enable_retries": 0,
+        // Reconnect as fast as the SDK's own retries, not gRPC's default (1 s, growing to 2 min).
+        "grpc.initial_reconnect_backoff_ms": this.retry.initialBackoffMs,
+        "grpc.max_reconnect_backoff_ms": this.retry.maxBackoffMs,
+      };
+      const task = new TaskServiceClient(ep.target, creds, options);
+      // The worker service shares the task service's channel.
+      const worker = new WorkerServiceClient(ep.target, creds, { ...options, channelOverride: task.getChannel() });
+      clients = { task, worker };
+      this.channels.set(key, clients);
+    }
+    return { clients, endpoint: ep };
+  }
+
+  /** Moves to target (a redirect or the leader) if the connection rules allow it; throws RedirectRefusedError. */
+  follow(target: string): void {
+    const dest = Endpoint.parse(target);
+    checkRedirect(this.current, dest, this.token !== "", this.insecureRedirectHttp);
+    this.current = dest;
+  }
+
+  /** After an UNAVAILABLE: to the leader it names, else (with several endpoints, or away from a redirect target) the next configured endpoint. */
+  onUnavailable(err: unknown): void {
+    if (err instanceof CronoqError && err.leader) {
+      try {
+        if (!Endpoint.parse(err.leader).equals(this.current)) {
+          this.follow(err.leader);
+          return;
+        }
+      } catch (ferr) {
+        this.log.warn("cronoq: not following the leader", { leader: err.leader, error: String(ferr) });
+      }
+    }
+    if (this.configured.length > 1 || !this.current.equals(this.configured[0]!)) {
+      this.next = (this.next + 1) % this.configured.length;
+      this.current = this.configured[this.next]!;
+    }
+  }
+
+  /** The call metadata: the token. */
+  metadata(): Metadata {
+    const md = new Metadata();
+    if (this.token) md.set("authorization", `Bearer ${this.token}`);
+    return md;
+  }
+
+  /** One call on the current endpoint, with the token and a timeout (0: none); errors become the SDK's. */
+  async once<Res>(call: UnaryCall<Clients, Res>, timeoutMs: number, signal?: AbortSignal): Promise<Res> {
+    const { clients, endpoint } = this.clients();
+    const opts: Partial<CallOptions> = timeoutMs > 0 ? { deadline: Date.now() + timeoutMs } : {};
+    try {
+      return await new Promise<Res>((resolve, reject) => {
+        const pending = call(clients, this.metadata(), opts, (err, res) => {
+          signal?.removeEventListener("abort", onAbort);
+          if (err) reject(err);
+          else resolve(res as Res);
+        });
+        const onAbort = () => pending.cancel();
+        signal?.addEventListener("abort", onAbort, { once: true });
+      });
+    } catch (err) {
+      throw await this.diagnose(endpoint, fromGrpcError(err));
+    }
+  }
+
+  /** A call with the transport retries: UNAVAILABLE and CANCELLED are retried with backoff, moving to the leader or the next endpoint, until retry.maxElapsedMs. */
+  async invoke<Res>(what: string, call: UnaryCall<Clients, Res>, timeoutMs: number, signal?: AbortSignal): Promise<Res> {
+    const started = Date.now();
+    for (let failures = 0; ; failures++) {
+      try {
+        return await this.once(call, timeoutMs, signal);
+      } catch (err) {
+        if (!isRetryable(err) || signal?.aborted) throw err;
+        if (this.retry.maxElapsedMs > 0 && Date.now() - started >= this.retry.maxElapsedMs) throw err;
+        this.onUnavailable(err);
+        const delay = backoffMs(this.retry, failures);
+        this.log.debug("cronoq: retrying", { call: what, error: String(err), endpoint: this.current.toString(), after_ms: delay });
+        if (!(await sleep(delay, signal))) throw err;
+      }
+    }
+  }
+
+  /** Turns an UNAVAILABLE from an https:// endpoint that is a failed TLS handshake into a TlsError. */
+  async diagnose(ep: Endpoint, err: Error): Promise<Error> {
+    if (!(err instanceof UnavailableError) || !ep.secure || err.shardEndpoint || err.leader || err.reason) return err;
+    const reason = await probeTls(ep, this.tlsMaterial, this.tlsFiles);
+    if (!reason) return err;
+    return new TlsError(Status.UNAVAILABLE, `${ep}: TLS handshake failed: ${reason}`, { metadata: err.metadata });
+  }
+
+  close(): void {
+    for (const clients of this.channels.values()) {
+      clients.worker.close();
+      clients.task.close();
+    }
+    this.channels.clear();
+  }
+}
+
+const PROBE_TIMEOUT_MS = 3000;
+// The HTTP/2 client connection preface and an empty SETTINGS frame.
+const H2_PREFACE = Buffer.concat([
+  Buffer.from("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
+  Buffer.from([0, 0, 0, 4, 0, 0, 0, 0, 0]),
+]);
+// Errors of the network, not of TLS: the server is down or unreachable.
+const NETWORK_ERRORS = new Set(["ECONNREFUSED", "ECONNRESET", "ETIMEDOUT", "EHOSTUNREACH", "ENETUNREACH", "ENOTFOUND", "EAI_AGAIN", "EPIPE"]);
+
+function clientCertReason(files: TlsOptions | undefined): string {
+  if (!files?.certFile) return "the server requires a client certificate (none given: set tls.certFile and tls.keyFile)";
+  return `the server refused the client certificate "${files.certFile}" (not signed by a CA in its server.tls.client_ca, or expired)`;
+}
+
+/** Why a handshake error happened, in words. */
+function tlsReason(err: NodeJS.ErrnoException, ep: Endpoint, files: TlsOptions | undefined): string {
+  const code = err.code ?? "";
+  const detail = `${code ? code + ": " : ""}${err.message}`;
+  switch (code) {
+    case "SELF_SIGNED_CERT_IN_CHAIN":
+    case "DEPTH_ZERO_SELF_SIGNED_CERT":
+    case "UNABLE_TO_VERIFY_LEAF_SIGNATURE":
+    case "UNABLE_TO_GET_ISSUER_CERT_LOCALLY":
+    case "UNABLE_TO_GET_ISSUER_CERT":
+      return `certificate verify failed: unknown CA (the server's certificate is not signed by a trusted CA) (${detail})`;
+    case "CERT_HAS_EXPIRED":
+    case "CERT_NOT_YET_VALID":
+      return `certificate verify failed: the server's certificate has expired or is not yet valid (${detail})`;
+    case "ERR_TLS_CERT_ALTNAME_INVALID":
+      return `hostname mismatch: the server's certificate is not valid for "${ep.host}" (${detail})`;
+  }
+  if (/certificate required|unknown ca|bad certificate|alert number 4[0-9]|sslv3 alert/i.test(err.message)) {
+    return `${clientCertReason(files)} (${detail})`;
+  }
+  if (/wrong version number|packet length too long/i.test(err.message)) {
+    return `the server does not speak TLS on this port: is it an http:// endpoint? (${detail})`;
+  }
+  return detail;
+}
+
+/** Why a TLS connection to ep fails, or "" when it does not, or when the server cannot be reached at all. */
+export function probeTls(ep: Endpoint, material: TlsMaterial, files: TlsOptions | undefined): Promise<string> {
+  return new Promise((resolve) => {
+    let settled = false;
+    const done = (reason: string) => {
+      if (settled) return;
+      settled = true;
+      clearTimeout(timer);
+      socket.destroy();
+      resolve(reason);
+    };
+    const timer = setTimeout(() => done(""), PROBE_TIMEOUT_MS);
+    const socket = tls.connect({
+      host: ep.host,
+      port: ep.port,
+      servername: isIP(ep.host) ? undefined : ep.host,
+      ca: material.ca,
+      cert: material.cert,
+      key: material.key,
+      ALPNProtocols: ["h2"],
+    });
+    let secured = false;
+    socket.once("secureConnect", () => {
+      secured = true;
+      // TLS 1.3: a server that refuses the client's certificate closes the connection after
+      // the handshake; one that accepts it answers the HTTP/2 preface.
+      socket.write(H2_PREFACE);
+    });
+    socket.once("data", () => done(""));
+    socket.once("error", (err: NodeJS.ErrnoException) => {
+      if (!secured && NETWORK_ERRORS.has(err.code ?? "")) return done("");
+      done(secured ? clientCertReason(files) + ` (${err.message})` : tlsReason(err, ep, files));
+    });
+    socket.once("close", () => done(secured ? clientCertReason(files) : ""));
+  });
+}

@@ -1,0 +1,652 @@
+// The worker: registers with the shard of its pools (following redirects by the connection
+// rules) and runs their tasks over one Work stream: credits for its free slots, outcomes
+// batched, heartbeats naming the attempts it holds, the stream opened again after a failure
+// with unanswered outcomes sent again, and a graceful stop that gives unfinished tasks back.
+import { hostname } from "node:os";
+import { status as Status, type ClientDuplexStream } from "@grpc/grpc-js";
+import type { Task } from "./gen/cronoq/v1/task.js";
+import {
+  TaskOutcome,
+  WorkRequest,
+  type DeregisterWorkerResponse,
+  type RegisterWorkerResponse,
+  type WorkResponse,
+} from "./gen/cronoq/v1/worker_service.js";
+import {
+  CancelledError,
+  CronoqError,
+  DeadlineExceededError,
+  FailedPreconditionError,
+  fromGrpcError,
+  InternalError,
+  InvalidArgumentError,
+  NotFoundError,
+  PermissionDeniedError,
+  RedirectRefusedError,
+  TlsError,
+  TooManyRedirectsError,
+  UnauthenticatedError,
+  UnavailableError,
+  UnknownError,
+} from "./errors.js";
+import { encodePayload } from "./payload.js";
+import { backoffMs, Connection, MAX_MESSAGE_BYTES, sleep, type ConnectionOptions } from "./transport.js";
+import type { Endpoint } from "./endpoint.js";
+
+/**
+ * Runs one attempt of a task. What it returns is the result (bytes as they are, anything else
+ * as JSON). A thrown error fails the attempt, retried while attempts remain unless it is a
+ * TaskFailure with retryable false. signal aborts when the task's cancellation is requested
+ * (signal.reason: TaskCancelledError), its timeout passes, its lease is lost, or the worker
+ * stops and the shutdown grace has passed (WorkerStoppingError: the task is given back).
+ */
+export type Handler = (task: Task, signal: AbortSignal) => unknown;
+
+/** The task's cancellation was requested: it ends CANCELLED. */
+export class TaskCancelledError extends Error {
+  constructor() {
+    super("cronoq: the task's cancellation was requested");
+    this.name = "TaskCancelledError";
+  }
+}
+/** The worker is stopping and its shutdown grace has passed: the task is given back. */
+export class WorkerStoppingError extends Error {
+  constructor() {
+    super("cronoq: the worker is stopping and its shutdown grace has passed");
+    this.name = "WorkerStoppingError";
+  }
+}
+/** The task is no longer leased to this worker. */
+export class LeaseLostError extends Error {
+  constructor() {
+    super("cronoq: the task is no longer leased to this worker");
+    this.name = "LeaseLostError";
+  }
+}
+/** The attempt's timeout passed. */
+export class TaskTimeoutError extends Error {
+  constructor(ms: bigint) {
+    super(`cronoq: the attempt's timeout of ${ms} ms passed`);
+    this.name = "TaskTimeoutError";
+  }
+}
+
+/** A handler's error that says how the attempt fails. */
+export class TaskFailure extends Error {
+  /** False ends the task FAILED whatever attempts remain. */
+  readonly retryable: boolean;
+  /** Overrides the pool's backoff before the next attempt when > 0. */
+  readonly retryAfterMs: number;
+
+  constructor(message: string, opts: { retryable?: boolean; retryAfterMs?: number } = {}) {
+    super(message);
+    this.name = "TaskFailure";
+    this.retryable = opts.retryable ?? true;
+    this.retryAfterMs = opts.retryAfterMs ?? 0;
+  }
+}
+
+/** Fails the attempt and the task, whatever attempts remain. */
+export function nonRetryable(err: unknown): TaskFailure {
+  return new TaskFailure(err instanceof Error ? err.message : String(err), { retryable: false });
+}
+
+/** Fails the attempt; the next starts no sooner than after ms. */
+export function retryAfter(err: unknown, ms: number): TaskFailure {
+  return new TaskFailure(err instanceof Error ? err.message : String(err), { retryable: true, retryAfterMs: ms });
+}
+
+export interface WorkerOptions extends ConnectionOptions {
+  /** The pools the worker runs tasks of (required). */
+  pools: string[];
+  /** The most handlers running at once; 16 when absent. */
+  concurrency?: number;
+  /** Shown by ListWorkers; hostname-pid when absent. */
+  name?: string;
+  labels?: Record<string, string>;
+  /** How long running tasks may go on once the worker stops; those still running then are aborted and given back. 30 s when absent. */
+  shutdownGraceMs?: number;
+  /** How long an outcome waits for others to join its report while handlers run; 2 ms when absent, none when 0. */
+  finishLingerMs?: number;
+}
+
+const MAX_REDIRECTS = 3;
+const MAX_FINISH_BATCH = 1000;
+const MIB = 1 << 20;
+const DEFAULT_MAX_RESULT_BYTES = 4 * MIB;
+const DEFAULT_MAX_LEASE_BYTES = 16 * MIB;
+// Room left under MAX_MESSAGE_BYTES for what a message carries besides tasks or outcomes.
+const MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES - MIB;
+const MIN_LEASE_BYTES = MIB;
+const RELEASE_REASON = "worker shut down";
+// After the shutdown grace: how long aborted handlers get to return, and the time left for the last reports.
+const UNWIND_MS = 1000;
+const STOP_EXTRA_MS = 3000;
+const DEREGISTER_TIMEOUT_MS = 2000;
+
+interface RunningTask {
+  attempt: number;
+  abort: AbortController;
+  done: Promise<void>;
+  finished: boolean;
+  cancelRequested: boolean; // the server asked: report it cancelled
+  releasing: boolean; // aborted at shutdown: give it back
+  lost: boolean; // no longer ours: report nothing
+}
+
+/** A wake-up flag with one waiter: notify() before wait() is not lost. */
+class Wake {
+  private pending = false;
+  private waiter: (() => void) | undefined;
+
+  notify(): void {
+    const waiter = this.waiter;
+    if (waiter) {
+      this.waiter = undefined;
+      waiter();
+    } else {
+      this.pending = true;
+    }
+  }
+
+  wait(timeoutMs: number | undefined, signal: AbortSignal): Promise<"wake" | "timeout" | "abort"> {
+    if (this.pending) {
+      this.pending = false;
+      return Promise.resolve("wake");
+    }
+    if (signal.aborted) return Promise.resolve("abort");
+    return new Promise((resolve) => {
+      let timer: NodeJS.Timeout | undefined;
+      const finish = (why: "wake" | "timeout" | "abort") => {
+        clearTimeout(timer);
+        signal.removeEventListener("abort", onAbort);
+        if (why !== "wake") this.waiter = undefined;
+        resolve(why);
+      };
+      const onAbort = () => finish("abort");
+      this.waiter = () => finish("wake");
+      if (timeoutMs !== undefined) timer = setTimeout(() => finish("timeout"), Math.max(timeoutMs, 0));
+      signal.addEventListener("abort", onAbort, { once: true });
+    });
+  }
+}
+
+/** Waits for promise, at most ms (the timer does not outlive the wait). */
+async function within(promise: Promise<unknown>, ms: number): Promise<void> {
+  const timeout = new AbortController();
+  try {
+    await Promise.race([promise, sleep(ms, timeout.signal)]);
+  } finally {
+    timeout.abort();
+  }
+}
+
+/** Waits up to ms for the tasks' handlers to return; returns those still running. */
+async function waitAll(tasks: Array<[bigint, RunningTask]>, ms: number): Promise<Array<[bigint, RunningTask]>> {
+  await within(Promise.all(tasks.map(([, rt]) => rt.done)), ms);
+  return tasks.filter(([, rt]) => !rt.finished);
+}
+
+/**
+ * Registers with the shard of its pools and runs their tasks. Create it, then `await
+ * worker.run()`; `worker.stop()` stops it gracefully (run resolves once running tasks have
+ * finished, within shutdownGraceMs, and every outcome is reported).
+ */
+export class Worker {
+  private readonly conn: Connection;
+  private readonly pools: string[];
+  private readonly concurrency: number;
+  private readonly name: string;
+  private readonly labels: Record<string, string>;
+  private readonly shutdownGraceMs: number;
+  private readonly finishLingerMs: number;
+  private readonly wake = new Wake();
+  private readonly stopCtl = new AbortController();
+  private readonly calls = new AbortController(); // the worker's own calls, after the graceful stop's time
+  private started = false;
+
+  private workerId = "";
+  private heartbeatMs = 10_000;
+  private maxResultBytes = DEFAULT_MAX_RESULT_BYTES;
+  private leaseBytes = DEFAULT_MAX_LEASE_BYTES;
+  private maxLeaseBytes = DEFAULT_MAX_LEASE_BYTES;
+  private readonly running = new Map<bigint, RunningTask>();
+  private readonly unacked = new Map<bigint, TaskOutcome>(); // reported, not yet answered
+  private outcomes: TaskOutcome[] = []; // not yet sent on the current stream
+  private freed = 0; // slots freed, not yet given as credits
+  private beatDue = false;
+  private stopping = false;
+  private processedCount = 0;
+
+  constructor(opts: WorkerOptions, private readonly handler: Handler) {
+    if (!opts.pools || opts.pools.length === 0) {
+      throw new InvalidArgumentError(Status.INVALID_ARGUMENT, "pools: give at least one pool");
+    }
+    const concurrency = opts.concurrency ?? 16;
+    if (!Number.isInteger(concurrency) || concurrency < 1) {
+      throw new InvalidArgumentError(Status.INVALID_ARGUMENT, `concurrency: ${concurrency} must be an integer of at least 1`);
+    }
+    if (typeof handler !== "function") {
+      throw new InvalidArgumentError(Status.INVALID_ARGUMENT, "handler: give a function (task, signal) => result");
+    }
+    this.conn = new Connection(opts);
+    this.pools = [...opts.pools];
+    this.concurrency = concurrency;
+    this.name = opts.name || `${hostname()}-${process.pid}`;
+    this.labels = { ...(opts.labels ?? {}) };
+    this.shutdownGraceMs = opts.shutdownGraceMs && opts.shutdownGraceMs > 0 ? opts.shutdownGraceMs : 30_000;
+    this.finishLingerMs = opts.finishLingerMs ?? 2;
+  }
+
+  /** The server the worker talks to now. */
+  get endpoint(): Endpoint {
+    return this.conn.endpoint;
+  }
+
+  /** The worker id the server gave at registration ("" before). */
+  get id(): string {
+    return this.workerId;
+  }
+
+  /** The number of outcomes the server has acknowledged. */
+  get processed(): number {
+    return this.processedCount;
+  }
+
+  /** Asks the worker to stop taking tasks; run() resolves once running tasks have finished (within the grace) and every outcome is reported. */
+  stop(): void {
+    this.stopCtl.abort();
+  }
+
+  /**
+   * Registers and runs tasks until stop(), then stops gracefully. Rejects when the worker
+   * cannot go on: its credentials refused, a TLS failure, a redirect refused or too many redirects.
+   */
+  async run(): Promise<void> {
+    if (this.started) throw new FailedPreconditionError(Status.FAILED_PRECONDITION, "worker: run() was called already");
+    this.started = true;
+    try {
+      await this.register();
+      if (this.stopCtl.signal.aborted) {
+        await this.deregister();
+        return;
+      }
+      this.conn.log.info("cronoq: worker registered", { worker_id: this.workerId, endpoint: this.endpoint.toString(), pools: this.pools });
+      const heartbeats = setInterval(() => {
+        this.beatDue = true;
+        this.wake.notify();
+      }, this.heartbeatMs);
+      let workError: unknown;
+      const workDone = this.workLoop().catch((err: unknown) => {
+        workError = err;
+      });
+      const stopped = new Promise<void>((resolve) => {
+        if (this.stopCtl.signal.aborted) resolve();
+        this.stopCtl.signal.addEventListener("abort", () => resolve(), { once: true });
+      });
+      await Promise.race([workDone, stopped]);
+      this.stopping = true; // also when the stream failed for good: unfinished tasks are released
+      this.wake.notify();
+      await this.finishRunning(workDone);
+      clearInterval(heartbeats);
+      await this.deregister();
+      if (workError !== undefined) throw workError;
+    } finally {
+      this.calls.abort();
+      this.conn.close();
+    }
+  }
+
+  /** Registers, following up to 3 redirects in a row; UNAVAILABLE is retried until stop(). Returns without registering when stopped first. */
+  private async register(): Promise<void> {
+    const stopSignal = this.stopCtl.signal;
+    const req = { name: this.name, pools: this.pools, concurrency: this.concurrency, labels: this.labels };
+    let redirects = 0;
+    let unavailable = 0;
+    let chain = [this.conn.endpoint.toString()]; // where it went, and where each server sent it
+    for (;;) {
+      let resp: RegisterWorkerResponse;
+      try {
+        resp = await this.conn.once<RegisterWorkerResponse>((c, md, o, cb) => c.worker.registerWorker(req, md, o, cb), this.conn.timeoutMs, stopSignal);
+      } catch (err) {
+        if (stopSignal.aborted) return;
+        if (err instanceof FailedPreconditionError && !(err instanceof TooManyRedirectsError) &&
+            !(err instanceof RedirectRefusedError) && err.shardEndpoint) {
+          redirects++;
+          chain.push(`shard ${err.shard || "?"} at ${err.shardEndpoint}`);
+          if (redirects > MAX_REDIRECTS) {
+            throw new TooManyRedirectsError(Status.FAILED_PRECONDITION,
+              `worker for [${this.pools.join(", ")}] was redirected more than ${MAX_REDIRECTS} times in a row: ` +
+              `${chain.join(" -> ")}: check the [[shards]] endpoints`, { shard: err.shard, shardEndpoint: err.shardEndpoint });
+          }
+          this.conn.log.info("cronoq: reconnecting to the shard of the worker's pools", { shard: err.shard, endpoint: err.shardEndpoint });
+          this.conn.follow(err.shardEndpoint);
+          continue;
+        }
+        if (err instanceof UnavailableError) {
+          // The leader a standby names, or else the next configured endpoint (so a redirect
+          // target that is down sends the worker back to its configured one).
+          this.conn.onUnavailable(err);
+          if (this.conn.isConfigured(this.conn.endpoint)) {
+            redirects = 0;
+            chain = [this.conn.endpoint.toString()];
+          }
+          unavailable++;
+          const r = this.conn.retry;
+          const delay = Math.min(r.initialBackoffMs * 2 ** Math.min(unavailable, 10), r.maxBackoffMs) * (0.5 + Math.random() / 2);
+          this.conn.log.debug("cronoq: register: retrying", { error: String(err), endpoint: this.conn.endpoint.toString(), after_ms: delay });
+          if (!(await sleep(delay, stopSignal))) return;
+          continue;
+        }
+        throw err;
+      }
+      this.workerId = resp.workerId;
+      this.heartbeatMs = Math.max(resp.heartbeatIntervalMs, 100);
+      this.maxResultBytes = Math.min(Number(resp.maxResultBytes) || DEFAULT_MAX_RESULT_BYTES, MAX_REQUEST_BYTES);
+      this.maxLeaseBytes = Math.min(Number(resp.maxLeaseBytes) || DEFAULT_MAX_LEASE_BYTES, MAX_REQUEST_BYTES);
+      this.leaseBytes = this.maxLeaseBytes;
+      return;
+    }
+  }
+
+  private async deregister(): Promise<void> {
+    if (!this.workerId) return;
+    const req = { workerId: this.workerId };
+    try {
+      await this.conn.once<DeregisterWorkerResponse>((c, md, o, cb) => c.worker.deregisterWorker(req, md, o, cb), DEREGISTER_TIMEOUT_MS);
+    } catch (err) {
+      this.conn.log.debug("cronoq: deregister failed", { worker_id: this.workerId, error: String(err) });
+    }
+  }
+
+  /** Stopping, and nothing left to run or to report. */
+  private finished(): boolean {
+    return this.stopping && this.running.size === 0 && this.unacked.size === 0;
+  }
+
+  /** The graceful stop: running tasks finish within the grace, the others are aborted and released; then every outcome is reported, for at most STOP_EXTRA_MS more. */
+  private async finishRunning(workDone: Promise<void>): Promise<void> {
+    const deadline = Date.now() + this.shutdownGraceMs + STOP_EXTRA_MS;
+    const running = [...this.running.entries()];
+    if (running.length > 0) {
+      this.conn.log.info("cronoq: waiting for running tasks", { worker_id: this.workerId, running: running.length });
+      const pending = await waitAll(running, this.shutdownGraceMs);
+      if (pending.length > 0) {
+        this.conn.log.warn("cronoq: releasing tasks still running after the shutdown grace", { tasks: pending.length });
+        for (const [, rt] of pending) {
+          rt.releasing = true;
+          rt.abort.abort(new WorkerStoppingError());
+        }
+        const stuck = await waitAll(pending, UNWIND_MS);
+        for (const [id, rt] of stuck) { // the handler ignores its signal: release the task anyway
+          this.conn.log.warn("cronoq: handler ignores its abort signal; releasing the task", { task_id: id.toString() });
+          rt.lost = true; // whatever it returns later is not reported
+          this.running.delete(id);
+          this.queue(TaskOutcome.fromPartial({ taskId: id, attempt: rt.attempt, released: { reason: RELEASE_REASON } }));
+        }
+      }
+    }
+    this.wake.notify(); // the stream closes its side once every outcome is answered
+    await within(workDone, Math.max(deadline - Date.now(), 0));
+    this.calls.abort();
+    await workDone;
+    if (this.unacked.size > 0) {
+      this.conn.log.warn("cronoq: outcomes not acknowledged at shutdown; their leases will expire", { outcomes: this.unacked.size });
+    }
+  }
+
+  /** Opens Work streams one after the other until the worker is finished; a stream that fails is opened again. */
+  private async workLoop(): Promise<void> {
+    const calls = this.calls.signal;
+    const r = this.conn.retry;
+    let failures = 0; // in a row, of the kind that halves max_bytes
+    while (!this.finished()) {
+      const err = await this.workStream();
+      if (calls.aborted) return; // the graceful stop's time is up
+      if (err === undefined) { // the server ended it cleanly: do not reopen it in a tight loop
+        failures = 0;
+        if (!this.finished()) await sleep(r.initialBackoffMs * (1 + Math.random()), calls);
+      } else if (err instanceof NotFoundError) {
+        this.conn.log.warn("cronoq: worker unknown to the server; registering again", { worker_id: this.workerId });
+        await this.register();
+      } else if (err instanceof PermissionDeniedError || err instanceof UnauthenticatedError || err instanceof TlsError) {
+        throw err; // no retry can help: run() fails with the reason
+      } else if (err instanceof UnavailableError || err instanceof CancelledError || err instanceof DeadlineExceededError ||
+          err instanceof InternalError || err instanceof UnknownError || !(err instanceof CronoqError)) {
+        if (err instanceof UnavailableError) this.conn.onUnavailable(err);
+        this.conn.log.warn("cronoq: work stream ended; opening it again", { error: String(err), endpoint: this.endpoint.toString() });
+        await sleep(r.initialBackoffMs * (1 + 3 * Math.random()), calls);
+      } else if (err instanceof FailedPreconditionError && err.shardEndpoint) {
+        throw err; // the pools moved to another shard
+      } else { // e.g. RESOURCE_EXHAUSTED, an answer over the receive limit: smaller answers
+        failures++;
+        this.leaseBytes = Math.max(Math.floor(this.leaseBytes / 2), MIN_LEASE_BYTES);
+        this.conn.log.error("cronoq: work stream failed; opening it again with a smaller max_bytes", { error: String(err) });
+        await sleep(backoffMs(r, failures), calls);
+      }
+    }
+  }
+
+  /** One Work stream: the first message gives the free slots; the sender sends outcomes, freed slots and heartbeats; answers are read until the server ends it. */
+  private async workStream(): Promise<Error | undefined> {
+    const { clients, endpoint } = this.conn.clients();
+    const call = clients.worker.work(this.conn.metadata());
+    const streamCtl = new AbortController();
+    const onCallsAbort = () => call.cancel();
+    this.calls.signal.addEventListener("abort", onCallsAbort, { once: true });
+    this.outcomes = [...this.unacked.values()]; // what an earlier stream did not answer
+    this.freed = 0;
+    const free = this.stopping ? 0 : this.concurrency - this.running.size;
+    const first = WorkRequest.fromPartial({ workerId: this.workerId, credits: Math.max(free, 0), maxBytes: BigInt(this.leaseBytes) });
+    if (this.outcomes.length > 0) this.wake.notify(); // sent right after the first message
+
+    const ended = new Promise<Error | undefined>((resolve) => {
+      let readEnded = false;
+      let cleanStatus = false;
+      call.on("data", (answer: WorkResponse) => this.answered(answer));
+      call.on("error", (err: unknown) => resolve(fromGrpcError(err)));
+      call.on("end", () => {
+        readEnded = true;
+        if (cleanStatus) resolve(undefined);
+      });
+      call.on("status", (s: { code: number }) => {
+        if (s.code !== Status.OK) return; // the "error" event carries it
+        cleanStatus = true;
+        if (readEnded) resolve(undefined);
+      });
+    });
+    const sender = this.sendLoop(call, first, streamCtl.signal);
+    let err = await ended;
+    streamCtl.abort();
+    this.calls.signal.removeEventListener("abort", onCallsAbort);
+    call.cancel();
+    await sender;
+    if (err !== undefined) err = await this.conn.diagnose(endpoint, err);
+    return err;
+  }
+
+  /** Sends the stream's messages; closes its side once stopping and every outcome is answered. */
+  private async sendLoop(call: ClientDuplexStream<WorkRequest, WorkResponse>, first: WorkRequest, signal: AbortSignal): Promise<void> {
+    let message: WorkRequest | undefined = first;
+    for (;;) {
+      if (message !== undefined) {
+        if (signal.aborted) return;
+        try {
+          call.write(message);
+        } catch {
+          return; // the stream ended: the reader sees why
+        }
+      }
+      if (this.finished()) {
+        call.end();
+        return;
+      }
+      if ((await this.wake.wait(undefined, signal)) === "abort") return;
+      const linger = this.finishLingerMs > 0 && this.outcomes.length > 0 && this.running.size > 0 &&
+        this.outcomes.length < MAX_FINISH_BATCH && !this.stopping;
+      if (linger && !(await this.linger(signal))) return;
+      message = this.nextMessage();
+    }
+  }
+
+  /** Waits for more outcomes to join the pending ones: until every handler has returned, the batch is full, or the linger passes. False when the stream ends first. */
+  private async linger(signal: AbortSignal): Promise<boolean> {
+    const deadline = Date.now() + this.finishLingerMs;
+    for (;;) {
+      const why = await this.wake.wait(deadline - Date.now(), signal);
+      if (why === "abort") return false;
+      if (why === "timeout") return true;
+      if (!(this.running.size > 0 && this.outcomes.length < MAX_FINISH_BATCH)) {
+        this.wake.notify(); // what woke it may need sending too
+        return true;
+      }
+    }
+  }
+
+  /** The next message to send, or undefined when there is nothing to say. */
+  private nextMessage(): WorkRequest | undefined {
+    const outcomes = this.nextBatch();
+    let credits = 0;
+    if (!this.stopping) {
+      credits = this.freed;
+      this.freed = 0;
+    }
+    let heartbeat: WorkRequest["heartbeat"];
+    if (this.beatDue) {
+      this.beatDue = false;
+      const tasks = [...this.running.entries()].map(([taskId, rt]) => ({ taskId, attempt: rt.attempt }));
+      for (const [taskId, o] of this.unacked) {
+        if (!this.running.has(taskId)) tasks.push({ taskId, attempt: o.attempt });
+      }
+      heartbeat = { tasks };
+    }
+    if (this.outcomes.length > 0) this.wake.notify(); // the rest in the next message
+    if (outcomes.length === 0 && credits === 0 && heartbeat === undefined) return undefined;
+    return WorkRequest.fromPartial({ outcomes, credits, heartbeat });
+  }
+
+  /** The oldest outcomes that fit one message: at most MAX_FINISH_BATCH and MAX_REQUEST_BYTES (one always goes). */
+  private nextBatch(): TaskOutcome[] {
+    const framing = 16; // an outcome's tag and length prefix, and the message's
+    let size = framing;
+    let n = 0;
+    for (const o of this.outcomes) {
+      if (n === MAX_FINISH_BATCH) break;
+      size += (o.success?.result.length ?? 0) + 3 * (o.failure?.error.length ?? 0) + 3 * (o.cancelled?.reason.length ?? 0) + 3 * (o.released?.reason.length ?? 0) + framing + 32;
+      if (n > 0 && size > MAX_REQUEST_BYTES) break;
+      n++;
+    }
+    return this.outcomes.splice(0, n);
+  }
+
+  /** Handles what the server sent: tasks to run, the results of outcomes, a heartbeat's answer. */
+  private answered(answer: WorkResponse): void {
+    for (const r of answer.results) {
+      if (this.unacked.delete(r.taskId)) this.processedCount++;
+      if (!r.accepted) this.conn.log.warn("cronoq: outcome refused", { task_id: r.taskId.toString(), code: r.code, message: r.message });
+    }
+    for (const task of answer.tasks) {
+      if (this.stopping) { // sent for slots given before the stop: give it back
+        this.freed++;
+        this.queue(TaskOutcome.fromPartial({ taskId: task.id, attempt: task.attempt, released: { reason: RELEASE_REASON } }));
+        continue;
+      }
+      this.start(task);
+    }
+    if (answer.heartbeat) {
+      for (const id of answer.heartbeat.cancelledTaskIds) {
+        const rt = this.running.get(id);
+        if (rt) {
+          rt.cancelRequested = true;
+          rt.abort.abort(new TaskCancelledError());
+        }
+      }
+      for (const id of answer.heartbeat.lostTaskIds) {
+        const rt = this.running.get(id);
+        if (rt) {
+          this.conn.log.warn("cronoq: task lost its lease; its outcome will not be reported", { task_id: id.toString() });
+          rt.lost = true;
+          rt.abort.abort(new LeaseLostError());
+        }
+      }
+    }
+    this.wake.notify();
+  }
+
+  private start(task: Task): void {
+    const rt: RunningTask = {
+      attempt: task.attempt, abort: new AbortController(), done: Promise.resolve(), finished: false,
+      cancelRequested: false, releasing: false, lost: false,
+    };
+    this.running.set(task.id, rt);
+    rt.done = this.execute(task, rt)
+      .catch((err: unknown) => this.conn.log.error("cronoq: reporting a task's outcome failed", { task_id: task.id.toString(), error: String(err) }))
+      .finally(() => {
+        rt.finished = true;
+      });
+  }
+
+  private async execute(task: Task, rt: RunningTask): Promise<void> {
+    let timedOut = false;
+    const timer = task.timeoutMs > 0n
+      ? setTimeout(() => {
+        timedOut = true;
+        rt.abort.abort(new TaskTimeoutError(task.timeoutMs));
+      }, Number(task.timeoutMs))
+      : undefined;
+    let ok = false;
+    let result: unknown;
+    let error: unknown;
+    try {
+      await Promise.resolve(); // the handler runs after start() has recorded the task
+      result = await this.handler(task, rt.abort.signal);
+      ok = true;
+    } catch (err) {
+      error = err;
+    } finally {
+      clearTimeout(timer);
+    }
+    if (this.running.get(task.id) === rt) {
+      this.running.delete(task.id);
+      this.freed++;
+    }
+    if (rt.lost) { // no longer ours (or released already at shutdown)
+      this.wake.notify();
+      return;
+    }
+    const outcome = TaskOutcome.fromPartial({ taskId: task.id, attempt: task.attempt });
+    const failure = (message: string, retryable: boolean, afterMs = 0) => {
+      outcome.failure = { error: message, retryable, retryAfterMs: afterMs > 0 ? Math.min(Math.max(Math.round(afterMs), 1), 2 ** 31) : 0 };
+    };
+    if (ok) {
+      try {
+        const { data, contentType } = encodePayload(result);
+        if (data.length > this.maxResultBytes) {
+          failure(`result of ${data.length} bytes exceeds max_result_bytes ${this.maxResultBytes}`, false);
+        } else {
+          outcome.success = { result: data, contentType };
+        }
+      } catch (err) {
+        failure(`result: ${(err as Error).message}`, false);
+      }
+    } else if (rt.cancelRequested) { // the server asked: the task ends CANCELLED
+      outcome.cancelled = { reason: "cancelled" };
+    } else if (rt.releasing) { // shutdown: give it back unfinished
+      outcome.released = { reason: RELEASE_REASON };
+    } else if (timedOut) {
+      failure(`timed out after ${task.timeoutMs} ms`, true);
+    } else if (error instanceof TaskFailure) {
+      failure(error.message, error.retryable, error.retryAfterMs);
+    } else {
+      failure(error instanceof Error ? error.message || error.name : String(error), true);
+    }
+    this.queue(outcome);
+  }
+
+  /** Queues an outcome for the stream and wakes the sender. */
+  private queue(outcome: TaskOutcome): void {
+    this.unacked.set(outcome.taskId, outcome);
+    this.outcomes.push(outcome);
+    this.wake.notify();
+  }
+}

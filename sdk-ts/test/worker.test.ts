@@ -1,0 +1,248 @@
+// The worker and the client against in-process grpc-js servers that play cronoq's services.
+import { after, test } from "node:test";
+import assert from "node:assert/strict";
+import {
+  Metadata,
+  Server,
+  ServerCredentials,
+  status as Status,
+  type sendUnaryData,
+  type ServerDuplexStream,
+  type ServerUnaryCall,
+  type UntypedServiceImplementation,
+} from "@grpc/grpc-js";
+import { TaskServiceService, type GetTaskRequest, type GetTaskResponse } from "../src/gen/cronoq/v1/task_service.js";
+import {
+  WorkerServiceService,
+  type RegisterWorkerRequest,
+  type RegisterWorkerResponse,
+  type TaskOutcome,
+  type WorkRequest,
+  type WorkResponse,
+} from "../src/gen/cronoq/v1/worker_service.js";
+import { Task, TaskState } from "../src/gen/cronoq/v1/task.js";
+import { Client, NotFoundError, TaskCancelledError, TooManyRedirectsError, Worker } from "../src/index.js";
+import { statusDetailsBin } from "./helpers.js";
+
+const TOP_BIT_ID = 18446744073709551615n;
+const silent = { debug() {}, info() {}, warn() {}, error() {} };
+
+// Whatever a failed test leaves running is stopped, so that the run ends.
+const started: Array<{ stop(): void }> = [];
+after(() => started.forEach((s) => s.stop()));
+function tracked<T extends { stop(): void }>(thing: T): T {
+  started.push(thing);
+  return thing;
+}
+
+interface FakeOptions {
+  tasks?: Task[];
+  cancel?: bigint[];
+  redirectTo?: () => string;
+  /** The first stream fails with UNAVAILABLE on the first outcomes, without answering them. */
+  failFirstStream?: boolean;
+}
+
+/** A server that registers workers (or redirects them), hands out its tasks as credits allow, and records outcomes. */
+class FakeShard {
+  readonly server = new Server();
+  url = "";
+  readonly outcomes: TaskOutcome[] = [];
+  readonly messagesWithOutcomes: number[] = [];
+  readonly heartbeats: bigint[][] = [];
+  registers = 0;
+  streams = 0;
+  deregistered = false;
+  tokens: string[] = [];
+
+  constructor(private readonly opts: FakeOptions = {}) {
+    const impl: UntypedServiceImplementation = {
+      registerWorker: (call: ServerUnaryCall<RegisterWorkerRequest, RegisterWorkerResponse>, cb: sendUnaryData<RegisterWorkerResponse>) => {
+        this.registers++;
+        this.tokens.push(String(call.metadata.get("authorization")[0] ?? ""));
+        if (opts.redirectTo) {
+          const md = new Metadata();
+          md.set("cronoq-shard-endpoint", opts.redirectTo());
+          md.set("cronoq-shard", "gpu");
+          cb({ code: Status.FAILED_PRECONDITION, details: "pool gpu is on shard gpu", metadata: md });
+          return;
+        }
+        cb(null, { workerId: "w1", heartbeatIntervalMs: 100, shard: "cpu", maxResultBytes: 0n, maxLeaseBytes: 0n });
+      },
+      deregisterWorker: (_call: unknown, cb: sendUnaryData<object>) => {
+        this.deregistered = true;
+        cb(null, {});
+      },
+      work: (call: ServerDuplexStream<WorkRequest, WorkResponse>) => {
+        const queue = [...(opts.tasks ?? [])].filter((t) => !this.outcomes.some((o) => o.taskId === t.id));
+        const stream = ++this.streams;
+        let credits = 0;
+        call.on("data", (req: WorkRequest) => {
+          credits += req.credits;
+          if (opts.failFirstStream && stream === 1 && req.outcomes.length > 0) {
+            this.outcomes.push(...req.outcomes);
+            call.emit("error", { code: Status.UNAVAILABLE, details: "draining" });
+            return;
+          }
+          const answer: WorkResponse = { tasks: [], results: [], heartbeat: undefined };
+          if (req.outcomes.length > 0) this.messagesWithOutcomes.push(req.outcomes.length);
+          for (const o of req.outcomes) {
+            this.outcomes.push(o);
+            answer.results.push({ taskId: o.taskId, accepted: true, code: "", message: "" });
+          }
+          if (req.heartbeat) {
+            const ids = req.heartbeat.tasks.map((t) => t.taskId);
+            this.heartbeats.push(ids);
+            answer.heartbeat = { cancelledTaskIds: ids.filter((id) => opts.cancel?.includes(id)), lostTaskIds: [] };
+          }
+          while (credits > 0 && queue.length > 0) {
+            answer.tasks.push(queue.shift()!);
+            credits--;
+          }
+          call.write(answer);
+        });
+        call.on("end", () => call.end());
+      },
+    };
+    this.server.addService(WorkerServiceService, impl);
+    this.server.addService(TaskServiceService, {
+      getTask: (call: ServerUnaryCall<GetTaskRequest, GetTaskResponse>, cb: sendUnaryData<GetTaskResponse>) => {
+        const id = call.request.task?.id;
+        if (id !== TOP_BIT_ID) {
+          const md = new Metadata();
+          md.set("grpc-status-details-bin", statusDetailsBin("TASK_NOT_FOUND", {}));
+          cb({ code: Status.NOT_FOUND, details: `no task ${id}`, metadata: md });
+          return;
+        }
+        cb(null, { task: Task.fromPartial({ id, state: TaskState.TASK_STATE_RUNNING }), unavailableShards: [] });
+      },
+    });
+  }
+
+  async start(): Promise<this> {
+    tracked(this);
+    const port = await new Promise<number>((resolve, reject) =>
+      this.server.bindAsync("127.0.0.1:0", ServerCredentials.createInsecure(), (err, p) => (err ? reject(err) : resolve(p))));
+    this.url = `http://127.0.0.1:${port}`;
+    return this;
+  }
+
+  stop(): void {
+    this.server.forceShutdown();
+  }
+}
+
+function jsonTask(id: bigint, payload: unknown): Task {
+  return Task.fromPartial({ id, attempt: 1, pool: "default", payload: Buffer.from(JSON.stringify(payload)), contentType: "application/json" });
+}
+
+async function until(check: () => boolean, ms = 5000): Promise<void> {
+  const deadline = Date.now() + ms;
+  while (!check()) {
+    if (Date.now() > deadline) throw new Error("timed out waiting");
+    await new Promise((r) => setTimeout(r, 5));
+  }
+}
+
+test("a worker runs tasks, keeps a top-bit id whole, batches outcomes and deregisters on stop", async () => {
+  const tasks = [jsonTask(TOP_BIT_ID, { r: 1 }), ...[1n, 2n, 3n, 4n, 5n].map((id) => jsonTask(id, { r: Number(id) }))];
+  const shard = await new FakeShard({ tasks }).start();
+  let running = 0;
+  let most = 0;
+  const worker = tracked(new Worker({ endpoint: shard.url, token: "t", pools: ["default"], concurrency: 3, logger: silent }, async () => {
+    running++;
+    most = Math.max(most, running);
+    await new Promise((r) => setTimeout(r, 20));
+    running--;
+    return { ok: true };
+  }));
+  const run = worker.run();
+  await until(() => shard.outcomes.length === tasks.length);
+  worker.stop();
+  await run;
+  shard.stop();
+  assert.ok(shard.outcomes.some((o) => o.taskId === TOP_BIT_ID && o.success !== undefined));
+  assert.ok(shard.outcomes.every((o) => o.success !== undefined));
+  assert.ok(most <= 3, `at most 3 at once, saw ${most}`);
+  assert.ok(shard.messagesWithOutcomes.some((n) => n >= 2), `outcomes batched: ${shard.messagesWithOutcomes}`);
+  assert.ok(shard.deregistered);
+  assert.deepEqual(new Set(shard.tokens), new Set(["Bearer t"]));
+});
+
+test("outcomes a failed stream did not answer are sent again on the next stream", async () => {
+  const shard = await new FakeShard({ tasks: [jsonTask(7n, {})], failFirstStream: true }).start();
+  const worker = tracked(new Worker({ endpoint: shard.url, pools: ["default"], logger: silent, retry: { initialBackoffMs: 5 } }, () => "ok"));
+  const run = worker.run();
+  await until(() => worker.processed === 1);
+  worker.stop();
+  await run;
+  shard.stop();
+  assert.ok(shard.streams >= 2, `streams: ${shard.streams}`);
+  assert.deepEqual(shard.outcomes.map((o) => o.taskId), [7n, 7n]);
+});
+
+test("a cancellation named by a heartbeat aborts the handler and reports the task cancelled", async () => {
+  const shard = await new FakeShard({ tasks: [jsonTask(25n, {})], cancel: [25n] }).start();
+  let reason: unknown;
+  const worker = tracked(new Worker({ endpoint: shard.url, pools: ["default"], logger: silent }, (_task, signal) =>
+    new Promise((_resolve, reject) => signal.addEventListener("abort", () => {
+      reason = signal.reason;
+      reject(signal.reason);
+    }))));
+  const run = worker.run();
+  await until(() => shard.outcomes.length === 1);
+  worker.stop();
+  await run;
+  shard.stop();
+  assert.ok(reason instanceof TaskCancelledError);
+  assert.ok(shard.outcomes[0]!.cancelled !== undefined);
+  assert.ok(shard.heartbeats.some((ids) => ids.includes(25n)));
+});
+
+test("a graceful stop lets a task finish within the grace and releases one that outlives it", async () => {
+  const shard = await new FakeShard({ tasks: [jsonTask(1n, { ms: 50 }), jsonTask(2n, { ms: 10_000 })] }).start();
+  let started = 0;
+  const worker = tracked(new Worker({ endpoint: shard.url, pools: ["default"], concurrency: 2, shutdownGraceMs: 300, logger: silent },
+    async (task, signal) => {
+      started++;
+      const { ms } = JSON.parse(task.payload.toString()) as { ms: number };
+      await new Promise((resolve, reject) => {
+        const timer = setTimeout(resolve, ms);
+        signal.addEventListener("abort", () => {
+          clearTimeout(timer);
+          reject(signal.reason);
+        });
+      });
+      return "done";
+    }));
+  const run = worker.run();
+  await until(() => started === 2);
+  worker.stop();
+  await run;
+  shard.stop();
+  const byId = new Map(shard.outcomes.map((o) => [o.taskId, o]));
+  assert.ok(byId.get(1n)?.success !== undefined);
+  assert.ok(byId.get(2n)?.released !== undefined);
+});
+
+test("a worker follows 3 redirects in a row and refuses the 4th, naming the chain", async () => {
+  const shards: FakeShard[] = [];
+  for (let i = 0; i < 5; i++) shards.push(new FakeShard({ redirectTo: () => shards[i + 1]!.url }));
+  await Promise.all(shards.map((s) => s.start()));
+  const worker = tracked(new Worker({ endpoint: shards[0]!.url, pools: ["gpu"], logger: silent }, () => null));
+  await assert.rejects(worker.run(), (err: unknown) =>
+    err instanceof TooManyRedirectsError && /more than 3/.test(err.message) && err.message.includes(shards[3]!.url));
+  assert.deepEqual(shards.map((s) => s.registers), [1, 1, 1, 1, 0]);
+  shards.forEach((s) => s.stop());
+});
+
+test("the client keeps a top-bit id whole and raises the code's error with the server's reason", async () => {
+  const shard = await new FakeShard().start();
+  const client = new Client({ endpoint: shard.url, logger: silent });
+  const task = await client.get(TOP_BIT_ID);
+  assert.equal(task.id, TOP_BIT_ID);
+  await assert.rejects(client.get(5n), (err: unknown) =>
+    err instanceof NotFoundError && err.reason === "TASK_NOT_FOUND" && err.message === "no task 5");
+  client.close();
+  shard.stop();
+});
