@@ -3,7 +3,8 @@
 python bench/burndown.py [--tasks 20000] [--concurrency 64] [--batch 500] [--resource-capacity N] [--worker go]
 
 With --resource-capacity, every task asks for one slot of a concurrency resource of that capacity.
-With --worker go, the worker is the Go SDK's (bench/go-worker, built here with the `go` on PATH).
+With --worker go or ts, the worker is the Go SDK's (bench/go-worker, built with the `go` on PATH)
+or the TypeScript SDK's (bench/ts-worker, run with the `node` on PATH).
 """
 
 from __future__ import annotations
@@ -60,12 +61,22 @@ def run_worker(
 GO_WORKER = Path(__file__).parent / "go-worker"
 
 
-def run_go_worker(endpoint: str, concurrency: int, total: int) -> tuple[float, float]:
-    """The Go worker drains the tasks: (seconds from its start, from the spawn)."""
-    subprocess.run(["go", "-C", str(GO_WORKER), "build", "-o", "go-worker", "."], check=True)
-    cmd = [str(GO_WORKER / "go-worker"), "-endpoint", endpoint, "-tasks", str(total), "-concurrency", str(concurrency)]
+ROOT = Path(__file__).parent.parent
+
+
+def run_sdk_worker(sdk: str, endpoint: str, concurrency: int, total: int) -> tuple[float, float]:
+    """Another SDK's worker drains the tasks (bench/go-worker, bench/ts-worker): (seconds from
+    its start, from the spawn)."""
+    flags = {"endpoint": endpoint, "tasks": str(total), "concurrency": str(concurrency)}
+    if sdk == "go":
+        subprocess.run(["go", "-C", str(GO_WORKER), "build", "-o", "go-worker", "."], check=True)
+        cmd = [str(GO_WORKER / "go-worker"), *(x for k, v in flags.items() for x in (f"-{k}", v))]
+    else:  # tsx is a dev dependency of sdk-ts
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--silent"], cwd=ROOT / "sdk-ts", check=True)
+        main_ts = str(ROOT / "bench" / "ts-worker" / "main.ts")
+        cmd = ["node", "--import", "tsx", main_ts, *(x for k, v in flags.items() for x in (f"--{k}", v))]
     spawned = time.time()
-    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, timeout=600).stdout
+    out = subprocess.run(cmd, cwd=ROOT / "sdk-ts", check=True, stdout=subprocess.PIPE, text=True, timeout=600).stdout
     return json.loads(out)["drain_s"], time.time() - spawned
 
 
@@ -100,11 +111,11 @@ def main() -> None:
     ap.add_argument(
         "--resource-capacity", type=int, default=0, help="every task takes a slot of a resource of this capacity"
     )
-    ap.add_argument("--worker", choices=("python", "go"), default="python", help="the SDK whose worker drains")
+    ap.add_argument("--worker", choices=("python", "go", "ts"), default="python", help="the SDK whose worker drains")
     add_store_arguments(ap)
     args = ap.parse_args()
-    if args.worker == "go" and args.secure:
-        ap.error("--worker go runs without --secure")
+    if args.worker != "python" and args.secure:
+        ap.error(f"--worker {args.worker} runs without --secure")
     resources: dict[str, int] = {}
     extra = ""
     if args.resource_capacity:
@@ -115,8 +126,8 @@ def main() -> None:
         options = server.client_options
         try:
             submit_s = asyncio.run(submit_all(server.endpoint, args.tasks, args.batch, options, resources))
-            if args.worker == "go":
-                drain_s, from_spawn = run_go_worker(server.endpoint, args.concurrency, args.tasks)
+            if args.worker != "python":
+                drain_s, from_spawn = run_sdk_worker(args.worker, server.endpoint, args.concurrency, args.tasks)
             else:
                 # A spawned process, not a fork: a child forked after this process used gRPC can
                 # hang creating its channel (it did, once in a few runs).

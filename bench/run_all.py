@@ -93,18 +93,15 @@ def main() -> None:
                     f"{burn['drain_tasks_per_s']:,} tasks/s",
                 )
             )
-            if shutil.which("go"):
-                step(f"cronoq on {store}: burn-down with the Go SDK's worker")
-                go = run("burndown.py", "--tasks", tasks, "--worker", "go", *extra)
-                rows.append(
-                    (
-                        f"cronoq {store}: the same burn-down with the Go SDK's worker",
-                        f"{go['drain_tasks_per_s']:,} tasks/s ({go['drain_tasks_per_s'] / burn['drain_tasks_per_s']:.2f}× "
-                        "the Python worker)",
-                    )
-                )
-            else:
-                rows.append((f"cronoq {store}: the same burn-down with the Go SDK's worker", "skipped: no `go` on PATH"))
+            for sdk, name, tool in (("go", "Go", "go"), ("ts", "TypeScript", "node")):
+                title = f"cronoq {store}: the same burn-down with the {name} SDK's worker"
+                if not shutil.which(tool):
+                    rows.append((title, f"skipped: no `{tool}` on PATH"))
+                    continue
+                step(f"cronoq on {store}: burn-down with the {name} SDK's worker")
+                other = run("burndown.py", "--tasks", tasks, "--worker", sdk, *extra)
+                ratio = other["drain_tasks_per_s"] / burn["drain_tasks_per_s"]
+                rows.append((title, f"{other['drain_tasks_per_s']:,} tasks/s ({ratio:.2f}× the Python worker)"))
             step(f"cronoq on {store}: burn-down over TLS with a bearer token")
             secure = run("burndown.py", "--tasks", tasks, "--secure", *extra)
             rows.append(
