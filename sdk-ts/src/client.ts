@@ -1,7 +1,7 @@
 // The client: submit, submitBatch, get, wait, cancel, list and watch, on any shard's server
 // (or several servers), with the transport retries of the connection.
 import { randomBytes } from "node:crypto";
-import { status as Status } from "@grpc/grpc-js";
+import { status as Status, type Metadata, type StatusObject } from "@grpc/grpc-js";
 import type { TaskEvent, TaskRef as TaskRefProto, Task, TaskState } from "./gen/cronoq/v1/task.js";
 import {
   SubmitTaskRequest,
@@ -112,6 +112,9 @@ export interface CallOptions {
  * Calls cronoq: any shard's server, or several servers. UNAVAILABLE moves it to the leader a
  * standby names, or to the next endpoint, and is retried with backoff. close() it when done.
  */
+// Where a sharded server says a live Watch stream starts.
+const WATCH_START_KEY = "cronoq-watch-cursor";
+
 export class Client {
   private readonly conn: Connection;
 
@@ -177,19 +180,33 @@ export class Client {
     let cursor = opts.cursor ?? "";
     let failures = 0;
     let failingSince = 0;
+    const lastSeq = new Map<string, bigint>(); // shard -> the seq of the last event yielded
     for (;;) {
       const { clients } = this.conn.clients();
       const call = clients.task.watch({ pool: opts.pool ?? "", includePayloads: opts.includePayloads ?? false, cursor }, this.conn.metadata());
+      // A sharded server states where a live stream starts (initial metadata, repeated in the
+      // trailers): a reconnect before any event resumes from there, not live again.
+      const stated = (md: Metadata | undefined) => {
+        const value = md?.get(WATCH_START_KEY)[0];
+        if (!cursor && value) cursor = String(value);
+      };
+      call.on("metadata", stated);
+      call.on("status", (status: StatusObject) => stated(status.metadata));
       const onAbort = () => call.cancel();
       opts.signal?.addEventListener("abort", onAbort, { once: true });
       let failure: Error | undefined;
       try {
         for await (const message of call as AsyncIterable<WatchResponse>) {
-          if (!message.event) continue;
+          const event = message.event;
+          if (!event) continue;
           failures = 0;
           failingSince = 0;
-          if (message.event.cursor) cursor = message.event.cursor;
-          yield message.event;
+          if (event.cursor) cursor = event.cursor;
+          if (event.seq) {
+            if (event.seq <= (lastSeq.get(event.shard) ?? 0n)) continue; // replayed after a reconnect, yielded before
+            lastSeq.set(event.shard, event.seq);
+          }
+          yield event;
         }
       } catch (err) {
         failure = fromGrpcError(err);

@@ -9,9 +9,16 @@ import {
   type sendUnaryData,
   type ServerDuplexStream,
   type ServerUnaryCall,
+  type ServerWritableStream,
   type UntypedServiceImplementation,
 } from "@grpc/grpc-js";
-import { TaskServiceService, type GetTaskRequest, type GetTaskResponse } from "../src/gen/cronoq/v1/task_service.js";
+import {
+  TaskServiceService,
+  type GetTaskRequest,
+  type GetTaskResponse,
+  type WatchRequest,
+  type WatchResponse,
+} from "../src/gen/cronoq/v1/task_service.js";
 import {
   WorkerServiceService,
   type RegisterWorkerRequest,
@@ -20,7 +27,7 @@ import {
   type WorkRequest,
   type WorkResponse,
 } from "../src/gen/cronoq/v1/worker_service.js";
-import { Task, TaskState } from "../src/gen/cronoq/v1/task.js";
+import { Task, TaskState, type TaskEvent } from "../src/gen/cronoq/v1/task.js";
 import { Client, NotFoundError, TaskCancelledError, TooManyRedirectsError, Worker } from "../src/index.js";
 import { statusDetailsBin } from "./helpers.js";
 
@@ -35,7 +42,15 @@ function tracked<T extends { stop(): void }>(thing: T): T {
   return thing;
 }
 
+/** One Watch call of a FakeShard: where it says it starts, its events, then a failure or a clean end. */
+interface WatchStep {
+  start?: string;
+  events: TaskEvent[];
+  fail?: boolean;
+}
+
 interface FakeOptions {
+  watch?: WatchStep[];
   tasks?: Task[];
   cancel?: bigint[];
   redirectTo?: () => string;
@@ -54,6 +69,7 @@ class FakeShard {
   streams = 0;
   deregistered = false;
   tokens: string[] = [];
+  readonly watchCursors: string[] = [];
 
   constructor(private readonly opts: FakeOptions = {}) {
     const impl: UntypedServiceImplementation = {
@@ -106,6 +122,18 @@ class FakeShard {
     };
     this.server.addService(WorkerServiceService, impl);
     this.server.addService(TaskServiceService, {
+      watch: (call: ServerWritableStream<WatchRequest, WatchResponse>) => {
+        this.watchCursors.push(call.request.cursor);
+        const step = opts.watch?.shift() ?? { events: [], fail: true };
+        const md = new Metadata();
+        if (step.start) {
+          md.set("cronoq-watch-cursor", step.start);
+          call.sendMetadata(md);
+        }
+        for (const event of step.events) call.write({ event });
+        if (step.fail) call.emit("error", { code: Status.UNAVAILABLE, details: "shutting down", metadata: md });
+        else call.end(md);
+      },
       getTask: (call: ServerUnaryCall<GetTaskRequest, GetTaskResponse>, cb: sendUnaryData<GetTaskResponse>) => {
         const id = call.request.task?.id;
         if (id !== TOP_BIT_ID) {
@@ -243,6 +271,27 @@ test("the client keeps a top-bit id whole and raises the code's error with the s
   assert.equal(task.id, TOP_BIT_ID);
   await assert.rejects(client.get(5n), (err: unknown) =>
     err instanceof NotFoundError && err.reason === "TASK_NOT_FOUND" && err.message === "no task 5");
+  client.close();
+  shard.stop();
+});
+
+test("watch resumes from the start a sharded server states and skips events replayed after a reconnect", async () => {
+  const event = (seq: bigint): TaskEvent => ({ task: undefined, time: undefined, shard: "cpu", seq, cursor: `1:${seq},2:7` });
+  const shard = await new FakeShard({
+    watch: [
+      { start: "1:5,2:7", events: [], fail: true }, // broke before any event: resume from its start
+      { start: "1:5,2:7", events: [event(6n), event(7n)], fail: true },
+      { events: [event(7n), event(8n)] }, // 7 replayed
+    ],
+  }).start();
+  const client = new Client({ endpoint: shard.url, logger: silent, retry: { initialBackoffMs: 1, maxBackoffMs: 5 } });
+  const seqs: bigint[] = [];
+  for await (const ev of client.watch()) {
+    seqs.push(ev.seq);
+    if (seqs.length === 3) break;
+  }
+  assert.deepEqual(seqs, [6n, 7n, 8n]);
+  assert.deepEqual(shard.watchCursors, ["", "1:5,2:7", "1:7,2:7"]);
   client.close();
   shard.stop();
 });
