@@ -2,10 +2,17 @@
 //! waits for and cancels tasks, and a [`Worker`] that runs them over the bidirectional
 //! `WorkerService.Work` stream.
 
+mod client;
 mod error;
 mod transport;
+mod worker;
 
+pub use client::{
+    Client, JSON_CONTENT_TYPE, ListOptions, Submitted, Task, TaskRef, TaskSpec, TaskState, Waited, decode_payload,
+    decode_result, is_terminal, new_request_id,
+};
 pub use error::{Error, RpcError, code_name};
+pub use tokio_util::sync::CancellationToken;
 pub use tonic::Code;
 pub use transport::{DEFAULT_ENDPOINT, Endpoint, MAX_MESSAGE_BYTES, Options, RetryConfig, TlsFiles, check_redirect};
 
@@ -14,3 +21,4 @@ pub mod proto {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("cronoq.v1");
 }
+pub use worker::{TaskError, TaskResult, Worker, WorkerOptions};
