@@ -6,7 +6,9 @@ use std::io::Read;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cronoq::{Client, Error, Options, RetryConfig, TaskError, TaskSpec, Worker, WorkerOptions, code_name};
+use cronoq::{
+    Client, Error, Options, RetryConfig, TaskError, TaskSpec, Worker, WorkerOptions, code_name,
+};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::Notify;
@@ -131,10 +133,16 @@ async fn client_step(client: &Client, step: &Step) -> Value {
         "get" => client.get(id).await,
         "cancel" => client.cancel(id).await,
         "wait" => {
-            let timeout = if step.timeout_ms > 0 { step.timeout_ms } else { 10_000 };
+            let timeout = if step.timeout_ms > 0 {
+                step.timeout_ms
+            } else {
+                10_000
+            };
             client.wait(id, ms(timeout)).await.map(|w| w.task)
         }
-        op => return json!({"error": {"code": "", "kind": "unsupported", "message": format!("unknown op {op:?}")}}),
+        op => {
+            return json!({"error": {"code": "", "kind": "unsupported", "message": format!("unknown op {op:?}")}});
+        }
     };
     match task {
         Ok(task) => json!({
@@ -182,7 +190,8 @@ async fn worker_step(input: &Input, step: &Step) -> Value {
                 let result = run_handler(&raw, &cancelled, &mut end).await;
                 let mut s = seen.lock().unwrap();
                 s.running -= 1;
-                s.handled.push(json!({"id": id, "attempt": task.attempt, "payload": raw, "end": end}));
+                s.handled
+                    .push(json!({"id": id, "attempt": task.attempt, "payload": raw, "end": end}));
                 if s.handled.len() == until_handled {
                     enough.notify_one();
                 }
@@ -190,8 +199,16 @@ async fn worker_step(input: &Input, step: &Step) -> Value {
             }
         }
     };
-    let concurrency = if step.concurrency > 0 { step.concurrency } else { 4 };
-    let timeout = if step.timeout_ms > 0 { step.timeout_ms } else { 15_000 };
+    let concurrency = if step.concurrency > 0 {
+        step.concurrency
+    } else {
+        4
+    };
+    let timeout = if step.timeout_ms > 0 {
+        step.timeout_ms
+    } else {
+        15_000
+    };
     let opts = WorkerOptions::new(options(input), step.pools.clone())
         .concurrency(concurrency)
         .shutdown_grace(ms(step.shutdown_grace_ms.unwrap_or(5000)));
@@ -243,7 +260,11 @@ async fn run_handler(
     cancelled: &cronoq::CancellationToken,
     end: &mut &'static str,
 ) -> Result<Value, TaskError> {
-    if let Some(n) = payload.get("sleep_ms").and_then(Value::as_u64).filter(|n| *n > 0) {
+    if let Some(n) = payload
+        .get("sleep_ms")
+        .and_then(Value::as_u64)
+        .filter(|n| *n > 0)
+    {
         tokio::select! {
             _ = tokio::time::sleep(ms(n)) => {}
             _ = cancelled.cancelled() => return Err(TaskError::retryable("cancelled")),
@@ -251,7 +272,9 @@ async fn run_handler(
     }
     if let Some(message) = payload.get("fail") {
         *end = "raised";
-        let message = message.as_str().map_or_else(|| message.to_string(), str::to_string);
+        let message = message
+            .as_str()
+            .map_or_else(|| message.to_string(), str::to_string);
         if payload.get("retryable").and_then(Value::as_bool) == Some(false) {
             return Err(TaskError::non_retryable(message));
         }
@@ -265,7 +288,9 @@ async fn run_handler(
 async fn main() {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_env_filter(tracing_subscriber::EnvFilter::new("debug,h2=info,hyper=info,tower=info,rustls=info"))
+        .with_env_filter(tracing_subscriber::EnvFilter::new(
+            "debug,h2=info,hyper=info,tower=info,rustls=info",
+        ))
         .init();
     let mut text = String::new();
     if let Err(e) = std::io::stdin().read_to_string(&mut text) {

@@ -75,13 +75,18 @@ impl TaskSpec {
 
     /// The payload as JSON.
     pub fn json<T: Serialize + ?Sized>(mut self, payload: &T) -> Result<TaskSpec, Error> {
-        self.payload = serde_json::to_vec(payload).map_err(|e| Error::InvalidArgument(format!("payload: {e}")))?;
+        self.payload = serde_json::to_vec(payload)
+            .map_err(|e| Error::InvalidArgument(format!("payload: {e}")))?;
         self.content_type = JSON_CONTENT_TYPE.to_string();
         Ok(self)
     }
 
     /// The payload as bytes, stored as they are.
-    pub fn bytes(mut self, payload: impl Into<Vec<u8>>, content_type: impl Into<String>) -> TaskSpec {
+    pub fn bytes(
+        mut self,
+        payload: impl Into<Vec<u8>>,
+        content_type: impl Into<String>,
+    ) -> TaskSpec {
         self.payload = payload.into();
         self.content_type = content_type.into();
         self
@@ -145,19 +150,32 @@ pub fn decode_result<T: serde::de::DeserializeOwned>(task: &Task) -> Result<T, E
     decode_json(&task.result, &task.result_content_type, "result", task.id)
 }
 
-fn decode_json<T: serde::de::DeserializeOwned>(data: &[u8], content_type: &str, what: &str, id: u64) -> Result<T, Error> {
+fn decode_json<T: serde::de::DeserializeOwned>(
+    data: &[u8],
+    content_type: &str,
+    what: &str,
+    id: u64,
+) -> Result<T, Error> {
     if content_type != JSON_CONTENT_TYPE {
         return Err(Error::InvalidArgument(format!(
             "task {id}: the {what} is not JSON (content type {content_type:?})"
         )));
     }
-    let data = if data.is_empty() { b"null".as_slice() } else { data };
-    serde_json::from_slice(data).map_err(|e| Error::InvalidArgument(format!("task {id}: decoding the {what}: {e}")))
+    let data = if data.is_empty() {
+        b"null".as_slice()
+    } else {
+        data
+    };
+    serde_json::from_slice(data)
+        .map_err(|e| Error::InvalidArgument(format!("task {id}: decoding the {what}: {e}")))
 }
 
 /// Whether a task in this state will not change again.
 pub fn is_terminal(state: TaskState) -> bool {
-    matches!(state, TaskState::Succeeded | TaskState::Failed | TaskState::Cancelled)
+    matches!(
+        state,
+        TaskState::Succeeded | TaskState::Failed | TaskState::Cancelled
+    )
 }
 
 /// A fresh request id: the server answers a repeated one with what the first call created.
@@ -242,7 +260,10 @@ impl Client {
 
     /// Admits every task or none; tasks may depend on the batch's own keys. The answer
     /// lists the tasks in the order given, and the ids that already existed.
-    pub async fn submit_batch(&self, specs: &[TaskSpec]) -> Result<proto::SubmitBatchResponse, Error> {
+    pub async fn submit_batch(
+        &self,
+        specs: &[TaskSpec],
+    ) -> Result<proto::SubmitBatchResponse, Error> {
         let req = proto::SubmitBatchRequest {
             tasks: specs.iter().map(TaskSpec::proto).collect(),
             request_id: new_request_id(),
@@ -313,7 +334,11 @@ impl Client {
         let req = proto::ListTasksRequest {
             pool: opts.pool,
             state: opts.state.map_or(0, |s| s as i32),
-            page_size: if opts.page_size == 0 { 100 } else { opts.page_size },
+            page_size: if opts.page_size == 0 {
+                100
+            } else {
+                opts.page_size
+            },
             page_token: opts.page_token,
         };
         let timeout = self.conn.timeout;

@@ -252,7 +252,10 @@ mod tests {
             domain: "cronoq".into(),
             metadata: HashMap::from([
                 ("shard".to_string(), "gpu".to_string()),
-                ("shard_endpoint".to_string(), "http://10.0.0.2:7070".to_string()),
+                (
+                    "shard_endpoint".to_string(),
+                    "http://10.0.0.2:7070".to_string(),
+                ),
             ]),
         };
         let details = RpcStatus {

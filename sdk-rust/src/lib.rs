@@ -8,13 +8,15 @@ mod transport;
 mod worker;
 
 pub use client::{
-    Client, JSON_CONTENT_TYPE, ListOptions, Submitted, Task, TaskRef, TaskSpec, TaskState, Waited, decode_payload,
-    decode_result, is_terminal, new_request_id,
+    Client, JSON_CONTENT_TYPE, ListOptions, Submitted, Task, TaskRef, TaskSpec, TaskState, Waited,
+    decode_payload, decode_result, is_terminal, new_request_id,
 };
 pub use error::{Error, RpcError, code_name};
 pub use tokio_util::sync::CancellationToken;
 pub use tonic::Code;
-pub use transport::{DEFAULT_ENDPOINT, Endpoint, MAX_MESSAGE_BYTES, Options, RetryConfig, TlsFiles, check_redirect};
+pub use transport::{
+    DEFAULT_ENDPOINT, Endpoint, MAX_MESSAGE_BYTES, Options, RetryConfig, TlsFiles, check_redirect,
+};
 
 /// The generated cronoq.v1 messages and clients.
 pub mod proto {

@@ -111,7 +111,11 @@ impl Options {
     }
 
     /// A client certificate and its unencrypted key (PEM), for servers that require one.
-    pub fn client_cert(mut self, cert_file: impl Into<String>, key_file: impl Into<String>) -> Options {
+    pub fn client_cert(
+        mut self,
+        cert_file: impl Into<String>,
+        key_file: impl Into<String>,
+    ) -> Options {
         let tls = self.tls.get_or_insert_with(TlsFiles::default);
         tls.cert_file = Some(cert_file.into());
         tls.key_file = Some(key_file.into());
@@ -189,11 +193,9 @@ impl Endpoint {
                     80
                 }
             }
-            Some(p) => p
-                .parse::<u16>()
-                .ok()
-                .filter(|p| *p > 0)
-                .ok_or_else(|| Error::InvalidArgument(format!("endpoint: {text:?} has a bad port")))?,
+            Some(p) => p.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(|| {
+                Error::InvalidArgument(format!("endpoint: {text:?} has a bad port"))
+            })?,
         };
         Ok(Endpoint { scheme, host, port })
     }
@@ -206,7 +208,9 @@ impl Endpoint {
             .map(Endpoint::parse)
             .collect::<Result<Vec<_>, _>>()?;
         if out.is_empty() {
-            return Err(Error::InvalidArgument(format!("endpoint: {text:?} names no endpoint")));
+            return Err(Error::InvalidArgument(format!(
+                "endpoint: {text:?} names no endpoint"
+            )));
         }
         Ok(out)
     }
@@ -267,7 +271,8 @@ struct TlsMaterial {
 }
 
 fn read_file(what: &str, path: &str) -> Result<Vec<u8>, Error> {
-    std::fs::read(path).map_err(|e| Error::InvalidArgument(format!("tls.{what}: cannot read {path:?}: {e}")))
+    std::fs::read(path)
+        .map_err(|e| Error::InvalidArgument(format!("tls.{what}: cannot read {path:?}: {e}")))
 }
 
 impl TlsMaterial {
@@ -278,9 +283,13 @@ impl TlsMaterial {
         let mut tonic = ClientTlsConfig::new();
         if let Some(ca) = &files.ca_file {
             let pem = read_file("ca_file", ca)?;
-            let certs: Vec<_> = rustls_pemfile::certs(&mut pem.as_slice()).filter_map(Result::ok).collect();
+            let certs: Vec<_> = rustls_pemfile::certs(&mut pem.as_slice())
+                .filter_map(Result::ok)
+                .collect();
             if certs.is_empty() {
-                return Err(Error::InvalidArgument(format!("tls.ca_file: {ca:?} holds no PEM certificate")));
+                return Err(Error::InvalidArgument(format!(
+                    "tls.ca_file: {ca:?} holds no PEM certificate"
+                )));
             }
             for cert in certs {
                 let _ = roots.add(cert);
@@ -301,10 +310,17 @@ impl TlsMaterial {
             (Some(cert), Some(key)) => {
                 let cert_pem = read_file("cert_file", cert)?;
                 let key_pem = read_file("key_file", key)?;
-                let chain: Vec<_> = rustls_pemfile::certs(&mut cert_pem.as_slice()).filter_map(Result::ok).collect();
-                let private = rustls_pemfile::private_key(&mut key_pem.as_slice()).ok().flatten().ok_or_else(|| {
-                    Error::InvalidArgument(format!("tls.key_file: {key:?} holds no unencrypted PEM private key"))
-                })?;
+                let chain: Vec<_> = rustls_pemfile::certs(&mut cert_pem.as_slice())
+                    .filter_map(Result::ok)
+                    .collect();
+                let private = rustls_pemfile::private_key(&mut key_pem.as_slice())
+                    .ok()
+                    .flatten()
+                    .ok_or_else(|| {
+                        Error::InvalidArgument(format!(
+                            "tls.key_file: {key:?} holds no unencrypted PEM private key"
+                        ))
+                    })?;
                 tonic = tonic.identity(Identity::from_pem(cert_pem, key_pem));
                 builder.with_client_auth_cert(chain, private).map_err(|e| {
                     Error::InvalidArgument(format!(
@@ -385,7 +401,8 @@ impl Connection {
         if let Some(ch) = st.channels.get(&ep) {
             return Ok((ch.clone(), ep));
         }
-        let bad = |e: tonic::transport::Error| Error::InvalidArgument(format!("endpoint {ep}: {e}"));
+        let bad =
+            |e: tonic::transport::Error| Error::InvalidArgument(format!("endpoint {ep}: {e}"));
         let mut builder = tonic::transport::Endpoint::from_shared(ep.to_string())
             .map_err(bad)?
             .connect_timeout(Duration::from_secs(5))
@@ -445,7 +462,11 @@ impl Connection {
 
     /// Runs `call` once on the current endpoint, bounded by `timeout`, and translates its
     /// error to the SDK's (a failed TLS handshake is [`Error::Tls`]).
-    pub(crate) async fn once<T, F, Fut>(&self, timeout: Option<Duration>, call: F) -> Result<T, Error>
+    pub(crate) async fn once<T, F, Fut>(
+        &self,
+        timeout: Option<Duration>,
+        call: F,
+    ) -> Result<T, Error>
     where
         F: FnOnce(Channel) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
@@ -455,7 +476,11 @@ impl Connection {
         let result = match timeout {
             Some(d) => tokio::time::timeout(d + Duration::from_millis(500), fut)
                 .await
-                .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded(format!("no answer from {ep} in {d:?}")))),
+                .unwrap_or_else(|_| {
+                    Err(tonic::Status::deadline_exceeded(format!(
+                        "no answer from {ep} in {d:?}"
+                    )))
+                }),
             None => fut.await,
         };
         match result {
@@ -466,7 +491,12 @@ impl Connection {
 
     /// Runs `call` with the transport retries: UNAVAILABLE and CANCELLED are retried with
     /// backoff, moving to the leader or the next endpoint, until the retry's max_elapsed.
-    pub(crate) async fn invoke<T, F, Fut>(&self, what: &str, timeout: Duration, call: F) -> Result<T, Error>
+    pub(crate) async fn invoke<T, F, Fut>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        call: F,
+    ) -> Result<T, Error>
     where
         F: Fn(Channel) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
@@ -481,7 +511,11 @@ impl Connection {
             if !err.is_retryable() {
                 return Err(err);
             }
-            if self.retry.max_elapsed.is_some_and(|m| started.elapsed() >= m) {
+            if self
+                .retry
+                .max_elapsed
+                .is_some_and(|m| started.elapsed() >= m)
+            {
                 return Err(err);
             }
             self.on_unavailable(&err);
@@ -498,7 +532,10 @@ impl Connection {
         if !ep.secure() || err.code() != Code::Unavailable || !matches!(err, Error::Rpc(_)) {
             return err;
         }
-        if err.rpc().is_some_and(|e| !e.metadata.is_empty() || !e.reason.is_empty()) {
+        if err
+            .rpc()
+            .is_some_and(|e| !e.metadata.is_empty() || !e.reason.is_empty())
+        {
             return err; // the server answered: the handshake worked
         }
         match self.probe_tls(ep).await {
@@ -511,10 +548,13 @@ impl Connection {
     /// reached at all: that is no TLS problem).
     async fn probe_tls(&self, ep: &Endpoint) -> Option<String> {
         const STEP: Duration = Duration::from_secs(3);
-        let tcp = tokio::time::timeout(STEP, tokio::net::TcpStream::connect((ep.host.as_str(), ep.port)))
-            .await
-            .ok()?
-            .ok()?;
+        let tcp = tokio::time::timeout(
+            STEP,
+            tokio::net::TcpStream::connect((ep.host.as_str(), ep.port)),
+        )
+        .await
+        .ok()?
+        .ok()?;
         let name = rustls::pki_types::ServerName::try_from(ep.host.clone()).ok()?;
         let connector = tokio_rustls::TlsConnector::from(self.tls.rustls.clone());
         let mut tls = match tokio::time::timeout(STEP, connector.connect(name, tcp)).await {
@@ -524,14 +564,17 @@ impl Connection {
         };
         // TLS 1.3: a server checks the client's certificate after the client's side of the
         // handshake; one that refuses it closes the connection instead of answering HTTP/2.
-        const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+        const PREFACE: &[u8] =
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
         if tls.write_all(PREFACE).await.is_err() {
             return Some(self.client_cert_reason());
         }
         let mut byte = [0u8; 1];
         match tokio::time::timeout(STEP, tls.read(&mut byte)).await {
             Ok(Ok(n)) if n > 0 => None,
-            Ok(Err(e)) if e.to_string().contains("AlertReceived") => Some(self.tls_reason(&e.to_string(), ep)),
+            Ok(Err(e)) if e.to_string().contains("AlertReceived") => {
+                Some(self.tls_reason(&e.to_string(), ep))
+            }
             Ok(_) => Some(self.client_cert_reason()),
             Err(_) => None,
         }
@@ -541,10 +584,17 @@ impl Connection {
         let why = if msg.contains("UnknownIssuer") {
             "certificate verify failed: unknown CA (the server's certificate is not signed by a trusted CA)".to_string()
         } else if msg.contains("Expired") || msg.contains("NotValidYet") {
-            "certificate verify failed: the server's certificate has expired or is not yet valid".to_string()
+            "certificate verify failed: the server's certificate has expired or is not yet valid"
+                .to_string()
         } else if msg.contains("NotValidForName") {
-            format!("hostname mismatch: the server's certificate is not valid for {:?}", ep.host)
-        } else if msg.contains("CertificateRequired") || msg.contains("BadCertificate") || msg.contains("UnknownCA") {
+            format!(
+                "hostname mismatch: the server's certificate is not valid for {:?}",
+                ep.host
+            )
+        } else if msg.contains("CertificateRequired")
+            || msg.contains("BadCertificate")
+            || msg.contains("UnknownCA")
+        {
             self.client_cert_reason()
         } else if msg.contains("CorruptMessage") || msg.contains("InvalidContentType") {
             "the server does not speak TLS on this port: is it an http:// endpoint?".to_string()
@@ -556,7 +606,9 @@ impl Connection {
 
     fn client_cert_reason(&self) -> String {
         match &self.tls.files.cert_file {
-            None => "the server requires a client certificate (none given: set client_cert)".to_string(),
+            None => {
+                "the server requires a client certificate (none given: set client_cert)".to_string()
+            }
             Some(cert) => format!(
                 "the server refused the client certificate {cert:?} (not signed by a CA in its server.tls.client_ca, or expired)"
             ),
@@ -587,8 +639,19 @@ mod tests {
     fn redirect_rules() {
         let tls = ep("https://a:1");
         let plain_remote = ep("http://10.1.1.1:1");
-        assert!(matches!(check_redirect(&tls, &plain_remote, false, true), Err(Error::RedirectRefused(_))));
-        assert!(check_redirect(&ep("http://127.0.0.1:1"), &ep("http://127.0.0.1:2"), true, false).is_ok());
+        assert!(matches!(
+            check_redirect(&tls, &plain_remote, false, true),
+            Err(Error::RedirectRefused(_))
+        ));
+        assert!(
+            check_redirect(
+                &ep("http://127.0.0.1:1"),
+                &ep("http://127.0.0.1:2"),
+                true,
+                false
+            )
+            .is_ok()
+        );
         assert!(check_redirect(&ep("http://127.0.0.1:1"), &plain_remote, true, false).is_err());
         assert!(check_redirect(&ep("http://127.0.0.1:1"), &plain_remote, true, true).is_ok());
         assert!(check_redirect(&ep("http://127.0.0.1:1"), &plain_remote, false, false).is_ok());
@@ -601,7 +664,9 @@ mod tests {
             max_backoff: Duration::from_millis(100),
             max_elapsed: None,
         };
-        assert!(r.backoff(0) >= Duration::from_millis(10) && r.backoff(0) <= Duration::from_millis(20));
+        assert!(
+            r.backoff(0) >= Duration::from_millis(10) && r.backoff(0) <= Duration::from_millis(20)
+        );
         assert_eq!(r.backoff(10), Duration::from_millis(100));
     }
 }

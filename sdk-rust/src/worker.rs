@@ -54,7 +54,8 @@ impl TaskResult {
 
     /// A JSON result.
     pub fn json<T: Serialize + ?Sized>(value: &T) -> Result<TaskResult, TaskError> {
-        let data = serde_json::to_vec(value).map_err(|e| TaskError::non_retryable(format!("result: {e}")))?;
+        let data = serde_json::to_vec(value)
+            .map_err(|e| TaskError::non_retryable(format!("result: {e}")))?;
         Ok(TaskResult {
             data,
             content_type: JSON_CONTENT_TYPE.to_string(),
@@ -305,10 +306,14 @@ impl Worker {
         R: Into<TaskResult>,
     {
         if opts.pools.is_empty() {
-            return Err(Error::InvalidArgument("pools: give at least one pool".into()));
+            return Err(Error::InvalidArgument(
+                "pools: give at least one pool".into(),
+            ));
         }
         if opts.concurrency == 0 {
-            return Err(Error::InvalidArgument("concurrency: 0 must be at least 1".into()));
+            return Err(Error::InvalidArgument(
+                "concurrency: 0 must be at least 1".into(),
+            ));
         }
         let conn = Connection::new(&opts.options)?;
         let handler: Handler = Arc::new(move |task, token| {
@@ -369,7 +374,10 @@ impl Worker {
     pub async fn run(&self) -> Result<(), Error> {
         let w = &self.shared;
         if w.started.swap(true, Ordering::SeqCst) {
-            return Err(Error::rpc_code(Code::FailedPrecondition, "worker: run was called already"));
+            return Err(Error::rpc_code(
+                Code::FailedPrecondition,
+                "worker: run was called already",
+            ));
         }
         // The worker's own calls outlive the stop request, for the bounded time of a graceful stop.
         let calls = CancellationToken::new();
@@ -408,7 +416,10 @@ impl Worker {
         w.deregister().await;
         match work_result {
             Some(Ok(result)) => result,
-            Some(Err(join)) => Err(Error::rpc_code(Code::Internal, format!("worker: the work loop failed: {join}"))),
+            Some(Err(join)) => Err(Error::rpc_code(
+                Code::Internal,
+                format!("worker: the work loop failed: {join}"),
+            )),
             None => Ok(()),
         }
     }
@@ -448,10 +459,15 @@ impl Shared {
                     return Ok(true);
                 }
                 Err(err @ Error::Rpc(_))
-                    if err.code() == Code::FailedPrecondition && !err.shard_endpoint().is_empty() =>
+                    if err.code() == Code::FailedPrecondition
+                        && !err.shard_endpoint().is_empty() =>
                 {
                     redirects += 1;
-                    let shard = if err.shard().is_empty() { "?" } else { err.shard() };
+                    let shard = if err.shard().is_empty() {
+                        "?"
+                    } else {
+                        err.shard()
+                    };
                     chain.push(format!("shard {shard} at {}", err.shard_endpoint()));
                     if redirects > MAX_REDIRECTS {
                         return Err(Error::TooManyRedirects(format!(
@@ -488,10 +504,13 @@ impl Shared {
     fn registered(&self, resp: proto::RegisterWorkerResponse) {
         let mut st = self.st.lock().unwrap();
         st.worker_id = resp.worker_id;
-        st.heartbeat = Duration::from_millis(u64::from(resp.heartbeat_interval_ms)).max(Duration::from_millis(100));
+        st.heartbeat = Duration::from_millis(u64::from(resp.heartbeat_interval_ms))
+            .max(Duration::from_millis(100));
         let or_default = |v: u64, d: u64| if v == 0 { d } else { v };
-        st.max_result_bytes = or_default(resp.max_result_bytes, DEFAULT_MAX_RESULT_BYTES).min(MAX_REQUEST_BYTES);
-        st.lease_bytes = or_default(resp.max_lease_bytes, DEFAULT_MAX_LEASE_BYTES).min(MAX_REQUEST_BYTES);
+        st.max_result_bytes =
+            or_default(resp.max_result_bytes, DEFAULT_MAX_RESULT_BYTES).min(MAX_REQUEST_BYTES);
+        st.lease_bytes =
+            or_default(resp.max_lease_bytes, DEFAULT_MAX_LEASE_BYTES).min(MAX_REQUEST_BYTES);
     }
 
     async fn deregister(&self) {
@@ -499,7 +518,9 @@ impl Shared {
         if id.is_empty() {
             return;
         }
-        let req = proto::DeregisterWorkerRequest { worker_id: id.clone() };
+        let req = proto::DeregisterWorkerRequest {
+            worker_id: id.clone(),
+        };
         let result = self
             .conn
             .once(Some(DEREGISTER_TIMEOUT), |ch| {
@@ -551,7 +572,10 @@ impl Shared {
                     st.running.insert(id, r);
                     continue;
                 }
-                tracing::warn!(task_id = id, "cronoq: handler ignores cancellation; releasing the task");
+                tracing::warn!(
+                    task_id = id,
+                    "cronoq: handler ignores cancellation; releasing the task"
+                );
                 st.report(released(id, r.attempt));
             }
         }
@@ -591,7 +615,11 @@ impl Shared {
                 Ok(()) => {
                     // The server ended it cleanly: do not reopen it in a tight loop.
                     failures = 0;
-                    if self.is_finished() { Duration::ZERO } else { jittered(initial, 1.0) }
+                    if self.is_finished() {
+                        Duration::ZERO
+                    } else {
+                        jittered(initial, 1.0)
+                    }
                 }
                 Err(err) if err.code() == Code::NotFound && matches!(err, Error::Rpc(_)) => {
                     tracing::warn!(worker_id = %self.id(), "cronoq: worker unknown to the server; registering again");
@@ -600,8 +628,14 @@ impl Shared {
                     }
                     Duration::ZERO
                 }
-                Err(err @ (Error::Tls(_) | Error::TooManyRedirects(_) | Error::RedirectRefused(_))) => return Err(err),
-                Err(err) if matches!(err.code(), Code::PermissionDenied | Code::Unauthenticated) => return Err(err),
+                Err(
+                    err @ (Error::Tls(_) | Error::TooManyRedirects(_) | Error::RedirectRefused(_)),
+                ) => return Err(err),
+                Err(err)
+                    if matches!(err.code(), Code::PermissionDenied | Code::Unauthenticated) =>
+                {
+                    return Err(err);
+                }
                 Err(err) if transient_stream(&err) => {
                     if err.code() == Code::Unavailable {
                         self.conn.on_unavailable(&err);
@@ -609,7 +643,10 @@ impl Shared {
                     tracing::warn!(error = %err, endpoint = %self.conn.endpoint(), "cronoq: work stream ended; opening it again");
                     jittered(initial, 3.0)
                 }
-                Err(err) if err.code() == Code::FailedPrecondition && !err.shard_endpoint().is_empty() => {
+                Err(err)
+                    if err.code() == Code::FailedPrecondition
+                        && !err.shard_endpoint().is_empty() =>
+                {
                     return Err(err); // the pools moved to another shard
                 }
                 Err(err) => {
@@ -825,7 +862,10 @@ impl Shared {
                 }
                 for id in &beat.lost_task_ids {
                     if let Some(r) = st.running.get_mut(id) {
-                        tracing::warn!(task_id = id, "cronoq: task lost its lease; its outcome will not be reported");
+                        tracing::warn!(
+                            task_id = id,
+                            "cronoq: task lost its lease; its outcome will not be reported"
+                        );
                         r.lost = true;
                         r.token.cancel();
                     }
@@ -880,7 +920,10 @@ impl Shared {
         };
         let outcome = match joined {
             Ok(Ok(result)) if result.data.len() as u64 > max_result => failure(
-                format!("result of {} bytes exceeds max_result_bytes {max_result}", result.data.len()),
+                format!(
+                    "result of {} bytes exceeds max_result_bytes {max_result}",
+                    result.data.len()
+                ),
                 false,
                 None,
             ),
