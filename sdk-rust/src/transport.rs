@@ -343,9 +343,13 @@ impl TlsMaterial {
     }
 }
 
-/// The system's roots for the probe; tonic reads them itself for calls.
+/// The system's roots, for the probe (tonic reads them itself for calls).
 fn rustls_native_roots() -> Vec<rustls::pki_types::CertificateDer<'static>> {
-    Vec::new()
+    let found = rustls_native_certs::load_native_certs();
+    if !found.errors.is_empty() {
+        tracing::debug!(errors = ?found.errors, "cronoq: some system CA certificates could not be read");
+    }
+    found.certs
 }
 
 struct State {
