@@ -2,7 +2,12 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
+
+use futures_core::Stream;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Code;
 
 use rand::Rng;
 use serde::Serialize;
@@ -212,6 +217,24 @@ pub struct ListOptions {
     pub page_token: String,
 }
 
+/// Selects the events of [`Client::watch`].
+#[derive(Debug, Clone, Default)]
+pub struct WatchOptions {
+    /// Empty: every pool the caller may read.
+    pub pool: String,
+    /// Start after that event (a TaskEvent's cursor) instead of live.
+    pub cursor: String,
+    /// Events carry tasks' payloads and results.
+    pub include_payloads: bool,
+    /// End with the stream (and its error) instead of opening it again.
+    pub no_resume: bool,
+}
+
+/// A sharded server's initial metadata (and trailers) name where a live stream starts.
+const WATCH_START_KEY: &str = "cronoq-watch-cursor";
+/// A stream that stayed open this long was connected: a failure after it starts a new row.
+const WATCH_CONNECTED: Duration = Duration::from_secs(5);
+
 /// Calls cronoq: any shard's server, or several servers (commas in the endpoint).
 /// UNAVAILABLE moves it to the leader a standby names, or to the next endpoint, and is
 /// retried with backoff. Cheap to clone; clones share the connections.
@@ -329,6 +352,79 @@ impl Client {
         Ok(resp.task.unwrap_or_default())
     }
 
+    /// Streams task events as they happen. Unless `no_resume`, a stream that ends or breaks
+    /// (a restart, a new leader, UNAVAILABLE, ABORTED because the watcher fell behind) is
+    /// opened again from the last event's cursor: the events in between are replayed, and
+    /// one seen already is skipped. A row of failures with no event is given up after the
+    /// retry's max_elapsed; other errors end the stream at once (its last item). Drop the
+    /// stream to stop watching.
+    pub fn watch(
+        &self,
+        opts: WatchOptions,
+    ) -> impl Stream<Item = Result<proto::TaskEvent, Error>> + Send + 'static {
+        let (tx, rx) = mpsc::channel(64);
+        let conn = self.conn.clone();
+        tokio::spawn(async move {
+            let mut cursor = opts.cursor.clone();
+            let mut last_seq: HashMap<String, u64> = HashMap::new();
+            let mut failing_since: Option<Instant> = None;
+            let mut failures = 0;
+            loop {
+                let opened = Instant::now();
+                let ended = watch_once(
+                    &conn,
+                    &opts,
+                    &mut cursor,
+                    &mut last_seq,
+                    &tx,
+                    &mut failing_since,
+                    &mut failures,
+                )
+                .await;
+                let err = match ended {
+                    WatchEnd::Dropped => return,
+                    WatchEnd::Ended(err) => err,
+                };
+                let transient = err.as_ref().is_none_or(|e| {
+                    matches!(e, Error::Rpc(r) if matches!(r.code, Code::Unavailable | Code::Cancelled | Code::Aborted | Code::Internal))
+                });
+                if opts.no_resume || !transient {
+                    if let Some(err) = err {
+                        let _ = tx.send(Err(err)).await;
+                    }
+                    return;
+                }
+                if opened.elapsed() >= WATCH_CONNECTED {
+                    failing_since = None;
+                    failures = 0;
+                }
+                let since = *failing_since.get_or_insert_with(Instant::now);
+                if conn.retry.max_elapsed.is_some_and(|m| since.elapsed() >= m) {
+                    let err = err.unwrap_or_else(|| {
+                        Error::rpc_code(
+                            Code::Unavailable,
+                            "watch: the server kept ending the stream",
+                        )
+                    });
+                    let _ = tx.send(Err(err)).await;
+                    return;
+                }
+                if let Some(err) = &err
+                    && err.is_retryable()
+                {
+                    conn.on_unavailable(err); // to the leader a standby names, or the next endpoint
+                }
+                tracing::info!(error = ?err, endpoint = %conn.endpoint(), "cronoq: watch stream ended; reconnecting");
+                tokio::select! {
+                    _ = tokio::time::sleep(conn.retry.backoff(failures)) => {}
+                    _ = tx.closed() => return,
+                }
+                failures += 1;
+            }
+        });
+        ReceiverStream::new(rx)
+    }
+
     /// One page of tasks in id order; pass its next_page_token for the next.
     pub async fn list(&self, opts: ListOptions) -> Result<proto::ListTasksResponse, Error> {
         let req = proto::ListTasksRequest {
@@ -348,5 +444,93 @@ impl Client {
                 async move { tasks(ch).list_tasks(r).await }
             })
             .await
+    }
+}
+
+enum WatchEnd {
+    /// The caller dropped the stream.
+    Dropped,
+    /// The server ended it (None: cleanly), or it broke.
+    Ended(Option<Error>),
+}
+
+/// Runs one Watch stream, forwarding its events.
+async fn watch_once(
+    conn: &Connection,
+    opts: &WatchOptions,
+    cursor: &mut String,
+    last_seq: &mut HashMap<String, u64>,
+    tx: &mpsc::Sender<Result<proto::TaskEvent, Error>>,
+    failing_since: &mut Option<Instant>,
+    failures: &mut u32,
+) -> WatchEnd {
+    let (ch, ep) = match conn.channel() {
+        Ok(c) => c,
+        Err(e) => return WatchEnd::Ended(Some(e)),
+    };
+    let req = conn.request(
+        proto::WatchRequest {
+            pool: opts.pool.clone(),
+            include_payloads: opts.include_payloads,
+            cursor: cursor.clone(),
+        },
+        None,
+    );
+    let mut client = tasks(ch);
+    let response = tokio::select! {
+        r = client.watch(req) => r,
+        _ = tx.closed() => return WatchEnd::Dropped,
+    };
+    let response = match response {
+        Ok(r) => r,
+        Err(status) => {
+            if cursor.is_empty()
+                && let Some(v) = status
+                    .metadata()
+                    .get(WATCH_START_KEY)
+                    .and_then(|v| v.to_str().ok())
+            {
+                *cursor = v.to_string();
+            }
+            return WatchEnd::Ended(Some(conn.diagnose(&ep, Error::from(status)).await));
+        }
+    };
+    if cursor.is_empty()
+        && let Some(v) = response
+            .metadata()
+            .get(WATCH_START_KEY)
+            .and_then(|v| v.to_str().ok())
+    {
+        *cursor = v.to_string();
+    }
+    let mut stream = response.into_inner();
+    loop {
+        let message = tokio::select! {
+            m = stream.message() => m,
+            _ = tx.closed() => return WatchEnd::Dropped,
+        };
+        let event = match message {
+            Ok(Some(resp)) => match resp.event {
+                Some(event) => event,
+                None => continue,
+            },
+            Ok(None) => return WatchEnd::Ended(None),
+            Err(status) => return WatchEnd::Ended(Some(Error::from(status))),
+        };
+        *failing_since = None;
+        *failures = 0;
+        if !event.cursor.is_empty() {
+            cursor.clone_from(&event.cursor);
+        }
+        if event.seq != 0 {
+            let last = last_seq.entry(event.shard.clone()).or_insert(0);
+            if event.seq <= *last {
+                continue; // replayed after a reconnect, and sent before it
+            }
+            *last = event.seq;
+        }
+        if tx.send(Ok(event)).await.is_err() {
+            return WatchEnd::Dropped;
+        }
     }
 }

@@ -9,7 +9,7 @@ mod worker;
 
 pub use client::{
     Client, JSON_CONTENT_TYPE, ListOptions, Submitted, Task, TaskRef, TaskSpec, TaskState, Waited,
-    decode_payload, decode_result, is_terminal, new_request_id,
+    WatchOptions, decode_payload, decode_result, is_terminal, new_request_id,
 };
 pub use error::{Error, RpcError, code_name};
 pub use tokio_util::sync::CancellationToken;
