@@ -6,6 +6,8 @@ mod client;
 mod error;
 mod transport;
 mod worker;
+#[cfg(test)]
+mod worker_tests;
 
 pub use client::{
     Client, JSON_CONTENT_TYPE, ListOptions, Submitted, Task, TaskRef, TaskSpec, TaskState, Waited,
