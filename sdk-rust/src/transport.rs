@@ -68,7 +68,7 @@ pub struct TlsFiles {
 }
 
 /// How a client or a worker connects. Build it with [`Options::new`] and its setters.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Options {
     pub(crate) endpoint: String,
     pub(crate) token: Option<String>,
@@ -76,6 +76,19 @@ pub struct Options {
     pub(crate) insecure_redirect_http: bool,
     pub(crate) retry: RetryConfig,
     pub(crate) timeout: Duration,
+}
+
+impl fmt::Debug for Options {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Options")
+            .field("endpoint", &self.endpoint)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("tls", &self.tls)
+            .field("insecure_redirect_http", &self.insecure_redirect_http)
+            .field("retry", &self.retry)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
 }
 
 impl Default for Options {

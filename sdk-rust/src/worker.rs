@@ -952,13 +952,13 @@ impl Shared {
         self.wake.notify_one();
     }
 
-    /// Asks the sender for a heartbeat of the attempts held, every interval.
+    /// Asks the sender for a heartbeat of the attempts held, every interval (the one the
+    /// server gave at the latest registration).
     async fn heartbeat_loop(self: Arc<Self>, done: CancellationToken) {
-        let interval = self.st.lock().unwrap().heartbeat;
-        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
         loop {
+            let interval = self.st.lock().unwrap().heartbeat;
             tokio::select! {
-                _ = ticker.tick() => {
+                _ = tokio::time::sleep(interval) => {
                     self.st.lock().unwrap().beat_due = true;
                     self.wake.notify_one();
                 }
