@@ -3,6 +3,8 @@
 //! `WorkerService.Work` stream.
 
 mod client;
+#[cfg(test)]
+mod client_tests;
 mod error;
 mod transport;
 mod worker;
