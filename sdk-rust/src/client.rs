@@ -28,7 +28,9 @@ pub const JSON_CONTENT_TYPE: &str = "application/json";
 /// Names one task, by id or by key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TaskRef {
+    /// By id (all 64 bits).
     Id(u64),
+    /// By key (unique within a shard).
     Key(String),
 }
 
@@ -52,11 +54,15 @@ impl TaskRef {
 /// One task to submit: `TaskSpec::new("pool").json(&payload)?` and the setters.
 #[derive(Debug, Clone, Default)]
 pub struct TaskSpec {
+    /// The pool it runs in (required).
     pub pool: String,
+    /// The payload, as stored.
     pub payload: Vec<u8>,
+    /// The payload's content type (`application/json` for JSON).
     pub content_type: String,
     /// Deduplicates within a shard: a known key returns the existing task.
     pub key: String,
+    /// Higher runs first.
     pub priority: i32,
     /// Not before this time.
     pub run_at: Option<SystemTime>,
@@ -64,6 +70,7 @@ pub struct TaskSpec {
     pub max_attempts: i32,
     /// Tasks of the same shard (a batch may name its own keys).
     pub depends_on: Vec<TaskRef>,
+    /// Units of named resources an attempt holds while it runs.
     pub resources: HashMap<String, i64>,
     /// The timeout of each attempt (capped by the pool's); None: the pool's.
     pub timeout: Option<Duration>,
@@ -97,11 +104,13 @@ impl TaskSpec {
         self
     }
 
+    /// Deduplicates within a shard.
     pub fn key(mut self, key: impl Into<String>) -> TaskSpec {
         self.key = key.into();
         self
     }
 
+    /// Higher runs first.
     pub fn priority(mut self, priority: i32) -> TaskSpec {
         self.priority = priority;
         self
@@ -113,16 +122,19 @@ impl TaskSpec {
         self
     }
 
+    /// The most attempts (0: the pool's default).
     pub fn max_attempts(mut self, n: i32) -> TaskSpec {
         self.max_attempts = n;
         self
     }
 
+    /// Runs only once `task` has succeeded (same shard).
     pub fn depends_on(mut self, task: impl Into<TaskRef>) -> TaskSpec {
         self.depends_on.push(task.into());
         self
     }
 
+    /// The timeout of each attempt (capped by the pool's).
     pub fn timeout(mut self, timeout: Duration) -> TaskSpec {
         self.timeout = Some(timeout);
         self
@@ -192,6 +204,7 @@ pub fn new_request_id() -> String {
 /// A submission's answer.
 #[derive(Debug, Clone)]
 pub struct Submitted {
+    /// The task created (or the one its key named).
     pub task: Task,
     /// The key already named a task; nothing was created.
     pub deduplicated: bool,
@@ -200,7 +213,9 @@ pub struct Submitted {
 /// A wait's answer: the task, and whether it is terminal.
 #[derive(Debug, Clone)]
 pub struct Waited {
+    /// The task as it is now.
     pub task: Task,
+    /// Whether it is terminal (false: the wait timed out).
     pub done: bool,
 }
 

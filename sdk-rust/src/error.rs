@@ -34,7 +34,9 @@ pub enum Error {
 /// where to go (from the `cronoq-*` trailers or the structured error).
 #[derive(Debug, Clone)]
 pub struct RpcError {
+    /// The gRPC status code.
     pub code: Code,
+    /// The server's message.
     pub message: String,
     /// Why, as an UPPER_SNAKE_CASE constant (NOT_LEADER, WRONG_SHARD, ...), from the
     /// server's google.rpc.ErrorInfo.

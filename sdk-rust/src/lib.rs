@@ -2,6 +2,8 @@
 //! waits for and cancels tasks, and a [`Worker`] that runs them over the bidirectional
 //! `WorkerService.Work` stream.
 
+#![warn(missing_docs)]
+
 mod client;
 #[cfg(test)]
 mod client_tests;

@@ -64,6 +64,7 @@ pub struct TlsFiles {
     pub ca_file: Option<String>,
     /// A client certificate and its unencrypted key, for servers that require one.
     pub cert_file: Option<String>,
+    /// The client certificate's unencrypted key (PEM).
     pub key_file: Option<String>,
 }
 
@@ -160,8 +161,11 @@ impl Options {
 /// One server: http://host:port or https://host:port.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Endpoint {
+    /// `http` or `https`.
     pub scheme: String,
+    /// A host name or an IP address (IPv6 without brackets).
     pub host: String,
+    /// The TCP port.
     pub port: u16,
 }
 

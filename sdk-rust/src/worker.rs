@@ -42,7 +42,9 @@ const DEREGISTER_TIMEOUT: Duration = Duration::from_secs(2);
 /// What a handler returns on success: stored as the task's result.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct TaskResult {
+    /// The result, as stored.
     pub data: Vec<u8>,
+    /// Its content type (`application/json` for JSON, empty for none).
     pub content_type: String,
 }
 
@@ -91,6 +93,7 @@ impl From<()> for TaskResult {
 /// `?` works in handlers.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TaskError {
+    /// Stored as the task's error.
     pub message: String,
     /// False ends the task FAILED whatever attempts remain.
     pub retryable: bool,
@@ -183,6 +186,7 @@ impl WorkerOptions {
         self
     }
 
+    /// A label shown by ListWorkers.
     pub fn label(mut self, key: impl Into<String>, value: impl Into<String>) -> WorkerOptions {
         self.labels.insert(key.into(), value.into());
         self
