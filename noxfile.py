@@ -34,6 +34,8 @@ GO_GENERATED = GO_SDK / "gen" / "cronoq" / "v1"
 TS_SDK = ROOT / "sdk-ts"
 TS_GENERATED = TS_SDK / "src" / "gen"
 TS_TESTS = sorted(str(p.relative_to(TS_SDK)) for p in (TS_SDK / "test").glob("*.test.ts"))
+# The Rust SDK generates its code in build.rs (protox): nothing generated is committed.
+RUST_MANIFEST = ROOT / "sdk-rust" / "Cargo.toml"
 # cronoq-api first: the SDK and the server depend on it (uv takes it from here, not an index).
 PACKAGES = ["-e", "proto/python", "-e", "sdk-python", "-e", "server"]
 TEST_DEPS = [
@@ -147,14 +149,15 @@ def check_generated(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Every test: generated-code check, buf lint, unit, store and integration tests; without
     arguments also the Go SDK's vet and unit tests, the TypeScript SDK's strict type check and
-    unit tests, and the conformance corpus."""
+    unit tests, the Rust SDK's tests, clippy and rustfmt check, and the conformance corpus."""
     session.install(*PACKAGES, *TEST_DEPS)
     check_generated(session)
     args = session.posargs or ["-n", "2", "--dist", "loadfile"]
     session.run("pytest", *args, env={"PYTHONDONTWRITEBYTECODE": "1"})
-    if not session.posargs:  # the whole suite: Go vet and unit tests, the conformance corpus with every driver
+    if not session.posargs:  # the whole suite: the SDKs' own checks, the conformance corpus with every driver
         _go_checks(session)
         _ts_checks(session)
+        _rust_checks(session)
         _conformance(session, [])
 
 
@@ -170,6 +173,14 @@ def _ts_checks(session: nox.Session) -> None:
     session.run(str(TS_SDK / "node_modules" / ".bin" / "tsc"), "-p", str(TS_SDK), "--noEmit", external=True)
     with session.chdir(TS_SDK):
         session.run("node", "--import", "tsx", "--test", *TS_TESTS, external=True)
+
+
+def _rust_checks(session: nox.Session) -> None:
+    """The Rust SDK (sdk-rust, its Cargo.lock): cargo test, clippy with warnings as errors, rustfmt."""
+    manifest = ["--manifest-path", str(RUST_MANIFEST)]
+    session.run("cargo", "test", "--locked", *manifest, external=True)
+    session.run("cargo", "clippy", "--locked", *manifest, "--all-targets", "--", "-D", "warnings", external=True)
+    session.run("cargo", "fmt", *manifest, "--check", external=True)
 
 
 def _conformance(session: nox.Session, args: list[str]) -> None:

@@ -39,10 +39,12 @@ from tls_pki import Pki  # type: ignore[import-not-found]  # noqa: E402
 # How each SDK's driver is started (from the repository's root).
 GO_DRIVER = ROOT / "sdk-go" / "bin" / "conformance-driver"  # gitignored: built by BUILDS
 TS_DRIVER = ROOT / "sdk-ts" / "bin" / "conformance" / "driver.js"  # gitignored: built by BUILDS
+RUST_DRIVER = ROOT / "sdk-rust" / "target" / "release" / "examples" / "conformance_driver"  # gitignored: BUILDS
 DRIVERS: dict[str, list[str]] = {
     "python": [sys.executable, str(HERE / "drivers" / "python" / "driver.py")],
     "go": [str(GO_DRIVER)],
     "ts": ["node", str(TS_DRIVER)],
+    "rust": [str(RUST_DRIVER)],
 }
 # What builds an SDK's driver, run once per run before its cases (from the repository's root).
 BUILDS: dict[str, list[str]] = {
@@ -51,6 +53,16 @@ BUILDS: dict[str, list[str]] = {
         "sh",
         "-c",
         "npm --prefix sdk-ts ci --no-audit --no-fund && sdk-ts/node_modules/.bin/tsc -p sdk-ts/tsconfig.driver.json",
+    ],
+    "rust": [
+        "cargo",
+        "build",
+        "--release",
+        "--locked",
+        "--manifest-path",
+        "sdk-rust/Cargo.toml",
+        "--example",
+        "conformance_driver",
     ],
 }
 TOKEN = "conformance-token"

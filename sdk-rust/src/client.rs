@@ -1,0 +1,551 @@
+//! The client: submit, read, wait for, cancel and list tasks.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use futures_core::Stream;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Code;
+
+use rand::Rng;
+use serde::Serialize;
+
+use crate::error::Error;
+use crate::proto;
+use crate::proto::task_service_client::TaskServiceClient;
+use crate::transport::{Connection, Endpoint, MAX_MESSAGE_BYTES, Options};
+
+/// A task as the server holds it (the generated cronoq.v1.Task).
+pub type Task = proto::Task;
+/// A task's lifecycle state.
+pub use proto::TaskState;
+
+/// Marks payloads and results stored as JSON.
+pub const JSON_CONTENT_TYPE: &str = "application/json";
+
+/// Names one task, by id or by key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TaskRef {
+    /// By id (all 64 bits).
+    Id(u64),
+    /// By key (unique within a shard).
+    Key(String),
+}
+
+impl From<u64> for TaskRef {
+    fn from(id: u64) -> TaskRef {
+        TaskRef::Id(id)
+    }
+}
+
+impl TaskRef {
+    fn proto(&self) -> proto::TaskRef {
+        proto::TaskRef {
+            r#ref: Some(match self {
+                TaskRef::Id(id) => proto::task_ref::Ref::Id(*id),
+                TaskRef::Key(key) => proto::task_ref::Ref::Key(key.clone()),
+            }),
+        }
+    }
+}
+
+/// One task to submit: `TaskSpec::new("pool").json(&payload)?` and the setters.
+#[derive(Debug, Clone, Default)]
+pub struct TaskSpec {
+    /// The pool it runs in (required).
+    pub pool: String,
+    /// The payload, as stored.
+    pub payload: Vec<u8>,
+    /// The payload's content type (`application/json` for JSON).
+    pub content_type: String,
+    /// Deduplicates within a shard: a known key returns the existing task.
+    pub key: String,
+    /// Higher runs first.
+    pub priority: i32,
+    /// Not before this time.
+    pub run_at: Option<SystemTime>,
+    /// 0 takes the pool's default.
+    pub max_attempts: i32,
+    /// Tasks of the same shard (a batch may name its own keys).
+    pub depends_on: Vec<TaskRef>,
+    /// Units of named resources an attempt holds while it runs.
+    pub resources: HashMap<String, i64>,
+    /// The timeout of each attempt (capped by the pool's); None: the pool's.
+    pub timeout: Option<Duration>,
+}
+
+impl TaskSpec {
+    /// A task of `pool` with no payload.
+    pub fn new(pool: impl Into<String>) -> TaskSpec {
+        TaskSpec {
+            pool: pool.into(),
+            ..TaskSpec::default()
+        }
+    }
+
+    /// The payload as JSON.
+    pub fn json<T: Serialize + ?Sized>(mut self, payload: &T) -> Result<TaskSpec, Error> {
+        self.payload = serde_json::to_vec(payload)
+            .map_err(|e| Error::InvalidArgument(format!("payload: {e}")))?;
+        self.content_type = JSON_CONTENT_TYPE.to_string();
+        Ok(self)
+    }
+
+    /// The payload as bytes, stored as they are.
+    pub fn bytes(
+        mut self,
+        payload: impl Into<Vec<u8>>,
+        content_type: impl Into<String>,
+    ) -> TaskSpec {
+        self.payload = payload.into();
+        self.content_type = content_type.into();
+        self
+    }
+
+    /// Deduplicates within a shard.
+    pub fn key(mut self, key: impl Into<String>) -> TaskSpec {
+        self.key = key.into();
+        self
+    }
+
+    /// Higher runs first.
+    pub fn priority(mut self, priority: i32) -> TaskSpec {
+        self.priority = priority;
+        self
+    }
+
+    /// Not before now + `delay`.
+    pub fn delay(mut self, delay: Duration) -> TaskSpec {
+        self.run_at = Some(SystemTime::now() + delay);
+        self
+    }
+
+    /// The most attempts (0: the pool's default).
+    pub fn max_attempts(mut self, n: i32) -> TaskSpec {
+        self.max_attempts = n;
+        self
+    }
+
+    /// Runs only once `task` has succeeded (same shard).
+    pub fn depends_on(mut self, task: impl Into<TaskRef>) -> TaskSpec {
+        self.depends_on.push(task.into());
+        self
+    }
+
+    /// The timeout of each attempt (capped by the pool's).
+    pub fn timeout(mut self, timeout: Duration) -> TaskSpec {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    fn proto(&self) -> proto::SubmitTaskRequest {
+        proto::SubmitTaskRequest {
+            pool: self.pool.clone(),
+            key: self.key.clone(),
+            payload: self.payload.clone(),
+            content_type: self.content_type.clone(),
+            priority: self.priority,
+            run_at: self.run_at.map(prost_types::Timestamp::from),
+            max_attempts: self.max_attempts,
+            depends_on: self.depends_on.iter().map(TaskRef::proto).collect(),
+            resources: self.resources.clone(),
+            request_id: String::new(),
+            timeout_ms: self.timeout.map_or(0, |t| t.as_millis().max(1) as i64),
+        }
+    }
+}
+
+/// Reads a task's JSON payload.
+pub fn decode_payload<T: serde::de::DeserializeOwned>(task: &Task) -> Result<T, Error> {
+    decode_json(&task.payload, &task.content_type, "payload", task.id)
+}
+
+/// Reads a task's JSON result.
+pub fn decode_result<T: serde::de::DeserializeOwned>(task: &Task) -> Result<T, Error> {
+    decode_json(&task.result, &task.result_content_type, "result", task.id)
+}
+
+fn decode_json<T: serde::de::DeserializeOwned>(
+    data: &[u8],
+    content_type: &str,
+    what: &str,
+    id: u64,
+) -> Result<T, Error> {
+    if content_type != JSON_CONTENT_TYPE {
+        return Err(Error::InvalidArgument(format!(
+            "task {id}: the {what} is not JSON (content type {content_type:?})"
+        )));
+    }
+    let data = if data.is_empty() {
+        b"null".as_slice()
+    } else {
+        data
+    };
+    serde_json::from_slice(data)
+        .map_err(|e| Error::InvalidArgument(format!("task {id}: decoding the {what}: {e}")))
+}
+
+/// Whether a task in this state will not change again.
+pub fn is_terminal(state: TaskState) -> bool {
+    matches!(
+        state,
+        TaskState::Succeeded | TaskState::Failed | TaskState::Cancelled
+    )
+}
+
+/// A fresh request id: the server answers a repeated one with what the first call created.
+pub fn new_request_id() -> String {
+    let bytes: [u8; 16] = rand::rng().random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A submission's answer.
+#[derive(Debug, Clone)]
+pub struct Submitted {
+    /// The task created (or the one its key named).
+    pub task: Task,
+    /// The key already named a task; nothing was created.
+    pub deduplicated: bool,
+}
+
+/// A wait's answer: the task, and whether it is terminal.
+#[derive(Debug, Clone)]
+pub struct Waited {
+    /// The task as it is now.
+    pub task: Task,
+    /// Whether it is terminal (false: the wait timed out).
+    pub done: bool,
+}
+
+/// Selects a page of tasks.
+#[derive(Debug, Clone, Default)]
+pub struct ListOptions {
+    /// Empty: every pool the caller may read.
+    pub pool: String,
+    /// None: every state.
+    pub state: Option<TaskState>,
+    /// 100 when 0.
+    pub page_size: i32,
+    /// The previous page's next_page_token.
+    pub page_token: String,
+}
+
+/// Selects the events of [`Client::watch`].
+#[derive(Debug, Clone, Default)]
+pub struct WatchOptions {
+    /// Empty: every pool the caller may read.
+    pub pool: String,
+    /// Start after that event (a TaskEvent's cursor) instead of live.
+    pub cursor: String,
+    /// Events carry tasks' payloads and results.
+    pub include_payloads: bool,
+    /// End with the stream (and its error) instead of opening it again.
+    pub no_resume: bool,
+}
+
+/// A sharded server's initial metadata (and trailers) name where a live stream starts.
+const WATCH_START_KEY: &str = "cronoq-watch-cursor";
+/// A stream that stayed open this long was connected: a failure after it starts a new row.
+const WATCH_CONNECTED: Duration = Duration::from_secs(5);
+
+/// Calls cronoq: any shard's server, or several servers (commas in the endpoint).
+/// UNAVAILABLE moves it to the leader a standby names, or to the next endpoint, and is
+/// retried with backoff. Cheap to clone; clones share the connections.
+#[derive(Clone)]
+pub struct Client {
+    conn: Arc<Connection>,
+}
+
+fn tasks(ch: tonic::transport::Channel) -> TaskServiceClient<tonic::transport::Channel> {
+    TaskServiceClient::new(ch)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+impl Client {
+    /// Checks the options (endpoints, TLS files); the client connects on its first call.
+    pub fn new(opts: Options) -> Result<Client, Error> {
+        Ok(Client {
+            conn: Arc::new(Connection::new(&opts)?),
+        })
+    }
+
+    /// The server the client talks to now.
+    pub fn endpoint(&self) -> Endpoint {
+        self.conn.endpoint()
+    }
+
+    /// Submits one task. Every transport retry carries the same request id, so a retry
+    /// after UNAVAILABLE returns the task the first attempt created.
+    pub async fn submit(&self, spec: TaskSpec) -> Result<Submitted, Error> {
+        let mut req = spec.proto();
+        req.request_id = new_request_id();
+        let timeout = self.conn.timeout;
+        let resp = self
+            .conn
+            .invoke("SubmitTask", timeout, |ch| {
+                let r = self.conn.request(req.clone(), Some(timeout));
+                async move { tasks(ch).submit_task(r).await }
+            })
+            .await?;
+        Ok(Submitted {
+            task: resp.task.unwrap_or_default(),
+            deduplicated: resp.deduplicated,
+        })
+    }
+
+    /// Admits every task or none; tasks may depend on the batch's own keys. The answer
+    /// lists the tasks in the order given, and the ids that already existed.
+    pub async fn submit_batch(
+        &self,
+        specs: &[TaskSpec],
+    ) -> Result<proto::SubmitBatchResponse, Error> {
+        let req = proto::SubmitBatchRequest {
+            tasks: specs.iter().map(TaskSpec::proto).collect(),
+            request_id: new_request_id(),
+        };
+        let timeout = self.conn.timeout;
+        self.conn
+            .invoke("SubmitBatch", timeout, |ch| {
+                let r = self.conn.request(req.clone(), Some(timeout));
+                async move { tasks(ch).submit_batch(r).await }
+            })
+            .await
+    }
+
+    /// Reads one task.
+    pub async fn get(&self, task: impl Into<TaskRef>) -> Result<Task, Error> {
+        let req = proto::GetTaskRequest {
+            task: Some(task.into().proto()),
+        };
+        let timeout = self.conn.timeout;
+        let resp = self
+            .conn
+            .invoke("GetTask", timeout, |ch| {
+                let r = self.conn.request(req.clone(), Some(timeout));
+                async move { tasks(ch).get_task(r).await }
+            })
+            .await?;
+        Ok(resp.task.unwrap_or_default())
+    }
+
+    /// Blocks until the task is terminal or `timeout` passes (then `done` is false).
+    pub async fn wait(&self, task: impl Into<TaskRef>, timeout: Duration) -> Result<Waited, Error> {
+        let req = proto::WaitTaskRequest {
+            task: Some(task.into().proto()),
+            timeout_ms: timeout.as_millis().clamp(1, 1 << 31) as u32,
+        };
+        let call_timeout = timeout + self.conn.timeout;
+        let resp = self
+            .conn
+            .invoke("WaitTask", call_timeout, |ch| {
+                let r = self.conn.request(req.clone(), Some(call_timeout));
+                async move { tasks(ch).wait_task(r).await }
+            })
+            .await?;
+        Ok(Waited {
+            task: resp.task.unwrap_or_default(),
+            done: resp.done,
+        })
+    }
+
+    /// Requests the task's cancellation and returns it.
+    pub async fn cancel(&self, task: impl Into<TaskRef>) -> Result<Task, Error> {
+        let req = proto::CancelTaskRequest {
+            task: Some(task.into().proto()),
+        };
+        let timeout = self.conn.timeout;
+        let resp = self
+            .conn
+            .invoke("CancelTask", timeout, |ch| {
+                let r = self.conn.request(req.clone(), Some(timeout));
+                async move { tasks(ch).cancel_task(r).await }
+            })
+            .await?;
+        Ok(resp.task.unwrap_or_default())
+    }
+
+    /// Streams task events as they happen. Unless `no_resume`, a stream that ends or breaks
+    /// (a restart, a new leader, UNAVAILABLE, ABORTED because the watcher fell behind) is
+    /// opened again from the last event's cursor: the events in between are replayed, and
+    /// one seen already is skipped. A row of failures with no event is given up after the
+    /// retry's max_elapsed; other errors end the stream at once (its last item). Drop the
+    /// stream to stop watching.
+    pub fn watch(
+        &self,
+        opts: WatchOptions,
+    ) -> impl Stream<Item = Result<proto::TaskEvent, Error>> + Send + 'static {
+        let (tx, rx) = mpsc::channel(64);
+        let conn = self.conn.clone();
+        tokio::spawn(async move {
+            let mut cursor = opts.cursor.clone();
+            let mut last_seq: HashMap<String, u64> = HashMap::new();
+            let mut failing_since: Option<Instant> = None;
+            let mut failures = 0;
+            loop {
+                let opened = Instant::now();
+                let ended = watch_once(
+                    &conn,
+                    &opts,
+                    &mut cursor,
+                    &mut last_seq,
+                    &tx,
+                    &mut failing_since,
+                    &mut failures,
+                )
+                .await;
+                let err = match ended {
+                    WatchEnd::Dropped => return,
+                    WatchEnd::Ended(err) => err,
+                };
+                let transient = err.as_ref().is_none_or(|e| {
+                    matches!(e, Error::Rpc(r) if matches!(r.code, Code::Unavailable | Code::Cancelled | Code::Aborted | Code::Internal))
+                });
+                if opts.no_resume || !transient {
+                    if let Some(err) = err {
+                        let _ = tx.send(Err(err)).await;
+                    }
+                    return;
+                }
+                if opened.elapsed() >= WATCH_CONNECTED {
+                    failing_since = None;
+                    failures = 0;
+                }
+                let since = *failing_since.get_or_insert_with(Instant::now);
+                if conn.retry.max_elapsed.is_some_and(|m| since.elapsed() >= m) {
+                    let err = err.unwrap_or_else(|| {
+                        Error::rpc_code(
+                            Code::Unavailable,
+                            "watch: the server kept ending the stream",
+                        )
+                    });
+                    let _ = tx.send(Err(err)).await;
+                    return;
+                }
+                if let Some(err) = &err
+                    && err.is_retryable()
+                {
+                    conn.on_unavailable(err); // to the leader a standby names, or the next endpoint
+                }
+                tracing::info!(error = ?err, endpoint = %conn.endpoint(), "cronoq: watch stream ended; reconnecting");
+                tokio::select! {
+                    _ = tokio::time::sleep(conn.retry.backoff(failures)) => {}
+                    _ = tx.closed() => return,
+                }
+                failures += 1;
+            }
+        });
+        ReceiverStream::new(rx)
+    }
+
+    /// One page of tasks in id order; pass its next_page_token for the next.
+    pub async fn list(&self, opts: ListOptions) -> Result<proto::ListTasksResponse, Error> {
+        let req = proto::ListTasksRequest {
+            pool: opts.pool,
+            state: opts.state.map_or(0, |s| s as i32),
+            page_size: if opts.page_size == 0 {
+                100
+            } else {
+                opts.page_size
+            },
+            page_token: opts.page_token,
+        };
+        let timeout = self.conn.timeout;
+        self.conn
+            .invoke("ListTasks", timeout, |ch| {
+                let r = self.conn.request(req.clone(), Some(timeout));
+                async move { tasks(ch).list_tasks(r).await }
+            })
+            .await
+    }
+}
+
+enum WatchEnd {
+    /// The caller dropped the stream.
+    Dropped,
+    /// The server ended it (None: cleanly), or it broke.
+    Ended(Option<Error>),
+}
+
+/// Runs one Watch stream, forwarding its events.
+async fn watch_once(
+    conn: &Connection,
+    opts: &WatchOptions,
+    cursor: &mut String,
+    last_seq: &mut HashMap<String, u64>,
+    tx: &mpsc::Sender<Result<proto::TaskEvent, Error>>,
+    failing_since: &mut Option<Instant>,
+    failures: &mut u32,
+) -> WatchEnd {
+    let (ch, ep) = match conn.channel() {
+        Ok(c) => c,
+        Err(e) => return WatchEnd::Ended(Some(e)),
+    };
+    let req = conn.request(
+        proto::WatchRequest {
+            pool: opts.pool.clone(),
+            include_payloads: opts.include_payloads,
+            cursor: cursor.clone(),
+        },
+        None,
+    );
+    let mut client = tasks(ch);
+    let response = tokio::select! {
+        r = client.watch(req) => r,
+        _ = tx.closed() => return WatchEnd::Dropped,
+    };
+    let response = match response {
+        Ok(r) => r,
+        Err(status) => {
+            if cursor.is_empty()
+                && let Some(v) = status
+                    .metadata()
+                    .get(WATCH_START_KEY)
+                    .and_then(|v| v.to_str().ok())
+            {
+                *cursor = v.to_string();
+            }
+            return WatchEnd::Ended(Some(conn.diagnose(&ep, Error::from(status)).await));
+        }
+    };
+    if cursor.is_empty()
+        && let Some(v) = response
+            .metadata()
+            .get(WATCH_START_KEY)
+            .and_then(|v| v.to_str().ok())
+    {
+        *cursor = v.to_string();
+    }
+    let mut stream = response.into_inner();
+    loop {
+        let message = tokio::select! {
+            m = stream.message() => m,
+            _ = tx.closed() => return WatchEnd::Dropped,
+        };
+        let event = match message {
+            Ok(Some(resp)) => match resp.event {
+                Some(event) => event,
+                None => continue,
+            },
+            Ok(None) => return WatchEnd::Ended(None),
+            Err(status) => return WatchEnd::Ended(Some(Error::from(status))),
+        };
+        *failing_since = None;
+        *failures = 0;
+        if !event.cursor.is_empty() {
+            cursor.clone_from(&event.cursor);
+        }
+        if event.seq != 0 {
+            let last = last_seq.entry(event.shard.clone()).or_insert(0);
+            if event.seq <= *last {
+                continue; // replayed after a reconnect, and sent before it
+            }
+            *last = event.seq;
+        }
+        if tx.send(Ok(event)).await.is_err() {
+            return WatchEnd::Dropped;
+        }
+    }
+}

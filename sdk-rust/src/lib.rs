@@ -1,0 +1,32 @@
+//! The Rust SDK of cronoq, a durable sharded task queue: a [`Client`] that submits, reads,
+//! waits for and cancels tasks, and a [`Worker`] that runs them over the bidirectional
+//! `WorkerService.Work` stream.
+
+#![warn(missing_docs)]
+
+mod client;
+#[cfg(test)]
+mod client_tests;
+mod error;
+mod transport;
+mod worker;
+#[cfg(test)]
+mod worker_tests;
+
+pub use client::{
+    Client, JSON_CONTENT_TYPE, ListOptions, Submitted, Task, TaskRef, TaskSpec, TaskState, Waited,
+    WatchOptions, decode_payload, decode_result, is_terminal, new_request_id,
+};
+pub use error::{Error, RpcError, code_name};
+pub use tokio_util::sync::CancellationToken;
+pub use tonic::Code;
+pub use transport::{
+    DEFAULT_ENDPOINT, Endpoint, MAX_MESSAGE_BYTES, Options, RetryConfig, TlsFiles, check_redirect,
+};
+
+/// The generated cronoq.v1 messages and clients.
+pub mod proto {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("cronoq.v1");
+}
+pub use worker::{TaskError, TaskResult, Worker, WorkerOptions};

@@ -1,0 +1,693 @@
+//! Endpoints, the connection rules (redirects, the leader, several endpoints), transport
+//! retries and TLS, shared by the client and the worker.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rand::Rng;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_rustls::rustls;
+use tonic::Code;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+use crate::error::Error;
+
+/// The channel's send and receive limit.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+/// A worker follows at most this many shard redirects in a row.
+pub(crate) const MAX_REDIRECTS: usize = 3;
+/// Where a client or worker without an endpoint connects.
+pub const DEFAULT_ENDPOINT: &str = "http://127.0.0.1:7070";
+
+/// The transport retry: UNAVAILABLE (and CANCELLED the caller did not ask for) is retried
+/// after `initial_backoff` doubled per failure in a row, plus up to `initial_backoff` of
+/// random jitter, capped at `max_backoff`.
+#[derive(Debug, Clone, Copy)]
+pub struct RetryConfig {
+    /// 50 ms by default.
+    pub initial_backoff: Duration,
+    /// 2 s by default.
+    pub max_backoff: Duration,
+    /// Bounds a row of retries of one call: 30 s by default; None: no bound.
+    pub max_elapsed: Option<Duration>,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        RetryConfig {
+            initial_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_secs(2),
+            max_elapsed: Some(Duration::from_secs(30)),
+        }
+    }
+}
+
+impl RetryConfig {
+    /// How long to wait after `failures` earlier failures in a row (0 for the first).
+    pub fn backoff(&self, failures: u32) -> Duration {
+        let initial = self.initial_backoff.max(Duration::from_millis(1));
+        let max = self.max_backoff.max(initial);
+        let jitter = initial.mul_f64(rand::rng().random::<f64>());
+        let base = initial.saturating_mul(1u32 << failures.min(20));
+        (base + jitter).min(max)
+    }
+}
+
+/// PEM files for https:// endpoints, kept for every endpoint, redirects included.
+#[derive(Debug, Clone, Default)]
+pub struct TlsFiles {
+    /// The CA bundle the server's certificate must chain to; the system roots when None.
+    pub ca_file: Option<String>,
+    /// A client certificate and its unencrypted key, for servers that require one.
+    pub cert_file: Option<String>,
+    /// The client certificate's unencrypted key (PEM).
+    pub key_file: Option<String>,
+}
+
+/// How a client or a worker connects. Build it with [`Options::new`] and its setters.
+#[derive(Clone)]
+pub struct Options {
+    pub(crate) endpoint: String,
+    pub(crate) token: Option<String>,
+    pub(crate) tls: Option<TlsFiles>,
+    pub(crate) insecure_redirect_http: bool,
+    pub(crate) retry: RetryConfig,
+    pub(crate) timeout: Duration,
+}
+
+impl fmt::Debug for Options {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Options")
+            .field("endpoint", &self.endpoint)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("tls", &self.tls)
+            .field("insecure_redirect_http", &self.insecure_redirect_http)
+            .field("retry", &self.retry)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options::new(DEFAULT_ENDPOINT)
+    }
+}
+
+impl Options {
+    /// `endpoint`: "http://host:port" or "https://host:port", or several separated by
+    /// commas (servers of one deployment, tried in turn).
+    pub fn new(endpoint: impl Into<String>) -> Options {
+        Options {
+            endpoint: endpoint.into(),
+            token: None,
+            tls: None,
+            insecure_redirect_http: false,
+            retry: RetryConfig::default(),
+            timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// Sent as "authorization: Bearer <token>" with every call.
+    pub fn token(mut self, token: impl Into<String>) -> Options {
+        self.token = Some(token.into()).filter(|t: &String| !t.is_empty());
+        self
+    }
+
+    /// The CA bundle that https:// servers' certificates must chain to.
+    pub fn ca_file(mut self, path: impl Into<String>) -> Options {
+        self.tls.get_or_insert_with(TlsFiles::default).ca_file = Some(path.into());
+        self
+    }
+
+    /// A client certificate and its unencrypted key (PEM), for servers that require one.
+    pub fn client_cert(
+        mut self,
+        cert_file: impl Into<String>,
+        key_file: impl Into<String>,
+    ) -> Options {
+        let tls = self.tls.get_or_insert_with(TlsFiles::default);
+        tls.cert_file = Some(cert_file.into());
+        tls.key_file = Some(key_file.into());
+        self
+    }
+
+    /// Follow a redirect to plain http:// on a host that is not loopback with the token
+    /// (trusted networks only).
+    pub fn insecure_redirect_http(mut self, allow: bool) -> Options {
+        self.insecure_redirect_http = allow;
+        self
+    }
+
+    /// The transport retries of UNAVAILABLE.
+    pub fn retry(mut self, retry: RetryConfig) -> Options {
+        self.retry = retry;
+        self
+    }
+
+    /// The timeout of each call (each attempt of it): 30 s by default.
+    pub fn timeout(mut self, timeout: Duration) -> Options {
+        if !timeout.is_zero() {
+            self.timeout = timeout;
+        }
+        self
+    }
+}
+
+/// One server: http://host:port or https://host:port.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    /// `http` or `https`.
+    pub scheme: String,
+    /// A host name or an IP address (IPv6 without brackets).
+    pub host: String,
+    /// The TCP port.
+    pub port: u16,
+}
+
+impl Endpoint {
+    /// Reads "http://host:port" or "https://host:port" ("host:port" is http://; the port
+    /// defaults to 80 or 443).
+    pub fn parse(text: &str) -> Result<Endpoint, Error> {
+        let bad = || {
+            Error::InvalidArgument(format!(
+                "endpoint: {text:?} is not http://host:port or https://host:port"
+            ))
+        };
+        let raw = text.trim();
+        let (scheme, rest) = match raw.split_once("://") {
+            Some((s, r)) => (s.to_ascii_lowercase(), r),
+            None => ("http".to_string(), raw),
+        };
+        if scheme != "http" && scheme != "https" {
+            return Err(bad());
+        }
+        let rest = rest.strip_suffix('/').unwrap_or(rest);
+        if rest.is_empty() || rest.contains(['/', '?', '@', '#']) {
+            return Err(bad());
+        }
+        let (host, port) = if let Some(after) = rest.strip_prefix('[') {
+            let (h, tail) = after.split_once(']').ok_or_else(bad)?;
+            (h.to_string(), tail.strip_prefix(':'))
+        } else {
+            match rest.rsplit_once(':') {
+                Some((h, p)) => (h.to_string(), Some(p)),
+                None => (rest.to_string(), None),
+            }
+        };
+        if host.is_empty() {
+            return Err(bad());
+        }
+        let port = match port {
+            None => {
+                if scheme == "https" {
+                    443
+                } else {
+                    80
+                }
+            }
+            Some(p) => p.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(|| {
+                Error::InvalidArgument(format!("endpoint: {text:?} has a bad port"))
+            })?,
+        };
+        Ok(Endpoint { scheme, host, port })
+    }
+
+    /// One endpoint, or several separated by commas.
+    pub fn parse_list(text: &str) -> Result<Vec<Endpoint>, Error> {
+        let out = text
+            .split(',')
+            .filter(|p| !p.trim().is_empty())
+            .map(Endpoint::parse)
+            .collect::<Result<Vec<_>, _>>()?;
+        if out.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "endpoint: {text:?} names no endpoint"
+            )));
+        }
+        Ok(out)
+    }
+
+    /// Whether the endpoint is https://.
+    pub fn secure(&self) -> bool {
+        self.scheme == "https"
+    }
+
+    /// Whether the host is localhost or a loopback address.
+    pub fn loopback(&self) -> bool {
+        self.host == "localhost" || self.host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+    }
+
+    fn authority(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}://{}", self.scheme, self.authority())
+    }
+}
+
+/// The connection rules for following a redirect (or a standby's leader hint): never
+/// https:// to http://, and a token goes over plain http:// only to a loopback host unless
+/// `insecure_redirect_http`.
+pub fn check_redirect(
+    current: &Endpoint,
+    target: &Endpoint,
+    has_token: bool,
+    insecure_redirect_http: bool,
+) -> Result<(), Error> {
+    if current.secure() && !target.secure() {
+        return Err(Error::RedirectRefused(format!(
+            "redirect from {current} to {target} refused: never follow https:// to http://"
+        )));
+    }
+    if has_token && !target.secure() && !target.loopback() && !insecure_redirect_http {
+        return Err(Error::RedirectRefused(format!(
+            "redirect to {target} refused: the token would go over plain http:// to a non-loopback host \
+             (set insecure_redirect_http on trusted networks only)"
+        )));
+    }
+    Ok(())
+}
+
+/// The TLS material, read once from the files.
+struct TlsMaterial {
+    tonic: ClientTlsConfig,
+    rustls: Arc<rustls::ClientConfig>,
+    files: TlsFiles,
+}
+
+fn read_file(what: &str, path: &str) -> Result<Vec<u8>, Error> {
+    std::fs::read(path)
+        .map_err(|e| Error::InvalidArgument(format!("tls.{what}: cannot read {path:?}: {e}")))
+}
+
+impl TlsMaterial {
+    fn load(files: Option<&TlsFiles>) -> Result<TlsMaterial, Error> {
+        let files = files.cloned().unwrap_or_default();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut roots = rustls::RootCertStore::empty();
+        let mut tonic = ClientTlsConfig::new();
+        if let Some(ca) = &files.ca_file {
+            let pem = read_file("ca_file", ca)?;
+            let certs: Vec<_> = rustls_pemfile::certs(&mut pem.as_slice())
+                .filter_map(Result::ok)
+                .collect();
+            if certs.is_empty() {
+                return Err(Error::InvalidArgument(format!(
+                    "tls.ca_file: {ca:?} holds no PEM certificate"
+                )));
+            }
+            for cert in certs {
+                let _ = roots.add(cert);
+            }
+            tonic = tonic.ca_certificate(Certificate::from_pem(pem));
+        } else {
+            tonic = tonic.with_native_roots();
+            for cert in rustls_native_roots() {
+                let _ = roots.add(cert);
+            }
+        }
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| Error::InvalidArgument(format!("tls: {e}")))?
+            .with_root_certificates(roots);
+        let mut config = match (&files.cert_file, &files.key_file) {
+            (None, None) => builder.with_no_client_auth(),
+            (Some(cert), Some(key)) => {
+                let cert_pem = read_file("cert_file", cert)?;
+                let key_pem = read_file("key_file", key)?;
+                let chain: Vec<_> = rustls_pemfile::certs(&mut cert_pem.as_slice())
+                    .filter_map(Result::ok)
+                    .collect();
+                let private = rustls_pemfile::private_key(&mut key_pem.as_slice())
+                    .ok()
+                    .flatten()
+                    .ok_or_else(|| {
+                        Error::InvalidArgument(format!(
+                            "tls.key_file: {key:?} holds no unencrypted PEM private key"
+                        ))
+                    })?;
+                tonic = tonic.identity(Identity::from_pem(cert_pem, key_pem));
+                builder.with_client_auth_cert(chain, private).map_err(|e| {
+                    Error::InvalidArgument(format!(
+                        "tls.cert_file: {cert:?} with tls.key_file {key:?} is not a certificate and its key ({e})"
+                    ))
+                })?
+            }
+            _ => {
+                return Err(Error::InvalidArgument(
+                    "tls: give both cert_file and key_file (a client certificate and its key), or neither".into(),
+                ));
+            }
+        };
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(TlsMaterial {
+            tonic,
+            rustls: Arc::new(config),
+            files,
+        })
+    }
+}
+
+/// The system's roots, for the probe (tonic reads them itself for calls).
+fn rustls_native_roots() -> Vec<rustls::pki_types::CertificateDer<'static>> {
+    let found = rustls_native_certs::load_native_certs();
+    if !found.errors.is_empty() {
+        tracing::debug!(errors = ?found.errors, "cronoq: some system CA certificates could not be read");
+    }
+    found.certs
+}
+
+struct State {
+    current: Endpoint,
+    next: usize,
+    channels: HashMap<Endpoint, Channel>,
+}
+
+/// A channel to one server of the configured endpoints, moved on UNAVAILABLE to the leader
+/// a standby names (within the redirect rules), else to the next configured endpoint.
+pub(crate) struct Connection {
+    configured: Vec<Endpoint>,
+    token: Option<String>,
+    tls: TlsMaterial,
+    insecure: bool,
+    pub(crate) retry: RetryConfig,
+    pub(crate) timeout: Duration,
+    state: Mutex<State>,
+}
+
+impl Connection {
+    pub(crate) fn new(opts: &Options) -> Result<Connection, Error> {
+        let configured = Endpoint::parse_list(&opts.endpoint)?;
+        let tls = TlsMaterial::load(opts.tls.as_ref())?;
+        Ok(Connection {
+            state: Mutex::new(State {
+                current: configured[0].clone(),
+                next: 0,
+                channels: HashMap::new(),
+            }),
+            configured,
+            token: opts.token.clone(),
+            tls,
+            insecure: opts.insecure_redirect_http,
+            retry: opts.retry,
+            timeout: opts.timeout,
+        })
+    }
+
+    /// The server calls go to now.
+    pub(crate) fn endpoint(&self) -> Endpoint {
+        self.state.lock().unwrap().current.clone()
+    }
+
+    pub(crate) fn is_configured(&self, ep: &Endpoint) -> bool {
+        self.configured.contains(ep)
+    }
+
+    /// The channel to the current endpoint (opened lazily) and that endpoint.
+    pub(crate) fn channel(&self) -> Result<(Channel, Endpoint), Error> {
+        let mut st = self.state.lock().unwrap();
+        let ep = st.current.clone();
+        if let Some(ch) = st.channels.get(&ep) {
+            return Ok((ch.clone(), ep));
+        }
+        let bad =
+            |e: tonic::transport::Error| Error::InvalidArgument(format!("endpoint {ep}: {e}"));
+        let mut builder = tonic::transport::Endpoint::from_shared(ep.to_string())
+            .map_err(bad)?
+            .connect_timeout(Duration::from_secs(5))
+            .tcp_nodelay(true);
+        if ep.secure() {
+            builder = builder
+                .tls_config(self.tls.tonic.clone().domain_name(ep.host.clone()))
+                .map_err(bad)?;
+        }
+        let ch = builder.connect_lazy();
+        st.channels.insert(ep.clone(), ch.clone());
+        Ok((ch, ep))
+    }
+
+    /// Moves to `target` (a redirect or the leader) if the connection rules allow it.
+    pub(crate) fn follow(&self, target: &str) -> Result<(), Error> {
+        let dest = Endpoint::parse(target)?;
+        let mut st = self.state.lock().unwrap();
+        check_redirect(&st.current, &dest, self.token.is_some(), self.insecure)?;
+        st.current = dest;
+        Ok(())
+    }
+
+    /// After an UNAVAILABLE: to the leader it names, else (with several endpoints, or away
+    /// from a redirect target) to the next configured endpoint.
+    pub(crate) fn on_unavailable(&self, err: &Error) {
+        let leader = err.leader();
+        if !leader.is_empty()
+            && let Ok(dest) = Endpoint::parse(leader)
+            && dest != self.endpoint()
+        {
+            match self.follow(leader) {
+                Ok(()) => return,
+                Err(e) => tracing::warn!(leader, error = %e, "cronoq: not following the leader"),
+            }
+        }
+        let mut st = self.state.lock().unwrap();
+        if self.configured.len() > 1 || st.current != self.configured[0] {
+            st.next = (st.next + 1) % self.configured.len();
+            st.current = self.configured[st.next].clone();
+        }
+    }
+
+    /// A request with the token and, when given, a timeout the server sees.
+    pub(crate) fn request<M>(&self, message: M, timeout: Option<Duration>) -> tonic::Request<M> {
+        let mut req = tonic::Request::new(message);
+        if let Some(token) = &self.token
+            && let Ok(value) = format!("Bearer {token}").parse()
+        {
+            req.metadata_mut().insert("authorization", value);
+        }
+        if let Some(t) = timeout {
+            req.set_timeout(t);
+        }
+        req
+    }
+
+    /// Runs `call` once on the current endpoint, bounded by `timeout`, and translates its
+    /// error to the SDK's (a failed TLS handshake is [`Error::Tls`]).
+    pub(crate) async fn once<T, F, Fut>(
+        &self,
+        timeout: Option<Duration>,
+        call: F,
+    ) -> Result<T, Error>
+    where
+        F: FnOnce(Channel) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let (ch, ep) = self.channel()?;
+        let fut = call(ch);
+        let result = match timeout {
+            Some(d) => tokio::time::timeout(d + Duration::from_millis(500), fut)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(tonic::Status::deadline_exceeded(format!(
+                        "no answer from {ep} in {d:?}"
+                    )))
+                }),
+            None => fut.await,
+        };
+        match result {
+            Ok(resp) => Ok(resp.into_inner()),
+            Err(status) => Err(self.diagnose(&ep, Error::from(status)).await),
+        }
+    }
+
+    /// Runs `call` with the transport retries: UNAVAILABLE and CANCELLED are retried with
+    /// backoff, moving to the leader or the next endpoint, until the retry's max_elapsed.
+    pub(crate) async fn invoke<T, F, Fut>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        call: F,
+    ) -> Result<T, Error>
+    where
+        F: Fn(Channel) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let started = Instant::now();
+        let mut failures = 0;
+        loop {
+            let err = match self.once(Some(timeout), &call).await {
+                Ok(v) => return Ok(v),
+                Err(e) => e,
+            };
+            if !err.is_retryable() {
+                return Err(err);
+            }
+            if self
+                .retry
+                .max_elapsed
+                .is_some_and(|m| started.elapsed() >= m)
+            {
+                return Err(err);
+            }
+            self.on_unavailable(&err);
+            let delay = self.retry.backoff(failures);
+            tracing::debug!(call = what, error = %err, endpoint = %self.endpoint(), ?delay, "cronoq: retrying");
+            tokio::time::sleep(delay).await;
+            failures += 1;
+        }
+    }
+
+    /// Turns an UNAVAILABLE from an https:// endpoint that is a failed TLS handshake into an
+    /// [`Error::Tls`]: a probe handshake with the same settings says why.
+    pub(crate) async fn diagnose(&self, ep: &Endpoint, err: Error) -> Error {
+        if !ep.secure() || err.code() != Code::Unavailable || !matches!(err, Error::Rpc(_)) {
+            return err;
+        }
+        if err
+            .rpc()
+            .is_some_and(|e| !e.metadata.is_empty() || !e.reason.is_empty())
+        {
+            return err; // the server answered: the handshake worked
+        }
+        match self.probe_tls(ep).await {
+            Some(reason) => Error::Tls(format!("{ep}: TLS handshake failed: {reason}")),
+            None => err,
+        }
+    }
+
+    /// Why a TLS connection to `ep` fails, or None if it does not (or the server cannot be
+    /// reached at all: that is no TLS problem).
+    async fn probe_tls(&self, ep: &Endpoint) -> Option<String> {
+        const STEP: Duration = Duration::from_secs(3);
+        let tcp = tokio::time::timeout(
+            STEP,
+            tokio::net::TcpStream::connect((ep.host.as_str(), ep.port)),
+        )
+        .await
+        .ok()?
+        .ok()?;
+        let name = rustls::pki_types::ServerName::try_from(ep.host.clone()).ok()?;
+        let connector = tokio_rustls::TlsConnector::from(self.tls.rustls.clone());
+        let mut tls = match tokio::time::timeout(STEP, connector.connect(name, tcp)).await {
+            Err(_) => return None,
+            Ok(Err(e)) => return Some(self.tls_reason(&e.to_string(), ep)),
+            Ok(Ok(tls)) => tls,
+        };
+        // TLS 1.3: a server checks the client's certificate after the client's side of the
+        // handshake; one that refuses it closes the connection instead of answering HTTP/2.
+        const PREFACE: &[u8] =
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+        if tls.write_all(PREFACE).await.is_err() {
+            return Some(self.client_cert_reason());
+        }
+        let mut byte = [0u8; 1];
+        match tokio::time::timeout(STEP, tls.read(&mut byte)).await {
+            Ok(Ok(n)) if n > 0 => None,
+            Ok(Err(e)) if e.to_string().contains("AlertReceived") => {
+                Some(self.tls_reason(&e.to_string(), ep))
+            }
+            Ok(_) => Some(self.client_cert_reason()),
+            Err(_) => None,
+        }
+    }
+
+    fn tls_reason(&self, msg: &str, ep: &Endpoint) -> String {
+        let why = if msg.contains("UnknownIssuer") {
+            "certificate verify failed: unknown CA (the server's certificate is not signed by a trusted CA)".to_string()
+        } else if msg.contains("Expired") || msg.contains("NotValidYet") {
+            "certificate verify failed: the server's certificate has expired or is not yet valid"
+                .to_string()
+        } else if msg.contains("NotValidForName") {
+            format!(
+                "hostname mismatch: the server's certificate is not valid for {:?}",
+                ep.host
+            )
+        } else if msg.contains("CertificateRequired")
+            || msg.contains("BadCertificate")
+            || msg.contains("UnknownCA")
+        {
+            self.client_cert_reason()
+        } else if msg.contains("CorruptMessage") || msg.contains("InvalidContentType") {
+            "the server does not speak TLS on this port: is it an http:// endpoint?".to_string()
+        } else {
+            "the handshake was refused".to_string()
+        };
+        format!("{why} ({msg})")
+    }
+
+    fn client_cert_reason(&self) -> String {
+        match &self.tls.files.cert_file {
+            None => {
+                "the server requires a client certificate (none given: set client_cert)".to_string()
+            }
+            Some(cert) => format!(
+                "the server refused the client certificate {cert:?} (not signed by a CA in its server.tls.client_ca, or expired)"
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ep(s: &str) -> Endpoint {
+        Endpoint::parse(s).unwrap()
+    }
+
+    #[test]
+    fn parses_endpoints() {
+        assert_eq!(ep("127.0.0.1:7070").to_string(), "http://127.0.0.1:7070");
+        assert_eq!(ep("https://example.com").port, 443);
+        assert_eq!(ep("http://[::1]:80").to_string(), "http://[::1]:80");
+        assert!(ep("http://[::1]:80").loopback());
+        assert!(Endpoint::parse("ftp://x:1").is_err());
+        assert!(Endpoint::parse("http://x:0").is_err());
+        assert_eq!(Endpoint::parse_list("a:1, b:2").unwrap().len(), 2);
+    }
+
+    #[test]
+    fn redirect_rules() {
+        let tls = ep("https://a:1");
+        let plain_remote = ep("http://10.1.1.1:1");
+        assert!(matches!(
+            check_redirect(&tls, &plain_remote, false, true),
+            Err(Error::RedirectRefused(_))
+        ));
+        assert!(
+            check_redirect(
+                &ep("http://127.0.0.1:1"),
+                &ep("http://127.0.0.1:2"),
+                true,
+                false
+            )
+            .is_ok()
+        );
+        assert!(check_redirect(&ep("http://127.0.0.1:1"), &plain_remote, true, false).is_err());
+        assert!(check_redirect(&ep("http://127.0.0.1:1"), &plain_remote, true, true).is_ok());
+        assert!(check_redirect(&ep("http://127.0.0.1:1"), &plain_remote, false, false).is_ok());
+    }
+
+    #[test]
+    fn backoff_grows_and_is_capped() {
+        let r = RetryConfig {
+            initial_backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(100),
+            max_elapsed: None,
+        };
+        assert!(
+            r.backoff(0) >= Duration::from_millis(10) && r.backoff(0) <= Duration::from_millis(20)
+        );
+        assert_eq!(r.backoff(10), Duration::from_millis(100));
+    }
+}

@@ -1,0 +1,992 @@
+//! The worker: registers with the shard of its pools and runs their tasks over one
+//! bidirectional `WorkerService.Work` stream.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use prost::Message;
+use rand::Rng;
+use serde::Serialize;
+use tokio::sync::{Notify, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::Code;
+use tonic::transport::Channel;
+
+use crate::client::{JSON_CONTENT_TYPE, Task};
+use crate::error::Error;
+use crate::proto;
+use crate::proto::task_outcome::Outcome;
+use crate::proto::worker_service_client::WorkerServiceClient;
+use crate::transport::{Connection, Endpoint, MAX_MESSAGE_BYTES, MAX_REDIRECTS, Options};
+
+const MAX_FINISH_BATCH: usize = 1000;
+const MIB: u64 = 1 << 20;
+const DEFAULT_MAX_RESULT_BYTES: u64 = 4 * MIB;
+const DEFAULT_MAX_LEASE_BYTES: u64 = 16 * MIB;
+/// Room left under the message limit for what a message carries besides tasks or outcomes.
+const MAX_REQUEST_BYTES: u64 = MAX_MESSAGE_BYTES as u64 - MIB;
+const MIN_LEASE_BYTES: u64 = MIB;
+const RELEASE_REASON: &str = "worker shut down";
+/// After the shutdown grace: how long cancelled handlers get to return.
+const UNWIND_TIME: Duration = Duration::from_secs(1);
+/// After the shutdown grace: the time left for the last reports.
+const STOP_EXTRA_TIME: Duration = Duration::from_secs(3);
+const DEREGISTER_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What a handler returns on success: stored as the task's result.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TaskResult {
+    /// The result, as stored.
+    pub data: Vec<u8>,
+    /// Its content type (`application/json` for JSON, empty for none).
+    pub content_type: String,
+}
+
+impl TaskResult {
+    /// No result.
+    pub fn none() -> TaskResult {
+        TaskResult::default()
+    }
+
+    /// A JSON result.
+    pub fn json<T: Serialize + ?Sized>(value: &T) -> Result<TaskResult, TaskError> {
+        let data = serde_json::to_vec(value)
+            .map_err(|e| TaskError::non_retryable(format!("result: {e}")))?;
+        Ok(TaskResult {
+            data,
+            content_type: JSON_CONTENT_TYPE.to_string(),
+        })
+    }
+
+    /// Bytes stored as they are.
+    pub fn bytes(data: impl Into<Vec<u8>>, content_type: impl Into<String>) -> TaskResult {
+        TaskResult {
+            data: data.into(),
+            content_type: content_type.into(),
+        }
+    }
+}
+
+impl From<serde_json::Value> for TaskResult {
+    fn from(value: serde_json::Value) -> TaskResult {
+        TaskResult {
+            data: value.to_string().into_bytes(),
+            content_type: JSON_CONTENT_TYPE.to_string(),
+        }
+    }
+}
+
+impl From<()> for TaskResult {
+    fn from(_: ()) -> TaskResult {
+        TaskResult::none()
+    }
+}
+
+/// A handler's failure: the attempt fails, retried with backoff while attempts remain
+/// unless it is non-retryable. Any `std::error::Error` converts into a retryable one, so
+/// `?` works in handlers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskError {
+    /// Stored as the task's error.
+    pub message: String,
+    /// False ends the task FAILED whatever attempts remain.
+    pub retryable: bool,
+    /// Overrides the pool's backoff before the next attempt.
+    pub retry_after: Option<Duration>,
+}
+
+impl TaskError {
+    /// A failure retried while attempts remain.
+    pub fn retryable(message: impl fmt::Display) -> TaskError {
+        TaskError {
+            message: message.to_string(),
+            retryable: true,
+            retry_after: None,
+        }
+    }
+
+    /// A failure that ends the task whatever attempts remain.
+    pub fn non_retryable(message: impl fmt::Display) -> TaskError {
+        TaskError {
+            retryable: false,
+            ..TaskError::retryable(message)
+        }
+    }
+
+    /// A failure whose next attempt starts no sooner than after `delay`.
+    pub fn retry_after(message: impl fmt::Display, delay: Duration) -> TaskError {
+        TaskError {
+            retry_after: Some(delay),
+            ..TaskError::retryable(message)
+        }
+    }
+}
+
+impl fmt::Display for TaskError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl<E: std::error::Error> From<E> for TaskError {
+    fn from(err: E) -> TaskError {
+        TaskError::retryable(err)
+    }
+}
+
+type HandlerFuture = Pin<Box<dyn Future<Output = Result<TaskResult, TaskError>> + Send>>;
+type Handler = Arc<dyn Fn(Task, CancellationToken) -> HandlerFuture + Send + Sync>;
+
+/// Configures a [`Worker`]: `WorkerOptions::new(options, ["pool"])` and the setters.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    options: Options,
+    pools: Vec<String>,
+    concurrency: usize,
+    name: String,
+    labels: HashMap<String, String>,
+    shutdown_grace: Duration,
+    finish_linger: Duration,
+}
+
+impl WorkerOptions {
+    /// A worker of `pools`, connecting as `options` say.
+    pub fn new<I, S>(options: Options, pools: I) -> WorkerOptions
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "worker".to_string());
+        WorkerOptions {
+            options,
+            pools: pools.into_iter().map(Into::into).collect(),
+            concurrency: 16,
+            name: format!("{host}-{}", std::process::id()),
+            labels: HashMap::new(),
+            shutdown_grace: Duration::from_secs(30),
+            finish_linger: Duration::from_millis(2),
+        }
+    }
+
+    /// The most handlers running at once: 16 by default.
+    pub fn concurrency(mut self, n: usize) -> WorkerOptions {
+        self.concurrency = n;
+        self
+    }
+
+    /// Shown by ListWorkers; hostname-pid by default.
+    pub fn name(mut self, name: impl Into<String>) -> WorkerOptions {
+        self.name = name.into();
+        self
+    }
+
+    /// A label shown by ListWorkers.
+    pub fn label(mut self, key: impl Into<String>, value: impl Into<String>) -> WorkerOptions {
+        self.labels.insert(key.into(), value.into());
+        self
+    }
+
+    /// How long running tasks may go on once the worker stops; those still running then are
+    /// cancelled and given back to the server. 30 s by default.
+    pub fn shutdown_grace(mut self, grace: Duration) -> WorkerOptions {
+        self.shutdown_grace = grace;
+        self
+    }
+
+    /// How long an outcome waits for others to join its report while handlers run: 2 ms by
+    /// default; zero: none.
+    pub fn finish_linger(mut self, linger: Duration) -> WorkerOptions {
+        self.finish_linger = linger;
+        self
+    }
+}
+
+struct Running {
+    seq: u64,
+    attempt: i32,
+    token: CancellationToken,
+    /// The server asked: report it cancelled.
+    cancel_requested: bool,
+    /// Cancelled at shutdown: give it back.
+    releasing: bool,
+    /// No longer ours: report nothing.
+    lost: bool,
+}
+
+struct State {
+    worker_id: String,
+    heartbeat: Duration,
+    max_result_bytes: u64,
+    lease_bytes: u64,
+    running: HashMap<u64, Running>,
+    /// Reported, not yet answered.
+    unacked: HashMap<u64, proto::TaskOutcome>,
+    /// Not yet sent on the current stream.
+    outcomes: Vec<proto::TaskOutcome>,
+    /// Slots freed, not yet given as credits.
+    freed: u32,
+    beat_due: bool,
+    stopping: bool,
+    processed: u64,
+}
+
+impl State {
+    /// Stopping, and nothing left to run or to report.
+    fn finished(&self) -> bool {
+        self.stopping && self.running.is_empty() && self.unacked.is_empty()
+    }
+
+    fn report(&mut self, outcome: proto::TaskOutcome) {
+        self.unacked.insert(outcome.task_id, outcome.clone());
+        self.outcomes.push(outcome);
+    }
+}
+
+struct Shared {
+    opts: WorkerOptions,
+    handler: Handler,
+    conn: Connection,
+    started: AtomicBool,
+    next_seq: AtomicU64,
+    stop: CancellationToken,
+    /// The sender has something to send.
+    wake: Notify,
+    st: Mutex<State>,
+}
+
+/// Runs tasks of its pools over one Work stream: credits for its free slots (never more
+/// tasks than its concurrency), outcomes batched, heartbeats naming the attempts it holds,
+/// the stream opened again after a failure, and a graceful stop that gives unfinished tasks
+/// back. Cheap to clone: clones are the same worker (call [`Worker::stop`] from one while
+/// another runs).
+#[derive(Clone)]
+pub struct Worker {
+    shared: Arc<Shared>,
+}
+
+fn workers(ch: Channel) -> WorkerServiceClient<Channel> {
+    WorkerServiceClient::new(ch)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+fn released(id: u64, attempt: i32) -> proto::TaskOutcome {
+    proto::TaskOutcome {
+        task_id: id,
+        attempt,
+        outcome: Some(Outcome::Released(proto::TaskReleased {
+            reason: RELEASE_REASON.to_string(),
+        })),
+    }
+}
+
+/// Failures of a Work stream that say nothing about the request.
+fn transient_stream(err: &Error) -> bool {
+    matches!(err, Error::Rpc(e) if matches!(
+        e.code,
+        Code::Unavailable | Code::Cancelled | Code::DeadlineExceeded | Code::Internal | Code::Unknown
+    ))
+}
+
+fn jittered(base: Duration, spread: f64) -> Duration {
+    base.mul_f64(1.0 + spread * rand::rng().random::<f64>())
+}
+
+impl Worker {
+    /// Checks the options and returns a worker that runs `handler` for each task. The
+    /// handler's token is cancelled when the task's cancellation is requested (the task ends
+    /// CANCELLED), when its timeout passes, when its lease is lost, or when the worker stops
+    /// and the shutdown grace has passed (the task is given back to the server).
+    pub fn new<F, Fut, R>(opts: WorkerOptions, handler: F) -> Result<Worker, Error>
+    where
+        F: Fn(Task, CancellationToken) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<R, TaskError>> + Send + 'static,
+        R: Into<TaskResult>,
+    {
+        if opts.pools.is_empty() {
+            return Err(Error::InvalidArgument(
+                "pools: give at least one pool".into(),
+            ));
+        }
+        if opts.concurrency == 0 {
+            return Err(Error::InvalidArgument(
+                "concurrency: 0 must be at least 1".into(),
+            ));
+        }
+        let conn = Connection::new(&opts.options)?;
+        let handler: Handler = Arc::new(move |task, token| {
+            let fut = handler(task, token);
+            Box::pin(async move { fut.await.map(Into::into) })
+        });
+        Ok(Worker {
+            shared: Arc::new(Shared {
+                opts,
+                handler,
+                conn,
+                started: AtomicBool::new(false),
+                next_seq: AtomicU64::new(1),
+                stop: CancellationToken::new(),
+                wake: Notify::new(),
+                st: Mutex::new(State {
+                    worker_id: String::new(),
+                    heartbeat: Duration::from_secs(10),
+                    max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
+                    lease_bytes: DEFAULT_MAX_LEASE_BYTES,
+                    running: HashMap::new(),
+                    unacked: HashMap::new(),
+                    outcomes: Vec::new(),
+                    freed: 0,
+                    beat_due: false,
+                    stopping: false,
+                    processed: 0,
+                }),
+            }),
+        })
+    }
+
+    /// The server the worker talks to now.
+    pub fn endpoint(&self) -> Endpoint {
+        self.shared.conn.endpoint()
+    }
+
+    /// The worker id the server gave at registration ("" before).
+    pub fn id(&self) -> String {
+        self.shared.st.lock().unwrap().worker_id.clone()
+    }
+
+    /// The number of outcomes the server has acknowledged.
+    pub fn processed(&self) -> u64 {
+        self.shared.st.lock().unwrap().processed
+    }
+
+    /// Asks the worker to stop taking tasks; [`Worker::run`] returns once running tasks have
+    /// finished (within the shutdown grace; the others are given back) and every outcome is
+    /// reported.
+    pub fn stop(&self) {
+        self.shared.stop.cancel();
+    }
+
+    /// Registers and runs tasks until [`Worker::stop`], then stops gracefully and returns
+    /// Ok. It returns an error when the worker cannot go on: a refusal of its credentials, a
+    /// TLS failure, a redirect refused or too many redirects. It runs at most once.
+    pub async fn run(&self) -> Result<(), Error> {
+        let w = &self.shared;
+        if w.started.swap(true, Ordering::SeqCst) {
+            return Err(Error::rpc_code(
+                Code::FailedPrecondition,
+                "worker: run was called already",
+            ));
+        }
+        // The worker's own calls outlive the stop request, for the bounded time of a graceful stop.
+        let calls = CancellationToken::new();
+        if !w.register().await? {
+            return Ok(()); // stopped while registering
+        }
+        tracing::info!(worker_id = %self.id(), endpoint = %self.endpoint(), pools = ?w.opts.pools, "cronoq: worker registered");
+        let heartbeats = calls.child_token();
+        tokio::spawn(w.clone().heartbeat_loop(heartbeats.clone()));
+        let mut work = tokio::spawn(w.clone().work_loop(calls.clone()));
+        let mut work_result = tokio::select! {
+            r = &mut work => Some(r),
+            _ = w.stop.cancelled() => None,
+        };
+        // Also when the stream failed for good: unfinished tasks are released.
+        w.st.lock().unwrap().stopping = true;
+        w.wake.notify_one();
+        let deadline = Instant::now() + w.opts.shutdown_grace + STOP_EXTRA_TIME;
+        w.finish_running().await;
+        w.wake.notify_one(); // the stream closes its side once every outcome is answered
+        if work_result.is_none() {
+            work_result = Some(tokio::select! {
+                r = &mut work => r,
+                _ = tokio::time::sleep_until(deadline.into()) => {
+                    calls.cancel();
+                    work.await
+                }
+            });
+        }
+        calls.cancel();
+        heartbeats.cancel();
+        let left = w.st.lock().unwrap().unacked.len();
+        if left > 0 {
+            tracing::warn!(worker_id = %self.id(), outcomes = left, "cronoq: outcomes not acknowledged at shutdown; their leases will expire");
+        }
+        w.deregister().await;
+        match work_result {
+            Some(Ok(result)) => result,
+            Some(Err(join)) => Err(Error::rpc_code(
+                Code::Internal,
+                format!("worker: the work loop failed: {join}"),
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Shared {
+    fn id(&self) -> String {
+        self.st.lock().unwrap().worker_id.clone()
+    }
+
+    /// Registers with the shard of the worker's pools, following up to 3 redirects in a
+    /// row; UNAVAILABLE is retried (on the leader named, or the next configured endpoint)
+    /// until stop. Ok(false): stopped first.
+    async fn register(&self) -> Result<bool, Error> {
+        let mut redirects = 0;
+        let mut unavailable = 0u32;
+        let mut chain = vec![self.conn.endpoint().to_string()];
+        let req = proto::RegisterWorkerRequest {
+            name: self.opts.name.clone(),
+            pools: self.opts.pools.clone(),
+            concurrency: self.opts.concurrency as i32,
+            labels: self.opts.labels.clone(),
+        };
+        let timeout = self.conn.timeout;
+        loop {
+            let call = self.conn.once(Some(timeout), |ch| {
+                let r = self.conn.request(req.clone(), Some(timeout));
+                async move { workers(ch).register_worker(r).await }
+            });
+            let result = tokio::select! {
+                r = call => r,
+                _ = self.stop.cancelled() => return Ok(false),
+            };
+            match result {
+                Ok(resp) => {
+                    self.registered(resp);
+                    return Ok(true);
+                }
+                Err(err @ Error::Rpc(_))
+                    if err.code() == Code::FailedPrecondition
+                        && !err.shard_endpoint().is_empty() =>
+                {
+                    redirects += 1;
+                    let shard = if err.shard().is_empty() {
+                        "?"
+                    } else {
+                        err.shard()
+                    };
+                    chain.push(format!("shard {shard} at {}", err.shard_endpoint()));
+                    if redirects > MAX_REDIRECTS {
+                        return Err(Error::TooManyRedirects(format!(
+                            "worker for {:?} was redirected more than {MAX_REDIRECTS} times in a row: {}: check the [[shards]] endpoints",
+                            self.opts.pools,
+                            chain.join(" -> ")
+                        )));
+                    }
+                    tracing::info!(shard = err.shard(), endpoint = err.shard_endpoint(), pools = ?self.opts.pools,
+                        "cronoq: reconnecting to the shard of the worker's pools");
+                    self.conn.follow(err.shard_endpoint())?;
+                }
+                Err(err @ Error::Rpc(_)) if err.code() == Code::Unavailable => {
+                    // The leader a standby names, or else the next configured endpoint (so a
+                    // redirect target that is down sends the worker back to its configured one).
+                    self.conn.on_unavailable(&err);
+                    if self.conn.is_configured(&self.conn.endpoint()) {
+                        redirects = 0;
+                        chain = vec![self.conn.endpoint().to_string()];
+                    }
+                    unavailable += 1;
+                    let delay = self.conn.retry.backoff(unavailable.min(10));
+                    tracing::debug!(error = %err, endpoint = %self.conn.endpoint(), ?delay, "cronoq: register: retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(delay) => {}
+                        _ = self.stop.cancelled() => return Ok(false),
+                    }
+                }
+                Err(err) => return Err(err),
+            }
+        }
+    }
+
+    fn registered(&self, resp: proto::RegisterWorkerResponse) {
+        let mut st = self.st.lock().unwrap();
+        st.worker_id = resp.worker_id;
+        st.heartbeat = Duration::from_millis(u64::from(resp.heartbeat_interval_ms))
+            .max(Duration::from_millis(100));
+        let or_default = |v: u64, d: u64| if v == 0 { d } else { v };
+        st.max_result_bytes =
+            or_default(resp.max_result_bytes, DEFAULT_MAX_RESULT_BYTES).min(MAX_REQUEST_BYTES);
+        st.lease_bytes =
+            or_default(resp.max_lease_bytes, DEFAULT_MAX_LEASE_BYTES).min(MAX_REQUEST_BYTES);
+    }
+
+    async fn deregister(&self) {
+        let id = self.id();
+        if id.is_empty() {
+            return;
+        }
+        let req = proto::DeregisterWorkerRequest {
+            worker_id: id.clone(),
+        };
+        let result = self
+            .conn
+            .once(Some(DEREGISTER_TIMEOUT), |ch| {
+                let r = self.conn.request(req, Some(DEREGISTER_TIMEOUT));
+                async move { workers(ch).deregister_worker(r).await }
+            })
+            .await;
+        if let Err(err) = result {
+            tracing::debug!(worker_id = %id, error = %err, "cronoq: deregister failed");
+        }
+    }
+
+    fn is_finished(&self) -> bool {
+        self.st.lock().unwrap().finished()
+    }
+
+    /// The graceful stop: running tasks finish within the grace, the others are cancelled
+    /// and released.
+    async fn finish_running(&self) {
+        let running: Vec<(u64, u64)> = {
+            let st = self.st.lock().unwrap();
+            st.running.iter().map(|(id, r)| (*id, r.seq)).collect()
+        };
+        if running.is_empty() {
+            return;
+        }
+        tracing::info!(worker_id = %self.id(), running = running.len(), "cronoq: waiting for running tasks");
+        let pending = self.wait_for(&running, self.opts.shutdown_grace).await;
+        if pending.is_empty() {
+            return;
+        }
+        tracing::warn!(worker_id = %self.id(), tasks = pending.len(), grace = ?self.opts.shutdown_grace,
+            "cronoq: releasing tasks still running after the shutdown grace");
+        {
+            let mut st = self.st.lock().unwrap();
+            for (id, seq) in &pending {
+                if let Some(r) = st.running.get_mut(id).filter(|r| r.seq == *seq) {
+                    r.releasing = true;
+                    r.token.cancel();
+                }
+            }
+        }
+        let stuck = self.wait_for(&pending, UNWIND_TIME).await;
+        let mut st = self.st.lock().unwrap();
+        for (id, seq) in stuck {
+            // The handler ignores its token: release the task anyway, and report nothing later.
+            if let Some(r) = st.running.remove(&id) {
+                if r.seq != seq {
+                    st.running.insert(id, r);
+                    continue;
+                }
+                tracing::warn!(
+                    task_id = id,
+                    "cronoq: handler ignores cancellation; releasing the task"
+                );
+                st.report(released(id, r.attempt));
+            }
+        }
+    }
+
+    /// Waits up to `limit` for these handlers to return; the ones still running.
+    async fn wait_for(&self, tasks: &[(u64, u64)], limit: Duration) -> Vec<(u64, u64)> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let pending: Vec<(u64, u64)> = {
+                let st = self.st.lock().unwrap();
+                tasks
+                    .iter()
+                    .filter(|(id, seq)| st.running.get(id).is_some_and(|r| r.seq == *seq))
+                    .copied()
+                    .collect()
+            };
+            if pending.is_empty() || Instant::now() >= deadline {
+                return pending;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Opens Work streams one after the other until the worker is finished: a stream that
+    /// fails is opened again (on the server an UNAVAILABLE names, after a backoff), and the
+    /// outcomes it did not answer are sent again on the next (fenced by attempt: safe).
+    async fn work_loop(self: Arc<Self>, calls: CancellationToken) -> Result<(), Error> {
+        let mut failures = 0;
+        let initial = self.conn.retry.initial_backoff;
+        while !self.is_finished() {
+            let result = self.work_stream(&calls).await;
+            if calls.is_cancelled() {
+                return Ok(()); // the graceful stop's time is up
+            }
+            let pause = match result {
+                Ok(()) => {
+                    // The server ended it cleanly: do not reopen it in a tight loop.
+                    failures = 0;
+                    if self.is_finished() {
+                        Duration::ZERO
+                    } else {
+                        jittered(initial, 1.0)
+                    }
+                }
+                Err(err) if err.code() == Code::NotFound && matches!(err, Error::Rpc(_)) => {
+                    tracing::warn!(worker_id = %self.id(), "cronoq: worker unknown to the server; registering again");
+                    if !self.register().await? {
+                        return Ok(());
+                    }
+                    Duration::ZERO
+                }
+                Err(
+                    err @ (Error::Tls(_) | Error::TooManyRedirects(_) | Error::RedirectRefused(_)),
+                ) => return Err(err),
+                Err(err)
+                    if matches!(err.code(), Code::PermissionDenied | Code::Unauthenticated) =>
+                {
+                    return Err(err);
+                }
+                Err(err) if transient_stream(&err) => {
+                    if err.code() == Code::Unavailable {
+                        self.conn.on_unavailable(&err);
+                    }
+                    tracing::warn!(error = %err, endpoint = %self.conn.endpoint(), "cronoq: work stream ended; opening it again");
+                    jittered(initial, 3.0)
+                }
+                Err(err)
+                    if err.code() == Code::FailedPrecondition
+                        && !err.shard_endpoint().is_empty() =>
+                {
+                    return Err(err); // the pools moved to another shard
+                }
+                Err(err) => {
+                    // e.g. RESOURCE_EXHAUSTED, an answer over the receive limit: smaller answers.
+                    failures += 1;
+                    {
+                        let mut st = self.st.lock().unwrap();
+                        st.lease_bytes = (st.lease_bytes / 2).max(MIN_LEASE_BYTES);
+                    }
+                    tracing::error!(error = %err, "cronoq: work stream failed; opening it again with a smaller max_bytes");
+                    self.conn.retry.backoff(failures)
+                }
+            };
+            if !pause.is_zero() {
+                tokio::select! {
+                    _ = tokio::time::sleep(pause) => {}
+                    _ = calls.cancelled() => return Ok(()),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One Work stream: the first message gives the free slots; the sender sends outcomes,
+    /// freed slots and heartbeats; answers are read here until the server ends it.
+    async fn work_stream(self: &Arc<Self>, calls: &CancellationToken) -> Result<(), Error> {
+        let (ch, ep) = self.conn.channel()?;
+        let (first, resend) = {
+            let mut st = self.st.lock().unwrap();
+            let unanswered: Vec<_> = st.unacked.values().cloned().collect(); // what an earlier stream did not answer
+            st.outcomes = unanswered;
+            st.freed = 0;
+            let free = if st.stopping {
+                0
+            } else {
+                self.opts.concurrency.saturating_sub(st.running.len())
+            };
+            let first = proto::WorkRequest {
+                worker_id: st.worker_id.clone(),
+                credits: free as u32,
+                max_bytes: st.lease_bytes,
+                ..Default::default()
+            };
+            (first, !st.outcomes.is_empty())
+        };
+        if resend {
+            self.wake.notify_one(); // sent right after the first message
+        }
+        let (tx, rx) = mpsc::channel::<proto::WorkRequest>(16);
+        let stream_done = calls.child_token();
+        let sender = tokio::spawn(self.clone().send_loop(tx, first, stream_done.clone()));
+        let request = self.conn.request(ReceiverStream::new(rx), None);
+        let result: Result<(), tonic::Status> = async {
+            let mut client = workers(ch);
+            let mut stream = tokio::select! {
+                r = client.work(request) => r?.into_inner(),
+                _ = calls.cancelled() => return Ok(()),
+            };
+            loop {
+                tokio::select! {
+                    m = stream.message() => match m? {
+                        Some(answer) => self.answered(answer),
+                        None => return Ok(()),
+                    },
+                    _ = calls.cancelled() => return Ok(()),
+                }
+            }
+        }
+        .await;
+        stream_done.cancel();
+        let _ = sender.await;
+        match result {
+            Ok(()) => Ok(()),
+            Err(status) => Err(self.conn.diagnose(&ep, Error::from(status)).await),
+        }
+    }
+
+    /// Sends the stream's messages: outcomes (lingering a moment while handlers run, so more
+    /// join), the slots handlers freed, heartbeats; closes its side once stopping and every
+    /// outcome is answered.
+    async fn send_loop(
+        self: Arc<Self>,
+        tx: mpsc::Sender<proto::WorkRequest>,
+        first: proto::WorkRequest,
+        done: CancellationToken,
+    ) {
+        let mut message = Some(first);
+        loop {
+            if let Some(m) = message.take()
+                && tx.send(m).await.is_err()
+            {
+                return; // the stream ended: the reader sees why
+            }
+            if self.is_finished() {
+                return; // dropping tx closes the send side
+            }
+            tokio::select! {
+                _ = self.wake.notified() => {}
+                _ = done.cancelled() => return,
+            }
+            let linger = {
+                let st = self.st.lock().unwrap();
+                !self.opts.finish_linger.is_zero()
+                    && !st.outcomes.is_empty()
+                    && !st.running.is_empty()
+                    && st.outcomes.len() < MAX_FINISH_BATCH
+                    && !st.stopping
+            };
+            if linger && !self.linger(&done).await {
+                return;
+            }
+            message = self.next_message();
+        }
+    }
+
+    /// Waits for more outcomes to join the pending ones: until every running handler has
+    /// returned, the batch is full, or finish_linger passes. False when the stream ends first.
+    async fn linger(&self, done: &CancellationToken) -> bool {
+        let timer = tokio::time::sleep(self.opts.finish_linger);
+        tokio::pin!(timer);
+        loop {
+            tokio::select! {
+                _ = self.wake.notified() => {
+                    let st = self.st.lock().unwrap();
+                    if st.running.is_empty() || st.outcomes.len() >= MAX_FINISH_BATCH {
+                        return true;
+                    }
+                }
+                _ = &mut timer => return true,
+                _ = done.cancelled() => return false,
+            }
+        }
+    }
+
+    /// The next message to send, or None when there is nothing to say.
+    fn next_message(&self) -> Option<proto::WorkRequest> {
+        let mut st = self.st.lock().unwrap();
+        let mut m = proto::WorkRequest {
+            outcomes: next_batch(&mut st.outcomes),
+            ..Default::default()
+        };
+        if !st.stopping {
+            m.credits = std::mem::take(&mut st.freed);
+        }
+        if std::mem::take(&mut st.beat_due) {
+            let mut beat = proto::WorkHeartbeat::default();
+            for (id, r) in &st.running {
+                beat.tasks.push(proto::TaskAttempt {
+                    task_id: *id,
+                    attempt: r.attempt,
+                });
+            }
+            for (id, o) in &st.unacked {
+                if !st.running.contains_key(id) {
+                    beat.tasks.push(proto::TaskAttempt {
+                        task_id: *id,
+                        attempt: o.attempt,
+                    });
+                }
+            }
+            m.heartbeat = Some(beat);
+        }
+        if !st.outcomes.is_empty() {
+            self.wake.notify_one(); // the rest in the next message
+        }
+        if m.outcomes.is_empty() && m.credits == 0 && m.heartbeat.is_none() {
+            return None;
+        }
+        Some(m)
+    }
+
+    /// Handles what the server sent: tasks to run, the results of outcomes, a heartbeat's answer.
+    fn answered(self: &Arc<Self>, answer: proto::WorkResponse) {
+        let mut to_start = Vec::new();
+        {
+            let mut st = self.st.lock().unwrap();
+            for r in &answer.results {
+                if st.unacked.remove(&r.task_id).is_some() {
+                    st.processed += 1;
+                }
+                if !r.accepted {
+                    tracing::warn!(task_id = r.task_id, code = %r.code, message = %r.message, "cronoq: outcome refused");
+                }
+            }
+            for task in answer.tasks {
+                if st.stopping {
+                    // Sent for slots given before the stop: give it back.
+                    st.freed += 1;
+                    st.report(released(task.id, task.attempt));
+                    continue;
+                }
+                let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+                let token = CancellationToken::new();
+                st.running.insert(
+                    task.id,
+                    Running {
+                        seq,
+                        attempt: task.attempt,
+                        token: token.clone(),
+                        cancel_requested: false,
+                        releasing: false,
+                        lost: false,
+                    },
+                );
+                to_start.push((task, token, seq));
+            }
+            if let Some(beat) = &answer.heartbeat {
+                for id in &beat.cancelled_task_ids {
+                    if let Some(r) = st.running.get_mut(id) {
+                        r.cancel_requested = true;
+                        r.token.cancel();
+                    }
+                }
+                for id in &beat.lost_task_ids {
+                    if let Some(r) = st.running.get_mut(id) {
+                        tracing::warn!(
+                            task_id = id,
+                            "cronoq: task lost its lease; its outcome will not be reported"
+                        );
+                        r.lost = true;
+                        r.token.cancel();
+                    }
+                }
+            }
+        }
+        for (task, token, seq) in to_start {
+            tokio::spawn(self.clone().execute(task, token, seq));
+        }
+        self.wake.notify_one();
+    }
+
+    /// Runs one attempt and reports its outcome.
+    async fn execute(self: Arc<Self>, task: Task, token: CancellationToken, seq: u64) {
+        let (id, attempt, timeout_ms) = (task.id, task.attempt, task.timeout_ms);
+        let mut handle = tokio::spawn((self.handler)(task, token.clone()));
+        let mut timed_out = false;
+        let joined = if timeout_ms > 0 {
+            // The server never extends the lease past the attempt's deadline: cancel it there.
+            tokio::select! {
+                r = &mut handle => r,
+                _ = tokio::time::sleep(Duration::from_millis(timeout_ms as u64)) => {
+                    timed_out = true;
+                    token.cancel();
+                    handle.await
+                }
+            }
+        } else {
+            handle.await
+        };
+        let (running, max_result) = {
+            let mut st = self.st.lock().unwrap();
+            let running = match st.running.get(&id) {
+                Some(r) if r.seq == seq => st.running.remove(&id),
+                _ => None,
+            };
+            if running.is_some() {
+                st.freed += 1;
+            }
+            (running, st.max_result_bytes)
+        };
+        let Some(running) = running.filter(|r| !r.lost) else {
+            self.wake.notify_one(); // no longer ours (or released already at shutdown)
+            return;
+        };
+        let failure = |message: String, retryable: bool, after: Option<Duration>| {
+            Outcome::Failure(proto::TaskFailure {
+                error: message,
+                retryable,
+                retry_after_ms: after.map_or(0, |d| d.as_millis().clamp(1, 1 << 31) as u32),
+            })
+        };
+        let outcome = match joined {
+            Ok(Ok(result)) if result.data.len() as u64 > max_result => failure(
+                format!(
+                    "result of {} bytes exceeds max_result_bytes {max_result}",
+                    result.data.len()
+                ),
+                false,
+                None,
+            ),
+            Ok(Ok(result)) => Outcome::Success(proto::TaskSuccess {
+                result: result.data,
+                content_type: result.content_type,
+            }),
+            _ if running.cancel_requested => Outcome::Cancelled(proto::TaskCancelled {
+                reason: "cancelled".to_string(),
+            }),
+            _ if running.releasing => Outcome::Released(proto::TaskReleased {
+                reason: RELEASE_REASON.to_string(),
+            }),
+            _ if timed_out => failure(format!("timed out after {timeout_ms} ms"), true, None),
+            Ok(Err(e)) => failure(e.message, e.retryable, e.retry_after),
+            Err(join) => {
+                tracing::error!(task_id = id, error = %join, "cronoq: handler panicked");
+                failure(format!("panic: {join}"), true, None)
+            }
+        };
+        self.st.lock().unwrap().report(proto::TaskOutcome {
+            task_id: id,
+            attempt,
+            outcome: Some(outcome),
+        });
+        self.wake.notify_one();
+    }
+
+    /// Asks the sender for a heartbeat of the attempts held, every interval (the one the
+    /// server gave at the latest registration).
+    async fn heartbeat_loop(self: Arc<Self>, done: CancellationToken) {
+        loop {
+            let interval = self.st.lock().unwrap().heartbeat;
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {
+                    self.st.lock().unwrap().beat_due = true;
+                    self.wake.notify_one();
+                }
+                _ = done.cancelled() => return,
+            }
+        }
+    }
+}
+
+/// The oldest outcomes that fit one message: at most MAX_FINISH_BATCH and
+/// MAX_REQUEST_BYTES serialized (one always goes, alone if need be).
+fn next_batch(outcomes: &mut Vec<proto::TaskOutcome>) -> Vec<proto::TaskOutcome> {
+    const FRAMING: u64 = 16; // an outcome's tag and length prefix, and the message's
+    let mut size = FRAMING;
+    let mut n = 0;
+    for o in outcomes.iter() {
+        if n == MAX_FINISH_BATCH {
+            break;
+        }
+        size += o.encoded_len() as u64 + FRAMING;
+        if n > 0 && size > MAX_REQUEST_BYTES {
+            break;
+        }
+        n += 1;
+    }
+    outcomes.drain(..n).collect()
+}

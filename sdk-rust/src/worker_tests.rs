@@ -1,0 +1,334 @@
+//! The worker against an in-process fake WorkerService (real gRPC over loopback TCP).
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::proto;
+use crate::proto::worker_service_server::{WorkerService, WorkerServiceServer};
+use crate::{
+    CancellationToken, Options, RetryConfig, Task, TaskError, TaskResult, Worker, WorkerOptions,
+};
+
+#[derive(Default)]
+struct Recorded {
+    /// Every WorkRequest received, per stream.
+    streams: Vec<Vec<proto::WorkRequest>>,
+    deregistered: bool,
+}
+
+/// Hands out `tasks` as credits allow; the first stream ends with UNAVAILABLE, unanswered,
+/// once it has received `break_first_after_outcomes` outcomes (0: never).
+struct FakeShard {
+    tasks: Mutex<Vec<Task>>,
+    cancel: Vec<u64>,
+    break_first_after_outcomes: usize,
+    recorded: Arc<Mutex<Recorded>>,
+}
+
+type WorkStream = Pin<Box<dyn Stream<Item = Result<proto::WorkResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl WorkerService for FakeShard {
+    async fn register_worker(
+        &self,
+        _: Request<proto::RegisterWorkerRequest>,
+    ) -> Result<Response<proto::RegisterWorkerResponse>, Status> {
+        Ok(Response::new(proto::RegisterWorkerResponse {
+            worker_id: "w1".into(),
+            heartbeat_interval_ms: 100,
+            shard: "default".into(),
+            ..Default::default()
+        }))
+    }
+
+    async fn lease_tasks(
+        &self,
+        _: Request<proto::LeaseTasksRequest>,
+    ) -> Result<Response<proto::LeaseTasksResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn heartbeat(
+        &self,
+        _: Request<proto::HeartbeatRequest>,
+    ) -> Result<Response<proto::HeartbeatResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn finish_tasks(
+        &self,
+        _: Request<proto::FinishTasksRequest>,
+    ) -> Result<Response<proto::FinishTasksResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    type WorkStream = WorkStream;
+
+    async fn work(
+        &self,
+        request: Request<Streaming<proto::WorkRequest>>,
+    ) -> Result<Response<WorkStream>, Status> {
+        let mut incoming = request.into_inner();
+        let (tx, rx) = mpsc::channel(16);
+        let stream_index = {
+            let mut rec = self.recorded.lock().unwrap();
+            rec.streams.push(Vec::new());
+            rec.streams.len() - 1
+        };
+        let recorded = self.recorded.clone();
+        let pending: Vec<Task> = std::mem::take(&mut *self.tasks.lock().unwrap());
+        let cancel = self.cancel.clone();
+        let break_after = if stream_index == 0 {
+            self.break_first_after_outcomes
+        } else {
+            0
+        };
+        tokio::spawn(async move {
+            let mut pending = pending.into_iter();
+            let mut outcomes_seen = 0;
+            while let Some(Ok(msg)) = incoming.next().await {
+                recorded.lock().unwrap().streams[stream_index].push(msg.clone());
+                outcomes_seen += msg.outcomes.len();
+                if break_after > 0 && outcomes_seen >= break_after {
+                    let _ = tx
+                        .send(Err(Status::unavailable("fake: stream broken")))
+                        .await;
+                    return;
+                }
+                let mut answer = proto::WorkResponse {
+                    tasks: pending.by_ref().take(msg.credits as usize).collect(),
+                    results: msg
+                        .outcomes
+                        .iter()
+                        .map(|o| proto::FinishTaskResult {
+                            task_id: o.task_id,
+                            accepted: true,
+                            ..Default::default()
+                        })
+                        .collect(),
+                    heartbeat: None,
+                };
+                if let Some(beat) = &msg.heartbeat {
+                    answer.heartbeat = Some(proto::HeartbeatResponse {
+                        cancelled_task_ids: beat
+                            .tasks
+                            .iter()
+                            .map(|t| t.task_id)
+                            .filter(|id| cancel.contains(id))
+                            .collect(),
+                        lost_task_ids: Vec::new(),
+                    });
+                }
+                if tx.send(Ok(answer)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn deregister_worker(
+        &self,
+        _: Request<proto::DeregisterWorkerRequest>,
+    ) -> Result<Response<proto::DeregisterWorkerResponse>, Status> {
+        self.recorded.lock().unwrap().deregistered = true;
+        Ok(Response::new(proto::DeregisterWorkerResponse::default()))
+    }
+
+    async fn list_workers(
+        &self,
+        _: Request<proto::ListWorkersRequest>,
+    ) -> Result<Response<proto::ListWorkersResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+}
+
+fn task(id: u64, sleep_ms: u64) -> Task {
+    Task {
+        id,
+        attempt: 1,
+        pool: "default".into(),
+        payload: sleep_ms.to_string().into_bytes(),
+        content_type: "application/json".into(),
+        ..Default::default()
+    }
+}
+
+/// Starts the fake on a free loopback port; its endpoint.
+async fn serve(shard: FakeShard) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(WorkerServiceServer::new(shard))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    format!("http://{addr}")
+}
+
+fn options(endpoint: &str) -> Options {
+    Options::new(endpoint).retry(RetryConfig {
+        initial_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(50),
+        max_elapsed: Some(Duration::from_secs(2)),
+    })
+}
+
+/// Sleeps the payload's milliseconds (stopping when cancelled), then returns it.
+async fn sleeper(task: Task, cancelled: CancellationToken) -> Result<TaskResult, TaskError> {
+    let ms: u64 = crate::decode_payload(&task).map_err(TaskError::non_retryable)?;
+    tokio::select! {
+        _ = tokio::time::sleep(Duration::from_millis(ms)) => TaskResult::json(&ms),
+        _ = cancelled.cancelled() => Err(TaskError::retryable("cancelled")),
+    }
+}
+
+/// Runs the worker until `done` says so (or 10 s), then stops it; what the fake recorded.
+async fn run_until(
+    worker: Worker,
+    recorded: Arc<Mutex<Recorded>>,
+    done: impl Fn(&Recorded) -> bool,
+) -> Arc<Mutex<Recorded>> {
+    let runner = worker.clone();
+    let run = tokio::spawn(async move { runner.run().await });
+    for _ in 0..1000 {
+        if done(&recorded.lock().unwrap()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    worker.stop();
+    tokio::time::timeout(Duration::from_secs(10), run)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    recorded
+}
+
+fn outcomes(rec: &Recorded) -> Vec<proto::TaskOutcome> {
+    rec.streams
+        .iter()
+        .flatten()
+        .flat_map(|m| m.outcomes.clone())
+        .collect()
+}
+
+#[tokio::test]
+async fn runs_tasks_within_credits_batches_outcomes_and_deregisters() {
+    let recorded = Arc::new(Mutex::new(Recorded::default()));
+    let endpoint = serve(FakeShard {
+        tasks: Mutex::new(vec![task(1, 30), task(2, 30), task(3, 30)]),
+        cancel: Vec::new(),
+        break_first_after_outcomes: 0,
+        recorded: recorded.clone(),
+    })
+    .await;
+    let worker = Worker::new(
+        WorkerOptions::new(options(&endpoint), ["default"]).concurrency(2),
+        sleeper,
+    )
+    .unwrap();
+    let rec = run_until(worker, recorded, |r| outcomes(r).len() >= 3).await;
+    let rec = rec.lock().unwrap();
+    let first = &rec.streams[0][0];
+    assert_eq!(first.worker_id, "w1");
+    assert_eq!(first.credits, 2, "the first message gives the free slots");
+    let credits: u32 = rec.streams[0].iter().map(|m| m.credits).sum();
+    assert!(credits <= 2 + 3, "credits only for slots freed: {credits}");
+    let done = outcomes(&rec);
+    assert_eq!(done.len(), 3);
+    assert!(
+        done.iter()
+            .all(|o| matches!(o.outcome, Some(proto::task_outcome::Outcome::Success(_))))
+    );
+    assert!(
+        rec.streams[0].iter().any(|m| m.outcomes.len() >= 2),
+        "tasks 1 and 2 end together: one message"
+    );
+    assert!(rec.deregistered);
+}
+
+#[tokio::test]
+async fn outcomes_a_broken_stream_did_not_answer_are_sent_again() {
+    let recorded = Arc::new(Mutex::new(Recorded::default()));
+    let endpoint = serve(FakeShard {
+        tasks: Mutex::new(vec![task(7, 0)]),
+        cancel: Vec::new(),
+        break_first_after_outcomes: 1,
+        recorded: recorded.clone(),
+    })
+    .await;
+    let worker = Worker::new(WorkerOptions::new(options(&endpoint), ["default"]), sleeper).unwrap();
+    let rec = run_until(worker, recorded, |r| {
+        r.streams.len() >= 2 && !r.streams[1].is_empty() && outcomes(r).len() >= 2
+    })
+    .await;
+    let rec = rec.lock().unwrap();
+    let resent: Vec<u64> = rec.streams[1]
+        .iter()
+        .flat_map(|m| m.outcomes.iter().map(|o| o.task_id))
+        .collect();
+    assert_eq!(resent, vec![7]);
+}
+
+#[tokio::test]
+async fn a_cancelled_id_cancels_the_handler_and_reports_it_cancelled() {
+    let recorded = Arc::new(Mutex::new(Recorded::default()));
+    let endpoint = serve(FakeShard {
+        tasks: Mutex::new(vec![task(9, 5000)]),
+        cancel: vec![9],
+        break_first_after_outcomes: 0,
+        recorded: recorded.clone(),
+    })
+    .await;
+    let worker = Worker::new(WorkerOptions::new(options(&endpoint), ["default"]), sleeper).unwrap();
+    let rec = run_until(worker, recorded, |r| !outcomes(r).is_empty()).await;
+    let rec = rec.lock().unwrap();
+    let beats: Vec<_> = rec.streams[0]
+        .iter()
+        .filter_map(|m| m.heartbeat.as_ref())
+        .collect();
+    assert!(
+        beats.iter().any(|b| b.tasks.iter().any(|t| t.task_id == 9)),
+        "a heartbeat names task 9"
+    );
+    assert!(matches!(
+        outcomes(&rec)[0].outcome,
+        Some(proto::task_outcome::Outcome::Cancelled(_))
+    ));
+}
+
+#[tokio::test]
+async fn graceful_stop_releases_what_outlives_the_grace() {
+    let recorded = Arc::new(Mutex::new(Recorded::default()));
+    let endpoint = serve(FakeShard {
+        tasks: Mutex::new(vec![task(4, 20), task(5, 5000)]),
+        cancel: Vec::new(),
+        break_first_after_outcomes: 0,
+        recorded: recorded.clone(),
+    })
+    .await;
+    let opts = WorkerOptions::new(options(&endpoint), ["default"])
+        .shutdown_grace(Duration::from_millis(100));
+    let worker = Worker::new(opts, sleeper).unwrap();
+    let rec = run_until(worker, recorded, |r| !outcomes(r).is_empty()).await;
+    let rec = rec.lock().unwrap();
+    let kinds: Vec<(u64, bool)> = outcomes(&rec)
+        .iter()
+        .map(|o| {
+            (
+                o.task_id,
+                matches!(o.outcome, Some(proto::task_outcome::Outcome::Released(_))),
+            )
+        })
+        .collect();
+    assert_eq!(kinds, vec![(4, false), (5, true)]);
+    assert!(rec.deregistered);
+}
