@@ -3,8 +3,9 @@
 python bench/burndown.py [--tasks 20000] [--concurrency 64] [--batch 500] [--resource-capacity N] [--worker go]
 
 With --resource-capacity, every task asks for one slot of a concurrency resource of that capacity.
-With --worker go or ts, the worker is the Go SDK's (bench/go-worker, built with the `go` on PATH)
-or the TypeScript SDK's (bench/ts-worker, run with the `node` on PATH).
+With --worker go, ts or rust, the worker is the Go SDK's (bench/go-worker, built with the `go` on
+PATH), the TypeScript SDK's (bench/ts-worker, run with the `node` on PATH) or the Rust SDK's
+(sdk-rust's example bench_drain, built with the `cargo` on PATH).
 """
 
 from __future__ import annotations
@@ -65,10 +66,24 @@ ROOT = Path(__file__).parent.parent
 
 
 def run_sdk_worker(sdk: str, endpoint: str, concurrency: int, total: int) -> tuple[float, float]:
-    """Another SDK's worker drains the tasks (bench/go-worker, bench/ts-worker): (seconds from
-    its start, from the spawn)."""
+    """Another SDK's worker drains the tasks (bench/go-worker, bench/ts-worker, sdk-rust's
+    example bench_drain): (seconds from its start, from the spawn)."""
     flags = {"endpoint": endpoint, "tasks": str(total), "concurrency": str(concurrency)}
-    if sdk == "go":
+    if sdk == "rust":
+        manifest = ROOT / "sdk-rust" / "Cargo.toml"
+        build = [
+            "cargo",
+            "build",
+            "--release",
+            "--locked",
+            "--manifest-path",
+            str(manifest),
+            "--example",
+            "bench_drain",
+        ]
+        subprocess.run(build, check=True)
+        cmd = [str(ROOT / "sdk-rust" / "target" / "release" / "examples" / "bench_drain"), *flags.values()]
+    elif sdk == "go":
         subprocess.run(["go", "-C", str(GO_WORKER), "build", "-o", "go-worker", "."], check=True)
         cmd = [str(GO_WORKER / "go-worker"), *(x for k, v in flags.items() for x in (f"-{k}", v))]
     else:  # tsx is a dev dependency of sdk-ts
@@ -111,7 +126,9 @@ def main() -> None:
     ap.add_argument(
         "--resource-capacity", type=int, default=0, help="every task takes a slot of a resource of this capacity"
     )
-    ap.add_argument("--worker", choices=("python", "go", "ts"), default="python", help="the SDK whose worker drains")
+    ap.add_argument(
+        "--worker", choices=("python", "go", "ts", "rust"), default="python", help="the SDK whose worker drains"
+    )
     add_store_arguments(ap)
     args = ap.parse_args()
     if args.worker != "python" and args.secure:

@@ -93,7 +93,7 @@ def main() -> None:
                     f"{burn['drain_tasks_per_s']:,} tasks/s",
                 )
             )
-            for sdk, name, tool in (("go", "Go", "go"), ("ts", "TypeScript", "node")):
+            for sdk, name, tool in (("go", "Go", "go"), ("ts", "TypeScript", "node"), ("rust", "Rust", "cargo")):
                 title = f"cronoq {store}: the same burn-down with the {name} SDK's worker"
                 if not shutil.which(tool):
                     rows.append((title, f"skipped: no `{tool}` on PATH"))

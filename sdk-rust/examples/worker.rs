@@ -95,7 +95,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         } else {
             println!(
                 "task {id}: {} after {} attempt(s): {}",
-                task.state().as_str_name(),
+                task.state().as_str_name().trim_start_matches("TASK_STATE_"),
                 task.attempt,
                 task.error
             );
