@@ -23,6 +23,7 @@ from ..errors import ApiError
 from ..node import Node
 from ..registry import HttpRoute, Rpc, registry
 from ..router import FORWARDED_HEADER, Call, ShardRouter, unavailable_metadata
+from ..ui import add_ui_routes
 from . import http_listener
 from .http_body import decode_json
 from .http_listener import Connection, GuardedRunner, connection_guard, error_body, one_line
@@ -164,6 +165,7 @@ class HttpApi:
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_get("/healthz", self._healthz)
         self.app.router.add_get("/readyz", self._readyz)
+        add_ui_routes(self.app)  # the dashboard's static files
 
     def _caller(self, request: web.Request) -> Principal:
         return self.node.authenticate(request.headers.get("Authorization"), http_cert_subject(request))

@@ -1,0 +1,67 @@
+// The dashboard's entry point: hash routes (#/overview, #/tasks?…, #/task/<id or key>), the token
+// form shown when the API answers 401, and the search box.
+import { ApiError, setToken, token } from "./api.js";
+import { h, show } from "./dom.js";
+import { renderOverview } from "./overview.js";
+import { renderTask, renderTasks } from "./tasks.js";
+
+const main = document.getElementById("main");
+const tokenForm = document.getElementById("token-form");
+const signOut = document.getElementById("sign-out");
+
+function parseHash() {
+  const raw = location.hash.replace(/^#\/?/, "");
+  const [path, search] = raw.split("?", 2);
+  return { path: path || "overview", params: new URLSearchParams(search || "") };
+}
+
+async function render() {
+  const { path, params } = parseHash();
+  const [view, ...rest] = path.split("/");
+  for (const link of document.querySelectorAll("nav a")) {
+    link.classList.toggle("active", link.dataset.view === view);
+  }
+  signOut.hidden = !token();
+  tokenForm.hidden = true;
+  show(main, h("p", { class: "muted" }, "Loading…"));
+  const started = performance.now();
+  try {
+    let content;
+    if (view === "tasks") content = await renderTasks(params);
+    else if (view === "task") content = await renderTask(decodeURIComponent(rest.join("/")));
+    else content = await renderOverview();
+    show(main, content);
+    main.dataset.loadedMs = String(Math.round(performance.now() - started));
+    main.dataset.view = view;
+  } catch (err) {
+    if (err instanceof ApiError && err.status === 401) {
+      show(main, h("p", { class: "warning" }, token() ? "That token was refused." : "A token is needed."));
+      tokenForm.hidden = false;
+      tokenForm.elements.token.focus();
+    } else {
+      show(main, h("p", { class: "error", role: "alert" }, err instanceof ApiError ? `${err.code}: ${err.message}` : String(err)));
+    }
+    main.dataset.view = "error";
+  }
+}
+
+tokenForm.addEventListener("submit", (event) => {
+  event.preventDefault();
+  setToken(tokenForm.elements.token.value.trim());
+  tokenForm.reset();
+  render();
+});
+
+signOut.addEventListener("click", () => {
+  setToken("");
+  render();
+});
+
+document.getElementById("search").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const q = event.target.elements.q.value.trim();
+  if (q) location.hash = `#/task/${encodeURIComponent(q)}`;
+});
+
+window.addEventListener("hashchange", render);
+render();
