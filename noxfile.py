@@ -45,6 +45,7 @@ TEST_DEPS = [
     "pytest-xdist>=3.5",
     "trustme>=1.1",
     "setuptools>=68",
+    "playwright>=1.40",  # drives Debian's chromium (executable_path) in the dashboard's browser tests
 ]
 
 

@@ -100,7 +100,7 @@ def test_static_files_carry_a_strict_csp_and_need_no_token(start_server: Any) ->
             assert r.headers["X-Content-Type-Options"] == "nosniff"
     with urllib.request.urlopen(srv.http_url + "/ui/app.js", timeout=5) as r:
         assert r.headers["Content-Type"].startswith("text/javascript")
-    status, body = srv.http("GET", "/ui/../config.toml")
+    status, _ = srv.http("GET", "/ui/../config.toml")
     assert status == 404
     status, _ = srv.http("GET", "/ui/nope.js")
     assert status == 404
