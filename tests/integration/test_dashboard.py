@@ -10,12 +10,14 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from ports import free_port
 
 XSS = "<img src=x onerror=alert(1)>"
 SCRIPT_XSS = "</script><script>alert(1)</script>"
@@ -180,4 +182,37 @@ def test_the_page_asks_for_a_token_once_and_sends_it(start_server: Any, browser_
     loaded_ms(page, "tasks")
     assert page.locator("table.task-list tbody tr").count() == 1
     assert page.evaluate("sessionStorage.getItem('cronoq.token')") == TOKEN
+    assert page.dialogs == []
+
+
+def test_overview_shows_both_shards_and_a_stopped_one_as_unavailable(
+    start_server: Any, browser_page: Any, tmp_path: Path
+) -> None:
+    cpu_listen, gpu_listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    config: dict[str, Any] = {
+        "pools": [{"name": "default"}, {"name": "llm"}],
+        "shards": [
+            {"name": "cpu", "number": 1, "pools": ["default"], "endpoint": f"http://{cpu_listen}"},
+            {"name": "gpu", "number": 2, "pools": ["llm"], "endpoint": f"http://{gpu_listen}"},
+        ],
+        "store": {"path": str(tmp_path / "cronoq-{shard}.db")},
+    }
+    cpu = start_server({**config, "server": {"listen": cpu_listen}}, shard="cpu", name="cpu")
+    gpu = start_server({**config, "server": {"listen": gpu_listen}}, shard="gpu", name="gpu")
+    for _ in range(2):
+        submit(cpu, {"pool": "default", "payload_json": 1})
+    submit(cpu, {"pool": "llm", "payload_json": 2})  # forwarded to gpu
+    page = browser_page
+    page.goto(cpu.http_url + "/ui/")
+    loaded_ms(page, "overview")
+    assert counts(page, "cpu", "default")["pending"] == 2
+    assert counts(page, "gpu", "llm")["pending"] == 1
+    page.screenshot(path=str(screenshots_dir(tmp_path) / "overview-two-shards.png"), full_page=True)
+
+    gpu.kill()
+    stopped = time.monotonic()
+    page.wait_for_selector('section.shard.unavailable[data-shard="gpu"]', timeout=15_000)
+    print(f"dashboard: a stopped shard shown as unavailable after {time.monotonic() - stopped:.1f}s")
+    assert counts(page, "cpu", "default")["pending"] == 2
+    page.screenshot(path=str(screenshots_dir(tmp_path) / "overview-shard-down.png"), full_page=True)
     assert page.dialogs == []

@@ -15,25 +15,35 @@ function parseHash() {
   return { path: path || "overview", params: new URLSearchParams(search || "") };
 }
 
-async function render() {
+const REFRESH_MS = 5000; // the overview re-reads the snapshot this often while the tab is visible
+let refreshTimer = 0;
+let generation = 0; // a render that finishes after a newer one started is dropped
+
+async function render(refresh = false) {
+  clearTimeout(refreshTimer);
   const { path, params } = parseHash();
-  const [view, ...rest] = path.split("/");
+  const [first, ...rest] = path.split("/");
+  const view = first === "tasks" || first === "task" ? first : "overview";
+  const mine = ++generation;
   for (const link of document.querySelectorAll("nav a")) {
     link.classList.toggle("active", link.dataset.view === view);
   }
   signOut.hidden = !token();
   tokenForm.hidden = true;
-  show(main, h("p", { class: "muted" }, "Loading…"));
+  if (!refresh) show(main, h("p", { class: "muted" }, "Loading…"));
   const started = performance.now();
   try {
     let content;
     if (view === "tasks") content = await renderTasks(params);
     else if (view === "task") content = await renderTask(decodeURIComponent(rest.join("/")));
     else content = await renderOverview();
+    if (mine !== generation) return;
     show(main, content);
     main.dataset.loadedMs = String(Math.round(performance.now() - started));
     main.dataset.view = view;
+    if (view === "overview") refreshTimer = setTimeout(refreshOverview, REFRESH_MS);
   } catch (err) {
+    if (mine !== generation) return;
     if (err instanceof ApiError && err.status === 401) {
       show(main, h("p", { class: "warning" }, token() ? "That token was refused." : "A token is needed."));
       tokenForm.hidden = false;
@@ -42,7 +52,13 @@ async function render() {
       show(main, h("p", { class: "error", role: "alert" }, err instanceof ApiError ? `${err.code}: ${err.message}` : String(err)));
     }
     main.dataset.view = "error";
+    if (view === "overview" && tokenForm.hidden) refreshTimer = setTimeout(refreshOverview, REFRESH_MS);
   }
+}
+
+function refreshOverview() {
+  if (document.hidden) refreshTimer = setTimeout(refreshOverview, REFRESH_MS);
+  else render(true);
 }
 
 tokenForm.addEventListener("submit", (event) => {
@@ -63,5 +79,5 @@ document.getElementById("search").addEventListener("submit", (event) => {
   if (q) location.hash = `#/task/${encodeURIComponent(q)}`;
 });
 
-window.addEventListener("hashchange", render);
+window.addEventListener("hashchange", () => render());
 render();
