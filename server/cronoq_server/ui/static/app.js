@@ -39,7 +39,8 @@ async function render(refresh = false) {
     else content = await renderOverview();
     if (mine !== generation) return;
     show(main, content);
-    main.dataset.loadedMs = String(Math.round(performance.now() - started));
+    main.dataset.loadedMs = String(Math.round(performance.now() - started)); // this view's calls and drawing
+    main.dataset.pageMs = String(Math.round(performance.now())); // since the page's navigation began
     main.dataset.view = view;
     if (view === "overview") refreshTimer = setTimeout(refreshOverview, REFRESH_MS);
   } catch (err) {
