@@ -11,14 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _servers import BenchServer  # noqa: E402
+from _servers import BenchServer
 
 CHROMIUM = "/usr/bin/chromium"
 STATES = ["", "PENDING", "SUCCEEDED"]
@@ -49,7 +47,11 @@ def main() -> None:
             with sync_playwright() as pw:
                 browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
                 page = browser.new_page()
-                views = [("overview", "#/overview"), ("tasks", "#/tasks"), ("tasks", "#/tasks?pool=default&state=PENDING")]
+                views = [
+                    ("overview", "#/overview"),
+                    ("tasks", "#/tasks"),
+                    ("tasks", "#/tasks?pool=default&state=PENDING"),
+                ]
                 for view, hash_ in views:
                     times, pages = [], []
                     for _ in range(args.loads):
