@@ -216,3 +216,18 @@ def test_overview_shows_both_shards_and_a_stopped_one_as_unavailable(
     assert counts(page, "cpu", "default")["pending"] == 2
     page.screenshot(path=str(screenshots_dir(tmp_path) / "overview-shard-down.png"), full_page=True)
     assert page.dialogs == []
+
+
+def test_cancel_from_the_task_page(start_server: Any, browser_page: Any, tmp_path: Path) -> None:
+    srv = start_server({"pools": [{"name": "default"}]})
+    task = submit(srv, {"pool": "default", "key": "to-cancel", "payload_json": 1})
+    page = browser_page
+    page.goto(srv.http_url + f"/ui/#/task/{task['id']}")
+    loaded_ms(page, "task")
+    page.click("button.danger")
+    page.wait_for_selector("dd:text-is('CANCELLED')", timeout=10_000)
+    assert page.locator("button.danger").count() == 0  # no Cancel on a finished task
+    status, body = srv.http("GET", f"/v1/tasks/{task['id']}")
+    assert status == 200 and body["task"]["state"] == "TASK_STATE_CANCELLED"
+    page.screenshot(path=str(screenshots_dir(tmp_path) / "task-cancelled.png"), full_page=True)
+    assert page.dialogs == [] and page.console_errors == []

@@ -87,7 +87,7 @@ export async function renderTask(ref) {
     onclick: async () => {
       try {
         await call("POST", `/v1/tasks/${task.id}/cancel`, {});
-        status.textContent = "Cancel requested.";
+        window.dispatchEvent(new HashChangeEvent("hashchange")); // drawn again, in its new state
       } catch (err) {
         status.textContent = `Cancel refused: ${err.message}`;
       }
