@@ -363,7 +363,10 @@ class Leases:
                 if look_again_at is not None and (loop.time() >= look_again_at or stream.waiter is None):
                     look_again_at = None  # due; or no waiter left to tell it (see expire_once)
                 leading = self._is_leader() and not self.draining
-                may_lease = leading and look_again_at is None and not stream.silent
+                # A worker that closed its side is stopping: what it sent is answered, and it
+                # is leased nothing more (a task submitted meanwhile goes to another worker).
+                leasing = leading and not stream.silent and not inbox.closed
+                may_lease = leasing and look_again_at is None
                 if len(steps) < most_steps and (inbox.waiting or (credits and may_lease)):
                     received = inbox.take()
                     stream.heard(received)
@@ -372,7 +375,7 @@ class Leases:
                         raise invalid(f"credits: {credits} given and not used, more than {MAX_WORK_CREDITS}")
                     chunk = max(chunk, -(-credits // most_steps))
                     # Outcomes may free what a task waits for (a resource's slot): lease with them.
-                    reported = leading and not stream.silent and any(r.outcomes for r in received)
+                    reported = leasing and any(r.outcomes for r in received)
                     limit = min(credits, chunk, MAX_LEASE_BATCH) if may_lease or reported else 0
                     credits -= limit
                     if limit and stream.waiter is None:
