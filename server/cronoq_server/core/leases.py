@@ -352,6 +352,7 @@ class Leases:
         # The steps under way, each with the waiter registered before its lease, and its limit.
         steps: dict[asyncio.Task[tuple[pb.WorkResponse, float]], tuple[LeaseWaiter | None, int]] = {}
         look_again_at: float | None = None  # set: the last lease found less than it asked for
+        unused_wake: tuple[str, ...] = ()  # the pools of a wake taken and not yet used by a lease
         try:
             while True:
                 if inbox.error is not None:
@@ -359,11 +360,14 @@ class Leases:
                 waiter = stream.waiter
                 if waiter is not None and waiter.event.is_set():  # work may be available
                     self._events.forget_leaser(waiter)
-                    stream.waiter, look_again_at = None, None
+                    stream.waiter, look_again_at, unused_wake = None, None, waiter.pools
                 if look_again_at is not None and (loop.time() >= look_again_at or stream.waiter is None):
                     look_again_at = None  # due; or no waiter left to tell it (see expire_once)
                 leading = self._is_leader() and not self.draining
-                may_lease = leading and look_again_at is None and not stream.silent
+                # A worker that closed its side is stopping: what it sent is answered, and it
+                # is leased nothing more (a task submitted meanwhile goes to another worker).
+                leasing = leading and not stream.silent and not inbox.closed
+                may_lease = leasing and look_again_at is None
                 if len(steps) < most_steps and (inbox.waiting or (credits and may_lease)):
                     received = inbox.take()
                     stream.heard(received)
@@ -372,9 +376,11 @@ class Leases:
                         raise invalid(f"credits: {credits} given and not used, more than {MAX_WORK_CREDITS}")
                     chunk = max(chunk, -(-credits // most_steps))
                     # Outcomes may free what a task waits for (a resource's slot): lease with them.
-                    reported = leading and not stream.silent and any(r.outcomes for r in received)
+                    reported = leasing and any(r.outcomes for r in received)
                     limit = min(credits, chunk, MAX_LEASE_BATCH) if may_lease or reported else 0
                     credits -= limit
+                    if limit:
+                        unused_wake = ()
                     if limit and stream.waiter is None:
                         stream.waiter = self._events.lease_waiter(pools)
                     work = self._work_step(worker, received, pools, limit, max_bytes, in_flight)
@@ -418,6 +424,12 @@ class Leases:
             await asyncio.gather(reader, *steps, return_exceptions=True)
             if stream.waiter is not None:
                 self._events.forget_leaser(stream.waiter)
+                if stream.waiter.event.is_set():
+                    unused_wake = stream.waiter.pools
+            # A wake this stream took and will not use (its worker closed its side, or went
+            # away) goes to the next waiting worker: else a task submitted meanwhile waits.
+            for pool in unused_wake:
+                self._events.work_available(pool, 1)
 
     async def _work_step(
         self,
