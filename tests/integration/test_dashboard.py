@@ -134,7 +134,12 @@ def test_overview_and_tasks_show_counts_and_hostile_text_literally(
     overview_ms = loaded_ms(page, "overview")
     shard = page.locator("section.shard").first.get_attribute("data-shard")
     assert counts(page, shard, "default") == {
-        "pending": 4, "blocked": 0, "running": 0, "succeeded": 0, "failed": 0, "cancelled": 1
+        "pending": 4,
+        "blocked": 0,
+        "running": 0,
+        "succeeded": 0,
+        "failed": 0,
+        "cancelled": 1,
     }
     assert counts(page, shard, "other")["blocked"] == 1
     page.screenshot(path=str(shots / "overview.png"), full_page=True)

@@ -179,7 +179,9 @@ class Leases:
             return []
         TASKS_LEASED.inc(len(rows))
         for r in rows:
-            START_LATENCY.observe(max(now - max(r.run_at, r.created_at), 0) / 1e6)
+            latency = max(now - max(r.run_at, r.created_at), 0)
+            START_LATENCY.observe(latency / 1e6)
+            self._events.activity.record_start(r.pool, now, latency)
         await self._events.publish([(r.seq, r.state) for r in rows], rows)
         return [to_task(r, self._shard) for r in rows]
 

@@ -389,6 +389,14 @@ class PostgresStore:
     async def get_many(self, seqs: list[int]) -> list[TaskRow]:
         return await self._read(lambda c: self._select(c, "seq = ANY($1::bigint[])", seqs))
 
+    async def dependents(self, seq: int, limit: int) -> list[tuple[int, str]]:
+        sql = self._sql(
+            "SELECT d.task_seq, t.pool FROM {s}.deps d JOIN {s}.tasks t ON t.seq = d.task_seq"
+            " WHERE d.dep_seq = $1 ORDER BY d.task_seq LIMIT $2"
+        )
+        rows = await self._read(lambda c: c.fetch(sql, seq, limit))
+        return [(r[0], r[1]) for r in rows]
+
     async def list_tasks(
         self, pools: list[str] | None, state: State | None, after_seq: int, limit: int
     ) -> list[TaskRow]:
