@@ -1,9 +1,20 @@
-// The dashboard's entry point: hash routes (#/overview, #/tasks?…, #/task/<id or key>), the token
-// form shown when the API answers 401, and the search box.
-import { ApiError, setToken, token } from "./api.js";
+// The dashboard's entry point: hash routes (#/overview, #/tasks?…, #/task/<id or key>, #/live,
+// #/schedules, #/workers), the token form shown when the API answers 401, and the search box.
+import { ApiError, caller, setToken, token } from "./api.js";
 import { h, show } from "./dom.js";
+import { renderLive } from "./live.js";
 import { renderOverview } from "./overview.js";
+import { renderSchedules } from "./schedules.js";
 import { renderTask, renderTasks } from "./tasks.js";
+import { renderWorkers } from "./workers.js";
+
+const VIEWS = {
+  overview: () => renderOverview(),
+  tasks: (params) => renderTasks(params),
+  task: (params, rest) => renderTask(decodeURIComponent(rest.join("/"))),
+  schedules: () => renderSchedules(),
+  workers: () => renderWorkers(),
+};
 
 const main = document.getElementById("main");
 const tokenForm = document.getElementById("token-form");
@@ -18,15 +29,18 @@ function parseHash() {
 const REFRESH_MS = 5000; // the overview re-reads the snapshot this often while the tab is visible
 let refreshTimer = 0;
 let generation = 0; // a render that finishes after a newer one started is dropped
+let stopLive = null; // ends the live view's stream when another view is drawn
 
 async function render(refresh = false) {
   clearTimeout(refreshTimer);
+  if (stopLive) stopLive();
+  stopLive = null;
   const { path, params } = parseHash();
   const [first, ...rest] = path.split("/");
-  const view = first === "tasks" || first === "task" ? first : "overview";
+  const view = first in VIEWS || first === "live" ? first : "overview";
   const mine = ++generation;
   for (const link of document.querySelectorAll("nav a")) {
-    link.classList.toggle("active", link.dataset.view === view);
+    link.classList.toggle("active", link.dataset.view === view || (view === "task" && link.dataset.view === "tasks"));
   }
   signOut.hidden = !token();
   tokenForm.hidden = true;
@@ -34,9 +48,15 @@ async function render(refresh = false) {
   const started = performance.now();
   try {
     let content;
-    if (view === "tasks") content = await renderTasks(params);
-    else if (view === "task") content = await renderTask(decodeURIComponent(rest.join("/")));
-    else content = await renderOverview();
+    if (view === "live") {
+      await caller(); // a token that is needed and missing shows the form first
+      if (mine !== generation) return;
+      const live = renderLive(params);
+      stopLive = live.stop;
+      content = live.view;
+    } else {
+      content = await VIEWS[view](params, rest);
+    }
     if (mine !== generation) return;
     show(main, content);
     main.dataset.loadedMs = String(Math.round(performance.now() - started)); // this view's calls and drawing

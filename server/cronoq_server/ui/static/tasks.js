@@ -1,6 +1,8 @@
 // Tasks: GET /v1/tasks paged across shards in id order, filtered by pool and state; a task's
-// page (GET /v1/tasks/{id} or /v1/keys/{key}) with its payload, result and error as text.
-import { call, query } from "./api.js";
+// page (GET /v1/tasks/{id}) with its payload, result and error as text, its dependencies and
+// dependents, and Cancel for a viewer that may cancel in its pool. A key is looked up with
+// GET /v1/tasks?key= on every shard: one that names tasks in two shards lists both.
+import { call, caller, may, query } from "./api.js";
 import { h, table } from "./dom.js";
 
 const STATES = ["", "PENDING", "BLOCKED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"];
@@ -37,11 +39,7 @@ export async function renderTasks(params) {
     pool, state: state ? `TASK_STATE_${state}` : "", page_size: PAGE_SIZE, page_token: pageToken,
   })}`);
   const tasks = listed.tasks || [];
-  const rows = tasks.map((t) => [
-    taskLink(t.id), t.pool || "", t.key || "",
-    h("span", { class: `state state-${stateName(t.state).toLowerCase()}` }, stateName(t.state)),
-    String(t.attempt ?? 0), t.created_at || "", t.worker_id || "",
-  ]);
+  const rows = taskRows(tasks);
   // Previous pages: the tokens that led here, kept in the address ("-" for the first page).
   const back = previous.length
     ? h("a", { href: `#/tasks${query({ pool, state, page_token: previous.at(-1) === "-" ? "" : previous.at(-1), prev: previous.slice(0, -1).join(",") })}` }, "← previous")
@@ -56,7 +54,7 @@ export async function renderTasks(params) {
       ? h("p", { class: "warning" }, `Unavailable shards (their tasks are missing): ${listed.unavailable_shards.join(", ")}`)
       : null,
     tasks.length
-      ? table(["id", "pool", "key", "state", "attempt", "created", "worker"], rows, { class: "task-list" })
+      ? table(TASK_HEADERS, rows, { class: "task-list" })
       : h("p", { class: "muted" }, "No tasks."),
     h("p", { class: "pager" }, back, " ", next));
 }
@@ -77,11 +75,42 @@ function field(name, value) {
   return [h("dt", null, name), h("dd", null, value)];
 }
 
+function links(ids) {
+  return (ids || []).flatMap((id, i) => (i ? [", ", taskLink(id)] : [taskLink(id)]));
+}
+
+function taskRows(tasks) {
+  return tasks.map((t) => [
+    taskLink(t.id), t.pool || "", t.key || "",
+    h("span", { class: `state state-${stateName(t.state).toLowerCase()}` }, stateName(t.state)),
+    String(t.attempt ?? 0), t.created_at || "", t.worker_id || "",
+  ]);
+}
+
+const TASK_HEADERS = ["id", "pool", "key", "state", "attempt", "created", "worker"];
+
+/** The task a search names: by id, or by key on every shard (a list when several hold it). */
 export async function renderTask(ref) {
-  const path = /^[0-9]+$/.test(ref) ? `/v1/tasks/${ref}` : `/v1/keys/${encodeURIComponent(ref)}`;
-  const task = (await call("GET", path)).task;
+  if (/^[0-9]+$/.test(ref)) return renderTaskById(ref);
+  const listed = await call("GET", `/v1/tasks${query({ key: ref })}`);
+  const found = listed.tasks || [];
+  const unavailable = (listed.unavailable_shards || []).length
+    ? h("p", { class: "warning" }, `Unavailable shards (a task with this key may be there): ${listed.unavailable_shards.join(", ")}`)
+    : null;
+  if (found.length === 1 && !unavailable) return renderTaskById(found[0].id);
+  return h("div", { class: "tasks" },
+    h("h1", null, "Tasks with key ", h("code", null, ref)),
+    found.length > 1 ? h("p", { class: "warning" }, `This key names tasks in ${found.length} shards (keys are unique only within a shard): use the id.`) : null,
+    unavailable,
+    found.length ? table(TASK_HEADERS, taskRows(found), { class: "task-list" }) : h("p", { class: "muted" }, "No task has this key."));
+}
+
+async function renderTaskById(id) {
+  const [got, who] = await Promise.all([call("GET", `/v1/tasks/${id}${query({ include_dependents: true })}`), caller()]);
+  const task = got.task;
   const status = h("p", { class: "status" });
-  const cancel = TERMINAL.has(task.state) || task.cancel_requested ? null : h("button", {
+  const cancellable = !TERMINAL.has(task.state) && !task.cancel_requested && may(who, "cancel", task.pool);
+  const cancel = !cancellable ? null : h("button", {
     type: "button",
     class: "danger",
     onclick: async () => {
@@ -99,8 +128,12 @@ export async function renderTask(ref) {
       field("pool", task.pool || ""), field("key", task.key || ""), field("state", stateName(task.state)),
       field("attempt", `${task.attempt ?? 0} of ${task.max_attempts ?? "?"}`), field("priority", String(task.priority ?? 0)),
       field("worker", task.worker_id || ""), field("created", task.created_at || ""),
-      field("started", task.started_at || ""), field("finished", task.finished_at || ""),
-      field("depends on", (task.depends_on || []).flatMap((id, i) => (i ? [", ", taskLink(id)] : [taskLink(id)])))),
+      field("run at", task.run_at || ""), field("started", task.started_at || ""),
+      field("finished", task.finished_at || ""), field("lease expires", task.lease_expires_at || ""),
+      field("timeout", Number(task.timeout_ms) ? `${task.timeout_ms} ms` : "none"),
+      field("cancel requested", task.cancel_requested ? "yes" : "no"),
+      field("depends on", links(task.depends_on)),
+      field("dependents", links(got.dependents))),
     cancel, status,
     task.error ? [h("h2", null, "Error"), h("pre", { class: "error" }, task.error)] : null,
     h("h2", null, "Payload"), h("pre", { class: "payload" }, bytesText(task.payload_json, task.payload)),
