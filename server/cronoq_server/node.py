@@ -67,7 +67,7 @@ class Node:
                 self.store.url, self.store.schema, self.advertise, self.server_id, self.events.nudge_leasers
             )
         else:
-            self.leadership = FileLeadership(self._store_path(), self.advertise)
+            self.leadership = FileLeadership(self._store_path(), self.advertise, self.server_id)
         self.tasks = Tasks(config, self.store, self.events, self.shard_name, self.shard_number, self.pools)
         self.gate = ResourceGate(r for r in config.resources if r.shard in (None, self.shard_name))
         self.leases = Leases(
@@ -387,6 +387,7 @@ class Node:
                 )
         workers = await self.leases.list_workers(worker_service_pb2.ListWorkersRequest(), caller)
         snap.workers.extend(workers.workers)
+        snap.standbys.extend(await self.leadership.standbys())
         return admin_pb.GetSnapshotResponse(shards=[snap])
 
     async def _set_worker_gauges(self) -> None:

@@ -176,6 +176,13 @@ MIGRATIONS: dict[int, list[str]] = {
             purged_through bigint NOT NULL DEFAULT 0)""",
         """INSERT INTO {s}.event_log (id) VALUES (1)""",
     ],
+    6: [
+        # Standbys say they are there (leader.py), for the leader's snapshot; not fenced data.
+        """CREATE TABLE {s}.standbys (
+            holder text PRIMARY KEY,
+            advertise text NOT NULL,
+            seen_at timestamptz NOT NULL)""",
+    ],
 }
 WORKER_COLUMNS = "id, name, pools, concurrency, labels, registered_at, last_seen_at, principal"
 
