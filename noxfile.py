@@ -224,8 +224,8 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks: burn-down, submit→start latency, two shards (never run as tests)."""
-    session.install(*PACKAGES, "py-spy", "trustme>=1.1")
+    """Benchmarks: burn-down, submit→start latency, two shards, an open dashboard (never run as tests)."""
+    session.install(*PACKAGES, "py-spy", "trustme>=1.1", "playwright>=1.40")
     session.run("python", "bench/run_all.py", *session.posargs, env={"PYTHONDONTWRITEBYTECODE": "1"})
 
 

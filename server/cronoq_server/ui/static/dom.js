@@ -37,3 +37,17 @@ export function show(el, ...children) {
   el.replaceChildren();
   append(el, children);
 }
+
+/** A timestamp (RFC 3339, as the API sends them) shown as "YYYY-MM-DD HH:MM:SS" UTC, or "" when absent. */
+export function when(ts) {
+  if (!ts) return "";
+  return h("time", { datetime: ts, title: ts }, ts.replace("T", " ").replace(/\.\d+Z$|Z$/, ""));
+}
+
+/** How long ago a timestamp was ("4 s ago"), with the full time as its title. */
+export function ago(ts) {
+  if (!ts) return "";
+  const seconds = Math.max(0, Math.round((Date.now() - Date.parse(ts)) / 1000));
+  const text = seconds < 120 ? `${seconds} s ago` : seconds < 7200 ? `${Math.round(seconds / 60)} min ago` : `${Math.round(seconds / 3600)} h ago`;
+  return h("time", { datetime: ts, title: ts }, text);
+}

@@ -3,7 +3,7 @@
 // last event's cursor (or, before any event, the cursor the stream started at: the
 // cronoq-watch-cursor header), so no event in between is lost or shown twice.
 import { ApiError, readEvents } from "./api.js";
-import { h, table } from "./dom.js";
+import { h, table, when } from "./dom.js";
 
 const KEEP = 200; // rows shown, newest first
 const RETRY_MS = [500, 1000, 2000, 5000];
@@ -16,7 +16,7 @@ function row(event) {
   const task = event.task || {};
   const state = stateName(task.state);
   return h("tr", { "data-task": task.id || "" },
-    h("td", null, event.time || ""),
+    h("td", null, when(event.time)),
     h("td", null, event.shard || ""),
     h("td", null, h("a", { href: `#/task/${encodeURIComponent(task.id || "")}` }, String(task.id || ""))),
     h("td", null, task.pool || ""),
@@ -30,10 +30,10 @@ function row(event) {
 /** The live view and a stop function that ends its stream (called when the view is left). */
 export function renderLive(params) {
   const pool = params.get("pool") || "";
-  const status = h("p", { class: "live-status", role: "status" }, "connecting…");
+  const status = h("span", { class: "live-status", role: "status" }, "connecting…");
   const list = table(["time", "shard", "task", "pool", "key", "state", "attempt", "worker", "error"], [], { class: "live" });
   const body = list.querySelector("tbody");
-  const controller = new AbortController();
+  let controller = new AbortController();
   let cursor = "";
   const seen = new Set(); // cursors shown: a replay after a reconnect repeats none
   let failures = 0;
@@ -90,10 +90,28 @@ export function renderLive(params) {
   }
 
   run();
+  // Pause ends the stream (a stream costs the server the conversion of every event it sends);
+  // Resume goes on from the last event shown, so none in between is missed.
+  const pause = h("button", {
+    type: "button",
+    class: "pause",
+    onclick: () => {
+      if (controller.signal.aborted) {
+        controller = new AbortController();
+        pause.textContent = "Pause";
+        setStatus("connecting…", "");
+        run();
+      } else {
+        controller.abort();
+        pause.textContent = "Resume";
+        setStatus("paused", "paused");
+      }
+    },
+  }, "Pause");
   const view = h("div", { class: "live-view" },
     h("h1", null, "Live"),
     h("p", { class: "muted" }, pool ? `Events of pool ${pool}.` : "Events of every pool you may read, newest first."),
-    status,
+    h("p", null, status, " ", pause),
     list);
   return { view, stop: () => controller.abort() };
 }

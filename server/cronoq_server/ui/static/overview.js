@@ -4,7 +4,7 @@
 // viewer may read.
 import { call } from "./api.js";
 import { lineChart } from "./chart.js";
-import { h, table } from "./dom.js";
+import { ago, h, table } from "./dom.js";
 
 export const STATES = ["pending", "blocked", "running", "succeeded", "failed", "cancelled"];
 
@@ -29,7 +29,7 @@ function workerRows(shard) {
     w.name || "",
     (w.pools || []).join(", "),
     String(w.running ?? 0),
-    w.last_seen_at || "",
+    ago(w.last_seen_at),
   ]);
 }
 

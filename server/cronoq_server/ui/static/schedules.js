@@ -1,7 +1,7 @@
 // Schedules: GET /v1/schedules across shards, with the next and last fire; Pause, Resume and
 // Delete (PUT / DELETE /v1/pools/{pool}/schedules/{name}) for a viewer with `schedule` on the pool.
 import { call, caller, may } from "./api.js";
-import { h, table } from "./dom.js";
+import { h, table, when } from "./dom.js";
 
 // The fields a PUT sends back: the schedule as listed, without its times (the server keeps them).
 const KEPT = ["cron", "timezone", "payload", "payload_json", "content_type", "priority", "max_attempts", "resources", "timeout_ms", "fire_all_missed"];
@@ -43,7 +43,7 @@ export async function renderSchedules() {
   const status = h("p", { class: "status" });
   const rows = schedules.map((s) => [
     s.pool, s.name || "", h("code", null, s.cron || ""), s.timezone || "UTC", s.paused ? "paused" : "active",
-    s.next_fire_at || "", s.last_fire_at || "",
+    when(s.next_fire_at), when(s.last_fire_at),
     may(who, "schedule", s.pool) ? actions(s, status) : "",
   ]);
   return h("div", { class: "schedules-view" },

@@ -3,7 +3,7 @@
 // dependents, and Cancel for a viewer that may cancel in its pool. A key is looked up with
 // GET /v1/tasks?key= on every shard: one that names tasks in two shards lists both.
 import { call, caller, may, query } from "./api.js";
-import { h, table } from "./dom.js";
+import { h, table, when } from "./dom.js";
 
 const STATES = ["", "PENDING", "BLOCKED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"];
 const PAGE_SIZE = 50;
@@ -83,7 +83,7 @@ function taskRows(tasks) {
   return tasks.map((t) => [
     taskLink(t.id), t.pool || "", t.key || "",
     h("span", { class: `state state-${stateName(t.state).toLowerCase()}` }, stateName(t.state)),
-    String(t.attempt ?? 0), t.created_at || "", t.worker_id || "",
+    String(t.attempt ?? 0), when(t.created_at), t.worker_id || "",
   ]);
 }
 
@@ -127,9 +127,9 @@ async function renderTaskById(id) {
     h("dl", null,
       field("pool", task.pool || ""), field("key", task.key || ""), field("state", stateName(task.state)),
       field("attempt", `${task.attempt ?? 0} of ${task.max_attempts ?? "?"}`), field("priority", String(task.priority ?? 0)),
-      field("worker", task.worker_id || ""), field("created", task.created_at || ""),
-      field("run at", task.run_at || ""), field("started", task.started_at || ""),
-      field("finished", task.finished_at || ""), field("lease expires", task.lease_expires_at || ""),
+      field("worker", task.worker_id || ""), field("created", when(task.created_at)),
+      field("run at", when(task.run_at)), field("started", when(task.started_at)),
+      field("finished", when(task.finished_at)), field("lease expires", when(task.lease_expires_at)),
       field("timeout", Number(task.timeout_ms) ? `${task.timeout_ms} ms` : "none"),
       field("cancel requested", task.cancel_requested ? "yes" : "no"),
       field("depends on", links(task.depends_on)),

@@ -1,7 +1,7 @@
 // Workers: GET /v1/workers across shards (the pools the viewer may read): pools, labels,
 // running tasks and last heartbeat.
 import { call } from "./api.js";
-import { h, table } from "./dom.js";
+import { ago, h, table, when } from "./dom.js";
 
 export async function renderWorkers() {
   const listed = await call("GET", "/v1/workers");
@@ -9,7 +9,7 @@ export async function renderWorkers() {
   const rows = workers.map((w) => [
     w.id || "", w.name || "", w.shard || "", (w.pools || []).join(", "),
     h("span", { class: "labels" }, Object.entries(w.labels || {}).map(([k, v]) => `${k}=${v}`).join(", ")),
-    String(w.concurrency ?? 0), String(w.running ?? 0), w.registered_at || "", w.last_seen_at || "",
+    String(w.concurrency ?? 0), String(w.running ?? 0), when(w.registered_at), ago(w.last_seen_at),
   ]);
   return h("div", { class: "workers-view" },
     h("h1", null, "Workers"),
