@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _helpers import Api
 from ports import free_port
 
 XSS = "<img src=x onerror=alert(1)>"
@@ -208,13 +209,29 @@ def test_overview_shows_both_shards_and_a_stopped_one_as_unavailable(
     }
     cpu = start_server({**config, "server": {"listen": cpu_listen}}, shard="cpu", name="cpu")
     gpu = start_server({**config, "server": {"listen": gpu_listen}}, shard="gpu", name="gpu")
-    for _ in range(2):
-        submit(cpu, {"pool": "default", "payload_json": 1})
+    # Tasks in every state: a worker (raw API calls) takes four, finishes two, holds one.
+    api = Api(cpu.grpc_target)
+    worker = api.register(pools=["default"])
+    for n in range(4):
+        submit(cpu, {"pool": "default", "payload_json": n})
+    taken = api.lease(worker, n=4)
+    api.succeed(worker, taken[0])
+    api.fail(worker, taken[1], retryable=False)
+    pending = [submit(cpu, {"pool": "default", "payload_json": n}) for n in range(3)]
+    submit(cpu, {"pool": "default", "payload_json": "blocked", "depends_on": [{"id": pending[0]["id"]}]})
+    assert cpu.http("POST", f"/v1/tasks/{pending[2]['id']}/cancel", {})[0] == 200
     submit(cpu, {"pool": "llm", "payload_json": 2})  # forwarded to gpu
     page = browser_page
     page.goto(cpu.http_url + "/ui/")
     loaded_ms(page, "overview")
-    assert counts(page, "cpu", "default")["pending"] == 2
+    assert counts(page, "cpu", "default") == {
+        "pending": 2,
+        "blocked": 1,
+        "running": 2,
+        "succeeded": 1,
+        "failed": 1,
+        "cancelled": 1,
+    }
     assert counts(page, "gpu", "llm")["pending"] == 1
     page.screenshot(path=str(screenshots_dir(tmp_path) / "overview-two-shards.png"), full_page=True)
 
@@ -222,7 +239,7 @@ def test_overview_shows_both_shards_and_a_stopped_one_as_unavailable(
     stopped = time.monotonic()
     page.wait_for_selector('section.shard.unavailable[data-shard="gpu"]', timeout=15_000)
     print(f"dashboard: a stopped shard shown as unavailable after {time.monotonic() - stopped:.1f}s")
-    assert counts(page, "cpu", "default")["pending"] == 2
+    assert counts(page, "cpu", "default")["succeeded"] == 1 and counts(page, "cpu", "default")["pending"] == 2
     page.screenshot(path=str(screenshots_dir(tmp_path) / "overview-shard-down.png"), full_page=True)
     assert page.dialogs == []
 
@@ -492,3 +509,24 @@ def test_with_100000_tasks_the_overview_and_a_task_list_load_in_under_300_ms(
     print("dashboard with 100,000 tasks, median of 5 (view ms, from navigation ms):", measured)
     for hash_, (view_ms, _) in measured.items():
         assert view_ms < 300, f"{hash_}: {view_ms} ms"
+
+
+def test_live_view_pauses_itself_above_200_events_a_second_and_resumes_live(
+    start_server: Any, browser_page: Any
+) -> None:
+    srv = start_server({"pools": [{"name": "default"}], "limits": {"max_batch_size": 1000}})
+    page = browser_page
+    page.goto(srv.http_url + "/ui/#/live")
+    page.wait_for_selector(".live-status.connected", timeout=10_000)
+    status, body = srv.http(
+        "POST", "/v1/batches", {"tasks": [{"pool": "default", "payload_json": n} for n in range(500)]}
+    )
+    assert status == 200, body
+    page.wait_for_selector(".live-status.paused", timeout=10_000)
+    assert "more than 200 events a second" in page.inner_text(".live-status")
+    assert page.locator("table.live tbody tr").count() <= 200
+    page.click("button.pause")
+    page.wait_for_selector(".live-status.connected", timeout=10_000)
+    later = submit(srv, {"pool": "default", "payload_json": "after"})
+    page.wait_for_selector(f'table.live tr[data-task="{later["id"]}"]', timeout=10_000)
+    assert page.dialogs == [] and page.console_errors == []

@@ -27,10 +27,11 @@ function label(value) {
 }
 
 /**
- * A chart of `lines` ({label, cls, values}: one value per bucket, null for none) over buckets
- * of `bucketMs`, the last ending now; `unit` labels the y axis.
+ * A chart of `lines` ({label, cls, values, summary}: one value per bucket, null for none; the
+ * legend shows `summary`, else the last value) over buckets of `bucketMs`, the last ending now;
+ * `unit` labels the x axis; `note` follows the legend.
  */
-export function lineChart({ title, unit, bucketMs, lines, name }) {
+export function lineChart({ title, unit, bucketMs, lines, name, note }) {
   const count = Math.max(0, ...lines.map((line) => line.values.length));
   const top = niceTop(Math.max(0, ...lines.flatMap((line) => line.values.filter((v) => v !== null))));
   const plotW = WIDTH - PAD.left - PAD.right;
@@ -62,11 +63,13 @@ export function lineChart({ title, unit, bucketMs, lines, name }) {
     flush();
   }
   const last = (line) => {
+    if (line.summary !== undefined) return line.summary === null ? "–" : label(line.summary);
     const known = line.values.filter((v) => v !== null);
     return known.length ? label(known.at(-1)) : "–";
   };
   return h("figure", { class: "chart-box", "data-chart": name },
     h("figcaption", null, title),
     svg,
-    h("p", { class: "legend" }, lines.map((line) => h("span", { class: `key ${line.cls}` }, `${line.label} ${last(line)}`))));
+    h("p", { class: "legend" }, lines.map((line) => h("span", { class: `key ${line.cls}` }, `${line.label} ${last(line)}`)),
+      note ? h("span", { class: "muted" }, note) : null));
 }

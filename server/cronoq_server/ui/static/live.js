@@ -1,12 +1,16 @@
 // Live: the event stream of every pool the viewer may read (GET /v1/watch as Server-Sent Events,
 // read with fetch so the token goes in `authorization`). After a break it reconnects from the
 // last event's cursor (or, before any event, the cursor the stream started at: the
-// cronoq-watch-cursor header), so no event in between is lost or shown twice.
+// cronoq-watch-cursor header), so no event in between is lost or shown twice. Above
+// MAX_EVENTS_PER_S it pauses itself; Resume then goes on live, skipping what came meanwhile.
 import { ApiError, readEvents } from "./api.js";
 import { h, table, when } from "./dom.js";
 
 const KEEP = 200; // rows shown, newest first
 const RETRY_MS = [500, 1000, 2000, 5000];
+// More events than this in a second is more than a person reads: the view pauses itself, so a
+// page left open does not cost the server the conversion of every event of a busy queue.
+export const MAX_EVENTS_PER_S = 200;
 
 function stateName(state) {
   return String(state || "").replace(/^TASK_STATE_/, "");
@@ -37,6 +41,9 @@ export function renderLive(params) {
   let cursor = "";
   const seen = new Set(); // cursors shown: a replay after a reconnect repeats none
   let failures = 0;
+  let windowStart = 0; // the events of the current second, for MAX_EVENTS_PER_S
+  let inWindow = 0;
+  let skipAhead = false; // after a pause for the rate: resume live, not from the cursor
 
   const setStatus = (text, cls) => {
     status.textContent = text;
@@ -60,6 +67,21 @@ export function renderLive(params) {
           },
           onEvent: (event) => {
             if (event.event === "error") throw new ApiError(500, JSON.parse(event.data));
+            const now = performance.now();
+            if (now - windowStart > 1000) {
+              windowStart = now;
+              inWindow = 0;
+            }
+            if (++inWindow > MAX_EVENTS_PER_S) {
+              controller.abort();
+              skipAhead = true;
+              pause.textContent = "Resume";
+              setStatus(
+                `paused: more than ${MAX_EVENTS_PER_S} events a second, more than a page can show; Resume goes on live from then (the events in between are skipped), or watch one pool (#/live?pool=NAME)`,
+                "paused",
+              );
+              return;
+            }
             if (event.id) {
               if (seen.has(event.id)) return;
               seen.add(event.id);
@@ -89,7 +111,6 @@ export function renderLive(params) {
     }
   }
 
-  run();
   // Pause ends the stream (a stream costs the server the conversion of every event it sends);
   // Resume goes on from the last event shown, so none in between is missed.
   const pause = h("button", {
@@ -97,6 +118,9 @@ export function renderLive(params) {
     class: "pause",
     onclick: () => {
       if (controller.signal.aborted) {
+        if (skipAhead) cursor = "";
+        skipAhead = false;
+        inWindow = 0;
         controller = new AbortController();
         pause.textContent = "Pause";
         setStatus("connecting…", "");
@@ -108,6 +132,7 @@ export function renderLive(params) {
       }
     },
   }, "Pause");
+  run();
   const view = h("div", { class: "live-view" },
     h("h1", null, "Live"),
     h("p", { class: "muted" }, pool ? `Events of pool ${pool}.` : "Events of every pool you may read, newest first."),

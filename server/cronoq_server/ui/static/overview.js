@@ -77,33 +77,42 @@ export function sumActivity(shards) {
   return { bucketMs, sums };
 }
 
+const RECENT = 12; // the legend's figures: the last minute (12 buckets of 5 s)
+
 function charts(shards) {
   const activity = sumActivity(shards);
   if (!activity) return null;
   const { bucketMs, sums } = activity;
   const perSecond = (values) => values.map((v) => v / (bucketMs / 1000));
+  const recent = (values) => values.slice(-RECENT);
+  const add = (values) => values.reduce((a, b) => a + b, 0);
+  const rate = (values) => add(recent(values)) / ((RECENT * bucketMs) / 1000);
+  const started = add(recent(sums.started));
   const mean = sums.started.map((n, i) => (n ? sums.start_latency_sum_ms[i] / n : null));
   const max = sums.started.map((n, i) => (n ? sums.start_latency_max_ms[i] : null));
+  const note = "(last minute)";
   return h("div", { class: "charts" },
     lineChart({
       name: "throughput",
       title: "Throughput (tasks per second)",
-      unit: `per ${bucketMs / 1000} s bucket, per second`,
+      unit: `${bucketMs / 1000} s buckets`,
       bucketMs,
+      note,
       lines: [
-        { label: "submitted", cls: "c-submitted", values: perSecond(sums.submitted) },
-        { label: "succeeded", cls: "c-succeeded", values: perSecond(sums.succeeded) },
-        { label: "failed", cls: "c-failed", values: perSecond(sums.failed) },
+        { label: "submitted", cls: "c-submitted", values: perSecond(sums.submitted), summary: rate(sums.submitted) },
+        { label: "succeeded", cls: "c-succeeded", values: perSecond(sums.succeeded), summary: rate(sums.succeeded) },
+        { label: "failed", cls: "c-failed", values: perSecond(sums.failed), summary: rate(sums.failed) },
       ],
     }),
     lineChart({
       name: "latency",
       title: "Submit → start latency (ms)",
-      unit: "ms, from when a task was due to its start",
+      unit: "from when a task was due to its start",
       bucketMs,
+      note,
       lines: [
-        { label: "mean", cls: "c-mean", values: mean },
-        { label: "max", cls: "c-max", values: max },
+        { label: "mean", cls: "c-mean", values: mean, summary: started ? add(recent(sums.start_latency_sum_ms)) / started : null },
+        { label: "max", cls: "c-max", values: max, summary: started ? Math.max(...recent(sums.start_latency_max_ms)) : null },
       ],
     }));
 }
