@@ -235,11 +235,22 @@ def test_overview_shows_both_shards_and_a_stopped_one_as_unavailable(
     assert counts(page, "gpu", "llm")["pending"] == 1
     page.screenshot(path=str(screenshots_dir(tmp_path) / "overview-two-shards.png"), full_page=True)
 
+    # A key in both shards: the search lists both tasks and says why.
+    both = [submit(cpu, {"pool": pool, "key": "twice", "payload_json": 1}) for pool in ("default", "llm")]
+    page.fill("#search input[name=q]", "twice")
+    page.click("#search button")
+    page.wait_for_selector("text=This key names tasks in 2 shards")
+    listed = page.locator("table.task-list tbody tr td:nth-child(1)").all_inner_texts()
+    assert listed == [t["id"] for t in both]
+    page.screenshot(path=str(screenshots_dir(tmp_path) / "key-in-two-shards.png"), full_page=True)
+    page.goto(cpu.http_url + "/ui/#/overview")
+    loaded_ms(page, "overview")
+
     gpu.kill()
     stopped = time.monotonic()
     page.wait_for_selector('section.shard.unavailable[data-shard="gpu"]', timeout=15_000)
     print(f"dashboard: a stopped shard shown as unavailable after {time.monotonic() - stopped:.1f}s")
-    assert counts(page, "cpu", "default")["succeeded"] == 1 and counts(page, "cpu", "default")["pending"] == 2
+    assert counts(page, "cpu", "default")["succeeded"] == 1 and counts(page, "cpu", "default")["pending"] == 3
     page.screenshot(path=str(screenshots_dir(tmp_path) / "overview-shard-down.png"), full_page=True)
     assert page.dialogs == []
 
