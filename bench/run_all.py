@@ -130,6 +130,17 @@ def main() -> None:
             watch = run("watch_latency.py", "--seconds", seconds, *extra)
             title = f"cronoq {store}: submit→Watch event at 500 tasks/s, one SubmitTask per task"
             rows.append((title, latency_text(watch)))
+            step(f"cronoq on {store}: the burn-down with a dashboard page open (none / overview / live, 3 rounds)")
+            cost = run("dashboard_cost.py", "--tasks", tasks, "--rounds", "1" if args.quick else "3", *extra)
+            med = cost["median_tasks_per_s"]
+            rows.append(
+                (
+                    f"cronoq {store}: the burn-down with a dashboard page open in headless Chromium, median of "
+                    f"{cost['rounds']} (none / overview / live)",
+                    f"{med['none']:,.0f} / {med['overview']:,.0f} / {med['live']:,.0f} tasks/s "
+                    f"= {cost['overview_ratio']:.3f}× / {cost['live_ratio']:.3f}×",
+                )
+            )
             step(f"cronoq on {store}: two shards (forwarding, ListTasks across shards, burn-down across shards)")
             small = ["--calls", "300", "--rounds", "1"] if args.quick else []
             rows += sharding_rows(store, run("sharding.py", "--tasks", tasks, *small, *extra))
