@@ -7,7 +7,9 @@ PLAN is a list of roles, each {name, host, port, tls, shard, heartbeat_interval_
 tasks, cancel}. `script` maps a method name to its answers, used in order (the last one
 repeats): "ok", {"reply": <the response as proto JSON>}, or a refusal {"code", "message",
 "metadata", "details": {"reason", "metadata", "retry_delay"}}; for Work also
-{"close_after_tasks": N, "code": ...}, a stream that ends after sending N tasks. `tasks` are the
+{"close_after_tasks": N, "code": ...}, a stream that ends after sending N tasks, and
+{"send_at_close": N}, a stream that holds back the last N tasks and sends them once the worker
+has closed its side (leased as it closed), then ends. `tasks` are the
 tasks the role's Work streams hand out (proto JSON of cronoq.v1.Task), `cancel` the task ids a
 heartbeat is answered cancelled for.
 
@@ -175,6 +177,10 @@ class Scripted:
         self.log.write(role=self.role.name, event="stream")
         answer = self.role.answer("Work")
         close_after = None
+        held: list[task_pb2.Task] = []  # sent once the worker closed its side
+        if isinstance(answer, dict) and answer.get("send_at_close"):
+            cut = max(len(self.role.pending) - answer["send_at_close"], 0)
+            held, self.role.pending = self.role.pending[cut:], self.role.pending[:cut]
         if isinstance(answer, dict) and "close_after_tasks" in answer:
             close_after = answer["close_after_tasks"]
         elif isinstance(answer, dict) and "code" in answer:
@@ -205,6 +211,10 @@ class Scripted:
                     context, {"code": answer.get("code", "UNAVAILABLE"), "message": "scripted: stream closed"}
                 )
                 return
+        for task in held:
+            task.attempt = max(task.attempt, 1)
+        if held:
+            yield worker_service_pb2.WorkResponse(tasks=held)
 
 
 def server_credentials(tls: dict[str, str]) -> grpc.ServerCredentials:

@@ -21,7 +21,16 @@ from ..config import Config
 from ..errors import ApiError, invalid
 from ..ids import make_task_id, seq_of, shard_of
 from ..metrics import START_LATENCY, TASKS_LEASED, WORK_STREAMS, record_finished
-from ..store.base import Changes, Outcome, OutcomeKind, OutcomeResult, Store, TaskRow, WorkerRow
+from ..store.base import (
+    Changes,
+    Outcome,
+    OutcomeKind,
+    OutcomeResult,
+    Store,
+    StoreUnavailable,
+    TaskRow,
+    WorkerRow,
+)
 from .convert import to_task, to_worker
 from .events import EventBus, LeaseWaiter
 from .limits import (
@@ -50,6 +59,8 @@ MAX_LEASE_BYTES = 16 << 20
 # Even when no change announces work, the leader has one long poll per pool look at the store
 # this often (work written behind the server's back).
 NUDGE_EVERY_S = 1.0
+# A Work stream's requests end a moment before grpc cancels a cut stream: longer than that.
+CUT_GRACE_S = 0.1
 # Worker rows kept in memory (a worker not among them is read from the store).
 MAX_CACHED_WORKERS = 10_000
 
@@ -334,7 +345,8 @@ class Leases:
         the tasks of the other. Returns when the worker closes its side (after answering what
         it sent), or when this server drains or stops leading (after answering what it
         received: the caller says why); in_flight() covers each step, so a drain waits for
-        those under way.
+        those under way. The tasks a worker that closed its side was leased and did not report
+        are released as its stream ends (see _give_back).
         """
         first = await anext(aiter(requests), None)
         if first is None:
@@ -389,6 +401,8 @@ class Leases:
                     steps[asyncio.create_task(work)] = (stream.waiter, limit)
                     continue
                 if not steps and (not leading or (inbox.closed and not inbox.waiting)):
+                    if inbox.half_closed:
+                        await self._give_back(worker.id, stream, in_flight)
                     return
                 # Until a step ends; with room for another step, also until a message arrives or
                 # (credits left) work may be available.
@@ -410,6 +424,8 @@ class Leases:
                     answer, recheck_s = step.result()
                     credits += limit - len(answer.tasks)
                     stream.leased(answer.tasks)
+                    if inbox.half_closed:  # leased before the close was read: released, not sent
+                        del answer.tasks[:]
                     # Fewer tasks than asked for: wait to be told, unless a change since the
                     # lease's query was announced (its waiter told: lease again at once).
                     told = covered is not stream.waiter or (covered is not None and covered.event.is_set())
@@ -432,6 +448,31 @@ class Leases:
             # away) goes to the next waiting worker: else a task submitted meanwhile waits.
             for pool in unused_wake:
                 self._events.work_available(pool, 1)
+
+    async def _give_back(
+        self, worker_id: str, stream: _WorkStream, in_flight: Callable[[], AbstractContextManager[None]]
+    ) -> None:
+        """Releases what a stream whose worker closed its side was leased and did not report:
+        tasks sent as (or after) it closed, which it will not run. As the worker's own release
+        would (PENDING again, the attempt not counted, the next waiting worker told), in one
+        store call, rather than left to their lease expiry (and run twice, had it run them).
+
+        A cut stream (the call cancelled, the connection lost) ends its requests as a close
+        does, and grpc cancels this call a moment later: CUT_GRACE_S tells the two apart, as
+        a cut stream's worker may be running its tasks still (it reports them on its next)."""
+        if not stream.running:
+            return
+        await asyncio.sleep(CUT_GRACE_S)
+        outcomes = [Outcome(seq, attempt, OutcomeKind.RELEASED) for seq, attempt in sorted(stream.running)]
+        try:
+            with in_flight():
+                results, changes = await self._store.finish(worker_id, outcomes, now_us())
+                await self._finished(outcomes, results, changes)
+        except StoreUnavailable as err:  # e.g. no longer the leader: their leases expire instead
+            log.warning("worker %s closed its stream; %d task(s) left to expire: %s", worker_id, len(outcomes), err)
+            return
+        released = sum(r.accepted for r in results)
+        log.info("worker %s closed its stream; released %d task(s) it was sent and did not report", worker_id, released)
 
     async def _work_step(
         self,
@@ -558,7 +599,10 @@ class _WorkInbox:
         self._received = [first]
         self._arrived = asyncio.Event()
         self._arrived.set()
-        self.closed = False  # the worker closed its side
+        self.closed = False  # the worker closed its side, or the stream failed
+        # The requests ended without an error: the worker closed its side, or the stream was cut
+        # (told apart by grpc cancelling the call a moment later: see _give_back).
+        self.half_closed = False
         self.error: ApiError | None = None  # a request that ends the stream
 
     async def read(self, requests: AsyncIterator[pb.WorkRequest]) -> None:
@@ -570,6 +614,7 @@ class _WorkInbox:
                     raise invalid("pools, max_bytes: given in the first message of a Work stream only")
                 self._received.append(req)
                 self._arrived.set()
+            self.half_closed = True
         except ApiError as err:
             self.error = err
         finally:
