@@ -585,6 +585,9 @@ func (w *Worker) sendLoop(ctx context.Context, stream grpc.BidiStreamingClient[c
 			}
 		}
 		if w.closeIfFinished() {
+			// Closing: every outcome is answered; a task sent from now on is dropped, and the
+			// server, told so, releases it as the stream ends.
+			_ = stream.Send(&cronoqv1.WorkRequest{Closing: true})
 			_ = stream.CloseSend()
 			return
 		}

@@ -387,8 +387,14 @@ class Worker:
                 except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                     return  # the stream ended: the reader sees why
             if self._finished:
+                # Closing: every outcome is answered; a task sent from now on is dropped, and
+                # the server, told so, releases it as the stream ends.
                 self._closed = True
-                await call.done_writing()
+                try:
+                    await call.write(pb.WorkRequest(closing=True))
+                    await call.done_writing()
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    pass  # the stream ended: the reader sees why
                 return
             await self._wake.wait()
             if (

@@ -757,6 +757,13 @@ impl Shared {
                 return; // the stream ended: the reader sees why
             }
             if self.close_if_finished() {
+                // Closing: every outcome is answered; a task sent from now on is dropped, and
+                // the server, told so, releases it as the stream ends.
+                let closing = proto::WorkRequest {
+                    closing: true,
+                    ..Default::default()
+                };
+                let _ = tx.send(closing).await;
                 return; // dropping tx closes the send side
             }
             tokio::select! {

@@ -480,7 +480,10 @@ export class Worker {
         }
       }
       if (this.finished()) {
+        // Closing: every outcome is answered; a task sent from now on is dropped, and the
+        // server, told so, releases it as the stream ends.
         this.closed = true;
+        call.write(WorkRequest.fromPartial({ closing: true }));
         call.end();
         return;
       }

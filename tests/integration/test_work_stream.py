@@ -275,15 +275,16 @@ def test_a_stream_whose_lease_expired_gets_no_task_until_its_worker_speaks_again
 
 
 def test_a_task_sent_to_a_worker_that_closed_its_side_is_released_at_once(api: Api) -> None:
-    """A task and the worker's close cross on the wire: the worker never runs it, and the
-    server gives it back as it reads the close, not at the lease's expiry (30 s), so another
+    """A task and the worker's closing cross on the wire: the worker never runs it, and the
+    server gives it back as the stream ends, not at the lease's expiry (30 s), so another
     worker runs it once."""
     closing = Stream(api, wpb.WorkRequest(worker_id=api.register(), credits=1))
     task = api.submit()
     (sent,), _ = closing.collect(tasks=1)
     assert sent.id == task.id
     started = time.monotonic()
-    closing.close()  # without reporting it: the worker had closed when it arrived
+    closing.send(closing=True)  # without reporting it: the worker was closing when it arrived
+    closing.close()
     assert closing.next() == "ended"
     assert api.get(task.id).state == task_pb2.TASK_STATE_PENDING  # once the stream has ended
     other = Stream(api, wpb.WorkRequest(worker_id=api.register(), credits=1))
@@ -304,6 +305,7 @@ def test_a_stream_that_closes_while_a_task_is_leased_to_it_strands_nothing(api: 
         closing = Stream(api, wpb.WorkRequest(worker_id=api.register(), credits=1))
         time.sleep(0.05)  # mostly waiting for work by now; either way the lease races the close
         task = api.submit()
+        closing.send(closing=True)
         closing.close()
         started = time.monotonic()
         runner.send(credits=1)
@@ -319,6 +321,22 @@ def test_a_stream_that_closes_while_a_task_is_leased_to_it_strands_nothing(api: 
         assert ended == "ended"
     assert runner.quiet()
     runner.close()
+
+
+def test_a_stream_closed_without_its_workers_closing_keeps_its_leases(api: Api) -> None:
+    """A worker that closes its side without WorkRequest.closing (one from before it) may still
+    be running what it was sent: the tasks stay its own, and it reports them on a next stream."""
+    worker = api.register()
+    older = Stream(api, wpb.WorkRequest(worker_id=worker, credits=1))
+    task = api.submit()
+    (sent,), _ = older.collect(tasks=1)
+    older.close()
+    assert older.next() == "ended"
+    assert api.get(task.id).state == task_pb2.TASK_STATE_RUNNING
+    again = Stream(api, wpb.WorkRequest(worker_id=worker, outcomes=[success(sent)]))
+    _, (result,) = again.collect(results=1)
+    assert result.accepted and api.get(task.id).state == task_pb2.TASK_STATE_SUCCEEDED
+    again.close()
 
 
 def test_a_stream_cut_without_its_workers_close_keeps_its_leases(api: Api) -> None:

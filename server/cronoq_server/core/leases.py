@@ -59,8 +59,6 @@ MAX_LEASE_BYTES = 16 << 20
 # Even when no change announces work, the leader has one long poll per pool look at the store
 # this often (work written behind the server's back).
 NUDGE_EVERY_S = 1.0
-# A Work stream's requests end a moment before grpc cancels a cut stream: longer than that.
-CUT_GRACE_S = 0.1
 # Worker rows kept in memory (a worker not among them is read from the store).
 MAX_CACHED_WORKERS = 10_000
 
@@ -378,9 +376,10 @@ class Leases:
                 if look_again_at is not None and (loop.time() >= look_again_at or stream.waiter is None):
                     look_again_at = None  # due; or no waiter left to tell it (see expire_once)
                 leading = self._is_leader() and not self.draining
-                # A worker that closed its side is stopping: what it sent is answered, and it
-                # is leased nothing more (a task submitted meanwhile goes to another worker).
-                leasing = leading and not stream.silent and not inbox.closed
+                # A worker that is closing (or closed its side) is stopping: what it sent is
+                # answered, and it is leased nothing more (a task submitted meanwhile goes to
+                # another worker).
+                leasing = leading and not stream.silent and not inbox.closed and not inbox.closing
                 may_lease = leasing and look_again_at is None
                 if len(steps) < most_steps and (inbox.waiting or (credits and may_lease)):
                     received = inbox.take()
@@ -401,7 +400,7 @@ class Leases:
                     steps[asyncio.create_task(work)] = (stream.waiter, limit)
                     continue
                 if not steps and (not leading or (inbox.closed and not inbox.waiting)):
-                    if inbox.half_closed:
+                    if inbox.closing:
                         await self._give_back(worker.id, stream, in_flight)
                     return
                 # Until a step ends; with room for another step, also until a message arrives or
@@ -424,7 +423,7 @@ class Leases:
                     answer, recheck_s = step.result()
                     credits += limit - len(answer.tasks)
                     stream.leased(answer.tasks)
-                    if inbox.half_closed:  # leased before the close was read: released, not sent
+                    if inbox.closing:  # leased before the worker's closing was read: released, not sent
                         del answer.tasks[:]
                     # Fewer tasks than asked for: wait to be told, unless a change since the
                     # lease's query was announced (its waiter told: lease again at once).
@@ -452,17 +451,16 @@ class Leases:
     async def _give_back(
         self, worker_id: str, stream: _WorkStream, in_flight: Callable[[], AbstractContextManager[None]]
     ) -> None:
-        """Releases what a stream whose worker closed its side was leased and did not report:
-        tasks sent as (or after) it closed, which it will not run. As the worker's own release
+        """Releases what a stream whose worker said it is closing was leased and did not
+        report: tasks sent as (or after) it closed, which it drops. As the worker's own release
         would (PENDING again, the attempt not counted, the next waiting worker told), in one
-        store call, rather than left to their lease expiry (and run twice, had it run them).
+        store call, rather than left to their lease expiry.
 
-        A cut stream (the call cancelled, the connection lost) ends its requests as a close
-        does, and grpc cancels this call a moment later: CUT_GRACE_S tells the two apart, as
-        a cut stream's worker may be running its tasks still (it reports them on its next)."""
+        Only on the worker's word (WorkRequest.closing): a stream that is cut, or whose worker
+        predates it, ends its requests the same way, and its worker may still be running its
+        tasks (it reports them on its next stream)."""
         if not stream.running:
             return
-        await asyncio.sleep(CUT_GRACE_S)
         outcomes = [Outcome(seq, attempt, OutcomeKind.RELEASED) for seq, attempt in sorted(stream.running)]
         try:
             with in_flight():
@@ -600,9 +598,8 @@ class _WorkInbox:
         self._arrived = asyncio.Event()
         self._arrived.set()
         self.closed = False  # the worker closed its side, or the stream failed
-        # The requests ended without an error: the worker closed its side, or the stream was cut
-        # (told apart by grpc cancelling the call a moment later: see _give_back).
-        self.half_closed = False
+        # The worker said it is stopping (WorkRequest.closing): what it is sent from now on it drops.
+        self.closing = first.closing
         self.error: ApiError | None = None  # a request that ends the stream
 
     async def read(self, requests: AsyncIterator[pb.WorkRequest]) -> None:
@@ -613,8 +610,8 @@ class _WorkInbox:
                 if req.pools or req.max_bytes:
                     raise invalid("pools, max_bytes: given in the first message of a Work stream only")
                 self._received.append(req)
+                self.closing = self.closing or req.closing
                 self._arrived.set()
-            self.half_closed = True
         except ApiError as err:
             self.error = err
         finally:
