@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from ._transport import MAX_MESSAGE_BYTES, Connection, Endpoint, RetryConfig, TlsConfig, call_once
+from ._transport import MAX_MESSAGE_BYTES, Connection, Endpoint, KeepaliveConfig, RetryConfig, TlsConfig, call_once
 from .client import Task, decode, encode_payload
 from .errors import (
     Cancelled,
@@ -132,6 +132,7 @@ class Worker:
         labels: dict[str, str] | None = None,
         shutdown_grace: float = 30.0,
         finish_linger: float = 0.002,
+        keepalive: KeepaliveConfig = KeepaliveConfig(),
     ):
         if concurrency < 1:
             raise ValueError(f"concurrency: {concurrency} must be at least 1")
@@ -141,6 +142,7 @@ class Worker:
             token=token,
             tls=tls,
             insecure_redirect_http=insecure_redirect_http,
+            keepalive=keepalive,
         )
         self.pools = [pools] if isinstance(pools, str) else list(pools)
         self.handler = handler
