@@ -45,6 +45,7 @@ TEST_DEPS = [
     "pytest-xdist>=3.5",
     "trustme>=1.1",
     "setuptools>=68",
+    "playwright==1.65.2",  # drives Debian's chromium 156 (executable_path) in the browser tests: a known pair
 ]
 
 
@@ -223,8 +224,8 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks: burn-down, submit→start latency, two shards (never run as tests)."""
-    session.install(*PACKAGES, "py-spy", "trustme>=1.1")
+    """Benchmarks: burn-down, submit→start latency, two shards, an open dashboard (never run as tests)."""
+    session.install(*PACKAGES, "py-spy", "trustme>=1.1", "playwright==1.65.2")
     session.run("python", "bench/run_all.py", *session.posargs, env={"PYTHONDONTWRITEBYTECODE": "1"})
 
 

@@ -1,11 +1,15 @@
 """Burn-down: N no-op tasks submitted in batches, then drained by one worker process.
 
 python bench/burndown.py [--tasks 20000] [--concurrency 64] [--batch 500] [--resource-capacity N] [--worker go]
+                         [--dashboard overview|live]
 
 With --resource-capacity, every task asks for one slot of a concurrency resource of that capacity.
 With --worker go, ts or rust, the worker is the Go SDK's (bench/go-worker, built with the `go` on
 PATH), the TypeScript SDK's (bench/ts-worker, run with the `node` on PATH) or the Rust SDK's
 (sdk-rust's example bench_drain, built with the `cargo` on PATH).
+With --dashboard, one dashboard page (the overview, which re-reads the snapshot every 5 s, or the
+live view, which streams every event) is open in headless Chromium from before the submissions
+to the end of the drain (bench/_dashboard_page.py).
 """
 
 from __future__ import annotations
@@ -116,6 +120,20 @@ async def wait_all_done(endpoint: str, total: int, options: dict[str, Any]) -> i
         return n
 
 
+def open_page(http_url: str, view: str) -> subprocess.Popen[str]:
+    page = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("_dashboard_page.py")), http_url, view],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert page.stdout is not None
+    if page.stdout.readline().strip() != "ready":
+        page.kill()
+        raise RuntimeError(f"the dashboard page ({view}) did not open")
+    return page
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tasks", type=int, default=20_000)
@@ -129,6 +147,7 @@ def main() -> None:
     ap.add_argument(
         "--worker", choices=("python", "go", "ts", "rust"), default="python", help="the SDK whose worker drains"
     )
+    ap.add_argument("--dashboard", choices=("overview", "live"), help="a dashboard page open meanwhile")
     add_store_arguments(ap)
     args = ap.parse_args()
     if args.worker != "python" and args.secure:
@@ -141,7 +160,10 @@ def main() -> None:
     with bench_store(args.store, args.url) as url, tempfile.TemporaryDirectory() as tmp:
         server = BenchServer(Path(tmp), url, secure=args.secure, extra_config=extra)
         options = server.client_options
+        page = None
         try:
+            if args.dashboard:
+                page = open_page(server.http_url, args.dashboard)
             submit_s = asyncio.run(submit_all(server.endpoint, args.tasks, args.batch, options, resources))
             if args.worker != "python":
                 drain_s, from_spawn = run_sdk_worker(args.worker, server.endpoint, args.concurrency, args.tasks)
@@ -160,9 +182,13 @@ def main() -> None:
                 drain_s, from_spawn = done_at.value - started_at.value, done_at.value - spawned_at
             succeeded = asyncio.run(wait_all_done(server.endpoint, args.tasks, options))
         finally:
+            if page is not None:
+                page.stdin.close()  # type: ignore[union-attr]
+                page.wait(30)
             server.stop()
     result = {
         "store": args.store,
+        "dashboard": args.dashboard or "",
         "worker": args.worker,
         "secure": args.secure,
         "resource_capacity": args.resource_capacity,

@@ -31,6 +31,14 @@ def run(script: str, *args: str) -> dict[str, Any]:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def dashboard_cost_text(r: dict[str, Any]) -> str:
+    med = r["median_tasks_per_s"]
+    return (
+        f"none / overview / live: {med['none']:,.0f} / {med['overview']:,.0f} / {med['live']:,.0f} tasks/s "
+        f"= 1 / {r['overview_ratio']:.3f}× / {r['live_ratio']:.3f}× (median of {r['rounds']})"
+    )
+
+
 def latency_text(r: dict[str, Any]) -> str:
     return f"p50 {r['p50_ms']} ms, p90 {r['p90_ms']} ms, p99 {r['p99_ms']} ms (achieved {r['achieved_rate']:,}/s)"
 
@@ -130,6 +138,19 @@ def main() -> None:
             watch = run("watch_latency.py", "--seconds", seconds, *extra)
             title = f"cronoq {store}: submit→Watch event at 500 tasks/s, one SubmitTask per task"
             rows.append((title, latency_text(watch)))
+            title = f"cronoq {store}: the burn-down with a dashboard page open in headless Chromium"
+            if not Path("/usr/bin/chromium").exists():
+                rows.append((title, "skipped: no /usr/bin/chromium (apt-get install chromium)"))
+            else:
+                step(f"cronoq on {store}: the burn-down with a dashboard page open (none / overview / live)")
+                rows.append(
+                    (
+                        title,
+                        dashboard_cost_text(
+                            run("dashboard_cost.py", "--tasks", tasks, "--rounds", "1" if args.quick else "3", *extra)
+                        ),
+                    )
+                )
             step(f"cronoq on {store}: two shards (forwarding, ListTasks across shards, burn-down across shards)")
             small = ["--calls", "300", "--rounds", "1"] if args.quick else []
             rows += sharding_rows(store, run("sharding.py", "--tasks", tasks, *small, *extra))

@@ -377,6 +377,7 @@ def run_case(case: dict[str, Any], sdk: str, pkis: Pkis, netns: NetNs | None, ve
                     "retry", {"initial_backoff_ms": 20, "max_backoff_ms": 200, "max_elapsed_ms": 3000}
                 ),
                 "timeout_ms": sdk_opts.get("timeout_ms", 5000),
+                "keepalive": sdk_opts.get("keepalive"),
                 "steps": substitute(case["steps"], urls),
             }
             observed, problems = run_driver(sdk, driver_input, workdir, verbose)

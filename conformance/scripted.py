@@ -7,13 +7,18 @@ PLAN is a list of roles, each {name, host, port, tls, shard, heartbeat_interval_
 tasks, cancel}. `script` maps a method name to its answers, used in order (the last one
 repeats): "ok", {"reply": <the response as proto JSON>}, or a refusal {"code", "message",
 "metadata", "details": {"reason", "metadata", "retry_delay"}}; for Work also
-{"close_after_tasks": N, "code": ...}, a stream that ends after sending N tasks. `tasks` are the
+{"close_after_tasks": N, "code": ...}, a stream that ends after sending N tasks, and
+{"send_at_close": N}, a stream that holds back the last N tasks and sends them once the worker
+has closed its side (leased as it closed), then ends, and {"black_hole": true}, a stream whose
+connection goes silent (see below). `tasks` are the
 tasks the role's Work streams hand out (proto JSON of cronoq.v1.Task), `cancel` the task ids a
 heartbeat is answered cancelled for.
 
 Each role listens on its address through a front that relays bytes to its gRPC server on a
 loopback port, so every connection is recorded, also one that never makes a call (a TLS
-handshake the client gives up on). LOG gets one JSON object per line: {"ready"}, then
+handshake the client gives up on). A black hole is made there too: the front stops passing
+the connection's bytes, either way, and keeps both its sockets open, as a server that vanished
+without a FIN (a crash, a partition) looks to the client. LOG gets one JSON object per line: {"ready"}, then
 {"role", "event": "connect"}, {"role", "event": "call", "method", "authorization",
 "client_cert", "request"} (each message of a Work stream too), {"role", "event": "stream"} for
 each Work stream opened, and {"role", "event": "outcome", ...} for every outcome reported.
@@ -63,6 +68,9 @@ class Role:
     cancel: list[str] = field(default_factory=list)
     calls: dict[str, int] = field(default_factory=dict)
     pending: list[task_pb2.Task] = field(default_factory=list)
+    # The front's connections to the gRPC server by their local port (the server's peer
+    # port): set, a connection is a black hole.
+    holes: dict[int, asyncio.Event] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.pending = [json_format.ParseDict(t, task_pb2.Task()) for t in self.tasks]
@@ -175,8 +183,17 @@ class Scripted:
         self.log.write(role=self.role.name, event="stream")
         answer = self.role.answer("Work")
         close_after = None
+        held: list[task_pb2.Task] = []  # sent once the worker closed its side
+        if isinstance(answer, dict) and answer.get("send_at_close"):
+            cut = max(len(self.role.pending) - answer["send_at_close"], 0)
+            held, self.role.pending = self.role.pending[cut:], self.role.pending[:cut]
         if isinstance(answer, dict) and "close_after_tasks" in answer:
             close_after = answer["close_after_tasks"]
+        elif isinstance(answer, dict) and answer.get("black_hole"):
+            self.role.holes[int(context.peer().rsplit(":", 1)[1])].set()
+            async for _request in requests:  # none arrive: the stream lasts until the connection ends
+                pass
+            return
         elif isinstance(answer, dict) and "code" in answer:
             async for request in requests:
                 self.record(context, "Work", request)
@@ -205,6 +222,10 @@ class Scripted:
                     context, {"code": answer.get("code", "UNAVAILABLE"), "message": "scripted: stream closed"}
                 )
                 return
+        for task in held:
+            task.attempt = max(task.attempt, 1)
+        if held:
+            yield worker_service_pb2.WorkResponse(tasks=held)
 
 
 def server_credentials(tls: dict[str, str]) -> grpc.ServerCredentials:
@@ -217,9 +238,11 @@ def server_credentials(tls: dict[str, str]) -> grpc.ServerCredentials:
     )
 
 
-async def _relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hole: asyncio.Event) -> None:
     try:
         while data := await reader.read(65536):
+            if hole.is_set():
+                continue  # read and dropped: the sender sees no back-pressure, only silence
             writer.write(data)
             await writer.drain()
     except (ConnectionError, OSError):
@@ -230,7 +253,14 @@ async def _relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
 
 async def serve_role(role: Role, log: Log) -> tuple[grpc.aio.Server, asyncio.Server]:
     scripted = Scripted(role, log)
-    server = grpc.aio.server()
+    # Clients may ping as often as they like: a case may shorten an SDK's keepalive.
+    server = grpc.aio.server(
+        options=[
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 0),
+            ("grpc.http2.max_ping_strikes", 0),
+        ]
+    )
     handlers = []
     for name, module in SERVICES.items():
         service = module.DESCRIPTOR.services_by_name[name.rsplit(".", 1)[1]]
@@ -251,7 +281,12 @@ async def serve_role(role: Role, log: Log) -> tuple[grpc.aio.Server, asyncio.Ser
         except OSError:
             writer.close()
             return
-        await asyncio.gather(_relay(reader, up_writer), _relay(up_reader, writer))
+        port = up_writer.get_extra_info("sockname")[1]
+        hole = role.holes[port] = asyncio.Event()
+        try:
+            await asyncio.gather(_relay(reader, up_writer, hole), _relay(up_reader, writer, hole))
+        finally:
+            del role.holes[port]
 
     listener = await asyncio.start_server(front, role.host, role.port, reuse_address=True)
     return server, listener

@@ -88,14 +88,16 @@ async def submit_and_watch(endpoint: str) -> list[cronoq.Task]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sharded", action="store_true", help="two shards, forwarding and worker redirects")
-    if ap.parse_args().sharded:
+    ap.add_argument("--keep", action="store_true", help="keep the server running afterwards (for its dashboard)")
+    args = ap.parse_args()
+    if args.sharded:
         from demo_sharded import run_sharded_demo
 
         run_sharded_demo()
         return
     with tempfile.TemporaryDirectory(prefix="cronoq-demo-") as tmp:
         server, endpoint, http = start_server(Path(tmp))
-        print(f"server ready: gRPC {endpoint}, HTTP {http}")
+        print(f"server ready: gRPC {endpoint}, HTTP {http}; its dashboard: {http}/ui/")
         worker = subprocess.Popen([sys.executable, str(HERE / "demo_worker.py"), endpoint])
         try:
             tasks = asyncio.run(submit_and_watch(endpoint))
@@ -109,6 +111,12 @@ def main() -> None:
         with urllib.request.urlopen(f"{http}/metrics") as r:
             finished = [ln for ln in r.read().decode().splitlines() if ln.startswith("cronoq_tasks_finished_total")]
         print("\nfrom /metrics:", "; ".join(finished))
+        if args.keep:
+            print(f"\nthe server keeps running: open {http}/ui/ in a browser; Ctrl-C stops it")
+            try:
+                server.wait()
+            except KeyboardInterrupt:
+                pass
         server.send_signal(signal.SIGTERM)
         server.wait(30)
         expected = {

@@ -19,6 +19,8 @@ type Options struct {
 	InsecureRedirectHTTP bool
 	// Retry: the transport retries of UNAVAILABLE.
 	Retry RetryConfig
+	// Keepalive: the HTTP/2 keepalive that notices a server gone silent (20 s, 10 s when zero).
+	Keepalive KeepaliveConfig
 	// Timeout of each call (each attempt of it): 30 s when 0.
 	Timeout time.Duration
 	// Logger: slog.Default() when nil.

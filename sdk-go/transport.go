@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/metadata"
 )
 
@@ -69,6 +70,36 @@ func (r RetryConfig) Backoff(failures int) time.Duration {
 		return r.MaxBackoff
 	}
 	return min(d+jitter, r.MaxBackoff)
+}
+
+// DefaultKeepaliveTime and DefaultKeepaliveTimeout: every channel pings a connection quiet
+// for 20 s, with or without a call open, and drops it when the ping is not answered in 10 s.
+const (
+	DefaultKeepaliveTime    = 20 * time.Second
+	DefaultKeepaliveTimeout = 10 * time.Second
+)
+
+// KeepaliveConfig is the channels' HTTP/2 keepalive. A server that vanished without closing
+// the connection (a crash, a partition) is noticed in Time + Timeout, not the kernel's TCP
+// timeout; the connection is dropped and its calls fail UNAVAILABLE, retried like any other
+// (the next endpoint, the leader named). A cronoq server sends GOAWAY (too_many_pings) to a
+// client that pings more often than every 10 s, and grpc-go never pings more often than that.
+type KeepaliveConfig struct {
+	// Time: DefaultKeepaliveTime when 0 (grpc-go raises less than 10 s to 10 s).
+	Time time.Duration
+	// Timeout: DefaultKeepaliveTimeout when 0.
+	Timeout time.Duration
+}
+
+func (k KeepaliveConfig) params() keepalive.ClientParameters {
+	if k.Time <= 0 {
+		k.Time = DefaultKeepaliveTime
+	}
+	if k.Timeout <= 0 {
+		k.Timeout = DefaultKeepaliveTimeout
+	}
+	// PermitWithoutStream: a client between calls notices too, not only a worker's stream.
+	return keepalive.ClientParameters{Time: k.Time, Timeout: k.Timeout, PermitWithoutStream: true}
 }
 
 // TLSConfig names PEM files for https:// endpoints.
@@ -209,6 +240,7 @@ type connection struct {
 	tlsFiles   *TLSConfig // the file names, for messages
 	insecure   bool       // follow redirects to plain http:// on other hosts with the token
 	retry      RetryConfig
+	keepalive  keepalive.ClientParameters
 	timeout    time.Duration
 	log        *slog.Logger
 
@@ -234,6 +266,7 @@ func newConnection(o *Options) (*connection, error) {
 		tlsFiles:   o.TLS,
 		insecure:   o.InsecureRedirectHTTP,
 		retry:      o.Retry.withDefaults(),
+		keepalive:  o.Keepalive.params(),
 		timeout:    o.timeout(),
 		log:        o.logger(),
 		current:    configured[0],
@@ -279,6 +312,7 @@ func (c *connection) channel() (*grpc.ClientConn, Endpoint, error) {
 			Backoff:           backoff.Config{BaseDelay: c.retry.InitialBackoff, Multiplier: 2, Jitter: 0.2, MaxDelay: c.retry.MaxBackoff},
 			MinConnectTimeout: 5 * time.Second,
 		}),
+		grpc.WithKeepaliveParams(c.keepalive),
 	)
 	if err != nil {
 		return nil, ep, newError(codes.InvalidArgument, kindCode, "endpoint %s: %v", ep, err)

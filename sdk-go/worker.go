@@ -120,6 +120,7 @@ type Worker struct {
 	freed          uint32                           // slots freed, not yet given as credits
 	beatDue        bool
 	stopping       bool
+	closed         bool // the current stream's side is closed: nothing more can be reported
 	processed      int64
 }
 
@@ -368,6 +369,15 @@ func (w *Worker) isFinished() bool {
 	return w.finished()
 }
 
+// closeIfFinished marks the stream's side closed when the worker is finished: a task that
+// arrives from then on cannot be reported, so it is dropped (the server releases it).
+func (w *Worker) closeIfFinished() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.closed = w.finished()
+	return w.closed
+}
+
 // finishRunning is the graceful stop: running tasks finish within the grace, the others
 // are cancelled and released; then every outcome is reported and the stream closed, for
 // at most stopExtraTime more.
@@ -531,6 +541,7 @@ func (w *Worker) workStream(calls, tasks context.Context) error {
 		w.outcomes = append(w.outcomes, o)
 	}
 	w.freed = 0
+	w.closed = false
 	free := 0
 	if !w.stopping {
 		free = w.opts.Concurrency - len(w.running)
@@ -573,7 +584,10 @@ func (w *Worker) sendLoop(ctx context.Context, stream grpc.BidiStreamingClient[c
 				return // the stream ended: the reader sees why
 			}
 		}
-		if w.isFinished() {
+		if w.closeIfFinished() {
+			// Closing: every outcome is answered; a task sent from now on is dropped, and the
+			// server, told so, releases it as the stream ends.
+			_ = stream.Send(&cronoqv1.WorkRequest{Closing: true})
 			_ = stream.CloseSend()
 			return
 		}
@@ -681,6 +695,10 @@ func (w *Worker) answered(tasks context.Context, answer *cronoqv1.WorkResponse) 
 		}
 	}
 	for _, task := range answer.GetTasks() {
+		if w.closed { // sent as the stream closed: the server releases it, as nothing can be sent
+			w.log.Debug("cronoq: task arrived after the work stream closed; the server releases it", "task_id", task.GetId())
+			continue
+		}
 		if w.stopping { // sent for slots given before the stop: give it back
 			w.freed++
 			w.reportLocked(&cronoqv1.TaskOutcome{TaskId: task.GetId(), Attempt: task.GetAttempt(),

@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 
 # public name -> the submodule that defines it
 _EXPORTS: dict[str, str] = {
+    "KeepaliveConfig": "_transport",
     "RetryConfig": "_transport",
     "TlsConfig": "_transport",
     "TERMINAL_STATES": "client",
@@ -45,6 +46,7 @@ __all__ = [
     "TERMINAL_STATES",
     "Client",
     "CronoqError",
+    "KeepaliveConfig",
     "RetryConfig",
     "Schedule",
     "Submitted",
@@ -64,7 +66,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ._transport import RetryConfig, TlsConfig
+    from ._transport import KeepaliveConfig, RetryConfig, TlsConfig
     from .client import (
         TERMINAL_STATES,
         Client,

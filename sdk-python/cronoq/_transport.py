@@ -62,6 +62,22 @@ class TlsConfig:
             raise InvalidArgument("tls: give both cert and key (a client certificate and its key), or neither")
 
 
+@dataclass(frozen=True)
+class KeepaliveConfig:
+    """HTTP/2 keepalive of every channel: a connection quiet for `time` seconds is pinged,
+    with or without a call open, and closed when the ping is not answered within `timeout`
+    seconds. A server that vanished without closing the connection (a crash, a partition) is
+    then noticed in time + timeout seconds, not the kernel's TCP timeout, and the call fails
+    UNAVAILABLE like any lost connection: retried, on the next endpoint or the leader named.
+
+    A cronoq server sends GOAWAY (too_many_pings) to a client that pings more often than every
+    10 s: keep `time` at 10 s or more against it.
+    """
+
+    time: float = 20.0
+    timeout: float = 10.0
+
+
 # A probe that tells why a TLS connection failed gives up after this (per step).
 PROBE_TIMEOUT_S = 3.0
 
@@ -155,11 +171,19 @@ class TlsFiles:
         self.credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
-def open_channel(endpoint: Endpoint, tls: TlsConfig | TlsFiles | None) -> grpc.aio.Channel:
+def open_channel(
+    endpoint: Endpoint, tls: TlsConfig | TlsFiles | None, keepalive: KeepaliveConfig = KeepaliveConfig()
+) -> grpc.aio.Channel:
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.enable_retries", 0),
+        ("grpc.keepalive_time_ms", int(keepalive.time * 1000)),
+        ("grpc.keepalive_timeout_ms", int(keepalive.timeout * 1000)),
+        # gRPC core waits for a ping's ack this long (a minute by default), keepalive_timeout_ms or not.
+        ("grpc.http2.ping_timeout_ms", int(keepalive.timeout * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),  # a worker waiting for tasks has a stream; a client may not
+        ("grpc.http2.max_pings_without_data", 0),  # else gRPC stops pinging after 2 pings on a quiet connection
     ]
     if not endpoint.secure:
         return grpc.aio.insecure_channel(endpoint.target, options=options)
@@ -373,6 +397,7 @@ class Connection:
         token: str | None,
         tls: TlsConfig | None,
         insecure_redirect_http: bool = False,
+        keepalive: KeepaliveConfig = KeepaliveConfig(),
     ):
         self.configured = parse_endpoints(endpoints)
         self.current = self.configured[0]
@@ -382,6 +407,7 @@ class Connection:
         self._tls = tls
         self._tls_files = TlsFiles(tls) if tls is not None or any(e.secure for e in self.configured) else None
         self._insecure_redirect_http = insecure_redirect_http
+        self._keepalive = keepalive
         self._channel: grpc.aio.Channel | None = None
         self._retired: list[grpc.aio.Channel] = []
         self._stub: Any = None
@@ -392,7 +418,7 @@ class Connection:
         if self._stub is None:  # channels belong to the running loop: create them lazily
             if self.current.secure and self._tls_files is None:  # a redirect to https://
                 self._tls_files = TlsFiles(self._tls)
-            self._channel = open_channel(self.current, self._tls_files)
+            self._channel = open_channel(self.current, self._tls_files, self._keepalive)
             self._stub = self._factory(self._channel)
         return self._stub
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from ._transport import Connection, Endpoint, RetryConfig, TlsConfig, backoff_delay
+from ._transport import Connection, Endpoint, KeepaliveConfig, RetryConfig, TlsConfig, backoff_delay
 from .errors import Aborted, Cancelled, CronoqError, Internal, Unavailable, from_grpc_error
 from .jsonform import JSON_CONTENT_TYPE
 from .v1 import (
@@ -180,8 +180,9 @@ class Client:
         tls: TlsConfig | None = None,
         retry: RetryConfig = RetryConfig(),
         timeout: float = 30.0,
+        keepalive: KeepaliveConfig = KeepaliveConfig(),
     ):
-        self._conn = Connection(endpoint, ServiceStubs, token=token, tls=tls)
+        self._conn = Connection(endpoint, ServiceStubs, token=token, tls=tls, keepalive=keepalive)
         self._retry = retry
         self._timeout = timeout
 

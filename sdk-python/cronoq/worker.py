@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from ._transport import MAX_MESSAGE_BYTES, Connection, Endpoint, RetryConfig, TlsConfig, call_once
+from ._transport import MAX_MESSAGE_BYTES, Connection, Endpoint, KeepaliveConfig, RetryConfig, TlsConfig, call_once
 from .client import Task, decode, encode_payload
 from .errors import (
     Cancelled,
@@ -132,6 +132,7 @@ class Worker:
         labels: dict[str, str] | None = None,
         shutdown_grace: float = 30.0,
         finish_linger: float = 0.002,
+        keepalive: KeepaliveConfig = KeepaliveConfig(),
     ):
         if concurrency < 1:
             raise ValueError(f"concurrency: {concurrency} must be at least 1")
@@ -141,6 +142,7 @@ class Worker:
             token=token,
             tls=tls,
             insecure_redirect_http=insecure_redirect_http,
+            keepalive=keepalive,
         )
         self.pools = [pools] if isinstance(pools, str) else list(pools)
         self.handler = handler
@@ -160,6 +162,7 @@ class Worker:
         self._unacked: dict[int, pb.TaskOutcome] = {}  # by task id: reported, not yet answered
         self._outcomes: list[pb.TaskOutcome] = []  # not yet sent on the current stream
         self._freed = 0  # slots freed and not yet given to the server as credits
+        self._closed = False  # the current stream's side is closed: nothing more can be reported
         self._beat_due = False
         self._wake = asyncio.Event()  # the sender has something to send
         self._stopping = asyncio.Event()
@@ -353,6 +356,7 @@ class Worker:
         call = self._conn.rpc("Work")(metadata=self._conn.metadata)
         self._outcomes = list(self._unacked.values())  # what an earlier stream did not answer
         self._freed = 0
+        self._closed = False
         free = 0 if self._stopping.is_set() else self.concurrency - len(self._running)
         first = pb.WorkRequest(worker_id=self.worker_id, credits=free, max_bytes=self.lease_bytes)
         if self._outcomes:
@@ -385,7 +389,14 @@ class Worker:
                 except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                     return  # the stream ended: the reader sees why
             if self._finished:
-                await call.done_writing()
+                # Closing: every outcome is answered; a task sent from now on is dropped, and
+                # the server, told so, releases it as the stream ends.
+                self._closed = True
+                try:
+                    await call.write(pb.WorkRequest(closing=True))
+                    await call.done_writing()
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    pass  # the stream ended: the reader sees why
                 return
             await self._wake.wait()
             if (
@@ -421,6 +432,9 @@ class Worker:
                 log.warning("outcome of task %d refused: %s %s", r.task_id, r.code, r.message)
         for task in answer.tasks:
             ctx = TaskContext(task)
+            if self._closed:  # sent as the stream closed: the server releases it, as nothing can be sent
+                log.debug("task %d arrived after the work stream closed; the server releases it", task.id)
+                continue
             if self._stopping.is_set():  # sent for slots given before stop(): give it back
                 self._freed += 1
                 self._report(pb.TaskOutcome(task_id=task.id, attempt=task.attempt, released=_released()))

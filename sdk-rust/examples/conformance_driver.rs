@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cronoq::{
-    Client, Error, Options, RetryConfig, TaskError, TaskSpec, Worker, WorkerOptions, code_name,
+    Client, Error, KeepaliveConfig, Options, RetryConfig, TaskError, TaskSpec, Worker,
+    WorkerOptions, code_name,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -23,7 +24,14 @@ struct Input {
     retry: Retry,
     #[serde(default)]
     timeout_ms: u64,
+    keepalive: Option<Keepalive>,
     steps: Vec<Step>,
+}
+
+#[derive(Deserialize)]
+struct Keepalive {
+    time_ms: u64,
+    timeout_ms: u64,
 }
 
 #[derive(Deserialize)]
@@ -79,6 +87,12 @@ fn options(input: &Input) -> Options {
         });
     if let Some(token) = &input.token {
         opts = opts.token(token);
+    }
+    if let Some(k) = &input.keepalive {
+        opts = opts.keepalive(KeepaliveConfig {
+            time: ms(k.time_ms),
+            timeout: ms(k.timeout_ms),
+        });
     }
     if let Some(tls) = &input.tls {
         if let Some(ca) = &tls.ca {

@@ -319,6 +319,7 @@ impl Client {
     pub async fn get(&self, task: impl Into<TaskRef>) -> Result<Task, Error> {
         let req = proto::GetTaskRequest {
             task: Some(task.into().proto()),
+            ..Default::default()
         };
         let timeout = self.conn.timeout;
         let resp = self
@@ -451,6 +452,7 @@ impl Client {
                 opts.page_size
             },
             page_token: opts.page_token,
+            ..Default::default()
         };
         let timeout = self.conn.timeout;
         self.conn

@@ -21,7 +21,8 @@ pub use error::{Error, RpcError, code_name};
 pub use tokio_util::sync::CancellationToken;
 pub use tonic::Code;
 pub use transport::{
-    DEFAULT_ENDPOINT, Endpoint, MAX_MESSAGE_BYTES, Options, RetryConfig, TlsFiles, check_redirect,
+    DEFAULT_ENDPOINT, DEFAULT_KEEPALIVE_TIME, DEFAULT_KEEPALIVE_TIMEOUT, Endpoint, KeepaliveConfig,
+    MAX_MESSAGE_BYTES, Options, RetryConfig, TlsFiles, check_redirect,
 };
 
 /// The generated cronoq.v1 messages and clients.

@@ -57,6 +57,33 @@ impl RetryConfig {
     }
 }
 
+/// A connection quiet this long is pinged (HTTP/2 keepalive), with or without a call open.
+pub const DEFAULT_KEEPALIVE_TIME: Duration = Duration::from_secs(20);
+/// A ping not answered within this drops its connection.
+pub const DEFAULT_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The channels' HTTP/2 keepalive. A server that vanished without closing the connection (a
+/// crash, a partition) is noticed in `time` + `timeout`, not the kernel's TCP timeout; its
+/// calls fail UNAVAILABLE, retried like any other (the next endpoint, the leader named). A
+/// cronoq server sends GOAWAY (too_many_pings) to a client that pings more often than every
+/// 10 s: keep `time` at 10 s or more against it.
+#[derive(Debug, Clone, Copy)]
+pub struct KeepaliveConfig {
+    /// [`DEFAULT_KEEPALIVE_TIME`] (20 s) by default.
+    pub time: Duration,
+    /// [`DEFAULT_KEEPALIVE_TIMEOUT`] (10 s) by default.
+    pub timeout: Duration,
+}
+
+impl Default for KeepaliveConfig {
+    fn default() -> Self {
+        KeepaliveConfig {
+            time: DEFAULT_KEEPALIVE_TIME,
+            timeout: DEFAULT_KEEPALIVE_TIMEOUT,
+        }
+    }
+}
+
 /// PEM files for https:// endpoints, kept for every endpoint, redirects included.
 #[derive(Debug, Clone, Default)]
 pub struct TlsFiles {
@@ -76,6 +103,7 @@ pub struct Options {
     pub(crate) tls: Option<TlsFiles>,
     pub(crate) insecure_redirect_http: bool,
     pub(crate) retry: RetryConfig,
+    pub(crate) keepalive: KeepaliveConfig,
     pub(crate) timeout: Duration,
 }
 
@@ -87,6 +115,7 @@ impl fmt::Debug for Options {
             .field("tls", &self.tls)
             .field("insecure_redirect_http", &self.insecure_redirect_http)
             .field("retry", &self.retry)
+            .field("keepalive", &self.keepalive)
             .field("timeout", &self.timeout)
             .finish()
     }
@@ -108,6 +137,7 @@ impl Options {
             tls: None,
             insecure_redirect_http: false,
             retry: RetryConfig::default(),
+            keepalive: KeepaliveConfig::default(),
             timeout: Duration::from_secs(30),
         }
     }
@@ -146,6 +176,12 @@ impl Options {
     /// The transport retries of UNAVAILABLE.
     pub fn retry(mut self, retry: RetryConfig) -> Options {
         self.retry = retry;
+        self
+    }
+
+    /// The HTTP/2 keepalive that notices a server gone silent: 20 s, 10 s by default.
+    pub fn keepalive(mut self, keepalive: KeepaliveConfig) -> Options {
+        self.keepalive = keepalive;
         self
     }
 
@@ -383,6 +419,7 @@ pub(crate) struct Connection {
     tls: TlsMaterial,
     insecure: bool,
     pub(crate) retry: RetryConfig,
+    keepalive: KeepaliveConfig,
     pub(crate) timeout: Duration,
     state: Mutex<State>,
 }
@@ -402,6 +439,7 @@ impl Connection {
             tls,
             insecure: opts.insecure_redirect_http,
             retry: opts.retry,
+            keepalive: opts.keepalive,
             timeout: opts.timeout,
         })
     }
@@ -427,7 +465,11 @@ impl Connection {
         let mut builder = tonic::transport::Endpoint::from_shared(ep.to_string())
             .map_err(bad)?
             .connect_timeout(Duration::from_secs(5))
-            .tcp_nodelay(true);
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(self.keepalive.time)
+            .keep_alive_timeout(self.keepalive.timeout)
+            // A client between calls notices too, not only a worker's stream.
+            .keep_alive_while_idle(true);
         if ep.secure() {
             builder = builder
                 .tls_config(self.tls.tonic.clone().domain_name(ep.host.clone()))

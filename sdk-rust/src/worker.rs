@@ -233,6 +233,8 @@ struct State {
     freed: u32,
     beat_due: bool,
     stopping: bool,
+    /// The current stream's side is closed: nothing more can be reported on it.
+    closed: bool,
     processed: u64,
 }
 
@@ -344,6 +346,7 @@ impl Worker {
                     freed: 0,
                     beat_due: false,
                     stopping: false,
+                    closed: false,
                     processed: 0,
                 }),
             }),
@@ -541,6 +544,14 @@ impl Shared {
         self.st.lock().unwrap().finished()
     }
 
+    /// Marks the stream's side closed when the worker is finished: a task that arrives from
+    /// then on cannot be reported, so it is dropped (the server releases it).
+    fn close_if_finished(&self) -> bool {
+        let mut st = self.st.lock().unwrap();
+        st.closed = st.finished();
+        st.closed
+    }
+
     /// The graceful stop: running tasks finish within the grace, the others are cancelled
     /// and released.
     async fn finish_running(&self) {
@@ -683,6 +694,7 @@ impl Shared {
             let unanswered: Vec<_> = st.unacked.values().cloned().collect(); // what an earlier stream did not answer
             st.outcomes = unanswered;
             st.freed = 0;
+            st.closed = false;
             let free = if st.stopping {
                 0
             } else {
@@ -744,7 +756,14 @@ impl Shared {
             {
                 return; // the stream ended: the reader sees why
             }
-            if self.is_finished() {
+            if self.close_if_finished() {
+                // Closing: every outcome is answered; a task sent from now on is dropped, and
+                // the server, told so, releases it as the stream ends.
+                let closing = proto::WorkRequest {
+                    closing: true,
+                    ..Default::default()
+                };
+                let _ = tx.send(closing).await;
                 return; // dropping tx closes the send side
             }
             tokio::select! {
@@ -836,6 +855,14 @@ impl Shared {
                 }
             }
             for task in answer.tasks {
+                if st.closed {
+                    // Sent as the stream closed: the server releases it, as nothing can be sent.
+                    tracing::debug!(
+                        task_id = task.id,
+                        "cronoq: task arrived after the work stream closed; the server releases it"
+                    );
+                    continue;
+                }
                 if st.stopping {
                     // Sent for slots given before the stop: give it back.
                     st.freed += 1;

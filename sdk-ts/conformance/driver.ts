@@ -26,6 +26,7 @@ interface Input {
   insecure_redirect_http?: boolean;
   retry?: { initial_backoff_ms?: number; max_backoff_ms?: number; max_elapsed_ms?: number | null };
   timeout_ms?: number;
+  keepalive?: { time_ms: number; timeout_ms: number } | null;
   steps: Step[];
 }
 
@@ -64,6 +65,7 @@ function options(input: Input): ConnectionOptions {
       maxElapsedMs: retry.max_elapsed_ms ?? -1, // null: no bound
     },
     timeoutMs: input.timeout_ms,
+    keepalive: input.keepalive ? { timeMs: input.keepalive.time_ms, timeoutMs: input.keepalive.timeout_ms } : undefined,
     logger,
   };
 }

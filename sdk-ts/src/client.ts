@@ -4,6 +4,8 @@ import { randomBytes } from "node:crypto";
 import { status as Status, type Metadata, type StatusObject } from "@grpc/grpc-js";
 import type { TaskEvent, TaskRef as TaskRefProto, Task, TaskState } from "./gen/cronoq/v1/task.js";
 import {
+  GetTaskRequest,
+  ListTasksRequest,
   SubmitTaskRequest,
   type CancelTaskResponse,
   type GetTaskResponse,
@@ -146,7 +148,7 @@ export class Client {
   }
 
   async get(ref: TaskRef, opts: CallOptions = {}): Promise<Task> {
-    const req = { task: refProto(ref) };
+    const req = GetTaskRequest.fromPartial({ task: refProto(ref) });
     const resp = await this.conn.invoke<GetTaskResponse>("GetTask", (c, md, o, cb) => c.task.getTask(req, md, o, cb), this.conn.timeoutMs, opts.signal);
     return resp.task!;
   }
@@ -168,7 +170,7 @@ export class Client {
 
   /** One page of tasks (nextPageToken: the next page's, "" after the last). */
   async list(opts: ListOptions & CallOptions = {}): Promise<ListTasksResponse> {
-    const req = { pool: opts.pool ?? "", state: opts.state ?? 0, pageSize: opts.pageSize ?? 100, pageToken: opts.pageToken ?? "" };
+    const req = ListTasksRequest.fromPartial({ pool: opts.pool ?? "", state: opts.state ?? 0, pageSize: opts.pageSize ?? 100, pageToken: opts.pageToken ?? "" });
     return this.conn.invoke<ListTasksResponse>("ListTasks", (c, md, o, cb) => c.task.listTasks(req, md, o, cb), this.conn.timeoutMs, opts.signal);
   }
 

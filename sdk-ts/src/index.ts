@@ -13,8 +13,8 @@ export {
 } from "./worker.js";
 export type { Handler, WorkerOptions } from "./worker.js";
 export { checkRedirect, Endpoint } from "./endpoint.js";
-export { backoffMs, consoleLogger, MAX_MESSAGE_BYTES, retryWithDefaults } from "./transport.js";
-export type { ConnectionOptions, Logger, Retry, RetryConfig, TlsOptions } from "./transport.js";
+export { backoffMs, consoleLogger, DEFAULT_KEEPALIVE, MAX_MESSAGE_BYTES, retryWithDefaults } from "./transport.js";
+export type { ConnectionOptions, KeepaliveConfig, Logger, Retry, RetryConfig, TlsOptions } from "./transport.js";
 export * from "./errors.js";
 export { decodePayload, decodeResult, encodePayload, JSON_CONTENT_TYPE } from "./payload.js";
 export { TaskState, taskStateToJSON } from "./gen/cronoq/v1/task.js";

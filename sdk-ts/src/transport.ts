@@ -37,6 +37,23 @@ export interface RetryConfig {
   maxElapsedMs?: number;
 }
 
+/**
+ * The channels' HTTP/2 keepalive: a connection quiet for timeMs is pinged, with or without a
+ * call open, and dropped when the ping is not answered within timeoutMs. A server that vanished
+ * without closing the connection (a crash, a partition) is then noticed in timeMs + timeoutMs,
+ * not the kernel's TCP timeout, and its calls fail UNAVAILABLE, retried like any other (the next
+ * endpoint, the leader named). A cronoq server sends GOAWAY (too_many_pings) to a client that
+ * pings more often than every 10 s: keep timeMs at 10 s or more against it.
+ */
+export interface KeepaliveConfig {
+  /** DEFAULT_KEEPALIVE.timeMs (20 s) when absent. */
+  timeMs?: number;
+  /** DEFAULT_KEEPALIVE.timeoutMs (10 s) when absent. */
+  timeoutMs?: number;
+}
+
+export const DEFAULT_KEEPALIVE = { timeMs: 20_000, timeoutMs: 10_000 } as const;
+
 /** PEM files for https:// endpoints, kept for every endpoint, redirects included. */
 export interface TlsOptions {
   /** The CA bundle the server's certificate must chain to; Node's roots when absent. */
@@ -71,6 +88,7 @@ export interface ConnectionOptions {
   /** Follow redirects to plain http:// on non-loopback hosts with the token (trusted networks only). */
   insecureRedirectHttp?: boolean;
   retry?: RetryConfig;
+  keepalive?: KeepaliveConfig;
   /** Per call; 30 s when absent, none when 0. */
   timeoutMs?: number;
   logger?: Logger;
@@ -151,6 +169,7 @@ function loadTls(opts: TlsOptions | undefined): TlsMaterial {
 export class Connection {
   readonly configured: Endpoint[];
   readonly retry: Retry;
+  readonly keepalive: Required<KeepaliveConfig>;
   readonly timeoutMs: number;
   readonly log: Logger;
   readonly token: string;
@@ -168,6 +187,10 @@ export class Connection {
     this.token = opts.token ?? "";
     this.insecureRedirectHttp = opts.insecureRedirectHttp ?? false;
     this.retry = retryWithDefaults(opts.retry);
+    this.keepalive = {
+      timeMs: opts.keepalive?.timeMs ?? DEFAULT_KEEPALIVE.timeMs,
+      timeoutMs: opts.keepalive?.timeoutMs ?? DEFAULT_KEEPALIVE.timeoutMs,
+    };
     this.timeoutMs = opts.timeoutMs ?? 30_000;
     this.log = opts.logger ?? consoleLogger;
     this.current = this.configured[0]!;
@@ -198,6 +221,10 @@ export class Connection {
         // Reconnect as fast as the SDK's own retries, not gRPC's default (1 s, growing to 2 min).
         "grpc.initial_reconnect_backoff_ms": this.retry.initialBackoffMs,
         "grpc.max_reconnect_backoff_ms": this.retry.maxBackoffMs,
+        "grpc.keepalive_time_ms": this.keepalive.timeMs,
+        "grpc.keepalive_timeout_ms": this.keepalive.timeoutMs,
+        // A client between calls notices too, not only a worker's stream.
+        "grpc.keepalive_permit_without_calls": 1,
       };
       const task = new TaskServiceClient(ep.target, creds, options);
       // The worker service shares the task service's channel.

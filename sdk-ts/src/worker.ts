@@ -216,6 +216,7 @@ export class Worker {
   private freed = 0; // slots freed, not yet given as credits
   private beatDue = false;
   private stopping = false;
+  private closed = false; // the current stream's side is closed: nothing more can be reported
   private processedCount = 0;
 
   constructor(opts: WorkerOptions, private readonly handler: Handler) {
@@ -436,6 +437,7 @@ export class Worker {
     this.calls.signal.addEventListener("abort", onCallsAbort, { once: true });
     this.outcomes = [...this.unacked.values()]; // what an earlier stream did not answer
     this.freed = 0;
+    this.closed = false;
     const free = this.stopping ? 0 : this.concurrency - this.running.size;
     const first = WorkRequest.fromPartial({ workerId: this.workerId, credits: Math.max(free, 0), maxBytes: BigInt(this.leaseBytes) });
     if (this.outcomes.length > 0) this.wake.notify(); // sent right after the first message
@@ -478,6 +480,10 @@ export class Worker {
         }
       }
       if (this.finished()) {
+        // Closing: every outcome is answered; a task sent from now on is dropped, and the
+        // server, told so, releases it as the stream ends.
+        this.closed = true;
+        call.write(WorkRequest.fromPartial({ closing: true }));
         call.end();
         return;
       }
@@ -546,6 +552,10 @@ export class Worker {
       if (!r.accepted) this.conn.log.warn("cronoq: outcome refused", { task_id: r.taskId.toString(), code: r.code, message: r.message });
     }
     for (const task of answer.tasks) {
+      if (this.closed) { // sent as the stream closed: the server releases it, as nothing can be sent
+        this.conn.log.debug("cronoq: task arrived after the work stream closed; the server releases it", { task_id: task.id.toString() });
+        continue;
+      }
       if (this.stopping) { // sent for slots given before the stop: give it back
         this.freed++;
         this.queue(TaskOutcome.fromPartial({ taskId: task.id, attempt: task.attempt, released: { reason: RELEASE_REASON } }));

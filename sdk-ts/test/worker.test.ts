@@ -14,8 +14,8 @@ import {
 } from "@grpc/grpc-js";
 import {
   TaskServiceService,
+  GetTaskResponse,
   type GetTaskRequest,
-  type GetTaskResponse,
   type WatchRequest,
   type WatchResponse,
 } from "../src/gen/cronoq/v1/task_service.js";
@@ -142,7 +142,7 @@ class FakeShard {
           cb({ code: Status.NOT_FOUND, details: `no task ${id}`, metadata: md });
           return;
         }
-        cb(null, { task: Task.fromPartial({ id, state: TaskState.TASK_STATE_RUNNING }), unavailableShards: [] });
+        cb(null, GetTaskResponse.fromPartial({ task: Task.fromPartial({ id, state: TaskState.TASK_STATE_RUNNING }) }));
       },
     });
   }

@@ -19,14 +19,14 @@ from cronoq.v1 import worker_service_pb2
 
 from . import __version__
 from .auth import Authenticator, Principal
-from .config import UNSHARDED, Config
+from .config import PERMISSIONS, UNSHARDED, Config
 from .core.events import EVENT_RETENTION_EVERY_S, SEQUENCE_EVERY_S, EventBus
 from .core.leases import NUDGE_EVERY_S, Leases
 from .core.maintenance import Periodic, Services
 from .core.resources import ResourceGate
 from .core.retry import make_retry_at
 from .core.schedules import Schedules
-from .core.tasks import Tasks
+from .core.tasks import Tasks, now_us
 from .errors import ApiError
 from .leader import FileLeadership, PgLeadership
 from .metrics import LEADER, LEADER_TERM, TASKS_SUBMITTED, WORKERS
@@ -67,7 +67,7 @@ class Node:
                 self.store.url, self.store.schema, self.advertise, self.server_id, self.events.nudge_leasers
             )
         else:
-            self.leadership = FileLeadership(self._store_path(), self.advertise)
+            self.leadership = FileLeadership(self._store_path(), self.advertise, self.server_id)
         self.tasks = Tasks(config, self.store, self.events, self.shard_name, self.shard_number, self.pools)
         self.gate = ResourceGate(r for r in config.resources if r.shard in (None, self.shard_name))
         self.leases = Leases(
@@ -276,10 +276,9 @@ class Node:
                 reason="NOT_LEADER",
                 retry_delay=0.1,
             )
-        if rpc.permission is not None and rpc.permission not in caller.permissions:
-            raise ApiError(
-                grpc.StatusCode.PERMISSION_DENIED, f"{caller.name!r} lacks permission {rpc.permission!r} ({method})"
-            )
+        if not rpc.admits(caller.permissions):
+            wanted = repr(rpc.permission) + (f" or {rpc.or_permission!r}" if rpc.or_permission else "")
+            raise ApiError(grpc.StatusCode.PERMISSION_DENIED, f"{caller.name!r} lacks permission {wanted} ({method})")
 
     @contextlib.contextmanager
     def in_flight(self) -> Iterator[None]:
@@ -348,28 +347,47 @@ class Node:
             advertise=self.advertise,
             leader=self.advertise if self.is_leader else self.leadership.current_leader(),
             term=self.leadership.term if self.is_leader else 0,
+            caller=admin_pb.Caller(
+                name=caller.name,
+                all_pools=caller.pools is None,
+                pools=sorted(caller.pools or ()),
+                permissions=[p for p in PERMISSIONS if p in caller.permissions],
+            ),
         )
 
     async def get_snapshot(self, req: admin_pb.GetSnapshotRequest, caller: Principal) -> admin_pb.GetSnapshotResponse:
+        """The pools the caller may read or administer, the workers that serve them, and (with
+        admin) the shard's resources."""
         counts = await self.store.count_by_pool_and_state()
         snap = admin_pb.ShardSnapshot(
             shard=self.shard_name, number=self.shard_number, leader=self.advertise, term=self.leadership.term
         )
-        for pool in self.pools:
-            if not (caller.may("read", pool) or caller.may("admin", pool)):
-                continue
+        shown = [p for p in self.pools if caller.may("read", p) or caller.may("admin", p)]
+        for pool in shown:
             pc = admin_pb.PoolCounts(pool=pool)
             for state in State:
                 setattr(pc, state.name.lower(), counts.get((pool, state), 0))
             snap.pools.append(pc)
-        for usage in self.gate.usage():
-            snap.resources.append(
-                admin_pb.ResourceUsage(
-                    name=usage.name, in_use=usage.in_use, capacity=usage.capacity, rate=usage.rate, burst=usage.burst
+        for series in self.events.activity.series(shown, now_us()):
+            snap.activity.append(
+                admin_pb.PoolActivity(
+                    pool=series.pool, start_unix_ms=series.start_unix_ms, bucket_ms=series.bucket_ms, **series.columns
                 )
             )
+        if "admin" in caller.permissions:
+            for usage in self.gate.usage():
+                snap.resources.append(
+                    admin_pb.ResourceUsage(
+                        name=usage.name,
+                        in_use=usage.in_use,
+                        capacity=usage.capacity,
+                        rate=usage.rate,
+                        burst=usage.burst,
+                    )
+                )
         workers = await self.leases.list_workers(worker_service_pb2.ListWorkersRequest(), caller)
         snap.workers.extend(workers.workers)
+        snap.standbys.extend(await self.leadership.standbys())
         return admin_pb.GetSnapshotResponse(shards=[snap])
 
     async def _set_worker_gauges(self) -> None:

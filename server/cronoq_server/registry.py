@@ -80,6 +80,12 @@ class Rpc:
     standby: bool
     routing: str
     http: tuple[HttpRoute, ...]
+    or_permission: str | None = None  # enough instead of `permission`
+
+    def admits(self, permissions: frozenset[str]) -> bool:
+        """Whether a caller holding these permissions (on some pool) may make the call at all."""
+        wanted = (self.permission, self.or_permission)
+        return self.permission is None or any(p is not None and p in permissions for p in wanted)
 
     @property
     def path(self) -> str:
@@ -125,6 +131,7 @@ def _rpc(method: MethodDescriptor) -> Rpc:
         standby=rule.standby,
         routing=ROUTINGS[rule.routing],
         http=tuple(_http_route(method, r) for r in rule.http),
+        or_permission=PERMISSIONS[rule.or_permission],
     )
 
 

@@ -240,13 +240,17 @@ class ShardRouter:
         key = request.task.key  # type: ignore[attr-defined]
         if "read" not in call.caller.permissions:  # as on one shard: a task the caller cannot read is not found
             raise not_found(f"no task with key {key!r}")
-        lookup = task_pb.GetTaskRequest(task=task_pb2.TaskRef(key=key))
+        lookup = task_pb.GetTaskRequest(
+            task=task_pb2.TaskRef(key=key), include_dependents=getattr(request, "include_dependents", False)
+        )
         answers = await self._ask(self.rpcs["GetTask"], {s.name: lookup for s in self.shards}, call)
         found: dict[str, task_pb2.Task] = {}
+        dependents: dict[str, list[int]] = {}
         missing: list[str] = []
         for name, answer in answers.items():
             if not isinstance(answer, ApiError):
                 found[name] = answer.task  # type: ignore[attr-defined]
+                dependents[name] = list(answer.dependents)  # type: ignore[attr-defined]
             elif _missing(answer):
                 missing.append(name)
             elif answer.code != grpc.StatusCode.NOT_FOUND:
@@ -265,7 +269,7 @@ class ShardRouter:
             raise not_found(f"no task with key {key!r}")
         (holder, task), unavailable = next(iter(found.items())), {"unavailable_shards": missing}
         if rpc.name == "GetTask":
-            return task_pb.GetTaskResponse(task=task, **unavailable)
+            return task_pb.GetTaskResponse(task=task, dependents=dependents[holder], **unavailable)
         shard = self._by_name[holder]
         if rpc.name == "CancelTask":  # by id: the task found, even if its key was reused since
             request = task_pb.CancelTaskRequest(task=task_pb2.TaskRef(id=task.id))

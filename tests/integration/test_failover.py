@@ -293,3 +293,22 @@ def test_lease_long_poll_wakes_on_notify_or_falls_back_to_polling(start_server, 
     waited = time.monotonic() - started
     assert len(leased) == 1
     assert waited < (0.3 if notify else 1.5), f"leased after {waited:.2f}s"
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_the_snapshot_names_the_standbys_and_forgets_one_that_stopped(start_server, tmp_path, request, kind):
+    if kind == "postgres":
+        config = pg_config(request.getfixturevalue("postgres"))
+    else:
+        config = {"store": {"path": str(tmp_path / "shared.db")}, "pools": [{"name": "default"}]}
+    leader, *standbys = start_replicas(start_server, config, n=3)
+
+    def named() -> list[str]:
+        status, body = leader.http("GET", "/v1/snapshot")
+        assert status == 200, body
+        return sorted(body["shards"][0].get("standbys", []))
+
+    advertised = sorted(s.endpoint for s in standbys)
+    eventually(lambda: named() == advertised, timeout=10, what=f"standbys {advertised} named")
+    standbys[0].kill()
+    eventually(lambda: named() == [standbys[1].endpoint], timeout=15, what="the stopped standby forgotten")

@@ -693,6 +693,11 @@ def check_snapshot(env: Env, tok: Tok, target: Target, out: Outcome) -> list[str
     worker_pools = {p for s in shards for w in s.get("workers", []) for p in w.get("pools", [])}
     if not worker_pools <= readable:
         problems.append(f"snapshot shows workers of pools {sorted(worker_pools - readable)}")
+    activity = sorted(a["pool"] for s in shards for a in s.get("activity", []))
+    if activity != sorted(shown):
+        problems.append(f"snapshot activity of pools {activity}, want {sorted(shown)}")
+    if "admin" not in tok.perms and any(s.get("resources") for s in shards):
+        problems.append("snapshot shows resources to a caller without admin")
     return problems
 
 
@@ -1065,7 +1070,7 @@ def admin_rows() -> list[Call]:
         Call(
             "GetSnapshot",
             "admin",
-            holds("admin"),
+            lambda tok: OK if {"admin", "read"} & set(tok.perms) else DENIED,
             lambda env, t, md: env.admin.GetSnapshot(apb.GetSnapshotRequest(), metadata=md, timeout=TIMEOUT),
             lambda env, t: ("GET", "/v1/snapshot", None),
             pure=True,

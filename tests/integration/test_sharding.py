@@ -416,6 +416,13 @@ def test_lookups_by_key_ask_every_shard(shards: TwoShards) -> None:
     assert status == 200 and body["task"]["id"] == str(only_llm.id), body
     status, _, body = http(shards.gpu, "GET", "/v1/keys/both")
     assert status == 409 and "use the task id" in body["message"], body
+    # A listing by key shows each shard's task with that key (what a key names in several shards).
+    status, _, body = http(shards.gpu, "GET", "/v1/tasks?key=both")
+    assert status == 200 and [t["id"] for t in body["tasks"]] == [str(t.id) for t in both], body
+    listed = cpu.tasks.ListTasks(tpb.ListTasksRequest(key="both"), metadata=bearer("default-only"))
+    assert [t.id for t in listed.tasks] == [both[0].id]
+    listed = cpu.tasks.ListTasks(tpb.ListTasksRequest(key="both", pool="llm"), metadata=bearer("full"))
+    assert [t.id for t in listed.tasks] == [both[1].id]
 
 
 def test_listings_page_across_shards_in_id_order(shards: TwoShards) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import urllib.request
 from pathlib import Path
@@ -12,7 +13,8 @@ import pytest
 from _helpers import Api, eventually, log_lines, start_worker, store_table
 
 from cronoq.v1 import admin_service_pb2 as apb
-from cronoq.v1 import admin_service_pb2_grpc
+from cronoq.v1 import admin_service_pb2_grpc, task_pb2
+from cronoq.v1 import task_service_pb2 as tpb
 from cronoq.v1 import worker_service_pb2 as wpb
 
 
@@ -73,3 +75,91 @@ def test_silent_workers_are_reaped(start_server: Any, kind: str, request: pytest
     with pytest.raises(grpc.RpcError) as err:
         api.lease(silent)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND  # it registers again
+
+
+def test_snapshot_activity_counts_submissions_starts_and_outcomes_per_pool(start_server: Any) -> None:
+    srv = start_server({"pools": [{"name": "default"}, {"name": "quiet"}]})
+    api = Api(srv.grpc_target)
+    admin = admin_service_pb2_grpc.AdminServiceStub(api.channel)
+    for _ in range(3):
+        api.submit()
+    worker = api.register()
+    tasks = api.lease(worker)
+    assert len(tasks) == 3
+    api.succeed(worker, tasks[0])
+    api.succeed(worker, tasks[1])
+    api.fail(worker, tasks[2], retryable=False)
+
+    def totals() -> dict[str, dict[str, float]]:
+        shard = admin.GetSnapshot(apb.GetSnapshotRequest()).shards[0]
+        out = {}
+        for a in shard.activity:
+            assert a.bucket_ms == 5000 and len(a.submitted) == len(a.start_latency_max_ms) == 120
+            assert a.start_unix_ms % 5000 == 0
+            fields = ("submitted", "started", "succeeded", "failed", "start_latency_sum_ms")
+            out[a.pool] = {f: sum(getattr(a, f)) for f in fields}
+        return out
+
+    got = eventually(lambda: (t := totals())["default"]["failed"] == 1 and t, what="the outcomes are counted")
+    assert {k: v for k, v in got["default"].items() if k != "start_latency_sum_ms"} == {
+        "submitted": 3,
+        "started": 3,
+        "succeeded": 2,
+        "failed": 1,
+    }
+    assert got["default"]["start_latency_sum_ms"] > 0
+    assert set(got["quiet"].values()) == {0}
+
+
+def test_a_read_token_sees_its_pools_in_the_snapshot_and_no_resources_and_its_grants_in_server_info(
+    start_server: Any,
+) -> None:
+    def token(name: str, pools: list[str], permissions: list[str]) -> dict[str, Any]:
+        return {
+            "name": name,
+            "sha256": hashlib.sha256(name.encode()).hexdigest(),
+            "pools": pools,
+            "permissions": permissions,
+        }
+
+    srv = start_server(
+        {
+            "pools": [{"name": "a"}, {"name": "b"}],
+            "resources": [{"name": "gpu", "concurrency": 2}],
+            "tokens": [token("reader-a", ["a"], ["read"]), token("ops", ["*"], ["admin", "cancel"])],
+        }
+    )
+    admin = admin_service_pb2_grpc.AdminServiceStub(grpc.insecure_channel(srv.grpc_target))
+
+    def as_(name: str) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {name}")]
+
+    shard = admin.GetSnapshot(apb.GetSnapshotRequest(), metadata=as_("reader-a")).shards[0]
+    assert [p.pool for p in shard.pools] == ["a"] and [a.pool for a in shard.activity] == ["a"]
+    assert list(shard.resources) == []
+    caller = admin.GetServerInfo(apb.GetServerInfoRequest(), metadata=as_("reader-a")).caller
+    assert (caller.name, caller.all_pools, list(caller.pools), list(caller.permissions)) == (
+        "reader-a",
+        False,
+        ["a"],
+        ["read"],
+    )
+    shard = admin.GetSnapshot(apb.GetSnapshotRequest(), metadata=as_("ops")).shards[0]
+    assert [p.pool for p in shard.pools] == ["a", "b"] and [r.name for r in shard.resources] == ["gpu"]
+    caller = admin.GetServerInfo(apb.GetServerInfoRequest(), metadata=as_("ops")).caller
+    assert caller.all_pools and list(caller.permissions) == ["cancel", "admin"]
+
+
+def test_get_task_lists_its_dependents_when_asked(start_server: Any) -> None:
+    srv = start_server({"pools": [{"name": "default"}, {"name": "other"}]})
+    api = Api(srv.grpc_target)
+    first = api.submit(key="first")
+    second = api.submit(depends_on=[first.id])
+    third = api.submit(pool="other", depends_on=["first"])
+    asked = api.tasks.GetTask(tpb.GetTaskRequest(task=task_pb2.TaskRef(id=first.id), include_dependents=True))
+    assert list(asked.dependents) == [second.id, third.id]
+    assert list(api.tasks.GetTask(tpb.GetTaskRequest(task=task_pb2.TaskRef(id=first.id))).dependents) == []
+    by_key = api.tasks.GetTask(tpb.GetTaskRequest(task=task_pb2.TaskRef(key="first"), include_dependents=True))
+    assert list(by_key.dependents) == [second.id, third.id]
+    with urllib.request.urlopen(f"{srv.http_url}/v1/tasks/{first.id}?include_dependents=true", timeout=5) as r:
+        assert json.loads(r.read())["dependents"] == [str(second.id), str(third.id)]

@@ -291,6 +291,10 @@ def test_certificate_and_token_over_https(mtls: TlsServer, certs: Certs) -> None
     assert (status, body["code"]) == (401, "UNAUTHENTICATED") and "'CN=stranger'" in body["message"]
     assert mtls.https("POST", "/v1/tasks", {"pool": "other"}, client=certs.stranger, token=ADMIN_TOKEN)[0] == 200
     assert mtls.https("GET", "/healthz", client=certs.stranger)[0] == 200  # open, but only over a verified connection
+    # The dashboard learns who it serves from /v1/info: the certificate's principal and grants.
+    status, body = mtls.https("GET", "/v1/info", client=certs.a)
+    assert status == 200 and body["caller"]["name"] == "CN=worker-a", body
+    assert body["caller"]["pools"] == ["default"] and not body["caller"]["all_pools"]
 
 
 async def test_unknown_subject_is_unauthenticated_in_the_sdk(mtls: TlsServer, certs: Certs) -> None:

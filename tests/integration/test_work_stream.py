@@ -21,6 +21,7 @@ from cronoq.v1 import task_pb2, task_service_pb2
 from cronoq.v1 import worker_service_pb2 as wpb
 
 QUIET_S = 0.4  # no message within this: none is coming
+LEASE_TTL_S = 30.0  # the default pool's lease_ttl
 
 
 class Stream:
@@ -264,13 +265,97 @@ def test_a_stream_whose_lease_expired_gets_no_task_until_its_worker_speaks_again
     healthy.send(outcomes=[success(again), success(pushed)])
     healthy.collect(results=2)
     healthy.close()
-    # Once its stream has ended: a task submitted while the server has not yet read the close
-    # could still be leased to it (a worker that closes its side gets nothing more only after).
+    # Once its stream has ended: a task leased to it before the server read its close comes
+    # back only as the stream ends (given back, as it was never reported).
     assert healthy.next() == "ended"
     late = api.submit()
     (served,), _ = hung.collect(tasks=1)
     assert served.id == late.id
     hung.close()
+
+
+def test_a_task_sent_to_a_worker_that_closed_its_side_is_released_at_once(api: Api) -> None:
+    """A task and the worker's closing cross on the wire: the worker never runs it, and the
+    server gives it back as the stream ends, not at the lease's expiry (30 s), so another
+    worker runs it once."""
+    closing = Stream(api, wpb.WorkRequest(worker_id=api.register(), credits=1))
+    task = api.submit()
+    (sent,), _ = closing.collect(tasks=1)
+    assert sent.id == task.id
+    started = time.monotonic()
+    closing.send(closing=True)  # without reporting it: the worker was closing when it arrived
+    closing.close()
+    assert closing.next() == "ended"
+    assert api.get(task.id).state == task_pb2.TASK_STATE_PENDING  # once the stream has ended
+    other = Stream(api, wpb.WorkRequest(worker_id=api.register(), credits=1))
+    (again,), _ = other.collect(tasks=1)
+    assert again.id == task.id and time.monotonic() - started < LEASE_TTL_S / 3
+    other.send(outcomes=[success(again)])
+    other.collect(results=1)
+    assert api.get(task.id).state == task_pb2.TASK_STATE_SUCCEEDED and other.quiet()
+    other.close()
+
+
+def test_a_stream_that_closes_while_a_task_is_leased_to_it_strands_nothing(api: Api) -> None:
+    """Each round, a worker closes its side just as a task is submitted, so the close races the
+    lease (read before it, during it, or after the task was sent): however it falls, the task
+    runs once on the other worker, promptly rather than after the lease's expiry."""
+    runner = Stream(api, wpb.WorkRequest(worker_id=api.register(), credits=0))  # asks once the close is sent
+    for _ in range(10):
+        closing = Stream(api, wpb.WorkRequest(worker_id=api.register(), credits=1))
+        time.sleep(0.05)  # mostly waiting for work by now; either way the lease races the close
+        task = api.submit()
+        closing.send(closing=True)
+        closing.close()
+        started = time.monotonic()
+        runner.send(credits=1)
+        (ran,), _ = runner.collect(tasks=1, timeout=LEASE_TTL_S / 3)
+        assert ran.id == task.id and time.monotonic() - started < LEASE_TTL_S / 3
+        runner.send(outcomes=[success(ran)])
+        runner.collect(results=1)
+        assert api.get(task.id).state == task_pb2.TASK_STATE_SUCCEEDED
+        ended = closing.next()
+        while isinstance(ended, wpb.WorkResponse):  # the task, sent before the close was read
+            assert [t.id for t in ended.tasks] == [task.id], ended
+            ended = closing.next()
+        assert ended == "ended"
+    assert runner.quiet()
+    runner.close()
+
+
+def test_a_stream_closed_without_its_workers_closing_keeps_its_leases(api: Api) -> None:
+    """A worker that closes its side without WorkRequest.closing (one from before it) may still
+    be running what it was sent: the tasks stay its own, and it reports them on a next stream."""
+    worker = api.register()
+    older = Stream(api, wpb.WorkRequest(worker_id=worker, credits=1))
+    task = api.submit()
+    (sent,), _ = older.collect(tasks=1)
+    older.close()
+    assert older.next() == "ended"
+    assert api.get(task.id).state == task_pb2.TASK_STATE_RUNNING
+    again = Stream(api, wpb.WorkRequest(worker_id=worker, outcomes=[success(sent)]))
+    _, (result,) = again.collect(results=1)
+    assert result.accepted and api.get(task.id).state == task_pb2.TASK_STATE_SUCCEEDED
+    again.close()
+
+
+def test_a_stream_cut_without_its_workers_close_keeps_its_leases(api: Api) -> None:
+    """A stream that fails (a call cancelled, a connection lost) says nothing of the worker's
+    tasks: it may run them still and report them on its next stream, so they stay its own."""
+    worker = api.register()
+    cut = Stream(api, wpb.WorkRequest(worker_id=worker, credits=1))
+    task = api.submit()
+    (sent,), _ = cut.collect(tasks=1)
+    cut.call.cancel()
+    deadline = time.monotonic() + 10
+    while open_streams(api) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert open_streams(api) == 0
+    assert api.get(task.id).state == task_pb2.TASK_STATE_RUNNING
+    again = Stream(api, wpb.WorkRequest(worker_id=worker, outcomes=[success(sent)]))
+    _, (result,) = again.collect(results=1)
+    assert result.accepted and api.get(task.id).state == task_pb2.TASK_STATE_SUCCEEDED
+    again.close()
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])

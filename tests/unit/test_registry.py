@@ -44,7 +44,9 @@ def test_permissions_are_declared_and_only_server_info_needs_none() -> None:
     none = [r.name for r in registry().values() if r.permission is None]
     assert none == ["GetServerInfo"]
     assert [r.name for r in registry().values() if r.standby] == ["GetServerInfo"]
-    assert registry()["GetSnapshot"].permission == "admin"
+    snapshot = registry()["GetSnapshot"]
+    assert (snapshot.permission, snapshot.or_permission) == ("admin", "read")
+    assert [r.name for r in registry().values() if r.or_permission] == ["GetSnapshot"]
     assert {registry()[n].permission for n in ("PutSchedule", "DeleteSchedule")} == {"schedule"}
 
 

@@ -34,6 +34,7 @@ def options(case: dict[str, Any]) -> dict[str, Any]:
     tls = case.get("tls")
     retry = case.get("retry", {})
     elapsed = retry.get("max_elapsed_ms")
+    keepalive = case.get("keepalive")
     return {
         "token": case.get("token"),
         "tls": cronoq.TlsConfig(ca=tls.get("ca"), cert=tls.get("cert"), key=tls.get("key")) if tls else None,
@@ -41,6 +42,11 @@ def options(case: dict[str, Any]) -> dict[str, Any]:
             initial_backoff=retry.get("initial_backoff_ms", 20) / 1000,
             max_backoff=retry.get("max_backoff_ms", 200) / 1000,
             max_elapsed=None if elapsed is None else elapsed / 1000,
+        ),
+        **(
+            {"keepalive": cronoq.KeepaliveConfig(keepalive["time_ms"] / 1000, keepalive["timeout_ms"] / 1000)}
+            if keepalive
+            else {}
         ),
     }
 

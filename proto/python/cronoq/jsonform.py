@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
+
+from cronoq.v1 import task_pb2
 
 JSON_CONTENT_TYPE = "application/json"
 
@@ -50,4 +53,65 @@ def to_dict(msg: Message) -> dict[str, Any]:
         task_dict(out["schedule"])
     for schedule in out.get("schedules", []):
         task_dict(schedule)
+    return out
+
+
+# -- a fast path for the one message streamed in bulk (Watch over SSE) ----------------------
+
+_STATE_NAMES = {v.number: v.name for v in task_pb2.TaskState.DESCRIPTOR.values}
+_TIMESTAMPS = ("run_at", "created_at", "started_at", "finished_at", "lease_expires_at")
+
+
+def _timestamp(ts: Any) -> str:
+    """Timestamp.ToJsonString (0, 3, 6 or 9 fractional digits) for a timestamp in its valid
+    range, without its validation and datetime arithmetic."""
+    base = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts.seconds))
+    nanos = ts.nanos
+    if nanos == 0:
+        return base + "Z"
+    if nanos % 1_000_000 == 0:
+        return f"{base}.{nanos // 1_000_000:03d}Z"
+    if nanos % 1_000 == 0:
+        return f"{base}.{nanos // 1_000:06d}Z"
+    return f"{base}.{nanos:09d}Z"
+
+
+def task_to_dict(task: task_pb2.Task, include_payloads: bool = True) -> dict[str, Any]:
+    """to_dict(task) (then task_dict), written out for Task: the same keys and values as
+    json_format gives, several times faster. Without include_payloads, payload, payload_json,
+    result and result_json are left out."""
+    out: dict[str, Any] = {
+        "id": str(task.id),
+        "pool": task.pool,
+        "key": task.key,
+        "content_type": task.content_type,
+        "priority": task.priority,
+        "max_attempts": task.max_attempts,
+        "depends_on": [str(d) for d in task.depends_on],
+        "resources": {k: str(v) for k, v in task.resources.items()},
+        "state": _STATE_NAMES.get(task.state, task.state),
+        "attempt": task.attempt,
+        "worker_id": task.worker_id,
+        "error": task.error,
+        "cancel_requested": task.cancel_requested,
+        "result_content_type": task.result_content_type,
+        "timeout_ms": str(task.timeout_ms),
+    }
+    for name in _TIMESTAMPS:
+        if task.HasField(name):  # type: ignore[arg-type]
+            out[name] = _timestamp(getattr(task, name))
+    if include_payloads:
+        out["payload"] = base64.b64encode(task.payload).decode()
+        out["result"] = base64.b64encode(task.result).decode()
+        task_dict(out)
+    return out
+
+
+def task_event_to_dict(event: task_pb2.TaskEvent, include_payloads: bool = True) -> dict[str, Any]:
+    """to_dict of a TaskEvent, by task_to_dict."""
+    out: dict[str, Any] = {"shard": event.shard, "seq": str(event.seq), "cursor": event.cursor}
+    if event.HasField("task"):
+        out["task"] = task_to_dict(event.task, include_payloads)
+    if event.HasField("time"):
+        out["time"] = _timestamp(event.time)
     return out

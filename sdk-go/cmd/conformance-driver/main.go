@@ -38,8 +38,12 @@ type input struct {
 		MaxBackoffMs     int64  `json:"max_backoff_ms"`
 		MaxElapsedMs     *int64 `json:"max_elapsed_ms"`
 	} `json:"retry"`
-	TimeoutMs int64  `json:"timeout_ms"`
-	Steps     []step `json:"steps"`
+	TimeoutMs int64 `json:"timeout_ms"`
+	Keepalive *struct {
+		TimeMs    int64 `json:"time_ms"`
+		TimeoutMs int64 `json:"timeout_ms"`
+	} `json:"keepalive"`
+	Steps []step `json:"steps"`
 }
 
 type step struct {
@@ -106,6 +110,9 @@ func options(in *input, logger *slog.Logger) cronoq.Options {
 	}
 	if in.Retry.MaxElapsedMs != nil {
 		opts.Retry.MaxElapsed = ms(*in.Retry.MaxElapsedMs)
+	}
+	if in.Keepalive != nil {
+		opts.Keepalive = cronoq.KeepaliveConfig{Time: ms(in.Keepalive.TimeMs), Timeout: ms(in.Keepalive.TimeoutMs)}
 	}
 	if in.Token != nil {
 		opts.Token = *in.Token

@@ -47,9 +47,7 @@ def _cert_subject(context: grpc.aio.ServicerContext) -> str | None:
     return grpc_cert_subject(context)
 
 
-async def _abort(
-    context: grpc.aio.ServicerContext, err: ApiError, also: tuple[tuple[str, str], ...] = ()
-) -> None:
+async def _abort(context: grpc.aio.ServicerContext, err: ApiError, also: tuple[tuple[str, str], ...] = ()) -> None:
     await context.abort(err.code, err.message, trailing_metadata=also + err.trailers())
 
 

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -16,13 +17,14 @@ from aiohttp.http_exceptions import HttpProcessingError
 from google.protobuf.message import Message
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from cronoq.jsonform import to_dict
+from cronoq.jsonform import task_event_to_dict, to_dict
 
 from ..auth import Principal
 from ..errors import ApiError
 from ..node import Node
 from ..registry import HttpRoute, Rpc, registry
 from ..router import FORWARDED_HEADER, Call, ShardRouter, unavailable_metadata
+from ..ui import add_ui_routes
 from . import http_listener
 from .http_body import decode_json
 from .http_listener import Connection, GuardedRunner, connection_guard, error_body, one_line
@@ -35,6 +37,7 @@ log = logging.getLogger("cronoq.http")
 # -- limits of the HTTP listener ---------------------------------------------------
 BODY_TIMEOUT_S = 30.0  # for a request's body, once its headers have arrived
 WATCH_HEARTBEAT_S = 15.0  # an SSE comment this often keeps proxies from closing a quiet Watch
+SSE_BATCH = 256  # events written together at most
 
 
 class _HttpError(ApiError):
@@ -142,11 +145,33 @@ async def _json_http_errors(
 # -- the API -----------------------------------------------------------------------
 
 
-_PAYLOAD_FIELDS = ("payload", "payload_json", "result")
-
-
 def _sse_error(err: ApiError) -> bytes:
     return b"event: error\ndata: " + error_body(err.code.name, err.message, err.reason) + b"\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    data: bytes
+    final: bool  # the stream ended (data may hold its error event)
+
+
+def _sse_chunk(step: asyncio.Future[Any], include_payloads: bool) -> _Chunk:
+    """One finished step of a Watch stream as SSE: `id: <cursor>` and `data: <TaskEvent JSON>`
+    (payloads and results only when asked for: absent, rather than shown empty or null), or
+    the end of the stream."""
+    try:
+        item = step.result()
+    except StopAsyncIteration:
+        return _Chunk(b"", True)
+    except ApiError as err:
+        return _Chunk(_sse_error(err), True)
+    except Exception:
+        log.exception("GET /v1/watch failed")
+        return _Chunk(_sse_error(ApiError(grpc.StatusCode.INTERNAL, "internal error; see the server log")), True)
+    event = task_event_to_dict(item.event, include_payloads)
+    cursor = event.get("cursor")  # digits, colons and commas: safe on an SSE line
+    head = f"id: {cursor}\n" if cursor else ""
+    return _Chunk(f"{head}data: {json.dumps(event)}\n\n".encode(), False)
 
 
 class HttpApi:
@@ -164,6 +189,7 @@ class HttpApi:
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_get("/healthz", self._healthz)
         self.app.router.add_get("/readyz", self._readyz)
+        add_ui_routes(self.app)  # the dashboard's static files
 
     def _caller(self, request: web.Request) -> Principal:
         return self.node.authenticate(request.headers.get("Authorization"), http_cert_subject(request))
@@ -236,42 +262,34 @@ class HttpApi:
         self, stream: AsyncIterator[Message], lost: asyncio.Future[None], include_payloads: bool
     ) -> AsyncGenerator[bytes, None]:
         """The stream's events as SSE chunks, a comment every WATCH_HEARTBEAT_S, until the stream
-        ends, fails (a last error event) or the client disconnects."""
-        while True:
-            step: asyncio.Future[Any] = asyncio.ensure_future(anext(stream))
-            waiting: set[asyncio.Future[Any]] = {step, lost}
-            try:
-                while True:
-                    done, _ = await asyncio.wait(
-                        waiting, timeout=WATCH_HEARTBEAT_S, return_when=asyncio.FIRST_COMPLETED
-                    )
-                    if step in done:
-                        break
+        ends, fails (a last error event) or the client disconnects. The events that are ready
+        together go out in one write (a busy stream would otherwise cost a write per event)."""
+        step: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                step = step or asyncio.ensure_future(anext(stream))
+                waiting: set[asyncio.Future[Any]] = {step, lost}
+                while not step.done():
+                    await asyncio.wait(waiting, timeout=WATCH_HEARTBEAT_S, return_when=asyncio.FIRST_COMPLETED)
                     if lost.done():
                         return
-                    yield b": keep-alive\n\n"
-            finally:
-                if not step.done():
-                    step.cancel()
-                    await asyncio.gather(step, return_exceptions=True)
-            try:
-                item = step.result()
-            except StopAsyncIteration:
-                return
-            except ApiError as err:
-                yield _sse_error(err)
-                return
-            except Exception:
-                log.exception("GET /v1/watch failed")
-                yield _sse_error(ApiError(grpc.StatusCode.INTERNAL, "internal error; see the server log"))
-                return
-            event = to_dict(item)["event"]
-            if not include_payloads and isinstance(event.get("task"), dict):
-                for name in _PAYLOAD_FIELDS:  # not sent: absent, rather than shown empty or null
-                    event["task"].pop(name, None)
-            cursor = event.get("cursor")  # digits, colons and commas: safe on an SSE line
-            head = f"id: {cursor}\n" if cursor else ""
-            yield f"{head}data: {json.dumps(event)}\n\n".encode()
+                    if not step.done():
+                        yield b": keep-alive\n\n"
+                chunks: list[bytes] = []
+                while step is not None and step.done() and len(chunks) < SSE_BATCH:
+                    done, step = step, None
+                    last = _sse_chunk(done, include_payloads)
+                    chunks.append(last.data)
+                    if last.final:
+                        yield b"".join(chunks)
+                        return
+                    step = asyncio.ensure_future(anext(stream))
+                    await asyncio.sleep(0)  # the next event, if it is ready
+                yield b"".join(chunks)
+        finally:
+            if step is not None and not step.done():
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         """Open without credentials configured or with server.metrics_public; else needs `admin` on any pool."""

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 
 from ..metrics import TASKS_BY_STATE
 from ..store.base import EventRow, State
+from .activity import Activity
 
 # The states the counts follow; terminal totals are counters (cronoq_tasks_finished_total).
 UNFINISHED = (State.PENDING, State.BLOCKED, State.RUNNING)
@@ -19,9 +20,10 @@ UNFINISHED = (State.PENDING, State.BLOCKED, State.RUNNING)
 class TaskCounts:
     """Unfinished tasks by (pool, state) as of event `position` (None: not started)."""
 
-    def __init__(self, pools: Iterable[str] = (), gauge: bool = False):
+    def __init__(self, pools: Iterable[str] = (), gauge: bool = False, activity: Activity | None = None):
         self._pools = tuple(pools)
         self._gauge = gauge
+        self._activity = activity  # also told of each event folded, once
         self._counts: dict[tuple[str, State], int] = {}
         self.position: int | None = None
 
@@ -38,6 +40,8 @@ class TaskCounts:
         """Not counting (not leading): the gauge drops its series rather than show stale counts."""
         self.position = None
         self._counts = {}
+        if self._activity is not None:
+            self._activity.clear()
         if self._gauge:
             TASKS_BY_STATE.clear()
 
@@ -64,6 +68,8 @@ class TaskCounts:
                 self._counts[key] = self._counts.get(key, 0) + 1
                 touched.add(key)
         self.position = fresh[-1].seq
+        if self._activity is not None:
+            self._activity.record_events(fresh)
         if self._gauge:
             for pool, state in touched:
                 self._set_gauge(pool, state)

@@ -14,6 +14,7 @@ from cronoq.v1 import task_pb2
 
 from ..errors import ApiError, invalid
 from ..store.base import TERMINAL, Changes, EventRow, State, Store, StoreUnavailable, TaskRow
+from .activity import Activity
 from .convert import to_task
 from .counts import TaskCounts
 
@@ -122,7 +123,8 @@ class EventBus:
         self._fanout_task: asyncio.Task[None] | None = None
         self.draining = False
         # The leader's unfinished tasks by pool and state (the cronoq_tasks gauge), kept from the events.
-        self.counts = TaskCounts(pools, gauge=True)
+        self.activity = Activity()  # the leader's recent submissions, starts and outcomes per pool
+        self.counts = TaskCounts(pools, gauge=True, activity=self.activity)
 
     # -- lease long polls -----------------------------------------------------
 

@@ -21,7 +21,16 @@ from ..config import Config
 from ..errors import ApiError, invalid
 from ..ids import make_task_id, seq_of, shard_of
 from ..metrics import START_LATENCY, TASKS_LEASED, WORK_STREAMS, record_finished
-from ..store.base import Changes, Outcome, OutcomeKind, OutcomeResult, Store, TaskRow, WorkerRow
+from ..store.base import (
+    Changes,
+    Outcome,
+    OutcomeKind,
+    OutcomeResult,
+    Store,
+    StoreUnavailable,
+    TaskRow,
+    WorkerRow,
+)
 from .convert import to_task, to_worker
 from .events import EventBus, LeaseWaiter
 from .limits import (
@@ -179,7 +188,9 @@ class Leases:
             return []
         TASKS_LEASED.inc(len(rows))
         for r in rows:
-            START_LATENCY.observe(max(now - max(r.run_at, r.created_at), 0) / 1e6)
+            latency = max(now - max(r.run_at, r.created_at), 0)
+            START_LATENCY.observe(latency / 1e6)
+            self._events.activity.record_start(r.pool, now, latency)
         await self._events.publish([(r.seq, r.state) for r in rows], rows)
         return [to_task(r, self._shard) for r in rows]
 
@@ -332,7 +343,8 @@ class Leases:
         the tasks of the other. Returns when the worker closes its side (after answering what
         it sent), or when this server drains or stops leading (after answering what it
         received: the caller says why); in_flight() covers each step, so a drain waits for
-        those under way.
+        those under way. The tasks a worker that closed its side was leased and did not report
+        are released as its stream ends (see _give_back).
         """
         first = await anext(aiter(requests), None)
         if first is None:
@@ -364,9 +376,10 @@ class Leases:
                 if look_again_at is not None and (loop.time() >= look_again_at or stream.waiter is None):
                     look_again_at = None  # due; or no waiter left to tell it (see expire_once)
                 leading = self._is_leader() and not self.draining
-                # A worker that closed its side is stopping: what it sent is answered, and it
-                # is leased nothing more (a task submitted meanwhile goes to another worker).
-                leasing = leading and not stream.silent and not inbox.closed
+                # A worker that is closing (or closed its side) is stopping: what it sent is
+                # answered, and it is leased nothing more (a task submitted meanwhile goes to
+                # another worker).
+                leasing = leading and not stream.silent and not inbox.closed and not inbox.closing
                 may_lease = leasing and look_again_at is None
                 if len(steps) < most_steps and (inbox.waiting or (credits and may_lease)):
                     received = inbox.take()
@@ -387,6 +400,8 @@ class Leases:
                     steps[asyncio.create_task(work)] = (stream.waiter, limit)
                     continue
                 if not steps and (not leading or (inbox.closed and not inbox.waiting)):
+                    if inbox.closing:
+                        await self._give_back(worker.id, stream, in_flight)
                     return
                 # Until a step ends; with room for another step, also until a message arrives or
                 # (credits left) work may be available.
@@ -408,6 +423,8 @@ class Leases:
                     answer, recheck_s = step.result()
                     credits += limit - len(answer.tasks)
                     stream.leased(answer.tasks)
+                    if inbox.closing:  # leased before the worker's closing was read: released, not sent
+                        del answer.tasks[:]
                     # Fewer tasks than asked for: wait to be told, unless a change since the
                     # lease's query was announced (its waiter told: lease again at once).
                     told = covered is not stream.waiter or (covered is not None and covered.event.is_set())
@@ -430,6 +447,30 @@ class Leases:
             # away) goes to the next waiting worker: else a task submitted meanwhile waits.
             for pool in unused_wake:
                 self._events.work_available(pool, 1)
+
+    async def _give_back(
+        self, worker_id: str, stream: _WorkStream, in_flight: Callable[[], AbstractContextManager[None]]
+    ) -> None:
+        """Releases what a stream whose worker said it is closing was leased and did not
+        report: tasks sent as (or after) it closed, which it drops. As the worker's own release
+        would (PENDING again, the attempt not counted, the next waiting worker told), in one
+        store call, rather than left to their lease expiry.
+
+        Only on the worker's word (WorkRequest.closing): a stream that is cut, or whose worker
+        predates it, ends its requests the same way, and its worker may still be running its
+        tasks (it reports them on its next stream)."""
+        if not stream.running:
+            return
+        outcomes = [Outcome(seq, attempt, OutcomeKind.RELEASED) for seq, attempt in sorted(stream.running)]
+        try:
+            with in_flight():
+                results, changes = await self._store.finish(worker_id, outcomes, now_us())
+                await self._finished(outcomes, results, changes)
+        except StoreUnavailable as err:  # e.g. no longer the leader: their leases expire instead
+            log.warning("worker %s closed its stream; %d task(s) left to expire: %s", worker_id, len(outcomes), err)
+            return
+        released = sum(r.accepted for r in results)
+        log.info("worker %s closed its stream; released %d task(s) it was sent and did not report", worker_id, released)
 
     async def _work_step(
         self,
@@ -556,7 +597,9 @@ class _WorkInbox:
         self._received = [first]
         self._arrived = asyncio.Event()
         self._arrived.set()
-        self.closed = False  # the worker closed its side
+        self.closed = False  # the worker closed its side, or the stream failed
+        # The worker said it is stopping (WorkRequest.closing): what it is sent from now on it drops.
+        self.closing = first.closing
         self.error: ApiError | None = None  # a request that ends the stream
 
     async def read(self, requests: AsyncIterator[pb.WorkRequest]) -> None:
@@ -567,6 +610,7 @@ class _WorkInbox:
                 if req.pools or req.max_bytes:
                     raise invalid("pools, max_bytes: given in the first message of a Work stream only")
                 self._received.append(req)
+                self.closing = self.closing or req.closing
                 self._arrived.set()
         except ApiError as err:
             self.error = err

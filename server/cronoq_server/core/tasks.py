@@ -27,6 +27,7 @@ DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 DEFAULT_WAIT_MS = 30_000
 MAX_WAIT_MS = 3_600_000
+MAX_DEPENDENTS = 100  # listed by GetTask with include_dependents
 
 
 class TaskTemplate(Protocol):
@@ -227,7 +228,13 @@ class Tasks:
         return row
 
     async def get_task(self, req: pb.GetTaskRequest, caller: Principal) -> pb.GetTaskResponse:
-        return pb.GetTaskResponse(task=self._task(await self.find(req.task, caller, "read")))
+        row = await self.find(req.task, caller, "read")
+        response = pb.GetTaskResponse(task=self._task(row))
+        if req.include_dependents:
+            found = await self._store.dependents(row.seq, MAX_DEPENDENTS * 10)
+            readable = [make_task_id(self._shard, s) for s, pool in found if caller.may("read", pool)]
+            response.dependents.extend(readable[:MAX_DEPENDENTS])
+        return response
 
     async def wait_task(self, req: pb.WaitTaskRequest, caller: Principal) -> pb.WaitTaskResponse:
         timeout_ms = min(req.timeout_ms or DEFAULT_WAIT_MS, MAX_WAIT_MS)
@@ -273,7 +280,17 @@ class Tasks:
         if req.state and req.state not in State.__members__.values():
             raise invalid(f"state: unknown state {req.state}")
         state = State(req.state) if req.state else None
-        rows = await self._store.list_tasks(pools, state, after, size + 1)
+        if req.key:
+            check_text("key", req.key, MAX_KEY_LENGTH)
+            row = await self._store.get_by_key(req.key)
+            rows = [row] if row is not None else []
+            rows = [
+                r
+                for r in rows
+                if r.seq > after and (pools is None or r.pool in pools) and (state is None or r.state == state)
+            ]
+        else:
+            rows = await self._store.list_tasks(pools, state, after, size + 1)
         more = len(rows) > size
         rows = rows[:size]
         token = str(make_task_id(self._shard, rows[-1].seq)) if more else ""

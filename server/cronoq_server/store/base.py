@@ -226,6 +226,10 @@ class Store(Protocol):
 
     async def get_many(self, seqs: list[int]) -> list[TaskRow]: ...
 
+    async def dependents(self, seq: int, limit: int) -> list[tuple[int, str]]:
+        """(seq, pool) of the tasks that depend on task `seq`, in seq order, at most `limit`."""
+        ...
+
     async def list_tasks(
         self, pools: list[str] | None, state: State | None, after_seq: int, limit: int
     ) -> list[TaskRow]:

@@ -176,6 +176,13 @@ MIGRATIONS: dict[int, list[str]] = {
             purged_through bigint NOT NULL DEFAULT 0)""",
         """INSERT INTO {s}.event_log (id) VALUES (1)""",
     ],
+    6: [
+        # Standbys say they are there (leader.py), for the leader's snapshot; not fenced data.
+        """CREATE TABLE {s}.standbys (
+            holder text PRIMARY KEY,
+            advertise text NOT NULL,
+            seen_at timestamptz NOT NULL)""",
+    ],
 }
 WORKER_COLUMNS = "id, name, pools, concurrency, labels, registered_at, last_seen_at, principal"
 
@@ -388,6 +395,14 @@ class PostgresStore:
 
     async def get_many(self, seqs: list[int]) -> list[TaskRow]:
         return await self._read(lambda c: self._select(c, "seq = ANY($1::bigint[])", seqs))
+
+    async def dependents(self, seq: int, limit: int) -> list[tuple[int, str]]:
+        sql = self._sql(
+            "SELECT d.task_seq, t.pool FROM {s}.deps d JOIN {s}.tasks t ON t.seq = d.task_seq"
+            " WHERE d.dep_seq = $1 ORDER BY d.task_seq LIMIT $2"
+        )
+        rows = await self._read(lambda c: c.fetch(sql, seq, limit))
+        return [(r[0], r[1]) for r in rows]
 
     async def list_tasks(
         self, pools: list[str] | None, state: State | None, after_seq: int, limit: int

@@ -351,6 +351,12 @@ class SqliteStore:
     async def get_many(self, seqs: list[int]) -> list[TaskRow]:
         return await self._run(self._select_seqs, self._conn, seqs)
 
+    async def dependents(self, seq: int, limit: int) -> list[tuple[int, str]]:
+        sql = "SELECT d.task_seq, t.pool FROM deps d JOIN tasks t ON t.seq = d.task_seq WHERE d.dep_seq = ?"
+        sql += " ORDER BY d.task_seq LIMIT ?"
+        rows = await self._run(lambda: self._conn.execute(sql, (seq, limit)).fetchall())
+        return [(s, p) for s, p in rows]
+
     async def list_tasks(
         self, pools: list[str] | None, state: State | None, after_seq: int, limit: int
     ) -> list[TaskRow]:

@@ -118,6 +118,8 @@ class ShardSnapshot(_message.Message):
     RESOURCES_FIELD_NUMBER: _builtins.int
     WORKERS_FIELD_NUMBER: _builtins.int
     TERM_FIELD_NUMBER: _builtins.int
+    STANDBYS_FIELD_NUMBER: _builtins.int
+    ACTIVITY_FIELD_NUMBER: _builtins.int
     shard: _builtins.str
     number: _builtins.int
     leader: _builtins.str
@@ -130,6 +132,16 @@ class ShardSnapshot(_message.Message):
     def resources(self) -> _containers.RepeatedCompositeFieldContainer[Global___ResourceUsage]: ...
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[_worker_service_pb2.Worker]: ...
+    @_builtins.property
+    def standbys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Advertised addresses of the shard's standbys seen in the last seconds (PostgreSQL only:
+        standbys on SQLite wait on a file lock and are not seen).
+        """
+
+    @_builtins.property
+    def activity(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolActivity]:
+        """The last minutes of each pool's activity, from the leader's memory (empty after a failover)."""
+
     def __init__(
         self,
         *,
@@ -140,14 +152,73 @@ class ShardSnapshot(_message.Message):
         resources: _abc.Iterable[Global___ResourceUsage] | None = ...,
         workers: _abc.Iterable[_worker_service_pb2.Worker] | None = ...,
         term: _builtins.int = ...,
+        standbys: _abc.Iterable[_builtins.str] | None = ...,
+        activity: _abc.Iterable[Global___PoolActivity] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["leader", b"leader", "number", b"number", "pools", b"pools", "resources", b"resources", "shard", b"shard", "term", b"term", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["activity", b"activity", "leader", b"leader", "number", b"number", "pools", b"pools", "resources", b"resources", "shard", b"shard", "standbys", b"standbys", "term", b"term", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ShardSnapshot: _TypeAlias = ShardSnapshot  # noqa: Y015
+
+@_typing.final
+class PoolActivity(_message.Message):
+    """One pool's activity in fixed buckets, oldest first: the i-th value of each list is the bucket
+    that starts at start_unix_ms + i * bucket_ms (the last one is still filling).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    START_UNIX_MS_FIELD_NUMBER: _builtins.int
+    BUCKET_MS_FIELD_NUMBER: _builtins.int
+    SUBMITTED_FIELD_NUMBER: _builtins.int
+    STARTED_FIELD_NUMBER: _builtins.int
+    SUCCEEDED_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    START_LATENCY_SUM_MS_FIELD_NUMBER: _builtins.int
+    START_LATENCY_MAX_MS_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    start_unix_ms: _builtins.int
+    bucket_ms: _builtins.int
+    @_builtins.property
+    def submitted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def started(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def succeeded(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def failed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def start_latency_sum_ms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Submit-to-start latency (from when the task was due) of the tasks started in each bucket:
+        their sum and largest, in milliseconds (mean = sum / started).
+        """
+
+    @_builtins.property
+    def start_latency_max_ms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        start_unix_ms: _builtins.int = ...,
+        bucket_ms: _builtins.int = ...,
+        submitted: _abc.Iterable[_builtins.int] | None = ...,
+        started: _abc.Iterable[_builtins.int] | None = ...,
+        succeeded: _abc.Iterable[_builtins.int] | None = ...,
+        failed: _abc.Iterable[_builtins.int] | None = ...,
+        start_latency_sum_ms: _abc.Iterable[_builtins.float] | None = ...,
+        start_latency_max_ms: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_ms", b"bucket_ms", "failed", b"failed", "pool", b"pool", "start_latency_max_ms", b"start_latency_max_ms", "start_latency_sum_ms", b"start_latency_sum_ms", "start_unix_ms", b"start_unix_ms", "started", b"started", "submitted", b"submitted", "succeeded", b"succeeded"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolActivity: _TypeAlias = PoolActivity  # noqa: Y015
 
 @_typing.final
 class GetSnapshotRequest(_message.Message):
@@ -215,6 +286,7 @@ class GetServerInfoResponse(_message.Message):
     ADVERTISE_FIELD_NUMBER: _builtins.int
     LEADER_FIELD_NUMBER: _builtins.int
     TERM_FIELD_NUMBER: _builtins.int
+    CALLER_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     shard: _builtins.str
     shard_number: _builtins.int
@@ -225,6 +297,12 @@ class GetServerInfoResponse(_message.Message):
     """Advertised address of the current leader, when known."""
     term: _builtins.int
     """This server's leadership term while it leads."""
+    @_builtins.property
+    def caller(self) -> Global___Caller:
+        """Who the caller is and what it may do (with no credentials configured: anonymous, every
+        permission on every pool).
+        """
+
     def __init__(
         self,
         *,
@@ -236,11 +314,45 @@ class GetServerInfoResponse(_message.Message):
         advertise: _builtins.str = ...,
         leader: _builtins.str = ...,
         term: _builtins.int = ...,
+        caller: Global___Caller | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise", b"advertise", "leader", b"leader", "role", b"role", "server_id", b"server_id", "shard", b"shard", "shard_number", b"shard_number", "term", b"term", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise", b"advertise", "caller", b"caller", "leader", b"leader", "role", b"role", "server_id", b"server_id", "shard", b"shard", "shard_number", b"shard_number", "term", b"term", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetServerInfoResponse: _TypeAlias = GetServerInfoResponse  # noqa: Y015
+
+@_typing.final
+class Caller(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ALL_POOLS_FIELD_NUMBER: _builtins.int
+    POOLS_FIELD_NUMBER: _builtins.int
+    PERMISSIONS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    all_pools: _builtins.bool
+    """Every pool when set; else only `pools`."""
+    @_builtins.property
+    def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def permissions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Of submit, read, cancel, work, schedule, admin."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        all_pools: _builtins.bool = ...,
+        pools: _abc.Iterable[_builtins.str] | None = ...,
+        permissions: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_pools", b"all_pools", "name", b"name", "permissions", b"permissions", "pools", b"pools"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Caller: _TypeAlias = Caller  # noqa: Y015

@@ -52,7 +52,8 @@ class AdminServiceServicer:
     """
 
     def GetSnapshot(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The pools the caller may read or administer; the shard's resources need admin.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

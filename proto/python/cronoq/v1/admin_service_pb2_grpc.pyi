@@ -34,6 +34,7 @@ class AdminServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> AdminServiceAsyncStub: ...
     GetSnapshot: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.GetSnapshotRequest, _admin_service_pb2.GetSnapshotResponse]
+    """The pools the caller may read or administer; the shard's resources need admin."""
     GetServerInfo: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.GetServerInfoRequest, _admin_service_pb2.GetServerInfoResponse]
 
 @_typing.type_check_only
@@ -42,6 +43,7 @@ class AdminServiceAsyncStub(AdminServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetSnapshot: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.GetSnapshotRequest, _admin_service_pb2.GetSnapshotResponse]  # type: ignore[assignment]
+    """The pools the caller may read or administer; the shard's resources need admin."""
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.GetServerInfoRequest, _admin_service_pb2.GetServerInfoResponse]  # type: ignore[assignment]
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -52,7 +54,8 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _admin_service_pb2.GetSnapshotRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_admin_service_pb2.GetSnapshotResponse, _abc.Awaitable[_admin_service_pb2.GetSnapshotResponse]]: ...
+    ) -> _typing.Union[_admin_service_pb2.GetSnapshotResponse, _abc.Awaitable[_admin_service_pb2.GetSnapshotResponse]]:
+        """The pools the caller may read or administer; the shard's resources need admin."""
 
     @_abc_1.abstractmethod
     def GetServerInfo(

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import descriptor_pb2 as google_dot_protobuf_dot_descriptor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63ronoq/v1/options.proto\x12\tcronoq.v1\x1a google/protobuf/descriptor.proto\"\x91\x01\n\nMethodRule\x12)\n\npermission\x18\x01 \x01(\x0e\x32\x15.cronoq.v1.Permission\x12\x0f\n\x07standby\x18\x02 \x01(\x08\x12#\n\x07routing\x18\x03 \x01(\x0e\x32\x12.cronoq.v1.Routing\x12\"\n\x04http\x18\x04 \x03(\x0b\x32\x14.cronoq.v1.HttpRoute\"D\n\tHttpRoute\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0b\n\x03sse\x18\x03 \x01(\x08\x12\x0c\n\x04\x62ody\x18\x04 \x01(\t*\xaf\x01\n\nPermission\x12\x1a\n\x16PERMISSION_UNSPECIFIED\x10\x00\x12\x15\n\x11PERMISSION_SUBMIT\x10\x01\x12\x13\n\x0fPERMISSION_READ\x10\x02\x12\x15\n\x11PERMISSION_CANCEL\x10\x03\x12\x13\n\x0fPERMISSION_WORK\x10\x04\x12\x17\n\x13PERMISSION_SCHEDULE\x10\x05\x12\x14\n\x10PERMISSION_ADMIN\x10\x06*\x8b\x01\n\x07Routing\x12\x17\n\x13ROUTING_UNSPECIFIED\x10\x00\x12\x11\n\rROUTING_LOCAL\x10\x01\x12\x13\n\x0fROUTING_BY_POOL\x10\x02\x12\x13\n\x0fROUTING_BY_TASK\x10\x03\x12\x13\n\x0fROUTING_FAN_OUT\x10\x04\x12\x15\n\x11ROUTING_BY_WORKER\x10\x05:E\n\x04rule\x12\x1e.google.protobuf.MethodOptions\x18\x8d\x8c\x03 \x01(\x0b\x32\x15.cronoq.v1.MethodRuleB8Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63ronoq/v1/options.proto\x12\tcronoq.v1\x1a google/protobuf/descriptor.proto\"\xbf\x01\n\nMethodRule\x12)\n\npermission\x18\x01 \x01(\x0e\x32\x15.cronoq.v1.Permission\x12\x0f\n\x07standby\x18\x02 \x01(\x08\x12#\n\x07routing\x18\x03 \x01(\x0e\x32\x12.cronoq.v1.Routing\x12\"\n\x04http\x18\x04 \x03(\x0b\x32\x14.cronoq.v1.HttpRoute\x12,\n\ror_permission\x18\x05 \x01(\x0e\x32\x15.cronoq.v1.Permission\"D\n\tHttpRoute\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0b\n\x03sse\x18\x03 \x01(\x08\x12\x0c\n\x04\x62ody\x18\x04 \x01(\t*\xaf\x01\n\nPermission\x12\x1a\n\x16PERMISSION_UNSPECIFIED\x10\x00\x12\x15\n\x11PERMISSION_SUBMIT\x10\x01\x12\x13\n\x0fPERMISSION_READ\x10\x02\x12\x15\n\x11PERMISSION_CANCEL\x10\x03\x12\x13\n\x0fPERMISSION_WORK\x10\x04\x12\x17\n\x13PERMISSION_SCHEDULE\x10\x05\x12\x14\n\x10PERMISSION_ADMIN\x10\x06*\x8b\x01\n\x07Routing\x12\x17\n\x13ROUTING_UNSPECIFIED\x10\x00\x12\x11\n\rROUTING_LOCAL\x10\x01\x12\x13\n\x0fROUTING_BY_POOL\x10\x02\x12\x13\n\x0fROUTING_BY_TASK\x10\x03\x12\x13\n\x0fROUTING_FAN_OUT\x10\x04\x12\x15\n\x11ROUTING_BY_WORKER\x10\x05:E\n\x04rule\x12\x1e.google.protobuf.MethodOptions\x18\x8d\x8c\x03 \x01(\x0b\x32\x15.cronoq.v1.MethodRuleB8Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cronoq.v1.options_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1'
-  _globals['_PERMISSION']._serialized_start=291
-  _globals['_PERMISSION']._serialized_end=466
-  _globals['_ROUTING']._serialized_start=469
-  _globals['_ROUTING']._serialized_end=608
+  _globals['_PERMISSION']._serialized_start=337
+  _globals['_PERMISSION']._serialized_end=512
+  _globals['_ROUTING']._serialized_start=515
+  _globals['_ROUTING']._serialized_end=654
   _globals['_METHODRULE']._serialized_start=73
-  _globals['_METHODRULE']._serialized_end=218
-  _globals['_HTTPROUTE']._serialized_start=220
-  _globals['_HTTPROUTE']._serialized_end=288
+  _globals['_METHODRULE']._serialized_end=264
+  _globals['_HTTPROUTE']._serialized_start=266
+  _globals['_HTTPROUTE']._serialized_end=334
 # @@protoc_insertion_point(module_scope)

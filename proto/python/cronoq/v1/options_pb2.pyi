@@ -93,12 +93,17 @@ class MethodRule(_message.Message):
     STANDBY_FIELD_NUMBER: _builtins.int
     ROUTING_FIELD_NUMBER: _builtins.int
     HTTP_FIELD_NUMBER: _builtins.int
+    OR_PERMISSION_FIELD_NUMBER: _builtins.int
     permission: Global___Permission.ValueType
     """The permission the caller needs on the pool the call concerns."""
     standby: _builtins.bool
     """Answered by a standby too (all other calls need the leader)."""
     routing: Global___Routing.ValueType
     """How the call reaches the shard that serves it."""
+    or_permission: Global___Permission.ValueType
+    """A second permission that is enough instead of `permission` (GetSnapshot: admin, or read for
+    a snapshot of the pools the caller may read).
+    """
     @_builtins.property
     def http(self) -> _containers.RepeatedCompositeFieldContainer[Global___HttpRoute]:
         """The HTTP routes that map to this RPC."""
@@ -110,10 +115,11 @@ class MethodRule(_message.Message):
         standby: _builtins.bool = ...,
         routing: Global___Routing.ValueType = ...,
         http: _abc.Iterable[Global___HttpRoute] | None = ...,
+        or_permission: Global___Permission.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["http", b"http", "permission", b"permission", "routing", b"routing", "standby", b"standby"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["http", b"http", "or_permission", b"or_permission", "permission", b"permission", "routing", b"routing", "standby", b"standby"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

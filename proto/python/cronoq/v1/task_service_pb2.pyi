@@ -181,16 +181,20 @@ class GetTaskRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TASK_FIELD_NUMBER: _builtins.int
+    INCLUDE_DEPENDENTS_FIELD_NUMBER: _builtins.int
+    include_dependents: _builtins.bool
+    """Also list the tasks that depend on this one (GetTaskResponse.dependents)."""
     @_builtins.property
     def task(self) -> _task_pb2.TaskRef: ...
     def __init__(
         self,
         *,
         task: _task_pb2.TaskRef | None = ...,
+        include_dependents: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_dependents", b"include_dependents", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -202,19 +206,27 @@ class GetTaskResponse(_message.Message):
 
     TASK_FIELD_NUMBER: _builtins.int
     UNAVAILABLE_SHARDS_FIELD_NUMBER: _builtins.int
+    DEPENDENTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def task(self) -> _task_pb2.Task: ...
     @_builtins.property
     def unavailable_shards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def dependents(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With include_dependents: ids of the tasks waiting for this one, in pools the caller may
+        read, in id order, at most 100.
+        """
+
     def __init__(
         self,
         *,
         task: _task_pb2.Task | None = ...,
         unavailable_shards: _abc.Iterable[_builtins.str] | None = ...,
+        dependents: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task", "unavailable_shards", b"unavailable_shards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dependents", b"dependents", "task", b"task", "unavailable_shards", b"unavailable_shards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -319,10 +331,15 @@ class ListTasksRequest(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     state: _task_pb2.TaskState.ValueType
     page_size: _builtins.int
     page_token: _builtins.str
+    key: _builtins.str
+    """Only the task with this key in each shard (keys deduplicate within a shard, so one key
+    may name a task in each of several shards).
+    """
     def __init__(
         self,
         *,
@@ -330,10 +347,11 @@ class ListTasksRequest(_message.Message):
         state: _task_pb2.TaskState.ValueType = ...,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "pool", b"pool", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "page_size", b"page_size", "page_token", b"page_token", "pool", b"pool", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

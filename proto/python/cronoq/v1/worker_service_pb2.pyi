@@ -529,6 +529,7 @@ class WorkRequest(_message.Message):
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     POOLS_FIELD_NUMBER: _builtins.int
     MAX_BYTES_FIELD_NUMBER: _builtins.int
+    CLOSING_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """The worker, as RegisterWorker named it: required in the first message; a later message
     may leave it empty or repeat it.
@@ -538,6 +539,13 @@ class WorkRequest(_message.Message):
     slots, later ones the slots freed since (credits add up; each task sent uses one).
     """
     max_bytes: _builtins.int
+    closing: _builtins.bool
+    """The worker is stopping and this is its last message (its side closes next): it has sent
+    the outcome or release of every task it started, and drops any task it is sent from now
+    on. The server leases it nothing more and, as the stream ends, releases the tasks it sent
+    and got no outcome for. A stream that ends without it (cut, or an older worker) keeps its
+    leases: the worker may still be running them.
+    """
     @_builtins.property
     def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskOutcome]:
         """Outcomes of attempts, each fenced by its attempt; each is answered in a WorkResponse's
@@ -564,10 +572,11 @@ class WorkRequest(_message.Message):
         heartbeat: Global___WorkHeartbeat | None = ...,
         pools: _abc.Iterable[_builtins.str] | None = ...,
         max_bytes: _builtins.int = ...,
+        closing: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["credits", b"credits", "heartbeat", b"heartbeat", "max_bytes", b"max_bytes", "outcomes", b"outcomes", "pools", b"pools", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closing", b"closing", "credits", b"credits", "heartbeat", b"heartbeat", "max_bytes", b"max_bytes", "outcomes", b"outcomes", "pools", b"pools", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

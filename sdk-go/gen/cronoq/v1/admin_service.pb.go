@@ -250,7 +250,12 @@ type ShardSnapshot struct {
 	Resources []*ResourceUsage `protobuf:"bytes,5,rep,name=resources,proto3" json:"resources,omitempty"`
 	Workers   []*Worker        `protobuf:"bytes,6,rep,name=workers,proto3" json:"workers,omitempty"`
 	// The leader's leadership term (0 on SQLite, where a file lock needs no fencing).
-	Term          uint64 `protobuf:"varint,7,opt,name=term,proto3" json:"term,omitempty"`
+	Term uint64 `protobuf:"varint,7,opt,name=term,proto3" json:"term,omitempty"`
+	// Advertised addresses of the shard's standbys seen in the last seconds (PostgreSQL only:
+	// standbys on SQLite wait on a file lock and are not seen).
+	Standbys []string `protobuf:"bytes,8,rep,name=standbys,proto3" json:"standbys,omitempty"`
+	// The last minutes of each pool's activity, from the leader's memory (empty after a failover).
+	Activity      []*PoolActivity `protobuf:"bytes,9,rep,name=activity,proto3" json:"activity,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -334,6 +339,132 @@ func (x *ShardSnapshot) GetTerm() uint64 {
 	return 0
 }
 
+func (x *ShardSnapshot) GetStandbys() []string {
+	if x != nil {
+		return x.Standbys
+	}
+	return nil
+}
+
+func (x *ShardSnapshot) GetActivity() []*PoolActivity {
+	if x != nil {
+		return x.Activity
+	}
+	return nil
+}
+
+// One pool's activity in fixed buckets, oldest first: the i-th value of each list is the bucket
+// that starts at start_unix_ms + i * bucket_ms (the last one is still filling).
+type PoolActivity struct {
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	Pool        string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
+	StartUnixMs int64                  `protobuf:"varint,2,opt,name=start_unix_ms,json=startUnixMs,proto3" json:"start_unix_ms,omitempty"`
+	BucketMs    uint32                 `protobuf:"varint,3,opt,name=bucket_ms,json=bucketMs,proto3" json:"bucket_ms,omitempty"`
+	Submitted   []uint32               `protobuf:"varint,4,rep,packed,name=submitted,proto3" json:"submitted,omitempty"`
+	Started     []uint32               `protobuf:"varint,5,rep,packed,name=started,proto3" json:"started,omitempty"`
+	Succeeded   []uint32               `protobuf:"varint,6,rep,packed,name=succeeded,proto3" json:"succeeded,omitempty"`
+	Failed      []uint32               `protobuf:"varint,7,rep,packed,name=failed,proto3" json:"failed,omitempty"`
+	// Submit-to-start latency (from when the task was due) of the tasks started in each bucket:
+	// their sum and largest, in milliseconds (mean = sum / started).
+	StartLatencySumMs []float64 `protobuf:"fixed64,8,rep,packed,name=start_latency_sum_ms,json=startLatencySumMs,proto3" json:"start_latency_sum_ms,omitempty"`
+	StartLatencyMaxMs []float64 `protobuf:"fixed64,9,rep,packed,name=start_latency_max_ms,json=startLatencyMaxMs,proto3" json:"start_latency_max_ms,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
+}
+
+func (x *PoolActivity) Reset() {
+	*x = PoolActivity{}
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PoolActivity) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PoolActivity) ProtoMessage() {}
+
+func (x *PoolActivity) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PoolActivity.ProtoReflect.Descriptor instead.
+func (*PoolActivity) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *PoolActivity) GetPool() string {
+	if x != nil {
+		return x.Pool
+	}
+	return ""
+}
+
+func (x *PoolActivity) GetStartUnixMs() int64 {
+	if x != nil {
+		return x.StartUnixMs
+	}
+	return 0
+}
+
+func (x *PoolActivity) GetBucketMs() uint32 {
+	if x != nil {
+		return x.BucketMs
+	}
+	return 0
+}
+
+func (x *PoolActivity) GetSubmitted() []uint32 {
+	if x != nil {
+		return x.Submitted
+	}
+	return nil
+}
+
+func (x *PoolActivity) GetStarted() []uint32 {
+	if x != nil {
+		return x.Started
+	}
+	return nil
+}
+
+func (x *PoolActivity) GetSucceeded() []uint32 {
+	if x != nil {
+		return x.Succeeded
+	}
+	return nil
+}
+
+func (x *PoolActivity) GetFailed() []uint32 {
+	if x != nil {
+		return x.Failed
+	}
+	return nil
+}
+
+func (x *PoolActivity) GetStartLatencySumMs() []float64 {
+	if x != nil {
+		return x.StartLatencySumMs
+	}
+	return nil
+}
+
+func (x *PoolActivity) GetStartLatencyMaxMs() []float64 {
+	if x != nil {
+		return x.StartLatencyMaxMs
+	}
+	return nil
+}
+
 type GetSnapshotRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -342,7 +473,7 @@ type GetSnapshotRequest struct {
 
 func (x *GetSnapshotRequest) Reset() {
 	*x = GetSnapshotRequest{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[3]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -354,7 +485,7 @@ func (x *GetSnapshotRequest) String() string {
 func (*GetSnapshotRequest) ProtoMessage() {}
 
 func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[3]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -367,7 +498,7 @@ func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*GetSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{3}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{4}
 }
 
 type GetSnapshotResponse struct {
@@ -380,7 +511,7 @@ type GetSnapshotResponse struct {
 
 func (x *GetSnapshotResponse) Reset() {
 	*x = GetSnapshotResponse{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[4]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -392,7 +523,7 @@ func (x *GetSnapshotResponse) String() string {
 func (*GetSnapshotResponse) ProtoMessage() {}
 
 func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[4]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -405,7 +536,7 @@ func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*GetSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{4}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *GetSnapshotResponse) GetShards() []*ShardSnapshot {
@@ -430,7 +561,7 @@ type GetServerInfoRequest struct {
 
 func (x *GetServerInfoRequest) Reset() {
 	*x = GetServerInfoRequest{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[5]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -442,7 +573,7 @@ func (x *GetServerInfoRequest) String() string {
 func (*GetServerInfoRequest) ProtoMessage() {}
 
 func (x *GetServerInfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[5]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -455,7 +586,7 @@ func (x *GetServerInfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetServerInfoRequest.ProtoReflect.Descriptor instead.
 func (*GetServerInfoRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{5}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{6}
 }
 
 type GetServerInfoResponse struct {
@@ -469,14 +600,17 @@ type GetServerInfoResponse struct {
 	// Advertised address of the current leader, when known.
 	Leader string `protobuf:"bytes,7,opt,name=leader,proto3" json:"leader,omitempty"`
 	// This server's leadership term while it leads.
-	Term          uint64 `protobuf:"varint,8,opt,name=term,proto3" json:"term,omitempty"`
+	Term uint64 `protobuf:"varint,8,opt,name=term,proto3" json:"term,omitempty"`
+	// Who the caller is and what it may do (with no credentials configured: anonymous, every
+	// permission on every pool).
+	Caller        *Caller `protobuf:"bytes,9,opt,name=caller,proto3" json:"caller,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GetServerInfoResponse) Reset() {
 	*x = GetServerInfoResponse{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[6]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -488,7 +622,7 @@ func (x *GetServerInfoResponse) String() string {
 func (*GetServerInfoResponse) ProtoMessage() {}
 
 func (x *GetServerInfoResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[6]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -501,7 +635,7 @@ func (x *GetServerInfoResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetServerInfoResponse.ProtoReflect.Descriptor instead.
 func (*GetServerInfoResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{6}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *GetServerInfoResponse) GetVersion() string {
@@ -560,6 +694,83 @@ func (x *GetServerInfoResponse) GetTerm() uint64 {
 	return 0
 }
 
+func (x *GetServerInfoResponse) GetCaller() *Caller {
+	if x != nil {
+		return x.Caller
+	}
+	return nil
+}
+
+type Caller struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// Every pool when set; else only `pools`.
+	AllPools bool     `protobuf:"varint,2,opt,name=all_pools,json=allPools,proto3" json:"all_pools,omitempty"`
+	Pools    []string `protobuf:"bytes,3,rep,name=pools,proto3" json:"pools,omitempty"`
+	// Of submit, read, cancel, work, schedule, admin.
+	Permissions   []string `protobuf:"bytes,4,rep,name=permissions,proto3" json:"permissions,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Caller) Reset() {
+	*x = Caller{}
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Caller) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Caller) ProtoMessage() {}
+
+func (x *Caller) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Caller.ProtoReflect.Descriptor instead.
+func (*Caller) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *Caller) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *Caller) GetAllPools() bool {
+	if x != nil {
+		return x.AllPools
+	}
+	return false
+}
+
+func (x *Caller) GetPools() []string {
+	if x != nil {
+		return x.Pools
+	}
+	return nil
+}
+
+func (x *Caller) GetPermissions() []string {
+	if x != nil {
+		return x.Permissions
+	}
+	return nil
+}
+
 var File_cronoq_v1_admin_service_proto protoreflect.FileDescriptor
 
 const file_cronoq_v1_admin_service_proto_rawDesc = "" +
@@ -579,7 +790,7 @@ const file_cronoq_v1_admin_service_proto_rawDesc = "" +
 	"\x06in_use\x18\x02 \x01(\x03R\x05inUse\x12\x1a\n" +
 	"\bcapacity\x18\x03 \x01(\x03R\bcapacity\x12\x12\n" +
 	"\x04rate\x18\x04 \x01(\x01R\x04rate\x12\x14\n" +
-	"\x05burst\x18\x05 \x01(\x03R\x05burst\"\xfb\x01\n" +
+	"\x05burst\x18\x05 \x01(\x03R\x05burst\"\xcc\x02\n" +
 	"\rShardSnapshot\x12\x14\n" +
 	"\x05shard\x18\x01 \x01(\tR\x05shard\x12\x16\n" +
 	"\x06number\x18\x02 \x01(\rR\x06number\x12\x16\n" +
@@ -587,12 +798,24 @@ const file_cronoq_v1_admin_service_proto_rawDesc = "" +
 	"\x05pools\x18\x04 \x03(\v2\x15.cronoq.v1.PoolCountsR\x05pools\x126\n" +
 	"\tresources\x18\x05 \x03(\v2\x18.cronoq.v1.ResourceUsageR\tresources\x12+\n" +
 	"\aworkers\x18\x06 \x03(\v2\x11.cronoq.v1.WorkerR\aworkers\x12\x12\n" +
-	"\x04term\x18\a \x01(\x04R\x04term\"\x14\n" +
+	"\x04term\x18\a \x01(\x04R\x04term\x12\x1a\n" +
+	"\bstandbys\x18\b \x03(\tR\bstandbys\x123\n" +
+	"\bactivity\x18\t \x03(\v2\x17.cronoq.v1.PoolActivityR\bactivity\"\xb3\x02\n" +
+	"\fPoolActivity\x12\x12\n" +
+	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\"\n" +
+	"\rstart_unix_ms\x18\x02 \x01(\x03R\vstartUnixMs\x12\x1b\n" +
+	"\tbucket_ms\x18\x03 \x01(\rR\bbucketMs\x12\x1c\n" +
+	"\tsubmitted\x18\x04 \x03(\rR\tsubmitted\x12\x18\n" +
+	"\astarted\x18\x05 \x03(\rR\astarted\x12\x1c\n" +
+	"\tsucceeded\x18\x06 \x03(\rR\tsucceeded\x12\x16\n" +
+	"\x06failed\x18\a \x03(\rR\x06failed\x12/\n" +
+	"\x14start_latency_sum_ms\x18\b \x03(\x01R\x11startLatencySumMs\x12/\n" +
+	"\x14start_latency_max_ms\x18\t \x03(\x01R\x11startLatencyMaxMs\"\x14\n" +
 	"\x12GetSnapshotRequest\"v\n" +
 	"\x13GetSnapshotResponse\x120\n" +
 	"\x06shards\x18\x01 \x03(\v2\x18.cronoq.v1.ShardSnapshotR\x06shards\x12-\n" +
 	"\x12unavailable_shards\x18\x02 \x03(\tR\x11unavailableShards\"\x16\n" +
-	"\x14GetServerInfoRequest\"\xf6\x01\n" +
+	"\x14GetServerInfoRequest\"\xa1\x02\n" +
 	"\x15GetServerInfoResponse\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12\x14\n" +
 	"\x05shard\x18\x02 \x01(\tR\x05shard\x12!\n" +
@@ -601,14 +824,20 @@ const file_cronoq_v1_admin_service_proto_rawDesc = "" +
 	"\tserver_id\x18\x05 \x01(\tR\bserverId\x12\x1c\n" +
 	"\tadvertise\x18\x06 \x01(\tR\tadvertise\x12\x16\n" +
 	"\x06leader\x18\a \x01(\tR\x06leader\x12\x12\n" +
-	"\x04term\x18\b \x01(\x04R\x04term*?\n" +
+	"\x04term\x18\b \x01(\x04R\x04term\x12)\n" +
+	"\x06caller\x18\t \x01(\v2\x11.cronoq.v1.CallerR\x06caller\"q\n" +
+	"\x06Caller\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1b\n" +
+	"\tall_pools\x18\x02 \x01(\bR\ballPools\x12\x14\n" +
+	"\x05pools\x18\x03 \x03(\tR\x05pools\x12 \n" +
+	"\vpermissions\x18\x04 \x03(\tR\vpermissions*?\n" +
 	"\x04Role\x12\x14\n" +
 	"\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n" +
 	"\vROLE_LEADER\x10\x01\x12\x10\n" +
-	"\fROLE_STANDBY\x10\x022\xea\x01\n" +
-	"\fAdminService\x12k\n" +
-	"\vGetSnapshot\x12\x1d.cronoq.v1.GetSnapshotRequest\x1a\x1e.cronoq.v1.GetSnapshotResponse\"\x1d\xea\xe0\x18\x19\b\x06\x18\x04\"\x13\n" +
-	"\x03GET\x12\f/v1/snapshot\x12m\n" +
+	"\fROLE_STANDBY\x10\x022\xec\x01\n" +
+	"\fAdminService\x12m\n" +
+	"\vGetSnapshot\x12\x1d.cronoq.v1.GetSnapshotRequest\x1a\x1e.cronoq.v1.GetSnapshotResponse\"\x1f\xea\xe0\x18\x1b\b\x06\x18\x04\"\x13\n" +
+	"\x03GET\x12\f/v1/snapshot(\x02\x12m\n" +
 	"\rGetServerInfo\x12\x1f.cronoq.v1.GetServerInfoRequest\x1a .cronoq.v1.GetServerInfoResponse\"\x19\xea\xe0\x18\x15\x10\x01\x18\x01\"\x0f\n" +
 	"\x03GET\x12\b/v1/infoB8Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3"
 
@@ -625,33 +854,37 @@ func file_cronoq_v1_admin_service_proto_rawDescGZIP() []byte {
 }
 
 var file_cronoq_v1_admin_service_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_cronoq_v1_admin_service_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
+var file_cronoq_v1_admin_service_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
 var file_cronoq_v1_admin_service_proto_goTypes = []any{
 	(Role)(0),                     // 0: cronoq.v1.Role
 	(*PoolCounts)(nil),            // 1: cronoq.v1.PoolCounts
 	(*ResourceUsage)(nil),         // 2: cronoq.v1.ResourceUsage
 	(*ShardSnapshot)(nil),         // 3: cronoq.v1.ShardSnapshot
-	(*GetSnapshotRequest)(nil),    // 4: cronoq.v1.GetSnapshotRequest
-	(*GetSnapshotResponse)(nil),   // 5: cronoq.v1.GetSnapshotResponse
-	(*GetServerInfoRequest)(nil),  // 6: cronoq.v1.GetServerInfoRequest
-	(*GetServerInfoResponse)(nil), // 7: cronoq.v1.GetServerInfoResponse
-	(*Worker)(nil),                // 8: cronoq.v1.Worker
+	(*PoolActivity)(nil),          // 4: cronoq.v1.PoolActivity
+	(*GetSnapshotRequest)(nil),    // 5: cronoq.v1.GetSnapshotRequest
+	(*GetSnapshotResponse)(nil),   // 6: cronoq.v1.GetSnapshotResponse
+	(*GetServerInfoRequest)(nil),  // 7: cronoq.v1.GetServerInfoRequest
+	(*GetServerInfoResponse)(nil), // 8: cronoq.v1.GetServerInfoResponse
+	(*Caller)(nil),                // 9: cronoq.v1.Caller
+	(*Worker)(nil),                // 10: cronoq.v1.Worker
 }
 var file_cronoq_v1_admin_service_proto_depIdxs = []int32{
-	1, // 0: cronoq.v1.ShardSnapshot.pools:type_name -> cronoq.v1.PoolCounts
-	2, // 1: cronoq.v1.ShardSnapshot.resources:type_name -> cronoq.v1.ResourceUsage
-	8, // 2: cronoq.v1.ShardSnapshot.workers:type_name -> cronoq.v1.Worker
-	3, // 3: cronoq.v1.GetSnapshotResponse.shards:type_name -> cronoq.v1.ShardSnapshot
-	0, // 4: cronoq.v1.GetServerInfoResponse.role:type_name -> cronoq.v1.Role
-	4, // 5: cronoq.v1.AdminService.GetSnapshot:input_type -> cronoq.v1.GetSnapshotRequest
-	6, // 6: cronoq.v1.AdminService.GetServerInfo:input_type -> cronoq.v1.GetServerInfoRequest
-	5, // 7: cronoq.v1.AdminService.GetSnapshot:output_type -> cronoq.v1.GetSnapshotResponse
-	7, // 8: cronoq.v1.AdminService.GetServerInfo:output_type -> cronoq.v1.GetServerInfoResponse
-	7, // [7:9] is the sub-list for method output_type
-	5, // [5:7] is the sub-list for method input_type
-	5, // [5:5] is the sub-list for extension type_name
-	5, // [5:5] is the sub-list for extension extendee
-	0, // [0:5] is the sub-list for field type_name
+	1,  // 0: cronoq.v1.ShardSnapshot.pools:type_name -> cronoq.v1.PoolCounts
+	2,  // 1: cronoq.v1.ShardSnapshot.resources:type_name -> cronoq.v1.ResourceUsage
+	10, // 2: cronoq.v1.ShardSnapshot.workers:type_name -> cronoq.v1.Worker
+	4,  // 3: cronoq.v1.ShardSnapshot.activity:type_name -> cronoq.v1.PoolActivity
+	3,  // 4: cronoq.v1.GetSnapshotResponse.shards:type_name -> cronoq.v1.ShardSnapshot
+	0,  // 5: cronoq.v1.GetServerInfoResponse.role:type_name -> cronoq.v1.Role
+	9,  // 6: cronoq.v1.GetServerInfoResponse.caller:type_name -> cronoq.v1.Caller
+	5,  // 7: cronoq.v1.AdminService.GetSnapshot:input_type -> cronoq.v1.GetSnapshotRequest
+	7,  // 8: cronoq.v1.AdminService.GetServerInfo:input_type -> cronoq.v1.GetServerInfoRequest
+	6,  // 9: cronoq.v1.AdminService.GetSnapshot:output_type -> cronoq.v1.GetSnapshotResponse
+	8,  // 10: cronoq.v1.AdminService.GetServerInfo:output_type -> cronoq.v1.GetServerInfoResponse
+	9,  // [9:11] is the sub-list for method output_type
+	7,  // [7:9] is the sub-list for method input_type
+	7,  // [7:7] is the sub-list for extension type_name
+	7,  // [7:7] is the sub-list for extension extendee
+	0,  // [0:7] is the sub-list for field type_name
 }
 
 func init() { file_cronoq_v1_admin_service_proto_init() }
@@ -667,7 +900,7 @@ func file_cronoq_v1_admin_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cronoq_v1_admin_service_proto_rawDesc), len(file_cronoq_v1_admin_service_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   7,
+			NumMessages:   9,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -29,6 +29,7 @@ const (
 //
 // Cluster state for operators.
 type AdminServiceClient interface {
+	// The pools the caller may read or administer; the shard's resources need admin.
 	GetSnapshot(ctx context.Context, in *GetSnapshotRequest, opts ...grpc.CallOption) (*GetSnapshotResponse, error)
 	GetServerInfo(ctx context.Context, in *GetServerInfoRequest, opts ...grpc.CallOption) (*GetServerInfoResponse, error)
 }
@@ -67,6 +68,7 @@ func (c *adminServiceClient) GetServerInfo(ctx context.Context, in *GetServerInf
 //
 // Cluster state for operators.
 type AdminServiceServer interface {
+	// The pools the caller may read or administer; the shard's resources need admin.
 	GetSnapshot(context.Context, *GetSnapshotRequest) (*GetSnapshotResponse, error)
 	GetServerInfo(context.Context, *GetServerInfoRequest) (*GetServerInfoResponse, error)
 	mustEmbedUnimplementedAdminServiceServer()

@@ -158,7 +158,10 @@ type MethodRule struct {
 	// How the call reaches the shard that serves it.
 	Routing Routing `protobuf:"varint,3,opt,name=routing,proto3,enum=cronoq.v1.Routing" json:"routing,omitempty"`
 	// The HTTP routes that map to this RPC.
-	Http          []*HttpRoute `protobuf:"bytes,4,rep,name=http,proto3" json:"http,omitempty"`
+	Http []*HttpRoute `protobuf:"bytes,4,rep,name=http,proto3" json:"http,omitempty"`
+	// A second permission that is enough instead of `permission` (GetSnapshot: admin, or read for
+	// a snapshot of the pools the caller may read).
+	OrPermission  Permission `protobuf:"varint,5,opt,name=or_permission,json=orPermission,proto3,enum=cronoq.v1.Permission" json:"or_permission,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -219,6 +222,13 @@ func (x *MethodRule) GetHttp() []*HttpRoute {
 		return x.Http
 	}
 	return nil
+}
+
+func (x *MethodRule) GetOrPermission() Permission {
+	if x != nil {
+		return x.OrPermission
+	}
+	return Permission_PERMISSION_UNSPECIFIED
 }
 
 // One HTTP route of an RPC. Path variables name request fields ("{task.id}"); for GET and
@@ -315,7 +325,7 @@ var File_cronoq_v1_options_proto protoreflect.FileDescriptor
 
 const file_cronoq_v1_options_proto_rawDesc = "" +
 	"\n" +
-	"\x17cronoq/v1/options.proto\x12\tcronoq.v1\x1a google/protobuf/descriptor.proto\"\xb5\x01\n" +
+	"\x17cronoq/v1/options.proto\x12\tcronoq.v1\x1a google/protobuf/descriptor.proto\"\xf1\x01\n" +
 	"\n" +
 	"MethodRule\x125\n" +
 	"\n" +
@@ -323,7 +333,8 @@ const file_cronoq_v1_options_proto_rawDesc = "" +
 	"permission\x12\x18\n" +
 	"\astandby\x18\x02 \x01(\bR\astandby\x12,\n" +
 	"\arouting\x18\x03 \x01(\x0e2\x12.cronoq.v1.RoutingR\arouting\x12(\n" +
-	"\x04http\x18\x04 \x03(\v2\x14.cronoq.v1.HttpRouteR\x04http\"]\n" +
+	"\x04http\x18\x04 \x03(\v2\x14.cronoq.v1.HttpRouteR\x04http\x12:\n" +
+	"\ror_permission\x18\x05 \x01(\x0e2\x15.cronoq.v1.PermissionR\forPermission\"]\n" +
 	"\tHttpRoute\x12\x16\n" +
 	"\x06method\x18\x01 \x01(\tR\x06method\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x10\n" +
@@ -372,13 +383,14 @@ var file_cronoq_v1_options_proto_depIdxs = []int32{
 	0, // 0: cronoq.v1.MethodRule.permission:type_name -> cronoq.v1.Permission
 	1, // 1: cronoq.v1.MethodRule.routing:type_name -> cronoq.v1.Routing
 	3, // 2: cronoq.v1.MethodRule.http:type_name -> cronoq.v1.HttpRoute
-	4, // 3: cronoq.v1.rule:extendee -> google.protobuf.MethodOptions
-	2, // 4: cronoq.v1.rule:type_name -> cronoq.v1.MethodRule
-	5, // [5:5] is the sub-list for method output_type
-	5, // [5:5] is the sub-list for method input_type
-	4, // [4:5] is the sub-list for extension type_name
-	3, // [3:4] is the sub-list for extension extendee
-	0, // [0:3] is the sub-list for field type_name
+	0, // 3: cronoq.v1.MethodRule.or_permission:type_name -> cronoq.v1.Permission
+	4, // 4: cronoq.v1.rule:extendee -> google.protobuf.MethodOptions
+	2, // 5: cronoq.v1.rule:type_name -> cronoq.v1.MethodRule
+	6, // [6:6] is the sub-list for method output_type
+	6, // [6:6] is the sub-list for method input_type
+	5, // [5:6] is the sub-list for extension type_name
+	4, // [4:5] is the sub-list for extension extendee
+	0, // [0:4] is the sub-list for field type_name
 }
 
 func init() { file_cronoq_v1_options_proto_init() }

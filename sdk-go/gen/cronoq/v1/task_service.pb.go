@@ -313,10 +313,12 @@ func (x *SubmitBatchResponse) GetDeduplicatedIds() []uint64 {
 }
 
 type GetTaskRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Task          *TaskRef               `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Task  *TaskRef               `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
+	// Also list the tasks that depend on this one (GetTaskResponse.dependents).
+	IncludeDependents bool `protobuf:"varint,2,opt,name=include_dependents,json=includeDependents,proto3" json:"include_dependents,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *GetTaskRequest) Reset() {
@@ -356,12 +358,22 @@ func (x *GetTaskRequest) GetTask() *TaskRef {
 	return nil
 }
 
+func (x *GetTaskRequest) GetIncludeDependents() bool {
+	if x != nil {
+		return x.IncludeDependents
+	}
+	return false
+}
+
 type GetTaskResponse struct {
 	state             protoimpl.MessageState `protogen:"open.v1"`
 	Task              *Task                  `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
 	UnavailableShards []string               `protobuf:"bytes,2,rep,name=unavailable_shards,json=unavailableShards,proto3" json:"unavailable_shards,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// With include_dependents: ids of the tasks waiting for this one, in pools the caller may
+	// read, in id order, at most 100.
+	Dependents    []uint64 `protobuf:"varint,3,rep,packed,name=dependents,proto3" json:"dependents,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GetTaskResponse) Reset() {
@@ -404,6 +416,13 @@ func (x *GetTaskResponse) GetTask() *Task {
 func (x *GetTaskResponse) GetUnavailableShards() []string {
 	if x != nil {
 		return x.UnavailableShards
+	}
+	return nil
+}
+
+func (x *GetTaskResponse) GetDependents() []uint64 {
+	if x != nil {
+		return x.Dependents
 	}
 	return nil
 }
@@ -610,11 +629,14 @@ func (x *CancelTaskResponse) GetTask() *Task {
 }
 
 type ListTasksRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Pool          string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
-	State         TaskState              `protobuf:"varint,2,opt,name=state,proto3,enum=cronoq.v1.TaskState" json:"state,omitempty"`
-	PageSize      int32                  `protobuf:"varint,3,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
-	PageToken     string                 `protobuf:"bytes,4,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Pool      string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
+	State     TaskState              `protobuf:"varint,2,opt,name=state,proto3,enum=cronoq.v1.TaskState" json:"state,omitempty"`
+	PageSize  int32                  `protobuf:"varint,3,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	PageToken string                 `protobuf:"bytes,4,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	// Only the task with this key in each shard (keys deduplicate within a shard, so one key
+	// may name a task in each of several shards).
+	Key           string `protobuf:"bytes,5,opt,name=key,proto3" json:"key,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -673,6 +695,13 @@ func (x *ListTasksRequest) GetPageSize() int32 {
 func (x *ListTasksRequest) GetPageToken() string {
 	if x != nil {
 		return x.PageToken
+	}
+	return ""
+}
+
+func (x *ListTasksRequest) GetKey() string {
+	if x != nil {
+		return x.Key
 	}
 	return ""
 }
@@ -880,12 +909,16 @@ const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"request_id\x18\x02 \x01(\tR\trequestId\"g\n" +
 	"\x13SubmitBatchResponse\x12%\n" +
 	"\x05tasks\x18\x01 \x03(\v2\x0f.cronoq.v1.TaskR\x05tasks\x12)\n" +
-	"\x10deduplicated_ids\x18\x02 \x03(\x04R\x0fdeduplicatedIds\"8\n" +
+	"\x10deduplicated_ids\x18\x02 \x03(\x04R\x0fdeduplicatedIds\"g\n" +
 	"\x0eGetTaskRequest\x12&\n" +
-	"\x04task\x18\x01 \x01(\v2\x12.cronoq.v1.TaskRefR\x04task\"e\n" +
+	"\x04task\x18\x01 \x01(\v2\x12.cronoq.v1.TaskRefR\x04task\x12-\n" +
+	"\x12include_dependents\x18\x02 \x01(\bR\x11includeDependents\"\x85\x01\n" +
 	"\x0fGetTaskResponse\x12#\n" +
 	"\x04task\x18\x01 \x01(\v2\x0f.cronoq.v1.TaskR\x04task\x12-\n" +
-	"\x12unavailable_shards\x18\x02 \x03(\tR\x11unavailableShards\"X\n" +
+	"\x12unavailable_shards\x18\x02 \x03(\tR\x11unavailableShards\x12\x1e\n" +
+	"\n" +
+	"dependents\x18\x03 \x03(\x04R\n" +
+	"dependents\"X\n" +
 	"\x0fWaitTaskRequest\x12&\n" +
 	"\x04task\x18\x01 \x01(\v2\x12.cronoq.v1.TaskRefR\x04task\x12\x1d\n" +
 	"\n" +
@@ -897,13 +930,14 @@ const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"\x11CancelTaskRequest\x12&\n" +
 	"\x04task\x18\x01 \x01(\v2\x12.cronoq.v1.TaskRefR\x04task\"9\n" +
 	"\x12CancelTaskResponse\x12#\n" +
-	"\x04task\x18\x01 \x01(\v2\x0f.cronoq.v1.TaskR\x04task\"\x8e\x01\n" +
+	"\x04task\x18\x01 \x01(\v2\x0f.cronoq.v1.TaskR\x04task\"\xa0\x01\n" +
 	"\x10ListTasksRequest\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12*\n" +
 	"\x05state\x18\x02 \x01(\x0e2\x14.cronoq.v1.TaskStateR\x05state\x12\x1b\n" +
 	"\tpage_size\x18\x03 \x01(\x05R\bpageSize\x12\x1d\n" +
 	"\n" +
-	"page_token\x18\x04 \x01(\tR\tpageToken\"\x91\x01\n" +
+	"page_token\x18\x04 \x01(\tR\tpageToken\x12\x10\n" +
+	"\x03key\x18\x05 \x01(\tR\x03key\"\x91\x01\n" +
 	"\x11ListTasksResponse\x12%\n" +
 	"\x05tasks\x18\x01 \x03(\v2\x0f.cronoq.v1.TaskR\x05tasks\x12&\n" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\x12-\n" +

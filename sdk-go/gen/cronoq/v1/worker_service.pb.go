@@ -1087,8 +1087,14 @@ type WorkRequest struct {
 	// First message only: the pools to lease from (empty: every pool the worker registered
 	// for), and the cap in bytes of the tasks of one WorkResponse (0 or more than
 	// RegisterWorkerResponse.max_lease_bytes: that cap; one task is always sent alone).
-	Pools         []string `protobuf:"bytes,5,rep,name=pools,proto3" json:"pools,omitempty"`
-	MaxBytes      uint64   `protobuf:"varint,6,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
+	Pools    []string `protobuf:"bytes,5,rep,name=pools,proto3" json:"pools,omitempty"`
+	MaxBytes uint64   `protobuf:"varint,6,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
+	// The worker is stopping and this is its last message (its side closes next): it has sent
+	// the outcome or release of every task it started, and drops any task it is sent from now
+	// on. The server leases it nothing more and, as the stream ends, releases the tasks it sent
+	// and got no outcome for. A stream that ends without it (cut, or an older worker) keeps its
+	// leases: the worker may still be running them.
+	Closing       bool `protobuf:"varint,7,opt,name=closing,proto3" json:"closing,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1163,6 +1169,13 @@ func (x *WorkRequest) GetMaxBytes() uint64 {
 		return x.MaxBytes
 	}
 	return 0
+}
+
+func (x *WorkRequest) GetClosing() bool {
+	if x != nil {
+		return x.Closing
+	}
+	return false
 }
 
 type WorkHeartbeat struct {
@@ -1529,14 +1542,15 @@ const file_cronoq_v1_worker_service_proto_rawDesc = "" +
 	"\x04code\x18\x03 \x01(\tR\x04code\x12\x18\n" +
 	"\amessage\x18\x04 \x01(\tR\amessage\"L\n" +
 	"\x13FinishTasksResponse\x125\n" +
-	"\aresults\x18\x01 \x03(\v2\x1b.cronoq.v1.FinishTaskResultR\aresults\"\xe3\x01\n" +
+	"\aresults\x18\x01 \x03(\v2\x1b.cronoq.v1.FinishTaskResultR\aresults\"\xfd\x01\n" +
 	"\vWorkRequest\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12\x18\n" +
 	"\acredits\x18\x02 \x01(\rR\acredits\x122\n" +
 	"\boutcomes\x18\x03 \x03(\v2\x16.cronoq.v1.TaskOutcomeR\boutcomes\x126\n" +
 	"\theartbeat\x18\x04 \x01(\v2\x18.cronoq.v1.WorkHeartbeatR\theartbeat\x12\x14\n" +
 	"\x05pools\x18\x05 \x03(\tR\x05pools\x12\x1b\n" +
-	"\tmax_bytes\x18\x06 \x01(\x04R\bmaxBytes\"=\n" +
+	"\tmax_bytes\x18\x06 \x01(\x04R\bmaxBytes\x12\x18\n" +
+	"\aclosing\x18\a \x01(\bR\aclosing\"=\n" +
 	"\rWorkHeartbeat\x12,\n" +
 	"\x05tasks\x18\x01 \x03(\v2\x16.cronoq.v1.TaskAttemptR\x05tasks\"\xa8\x01\n" +
 	"\fWorkResponse\x12%\n" +

@@ -93,6 +93,33 @@ export interface ShardSnapshot {
   workers: Worker[];
   /** The leader's leadership term (0 on SQLite, where a file lock needs no fencing). */
   term: bigint;
+  /**
+   * Advertised addresses of the shard's standbys seen in the last seconds (PostgreSQL only:
+   * standbys on SQLite wait on a file lock and are not seen).
+   */
+  standbys: string[];
+  /** The last minutes of each pool's activity, from the leader's memory (empty after a failover). */
+  activity: PoolActivity[];
+}
+
+/**
+ * One pool's activity in fixed buckets, oldest first: the i-th value of each list is the bucket
+ * that starts at start_unix_ms + i * bucket_ms (the last one is still filling).
+ */
+export interface PoolActivity {
+  pool: string;
+  startUnixMs: bigint;
+  bucketMs: number;
+  submitted: number[];
+  started: number[];
+  succeeded: number[];
+  failed: number[];
+  /**
+   * Submit-to-start latency (from when the task was due) of the tasks started in each bucket:
+   * their sum and largest, in milliseconds (mean = sum / started).
+   */
+  startLatencySumMs: number[];
+  startLatencyMaxMs: number[];
 }
 
 export interface GetSnapshotRequest {
@@ -117,6 +144,20 @@ export interface GetServerInfoResponse {
   leader: string;
   /** This server's leadership term while it leads. */
   term: bigint;
+  /**
+   * Who the caller is and what it may do (with no credentials configured: anonymous, every
+   * permission on every pool).
+   */
+  caller: Caller | undefined;
+}
+
+export interface Caller {
+  name: string;
+  /** Every pool when set; else only `pools`. */
+  allPools: boolean;
+  pools: string[];
+  /** Of submit, read, cancel, work, schedule, admin. */
+  permissions: string[];
 }
 
 function createBasePoolCounts(): PoolCounts {
@@ -445,7 +486,17 @@ export const ResourceUsage: MessageFns<ResourceUsage> = {
 };
 
 function createBaseShardSnapshot(): ShardSnapshot {
-  return { shard: "", number: 0, leader: "", pools: [], resources: [], workers: [], term: 0n };
+  return {
+    shard: "",
+    number: 0,
+    leader: "",
+    pools: [],
+    resources: [],
+    workers: [],
+    term: 0n,
+    standbys: [],
+    activity: [],
+  };
 }
 
 export const ShardSnapshot: MessageFns<ShardSnapshot> = {
@@ -473,6 +524,12 @@ export const ShardSnapshot: MessageFns<ShardSnapshot> = {
         throw new globalThis.Error("value provided for field message.term of type uint64 too large");
       }
       writer.uint32(56).uint64(message.term);
+    }
+    for (const v of message.standbys) {
+      writer.uint32(66).string(v!);
+    }
+    for (const v of message.activity) {
+      PoolActivity.encode(v!, writer.uint32(74).fork()).join();
     }
     return writer;
   },
@@ -546,6 +603,22 @@ export const ShardSnapshot: MessageFns<ShardSnapshot> = {
             message.term = reader.uint64() as bigint;
             continue;
           }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.standbys.push(reader.string());
+            continue;
+          }
+          case 9: {
+            if (tag !== 74) {
+              break;
+            }
+
+            message.activity.push(PoolActivity.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -569,6 +642,10 @@ export const ShardSnapshot: MessageFns<ShardSnapshot> = {
         : [],
       workers: globalThis.Array.isArray(object?.workers) ? object.workers.map((e: any) => Worker.fromJSON(e)) : [],
       term: isSet(object.term) ? BigInt(object.term) : 0n,
+      standbys: globalThis.Array.isArray(object?.standbys) ? object.standbys.map((e: any) => globalThis.String(e)) : [],
+      activity: globalThis.Array.isArray(object?.activity)
+        ? object.activity.map((e: any) => PoolActivity.fromJSON(e))
+        : [],
     };
   },
 
@@ -595,6 +672,12 @@ export const ShardSnapshot: MessageFns<ShardSnapshot> = {
     if (message.term !== 0n) {
       obj.term = message.term.toString();
     }
+    if (message.standbys?.length) {
+      obj.standbys = message.standbys;
+    }
+    if (message.activity?.length) {
+      obj.activity = message.activity.map((e) => PoolActivity.toJSON(e));
+    }
     return obj;
   },
 
@@ -610,6 +693,328 @@ export const ShardSnapshot: MessageFns<ShardSnapshot> = {
     message.resources = object.resources?.map((e) => ResourceUsage.fromPartial(e)) || [];
     message.workers = object.workers?.map((e) => Worker.fromPartial(e)) || [];
     message.term = (object.term !== undefined && object.term !== null) ? BigInt(object.term) : 0n;
+    message.standbys = object.standbys?.map((e) => e) || [];
+    message.activity = object.activity?.map((e) => PoolActivity.fromPartial(e)) || [];
+    return message;
+  },
+};
+
+function createBasePoolActivity(): PoolActivity {
+  return {
+    pool: "",
+    startUnixMs: 0n,
+    bucketMs: 0,
+    submitted: [],
+    started: [],
+    succeeded: [],
+    failed: [],
+    startLatencySumMs: [],
+    startLatencyMaxMs: [],
+  };
+}
+
+export const PoolActivity: MessageFns<PoolActivity> = {
+  encode(message: PoolActivity, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.pool !== "") {
+      writer.uint32(10).string(message.pool);
+    }
+    if (message.startUnixMs !== 0n) {
+      if (BigInt.asIntN(64, message.startUnixMs) !== message.startUnixMs) {
+        throw new globalThis.Error("value provided for field message.startUnixMs of type int64 too large");
+      }
+      writer.uint32(16).int64(message.startUnixMs);
+    }
+    if (message.bucketMs !== 0) {
+      writer.uint32(24).uint32(message.bucketMs);
+    }
+    if (message.submitted.length !== 0) {
+      writer.uint32(34).fork();
+      for (const v of message.submitted) {
+        writer.uint32(v);
+      }
+      writer.join();
+    }
+    if (message.started.length !== 0) {
+      writer.uint32(42).fork();
+      for (const v of message.started) {
+        writer.uint32(v);
+      }
+      writer.join();
+    }
+    if (message.succeeded.length !== 0) {
+      writer.uint32(50).fork();
+      for (const v of message.succeeded) {
+        writer.uint32(v);
+      }
+      writer.join();
+    }
+    if (message.failed.length !== 0) {
+      writer.uint32(58).fork();
+      for (const v of message.failed) {
+        writer.uint32(v);
+      }
+      writer.join();
+    }
+    if (message.startLatencySumMs.length !== 0) {
+      writer.uint32(66).fork();
+      for (const v of message.startLatencySumMs) {
+        writer.double(v);
+      }
+      writer.join();
+    }
+    if (message.startLatencyMaxMs.length !== 0) {
+      writer.uint32(74).fork();
+      for (const v of message.startLatencyMaxMs) {
+        writer.double(v);
+      }
+      writer.join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): PoolActivity {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBasePoolActivity();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.pool = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.startUnixMs = reader.int64() as bigint;
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.bucketMs = reader.uint32();
+            continue;
+          }
+          case 4: {
+            if (tag === 32) {
+              message.submitted.push(reader.uint32());
+
+              continue;
+            }
+
+            if (tag === 34) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.submitted.push(reader.uint32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 5: {
+            if (tag === 40) {
+              message.started.push(reader.uint32());
+
+              continue;
+            }
+
+            if (tag === 42) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.started.push(reader.uint32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 6: {
+            if (tag === 48) {
+              message.succeeded.push(reader.uint32());
+
+              continue;
+            }
+
+            if (tag === 50) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.succeeded.push(reader.uint32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 7: {
+            if (tag === 56) {
+              message.failed.push(reader.uint32());
+
+              continue;
+            }
+
+            if (tag === 58) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.failed.push(reader.uint32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 8: {
+            if (tag === 65) {
+              message.startLatencySumMs.push(reader.double());
+
+              continue;
+            }
+
+            if (tag === 66) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.startLatencySumMs.push(reader.double());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 9: {
+            if (tag === 73) {
+              message.startLatencyMaxMs.push(reader.double());
+
+              continue;
+            }
+
+            if (tag === 74) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.startLatencyMaxMs.push(reader.double());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): PoolActivity {
+    return {
+      pool: isSet(object.pool) ? globalThis.String(object.pool) : "",
+      startUnixMs: isSet(object.startUnixMs)
+        ? BigInt(object.startUnixMs)
+        : isSet(object.start_unix_ms)
+        ? BigInt(object.start_unix_ms)
+        : 0n,
+      bucketMs: isSet(object.bucketMs)
+        ? globalThis.Number(object.bucketMs)
+        : isSet(object.bucket_ms)
+        ? globalThis.Number(object.bucket_ms)
+        : 0,
+      submitted: globalThis.Array.isArray(object?.submitted)
+        ? object.submitted.map((e: any) => globalThis.Number(e))
+        : [],
+      started: globalThis.Array.isArray(object?.started)
+        ? object.started.map((e: any) => globalThis.Number(e))
+        : [],
+      succeeded: globalThis.Array.isArray(object?.succeeded)
+        ? object.succeeded.map((e: any) => globalThis.Number(e))
+        : [],
+      failed: globalThis.Array.isArray(object?.failed)
+        ? object.failed.map((e: any) => globalThis.Number(e))
+        : [],
+      startLatencySumMs: globalThis.Array.isArray(object?.startLatencySumMs)
+        ? object.startLatencySumMs.map((e: any) => globalThis.Number(e))
+        : globalThis.Array.isArray(object?.start_latency_sum_ms)
+        ? object.start_latency_sum_ms.map((e: any) => globalThis.Number(e))
+        : [],
+      startLatencyMaxMs: globalThis.Array.isArray(object?.startLatencyMaxMs)
+        ? object.startLatencyMaxMs.map((e: any) => globalThis.Number(e))
+        : globalThis.Array.isArray(object?.start_latency_max_ms)
+        ? object.start_latency_max_ms.map((e: any) => globalThis.Number(e))
+        : [],
+    };
+  },
+
+  toJSON(message: PoolActivity): unknown {
+    const obj: any = {};
+    if (message.pool !== "") {
+      obj.pool = message.pool;
+    }
+    if (message.startUnixMs !== 0n) {
+      obj.startUnixMs = message.startUnixMs.toString();
+    }
+    if (message.bucketMs !== 0) {
+      obj.bucketMs = Math.round(message.bucketMs);
+    }
+    if (message.submitted?.length) {
+      obj.submitted = message.submitted.map((e) => Math.round(e));
+    }
+    if (message.started?.length) {
+      obj.started = message.started.map((e) => Math.round(e));
+    }
+    if (message.succeeded?.length) {
+      obj.succeeded = message.succeeded.map((e) => Math.round(e));
+    }
+    if (message.failed?.length) {
+      obj.failed = message.failed.map((e) => Math.round(e));
+    }
+    if (message.startLatencySumMs?.length) {
+      obj.startLatencySumMs = message.startLatencySumMs.map((e) => floatToJson(e));
+    }
+    if (message.startLatencyMaxMs?.length) {
+      obj.startLatencyMaxMs = message.startLatencyMaxMs.map((e) => floatToJson(e));
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<PoolActivity>, I>>(base?: I): PoolActivity {
+    return PoolActivity.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<PoolActivity>, I>>(object: I): PoolActivity {
+    const message = createBasePoolActivity();
+    message.pool = object.pool ?? "";
+    message.startUnixMs = (object.startUnixMs !== undefined && object.startUnixMs !== null)
+      ? BigInt(object.startUnixMs)
+      : 0n;
+    message.bucketMs = object.bucketMs ?? 0;
+    message.submitted = object.submitted?.map((e) => e) || [];
+    message.started = object.started?.map((e) => e) || [];
+    message.succeeded = object.succeeded?.map((e) => e) || [];
+    message.failed = object.failed?.map((e) => e) || [];
+    message.startLatencySumMs = object.startLatencySumMs?.map((e) => e) || [];
+    message.startLatencyMaxMs = object.startLatencyMaxMs?.map((e) => e) || [];
     return message;
   },
 };
@@ -808,7 +1213,17 @@ export const GetServerInfoRequest: MessageFns<GetServerInfoRequest> = {
 };
 
 function createBaseGetServerInfoResponse(): GetServerInfoResponse {
-  return { version: "", shard: "", shardNumber: 0, role: 0, serverId: "", advertise: "", leader: "", term: 0n };
+  return {
+    version: "",
+    shard: "",
+    shardNumber: 0,
+    role: 0,
+    serverId: "",
+    advertise: "",
+    leader: "",
+    term: 0n,
+    caller: undefined,
+  };
 }
 
 export const GetServerInfoResponse: MessageFns<GetServerInfoResponse> = {
@@ -839,6 +1254,9 @@ export const GetServerInfoResponse: MessageFns<GetServerInfoResponse> = {
         throw new globalThis.Error("value provided for field message.term of type uint64 too large");
       }
       writer.uint32(64).uint64(message.term);
+    }
+    if (message.caller !== undefined) {
+      Caller.encode(message.caller, writer.uint32(74).fork()).join();
     }
     return writer;
   },
@@ -920,6 +1338,14 @@ export const GetServerInfoResponse: MessageFns<GetServerInfoResponse> = {
             message.term = reader.uint64() as bigint;
             continue;
           }
+          case 9: {
+            if (tag !== 74) {
+              break;
+            }
+
+            message.caller = Caller.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -950,6 +1376,7 @@ export const GetServerInfoResponse: MessageFns<GetServerInfoResponse> = {
       advertise: isSet(object.advertise) ? globalThis.String(object.advertise) : "",
       leader: isSet(object.leader) ? globalThis.String(object.leader) : "",
       term: isSet(object.term) ? BigInt(object.term) : 0n,
+      caller: isSet(object.caller) ? Caller.fromJSON(object.caller) : undefined,
     };
   },
 
@@ -979,6 +1406,9 @@ export const GetServerInfoResponse: MessageFns<GetServerInfoResponse> = {
     if (message.term !== 0n) {
       obj.term = message.term.toString();
     }
+    if (message.caller !== undefined) {
+      obj.caller = Caller.toJSON(message.caller);
+    }
     return obj;
   },
 
@@ -995,6 +1425,132 @@ export const GetServerInfoResponse: MessageFns<GetServerInfoResponse> = {
     message.advertise = object.advertise ?? "";
     message.leader = object.leader ?? "";
     message.term = (object.term !== undefined && object.term !== null) ? BigInt(object.term) : 0n;
+    message.caller = (object.caller !== undefined && object.caller !== null)
+      ? Caller.fromPartial(object.caller)
+      : undefined;
+    return message;
+  },
+};
+
+function createBaseCaller(): Caller {
+  return { name: "", allPools: false, pools: [], permissions: [] };
+}
+
+export const Caller: MessageFns<Caller> = {
+  encode(message: Caller, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.name !== "") {
+      writer.uint32(10).string(message.name);
+    }
+    if (message.allPools !== false) {
+      writer.uint32(16).bool(message.allPools);
+    }
+    for (const v of message.pools) {
+      writer.uint32(26).string(v!);
+    }
+    for (const v of message.permissions) {
+      writer.uint32(34).string(v!);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): Caller {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseCaller();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.allPools = reader.bool();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.pools.push(reader.string());
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.permissions.push(reader.string());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): Caller {
+    return {
+      name: isSet(object.name) ? globalThis.String(object.name) : "",
+      allPools: isSet(object.allPools)
+        ? globalThis.Boolean(object.allPools)
+        : isSet(object.all_pools)
+        ? globalThis.Boolean(object.all_pools)
+        : false,
+      pools: globalThis.Array.isArray(object?.pools) ? object.pools.map((e: any) => globalThis.String(e)) : [],
+      permissions: globalThis.Array.isArray(object?.permissions)
+        ? object.permissions.map((e: any) => globalThis.String(e))
+        : [],
+    };
+  },
+
+  toJSON(message: Caller): unknown {
+    const obj: any = {};
+    if (message.name !== "") {
+      obj.name = message.name;
+    }
+    if (message.allPools !== false) {
+      obj.allPools = message.allPools;
+    }
+    if (message.pools?.length) {
+      obj.pools = message.pools;
+    }
+    if (message.permissions?.length) {
+      obj.permissions = message.permissions;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<Caller>, I>>(base?: I): Caller {
+    return Caller.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<Caller>, I>>(object: I): Caller {
+    const message = createBaseCaller();
+    message.name = object.name ?? "";
+    message.allPools = object.allPools ?? false;
+    message.pools = object.pools?.map((e) => e) || [];
+    message.permissions = object.permissions?.map((e) => e) || [];
     return message;
   },
 };
@@ -1002,6 +1558,7 @@ export const GetServerInfoResponse: MessageFns<GetServerInfoResponse> = {
 /** Cluster state for operators. */
 export type AdminServiceService = typeof AdminServiceService;
 export const AdminServiceService = {
+  /** The pools the caller may read or administer; the shard's resources need admin. */
   getSnapshot: {
     path: "/cronoq.v1.AdminService/GetSnapshot" as const,
     requestStream: false as const,
@@ -1024,11 +1581,13 @@ export const AdminServiceService = {
 } as const;
 
 export interface AdminServiceServer extends UntypedServiceImplementation {
+  /** The pools the caller may read or administer; the shard's resources need admin. */
   getSnapshot: handleUnaryCall<GetSnapshotRequest, GetSnapshotResponse>;
   getServerInfo: handleUnaryCall<GetServerInfoRequest, GetServerInfoResponse>;
 }
 
 export interface AdminServiceClient extends Client {
+  /** The pools the caller may read or administer; the shard's resources need admin. */
   getSnapshot(
     request: GetSnapshotRequest,
     callback: (error: ServiceError | null, response: GetSnapshotResponse) => void,

@@ -150,6 +150,11 @@ export interface MethodRule {
   routing: Routing;
   /** The HTTP routes that map to this RPC. */
   http: HttpRoute[];
+  /**
+   * A second permission that is enough instead of `permission` (GetSnapshot: admin, or read for
+   * a snapshot of the pools the caller may read).
+   */
+  orPermission: Permission;
 }
 
 /**
@@ -167,7 +172,7 @@ export interface HttpRoute {
 }
 
 function createBaseMethodRule(): MethodRule {
-  return { permission: 0, standby: false, routing: 0, http: [] };
+  return { permission: 0, standby: false, routing: 0, http: [], orPermission: 0 };
 }
 
 export const MethodRule: MessageFns<MethodRule> = {
@@ -183,6 +188,9 @@ export const MethodRule: MessageFns<MethodRule> = {
     }
     for (const v of message.http) {
       HttpRoute.encode(v!, writer.uint32(34).fork()).join();
+    }
+    if (message.orPermission !== 0) {
+      writer.uint32(40).int32(message.orPermission);
     }
     return writer;
   },
@@ -232,6 +240,14 @@ export const MethodRule: MessageFns<MethodRule> = {
             message.http.push(HttpRoute.decode(reader, reader.uint32()));
             continue;
           }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.orPermission = reader.int32() as any;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -250,6 +266,11 @@ export const MethodRule: MessageFns<MethodRule> = {
       standby: isSet(object.standby) ? globalThis.Boolean(object.standby) : false,
       routing: isSet(object.routing) ? routingFromJSON(object.routing) : 0,
       http: globalThis.Array.isArray(object?.http) ? object.http.map((e: any) => HttpRoute.fromJSON(e)) : [],
+      orPermission: isSet(object.orPermission)
+        ? permissionFromJSON(object.orPermission)
+        : isSet(object.or_permission)
+        ? permissionFromJSON(object.or_permission)
+        : 0,
     };
   },
 
@@ -267,6 +288,9 @@ export const MethodRule: MessageFns<MethodRule> = {
     if (message.http?.length) {
       obj.http = message.http.map((e) => HttpRoute.toJSON(e));
     }
+    if (message.orPermission !== 0) {
+      obj.orPermission = permissionToJSON(message.orPermission);
+    }
     return obj;
   },
 
@@ -279,6 +303,7 @@ export const MethodRule: MessageFns<MethodRule> = {
     message.standby = object.standby ?? false;
     message.routing = object.routing ?? 0;
     message.http = object.http?.map((e) => HttpRoute.fromPartial(e)) || [];
+    message.orPermission = object.orPermission ?? 0;
     return message;
   },
 };

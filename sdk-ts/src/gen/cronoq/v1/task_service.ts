@@ -78,12 +78,21 @@ export interface SubmitBatchResponse {
 }
 
 export interface GetTaskRequest {
-  task: TaskRef | undefined;
+  task:
+    | TaskRef
+    | undefined;
+  /** Also list the tasks that depend on this one (GetTaskResponse.dependents). */
+  includeDependents: boolean;
 }
 
 export interface GetTaskResponse {
   task: Task | undefined;
   unavailableShards: string[];
+  /**
+   * With include_dependents: ids of the tasks waiting for this one, in pools the caller may
+   * read, in id order, at most 100.
+   */
+  dependents: bigint[];
 }
 
 export interface WaitTaskRequest {
@@ -113,6 +122,11 @@ export interface ListTasksRequest {
   state: TaskState;
   pageSize: number;
   pageToken: string;
+  /**
+   * Only the task with this key in each shard (keys deduplicate within a shard, so one key
+   * may name a task in each of several shards).
+   */
+  key: string;
 }
 
 export interface ListTasksResponse {
@@ -812,13 +826,16 @@ export const SubmitBatchResponse: MessageFns<SubmitBatchResponse> = {
 };
 
 function createBaseGetTaskRequest(): GetTaskRequest {
-  return { task: undefined };
+  return { task: undefined, includeDependents: false };
 }
 
 export const GetTaskRequest: MessageFns<GetTaskRequest> = {
   encode(message: GetTaskRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
     if (message.task !== undefined) {
       TaskRef.encode(message.task, writer.uint32(10).fork()).join();
+    }
+    if (message.includeDependents !== false) {
+      writer.uint32(16).bool(message.includeDependents);
     }
     return writer;
   },
@@ -844,6 +861,14 @@ export const GetTaskRequest: MessageFns<GetTaskRequest> = {
             message.task = TaskRef.decode(reader, reader.uint32());
             continue;
           }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.includeDependents = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -857,13 +882,23 @@ export const GetTaskRequest: MessageFns<GetTaskRequest> = {
   },
 
   fromJSON(object: any): GetTaskRequest {
-    return { task: isSet(object.task) ? TaskRef.fromJSON(object.task) : undefined };
+    return {
+      task: isSet(object.task) ? TaskRef.fromJSON(object.task) : undefined,
+      includeDependents: isSet(object.includeDependents)
+        ? globalThis.Boolean(object.includeDependents)
+        : isSet(object.include_dependents)
+        ? globalThis.Boolean(object.include_dependents)
+        : false,
+    };
   },
 
   toJSON(message: GetTaskRequest): unknown {
     const obj: any = {};
     if (message.task !== undefined) {
       obj.task = TaskRef.toJSON(message.task);
+    }
+    if (message.includeDependents !== false) {
+      obj.includeDependents = message.includeDependents;
     }
     return obj;
   },
@@ -874,12 +909,13 @@ export const GetTaskRequest: MessageFns<GetTaskRequest> = {
   fromPartial<I extends Exact<DeepPartial<GetTaskRequest>, I>>(object: I): GetTaskRequest {
     const message = createBaseGetTaskRequest();
     message.task = (object.task !== undefined && object.task !== null) ? TaskRef.fromPartial(object.task) : undefined;
+    message.includeDependents = object.includeDependents ?? false;
     return message;
   },
 };
 
 function createBaseGetTaskResponse(): GetTaskResponse {
-  return { task: undefined, unavailableShards: [] };
+  return { task: undefined, unavailableShards: [], dependents: [] };
 }
 
 export const GetTaskResponse: MessageFns<GetTaskResponse> = {
@@ -889,6 +925,16 @@ export const GetTaskResponse: MessageFns<GetTaskResponse> = {
     }
     for (const v of message.unavailableShards) {
       writer.uint32(18).string(v!);
+    }
+    if (message.dependents.length !== 0) {
+      writer.uint32(26).fork();
+      for (const v of message.dependents) {
+        if (BigInt.asUintN(64, v) !== v) {
+          throw new globalThis.Error("a value provided in array field dependents of type uint64 is too large");
+        }
+        writer.uint64(v);
+      }
+      writer.join();
     }
     return writer;
   },
@@ -922,6 +968,24 @@ export const GetTaskResponse: MessageFns<GetTaskResponse> = {
             message.unavailableShards.push(reader.string());
             continue;
           }
+          case 3: {
+            if (tag === 24) {
+              message.dependents.push(reader.uint64() as bigint);
+
+              continue;
+            }
+
+            if (tag === 26) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.dependents.push(reader.uint64() as bigint);
+              }
+
+              continue;
+            }
+
+            break;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -942,6 +1006,7 @@ export const GetTaskResponse: MessageFns<GetTaskResponse> = {
         : globalThis.Array.isArray(object?.unavailable_shards)
         ? object.unavailable_shards.map((e: any) => globalThis.String(e))
         : [],
+      dependents: globalThis.Array.isArray(object?.dependents) ? object.dependents.map((e: any) => BigInt(e)) : [],
     };
   },
 
@@ -953,6 +1018,9 @@ export const GetTaskResponse: MessageFns<GetTaskResponse> = {
     if (message.unavailableShards?.length) {
       obj.unavailableShards = message.unavailableShards;
     }
+    if (message.dependents?.length) {
+      obj.dependents = message.dependents.map((e) => e.toString());
+    }
     return obj;
   },
 
@@ -963,6 +1031,7 @@ export const GetTaskResponse: MessageFns<GetTaskResponse> = {
     const message = createBaseGetTaskResponse();
     message.task = (object.task !== undefined && object.task !== null) ? Task.fromPartial(object.task) : undefined;
     message.unavailableShards = object.unavailableShards?.map((e) => e) || [];
+    message.dependents = object.dependents?.map((e) => BigInt(e)) || [];
     return message;
   },
 };
@@ -1296,7 +1365,7 @@ export const CancelTaskResponse: MessageFns<CancelTaskResponse> = {
 };
 
 function createBaseListTasksRequest(): ListTasksRequest {
-  return { pool: "", state: 0, pageSize: 0, pageToken: "" };
+  return { pool: "", state: 0, pageSize: 0, pageToken: "", key: "" };
 }
 
 export const ListTasksRequest: MessageFns<ListTasksRequest> = {
@@ -1312,6 +1381,9 @@ export const ListTasksRequest: MessageFns<ListTasksRequest> = {
     }
     if (message.pageToken !== "") {
       writer.uint32(34).string(message.pageToken);
+    }
+    if (message.key !== "") {
+      writer.uint32(42).string(message.key);
     }
     return writer;
   },
@@ -1361,6 +1433,14 @@ export const ListTasksRequest: MessageFns<ListTasksRequest> = {
             message.pageToken = reader.string();
             continue;
           }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.key = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1387,6 +1467,7 @@ export const ListTasksRequest: MessageFns<ListTasksRequest> = {
         : isSet(object.page_token)
         ? globalThis.String(object.page_token)
         : "",
+      key: isSet(object.key) ? globalThis.String(object.key) : "",
     };
   },
 
@@ -1404,6 +1485,9 @@ export const ListTasksRequest: MessageFns<ListTasksRequest> = {
     if (message.pageToken !== "") {
       obj.pageToken = message.pageToken;
     }
+    if (message.key !== "") {
+      obj.key = message.key;
+    }
     return obj;
   },
 
@@ -1416,6 +1500,7 @@ export const ListTasksRequest: MessageFns<ListTasksRequest> = {
     message.state = object.state ?? 0;
     message.pageSize = object.pageSize ?? 0;
     message.pageToken = object.pageToken ?? "";
+    message.key = object.key ?? "";
     return message;
   },
 };

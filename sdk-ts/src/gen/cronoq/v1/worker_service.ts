@@ -188,6 +188,14 @@ export interface WorkRequest {
    */
   pools: string[];
   maxBytes: bigint;
+  /**
+   * The worker is stopping and this is its last message (its side closes next): it has sent
+   * the outcome or release of every task it started, and drops any task it is sent from now
+   * on. The server leases it nothing more and, as the stream ends, releases the tasks it sent
+   * and got no outcome for. A stream that ends without it (cut, or an older worker) keeps its
+   * leases: the worker may still be running them.
+   */
+  closing: boolean;
 }
 
 export interface WorkHeartbeat {
@@ -2264,7 +2272,7 @@ export const FinishTasksResponse: MessageFns<FinishTasksResponse> = {
 };
 
 function createBaseWorkRequest(): WorkRequest {
-  return { workerId: "", credits: 0, outcomes: [], heartbeat: undefined, pools: [], maxBytes: 0n };
+  return { workerId: "", credits: 0, outcomes: [], heartbeat: undefined, pools: [], maxBytes: 0n, closing: false };
 }
 
 export const WorkRequest: MessageFns<WorkRequest> = {
@@ -2289,6 +2297,9 @@ export const WorkRequest: MessageFns<WorkRequest> = {
         throw new globalThis.Error("value provided for field message.maxBytes of type uint64 too large");
       }
       writer.uint32(48).uint64(message.maxBytes);
+    }
+    if (message.closing !== false) {
+      writer.uint32(56).bool(message.closing);
     }
     return writer;
   },
@@ -2354,6 +2365,14 @@ export const WorkRequest: MessageFns<WorkRequest> = {
             message.maxBytes = reader.uint64() as bigint;
             continue;
           }
+          case 7: {
+            if (tag !== 56) {
+              break;
+            }
+
+            message.closing = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2384,6 +2403,7 @@ export const WorkRequest: MessageFns<WorkRequest> = {
         : isSet(object.max_bytes)
         ? BigInt(object.max_bytes)
         : 0n,
+      closing: isSet(object.closing) ? globalThis.Boolean(object.closing) : false,
     };
   },
 
@@ -2407,6 +2427,9 @@ export const WorkRequest: MessageFns<WorkRequest> = {
     if (message.maxBytes !== 0n) {
       obj.maxBytes = message.maxBytes.toString();
     }
+    if (message.closing !== false) {
+      obj.closing = message.closing;
+    }
     return obj;
   },
 
@@ -2423,6 +2446,7 @@ export const WorkRequest: MessageFns<WorkRequest> = {
       : undefined;
     message.pools = object.pools?.map((e) => e) || [];
     message.maxBytes = (object.maxBytes !== undefined && object.maxBytes !== null) ? BigInt(object.maxBytes) : 0n;
+    message.closing = object.closing ?? false;
     return message;
   },
 };

@@ -1,0 +1,117 @@
+// Calls to the server's HTTP JSON API (same origin), with the token kept in sessionStorage.
+
+const TOKEN_KEY = "cronoq.token";
+
+export class ApiError extends Error {
+  constructor(status, body) {
+    super((body && body.message) || `HTTP ${status}`);
+    this.status = status;
+    this.code = (body && body.code) || String(status);
+  }
+}
+
+export function token() {
+  return sessionStorage.getItem(TOKEN_KEY) || "";
+}
+
+export function setToken(value) {
+  if (value) sessionStorage.setItem(TOKEN_KEY, value);
+  else sessionStorage.removeItem(TOKEN_KEY);
+  callerPromise = null;
+}
+
+let callerPromise = null;
+
+/** Who the token is and what it may do (GET /v1/info's caller), asked once per token. */
+export function caller() {
+  if (!callerPromise) {
+    callerPromise = call("GET", "/v1/info").then((info) => info.caller || {});
+    callerPromise.catch(() => { callerPromise = null; });
+  }
+  return callerPromise;
+}
+
+/** Whether the caller holds `permission` on `pool`. */
+export function may(who, permission, pool) {
+  return (who.permissions || []).includes(permission) && (who.all_pools || (who.pools || []).includes(pool));
+}
+
+function headers(accept) {
+  const out = { accept };
+  const current = token();
+  if (current) out.authorization = `Bearer ${current}`;
+  return out;
+}
+
+/** GET, POST, PUT or DELETE a /v1 route; resolves to the JSON body, rejects with ApiError. */
+export async function call(method, path, body) {
+  const sent = headers("application/json");
+  if (body !== undefined) sent["content-type"] = "application/json";
+  const response = await fetch(path, {
+    method,
+    headers: sent,
+    body: body === undefined ? undefined : JSON.stringify(body),
+    credentials: "omit",
+    cache: "no-store",
+  });
+  let parsed = null;
+  try {
+    parsed = await response.json();
+  } catch {
+    parsed = null;
+  }
+  if (!response.ok) throw new ApiError(response.status, parsed);
+  return parsed;
+}
+
+/** A query string from the entries whose value is not empty. */
+export function query(params) {
+  const q = new URLSearchParams();
+  for (const [name, value] of Object.entries(params)) {
+    if (value !== undefined && value !== null && value !== "") q.set(name, String(value));
+  }
+  const text = q.toString();
+  return text ? `?${text}` : "";
+}
+
+/**
+ * Reads a Server-Sent Events route with fetch (EventSource cannot send `authorization`):
+ * calls onOpen(response) once the headers arrive, then onEvent({id, event, data}) for each
+ * event; resolves when the server ends the stream, rejects on an error or when `signal` aborts.
+ */
+export async function readEvents(path, { signal, onOpen, onEvent }) {
+  const response = await fetch(path, { headers: headers("text/event-stream"), credentials: "omit", cache: "no-store", signal });
+  if (!response.ok) {
+    let parsed = null;
+    try {
+      parsed = await response.json();
+    } catch {
+      parsed = null;
+    }
+    throw new ApiError(response.status, parsed);
+  }
+  onOpen(response);
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value;
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const event = { id: "", event: "message", data: "" };
+      for (const line of block.split("\n")) {
+        if (line.startsWith(":")) continue; // a comment (keep-alive)
+        const colon = line.indexOf(":");
+        const name = colon < 0 ? line : line.slice(0, colon);
+        const text = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+        if (name === "id") event.id = text;
+        else if (name === "event") event.event = text;
+        else if (name === "data") event.data += (event.data ? "\n" : "") + text;
+      }
+      if (event.data) onEvent(event);
+    }
+  }
+}

@@ -1,0 +1,104 @@
+// The dashboard's entry point: hash routes (#/overview, #/tasks?…, #/task/<id or key>, #/live,
+// #/schedules, #/workers), the token form shown when the API answers 401, and the search box.
+import { ApiError, caller, setToken, token } from "./api.js";
+import { h, show } from "./dom.js";
+import { renderLive } from "./live.js";
+import { renderOverview } from "./overview.js";
+import { renderSchedules } from "./schedules.js";
+import { renderTask, renderTasks } from "./tasks.js";
+import { renderWorkers } from "./workers.js";
+
+const VIEWS = {
+  overview: () => renderOverview(),
+  tasks: (params) => renderTasks(params),
+  task: (params, rest) => renderTask(decodeURIComponent(rest.join("/"))),
+  schedules: () => renderSchedules(),
+  workers: () => renderWorkers(),
+};
+
+const main = document.getElementById("main");
+const tokenForm = document.getElementById("token-form");
+const signOut = document.getElementById("sign-out");
+
+function parseHash() {
+  const raw = location.hash.replace(/^#\/?/, "");
+  const [path, search] = raw.split("?", 2);
+  return { path: path || "overview", params: new URLSearchParams(search || "") };
+}
+
+const REFRESH_MS = 5000; // the overview re-reads the snapshot this often while the tab is visible
+let refreshTimer = 0;
+let generation = 0; // a render that finishes after a newer one started is dropped
+let stopLive = null; // ends the live view's stream when another view is drawn
+
+async function render(refresh = false) {
+  clearTimeout(refreshTimer);
+  if (stopLive) stopLive();
+  stopLive = null;
+  const { path, params } = parseHash();
+  const [first, ...rest] = path.split("/");
+  const view = first in VIEWS || first === "live" ? first : "overview";
+  const mine = ++generation;
+  for (const link of document.querySelectorAll("nav a")) {
+    link.classList.toggle("active", link.dataset.view === view || (view === "task" && link.dataset.view === "tasks"));
+  }
+  signOut.hidden = !token();
+  tokenForm.hidden = true;
+  if (!refresh) show(main, h("p", { class: "muted" }, "Loading…"));
+  const started = performance.now();
+  try {
+    let content;
+    if (view === "live") {
+      await caller(); // a token that is needed and missing shows the form first
+      if (mine !== generation) return;
+      const live = renderLive(params);
+      stopLive = live.stop;
+      content = live.view;
+    } else {
+      content = await VIEWS[view](params, rest);
+    }
+    if (mine !== generation) return;
+    show(main, content);
+    main.dataset.loadedMs = String(Math.round(performance.now() - started)); // this view's calls and drawing
+    main.dataset.pageMs = String(Math.round(performance.now())); // since the page's navigation began
+    main.dataset.view = view;
+    if (view === "overview") refreshTimer = setTimeout(refreshOverview, REFRESH_MS);
+  } catch (err) {
+    if (mine !== generation) return;
+    if (err instanceof ApiError && err.status === 401) {
+      show(main, h("p", { class: "warning" }, token() ? "That token was refused." : "A token is needed."));
+      tokenForm.hidden = false;
+      tokenForm.elements.token.focus();
+    } else {
+      show(main, h("p", { class: "error", role: "alert" }, err instanceof ApiError ? `${err.code}: ${err.message}` : String(err)));
+    }
+    main.dataset.view = "error";
+    if (view === "overview" && tokenForm.hidden) refreshTimer = setTimeout(refreshOverview, REFRESH_MS);
+  }
+}
+
+function refreshOverview() {
+  if (document.hidden) refreshTimer = setTimeout(refreshOverview, REFRESH_MS);
+  else render(true);
+}
+
+tokenForm.addEventListener("submit", (event) => {
+  event.preventDefault();
+  setToken(tokenForm.elements.token.value.trim());
+  tokenForm.reset();
+  render();
+});
+
+signOut.addEventListener("click", () => {
+  setToken("");
+  render();
+});
+
+document.getElementById("search").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const q = event.target.elements.q.value.trim();
+  if (q) location.hash = `#/task/${encodeURIComponent(q)}`;
+});
+
+window.addEventListener("hashchange", () => render());
+render();

@@ -1,0 +1,131 @@
+// Overview: every shard of GET /v1/snapshot (name, number, leader, standbys, term), its per-pool
+// counts by state, resources and workers, and charts of the pools' recent activity; shards the
+// server could not reach are named as unavailable. The snapshot holds only the pools the
+// viewer may read.
+import { call } from "./api.js";
+import { lineChart } from "./chart.js";
+import { ago, h, table } from "./dom.js";
+
+export const STATES = ["pending", "blocked", "running", "succeeded", "failed", "cancelled"];
+
+function poolRows(shard) {
+  return (shard.pools || []).map((pool) => [
+    h("a", { href: `#/tasks?pool=${encodeURIComponent(pool.pool)}` }, pool.pool),
+    ...STATES.map((state) => h("span", { class: `num state-${state}`, "data-count": state }, String(pool[state] ?? 0))),
+  ]);
+}
+
+function resourceRows(shard) {
+  return (shard.resources || []).map((r) => [
+    r.name,
+    Number(r.capacity) > 0 ? `${r.in_use} / ${r.capacity}` : "",
+    r.rate ? `${r.rate}/s, burst ${r.burst}` : "",
+  ]);
+}
+
+function workerRows(shard) {
+  return (shard.workers || []).map((w) => [
+    w.id || "",
+    w.name || "",
+    (w.pools || []).join(", "),
+    String(w.running ?? 0),
+    ago(w.last_seen_at),
+  ]);
+}
+
+function shardCard(shard) {
+  const standbys = (shard.standbys || []).length ? shard.standbys.join(", ") : "none seen";
+  return h("section", { class: "shard", "data-shard": shard.shard },
+    h("h2", null, `Shard ${shard.shard} `,
+      h("small", null, `#${shard.number} · term ${shard.term ?? 0} · leader ${shard.leader || "?"} · standbys ${standbys}`)),
+    (shard.pools || []).length
+      ? table(["pool", ...STATES], poolRows(shard), { class: "counts" })
+      : h("p", { class: "muted" }, "No pools."),
+    (shard.resources || []).length
+      ? [h("h3", null, "Resources"), table(["resource", "in use / capacity", "rate"], resourceRows(shard))]
+      : null,
+    h("h3", null, "Workers"),
+    (shard.workers || []).length
+      ? table(["id", "name", "pools", "running", "last heartbeat"], workerRows(shard), { class: "workers" })
+      : h("p", { class: "muted" }, "No workers."));
+}
+
+/**
+ * Every pool's activity summed per bucket, aligned on time (buckets start at multiples of their
+ * length on every shard); the last bucket, still filling, is left out.
+ */
+export function sumActivity(shards) {
+  const all = shards.flatMap((shard) => shard.activity || []);
+  if (!all.length) return null;
+  const bucketMs = all[0].bucket_ms;
+  const length = all[0].submitted.length;
+  const end = Math.max(...all.map((a) => Number(a.start_unix_ms))) + length * bucketMs;
+  const start = end - length * bucketMs;
+  const fields = ["submitted", "started", "succeeded", "failed", "start_latency_sum_ms"];
+  const sums = Object.fromEntries(fields.map((f) => [f, new Array(length).fill(0)]));
+  sums.start_latency_max_ms = new Array(length).fill(0);
+  for (const a of all) {
+    const offset = (Number(a.start_unix_ms) - start) / bucketMs;
+    for (let i = 0; i < length; i++) {
+      const at = i + offset;
+      if (at < 0 || at >= length) continue;
+      for (const f of fields) sums[f][at] += Number(a[f][i] || 0);
+      sums.start_latency_max_ms[at] = Math.max(sums.start_latency_max_ms[at], Number(a.start_latency_max_ms[i] || 0));
+    }
+  }
+  for (const f of Object.keys(sums)) sums[f] = sums[f].slice(0, -1);
+  return { bucketMs, sums };
+}
+
+const RECENT = 12; // the legend's figures: the last minute (12 buckets of 5 s)
+
+function charts(shards) {
+  const activity = sumActivity(shards);
+  if (!activity) return null;
+  const { bucketMs, sums } = activity;
+  const perSecond = (values) => values.map((v) => v / (bucketMs / 1000));
+  const recent = (values) => values.slice(-RECENT);
+  const add = (values) => values.reduce((a, b) => a + b, 0);
+  const rate = (values) => add(recent(values)) / ((RECENT * bucketMs) / 1000);
+  const started = add(recent(sums.started));
+  const mean = sums.started.map((n, i) => (n ? sums.start_latency_sum_ms[i] / n : null));
+  const max = sums.started.map((n, i) => (n ? sums.start_latency_max_ms[i] : null));
+  const note = "(last minute)";
+  return h("div", { class: "charts" },
+    lineChart({
+      name: "throughput",
+      title: "Throughput (tasks per second)",
+      unit: `${bucketMs / 1000} s buckets`,
+      bucketMs,
+      note,
+      lines: [
+        { label: "submitted", cls: "c-submitted", values: perSecond(sums.submitted), summary: rate(sums.submitted) },
+        { label: "succeeded", cls: "c-succeeded", values: perSecond(sums.succeeded), summary: rate(sums.succeeded) },
+        { label: "failed", cls: "c-failed", values: perSecond(sums.failed), summary: rate(sums.failed) },
+      ],
+    }),
+    lineChart({
+      name: "latency",
+      title: "Submit → start latency (ms)",
+      unit: "from when a task was due to its start",
+      bucketMs,
+      note,
+      lines: [
+        { label: "mean", cls: "c-mean", values: mean, summary: started ? add(recent(sums.start_latency_sum_ms)) / started : null },
+        { label: "max", cls: "c-max", values: max, summary: started ? Math.max(...recent(sums.start_latency_max_ms)) : null },
+      ],
+    }));
+}
+
+export async function renderOverview() {
+  const snapshot = await call("GET", "/v1/snapshot");
+  const shards = snapshot.shards || [];
+  const unavailable = snapshot.unavailable_shards || [];
+  return h("div", { class: "overview" },
+    h("h1", null, "Overview"),
+    charts(shards),
+    shards.map(shardCard),
+    unavailable.map((name) => h("section", { class: "shard unavailable", "data-shard": name },
+      h("h2", null, `Shard ${name} `, h("small", null, "unavailable")),
+      h("p", null, "This shard did not answer; its pools are not counted above."))));
+}

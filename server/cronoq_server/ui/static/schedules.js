@@ -1,0 +1,58 @@
+// Schedules: GET /v1/schedules across shards, with the next and last fire; Pause, Resume and
+// Delete (PUT / DELETE /v1/pools/{pool}/schedules/{name}) for a viewer with `schedule` on the pool.
+import { call, caller, may } from "./api.js";
+import { h, table, when } from "./dom.js";
+
+// The fields a PUT sends back: the schedule as listed, without its times (the server keeps them).
+const KEPT = ["cron", "timezone", "payload", "payload_json", "content_type", "priority", "max_attempts", "resources", "timeout_ms", "fire_all_missed"];
+
+function path(s) {
+  return `/v1/pools/${encodeURIComponent(s.pool)}/schedules/${encodeURIComponent(s.name)}`;
+}
+
+function actions(s, status) {
+  const act = (label, run) => h("button", {
+    type: "button",
+    onclick: async () => {
+      try {
+        await run();
+        window.dispatchEvent(new HashChangeEvent("hashchange")); // drawn again
+      } catch (err) {
+        status.textContent = `${label} refused: ${err.message}`;
+      }
+    },
+  }, label);
+  const body = Object.fromEntries(KEPT.filter((k) => s[k] !== undefined).map((k) => [k, s[k]]));
+  const toggle = s.paused
+    ? act("Resume", () => call("PUT", path(s), { ...body, paused: false }))
+    : act("Pause", () => call("PUT", path(s), { ...body, paused: true }));
+  // Delete asks once more on the page itself (no confirm() dialog).
+  const remove = h("button", {
+    type: "button",
+    class: "danger",
+    onclick: (event) => {
+      event.target.replaceWith(act("Really delete", () => call("DELETE", path(s))));
+    },
+  }, "Delete");
+  return h("span", { class: "actions" }, toggle, remove);
+}
+
+export async function renderSchedules() {
+  const [listed, who] = await Promise.all([call("GET", "/v1/schedules"), caller()]);
+  const schedules = listed.schedules || [];
+  const status = h("p", { class: "status" });
+  const rows = schedules.map((s) => [
+    s.pool, s.name || "", h("code", null, s.cron || ""), s.timezone || "UTC", s.paused ? "paused" : "active",
+    when(s.next_fire_at), when(s.last_fire_at),
+    may(who, "schedule", s.pool) ? actions(s, status) : "",
+  ]);
+  return h("div", { class: "schedules-view" },
+    h("h1", null, "Schedules"),
+    (listed.unavailable_shards || []).length
+      ? h("p", { class: "warning" }, `Unavailable shards (their schedules are missing): ${listed.unavailable_shards.join(", ")}`)
+      : null,
+    status,
+    schedules.length
+      ? table(["pool", "name", "cron", "timezone", "state", "next fire", "last fire", ""], rows, { class: "schedules" })
+      : h("p", { class: "muted" }, "No schedules."));
+}

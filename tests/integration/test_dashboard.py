@@ -1,0 +1,543 @@
+"""The web dashboard at /ui in a real headless Chromium (Debian's `chromium`, driven by
+Playwright with executable_path: no browser download): its security headers, the overview's
+counts, the task list and a task page showing hostile text literally, and the token form.
+
+Screenshots go to $CRONOQ_SCREENSHOTS (default: the test's tmp dir); the path is printed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _helpers import Api
+from ports import free_port
+
+XSS = "<img src=x onerror=alert(1)>"
+SCRIPT_XSS = "</script><script>alert(1)</script>"
+TOKEN = "secret-dashboard-ops"
+CHROMIUM = os.environ.get("CRONOQ_CHROMIUM", "/usr/bin/chromium")
+
+
+def _browser_missing() -> str | None:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the Python package 'playwright' is not installed"
+    if not shutil.which(CHROMIUM):
+        return f"no Chromium at {CHROMIUM}: install Debian's 'chromium' (or set CRONOQ_CHROMIUM)"
+    return None
+
+
+@pytest.fixture
+def browser_page(tmp_path: Path) -> Iterator[Any]:
+    """A fresh page in headless Chromium; dialogs and console errors are recorded on it."""
+    missing = _browser_missing()
+    if missing:
+        if os.environ.get("CRONOQ_REQUIRE_BROWSER") == "1":
+            pytest.fail(missing + " (CRONOQ_REQUIRE_BROWSER=1)")
+        pytest.skip(missing)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.dialogs = []  # type: ignore[attr-defined]
+        page.console_errors = []  # type: ignore[attr-defined]
+
+        def on_dialog(dialog: Any) -> None:
+            page.dialogs.append(dialog.message)  # type: ignore[attr-defined]
+            dialog.dismiss()
+
+        page.on("dialog", on_dialog)
+        page.on("console", lambda m: m.type == "error" and page.console_errors.append(f"{m.text} {m.location}"))  # type: ignore[attr-defined]
+        page.on("pageerror", lambda e: page.console_errors.append(str(e)))  # type: ignore[attr-defined]
+        try:
+            yield page
+        finally:
+            browser.close()
+
+
+def screenshots_dir(tmp_path: Path) -> Path:
+    out = Path(os.environ.get("CRONOQ_SCREENSHOTS") or tmp_path / "screenshots")
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"dashboard screenshots: {out}")
+    return out
+
+
+def submit(srv: Any, body: dict[str, Any], token: str | None = None) -> dict[str, Any]:
+    req = urllib.request.Request(srv.http_url + "/v1/tasks", data=json.dumps(body).encode(), method="POST")
+    req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        task: dict[str, Any] = json.loads(r.read())["task"]
+        return task
+
+
+def counts(page: Any, shard: str, pool: str) -> dict[str, int]:
+    row = page.locator(f'section[data-shard="{shard}"] table.counts tr', has_text=pool).first
+    cells = row.locator("[data-count]")
+    return {cells.nth(i).get_attribute("data-count"): int(cells.nth(i).inner_text()) for i in range(cells.count())}
+
+
+def loaded_ms(page: Any, view: str) -> int:
+    page.wait_for_selector(f'main[data-view="{view}"]', timeout=10_000)
+    return int(page.get_attribute("main", "data-loaded-ms"))
+
+
+def test_static_files_carry_a_strict_csp_and_need_no_token(start_server: Any) -> None:
+    srv = start_server({"pools": [{"name": "default"}], "tokens": [ops_token()]})
+    for path in ("/ui/", "/ui/app.js", "/ui/style.css"):
+        with urllib.request.urlopen(srv.http_url + path, timeout=5) as r:
+            csp = r.headers["Content-Security-Policy"]
+            assert "default-src 'self'" in csp and "script-src 'self'" in csp and "unsafe-inline" not in csp
+            assert r.headers["X-Content-Type-Options"] == "nosniff"
+    with urllib.request.urlopen(srv.http_url + "/ui/app.js", timeout=5) as r:
+        assert r.headers["Content-Type"].startswith("text/javascript")
+    status, _ = srv.http("GET", "/ui/../config.toml")
+    assert status == 404
+    status, _ = srv.http("GET", "/ui/nope.js")
+    assert status == 404
+
+
+def ops_token() -> dict[str, Any]:
+    return {
+        "name": "ops",
+        "sha256": hashlib.sha256(TOKEN.encode()).hexdigest(),
+        "pools": ["*"],
+        "permissions": ["admin", "cancel", "read", "submit"],
+    }
+
+
+def test_overview_and_tasks_show_counts_and_hostile_text_literally(
+    start_server: Any, browser_page: Any, tmp_path: Path
+) -> None:
+    srv = start_server({"pools": [{"name": "default"}, {"name": "other"}]})
+    shots = screenshots_dir(tmp_path)
+    hostile = submit(srv, {"pool": "default", "key": XSS, "payload_json": {"html": XSS, "script": SCRIPT_XSS}})
+    submit(srv, {"pool": "default", "key": SCRIPT_XSS, "payload_json": SCRIPT_XSS})
+    plain = [submit(srv, {"pool": "default", "payload_json": {"n": n}}) for n in range(3)]
+    status, _ = srv.http("POST", f"/v1/tasks/{plain[0]['id']}/cancel", {})
+    assert status == 200
+    submit(srv, {"pool": "other", "payload_json": 1, "depends_on": [{"id": plain[1]["id"]}]})
+    page = browser_page
+
+    page.goto(srv.http_url + "/ui/")
+    overview_ms = loaded_ms(page, "overview")
+    shard = page.locator("section.shard").first.get_attribute("data-shard")
+    assert counts(page, shard, "default") == {
+        "pending": 4,
+        "blocked": 0,
+        "running": 0,
+        "succeeded": 0,
+        "failed": 0,
+        "cancelled": 1,
+    }
+    assert counts(page, shard, "other")["blocked"] == 1
+    page.screenshot(path=str(shots / "overview.png"), full_page=True)
+
+    page.goto(srv.http_url + "/ui/#/tasks?pool=default")
+    tasks_ms = loaded_ms(page, "tasks")
+    keys = page.locator("table.task-list tbody tr td:nth-child(3)").all_inner_texts()
+    assert XSS in keys and SCRIPT_XSS in keys
+    page.screenshot(path=str(shots / "tasks.png"), full_page=True)
+
+    page.goto(srv.http_url + f"/ui/#/task/{hostile['id']}")
+    loaded_ms(page, "task")
+    assert json.loads(page.inner_text("pre.payload")) == {"html": XSS, "script": SCRIPT_XSS}
+    assert XSS in page.inner_text("dl")
+    page.screenshot(path=str(shots / "task.png"), full_page=True)
+
+    # Search by key reaches the same task.
+    page.fill("#search input[name=q]", XSS)
+    page.click("#search button")
+    page.wait_for_function(
+        "id => document.querySelector('main h1') && document.querySelector('main h1').textContent === 'Task ' + id",
+        arg=hostile["id"],
+    )
+    assert page.locator("main img").count() == 0 and page.locator("main script").count() == 0
+    assert page.dialogs == [] and page.console_errors == []
+    print(f"dashboard load: overview {overview_ms} ms, task list {tasks_ms} ms (a handful of tasks)")
+
+
+def test_the_page_asks_for_a_token_once_and_sends_it(start_server: Any, browser_page: Any, tmp_path: Path) -> None:
+    srv = start_server({"pools": [{"name": "default"}], "tokens": [ops_token()]})
+    submit(srv, {"pool": "default", "payload_json": 1}, token=TOKEN)
+    page = browser_page
+    page.goto(srv.http_url + "/ui/")
+    page.wait_for_selector("#token-form:not([hidden])")
+    page.screenshot(path=str(screenshots_dir(tmp_path) / "token.png"))
+    page.fill("#token-form input[name=token]", "wrong")
+    page.click("#token-form button")
+    page.wait_for_selector("text=That token was refused.")
+    page.fill("#token-form input[name=token]", TOKEN)
+    page.click("#token-form button")
+    loaded_ms(page, "overview")
+    assert counts(page, page.locator("section.shard").first.get_attribute("data-shard"), "default")["pending"] == 1
+    # Kept for the tab: another view needs no second prompt.
+    page.goto(srv.http_url + "/ui/#/tasks")
+    loaded_ms(page, "tasks")
+    assert page.locator("table.task-list tbody tr").count() == 1
+    assert page.evaluate("sessionStorage.getItem('cronoq.token')") == TOKEN
+    assert page.dialogs == []
+
+
+def test_overview_shows_both_shards_and_a_stopped_one_as_unavailable(
+    start_server: Any, browser_page: Any, tmp_path: Path
+) -> None:
+    cpu_listen, gpu_listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    config: dict[str, Any] = {
+        "pools": [{"name": "default"}, {"name": "llm"}],
+        "shards": [
+            {"name": "cpu", "number": 1, "pools": ["default"], "endpoint": f"http://{cpu_listen}"},
+            {"name": "gpu", "number": 2, "pools": ["llm"], "endpoint": f"http://{gpu_listen}"},
+        ],
+        "store": {"path": str(tmp_path / "cronoq-{shard}.db")},
+    }
+    cpu = start_server({**config, "server": {"listen": cpu_listen}}, shard="cpu", name="cpu")
+    gpu = start_server({**config, "server": {"listen": gpu_listen}}, shard="gpu", name="gpu")
+    # Tasks in every state: a worker (raw API calls) takes four, finishes two, holds one.
+    api = Api(cpu.grpc_target)
+    worker = api.register(pools=["default"])
+    for n in range(4):
+        submit(cpu, {"pool": "default", "payload_json": n})
+    taken = api.lease(worker, n=4)
+    api.succeed(worker, taken[0])
+    api.fail(worker, taken[1], retryable=False)
+    pending = [submit(cpu, {"pool": "default", "payload_json": n}) for n in range(3)]
+    submit(cpu, {"pool": "default", "payload_json": "blocked", "depends_on": [{"id": pending[0]["id"]}]})
+    assert cpu.http("POST", f"/v1/tasks/{pending[2]['id']}/cancel", {})[0] == 200
+    submit(cpu, {"pool": "llm", "payload_json": 2})  # forwarded to gpu
+    page = browser_page
+    page.goto(cpu.http_url + "/ui/")
+    loaded_ms(page, "overview")
+    assert counts(page, "cpu", "default") == {
+        "pending": 2,
+        "blocked": 1,
+        "running": 2,
+        "succeeded": 1,
+        "failed": 1,
+        "cancelled": 1,
+    }
+    assert counts(page, "gpu", "llm")["pending"] == 1
+    page.screenshot(path=str(screenshots_dir(tmp_path) / "overview-two-shards.png"), full_page=True)
+
+    # A key in both shards: the search lists both tasks and says why.
+    both = [submit(cpu, {"pool": pool, "key": "twice", "payload_json": 1}) for pool in ("default", "llm")]
+    page.fill("#search input[name=q]", "twice")
+    page.click("#search button")
+    page.wait_for_selector("text=This key names tasks in 2 shards")
+    listed = page.locator("table.task-list tbody tr td:nth-child(1)").all_inner_texts()
+    assert listed == [t["id"] for t in both]
+    page.screenshot(path=str(screenshots_dir(tmp_path) / "key-in-two-shards.png"), full_page=True)
+    page.goto(cpu.http_url + "/ui/#/overview")
+    loaded_ms(page, "overview")
+
+    gpu.kill()
+    stopped = time.monotonic()
+    page.wait_for_selector('section.shard.unavailable[data-shard="gpu"]', timeout=15_000)
+    print(f"dashboard: a stopped shard shown as unavailable after {time.monotonic() - stopped:.1f}s")
+    assert counts(page, "cpu", "default")["succeeded"] == 1 and counts(page, "cpu", "default")["pending"] == 3
+    page.screenshot(path=str(screenshots_dir(tmp_path) / "overview-shard-down.png"), full_page=True)
+    assert page.dialogs == []
+
+
+def test_cancel_from_the_task_page(start_server: Any, browser_page: Any, tmp_path: Path) -> None:
+    srv = start_server({"pools": [{"name": "default"}]})
+    task = submit(srv, {"pool": "default", "key": "to-cancel", "payload_json": 1})
+    page = browser_page
+    page.goto(srv.http_url + f"/ui/#/task/{task['id']}")
+    loaded_ms(page, "task")
+    page.click("button.danger")
+    page.wait_for_selector("dd:text-is('CANCELLED')", timeout=10_000)
+    assert page.locator("button.danger").count() == 0  # no Cancel on a finished task
+    status, body = srv.http("GET", f"/v1/tasks/{task['id']}")
+    assert status == 200 and body["task"]["state"] == "TASK_STATE_CANCELLED"
+    page.screenshot(path=str(screenshots_dir(tmp_path) / "task-cancelled.png"), full_page=True)
+    assert page.dialogs == [] and page.console_errors == []
+
+
+HOSTILE_WORKER = """
+import asyncio, json, sys
+import cronoq
+
+XSS = {xss!r}
+SCRIPT_XSS = {script!r}
+
+async def handle(task):
+    if task.payload.get("fail"):
+        raise cronoq.TaskError(XSS + " " + SCRIPT_XSS, retryable=False)
+    if task.payload.get("hold"):
+        await asyncio.sleep(60)
+    return {{"html": XSS, "script": SCRIPT_XSS}}
+
+asyncio.run(cronoq.Worker(sys.argv[1], "default", handle, name=XSS, labels={{"note": SCRIPT_XSS}}).run())
+"""
+
+
+def http_as(srv: Any, method: str, path: str, token: str, body: Any = None) -> tuple[int, Any]:
+    req = urllib.request.Request(
+        srv.http_url + path, data=None if body is None else json.dumps(body).encode(), method=method
+    )
+    req.add_header("Content-Type", "application/json")
+    req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"null")
+
+
+def wait_task(srv: Any, task_id: str, state: str, timeout: float = 20) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        status, body = srv.http("GET", f"/v1/tasks/{task_id}")
+        if status == 200 and body["task"]["state"] == f"TASK_STATE_{state}":
+            return dict(body["task"])
+        assert time.monotonic() < deadline, f"task {task_id} not {state}: {body}"
+        time.sleep(0.05)
+
+
+def test_a_failed_task_shows_its_error_and_hostile_results_and_worker_names_stay_text(
+    start_server: Any, browser_page: Any, tmp_path: Path
+) -> None:
+    srv = start_server({"pools": [{"name": "default"}]})
+    script = tmp_path / "hostile_worker.py"
+    script.write_text(HOSTILE_WORKER.format(xss=XSS, script=SCRIPT_XSS))
+    log = open(tmp_path / "hostile_worker.log", "ab")
+    worker = subprocess.Popen([sys.executable, str(script), srv.endpoint], stdout=log, stderr=log)
+    try:
+        failed = submit(srv, {"pool": "default", "payload_json": {"fail": True}})
+        done = submit(srv, {"pool": "default", "payload_json": {"ok": True}})
+        held = submit(srv, {"pool": "default", "payload_json": {"hold": True}})
+        wait_task(srv, failed["id"], "FAILED")
+        wait_task(srv, done["id"], "SUCCEEDED")
+        wait_task(srv, held["id"], "RUNNING")
+        page = browser_page
+        shots = screenshots_dir(tmp_path)
+
+        page.goto(srv.http_url + f"/ui/#/task/{failed['id']}")
+        loaded_ms(page, "task")
+        assert page.inner_text("pre.error") == f"{XSS} {SCRIPT_XSS}"
+        assert "FAILED" in page.inner_text("dl") and page.locator("button.danger").count() == 0
+        page.screenshot(path=str(shots / "task-failed.png"), full_page=True)
+
+        page.goto(srv.http_url + f"/ui/#/task/{done['id']}")
+        loaded_ms(page, "task")
+        assert json.loads(page.inner_text("pre.result")) == {"html": XSS, "script": SCRIPT_XSS}
+
+        page.goto(srv.http_url + "/ui/#/workers")
+        loaded_ms(page, "workers")
+        row = page.locator("table.workers tbody tr").first
+        assert XSS in row.inner_text() and f"note={SCRIPT_XSS}" in row.inner_text()
+        page.screenshot(path=str(shots / "workers.png"), full_page=True)
+
+        page.goto(srv.http_url + "/ui/#/overview")
+        loaded_ms(page, "overview")
+        assert XSS in page.inner_text("table.workers")
+        assert page.locator("figure[data-chart=throughput] svg").count() == 1
+        assert page.locator("figure[data-chart=latency] svg").count() == 1
+        assert page.locator("main img").count() == 0 and page.locator("main script").count() == 0
+        assert page.dialogs == [] and page.console_errors == []
+    finally:
+        worker.kill()
+        worker.wait(10)
+
+
+def test_live_view_shows_new_tasks_and_resumes_after_the_server_restarts(
+    start_server: Any, browser_page: Any, tmp_path: Path
+) -> None:
+    srv = start_server({"pools": [{"name": "default"}]})
+    before = submit(srv, {"pool": "default", "payload_json": 0})
+    time.sleep(2)  # the leader's event sequencer (every 0.5 s) has passed it: a live stream starts after it
+    page = browser_page
+    page.goto(srv.http_url + "/ui/#/live")
+    page.wait_for_selector(".live-status.connected", timeout=10_000)
+    first = submit(srv, {"pool": "default", "key": XSS, "payload_json": 1})
+    page.wait_for_selector(f'table.live tr[data-task="{first["id"]}"]', timeout=10_000)
+    assert page.locator(f'table.live tr[data-task="{before["id"]}"]').count() == 0  # live: from the open on
+    assert XSS in page.locator(f'table.live tr[data-task="{first["id"]}"]').inner_text()
+
+    srv.kill()
+    page.wait_for_selector(".live-status.reconnecting", timeout=10_000)
+    time.sleep(1.5)  # a retry or two fail: the page is not connected when the next tasks come
+    srv.start()
+    missed = [submit(srv, {"pool": "default", "payload_json": n}) for n in (2, 3)]
+    for task in missed:
+        page.wait_for_selector(f'table.live tr[data-task="{task["id"]}"]', timeout=15_000)
+    page.wait_for_selector(".live-status.connected", timeout=10_000)
+    rows = page.locator("table.live tbody tr").evaluate_all("rows => rows.map(r => r.dataset.task)")
+    assert sorted(rows) == sorted([first["id"], *(t["id"] for t in missed)]), rows  # each once, none lost
+    # Paused, the stream is closed; resumed, it goes on from the last event shown.
+    page.click("button.pause")
+    page.wait_for_selector(".live-status.paused")
+    while_paused = submit(srv, {"pool": "default", "payload_json": 4})
+    page.click("button.pause")
+    page.wait_for_selector(f'table.live tr[data-task="{while_paused["id"]}"]', timeout=10_000)
+    page.screenshot(path=str(screenshots_dir(tmp_path) / "live.png"), full_page=True)
+    assert page.dialogs == []
+
+
+def test_a_token_that_reads_one_pool_sees_only_that_pool_and_cannot_change_anything(
+    start_server: Any, browser_page: Any, tmp_path: Path
+) -> None:
+    reader = "reader-of-a"
+    srv = start_server(
+        {
+            "pools": [{"name": "a"}, {"name": "b"}],
+            "resources": [{"name": "gpu", "concurrency": 2}],
+            "tokens": [
+                {**ops_token(), "permissions": ["admin", "cancel", "read", "submit", "schedule", "work"]},
+                {
+                    "name": "reader",
+                    "sha256": hashlib.sha256(reader.encode()).hexdigest(),
+                    "pools": ["a"],
+                    "permissions": ["read"],
+                },
+            ],
+        }
+    )
+    in_a = submit(srv, {"pool": "a", "key": "in-a", "payload_json": 1}, token=TOKEN)
+    in_b = submit(srv, {"pool": "b", "key": "in-b", "payload_json": 2}, token=TOKEN)
+    for pool in ("a", "b"):
+        status, body = http_as(srv, "PUT", f"/v1/pools/{pool}/schedules/nightly-{pool}", TOKEN, {"cron": "0 3 * * *"})
+        assert status == 200, body
+    page = browser_page
+    page.goto(srv.http_url + "/ui/")
+    page.wait_for_selector("#token-form:not([hidden])")
+    page.fill("#token-form input[name=token]", reader)
+    page.click("#token-form button")
+    loaded_ms(page, "overview")
+    shard = page.locator("section.shard").first.get_attribute("data-shard")
+    assert page.locator(f'section[data-shard="{shard}"] table.counts tbody tr').all_inner_texts()[0].startswith("a")
+    assert page.locator(f'section[data-shard="{shard}"] table.counts tbody tr').count() == 1
+    assert "gpu" not in page.inner_text("main")  # resources need admin
+    page.screenshot(path=str(screenshots_dir(tmp_path) / "overview-reader.png"), full_page=True)
+
+    page.goto(srv.http_url + "/ui/#/tasks")
+    loaded_ms(page, "tasks")
+    assert page.locator("table.task-list tbody tr td:nth-child(1)").all_inner_texts() == [in_a["id"]]
+    page.goto(srv.http_url + f"/ui/#/task/{in_a['id']}")
+    loaded_ms(page, "task")
+    assert page.locator("button.danger").count() == 0  # no cancel permission: no Cancel
+    page.goto(srv.http_url + "/ui/#/task/in-b")
+    loaded_ms(page, "task")
+    assert "No task has this key." in page.inner_text("main")
+    page.goto(srv.http_url + f"/ui/#/task/{in_b['id']}")
+    page.wait_for_selector('main[data-view="error"]')
+    assert "NOT_FOUND" in page.inner_text("main")
+
+    page.goto(srv.http_url + "/ui/#/schedules")
+    loaded_ms(page, "schedules")
+    assert page.locator("table.schedules tbody tr td:nth-child(2)").all_inner_texts() == ["nightly-a"]
+    assert page.locator("table.schedules button").count() == 0  # no schedule permission: no actions
+
+    page.goto(srv.http_url + "/ui/#/live")
+    page.wait_for_selector(".live-status.connected", timeout=10_000)
+    later_b = submit(srv, {"pool": "b", "payload_json": 3}, token=TOKEN)
+    later_a = submit(srv, {"pool": "a", "payload_json": 4}, token=TOKEN)
+    page.wait_for_selector(f'table.live tr[data-task="{later_a["id"]}"]', timeout=10_000)
+    assert page.locator(f'table.live tr[data-task="{later_b["id"]}"]').count() == 0
+    # The 401 before the token and the 404 of pool b's task are logged by Chromium; nothing else.
+    assert (
+        page.dialogs == []
+        and [e for e in page.console_errors if "(Unauthorized)" not in e and "(Not Found)" not in e] == []
+    )
+
+
+def test_schedules_pause_resume_and_delete_from_the_page(start_server: Any, browser_page: Any, tmp_path: Path) -> None:
+    srv = start_server({"pools": [{"name": "default"}]})
+    body = {"cron": "*/5 * * * *", "timezone": "Europe/Paris", "payload_json": {"report": XSS}, "priority": 3}
+    status, made = srv.http("PUT", "/v1/pools/default/schedules/reports", body)
+    assert status == 200, made
+    page = browser_page
+    page.goto(srv.http_url + "/ui/#/schedules")
+    loaded_ms(page, "schedules")
+    row = page.locator("table.schedules tbody tr").first
+    assert "reports" in row.inner_text() and "active" in row.inner_text()
+    page.screenshot(path=str(screenshots_dir(tmp_path) / "schedules.png"), full_page=True)
+
+    def listed() -> dict[str, Any]:
+        status, body = srv.http("GET", "/v1/schedules")
+        assert status == 200
+        return {s["name"]: s for s in body["schedules"]}
+
+    page.click("table.schedules button:text-is('Pause')")
+    page.wait_for_selector("table.schedules button:text-is('Resume')")
+    paused = listed()["reports"]
+    assert paused["paused"] is True
+    assert {k: paused[k] for k in ("cron", "timezone", "payload_json", "priority")} == {
+        k: body[k] for k in ("cron", "timezone", "payload_json", "priority")
+    }  # nothing else changed
+    page.click("table.schedules button:text-is('Resume')")
+    page.wait_for_selector("table.schedules button:text-is('Pause')")
+    assert not listed()["reports"].get("paused")
+    page.click("table.schedules button:text-is('Delete')")
+    page.click("table.schedules button:text-is('Really delete')")
+    page.wait_for_selector("text=No schedules.")
+    assert listed() == {}
+    assert page.dialogs == [] and page.console_errors == []
+
+
+def test_with_100000_tasks_the_overview_and_a_task_list_load_in_under_300_ms(
+    start_server: Any, browser_page: Any
+) -> None:
+    """The view's load (its API calls and drawing, main[data-loaded-ms]): the median of five."""
+    srv = start_server({"pools": [{"name": "default"}, {"name": "other"}], "limits": {"max_batch_size": 1000}})
+    for start in range(0, 100_000, 1000):
+        pool = "default" if start % 3000 else "other"
+        status, body = srv.http(
+            "POST", "/v1/batches", {"tasks": [{"pool": pool, "payload_json": n} for n in range(1000)]}
+        )
+        assert status == 200, body
+    page = browser_page
+    measured = {}
+    for view, hash_ in (
+        ("overview", "#/overview"),
+        ("tasks", "#/tasks"),
+        ("tasks", "#/tasks?pool=other&state=PENDING"),
+    ):
+        views, pages = [], []
+        for _ in range(5):
+            page.goto("about:blank")
+            page.goto(f"{srv.http_url}/ui/{hash_}")
+            views.append(loaded_ms(page, view))
+            pages.append(int(page.get_attribute("main", "data-page-ms")))
+        measured[hash_] = (statistics.median(views), statistics.median(pages))
+    print("dashboard with 100,000 tasks, median of 5 (view ms, from navigation ms):", measured)
+    for hash_, (view_ms, _) in measured.items():
+        assert view_ms < 300, f"{hash_}: {view_ms} ms"
+
+
+def test_live_view_pauses_itself_above_200_events_a_second_and_resumes_live(
+    start_server: Any, browser_page: Any
+) -> None:
+    srv = start_server({"pools": [{"name": "default"}], "limits": {"max_batch_size": 1000}})
+    page = browser_page
+    page.goto(srv.http_url + "/ui/#/live")
+    page.wait_for_selector(".live-status.connected", timeout=10_000)
+    status, body = srv.http(
+        "POST", "/v1/batches", {"tasks": [{"pool": "default", "payload_json": n} for n in range(500)]}
+    )
+    assert status == 200, body
+    page.wait_for_selector(".live-status.paused", timeout=10_000)
+    assert "more than 200 events a second" in page.inner_text(".live-status")
+    assert page.locator("table.live tbody tr").count() <= 200
+    page.click("button.pause")
+    page.wait_for_selector(".live-status.connected", timeout=10_000)
+    later = submit(srv, {"pool": "default", "payload_json": "after"})
+    page.wait_for_selector(f'table.live tr[data-task="{later["id"]}"]', timeout=10_000)
+    assert page.dialogs == [] and page.console_errors == []
