@@ -329,8 +329,9 @@ def run_case(case: dict[str, Any], sdk: str, pkis: Pkis, netns: NetNs | None, ve
             host = netns.peer_ip if remote and netns else role.get("hostname", "127.0.0.1")
             port = next(REMOTE_PORTS) if remote else free_port()
             hosts[name] = "netns" if remote else "host"
-            scheme = "https" if role.get("tls") else "http"
+            scheme = role.get("scheme", "https" if role.get("tls") else "http")
             urls[name] = f"{scheme}://{host}:{port}"
+            urls[name + "|https"] = f"https://{host}:{port}"
         scripted = Scripted(workdir)
         plans: dict[str, list[dict[str, Any]]] = {"host": [], "netns": []}
         for name, role in roles.items():

@@ -509,7 +509,7 @@ async fn watch_once(
             {
                 *cursor = v.to_string();
             }
-            return WatchEnd::Ended(Some(conn.diagnose(&ep, Error::from(status)).await));
+            return WatchEnd::Ended(Some(conn.diagnose(&ep, status).await));
         }
     };
     if cursor.is_empty()

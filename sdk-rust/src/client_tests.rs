@@ -152,3 +152,53 @@ async fn other_codes_are_not_retried() {
     assert_eq!(err.code(), Code::NotFound);
     assert_eq!(err.to_string(), "NOT_FOUND: fake: no such task");
 }
+
+/// A raw TCP server that answers a TLS ClientHello with a TLS alert (fatal
+/// handshake_failure), as a TLS server does, and closes any other connection at its first
+/// bytes (as a TLS server does with a plaintext client when `tls`, or as any server going
+/// away does). Counts its connections.
+async fn closing_server(tls: bool) -> (String, Arc<Mutex<usize>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let connections = Arc::new(Mutex::new(0));
+    let counted = connections.clone();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            *counted.lock().unwrap() += 1;
+            tokio::spawn(async move {
+                let mut first = [0u8; 1];
+                if socket.read(&mut first).await.unwrap_or(0) == 1 && tls && first[0] == 0x16 {
+                    let _ = socket
+                        .write_all(&[0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 0x28])
+                        .await;
+                }
+            });
+        }
+    });
+    (format!("http://{addr}"), connections)
+}
+
+#[tokio::test]
+async fn an_http_endpoint_whose_server_speaks_tls_is_a_tls_error_not_retried() {
+    let (endpoint, connections) = closing_server(true).await;
+    let client = Client::new(options(&endpoint, Duration::from_secs(20))).unwrap();
+    let err = client.get(5).await.unwrap_err();
+    let secure = endpoint.replace("http://", "https://");
+    assert!(matches!(err, crate::Error::Tls(_)), "{err:?}");
+    assert_eq!(err.code(), Code::Unavailable);
+    assert_eq!(
+        err.message(),
+        format!("{endpoint}: the server speaks TLS on this port: use {secure}")
+    );
+    let n = *connections.lock().unwrap();
+    assert!(n <= 3, "{n} connections: retried"); // the call's, and the probe's
+}
+
+#[tokio::test]
+async fn an_http_endpoint_whose_server_closes_and_is_no_tls_server_is_no_tls_error() {
+    let (endpoint, _) = closing_server(false).await;
+    let client = Client::new(options(&endpoint, Duration::from_millis(200))).unwrap();
+    let err = client.get(5).await.unwrap_err();
+    assert!(!matches!(err, crate::Error::Tls(_)), "{err:?}");
+}

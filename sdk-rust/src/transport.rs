@@ -548,7 +548,7 @@ impl Connection {
         };
         match result {
             Ok(resp) => Ok(resp.into_inner()),
-            Err(status) => Err(self.diagnose(&ep, Error::from(status)).await),
+            Err(status) => Err(self.diagnose(&ep, status).await),
         }
     }
 
@@ -589,10 +589,26 @@ impl Connection {
         }
     }
 
-    /// Turns an UNAVAILABLE from an https:// endpoint that is a failed TLS handshake into an
-    /// [`Error::Tls`]: a probe handshake with the same settings says why.
-    pub(crate) async fn diagnose(&self, ep: &Endpoint, err: Error) -> Error {
-        if !ep.secure() || err.code() != Code::Unavailable || !matches!(err, Error::Rpc(_)) {
+    /// The SDK's error for a failed call to `ep`: a failed TLS handshake is an
+    /// [`Error::Tls`]. From an https:// endpoint, an UNAVAILABLE is probed with a handshake
+    /// with the same settings, which says why. From an http:// endpoint whose server closed
+    /// the connection, a probe tells a TLS server (the user forgot https://) apart from a
+    /// server going away.
+    pub(crate) async fn diagnose(&self, ep: &Endpoint, status: tonic::Status) -> Error {
+        if !ep.secure() {
+            if closed_by_server(&status) && probe_speaks_tls(ep, &self.tls.rustls).await {
+                let secure = Endpoint {
+                    scheme: "https".into(),
+                    ..ep.clone()
+                };
+                return Error::Tls(format!(
+                    "{ep}: the server speaks TLS on this port: use {secure}"
+                ));
+            }
+            return Error::from(status);
+        }
+        let err = Error::from(status);
+        if err.code() != Code::Unavailable || !matches!(err, Error::Rpc(_)) {
             return err;
         }
         if err
@@ -676,6 +692,72 @@ impl Connection {
                 "the server refused the client certificate {cert:?} (not signed by a CA in its server.tls.client_ca, or expired)"
             ),
         }
+    }
+}
+
+/// Whether a call failed because the server closed its connection (the transport's errors
+/// name a closed, reset or broken connection), which is also how a TLS server answers a
+/// plaintext client.
+fn closed_by_server(status: &tonic::Status) -> bool {
+    if !matches!(
+        status.code(),
+        Code::Unavailable | Code::Unknown | Code::Cancelled
+    ) {
+        return false;
+    }
+    let mut source = std::error::Error::source(status);
+    while let Some(e) = source {
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && matches!(
+                io.kind(),
+                std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::UnexpectedEof
+            )
+        {
+            return true;
+        }
+        let text = e.to_string();
+        if text.contains("connection closed") || text.contains("closed before") {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
+/// Whether a TLS handshake with `ep` completes, or fails in a way only a TLS server causes (it
+/// sent a certificate this client rejects, or a TLS alert): a TLS server on a port the client
+/// was told is plaintext (http://). Nothing is sent over the connection.
+async fn probe_speaks_tls(ep: &Endpoint, config: &Arc<rustls::ClientConfig>) -> bool {
+    const STEP: Duration = Duration::from_secs(3);
+    let Ok(Ok(tcp)) = tokio::time::timeout(
+        STEP,
+        tokio::net::TcpStream::connect((ep.host.as_str(), ep.port)),
+    )
+    .await
+    else {
+        return false;
+    };
+    let Ok(name) = rustls::pki_types::ServerName::try_from(ep.host.clone()) else {
+        return false;
+    };
+    let connector = tokio_rustls::TlsConnector::from(config.clone());
+    match tokio::time::timeout(STEP, connector.connect(name, tcp)).await {
+        Err(_) => false,
+        Ok(Ok(_)) => true,
+        Ok(Err(e)) => e
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+            .is_some_and(|e| {
+                matches!(
+                    e,
+                    rustls::Error::InvalidCertificate(_)
+                        | rustls::Error::AlertReceived(_)
+                        | rustls::Error::PeerIncompatible(_)
+                )
+            }),
     }
 }
 

@@ -736,7 +736,7 @@ impl Shared {
         let _ = sender.await;
         match result {
             Ok(()) => Ok(()),
-            Err(status) => Err(self.conn.diagnose(&ep, Error::from(status)).await),
+            Err(status) => Err(self.conn.diagnose(&ep, status).await),
         }
     }
 

@@ -184,7 +184,7 @@ export class Client {
     let failingSince = 0;
     const lastSeq = new Map<string, bigint>(); // shard -> the seq of the last event yielded
     for (;;) {
-      const { clients } = this.conn.clients();
+      const { clients, endpoint } = this.conn.clients();
       const call = clients.task.watch({ pool: opts.pool ?? "", includePayloads: opts.includePayloads ?? false, cursor }, this.conn.metadata());
       // A sharded server states where a live stream starts (initial metadata, repeated in the
       // trailers): a reconnect before any event resumes from there, not live again.
@@ -197,8 +197,10 @@ export class Client {
       const onAbort = () => call.cancel();
       opts.signal?.addEventListener("abort", onAbort, { once: true });
       let failure: Error | undefined;
+      let received = false;
       try {
         for await (const message of call as AsyncIterable<WatchResponse>) {
+          received = true;
           const event = message.event;
           if (!event) continue;
           failures = 0;
@@ -212,6 +214,8 @@ export class Client {
         }
       } catch (err) {
         failure = fromGrpcError(err);
+        // A stream that failed before any event may be a failed TLS handshake.
+        if (!received) failure = await this.conn.diagnose(endpoint, failure);
       } finally {
         opts.signal?.removeEventListener("abort", onAbort);
         call.cancel();

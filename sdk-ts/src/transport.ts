@@ -303,9 +303,19 @@ export class Connection {
     }
   }
 
-  /** Turns an UNAVAILABLE from an https:// endpoint that is a failed TLS handshake into a TlsError. */
+  /**
+   * Turns an UNAVAILABLE that is a failed TLS handshake with ep into a TlsError. From an
+   * https:// endpoint, a probe handshake with the same settings says why. From an http://
+   * endpoint whose server closed the connection, a probe tells a TLS server (the user forgot
+   * https://) apart from a server going away.
+   */
   async diagnose(ep: Endpoint, err: Error): Promise<Error> {
-    if (!(err instanceof UnavailableError) || !ep.secure || err.shardEndpoint || err.leader || err.reason) return err;
+    if (!(err instanceof UnavailableError) || err.shardEndpoint || err.leader || err.reason) return err;
+    if (!ep.secure) {
+      if (!CLOSED.test(err.message) || !(await probeSpeaksTls(ep))) return err;
+      const secure = new Endpoint("https", ep.host, ep.port);
+      return new TlsError(Status.UNAVAILABLE, `${ep}: the server speaks TLS on this port: use ${secure}`, { metadata: err.metadata });
+    }
     const reason = await probeTls(ep, this.tlsMaterial, this.tlsFiles);
     if (!reason) return err;
     return new TlsError(Status.UNAVAILABLE, `${ep}: TLS handshake failed: ${reason}`, { metadata: err.metadata });
@@ -326,6 +336,9 @@ const H2_PREFACE = Buffer.concat([
   Buffer.from("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
   Buffer.from([0, 0, 0, 4, 0, 0, 0, 0, 0]),
 ]);
+// What grpc-js says of a connection the server closed, which is also how a TLS server answers
+// a plaintext client.
+const CLOSED = /Failed to connect|Socket closed|ECONNRESET/;
 // Errors of the network, not of TLS: the server is down or unreachable.
 const NETWORK_ERRORS = new Set(["ECONNREFUSED", "ECONNRESET", "ETIMEDOUT", "EHOSTUNREACH", "ENETUNREACH", "ENOTFOUND", "EAI_AGAIN", "EPIPE"]);
 
@@ -394,5 +407,33 @@ export function probeTls(ep: Endpoint, material: TlsMaterial, files: TlsOptions 
       done(secured ? clientCertReason(files) + ` (${err.message})` : tlsReason(err, ep, files));
     });
     socket.once("close", () => done(secured ? clientCertReason(files) : ""));
+  });
+}
+
+/**
+ * Whether a TLS handshake (unverified) with ep completes, or is refused with a TLS alert: a
+ * TLS server on a port the client was told is plaintext (http://).
+ */
+export function probeSpeaksTls(ep: Endpoint, timeoutMs = PROBE_TIMEOUT_MS): Promise<boolean> {
+  return new Promise((resolve) => {
+    let settled = false;
+    const done = (speaks: boolean) => {
+      if (settled) return;
+      settled = true;
+      clearTimeout(timer);
+      socket.destroy();
+      resolve(speaks);
+    };
+    const timer = setTimeout(() => done(false), timeoutMs);
+    const socket = tls.connect({
+      host: ep.host,
+      port: ep.port,
+      servername: isIP(ep.host) ? undefined : ep.host,
+      rejectUnauthorized: false, // a probe: nothing is sent
+      ALPNProtocols: ["h2"],
+    });
+    socket.once("secureConnect", () => done(true));
+    socket.once("error", (err: NodeJS.ErrnoException) => done(/alert/i.test(`${err.code ?? ""} ${err.message}`)));
+    socket.once("close", () => done(false));
   });
 }
