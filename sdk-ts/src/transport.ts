@@ -373,27 +373,42 @@ function tlsReason(err: NodeJS.ErrnoException, ep: Endpoint, files: TlsOptions |
   return detail;
 }
 
-/** Why a TLS connection to ep fails, or "" when it does not, or when the server cannot be reached at all. */
-export function probeTls(ep: Endpoint, material: TlsMaterial, files: TlsOptions | undefined): Promise<string> {
+/**
+ * A TLS connection to ep for a probe, settled once: by `wire`'s handlers calling done, or with
+ * `onTimeout` after timeoutMs; the socket is destroyed either way.
+ */
+function tlsProbe<T>(
+  ep: Endpoint,
+  options: tls.ConnectionOptions,
+  timeoutMs: number,
+  onTimeout: T,
+  wire: (socket: tls.TLSSocket, done: (value: T) => void) => void,
+): Promise<T> {
   return new Promise((resolve) => {
     let settled = false;
-    const done = (reason: string) => {
+    const done = (value: T) => {
       if (settled) return;
       settled = true;
       clearTimeout(timer);
       socket.destroy();
-      resolve(reason);
+      resolve(value);
     };
-    const timer = setTimeout(() => done(""), PROBE_TIMEOUT_MS);
+    const timer = setTimeout(() => done(onTimeout), timeoutMs);
     const socket = tls.connect({
       host: ep.host,
       port: ep.port,
       servername: isIP(ep.host) ? undefined : ep.host,
-      ca: material.ca,
-      cert: material.cert,
-      key: material.key,
       ALPNProtocols: ["h2"],
+      ...options,
     });
+    wire(socket, done);
+  });
+}
+
+/** Why a TLS connection to ep fails, or "" when it does not, or when the server cannot be reached at all. */
+export function probeTls(ep: Endpoint, material: TlsMaterial, files: TlsOptions | undefined): Promise<string> {
+  const options = { ca: material.ca, cert: material.cert, key: material.key };
+  return tlsProbe(ep, options, PROBE_TIMEOUT_MS, "", (socket, done) => {
     let secured = false;
     socket.once("secureConnect", () => {
       secured = true;
@@ -415,23 +430,8 @@ export function probeTls(ep: Endpoint, material: TlsMaterial, files: TlsOptions 
  * TLS server on a port the client was told is plaintext (http://).
  */
 export function probeSpeaksTls(ep: Endpoint, timeoutMs = PROBE_TIMEOUT_MS): Promise<boolean> {
-  return new Promise((resolve) => {
-    let settled = false;
-    const done = (speaks: boolean) => {
-      if (settled) return;
-      settled = true;
-      clearTimeout(timer);
-      socket.destroy();
-      resolve(speaks);
-    };
-    const timer = setTimeout(() => done(false), timeoutMs);
-    const socket = tls.connect({
-      host: ep.host,
-      port: ep.port,
-      servername: isIP(ep.host) ? undefined : ep.host,
-      rejectUnauthorized: false, // a probe: nothing is sent
-      ALPNProtocols: ["h2"],
-    });
+  // A probe: nothing is sent, so the server's certificate need not be trusted.
+  return tlsProbe(ep, { rejectUnauthorized: false }, timeoutMs, false, (socket, done) => {
     socket.once("secureConnect", () => done(true));
     socket.once("error", (err: NodeJS.ErrnoException) => done(/alert/i.test(`${err.code ?? ""} ${err.message}`)));
     socket.once("close", () => done(false));

@@ -14,7 +14,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import pytest
 from _helpers import Api
 from ports import free_port
+from preconditions import missing
 
 XSS = "<img src=x onerror=alert(1)>"
 SCRIPT_XSS = "</script><script>alert(1)</script>"
@@ -43,11 +43,9 @@ def _browser_missing() -> str | None:
 @pytest.fixture
 def browser_page(tmp_path: Path) -> Iterator[Any]:
     """A fresh page in headless Chromium; dialogs and console errors are recorded on it."""
-    missing = _browser_missing()
-    if missing:
-        if os.environ.get("CRONOQ_REQUIRE_BROWSER") == "1":
-            pytest.fail(missing + " (CRONOQ_REQUIRE_BROWSER=1)")
-        pytest.skip(missing)
+    reason = _browser_missing()
+    if reason:
+        missing(reason)
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
@@ -78,13 +76,10 @@ def screenshots_dir(tmp_path: Path) -> Path:
 
 
 def submit(srv: Any, body: dict[str, Any], token: str | None = None) -> dict[str, Any]:
-    req = urllib.request.Request(srv.http_url + "/v1/tasks", data=json.dumps(body).encode(), method="POST")
-    req.add_header("Content-Type", "application/json")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(req, timeout=10) as r:
-        task: dict[str, Any] = json.loads(r.read())["task"]
-        return task
+    status, answer = srv.http("POST", "/v1/tasks", body, token=token)
+    assert status == 200, answer
+    task: dict[str, Any] = answer["task"]
+    return task
 
 
 def counts(page: Any, shard: str, pool: str) -> dict[str, int]:
@@ -288,19 +283,6 @@ asyncio.run(cronoq.Worker(sys.argv[1], "default", handle, name=XSS, labels={{"no
 """
 
 
-def http_as(srv: Any, method: str, path: str, token: str, body: Any = None) -> tuple[int, Any]:
-    req = urllib.request.Request(
-        srv.http_url + path, data=None if body is None else json.dumps(body).encode(), method=method
-    )
-    req.add_header("Content-Type", "application/json")
-    req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"null")
-
-
 def wait_task(srv: Any, task_id: str, state: str, timeout: float = 20) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
@@ -413,7 +395,7 @@ def test_a_token_that_reads_one_pool_sees_only_that_pool_and_cannot_change_anyth
     in_a = submit(srv, {"pool": "a", "key": "in-a", "payload_json": 1}, token=TOKEN)
     in_b = submit(srv, {"pool": "b", "key": "in-b", "payload_json": 2}, token=TOKEN)
     for pool in ("a", "b"):
-        status, body = http_as(srv, "PUT", f"/v1/pools/{pool}/schedules/nightly-{pool}", TOKEN, {"cron": "0 3 * * *"})
+        status, body = srv.http("PUT", f"/v1/pools/{pool}/schedules/nightly-{pool}", {"cron": "0 3 * * *"}, token=TOKEN)
         assert status == 200, body
     page = browser_page
     page.goto(srv.http_url + "/ui/")

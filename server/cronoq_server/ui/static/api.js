@@ -54,14 +54,18 @@ export async function call(method, path, body) {
     credentials: "omit",
     cache: "no-store",
   });
-  let parsed = null;
-  try {
-    parsed = await response.json();
-  } catch {
-    parsed = null;
-  }
+  const parsed = await jsonOf(response);
   if (!response.ok) throw new ApiError(response.status, parsed);
   return parsed;
+}
+
+/** A response's JSON body, or null when it has none. */
+async function jsonOf(response) {
+  try {
+    return await response.json();
+  } catch {
+    return null;
+  }
 }
 
 /** A query string from the entries whose value is not empty. */
@@ -81,15 +85,7 @@ export function query(params) {
  */
 export async function readEvents(path, { signal, onOpen, onEvent }) {
   const response = await fetch(path, { headers: headers("text/event-stream"), credentials: "omit", cache: "no-store", signal });
-  if (!response.ok) {
-    let parsed = null;
-    try {
-      parsed = await response.json();
-    } catch {
-      parsed = null;
-    }
-    throw new ApiError(response.status, parsed);
-  }
+  if (!response.ok) throw new ApiError(response.status, await jsonOf(response));
   onOpen(response);
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";

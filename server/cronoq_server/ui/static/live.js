@@ -5,6 +5,7 @@
 // MAX_EVENTS_PER_S it pauses itself; Resume then goes on live, skipping what came meanwhile.
 import { ApiError, readEvents } from "./api.js";
 import { h, table, when } from "./dom.js";
+import { stateBadge } from "./tasks.js";
 
 const KEEP = 200; // rows shown, newest first
 const RETRY_MS = [500, 1000, 2000, 5000];
@@ -12,20 +13,15 @@ const RETRY_MS = [500, 1000, 2000, 5000];
 // page left open does not cost the server the conversion of every event of a busy queue.
 export const MAX_EVENTS_PER_S = 200;
 
-function stateName(state) {
-  return String(state || "").replace(/^TASK_STATE_/, "");
-}
-
 function row(event) {
   const task = event.task || {};
-  const state = stateName(task.state);
   return h("tr", { "data-task": task.id || "" },
     h("td", null, when(event.time)),
     h("td", null, event.shard || ""),
     h("td", null, h("a", { href: `#/task/${encodeURIComponent(task.id || "")}` }, String(task.id || ""))),
     h("td", null, task.pool || ""),
     h("td", null, task.key || ""),
-    h("td", null, h("span", { class: `state state-${state.toLowerCase()}` }, state)),
+    h("td", null, stateBadge(task.state)),
     h("td", null, String(task.attempt ?? 0)),
     h("td", null, task.worker_id || ""),
     h("td", null, task.error || ""));

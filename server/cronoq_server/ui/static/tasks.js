@@ -13,6 +13,12 @@ function stateName(state) {
   return String(state || "").replace(/^TASK_STATE_/, "");
 }
 
+/** A task's state as a word coloured by its class ("SUCCEEDED" in state-succeeded). */
+export function stateBadge(state) {
+  const name = stateName(state);
+  return h("span", { class: `state state-${name.toLowerCase()}` }, name);
+}
+
 function taskLink(id) {
   return h("a", { href: `#/task/${encodeURIComponent(id)}` }, String(id));
 }
@@ -82,7 +88,7 @@ function links(ids) {
 function taskRows(tasks) {
   return tasks.map((t) => [
     taskLink(t.id), t.pool || "", t.key || "",
-    h("span", { class: `state state-${stateName(t.state).toLowerCase()}` }, stateName(t.state)),
+    stateBadge(t.state),
     String(t.attempt ?? 0), when(t.created_at), t.worker_id || "",
   ]);
 }
