@@ -173,7 +173,7 @@ class Node:
     async def open_store(self) -> None:
         """Opens (creating or migrating) the store, waiting while it is unreachable.
 
-        Raises StoreOwnedElsewhere when the store holds another shard's tasks.
+        Raises StoreRefused when the store holds another shard's tasks or a newer schema.
         """
         while not self._store_open:
             try:

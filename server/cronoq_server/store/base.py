@@ -186,8 +186,23 @@ class StoreSettings:
     lease_overhead_bytes: int = 256
 
 
-class StoreOwnedElsewhere(Exception):
+class StoreRefused(Exception):
+    """This server must not use the store at all (it exits with 2)."""
+
+
+class StoreOwnedElsewhere(StoreRefused):
     """The store holds another shard's tasks (its shard name or number differs)."""
+
+
+class StoreSchemaTooNew(StoreRefused):
+    """A newer cronoq-server wrote the store: this one would misread or undo what it added."""
+
+
+def schema_too_new(store: str, recorded: int, known: int) -> StoreSchemaTooNew:
+    return StoreSchemaTooNew(
+        f"{store} has schema version {recorded}, newer than this cronoq-server knows (it knows versions up to "
+        f"{known}): run the version that wrote it, or a newer one"
+    )
 
 
 class StoreUnavailable(Exception):
@@ -205,7 +220,8 @@ class Store(Protocol):
     work_steps: int
 
     async def open(self) -> None:
-        """Creates or migrates the schema; refuses a store of another shard."""
+        """Creates or migrates the schema; refuses (StoreRefused) a store of another shard or of
+        a schema newer than this code knows, and never lowers the recorded version."""
 
     async def close(self) -> None: ...
 

@@ -39,6 +39,7 @@ from .base import (
     Submitted,
     TaskRow,
     WorkerRow,
+    schema_too_new,
 )
 from .logic import (
     HEARTBEAT_COLUMNS,
@@ -357,6 +358,8 @@ class PostgresStore:
             )
         )
         applied = {r[0] for r in await conn.fetch(self._sql("SELECT version FROM {s}.migrations"))}
+        if applied and max(applied) > max(MIGRATIONS):
+            raise schema_too_new(f"schema {self.schema}", max(applied), max(MIGRATIONS))
         for version in sorted(MIGRATIONS):
             if version in applied:
                 continue

@@ -32,6 +32,7 @@ from .base import (
     Submitted,
     TaskRow,
     WorkerRow,
+    schema_too_new,
 )
 from .logic import (
     HEARTBEAT_COLUMNS,
@@ -304,6 +305,8 @@ class SqliteStore:
         if has_meta:
             meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
             version = int(meta.get("schema_version", "0"))
+            if version > max(MIGRATIONS):
+                raise schema_too_new(f"store {self.path}", version, max(MIGRATIONS))
             owner = (meta.get("shard_name"), meta.get("shard_number"))
             mine = (self.settings.shard_name, str(self.settings.shard_number))
             if owner != mine:
@@ -316,7 +319,7 @@ class SqliteStore:
                 for statement in MIGRATIONS[v].split(";"):
                     if statement.strip():
                         db.execute(statement)
-        db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(max(MIGRATIONS)),))
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(v),))
         db.execute("INSERT OR IGNORE INTO meta VALUES ('shard_name', ?)", (self.settings.shard_name,))
         db.execute("INSERT OR IGNORE INTO meta VALUES ('shard_number', ?)", (str(self.settings.shard_number),))
 
