@@ -1,5 +1,5 @@
 """Schema versions, run against every backend in conftest.BACKENDS: a store migrates forward
-from any earlier version, refuses a schema newer than the code knows, and never lowers the
+from the version before, refuses a schema newer than the code knows, and never lowers the
 recorded version."""
 
 from __future__ import annotations
@@ -10,50 +10,82 @@ from typing import Any
 
 import asyncpg
 import pytest
-from test_store import submit_one
+from test_store import T0, submit_one
+from test_store_events import events
 
 from cronoq_server.store import postgres, sqlite
 from cronoq_server.store.base import Store, StoreSchemaTooNew
-from cronoq_server.store.postgres import PostgresStore
+from cronoq_server.store.postgres import PostgresStore, quote_ident
 from cronoq_server.store.sqlite import SqliteStore
 
 
-def latest(store: Store) -> int:
-    return max(sqlite.MIGRATIONS if isinstance(store, SqliteStore) else postgres.MIGRATIONS)
+def migrations(store_or_backend: Store | str) -> dict[int, Any]:
+    is_sqlite = store_or_backend == "sqlite" or isinstance(store_or_backend, SqliteStore)
+    return sqlite.MIGRATIONS if is_sqlite else postgres.MIGRATIONS  # type: ignore[return-value]
 
 
-async def recorded_version(store: Store, set_to: int | None = None) -> int:
-    """The schema version the store records (set first, by SQL, when set_to is given)."""
+async def run_sql(store: Store, sql: str) -> list[tuple[Any, ...]]:
+    """Runs sql on the store's database, beside the store ({s}. names its PostgreSQL schema)."""
     if isinstance(store, SqliteStore):
         with contextlib.closing(sqlite3.connect(store.path)) as db, db:
-            if set_to is not None:
-                db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(set_to),))
-            return int(db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0])
+            return db.execute(sql.replace("{s}.", "")).fetchall()
     assert isinstance(store, PostgresStore)
     conn = await asyncpg.connect(store.url)
     try:
-        if set_to is not None:
-            await conn.execute(f'INSERT INTO "{store.schema}".migrations (version) VALUES ($1)', set_to)
-        return int(await conn.fetchval(f'SELECT max(version) FROM "{store.schema}".migrations'))
+        return [tuple(r) for r in await conn.fetch(sql.replace("{s}", quote_ident(store.schema)))]
     finally:
         await conn.close()
+
+
+async def recorded_version(store: Store) -> int:
+    if isinstance(store, SqliteStore):
+        return int((await run_sql(store, "SELECT value FROM meta WHERE key = 'schema_version'"))[0][0])
+    return int((await run_sql(store, "SELECT max(version) FROM {s}.migrations"))[0][0])
+
+
+async def record_version(store: Store, version: int) -> None:
+    """What a server of that version records (a newer one: as it would)."""
+    if isinstance(store, SqliteStore):
+        await run_sql(store, f"UPDATE meta SET value = '{version}' WHERE key = 'schema_version'")
+    else:
+        await run_sql(store, f"INSERT INTO {{s}}.migrations (version) VALUES ({version})")
 
 
 async def test_a_schema_newer_than_the_code_is_refused_and_left_as_it_is(open_store: Any) -> None:
     first: Store = await open_store()
     await submit_one(first)
-    newest = latest(first)
+    newest = max(migrations(first))
     assert await recorded_version(first) == newest
     await first.close()
-    await recorded_version(first, set_to=newest + 1)
+    await record_version(first, newest + 1)
     with pytest.raises(StoreSchemaTooNew) as info:
         await open_store()
     assert f"schema version {newest + 1}," in str(info.value) and f"versions up to {newest})" in str(info.value)
     assert await recorded_version(first) == newest + 1
 
 
-async def test_reopening_at_the_latest_version_keeps_it(open_store: Any) -> None:
-    first: Store = await open_store()
-    await first.close()
+async def test_a_store_of_the_version_before_migrates_and_keeps_its_events(
+    open_store: Any, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store as the code before the last migration left it, with an event that code recorded
+    (none of the task's fields with it): migrated on open, that event still read, new ones full."""
+    newest = max(migrations(backend))
+    with monkeypatch.context() as patch:
+        patch.delitem(migrations(backend), newest)
+        before: Store = await open_store()
+    assert await recorded_version(before) == newest - 1
+    await run_sql(
+        before,
+        "INSERT INTO {s}.events (task_seq, pool, prev_state, state, attempt, at) VALUES (1, 'default', 0, 1, 0, 7)",
+    )
+    await before.close()
+
+    after: Store = await open_store()
+    assert await recorded_version(after) == newest
+    task = await submit_one(after)
+    old, new = await events(after)
+    assert (old.seq, old.task_seq, old.at, old.run_at, old.worker_id) == (1, 1, 7, None, None)
+    assert (new.seq, new.task_seq, new.run_at, new.error) == (2, task.seq, T0, "")
+    await after.close()
     again: Store = await open_store()
-    assert await recorded_version(again) == latest(again)
+    assert await recorded_version(again) == newest

@@ -167,6 +167,22 @@ class EventRow:
     at: int
     pool: str
     prev_state: int
+    # The rest of what changes over a task's life (EVENT_TASK_COLUMNS), as this change left it.
+    # run_at None: recorded before the store kept these (schema 5 on SQLite, 6 on PostgreSQL).
+    run_at: int | None = None
+    worker_id: str | None = None
+    error: str | None = None
+    started_at: int | None = None
+    finished_at: int | None = None
+    lease_expires_at: int | None = None
+    cancel_requested: bool | None = None
+
+
+# The task columns an event records besides its state and attempt: with those, every column
+# that changes over a task's life but its result (set only by the change that ends it).
+EVENT_TASK_COLUMNS = "run_at, worker_id, error, started_at, finished_at, lease_expires_at, cancel_requested"
+# Column order of every event row a store writes and returns (after its seq).
+EVENT_COLUMNS = f"task_seq, state, attempt, at, pool, prev_state, {EVENT_TASK_COLUMNS}"
 
 
 # retry_at(pool, attempt, now, retry_after_ms) -> when the next attempt may start.
