@@ -17,9 +17,7 @@ PENDING, RUNNING, SUCCEEDED = (task_pb2.TaskState.Value(f"TASK_STATE_{s}") for s
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
 def test_a_replayed_event_shows_the_task_as_that_change_left_it(start_server: Any, request: Any, kind: str) -> None:
-    srv = start_server(
-        {"store": store_table(kind, request), "pools": [{"name": "default", "retry_backoff": "50ms"}]}
-    )
+    srv = start_server({"store": store_table(kind, request), "pools": [{"name": "default", "retry_backoff": "50ms"}]})
     api = Api(srv.grpc_target)
     task = api.submit(payload=b"in")
     first, second = api.register(), api.register()

@@ -186,7 +186,9 @@ async def test_each_event_records_the_task_as_its_change_left_it(store: Store) -
     await changed(a.seq)
     await store.cancel(a.seq, T0 + 2 * SEC)  # a cancel request while RUNNING
     await changed(a.seq)
-    results, _ = await store.finish("w2", [Outcome(a.seq, leased.attempt, OutcomeKind.CANCELLED, error="stop")], T0 + 3 * SEC)
+    results, _ = await store.finish(
+        "w2", [Outcome(a.seq, leased.attempt, OutcomeKind.CANCELLED, error="stop")], T0 + 3 * SEC
+    )
     assert results[0].accepted
     await changed(a.seq)
     leased_k = await lease_one(store, k.seq, T0 + 4 * SEC, worker="w3", pool="other")

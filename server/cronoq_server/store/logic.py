@@ -67,7 +67,9 @@ def task_row(r: Any) -> TaskRow:
 def event_row(r: Any) -> EventRow:
     """An EventRow from its seq and then a row read in EVENT_COLUMNS order."""
     cancel_requested = None if r[13] is None else bool(r[13])
-    return EventRow(r[0], r[1], State(r[2]), r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12], cancel_requested)
+    return EventRow(
+        r[0], r[1], State(r[2]), r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12], cancel_requested
+    )
 
 
 def event_task_values(row: TaskRow) -> tuple[Any, ...]:

@@ -579,7 +579,8 @@ class PostgresStore:
             " FROM u JOIN ids ON ids.n = u.n JOIN ops ON ops.op = u.op"
             " WHERE {fence} AND (ops.rid IS NULL OR ops.rid IN (SELECT id FROM req))"
             f" RETURNING seq, pool, created_at, {EVENT_TASK_COLUMNS}),"
-            f" ev AS ({INSERT_EVENTS} SELECT seq, 1, 0, created_at, pool, 0, {EVENT_TASK_COLUMNS} FROM ins ORDER BY seq)"
+            f" ev AS ({INSERT_EVENTS} SELECT seq, 1, 0, created_at, pool, 0, {EVENT_TASK_COLUMNS}"
+            " FROM ins ORDER BY seq)"
             " SELECT ids.n, ids.seq, (SELECT pg_notify($9, '')) FROM ins JOIN ids ON ids.seq = ins.seq"
         )
         args = (
@@ -924,7 +925,8 @@ class PostgresStore:
             f" FROM unnest({a}::bigint[], {b}::int[], {c}::bytea[], {d}::text[]) AS u(seq, attempt, result, rct)"
             f" WHERE t.seq = u.seq AND t.state = 3 AND t.attempt = u.attempt AND t.worker_id = {worker} AND {{fence}}"
             f" RETURNING t.seq, t.pool, t.state, t.attempt, {T_EVENT_TASK_COLUMNS}),"
-            f" ended_ev AS ({INSERT_EVENTS} SELECT seq, state, attempt, {now}, pool, 3, {EVENT_TASK_COLUMNS} FROM ended)"
+            f" ended_ev AS ({INSERT_EVENTS} SELECT seq, state, attempt, {now}, pool, 3, {EVENT_TASK_COLUMNS}"
+            " FROM ended)"
         )
 
     async def _successes(
@@ -952,7 +954,8 @@ class PostgresStore:
                 "WITH changed AS (UPDATE {s}.tasks t SET state = 1, blocked_on = 0"
                 " WHERE t.state = 2 AND t.seq IN (SELECT task_seq FROM {s}.deps WHERE dep_seq = ANY($1::bigint[]))"
                 " AND NOT EXISTS (SELECT 1 FROM {s}.deps d JOIN {s}.tasks x ON x.seq = d.dep_seq"
-                f" WHERE d.task_seq = t.seq AND x.state <> 4) RETURNING t.seq, t.pool, t.attempt, {T_EVENT_TASK_COLUMNS}),"
+                " WHERE d.task_seq = t.seq AND x.state <> 4)"
+                f" RETURNING t.seq, t.pool, t.attempt, {T_EVENT_TASK_COLUMNS}),"
                 f" ev AS ({INSERT_EVENTS} SELECT seq, 1, attempt, $2, pool, 2, {EVENT_TASK_COLUMNS}"
                 " FROM changed ORDER BY seq)"
                 " SELECT seq FROM changed"
@@ -1169,9 +1172,7 @@ class PostgresStore:
                 return last
 
     async def read_events(self, after: int, limit: int) -> list[EventRow]:
-        sql = self._sql(
-            f"SELECT pos, {EVENT_COLUMNS} FROM {{s}}.events WHERE pos > $1 ORDER BY pos LIMIT $2"
-        )
+        sql = self._sql(f"SELECT pos, {EVENT_COLUMNS} FROM {{s}}.events WHERE pos > $1 ORDER BY pos LIMIT $2")
         rows = await self._read(lambda c: c.fetch(sql, after, limit))
         return [event_row(r) for r in rows]
 
