@@ -10,6 +10,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+from _helpers import store_table
 from test_failover import is_leader
 from test_sharding_faults import assert_refused_store, pg_fetch
 
@@ -58,3 +60,23 @@ def test_postgres_schema_of_a_newer_version_is_refused_also_by_a_standby(start_s
     assert leader.stop() == 0
     newest = pg_fetch(postgres.url, f"SELECT max(version) FROM {schema}.migrations")[0][0]
     assert newest == POSTGRES_LATEST + 1
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_a_standby_refuses_to_lead_on_a_schema_migrated_past_it(
+    start_server: Any, request: Any, tmp_path: Path, kind: str
+) -> None:
+    """A newer server migrated the store while this standby waited (its leader still on the
+    version both knew): when the leader goes, the standby exits 2 instead of leading on it."""
+    store = store_table(kind, request, tmp_path / "shared.db")
+    leader = start_server({"store": store}, name="leader")
+    standby = start_server({"store": store}, name="standby", wait_ready=False)
+    standby.wait_ready(leader=False)
+    if kind == "sqlite":
+        sqlite_version(tmp_path / "shared.db", set_to=SQLITE_LATEST + 1)
+        named, latest = f"store {tmp_path / 'shared.db'}", SQLITE_LATEST
+    else:
+        pg_fetch(store["url"], f"INSERT INTO {store['schema']}.migrations (version) VALUES ({POSTGRES_LATEST + 1})")
+        named, latest = f"schema {store['schema']}", POSTGRES_LATEST
+    assert leader.stop() == 0
+    assert_refused_newer(standby, named, latest + 1, latest)

@@ -241,6 +241,9 @@ class Store(Protocol):
 
     async def close(self) -> None: ...
 
+    async def check_schema(self) -> None:
+        """Raises StoreSchemaTooNew when a newer server has migrated the store since it was opened."""
+
     async def submit(
         self, tasks: list[NewTask], now: int, request_id: str | None = None, visible: frozenset[str] | None = None
     ) -> tuple[list[Submitted], Changes]:

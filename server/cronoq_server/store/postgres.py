@@ -373,8 +373,7 @@ class PostgresStore:
             )
         )
         applied = {r[0] for r in await conn.fetch(self._sql("SELECT version FROM {s}.migrations"))}
-        if applied and max(applied) > max(MIGRATIONS):
-            raise schema_too_new(f"schema {self.schema}", max(applied), max(MIGRATIONS))
+        self._check_version(max(applied, default=0))
         for version in sorted(MIGRATIONS):
             if version in applied:
                 continue
@@ -391,6 +390,14 @@ class PostgresStore:
             )
         for k, v in mine.items():
             await conn.execute(self._sql("INSERT INTO {s}.meta VALUES ($1, $2) ON CONFLICT DO NOTHING"), k, v)
+
+    def _check_version(self, version: int) -> None:
+        if version > max(MIGRATIONS):
+            raise schema_too_new(f"schema {self.schema}", version, max(MIGRATIONS))
+
+    async def check_schema(self) -> None:
+        sql = self._sql("SELECT max(version) FROM {s}.migrations")
+        self._check_version(await self._read(lambda c: c.fetchval(sql)) or 0)
 
     async def close(self) -> None:
         if self._pool is not None:

@@ -320,8 +320,7 @@ class SqliteStore:
         if has_meta:
             meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
             version = int(meta.get("schema_version", "0"))
-            if version > max(MIGRATIONS):
-                raise schema_too_new(f"store {self.path}", version, max(MIGRATIONS))
+            self._check_version(version)
             owner = (meta.get("shard_name"), meta.get("shard_number"))
             mine = (self.settings.shard_name, str(self.settings.shard_number))
             if owner != mine:
@@ -337,6 +336,14 @@ class SqliteStore:
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(v),))
         db.execute("INSERT OR IGNORE INTO meta VALUES ('shard_name', ?)", (self.settings.shard_name,))
         db.execute("INSERT OR IGNORE INTO meta VALUES ('shard_number', ?)", (str(self.settings.shard_number),))
+
+    def _check_version(self, version: int) -> None:
+        if version > max(MIGRATIONS):
+            raise schema_too_new(f"store {self.path}", version, max(MIGRATIONS))
+
+    async def check_schema(self) -> None:
+        sql = "SELECT value FROM meta WHERE key = 'schema_version'"
+        self._check_version(int((await self._run(lambda: self._conn.execute(sql).fetchone()))[0]))
 
     async def close(self) -> None:
         if self._thread is not None:
