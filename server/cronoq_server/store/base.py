@@ -168,7 +168,7 @@ class EventRow:
     pool: str
     prev_state: int
     # The rest of what changes over a task's life (EVENT_TASK_COLUMNS), as this change left it.
-    # run_at None: recorded before the store kept these (schema 5 on SQLite, 6 on PostgreSQL).
+    # run_at None: recorded before the store kept these (schema version 6 on SQLite, 7 on PostgreSQL).
     run_at: int | None = None
     worker_id: str | None = None
     error: str | None = None
