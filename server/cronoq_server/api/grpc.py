@@ -28,9 +28,10 @@ KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.http2.max_pings_without_data", 0),  # the server's pings need no data frames in between
-    # Clients may ping too, with no call open, as often as every 10 s, without being sent GOAWAY.
+    # Clients may ping too, with no call open or none sending, as often as every 10 s, without
+    # being sent GOAWAY "too_many_pings" (gRPC's default allows one ping in 5 minutes).
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     # A connection with no call for 5 minutes gets GOAWAY; clients reconnect on their next call.
     ("grpc.max_connection_idle_ms", 300_000),
 ]
