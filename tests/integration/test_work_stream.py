@@ -382,3 +382,68 @@ def test_an_outcome_frees_its_resource_for_the_tasks_sent_with_its_result(
         assert [t.id for t in answer.tasks] == [expected], "the slot freed by the outcome was not used"
         (task,) = answer.tasks
     stream.close()
+
+
+def _bad_utf8(message: Any) -> bytes:
+    """The message's bytes with its text "éé" made invalid UTF-8 (same length)."""
+    data = message.SerializeToString()
+    assert b"\xc3\xa9\xc3\xa9" in data
+    return data.replace(b"\xc3\xa9\xc3\xa9", b"\xff\xfe\xff\xfe")
+
+
+def test_malformed_messages_are_invalid_argument_naming_the_field_without_a_traceback(api: Api) -> None:
+    """Messages no worker of an SDK sends: each ends its Work stream (or call) with
+    INVALID_ARGUMENT naming the field, never INTERNAL, and the server logs no traceback."""
+    worker = api.register()
+    first = wpb.WorkRequest(worker_id=worker).SerializeToString()
+    outcome = wpb.TaskOutcome(task_id=1, attempt=1)
+    truncated = wpb.WorkRequest(worker_id=worker, outcomes=[outcome]).SerializeToString()[:-3]
+    work: list[tuple[str, list[bytes], str]] = [
+        ("bytes that are no message", [b"\xff\xff\xff"], "WorkRequest"),
+        ("worker_id not UTF-8", [_bad_utf8(wpb.WorkRequest(worker_id="éé"))], "worker_id"),
+        ("no worker_id in the first message", [wpb.WorkRequest(credits=1).SerializeToString()], "worker_id"),
+        ("a later message that is no message", [first, b"\xff\xff"], "WorkRequest"),
+        ("a later message cut short", [first, truncated], "outcomes[0]"),
+        (
+            "an outcome's content_type not UTF-8",
+            [first, _bad_utf8(wpb.WorkRequest(outcomes=[wpb.TaskOutcome(success=wpb.TaskSuccess(content_type="éé"))]))],
+            "outcomes[0].success.content_type",
+        ),
+        (
+            "a second outcome's error not UTF-8",
+            [first, _bad_utf8(wpb.WorkRequest(outcomes=[outcome, wpb.TaskOutcome(failure=wpb.TaskFailure(error="éé"))]))],
+            "outcomes[1].failure.error",
+        ),
+    ]
+    raw = api.channel.stream_stream(
+        "/cronoq.v1.WorkerService/Work", request_serializer=lambda b: b, response_deserializer=wpb.WorkResponse.FromString
+    )
+    wrong = []
+    for name, messages, field in work:
+        try:
+            list(raw(iter(messages), timeout=10))
+            wrong.append(f"{name}: the stream ended OK, want INVALID_ARGUMENT naming {field!r}")
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.INVALID_ARGUMENT or field not in (err.details() or ""):
+                wrong.append(f"{name}: {err.code().name} {err.details()!r}, want INVALID_ARGUMENT naming {field!r}")
+    # Unary and server-streaming calls parse their request the same way.
+    for method, data, field in [
+        ("/cronoq.v1.WorkerService/FinishTasks", b"\xff\xff", "FinishTasksRequest"),
+        ("/cronoq.v1.WorkerService/Heartbeat", _bad_utf8(wpb.HeartbeatRequest(worker_id="éé")), "worker_id"),
+        ("/cronoq.v1.TaskService/Watch", b"\xff\xff", "WatchRequest"),
+    ]:
+        call = (api.channel.unary_stream if method.endswith("Watch") else api.channel.unary_unary)(
+            method, request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
+        try:
+            answer = call(data, timeout=10)
+            list(answer) if method.endswith("Watch") else answer
+            wrong.append(f"{method}: OK, want INVALID_ARGUMENT naming {field!r}")
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.INVALID_ARGUMENT or field not in (err.details() or ""):
+                wrong.append(f"{method}: {err.code().name} {err.details()!r}, want INVALID_ARGUMENT naming {field!r}")
+    assert not wrong, "\n".join(wrong)
+    time.sleep(0.2)  # the log lines of the last call
+    log = api.server.log()  # type: ignore[attr-defined]
+    assert "Traceback" not in log, log[log.index("Traceback") - 300 :][:3000]
+    assert log.count("malformed") >= len(work), "each refusal of a malformed message is logged"

@@ -131,6 +131,8 @@ class Leases:
 
     async def _worker(self, worker_id: str, caller: Principal) -> WorkerRow:
         """The registered worker, used by the principal that registered it only."""
+        if not worker_id:
+            raise invalid("worker_id: empty; give the id RegisterWorker returned")
         if len(worker_id) > 64:
             raise invalid(f"worker_id: {len(worker_id)} characters; worker ids are 32")
         worker = self._workers.get(worker_id)
