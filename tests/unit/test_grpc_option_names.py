@@ -16,7 +16,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from preconditions import missing  # type: ignore[import-not-found]
 
 REPO = Path(__file__).resolve().parents[2]

@@ -62,12 +62,12 @@ async def _fail(context: grpc.aio.ServicerContext, rpc: Rpc, err: Exception) -> 
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc.name}; see the server log")
 
 
-async def _refuse(context: grpc.aio.ServicerContext, rpc: Rpc, err: ApiError, also: tuple[tuple[str, str], ...] = ()) -> None:
+async def _refuse(context: grpc.aio.ServicerContext, rpc: Rpc, err: ApiError) -> None:
     """Ends a call with the ApiError; one log line for a request that does not decode, and for a
     Work stream refused as malformed (no SDK's worker sends either)."""
     if err.reason == MALFORMED or (rpc.client_streaming and err.code == grpc.StatusCode.INVALID_ARGUMENT):
         log.warning("%s from %s: refused a malformed request: %s", rpc.name, context.peer(), err.message)
-    await _abort(context, err, also)
+    await _abort(context, err)
 
 
 async def _parsed(rpc: Rpc, requests: AsyncIterator[bytes]) -> AsyncIterator[Any]:

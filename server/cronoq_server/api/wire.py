@@ -4,10 +4,11 @@ UNKNOWN or INTERNAL and logs a traceback)."""
 
 from __future__ import annotations
 
-from google.protobuf.descriptor import Descriptor, FieldDescriptor
-from google.protobuf.message import DecodeError, Message
+from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import DecodeError, Message
 
 from ..errors import ApiError
 
@@ -26,7 +27,7 @@ def parse(message: type[Message], data: bytes) -> Message:
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, text, reason=MALFORMED) from None
 
 
-def broken_field(descriptor: Descriptor, data: bytes, prefix: str = "") -> str | None:
+def broken_field(descriptor: Any, data: bytes, prefix: str = "") -> str | None:
     """The path of the first field at which data does not decode (e.g. "outcomes[1].failure.error":
     cut short, a wire type that cannot be, text that is not UTF-8); None if none is found."""
     pos, seen = 0, dict[int, int]()
@@ -57,7 +58,7 @@ def broken_field(descriptor: Descriptor, data: bytes, prefix: str = "") -> str |
                     chunk.decode()
                 except UnicodeDecodeError:
                     return path
-            elif field is not None and field.type == FieldDescriptor.TYPE_MESSAGE:
+            elif field is not None and field.message_type is not None:
                 inner = broken_field(field.message_type, chunk, path + ".")
                 if inner is not None:
                     return inner
