@@ -169,6 +169,13 @@ class ShardWatch(WatchStream):
             await aclose()
 
 
+async def shard_watch(node: Node, request: pb.WatchRequest, caller: Principal) -> ShardWatch:
+    """This shard's events from its Node, stating where the stream starts (a stream that breaks
+    before its first event resumes there, not live again: nothing in between is lost)."""
+    start, events = await node.open_watch(request, caller)
+    return ShardWatch(events, {CURSOR_HEADER: make_cursor(node.shard_number, start)})
+
+
 @dataclass(eq=False)
 class Source:
     """One shard's open stream, in a merged one."""
@@ -330,8 +337,7 @@ async def open_watch(node: Node, peers: PeerChannels, rpc: Rpc, request: pb.Watc
                 f"cursor: {shown!r} has no part for shard number {here.number} ({here.name!r}), "
                 f"which alone answers a call marked {FORWARDED_HEADER}"
             )
-        start, events = await node.open_watch(opener.shard_request(here), caller)
-        return ShardWatch(events, {CURSOR_HEADER: make_cursor(here.number, start)})
+        return await shard_watch(node, opener.shard_request(here), caller)
 
     if owner is not None and owner is not here:  # another shard's pool: that shard, or an error
         opened = await opener.peer(owner)

@@ -175,10 +175,10 @@ class ShardRouter:
     async def watch(self, request: Message, call: Call) -> Any:
         """A merged_watch.WatchStream. Unsharded: this server's events. Sharded: merged from every
         shard the caller may read (or the pool's shard), with a composite cursor; see merged_watch."""
-        from .merged_watch import ShardWatch, open_watch  # it builds on this module
+        from .merged_watch import open_watch, shard_watch  # it builds on this module
 
         if not self.sharded:
-            return ShardWatch((await self.node.open_watch(request, call.caller))[1])
+            return await shard_watch(self.node, request, call.caller)  # type: ignore[arg-type]
         return await open_watch(self.node, self.peers, self.rpcs["Watch"], request, call)  # type: ignore[arg-type]
 
     # -- strategies -----------------------------------------------------------

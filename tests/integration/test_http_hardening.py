@@ -544,7 +544,7 @@ def test_grpc_keepalive_options_are_set_and_clients_work(server: Any) -> None:
     assert options["grpc.max_connection_idle_ms"] == 300_000
     assert options["grpc.http2.max_pings_without_data"] == 0
     assert options["grpc.keepalive_permit_without_calls"] == 1
-    assert options["grpc.http2.min_recv_ping_interval_without_data_ms"] <= 10_000
+    assert options["grpc.http2.min_ping_interval_without_data_ms"] <= 10_000
     # A client that pings every 10 s, even with no call open, is within the server's policy.
     channel = grpc.insecure_channel(
         server.grpc_target,
@@ -639,6 +639,7 @@ class ScriptedNode:
 
     def __init__(self, count: int, error: ApiError | None = None, end: bool = False):
         self.config = Config()
+        self.shard_number = 0  # unsharded
         self.end = end
         self.auth = SimpleNamespace(enabled=False)
         self.count = count

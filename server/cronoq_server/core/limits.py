@@ -14,6 +14,19 @@ MAX_LABEL_KEY = 128
 MAX_LABEL_VALUE = 1024
 # An error text longer than this is cut, with a marker saying how much was dropped.
 MAX_ERROR_BYTES = 16 << 10
+# What one worker call carries (FinishTasks, Heartbeat, LeaseTasks, RegisterWorker, a message of
+# a Work stream): a list longer than its cap is refused whole, before any of it is worked on.
+# The SDKs send at most 1,000 outcomes a message.
+MAX_OUTCOMES = 10_000
+MAX_DONE = 10_000
+# Credits a Work stream may hold unused (a worker's free slots); a heartbeat names every attempt
+# a worker holds, so it may name as many.
+MAX_WORK_CREDITS = 100_000
+MAX_HEARTBEAT_TASKS = MAX_WORK_CREDITS
+MAX_WORKER_POOLS = 1_000
+# Outcomes and heartbeat entries reach the store this many at a time, each part a transaction
+# of its own: a long list does not hold other callers' writes for long.
+STORE_CHUNK = 1_000
 
 TRUNCATED = "… [truncated {n} bytes]"
 
@@ -25,6 +38,12 @@ def check_text(field: str, value: str, limit: int) -> None:
     bad = next((c for c in value if ord(c) < 32 or 127 <= ord(c) < 160), None)
     if bad is not None:
         raise invalid(f"{field}: control character {bad!r} in {value[:64]!r}")
+
+
+def check_count(field: str, count: int, limit: int, what: str) -> None:
+    """A list of a worker call: at most limit entries."""
+    if count > limit:
+        raise invalid(f"{field}: {count} {what}, more than {limit} in one message")
 
 
 def cap_error(text: str) -> str:

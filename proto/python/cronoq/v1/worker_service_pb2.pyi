@@ -119,7 +119,9 @@ class RegisterWorkerRequest(_message.Message):
     name: _builtins.str
     concurrency: _builtins.int
     @_builtins.property
-    def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """At most 1,000 (more: INVALID_ARGUMENT)."""
+
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
@@ -191,12 +193,13 @@ class LeaseTasksRequest(_message.Message):
     """
     @_builtins.property
     def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Empty: every pool the worker registered for."""
+        """Empty: every pool the worker registered for. At most 1,000."""
 
     @_builtins.property
     def done(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAttempt]:
         """Attempts of this worker whose handlers have returned, their outcomes not yet acknowledged:
         the resource slots they hold are free for this lease (the outcomes follow in FinishTasks).
+        At most 10,000 (more: INVALID_ARGUMENT).
         """
 
     def __init__(
@@ -269,7 +272,9 @@ class HeartbeatRequest(_message.Message):
     TASKS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     @_builtins.property
-    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAttempt]: ...
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAttempt]:
+        """At most 100,000 (more: INVALID_ARGUMENT), as many as the credits a Work stream may hold."""
+
     def __init__(
         self,
         *,
@@ -451,7 +456,9 @@ class FinishTasksRequest(_message.Message):
     OUTCOMES_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     @_builtins.property
-    def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskOutcome]: ...
+    def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskOutcome]:
+        """At most 10,000 (more: INVALID_ARGUMENT, and none is applied)."""
+
     def __init__(
         self,
         *,
@@ -550,6 +557,7 @@ class WorkRequest(_message.Message):
     def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskOutcome]:
         """Outcomes of attempts, each fenced by its attempt; each is answered in a WorkResponse's
         results (an outcome not answered before the stream ends may be sent again on the next).
+        At most 10,000 a message (more ends the stream with INVALID_ARGUMENT).
         """
 
     @_builtins.property
@@ -559,7 +567,7 @@ class WorkRequest(_message.Message):
     @_builtins.property
     def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """First message only: the pools to lease from (empty: every pool the worker registered
-        for), and the cap in bytes of the tasks of one WorkResponse (0 or more than
+        for; at most 1,000), and the cap in bytes of the tasks of one WorkResponse (0 or more than
         RegisterWorkerResponse.max_lease_bytes: that cap; one task is always sent alone).
         """
 
@@ -588,7 +596,9 @@ class WorkHeartbeat(_message.Message):
 
     TASKS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAttempt]: ...
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAttempt]:
+        """At most 100,000 (more ends the stream with INVALID_ARGUMENT)."""
+
     def __init__(
         self,
         *,

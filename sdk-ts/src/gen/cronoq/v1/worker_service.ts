@@ -47,6 +47,7 @@ export interface Worker_LabelsEntry {
 
 export interface RegisterWorkerRequest {
   name: string;
+  /** At most 1,000 (more: INVALID_ARGUMENT). */
   pools: string[];
   concurrency: number;
   labels: { [key: string]: string };
@@ -72,7 +73,7 @@ export interface LeaseTasksRequest {
   workerId: string;
   maxTasks: number;
   waitMs: number;
-  /** Empty: every pool the worker registered for. */
+  /** Empty: every pool the worker registered for. At most 1,000. */
   pools: string[];
   /**
    * Caps the reply's size: tasks are added while their bytes fit (one task is always
@@ -82,6 +83,7 @@ export interface LeaseTasksRequest {
   /**
    * Attempts of this worker whose handlers have returned, their outcomes not yet acknowledged:
    * the resource slots they hold are free for this lease (the outcomes follow in FinishTasks).
+   * At most 10,000 (more: INVALID_ARGUMENT).
    */
   done: TaskAttempt[];
 }
@@ -98,6 +100,7 @@ export interface TaskAttempt {
 
 export interface HeartbeatRequest {
   workerId: string;
+  /** At most 100,000 (more: INVALID_ARGUMENT), as many as the credits a Work stream may hold. */
   tasks: TaskAttempt[];
 }
 
@@ -144,6 +147,7 @@ export interface TaskOutcome {
 
 export interface FinishTasksRequest {
   workerId: string;
+  /** At most 10,000 (more: INVALID_ARGUMENT, and none is applied). */
   outcomes: TaskOutcome[];
 }
 
@@ -175,6 +179,7 @@ export interface WorkRequest {
   /**
    * Outcomes of attempts, each fenced by its attempt; each is answered in a WorkResponse's
    * results (an outcome not answered before the stream ends may be sent again on the next).
+   * At most 10,000 a message (more ends the stream with INVALID_ARGUMENT).
    */
   outcomes: TaskOutcome[];
   /** When set: a heartbeat for these attempts (running, or with outcomes not yet answered). */
@@ -183,7 +188,7 @@ export interface WorkRequest {
     | undefined;
   /**
    * First message only: the pools to lease from (empty: every pool the worker registered
-   * for), and the cap in bytes of the tasks of one WorkResponse (0 or more than
+   * for; at most 1,000), and the cap in bytes of the tasks of one WorkResponse (0 or more than
    * RegisterWorkerResponse.max_lease_bytes: that cap; one task is always sent alone).
    */
   pools: string[];
@@ -199,6 +204,7 @@ export interface WorkRequest {
 }
 
 export interface WorkHeartbeat {
+  /** At most 100,000 (more ends the stream with INVALID_ARGUMENT). */
   tasks: TaskAttempt[];
 }
 
