@@ -23,13 +23,13 @@ import pytest
 from google.protobuf import json_format
 
 from cronoq.v1 import (
+    schedule_service_pb2 as spb,
+)
+from cronoq.v1 import (
     schedule_service_pb2_grpc,
     task_pb2,
     task_service_pb2_grpc,
     worker_service_pb2_grpc,
-)
-from cronoq.v1 import (
-    schedule_service_pb2 as spb,
 )
 from cronoq.v1 import (
     task_service_pb2 as tpb,
@@ -603,7 +603,9 @@ def test_put_schedule_hostile_cron_and_zone(client: Client) -> None:
     cases += [(f"timezone {z[:40]!r}", {"cron": "* * * * *", "timezone": z}, "schedule.timezone") for z in zones]
     for case, fields, field in cases:
         spec = {"pool": "default", "name": "hostile", **fields}
-        client.http_case(f"HTTP {case}", "PUT", "/v1/pools/default/schedules/hostile", "INVALID_ARGUMENT", field, body=fields)
+        client.http_case(
+            f"HTTP {case}", "PUT", "/v1/pools/default/schedules/hostile", "INVALID_ARGUMENT", field, body=fields
+        )
         req = spb.PutScheduleRequest(schedule=spb.Schedule(**spec))
         client.grpc_case(f"gRPC {case}", lambda r=req: schedules.PutSchedule(r, timeout=10), "INVALID_ARGUMENT", field)
     for stored in schedules.ListSchedules(spb.ListSchedulesRequest(), timeout=10).schedules:

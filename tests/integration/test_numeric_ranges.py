@@ -142,7 +142,9 @@ def test_extreme_values_never_stall_the_pool(start_server: Any, store_kind: dict
         low, high = SUBMIT_FIELDS[field]
         name = field.split(".")[0]
         for i, value in enumerate(extremes(low, high, "schedule " + field)):
-            sched = _with_field(spb.Schedule(pool="default", name=f"x-{field.replace('.', '-')}-{i}", cron="* * * * * *"), field, value)
+            sched = _with_field(
+                spb.Schedule(pool="default", name=f"x-{field.replace('.', '-')}-{i}", cron="* * * * * *"), field, value
+            )
             put = spb.PutScheduleRequest(schedule=sched)
             case = f"PutSchedule {field}={value}"
             if probe.call(case, f"schedule.{name}", lambda p=put: schedules.PutSchedule(p, timeout=10)) is not None:
@@ -170,12 +172,14 @@ def test_extreme_values_never_stall_the_pool(start_server: Any, store_kind: dict
     for value in extremes(*UINT32, "retry_after_ms"):
         api.submit(max_attempts=2)
         lease = wpb.LeaseTasksRequest(worker_id=worker, max_tasks=100)
-        for task in getattr(probe.call("LeaseTasks", "", lambda: api.workers.LeaseTasks(lease)), "tasks", ()):
+        for task in getattr(probe.call("LeaseTasks", "", lambda r=lease: api.workers.LeaseTasks(r)), "tasks", ()):
             outcome = wpb.TaskOutcome(
                 task_id=task.id, attempt=task.attempt, failure=wpb.TaskFailure(error="x", retry_after_ms=value)
             )
             req = wpb.FinishTasksRequest(worker_id=worker, outcomes=[outcome])
-            probe.call(f"FinishTasks retry_after_ms={value}", "retry_after_ms", lambda r=req: api.workers.FinishTasks(r))
+            probe.call(
+                f"FinishTasks retry_after_ms={value}", "retry_after_ms", lambda r=req: api.workers.FinishTasks(r)
+            )
         probe.pool_still_works(f"FinishTasks retry_after_ms={value}")
     for value in extremes(*INT32, "attempt"):
         beat = wpb.HeartbeatRequest(worker_id=worker, tasks=[wpb.TaskAttempt(task_id=done.id, attempt=value)])

@@ -147,7 +147,9 @@ class Tasks:
             # A rate resource's capacity is its burst: a task needing more tokens could never start.
             capacity = res.concurrency if res.concurrency is not None else (res.burst or 1)
             if not 1 <= amount <= capacity:
-                raise invalid(f"{where}resources[{name!r}]: amount {amount} is not between 1 and its capacity {capacity}")
+                raise invalid(
+                    f"{where}resources[{name!r}]: amount {amount} is not between 1 and its capacity {capacity}"
+                )
 
     def pool_defaults(self, pool: str, max_attempts: int, timeout_ms: int) -> tuple[int, int]:
         """A task's max_attempts and timeout_ms as stored: what it asks (0: the pool's), the timeout
