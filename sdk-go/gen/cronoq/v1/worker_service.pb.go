@@ -132,11 +132,12 @@ func (x *Worker) GetRunning() int32 {
 }
 
 type RegisterWorkerRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
-	Pools         []string               `protobuf:"bytes,2,rep,name=pools,proto3" json:"pools,omitempty"`
-	Concurrency   int32                  `protobuf:"varint,3,opt,name=concurrency,proto3" json:"concurrency,omitempty"`
-	Labels        map[string]string      `protobuf:"bytes,4,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Pools []string               `protobuf:"bytes,2,rep,name=pools,proto3" json:"pools,omitempty"`
+	// Not negative.
+	Concurrency   int32             `protobuf:"varint,3,opt,name=concurrency,proto3" json:"concurrency,omitempty"`
+	Labels        map[string]string `protobuf:"bytes,4,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -281,8 +282,10 @@ func (x *RegisterWorkerResponse) GetMaxLeaseBytes() uint64 {
 type LeaseTasksRequest struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	WorkerId string                 `protobuf:"bytes,1,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
-	MaxTasks int32                  `protobuf:"varint,2,opt,name=max_tasks,json=maxTasks,proto3" json:"max_tasks,omitempty"`
-	WaitMs   uint32                 `protobuf:"varint,3,opt,name=wait_ms,json=waitMs,proto3" json:"wait_ms,omitempty"`
+	// At least 1; more than 1000 is taken as 1000.
+	MaxTasks int32 `protobuf:"varint,2,opt,name=max_tasks,json=maxTasks,proto3" json:"max_tasks,omitempty"`
+	// More than 60000 is taken as 60000.
+	WaitMs uint32 `protobuf:"varint,3,opt,name=wait_ms,json=waitMs,proto3" json:"wait_ms,omitempty"`
 	// Empty: every pool the worker registered for.
 	Pools []string `protobuf:"bytes,4,rep,name=pools,proto3" json:"pools,omitempty"`
 	// Caps the reply's size: tasks are added while their bytes fit (one task is always
@@ -627,7 +630,7 @@ type TaskFailure struct {
 	Error string                 `protobuf:"bytes,1,opt,name=error,proto3" json:"error,omitempty"`
 	// False ends the task FAILED whatever attempts remain.
 	Retryable bool `protobuf:"varint,2,opt,name=retryable,proto3" json:"retryable,omitempty"`
-	// Overrides the pool's backoff when set.
+	// Overrides the pool's backoff when set (any uint32: up to about 49.7 days).
 	RetryAfterMs  uint32 `protobuf:"varint,3,opt,name=retry_after_ms,json=retryAfterMs,proto3" json:"retry_after_ms,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

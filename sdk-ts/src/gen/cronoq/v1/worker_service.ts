@@ -48,6 +48,7 @@ export interface Worker_LabelsEntry {
 export interface RegisterWorkerRequest {
   name: string;
   pools: string[];
+  /** Not negative. */
   concurrency: number;
   labels: { [key: string]: string };
 }
@@ -70,7 +71,9 @@ export interface RegisterWorkerResponse {
 
 export interface LeaseTasksRequest {
   workerId: string;
+  /** At least 1; more than 1000 is taken as 1000. */
   maxTasks: number;
+  /** More than 60000 is taken as 60000. */
   waitMs: number;
   /** Empty: every pool the worker registered for. */
   pools: string[];
@@ -117,7 +120,7 @@ export interface TaskFailure {
   error: string;
   /** False ends the task FAILED whatever attempts remain. */
   retryable: boolean;
-  /** Overrides the pool's backoff when set. */
+  /** Overrides the pool's backoff when set (any uint32: up to about 49.7 days). */
   retryAfterMs: number;
 }
 
