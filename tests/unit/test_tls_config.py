@@ -99,7 +99,7 @@ def test_peer_tls_files_missing_or_unreadable_name_the_key(pki: Pki, tmp_path: P
     other_key = pki.client("CN=other", "other").key
     cases = [
         ({"ca": str(tmp_path / "nope.pem")}, "server.peer_tls.ca: cannot read", "no such file"),
-        ({"ca": str(tmp_path)}, "server.peer_tls.ca: ", "is not a regular file"),
+        ({"ca": str(tmp_path)}, "server.peer_tls.ca: cannot read", "not a regular file"),
         ({"ca": str(garbage)}, "server.peer_tls.ca: ", "holds no PEM certificate"),
         ({"cert": str(tmp_path / "nope.crt"), "key": client.key}, "server.peer_tls.cert: cannot read", ""),
         ({"cert": client.cert, "key": str(tmp_path / "nope.key")}, "server.peer_tls.key: cannot read", ""),
@@ -135,8 +135,11 @@ def test_server_tls_files_are_checked(pki: Pki, tmp_path: Path) -> None:
         ({"cert": pair.cert, "key": pair.key, "client_ca": str(garbage)}, "server.tls.client_ca: "),
         ({"cert": pair.cert, "key": pair.key, "client_ca": str(tmp_path / "x")}, "server.tls.client_ca: cannot read"),
         # Not regular files: /dev/zero was read forever, a FIFO waits in open() for a writer.
-        ({"cert": pair.cert, "key": "/dev/zero"}, "server.tls.key: '/dev/zero' is not a regular file"),
-        ({"cert": pair.cert, "key": pair.key, "client_ca": "/dev/zero"}, "server.tls.client_ca: '/dev/zero' is not"),
+        ({"cert": pair.cert, "key": "/dev/zero"}, "server.tls.key: cannot read '/dev/zero': not a regular file"),
+        (
+            {"cert": pair.cert, "key": pair.key, "client_ca": "/dev/zero"},
+            "server.tls.client_ca: cannot read '/dev/zero': not",
+        ),
         ({"cert": pair.cert, "key": pair.key, "client_ca": str(fifo)}, "server.tls.client_ca: "),
         ({"cert": str(huge), "key": pair.key}, "server.tls.cert: "),
     ]

@@ -71,7 +71,7 @@ def _read(path: str, key: str, source: str) -> bytes:
         # A device (/dev/zero is read forever), a FIFO (open() waits for a writer) or a directory:
         # refused before it is opened.
         if not stat.S_ISREG(os.stat(path).st_mode):
-            raise ConfigError(f"{_where(source, key)}: {path!r} is not a regular file")
+            raise ConfigError(f"{_where(source, key)}: cannot read {path!r}: not a regular file")
         with open(path, "rb") as f:
             data = f.read(MAX_PEM_BYTES + 1)
     except OSError as err:
