@@ -21,6 +21,7 @@ from .limits import (
     MAX_CONTENT_TYPE,
     MAX_KEY_LENGTH,
     MAX_REQUEST_ID,
+    MAX_TIMEOUT_MS,
     SCHEDULE_KEY_PREFIX,
     TASK_RANGES,
     check_range,
@@ -58,11 +59,12 @@ def now_us() -> int:
 
 
 def _timeout_ms(asked_ms: int, pool_timeout_s: float | None) -> int:
-    """A task's timeout: what it asks, capped by its pool's; the pool's when it asks none (0: none)."""
+    """A task's timeout: what it asks, capped by its pool's; the pool's when it asks none (0: none).
+    At most MAX_TIMEOUT_MS, also for a schedule stored before that bound."""
     pool_ms = int(pool_timeout_s * 1000) if pool_timeout_s is not None else 0
     if asked_ms and pool_ms:
-        return min(asked_ms, pool_ms)
-    return asked_ms or pool_ms
+        return min(asked_ms, pool_ms, MAX_TIMEOUT_MS)
+    return min(asked_ms or pool_ms, MAX_TIMEOUT_MS)
 
 
 class Tasks:
