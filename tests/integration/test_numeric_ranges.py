@@ -21,6 +21,7 @@ from cronoq.v1 import schedule_service_pb2 as spb
 from cronoq.v1 import schedule_service_pb2_grpc, task_pb2
 from cronoq.v1 import task_service_pb2 as tpb
 from cronoq.v1 import worker_service_pb2 as wpb
+from cronoq_server.core.limits import TASK_RANGES
 
 INT32 = (-(2**31), 2**31 - 1)
 UINT32 = (0, 2**32 - 1)
@@ -31,8 +32,11 @@ TIMESTAMP_S = (-62_135_596_800, 253_402_300_799)  # google.protobuf.Timestamp's 
 
 def extremes(low: int, high: int, seed: str) -> list[int]:
     """The edges of a type's range, the values around 0 and the usual overflow points within it,
-    and a few seeded random values."""
+    the edges of the field's documented range and the values just past them, and a few seeded
+    random values."""
     fixed = {0, 1, -1, low, high, low + 1, high - 1, 2**31 - 1, 2**32, 2**53, 9_223_372_036_854_775, 10**15}
+    if (allowed := TASK_RANGES.get(seed.removeprefix("schedule "))) is not None:
+        fixed |= {allowed.low - 1, allowed.low, allowed.high, allowed.high + 1}
     rng = random.Random(seed)
     fixed.update(rng.randint(low, high) for _ in range(3))
     fixed.update(rng.randint(0, min(high, 10**7)) for _ in range(2))
@@ -81,9 +85,17 @@ class Probe:
         self.api = api
         self.worker = worker
         self.problems: list[str] = []
-        self.accepted: list[str] = []
 
-    def call(self, case: str, field: str, fn: Callable[[], Any]) -> Any:
+    def call(self, case: str, field: str, fn: Callable[[], Any], value: int | None = None) -> Any:
+        """fn's answer, or None when refused; with value, a field of TASK_RANGES must be accepted
+        exactly when the value is in its range."""
+        allowed = TASK_RANGES.get(field.rsplit(".", 1)[-1])
+        answer = self._call(case, field, fn)
+        if allowed is not None and value is not None and (answer is not None) != (allowed.low <= value <= allowed.high):
+            self.problems.append(f"{case}: {'accepted' if answer is not None else 'refused'}; range {allowed}")
+        return answer
+
+    def _call(self, case: str, field: str, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except grpc.RpcError as err:
@@ -130,10 +142,11 @@ def test_extreme_values_never_stall_the_pool(start_server: Any, store_kind: dict
         for value in extremes(low, high, field):
             case = f"SubmitTask {field}={value}"
             req = _with_field(tpb.SubmitTaskRequest(pool="default"), field, value)
-            if probe.call(case, name, lambda req=req: api.tasks.SubmitTask(req, timeout=10)) is not None:
-                probe.accepted.append(case)
+            probe.call(case, name, lambda req=req: api.tasks.SubmitTask(req, timeout=10), value)
             batch = tpb.SubmitBatchRequest(tasks=[tpb.SubmitTaskRequest(pool="default"), req])
-            probe.call(f"SubmitBatch {field}={value}", f"tasks[1].{name}", lambda b=batch: api.tasks.SubmitBatch(b))
+            probe.call(
+                f"SubmitBatch {field}={value}", f"tasks[1].{name}", lambda b=batch: api.tasks.SubmitBatch(b), value
+            )
             probe.pool_still_works(case)
 
     # Schedules: every accepted one fires (every second) beside the others, then the pool must work.
@@ -147,7 +160,10 @@ def test_extreme_values_never_stall_the_pool(start_server: Any, store_kind: dict
             )
             put = spb.PutScheduleRequest(schedule=sched)
             case = f"PutSchedule {field}={value}"
-            if probe.call(case, f"schedule.{name}", lambda p=put: schedules.PutSchedule(p, timeout=10)) is not None:
+            if (
+                probe.call(case, f"schedule.{name}", lambda p=put: schedules.PutSchedule(p, timeout=10), value)
+                is not None
+            ):
                 names.append(sched.name)
     time.sleep(2.5)  # every accepted schedule fires at least once
     for name in names:
