@@ -80,6 +80,14 @@ def _check_path(value: str) -> str:
 FilePath = Annotated[str, AfterValidator(_check_path)]
 
 
+def _check_printable(value: str) -> str:
+    """Text told to other servers and clients (in gRPC metadata and files): no control characters."""
+    bad = next((c for c in value if ord(c) < 32 or ord(c) == 127), None)
+    if bad is not None:
+        raise ValueError(f"control character {bad!r} in {value!r}")
+    return value
+
+
 def _check_listen(value: Any) -> Any:
     """A listen address is host:port (IPv6 hosts in brackets), port 0..65535."""
     if isinstance(value, str):
@@ -217,7 +225,7 @@ class PeerTlsConfig(_Strict):
 class ServerConfig(_Strict):
     listen: Listen = "127.0.0.1:7070"
     http_listen: Listen = "127.0.0.1:7080"
-    advertise: str | None = None
+    advertise: Annotated[str, AfterValidator(_check_printable)] | None = None
     tls: TlsConfig | None = None
     peer_tls: PeerTlsConfig | None = None
     insecure_peer_http: bool = False
@@ -284,7 +292,7 @@ class ShardConfig(_Strict):
 
 
 class TokenConfig(_Strict):
-    name: str
+    name: Annotated[str, Field(min_length=1)]
     sha256: Annotated[str, Field(pattern=r"^[0-9a-fA-F]{64}$")] | None = None
     env: str | None = None
     pools: list[str]
