@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..errors import invalid
 
 MAX_KEY_LENGTH = 256
@@ -58,3 +60,34 @@ def cap_error(text: str) -> str:
 # Keys of schedules' tasks start with this; a submission may not use it (it could take a
 # future slot's key and so suppress that fire).
 SCHEDULE_KEY_PREFIX = "schedule:"
+
+
+# -- numeric fields of tasks and schedules ---------------------------------------
+# Each numeric field a caller sets on a task or a schedule's template has a finite range,
+# checked here in one place: stored values stay far from int64's edges, so no arithmetic on
+# them overflows (a timeout_ms near 2^63 once failed every lease of its pool on PostgreSQL).
+# Other requests' numbers are clamped where they are read (page_size, wait and lease sizes).
+MAX_TIMEOUT_MS = 7 * 86_400_000  # 7 days; a pool's `timeout` has the same bound
+MAX_ATTEMPTS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """The values a numeric field may take, and what its bounds mean (said in a refusal)."""
+
+    low: int
+    high: int
+    meaning: str
+
+
+TASK_RANGES = {
+    "priority": Range(-(2**31), 2**31 - 1, "any int32; higher runs first"),
+    "max_attempts": Range(0, MAX_ATTEMPTS, "0 takes the pool's default"),
+    "timeout_ms": Range(0, MAX_TIMEOUT_MS, "at most 7 days; 0 takes the pool's timeout"),
+}
+
+
+def check_range(field: str, value: int, allowed: Range) -> None:
+    """Refuses a value outside its range, naming the field, the value and the range."""
+    if not allowed.low <= value <= allowed.high:
+        raise invalid(f"{field}: {value} is not between {allowed.low} and {allowed.high} ({allowed.meaning})")

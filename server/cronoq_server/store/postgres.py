@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
+from ..core.limits import MAX_TIMEOUT_MS
 from ..errors import ApiError, not_found
 from ..ids import make_task_id
 from .base import (
@@ -828,8 +829,10 @@ class PostgresStore:
             " chosen AS (SELECT seq FROM sized WHERE n = 1 OR $6::bigint <= 0 OR upto <= $6::bigint),"
             " ttl AS (SELECT * FROM unnest($4::text[], $5::bigint[]) AS x(pool, ttl)),"
             " leased AS (UPDATE {s}.tasks t SET state = 3, attempt = t.attempt + 1, worker_id = $3, started_at = $1,"
-            # Never past the attempt's deadline (started_at + timeout_ms).
-            " lease_expires_at = $1 + CASE WHEN t.timeout_ms > 0 THEN least(ttl.ttl, t.timeout_ms * 1000)"
+            # Never past the attempt's deadline (started_at + timeout_ms); a timeout stored before the
+            # API bounded it is taken at that bound, so its product fits a bigint.
+            " lease_expires_at = $1 + CASE WHEN t.timeout_ms > 0"
+            f" THEN least(ttl.ttl, least(t.timeout_ms, {MAX_TIMEOUT_MS}) * 1000)"
             " ELSE ttl.ttl END FROM chosen, ttl WHERE t.seq = chosen.seq AND ttl.pool = t.pool"
             f" RETURNING {self._cols}),"
             f" lease_ev AS ({INSERT_EVENTS} SELECT seq, 3, attempt, $1, pool, 1, {EVENT_TASK_COLUMNS} FROM leased)"

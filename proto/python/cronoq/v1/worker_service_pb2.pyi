@@ -118,6 +118,7 @@ class RegisterWorkerRequest(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     concurrency: _builtins.int
+    """Not negative."""
     @_builtins.property
     def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """At most 1,000 (more: INVALID_ARGUMENT)."""
@@ -186,7 +187,9 @@ class LeaseTasksRequest(_message.Message):
     DONE_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     max_tasks: _builtins.int
+    """At least 1; more than 1000 is taken as 1000."""
     wait_ms: _builtins.int
+    """More than 60000 is taken as 60000."""
     max_bytes: _builtins.int
     """Caps the reply's size: tasks are added while their bytes fit (one task is always
     leased alone, whatever its size). 0 or more than the server's cap: the server's cap.
@@ -350,7 +353,7 @@ class TaskFailure(_message.Message):
     retryable: _builtins.bool
     """False ends the task FAILED whatever attempts remain."""
     retry_after_ms: _builtins.int
-    """Overrides the pool's backoff when set."""
+    """Overrides the pool's backoff when set (any uint32: up to about 49.7 days)."""
     def __init__(
         self,
         *,

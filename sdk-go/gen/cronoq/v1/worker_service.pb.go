@@ -135,7 +135,8 @@ type RegisterWorkerRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// At most 1,000 (more: INVALID_ARGUMENT).
-	Pools         []string          `protobuf:"bytes,2,rep,name=pools,proto3" json:"pools,omitempty"`
+	Pools []string `protobuf:"bytes,2,rep,name=pools,proto3" json:"pools,omitempty"`
+	// Not negative.
 	Concurrency   int32             `protobuf:"varint,3,opt,name=concurrency,proto3" json:"concurrency,omitempty"`
 	Labels        map[string]string `protobuf:"bytes,4,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
@@ -282,8 +283,10 @@ func (x *RegisterWorkerResponse) GetMaxLeaseBytes() uint64 {
 type LeaseTasksRequest struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	WorkerId string                 `protobuf:"bytes,1,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
-	MaxTasks int32                  `protobuf:"varint,2,opt,name=max_tasks,json=maxTasks,proto3" json:"max_tasks,omitempty"`
-	WaitMs   uint32                 `protobuf:"varint,3,opt,name=wait_ms,json=waitMs,proto3" json:"wait_ms,omitempty"`
+	// At least 1; more than 1000 is taken as 1000.
+	MaxTasks int32 `protobuf:"varint,2,opt,name=max_tasks,json=maxTasks,proto3" json:"max_tasks,omitempty"`
+	// More than 60000 is taken as 60000.
+	WaitMs uint32 `protobuf:"varint,3,opt,name=wait_ms,json=waitMs,proto3" json:"wait_ms,omitempty"`
 	// Empty: every pool the worker registered for. At most 1,000.
 	Pools []string `protobuf:"bytes,4,rep,name=pools,proto3" json:"pools,omitempty"`
 	// Caps the reply's size: tasks are added while their bytes fit (one task is always
@@ -630,7 +633,7 @@ type TaskFailure struct {
 	Error string                 `protobuf:"bytes,1,opt,name=error,proto3" json:"error,omitempty"`
 	// False ends the task FAILED whatever attempts remain.
 	Retryable bool `protobuf:"varint,2,opt,name=retryable,proto3" json:"retryable,omitempty"`
-	// Overrides the pool's backoff when set.
+	// Overrides the pool's backoff when set (any uint32: up to about 49.7 days).
 	RetryAfterMs  uint32 `protobuf:"varint,3,opt,name=retry_after_ms,json=retryAfterMs,proto3" json:"retry_after_ms,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

@@ -49,6 +49,7 @@ export interface RegisterWorkerRequest {
   name: string;
   /** At most 1,000 (more: INVALID_ARGUMENT). */
   pools: string[];
+  /** Not negative. */
   concurrency: number;
   labels: { [key: string]: string };
 }
@@ -71,7 +72,9 @@ export interface RegisterWorkerResponse {
 
 export interface LeaseTasksRequest {
   workerId: string;
+  /** At least 1; more than 1000 is taken as 1000. */
   maxTasks: number;
+  /** More than 60000 is taken as 60000. */
   waitMs: number;
   /** Empty: every pool the worker registered for. At most 1,000. */
   pools: string[];
@@ -120,7 +123,7 @@ export interface TaskFailure {
   error: string;
   /** False ends the task FAILED whatever attempts remain. */
   retryable: boolean;
-  /** Overrides the pool's backoff when set. */
+  /** Overrides the pool's backoff when set (any uint32: up to about 49.7 days). */
   retryAfterMs: number;
 }
 
