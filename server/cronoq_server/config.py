@@ -191,6 +191,8 @@ class ServerConfig(_Strict):
     watch_window: Duration = 3600.0
     # A worker that has not heartbeated (or leased, or reported) for this long is removed.
     worker_reap_after: Duration = 600.0
+    # The longest this server waits for another shard's answer to a call it forwards.
+    forward_timeout: Duration = Field(default=30.0, ge=0.1, le=600.0)
 
 
 class StoreConfig(_Strict):

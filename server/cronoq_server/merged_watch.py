@@ -431,9 +431,10 @@ class _Opener:
         endpoint = shard.endpoint
         for redirected in (False, True):
             remaining = self._remaining()
+            opening = min(PEER_OPEN_S, self._peers.timeout(self._rpc, request, remaining))
             call = self._peers.stream(endpoint, self._rpc, request, self._metadata, remaining)
             try:
-                opened = await asyncio.wait_for(call.initial_metadata(), min(PEER_OPEN_S, remaining or PEER_OPEN_S))
+                opened = await asyncio.wait_for(call.initial_metadata(), opening)
                 stated = trailer(opened, CURSOR_HEADER)
                 if stated is None and call.done():
                     await call.read()  # it ended before it started: raises its error, if any
@@ -441,7 +442,7 @@ class _Opener:
             except TimeoutError:
                 call.cancel()
                 FORWARDED.labels(shard=shard.name, code="DEADLINE_EXCEEDED").inc()
-                return _Missing(shard, unreachable(shard, endpoint, f"no stream within {PEER_OPEN_S:g}s"), True)
+                return _Missing(shard, unreachable(shard, endpoint, f"no stream within {opening:g}s"), True)
             except grpc.aio.AioRpcError as err:
                 leader = self._peers.leader_to_follow(err, endpoint, self._caller)
                 if leader and not redirected:

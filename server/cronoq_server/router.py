@@ -19,8 +19,9 @@ Each RPC's routing class (registry.Rpc.routing) picks one strategy in ShardRoute
   last id) tells which shards are done, which one continues after it, and which start over.
 - Watch (fan_out, streaming): merged from every shard, with a composite cursor; merged_watch.py.
 
-A forwarded call carries the caller's own token and `cronoq-forwarded: 1`, with the caller's
-remaining deadline; the other shard authenticates and authorizes it again, and its refusals
+A forwarded call carries the caller's own token and `cronoq-forwarded: 1`, with a deadline:
+the caller's time left, at most server.forward_timeout (a WaitTask: plus the wait it asks
+for), so a hung shard costs no caller more (DEADLINE_EXCEEDED naming it); the other shard authenticates and authorizes it again, and its refusals
 come back with their code, message and cronoq-* metadata (but not its `cronoq-leader`, which
 names the other shard's leader, not this server's). A standby's UNAVAILABLE naming its
 leader is followed, and that leader is used for the shard's next calls until it cannot be
@@ -67,7 +68,7 @@ from cronoq.v1 import worker_service_pb2 as worker_pb
 from .api.tls import peer_channel_credentials
 from .auth import Principal
 from .config import Config, ShardConfig
-from .core.tasks import page_size, page_token_id
+from .core.tasks import page_size, page_token_id, wait_ms
 from .errors import ApiError, invalid, not_found
 from .ids import shard_of
 from .metrics import CALLS, FORWARDED
@@ -82,7 +83,8 @@ UNAVAILABLE_HEADER = "cronoq-unavailable-shards"
 # within about this long of coming back (gRPC's default backoff grows to 120 s).
 PEER_RECONNECT_MAX_MS = 2_000
 # How long a read that asks every shard (a fan-out, a lookup by key) waits for one shard
-# before it answers without it (naming it unavailable), when the caller allows longer.
+# before it answers without it (naming it unavailable), when the caller and
+# server.forward_timeout allow longer.
 PEER_READ_TIMEOUT_S = 5.0
 # Peer answers that mean "this shard cannot answer now": it is named in unavailable_shards.
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -398,11 +400,12 @@ class ShardRouter:
         reached is forgotten for the configured endpoint: at most three tries."""
         metadata = forward_metadata(call.caller)
         loop = asyncio.get_running_loop()
-        deadline = None if call.timeout is None else loop.time() + call.timeout
+        allowed = self.peers.timeout(rpc, request, call.timeout)
+        deadline = loop.time() + allowed
         configured = shard.endpoint
         endpoint = self.peers.leader_of(configured, call.caller)
         for tries_left in (2, 1, 0):
-            timeout = None if deadline is None else max(deadline - loop.time(), 0.0)
+            timeout = max(deadline - loop.time(), 0.0)
             try:
                 response = await self.peers.unary(endpoint, rpc, request, metadata, timeout)
             except grpc.aio.AioRpcError as err:
@@ -417,7 +420,7 @@ class ShardRouter:
                     endpoint = configured
                     continue
                 FORWARDED.labels(shard=shard.name, code=err.code().name).inc()
-                raise peer_error(shard, endpoint, err) from None
+                raise peer_error(shard, endpoint, err, allowed) from None
             FORWARDED.labels(shard=shard.name, code="OK").inc()
             return response
         raise AssertionError("unreachable")
@@ -577,14 +580,24 @@ def forward_metadata(caller: Principal) -> list[tuple[str, str]]:
     return metadata
 
 
-def peer_error(shard: ShardConfig, endpoint: str, err: grpc.aio.AioRpcError) -> ApiError:
-    """The peer's refusal as this server's answer; a call that got no answer names the shard."""
+def peer_error(shard: ShardConfig, endpoint: str, err: grpc.aio.AioRpcError, allowed: float | None = None) -> ApiError:
+    """The peer's refusal as this server's answer; a call that got no answer names the shard
+    (`allowed`: the seconds it was given)."""
     code = err.code()
     trailers = peer_trailers(err)
     details = decode_details(trailers)
     if details is None:  # the peer did not answer: gRPC's own status
         if code == grpc.StatusCode.UNAVAILABLE:
             return unreachable(shard, endpoint, err.details() or "")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            within = "in time" if allowed is None else f"within {allowed:g}s"
+            return ApiError(
+                code,
+                f"shard {shard.name!r} at {endpoint} did not answer {within} (server.forward_timeout); "
+                "a call that changes something may or may not have been done there",
+                {UNAVAILABLE_HEADER: shard.name},
+                reason="SHARD_UNAVAILABLE",
+            )
         return ApiError(code, f"shard {shard.name!r} at {endpoint}: {err.details()}")
     metadata = {
         key: value
@@ -666,6 +679,15 @@ class PeerChannels:
                 channel = grpc.aio.insecure_channel(url.netloc, options)
             self._channels[endpoint] = channel
         return channel
+
+    def timeout(self, rpc: Rpc, request: Message, caller_timeout: float | None) -> float:
+        """How long a call at a peer may take: server.forward_timeout (a WaitTask: plus the wait it
+        asks for), or the caller's time left when that is shorter. A shard that hangs (stopped, or
+        a peer that accepts and never answers) costs no caller more, whatever deadline it has."""
+        allowed = self._config.server.forward_timeout
+        if rpc.name == "WaitTask":
+            allowed += wait_ms(request.timeout_ms) / 1000  # type: ignore[attr-defined]
+        return allowed if caller_timeout is None else min(caller_timeout, allowed)
 
     async def unary(
         self, endpoint: str, rpc: Rpc, request: Message, metadata: list[tuple[str, str]], timeout: float | None

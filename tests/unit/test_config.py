@@ -239,3 +239,11 @@ def test_load_config_refusals_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(str(unknown))
     assert str(err.value) == f"{unknown}: pools[0].colour: unknown key"
+
+
+def test_forward_timeout_is_a_duration_within_its_range() -> None:
+    assert parse_config({}).server.forward_timeout == 30.0
+    assert parse_config({"server": {"forward_timeout": "2s"}}).server.forward_timeout == 2.0
+    for value, problem in (("1h", "less than or equal to 600"), ("10ms", "greater than or equal to 0.1")):
+        message = refusal({"server": {"forward_timeout": value}})
+        assert "server.forward_timeout" in message and problem in message, message
