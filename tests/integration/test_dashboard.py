@@ -523,3 +523,40 @@ def test_live_view_pauses_itself_above_200_events_a_second_and_resumes_live(
     later = submit(srv, {"pool": "default", "payload_json": "after"})
     page.wait_for_selector(f'table.live tr[data-task="{later["id"]}"]', timeout=10_000)
     assert page.dialogs == [] and page.console_errors == []
+
+
+def test_pause_and_resume_leave_a_schedules_payload_as_it_was(start_server: Any, browser_page: Any) -> None:
+    """Pause and Resume send the schedule back: numbers JavaScript cannot hold (a big integer,
+    1.0 that it would write as 1) and a float-looking string come back as they were stored."""
+    import grpc
+
+    from cronoq.v1 import schedule_service_pb2 as spb
+    from cronoq.v1 import schedule_service_pb2_grpc
+
+    srv = start_server({"pools": [{"name": "default"}]})
+    payload = {"big": 12345678901234567890123, "text": "1.0", "one": 1.0, "tiny": 1e-7, "list": [0.1, 1e22, -0.0]}
+    status, made = srv.http("PUT", "/v1/pools/default/schedules/exact", {"cron": "0 3 * * *", "payload_json": payload})
+    assert status == 200, made
+
+    def stored() -> spb.Schedule:
+        with grpc.insecure_channel(srv.grpc_target) as channel:
+            stub = schedule_service_pb2_grpc.ScheduleServiceStub(channel)
+            (schedule,) = stub.ListSchedules(spb.ListSchedulesRequest(), timeout=10).schedules
+            return schedule
+
+    before = stored()
+    assert b"12345678901234567890123" in before.payload and b"1.0" in before.payload
+    page = browser_page
+    page.goto(srv.http_url + "/ui/#/schedules")
+    loaded_ms(page, "schedules")
+    page.click("table.schedules button:text-is('Pause')")
+    page.wait_for_selector("table.schedules button:text-is('Resume')")
+    assert stored().paused and stored().payload == before.payload
+    page.click("table.schedules button:text-is('Resume')")
+    page.wait_for_selector("table.schedules button:text-is('Pause')")
+    after = stored()
+    assert not after.paused
+    after.ClearField("next_fire_at")
+    before.ClearField("next_fire_at")
+    assert after == before  # the payload's bytes and every other field
+    assert page.dialogs == [] and page.console_errors == []
