@@ -152,19 +152,25 @@ class ShardRouter:
     # -- what the API layers call ---------------------------------------------
 
     def admit(self, method: str, call: Call) -> None:
-        """Before the request is read: for a call that may concern another shard, that this
-        server is not draining and the caller holds the RPC's permission (a standby forwards
-        too; the Node checks the rest if it answers); else everything Node.admit checks."""
-        self.node.admit(method, call.caller, leading=not self._routed(self.rpcs[method]))
+        """Before the request is read: for a call that may concern another shard, or a read a
+        standby asks its leader, that this server is not draining and the caller holds the
+        RPC's permission (the Node checks the rest if it answers); else everything Node.admit
+        checks."""
+        rpc = self.rpcs[method]
+        self.node.admit(method, call.caller, leading=not (self._routed(rpc) or self._read_at_leader(rpc, call)))
 
     async def call(self, method: str, request: Message, call: Call) -> Message:
         """The answer to one API call, whoever gives it (counted in cronoq_api_calls_total by
         its final code: a forwarded call is counted here and where it was answered)."""
         with counted(method):
+            rpc = self.rpcs[method]
             if not self.sharded:
+                if self._read_at_leader(rpc, call):
+                    self.admit(method, call)
+                    return await self._at_leader(rpc, request, call)
                 return await self.node.call(method, request, call.caller)
             self.admit(method, call)
-            return await self._strategies[self.rpcs[method].routing](self.rpcs[method], request, call)
+            return await self._strategies[rpc.routing](rpc, request, call)
 
     async def work(self, requests: AsyncIterator[Message], call: Call) -> AsyncIterator[Message]:
         """A worker's Work stream, served here: a worker streams to the server it registered
@@ -193,6 +199,32 @@ class ShardRouter:
 
     async def _local(self, rpc: Rpc, request: Message, call: Call) -> Message:
         return await self.node.call(rpc.name, request, call.caller)
+
+    def _read_at_leader(self, rpc: Rpc, call: Call) -> bool:
+        """Whether this server, a standby, asks its leader for its shard's part of a read (the
+        dashboard and the read API work on a standby); changes are refused with the leader named."""
+        return (
+            not self.node.is_leader
+            and not call.forwarded
+            and not rpc.standby
+            and not rpc.server_streaming
+            and "read" in (rpc.permission, rpc.or_permission)
+        )
+
+    async def _at_leader(self, rpc: Rpc, request: Message, call: Call) -> Message:
+        """A standby's read of its own shard, forwarded to the leader it knows with the caller's
+        token, as to another shard; without a leader to send it to (none known, or not for this
+        caller, e.g. one with a client certificate) the Node answers: UNAVAILABLE naming it."""
+        leader = self.node.leadership.current_leader()
+        if not leader or leader == self.node.advertise or self.peers.refusal(leader, call.caller):
+            return await self._local(rpc, request, call)
+        here = self._by_name.get(self.node.shard_name)
+        if here is None:  # unsharded: this server's shard has no [[shards]] entry
+            here = ShardConfig.model_construct(
+                name=self.node.shard_name, number=self.node.shard_number, pools=[], endpoint=leader
+            )
+        with self.node.in_flight():
+            return await self._forward(rpc, request, call, here.model_copy(update={"endpoint": leader}))
 
     async def _to_pool_shard(self, rpc: Rpc, request: Message, call: Call) -> Message:
         pools_of = _POOLS_OF.get(rpc.name)
@@ -238,7 +270,8 @@ class ShardRouter:
 
     async def _by_key(self, rpc: Rpc, request: Message, call: Call) -> Message:
         """A Get, Wait or Cancel by key: every shard is asked for the key, in parallel."""
-        self.node.admit(rpc.name, call.caller)  # this shard answers too: a standby sends the caller to its leader
+        # this shard answers too: a standby asks its leader, or sends the caller there
+        self.node.admit(rpc.name, call.caller, leading=not self._read_at_leader(rpc, call))
         key = request.task.key  # type: ignore[attr-defined]
         if "read" not in call.caller.permissions:  # as on one shard: a task the caller cannot read is not found
             raise not_found(f"no task with key {key!r}")
@@ -369,6 +402,8 @@ class ShardRouter:
         """Answers a call that concerns `shard`: here, or there. `pools` are those the answer
         may reveal the shard of: the caller's permission on them is checked before it does."""
         if shard.name == self.node.shard_name:
+            if self._read_at_leader(rpc, call):
+                return await self._at_leader(rpc, request, call)
             return await self._local(rpc, request, call)
         if call.forwarded:
             self._require(rpc, call.caller, pools)

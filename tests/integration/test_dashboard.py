@@ -560,3 +560,49 @@ def test_pause_and_resume_leave_a_schedules_payload_as_it_was(start_server: Any,
     before.ClearField("next_fire_at")
     assert after == before  # the payload's bytes and every other field
     assert page.dialogs == [] and page.console_errors == []
+
+
+def test_a_standbys_dashboard_shows_the_shard_as_read_from_its_leader(
+    start_server: Any, browser_page: Any, tmp_path: Path
+) -> None:
+    """A standby (here on the leader's SQLite file) serves the read-only pages by asking its
+    leader with the viewer's token, and says it is a standby; a change is refused there."""
+    from test_failover import start_replicas
+
+    token = {**ops_token(), "permissions": ["admin", "cancel", "read", "submit", "schedule"]}
+    config = {"store": {"path": str(tmp_path / "shared.db")}, "pools": [{"name": "default"}], "tokens": [token]}
+    leader, standby = start_replicas(start_server, config, n=2)
+    task = submit(leader, {"pool": "default", "key": "seen-from-the-standby", "payload_json": {"n": 1}}, token=TOKEN)
+    status, made = leader.http("PUT", "/v1/pools/default/schedules/nightly", {"cron": "0 3 * * *"}, token=TOKEN)
+    assert status == 200, made
+    page = browser_page
+    page.goto(standby.http_url + "/ui/")
+    page.wait_for_selector("#token-form:not([hidden])")
+    page.fill("#token-form input[name=token]", TOKEN)
+    page.click("#token-form button")
+    loaded_ms(page, "overview")
+    assert counts(page, "unsharded", "default")["pending"] == 1
+    banner = page.locator("#standby")
+    banner.wait_for(state="visible")
+    assert "standby" in banner.inner_text() and leader.endpoint in banner.inner_text()
+    page.screenshot(path=str(screenshots_dir(tmp_path) / "standby-overview.png"), full_page=True)
+
+    page.goto(standby.http_url + "/ui/#/tasks")
+    loaded_ms(page, "tasks")
+    assert page.locator("table.task-list tbody tr td:nth-child(3)").all_inner_texts() == ["seen-from-the-standby"]
+    page.goto(standby.http_url + "/ui/#/task/seen-from-the-standby")  # by key
+    loaded_ms(page, "task")
+    assert json.loads(page.inner_text("pre.payload")) == {"n": 1}
+    page.goto(standby.http_url + "/ui/#/schedules")
+    loaded_ms(page, "schedules")
+    assert page.locator("table.schedules tbody tr td:nth-child(2)").all_inner_texts() == ["nightly"]
+    page.goto(standby.http_url + "/ui/#/workers")
+    loaded_ms(page, "workers")
+
+    page.goto(standby.http_url + f"/ui/#/task/{task['id']}")
+    loaded_ms(page, "task")
+    page.click("button.danger")
+    refused = page.wait_for_selector("text=/Cancel refused/")  # a change is the leader's: refused here, naming it
+    assert "standby" in refused.inner_text() and leader.endpoint in refused.inner_text()
+    assert leader.http("GET", f"/v1/tasks/{task['id']}", token=TOKEN)[1]["task"]["state"] == "TASK_STATE_PENDING"
+    assert page.dialogs == []

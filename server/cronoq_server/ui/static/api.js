@@ -25,10 +25,15 @@ let callerPromise = null;
 /** Who the token is and what it may do (GET /v1/info's caller), asked once per token. */
 export function caller() {
   if (!callerPromise) {
-    callerPromise = call("GET", "/v1/info").then((info) => info.caller || {});
+    callerPromise = serverInfo().then((info) => info.caller || {});
     callerPromise.catch(() => { callerPromise = null; });
   }
   return callerPromise;
+}
+
+/** GET /v1/info: this server (shard, role, leader) and the caller. */
+export function serverInfo() {
+  return call("GET", "/v1/info");
 }
 
 /** Whether the caller holds `permission` on `pool`. */
