@@ -93,6 +93,15 @@ def loaded_ms(page: Any, view: str) -> int:
     return int(page.get_attribute("main", "data-loaded-ms"))
 
 
+def sign_in(page: Any, url: str, token: str) -> None:
+    """Opens the overview at `url`, which asks for a token, and gives it."""
+    page.goto(url)
+    page.wait_for_selector("#token-form:not([hidden])")
+    page.fill("#token-form input[name=token]", token)
+    page.click("#token-form button")
+    loaded_ms(page, "overview")
+
+
 def test_static_files_carry_a_strict_csp_and_need_no_token(start_server: Any) -> None:
     srv = start_server({"pools": [{"name": "default"}], "tokens": [ops_token()]})
     for path in ("/ui/", "/ui/app.js", "/ui/style.css"):
@@ -398,11 +407,7 @@ def test_a_token_that_reads_one_pool_sees_only_that_pool_and_cannot_change_anyth
         status, body = srv.http("PUT", f"/v1/pools/{pool}/schedules/nightly-{pool}", {"cron": "0 3 * * *"}, token=TOKEN)
         assert status == 200, body
     page = browser_page
-    page.goto(srv.http_url + "/ui/")
-    page.wait_for_selector("#token-form:not([hidden])")
-    page.fill("#token-form input[name=token]", reader)
-    page.click("#token-form button")
-    loaded_ms(page, "overview")
+    sign_in(page, srv.http_url + "/ui/", reader)
     shard = page.locator("section.shard").first.get_attribute("data-shard")
     assert page.locator(f'section[data-shard="{shard}"] table.counts tbody tr').all_inner_texts()[0].startswith("a")
     assert page.locator(f'section[data-shard="{shard}"] table.counts tbody tr').count() == 1
@@ -576,11 +581,7 @@ def test_a_standbys_dashboard_shows_the_shard_as_read_from_its_leader(
     status, made = leader.http("PUT", "/v1/pools/default/schedules/nightly", {"cron": "0 3 * * *"}, token=TOKEN)
     assert status == 200, made
     page = browser_page
-    page.goto(standby.http_url + "/ui/")
-    page.wait_for_selector("#token-form:not([hidden])")
-    page.fill("#token-form input[name=token]", TOKEN)
-    page.click("#token-form button")
-    loaded_ms(page, "overview")
+    sign_in(page, standby.http_url + "/ui/", TOKEN)
     assert counts(page, "unsharded", "default")["pending"] == 1
     banner = page.locator("#standby")
     banner.wait_for(state="visible")
