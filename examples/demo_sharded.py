@@ -363,7 +363,9 @@ def run_sharded_demo(keep: bool = False) -> None:
         sys.exit(f"demo: unexpected outcome for {wrong}")
 
 
-def report(dep: Deployment, expected: dict[str, tuple[int, str]], tasks: list[cronoq.Task], started: float) -> list[str]:
+def report(
+    dep: Deployment, expected: dict[str, tuple[int, str]], tasks: list[cronoq.Task], started: float
+) -> list[str]:
     """Prints every task and how the workers were redirected; returns what went wrong."""
     print(f"\n{'id':>18}  {'shard':<5} {'pool':<7} {'key':<10} {'state':<10} {'attempts':>8}  result / error")
     for t in tasks:
@@ -379,5 +381,7 @@ def report(dep: Deployment, expected: dict[str, tuple[int, str]], tasks: list[cr
     wrong += [f"the worker of {pool}: not redirected" for pool, what in dep.redirects.items() if what.startswith("NOT")]
     print("\nworker redirects: " + "; ".join(f"{pool}: {what}" for pool, what in dep.redirects.items()))
     if not wrong:
-        print(f"\ndemo finished in {time.monotonic() - started:.1f} s: every task ended as expected, in its pool's shard")
+        print(
+            f"\ndemo finished in {time.monotonic() - started:.1f} s: every task ended as expected, in its pool's shard"
+        )
     return wrong

@@ -18,12 +18,16 @@ Each RPC's routing class (registry.Rpc.routing) picks one strategy in ShardRoute
   id order: ids carry their shard number in the top 8 bits, so the page token (the page's
   last id) tells which shards are done, which one continues after it, and which start over.
 - Watch (fan_out, streaming): merged from every shard, with a composite cursor; merged_watch.py.
+- A standby answers the reads of its own shard (Get, Wait, listings, snapshot; not Watch) by
+  forwarding them to its leader, like a call for another shard (unsharded too); other calls
+  get UNAVAILABLE naming the leader.
 
 A forwarded call carries the caller's own token and `cronoq-forwarded: 1`, with a deadline:
 the caller's time left, at most server.forward_timeout (a WaitTask: plus the wait it asks
-for), so a hung shard costs no caller more (DEADLINE_EXCEEDED naming it); the other shard authenticates and authorizes it again, and its refusals
-come back with their code, message and cronoq-* metadata (but not its `cronoq-leader`, which
-names the other shard's leader, not this server's). A standby's UNAVAILABLE naming its
+for), so a hung shard costs no caller more (DEADLINE_EXCEEDED naming it). The other shard
+authenticates and authorizes it again, and its refusals come back with their code, message
+and cronoq-* metadata (but not its `cronoq-leader`, which names the other shard's leader, not
+this server's). A standby's UNAVAILABLE naming its
 leader is followed, and that leader is used for the shard's next calls until it cannot be
 reached: a shard's endpoint may be any of its servers, or a load balancer in front of them.
 

@@ -99,7 +99,7 @@ def assert_forwarding_is_bounded(cpu: ServerProcess) -> None:
         ("POST", f"/v1/tasks/{GPU_TASK}/cancel", None),
         ("GET", f"/v1/tasks/{GPU_TASK}/wait?timeout_ms=500", None),
     ):
-        (status, _, answer), took = timed(lambda: http_call(cpu, method, path, body))
+        (status, _, answer), took = timed(lambda: http_call(cpu, method, path, body))  # noqa: B023 (called at once)
         assert_names_gpu(status, answer)
         assert took < BOUND_S, f"{method} {path}: {took:.1f}s"
 
@@ -109,7 +109,7 @@ def assert_forwarding_is_bounded(cpu: ServerProcess) -> None:
         (stubs.tasks.SubmitTask, tpb.SubmitTaskRequest(pool="llm")),
         (stubs.tasks.WaitTask, tpb.WaitTaskRequest(task=by_id, timeout_ms=500)),
     ):
-        err, took = timed(lambda: grpc_refusal(call, request))
+        err, took = timed(lambda: grpc_refusal(call, request))  # noqa: B023 (called at once)
         assert err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE), err
         assert "'gpu'" in (err.details() or ""), err.details()
         details = decode_details(err.trailing_metadata())

@@ -8,12 +8,27 @@ on SQLite and on PostgreSQL."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import grpc
-from test_sharding import TIMEOUT, Stubs, TwoShards, bearer, refusal, shards, submit, trailers  # noqa: F401
+import pytest
+from _helpers import store_table  # type: ignore[import-not-found]
+from test_sharding import TIMEOUT, Stubs, TwoShards, bearer, refusal, submit, trailers
 
 from cronoq.v1 import admin_service_pb2 as apb
 from cronoq.v1 import admin_service_pb2_grpc, task_pb2
 from cronoq.v1 import task_service_pb2 as tpb
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def shards(request: pytest.FixtureRequest, tmp_path: Path, start_server: Any) -> TwoShards:
+    """cpu and gpu, each a leader and a standby."""
+    store = None
+    if request.param == "postgres":
+        store = store_table("postgres", request)
+        store["schema"] += "_{shard}"
+    return TwoShards(tmp_path, start_server, store, replicas=2)
 
 
 def test_a_standby_reads_its_shard_from_its_leader_and_refuses_changes(shards: TwoShards) -> None:
