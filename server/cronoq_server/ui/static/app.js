@@ -37,8 +37,9 @@ async function showRole() {
   try {
     const info = await serverInfo();
     standby.hidden = info.role !== "ROLE_STANDBY";
-    standby.textContent = standby.hidden ? "" : `This server is a standby of shard ${info.shard}: `
-      + `its pages are read from the shard's leader (${info.leader || "not known yet"}); `
+    const of = info.shard_number ? ` of shard ${info.shard}` : "";
+    standby.textContent = standby.hidden ? "" : `This server is a standby${of}: `
+      + `its pages are read from its leader (${info.leader || "not known yet"}); `
       + "changes (Cancel, Pause, Resume, Delete) and the Live view need the leader's own dashboard.";
   } catch {
     standby.hidden = true; // a missing token is asked for by the view
@@ -47,7 +48,7 @@ async function showRole() {
 
 async function render(refresh = false) {
   clearTimeout(refreshTimer);
-  showRole();
+  if (!refresh) showRole(); // not on the overview's own refresh: one call fewer every 5 s
   if (stopLive) stopLive();
   stopLive = null;
   const { path, params } = parseHash();
