@@ -82,7 +82,8 @@ CURSOR_HEADER = "cronoq-watch-cursor"  # initial metadata: the cursor of where t
 UNAVAILABLE_HEADER = "cronoq-unavailable-shards"
 # Events held between the shards' streams and the caller; past it, the shards are not read.
 MERGE_BUFFER = 32
-# A shard that has not started its stream within this long is unavailable (then asked again).
+# A shard that has not started its stream within this long (or server.forward_timeout, when
+# shorter) is unavailable (then asked again).
 PEER_OPEN_S = 5.0
 # How often a shard that could not be reached is asked again, to join an open merged stream.
 PEER_RETRY_S = 2.0
