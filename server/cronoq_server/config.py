@@ -61,6 +61,7 @@ Backoff = Annotated[float, _duration("1ms", "30d")]
 Timeout = Annotated[float, _duration("1ms", f"{MAX_TIMEOUT_MS // 86_400_000}d")]  # as a task's timeout_ms
 Retention = Annotated[float, _duration("1ms", "3650d")]
 Window = Annotated[float, _duration("1ms", "30d")]  # watch_window and worker_reap_after
+ForwardTimeout = Annotated[float, _duration("100ms", "10m")]
 # Sizes and counts: the largest of each (a payload twice over must fit gRPC's int32 message cap).
 MAX_BYTES = 256 << 20
 MAX_COUNT = 10**12
@@ -236,6 +237,8 @@ class ServerConfig(_Strict):
     watch_window: Window = 3600.0
     # A worker that has not heartbeated (or leased, or reported) for this long is removed.
     worker_reap_after: Window = 600.0
+    # The longest this server waits for another shard's answer to a call it forwards.
+    forward_timeout: ForwardTimeout = 30.0
 
 
 class StoreConfig(_Strict):

@@ -93,6 +93,15 @@ def loaded_ms(page: Any, view: str) -> int:
     return int(page.get_attribute("main", "data-loaded-ms"))
 
 
+def sign_in(page: Any, url: str, token: str) -> None:
+    """Opens the overview at `url`, which asks for a token, and gives it."""
+    page.goto(url)
+    page.wait_for_selector("#token-form:not([hidden])")
+    page.fill("#token-form input[name=token]", token)
+    page.click("#token-form button")
+    loaded_ms(page, "overview")
+
+
 def test_static_files_carry_a_strict_csp_and_need_no_token(start_server: Any) -> None:
     srv = start_server({"pools": [{"name": "default"}], "tokens": [ops_token()]})
     for path in ("/ui/", "/ui/app.js", "/ui/style.css"):
@@ -398,11 +407,7 @@ def test_a_token_that_reads_one_pool_sees_only_that_pool_and_cannot_change_anyth
         status, body = srv.http("PUT", f"/v1/pools/{pool}/schedules/nightly-{pool}", {"cron": "0 3 * * *"}, token=TOKEN)
         assert status == 200, body
     page = browser_page
-    page.goto(srv.http_url + "/ui/")
-    page.wait_for_selector("#token-form:not([hidden])")
-    page.fill("#token-form input[name=token]", reader)
-    page.click("#token-form button")
-    loaded_ms(page, "overview")
+    sign_in(page, srv.http_url + "/ui/", reader)
     shard = page.locator("section.shard").first.get_attribute("data-shard")
     assert page.locator(f'section[data-shard="{shard}"] table.counts tbody tr').all_inner_texts()[0].startswith("a")
     assert page.locator(f'section[data-shard="{shard}"] table.counts tbody tr').count() == 1
@@ -523,3 +528,82 @@ def test_live_view_pauses_itself_above_200_events_a_second_and_resumes_live(
     later = submit(srv, {"pool": "default", "payload_json": "after"})
     page.wait_for_selector(f'table.live tr[data-task="{later["id"]}"]', timeout=10_000)
     assert page.dialogs == [] and page.console_errors == []
+
+
+def test_pause_and_resume_leave_a_schedules_payload_as_it_was(start_server: Any, browser_page: Any) -> None:
+    """Pause and Resume send the schedule back: numbers JavaScript cannot hold (a big integer,
+    1.0 that it would write as 1) and a float-looking string come back as they were stored."""
+    import grpc
+
+    from cronoq.v1 import schedule_service_pb2 as spb
+    from cronoq.v1 import schedule_service_pb2_grpc
+
+    srv = start_server({"pools": [{"name": "default"}]})
+    payload = {"big": 12345678901234567890123, "text": "1.0", "one": 1.0, "tiny": 1e-7, "list": [0.1, 1e22, -0.0]}
+    status, made = srv.http("PUT", "/v1/pools/default/schedules/exact", {"cron": "0 3 * * *", "payload_json": payload})
+    assert status == 200, made
+
+    def stored() -> spb.Schedule:
+        with grpc.insecure_channel(srv.grpc_target) as channel:
+            stub = schedule_service_pb2_grpc.ScheduleServiceStub(channel)
+            (schedule,) = stub.ListSchedules(spb.ListSchedulesRequest(), timeout=10).schedules
+            return schedule
+
+    before = stored()
+    assert b"12345678901234567890123" in before.payload and b"1.0" in before.payload
+    page = browser_page
+    page.goto(srv.http_url + "/ui/#/schedules")
+    loaded_ms(page, "schedules")
+    page.click("table.schedules button:text-is('Pause')")
+    page.wait_for_selector("table.schedules button:text-is('Resume')")
+    assert stored().paused and stored().payload == before.payload
+    page.click("table.schedules button:text-is('Resume')")
+    page.wait_for_selector("table.schedules button:text-is('Pause')")
+    after = stored()
+    assert not after.paused
+    after.ClearField("next_fire_at")
+    before.ClearField("next_fire_at")
+    assert after == before  # the payload's bytes and every other field
+    assert page.dialogs == [] and page.console_errors == []
+
+
+def test_a_standbys_dashboard_shows_the_shard_as_read_from_its_leader(
+    start_server: Any, browser_page: Any, tmp_path: Path
+) -> None:
+    """A standby (here on the leader's SQLite file) serves the read-only pages by asking its
+    leader with the viewer's token, and says it is a standby; a change is refused there."""
+    from test_failover import start_replicas
+
+    token = {**ops_token(), "permissions": ["admin", "cancel", "read", "submit", "schedule"]}
+    config = {"store": {"path": str(tmp_path / "shared.db")}, "pools": [{"name": "default"}], "tokens": [token]}
+    leader, standby = start_replicas(start_server, config, n=2)
+    task = submit(leader, {"pool": "default", "key": "seen-from-the-standby", "payload_json": {"n": 1}}, token=TOKEN)
+    status, made = leader.http("PUT", "/v1/pools/default/schedules/nightly", {"cron": "0 3 * * *"}, token=TOKEN)
+    assert status == 200, made
+    page = browser_page
+    sign_in(page, standby.http_url + "/ui/", TOKEN)
+    assert counts(page, "unsharded", "default")["pending"] == 1
+    banner = page.locator("#standby")
+    banner.wait_for(state="visible")
+    assert "standby" in banner.inner_text() and leader.endpoint in banner.inner_text()
+    page.screenshot(path=str(screenshots_dir(tmp_path) / "standby-overview.png"), full_page=True)
+
+    page.goto(standby.http_url + "/ui/#/tasks")
+    loaded_ms(page, "tasks")
+    assert page.locator("table.task-list tbody tr td:nth-child(3)").all_inner_texts() == ["seen-from-the-standby"]
+    page.goto(standby.http_url + "/ui/#/task/seen-from-the-standby")  # by key
+    loaded_ms(page, "task")
+    assert json.loads(page.inner_text("pre.payload")) == {"n": 1}
+    page.goto(standby.http_url + "/ui/#/schedules")
+    loaded_ms(page, "schedules")
+    assert page.locator("table.schedules tbody tr td:nth-child(2)").all_inner_texts() == ["nightly"]
+    page.goto(standby.http_url + "/ui/#/workers")
+    loaded_ms(page, "workers")
+
+    page.goto(standby.http_url + f"/ui/#/task/{task['id']}")
+    loaded_ms(page, "task")
+    page.click("button.danger")
+    refused = page.wait_for_selector("text=/Cancel refused/")  # a change is the leader's: refused here, naming it
+    assert "standby" in refused.inner_text() and leader.endpoint in refused.inner_text()
+    assert leader.http("GET", f"/v1/tasks/{task['id']}", token=TOKEN)[1]["task"]["state"] == "TASK_STATE_PENDING"
+    assert page.dialogs == []

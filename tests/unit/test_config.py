@@ -299,3 +299,11 @@ def test_hostile_files_are_one_line(tmp_path: Path, content: bytes | None, probl
     with pytest.raises(ConfigError) as err:
         load_config(str(path))
     assert str(err.value).startswith(f"{path}: ") and problem in str(err.value) and "\n" not in str(err.value)
+
+
+def test_forward_timeout_is_a_duration_within_its_range() -> None:
+    assert parse_config({}).server.forward_timeout == 30.0
+    assert parse_config({"server": {"forward_timeout": "2s"}}).server.forward_timeout == 2.0
+    for value, problem in (("1h", "from 100ms to 10m"), ("10ms", "from 100ms to 10m")):
+        message = refusal({"server": {"forward_timeout": value}})
+        assert "server.forward_timeout" in message and problem in message, message

@@ -58,6 +58,11 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
+def wait_ms(asked_ms: int) -> int:
+    """How long a WaitTask asking `asked_ms` waits (0: the default)."""
+    return min(asked_ms or DEFAULT_WAIT_MS, MAX_WAIT_MS)
+
+
 def _timeout_ms(asked_ms: int, pool_timeout_s: float | None) -> int:
     """A task's timeout: what it asks, capped by its pool's; the pool's when it asks none (0: none).
     At most MAX_TIMEOUT_MS, also for a schedule stored before that bound."""
@@ -247,7 +252,7 @@ class Tasks:
         return response
 
     async def wait_task(self, req: pb.WaitTaskRequest, caller: Principal) -> pb.WaitTaskResponse:
-        timeout_ms = min(req.timeout_ms or DEFAULT_WAIT_MS, MAX_WAIT_MS)
+        timeout_ms = wait_ms(req.timeout_ms)
         row = await self.find(req.task, caller, "read")
         if row.state not in TERMINAL:
             fut = self._events.wait_terminal(row.seq)
