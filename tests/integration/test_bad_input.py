@@ -645,6 +645,13 @@ def test_worker_calls_bad_input(client: Client) -> None:
         "concurrency",
         "-2",
     )
+    client.grpc_case(
+        "register with a concurrency past the credits a worker may hold",
+        lambda: w.RegisterWorker(wpb.RegisterWorkerRequest(name="w", pools=["other"], concurrency=2**31 - 1), timeout=10),
+        "INVALID_ARGUMENT",
+        "concurrency",
+        "2147483647",
+    )
     worker_id = w.RegisterWorker(wpb.RegisterWorkerRequest(name="w", pools=["other"]), timeout=10).worker_id
     client.grpc_case(
         "lease for an unknown worker",

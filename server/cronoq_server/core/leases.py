@@ -45,8 +45,10 @@ from .limits import (
     MAX_WORKER_NAME,
     MAX_WORKER_POOLS,
     STORE_CHUNK,
+    WORKER_CONCURRENCY,
     cap_error,
     check_count,
+    check_range,
     check_text,
 )
 from .resources import ResourceGate
@@ -109,8 +111,7 @@ class Leases:
             caller.require("work", pool)
             if pool not in self._pools:
                 raise invalid(f"pools: unknown pool {pool!r}")
-        if req.concurrency < 0:
-            raise invalid(f"concurrency: {req.concurrency} is negative")
+        check_range("concurrency", req.concurrency, WORKER_CONCURRENCY)
         check_text("name", req.name, MAX_WORKER_NAME)
         if len(req.labels) > MAX_LABELS:
             raise invalid(f"labels: {len(req.labels)} labels, more than {MAX_LABELS}")

@@ -86,6 +86,9 @@ TASK_RANGES = {
     "timeout_ms": Range(0, MAX_TIMEOUT_MS, "at most 7 days; 0 takes the pool's timeout"),
 }
 
+# A worker's concurrency (shown in listings): no more than its credits may reach.
+WORKER_CONCURRENCY = Range(0, MAX_WORK_CREDITS, "what the worker runs at once")
+
 
 def check_range(field: str, value: int, allowed: Range) -> None:
     """Refuses a value outside its range, naming the field, the value and the range."""

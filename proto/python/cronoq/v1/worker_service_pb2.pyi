@@ -118,7 +118,7 @@ class RegisterWorkerRequest(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     concurrency: _builtins.int
-    """Not negative."""
+    """0 to 100,000 (more: INVALID_ARGUMENT): what the worker runs at once, shown in listings."""
     @_builtins.property
     def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """At most 1,000 (more: INVALID_ARGUMENT)."""

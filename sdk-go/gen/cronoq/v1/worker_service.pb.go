@@ -136,7 +136,7 @@ type RegisterWorkerRequest struct {
 	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// At most 1,000 (more: INVALID_ARGUMENT).
 	Pools []string `protobuf:"bytes,2,rep,name=pools,proto3" json:"pools,omitempty"`
-	// Not negative.
+	// 0 to 100,000 (more: INVALID_ARGUMENT): what the worker runs at once, shown in listings.
 	Concurrency   int32             `protobuf:"varint,3,opt,name=concurrency,proto3" json:"concurrency,omitempty"`
 	Labels        map[string]string `protobuf:"bytes,4,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields

@@ -49,7 +49,7 @@ export interface RegisterWorkerRequest {
   name: string;
   /** At most 1,000 (more: INVALID_ARGUMENT). */
   pools: string[];
-  /** Not negative. */
+  /** 0 to 100,000 (more: INVALID_ARGUMENT): what the worker runs at once, shown in listings. */
   concurrency: number;
   labels: { [key: string]: string };
 }
