@@ -2955,7 +2955,8 @@ export const WorkerServiceService = {
    * worker sends credits (free slots), outcomes and heartbeats; the server sends leased
    * tasks (never more than the credits given), the results of the outcomes, and the tasks
    * cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
-   * Heartbeat and FinishTasks remain for simple clients and HTTP.
+   * Heartbeat and FinishTasks remain for simple clients (gRPC only: no worker call has an
+   * HTTP route).
    */
   work: {
     path: "/cronoq.v1.WorkerService/Work" as const,
@@ -3001,7 +3002,8 @@ export interface WorkerServiceServer extends UntypedServiceImplementation {
    * worker sends credits (free slots), outcomes and heartbeats; the server sends leased
    * tasks (never more than the credits given), the results of the outcomes, and the tasks
    * cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
-   * Heartbeat and FinishTasks remain for simple clients and HTTP.
+   * Heartbeat and FinishTasks remain for simple clients (gRPC only: no worker call has an
+   * HTTP route).
    */
   work: handleBidiStreamingCall<WorkRequest, WorkResponse>;
   deregisterWorker: handleUnaryCall<DeregisterWorkerRequest, DeregisterWorkerResponse>;
@@ -3077,7 +3079,8 @@ export interface WorkerServiceClient extends Client {
    * worker sends credits (free slots), outcomes and heartbeats; the server sends leased
    * tasks (never more than the credits given), the results of the outcomes, and the tasks
    * cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
-   * Heartbeat and FinishTasks remain for simple clients and HTTP.
+   * Heartbeat and FinishTasks remain for simple clients (gRPC only: no worker call has an
+   * HTTP route).
    */
   work(): ClientDuplexStream<WorkRequest, WorkResponse>;
   work(options: Partial<CallOptions>): ClientDuplexStream<WorkRequest, WorkResponse>;
