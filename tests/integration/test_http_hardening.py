@@ -1,5 +1,7 @@
 """Hardening of the listeners: /metrics credentials, hostile JSON, aiohttp's own parser errors,
-slow and idle connections, the connection cap, Watch over SSE, and addresses already in use.
+slow and idle connections, the connection cap, Watch over SSE, addresses already in use,
+X-Content-Type-Options on every response, and one authorization value per call (both APIs).
+Requests from other sites' pages are in test_http_origin.py.
 
 Most tests run against real cronoq-server processes (the `start_server` fixture). The Watch
 error paths and ListenError run in-process, over a stand-in node whose stream is scripted, so
