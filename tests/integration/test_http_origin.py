@@ -1,17 +1,22 @@
 """Requests that browsers send for other sites' pages, over plain HTTP to a real server: a
 state-changing request whose Origin is another origin, or whose Sec-Fetch-Site is cross-site or
 same-site, is refused; one with neither header (curl, the SDKs) or from the server's own origin
-is served. A listener without credentials answers only to Host names that DNS cannot rebind to
-it. The same attacks from a real Chromium are in test_dashboard.py."""
+is served. A listener without credentials or TLS answers only to Host names that DNS cannot
+rebind to it. The same attacks from a real Chromium are in test_dashboard.py."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import urllib.error
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
 from test_http_hardening import exchange, parse_response, sha
+from test_tls import TlsServer
+from tls_pki import Pki
 
 TOKEN = "origin-test-secret"
 STATE_CHANGING = [
@@ -169,3 +174,29 @@ def test_a_listener_with_credentials_answers_to_any_host_name(start_server: Any)
     assert status == 200, body  # TLS ended at a proxy in front: the scheme differs, the host is the same
     status, body = request(srv, "POST", "/v1/tasks", {"pool": "default"}, {**own, "Origin": "https://evil.example"})
     assert status == 403, body
+
+
+def test_a_listener_with_tls_answers_to_any_host_name(tmp_path: Path) -> None:
+    """No rebinding through TLS: the browser would find this server's certificate under the
+    attacker's name and refuse it. So with TLS, even without credentials, any Host is
+    answered; the Origin checks still hold."""
+    pki = Pki(tmp_path)
+    srv = TlsServer(tmp_path, "tls", pki, pki.server("127.0.0.1", "queue.internal"), client_ca=False, tail="")
+    srv.start(None)
+    try:
+
+        def call(method: str, path: str, headers: dict[str, str]) -> int:
+            body = json.dumps({"pool": "default"}).encode() if method == "POST" else None
+            req = urllib.request.Request(f"https://127.0.0.1:{srv.http_port}{path}", body, headers, method=method)
+            try:
+                with urllib.request.urlopen(req, timeout=10, context=srv.context()) as r:
+                    return int(r.status)
+            except urllib.error.HTTPError as err:
+                return err.code
+
+        assert call("GET", "/v1/tasks", {"Host": "queue.internal:7080"}) == 200
+        assert call("POST", "/v1/tasks", {"Host": "queue.internal", "Origin": "https://queue.internal"}) == 200
+        assert call("POST", "/v1/tasks", {"Host": "queue.internal", "Origin": "https://evil.example"}) == 403
+        assert call("POST", "/v1/tasks", {"Host": "queue.internal", "Sec-Fetch-Site": "cross-site"}) == 403
+    finally:
+        srv.kill()

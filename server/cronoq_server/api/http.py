@@ -194,6 +194,7 @@ class HttpApi:
         )
         self.app.on_response_prepare.append(add_security_headers)
         self._listen_host = split_listen(node.config.server.http_listen)[0]
+        self._any_host = node.auth.enabled or node.config.server.tls is not None  # see http_origin
         for rpc in registry().values():
             for route in rpc.http:
                 handle = self._sse(rpc, route) if route.sse else self._handler(rpc, route)
@@ -208,7 +209,7 @@ class HttpApi:
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         """Another site's page, through its visitor's browser, changes nothing (see http_origin)."""
-        check_browser_request(request, self.node.auth.enabled, self._listen_host)
+        check_browser_request(request, self._any_host, self._listen_host)
         return await handler(request)
 
     def _caller(self, request: web.Request) -> Principal:

@@ -9,9 +9,10 @@ So:
 - a state-changing request (any method but GET and HEAD) is refused when `Sec-Fetch-Site` says
   another site's page made it (cross-site, same-site) or its `Origin` is not the host it was
   sent to; callers that send neither (curl, the SDKs) are not affected, nor is the dashboard;
-- a listener without credentials answers only to Host names no DNS answer can point at it:
-  localhost, IP addresses, and the name it listens on. With credentials, a rebound page has
-  no token to send, and the TLS name of a certificate does not follow a rebinding.
+- a listener without credentials or TLS answers only to Host names no DNS answer can point at
+  it: localhost, IP addresses, and the name it listens on. With credentials, a rebound page
+  has none to send; with TLS, the browser finds this server's certificate under the
+  attacker's name and refuses it.
 """
 
 from __future__ import annotations
@@ -29,15 +30,16 @@ ANOTHER_SITE = frozenset({"cross-site", "same-site"})  # Sec-Fetch-Site values f
 _DEFAULT_PORT = {"http": 80, "https": 443}
 
 
-def check_browser_request(request: web.BaseRequest, credentials: bool, listen_host: str) -> None:
-    """Raises PERMISSION_DENIED for a request another site's page made, or, on a listener
-    without credentials, one sent to a host name other than its own."""
+def check_browser_request(request: web.BaseRequest, any_host: bool, listen_host: str) -> None:
+    """Raises PERMISSION_DENIED for a request another site's page made, or, unless any_host
+    (credentials or TLS on the listener), one sent to a host name other than its own."""
     host = request.headers.get("Host")  # aiohttp refuses a request with two
-    if not credentials and host is not None and not _own_name(host, listen_host):
+    if not any_host and host is not None and not _own_name(host, listen_host):
         raise ApiError(
             grpc.StatusCode.PERMISSION_DENIED,
-            f"Host {host!r}: without credentials configured this server answers only to localhost, "
-            f"IP addresses and {listen_host!r} (DNS rebinding); configure [[tokens]] to use other names",
+            f"Host {host!r}: without credentials or TLS configured this server answers only to "
+            f"localhost, IP addresses and {listen_host!r} (DNS rebinding); configure [[tokens]] or "
+            "server.tls to use other names",
         )
     if request.method in READ_METHODS:
         return
