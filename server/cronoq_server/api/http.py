@@ -27,14 +27,7 @@ from ..router import FORWARDED_HEADER, Call, ShardRouter, unavailable_metadata
 from ..ui import add_ui_routes
 from . import http_listener
 from .http_body import decode_json
-from .http_listener import (
-    Connection,
-    GuardedRunner,
-    add_security_headers,
-    connection_guard,
-    error_body,
-    one_line,
-)
+from .http_listener import Connection, GuardedRunner, add_security_headers, connection_guard, error_body, one_line
 from .http_origin import check_browser_request
 from .http_request import build_request
 from .listen import ListenError, os_reason, split_listen
