@@ -7,15 +7,18 @@ Screenshots go to $CRONOQ_SCREENSHOTS (default: the test's tmp dir); the path is
 from __future__ import annotations
 
 import hashlib
+import http.server
 import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +43,9 @@ def _browser_missing() -> str | None:
     return None
 
 
-@pytest.fixture
-def browser_page(tmp_path: Path) -> Iterator[Any]:
-    """A fresh page in headless Chromium; dialogs and console errors are recorded on it."""
+@contextmanager
+def chromium_page(*args: str) -> Iterator[Any]:
+    """A fresh page in headless Chromium started with `args`; dialogs and console errors are recorded on it."""
     reason = _browser_missing()
     if reason:
         missing(reason)
@@ -50,7 +53,7 @@ def browser_page(tmp_path: Path) -> Iterator[Any]:
 
     with sync_playwright() as pw:
         # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", *args])
         page = browser.new_page(viewport={"width": 1200, "height": 900})
         page.dialogs = []  # type: ignore[attr-defined]
         page.console_errors = []  # type: ignore[attr-defined]
@@ -66,6 +69,12 @@ def browser_page(tmp_path: Path) -> Iterator[Any]:
             yield page
         finally:
             browser.close()
+
+
+@pytest.fixture
+def browser_page() -> Iterator[Any]:
+    with chromium_page() as page:
+        yield page
 
 
 def screenshots_dir(tmp_path: Path) -> Path:
@@ -607,3 +616,94 @@ def test_a_standbys_dashboard_shows_the_shard_as_read_from_its_leader(
     assert "standby" in refused.inner_text() and leader.endpoint in refused.inner_text()
     assert leader.http("GET", f"/v1/tasks/{task['id']}", token=TOKEN)[1]["task"]["state"] == "TASK_STATE_PENDING"
     assert page.dialogs == []
+
+
+ATTACK_PAGE = """<!doctype html><meta charset="utf-8"><title>cat pictures</title>
+<form id="form" method="POST" action="{target}/v1/tasks" enctype="text/plain">
+<input name='{{"pool":"default","key":"made-by-a-form","payload_json":"' value='"}}'>
+</form>
+<script>
+(async () => {{
+  const plain = {{method: "POST", mode: "no-cors", headers: {{"Content-Type": "text/plain"}}}};
+  await fetch("{target}/v1/tasks", {{...plain, body: JSON.stringify({{pool: "default", key: "made-by-fetch"}})}});
+  await fetch("{target}/v1/keys/invoice-42/cancel", plain);
+  document.title = "fetched";
+  document.getElementById("form").submit();  // a top-level navigation, last: the page leaves
+}})();
+</script>
+"""
+
+
+@contextmanager
+def attacker_site(target: str) -> Iterator[str]:
+    """Another site, http://127.0.0.2:<port>/, whose page attacks `target` through its visitor's browser."""
+    body = ATTACK_PAGE.format(target=target).encode()
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    site = http.server.ThreadingHTTPServer(("127.0.0.2", free_port()), Page)
+    thread = threading.Thread(target=site.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.2:{site.server_port}/"
+    finally:
+        site.shutdown()
+        site.server_close()
+
+
+def tasks_by_key(srv: Any) -> dict[str, str]:
+    status, body = srv.http("GET", "/v1/tasks?page_size=1000")
+    assert status == 200, body
+    return {t.get("key", ""): t["state"] for t in body["tasks"]}
+
+
+def test_a_page_of_another_site_changes_nothing(start_server: Any, browser_page: Any) -> None:
+    """Cross-site request forgery against the default server (no credentials, loopback): fetch
+    with no-cors and a text/plain body (no preflight), and a form posted from the page."""
+    srv = start_server({"pools": [{"name": "default"}]})
+    invoice = submit(srv, {"pool": "default", "key": "invoice-42"})
+    page = browser_page
+    with attacker_site(srv.http_url) as site:
+        page.goto(site)
+        page.wait_for_url(srv.http_url + "/v1/tasks", timeout=10_000)  # the form was posted
+    assert tasks_by_key(srv) == {"invoice-42": "TASK_STATE_PENDING"}
+    answer = json.loads(page.inner_text("body"))
+    assert answer["code"] == "PERMISSION_DENIED" and "another site" in answer["message"], answer
+    # The dashboard itself, same-origin, still changes things.
+    page.goto(srv.http_url + f"/ui/#/task/{invoice['id']}")
+    loaded_ms(page, "task")
+    page.click("button.danger")
+    page.wait_for_selector("dd:text-is('CANCELLED')", timeout=10_000)
+    assert tasks_by_key(srv) == {"invoice-42": "TASK_STATE_CANCELLED"}
+
+
+REBIND_FETCHES = """async () => {
+  const post = await fetch("/v1/tasks", {method: "POST", body: JSON.stringify({pool: "default", key: "rebound"})});
+  const cancel = await fetch("/v1/keys/invoice-42/cancel", {method: "POST"});
+  const read = await fetch("/v1/tasks");
+  return [post.status, cancel.status, read.status, await read.text()];
+}"""
+
+
+def test_a_page_whose_name_dns_rebinds_to_the_server_reads_and_changes_nothing(start_server: Any) -> None:
+    """DNS rebinding: rebound.test first served the attacker's page, now resolves to 127.0.0.1;
+    the page's calls are same-origin to it, and only the Host they carry gives them away."""
+    srv = start_server({"pools": [{"name": "default"}]})
+    submit(srv, {"pool": "default", "key": "invoice-42"})
+    with chromium_page("--host-resolver-rules=MAP rebound.test 127.0.0.1") as page:
+        page.goto(f"http://rebound.test:{srv.http_port}/ui/")
+        dashboard_loaded = page.locator("main").count() > 0
+        post, cancel, read, text = page.evaluate(REBIND_FETCHES)
+    assert (post, cancel, read) == (403, 403, 403), text
+    assert not dashboard_loaded
+    assert "invoice-42" not in text and "'rebound.test:" in json.loads(text)["message"], text
+    assert tasks_by_key(srv) == {"invoice-42": "TASK_STATE_PENDING"}

@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from ..auth import Principal
+from ..auth import Principal, one_authorization
 from ..errors import ApiError
 from ..node import Node
 from ..registry import Rpc, registry
@@ -38,11 +38,13 @@ KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
-def _metadata(context: grpc.aio.ServicerContext, name: str) -> str | None:
-    for key, value in context.invocation_metadata() or ():
-        if key == name:
-            return value if isinstance(value, str) else value.decode()
-    return None
+def _metadata(context: grpc.aio.ServicerContext, name: str) -> list[str]:
+    """Every value of one metadata key, in the order sent."""
+    return [
+        value if isinstance(value, str) else value.decode()
+        for key, value in context.invocation_metadata() or ()
+        if key == name
+    ]
 
 
 def _cert_subject(context: grpc.aio.ServicerContext) -> str | None:
@@ -83,13 +85,13 @@ class _Handlers:
         self._router = router
 
     def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
-        return self._node.authenticate(_metadata(context, "authorization"), _cert_subject(context))
+        return self._node.authenticate(one_authorization(_metadata(context, "authorization")), _cert_subject(context))
 
     def _call(self, context: grpc.aio.ServicerContext) -> Call:
         """Credentials first: the caller is authenticated before anything is routed."""
         return Call(
             self._caller(context),
-            forwarded=_metadata(context, FORWARDED_HEADER) is not None,
+            forwarded=bool(_metadata(context, FORWARDED_HEADER)),
             timeout=context.time_remaining(),
         )
 

@@ -2964,7 +2964,8 @@ export const WorkerServiceService = {
    * worker sends credits (free slots), outcomes and heartbeats; the server sends leased
    * tasks (never more than the credits given), the results of the outcomes, and the tasks
    * cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
-   * Heartbeat and FinishTasks remain for simple clients and HTTP.
+   * Heartbeat and FinishTasks remain for simple clients (gRPC only: no worker call has an
+   * HTTP route).
    */
   work: {
     path: "/cronoq.v1.WorkerService/Work" as const,
@@ -3010,7 +3011,8 @@ export interface WorkerServiceServer extends UntypedServiceImplementation {
    * worker sends credits (free slots), outcomes and heartbeats; the server sends leased
    * tasks (never more than the credits given), the results of the outcomes, and the tasks
    * cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
-   * Heartbeat and FinishTasks remain for simple clients and HTTP.
+   * Heartbeat and FinishTasks remain for simple clients (gRPC only: no worker call has an
+   * HTTP route).
    */
   work: handleBidiStreamingCall<WorkRequest, WorkResponse>;
   deregisterWorker: handleUnaryCall<DeregisterWorkerRequest, DeregisterWorkerResponse>;
@@ -3086,7 +3088,8 @@ export interface WorkerServiceClient extends Client {
    * worker sends credits (free slots), outcomes and heartbeats; the server sends leased
    * tasks (never more than the credits given), the results of the outcomes, and the tasks
    * cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
-   * Heartbeat and FinishTasks remain for simple clients and HTTP.
+   * Heartbeat and FinishTasks remain for simple clients (gRPC only: no worker call has an
+   * HTTP route).
    */
   work(): ClientDuplexStream<WorkRequest, WorkResponse>;
   work(options: Partial<CallOptions>): ClientDuplexStream<WorkRequest, WorkResponse>;
