@@ -644,6 +644,7 @@ class ScriptedNode:
     def __init__(self, count: int, error: ApiError | None = None, end: bool = False):
         self.config = Config()
         self.shard_number = 0  # unsharded
+        self.is_leader = True
         self.end = end
         self.auth = SimpleNamespace(enabled=False)
         self.count = count
