@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import tarfile
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -116,7 +115,11 @@ def test_package_json_declares_license_repository_engines_exports(packed: tuple[
     meta = json.loads(tarball_text(packed[0], "package.json"))
     assert meta["name"] == "cronoq" and meta["type"] == "module"
     assert meta["license"] == "Apache-2.0"
-    assert meta["repository"] == {"type": "git", "url": "git+https://github.com/cronoq/cronoq.git", "directory": "sdk-ts"}
+    assert meta["repository"] == {
+        "type": "git",
+        "url": "git+https://github.com/cronoq/cronoq.git",
+        "directory": "sdk-ts",
+    }
     assert meta["engines"] == {"node": ">=20"}
     assert meta["exports"] == {".": {"types": "./dist/index.d.ts", "import": "./dist/index.js"}}
     assert re.fullmatch(r"\^1\.\d+\.\d+", meta["dependencies"]["@grpc/grpc-js"]), meta["dependencies"]
@@ -133,6 +136,6 @@ def test_tarball_installs_imports_and_type_checks_outside_the_repository(
     run(["npm", "install", *NPM_FLAGS, str(packed[0])], app)  # as the README says: nothing else
     (app / "app.mjs").write_text(APP_MJS)
     assert run(["node", "app.mjs"], app).strip() == "imported"
-    (app / "app.ts").write_text(textwrap.dedent(APP_TS))
+    (app / "app.ts").write_text(APP_TS)
     (app / "tsconfig.json").write_text(json.dumps(APP_TSCONFIG))
     run([str(TSC), "-p", str(app)], app)
