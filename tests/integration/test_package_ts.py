@@ -1,7 +1,8 @@
 """The TypeScript SDK as npm users get it: `npm pack` in sdk-ts builds the package (prepack)
-and the tarball installs into a project outside the repository, where it imports (ESM) and
-type-checks (its .d.ts resolve). It ships dist (JavaScript and types, no source maps: nothing
-they could point at is shipped), README, LICENSE (the repository's) and package.json only."""
+and the tarball installs into a project outside the repository, where it imports (ESM),
+type-checks (its .d.ts resolve) and runs the SDK's example against a server. It ships dist
+(JavaScript and types, no source maps: nothing they could point at is shipped), README,
+LICENSE (the repository's) and package.json only."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from conftest import ServerProcess  # type: ignore[import-not-found]
 from preconditions import missing  # type: ignore[import-not-found]
 
 pytestmark = pytest.mark.timeout(600)
@@ -47,10 +49,10 @@ APP_TSCONFIG = {
         "module": "NodeNext",
         "moduleResolution": "NodeNext",
         "strict": True,
-        "noEmit": True,
         "types": ["node"],
+        "outDir": "out",
     },
-    "files": ["app.ts"],
+    "files": ["app.ts", "example.ts"],
 }
 
 # The package's exports at run time, imported as ESM from the installed tarball.
@@ -126,8 +128,8 @@ def test_package_json_declares_license_repository_engines_exports(packed: tuple[
     assert all(v.startswith("^") for v in meta["dependencies"].values()), meta["dependencies"]
 
 
-def test_tarball_installs_imports_and_type_checks_outside_the_repository(
-    packed: tuple[Path, list[str]], tmp_path: Path
+def test_tarball_installs_imports_type_checks_and_runs_the_example_outside_the_repository(
+    packed: tuple[Path, list[str]], tmp_path: Path, server: ServerProcess
 ) -> None:
     app = tmp_path / "app"
     app.mkdir()
@@ -137,5 +139,11 @@ def test_tarball_installs_imports_and_type_checks_outside_the_repository(
     (app / "app.mjs").write_text(APP_MJS)
     assert run(["node", "app.mjs"], app).strip() == "imported"
     (app / "app.ts").write_text(APP_TS)
+    # The SDK's example imports "cronoq", as an application does: it compiles and runs here unchanged.
+    shutil.copy(TS_SDK / "examples" / "worker.ts", app / "example.ts")
     (app / "tsconfig.json").write_text(json.dumps(APP_TSCONFIG))
     run([str(TSC), "-p", str(app)], app)
+    printed = run(["node", "out/example.js", "--endpoint", server.endpoint, "--pool", "default"], app)
+    assert re.search(r"SUCCEEDED after 1 attempt\(s\): \{\"doubled\":42\}", printed), printed
+    assert re.search(r"SUCCEEDED after 3 attempt\(s\): \{\"doubled\":8\}", printed), printed
+    assert re.search(r"FAILED after 1 attempt\(s\): broken input", printed), printed
