@@ -20,6 +20,7 @@ from cronoq import worker as worker_mod
 from cronoq._transport import Backoff, backoff_delay
 from cronoq.v1 import task_pb2
 from cronoq.v1 import worker_service_pb2 as pb
+from cronoq.v1 import worker_service_pb2_grpc
 
 MiB = 1 << 20
 FAST = cronoq.RetryConfig(initial_backoff=0.001, max_backoff=0.01, max_elapsed=None)
@@ -488,6 +489,43 @@ def test_backoff_logs_a_row_of_failures_once(caplog):
         (logging.INFO, "work stream works again after 6 failed attempt(s)"),
         (logging.WARNING, "work stream failed"),
     ]
+
+
+# -- shard redirects ----------------------------------------------------------------
+
+
+class Redirecting(worker_service_pb2_grpc.WorkerServiceServicer):
+    """A server whose RegisterWorker sends every worker to the shard endpoint `to`."""
+
+    def __init__(self, to: str):
+        self.to = to
+        self.calls = 0
+
+    async def RegisterWorker(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.calls += 1
+        trailers = (("cronoq-shard", "gpu"), ("cronoq-shard-endpoint", self.to))
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "pool default is on shard gpu", trailing_metadata=trailers)
+
+
+async def test_a_worker_follows_three_redirects_in_a_row_and_refuses_the_fourth():
+    # e <- d <- c <- b <- a: a worker given a is sent to b, c, d, and refused at d.
+    servers, chain, url = [], [], "http://127.0.0.1:1"  # e: never reached
+    try:
+        for _ in range(4):
+            servicer = Redirecting(url)
+            server = grpc.aio.server()
+            worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+            url = f"http://127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+            await server.start()
+            servers.append(server)
+            chain.insert(0, servicer)
+        worker = cronoq.Worker(url, "default", echo, retry=FAST)
+        with pytest.raises(cronoq.errors.TooManyRedirects, match="more than 3 times in a row"):
+            await asyncio.wait_for(worker.run(), 5)  # without the limit: back to a (e is down), forever
+        assert [s.calls for s in chain] == [1, 1, 1, 1]
+    finally:
+        for server in servers:
+            await server.stop(None)
 
 
 # -- results and outcomes -----------------------------------------------------------
