@@ -339,9 +339,7 @@ class Backoff:
         """Counts a failure and returns how long to wait before the next attempt."""
         delay = backoff_delay(self.retry, self.failures)
         if self.failures == 0:
-            self.log.warning(
-                "%s failed (%s); retrying with backoff up to %gs", self.what, err, self.retry.max_backoff
-            )
+            self.log.warning("%s failed (%s); retrying with backoff up to %gs", self.what, err, self.retry.max_backoff)
         else:
             self.log.debug("%s failed again (%s); retrying in %.2fs", self.what, err, delay)
         self.failures += 1

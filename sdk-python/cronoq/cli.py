@@ -20,12 +20,12 @@ from google.protobuf.message import Message
 # own: NONE silences them unless the user set GRPC_VERBOSITY. grpc reads it once, on import.
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from . import __version__  # noqa: E402
-from ._transport import RetryConfig, TlsConfig  # noqa: E402
-from .client import Client, Schedule, Task, TaskEvent, payload_of, result_of  # noqa: E402
-from .errors import CronoqError  # noqa: E402
-from .jsonform import task_dict, to_dict  # noqa: E402
-from .v1 import admin_service_pb2, schedule_service_pb2, task_pb2, task_service_pb2, worker_service_pb2  # noqa: E402
+from . import __version__
+from ._transport import RetryConfig, TlsConfig
+from .client import Client, Schedule, Task, TaskEvent, payload_of, result_of
+from .errors import CronoqError
+from .jsonform import task_dict, to_dict
+from .v1 import admin_service_pb2, schedule_service_pb2, task_pb2, task_service_pb2, worker_service_pb2
 
 STATE_NAMES = {v: k.removeprefix("TASK_STATE_").lower() for k, v in task_pb2.TaskState.items()}
 

@@ -18,9 +18,8 @@ import pytest
 import cronoq
 from cronoq import worker as worker_mod
 from cronoq._transport import Backoff, backoff_delay
-from cronoq.v1 import task_pb2
+from cronoq.v1 import task_pb2, worker_service_pb2_grpc
 from cronoq.v1 import worker_service_pb2 as pb
-from cronoq.v1 import worker_service_pb2_grpc
 
 MiB = 1 << 20
 FAST = cronoq.RetryConfig(initial_backoff=0.001, max_backoff=0.01, max_elapsed=None)
@@ -504,7 +503,9 @@ class Redirecting(worker_service_pb2_grpc.WorkerServiceServicer):
     async def RegisterWorker(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self.calls += 1
         trailers = (("cronoq-shard", "gpu"), ("cronoq-shard-endpoint", self.to))
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "pool default is on shard gpu", trailing_metadata=trailers)
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION, "pool default is on shard gpu", trailing_metadata=trailers
+        )
 
 
 async def test_a_worker_follows_three_redirects_in_a_row_and_refuses_the_fourth():
