@@ -18,6 +18,11 @@ import pytest
 from pgserver import TempPostgres, find_bin_dir
 from ports import free_port
 
+# grpc core's own log lines (in this process, and the servers, workers and CLIs it starts) stay
+# out of the test output unless GRPC_VERBOSITY is set: the SDK's and server's errors say what
+# failed. grpc reads it once, on import; nothing above imports grpc.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
 REPO = Path(__file__).resolve().parent.parent
 
 
