@@ -23,6 +23,7 @@ from .api.listen import ListenError
 from .api.tls import check_tls_files, describe
 from .auth import MAX_TOKEN_CHARS
 from .config import Config, ConfigError, load_config
+from .logformat import setup_logging
 from .node import Node
 from .router import ShardRouter
 from .store.base import StoreRefused
@@ -176,6 +177,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML config file (see docs/configuration.md)")
     parser.add_argument("--shard", metavar="NAME", help="the shard to serve; required with [[shards]]")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="text lines, or one JSON object per line (time, level, logger, message, shard, exception); "
+        "overrides server.log_format",
+    )
     parser.add_argument("--version", action="version", version=f"cronoq-server {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.add_parser(
@@ -188,16 +195,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "hash-token":
         sys.exit(hash_token(sys.stdin))
-    logging.basicConfig(
-        level=args.log_level,
-        format=f"%(asctime)s %(levelname)s [shard={args.shard or 'unsharded'}] %(name)s: %(message)s",
-    )
+    setup_logging(args.log_level, args.log_format or "text", args.shard)
     try:
         config = load_config(args.config)
         check_startup(config, args.config or "<defaults>", args.shard)
     except ConfigError as err:
         print(f"cronoq-server: {err}", file=sys.stderr)
         sys.exit(2)
+    if args.log_format is None and config.server.log_format != "text":
+        setup_logging(args.log_level, config.server.log_format, args.shard)
     try:
         import uvloop
     except ImportError:
