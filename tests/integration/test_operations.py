@@ -10,6 +10,9 @@ import contextlib
 import datetime
 import json
 import sqlite3
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,10 @@ import pytest
 from _helpers import Api, eventually
 from conftest import ServerProcess  # type: ignore[import-not-found]
 from test_sharding_faults import fresh_database
+
+from cronoq.v1 import task_pb2
+from cronoq.v1 import task_service_pb2 as tpb
+from cronoq.v1 import worker_service_pb2 as wpb
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -90,3 +97,136 @@ def test_json_log_is_one_object_a_line_with_the_exception_as_a_field(
     assert failure["level"] == "ERROR"
     assert "Traceback" in failure["exception"] and "schedules" in failure["exception"]
     assert entries[-1]["message"] == "shard unsharded: stopped"
+
+
+class BurnDown:
+    """Submissions and a worker finishing them, each in a thread of its own, until stopped; the
+    ids of the submissions acknowledged so far are in `acknowledged`."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self.acknowledged: list[int] = []
+        self.finished = 0
+        self.running = True
+        self.threads = [threading.Thread(target=self._submit), threading.Thread(target=self._work)]
+
+    def __enter__(self) -> BurnDown:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.running = False
+        for thread in self.threads:
+            thread.join(30)
+
+    def _submit(self) -> None:
+        api = Api(self.target)
+        while self.running:
+            batch = [tpb.SubmitTaskRequest(pool="default", payload=b"p" * 512) for _ in range(20)]
+            tasks = api.tasks.SubmitBatch(tpb.SubmitBatchRequest(tasks=batch)).tasks
+            self.acknowledged += [t.id for t in tasks]
+
+    def _work(self) -> None:
+        api = Api(self.target)
+        worker = api.register()
+        while self.running:
+            leased = api.lease(worker, n=20, wait_ms=200)
+            assert all(result.accepted for result in succeed_all(api, worker, leased))
+            self.finished += len(leased)
+
+
+def test_backup_of_a_live_sqlite_store_restores_every_acknowledged_task(start_server: Any, tmp_path: Path) -> None:
+    path = tmp_path / "cronoq.db"
+    pools = [{"name": "default", "lease_ttl": "5s"}]
+    srv = start_server({"store": {"path": str(path)}, "pools": pools})
+    backup = tmp_path / "backup.db"
+    with BurnDown(srv.grpc_target) as burn:
+        eventually(lambda: len(burn.acknowledged) >= 1000 and burn.finished >= 200, timeout=60, what="a burn-down")
+        acknowledged_before, finished_before = set(burn.acknowledged), burn.finished
+        copy = cli_backup(srv, "--to", str(backup))
+        eventually(lambda: len(burn.acknowledged) > len(acknowledged_before) + 100, what="more submissions")
+    assert copy.returncode == 0, copy.stderr
+    assert copy.stdout.startswith(f"backed up store {path} to {backup}: ")
+    assert srv.stop() == 0
+    with contextlib.closing(sqlite3.connect(backup)) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        states = dict(db.execute("SELECT seq, state FROM tasks").fetchall())
+    # Restore: a server on the copy serves every task acknowledged before the backup began...
+    restored = start_server({"store": {"path": str(backup)}, "pools": pools}, name="restored")
+    api = Api(restored.grpc_target)
+    served = list_all(api)
+    assert acknowledged_before <= set(served)
+    assert len(served) == len(states)
+    succeeded = [i for i in acknowledged_before if served[i] == task_pb2.TASK_STATE_SUCCEEDED]
+    assert len(succeeded) >= finished_before
+    # ...and its state is whole: a worker finishes every task the copy holds unfinished.
+    # (the tasks the copy holds leased come back when their 5 s leases expire)
+    worker = api.register()
+
+    def burnt_down() -> bool:
+        assert all(result.accepted for result in succeed_all(api, worker, api.lease(worker, n=100, wait_ms=500)))
+        return set(list_all(api).values()) == {task_pb2.TASK_STATE_SUCCEEDED}
+
+    eventually(burnt_down, timeout=60, what="the restored store burnt down")
+    assert restored.stop() == 0
+
+
+def succeed_all(api: Api, worker: str, tasks: list[task_pb2.Task]) -> list[wpb.FinishTaskResult]:
+    """One FinishTasks call for all of them."""
+    success = wpb.TaskSuccess(result=b"ok")
+    outcomes = [wpb.TaskOutcome(task_id=t.id, attempt=t.attempt, success=success) for t in tasks]
+    return list(api.workers.FinishTasks(wpb.FinishTasksRequest(worker_id=worker, outcomes=outcomes)).results)
+
+
+def list_all(api: Api) -> dict[int, int]:
+    """Every task's state, by id."""
+    states: dict[int, int] = {}
+    token = ""
+    while True:
+        page = api.tasks.ListTasks(tpb.ListTasksRequest(page_size=1000, page_token=token))
+        states.update((t.id, t.state) for t in page.tasks)
+        if not (token := page.next_page_token):
+            return states
+
+
+def cli_backup(srv: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "cronoq_server.main", "backup", "--config", str(srv.config_path), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def test_backup_refuses_an_existing_file_a_missing_store_and_postgres(tmp_path: Path) -> None:
+    path = tmp_path / "cronoq.db"
+    srv = ServerProcess(tmp_path, {"store": {"path": str(path)}})
+    missing = cli_backup(srv, "--to", str(tmp_path / "copy.db"))
+    assert (missing.returncode, missing.stderr) == (
+        2,
+        f"cronoq-server backup: store {path}: no such file (is --config the server's?)\n",
+    )
+    assert not path.exists()  # no empty store made in its place
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT)")
+        db.execute("CREATE TABLE tasks (seq INTEGER PRIMARY KEY)")
+        db.execute("INSERT INTO meta VALUES ('schema_version', '6')")
+        db.commit()
+    existing = tmp_path / "existing.db"
+    existing.write_bytes(b"keep me")
+    refused = cli_backup(srv, "--to", str(existing))
+    assert (refused.returncode, refused.stderr) == (
+        2,
+        f"cronoq-server backup: --to {existing}: exists (give --force to replace it)\n",
+    )
+    assert existing.read_bytes() == b"keep me"
+    forced = cli_backup(srv, "--to", str(existing), "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert forced.stdout == f"backed up store {path} to {existing}: 0 tasks, schema version 6\n"
+    assert sorted(p.name for p in tmp_path.iterdir() if ".partial" in p.name) == []
+    pg = ServerProcess(
+        tmp_path, {"store": {"kind": "postgres", "url": "postgresql://x/y", "schema": "jobs"}}, name="pg"
+    )
+    to_pg = cli_backup(pg, "--to", str(tmp_path / "pg.db"))
+    assert to_pg.returncode == 2
+    assert to_pg.stderr == (
+        "cronoq-server backup: store.kind is postgres: back up its schema with pg_dump --schema=jobs "
+        "--format=custom (see docs/operations.md)\n"
+    )
