@@ -21,7 +21,8 @@ import asyncpg
 import pytest
 from _helpers import Api, eventually
 from conftest import ServerProcess  # type: ignore[import-not-found]
-from test_sharding_faults import fresh_database
+from pgserver import find_bin_dir
+from test_sharding_faults import fresh_database, pg_fetch
 
 from cronoq.v1 import task_pb2
 from cronoq.v1 import task_service_pb2 as tpb
@@ -136,32 +137,71 @@ class BurnDown:
             self.finished += len(leased)
 
 
-def test_backup_of_a_live_sqlite_store_restores_every_acknowledged_task(start_server: Any, tmp_path: Path) -> None:
-    path = tmp_path / "cronoq.db"
+class Backup:
+    """One store of each kind, backed up and restored as docs/operations.md says."""
+
+    def __init__(self, kind: str, tmp_path: Path, request: Any):
+        self.kind = kind
+        self.tmp_path = tmp_path
+        if kind == "postgres":
+            self.pg = request.getfixturevalue("postgres")
+            self.bin_dir = find_bin_dir()
+            self.url, self.restored_url = fresh_database(self.pg), fresh_database(self.pg)
+
+    def store(self, restored: bool = False) -> dict[str, Any]:
+        if self.kind == "postgres":
+            return {"kind": "postgres", "url": self.restored_url if restored else self.url}
+        return {"path": str(self.tmp_path / ("restored.db" if restored else "cronoq.db"))}
+
+    def back_up(self, srv: Any) -> None:
+        if self.kind == "sqlite":
+            copy = cli_backup(srv, "--to", str(self.tmp_path / "restored.db"))
+            assert copy.returncode == 0, copy.stderr
+            assert copy.stdout.startswith(f"backed up store {self.tmp_path / 'cronoq.db'} to ")
+            return
+        dump = ["pg_dump", "--schema=cronoq", "--format=custom", f"--file={self.tmp_path / 'cronoq.dump'}", self.url]
+        subprocess.run([str(self.bin_dir / dump[0]), *dump[1:]], check=True, capture_output=True, timeout=60)
+
+    def restore(self) -> int:
+        """Puts the backup in place; returns how many tasks it holds."""
+        if self.kind == "sqlite":
+            with contextlib.closing(sqlite3.connect(self.tmp_path / "restored.db")) as db:
+                assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+                return int(db.execute("SELECT count(*) FROM tasks").fetchone()[0])
+        restore = ["pg_restore", "--no-owner", "--exit-on-error", f"--dbname={self.restored_url}"]
+        subprocess.run(
+            [str(self.bin_dir / restore[0]), *restore[1:], str(self.tmp_path / "cronoq.dump")],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        return int(pg_fetch(self.restored_url, "SELECT count(*) FROM cronoq.tasks")[0][0])
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_backup_of_a_live_store_restores_every_acknowledged_task(
+    start_server: Any, tmp_path: Path, request: Any, kind: str
+) -> None:
+    backup = Backup(kind, tmp_path, request)
     pools = [{"name": "default", "lease_ttl": "5s"}]
-    srv = start_server({"store": {"path": str(path)}, "pools": pools})
-    backup = tmp_path / "backup.db"
+    srv = start_server({"store": backup.store(), "pools": pools})
     with BurnDown(srv.grpc_target) as burn:
-        eventually(lambda: len(burn.acknowledged) >= 1000 and burn.finished >= 200, timeout=60, what="a burn-down")
+        eventually(lambda: len(burn.acknowledged) >= 600 and burn.finished >= 200, timeout=60, what="a burn-down")
         acknowledged_before, finished_before = set(burn.acknowledged), burn.finished
-        copy = cli_backup(srv, "--to", str(backup))
+        backup.back_up(srv)
         eventually(lambda: len(burn.acknowledged) > len(acknowledged_before) + 100, what="more submissions")
-    assert copy.returncode == 0, copy.stderr
-    assert copy.stdout.startswith(f"backed up store {path} to {backup}: ")
     assert srv.stop() == 0
-    with contextlib.closing(sqlite3.connect(backup)) as db:
-        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        states = dict(db.execute("SELECT seq, state FROM tasks").fetchall())
+    held = backup.restore()
     # Restore: a server on the copy serves every task acknowledged before the backup began...
-    restored = start_server({"store": {"path": str(backup)}, "pools": pools}, name="restored")
+    restored = start_server({"store": backup.store(restored=True), "pools": pools}, name="restored")
     api = Api(restored.grpc_target)
     served = list_all(api)
     assert acknowledged_before <= set(served)
-    assert len(served) == len(states)
+    assert len(served) == held
     succeeded = [i for i in acknowledged_before if served[i] == task_pb2.TASK_STATE_SUCCEEDED]
     assert len(succeeded) >= finished_before
-    # ...and its state is whole: a worker finishes every task the copy holds unfinished.
-    # (the tasks the copy holds leased come back when their 5 s leases expire)
+    # ...and its state is whole: a worker finishes every task the copy holds unfinished
+    # (the tasks the copy holds leased come back when their 5 s leases expire).
     worker = api.register()
 
     def burnt_down() -> bool:
