@@ -270,3 +270,17 @@ def test_backup_refuses_an_existing_file_a_missing_store_and_postgres(tmp_path: 
         "cronoq-server backup: store.kind is postgres: back up its schema with pg_dump --schema=jobs "
         "--format=custom (see docs/operations.md)\n"
     )
+
+
+def test_memory_bench_gives_the_sizing_figures() -> None:
+    """bench/memory.py, whose figures docs/operations.md quotes, on a small scale."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "memory.py"), "--connections", "3", "--watches", "3", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout.splitlines()[-1])
+    assert figures["base_rss_mib"] > 10
+    assert {"kib_per_connection", "kib_per_watch_stream"} <= set(figures)
