@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import json
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -261,6 +262,19 @@ def test_backup_refuses_an_existing_file_a_missing_store_and_postgres(tmp_path: 
     assert forced.returncode == 0, forced.stderr
     assert forced.stdout == f"backed up store {path} to {existing}: 0 tasks, schema version 6\n"
     assert sorted(p.name for p in tmp_path.iterdir() if ".partial" in p.name) == []
+    sharded = {
+        "store": {"path": str(tmp_path / "{shard}.db")},
+        "pools": [{"name": "default"}],
+        "shards": [{"name": "cpu", "number": 1, "pools": ["default"], "endpoint": "http://127.0.0.1:1"}],
+    }
+    shard = ServerProcess(tmp_path, sharded, name="sharded")
+    unnamed = cli_backup(shard, "--to", str(tmp_path / "cpu-copy.db"))
+    assert unnamed.returncode == 2
+    assert "--shard is required with [[shards]] (one of: cpu)" in unnamed.stderr
+    shutil.copy(path, tmp_path / "cpu.db")
+    named = cli_backup(shard, "--shard", "cpu", "--to", str(tmp_path / "cpu-copy.db"))
+    assert named.returncode == 0, named.stderr
+    assert named.stdout.startswith(f"backed up store {tmp_path / 'cpu.db'} to {tmp_path / 'cpu-copy.db'}: ")
     pg = ServerProcess(
         tmp_path, {"store": {"kind": "postgres", "url": "postgresql://x/y", "schema": "jobs"}}, name="pg"
     )
