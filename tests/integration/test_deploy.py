@@ -90,6 +90,10 @@ def test_unit_passes_systemd_analyze_verify(name: str, tmp_path: Path) -> None:
     out = subprocess.run([analyze, "verify", str(tmp_path / instance)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert name.split("@")[0] not in out.stderr + out.stdout, out.stderr  # no warning about the unit
+    # systemd's own exposure score (0 to 10, lower is safer): "OK" up to 2.0 here.
+    security = [analyze, "security", "--offline=yes", "--threshold=20", str(tmp_path / instance)]
+    scored = subprocess.run(security, capture_output=True, text=True, timeout=60)
+    assert scored.returncode == 0, scored.stdout[-2000:] + scored.stderr
 
 
 def exec_start(name: str, instance: str = "") -> list[str]:
