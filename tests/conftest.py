@@ -94,8 +94,8 @@ class ServerProcess:
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
-    def start(self, wait_ready: bool = True) -> ServerProcess:
-        cmd = [sys.executable, "-m", "cronoq_server.main", "--config", str(self.config_path)]
+    def start(self, wait_ready: bool = True, extra_args: list[str] | None = None) -> ServerProcess:
+        cmd = [sys.executable, "-m", "cronoq_server.main", "--config", str(self.config_path), *(extra_args or [])]
         if self.shard:
             cmd += ["--shard", self.shard]
         log = open(self.log_path, "ab")
