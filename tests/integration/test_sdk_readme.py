@@ -80,16 +80,18 @@ def test_readme_has_the_examples_it_promises() -> None:
 def test_readme_examples_run_against_a_server(start_server: Any, tmp_path: Path) -> None:
     server = start_server({"pools": [{"name": "default", "retry_backoff": "50ms"}]})
     _tls_files(tmp_path)
-    services: list[tuple[subprocess.Popen[bytes], Path]] = []
+    services: list[tuple[subprocess.Popen[bytes], Path, Path]] = []  # process, script, output
     scripts: list[Path] = []
     for i, block in enumerate(code_blocks(SDK_README, "python")):
         path = tmp_path / f"example_{i}.py"
         path.write_text(block.replace(README_ENDPOINT, server.endpoint))
         if block.startswith(SERVICE_MARK):
             out = tmp_path / f"example_{i}.out"
-            proc = subprocess.Popen([sys.executable, str(path)], cwd=tmp_path, stdout=open(out, "wb"),
-                                    stderr=subprocess.STDOUT)  # fmt: skip
-            services.append((proc, out))
+            with open(out, "wb") as sink:
+                proc = subprocess.Popen(
+                    [sys.executable, str(path)], cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT
+                )
+            services.append((proc, path, out))
         else:
             scripts.append(path)
     try:
@@ -98,28 +100,27 @@ def test_readme_examples_run_against_a_server(start_server: Any, tmp_path: Path)
         _wait_for(lambda: _gauge(server, "cronoq_watch_streams") >= 1, "the README's watcher to connect")
         outputs = []
         for path in scripts:
-            proc = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True,
-                                  timeout=90)  # fmt: skip
-            assert proc.returncode == 0, f"{path.name}:\n{path.read_text()}\n{proc.stdout}{proc.stderr}"
-            outputs.append(proc.stdout)
+            done = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=90)
+            assert done.returncode == 0, f"{path.name}:\n{path.read_text()}\n{done.stdout}{done.stderr}"
+            outputs.append(done.stdout)
         printed = "".join(outputs)
         assert "{'doubled': 42}" in printed, printed  # the client's task, run by the README's worker
         assert "missing:" in printed and "StatusCode.INVALID_ARGUMENT" in printed, printed  # the errors example
-        watcher = next(out for proc, out in services if ".watch(" in Path(proc.args[1]).read_text())
-        _wait_for(lambda: re.search(r"job-1 TASK_STATE_SUCCEEDED", watcher.read_text()), "the watcher's job-1 event")
+        watcher = next(out for _, path, out in services if ".watch(" in path.read_text())
+        _wait_for(lambda: "job-1 TASK_STATE_SUCCEEDED" in watcher.read_text(), "the watcher's job-1 event")
     finally:
-        for proc, _ in services:
+        for proc, _, _ in services:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
-        codes = []
-        for proc, out in services:
+        codes: list[int | None] = []
+        for proc, _, _ in services:
             try:
                 codes.append(proc.wait(45))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 codes.append(None)
-    for (proc, out), code in zip(services, codes, strict=True):
-        assert code == 0, f"{proc.args[1]} exited {code} on Ctrl-C:\n{Path(proc.args[1]).read_text()}\n{out.read_text()}"
+    for (_, path, out), code in zip(services, codes, strict=True):
+        assert code == 0, f"{path.name} exited {code} on Ctrl-C:\n{path.read_text()}\n{out.read_text()}"
 
 
 @pytest.mark.parametrize("readme", CLI_READMES, ids=lambda p: str(p.relative_to(REPO)))
