@@ -360,6 +360,7 @@ def user_venv(wheels: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
             "--python",
             str(venv / "bin" / "python"),
             *map(str, wheels.values()),
+            "trove-classifiers",  # PyPI's list of classifiers, for test_classifiers_are_pypis
         ],
     ):
         proc = subprocess.run(cmd, cwd=venv.parent, env=_outside_env(), capture_output=True, text=True, timeout=300)
@@ -448,3 +449,10 @@ def test_installed_server_and_cli_work_together(user_venv: Path, tmp_path: Path)
         server.terminate()
         server.wait(30)
         log.close()
+
+
+def test_classifiers_are_pypis(wheels: dict[str, Path], user_venv: Path) -> None:
+    """PyPI refuses an upload with a classifier it does not know."""
+    ours = sorted({c for w in wheels.values() for c in _metadata(w).get_all("Classifier") or []})
+    code = f"from trove_classifiers import classifiers; print([c for c in {ours!r} if c not in classifiers])"
+    assert _run(user_venv, "python", "-c", code).strip() == "[]"
