@@ -110,6 +110,11 @@ def _requirement_names(requirements: list[str]) -> set[str]:
     return {re.split(r"[\s;<>=!~\[(@]", r.strip(), maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
 
 
+def _version(project: Path) -> str:
+    with open(project / "pyproject.toml", "rb") as f:
+        return str(tomllib.load(f)["project"]["version"])
+
+
 def _pyproject_dependencies(project: Path) -> set[str]:
     with open(project / "pyproject.toml", "rb") as f:
         return _requirement_names(tomllib.load(f)["project"]["dependencies"])
@@ -384,13 +389,13 @@ def _run(venv: Path, *cmd: str, stdin: str | None = None) -> str:
 
 def test_installed_commands_run_outside_the_repository(user_venv: Path) -> None:
     assert "hash-token" in _run(user_venv, "cronoq-server", "--help")
-    assert _run(user_venv, "cronoq-server", "--version").strip() == "cronoq-server 0.1.0"
+    assert _run(user_venv, "cronoq-server", "--version").strip() == f"cronoq-server {_version(SERVER_DIR)}"
     digest = _run(user_venv, "cronoq-server", "hash-token", stdin="s3cret")
     assert digest == hashlib.sha256(b"s3cret").hexdigest() + "\n"
     help_text = _run(user_venv, "cronoq", "--help")
     for command in ("submit", "get", "wait", "cancel", "tasks", "watch", "workers", "schedules", "snapshot"):
         assert command in help_text, help_text
-    assert _run(user_venv, "cronoq", "--version").strip() == "cronoq 0.1.0"
+    assert _run(user_venv, "cronoq", "--version").strip() == f"cronoq {_version(SDK_DIR)}"
 
 
 def test_installed_packages_are_the_wheels_typed_and_licensed(user_venv: Path) -> None:
