@@ -1,11 +1,12 @@
 // A TypeScript worker and client against a cronoq server: it submits a few tasks to a pool,
 // runs a worker for them, waits for each and prints how it ended; Ctrl-C stops it gracefully.
 //
-//   npx tsx examples/worker.ts --endpoint http://127.0.0.1:7070 --pool default
+//   npx tsx examples/worker.ts --endpoint http://127.0.0.1:7070 --pool default   (in sdk-ts)
 //
+// It imports "cronoq" as an application does: in sdk-ts, tsconfig.json's `paths` maps it to src/.
 // The endpoint and token also come from CRONOQ_ENDPOINT and CRONOQ_TOKEN.
 import { parseArgs } from "node:util";
-import { Client, decodePayload, decodeResult, nonRetryable, retryAfter, TaskState, taskStateToJSON, Worker, type Task } from "../src/index.js";
+import { Client, decodePayload, decodeResult, nonRetryable, retryAfter, TaskState, taskStateToJSON, Worker, type Task } from "cronoq";
 
 interface Job {
   kind: "double" | "flaky" | "broken";
