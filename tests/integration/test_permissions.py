@@ -54,6 +54,7 @@ from typing import Any
 
 import grpc
 import pytest
+from _helpers import store_table  # type: ignore[import-not-found]
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 from tls_pki import Pair, Pki
@@ -1642,6 +1643,37 @@ def test_workers_belong_to_their_principal(env: Env) -> None:
     )
     check_fenced_finish(env, "full-a")
     env.finish()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_a_request_id_is_the_callers_own(start_server: Any, request: pytest.FixtureRequest, kind: str) -> None:
+    """Two principals that send the same request_id each get a task of their own: the second
+    learns nothing of the first's (not its id, payload or key), and each one's retry is its own."""
+    srv = start_server({**token_config(), "store": store_table(kind, request)})
+    channel = grpc.insecure_channel(srv.grpc_target)
+    tasks = task_service_pb2_grpc.TaskServiceStub(channel)
+
+    def submit(label: str, payload: bytes, key: str = "") -> tpb.SubmitTaskResponse:
+        req = tpb.SubmitTaskRequest(pool="a", payload=payload, key=key, request_id="same-request")
+        return tasks.SubmitTask(req, metadata=[("authorization", TOKENS[label].header)], timeout=TIMEOUT)
+
+    def batch(label: str, payload: bytes) -> tpb.SubmitBatchResponse:
+        req = tpb.SubmitBatchRequest(tasks=[tpb.SubmitTaskRequest(pool="a", payload=payload)], request_id="same-batch")
+        return tasks.SubmitBatch(req, metadata=[("authorization", TOKENS[label].header)], timeout=TIMEOUT)
+
+    try:
+        first = submit("full-a", b"first's", key="ka-000001")
+        second = submit("full-ab", b"second's")
+        assert not second.deduplicated and second.task.id != first.task.id, second
+        assert second.task.payload == b"second's" and not second.task.key, second.task
+        assert submit("full-a", b"first's", key="ka-000001").task.id == first.task.id  # what the first call created
+        assert submit("full-ab", b"second's").task.id == second.task.id
+        # The same, in batches.
+        first_batch, second_batch = batch("full-a", b"first's"), batch("full-ab", b"second's")
+        assert not second_batch.deduplicated_ids and second_batch.tasks[0].id != first_batch.tasks[0].id
+        assert second_batch.tasks[0].payload == b"second's"
+    finally:
+        channel.close()
 
 
 def test_workers_belong_to_their_principal_mtls(mtls_env: Env) -> None:
