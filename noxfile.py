@@ -1,4 +1,4 @@
-"""Every job of the repository is a nox session: demo, tests, conformance, proto, lint, bench.
+"""Every job of the repository is a nox session: demo, tests, conformance, mutants, proto, lint, bench.
 
 Run them through ./dev (which installs nox itself), e.g. `./dev demo`, `./dev tests`.
 """
@@ -194,6 +194,14 @@ def conformance(session: nox.Session) -> None:
     `-- --case NAME --verbose`: one case, with what the driver and the servers saw)."""
     session.install(*PACKAGES, *TEST_DEPS)
     _conformance(session, session.posargs)
+
+
+@nox.session
+def mutants(session: nox.Session) -> None:
+    """The mutation check of the security-critical lines (tests/mutants.toml): each one-line
+    mutant must fail the tests it names (`-- NAME...`: these only; `-- --list`)."""
+    session.install(*PACKAGES, *TEST_DEPS)
+    session.run("python", "tests/mutants.py", *session.posargs)
 
 
 @nox.session

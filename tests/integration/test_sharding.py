@@ -316,6 +316,11 @@ def test_a_caller_learns_nothing_of_a_shard_it_may_read_no_pool_of(shards: TwoSh
         )
         assert [s.shard for s in snap.shards] == ["cpu"], snap
         assert "gpu" not in str(snap) and gpu_endpoint not in str(snap)
+    # Asked of gpu alone (a call marked cronoq-forwarded): nothing of it, not its standbys.
+    snap = admin_service_pb2_grpc.AdminServiceStub(shards.stubs["gpu"].channel).GetSnapshot(
+        apb.GetSnapshotRequest(), metadata=[*bearer("default-only"), ("cronoq-forwarded", "1")], timeout=TIMEOUT
+    )
+    assert not snap.shards, snap
     status, headers, body = http(shards.cpu, "GET", "/v1/snapshot", token="default-only")
     assert status == 200 and [s["shard"] for s in body["shards"]] == ["cpu"], body
 

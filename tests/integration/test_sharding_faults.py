@@ -570,6 +570,9 @@ def test_with_a_shard_down_a_caller_that_may_read_none_of_it_learns_nothing_of_i
         status, headers, body = http(srv, "GET", path, token="default-only")
         assert status == 200 and not body.get("unavailable_shards"), (path, body)
         assert "cronoq-unavailable-shards" not in headers, path
+    # A read of gpu's pool: refused for the pool, not for gpu being down.
+    err = refusal(lambda: cpu.tasks.ListTasks(tpb.ListTasksRequest(pool="llm"), metadata=md, timeout=TIMEOUT))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "gpu" not in err.details(), err  # type: ignore[attr-defined]
 
     gpu_id = shard_down.gpu_task.id
     for ref, message in ((task_pb2.TaskRef(id=gpu_id), f"task {gpu_id} not found"),
