@@ -150,7 +150,8 @@ def check_generated(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Every test: generated-code check, buf lint, unit, store and integration tests; without
     arguments also the Go SDK's vet and unit tests, the TypeScript SDK's strict type check and
-    unit tests, the Rust SDK's tests, clippy and rustfmt check, and the conformance corpus."""
+    unit tests, the Rust SDK's tests, clippy and rustfmt check, the conformance corpus, and the
+    mutation check of the security-critical lines."""
     session.install(*PACKAGES, *TEST_DEPS)
     check_generated(session)
     args = session.posargs or ["-n", "2", "--dist", "loadfile"]
@@ -160,6 +161,7 @@ def tests(session: nox.Session) -> None:
         _ts_checks(session)
         _rust_checks(session)
         _conformance(session, [])
+        session.run("python", "tests/mutants.py", "--no-baseline", "--if-clean")  # their tests just passed
 
 
 def _go_checks(session: nox.Session) -> None:
@@ -198,8 +200,9 @@ def conformance(session: nox.Session) -> None:
 
 @nox.session
 def mutants(session: nox.Session) -> None:
-    """The mutation check of the security-critical lines (tests/mutants.toml): each one-line
-    mutant must fail the tests it names (`-- NAME...`: these only; `-- --list`)."""
+    """The mutation check of the security-critical lines (tests/mutants.toml), also run by
+    `tests`: each one-line mutant must fail the tests it names (`-- NAME...`: these only;
+    `-- --list`)."""
     session.install(*PACKAGES, *TEST_DEPS)
     session.run("python", "tests/mutants.py", *session.posargs)
 

@@ -5,11 +5,12 @@ must fail. A mutant they do not catch is a check that could be deleted with ever
     python tests/mutants.py              # every mutant (./dev mutants)
     python tests/mutants.py NAME...      # these only
     python tests/mutants.py --list       # the mutants, and whether each line is found
+    python tests/mutants.py --no-baseline --if-clean  # in ./dev tests, right after those tests passed
 
 Each mutant is applied in place and its file is always restored (SIGINT and SIGTERM too), so
 the files it mutates must be unmodified in git: the check refuses to start otherwise. Before
 any mutant, the named tests run once on the unmutated tree and must pass (a test failing for
-another reason would pass for a catch). A line that is not found exactly once fails the check:
+another reason would pass for a catch), unless --no-baseline says they just did. A line that is not found exactly once fails the check:
 a refactor that moves or rewords a line must update the list, not test nothing silently.
 """
 
@@ -112,6 +113,14 @@ def tail(output: str, n: int = 25) -> str:
     return "\n".join("    " + line for line in output.strip().splitlines()[-n:])
 
 
+def first_failure(output: str) -> str:
+    """What failed first, from pytest's short summary (FAILED or ERROR and the node id)."""
+    for line in output.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return ": " + line.split(" - ")[0]
+    return ""
+
+
 def _terminate(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)  # through the finally that restores the file
 
@@ -120,6 +129,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help="run these mutants only")
     ap.add_argument("--list", action="store_true", help="list the mutants and check that each line is found")
+    ap.add_argument("--no-baseline", action="store_true", help="the named tests just passed: do not run them unmutated")
+    ap.add_argument(
+        "--if-clean",
+        action="store_true",
+        help="when a file to mutate has changes not committed, say so and succeed (not with CI=true: fail)",
+    )
     args = ap.parse_args()
     mutants = load()
     unknown = set(args.names) - {m.name for m in mutants}
@@ -143,14 +158,22 @@ def main() -> int:
         return 0
     changed = dirty({m.file for m in chosen})
     if changed:
-        print(f"mutants: refusing to mutate files with changes not committed: {', '.join(changed)}", file=sys.stderr)
+        if args.if_clean and not os.environ.get("CI"):
+            print(f"mutants: skipped, changes not committed in {', '.join(changed)} (commit, then ./dev mutants)")
+            return 0
+        print(
+            f"mutants: refusing to mutate files with changes not committed: {', '.join(changed)} "
+            "(a run killed mid-mutant leaves one: `git diff` shows it, `git checkout -- FILE` restores)",
+            file=sys.stderr,
+        )
         return 2
 
     started = time.monotonic()
-    print(f"mutants: the named tests, unmutated ({len(chosen)} mutants)", flush=True)
     ids = list(dict.fromkeys(t for m in chosen for t in m.tests))
     baseline = ([pytest(ids, stop_first=False)] if ids else []) + [checks(m)[0] for m in chosen if m.command]
-    for argv in baseline:
+    if not args.no_baseline:
+        print(f"mutants: the named tests, unmutated ({len(chosen)} mutants)", flush=True)
+    for argv in [] if args.no_baseline else baseline:
         code, took, output = run(argv)
         if code != 0:
             print(f"mutants: these must pass before any mutant ({took:.0f}s):\n{tail(output)}", file=sys.stderr)
@@ -172,7 +195,7 @@ def main() -> int:
             errors.append(m.name)
             print(f"ERROR     {m.name} ({took:.0f}s): pytest exited {codes[0]}\n{tail(outcomes[0][2])}", flush=True)
         elif any(codes):
-            print(f"caught    {m.name} ({took:.0f}s)", flush=True)
+            print(f"caught    {m.name} ({took:.0f}s){first_failure(outcomes[0][2])}", flush=True)
         else:
             survived.append(m.name)
             print(
