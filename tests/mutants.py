@@ -85,7 +85,7 @@ def run(argv: list[str]) -> tuple[int, float, str]:
     started = time.monotonic()
     try:
         proc = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-        code, output = proc.returncode, proc.stdout + proc.stderr
+        code, output = proc.returncode, proc.stderr + proc.stdout  # the last line: the outcome it printed
     except subprocess.TimeoutExpired:
         code, output = -1, f"timed out after {RUN_TIMEOUT_S}s"
     return code, time.monotonic() - started, output
@@ -114,11 +114,11 @@ def tail(output: str, n: int = 25) -> str:
 
 
 def first_failure(output: str) -> str:
-    """What failed first, from pytest's short summary (FAILED or ERROR and the node id)."""
-    for line in output.splitlines():
-        if line.startswith(("FAILED ", "ERROR ")):
-            return ": " + line.split(" - ")[0]
-    return ""
+    """What failed first, from pytest's short summary (FAILED or ERROR and the node id); for a
+    command, its last line."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    failed = [line.split(" - ")[0] for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    return f": {(failed or lines or [''])[0 if failed else -1]}"
 
 
 def _terminate(signum: int, frame: FrameType | None) -> None:
