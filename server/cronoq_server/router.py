@@ -40,7 +40,9 @@ naming it (cronoq-unavailable-shards).
 Credentials first: the API layer authenticates and admit() checks the RPC's permission before
 any routing, and before any answer that names where a pool is served (a refusal, an
 unreachable shard, a batch across shards) the caller's permission on that pool is checked
-here, so a caller that may not use a pool learns nothing about where it is served.
+here, so a caller that may not use a pool learns nothing about where it is served. Nor of a
+shard where it may read no pool (may_read): reads and lookups by key leave it out, and a task id
+of it is the Node's NOT_FOUND, as a missing task is.
 """
 
 from __future__ import annotations
