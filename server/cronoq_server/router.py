@@ -248,7 +248,7 @@ class ShardRouter:
             task=task_pb2.TaskRef(key=key), include_dependents=getattr(request, "include_dependents", False)
         )
         # Only where the caller may read a pool: elsewhere no task is its to see, nor the shard's name.
-        readable = {s.name: lookup for s in self.shards if may_read(call.caller, s)}
+        readable: dict[str, Message] = {s.name: lookup for s in self.shards if may_read(call.caller, s)}
         answers = await self._ask(self.rpcs["GetTask"], readable, call)
         found: dict[str, task_pb2.Task] = {}
         dependents: dict[str, list[int]] = {}
