@@ -8,6 +8,7 @@ from __future__ import annotations
 import filecmp
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -230,7 +231,10 @@ def demo(session: nox.Session) -> None:
     """The main job: an embedded server on SQLite, a worker, tasks flowing (`-- --sharded`: two
     shards, calls forwarded between them, workers redirected to their shard)."""
     session.install(*PACKAGES)
-    session.run("python", "examples/demo.py", *session.posargs)
+    # SIGTERM to ./dev (nox) as Ctrl-C: nox then passes SIGTERM on to the demo, and waits while
+    # the demo stops its servers and workers (nox's default is a SIGKILL after 0.2 s).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    session.run("python", "examples/demo.py", *session.posargs, terminate_timeout=90)
 
 
 @nox.session

@@ -91,7 +91,7 @@ async def run(endpoint: str, http_url: str, http_port: int, calls: int, tasks: i
         step("2 stalled watchers")
         sse = socket.create_connection(("127.0.0.1", http_port))
         sse.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sse.sendall(b"GET /v1/watch?include_payloads=true HTTP/1.1\r\nHost: bench\r\n\r\n")
+        sse.sendall(b"GET /v1/watch?include_payloads=true HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         stalled = tasks_stub.Watch(tpb.WatchRequest(include_payloads=True))  # never read
         await asyncio.sleep(0.5)
         result["stalled_watchers_p50_ms"] = await submit_p50(tasks_stub, calls)

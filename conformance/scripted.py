@@ -257,7 +257,7 @@ async def serve_role(role: Role, log: Log) -> tuple[grpc.aio.Server, asyncio.Ser
     server = grpc.aio.server(
         options=[
             ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 0),
+            ("grpc.http2.min_ping_interval_without_data_ms", 0),
             ("grpc.http2.max_ping_strikes", 0),
         ]
     )

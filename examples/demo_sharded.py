@@ -18,14 +18,12 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
-from demo import HERE, STATE, free_port, wait_ready
+from demo import HERE, STATE, bounded, free_port, keep_serving, uninterrupted, wait_ready
 
 import cronoq
 
@@ -332,40 +330,11 @@ def metric_lines(http: str, name: str) -> list[str]:
         return [ln for ln in r.read().decode().splitlines() if ln.startswith(name)]
 
 
-STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)
-
-
-@contextmanager
-def bounded(seconds: int) -> Iterator[None]:
-    """Ctrl-C, SIGTERM and SIGALRM (after `seconds`) raise KeyboardInterrupt naming the signal."""
-
-    def interrupt(signum: int, _frame: FrameType | None) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    previous = {s: signal.signal(s, interrupt) for s in STOPPING_SIGNALS}
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-@contextmanager
-def uninterrupted() -> Iterator[None]:
-    """Stopping the processes is not cut short by another signal (it is bounded by itself)."""
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOPPING_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-def run_sharded_demo() -> None:
+def run_sharded_demo(keep: bool = False) -> None:
+    """The demo; with `keep`, its servers and workers run on afterwards, until Ctrl-C or SIGTERM."""
     started = time.monotonic()
     interrupted = ""
+    wrong: list[str] = []
     with tempfile.TemporaryDirectory(prefix="cronoq-demo-sharded-") as tmp:
         dep = Deployment(Path(tmp))
         try:
@@ -377,6 +346,10 @@ def run_sharded_demo() -> None:
                 for name in SHARDS:
                     forwarded = metric_lines(dep.http[name], "cronoq_forwarded_calls_total")
                     print(f"{name}'s /metrics: {'; '.join(forwarded) or 'no forwarded calls'}")
+                signal.alarm(0)  # the demo is done: what follows is not bounded
+                wrong = report(dep, expected, tasks, started)
+                if keep:
+                    keep_serving(dep.http, [c.proc for c in (*dep.servers.values(), *dep.workers.values())])
         except KeyboardInterrupt as why:
             interrupted = {"SIGALRM": f"took longer than {DEADLINE_S} s"}.get(str(why), str(why) or "SIGINT")
         finally:
@@ -386,6 +359,14 @@ def run_sharded_demo() -> None:
                 dep.stop_all()
     if interrupted:
         sys.exit(130)
+    if wrong:
+        sys.exit(f"demo: unexpected outcome for {wrong}")
+
+
+def report(
+    dep: Deployment, expected: dict[str, tuple[int, str]], tasks: list[cronoq.Task], started: float
+) -> list[str]:
+    """Prints every task and how the workers were redirected; returns what went wrong."""
     print(f"\n{'id':>18}  {'shard':<5} {'pool':<7} {'key':<10} {'state':<10} {'attempts':>8}  result / error")
     for t in tasks:
         ok = t.state == cronoq.TaskState.Value("TASK_STATE_SUCCEEDED")
@@ -399,6 +380,8 @@ def run_sharded_demo() -> None:
     wrong += [k for k, (_, state) in expected.items() if state == "refused"]
     wrong += [f"the worker of {pool}: not redirected" for pool, what in dep.redirects.items() if what.startswith("NOT")]
     print("\nworker redirects: " + "; ".join(f"{pool}: {what}" for pool, what in dep.redirects.items()))
-    if wrong:
-        sys.exit(f"demo: unexpected outcome for {wrong}")
-    print(f"\ndemo finished in {time.monotonic() - started:.1f} s: every task ended as expected, in its pool's shard")
+    if not wrong:
+        print(
+            f"\ndemo finished in {time.monotonic() - started:.1f} s: every task ended as expected, in its pool's shard"
+        )
+    return wrong

@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -88,6 +89,29 @@ class Authenticator:
             return client
         wanted = "'authorization: Bearer <token>'" + (" or a client certificate" if self._clients else "")
         raise ApiError(grpc.StatusCode.UNAUTHENTICATED, f"credentials required: send {wanted}")
+
+
+class RepeatedAuthorization(ApiError):
+    """A call with more than one authorization value. HTTP answers it 400, a malformed request
+    (RFC 6750's invalid_request), rather than 401: no credentials were looked at."""
+
+    def __init__(self, count: int):
+        super().__init__(
+            grpc.StatusCode.UNAUTHENTICATED, f"authorization: given {count} times; send one 'Bearer <token>'"
+        )
+
+    @property
+    def http_status(self) -> int:
+        return 400
+
+
+def one_authorization(values: Sequence[str]) -> str | None:
+    """The call's authorization value (None without one). Two or more are refused rather than
+    one of them picked: a proxy or client that adds its own beside the caller's must not decide
+    who calls."""
+    if len(values) > 1:
+        raise RepeatedAuthorization(len(values))
+    return values[0] if values else None
 
 
 def _bearer_token(authorization: str) -> str:

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import re
 import tomllib
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from cryptography import x509
 from cryptography.x509.oid import NameOID, ObjectIdentifier
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from .core.limits import MAX_ATTEMPTS, MAX_TIMEOUT_MS
 
 UNSHARDED = "unsharded"
 PERMISSIONS = ("submit", "read", "cancel", "work", "schedule", "admin")
@@ -40,7 +41,52 @@ def _parse_duration(value: Any) -> float:
     return seconds
 
 
-Duration = Annotated[float, BeforeValidator(_parse_duration)]
+def _duration(shortest: str, longest: str) -> BeforeValidator:
+    """A duration from shortest to longest: each key's own finite range (inf, nan and 1e300
+    once started a server that then failed on use, or failed to start with a traceback)."""
+    low, high = _parse_duration(shortest), _parse_duration(longest)
+
+    def parse(value: Any) -> float:
+        seconds = _parse_duration(value)
+        if not low <= seconds <= high:  # also false for nan
+            raise ValueError(f"duration must be from {shortest} to {longest}, got {value!r}")
+        return seconds
+
+    return BeforeValidator(parse)
+
+
+# Every duration is at least a millisecond (stores count microseconds); the longest of each:
+LeaseTtl = Annotated[float, _duration("1ms", "1d")]  # workers heartbeat a third of it, in uint32 ms
+Backoff = Annotated[float, _duration("1ms", "30d")]
+Timeout = Annotated[float, _duration("1ms", f"{MAX_TIMEOUT_MS // 86_400_000}d")]  # as a task's timeout_ms
+Retention = Annotated[float, _duration("1ms", "3650d")]
+Window = Annotated[float, _duration("1ms", "30d")]  # watch_window and worker_reap_after
+ForwardTimeout = Annotated[float, _duration("100ms", "10m")]
+# Sizes and counts: the largest of each (a payload twice over must fit gRPC's int32 message cap).
+MAX_BYTES = 256 << 20
+MAX_COUNT = 10**12
+MAX_SLOTS = 1_000_000  # a resource's concurrency, burst and starts per second
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def _check_path(value: str) -> str:
+    """A file path: not empty, no NUL (open() would raise, not refuse)."""
+    if not value:
+        raise ValueError("empty; give a file path")
+    if "\0" in value:
+        raise ValueError(f"NUL character in {value!r}")
+    return value
+
+
+FilePath = Annotated[str, AfterValidator(_check_path)]
+
+
+def _check_printable(value: str) -> str:
+    """Text told to other servers and clients (in gRPC metadata and files): no control characters."""
+    bad = next((c for c in value if ord(c) < 32 or ord(c) == 127), None)
+    if bad is not None:
+        raise ValueError(f"control character {bad!r} in {value!r}")
+    return value
 
 
 def _check_listen(value: Any) -> Any:
@@ -158,17 +204,17 @@ def _check_subject(value: str) -> str:
 class TlsConfig(_Strict):
     """Both listeners. With client_ca, every connection must present a certificate it signed."""
 
-    cert: str
-    key: str
-    client_ca: str | None = None
+    cert: FilePath
+    key: FilePath
+    client_ca: FilePath | None = None
 
 
 class PeerTlsConfig(_Strict):
     """This server's channels to other servers (https:// endpoints); system roots without ca."""
 
-    ca: str | None = None
-    cert: str | None = None
-    key: str | None = None
+    ca: FilePath | None = None
+    cert: FilePath | None = None
+    key: FilePath | None = None
 
     @model_validator(mode="after")
     def _pair(self) -> PeerTlsConfig:
@@ -180,7 +226,7 @@ class PeerTlsConfig(_Strict):
 class ServerConfig(_Strict):
     listen: Listen = "127.0.0.1:7070"
     http_listen: Listen = "127.0.0.1:7080"
-    advertise: str | None = None
+    advertise: Annotated[str, AfterValidator(_check_printable)] | None = None
     tls: TlsConfig | None = None
     peer_tls: PeerTlsConfig | None = None
     insecure_peer_http: bool = False
@@ -188,39 +234,41 @@ class ServerConfig(_Strict):
     # With credentials configured, /metrics needs a token with `admin` unless this is true.
     metrics_public: bool = False
     # How long task events are kept in the store for Watch streams to resume from a cursor.
-    watch_window: Duration = 3600.0
+    watch_window: Window = 3600.0
     # A worker that has not heartbeated (or leased, or reported) for this long is removed.
-    worker_reap_after: Duration = 600.0
+    worker_reap_after: Window = 600.0
+    # The longest this server waits for another shard's answer to a call it forwards.
+    forward_timeout: ForwardTimeout = 30.0
 
 
 class StoreConfig(_Strict):
     kind: Literal["sqlite", "postgres"] = "sqlite"
-    path: str = "./cronoq.db"
+    path: FilePath = "./cronoq.db"
     url_env: str = "DATABASE_URL"
     url: str | None = None
-    schema_: str | None = Field(default=None, alias="schema")
+    schema_: str | None = Field(default=None, alias="schema", min_length=1)
     # SQLite: FULL makes each acknowledged write survive power loss, not only a crash.
     synchronous: Literal["full", "normal"] = "full"
 
 
 class PoolConfig(_Strict):
     name: Name
-    max_attempts: int = Field(default=3, ge=1, le=1000)
-    lease_ttl: Duration = 30.0
-    retry_backoff: Duration = 1.0
-    retry_backoff_max: Duration = 300.0
-    retry_backoff_multiplier: float = Field(default=2.0, ge=1.0, le=10.0)
-    retention: Duration = 7 * 86400.0
+    max_attempts: int = Field(default=3, ge=1, le=MAX_ATTEMPTS)
+    lease_ttl: LeaseTtl = 30.0
+    retry_backoff: Backoff = 1.0
+    retry_backoff_max: Backoff = 300.0
+    retry_backoff_multiplier: float = Field(default=2.0, ge=1.0, le=10.0, allow_inf_nan=False)
+    retention: Retention = 7 * 86400.0
     # Execution timeout of each attempt (none when unset); a task's timeout_ms is capped by it.
-    timeout: Duration | None = None
+    timeout: Timeout | None = None
 
 
 class ResourceConfig(_Strict):
     name: Name
     shard: str | None = None
-    concurrency: int | None = Field(default=None, ge=1)
-    rate: float | None = Field(default=None, gt=0)
-    burst: int | None = Field(default=None, ge=1)
+    concurrency: int | None = Field(default=None, ge=1, le=MAX_SLOTS)
+    rate: float | None = Field(default=None, gt=0, le=MAX_SLOTS, allow_inf_nan=False)
+    burst: int | None = Field(default=None, ge=1, le=MAX_SLOTS)
 
     @model_validator(mode="after")
     def _one_kind(self) -> ResourceConfig:
@@ -232,11 +280,11 @@ class ResourceConfig(_Strict):
 
 
 class LimitsConfig(_Strict):
-    max_pending_total: int | None = Field(default=None, ge=1)
-    max_pending_per_pool: int | None = Field(default=None, ge=1)
-    max_payload_bytes: int = Field(default=1 << 20, ge=1)
-    max_result_bytes: int = Field(default=4 << 20, ge=1)
-    max_batch_size: int = Field(default=1000, ge=1)
+    max_pending_total: int | None = Field(default=None, ge=1, le=MAX_COUNT)
+    max_pending_per_pool: int | None = Field(default=None, ge=1, le=MAX_COUNT)
+    max_payload_bytes: int = Field(default=1 << 20, ge=1, le=MAX_BYTES)
+    max_result_bytes: int = Field(default=4 << 20, ge=1, le=MAX_BYTES)
+    max_batch_size: int = Field(default=1000, ge=1, le=100_000)
 
 
 class ShardConfig(_Strict):
@@ -247,7 +295,7 @@ class ShardConfig(_Strict):
 
 
 class TokenConfig(_Strict):
-    name: str
+    name: Annotated[str, Field(min_length=1)]
     sha256: Annotated[str, Field(pattern=r"^[0-9a-fA-F]{64}$")] | None = None
     env: str | None = None
     pools: list[str]
@@ -298,6 +346,19 @@ def _unique(items: list[Any], attr: str, where: str) -> None:
         seen.add(value)
 
 
+def _unique_tokens(tokens: list[TokenConfig]) -> None:
+    """No two tokens share a digest or a variable: one of them would never be the one matched."""
+    seen: dict[tuple[str, str], int] = {}
+    for i, token in enumerate(tokens):
+        if token.sha256 is not None:
+            attr, value, shown = "sha256", token.sha256.lower(), ""
+        else:
+            attr, value, shown = "env", token.env or "", f" {token.env!r}"
+        if (attr, value) in seen:
+            raise ValueError(f"tokens[{i}].{attr}: duplicate value{shown}, as in tokens[{seen[attr, value]}]")
+        seen[attr, value] = i
+
+
 def _check_cross_references(cfg: Config) -> None:
     if not cfg.pools:
         raise ValueError("pools: at least one [[pools]] entry is needed")
@@ -306,6 +367,8 @@ def _check_cross_references(cfg: Config) -> None:
     _unique(cfg.shards, "name", "shards")
     _unique(cfg.shards, "number", "shards")
     _unique(cfg.clients, "subject", "clients")
+    _unique(cfg.tokens, "name", "tokens")
+    _unique_tokens(cfg.tokens)
     pool_names = {p.name for p in cfg.pools}
     shard_names = {s.name for s in cfg.shards}
     for i, res in enumerate(cfg.resources):
@@ -362,9 +425,19 @@ def load_config(path: str | None) -> Config:
     if path is None:
         return Config()
     try:
-        data = tomllib.loads(Path(path).read_text())
+        with open(path, "rb") as f:  # not Path.read_text: a path such as /dev/zero never ends
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: more than {MAX_CONFIG_BYTES >> 20} MiB; not a config file")
+        parsed = tomllib.loads(data.decode())
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {(err.strerror or type(err).__name__).lower()}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 (byte {err.start})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid TOML: arrays or tables nested too deeply") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
-    return parse_config(data, path)
+    return parse_config(parsed, path)

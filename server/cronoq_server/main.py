@@ -25,7 +25,7 @@ from .auth import MAX_TOKEN_CHARS
 from .config import Config, ConfigError, load_config
 from .node import Node
 from .router import ShardRouter
-from .store.base import StoreOwnedElsewhere
+from .store.base import StoreRefused
 
 log = logging.getLogger("cronoq.server")
 # A drain answers the calls in flight within this, then releases leadership.
@@ -124,7 +124,7 @@ async def serve(config: Config, shard: str | None) -> int:
     await asyncio.wait({leading, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if leading.done() and leading.exception() is not None:
         log.error("shard %s: cannot lead: %s", node.shard_name, leading.exception())
-        code = 2 if isinstance(leading.exception(), StoreOwnedElsewhere) else 1
+        code = 2 if isinstance(leading.exception(), StoreRefused) else 1
     else:
         await stopped
         code = 0

@@ -82,7 +82,8 @@ CURSOR_HEADER = "cronoq-watch-cursor"  # initial metadata: the cursor of where t
 UNAVAILABLE_HEADER = "cronoq-unavailable-shards"
 # Events held between the shards' streams and the caller; past it, the shards are not read.
 MERGE_BUFFER = 32
-# A shard that has not started its stream within this long is unavailable (then asked again).
+# A shard that has not started its stream within this long (or server.forward_timeout, when
+# shorter) is unavailable (then asked again).
 PEER_OPEN_S = 5.0
 # How often a shard that could not be reached is asked again, to join an open merged stream.
 PEER_RETRY_S = 2.0
@@ -167,6 +168,13 @@ class ShardWatch(WatchStream):
         aclose = getattr(self._events, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+async def shard_watch(node: Node, request: pb.WatchRequest, caller: Principal) -> ShardWatch:
+    """This shard's events from its Node, stating where the stream starts (a stream that breaks
+    before its first event resumes there, not live again: nothing in between is lost)."""
+    start, events = await node.open_watch(request, caller)
+    return ShardWatch(events, {CURSOR_HEADER: make_cursor(node.shard_number, start)})
 
 
 @dataclass(eq=False)
@@ -330,8 +338,7 @@ async def open_watch(node: Node, peers: PeerChannels, rpc: Rpc, request: pb.Watc
                 f"cursor: {shown!r} has no part for shard number {here.number} ({here.name!r}), "
                 f"which alone answers a call marked {FORWARDED_HEADER}"
             )
-        start, events = await node.open_watch(opener.shard_request(here), caller)
-        return ShardWatch(events, {CURSOR_HEADER: make_cursor(here.number, start)})
+        return await shard_watch(node, opener.shard_request(here), caller)
 
     if owner is not None and owner is not here:  # another shard's pool: that shard, or an error
         opened = await opener.peer(owner)
@@ -431,9 +438,10 @@ class _Opener:
         endpoint = shard.endpoint
         for redirected in (False, True):
             remaining = self._remaining()
+            opening = min(PEER_OPEN_S, self._peers.timeout(self._rpc, request, remaining))
             call = self._peers.stream(endpoint, self._rpc, request, self._metadata, remaining)
             try:
-                opened = await asyncio.wait_for(call.initial_metadata(), min(PEER_OPEN_S, remaining or PEER_OPEN_S))
+                opened = await asyncio.wait_for(call.initial_metadata(), opening)
                 stated = trailer(opened, CURSOR_HEADER)
                 if stated is None and call.done():
                     await call.read()  # it ended before it started: raises its error, if any
@@ -441,7 +449,7 @@ class _Opener:
             except TimeoutError:
                 call.cancel()
                 FORWARDED.labels(shard=shard.name, code="DEADLINE_EXCEEDED").inc()
-                return _Missing(shard, unreachable(shard, endpoint, f"no stream within {PEER_OPEN_S:g}s"), True)
+                return _Missing(shard, unreachable(shard, endpoint, f"no stream within {opening:g}s"), True)
             except grpc.aio.AioRpcError as err:
                 leader = self._peers.leader_to_follow(err, endpoint, self._caller)
                 if leader and not redirected:

@@ -9,7 +9,7 @@ import logging
 import os
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -36,6 +36,7 @@ from .store.postgres import PostgresStore
 from .store.sqlite import SqliteStore
 
 log = logging.getLogger("cronoq.node")
+T = TypeVar("T")
 
 # The leader recounts registered workers by pool this often (never for a scrape); tasks by pool
 # and state are kept from the events (core/counts.py).
@@ -173,7 +174,7 @@ class Node:
     async def open_store(self) -> None:
         """Opens (creating or migrating) the store, waiting while it is unreachable.
 
-        Raises StoreOwnedElsewhere when the store holds another shard's tasks.
+        Raises StoreRefused when the store holds another shard's tasks or a newer schema.
         """
         while not self._store_open:
             try:
@@ -185,18 +186,14 @@ class Node:
                 await asyncio.sleep(1.0)
 
     async def _lead(self) -> None:
+        # A newer server may have migrated the store while this one waited: never lead on it.
+        await self._retrying("schema version not checked", self.store.check_schema)
         if isinstance(self.store, PostgresStore):
             self.store.term = self.leadership.term
             self.store.on_fenced = self.leadership.mark_lost
         if self.gate.enabled:
             # Slots held by tasks that were running under the previous leader stay held.
-            while True:
-                try:
-                    self.gate.rebuild(await self.store.running_resources())
-                    break
-                except StoreUnavailable as err:
-                    log.warning("shard %s: resources not rebuilt yet: %s; retrying", self.shard_name, err)
-                    await asyncio.sleep(0.5)
+            self.gate.rebuild(await self._retrying("resources not rebuilt", self.store.running_resources))
         self.events.lead()
         self.is_leader = True
         LEADER.set(1)
@@ -206,6 +203,15 @@ class Node:
             "shard %s: leader (term %d) at %s, store %s",
             self.shard_name, self.leadership.term, self.advertise, self.describe_store(),
         )  # fmt: skip
+
+    async def _retrying(self, what: str, read: Callable[[], Awaitable[T]]) -> T:
+        """read(), again every 0.5 s while the store is unreachable."""
+        while True:
+            try:
+                return await read()
+            except StoreUnavailable as err:
+                log.warning("shard %s: %s yet: %s; retrying", self.shard_name, what, err)
+                await asyncio.sleep(0.5)
 
     async def _step_down(self) -> None:
         self.is_leader = False

@@ -18,11 +18,16 @@ Each RPC's routing class (registry.Rpc.routing) picks one strategy in ShardRoute
   id order: ids carry their shard number in the top 8 bits, so the page token (the page's
   last id) tells which shards are done, which one continues after it, and which start over.
 - Watch (fan_out, streaming): merged from every shard, with a composite cursor; merged_watch.py.
+- A standby answers the reads of its own shard (Get, Wait, listings, snapshot; not Watch) by
+  forwarding them to its leader, like a call for another shard (unsharded too); other calls
+  get UNAVAILABLE naming the leader.
 
-A forwarded call carries the caller's own token and `cronoq-forwarded: 1`, with the caller's
-remaining deadline; the other shard authenticates and authorizes it again, and its refusals
-come back with their code, message and cronoq-* metadata (but not its `cronoq-leader`, which
-names the other shard's leader, not this server's). A standby's UNAVAILABLE naming its
+A forwarded call carries the caller's own token and `cronoq-forwarded: 1`, with a deadline:
+the caller's time left, at most server.forward_timeout (a WaitTask: plus the wait it asks
+for), so a hung shard costs no caller more (DEADLINE_EXCEEDED naming it). The other shard
+authenticates and authorizes it again, and its refusals come back with their code, message
+and cronoq-* metadata (but not its `cronoq-leader`, which names the other shard's leader, not
+this server's). A standby's UNAVAILABLE naming its
 leader is followed, and that leader is used for the shard's next calls until it cannot be
 reached: a shard's endpoint may be any of its servers, or a load balancer in front of them.
 
@@ -69,7 +74,7 @@ from cronoq.v1 import worker_service_pb2 as worker_pb
 from .api.tls import peer_channel_credentials
 from .auth import Principal
 from .config import Config, ShardConfig
-from .core.tasks import page_size, page_token_id
+from .core.tasks import page_size, page_token_id, wait_ms
 from .errors import ApiError, invalid, not_found
 from .ids import shard_of
 from .metrics import CALLS, FORWARDED
@@ -84,7 +89,8 @@ UNAVAILABLE_HEADER = "cronoq-unavailable-shards"
 # within about this long of coming back (gRPC's default backoff grows to 120 s).
 PEER_RECONNECT_MAX_MS = 2_000
 # How long a read that asks every shard (a fan-out, a lookup by key) waits for one shard
-# before it answers without it (naming it unavailable), when the caller allows longer.
+# before it answers without it (naming it unavailable), when the caller and
+# server.forward_timeout allow longer.
 PEER_READ_TIMEOUT_S = 5.0
 # Peer answers that mean "this shard cannot answer now": it is named in unavailable_shards.
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -152,19 +158,25 @@ class ShardRouter:
     # -- what the API layers call ---------------------------------------------
 
     def admit(self, method: str, call: Call) -> None:
-        """Before the request is read: for a call that may concern another shard, that this
-        server is not draining and the caller holds the RPC's permission (a standby forwards
-        too; the Node checks the rest if it answers); else everything Node.admit checks."""
-        self.node.admit(method, call.caller, leading=not self._routed(self.rpcs[method]))
+        """Before the request is read: for a call that may concern another shard, or a read a
+        standby asks its leader, that this server is not draining and the caller holds the
+        RPC's permission (the Node checks the rest if it answers); else everything Node.admit
+        checks."""
+        rpc = self.rpcs[method]
+        self.node.admit(method, call.caller, leading=not (self._routed(rpc) or self._read_at_leader(rpc, call)))
 
     async def call(self, method: str, request: Message, call: Call) -> Message:
         """The answer to one API call, whoever gives it (counted in cronoq_api_calls_total by
         its final code: a forwarded call is counted here and where it was answered)."""
         with counted(method):
+            rpc = self.rpcs[method]
             if not self.sharded:
+                if self._read_at_leader(rpc, call):
+                    self.admit(method, call)
+                    return await self._at_leader(rpc, request, call)
                 return await self.node.call(method, request, call.caller)
             self.admit(method, call)
-            return await self._strategies[self.rpcs[method].routing](self.rpcs[method], request, call)
+            return await self._strategies[rpc.routing](rpc, request, call)
 
     async def work(self, requests: AsyncIterator[Message], call: Call) -> AsyncIterator[Message]:
         """A worker's Work stream, served here: a worker streams to the server it registered
@@ -177,10 +189,10 @@ class ShardRouter:
     async def watch(self, request: Message, call: Call) -> Any:
         """A merged_watch.WatchStream. Unsharded: this server's events. Sharded: merged from every
         shard the caller may read (or the pool's shard), with a composite cursor; see merged_watch."""
-        from .merged_watch import ShardWatch, open_watch  # it builds on this module
+        from .merged_watch import open_watch, shard_watch  # it builds on this module
 
         if not self.sharded:
-            return ShardWatch((await self.node.open_watch(request, call.caller))[1])
+            return await shard_watch(self.node, request, call.caller)  # type: ignore[arg-type]
         return await open_watch(self.node, self.peers, self.rpcs["Watch"], request, call)  # type: ignore[arg-type]
 
     # -- strategies -----------------------------------------------------------
@@ -193,6 +205,32 @@ class ShardRouter:
 
     async def _local(self, rpc: Rpc, request: Message, call: Call) -> Message:
         return await self.node.call(rpc.name, request, call.caller)
+
+    def _read_at_leader(self, rpc: Rpc, call: Call) -> bool:
+        """Whether this server, a standby, asks its leader for its shard's part of a read (the
+        dashboard and the read API work on a standby); changes are refused with the leader named."""
+        return (
+            not self.node.is_leader
+            and not call.forwarded
+            and not rpc.standby
+            and not rpc.server_streaming
+            and "read" in (rpc.permission, rpc.or_permission)
+        )
+
+    async def _at_leader(self, rpc: Rpc, request: Message, call: Call) -> Message:
+        """A standby's read of its own shard, forwarded to the leader it knows with the caller's
+        token, as to another shard; without a leader to send it to (none known, or not for this
+        caller, e.g. one with a client certificate) the Node answers: UNAVAILABLE naming it."""
+        leader = self.node.leadership.current_leader()
+        if not leader or leader == self.node.advertise or self.peers.refusal(leader, call.caller):
+            return await self._local(rpc, request, call)
+        here = self._by_name.get(self.node.shard_name)
+        if here is None:  # unsharded: this server's shard has no [[shards]] entry
+            here = ShardConfig.model_construct(
+                name=self.node.shard_name, number=self.node.shard_number, pools=[], endpoint=leader
+            )
+        with self.node.in_flight():
+            return await self._forward(rpc, request, call, here.model_copy(update={"endpoint": leader}))
 
     async def _to_pool_shard(self, rpc: Rpc, request: Message, call: Call) -> Message:
         pools_of = _POOLS_OF.get(rpc.name)
@@ -240,7 +278,8 @@ class ShardRouter:
 
     async def _by_key(self, rpc: Rpc, request: Message, call: Call) -> Message:
         """A Get, Wait or Cancel by key: every shard is asked for the key, in parallel."""
-        self.node.admit(rpc.name, call.caller)  # this shard answers too: a standby sends the caller to its leader
+        # this shard answers too: a standby asks its leader, or sends the caller there
+        self.node.admit(rpc.name, call.caller, leading=not self._read_at_leader(rpc, call))
         key = request.task.key  # type: ignore[attr-defined]
         if "read" not in call.caller.permissions:  # as on one shard: a task the caller cannot read is not found
             raise not_found(f"no task with key {key!r}")
@@ -374,6 +413,8 @@ class ShardRouter:
         """Answers a call that concerns `shard`: here, or there. `pools` are those the answer
         may reveal the shard of: the caller's permission on them is checked before it does."""
         if shard.name == self.node.shard_name:
+            if self._read_at_leader(rpc, call):
+                return await self._at_leader(rpc, request, call)
             return await self._local(rpc, request, call)
         if call.forwarded:
             self._require(rpc, call.caller, pools)
@@ -405,11 +446,12 @@ class ShardRouter:
         reached is forgotten for the configured endpoint: at most three tries."""
         metadata = forward_metadata(call.caller)
         loop = asyncio.get_running_loop()
-        deadline = None if call.timeout is None else loop.time() + call.timeout
+        allowed = self.peers.timeout(rpc, request, call.timeout)
+        deadline = loop.time() + allowed
         configured = shard.endpoint
         endpoint = self.peers.leader_of(configured, call.caller)
         for tries_left in (2, 1, 0):
-            timeout = None if deadline is None else max(deadline - loop.time(), 0.0)
+            timeout = max(deadline - loop.time(), 0.0)
             try:
                 response = await self.peers.unary(endpoint, rpc, request, metadata, timeout)
             except grpc.aio.AioRpcError as err:
@@ -424,7 +466,7 @@ class ShardRouter:
                     endpoint = configured
                     continue
                 FORWARDED.labels(shard=shard.name, code=err.code().name).inc()
-                raise peer_error(shard, endpoint, err) from None
+                raise peer_error(shard, endpoint, err, allowed) from None
             FORWARDED.labels(shard=shard.name, code="OK").inc()
             return response
         raise AssertionError("unreachable")
@@ -590,14 +632,24 @@ def forward_metadata(caller: Principal) -> list[tuple[str, str]]:
     return metadata
 
 
-def peer_error(shard: ShardConfig, endpoint: str, err: grpc.aio.AioRpcError) -> ApiError:
-    """The peer's refusal as this server's answer; a call that got no answer names the shard."""
+def peer_error(shard: ShardConfig, endpoint: str, err: grpc.aio.AioRpcError, allowed: float | None = None) -> ApiError:
+    """The peer's refusal as this server's answer; a call that got no answer names the shard
+    (`allowed`: the seconds it was given)."""
     code = err.code()
     trailers = peer_trailers(err)
     details = decode_details(trailers)
     if details is None:  # the peer did not answer: gRPC's own status
         if code == grpc.StatusCode.UNAVAILABLE:
             return unreachable(shard, endpoint, err.details() or "")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            within = "in time" if allowed is None else f"within {allowed:g}s"
+            return ApiError(
+                code,
+                f"shard {shard.name!r} at {endpoint} did not answer {within} (server.forward_timeout); "
+                "a call that changes something may or may not have been done there",
+                {UNAVAILABLE_HEADER: shard.name},
+                reason="SHARD_UNAVAILABLE",
+            )
         return ApiError(code, f"shard {shard.name!r} at {endpoint}: {err.details()}")
     metadata = {
         key: value
@@ -679,6 +731,15 @@ class PeerChannels:
                 channel = grpc.aio.insecure_channel(url.netloc, options)
             self._channels[endpoint] = channel
         return channel
+
+    def timeout(self, rpc: Rpc, request: Message, caller_timeout: float | None) -> float:
+        """How long a call at a peer may take: server.forward_timeout (a WaitTask: plus the wait it
+        asks for), or the caller's time left when that is shorter. A shard that hangs (stopped, or
+        a peer that accepts and never answers) costs no caller more, whatever deadline it has."""
+        allowed = self._config.server.forward_timeout
+        if rpc.name == "WaitTask":
+            allowed += wait_ms(request.timeout_ms) / 1000  # type: ignore[attr-defined]
+        return allowed if caller_timeout is None else min(caller_timeout, allowed)
 
     async def unary(
         self, endpoint: str, rpc: Rpc, request: Message, metadata: list[tuple[str, str]], timeout: float | None

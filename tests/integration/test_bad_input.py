@@ -23,6 +23,10 @@ import pytest
 from google.protobuf import json_format
 
 from cronoq.v1 import (
+    schedule_service_pb2 as spb,
+)
+from cronoq.v1 import (
+    schedule_service_pb2_grpc,
     task_pb2,
     task_service_pb2_grpc,
     worker_service_pb2_grpc,
@@ -272,6 +276,12 @@ def test_submit_task_bad_fields(client: Client) -> None:
         ),
         ("key too long", {"pool": "default", "key": "k" * 257}, "INVALID_ARGUMENT", ("key", "257")),
         ("negative timeout", {"pool": "default", "timeout_ms": "-5"}, "INVALID_ARGUMENT", ("timeout_ms", "-5")),
+        (
+            "timeout near int64's maximum",  # once accepted: then every lease of its pool failed on PostgreSQL
+            {"pool": "default", "timeout_ms": str(2**63 - 1)},
+            "INVALID_ARGUMENT",
+            ("timeout_ms", str(2**63 - 1), "604800000"),
+        ),
         (
             "a schedule slot's key",  # else a submitter could take a future slot and suppress its fire
             {"pool": "default", "key": "schedule:default:nightly:1900000000"},
@@ -576,6 +586,39 @@ def test_bad_query_parameters(client: Client) -> None:
     client.finish()
 
 
+# -- schedules --------------------------------------------------------------------
+
+
+def test_put_schedule_hostile_cron_and_zone(client: Client) -> None:
+    """What an attacker would try in a cron or a zone: each a 400 INVALID_ARGUMENT naming the
+    field, never a 500 (a superscript step once raised from int(), a directory zone from open())."""
+    schedules = schedule_service_pb2_grpc.ScheduleServiceStub(client.channel)
+    crons = [
+        "*/\u00b2 * * * *",  # superscript two
+        "*/\u0661 * * * *",  # Arabic-Indic one: was accepted as 1
+        "*/\uff15 * * * *",  # fullwidth five
+        "* * * * \u017fun",  # long s: upper() makes it SUN
+        "*\x1c*\x1c*\x1c*\x1c*",
+        "* * * * *\x00",
+        "*/99999999999999999999999 * * * *",
+        "0-99999999999999999999 * * * *",
+        "1" + ",1" * 300,
+    ]
+    zones = ["Europe", "America/Argentina", "x" * 300, "../etc/passwd", "/dev/zero", "UTC\x00", "Europe/../UTC"]
+    cases = [(f"cron {c[:40]!r}", {"cron": c}, "schedule.cron") for c in crons]
+    cases += [(f"timezone {z[:40]!r}", {"cron": "* * * * *", "timezone": z}, "schedule.timezone") for z in zones]
+    for case, fields, field in cases:
+        spec = {"pool": "default", "name": "hostile", **fields}
+        client.http_case(
+            f"HTTP {case}", "PUT", "/v1/pools/default/schedules/hostile", "INVALID_ARGUMENT", field, body=fields
+        )
+        req = spb.PutScheduleRequest(schedule=spb.Schedule(**spec))
+        client.grpc_case(f"gRPC {case}", lambda r=req: schedules.PutSchedule(r, timeout=10), "INVALID_ARGUMENT", field)
+    for stored in schedules.ListSchedules(spb.ListSchedulesRequest(), timeout=10).schedules:
+        client.fail("ListSchedules", f"a refused schedule was stored: {stored.cron!r} {stored.timezone!r}")
+    client.finish()
+
+
 # -- workers ----------------------------------------------------------------------
 
 
@@ -601,6 +644,13 @@ def test_worker_calls_bad_input(client: Client) -> None:
         "INVALID_ARGUMENT",
         "concurrency",
         "-2",
+    )
+    client.grpc_case(
+        "register with a concurrency past the credits a worker may hold",
+        lambda: w.RegisterWorker(wpb.RegisterWorkerRequest(name="w", pools=["other"], concurrency=2**31 - 1), timeout=10),
+        "INVALID_ARGUMENT",
+        "concurrency",
+        "2147483647",
     )
     worker_id = w.RegisterWorker(wpb.RegisterWorkerRequest(name="w", pools=["other"]), timeout=10).worker_id
     client.grpc_case(

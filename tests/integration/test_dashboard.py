@@ -7,15 +7,18 @@ Screenshots go to $CRONOQ_SCREENSHOTS (default: the test's tmp dir); the path is
 from __future__ import annotations
 
 import hashlib
+import http.server
 import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +43,9 @@ def _browser_missing() -> str | None:
     return None
 
 
-@pytest.fixture
-def browser_page(tmp_path: Path) -> Iterator[Any]:
-    """A fresh page in headless Chromium; dialogs and console errors are recorded on it."""
+@contextmanager
+def chromium_page(*args: str) -> Iterator[Any]:
+    """A fresh page in headless Chromium started with `args`; dialogs and console errors are recorded on it."""
     reason = _browser_missing()
     if reason:
         missing(reason)
@@ -50,7 +53,7 @@ def browser_page(tmp_path: Path) -> Iterator[Any]:
 
     with sync_playwright() as pw:
         # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", *args])
         page = browser.new_page(viewport={"width": 1200, "height": 900})
         page.dialogs = []  # type: ignore[attr-defined]
         page.console_errors = []  # type: ignore[attr-defined]
@@ -66,6 +69,12 @@ def browser_page(tmp_path: Path) -> Iterator[Any]:
             yield page
         finally:
             browser.close()
+
+
+@pytest.fixture
+def browser_page() -> Iterator[Any]:
+    with chromium_page() as page:
+        yield page
 
 
 def screenshots_dir(tmp_path: Path) -> Path:
@@ -91,6 +100,15 @@ def counts(page: Any, shard: str, pool: str) -> dict[str, int]:
 def loaded_ms(page: Any, view: str) -> int:
     page.wait_for_selector(f'main[data-view="{view}"]', timeout=10_000)
     return int(page.get_attribute("main", "data-loaded-ms"))
+
+
+def sign_in(page: Any, url: str, token: str) -> None:
+    """Opens the overview at `url`, which asks for a token, and gives it."""
+    page.goto(url)
+    page.wait_for_selector("#token-form:not([hidden])")
+    page.fill("#token-form input[name=token]", token)
+    page.click("#token-form button")
+    loaded_ms(page, "overview")
 
 
 def test_static_files_carry_a_strict_csp_and_need_no_token(start_server: Any) -> None:
@@ -398,11 +416,7 @@ def test_a_token_that_reads_one_pool_sees_only_that_pool_and_cannot_change_anyth
         status, body = srv.http("PUT", f"/v1/pools/{pool}/schedules/nightly-{pool}", {"cron": "0 3 * * *"}, token=TOKEN)
         assert status == 200, body
     page = browser_page
-    page.goto(srv.http_url + "/ui/")
-    page.wait_for_selector("#token-form:not([hidden])")
-    page.fill("#token-form input[name=token]", reader)
-    page.click("#token-form button")
-    loaded_ms(page, "overview")
+    sign_in(page, srv.http_url + "/ui/", reader)
     shard = page.locator("section.shard").first.get_attribute("data-shard")
     assert page.locator(f'section[data-shard="{shard}"] table.counts tbody tr').all_inner_texts()[0].startswith("a")
     assert page.locator(f'section[data-shard="{shard}"] table.counts tbody tr').count() == 1
@@ -523,3 +537,173 @@ def test_live_view_pauses_itself_above_200_events_a_second_and_resumes_live(
     later = submit(srv, {"pool": "default", "payload_json": "after"})
     page.wait_for_selector(f'table.live tr[data-task="{later["id"]}"]', timeout=10_000)
     assert page.dialogs == [] and page.console_errors == []
+
+
+def test_pause_and_resume_leave_a_schedules_payload_as_it_was(start_server: Any, browser_page: Any) -> None:
+    """Pause and Resume send the schedule back: numbers JavaScript cannot hold (a big integer,
+    1.0 that it would write as 1) and a float-looking string come back as they were stored."""
+    import grpc
+
+    from cronoq.v1 import schedule_service_pb2 as spb
+    from cronoq.v1 import schedule_service_pb2_grpc
+
+    srv = start_server({"pools": [{"name": "default"}]})
+    payload = {"big": 12345678901234567890123, "text": "1.0", "one": 1.0, "tiny": 1e-7, "list": [0.1, 1e22, -0.0]}
+    status, made = srv.http("PUT", "/v1/pools/default/schedules/exact", {"cron": "0 3 * * *", "payload_json": payload})
+    assert status == 200, made
+
+    def stored() -> spb.Schedule:
+        with grpc.insecure_channel(srv.grpc_target) as channel:
+            stub = schedule_service_pb2_grpc.ScheduleServiceStub(channel)
+            (schedule,) = stub.ListSchedules(spb.ListSchedulesRequest(), timeout=10).schedules
+            return schedule
+
+    before = stored()
+    assert b"12345678901234567890123" in before.payload and b"1.0" in before.payload
+    page = browser_page
+    page.goto(srv.http_url + "/ui/#/schedules")
+    loaded_ms(page, "schedules")
+    page.click("table.schedules button:text-is('Pause')")
+    page.wait_for_selector("table.schedules button:text-is('Resume')")
+    assert stored().paused and stored().payload == before.payload
+    page.click("table.schedules button:text-is('Resume')")
+    page.wait_for_selector("table.schedules button:text-is('Pause')")
+    after = stored()
+    assert not after.paused
+    after.ClearField("next_fire_at")
+    before.ClearField("next_fire_at")
+    assert after == before  # the payload's bytes and every other field
+    assert page.dialogs == [] and page.console_errors == []
+
+
+def test_a_standbys_dashboard_shows_the_shard_as_read_from_its_leader(
+    start_server: Any, browser_page: Any, tmp_path: Path
+) -> None:
+    """A standby (here on the leader's SQLite file) serves the read-only pages by asking its
+    leader with the viewer's token, and says it is a standby; a change is refused there."""
+    from test_failover import start_replicas
+
+    token = {**ops_token(), "permissions": ["admin", "cancel", "read", "submit", "schedule"]}
+    config = {"store": {"path": str(tmp_path / "shared.db")}, "pools": [{"name": "default"}], "tokens": [token]}
+    leader, standby = start_replicas(start_server, config, n=2)
+    task = submit(leader, {"pool": "default", "key": "seen-from-the-standby", "payload_json": {"n": 1}}, token=TOKEN)
+    status, made = leader.http("PUT", "/v1/pools/default/schedules/nightly", {"cron": "0 3 * * *"}, token=TOKEN)
+    assert status == 200, made
+    page = browser_page
+    sign_in(page, standby.http_url + "/ui/", TOKEN)
+    assert counts(page, "unsharded", "default")["pending"] == 1
+    banner = page.locator("#standby")
+    banner.wait_for(state="visible")
+    assert "standby" in banner.inner_text() and leader.endpoint in banner.inner_text()
+    page.screenshot(path=str(screenshots_dir(tmp_path) / "standby-overview.png"), full_page=True)
+
+    page.goto(standby.http_url + "/ui/#/tasks")
+    loaded_ms(page, "tasks")
+    assert page.locator("table.task-list tbody tr td:nth-child(3)").all_inner_texts() == ["seen-from-the-standby"]
+    page.goto(standby.http_url + "/ui/#/task/seen-from-the-standby")  # by key
+    loaded_ms(page, "task")
+    assert json.loads(page.inner_text("pre.payload")) == {"n": 1}
+    page.goto(standby.http_url + "/ui/#/schedules")
+    loaded_ms(page, "schedules")
+    assert page.locator("table.schedules tbody tr td:nth-child(2)").all_inner_texts() == ["nightly"]
+    page.goto(standby.http_url + "/ui/#/workers")
+    loaded_ms(page, "workers")
+
+    page.goto(standby.http_url + f"/ui/#/task/{task['id']}")
+    loaded_ms(page, "task")
+    page.click("button.danger")
+    refused = page.wait_for_selector("text=/Cancel refused/")  # a change is the leader's: refused here, naming it
+    assert "standby" in refused.inner_text() and leader.endpoint in refused.inner_text()
+    assert leader.http("GET", f"/v1/tasks/{task['id']}", token=TOKEN)[1]["task"]["state"] == "TASK_STATE_PENDING"
+    assert page.dialogs == []
+
+
+ATTACK_PAGE = """<!doctype html><meta charset="utf-8"><title>cat pictures</title>
+<form id="form" method="POST" action="{target}/v1/tasks" enctype="text/plain">
+<input name='{{"pool":"default","key":"made-by-a-form","payload_json":"' value='"}}'>
+</form>
+<script>
+(async () => {{
+  const plain = {{method: "POST", mode: "no-cors", headers: {{"Content-Type": "text/plain"}}}};
+  await fetch("{target}/v1/tasks", {{...plain, body: JSON.stringify({{pool: "default", key: "made-by-fetch"}})}});
+  await fetch("{target}/v1/keys/invoice-42/cancel", plain);
+  document.title = "fetched";
+  document.getElementById("form").submit();  // a top-level navigation, last: the page leaves
+}})();
+</script>
+"""
+
+
+@contextmanager
+def attacker_site(target: str) -> Iterator[str]:
+    """Another site, http://127.0.0.2:<port>/, whose page attacks `target` through its visitor's browser."""
+    body = ATTACK_PAGE.format(target=target).encode()
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    site = http.server.ThreadingHTTPServer(("127.0.0.2", free_port()), Page)
+    thread = threading.Thread(target=site.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.2:{site.server_port}/"
+    finally:
+        site.shutdown()
+        site.server_close()
+
+
+def tasks_by_key(srv: Any) -> dict[str, str]:
+    status, body = srv.http("GET", "/v1/tasks?page_size=1000")
+    assert status == 200, body
+    return {t.get("key", ""): t["state"] for t in body["tasks"]}
+
+
+def test_a_page_of_another_site_changes_nothing(start_server: Any, browser_page: Any) -> None:
+    """Cross-site request forgery against the default server (no credentials, loopback): fetch
+    with no-cors and a text/plain body (no preflight), and a form posted from the page."""
+    srv = start_server({"pools": [{"name": "default"}]})
+    invoice = submit(srv, {"pool": "default", "key": "invoice-42"})
+    page = browser_page
+    with attacker_site(srv.http_url) as site:
+        page.goto(site)
+        page.wait_for_url(srv.http_url + "/v1/tasks", timeout=10_000)  # the form was posted
+    assert tasks_by_key(srv) == {"invoice-42": "TASK_STATE_PENDING"}
+    answer = json.loads(page.inner_text("body"))
+    assert answer["code"] == "PERMISSION_DENIED" and "another site" in answer["message"], answer
+    # The dashboard itself, same-origin, still changes things.
+    page.goto(srv.http_url + f"/ui/#/task/{invoice['id']}")
+    loaded_ms(page, "task")
+    page.click("button.danger")
+    page.wait_for_selector("dd:text-is('CANCELLED')", timeout=10_000)
+    assert tasks_by_key(srv) == {"invoice-42": "TASK_STATE_CANCELLED"}
+
+
+REBIND_FETCHES = """async () => {
+  const post = await fetch("/v1/tasks", {method: "POST", body: JSON.stringify({pool: "default", key: "rebound"})});
+  const cancel = await fetch("/v1/keys/invoice-42/cancel", {method: "POST"});
+  const read = await fetch("/v1/tasks");
+  return [post.status, cancel.status, read.status, await read.text()];
+}"""
+
+
+def test_a_page_whose_name_dns_rebinds_to_the_server_reads_and_changes_nothing(start_server: Any) -> None:
+    """DNS rebinding: rebound.test first served the attacker's page, now resolves to 127.0.0.1;
+    the page's calls are same-origin to it, and only the Host they carry gives them away."""
+    srv = start_server({"pools": [{"name": "default"}]})
+    submit(srv, {"pool": "default", "key": "invoice-42"})
+    with chromium_page("--host-resolver-rules=MAP rebound.test 127.0.0.1") as page:
+        page.goto(f"http://rebound.test:{srv.http_port}/ui/")
+        dashboard_loaded = page.locator("main").count() > 0
+        post, cancel, read, text = page.evaluate(REBIND_FETCHES)
+    assert (post, cancel, read) == (403, 403, 403), text
+    assert not dashboard_loaded
+    assert "invoice-42" not in text and "'rebound.test:" in json.loads(text)["message"], text
+    assert tasks_by_key(srv) == {"invoice-42": "TASK_STATE_PENDING"}

@@ -123,7 +123,7 @@ def test_two_watchers_that_never_read_keep_the_server_within_100_mb(start_server
     # An SSE watcher asking for payloads and a gRPC watcher: neither ever reads.
     sse = socket.create_connection(("127.0.0.1", srv.http_port))
     sse.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sse.sendall(b"GET /v1/watch?include_payloads=true HTTP/1.1\r\nHost: x\r\n\r\n")
+    sse.sendall(b"GET /v1/watch?include_payloads=true HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     stalled = api.tasks.Watch(tpb.WatchRequest(include_payloads=True))
     time.sleep(0.3)
     payload = b"p" * (195 << 10)

@@ -1,5 +1,7 @@
 """Hardening of the listeners: /metrics credentials, hostile JSON, aiohttp's own parser errors,
-slow and idle connections, the connection cap, Watch over SSE, and addresses already in use.
+slow and idle connections, the connection cap, Watch over SSE, addresses already in use,
+X-Content-Type-Options on every response, and one authorization value per call (both APIs).
+Requests from other sites' pages are in test_http_origin.py.
 
 Most tests run against real cronoq-server processes (the `start_server` fixture). The Watch
 error paths and ListenError run in-process, over a stand-in node whose stream is scripted, so
@@ -331,29 +333,29 @@ def test_parser_errors_answer_with_the_json_error_body(client: Client) -> None:
     port = client.server.http_port
     many_headers = b"".join(b"X-H%d: 1\r\n" % i for i in range(200))
     cases: list[tuple[str, tuple[bytes, ...], int, str]] = [
-        ("URL over 8 KiB", (b"GET /v1/tasks/" + b"1" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",), 414, "URL"),
-        ("header over 8 KiB", (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",), 431,
+        ("URL over 8 KiB", (b"GET /v1/tasks/" + b"1" * 9000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",), 414, "URL"),
+        ("header over 8 KiB", (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",), 431,
          "header"),
-        ("200 headers", (b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + many_headers + b"\r\n",), 431, "header fields"),
+        ("200 headers", (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n" + many_headers + b"\r\n",), 431, "header fields"),
         ("garbage request line", (b"GARBAGE\r\n\r\n",), 400, "request line"),
         ("TLS hello on the HTTP port", (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 40,), 400,
          "request"),
         ("HTTP/2 preface", (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",), 400, "request"),
         ("no Host in HTTP/1.1", (b"GET /healthz HTTP/1.1\r\n\r\n",), 400, "Host"),
         ("Content-Length not a number",
-         (b"POST /v1/tasks HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",), 400, "Content-Length"),
+         (b"POST /v1/tasks HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: abc\r\n\r\n",), 400, "Content-Length"),
         ("two Content-Lengths",
-         (b"POST /v1/tasks HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",), 400,
+         (b"POST /v1/tasks HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",), 400,
          "Content-Length"),
         ("Expect: 100-continue for a body over the limit",
-         (b"POST /v1/tasks HTTP/1.1\r\nHost: x\r\nContent-Length: 5242880\r\nExpect: 100-continue\r\n\r\n",), 413,
+         (b"POST /v1/tasks HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5242880\r\nExpect: 100-continue\r\n\r\n",), 413,
          "body"),
         ("Expect: something else",
-         (b"POST /v1/tasks HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nExpect: 200-ok\r\n\r\n{}",), 417, "Expect"),
+         (b"POST /v1/tasks HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\nExpect: 200-ok\r\n\r\n{}",), 417, "Expect"),
         ("bad chunk size with the headers",
-         (b"POST /v1/tasks HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",), 400, "chunk"),
+         (b"POST /v1/tasks HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",), 400, "chunk"),
         ("bad chunk size after the handler started reading",
-         (b"POST /v1/tasks HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", b"5\r\n{\"poo\r\nzz\r\n"),
+         (b"POST /v1/tasks HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n", b"5\r\n{\"poo\r\nzz\r\n"),
          400, "chunk"),
     ]  # fmt: skip
     for name, parts, want, fragment in cases:
@@ -391,9 +393,9 @@ def test_slow_headers_are_cut_off_idle_keepalive_is_not(server: Any) -> None:
     limit = http_listener.HEADER_TIMEOUT_S
     silent = socket.create_connection(("127.0.0.1", port))
     slow = socket.create_connection(("127.0.0.1", port))
-    slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+    slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
     kept = socket.create_connection(("127.0.0.1", port))
-    kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     assert read_response(kept)[0] == 200
     start = time.monotonic()
     closed_at: dict[str, float] = {}
@@ -430,7 +432,7 @@ def test_slow_headers_are_cut_off_idle_keepalive_is_not(server: Any) -> None:
             assert f"{limit:g}s" in json.loads(body)["message"]
     assert answers["silent"], "the silent connection got no 408"
     # A kept-alive connection idle that long is not a slow request: it still serves.
-    kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     status, _, body = read_response(kept)
     assert status == 200, body
     for sock in (silent, slow, kept):
@@ -461,7 +463,7 @@ def test_connection_cap_closes_idle_first_and_refuses_when_all_are_busy(
     waits = []
     for _ in range(cap):
         s = socket.create_connection(("127.0.0.1", port))
-        s.sendall(f"GET /v1/tasks/{task_id}/wait?timeout_ms=3000 HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        s.sendall(f"GET /v1/tasks/{task_id}/wait?timeout_ms=3000 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
         waits.append(s)
     time.sleep(0.7)
     refused_at = time.monotonic()
@@ -470,7 +472,7 @@ def test_connection_cap_closes_idle_first_and_refuses_when_all_are_busy(
     assert status == 503, body
     err = json.loads(body)
     assert err["code"] == "UNAVAILABLE" and "too many connections" in err["message"] and str(cap) in err["message"]
-    assert headers.get("Retry-After") == "1"
+    assert headers.get("Retry-After") == "1" and headers.get("X-Content-Type-Options") == "nosniff", headers
     for s in waits:
         got, _, body = read_response(s, timeout=10)
         assert got == 200, body
@@ -491,7 +493,7 @@ async def test_keepalive_and_header_timeouts_in_process(monkeypatch: pytest.Monk
     monkeypatch.setattr(http_listener, "KEEPALIVE_TIMEOUT_S", 2.0)
     monkeypatch.setattr(http_api, "BODY_TIMEOUT_S", 0.5)
     runner, port = await start_scripted_http(ScriptedNode(0))
-    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    request = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(request)
@@ -513,17 +515,19 @@ async def test_keepalive_and_header_timeouts_in_process(monkeypatch: pytest.Monk
         answer = await asyncio.wait_for(reader.read(), 5)
         took = time.monotonic() - started
         assert answer.startswith(b"HTTP/1.1 408 Request Timeout"), answer
+        assert b"\r\nX-Content-Type-Options: nosniff\r\n" in answer.partition(b"\r\n\r\n")[0] + b"\r\n", answer
         assert json.loads(answer.partition(b"\r\n\r\n")[2])["code"] == "DEADLINE_EXCEEDED"
         assert 0.4 <= took <= 1.5, took
         writer.close()
 
         # A body that never completes: 408 after BODY_TIMEOUT_S, and the connection closes.
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b'POST /v1/tasks HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"pool": ')
+        writer.write(b'POST /v1/tasks HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{"pool": ')
         started = time.monotonic()
         answer = await asyncio.wait_for(reader.read(), 5)
         body_took = time.monotonic() - started
         assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert b"\r\nX-Content-Type-Options: nosniff\r\n" in answer.partition(b"\r\n\r\n")[0] + b"\r\n", answer
         err = json.loads(answer.partition(b"\r\n\r\n")[2])
         assert err["code"] == "DEADLINE_EXCEEDED" and "body" in err["message"] and "100" in err["message"], err
         assert 0.4 <= body_took <= 1.5, body_took
@@ -544,7 +548,7 @@ def test_grpc_keepalive_options_are_set_and_clients_work(server: Any) -> None:
     assert options["grpc.max_connection_idle_ms"] == 300_000
     assert options["grpc.http2.max_pings_without_data"] == 0
     assert options["grpc.keepalive_permit_without_calls"] == 1
-    assert options["grpc.http2.min_recv_ping_interval_without_data_ms"] <= 10_000
+    assert options["grpc.http2.min_ping_interval_without_data_ms"] <= 10_000
     # A client that pings every 10 s, even with no call open, is within the server's policy.
     channel = grpc.insecure_channel(
         server.grpc_target,
@@ -639,6 +643,8 @@ class ScriptedNode:
 
     def __init__(self, count: int, error: ApiError | None = None, end: bool = False):
         self.config = Config()
+        self.shard_number = 0  # unsharded
+        self.is_leader = True
         self.end = end
         self.auth = SimpleNamespace(enabled=False)
         self.count = count
@@ -701,7 +707,7 @@ async def test_sse_error_event_after_events_and_include_payloads() -> None:
     runner, port = await start_scripted_http(node)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /v1/watch?pool=default&include_payloads=true HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(b"GET /v1/watch?pool=default&include_payloads=true HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         blocks = await read_sse(reader, 3)
         rest = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 5)  # the chunked body's last chunk
         writer.close()
@@ -723,7 +729,7 @@ async def test_sse_stream_that_ends_ends_the_response() -> None:
     runner, port = await start_scripted_http(node)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /v1/watch HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(b"GET /v1/watch HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         body = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 5)
         writer.close()
         assert body.count(b"data: ") == 2 and b"event: error" not in body, body
@@ -738,7 +744,7 @@ async def test_sse_client_disconnect_closes_the_stream() -> None:
     runner, port = await start_scripted_http(node)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /v1/watch HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(b"GET /v1/watch HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         await read_sse(reader, 1)
         assert not node.closed.is_set()
         assert node.requests[0].include_payloads is False
@@ -821,3 +827,102 @@ def test_server_exits_2_with_one_line_when_the_port_is_taken(start_server: Any, 
         assert code == 2, log
         assert not has_traceback(log), log
         assert f"server.{key}: cannot listen on 127.0.0.1:{taken_port}: address already in use" in log, log
+
+
+# -- E. X-Content-Type-Options on every response --------------------------------------------
+
+
+def head_of(port: int, request: bytes) -> tuple[int, dict[str, str]]:
+    """The status and headers of the response to `request`, without waiting for its body (SSE)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    status, headers, _ = parse_response(data)
+    return status, headers
+
+
+def test_every_response_says_nosniff(server: Any) -> None:
+    """JSON, SSE, errors of the API, of the router and of aiohttp's parser, the /ui redirect."""
+    port = server.http_port
+    task_id = server.http("POST", "/v1/tasks", {"pool": "default"})[1]["task"]["id"]
+
+    def get_(path: str, *headers: str) -> bytes:
+        return f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n{''.join(headers)}\r\n".encode()
+
+    cases: list[tuple[str, bytes, int]] = [
+        ("a task", get_(f"/v1/tasks/{task_id}"), 200),
+        ("a listing", get_("/v1/tasks"), 200),
+        ("a bad query", get_("/v1/tasks?page_size=abc"), 400),
+        ("a missing task", get_("/v1/tasks/999999"), 404),
+        ("no such route", get_("/nope"), 404),
+        ("a method not allowed", b"DELETE /v1/tasks HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 405),
+        ("Watch (SSE)", get_("/v1/watch"), 200),
+        ("/metrics", get_("/metrics"), 200),
+        ("/healthz", get_("/healthz"), 200),
+        ("/readyz", get_("/readyz"), 200),
+        ("the /ui redirect", get_("/ui"), 301),
+        ("a dashboard file", get_("/ui/"), 200),
+        ("a missing dashboard file", get_("/ui/nope.js"), 404),
+        ("a POST", b'POST /v1/tasks HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 19\r\n\r\n{"pool": "default"}', 200),
+        ("a body that is not JSON", b"POST /v1/tasks HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1\r\n\r\n{", 400),
+        ("Expect: 100-continue over the limit",
+         b"POST /v1/tasks HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5242880\r\nExpect: 100-continue\r\n\r\n", 413),
+        ("Expect: something else",
+         b"POST /v1/tasks HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\nExpect: 200-ok\r\n\r\n{}", 417),
+        ("another site's form", b"POST /v1/tasks HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://127.0.0.2\r\n"
+         b"Content-Length: 2\r\n\r\n{}", 403),
+        ("another host name", get_("/v1/tasks").replace(b"Host: 127.0.0.1", b"Host: evil.example"), 403),
+        ("two authorization headers", get_("/v1/tasks", "Authorization: Bearer a\r\n", "Authorization: Bearer b\r\n"),
+         400),
+        ("the parser: garbage", b"GARBAGE\r\n\r\n", 400),
+        ("the parser: a URL over 8 KiB", b"GET /v1/tasks/" + b"1" * 9000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 414),
+        ("the parser: no Host", b"GET /healthz HTTP/1.1\r\n\r\n", 400),
+    ]  # fmt: skip
+    wrong = []
+    for name, raw, want in cases:
+        status, headers = head_of(port, raw)
+        if status != want or headers.get("x-content-type-options") != "nosniff":
+            wrong.append(f"{name}: HTTP {status} (want {want}), X-Content-Type-Options "
+                         f"{headers.get('x-content-type-options')!r}")  # fmt: skip
+    assert not wrong, "\n".join(wrong)
+
+
+# -- F. one authorization per call ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_tokens", [True, False], ids=["tokens", "open"])
+def test_two_authorization_values_are_refused_on_both_apis(start_server: Any, with_tokens: bool) -> None:
+    """Which one would be meant? Neither is used: HTTP 400 (RFC 6750's invalid_request), gRPC UNAUTHENTICATED."""
+    srv = start_server(token_config() if with_tokens else {"pools": [{"name": p} for p in POOLS]})
+    good, bad = "Bearer reader-secret", "Bearer nope"
+    for pair in ((good, bad), (bad, good), (good, good), (good, "Basic b3BzOnNlY3JldA==")):
+        for path in ("/v1/tasks", "/v1/watch", "/v1/info"):
+            request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+            request += "".join(f"Authorization: {value}\r\n" for value in pair) + "\r\n"
+            status, _, body = parse_response(exchange(srv.http_port, request.encode(), timeout=2))
+            assert status == 400, (pair, path, status, body)
+            err = json.loads(body)
+            assert err["code"] == "UNAUTHENTICATED" and "authorization" in err["message"], err
+            assert "2 " in err["message"] and "reader-secret" not in err["message"], err
+        channel = grpc.insecure_channel(srv.grpc_target)
+        try:
+            stub = task_service_pb2_grpc.TaskServiceStub(channel)
+            metadata = [("authorization", value) for value in pair]
+            with pytest.raises(grpc.RpcError) as unary:
+                stub.SubmitTask(tpb.SubmitTaskRequest(pool=POOLS[0]), metadata=metadata, timeout=10)
+            with pytest.raises(grpc.RpcError) as stream:
+                next(iter(stub.Watch(tpb.WatchRequest(), metadata=metadata, timeout=10)))
+            for err in (unary.value, stream.value):
+                assert err.code() == grpc.StatusCode.UNAUTHENTICATED, (pair, err)
+                assert "authorization" in err.details() and "2 " in err.details(), err.details()
+        finally:
+            channel.close()
+    # One value is served as before.
+    status, _, body = get(srv.http_url + "/v1/tasks", {"Authorization": good})
+    assert status == 200, body
+    assert srv.http("GET", "/v1/tasks", token="reader-secret")[0] == 200

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import http.client
 import json
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -104,6 +105,62 @@ def test_a_cursor_older_than_the_watch_window_is_out_of_range(start_server: Any)
     assert repr(old.cursor) in err.details() and "watch_window is 1s" in err.details()
     status, body = srv.http("GET", f"/v1/watch?cursor={old.cursor}")
     assert status == 400 and body["code"] == "OUT_OF_RANGE" and body["reason"] == "CURSOR_EXPIRED", body
+
+
+def test_an_idle_grpc_watch_outlives_client_keepalive_pings_every_10s(server: Any) -> None:
+    """Pings with no data in between, as a quiet Watch's client sends them (the SDKs every 20 s,
+    here every 10 s: the most often the server allows). Under gRPC's default policy (one such
+    ping in 5 minutes) the server answered the fifth ping with GOAWAY "too_many_pings", after
+    50 s (the SDKs' streams: after 100 s); six pings go by here."""
+    pinging = grpc.insecure_channel(
+        server.grpc_target,
+        options=[
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ],
+    )
+    received: queue.Queue[Any] = queue.Queue()
+
+    def read(stream: Any) -> None:
+        try:
+            for response in stream:
+                received.put(response.event)
+            received.put("ended")
+        except grpc.RpcError as err:
+            received.put(err)
+
+    try:
+        stream = task_service_pb2_grpc.TaskServiceStub(pinging).Watch(tpb.WatchRequest(), timeout=100)
+        threading.Thread(target=read, args=(stream,), daemon=True).start()
+        time.sleep(65)
+        assert received.empty(), f"the idle Watch ended: {received.get()!r}"
+        task = Api(server.grpc_target).submit()
+        event = received.get(timeout=10)
+        assert isinstance(event, task_pb2.TaskEvent) and event.task.id == task.id, event
+        stream.cancel()
+    finally:
+        pinging.close()
+
+
+def test_an_unsharded_live_watch_states_its_start_and_resuming_there_loses_nothing(server: Any) -> None:
+    """A live Watch that breaks before its first event resumes from where it started (the
+    cronoq-watch-cursor of its initial metadata), not live again: the events in between come."""
+    api = Api(server.grpc_target)
+    api.submit()
+    stream = watch(api)
+    start = dict(stream.initial_metadata()).get("cronoq-watch-cursor")
+    assert start is not None, "an unsharded server does not say where a live Watch starts"
+    stream.cancel()
+    missed = api.submit()  # while no stream was open
+    resumed = watch(api, start)
+    seen = []
+    for response in resumed:  # the first task's event too, if it was still to come at the start
+        seen.append((response.event.task.id, response.event.task.state))
+        if response.event.task.id == missed.id:
+            break
+    resumed.cancel()
+    assert (missed.id, PENDING) in seen, seen
 
 
 # -- Server-sent events ------------------------------------------------------------------

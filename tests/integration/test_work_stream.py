@@ -1,7 +1,8 @@
 """The Work stream on the wire (raw gRPC, no SDK), on both stores: tasks only as credits
 allow, outcomes answered with the next tasks, tasks pushed when they arrive, heartbeats,
-a malformed outcome refused alone, refusals that name the field, and the end of the stream
-when the server drains."""
+a malformed outcome refused alone, refusals that name the field (malformed messages too), the
+end of the stream when the server drains; and the caps on what one worker call carries (a list
+over its cap refused at once, a flood of messages answered in steps, other callers not held up)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from _helpers import Api, store_table
 
 from cronoq.v1 import task_pb2, task_service_pb2
 from cronoq.v1 import worker_service_pb2 as wpb
+from cronoq.v1 import worker_service_pb2_grpc as wpb_grpc
 
 QUIET_S = 0.4  # no message within this: none is coming
 LEASE_TTL_S = 30.0  # the default pool's lease_ttl
@@ -382,3 +384,170 @@ def test_an_outcome_frees_its_resource_for_the_tasks_sent_with_its_result(
         assert [t.id for t in answer.tasks] == [expected], "the slot freed by the outcome was not used"
         (task,) = answer.tasks
     stream.close()
+
+
+def _bad_utf8(message: Any) -> bytes:
+    """The message's bytes with its text "éé" made invalid UTF-8 (same length)."""
+    data = message.SerializeToString()
+    assert b"\xc3\xa9\xc3\xa9" in data
+    return data.replace(b"\xc3\xa9\xc3\xa9", b"\xff\xfe\xff\xfe")
+
+
+def test_malformed_messages_are_invalid_argument_naming_the_field_without_a_traceback(api: Api) -> None:
+    """Messages no worker of an SDK sends: each ends its Work stream (or call) with
+    INVALID_ARGUMENT naming the field, never INTERNAL, and the server logs no traceback."""
+    worker = api.register()
+    first = wpb.WorkRequest(worker_id=worker).SerializeToString()
+    outcome = wpb.TaskOutcome(task_id=1, attempt=1)
+    truncated = wpb.WorkRequest(worker_id=worker, outcomes=[outcome]).SerializeToString()[:-3]
+    work: list[tuple[str, list[bytes], str]] = [
+        ("bytes that are no message", [b"\xff\xff\xff"], "WorkRequest"),
+        ("worker_id not UTF-8", [_bad_utf8(wpb.WorkRequest(worker_id="éé"))], "worker_id"),
+        ("no worker_id in the first message", [wpb.WorkRequest(credits=1).SerializeToString()], "worker_id"),
+        ("a later message that is no message", [first, b"\xff\xff"], "WorkRequest"),
+        ("a later message cut short", [first, truncated], "outcomes[0]"),
+        (
+            "an outcome's content_type not UTF-8",
+            [first, _bad_utf8(wpb.WorkRequest(outcomes=[wpb.TaskOutcome(success=wpb.TaskSuccess(content_type="éé"))]))],
+            "outcomes[0].success.content_type",
+        ),
+        (
+            "a second outcome's error not UTF-8",
+            [first, _bad_utf8(wpb.WorkRequest(outcomes=[outcome, wpb.TaskOutcome(failure=wpb.TaskFailure(error="éé"))]))],
+            "outcomes[1].failure.error",
+        ),
+    ]
+    raw = api.channel.stream_stream(
+        "/cronoq.v1.WorkerService/Work", request_serializer=lambda b: b, response_deserializer=wpb.WorkResponse.FromString
+    )
+    wrong = []
+    for name, messages, field in work:
+        try:
+            list(raw(iter(messages), timeout=10))
+            wrong.append(f"{name}: the stream ended OK, want INVALID_ARGUMENT naming {field!r}")
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.INVALID_ARGUMENT or field not in (err.details() or ""):
+                wrong.append(f"{name}: {err.code().name} {err.details()!r}, want INVALID_ARGUMENT naming {field!r}")
+    # Unary and server-streaming calls parse their request the same way.
+    for method, data, field in [
+        ("/cronoq.v1.WorkerService/FinishTasks", b"\xff\xff", "FinishTasksRequest"),
+        ("/cronoq.v1.WorkerService/Heartbeat", _bad_utf8(wpb.HeartbeatRequest(worker_id="éé")), "worker_id"),
+        ("/cronoq.v1.TaskService/Watch", b"\xff\xff", "WatchRequest"),
+    ]:
+        call = (api.channel.unary_stream if method.endswith("Watch") else api.channel.unary_unary)(
+            method, request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
+        try:
+            answer = call(data, timeout=10)
+            list(answer) if method.endswith("Watch") else answer
+            wrong.append(f"{method}: OK, want INVALID_ARGUMENT naming {field!r}")
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.INVALID_ARGUMENT or field not in (err.details() or ""):
+                wrong.append(f"{method}: {err.code().name} {err.details()!r}, want INVALID_ARGUMENT naming {field!r}")
+    assert not wrong, "\n".join(wrong)
+    time.sleep(0.2)  # the log lines of the last call
+    log = api.server.log()  # type: ignore[attr-defined]
+    assert "Traceback" not in log, log[log.index("Traceback") - 300 :][:3000]
+    assert log.count("malformed") >= len(work), "each refusal of a malformed message is logged"
+
+
+# -- Caps on what one call carries ----------------------------------------------------------
+
+HUGE = 500_000
+
+
+class Lister(threading.Thread):
+    """Another caller: ListTasks in a loop, on a channel of its own, the slowest answer kept."""
+
+    def __init__(self, target: str):
+        super().__init__(daemon=True)
+        self.api = Api(target)
+        self.slowest = 0.0
+        self.calls = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            started = time.monotonic()
+            self.api.tasks.ListTasks(task_service_pb2.ListTasksRequest(pool="default", page_size=10), timeout=30)
+            self.slowest = max(self.slowest, time.monotonic() - started)
+            self.calls += 1
+            time.sleep(0.01)
+
+
+def _raw(api: Api, method: str, streaming: bool = False) -> Any:
+    """A call that sends bytes serialized beforehand: what is timed is the server's work."""
+    make = api.channel.stream_stream if streaming else api.channel.unary_unary
+    return make(f"/cronoq.v1.WorkerService/{method}", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+
+def test_a_message_of_half_a_million_outcomes_is_refused_at_once_and_others_stay_fast(api: Api) -> None:
+    worker = api.register()
+    api.submit()
+    outcomes = [wpb.TaskOutcome(task_id=i + 1, attempt=1, released=wpb.TaskReleased()) for i in range(HUGE)]
+    attempts = [wpb.TaskAttempt(task_id=i + 1, attempt=1) for i in range(HUGE)]
+    calls: list[tuple[str, Any, str]] = [
+        ("FinishTasks", wpb.FinishTasksRequest(worker_id=worker, outcomes=outcomes), "outcomes"),
+        ("Heartbeat", wpb.HeartbeatRequest(worker_id=worker, tasks=attempts), "tasks"),
+        ("LeaseTasks", wpb.LeaseTasksRequest(worker_id=worker, max_tasks=1, done=attempts), "done"),
+        ("Work", wpb.WorkRequest(worker_id=worker, outcomes=outcomes), "outcomes"),
+        ("Work", wpb.WorkRequest(worker_id=worker, heartbeat=wpb.WorkHeartbeat(tasks=attempts)), "heartbeat.tasks"),
+        ("RegisterWorker", wpb.RegisterWorkerRequest(name="t", pools=["default"] * HUGE), "pools"),
+        ("Work", wpb.WorkRequest(worker_id=worker, pools=["default"] * HUGE), "pools"),
+    ]
+    lister = Lister(api.server.grpc_target)  # type: ignore[attr-defined]
+    lister.start()
+    time.sleep(0.3)
+    wrong, took = [], []
+    for method, request, field in calls:
+        data = request.SerializeToString()
+        streaming = method == "Work"
+        started = time.monotonic()
+        try:
+            answer = _raw(api, method, streaming)(iter([data]) if streaming else data, timeout=60)
+            list(answer) if streaming else answer
+            wrong.append(f"{method} {field}: answered OK")
+        except grpc.RpcError as err:
+            elapsed = time.monotonic() - started
+            took.append(f"{method} {field} {elapsed:.2f}s")
+            if err.code() != grpc.StatusCode.INVALID_ARGUMENT or field not in (err.details() or ""):
+                wrong.append(f"{method} {field}: {err.code().name} {err.details()!r}")
+            elif str(HUGE) not in (err.details() or ""):
+                wrong.append(f"{method} {field}: the message does not say how many: {err.details()!r}")
+            if elapsed > 1.0:  # the parse of ~5 MB and the refusal: tens of milliseconds when idle
+                wrong.append(f"{method} {field}: refused after {elapsed:.2f}s")
+    lister.stop.set()
+    lister.join()
+    print("refused in", ", ".join(took), f"; ListTasks slowest {lister.slowest:.3f}s of {lister.calls}")
+    assert not wrong, "\n".join(wrong)
+    assert lister.calls > 5 and lister.slowest < 1.0, (lister.calls, lister.slowest)
+
+
+def test_a_flood_of_work_messages_is_answered_in_steps_and_others_stay_fast(api: Api) -> None:
+    """Many messages, each within the caps (5,000 outcomes for tasks this worker does not hold):
+    every outcome is answered, and another caller's ListTasks is not held up by them."""
+    worker = api.register()
+    messages, per = 40, 5_000
+    lister = Lister(api.server.grpc_target)  # type: ignore[attr-defined]
+    lister.start()
+    time.sleep(0.3)
+    sent = [
+        wpb.WorkRequest(
+            worker_id=worker,
+            outcomes=[
+                wpb.TaskOutcome(task_id=m * per + i + 1, attempt=1, released=wpb.TaskReleased()) for i in range(per)
+            ],
+        )
+        for m in range(messages)
+    ]
+    results = []
+    channel = grpc.insecure_channel(api.server.grpc_target, options=[("grpc.max_receive_message_length", 64 << 20)])  # type: ignore[attr-defined]
+    for answer in wpb_grpc.WorkerServiceStub(channel).Work(iter(sent), timeout=120):
+        results += answer.results
+    channel.close()
+    lister.stop.set()
+    lister.join()
+    print(f"ListTasks slowest {lister.slowest:.3f}s of {lister.calls}")
+    assert sorted(r.task_id for r in results) == list(range(1, messages * per + 1))
+    assert not any(r.accepted for r in results)
+    assert lister.calls > 5 and lister.slowest < 1.0, (lister.calls, lister.slowest)

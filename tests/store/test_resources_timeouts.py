@@ -102,3 +102,16 @@ async def test_timeout_is_kept_across_retries(store: Store) -> None:
     await finish_ok(store, failure(rows[0]), T0 + SEC)
     rows, _ = await store.lease("w1", ["default"], 1, T0 + 10 * SEC)
     assert rows[0].attempt == 2 and rows[0].lease_expires_at == T0 + 10 * SEC + 1500 * 1000
+
+
+async def test_a_stored_timeout_near_int64_max_does_not_fail_the_pools_leases(
+    store: Store, settings: StoreSettings
+) -> None:
+    """The API refuses a timeout_ms over 7 days; one stored before it did (2^63 - 1 once made every
+    lease of its pool fail on PostgreSQL: bigint out of range) is taken as 7 days."""
+    ttl = settings.lease_ttl_us["default"]
+    subs, _ = await store.submit([dataclasses.replace(new(), timeout_ms=2**63 - 1), new()], T0)
+    rows, _ = await store.lease("w1", ["default"], 2, T0)
+    assert sorted(r.seq for r in rows) == sorted(s.row.seq for s in subs)
+    assert {r.lease_expires_at for r in rows} == {T0 + ttl}
+    assert await store.heartbeat("w1", [(r.seq, r.attempt) for r in rows], T0 + SEC) == ([], [])

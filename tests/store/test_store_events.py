@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 import asyncpg
 import pytest
-from test_store import SEC, T0, failure, finish_ok, lease_one, new, submit_one, success
+from test_store import SEC, T0, failure, finish_ok, lease_one, new, row, submit_one, success
 
 from cronoq_server.core.counts import UNFINISHED, TaskCounts
-from cronoq_server.store.base import EventRow, NewTask, Outcome, OutcomeKind, State, Store
+from cronoq_server.store.base import EventRow, NewTask, Outcome, OutcomeKind, State, Store, TaskRow
 from cronoq_server.store.postgres import PostgresStore
 
 
@@ -152,6 +153,62 @@ async def test_events_survive_reopening(open_store) -> None:
     again = await open_store()
     await submit_one(again)
     assert [e.seq for e in await events(again)] == [1, 2, 3, 4]
+
+
+# What of a task changes over its life: an event records it as its change left it.
+LIFE = (
+    "state", "attempt", "run_at", "worker_id", "error", "started_at", "finished_at", "lease_expires_at",
+    "cancel_requested",
+)  # fmt: skip
+
+
+def life(r: EventRow | TaskRow) -> tuple[Any, ...]:
+    return tuple(getattr(r, name) for name in LIFE)
+
+
+async def test_each_event_records_the_task_as_its_change_left_it(store: Store) -> None:
+    """Every path that records events, checked against the task's row read right after each
+    change: not the row as it is when the events are read."""
+    after: list[tuple[Any, ...]] = []
+
+    async def changed(*seqs: int) -> None:
+        after.extend([life(await row(store, s)) for s in seqs])
+
+    a = await submit_one(store)  # a plain submission (PostgreSQL: the merged insert)
+    await changed(a.seq)
+    k = await submit_one(store, key="k", pool="other")  # keyed: the other insert
+    await changed(k.seq)
+    leased = await lease_one(store, a.seq, T0 + 1, worker="w1")
+    await changed(a.seq)
+    await finish_ok(store, failure(leased), T0 + 2)  # retried: PENDING, a later run_at, its error
+    await changed(a.seq)
+    leased = await lease_one(store, a.seq, T0 + SEC, worker="w2")
+    await changed(a.seq)
+    await store.cancel(a.seq, T0 + 2 * SEC)  # a cancel request while RUNNING
+    await changed(a.seq)
+    results, _ = await store.finish(
+        "w2", [Outcome(a.seq, leased.attempt, OutcomeKind.CANCELLED, error="stop")], T0 + 3 * SEC
+    )
+    assert results[0].accepted
+    await changed(a.seq)
+    leased_k = await lease_one(store, k.seq, T0 + 4 * SEC, worker="w3", pool="other")
+    await changed(k.seq)
+    r = await submit_one(store, now=T0 + 4 * SEC, pool="other")
+    await changed(r.seq)
+    # A success while nothing is BLOCKED and a lease in one call (PostgreSQL: one statement).
+    results, _, rows, _ = await store.finish_and_lease("w3", [success(leased_k)], ["other"], 1, T0 + 5 * SEC)
+    assert results[0].accepted and [x.seq for x in rows] == [r.seq]
+    await changed(k.seq, r.seq)
+    results, _ = await store.finish("w3", [Outcome(r.seq, 1, OutcomeKind.RELEASED)], T0 + 6 * SEC)
+    assert results[0].accepted
+    await changed(r.seq)
+
+    evs = await events(store)
+    assert [life(e) for e in evs] == after
+    submitted, started = evs[0], evs[2]
+    assert (submitted.worker_id, submitted.started_at, submitted.finished_at) == (None, None, None)
+    assert (started.worker_id, started.started_at, started.finished_at) == ("w1", T0 + 1, None)
+    assert life(evs[0]) != life(await row(store, a.seq))
 
 
 # -- PostgreSQL: numbering committed events ------------------------------------------------

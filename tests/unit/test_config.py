@@ -62,10 +62,10 @@ def test_defaults() -> None:
     ],
 )
 def test_durations(value: Any, seconds: float) -> None:
-    cfg = parse_config({"pools": [{"name": "p", "lease_ttl": value, "retention": value, "retry_backoff": value}]})
+    cfg = parse_config({"pools": [{"name": "p", "timeout": value, "retention": value, "retry_backoff": value}]})
     pool = cfg.pool("p")
     assert pool is not None
-    assert pool.lease_ttl == pool.retention == pool.retry_backoff == pytest.approx(seconds)
+    assert pool.timeout == pool.retention == pool.retry_backoff == pytest.approx(seconds)
 
 
 @pytest.mark.parametrize(
@@ -239,3 +239,71 @@ def test_load_config_refusals_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(str(unknown))
     assert str(err.value) == f"{unknown}: pools[0].colour: unknown key"
+
+
+@pytest.mark.parametrize(
+    ("key", "longest", "too_long"),
+    [
+        ("lease_ttl", "1d", "86401s"),
+        ("retry_backoff", "30d", "31d"),
+        ("retry_backoff_max", "30d", "31d"),
+        ("retention", "3650d", "3651d"),
+        ("timeout", "7d", "604800001ms"),
+    ],
+)
+def test_every_pool_duration_has_a_finite_range(key: str, longest: str, too_long: str) -> None:
+    pool = parse_config({"pools": [{"name": "p", key: longest}, {"name": "q", key: "1ms"}]}).pools
+    assert getattr(pool[1], key) == pytest.approx(0.001)
+    for value in (too_long, float("inf"), float("nan"), 1e300, 1e-9):
+        message = refusal({"pools": [{"name": "p", key: value}]})
+        assert (
+            message.startswith(f"cronoq.toml: pools[0].{key}: duration must be from 1ms to ") and repr(value) in message
+        )
+
+
+def test_sizes_and_counts_have_a_finite_range() -> None:
+    edges = {"max_payload_bytes": 256 << 20, "max_result_bytes": 256 << 20, "max_batch_size": 100_000}
+    edges |= {"max_pending_total": 10**12, "max_pending_per_pool": 10**12}
+    assert parse_config({"limits": edges}).limits.max_payload_bytes == 256 << 20
+    for key, edge in edges.items():
+        assert f"limits.{key}: " in refusal({"limits": {key: edge + 1}})
+    for resource in ({"concurrency": 1_000_001}, {"rate": float("inf")}, {"rate": 1, "burst": 1_000_001}):
+        assert "resources[0]." in refusal({"resources": [{"name": "r", **resource}]})
+
+
+def test_duplicate_tokens_are_refused() -> None:
+    tail = {"pools": ["*"], "permissions": ["read"]}
+    same_digest = [{"name": "a", "sha256": HASH, **tail}, {"name": "b", "sha256": HASH.upper(), **tail}]
+    assert refusal({"tokens": same_digest}) == "cronoq.toml: tokens[1].sha256: duplicate value, as in tokens[0]"
+    same_name = [{"name": "a", "sha256": HASH, **tail}, {"name": "a", "sha256": "cd" * 32, **tail}]
+    assert "tokens[1].name: duplicate value 'a'" in refusal({"tokens": same_name})
+    same_env = [{"name": "a", "env": "T", **tail}, {"name": "b", "env": "T", **tail}]
+    assert "tokens[1].env: duplicate value 'T', as in tokens[0]" in refusal({"tokens": same_env})
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (None, "cannot read: is a directory"),
+        (b"\xff\xfe[server]\n", "not valid TOML: not UTF-8"),
+        (b"x = " + b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+        (b"# " + b"x" * (16 << 20), "more than 16 MiB"),
+    ],
+)
+def test_hostile_files_are_one_line(tmp_path: Path, content: bytes | None, problem: str) -> None:
+    path = tmp_path / "cronoq.toml"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert str(err.value).startswith(f"{path}: ") and problem in str(err.value) and "\n" not in str(err.value)
+
+
+def test_forward_timeout_is_a_duration_within_its_range() -> None:
+    assert parse_config({}).server.forward_timeout == 30.0
+    assert parse_config({"server": {"forward_timeout": "2s"}}).server.forward_timeout == 2.0
+    for value, problem in (("1h", "from 100ms to 10m"), ("10ms", "from 100ms to 10m")):
+        message = refusal({"server": {"forward_timeout": value}})
+        assert "server.forward_timeout" in message and problem in message, message

@@ -42,7 +42,7 @@ def slots(expr: str, tz: str, start: str, n: int) -> list[str]:
         ("* * * 13 *", "month field '13'"),
         ("* * * * 8", "day-of-week field '8'"),
         ("* * * FOO *", "month field 'FOO': 'FOO' is not a number or a name"),
-        ("*/0 * * * *", "step '0' is not a positive number"),
+        ("*/0 * * * *", "step 0 is not between 1 and 60"),
         ("5-1 * * * *", "range '5-1' runs backwards"),
         ("61 * * * * *", "second field '61'"),
         ("x * * * *", "minute field 'x'"),
@@ -59,6 +59,60 @@ def test_unknown_zone() -> None:
     with pytest.raises(CronError, match="unknown IANA zone 'Mars/Olympus'"):
         zone("Mars/Olympus")
     assert str(zone("")) == "UTC"
+
+
+@pytest.mark.parametrize(
+    ("expr", "problem"),
+    [
+        ("*/\u00b2 * * * *", "'\u00b2'"),  # superscript two: isdigit(), yet not a number int() reads
+        ("*/\u0661 * * * *", "'\u0661'"),  # Arabic-Indic one: int() would read it as 1
+        ("*/\uff15 * * * *", "'\uff15'"),  # fullwidth five
+        ("0-5/\u0661 * * * *", "'\u0661'"),
+        ("* * * * \u017fun", "'\u017f'"),  # long s: upper() makes it SUN
+        ("*\x1c*\x1c*\x1c*\x1c*", "'\\x1c'"),  # str.split() takes it for a space
+        ("* * * * *\x00", "'\\x00'"),
+        ("* * * * *\n", "'\\n'"),
+        ("*/99999999999999999999999 * * * *", "step 99999999999999999999999 is not between 1 and 60"),
+        ("*/61 * * * *", "step 61 is not between 1 and 60"),
+        ("0 0 */32 * *", "step 32 is not between 1 and 31"),
+        ("*/-1 * * * *", "step '-1'"),
+        ("0-99999999999999999999 * * * *", "99999999999999999999 is not between 0 and 59"),
+        ("1-2-3 * * * *", "minute field '1-2-3'"),
+        ("1" + ",1" * 200, "more than 256"),
+    ],
+)
+def test_hostile_expressions_are_refused(expr: str, problem: str) -> None:
+    with pytest.raises(CronError) as err:
+        parse(expr)
+    assert problem in str(err.value), str(err.value)
+
+
+def test_steps_up_to_the_field_span_are_kept() -> None:
+    assert parse("*/60 * * * *").minutes == {0}
+    assert parse("*/1 * * * *").minutes == set(range(60))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "Europe",  # a directory of the zone database
+        "America/Argentina",
+        "x" * 300,  # longer than a file name may be
+        "Europe/" + "a" * 250,
+        "../etc/passwd",
+        "/etc/localtime",
+        "Europe/../UTC",
+        "UTC\x00",
+        "Europe/Paris\n",
+        "\uff35\uff34\uff23",  # fullwidth UTC
+        "zone.tab",
+        "utc",
+        " UTC",
+    ],
+)
+def test_hostile_zones_are_unknown(name: str) -> None:
+    with pytest.raises(CronError, match="unknown IANA zone"):
+        zone(name)
 
 
 def test_five_fields_fire_at_second_zero_and_six_take_seconds_first() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -11,10 +12,10 @@ import pytest
 
 from cronoq.v1 import task_pb2
 from cronoq_server.core import events as events_module
-from cronoq_server.core.events import EventBus, parse_cursor
+from cronoq_server.core.events import EventBus, as_changed, parse_cursor
 from cronoq_server.core.tasks import now_us
 from cronoq_server.errors import ApiError
-from cronoq_server.store.base import NewTask, Outcome, OutcomeKind, State, StoreSettings, TaskRow
+from cronoq_server.store.base import EventRow, NewTask, Outcome, OutcomeKind, State, StoreSettings, TaskRow
 from cronoq_server.store.sqlite import SqliteStore
 
 
@@ -205,3 +206,21 @@ def test_a_cursor_of_another_shard_is_invalid() -> None:
     with pytest.raises(ApiError) as err:
         parse_cursor("2:42", 3)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "shard number 2" in err.value.message
+
+
+def test_an_event_shows_its_task_as_its_change_left_it_and_an_older_one_its_row_now() -> None:
+    now = dataclasses.replace(
+        row(7, state=State.SUCCEEDED), attempt=2, worker_id="w2", result=b"out", result_content_type="text/plain",
+        started_at=30, finished_at=40, run_at=20,
+    )  # fmt: skip
+    leased = EventRow(5, 7, State.RUNNING, 1, 10, "default", 1, 0, "w1", "", 10, None, 99, False)
+    shown = as_changed(leased, now)
+    assert (shown.state, shown.attempt, shown.worker_id, shown.started_at, shown.finished_at) == (
+        State.RUNNING, 1, "w1", 10, None,
+    )  # fmt: skip
+    assert (shown.run_at, shown.lease_expires_at, shown.result, shown.result_content_type) == (0, 99, None, "")
+    ended = EventRow(9, 7, State.SUCCEEDED, 2, 40, "default", 3, 20, "w2", "", 30, 40, None, False)
+    assert as_changed(ended, now) == now  # the result of the change that ended it
+    # Recorded before the store kept the task's fields with its events: the row now, at its state.
+    older = EventRow(5, 7, State.RUNNING, 1, 10, "default", 1)
+    assert as_changed(older, now) == dataclasses.replace(now, state=State.RUNNING, attempt=1)

@@ -4,6 +4,7 @@ subject of a verified client certificate as gRPC and aiohttp report it."""
 
 from __future__ import annotations
 
+import os
 import ssl
 from pathlib import Path
 from types import SimpleNamespace
@@ -98,7 +99,7 @@ def test_peer_tls_files_missing_or_unreadable_name_the_key(pki: Pki, tmp_path: P
     other_key = pki.client("CN=other", "other").key
     cases = [
         ({"ca": str(tmp_path / "nope.pem")}, "server.peer_tls.ca: cannot read", "no such file"),
-        ({"ca": str(tmp_path)}, "server.peer_tls.ca: cannot read", "is a directory"),
+        ({"ca": str(tmp_path)}, "server.peer_tls.ca: cannot read", "not a regular file"),
         ({"ca": str(garbage)}, "server.peer_tls.ca: ", "holds no PEM certificate"),
         ({"cert": str(tmp_path / "nope.crt"), "key": client.key}, "server.peer_tls.cert: cannot read", ""),
         ({"cert": client.cert, "key": str(tmp_path / "nope.key")}, "server.peer_tls.key: cannot read", ""),
@@ -121,6 +122,10 @@ def test_server_tls_files_are_checked(pki: Pki, tmp_path: Path) -> None:
     other = pki.server("127.0.0.1", name="srv2")
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("hello\n")
+    fifo = tmp_path / "fifo.pem"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.pem"
+    huge.write_bytes(b"-" * ((1 << 20) + 1))
     tls.check_tls_files(config(tls={"cert": pair.cert, "key": pair.key, "client_ca": pki.ca_path}))
     cases = [
         ({"cert": str(tmp_path / "nope"), "key": pair.key}, "server.tls.cert: cannot read"),
@@ -129,6 +134,14 @@ def test_server_tls_files_are_checked(pki: Pki, tmp_path: Path) -> None:
         ({"cert": pair.cert, "key": other.key}, "server.tls.key: "),
         ({"cert": pair.cert, "key": pair.key, "client_ca": str(garbage)}, "server.tls.client_ca: "),
         ({"cert": pair.cert, "key": pair.key, "client_ca": str(tmp_path / "x")}, "server.tls.client_ca: cannot read"),
+        # Not regular files: /dev/zero was read forever, a FIFO waits in open() for a writer.
+        ({"cert": pair.cert, "key": "/dev/zero"}, "server.tls.key: cannot read '/dev/zero': not a regular file"),
+        (
+            {"cert": pair.cert, "key": pair.key, "client_ca": "/dev/zero"},
+            "server.tls.client_ca: cannot read '/dev/zero': not",
+        ),
+        ({"cert": pair.cert, "key": pair.key, "client_ca": str(fifo)}, "server.tls.client_ca: "),
+        ({"cert": str(huge), "key": pair.key}, "server.tls.cert: "),
     ]
     for section, where in cases:
         message = refusal(lambda section=section: tls.check_tls_files(config(tls=section), "c.toml"))

@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from ..auth import Principal
+from ..auth import Principal, one_authorization
 from ..errors import ApiError
 from ..node import Node
 from ..registry import Rpc, registry
@@ -18,6 +18,7 @@ from ..router import FORWARDED_HEADER, Call, ShardRouter, unavailable_metadata
 from .listen import ListenError, precheck_bind, probe_bind
 from .reflection import enable_reflection
 from .tls import grpc_cert_subject, grpc_server_credentials
+from .wire import MALFORMED, parse
 
 log = logging.getLogger("cronoq.grpc")
 
@@ -28,19 +29,22 @@ KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.http2.max_pings_without_data", 0),  # the server's pings need no data frames in between
-    # Clients may ping too, with no call open, as often as every 10 s, without being sent GOAWAY.
+    # Clients may ping too, with no call open or none sending, as often as every 10 s, without
+    # being sent GOAWAY "too_many_pings" (gRPC's default allows one ping in 5 minutes).
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     # A connection with no call for 5 minutes gets GOAWAY; clients reconnect on their next call.
     ("grpc.max_connection_idle_ms", 300_000),
 ]
 
 
-def _metadata(context: grpc.aio.ServicerContext, name: str) -> str | None:
-    for key, value in context.invocation_metadata() or ():
-        if key == name:
-            return value if isinstance(value, str) else value.decode()
-    return None
+def _metadata(context: grpc.aio.ServicerContext, name: str) -> list[str]:
+    """Every value of one metadata key, in the order sent."""
+    return [
+        value if isinstance(value, str) else value.decode()
+        for key, value in context.invocation_metadata() or ()
+        if key == name
+    ]
 
 
 def _cert_subject(context: grpc.aio.ServicerContext) -> str | None:
@@ -55,9 +59,22 @@ async def _fail(context: grpc.aio.ServicerContext, rpc: Rpc, err: Exception) -> 
     """Ends a call that failed: with the ApiError's code, or INTERNAL (the rest is logged here,
     never sent: no stack trace reaches the caller)."""
     if isinstance(err, ApiError):
-        await _abort(context, err)
+        await _refuse(context, rpc, err)
     log.error("%s failed", rpc.name, exc_info=err)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc.name}; see the server log")
+
+
+async def _refuse(context: grpc.aio.ServicerContext, rpc: Rpc, err: ApiError) -> None:
+    """Ends a call with the ApiError; one log line for a request that does not decode, and for a
+    Work stream refused as malformed (no SDK's worker sends either)."""
+    if err.reason == MALFORMED or (rpc.client_streaming and err.code == grpc.StatusCode.INVALID_ARGUMENT):
+        log.warning("%s from %s: refused a malformed request: %s", rpc.name, context.peer(), err.message)
+    await _abort(context, err)
+
+
+async def _parsed(rpc: Rpc, requests: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+    async for data in requests:
+        yield parse(rpc.request, data)
 
 
 class _Handlers:
@@ -68,20 +85,21 @@ class _Handlers:
         self._router = router
 
     def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
-        return self._node.authenticate(_metadata(context, "authorization"), _cert_subject(context))
+        return self._node.authenticate(one_authorization(_metadata(context, "authorization")), _cert_subject(context))
 
     def _call(self, context: grpc.aio.ServicerContext) -> Call:
         """Credentials first: the caller is authenticated before anything is routed."""
         return Call(
             self._caller(context),
-            forwarded=_metadata(context, FORWARDED_HEADER) is not None,
+            forwarded=bool(_metadata(context, FORWARDED_HEADER)),
             timeout=context.time_remaining(),
         )
 
     def unary(self, rpc: Rpc) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def handle(data: bytes, context: grpc.aio.ServicerContext) -> Any:
             try:
-                response = await self._router.call(rpc.name, request, self._call(context))
+                call = self._call(context)  # credentials first
+                response = await self._router.call(rpc.name, parse(rpc.request, data), call)
                 missing = unavailable_metadata(response)
                 if missing:
                     context.set_trailing_metadata(tuple(missing.items()))
@@ -92,13 +110,13 @@ class _Handlers:
         return handle
 
     def stream(self, rpc: Rpc) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def handle(data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
                 call = self._call(context)
                 self._router.admit(rpc.name, call)
-                stream = await self._router.watch(request, call)
+                stream = await self._router.watch(parse(rpc.request, data), call)
             except ApiError as err:
-                await _abort(context, err)
+                await _refuse(context, rpc, err)
                 return
             # A sharded Watch states where it starts and the shards it could not open. Again in the
             # trailers: grpc.aio gives a client empty initial metadata when the call ends before
@@ -118,9 +136,9 @@ class _Handlers:
         return handle
 
     def bidi(self, rpc: Rpc) -> Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], AsyncIterator[Any]]:
-        async def handle(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                async for answer in self._router.work(requests, self._call(context)):
+                async for answer in self._router.work(_parsed(rpc, requests), self._call(context)):
                     yield answer
             except Exception as err:
                 await _fail(context, rpc, err)
@@ -132,17 +150,17 @@ class _Handlers:
         for rpc in registry().values():
             if rpc.client_streaming:  # the Work stream, the one bidirectional RPC
                 handler = grpc.stream_stream_rpc_method_handler(
-                    self.bidi(rpc), rpc.request.FromString, rpc.response.SerializeToString
+                    self.bidi(rpc), None, rpc.response.SerializeToString
                 )
             elif rpc.server_streaming:
                 handler = grpc.unary_stream_rpc_method_handler(
-                    self.stream(rpc), rpc.request.FromString, rpc.response.SerializeToString
+                    self.stream(rpc), None, rpc.response.SerializeToString
                 )
             else:
                 handler = grpc.unary_unary_rpc_method_handler(
-                    self.unary(rpc), rpc.request.FromString, rpc.response.SerializeToString
+                    self.unary(rpc), None, rpc.response.SerializeToString
                 )
-            by_service.setdefault(rpc.service, {})[rpc.name] = handler
+            by_service.setdefault(rpc.service, {})[rpc.name] = handler  # requests parsed by the handler (wire.parse)
         return [grpc.method_handlers_generic_handler(name, methods) for name, methods in by_service.items()]
 
 

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cronoq.jsonform import task_event_to_dict, to_dict
 
-from ..auth import Principal
+from ..auth import Principal, one_authorization
 from ..errors import ApiError
 from ..node import Node
 from ..registry import HttpRoute, Rpc, registry
@@ -27,7 +27,8 @@ from ..router import FORWARDED_HEADER, Call, ShardRouter, unavailable_metadata
 from ..ui import add_ui_routes
 from . import http_listener
 from .http_body import decode_json
-from .http_listener import Connection, GuardedRunner, connection_guard, error_body, one_line
+from .http_listener import Connection, GuardedRunner, add_security_headers, connection_guard, error_body, one_line
+from .http_origin import check_browser_request
 from .http_request import build_request
 from .listen import ListenError, os_reason, split_listen
 from .tls import http_cert_subject, http_site
@@ -127,12 +128,14 @@ async def _body(request: web.Request) -> Any:
 async def _json_http_errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """Unknown routes and methods answer with the same JSON error body as the API."""
+    """Unknown routes and methods, and refusals before the handler, answer with the same JSON
+    error body as the API."""
     try:
         return await handler(request)
-    except web.HTTPNotFound:
-        err = ApiError(grpc.StatusCode.NOT_FOUND, f"no route {request.method} {request.path}")
+    except ApiError as err:
         return _error_response(err)
+    except web.HTTPNotFound:
+        return _error_response(ApiError(grpc.StatusCode.NOT_FOUND, f"no route {request.method} {request.path}"))
     except web.HTTPMethodNotAllowed as exc:
         body = {
             "code": "UNIMPLEMENTED",
@@ -179,9 +182,12 @@ class HttpApi:
         self.node = node
         self.router = router or ShardRouter(node)
         self.app = web.Application(
-            middlewares=[connection_guard, _json_http_errors],
+            middlewares=[connection_guard, _json_http_errors, self._browser_guard],
             client_max_size=max(node.config.limits.max_payload_bytes * 2, 4 << 20),
         )
+        self.app.on_response_prepare.append(add_security_headers)
+        self._listen_host = split_listen(node.config.server.http_listen)[0]
+        self._any_host = node.auth.enabled or node.config.server.tls is not None  # see http_origin
         for rpc in registry().values():
             for route in rpc.http:
                 handle = self._sse(rpc, route) if route.sse else self._handler(rpc, route)
@@ -191,8 +197,17 @@ class HttpApi:
         self.app.router.add_get("/readyz", self._readyz)
         add_ui_routes(self.app)  # the dashboard's static files
 
+    @web.middleware
+    async def _browser_guard(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Another site's page, through its visitor's browser, changes nothing (see http_origin)."""
+        check_browser_request(request, self._any_host, self._listen_host)
+        return await handler(request)
+
     def _caller(self, request: web.Request) -> Principal:
-        return self.node.authenticate(request.headers.get("Authorization"), http_cert_subject(request))
+        authorization = one_authorization(request.headers.getall("Authorization", ()))
+        return self.node.authenticate(authorization, http_cert_subject(request))
 
     def _call(self, request: web.Request) -> Call:
         """Credentials first: the caller is authenticated before anything is routed. An HTTP

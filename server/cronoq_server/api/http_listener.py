@@ -35,6 +35,8 @@ MAX_CONNECTIONS = 10_000  # connections served at once; CRONOQ_HTTP_MAX_CONNECTI
 MAX_CONNECTIONS_ENV = "CRONOQ_HTTP_MAX_CONNECTIONS"
 MAX_HEADERS = 128  # header fields per request (aiohttp's default, named in refusals)
 LISTEN_BACKLOG = 1024  # connections the kernel queues before accept (aiohttp's default 128 overflows in bursts)
+# On every response, the listener's own included: no browser reads a JSON error as HTML or script.
+SECURITY_HEADERS = {"X-Content-Type-Options": "nosniff"}
 
 
 def error_body(code: str, message: str, reason: str | None = None) -> bytes:
@@ -136,7 +138,8 @@ class Connection(RequestHandler):
         )
         head = (
             "HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json; charset=utf-8\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            + "".join(f"{name}: {value}\r\n" for name, value in SECURITY_HEADERS.items())
+            + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
         )
         self.transport.write(head.encode() + body)
         self.force_close()
@@ -176,7 +179,9 @@ class Connection(RequestHandler):
             status, text = protocol_error(exc, message)
             code = "INVALID_ARGUMENT"
             log.debug("refused a malformed request from %s: %s", request.remote, text)
-        response = web.Response(status=status, body=error_body(code, text), content_type="application/json")
+        response = web.Response(
+            status=status, body=error_body(code, text), content_type="application/json", headers=SECURITY_HEADERS
+        )
         response.force_close()
         return response
 
@@ -283,6 +288,12 @@ def max_connections_from_env() -> int:
     if not (text.isascii() and text.isdigit() and 0 < int(text) <= 10_000_000):
         raise ListenError(f"{MAX_CONNECTIONS_ENV}: expected a positive integer, got {text!r}")
     return int(text)
+
+
+async def add_security_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: SECURITY_HEADERS on every response the application sends."""
+    for name, value in SECURITY_HEADERS.items():
+        response.headers.setdefault(name, value)
 
 
 REFUSED_BODY = "http: too many connections ({} busy, cap {}); retry shortly"

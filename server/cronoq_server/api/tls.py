@@ -18,7 +18,9 @@ import asyncio
 import datetime as dt
 import functools
 import logging
+import os
 import ssl
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,7 @@ log = logging.getLogger("cronoq.tls")
 # A TLS handshake on the HTTP listener must finish within this (asyncio's default is 60 s;
 # the listener's own header timeout starts only once the handshake is done).
 HANDSHAKE_TIMEOUT_S = 10.0
+MAX_PEM_BYTES = 1 << 20  # a certificate chain, a key or a CA bundle
 _SUBJECT_CACHE = 1024  # distinct client certificates whose subject is kept parsed
 
 
@@ -65,11 +68,18 @@ def _where(source: str, key: str) -> str:
 
 def _read(path: str, key: str, source: str) -> bytes:
     try:
+        # A device (/dev/zero is read forever), a FIFO (open() waits for a writer) or a directory:
+        # refused before it is opened.
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ConfigError(f"{_where(source, key)}: cannot read {path!r}: not a regular file")
         with open(path, "rb") as f:
-            return f.read()
+            data = f.read(MAX_PEM_BYTES + 1)
     except OSError as err:
         reason = (err.strerror or type(err).__name__).lower()
         raise ConfigError(f"{_where(source, key)}: cannot read {path!r}: {reason}") from None
+    if len(data) > MAX_PEM_BYTES:
+        raise ConfigError(f"{_where(source, key)}: {path!r} has more than {MAX_PEM_BYTES >> 20} MiB; not a PEM file")
+    return data
 
 
 def _certificates(data: bytes, path: str, key: str, source: str) -> list[x509.Certificate]:

@@ -25,6 +25,7 @@ ONE_SECOND = dt.timedelta(seconds=1)
 # A cron whose next slot is further than this is refused (e.g. "0 0 30 2 *" never fires).
 SEARCH_YEARS = 30
 MAX_CRON_LENGTH = 256
+MAX_ZONE_LENGTH = 64  # the longest IANA name has 32 characters
 
 _MONTHS = {n: i for i, n in enumerate("JAN FEB MAR APR MAY JUN JUL AUG SEP OCT NOV DEC".split(), 1)}
 _DAYS = {n: i for i, n in enumerate("SUN MON TUE WED THU FRI SAT".split())}
@@ -75,6 +76,10 @@ def parse(expr: str) -> Cron:
     """Raises CronError naming the field and value that are wrong."""
     if len(expr) > MAX_CRON_LENGTH:
         raise CronError(f"{len(expr)} characters, more than {MAX_CRON_LENGTH}")
+    # ASCII only: str.isdigit(), int(), upper() and split() each accept more than cron means.
+    bad = next((c for c in expr if not (" " <= c <= "~" or c == "\t")), None)
+    if bad is not None:
+        raise CronError(f"{_shown(expr)!r}: character {bad!r}; use ASCII letters, digits, spaces and * ? , - / @")
     text = expr.strip()
     text = _SHORTHANDS.get(text.lower(), text)
     if text.startswith("@"):
@@ -99,9 +104,11 @@ def _field(text: str, name: str, low: int, high: int, names: dict[str, int]) -> 
         base, _, step_text = item.partition("/")
         step = 1
         if step_text:
-            if not step_text.isdigit() or int(step_text) == 0:
+            if not step_text.isdigit():
                 raise CronError(f"{where}: step {step_text!r} is not a positive number")
             step = int(step_text)
+            if not 1 <= step <= high - low + 1:
+                raise CronError(f"{where}: step {step} is not between 1 and {high - low + 1}")
         if base in ("*", "?"):
             start, end = low, high
         elif "-" in base:
@@ -132,9 +139,16 @@ def zone(name: str) -> ZoneInfo:
     if not name:
         return ZoneInfo("UTC")
     try:
+        if len(name) > MAX_ZONE_LENGTH or not name.isascii():
+            raise ValueError(name)
         return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError):
-        raise CronError(f"unknown IANA zone {name[:64]!r} (e.g. 'Europe/Paris', 'UTC')") from None
+    # OSError: a name of the database's directories ("Europe"), or too long a file name.
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        raise CronError(f"unknown IANA zone {_shown(name)!r} (e.g. 'Europe/Paris', 'UTC')") from None
+
+
+def _shown(text: str) -> str:
+    return text if len(text) <= 64 else text[:64] + "…"
 
 
 def _next_wall(cron: Cron, t: dt.datetime, last_year: int) -> dt.datetime | None:

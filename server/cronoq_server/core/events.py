@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter, deque
@@ -456,10 +457,8 @@ class EventBus:
         self._delivered = last
 
     def _event(self, ev: EventRow, row: TaskRow, include_payloads: bool) -> tuple[task_pb2.TaskEvent, int]:
-        """The task as stored now, with the state and attempt the event recorded."""
-        task = to_task(row, self._shard_number)
-        task.state = int(ev.state)  # type: ignore[assignment]
-        task.attempt = ev.attempt
+        """The event, its task as its change left it (as_changed)."""
+        task = to_task(as_changed(ev, row), self._shard_number)
         if not include_payloads:
             task.ClearField("payload")
             task.ClearField("result")
@@ -468,6 +467,29 @@ class EventBus:
         )
         event.time.FromMicroseconds(ev.at)
         return event, event.ByteSize()
+
+
+def as_changed(ev: EventRow, row: TaskRow) -> TaskRow:
+    """The task as the event's change left it: what changes over a task's life as the event
+    recorded it, the rest (never changed) from the task's row now. The result only at an event
+    that ended the task: that change set it, and nothing changes a task after it."""
+    if ev.run_at is None:  # recorded before the store kept these (gone after one watch window)
+        return dataclasses.replace(row, state=ev.state, attempt=ev.attempt)
+    ended = ev.state in TERMINAL
+    return dataclasses.replace(
+        row,
+        state=ev.state,
+        attempt=ev.attempt,
+        run_at=ev.run_at,
+        worker_id=ev.worker_id,
+        error=ev.error or "",
+        started_at=ev.started_at,
+        finished_at=ev.finished_at,
+        lease_expires_at=ev.lease_expires_at,
+        cancel_requested=bool(ev.cancel_requested),
+        result=row.result if ended else None,
+        result_content_type=row.result_content_type if ended else "",
+    )
 
 
 # -- cursors ------------------------------------------------------------------------

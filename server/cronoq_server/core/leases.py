@@ -35,11 +35,20 @@ from .convert import to_task, to_worker
 from .events import EventBus, LeaseWaiter
 from .limits import (
     MAX_CONTENT_TYPE,
+    MAX_DONE,
+    MAX_HEARTBEAT_TASKS,
     MAX_LABEL_KEY,
     MAX_LABEL_VALUE,
     MAX_LABELS,
+    MAX_OUTCOMES,
+    MAX_WORK_CREDITS,
     MAX_WORKER_NAME,
+    MAX_WORKER_POOLS,
+    STORE_CHUNK,
+    WORKER_CONCURRENCY,
     cap_error,
+    check_count,
+    check_range,
     check_text,
 )
 from .resources import ResourceGate
@@ -49,9 +58,11 @@ log = logging.getLogger("cronoq.leases")
 
 
 MAX_LEASE_BATCH = 1000
-# Credits a Work stream may hold unused (a worker's free slots).
-MAX_WORK_CREDITS = 100_000
-MAX_DONE = 10_000
+# One step of a Work stream answers the messages received up to this many entries (a message,
+# its outcomes, its heartbeat's attempts; one message at least); its reader stops reading (gRPC's
+# flow control then holds the worker back) while more than WORK_BACKLOG wait.
+WORK_STEP_ENTRIES = MAX_OUTCOMES
+WORK_BACKLOG = 4 * MAX_OUTCOMES
 MAX_LEASE_WAIT_MS = 60_000
 # A lease reply holds at most this many bytes of tasks (below the SDKs' 64 MiB receive limit);
 # a worker may ask for less with max_bytes. A single larger task is still leased alone.
@@ -95,12 +106,12 @@ class Leases:
     async def register_worker(self, req: pb.RegisterWorkerRequest, caller: Principal) -> pb.RegisterWorkerResponse:
         if not req.pools:
             raise invalid("pools: a worker needs at least one pool")
+        check_count("pools", len(req.pools), MAX_WORKER_POOLS, "pools")
         for pool in req.pools:
             caller.require("work", pool)
             if pool not in self._pools:
                 raise invalid(f"pools: unknown pool {pool!r}")
-        if req.concurrency < 0:
-            raise invalid(f"concurrency: {req.concurrency} is negative")
+        check_range("concurrency", req.concurrency, WORKER_CONCURRENCY)
         check_text("name", req.name, MAX_WORKER_NAME)
         if len(req.labels) > MAX_LABELS:
             raise invalid(f"labels: {len(req.labels)} labels, more than {MAX_LABELS}")
@@ -131,6 +142,8 @@ class Leases:
 
     async def _worker(self, worker_id: str, caller: Principal) -> WorkerRow:
         """The registered worker, used by the principal that registered it only."""
+        if not worker_id:
+            raise invalid("worker_id: empty; give the id RegisterWorker returned")
         if len(worker_id) > 64:
             raise invalid(f"worker_id: {len(worker_id)} characters; worker ids are 32")
         worker = self._workers.get(worker_id)
@@ -177,6 +190,7 @@ class Leases:
     @staticmethod
     def _lease_pools(worker: WorkerRow, asked: Sequence[str]) -> list[str]:
         """The pools a lease of this worker takes from (asked: empty for all it registered for)."""
+        check_count("pools", len(asked), MAX_WORKER_POOLS, "pools")
         for pool in asked:
             if pool not in worker.pools:
                 raise invalid(f"pools: worker {worker.id!r} did not register for pool {pool!r}")
@@ -200,8 +214,7 @@ class Leases:
         if req.max_tasks < 1:
             raise invalid(f"max_tasks: {req.max_tasks} must be at least 1")
         limit = min(req.max_tasks, MAX_LEASE_BATCH)
-        if len(req.done) > MAX_DONE:
-            raise invalid(f"done: {len(req.done)} attempts, more than {MAX_DONE}")
+        check_count("done", len(req.done), MAX_DONE, "attempts")
         if req.done:  # the worker's handlers that returned: their slots are free for this lease
             done = [(seq_of(a.task_id), a.attempt) for a in req.done if shard_of(a.task_id) == self._shard]
             self._ended(done, worker.id)
@@ -258,13 +271,20 @@ class Leases:
 
     async def heartbeat(self, req: pb.HeartbeatRequest, caller: Principal) -> pb.HeartbeatResponse:
         await self._worker(req.worker_id, caller)
+        check_count("tasks", len(req.tasks), MAX_HEARTBEAT_TASKS, "attempts")
         return await self._beat(req.worker_id, req.tasks)
 
     async def _beat(self, worker_id: str, tasks: Sequence[pb.TaskAttempt]) -> pb.HeartbeatResponse:
-        """Extends the leases of these attempts held by the worker; the cancelled and lost among them."""
+        """Extends the leases of these attempts held by the worker (STORE_CHUNK a transaction);
+        the cancelled and lost among them."""
         mine = [(seq_of(t.task_id), t.attempt) for t in tasks if shard_of(t.task_id) == self._shard]
         foreign = [t.task_id for t in tasks if shard_of(t.task_id) != self._shard]
-        cancelled, lost = await self._store.heartbeat(worker_id, mine, now_us())
+        cancelled: list[int] = []
+        lost: list[int] = []
+        for start in range(0, max(len(mine), 1), STORE_CHUNK):  # one call with none: the worker was seen
+            part = await self._store.heartbeat(worker_id, mine[start : start + STORE_CHUNK], now_us())
+            cancelled += part[0]
+            lost += part[1]
         return pb.HeartbeatResponse(
             cancelled_task_ids=[make_task_id(self._shard, s) for s in cancelled],
             lost_task_ids=[make_task_id(self._shard, s) for s in lost] + foreign,
@@ -272,9 +292,18 @@ class Leases:
 
     async def finish_tasks(self, req: pb.FinishTasksRequest, caller: Principal) -> pb.FinishTasksResponse:
         await self._worker(req.worker_id, caller)
+        check_count("outcomes", len(req.outcomes), MAX_OUTCOMES, "outcomes")
         outcomes = [self._outcome(f"outcomes[{i}]", o) for i, o in enumerate(req.outcomes)]
-        results, changes = await self._store.finish(req.worker_id, outcomes, now_us())
-        return pb.FinishTasksResponse(results=await self._finished(outcomes, results, changes))
+        return pb.FinishTasksResponse(results=await self._finish(req.worker_id, outcomes, now_us()))
+
+    async def _finish(self, worker_id: str, outcomes: list[Outcome], now: int) -> list[pb.FinishTaskResult]:
+        """Applies these outcomes, STORE_CHUNK a transaction (each is applied or refused on its own)."""
+        finished: list[pb.FinishTaskResult] = []
+        for start in range(0, len(outcomes), STORE_CHUNK):
+            part = outcomes[start : start + STORE_CHUNK]
+            results, changes = await self._store.finish(worker_id, part, now)
+            finished += await self._finished(part, results, changes)
+        return finished
 
     def _outcome(self, field: str, o: pb.TaskOutcome) -> Outcome:
         """The store's Outcome of a reported one; raises INVALID_ARGUMENT naming field."""
@@ -350,6 +379,7 @@ class Leases:
         if first is None:
             return
         worker = await self._worker(first.worker_id, caller)
+        _check_counts(first)
         pools = self._lease_pools(worker, first.pools)
         max_bytes = min(first.max_bytes or MAX_LEASE_BYTES, MAX_LEASE_BYTES)
         inbox = _WorkInbox(worker.id, first)
@@ -464,8 +494,7 @@ class Leases:
         outcomes = [Outcome(seq, attempt, OutcomeKind.RELEASED) for seq, attempt in sorted(stream.running)]
         try:
             with in_flight():
-                results, changes = await self._store.finish(worker_id, outcomes, now_us())
-                await self._finished(outcomes, results, changes)
+                results = await self._finish(worker_id, outcomes, now_us())
         except StoreUnavailable as err:  # e.g. no longer the leader: their leases expire instead
             log.warning("worker %s closed its stream; %d task(s) left to expire: %s", worker_id, len(outcomes), err)
             return
@@ -502,14 +531,15 @@ class Leases:
             now = now_us()
             if self._gate.enabled:  # leases that take resources go one at a time (see _lease),
                 # after the outcomes free their slots
-                results, changes = await self._store.finish(worker.id, outcomes, now) if outcomes else ([], [])
-                finished = await self._finished(outcomes, results, changes)
+                finished = await self._finish(worker.id, outcomes, now)
                 rows, next_due = await self._lease(worker.id, pools, limit, now, max_bytes) if limit else ([], None)
-            else:
+            else:  # the last STORE_CHUNK outcomes in the lease's transaction, any before in their own
+                split = max(len(outcomes) - STORE_CHUNK, 0)
+                finished = await self._finish(worker.id, outcomes[:split], now)
                 results, changes, rows, next_due = await self._store.finish_and_lease(
-                    worker.id, outcomes, pools, limit, now, max_bytes
+                    worker.id, outcomes[split:], pools, limit, now, max_bytes
                 )
-                finished = await self._finished(outcomes, results, changes)
+                finished += await self._finished(outcomes[split:], results, changes)
             answer.tasks.extend(await self._leased(rows, now))
         applied = iter(finished)
         answer.results.extend(refused[i] if i in refused else next(applied) for i in range(len(reported)))
@@ -589,12 +619,25 @@ def _cut_by_bytes(answer: pb.WorkResponse, max_bytes: int) -> bool:
     return sum(len(t.payload) for t in answer.tasks) >= max_bytes // 2
 
 
+def _check_counts(req: pb.WorkRequest) -> None:
+    """A message of a Work stream carries no more than the unary calls may."""
+    check_count("outcomes", len(req.outcomes), MAX_OUTCOMES, "outcomes")
+    check_count("heartbeat.tasks", len(req.heartbeat.tasks), MAX_HEARTBEAT_TASKS, "attempts")
+
+
+def _entries(req: pb.WorkRequest) -> int:
+    """What answering a Work stream's message takes, in entries (see WORK_STEP_ENTRIES)."""
+    return 1 + len(req.outcomes) + len(req.heartbeat.tasks)
+
+
 class _WorkInbox:
     """What a Work stream received and not yet answered, read by a task of its own."""
 
     def __init__(self, worker_id: str, first: pb.WorkRequest):
         self._worker_id = worker_id
         self._received = [first]
+        self._backlog = _entries(first)  # of the requests received
+        self._room = asyncio.Event()  # set when requests are taken
         self._arrived = asyncio.Event()
         self._arrived.set()
         self.closed = False  # the worker closed its side, or the stream failed
@@ -609,9 +652,14 @@ class _WorkInbox:
                     raise invalid(f"worker_id: {req.worker_id!r} sent on the Work stream of {self._worker_id!r}")
                 if req.pools or req.max_bytes:
                     raise invalid("pools, max_bytes: given in the first message of a Work stream only")
+                _check_counts(req)
                 self._received.append(req)
+                self._backlog += _entries(req)
                 self.closing = self.closing or req.closing
                 self._arrived.set()
+                while self._backlog > WORK_BACKLOG:
+                    self._room.clear()
+                    await self._room.wait()
         except ApiError as err:
             self.error = err
         finally:
@@ -624,9 +672,19 @@ class _WorkInbox:
         return bool(self._received) or self.error is not None
 
     def take(self) -> list[pb.WorkRequest]:
-        received, self._received = self._received, []
-        self._arrived.clear()
-        return received
+        """The oldest requests received, as many as one step answers (WORK_STEP_ENTRIES)."""
+        count, entries = 0, 0
+        for req in self._received:
+            entries += _entries(req)
+            if count and entries > WORK_STEP_ENTRIES:
+                break
+            count += 1
+        taken, self._received = self._received[:count], self._received[count:]
+        self._backlog -= sum(_entries(r) for r in taken)
+        self._room.set()
+        if not self._received:
+            self._arrived.clear()
+        return taken
 
     async def arrived(self) -> None:
         """Until a request arrives or the worker closes its side."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..errors import invalid
 
 MAX_KEY_LENGTH = 256
@@ -14,6 +16,19 @@ MAX_LABEL_KEY = 128
 MAX_LABEL_VALUE = 1024
 # An error text longer than this is cut, with a marker saying how much was dropped.
 MAX_ERROR_BYTES = 16 << 10
+# What one worker call carries (FinishTasks, Heartbeat, LeaseTasks, RegisterWorker, a message of
+# a Work stream): a list longer than its cap is refused whole, before any of it is worked on.
+# The SDKs send at most 1,000 outcomes a message.
+MAX_OUTCOMES = 10_000
+MAX_DONE = 10_000
+# Credits a Work stream may hold unused (a worker's free slots); a heartbeat names every attempt
+# a worker holds, so it may name as many.
+MAX_WORK_CREDITS = 100_000
+MAX_HEARTBEAT_TASKS = MAX_WORK_CREDITS
+MAX_WORKER_POOLS = 1_000
+# Outcomes and heartbeat entries reach the store this many at a time, each part a transaction
+# of its own: a long list does not hold other callers' writes for long.
+STORE_CHUNK = 1_000
 
 TRUNCATED = "… [truncated {n} bytes]"
 
@@ -25,6 +40,12 @@ def check_text(field: str, value: str, limit: int) -> None:
     bad = next((c for c in value if ord(c) < 32 or 127 <= ord(c) < 160), None)
     if bad is not None:
         raise invalid(f"{field}: control character {bad!r} in {value[:64]!r}")
+
+
+def check_count(field: str, count: int, limit: int, what: str) -> None:
+    """A list of a worker call: at most limit entries."""
+    if count > limit:
+        raise invalid(f"{field}: {count} {what}, more than {limit} in one message")
 
 
 def cap_error(text: str) -> str:
@@ -39,3 +60,37 @@ def cap_error(text: str) -> str:
 # Keys of schedules' tasks start with this; a submission may not use it (it could take a
 # future slot's key and so suppress that fire).
 SCHEDULE_KEY_PREFIX = "schedule:"
+
+
+# -- numeric fields of tasks and schedules ---------------------------------------
+# Each numeric field a caller sets on a task or a schedule's template has a finite range,
+# checked here in one place: stored values stay far from int64's edges, so no arithmetic on
+# them overflows (a timeout_ms near 2^63 once failed every lease of its pool on PostgreSQL).
+# Other requests' numbers are clamped where they are read (page_size, wait and lease sizes).
+MAX_TIMEOUT_MS = 7 * 86_400_000  # 7 days; a pool's `timeout` has the same bound
+MAX_ATTEMPTS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """The values a numeric field may take, and what its bounds mean (said in a refusal)."""
+
+    low: int
+    high: int
+    meaning: str
+
+
+TASK_RANGES = {
+    "priority": Range(-(2**31), 2**31 - 1, "any int32; higher runs first"),
+    "max_attempts": Range(0, MAX_ATTEMPTS, "0 takes the pool's default"),
+    "timeout_ms": Range(0, MAX_TIMEOUT_MS, "at most 7 days; 0 takes the pool's timeout"),
+}
+
+# A worker's concurrency (shown in listings): no more than its credits may reach.
+WORKER_CONCURRENCY = Range(0, MAX_WORK_CREDITS, "what the worker runs at once")
+
+
+def check_range(field: str, value: int, allowed: Range) -> None:
+    """Refuses a value outside its range, naming the field, the value and the range."""
+    if not allowed.low <= value <= allowed.high:
+        raise invalid(f"{field}: {value} is not between {allowed.low} and {allowed.high} ({allowed.meaning})")

@@ -17,7 +17,16 @@ from ..ids import MAX_ID, make_task_id, seq_of, shard_of
 from ..store.base import TERMINAL, NewTask, State, Store, Submitted, TaskRow
 from .convert import to_task
 from .events import EventBus, Watcher, parse_cursor
-from .limits import MAX_CONTENT_TYPE, MAX_KEY_LENGTH, MAX_REQUEST_ID, SCHEDULE_KEY_PREFIX, check_text
+from .limits import (
+    MAX_CONTENT_TYPE,
+    MAX_KEY_LENGTH,
+    MAX_REQUEST_ID,
+    MAX_TIMEOUT_MS,
+    SCHEDULE_KEY_PREFIX,
+    TASK_RANGES,
+    check_range,
+    check_text,
+)
 
 # google.protobuf.Timestamp's range: 0001-01-01T00:00:00Z to 9999-12-31T23:59:59.999999999Z.
 MIN_TIMESTAMP_S = -62_135_596_800
@@ -49,12 +58,18 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
+def wait_ms(asked_ms: int) -> int:
+    """How long a WaitTask asking `asked_ms` waits (0: the default)."""
+    return min(asked_ms or DEFAULT_WAIT_MS, MAX_WAIT_MS)
+
+
 def _timeout_ms(asked_ms: int, pool_timeout_s: float | None) -> int:
-    """A task's timeout: what it asks, capped by its pool's; the pool's when it asks none (0: none)."""
+    """A task's timeout: what it asks, capped by its pool's; the pool's when it asks none (0: none).
+    At most MAX_TIMEOUT_MS, also for a schedule stored before that bound."""
     pool_ms = int(pool_timeout_s * 1000) if pool_timeout_s is not None else 0
     if asked_ms and pool_ms:
-        return min(asked_ms, pool_ms)
-    return asked_ms or pool_ms
+        return min(asked_ms, pool_ms, MAX_TIMEOUT_MS)
+    return min(asked_ms or pool_ms, MAX_TIMEOUT_MS)
 
 
 class Tasks:
@@ -130,18 +145,18 @@ class Tasks:
         limit = self._config.limits.max_payload_bytes
         if len(req.payload) > limit:
             raise invalid(f"{where}payload: {len(req.payload)} bytes exceeds limits.max_payload_bytes {limit}")
-        if req.max_attempts < 0 or req.max_attempts > 1000:
-            raise invalid(
-                f"{where}max_attempts: {req.max_attempts} is not between 1 and 1000 (0 takes the pool's default)"
-            )
+        for field, allowed in TASK_RANGES.items():
+            check_range(f"{where}{field}", getattr(req, field), allowed)
         for name, amount in req.resources.items():
             res = self._resources.get(name)
             if res is None:
                 raise invalid(f"{where}resources: unknown resource {name!r} in shard {self._shard_name!r}")
-            if amount < 1 or (res.concurrency is not None and amount > res.concurrency):
-                raise invalid(f"{where}resources[{name!r}]: amount {amount} is not between 1 and its capacity")
-        if req.timeout_ms < 0:
-            raise invalid(f"{where}timeout_ms: {req.timeout_ms} is negative (0 takes the pool's timeout)")
+            # A rate resource's capacity is its burst: a task needing more tokens could never start.
+            capacity = res.concurrency if res.concurrency is not None else (res.burst or 1)
+            if not 1 <= amount <= capacity:
+                raise invalid(
+                    f"{where}resources[{name!r}]: amount {amount} is not between 1 and its capacity {capacity}"
+                )
 
     def pool_defaults(self, pool: str, max_attempts: int, timeout_ms: int) -> tuple[int, int]:
         """A task's max_attempts and timeout_ms as stored: what it asks (0: the pool's), the timeout
@@ -237,7 +252,7 @@ class Tasks:
         return response
 
     async def wait_task(self, req: pb.WaitTaskRequest, caller: Principal) -> pb.WaitTaskResponse:
-        timeout_ms = min(req.timeout_ms or DEFAULT_WAIT_MS, MAX_WAIT_MS)
+        timeout_ms = wait_ms(req.timeout_ms)
         row = await self.find(req.task, caller, "read")
         if row.state not in TERMINAL:
             fut = self._events.wait_terminal(row.seq)

@@ -167,6 +167,22 @@ class EventRow:
     at: int
     pool: str
     prev_state: int
+    # The rest of what changes over a task's life (EVENT_TASK_COLUMNS), as this change left it.
+    # run_at None: recorded before the store kept these (schema version 6 on SQLite, 7 on PostgreSQL).
+    run_at: int | None = None
+    worker_id: str | None = None
+    error: str | None = None
+    started_at: int | None = None
+    finished_at: int | None = None
+    lease_expires_at: int | None = None
+    cancel_requested: bool | None = None
+
+
+# The task columns an event records besides its state and attempt: with those, every column
+# that changes over a task's life but its result (set only by the change that ends it).
+EVENT_TASK_COLUMNS = "run_at, worker_id, error, started_at, finished_at, lease_expires_at, cancel_requested"
+# Column order of every event row a store writes and returns (after its seq).
+EVENT_COLUMNS = f"task_seq, state, attempt, at, pool, prev_state, {EVENT_TASK_COLUMNS}"
 
 
 # retry_at(pool, attempt, now, retry_after_ms) -> when the next attempt may start.
@@ -186,8 +202,23 @@ class StoreSettings:
     lease_overhead_bytes: int = 256
 
 
-class StoreOwnedElsewhere(Exception):
+class StoreRefused(Exception):
+    """This server must not use the store at all (it exits with 2)."""
+
+
+class StoreOwnedElsewhere(StoreRefused):
     """The store holds another shard's tasks (its shard name or number differs)."""
+
+
+class StoreSchemaTooNew(StoreRefused):
+    """A newer cronoq-server wrote the store: this one would misread or undo what it added."""
+
+
+def schema_too_new(store: str, recorded: int, known: int) -> StoreSchemaTooNew:
+    return StoreSchemaTooNew(
+        f"{store} has schema version {recorded}, newer than this cronoq-server knows (it knows versions up to "
+        f"{known}): run the version that wrote it, or a newer one"
+    )
 
 
 class StoreUnavailable(Exception):
@@ -205,9 +236,13 @@ class Store(Protocol):
     work_steps: int
 
     async def open(self) -> None:
-        """Creates or migrates the schema; refuses a store of another shard."""
+        """Creates or migrates the schema; refuses (StoreRefused) a store of another shard or of
+        a schema newer than this code knows, and never lowers the recorded version."""
 
     async def close(self) -> None: ...
+
+    async def check_schema(self) -> None:
+        """Raises StoreSchemaTooNew when a newer server has migrated the store since it was opened."""
 
     async def submit(
         self, tasks: list[NewTask], now: int, request_id: str | None = None, visible: frozenset[str] | None = None

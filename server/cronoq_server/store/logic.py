@@ -19,6 +19,7 @@ from ..ids import seq_of
 from .base import (
     TERMINAL,
     Changes,
+    EventRow,
     Outcome,
     OutcomeKind,
     OutcomeResult,
@@ -61,6 +62,22 @@ def task_row(r: Any) -> TaskRow:
         lease_expires_at=r[20],
         timeout_ms=r[21],
     )
+
+
+def event_row(r: Any) -> EventRow:
+    """An EventRow from its seq and then a row read in EVENT_COLUMNS order."""
+    cancel_requested = None if r[13] is None else bool(r[13])
+    return EventRow(
+        r[0], r[1], State(r[2]), r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12], cancel_requested
+    )
+
+
+def event_task_values(row: TaskRow) -> tuple[Any, ...]:
+    """A task's values of EVENT_TASK_COLUMNS."""
+    return (
+        row.run_at, row.worker_id, row.error, row.started_at, row.finished_at, row.lease_expires_at,
+        row.cancel_requested,
+    )  # fmt: skip
 
 
 def initial_state(deps: Iterable[tuple[int, State]], full_id: Callable[[int], int]) -> tuple[State, str, int]:

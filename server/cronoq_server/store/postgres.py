@@ -19,9 +19,12 @@ from typing import Any, TypeVar
 
 import asyncpg
 
+from ..core.limits import MAX_TIMEOUT_MS
 from ..errors import ApiError, not_found
 from ..ids import make_task_id
 from .base import (
+    EVENT_COLUMNS,
+    EVENT_TASK_COLUMNS,
     TASK_COLUMNS,
     TERMINAL,
     Changes,
@@ -39,6 +42,7 @@ from .base import (
     Submitted,
     TaskRow,
     WorkerRow,
+    schema_too_new,
 )
 from .logic import (
     HEARTBEAT_COLUMNS,
@@ -52,6 +56,7 @@ from .logic import (
     decide_outcomes,
     dependency_error,
     encode_request,
+    event_row,
     expired_outcome,
     initial_state,
     key_in_another_pool,
@@ -183,8 +188,20 @@ MIGRATIONS: dict[int, list[str]] = {
             advertise text NOT NULL,
             seen_at timestamptz NOT NULL)""",
     ],
+    7: [
+        # An event shows its task as its change left it (EVENT_TASK_COLUMNS); NULL in the events
+        # recorded before.
+        """ALTER TABLE {s}.events ADD COLUMN run_at bigint, ADD COLUMN worker_id text, ADD COLUMN error text,
+            ADD COLUMN started_at bigint, ADD COLUMN finished_at bigint, ADD COLUMN lease_expires_at bigint,
+            ADD COLUMN cancel_requested boolean""",
+    ],
 }
 WORKER_COLUMNS = "id, name, pools, concurrency, labels, registered_at, last_seen_at, principal"
+
+# Every event is written by a statement that starts so, then selects EVENT_COLUMNS from the rows
+# its change left (of a CTE's RETURNING, or of tasks t).
+INSERT_EVENTS = f"INSERT INTO {{s}}.events ({EVENT_COLUMNS})"
+T_EVENT_TASK_COLUMNS = ", ".join(f"t.{c}" for c in EVENT_TASK_COLUMNS.split(", "))
 
 # What a task (alias t) weighs in a lease reply.
 LEASE_SIZE = "octet_length(t.payload) + octet_length(coalesce(t.key, '')) + octet_length(t.content_type)"
@@ -357,6 +374,7 @@ class PostgresStore:
             )
         )
         applied = {r[0] for r in await conn.fetch(self._sql("SELECT version FROM {s}.migrations"))}
+        self._check_version(max(applied, default=0))
         for version in sorted(MIGRATIONS):
             if version in applied:
                 continue
@@ -373,6 +391,14 @@ class PostgresStore:
             )
         for k, v in mine.items():
             await conn.execute(self._sql("INSERT INTO {s}.meta VALUES ($1, $2) ON CONFLICT DO NOTHING"), k, v)
+
+    def _check_version(self, version: int) -> None:
+        if version > max(MIGRATIONS):
+            raise schema_too_new(f"schema {self.schema}", version, max(MIGRATIONS))
+
+    async def check_schema(self) -> None:
+        sql = self._sql("SELECT max(version) FROM {s}.migrations")
+        self._check_version(await self._read(lambda c: c.fetchval(sql)) or 0)
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -560,9 +586,9 @@ class PostgresStore:
             " u.resources, 1, u.now, u.timeout_ms"
             " FROM u JOIN ids ON ids.n = u.n JOIN ops ON ops.op = u.op"
             " WHERE {fence} AND (ops.rid IS NULL OR ops.rid IN (SELECT id FROM req))"
-            " RETURNING seq, pool, created_at),"
-            " ev AS (INSERT INTO {s}.events (task_seq, pool, prev_state, state, attempt, at)"
-            " SELECT seq, pool, 0, 1, 0, created_at FROM ins ORDER BY seq)"
+            f" RETURNING seq, pool, created_at, {EVENT_TASK_COLUMNS}),"
+            f" ev AS ({INSERT_EVENTS} SELECT seq, 1, 0, created_at, pool, 0, {EVENT_TASK_COLUMNS}"
+            " FROM ins ORDER BY seq)"
             " SELECT ids.n, ids.seq, (SELECT pg_notify($9, '')) FROM ins JOIN ids ON ids.seq = ins.seq"
         )
         args = (
@@ -695,9 +721,8 @@ class PostgresStore:
                     " timeout_ms)"
                     " SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::int[],"
                     " $7::bigint[], $8::int[], $9::text[], $10::text[], $11::smallint[], $12::text[], $13::bigint[],"
-                    " $14::bigint[], $15::int[], $16::bigint[]) RETURNING seq, pool, state)"
-                    " INSERT INTO {s}.events (task_seq, pool, prev_state, state, attempt, at)"
-                    " SELECT seq, pool, 0, state, 0, $17 FROM ins ORDER BY seq"
+                    f" $14::bigint[], $15::int[], $16::bigint[]) RETURNING seq, pool, state, {EVENT_TASK_COLUMNS})"
+                    f" {INSERT_EVENTS} SELECT seq, state, 0, $17, pool, 0, {EVENT_TASK_COLUMNS} FROM ins ORDER BY seq"
                 ),
                 *[list(c) for c in columns],
                 now,
@@ -804,12 +829,13 @@ class PostgresStore:
             " chosen AS (SELECT seq FROM sized WHERE n = 1 OR $6::bigint <= 0 OR upto <= $6::bigint),"
             " ttl AS (SELECT * FROM unnest($4::text[], $5::bigint[]) AS x(pool, ttl)),"
             " leased AS (UPDATE {s}.tasks t SET state = 3, attempt = t.attempt + 1, worker_id = $3, started_at = $1,"
-            # Never past the attempt's deadline (started_at + timeout_ms).
-            " lease_expires_at = $1 + CASE WHEN t.timeout_ms > 0 THEN least(ttl.ttl, t.timeout_ms * 1000)"
+            # Never past the attempt's deadline (started_at + timeout_ms); a timeout stored before the
+            # API bounded it is taken at that bound, so its product fits a bigint.
+            " lease_expires_at = $1 + CASE WHEN t.timeout_ms > 0"
+            f" THEN least(ttl.ttl, least(t.timeout_ms, {MAX_TIMEOUT_MS}) * 1000)"
             " ELSE ttl.ttl END FROM chosen, ttl WHERE t.seq = chosen.seq AND ttl.pool = t.pool"
             f" RETURNING {self._cols}),"
-            " lease_ev AS (INSERT INTO {s}.events (task_seq, pool, prev_state, state, attempt, at)"
-            " SELECT seq, pool, 1, 3, attempt, $1 FROM leased)"
+            f" lease_ev AS ({INSERT_EVENTS} SELECT seq, 3, attempt, $1, pool, 1, {EVENT_TASK_COLUMNS} FROM leased)"
         )
         overhead = self.settings.lease_overhead_bytes
         return ctes, (now, limit, worker_id, pools, [ttl[p] for p in pools], max_bytes, overhead, *args)
@@ -908,9 +934,9 @@ class PostgresStore:
             f" finished_at = {now}, lease_expires_at = NULL"
             f" FROM unnest({a}::bigint[], {b}::int[], {c}::bytea[], {d}::text[]) AS u(seq, attempt, result, rct)"
             f" WHERE t.seq = u.seq AND t.state = 3 AND t.attempt = u.attempt AND t.worker_id = {worker} AND {{fence}}"
-            " RETURNING t.seq, t.pool, t.state, t.attempt),"
-            " ended_ev AS (INSERT INTO {s}.events (task_seq, pool, prev_state, state, attempt, at)"
-            f" SELECT seq, pool, 3, state, attempt, {now} FROM ended)"
+            f" RETURNING t.seq, t.pool, t.state, t.attempt, {T_EVENT_TASK_COLUMNS}),"
+            f" ended_ev AS ({INSERT_EVENTS} SELECT seq, state, attempt, {now}, pool, 3, {EVENT_TASK_COLUMNS}"
+            " FROM ended)"
         )
 
     async def _successes(
@@ -938,9 +964,10 @@ class PostgresStore:
                 "WITH changed AS (UPDATE {s}.tasks t SET state = 1, blocked_on = 0"
                 " WHERE t.state = 2 AND t.seq IN (SELECT task_seq FROM {s}.deps WHERE dep_seq = ANY($1::bigint[]))"
                 " AND NOT EXISTS (SELECT 1 FROM {s}.deps d JOIN {s}.tasks x ON x.seq = d.dep_seq"
-                " WHERE d.task_seq = t.seq AND x.state <> 4) RETURNING t.seq, t.pool, t.attempt),"
-                " ev AS (INSERT INTO {s}.events (task_seq, pool, prev_state, state, attempt, at)"
-                " SELECT seq, pool, 2, 1, attempt, $2 FROM changed ORDER BY seq)"
+                " WHERE d.task_seq = t.seq AND x.state <> 4)"
+                f" RETURNING t.seq, t.pool, t.attempt, {T_EVENT_TASK_COLUMNS}),"
+                f" ev AS ({INSERT_EVENTS} SELECT seq, 1, attempt, $2, pool, 2, {EVENT_TASK_COLUMNS}"
+                " FROM changed ORDER BY seq)"
                 " SELECT seq FROM changed"
             ),
             succeeded,
@@ -1106,14 +1133,13 @@ class PostgresStore:
     # task's events in order and a later batch never holds an earlier change of a task.
 
     async def _record_events(self, conn: asyncpg.Connection, changes: Changes, prev: Sequence[int], now: int) -> None:
-        """An event per change, with the task's pool, state and attempt as this transaction left
-        them, and prev: the state each change left (0: a new task)."""
+        """An event per change, with the task's pool, state, attempt and EVENT_TASK_COLUMNS as this
+        transaction left them, and prev: the state each change left (0: a new task)."""
         if not changes:
             return
         await conn.execute(
             self._sql(
-                "INSERT INTO {s}.events (task_seq, pool, prev_state, state, attempt, at)"
-                " SELECT t.seq, t.pool, u.prev, t.state, t.attempt, $2"
+                f"{INSERT_EVENTS} SELECT t.seq, t.state, t.attempt, $2, t.pool, u.prev, {T_EVENT_TASK_COLUMNS}"
                 " FROM unnest($1::bigint[], $3::smallint[]) WITH ORDINALITY AS u(seq, prev, n)"
                 " JOIN {s}.tasks t ON t.seq = u.seq ORDER BY u.n"
             ),
@@ -1156,12 +1182,9 @@ class PostgresStore:
                 return last
 
     async def read_events(self, after: int, limit: int) -> list[EventRow]:
-        sql = self._sql(
-            "SELECT pos, task_seq, state, attempt, at, pool, prev_state FROM {s}.events WHERE pos > $1"
-            " ORDER BY pos LIMIT $2"
-        )
+        sql = self._sql(f"SELECT pos, {EVENT_COLUMNS} FROM {{s}}.events WHERE pos > $1 ORDER BY pos LIMIT $2")
         rows = await self._read(lambda c: c.fetch(sql, after, limit))
-        return [EventRow(r[0], r[1], State(r[2]), r[3], r[4], r[5], r[6]) for r in rows]
+        return [event_row(r) for r in rows]
 
     async def count_unfinished(self) -> tuple[int, dict[tuple[str, State], int]]:
         """One REPEATABLE READ transaction: its snapshot holds the task changes of exactly the

@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 from ..errors import ApiError, not_found
 from ..ids import make_task_id
 from .base import (
+    EVENT_COLUMNS,
+    EVENT_TASK_COLUMNS,
     TASK_COLUMNS,
     TERMINAL,
     Changes,
@@ -32,6 +34,7 @@ from .base import (
     Submitted,
     TaskRow,
     WorkerRow,
+    schema_too_new,
 )
 from .logic import (
     HEARTBEAT_COLUMNS,
@@ -45,6 +48,8 @@ from .logic import (
     decide_outcomes,
     dependency_error,
     encode_request,
+    event_row,
+    event_task_values,
     expired_outcome,
     initial_state,
     key_in_another_pool,
@@ -151,12 +156,23 @@ MIGRATIONS: dict[int, str] = {
     CREATE TABLE event_log (id INTEGER PRIMARY KEY CHECK (id = 1), purged_through INTEGER NOT NULL DEFAULT 0);
     INSERT INTO event_log (id) VALUES (1);
     """,
+    # An event shows its task as its change left it (EVENT_TASK_COLUMNS); NULL in the events
+    # recorded before.
+    6: """
+    ALTER TABLE events ADD COLUMN run_at INTEGER;
+    ALTER TABLE events ADD COLUMN worker_id TEXT;
+    ALTER TABLE events ADD COLUMN error TEXT;
+    ALTER TABLE events ADD COLUMN started_at INTEGER;
+    ALTER TABLE events ADD COLUMN finished_at INTEGER;
+    ALTER TABLE events ADD COLUMN lease_expires_at INTEGER;
+    ALTER TABLE events ADD COLUMN cancel_requested INTEGER;
+    """,
 }
 
-_INSERT_EVENT = "INSERT INTO events (task_seq, pool, prev_state, state, attempt, at) VALUES (?, ?, ?, ?, ?, ?)"
+_INSERT_EVENT = f"INSERT INTO events ({EVENT_COLUMNS}) VALUES ({', '.join('?' * 13)})"
 _RECORD_EVENT = (
-    "INSERT INTO events (task_seq, pool, prev_state, state, attempt, at)"
-    " SELECT seq, pool, ?, state, attempt, ? FROM tasks WHERE seq = ?"
+    f"INSERT INTO events ({EVENT_COLUMNS})"
+    f" SELECT seq, state, attempt, ?, pool, ?, {EVENT_TASK_COLUMNS} FROM tasks WHERE seq = ?"
 )
 
 MAX_GROUP = 256  # writes committed together at most
@@ -304,6 +320,7 @@ class SqliteStore:
         if has_meta:
             meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
             version = int(meta.get("schema_version", "0"))
+            self._check_version(version)
             owner = (meta.get("shard_name"), meta.get("shard_number"))
             mine = (self.settings.shard_name, str(self.settings.shard_number))
             if owner != mine:
@@ -316,9 +333,17 @@ class SqliteStore:
                 for statement in MIGRATIONS[v].split(";"):
                     if statement.strip():
                         db.execute(statement)
-        db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(max(MIGRATIONS)),))
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(v),))
         db.execute("INSERT OR IGNORE INTO meta VALUES ('shard_name', ?)", (self.settings.shard_name,))
         db.execute("INSERT OR IGNORE INTO meta VALUES ('shard_number', ?)", (str(self.settings.shard_number),))
+
+    def _check_version(self, version: int) -> None:
+        if version > max(MIGRATIONS):
+            raise schema_too_new(f"store {self.path}", version, max(MIGRATIONS))
+
+    async def check_schema(self) -> None:
+        sql = "SELECT value FROM meta WHERE key = 'schema_version'"
+        self._check_version(int((await self._run(lambda: self._conn.execute(sql).fetchone()))[0]))
 
     async def close(self) -> None:
         if self._thread is not None:
@@ -552,7 +577,9 @@ class SqliteStore:
         if rows:
             rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
             running = int(State.RUNNING)
-            db.executemany(_INSERT_EVENT, [(r.seq, r.pool, int(State.PENDING), running, r.attempt, now) for r in rows])
+            pending = int(State.PENDING)
+            events = [(r.seq, running, r.attempt, now, r.pool, pending, *event_task_values(r)) for r in rows]
+            db.executemany(_INSERT_EVENT, events)
             return rows, None
         sql = f"SELECT MIN(run_at) FROM tasks WHERE state = 1 AND pool IN ({_marks(len(pools))})"
         return [], db.execute(sql, pools).fetchone()[0]
@@ -739,9 +766,9 @@ class SqliteStore:
     # back op rolls back its ids too). Nothing to number: sequence_events reads the last id.
 
     def _record_events(self, db: sqlite3.Connection, changes: Changes, prev: Sequence[int], now: int) -> None:
-        """An event per change, with the task's pool, state and attempt as the op left them, and
-        prev: the state each change left (0: a new task)."""
-        db.executemany(_RECORD_EVENT, [(int(p), now, seq) for (seq, _), p in zip(changes, prev, strict=True)])
+        """An event per change, with the task's pool, state, attempt and EVENT_TASK_COLUMNS as the
+        op left them, and prev: the state each change left (0: a new task)."""
+        db.executemany(_RECORD_EVENT, [(now, int(p), seq) for (seq, _), p in zip(changes, prev, strict=True)])
 
     def _last_event(self, db: sqlite3.Connection) -> int:
         row = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'events'").fetchone()
@@ -751,9 +778,9 @@ class SqliteStore:
         return await self._run(self._last_event, self._conn)
 
     async def read_events(self, after: int, limit: int) -> list[EventRow]:
-        sql = "SELECT id, task_seq, state, attempt, at, pool, prev_state FROM events WHERE id > ? ORDER BY id LIMIT ?"
+        sql = f"SELECT id, {EVENT_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?"
         rows = await self._run(lambda: self._conn.execute(sql, (after, limit)).fetchall())
-        return [EventRow(r[0], r[1], State(r[2]), r[3], r[4], r[5], r[6]) for r in rows]
+        return [event_row(r) for r in rows]
 
     async def count_unfinished(self) -> tuple[int, dict[tuple[str, State], int]]:
         """Read in one read transaction on a connection of its own (WAL: one snapshot, and the

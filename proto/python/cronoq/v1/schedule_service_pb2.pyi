@@ -70,6 +70,7 @@ class Schedule(_message.Message):
     payload: _builtins.bytes
     content_type: _builtins.str
     priority: _builtins.int
+    """priority, max_attempts, resources and timeout_ms take the ranges of SubmitTaskRequest's."""
     max_attempts: _builtins.int
     paused: _builtins.bool
     timeout_ms: _builtins.int

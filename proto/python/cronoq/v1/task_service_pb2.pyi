@@ -61,22 +61,29 @@ class SubmitTaskRequest(_message.Message):
     payload: _builtins.bytes
     content_type: _builtins.str
     priority: _builtins.int
+    """Any int32; higher runs first."""
     max_attempts: _builtins.int
-    """0 takes the pool's default."""
+    """0 to 1000; 0 takes the pool's default."""
     request_id: _builtins.str
     """Set by the SDKs (a UUID): a repeated request_id returns what the first call created,
     so a retry after UNAVAILABLE never creates a second task. Ignored inside a batch.
     """
     timeout_ms: _builtins.int
-    """The execution timeout of each attempt (0: the pool's `timeout`, if any); capped by the pool's."""
+    """The execution timeout of each attempt (0: the pool's `timeout`, if any); capped by the pool's.
+    0 to 604800000 (7 days).
+    """
     @_builtins.property
-    def run_at(self) -> _timestamp_pb2.Timestamp: ...
+    def run_at(self) -> _timestamp_pb2.Timestamp:
+        """From 0001-01-01 to 9999-12-31 (the Timestamp range)."""
+
     @_builtins.property
     def depends_on(self) -> _containers.RepeatedCompositeFieldContainer[_task_pb2.TaskRef]:
         """Tasks of the same shard, by id or key (a batch may name its own keys)."""
 
     @_builtins.property
-    def resources(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    def resources(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Amounts, each from 1 to the resource's concurrency (a rate resource: its burst)."""
+
     def __init__(
         self,
         *,
@@ -239,6 +246,7 @@ class WaitTaskRequest(_message.Message):
     TASK_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     timeout_ms: _builtins.int
+    """0: 30 s; more than 3600000 (1 hour) is taken as 1 hour."""
     @_builtins.property
     def task(self) -> _task_pb2.TaskRef: ...
     def __init__(
@@ -335,6 +343,7 @@ class ListTasksRequest(_message.Message):
     pool: _builtins.str
     state: _task_pb2.TaskState.ValueType
     page_size: _builtins.int
+    """Not negative; 0: 100; more than 1000 is taken as 1000."""
     page_token: _builtins.str
     key: _builtins.str
     """Only the task with this key in each shard (keys deduplicate within a shard, so one key

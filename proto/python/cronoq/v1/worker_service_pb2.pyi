@@ -118,8 +118,11 @@ class RegisterWorkerRequest(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     concurrency: _builtins.int
+    """0 to 100,000 (more: INVALID_ARGUMENT): what the worker runs at once, shown in listings."""
     @_builtins.property
-    def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """At most 1,000 (more: INVALID_ARGUMENT)."""
+
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
@@ -184,19 +187,22 @@ class LeaseTasksRequest(_message.Message):
     DONE_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     max_tasks: _builtins.int
+    """At least 1; more than 1000 is taken as 1000."""
     wait_ms: _builtins.int
+    """More than 60000 is taken as 60000."""
     max_bytes: _builtins.int
     """Caps the reply's size: tasks are added while their bytes fit (one task is always
     leased alone, whatever its size). 0 or more than the server's cap: the server's cap.
     """
     @_builtins.property
     def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Empty: every pool the worker registered for."""
+        """Empty: every pool the worker registered for. At most 1,000."""
 
     @_builtins.property
     def done(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAttempt]:
         """Attempts of this worker whose handlers have returned, their outcomes not yet acknowledged:
         the resource slots they hold are free for this lease (the outcomes follow in FinishTasks).
+        At most 10,000 (more: INVALID_ARGUMENT).
         """
 
     def __init__(
@@ -269,7 +275,9 @@ class HeartbeatRequest(_message.Message):
     TASKS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     @_builtins.property
-    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAttempt]: ...
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAttempt]:
+        """At most 100,000 (more: INVALID_ARGUMENT), as many as the credits a Work stream may hold."""
+
     def __init__(
         self,
         *,
@@ -345,7 +353,7 @@ class TaskFailure(_message.Message):
     retryable: _builtins.bool
     """False ends the task FAILED whatever attempts remain."""
     retry_after_ms: _builtins.int
-    """Overrides the pool's backoff when set."""
+    """Overrides the pool's backoff when set (any uint32: up to about 49.7 days)."""
     def __init__(
         self,
         *,
@@ -451,7 +459,9 @@ class FinishTasksRequest(_message.Message):
     OUTCOMES_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     @_builtins.property
-    def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskOutcome]: ...
+    def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskOutcome]:
+        """At most 10,000 (more: INVALID_ARGUMENT, and none is applied)."""
+
     def __init__(
         self,
         *,
@@ -550,6 +560,7 @@ class WorkRequest(_message.Message):
     def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskOutcome]:
         """Outcomes of attempts, each fenced by its attempt; each is answered in a WorkResponse's
         results (an outcome not answered before the stream ends may be sent again on the next).
+        At most 10,000 a message (more ends the stream with INVALID_ARGUMENT).
         """
 
     @_builtins.property
@@ -559,7 +570,7 @@ class WorkRequest(_message.Message):
     @_builtins.property
     def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """First message only: the pools to lease from (empty: every pool the worker registered
-        for), and the cap in bytes of the tasks of one WorkResponse (0 or more than
+        for; at most 1,000), and the cap in bytes of the tasks of one WorkResponse (0 or more than
         RegisterWorkerResponse.max_lease_bytes: that cap; one task is always sent alone).
         """
 
@@ -588,7 +599,9 @@ class WorkHeartbeat(_message.Message):
 
     TASKS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAttempt]: ...
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAttempt]:
+        """At most 100,000 (more ends the stream with INVALID_ARGUMENT)."""
+
     def __init__(
         self,
         *,

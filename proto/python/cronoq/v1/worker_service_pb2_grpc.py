@@ -108,7 +108,8 @@ class WorkerServiceServicer:
         worker sends credits (free slots), outcomes and heartbeats; the server sends leased
         tasks (never more than the credits given), the results of the outcomes, and the tasks
         cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
-        Heartbeat and FinishTasks remain for simple clients and HTTP.
+        Heartbeat and FinishTasks remain for simple clients (gRPC only: no worker call has an
+        HTTP route).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -45,7 +45,8 @@ class WorkerServiceStub:
     worker sends credits (free slots), outcomes and heartbeats; the server sends leased
     tasks (never more than the credits given), the results of the outcomes, and the tasks
     cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
-    Heartbeat and FinishTasks remain for simple clients and HTTP.
+    Heartbeat and FinishTasks remain for simple clients (gRPC only: no worker call has an
+    HTTP route).
     """
     DeregisterWorker: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.DeregisterWorkerRequest, _worker_service_pb2.DeregisterWorkerResponse]
     ListWorkers: _grpc.UnaryUnaryMultiCallable[_worker_service_pb2.ListWorkersRequest, _worker_service_pb2.ListWorkersResponse]
@@ -67,7 +68,8 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     worker sends credits (free slots), outcomes and heartbeats; the server sends leased
     tasks (never more than the credits given), the results of the outcomes, and the tasks
     cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
-    Heartbeat and FinishTasks remain for simple clients and HTTP.
+    Heartbeat and FinishTasks remain for simple clients (gRPC only: no worker call has an
+    HTTP route).
     """
     DeregisterWorker: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.DeregisterWorkerRequest, _worker_service_pb2.DeregisterWorkerResponse]  # type: ignore[assignment]
     ListWorkers: _aio.UnaryUnaryMultiCallable[_worker_service_pb2.ListWorkersRequest, _worker_service_pb2.ListWorkersResponse]  # type: ignore[assignment]
@@ -116,7 +118,8 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         worker sends credits (free slots), outcomes and heartbeats; the server sends leased
         tasks (never more than the credits given), the results of the outcomes, and the tasks
         cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
-        Heartbeat and FinishTasks remain for simple clients and HTTP.
+        Heartbeat and FinishTasks remain for simple clients (gRPC only: no worker call has an
+        HTTP route).
         """
 
     @_abc_1.abstractmethod

@@ -31,9 +31,10 @@ type Schedule struct {
 	// seconds first ("*/5 * * * * *" is every five seconds).
 	Cron string `protobuf:"bytes,3,opt,name=cron,proto3" json:"cron,omitempty"`
 	// IANA zone name; UTC when empty.
-	Timezone    string                 `protobuf:"bytes,4,opt,name=timezone,proto3" json:"timezone,omitempty"`
-	Payload     []byte                 `protobuf:"bytes,5,opt,name=payload,proto3" json:"payload,omitempty"`
-	ContentType string                 `protobuf:"bytes,6,opt,name=content_type,json=contentType,proto3" json:"content_type,omitempty"`
+	Timezone    string `protobuf:"bytes,4,opt,name=timezone,proto3" json:"timezone,omitempty"`
+	Payload     []byte `protobuf:"bytes,5,opt,name=payload,proto3" json:"payload,omitempty"`
+	ContentType string `protobuf:"bytes,6,opt,name=content_type,json=contentType,proto3" json:"content_type,omitempty"`
+	// priority, max_attempts, resources and timeout_ms take the ranges of SubmitTaskRequest's.
 	Priority    int32                  `protobuf:"varint,7,opt,name=priority,proto3" json:"priority,omitempty"`
 	MaxAttempts int32                  `protobuf:"varint,8,opt,name=max_attempts,json=maxAttempts,proto3" json:"max_attempts,omitempty"`
 	Resources   map[string]int64       `protobuf:"bytes,9,rep,name=resources,proto3" json:"resources,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`

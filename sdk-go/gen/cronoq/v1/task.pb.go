@@ -388,8 +388,19 @@ func (x *Task) GetTimeoutMs() int64 {
 // One change of a task, as streamed by Watch.
 type TaskEvent struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	Task  *Task                  `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
-	Time  *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=time,proto3" json:"time,omitempty"`
+	// The task as this change left it, whenever the event is sent (live or replayed from a
+	// cursor, however long after): state, attempt, run_at, worker_id, error, started_at,
+	// finished_at, lease_expires_at and cancel_requested as they were right after the change, so
+	// a PENDING event of a submission has no worker_id, started_at or finished_at even when the
+	// task has run since, and each attempt's events carry that attempt's worker. The fields that
+	// never change (id, pool, key, payload, priority, ...) are the task's. result and
+	// result_content_type are set only on the event that ended the task (SUCCEEDED, FAILED,
+	// CANCELLED); payload and result only with WatchRequest.include_payloads. lease_expires_at
+	// is the expiry the change set (heartbeats extend it without an event). Events recorded by a
+	// server older than schema version 6 (SQLite) or 7 (PostgreSQL), kept for one watch window
+	// after an upgrade, carry the task as it is when sent, with the event's state and attempt.
+	Task *Task                  `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
+	Time *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=time,proto3" json:"time,omitempty"`
 	// The shard that produced the event.
 	Shard string `protobuf:"bytes,3,opt,name=shard,proto3" json:"shard,omitempty"`
 	// The event's per-shard sequence number: increasing, in the order the changes committed.

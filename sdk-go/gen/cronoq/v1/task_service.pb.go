@@ -26,20 +26,24 @@ type SubmitTaskRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Pool  string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
 	// Deduplicates within a shard.
-	Key         string                 `protobuf:"bytes,2,opt,name=key,proto3" json:"key,omitempty"`
-	Payload     []byte                 `protobuf:"bytes,3,opt,name=payload,proto3" json:"payload,omitempty"`
-	ContentType string                 `protobuf:"bytes,4,opt,name=content_type,json=contentType,proto3" json:"content_type,omitempty"`
-	Priority    int32                  `protobuf:"varint,5,opt,name=priority,proto3" json:"priority,omitempty"`
-	RunAt       *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=run_at,json=runAt,proto3" json:"run_at,omitempty"`
-	// 0 takes the pool's default.
+	Key         string `protobuf:"bytes,2,opt,name=key,proto3" json:"key,omitempty"`
+	Payload     []byte `protobuf:"bytes,3,opt,name=payload,proto3" json:"payload,omitempty"`
+	ContentType string `protobuf:"bytes,4,opt,name=content_type,json=contentType,proto3" json:"content_type,omitempty"`
+	// Any int32; higher runs first.
+	Priority int32 `protobuf:"varint,5,opt,name=priority,proto3" json:"priority,omitempty"`
+	// From 0001-01-01 to 9999-12-31 (the Timestamp range).
+	RunAt *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=run_at,json=runAt,proto3" json:"run_at,omitempty"`
+	// 0 to 1000; 0 takes the pool's default.
 	MaxAttempts int32 `protobuf:"varint,7,opt,name=max_attempts,json=maxAttempts,proto3" json:"max_attempts,omitempty"`
 	// Tasks of the same shard, by id or key (a batch may name its own keys).
-	DependsOn []*TaskRef       `protobuf:"bytes,8,rep,name=depends_on,json=dependsOn,proto3" json:"depends_on,omitempty"`
+	DependsOn []*TaskRef `protobuf:"bytes,8,rep,name=depends_on,json=dependsOn,proto3" json:"depends_on,omitempty"`
+	// Amounts, each from 1 to the resource's concurrency (a rate resource: its burst).
 	Resources map[string]int64 `protobuf:"bytes,9,rep,name=resources,proto3" json:"resources,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
 	// Set by the SDKs (a UUID): a repeated request_id returns what the first call created,
 	// so a retry after UNAVAILABLE never creates a second task. Ignored inside a batch.
 	RequestId string `protobuf:"bytes,10,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	// The execution timeout of each attempt (0: the pool's `timeout`, if any); capped by the pool's.
+	// 0 to 604800000 (7 days).
 	TimeoutMs     int64 `protobuf:"varint,11,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -428,9 +432,10 @@ func (x *GetTaskResponse) GetDependents() []uint64 {
 }
 
 type WaitTaskRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Task          *TaskRef               `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
-	TimeoutMs     uint32                 `protobuf:"varint,2,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Task  *TaskRef               `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
+	// 0: 30 s; more than 3600000 (1 hour) is taken as 1 hour.
+	TimeoutMs     uint32 `protobuf:"varint,2,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -629,11 +634,12 @@ func (x *CancelTaskResponse) GetTask() *Task {
 }
 
 type ListTasksRequest struct {
-	state     protoimpl.MessageState `protogen:"open.v1"`
-	Pool      string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
-	State     TaskState              `protobuf:"varint,2,opt,name=state,proto3,enum=cronoq.v1.TaskState" json:"state,omitempty"`
-	PageSize  int32                  `protobuf:"varint,3,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
-	PageToken string                 `protobuf:"bytes,4,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Pool  string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
+	State TaskState              `protobuf:"varint,2,opt,name=state,proto3,enum=cronoq.v1.TaskState" json:"state,omitempty"`
+	// Not negative; 0: 100; more than 1000 is taken as 1000.
+	PageSize  int32  `protobuf:"varint,3,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	PageToken string `protobuf:"bytes,4,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
 	// Only the task with this key in each shard (keys deduplicate within a shard, so one key
 	// may name a task in each of several shards).
 	Key           string `protobuf:"bytes,5,opt,name=key,proto3" json:"key,omitempty"`

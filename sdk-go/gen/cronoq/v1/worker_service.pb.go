@@ -132,11 +132,13 @@ func (x *Worker) GetRunning() int32 {
 }
 
 type RegisterWorkerRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
-	Pools         []string               `protobuf:"bytes,2,rep,name=pools,proto3" json:"pools,omitempty"`
-	Concurrency   int32                  `protobuf:"varint,3,opt,name=concurrency,proto3" json:"concurrency,omitempty"`
-	Labels        map[string]string      `protobuf:"bytes,4,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// At most 1,000 (more: INVALID_ARGUMENT).
+	Pools []string `protobuf:"bytes,2,rep,name=pools,proto3" json:"pools,omitempty"`
+	// 0 to 100,000 (more: INVALID_ARGUMENT): what the worker runs at once, shown in listings.
+	Concurrency   int32             `protobuf:"varint,3,opt,name=concurrency,proto3" json:"concurrency,omitempty"`
+	Labels        map[string]string `protobuf:"bytes,4,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -281,15 +283,18 @@ func (x *RegisterWorkerResponse) GetMaxLeaseBytes() uint64 {
 type LeaseTasksRequest struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	WorkerId string                 `protobuf:"bytes,1,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
-	MaxTasks int32                  `protobuf:"varint,2,opt,name=max_tasks,json=maxTasks,proto3" json:"max_tasks,omitempty"`
-	WaitMs   uint32                 `protobuf:"varint,3,opt,name=wait_ms,json=waitMs,proto3" json:"wait_ms,omitempty"`
-	// Empty: every pool the worker registered for.
+	// At least 1; more than 1000 is taken as 1000.
+	MaxTasks int32 `protobuf:"varint,2,opt,name=max_tasks,json=maxTasks,proto3" json:"max_tasks,omitempty"`
+	// More than 60000 is taken as 60000.
+	WaitMs uint32 `protobuf:"varint,3,opt,name=wait_ms,json=waitMs,proto3" json:"wait_ms,omitempty"`
+	// Empty: every pool the worker registered for. At most 1,000.
 	Pools []string `protobuf:"bytes,4,rep,name=pools,proto3" json:"pools,omitempty"`
 	// Caps the reply's size: tasks are added while their bytes fit (one task is always
 	// leased alone, whatever its size). 0 or more than the server's cap: the server's cap.
 	MaxBytes uint64 `protobuf:"varint,5,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
 	// Attempts of this worker whose handlers have returned, their outcomes not yet acknowledged:
 	// the resource slots they hold are free for this lease (the outcomes follow in FinishTasks).
+	// At most 10,000 (more: INVALID_ARGUMENT).
 	Done          []*TaskAttempt `protobuf:"bytes,6,rep,name=done,proto3" json:"done,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -465,9 +470,10 @@ func (x *TaskAttempt) GetAttempt() int32 {
 }
 
 type HeartbeatRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	WorkerId      string                 `protobuf:"bytes,1,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
-	Tasks         []*TaskAttempt         `protobuf:"bytes,2,rep,name=tasks,proto3" json:"tasks,omitempty"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	WorkerId string                 `protobuf:"bytes,1,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
+	// At most 100,000 (more: INVALID_ARGUMENT), as many as the credits a Work stream may hold.
+	Tasks         []*TaskAttempt `protobuf:"bytes,2,rep,name=tasks,proto3" json:"tasks,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -627,7 +633,7 @@ type TaskFailure struct {
 	Error string                 `protobuf:"bytes,1,opt,name=error,proto3" json:"error,omitempty"`
 	// False ends the task FAILED whatever attempts remain.
 	Retryable bool `protobuf:"varint,2,opt,name=retryable,proto3" json:"retryable,omitempty"`
-	// Overrides the pool's backoff when set.
+	// Overrides the pool's backoff when set (any uint32: up to about 49.7 days).
 	RetryAfterMs  uint32 `protobuf:"varint,3,opt,name=retry_after_ms,json=retryAfterMs,proto3" json:"retry_after_ms,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -905,9 +911,10 @@ func (*TaskOutcome_Cancelled) isTaskOutcome_Outcome() {}
 func (*TaskOutcome_Released) isTaskOutcome_Outcome() {}
 
 type FinishTasksRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	WorkerId      string                 `protobuf:"bytes,1,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
-	Outcomes      []*TaskOutcome         `protobuf:"bytes,2,rep,name=outcomes,proto3" json:"outcomes,omitempty"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	WorkerId string                 `protobuf:"bytes,1,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
+	// At most 10,000 (more: INVALID_ARGUMENT, and none is applied).
+	Outcomes      []*TaskOutcome `protobuf:"bytes,2,rep,name=outcomes,proto3" json:"outcomes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1081,11 +1088,12 @@ type WorkRequest struct {
 	Credits uint32 `protobuf:"varint,2,opt,name=credits,proto3" json:"credits,omitempty"`
 	// Outcomes of attempts, each fenced by its attempt; each is answered in a WorkResponse's
 	// results (an outcome not answered before the stream ends may be sent again on the next).
+	// At most 10,000 a message (more ends the stream with INVALID_ARGUMENT).
 	Outcomes []*TaskOutcome `protobuf:"bytes,3,rep,name=outcomes,proto3" json:"outcomes,omitempty"`
 	// When set: a heartbeat for these attempts (running, or with outcomes not yet answered).
 	Heartbeat *WorkHeartbeat `protobuf:"bytes,4,opt,name=heartbeat,proto3" json:"heartbeat,omitempty"`
 	// First message only: the pools to lease from (empty: every pool the worker registered
-	// for), and the cap in bytes of the tasks of one WorkResponse (0 or more than
+	// for; at most 1,000), and the cap in bytes of the tasks of one WorkResponse (0 or more than
 	// RegisterWorkerResponse.max_lease_bytes: that cap; one task is always sent alone).
 	Pools    []string `protobuf:"bytes,5,rep,name=pools,proto3" json:"pools,omitempty"`
 	MaxBytes uint64   `protobuf:"varint,6,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
@@ -1179,8 +1187,9 @@ func (x *WorkRequest) GetClosing() bool {
 }
 
 type WorkHeartbeat struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Tasks         []*TaskAttempt         `protobuf:"bytes,1,rep,name=tasks,proto3" json:"tasks,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// At most 100,000 (more ends the stream with INVALID_ARGUMENT).
+	Tasks         []*TaskAttempt `protobuf:"bytes,1,rep,name=tasks,proto3" json:"tasks,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }

@@ -45,7 +45,8 @@ type WorkerServiceClient interface {
 	// worker sends credits (free slots), outcomes and heartbeats; the server sends leased
 	// tasks (never more than the credits given), the results of the outcomes, and the tasks
 	// cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
-	// Heartbeat and FinishTasks remain for simple clients and HTTP.
+	// Heartbeat and FinishTasks remain for simple clients (gRPC only: no worker call has an
+	// HTTP route).
 	Work(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[WorkRequest, WorkResponse], error)
 	DeregisterWorker(ctx context.Context, in *DeregisterWorkerRequest, opts ...grpc.CallOption) (*DeregisterWorkerResponse, error)
 	ListWorkers(ctx context.Context, in *ListWorkersRequest, opts ...grpc.CallOption) (*ListWorkersResponse, error)
@@ -149,7 +150,8 @@ type WorkerServiceServer interface {
 	// worker sends credits (free slots), outcomes and heartbeats; the server sends leased
 	// tasks (never more than the credits given), the results of the outcomes, and the tasks
 	// cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
-	// Heartbeat and FinishTasks remain for simple clients and HTTP.
+	// Heartbeat and FinishTasks remain for simple clients (gRPC only: no worker call has an
+	// HTTP route).
 	Work(grpc.BidiStreamingServer[WorkRequest, WorkResponse]) error
 	DeregisterWorker(context.Context, *DeregisterWorkerRequest) (*DeregisterWorkerResponse, error)
 	ListWorkers(context.Context, *ListWorkersRequest) (*ListWorkersResponse, error)

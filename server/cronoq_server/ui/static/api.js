@@ -25,10 +25,15 @@ let callerPromise = null;
 /** Who the token is and what it may do (GET /v1/info's caller), asked once per token. */
 export function caller() {
   if (!callerPromise) {
-    callerPromise = call("GET", "/v1/info").then((info) => info.caller || {});
+    callerPromise = serverInfo().then((info) => info.caller || {});
     callerPromise.catch(() => { callerPromise = null; });
   }
   return callerPromise;
+}
+
+/** GET /v1/info: this server (shard, role, leader) and the caller. */
+export function serverInfo() {
+  return call("GET", "/v1/info");
 }
 
 /** Whether the caller holds `permission` on `pool`. */
@@ -43,8 +48,19 @@ function headers(accept) {
   return out;
 }
 
-/** GET, POST, PUT or DELETE a /v1 route; resolves to the JSON body, rejects with ApiError. */
-export async function call(method, path, body) {
+/** Whether this browser can parse and write JSON numbers as their own text (JSON.rawJSON). */
+export const EXACT_NUMBERS = typeof JSON.rawJSON === "function";
+
+/** JSON.parse keeping each number as its own text (a JSON.rawJSON), which JSON.stringify writes
+ * back as it was: for values the page only sends back (a big integer stays whole, 1.0 stays 1.0). */
+export function parseExact(text) {
+  return JSON.parse(text, (key, value, context) =>
+    (EXACT_NUMBERS && typeof value === "number" && context ? JSON.rawJSON(context.source) : value));
+}
+
+/** GET, POST, PUT or DELETE a /v1 route; resolves to the JSON body (parsed by `parse`),
+ * rejects with ApiError. */
+export async function call(method, path, body, parse = JSON.parse) {
   const sent = headers("application/json");
   if (body !== undefined) sent["content-type"] = "application/json";
   const response = await fetch(path, {
@@ -54,15 +70,15 @@ export async function call(method, path, body) {
     credentials: "omit",
     cache: "no-store",
   });
-  const parsed = await jsonOf(response);
+  const parsed = await jsonOf(response, parse);
   if (!response.ok) throw new ApiError(response.status, parsed);
   return parsed;
 }
 
 /** A response's JSON body, or null when it has none. */
-async function jsonOf(response) {
+async function jsonOf(response, parse = JSON.parse) {
   try {
-    return await response.json();
+    return parse(await response.text());
   } catch {
     return null;
   }

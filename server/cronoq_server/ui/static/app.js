@@ -1,6 +1,6 @@
 // The dashboard's entry point: hash routes (#/overview, #/tasks?…, #/task/<id or key>, #/live,
 // #/schedules, #/workers), the token form shown when the API answers 401, and the search box.
-import { ApiError, caller, setToken, token } from "./api.js";
+import { ApiError, caller, serverInfo, setToken, token } from "./api.js";
 import { h, show } from "./dom.js";
 import { renderLive } from "./live.js";
 import { renderOverview } from "./overview.js";
@@ -17,6 +17,7 @@ const VIEWS = {
 };
 
 const main = document.getElementById("main");
+const standby = document.getElementById("standby");
 const tokenForm = document.getElementById("token-form");
 const signOut = document.getElementById("sign-out");
 
@@ -31,8 +32,23 @@ let refreshTimer = 0;
 let generation = 0; // a render that finishes after a newer one started is dropped
 let stopLive = null; // ends the live view's stream when another view is drawn
 
+// A standby reads its shard from its leader (changes are refused there): the page says so.
+async function showRole() {
+  try {
+    const info = await serverInfo();
+    standby.hidden = info.role !== "ROLE_STANDBY";
+    const of = info.shard_number ? ` of shard ${info.shard}` : "";
+    standby.textContent = standby.hidden ? "" : `This server is a standby${of}: `
+      + `its pages are read from its leader (${info.leader || "not known yet"}); `
+      + "changes (Cancel, Pause, Resume, Delete) and the Live view need the leader's own dashboard.";
+  } catch {
+    standby.hidden = true; // a missing token is asked for by the view
+  }
+}
+
 async function render(refresh = false) {
   clearTimeout(refreshTimer);
+  if (!refresh) showRole(); // not on the overview's own refresh: one call fewer every 5 s
   if (stopLive) stopLive();
   stopLive = null;
   const { path, params } = parseHash();

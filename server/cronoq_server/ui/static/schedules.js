@@ -1,9 +1,10 @@
 // Schedules: GET /v1/schedules across shards, with the next and last fire; Pause, Resume and
 // Delete (PUT / DELETE /v1/pools/{pool}/schedules/{name}) for a viewer with `schedule` on the pool.
-import { call, caller, may } from "./api.js";
+import { EXACT_NUMBERS, call, caller, may, parseExact } from "./api.js";
 import { h, table, when } from "./dom.js";
 
 // The fields a PUT sends back: the schedule as listed, without its times (the server keeps them).
+// The listing is parsed with parseExact, so each number goes back as the server wrote it.
 const KEPT = ["cron", "timezone", "payload", "payload_json", "content_type", "priority", "max_attempts", "resources", "timeout_ms", "fire_all_missed"];
 
 function path(s) {
@@ -23,9 +24,11 @@ function actions(s, status) {
     },
   }, label);
   const body = Object.fromEntries(KEPT.filter((k) => s[k] !== undefined).map((k) => [k, s[k]]));
-  const toggle = s.paused
-    ? act("Resume", () => call("PUT", path(s), { ...body, paused: false }))
-    : act("Pause", () => call("PUT", path(s), { ...body, paused: true }));
+  const toggle = !EXACT_NUMBERS && hasNumber(s.payload_json)
+    ? h("span", { class: "muted", title: "this browser cannot send its payload's numbers back exactly" }, "pause with the CLI")
+    : s.paused
+      ? act("Resume", () => call("PUT", path(s), { ...body, paused: false }))
+      : act("Pause", () => call("PUT", path(s), { ...body, paused: true }));
   // Delete asks once more on the page itself (no confirm() dialog).
   const remove = h("button", {
     type: "button",
@@ -37,8 +40,13 @@ function actions(s, status) {
   return h("span", { class: "actions" }, toggle, remove);
 }
 
+// Without JSON.rawJSON (an older browser) a payload's number could go back changed.
+function hasNumber(value) {
+  return typeof value === "number" || (value !== null && typeof value === "object" && Object.values(value).some(hasNumber));
+}
+
 export async function renderSchedules() {
-  const [listed, who] = await Promise.all([call("GET", "/v1/schedules"), caller()]);
+  const [listed, who] = await Promise.all([call("GET", "/v1/schedules", undefined, parseExact), caller()]);
   const schedules = listed.schedules || [];
   const status = h("p", { class: "status" });
   const rows = schedules.map((s) => [

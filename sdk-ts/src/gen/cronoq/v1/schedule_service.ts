@@ -37,6 +37,7 @@ export interface Schedule {
   timezone: string;
   payload: Buffer;
   contentType: string;
+  /** priority, max_attempts, resources and timeout_ms take the ranges of SubmitTaskRequest's. */
   priority: number;
   maxAttempts: number;
   resources: { [key: string]: bigint };

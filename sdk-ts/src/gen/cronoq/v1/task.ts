@@ -122,6 +122,19 @@ export interface Task_ResourcesEntry {
 
 /** One change of a task, as streamed by Watch. */
 export interface TaskEvent {
+  /**
+   * The task as this change left it, whenever the event is sent (live or replayed from a
+   * cursor, however long after): state, attempt, run_at, worker_id, error, started_at,
+   * finished_at, lease_expires_at and cancel_requested as they were right after the change, so
+   * a PENDING event of a submission has no worker_id, started_at or finished_at even when the
+   * task has run since, and each attempt's events carry that attempt's worker. The fields that
+   * never change (id, pool, key, payload, priority, ...) are the task's. result and
+   * result_content_type are set only on the event that ended the task (SUCCEEDED, FAILED,
+   * CANCELLED); payload and result only with WatchRequest.include_payloads. lease_expires_at
+   * is the expiry the change set (heartbeats extend it without an event). Events recorded by a
+   * server older than schema version 6 (SQLite) or 7 (PostgreSQL), kept for one watch window
+   * after an upgrade, carry the task as it is when sent, with the event's state and attempt.
+   */
   task: Task | undefined;
   time:
     | Timestamp

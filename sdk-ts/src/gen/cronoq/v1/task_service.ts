@@ -33,21 +33,27 @@ export interface SubmitTaskRequest {
   key: string;
   payload: Buffer;
   contentType: string;
+  /** Any int32; higher runs first. */
   priority: number;
+  /** From 0001-01-01 to 9999-12-31 (the Timestamp range). */
   runAt:
     | Timestamp
     | undefined;
-  /** 0 takes the pool's default. */
+  /** 0 to 1000; 0 takes the pool's default. */
   maxAttempts: number;
   /** Tasks of the same shard, by id or key (a batch may name its own keys). */
   dependsOn: TaskRef[];
+  /** Amounts, each from 1 to the resource's concurrency (a rate resource: its burst). */
   resources: { [key: string]: bigint };
   /**
    * Set by the SDKs (a UUID): a repeated request_id returns what the first call created,
    * so a retry after UNAVAILABLE never creates a second task. Ignored inside a batch.
    */
   requestId: string;
-  /** The execution timeout of each attempt (0: the pool's `timeout`, if any); capped by the pool's. */
+  /**
+   * The execution timeout of each attempt (0: the pool's `timeout`, if any); capped by the pool's.
+   * 0 to 604800000 (7 days).
+   */
   timeoutMs: bigint;
 }
 
@@ -96,7 +102,10 @@ export interface GetTaskResponse {
 }
 
 export interface WaitTaskRequest {
-  task: TaskRef | undefined;
+  task:
+    | TaskRef
+    | undefined;
+  /** 0: 30 s; more than 3600000 (1 hour) is taken as 1 hour. */
   timeoutMs: number;
 }
 
@@ -120,6 +129,7 @@ export interface CancelTaskResponse {
 export interface ListTasksRequest {
   pool: string;
   state: TaskState;
+  /** Not negative; 0: 100; more than 1000 is taken as 1000. */
   pageSize: number;
   pageToken: string;
   /**

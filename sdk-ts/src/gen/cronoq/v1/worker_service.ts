@@ -47,7 +47,9 @@ export interface Worker_LabelsEntry {
 
 export interface RegisterWorkerRequest {
   name: string;
+  /** At most 1,000 (more: INVALID_ARGUMENT). */
   pools: string[];
+  /** 0 to 100,000 (more: INVALID_ARGUMENT): what the worker runs at once, shown in listings. */
   concurrency: number;
   labels: { [key: string]: string };
 }
@@ -70,9 +72,11 @@ export interface RegisterWorkerResponse {
 
 export interface LeaseTasksRequest {
   workerId: string;
+  /** At least 1; more than 1000 is taken as 1000. */
   maxTasks: number;
+  /** More than 60000 is taken as 60000. */
   waitMs: number;
-  /** Empty: every pool the worker registered for. */
+  /** Empty: every pool the worker registered for. At most 1,000. */
   pools: string[];
   /**
    * Caps the reply's size: tasks are added while their bytes fit (one task is always
@@ -82,6 +86,7 @@ export interface LeaseTasksRequest {
   /**
    * Attempts of this worker whose handlers have returned, their outcomes not yet acknowledged:
    * the resource slots they hold are free for this lease (the outcomes follow in FinishTasks).
+   * At most 10,000 (more: INVALID_ARGUMENT).
    */
   done: TaskAttempt[];
 }
@@ -98,6 +103,7 @@ export interface TaskAttempt {
 
 export interface HeartbeatRequest {
   workerId: string;
+  /** At most 100,000 (more: INVALID_ARGUMENT), as many as the credits a Work stream may hold. */
   tasks: TaskAttempt[];
 }
 
@@ -117,7 +123,7 @@ export interface TaskFailure {
   error: string;
   /** False ends the task FAILED whatever attempts remain. */
   retryable: boolean;
-  /** Overrides the pool's backoff when set. */
+  /** Overrides the pool's backoff when set (any uint32: up to about 49.7 days). */
   retryAfterMs: number;
 }
 
@@ -144,6 +150,7 @@ export interface TaskOutcome {
 
 export interface FinishTasksRequest {
   workerId: string;
+  /** At most 10,000 (more: INVALID_ARGUMENT, and none is applied). */
   outcomes: TaskOutcome[];
 }
 
@@ -175,6 +182,7 @@ export interface WorkRequest {
   /**
    * Outcomes of attempts, each fenced by its attempt; each is answered in a WorkResponse's
    * results (an outcome not answered before the stream ends may be sent again on the next).
+   * At most 10,000 a message (more ends the stream with INVALID_ARGUMENT).
    */
   outcomes: TaskOutcome[];
   /** When set: a heartbeat for these attempts (running, or with outcomes not yet answered). */
@@ -183,7 +191,7 @@ export interface WorkRequest {
     | undefined;
   /**
    * First message only: the pools to lease from (empty: every pool the worker registered
-   * for), and the cap in bytes of the tasks of one WorkResponse (0 or more than
+   * for; at most 1,000), and the cap in bytes of the tasks of one WorkResponse (0 or more than
    * RegisterWorkerResponse.max_lease_bytes: that cap; one task is always sent alone).
    */
   pools: string[];
@@ -199,6 +207,7 @@ export interface WorkRequest {
 }
 
 export interface WorkHeartbeat {
+  /** At most 100,000 (more ends the stream with INVALID_ARGUMENT). */
   tasks: TaskAttempt[];
 }
 
@@ -2955,7 +2964,8 @@ export const WorkerServiceService = {
    * worker sends credits (free slots), outcomes and heartbeats; the server sends leased
    * tasks (never more than the credits given), the results of the outcomes, and the tasks
    * cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
-   * Heartbeat and FinishTasks remain for simple clients and HTTP.
+   * Heartbeat and FinishTasks remain for simple clients (gRPC only: no worker call has an
+   * HTTP route).
    */
   work: {
     path: "/cronoq.v1.WorkerService/Work" as const,
@@ -3001,7 +3011,8 @@ export interface WorkerServiceServer extends UntypedServiceImplementation {
    * worker sends credits (free slots), outcomes and heartbeats; the server sends leased
    * tasks (never more than the credits given), the results of the outcomes, and the tasks
    * cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
-   * Heartbeat and FinishTasks remain for simple clients and HTTP.
+   * Heartbeat and FinishTasks remain for simple clients (gRPC only: no worker call has an
+   * HTTP route).
    */
   work: handleBidiStreamingCall<WorkRequest, WorkResponse>;
   deregisterWorker: handleUnaryCall<DeregisterWorkerRequest, DeregisterWorkerResponse>;
@@ -3077,7 +3088,8 @@ export interface WorkerServiceClient extends Client {
    * worker sends credits (free slots), outcomes and heartbeats; the server sends leased
    * tasks (never more than the credits given), the results of the outcomes, and the tasks
    * cancelled or lost. Outcomes and the next tasks share one store transaction. LeaseTasks,
-   * Heartbeat and FinishTasks remain for simple clients and HTTP.
+   * Heartbeat and FinishTasks remain for simple clients (gRPC only: no worker call has an
+   * HTTP route).
    */
   work(): ClientDuplexStream<WorkRequest, WorkResponse>;
   work(options: Partial<CallOptions>): ClientDuplexStream<WorkRequest, WorkResponse>;

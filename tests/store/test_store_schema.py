@@ -1,0 +1,91 @@
+"""Schema versions, run against every backend in conftest.BACKENDS: a store migrates forward
+from the version before, refuses a schema newer than the code knows, and never lowers the
+recorded version."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from typing import Any
+
+import asyncpg
+import pytest
+from test_store import T0, submit_one
+from test_store_events import events
+
+from cronoq_server.store import postgres, sqlite
+from cronoq_server.store.base import Store, StoreSchemaTooNew
+from cronoq_server.store.postgres import PostgresStore, quote_ident
+from cronoq_server.store.sqlite import SqliteStore
+
+
+def migrations(store_or_backend: Store | str) -> dict[int, Any]:
+    is_sqlite = store_or_backend == "sqlite" or isinstance(store_or_backend, SqliteStore)
+    return sqlite.MIGRATIONS if is_sqlite else postgres.MIGRATIONS  # type: ignore[return-value]
+
+
+async def run_sql(store: Store, sql: str) -> list[tuple[Any, ...]]:
+    """Runs sql on the store's database, beside the store ({s}. names its PostgreSQL schema)."""
+    if isinstance(store, SqliteStore):
+        with contextlib.closing(sqlite3.connect(store.path)) as db, db:
+            return db.execute(sql.replace("{s}.", "")).fetchall()
+    assert isinstance(store, PostgresStore)
+    conn = await asyncpg.connect(store.url)
+    try:
+        return [tuple(r) for r in await conn.fetch(sql.replace("{s}", quote_ident(store.schema)))]
+    finally:
+        await conn.close()
+
+
+async def recorded_version(store: Store) -> int:
+    if isinstance(store, SqliteStore):
+        return int((await run_sql(store, "SELECT value FROM meta WHERE key = 'schema_version'"))[0][0])
+    return int((await run_sql(store, "SELECT max(version) FROM {s}.migrations"))[0][0])
+
+
+async def record_version(store: Store, version: int) -> None:
+    """What a server of that version records (a newer one: as it would)."""
+    if isinstance(store, SqliteStore):
+        await run_sql(store, f"UPDATE meta SET value = '{version}' WHERE key = 'schema_version'")
+    else:
+        await run_sql(store, f"INSERT INTO {{s}}.migrations (version) VALUES ({version})")
+
+
+async def test_a_schema_newer_than_the_code_is_refused_and_left_as_it_is(open_store: Any) -> None:
+    first: Store = await open_store()
+    await submit_one(first)
+    newest = max(migrations(first))
+    assert await recorded_version(first) == newest
+    await first.close()
+    await record_version(first, newest + 1)
+    with pytest.raises(StoreSchemaTooNew) as info:
+        await open_store()
+    assert f"schema version {newest + 1}," in str(info.value) and f"versions up to {newest})" in str(info.value)
+    assert await recorded_version(first) == newest + 1
+
+
+async def test_a_store_of_the_version_before_migrates_and_keeps_its_events(
+    open_store: Any, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store as the code before the last migration left it, with an event that code recorded
+    (none of the task's fields with it): migrated on open, that event still read, new ones full."""
+    newest = max(migrations(backend))
+    with monkeypatch.context() as patch:
+        patch.delitem(migrations(backend), newest)
+        before: Store = await open_store()
+    assert await recorded_version(before) == newest - 1
+    await run_sql(
+        before,
+        "INSERT INTO {s}.events (task_seq, pool, prev_state, state, attempt, at) VALUES (1, 'default', 0, 1, 0, 7)",
+    )
+    await before.close()
+
+    after: Store = await open_store()
+    assert await recorded_version(after) == newest
+    task = await submit_one(after)
+    old, new = await events(after)
+    assert (old.seq, old.task_seq, old.at, old.run_at, old.worker_id) == (1, 1, 7, None, None)
+    assert (new.seq, new.task_seq, new.run_at, new.error) == (2, task.seq, T0, "")
+    await after.close()
+    again: Store = await open_store()
+    assert await recorded_version(again) == newest
