@@ -82,11 +82,21 @@ def load(path: Path = LIST) -> list[Mutant]:
 
 
 def run(argv: list[str]) -> tuple[int, float, str]:
+    """Its exit code, seconds and output. Stopped (a timeout, SIGINT, SIGTERM), it is sent SIGINT
+    first, so that pytest stops the servers it started."""
     started = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        proc = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-        code, output = proc.returncode, proc.stderr + proc.stdout  # the last line: the outcome it printed
-    except subprocess.TimeoutExpired:
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+        code, output = proc.returncode, stderr + stdout  # the last line: the outcome it printed
+    except BaseException as err:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if not isinstance(err, subprocess.TimeoutExpired):
+            raise
         code, output = -1, f"timed out after {RUN_TIMEOUT_S}s"
     return code, time.monotonic() - started, output
 
@@ -168,6 +178,7 @@ def main() -> int:
         )
         return 2
 
+    signal.signal(signal.SIGTERM, _terminate)
     started = time.monotonic()
     ids = list(dict.fromkeys(t for m in chosen for t in m.tests))
     baseline = ([pytest(ids, stop_first=False)] if ids else []) + [checks(m)[0] for m in chosen if m.command]
@@ -179,7 +190,6 @@ def main() -> int:
             print(f"mutants: these must pass before any mutant ({took:.0f}s):\n{tail(output)}", file=sys.stderr)
             return 1
 
-    signal.signal(signal.SIGTERM, _terminate)
     survived, errors = [], []
     for m in chosen:
         path = ROOT / m.file

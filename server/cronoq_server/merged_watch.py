@@ -58,6 +58,7 @@ from google.protobuf.message import Message
 
 from cronoq.v1 import task_service_pb2 as pb
 
+from .auth import Principal
 from .config import ShardConfig
 from .core.events import make_cursor, parse_cursor
 from .errors import ApiError, invalid
