@@ -1,4 +1,4 @@
-"""Every job of the repository is a nox session: demo, tests, conformance, proto, lint, bench.
+"""Every job of the repository is a nox session: demo, tests, conformance, mutants, proto, lint, bench.
 
 Run them through ./dev (which installs nox itself), e.g. `./dev demo`, `./dev tests`.
 """
@@ -152,7 +152,8 @@ def check_generated(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Every test: generated-code check, buf lint, unit, store and integration tests; without
     arguments also the Go SDK's vet and unit tests, the TypeScript SDK's strict type check and
-    unit tests, the Rust SDK's tests, clippy and rustfmt check, and the conformance corpus."""
+    unit tests, the Rust SDK's tests, clippy and rustfmt check, the conformance corpus, and the
+    mutation check of the security-critical lines."""
     session.install(*PACKAGES, *TEST_DEPS)
     check_generated(session)
     args = session.posargs or ["-n", "2", "--dist", "loadfile"]
@@ -162,6 +163,7 @@ def tests(session: nox.Session) -> None:
         _ts_checks(session)
         _rust_checks(session)
         _conformance(session, [])
+        session.run("python", "tests/mutants.py", "--no-baseline", "--if-clean")  # their tests just passed
 
 
 def _go_checks(session: nox.Session) -> None:
@@ -205,6 +207,15 @@ def conformance(session: nox.Session) -> None:
     `-- --case NAME --verbose`: one case, with what the driver and the servers saw)."""
     session.install(*PACKAGES, *TEST_DEPS)
     _conformance(session, session.posargs)
+
+
+@nox.session
+def mutants(session: nox.Session) -> None:
+    """The mutation check of the security-critical lines (tests/mutants.toml), also run by
+    `tests`: each one-line mutant must fail the tests it names (`-- NAME...`: these only;
+    `-- --list`)."""
+    session.install(*PACKAGES, *TEST_DEPS)
+    session.run("python", "tests/mutants.py", *session.posargs)
 
 
 @nox.session

@@ -70,6 +70,7 @@ from .router import (
     Call,
     PeerChannels,
     forward_metadata,
+    may_read,
     peer_error,
     shard_refusal,
     trailer,
@@ -348,7 +349,7 @@ async def open_watch(node: Node, peers: PeerChannels, rpc: Rpc, request: pb.Watc
 
     targets = [here]  # its stream ends the merged one when this server drains or steps down
     if not request.pool:  # with a pool, this shard's (or one no shard has: the Node names it)
-        targets += [s for _, s in sorted(shards.items()) if s is not here and _readable(caller, s)]
+        targets += [s for _, s in sorted(shards.items()) if s is not here and may_read(caller, s)]
     results = await opener.all(targets)
     sources = [r for r in results if isinstance(r, Source)]
     missing = [r for r in results if isinstance(r, _Missing)]
@@ -394,7 +395,7 @@ class _Opener:
         """This shard's stream (always part of a merged one: it ends it when this server drains
         or steps down); its position is kept out of cursors for a caller who reads none of it."""
         start, events = await self._node.open_watch(self.shard_request(shard), self._caller)
-        return Source(shard, start if _readable(self._caller, shard) else None, events)
+        return Source(shard, start if may_read(self._caller, shard) else None, events)
 
     async def all(self, targets: list[ShardConfig]) -> list[Source | _Missing]:
         """Every target's stream, opened in parallel; the first refusal (in target order, of those
@@ -489,7 +490,3 @@ async def _peer_events(
             yield response
     except grpc.aio.AioRpcError as err:
         raise peer_error(shard, endpoint, err) from None
-
-
-def _readable(caller: Principal, shard: ShardConfig) -> bool:
-    return any(caller.may("read", pool) for pool in shard.pools)

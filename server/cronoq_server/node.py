@@ -363,12 +363,14 @@ class Node:
 
     async def get_snapshot(self, req: admin_pb.GetSnapshotRequest, caller: Principal) -> admin_pb.GetSnapshotResponse:
         """The pools the caller may read or administer, the workers that serve them, and (with
-        admin) the shard's resources."""
+        admin) the shard's resources; nothing of a shard where it may read or administer no pool."""
+        shown = [p for p in self.pools if caller.may("read", p) or caller.may("admin", p)]
+        if not shown and self.config.sharded:  # its name, leader, term and standbys are not the caller's to know
+            return admin_pb.GetSnapshotResponse()
         counts = await self.store.count_by_pool_and_state()
         snap = admin_pb.ShardSnapshot(
             shard=self.shard_name, number=self.shard_number, leader=self.advertise, term=self.leadership.term
         )
-        shown = [p for p in self.pools if caller.may("read", p) or caller.may("admin", p)]
         for pool in shown:
             pc = admin_pb.PoolCounts(pool=pool)
             for state in State:

@@ -45,7 +45,9 @@ naming it (cronoq-unavailable-shards).
 Credentials first: the API layer authenticates and admit() checks the RPC's permission before
 any routing, and before any answer that names where a pool is served (a refusal, an
 unreachable shard, a batch across shards) the caller's permission on that pool is checked
-here, so a caller that may not use a pool learns nothing about where it is served.
+here, so a caller that may not use a pool learns nothing about where it is served. Nor of a
+shard where it may read no pool (may_read): reads and lookups by key leave it out, and a task id
+of it is the Node's NOT_FOUND, as a missing task is.
 """
 
 from __future__ import annotations
@@ -268,7 +270,9 @@ class ShardRouter:
         if ref.WhichOneof("ref") != "id":
             return await self._local(rpc, request, call)
         shard = self._shard_by_number.get(shard_of(ref.id))
-        if shard is None:  # a shard number no shard has: the Node's "not found"
+        if shard is None or not may_read(call.caller, shard):
+            # A shard number no shard has, or a shard where the caller may read no pool (so no
+            # task it may see): the Node's "not found", and nothing of where that shard is.
             return await self._local(rpc, request, call)
         return await self._on_shard(rpc, request, call, shard, [])  # the id names its shard anyway
 
@@ -282,7 +286,9 @@ class ShardRouter:
         lookup = task_pb.GetTaskRequest(
             task=task_pb2.TaskRef(key=key), include_dependents=getattr(request, "include_dependents", False)
         )
-        answers = await self._ask(self.rpcs["GetTask"], {s.name: lookup for s in self.shards}, call)
+        # Only where the caller may read a pool: elsewhere no task is its to see, nor the shard's name.
+        readable: dict[str, Message] = {s.name: lookup for s in self.shards if may_read(call.caller, s)}
+        answers = await self._ask(self.rpcs["GetTask"], readable, call)
         found: dict[str, task_pb2.Task] = {}
         dependents: dict[str, list[int]] = {}
         missing: list[str] = []
@@ -347,7 +353,8 @@ class ShardRouter:
         if call.forwarded:
             return await self._local(rpc, request, call)
         merge = _MERGES[rpc.name]
-        shards = self.shards
+        # The shards the caller may read a pool of: nothing of the others, not even that they are down.
+        shards = [s for s in self.shards if may_read(call.caller, s, (rpc.permission, rpc.or_permission))]
         pool = getattr(request, "pool", "")
         if pool:
             owner = self._shard_by_pool.get(pool)
@@ -577,6 +584,12 @@ _MERGES: dict[str, _Merge] = {
     "ListSchedules": _Concat(schedule_pb.ListSchedulesResponse, "schedules"),
     "GetSnapshot": _Concat(admin_pb.GetSnapshotResponse, "shards"),
 }
+
+
+def may_read(caller: Principal, shard: ShardConfig, permissions: Iterable[str | None] = ("read",)) -> bool:
+    """Whether the caller may read (or hold one of `permissions` on) some pool of the shard: a
+    caller that may not learns nothing of it (its name, endpoint, leader, or that it is down)."""
+    return any(p is not None and caller.may(p, pool) for pool in shard.pools for p in permissions)
 
 
 def trailer(trailers: Iterable[tuple[str, Any]], name: str) -> str | None:

@@ -54,6 +54,7 @@ from typing import Any
 
 import grpc
 import pytest
+from _helpers import store_table  # type: ignore[import-not-found]
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 from tls_pki import Pair, Pki
@@ -149,9 +150,9 @@ TOKENS: dict[str, Tok] = {
         _tok("full-ab", ["a", "b"], PERMISSIONS),
         *[_tok(f"{p}-a", ["a"], [p]) for p in PERMISSIONS],  # schedule-a: the "none" token for the rest
         *[_tok(f"no-{p}-a", ["a"], [q for q in PERMISSIONS if q != p]) for p in PERMISSIONS],
-        # Two tokens of one principal "shared": only the first may work.
+        # A token whose principal has another name ("shared"); token names are unique, so a
+        # principal has one grant: all its permissions on all its pools.
         _tok("shared-work", ["a"], ["work"], name="shared"),
-        _tok("shared-read", ["a"], ["read"], name="shared"),
     ]
 }
 # Refused before any permission is looked at.
@@ -1628,7 +1629,6 @@ def check_foreign_workers(env: Env, cases: list[tuple[Cred, Target, str]]) -> No
 def test_workers_belong_to_their_principal(env: Env) -> None:
     seed(env)
     # Another principal's worker: refused even with work on the pool (the matrix has more).
-    # Two tokens of one principal: the one without `work` still cannot drive the worker.
     shared = Target(worker_id=env.register("shared-work", ["a"], "shared"))
     theirs = env.worker("full-a", fresh=False)
     check_foreign_workers(
@@ -1636,12 +1636,42 @@ def test_workers_belong_to_their_principal(env: Env) -> None:
         [
             (env.cred("work-a"), theirs, DENIED),
             (env.cred("full-ab"), theirs, DENIED),
-            (env.cred("shared-read"), shared, DENIED),
             (env.cred("shared-work"), shared, OK),
         ],
     )
     check_fenced_finish(env, "full-a")
     env.finish()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_a_request_id_is_the_callers_own(start_server: Any, request: pytest.FixtureRequest, kind: str) -> None:
+    """Two principals that send the same request_id each get a task of their own: the second
+    learns nothing of the first's (not its id, payload or key), and each one's retry is its own."""
+    srv = start_server({**token_config(), "store": store_table(kind, request)})
+    channel = grpc.insecure_channel(srv.grpc_target)
+    tasks = task_service_pb2_grpc.TaskServiceStub(channel)
+
+    def submit(label: str, payload: bytes, key: str = "") -> tpb.SubmitTaskResponse:
+        req = tpb.SubmitTaskRequest(pool="a", payload=payload, key=key, request_id="same-request")
+        return tasks.SubmitTask(req, metadata=[("authorization", TOKENS[label].header)], timeout=TIMEOUT)
+
+    def batch(label: str, payload: bytes) -> tpb.SubmitBatchResponse:
+        req = tpb.SubmitBatchRequest(tasks=[tpb.SubmitTaskRequest(pool="a", payload=payload)], request_id="same-batch")
+        return tasks.SubmitBatch(req, metadata=[("authorization", TOKENS[label].header)], timeout=TIMEOUT)
+
+    try:
+        first = submit("full-a", b"first's", key="ka-000001")
+        second = submit("full-ab", b"second's")
+        assert not second.deduplicated and second.task.id != first.task.id, second
+        assert second.task.payload == b"second's" and not second.task.key, second.task
+        assert submit("full-a", b"first's", key="ka-000001").task.id == first.task.id  # what the first call created
+        assert submit("full-ab", b"second's").task.id == second.task.id
+        # The same, in batches.
+        first_batch, second_batch = batch("full-a", b"first's"), batch("full-ab", b"second's")
+        assert not second_batch.deduplicated_ids and second_batch.tasks[0].id != first_batch.tasks[0].id
+        assert second_batch.tasks[0].payload == b"second's"
+    finally:
+        channel.close()
 
 
 def test_workers_belong_to_their_principal_mtls(mtls_env: Env) -> None:
@@ -1710,6 +1740,5 @@ def test_fenced_finish_without_tokens(start_server: Any) -> None:
 #           "... (worker of full-a)" rows as work-a, full-ab, admin-all, no-submit-a...: want
 #           PERMISSION_DENIED, would be OK (Deregister also removes the worker).
 #         Leases._worker: caller.require("work", pool) for the worker's pools
-#           only a principal that registered the worker yet lacks work can show it:
-#           test_workers_belong_to_their_principal, shared-read (principal "shared", read
-#           only) driving shared-work's worker: want PERMISSION_DENIED, would be OK.
+#           none: only a principal that registered the worker yet lacks work could show it,
+#           and token names are unique (one grant a principal), so no case can.

@@ -31,7 +31,7 @@ from cronoq.v1 import task_service_pb2 as tpb
 
 pytestmark = pytest.mark.timeout(120)
 
-TOKENS = {"full": "full-token", "default-only": "default-only-token"}
+TOKENS = {"full": "full-token", "default-only": "default-only-token", "default-worker": "default-worker-token"}
 TIMEOUT = 10.0
 
 
@@ -66,6 +66,12 @@ def sharded_config(
                 "sha256": hashlib.sha256(TOKENS["default-only"].encode()).hexdigest(),
                 "pools": ["default"],
                 "permissions": ["submit", "read", "cancel"],
+            },
+            {
+                "name": "default-worker",
+                "sha256": hashlib.sha256(TOKENS["default-worker"].encode()).hexdigest(),
+                "pools": ["default"],
+                "permissions": ["work"],
             },
         ],
     }
@@ -144,14 +150,16 @@ def metric(srv: ServerProcess, name: str, **labels: str) -> float:
     return 0.0
 
 
-def http(srv: ServerProcess, method: str, path: str, body: Any = None, **headers: str) -> tuple[int, Any, Any]:
+def http(
+    srv: ServerProcess, method: str, path: str, body: Any = None, token: str = "full", **headers: str
+) -> tuple[int, Any, Any]:
     import json
     import urllib.error
 
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(srv.http_url + path, data=data, method=method)
     req.add_header("Content-Type", "application/json")
-    req.add_header("Authorization", f"Bearer {TOKENS['full']}")
+    req.add_header("Authorization", f"Bearer {TOKENS[token]}")
     for k, v in headers.items():
         req.add_header(k.replace("_", "-"), v)
     try:
@@ -290,6 +298,53 @@ def test_a_call_marked_forwarded_is_answered_by_the_receiving_shard_only(shards:
     assert status == 409 and body["shard"] == "gpu" and body["shard_endpoint"] == gpu_endpoint, body
     assert headers["cronoq-shard"] == "gpu" and headers["cronoq-shard-endpoint"] == gpu_endpoint
     assert metric(shards.cpu, "cronoq_forwarded_calls_total", shard="gpu", code="OK") == 0
+
+
+def test_a_caller_learns_nothing_of_a_shard_it_may_read_no_pool_of(shards: TwoShards) -> None:
+    """default-only reads pool default (cpu) only: gpu is left out of its snapshots, and a gpu
+    task id is, to it, a missing task, even in a call it marks cronoq-forwarded itself (which
+    would otherwise be refused naming gpu's endpoint)."""
+    from cronoq.v1 import admin_service_pb2 as apb
+    from cronoq.v1 import admin_service_pb2_grpc
+
+    gpu_endpoint = shards.config["shards"][1]["endpoint"]
+    task = submit(shards.stubs["gpu"], "llm").task
+    never = (2 << 56) + 999_999  # a gpu id no task has: what a missing task looks like
+    for stubs in shards.stubs.values():
+        snap = admin_service_pb2_grpc.AdminServiceStub(stubs.channel).GetSnapshot(
+            apb.GetSnapshotRequest(), metadata=bearer("default-only"), timeout=TIMEOUT
+        )
+        assert [s.shard for s in snap.shards] == ["cpu"], snap
+        assert "gpu" not in str(snap) and gpu_endpoint not in str(snap)
+    # Asked of gpu alone (a call marked cronoq-forwarded): nothing of it, not its standbys.
+    snap = admin_service_pb2_grpc.AdminServiceStub(shards.stubs["gpu"].channel).GetSnapshot(
+        apb.GetSnapshotRequest(), metadata=[*bearer("default-only"), ("cronoq-forwarded", "1")], timeout=TIMEOUT
+    )
+    assert not snap.shards, snap
+    status, headers, body = http(shards.cpu, "GET", "/v1/snapshot", token="default-only")
+    assert status == 200 and [s["shard"] for s in body["shards"]] == ["cpu"], body
+
+    cpu = shards.stubs["cpu"]
+    md = [*bearer("default-only"), ("cronoq-forwarded", "1")]
+    calls = {
+        "GetTask": lambda ref: cpu.tasks.GetTask(tpb.GetTaskRequest(task=ref), metadata=md, timeout=TIMEOUT),
+        "WaitTask": lambda ref: cpu.tasks.WaitTask(tpb.WaitTaskRequest(task=ref), metadata=md, timeout=TIMEOUT),
+        "CancelTask": lambda ref: cpu.tasks.CancelTask(tpb.CancelTaskRequest(task=ref), metadata=md, timeout=TIMEOUT),
+    }
+    for name, call in calls.items():
+        for task_id in (task.id, never):
+            err = refusal(lambda call=call, task_id=task_id: call(task_pb2.TaskRef(id=task_id)))
+            assert err.code() == grpc.StatusCode.NOT_FOUND, (name, err)  # type: ignore[attr-defined]
+            assert err.details() == f"task {task_id} not found", (name, err.details())  # type: ignore[attr-defined]
+            assert not {"cronoq-shard", "cronoq-shard-endpoint"} & set(trailers(err)), (name, trailers(err))
+    for method, path in (("GET", f"/v1/tasks/{task.id}"), ("POST", f"/v1/tasks/{task.id}/cancel")):
+        status, headers, body = http(shards.cpu, method, path, token="default-only", cronoq_forwarded="1")
+        assert status == 404 and "shard" not in body and "shard_endpoint" not in body, body
+        assert "cronoq-shard" not in headers and "cronoq-shard-endpoint" not in headers
+    got = shards.stubs["gpu"].tasks.GetTask(
+        tpb.GetTaskRequest(task=task_pb2.TaskRef(id=task.id)), metadata=bearer("full")
+    )
+    assert got.task.state == task_pb2.TASK_STATE_PENDING  # nothing was cancelled
 
 
 def test_a_shard_that_is_down_is_unavailable_by_name_quickly(shards: TwoShards) -> None:
@@ -498,6 +553,12 @@ def test_a_worker_is_sent_to_the_shard_of_its_pools(shards: TwoShards) -> None:
     # Credentials first: no 'work' on llm, nothing learnt about its shard.
     err = refusal(lambda: cpu.RegisterWorker(wpb.RegisterWorkerRequest(pools=["llm"]), metadata=bearer("default-only")))
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "cronoq-shard" not in trailers(err)  # type: ignore[attr-defined]
+    # Nor with 'work' on another pool only: the pool's permission is checked before its shard is named.
+    err = refusal(
+        lambda: cpu.RegisterWorker(wpb.RegisterWorkerRequest(pools=["llm"]), metadata=bearer("default-worker"))
+    )
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "cronoq-shard" not in trailers(err)  # type: ignore[attr-defined]
+    assert "gpu" not in err.details()  # type: ignore[attr-defined]
     assert cpu.RegisterWorker(wpb.RegisterWorkerRequest(pools=["default"]), metadata=bearer("full")).shard == "cpu"
 
 

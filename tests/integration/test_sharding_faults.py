@@ -543,3 +543,41 @@ def test_cancel_by_key_with_a_shard_down_is_refused(shard_down: ShardDown) -> No
     status, _, body = http(shard_down.cpu_server, "POST", "/v1/keys/cancel-me/cancel")
     assert status == 503, body
     assert get_task(cpu, task_pb2.TaskRef(id=task.id)).task.state == PENDING
+
+
+def test_with_a_shard_down_a_caller_that_may_read_none_of_it_learns_nothing_of_it(shard_down: ShardDown) -> None:
+    """default-only reads pool default (cpu) only: that gpu is down is not its to know. Reads
+    do not name it unavailable, and a gpu task id or key is, to it, a missing task."""
+    cpu, srv, md = shard_down.cpu, shard_down.cpu_server, bearer("default-only")
+    reads = {
+        "ListTasks": cpu.tasks.ListTasks(tpb.ListTasksRequest(), metadata=md, timeout=TIMEOUT),
+        "ListWorkers": worker_service_pb2_grpc.WorkerServiceStub(cpu.channel).ListWorkers(
+            wpb.ListWorkersRequest(), metadata=md, timeout=TIMEOUT
+        ),
+        "ListSchedules": cpu.schedules.ListSchedules(spb.ListSchedulesRequest(), metadata=md, timeout=TIMEOUT),
+        "GetSnapshot": admin_service_pb2_grpc.AdminServiceStub(cpu.channel).GetSnapshot(
+            apb.GetSnapshotRequest(), metadata=md, timeout=TIMEOUT
+        ),
+    }
+    for name, answer in reads.items():
+        assert not answer.unavailable_shards and "gpu" not in str(answer), (name, answer)
+    for path in ("/v1/tasks", "/v1/workers", "/v1/schedules", "/v1/snapshot"):
+        status, headers, body = http(srv, "GET", path, token="default-only")
+        assert status == 200 and not body.get("unavailable_shards"), (path, body)
+        assert "cronoq-unavailable-shards" not in headers, path
+    # A read of gpu's pool: refused for the pool, not for gpu being down.
+    err = refusal(lambda: cpu.tasks.ListTasks(tpb.ListTasksRequest(pool="llm"), metadata=md, timeout=TIMEOUT))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "gpu" not in err.details(), err  # type: ignore[attr-defined]
+
+    gpu_id = shard_down.gpu_task.id
+    for ref, message in ((task_pb2.TaskRef(id=gpu_id), f"task {gpu_id} not found"),
+                         (task_pb2.TaskRef(key="held-by-gpu"), "no task with key 'held-by-gpu'")):  # fmt: skip
+        err = refusal(lambda ref=ref: cpu.tasks.GetTask(tpb.GetTaskRequest(task=ref), metadata=md, timeout=TIMEOUT))
+        assert err.code() == grpc.StatusCode.NOT_FOUND and err.details() == message, err  # type: ignore[attr-defined]
+        assert not {"cronoq-shard", "cronoq-unavailable-shards"} & set(trailers(err)), trailers(err)
+        err = refusal(
+            lambda ref=ref: cpu.tasks.CancelTask(tpb.CancelTaskRequest(task=ref), metadata=md, timeout=TIMEOUT)
+        )
+        assert err.code() == grpc.StatusCode.NOT_FOUND and err.details() == message, err  # type: ignore[attr-defined]
+    status, headers, body = http(srv, "GET", f"/v1/tasks/{gpu_id}", token="default-only")
+    assert status == 404 and "gpu" not in body["message"] and "cronoq-unavailable-shards" not in headers, body

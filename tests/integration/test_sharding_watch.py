@@ -271,6 +271,28 @@ def test_a_pool_filter_watches_that_pools_shard_only(shards: TwoShards) -> None:
     assert all(set(positions(e.cursor)) == {1} for e in got)  # nothing of gpu is its to know
 
 
+def test_with_a_shard_down_a_watch_names_nothing_of_it_to_a_caller_that_may_read_none_of_it(shards: TwoShards) -> None:
+    """The read check is the merged Watch's own: with gpu down, its refusal cannot stand in.
+    Nor is gpu, down, named to a caller that may read none of its pools."""
+    shards.kill("gpu")
+    stream = watch(shards.stubs["cpu"], token="default-only")
+    md = opened(stream)
+    stream.cancel()
+    assert "cronoq-unavailable-shards" not in md and set(positions(md["cronoq-watch-cursor"])) == {1}, md
+    err = refused(watch(shards.stubs["cpu"], pool="llm", token="default-only"))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "gpu" not in err.details(), err  # type: ignore[attr-defined]
+    assert not {"cronoq-shard", "cronoq-shard-endpoint", "cronoq-unavailable-shards"} & set(trailers(err))
+    conn = http.client.HTTPConnection("127.0.0.1", shards.cpu.http_port, timeout=TIMEOUT)
+    conn.request("GET", "/v1/watch?pool=llm", headers={"Authorization": f"Bearer {TOKENS['default-only']}"})
+    resp = conn.getresponse()
+    body = resp.read().decode()
+    conn.close()
+    assert resp.status == 403 and "gpu" not in body, (resp.status, body)
+    assert not {"cronoq-shard", "cronoq-shard-endpoint", "cronoq-unavailable-shards"} & {
+        k.lower() for k, _ in resp.getheaders()
+    }
+
+
 def test_bad_composite_cursors_are_invalid_argument_naming_cursor(shards: TwoShards) -> None:
     cpu = shards.stubs["cpu"]
     submit(cpu, "default")
