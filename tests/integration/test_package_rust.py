@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from preconditions import missing  # type: ignore[import-not-found]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +21,15 @@ MANIFEST = tomllib.loads((CRATE / "Cargo.toml").read_text())["package"]
 # Gitignored, kept between runs: a cold build of the crate's dependencies takes minutes.
 SCRATCH_TARGET = CRATE / "target" / "scratch"
 # What the package may hold besides src/, examples/ and proto/ (cargo adds the first three).
-PACKAGE_TOP = {".cargo_vcs_info.json", "Cargo.toml.orig", "Cargo.lock", "Cargo.toml", "build.rs", "README.md", "LICENSE"}
+PACKAGE_TOP = {
+    ".cargo_vcs_info.json",
+    "Cargo.toml.orig",
+    "Cargo.lock",
+    "Cargo.toml",
+    "build.rs",
+    "README.md",
+    "LICENSE",
+}
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -71,7 +78,9 @@ def _msrv_toolchain() -> str:
     if shutil.which("rustup") is None:
         missing("rustup is not installed: the MSRV build needs it")
     if subprocess.run(["rustup", "run", msrv, "rustc", "--version"], capture_output=True).returncode != 0:
-        done = subprocess.run(["rustup", "toolchain", "install", msrv, "--profile", "minimal"], capture_output=True, text=True)
+        done = subprocess.run(
+            ["rustup", "toolchain", "install", msrv, "--profile", "minimal"], capture_output=True, text=True
+        )
         if done.returncode != 0:
             missing(f"rustup cannot install Rust {msrv}: {done.stderr.strip()[-500:]}")
     return msrv
