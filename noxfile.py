@@ -36,8 +36,11 @@ GO_GENERATED = GO_SDK / "gen" / "cronoq" / "v1"
 TS_SDK = ROOT / "sdk-ts"
 TS_GENERATED = TS_SDK / "src" / "gen"
 TS_TESTS = sorted(str(p.relative_to(TS_SDK)) for p in (TS_SDK / "test").glob("*.test.ts"))
-# The Rust SDK generates its code in build.rs (protox): nothing generated is committed.
+# The Rust SDK generates its code in build.rs (protox): nothing generated is committed, but the
+# protos it compiles (and those they import) are copied into the crate, so that it packages alone.
 RUST_MANIFEST = ROOT / "sdk-rust" / "Cargo.toml"
+RUST_PROTO = ROOT / "sdk-rust" / "proto"
+RUST_PROTO_FILES = [f"cronoq/v1/{name}.proto" for name in ("options", "task", "task_service", "worker_service")]
 # cronoq-api first: the SDK and the server depend on it (uv takes it from here, not an index).
 PACKAGES = ["-e", "proto/python", "-e", "sdk-python", "-e", "server"]
 TEST_DEPS = [
@@ -103,6 +106,14 @@ def _generate_ts(session: nox.Session, out: Path) -> None:
         shutil.copytree(Path(tmp) / "gen", out)
 
 
+def _copy_rust_protos(out: Path) -> None:
+    """The Rust crate's protos into out (as sdk-rust/proto holds them)."""
+    shutil.rmtree(out, ignore_errors=True)
+    for name in RUST_PROTO_FILES:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / "proto" / name, out / name)
+
+
 def _tree_diff(left: Path, right: Path) -> list[str]:
     """Files that differ between two trees, or are in one only (relative paths)."""
     names = {p.relative_to(left) for p in left.rglob("*") if p.is_file()}
@@ -116,7 +127,8 @@ def _tree_diff(left: Path, right: Path) -> list[str]:
 
 @nox.session
 def proto(session: nox.Session) -> None:
-    """Lints the protos (buf) and regenerates the committed Python, Go and TypeScript code (clean: stale files go)."""
+    """Lints the protos (buf), regenerates the committed Python, Go and TypeScript code and copies the
+    Rust crate's protos (clean: stale files go)."""
     session.install(*PROTO_TOOLS)
     _buf(session, "lint")
     with tempfile.TemporaryDirectory() as tmp:
@@ -128,6 +140,8 @@ def proto(session: nox.Session) -> None:
     session.log(f"generated {GO_GENERATED.relative_to(ROOT)}")
     _generate_ts(session, TS_GENERATED)
     session.log(f"generated {TS_GENERATED.relative_to(ROOT)}")
+    _copy_rust_protos(RUST_PROTO)
+    session.log(f"copied {RUST_PROTO.relative_to(ROOT)}")
 
 
 def check_generated(session: nox.Session) -> None:
@@ -143,6 +157,8 @@ def check_generated(session: nox.Session) -> None:
         stale += [f"sdk-go: {name}" for name in cmp.left_only + cmp.right_only + cmp.diff_files]
         _generate_ts(session, Path(tmp) / "ts")
         stale += [f"sdk-ts: {name}" for name in _tree_diff(Path(tmp) / "ts", TS_GENERATED)]
+        _copy_rust_protos(Path(tmp) / "rust")
+        stale += [f"sdk-rust: {name}" for name in _tree_diff(Path(tmp) / "rust", RUST_PROTO)]
         if stale:
             session.error(f"generated code is stale ({', '.join(sorted(stale))}): run `./dev proto` and commit")
     session.log("generated code is up to date; buf lint passed")

@@ -1,8 +1,9 @@
-//! Generates the cronoq.v1 clients from ../proto with protox (no protoc needed); the
-//! servers exist only under cfg(test), for the unit tests' in-process fakes.
+//! Generates the cronoq.v1 clients with protox (no protoc needed) from the crate's own proto/,
+//! a copy of the repository's that `./dev proto` refreshes (so the packaged crate builds alone);
+//! the servers exist only under cfg(test), for the unit tests' in-process fakes.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let proto_dir = "../proto";
+    let proto_dir = "proto";
     let files = [
         "cronoq/v1/task.proto",
         "cronoq/v1/task_service.proto",
