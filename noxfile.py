@@ -9,6 +9,7 @@ import filecmp
 import os
 import shutil
 import signal
+import sys
 import tempfile
 from pathlib import Path
 
@@ -19,6 +20,9 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests"]
 
 ROOT = Path(__file__).parent
+sys.path.insert(0, str(ROOT / "release"))
+from versions import contract_baseline  # noqa: E402  # the last release's protos, for buf breaking
+
 PROTO_FILES = sorted(str(p.relative_to(ROOT / "proto")) for p in (ROOT / "proto").rglob("*.proto"))
 # The distribution cronoq-api (proto/python): the generated cronoq.v1 and cronoq.jsonform,
 # shared by the server and the SDK; `cronoq` is a namespace the SDK's __init__ joins.
@@ -75,6 +79,11 @@ def _buf(session: nox.Session, *args: str) -> None:
     session.run(str(ROOT / "node_modules" / ".bin" / "buf"), *args, external=True)
 
 
+def _buf_breaking(session: nox.Session) -> None:
+    """buf breaking (buf.yaml's FILE rules) against the last release's protos: the contract only grows."""
+    _buf(session, "breaking", "--against", str(contract_baseline()))
+
+
 def _generate_go(session: nox.Session, out: Path) -> None:
     """The Go SDK's generated code into out (as sdk-go/gen/cronoq/v1 holds it)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,9 +124,11 @@ def _tree_diff(left: Path, right: Path) -> list[str]:
 
 @nox.session
 def proto(session: nox.Session) -> None:
-    """Lints the protos (buf) and regenerates the committed Python, Go and TypeScript code (clean: stale files go)."""
+    """Lints the protos (buf), checks them against the last release's (buf breaking) and
+    regenerates the committed Python, Go and TypeScript code (clean: stale files go)."""
     session.install(*PROTO_TOOLS)
     _buf(session, "lint")
+    _buf_breaking(session)
     with tempfile.TemporaryDirectory() as tmp:
         _generate_python(session, Path(tmp))
         shutil.rmtree(PY_GENERATED, ignore_errors=True)
@@ -133,6 +144,7 @@ def check_generated(session: nox.Session) -> None:
     """Fails when regenerating the protos would change the committed code."""
     session.install(*PROTO_TOOLS)
     _buf(session, "lint")
+    _buf_breaking(session)
     with tempfile.TemporaryDirectory() as tmp:
         _generate_python(session, Path(tmp))
         cmp = filecmp.dircmp(Path(tmp) / "cronoq" / "v1", PY_GENERATED, ignore=["__pycache__"])
@@ -144,7 +156,9 @@ def check_generated(session: nox.Session) -> None:
         stale += [f"sdk-ts: {name}" for name in _tree_diff(Path(tmp) / "ts", TS_GENERATED)]
         if stale:
             session.error(f"generated code is stale ({', '.join(sorted(stale))}): run `./dev proto` and commit")
-    session.log("generated code is up to date; buf lint passed")
+    session.log(
+        f"generated code is up to date; buf lint passed; buf breaking against {contract_baseline().name} passed"
+    )
 
 
 @nox.session
@@ -199,9 +213,22 @@ def conformance(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff and mypy."""
+    """buf lint, buf breaking against the last release, ruff and mypy."""
     session.install(*PACKAGES, "ruff>=0.6", "mypy>=1.10", "types-protobuf", "grpc-stubs", *TEST_DEPS)
-    session.run("ruff", "check", "server", "sdk-python", "proto/python", "tests", "bench", "conformance", "noxfile.py")
+    _buf(session, "lint")
+    _buf_breaking(session)
+    session.run(
+        "ruff",
+        "check",
+        "server",
+        "sdk-python",
+        "proto/python",
+        "tests",
+        "bench",
+        "conformance",
+        "release",
+        "noxfile.py",
+    )
     # `cronoq` spans sdk-python/ and proto/python/: module names come from these bases, so
     # that cronoq.jsonform and the generated stubs are checked (not silenced as installed code).
     bases = os.pathsep.join(str(ROOT / d) for d in ("proto/python", "sdk-python", "server"))

@@ -70,6 +70,15 @@ PLACES = [
 ]
 
 
+def contract_baseline(root: Path = ROOT) -> Path:
+    """The last release's wire contract (proto/releases/vX.Y.Z.binpb, the newest), which
+    `buf breaking` compares proto/ with."""
+    images = list((root / "proto" / "releases").glob("v*.binpb"))
+    if not images:
+        raise SystemExit("proto/releases: no vX.Y.Z.binpb (the last release's `buf build`)")
+    return max(images, key=lambda p: tuple(int(n) for n in p.name[1:].removesuffix(".binpb").split(".")))
+
+
 def release_version(root: Path = ROOT) -> str:
     """The version of this checkout's release (the VERSION file)."""
     return (root / VERSION_FILE).read_text().strip()
