@@ -292,6 +292,15 @@ def check_servers(expect: dict[str, Any], log: list[dict[str, Any]], token: str 
         opened = sum(1 for e in log if e["role"] == role and e["event"] == "stream")
         if opened < least:
             problems.append(f"{role}: {opened} Work stream(s) opened, expected at least {least}")
+    for role, most in expect.get("streams_at_most", {}).items():
+        opened = sum(1 for e in log if e["role"] == role and e["event"] == "stream")
+        if opened > most:
+            problems.append(f"{role}: {opened} Work stream(s) opened, expected at most {most}")
+    for role, most_by_method in expect.get("calls_at_most", {}).items():
+        for method, most in most_by_method.items():
+            n = sum(1 for c in calls if c["role"] == role and c["method"] == method)
+            if n > most:
+                problems.append(f"{role}: {method} called {n} time(s), expected at most {most}")
     for role, method in expect.get("retried", {}).items():
         n = sum(1 for c in calls if c["role"] == role and c["method"] == method)
         if n < 2:

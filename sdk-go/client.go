@@ -265,10 +265,6 @@ type WatchOptions struct {
 // stream starts, so a stream that breaks before its first event resumes from there.
 const watchStartKey = "cronoq-watch-cursor"
 
-// watchConnected: a stream that stayed open this long was connected: a failure after it
-// starts a new row of failures (Retry.MaxElapsed bounds a row), as an event received does.
-const watchConnected = 5 * time.Second
-
 // Watch streams task events as they happen. Unless NoResume, a stream that ends or
 // breaks (a restart or drain, a new leader, UNAVAILABLE, or ABORTED because the watcher
 // fell behind) is opened again from the last event's cursor, through the endpoint rules of
@@ -306,7 +302,7 @@ func (c *Client) Watch(ctx context.Context, opts WatchOptions) iter.Seq2[*cronoq
 				return
 			}
 			now := time.Now()
-			if now.Sub(opened) >= watchConnected {
+			if now.Sub(opened) >= healthyStream {
 				failingSince, failures = time.Time{}, 0
 			}
 			if failingSince.IsZero() {

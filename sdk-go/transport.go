@@ -32,8 +32,9 @@ const MaxMessageBytes = 64 << 20
 const maxRedirects = 3
 
 // RetryConfig is the transport retry: UNAVAILABLE (and CANCELLED the caller did not ask
-// for) is retried after InitialBackoff doubled per failure in a row, plus up to
-// InitialBackoff of random jitter, capped at MaxBackoff.
+// for) is retried after InitialBackoff doubled per failure in a row, capped at MaxBackoff,
+// with equal jitter (see Backoff). A worker's registration and Work stream back off the same
+// way, for as long as it runs.
 type RetryConfig struct {
 	// InitialBackoff: 50 ms when 0.
 	InitialBackoff time.Duration
@@ -61,15 +62,52 @@ func (r RetryConfig) withDefaults() RetryConfig {
 }
 
 // Backoff is how long to wait after failures earlier failures in a row (0 for the first):
-// InitialBackoff doubled per failure, plus up to InitialBackoff of jitter, capped at MaxBackoff.
+// the step, InitialBackoff doubled per failure and capped at MaxBackoff, with equal jitter:
+// half the step fixed, the other half uniformly random. Clients that failed together spread
+// out, and none retries sooner than half the step.
 func (r RetryConfig) Backoff(failures int) time.Duration {
 	r = r.withDefaults()
-	jitter := time.Duration(rand.Int64N(int64(r.InitialBackoff) + 1))
-	d := r.InitialBackoff << min(failures, 30)
-	if d <= 0 || d > r.MaxBackoff { // <= 0: overflow
-		return r.MaxBackoff
+	step := r.InitialBackoff << min(failures, 30)
+	if step <= 0 || step > r.MaxBackoff { // <= 0: overflow
+		step = r.MaxBackoff
 	}
-	return min(d+jitter, r.MaxBackoff)
+	return step/2 + time.Duration(rand.Int64N(int64(step/2)+1))
+}
+
+// healthyStream: a stream that delivered a message, or stayed open this long, was healthy:
+// its end starts a new row of failures (the backoff from InitialBackoff again; MaxElapsed
+// bounds a row).
+const healthyStream = 5 * time.Second
+
+// failureRow is a row of failed attempts at one thing (a registration, a Work stream): the
+// delay before the next attempt (RetryConfig.Backoff), and one log line when the row starts
+// and one when it ends, not one per attempt.
+type failureRow struct {
+	retry    RetryConfig
+	log      *slog.Logger
+	what     string
+	failures int
+}
+
+// failed counts a failure and returns how long to wait before the next attempt.
+func (f *failureRow) failed(err error, endpoint Endpoint) time.Duration {
+	delay := f.retry.Backoff(f.failures)
+	if f.failures == 0 {
+		f.log.Warn("cronoq: "+f.what+" failed; retrying with backoff", "error", err, "endpoint", endpoint.String(),
+			"max_backoff", f.retry.withDefaults().MaxBackoff)
+	} else {
+		f.log.Debug("cronoq: "+f.what+" failed again", "error", err, "endpoint", endpoint.String(), "after", delay)
+	}
+	f.failures++
+	return delay
+}
+
+// succeeded: the attempt worked (a stream: it was healthy); the next failure starts a new row.
+func (f *failureRow) succeeded() {
+	if f.failures > 0 {
+		f.log.Info("cronoq: "+f.what+" works again", "failed_attempts", f.failures)
+	}
+	f.failures = 0
 }
 
 // DefaultKeepaliveTime and DefaultKeepaliveTimeout: every channel pings a connection quiet

@@ -90,14 +90,20 @@ func TestRetryDefaultsAndBackoff(t *testing.T) {
 	if (RetryConfig{MaxElapsed: -1}).withDefaults().MaxElapsed >= 0 {
 		t.Error("a negative MaxElapsed (no bound) must stay negative")
 	}
+	// Equal jitter: the step (doubled per failure, capped) is half fixed, half random.
 	r = RetryConfig{InitialBackoff: 10 * time.Millisecond, MaxBackoff: 100 * time.Millisecond}
 	for failures := 0; failures < 100; failures++ {
-		for range 20 {
+		step := min(10*time.Millisecond<<min(failures, 30), 100*time.Millisecond)
+		lo, hi := step, time.Duration(0)
+		for range 200 {
 			d := r.Backoff(failures)
-			low := min(10*time.Millisecond<<min(failures, 30), 100*time.Millisecond)
-			if d < low || d > 100*time.Millisecond || (failures < 3 && d > low+10*time.Millisecond) {
-				t.Fatalf("Backoff(%d) = %v outside [%v, %v + jitter] capped at 100ms", failures, d, low, low)
+			if d < step/2 || d > step {
+				t.Fatalf("Backoff(%d) = %v outside [%v, %v]", failures, d, step/2, step)
 			}
+			lo, hi = min(lo, d), max(hi, d)
+		}
+		if hi-lo < step/4 {
+			t.Fatalf("Backoff(%d) in [%v, %v]: not jittered", failures, lo, hi)
 		}
 	}
 }

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"math/rand/v2"
 	"os"
 	"runtime/debug"
 	"strings"
@@ -284,7 +283,8 @@ func (w *Worker) register(calls context.Context) error {
 		case <-ctx.Done():
 		}
 	}()
-	redirects, unavailable := 0, 0
+	redirects := 0
+	row := failureRow{retry: w.conn.retry, log: w.log, what: "worker registration"}
 	chain := []string{w.conn.endpoint().String()} // where it went, and where each server sent it
 	req := &cronoqv1.RegisterWorkerRequest{
 		Name: w.opts.Name, Pools: w.opts.Pools, Concurrency: int32(w.opts.Concurrency), Labels: w.opts.Labels,
@@ -301,6 +301,7 @@ func (w *Worker) register(calls context.Context) error {
 		var e *Error
 		switch {
 		case err == nil:
+			row.succeeded()
 			w.registered(resp)
 			return nil
 		case errors.Is(err, ErrFailedPrecondition) && asError(err, &e) && e.ShardEndpoint != "" && e.kind == kindCode:
@@ -327,11 +328,7 @@ func (w *Worker) register(calls context.Context) error {
 			if w.conn.isConfigured(w.conn.endpoint()) {
 				redirects, chain = 0, []string{w.conn.endpoint().String()}
 			}
-			unavailable++
-			delay := min(w.conn.retry.InitialBackoff<<min(unavailable, 10), w.conn.retry.MaxBackoff)
-			delay = time.Duration(float64(delay) * (0.5 + rand.Float64()/2))
-			w.log.Debug("cronoq: register: retrying", "error", err, "endpoint", w.conn.endpoint().String(), "after", delay)
-			if sleep(ctx, delay) != nil {
+			if sleep(ctx, row.failed(err, w.conn.endpoint())) != nil {
 				return nil // stopped
 			}
 		default:
@@ -479,44 +476,47 @@ func transientStream(err error) bool {
 }
 
 // workLoop opens Work streams one after the other until the worker is finished: a stream
-// that fails is opened again (on the server an UNAVAILABLE names, after a backoff), and
-// the outcomes it did not answer are sent again on the next (fenced by attempt: safe).
+// that fails is opened again (on the server an UNAVAILABLE names) after a backoff that grows
+// with the failures in a row and starts over after a healthy stream (one that delivered a
+// message or stayed open healthyStream); the outcomes it did not answer are sent again on the
+// next (fenced by attempt: safe).
 func (w *Worker) workLoop(calls, tasks context.Context) error {
-	failures := 0 // in a row, of the kind that halves max_bytes
+	row := failureRow{retry: w.conn.retry, log: w.log, what: "work stream"}
 	for !w.isFinished() {
-		err := w.workStream(calls, tasks)
+		opened := time.Now()
+		answered, err := w.workStream(calls, tasks)
 		if calls.Err() != nil {
 			return nil // the graceful stop's time is up
 		}
+		if answered || time.Since(opened) >= healthyStream {
+			row.succeeded()
+		}
+		if w.isFinished() {
+			return nil
+		}
 		var e *Error
 		switch {
-		case err == nil: // the server ended it cleanly: do not reopen it in a tight loop
-			failures = 0
-			if !w.isFinished() {
-				_ = sleep(calls, time.Duration(float64(w.conn.retry.InitialBackoff)*(1+rand.Float64())))
-			}
-		case errors.Is(err, ErrNotFound):
-			w.log.Warn("cronoq: worker unknown to the server; registering again", "worker_id", w.ID())
-			if err := w.register(calls); err != nil {
-				return err
-			}
+		case err == nil: // the server ended it cleanly: opened again, but not in a tight loop
+			err = newError(codes.Unavailable, kindCode, "the server ended the stream")
 		case errors.Is(err, ErrPermissionDenied), errors.Is(err, ErrUnauthenticated), errors.Is(err, ErrTLS):
 			return err // no retry can help: Run fails with the reason
-		case transientStream(err): // e.g. a server that stops or steps down
-			if errors.Is(err, ErrUnavailable) {
-				w.conn.onUnavailable(err)
-			}
-			w.log.Warn("cronoq: work stream ended; opening it again", "error", err, "endpoint", w.conn.endpoint().String())
-			_ = sleep(calls, time.Duration(float64(w.conn.retry.InitialBackoff)*(1+3*rand.Float64())))
 		case errors.Is(err, ErrFailedPrecondition) && asError(err, &e) && e.ShardEndpoint != "":
 			return err // the pools moved to another shard
+		case errors.Is(err, ErrUnavailable):
+			w.conn.onUnavailable(err) // to the leader a standby names, or the next endpoint
+		case errors.Is(err, ErrNotFound), transientStream(err): // e.g. a server that stops or steps down
 		default: // e.g. RESOURCE_EXHAUSTED, an answer over the receive limit: smaller answers
-			failures++
 			w.mu.Lock()
 			w.leaseBytes = max(w.leaseBytes/2, minLeaseBytes)
 			w.mu.Unlock()
 			w.log.Error("cronoq: work stream failed; opening it again with a smaller max_bytes", "error", err)
-			_ = sleep(calls, w.conn.retry.Backoff(failures))
+		}
+		_ = sleep(calls, row.failed(err, w.conn.endpoint()))
+		if errors.Is(err, ErrNotFound) {
+			w.log.Warn("cronoq: worker unknown to the server; registering again", "worker_id", w.ID())
+			if err := w.register(calls); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
@@ -524,16 +524,17 @@ func (w *Worker) workLoop(calls, tasks context.Context) error {
 
 // workStream is one Work stream: the first message gives the free slots; the sender sends
 // outcomes, freed slots and heartbeats; answers are read here until the server ends it.
-func (w *Worker) workStream(calls, tasks context.Context) error {
+// answered: the server sent a message on it.
+func (w *Worker) workStream(calls, tasks context.Context) (answered bool, err error) {
 	cc, ep, err := w.conn.channel()
 	if err != nil {
-		return err
+		return false, err
 	}
 	ctx, cancel := context.WithCancel(w.conn.outgoing(calls))
 	defer cancel()
 	stream, err := cronoqv1.NewWorkerServiceClient(cc).Work(ctx)
 	if err != nil {
-		return w.conn.diagnose(ep, fromGRPC(err, nil))
+		return false, w.conn.diagnose(ep, fromGRPC(err, nil))
 	}
 	w.mu.Lock()
 	w.outcomes = w.outcomes[:0]
@@ -564,11 +565,12 @@ func (w *Worker) workStream(calls, tasks context.Context) error {
 	for {
 		answer, err := stream.Recv()
 		if err == io.EOF {
-			return nil
+			return answered, nil
 		}
 		if err != nil {
-			return w.conn.diagnose(ep, fromGRPC(err, stream.Trailer()))
+			return answered, w.conn.diagnose(ep, fromGRPC(err, stream.Trailer()))
 		}
+		answered = true
 		w.answered(tasks, answer)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"log/slog"
 	"net"
 	"strconv"
 	"strings"
@@ -341,4 +342,64 @@ func closedPort(t *testing.T) int {
 	port := l.Addr().(*net.TCPAddr).Port
 	l.Close()
 	return port
+}
+
+// refusedWorkServer registers workers and answers every Work stream UNAVAILABLE.
+type refusedWorkServer struct {
+	cronoqv1.UnimplementedWorkerServiceServer
+	streams atomic.Int32
+}
+
+func (s *refusedWorkServer) RegisterWorker(context.Context, *cronoqv1.RegisterWorkerRequest) (*cronoqv1.RegisterWorkerResponse, error) {
+	return &cronoqv1.RegisterWorkerResponse{WorkerId: "w-1", HeartbeatIntervalMs: 1000}, nil
+}
+
+func (s *refusedWorkServer) Work(stream grpc.BidiStreamingServer[cronoqv1.WorkRequest, cronoqv1.WorkResponse]) error {
+	s.streams.Add(1)
+	_, _ = stream.Recv()
+	return status.Error(codes.Unavailable, "going away")
+}
+
+// countingHandler counts the log records at each level.
+type countingHandler struct {
+	mu     sync.Mutex
+	levels map[slog.Level]int
+}
+
+func (h *countingHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h *countingHandler) Handle(_ context.Context, r slog.Record) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.levels[r.Level]++
+	return nil
+}
+func (h *countingHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h *countingHandler) WithGroup(string) slog.Handler      { return h }
+
+// Timing-sensitive (generous margins): 10 ms doubling to 400 ms with equal jitter waits at
+// least 5, 10, 20, 40, 80, 160, 200, 200 ms: at most 10 streams in 1 s.
+func TestWorkerReopensARefusedStreamWithBackoffAndOneWarning(t *testing.T) {
+	srv := &refusedWorkServer{}
+	url := "http://" + serve(t, func(s *grpc.Server) { cronoqv1.RegisterWorkerServiceServer(s, srv) })
+	logs := &countingHandler{levels: map[slog.Level]int{}}
+	retry := RetryConfig{InitialBackoff: 10 * time.Millisecond, MaxBackoff: 400 * time.Millisecond, MaxElapsed: -1}
+	w, err := NewWorker(WorkerOptions{Options: Options{Endpoint: url, Retry: retry, Logger: slog.New(logs)}, Pools: []string{"default"}},
+		func(context.Context, *Task) (any, error) { return nil, nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- w.Run(context.Background()) }()
+	time.Sleep(time.Second)
+	opened := srv.streams.Load()
+	w.Stop()
+	<-done
+	if opened < 4 || opened > 10 {
+		t.Errorf("%d streams in 1 s, want 4 to 10", opened)
+	}
+	logs.mu.Lock()
+	defer logs.mu.Unlock()
+	if logs.levels[slog.LevelWarn] != 1 || logs.levels[slog.LevelError] != 0 {
+		t.Errorf("log records by level: %v, want one warning", logs.levels)
+	}
 }

@@ -18,6 +18,11 @@ import pytest
 from pgserver import TempPostgres, find_bin_dir
 from ports import free_port
 
+# grpc core's own log lines (in this process, and the servers, workers and CLIs it starts) stay
+# out of the test output unless GRPC_VERBOSITY is set: the SDK's and server's errors say what
+# failed. grpc reads it once, on import; nothing above imports grpc.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -89,8 +94,8 @@ class ServerProcess:
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
-    def start(self, wait_ready: bool = True) -> ServerProcess:
-        cmd = [sys.executable, "-m", "cronoq_server.main", "--config", str(self.config_path)]
+    def start(self, wait_ready: bool = True, extra_args: list[str] | None = None) -> ServerProcess:
+        cmd = [sys.executable, "-m", "cronoq_server.main", "--config", str(self.config_path), *(extra_args or [])]
         if self.shard:
             cmd += ["--shard", self.shard]
         log = open(self.log_path, "ab")

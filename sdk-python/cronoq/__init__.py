@@ -4,8 +4,8 @@
 (proto/python: the generated `cronoq.v1` and `cronoq.jsonform`), which the server
 uses without the SDK. `__path__` takes in every `cronoq` directory on sys.path, so
 `cronoq.v1` is found wherever cronoq-api is installed; and the public names are
-imported on first use, so `import cronoq.v1.task_pb2` loads neither the client, the
-worker nor tenacity.
+imported on first use, so `import cronoq.v1.task_pb2` loads neither the client nor the
+worker.
 """
 
 from __future__ import annotations

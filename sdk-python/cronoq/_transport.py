@@ -9,13 +9,13 @@ import logging
 import random
 import socket
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import grpc
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, stop_never, wait_exponential_jitter
 
 from .errors import (
     Cancelled,
@@ -37,7 +37,9 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class RetryConfig:
-    """Transport retries: UNAVAILABLE is retried with exponential backoff and jitter."""
+    """Transport retries: UNAVAILABLE is retried after initial_backoff doubled per failure in
+    a row, capped at max_backoff, with equal jitter (backoff_delay); a worker's registration
+    and Work stream too, for as long as it runs."""
 
     initial_backoff: float = 0.05
     max_backoff: float = 2.0
@@ -314,21 +316,47 @@ async def diagnose_tls(endpoint: Endpoint, files: TlsFiles | None, details: str)
 
 
 def backoff_delay(retry: RetryConfig, failures: int) -> float:
-    """Seconds to wait after `failures` earlier failures in a row (0 for the first), as
-    with_retries waits: initial_backoff doubled per failure plus up to initial_backoff of
-    jitter, capped at max_backoff."""
-    jitter = random.uniform(0, retry.initial_backoff)
-    return min(retry.max_backoff, retry.initial_backoff * 2 ** min(failures, 32) + jitter)
+    """Seconds to wait after `failures` earlier failures in a row (0 for the first): the step,
+    initial_backoff doubled per failure and capped at max_backoff, with equal jitter: half the
+    step fixed, the other half uniformly random. Clients that failed together spread out, and
+    none retries sooner than half the step."""
+    step = min(retry.max_backoff, retry.initial_backoff * 2 ** min(failures, 32))
+    return step / 2 + random.uniform(0, step / 2)
+
+
+# A stream that delivered a message, or stayed open this long, was healthy: its end starts a
+# new row of failures (the backoff from initial_backoff again; max_elapsed bounds a row).
+HEALTHY_STREAM_S = 5.0
+
+
+class Backoff:
+    """A row of failed attempts at one thing (a registration, a Work stream): the delay before
+    the next attempt (backoff_delay), and one log line when the row starts and one when it ends,
+    not one per attempt."""
+
+    def __init__(self, retry: RetryConfig, what: str, logger: logging.Logger = log):
+        self.retry, self.what, self.log = retry, what, logger
+        self.failures = 0
+
+    def failed(self, err: BaseException) -> float:
+        """Counts a failure and returns how long to wait before the next attempt."""
+        delay = backoff_delay(self.retry, self.failures)
+        if self.failures == 0:
+            self.log.warning("%s failed (%s); retrying with backoff up to %gs", self.what, err, self.retry.max_backoff)
+        else:
+            self.log.debug("%s failed again (%s); retrying in %.2fs", self.what, err, delay)
+        self.failures += 1
+        return delay
+
+    def succeeded(self) -> None:
+        """The attempt worked (a stream: it was healthy): the next failure starts a new row."""
+        if self.failures:
+            self.log.info("%s works again after %d failed attempt(s)", self.what, self.failures)
+        self.failures = 0
 
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
-
-
-def _is_unavailable(err: BaseException) -> bool:
-    # CANCELLED that the caller did not ask for comes from a server that closed while the call
-    # waited for a handler: as safe to retry as UNAVAILABLE (submissions carry a request_id).
-    return isinstance(err, (Unavailable, Cancelled))
 
 
 async def call_once(call: Callable[[], Awaitable[T]]) -> T:
@@ -345,36 +373,27 @@ async def with_retries(
     what: str,
     on_unavailable: Callable[[CronoqError], None] | None = None,
 ) -> T:
-    """Runs call, translating gRPC errors to the SDK tree and retrying UNAVAILABLE.
+    """Runs call, translating gRPC errors to the SDK tree and retrying UNAVAILABLE (and
+    CANCELLED the caller did not ask for) after backoff_delay, for at most retry.max_elapsed.
 
     on_unavailable sees each UNAVAILABLE before the retry (to switch to the leader).
     """
-    try:
-        return await call_once(call)  # the fast path: no retry machinery per call
-    except (Unavailable, Cancelled) as err:
-        if retry.max_elapsed is not None and retry.max_elapsed <= 0:
-            raise
-        log.debug("%s: %s; retrying", what, err)
-        if on_unavailable:
-            on_unavailable(err)
-
-    def before_sleep(state: Any) -> None:
-        exc = state.outcome.exception() if state.outcome else None
-        if on_unavailable and isinstance(exc, (Unavailable, Cancelled)):
-            on_unavailable(exc)
-
-    async for attempt in AsyncRetrying(
-        retry=retry_if_exception(_is_unavailable),
-        wait=wait_exponential_jitter(
-            multiplier=retry.initial_backoff, max=retry.max_backoff, jitter=retry.initial_backoff
-        ),
-        stop=stop_never if retry.max_elapsed is None else stop_after_delay(retry.max_elapsed),
-        before_sleep=before_sleep,
-        reraise=True,
-    ):
-        with attempt:
+    started = time.monotonic()
+    failures = 0
+    while True:
+        try:
             return await call_once(call)
-    raise CronoqError(f"{what}: gave up")  # unreachable: reraise=True
+        # CANCELLED that the caller did not ask for comes from a server that closed while the call
+        # waited for a handler: as safe to retry as UNAVAILABLE (submissions carry a request_id).
+        except (Unavailable, Cancelled) as err:
+            if retry.max_elapsed is not None and time.monotonic() - started >= retry.max_elapsed:
+                raise
+            if on_unavailable:
+                on_unavailable(err)
+            delay = backoff_delay(retry, failures)
+            failures += 1
+            log.debug("%s: %s; retrying in %.2fs", what, err, delay)
+            await asyncio.sleep(delay)
 
 
 def parse_endpoints(text: str) -> list[Endpoint]:

@@ -15,6 +15,11 @@ from typing import Any
 
 from google.protobuf.message import Message
 
+# grpc core writes its own log lines to stderr ("I1201 ... Handshake failed ...", "E1201 ...
+# ENHANCE_YOUR_CALM"), at ERROR level too, while the CLI says every failure in one line of its
+# own: NONE silences them unless the user set GRPC_VERBOSITY. grpc reads it once, on import.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
 from . import __version__
 from ._transport import RetryConfig, TlsConfig
 from .client import Client, Schedule, Task, TaskEvent, payload_of, result_of
@@ -135,7 +140,8 @@ def _payload(command: str, json_flag: str, json_text: str | None, text: str | No
         try:
             return json.loads(json_text)
         except ValueError as err:
-            raise SystemExit(f"cronoq {command}: {json_flag} is not valid JSON: {err}") from None
+            shown = json_text if len(json_text) <= 60 else json_text[:57] + "..."
+            raise SystemExit(f"cronoq {command}: {json_flag} {shown!r} is not valid JSON: {err}") from None
     return text.encode() if text is not None else None
 
 
@@ -151,7 +157,7 @@ def _resources(command: str, given: list[tuple[str, int]]) -> dict[str, int]:
 async def cmd_submit(args: argparse.Namespace) -> int:
     if sum(x is not None for x in (args.json_payload, args.data, args.file)) > 1:
         raise SystemExit("cronoq submit: give at most one of --json, --data, --file")
-    payload = _payload("submit", "--json", args.json_payload, args.data)
+    payload = _payload("submit", "--payload-json", args.json_payload, args.data)
     if args.file is not None:
         payload = sys.stdin.buffer.read() if args.file == "-" else open(args.file, "rb").read()
     async with _client(args) as client:

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from ._transport import Connection, Endpoint, KeepaliveConfig, RetryConfig, TlsConfig, backoff_delay
+from ._transport import HEALTHY_STREAM_S, Connection, Endpoint, KeepaliveConfig, RetryConfig, TlsConfig, backoff_delay
 from .errors import Aborted, Cancelled, CronoqError, Internal, Unavailable, from_grpc_error
 from .jsonform import JSON_CONTENT_TYPE
 from .v1 import (
@@ -137,9 +137,6 @@ class ServiceStubs:
 # watcher fell behind). Anything else (PERMISSION_DENIED, INVALID_ARGUMENT, OUT_OF_RANGE for
 # a cursor older than the server keeps, ...) is raised.
 WATCH_TRANSIENT = (Unavailable, Cancelled, Aborted, Internal)
-# A Watch stream that stayed open this long was connected: a failure after it starts a new
-# row of failures (RetryConfig.max_elapsed bounds a row), as an event received does.
-WATCH_CONNECTED_S = 5.0
 
 # Initial metadata of a sharded server's Watch: the cursor of where the stream starts.
 WATCH_START_KEY = "cronoq-watch-cursor"
@@ -318,7 +315,7 @@ class Client:
                 if tls is not None:
                     raise tls from None
             now = time.monotonic()
-            if now - opened >= WATCH_CONNECTED_S:
+            if now - opened >= HEALTHY_STREAM_S:
                 failing_since, failures = None, 0
             if failing_since is None:
                 failing_since = now

@@ -14,14 +14,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
 
-from ._transport import MAX_MESSAGE_BYTES, Connection, Endpoint, KeepaliveConfig, RetryConfig, TlsConfig, call_once
+from ._transport import (
+    HEALTHY_STREAM_S,
+    MAX_MESSAGE_BYTES,
+    Backoff,
+    Connection,
+    Endpoint,
+    KeepaliveConfig,
+    RetryConfig,
+    TlsConfig,
+    call_once,
+)
 from .client import Task, decode, encode_payload
 from .errors import (
     Cancelled,
@@ -163,6 +172,7 @@ class Worker:
         self._outcomes: list[pb.TaskOutcome] = []  # not yet sent on the current stream
         self._freed = 0  # slots freed and not yet given to the server as credits
         self._closed = False  # the current stream's side is closed: nothing more can be reported
+        self._stream_answered = False  # the current stream delivered a message: it is healthy
         self._beat_due = False
         self._wake = asyncio.Event()  # the sender has something to send
         self._stopping = asyncio.Event()
@@ -180,11 +190,12 @@ class Worker:
 
     async def _register(self) -> None:
         """Registers with the shard of its pools, following up to three redirects in a row."""
-        redirects, unavailable = 0, 0
+        redirects = 0
         chain = [str(self._conn.current)]  # the servers of the redirects in a row, and where each sent it
         req = pb.RegisterWorkerRequest(
             name=self.name, pools=self.pools, concurrency=self.concurrency, labels=self._labels
         )
+        backoff = Backoff(self._retry, f"worker registration for {self.pools}", log)
         while True:
             try:
                 resp = await call_once(
@@ -212,10 +223,9 @@ class Worker:
                 self._conn.on_unavailable(err)
                 if self._conn.current in self._conn.configured:
                     redirects, chain = 0, [str(self._conn.current)]
-                unavailable += 1
-                delay = min(self._retry.initial_backoff * 2 ** min(unavailable, 10), self._retry.max_backoff)
-                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                await asyncio.sleep(backoff.failed(err))
                 continue
+            backoff.succeeded()
             self.worker_id = resp.worker_id
             self._heartbeat_s = max(resp.heartbeat_interval_ms / 1000, 0.1)
             # A result must also fit one FinishTasks request on its own.
@@ -314,41 +324,43 @@ class Worker:
 
     async def _work_loop(self) -> None:
         """Work streams one after the other until the worker stops: a stream that fails is
-        opened again (on the server an UNAVAILABLE names, after a backoff), and outcomes it
-        did not answer are sent again on the next (fenced by attempt, so that is safe)."""
-        failures = 0  # in a row, of the kind that shrinks max_bytes
+        opened again (on the server an UNAVAILABLE names) after a backoff that grows with the
+        failures in a row and starts over after a healthy stream (one that delivered a message
+        or stayed open HEALTHY_STREAM_S); outcomes it did not answer are sent again on the next
+        (fenced by attempt, so that is safe)."""
+        backoff = Backoff(self._retry, f"worker {self.worker_id}: work stream", log)
+        loop = asyncio.get_running_loop()
         while not self._finished:
+            opened, self._stream_answered = loop.time(), False
+            error: CronoqError | None = None
             try:
                 await self._work_stream()
-                failures = 0
-                if not self._finished:  # the server ended it cleanly: not one to reopen in a loop
-                    await asyncio.sleep(self._retry.initial_backoff * random.uniform(1.0, 2.0))
-                continue
-            except NotFound:
-                log.warning("worker %s unknown to the server; registering again", self.worker_id)
-                await self._register()
-                continue
             except (PermissionDenied, Unauthenticated, TlsError):
                 raise  # credentials or TLS refused: no retry can help, so run() fails with the reason
-            except TRANSIENT as err:  # e.g. a server that stops or steps down: open it again
-                if isinstance(err, Unavailable):
-                    failure = await self._conn.diagnose(err)
-                    if failure is not None:
-                        raise failure from None
-                log.warning("work stream ended (%s); opening it again", err)
-                await self._pause_after(err)
-            except CronoqError as err:  # e.g. RESOURCE_EXHAUSTED: an answer over the receive limit
-                if isinstance(err, FailedPrecondition) and err.shard_endpoint:  # the pools moved shard
+            except FailedPrecondition as err:
+                if err.shard_endpoint:  # the pools moved shard
                     raise
-                failures += 1
-                await self._stream_refused(err, failures)
-
-    async def _stream_refused(self, err: Exception, failures: int) -> None:
-        """A stream failed for good: smaller answers, a backoff, and a new stream."""
-        self.lease_bytes = max(self.lease_bytes // 2, MIN_LEASE_BYTES)
-        log.error("work stream failed (%s); opening it again with max_bytes %d", err, self.lease_bytes)
-        delay = min(self._retry.initial_backoff * 2 ** min(failures, 10), self._retry.max_backoff)
-        await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                error = err
+            except CronoqError as err:
+                error = err
+            if self._stream_answered or loop.time() - opened >= HEALTHY_STREAM_S:
+                backoff.succeeded()
+            if self._finished:
+                return
+            if error is None:  # the server ended it cleanly: opened again, but not in a loop
+                error = Unavailable("the server ended the stream")
+            elif isinstance(error, Unavailable):
+                failure = await self._conn.diagnose(error)
+                if failure is not None:
+                    raise failure from None
+                self._conn.on_unavailable(error)  # to the leader a standby names, or the next endpoint
+            elif not isinstance(error, (NotFound, *TRANSIENT)):  # e.g. RESOURCE_EXHAUSTED: an answer over the limit
+                self.lease_bytes = max(self.lease_bytes // 2, MIN_LEASE_BYTES)
+                log.error("work stream failed (%s); opening it again with max_bytes %d", error, self.lease_bytes)
+            await asyncio.sleep(backoff.failed(error))
+            if isinstance(error, NotFound):
+                log.warning("worker %s unknown to the server; registering again", self.worker_id)
+                await self._register()
 
     async def _work_stream(self) -> None:
         """One Work stream: its first message gives the free slots; the sender sends outcomes,
@@ -369,6 +381,7 @@ class Worker:
                     break
                 if answer is None:  # grpc could not deserialize it (logged by grpc)
                     raise CronoqError("an answer on the Work stream could not be read")
+                self._stream_answered = True
                 self._answered(answer)
             if sender.done() and sender.exception():
                 raise sender.exception()  # type: ignore[misc]
@@ -510,12 +523,6 @@ class Worker:
             n += 1
         batch, self._outcomes = self._outcomes[:n], self._outcomes[n:]
         return batch
-
-    async def _pause_after(self, err: CronoqError) -> None:
-        """Backs off after a transient failure, moving to another server when one is named or known."""
-        if isinstance(err, Unavailable):
-            self._conn.on_unavailable(err)
-        await asyncio.sleep(self._retry.initial_backoff * random.uniform(1.0, 4.0))
 
     async def _heartbeat_loop(self) -> None:
         """Asks the stream's sender for a heartbeat of the attempts held, every interval."""

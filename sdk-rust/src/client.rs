@@ -15,7 +15,7 @@ use serde::Serialize;
 use crate::error::Error;
 use crate::proto;
 use crate::proto::task_service_client::TaskServiceClient;
-use crate::transport::{Connection, Endpoint, MAX_MESSAGE_BYTES, Options};
+use crate::transport::{Connection, Endpoint, HEALTHY_STREAM, MAX_MESSAGE_BYTES, Options};
 
 /// A task as the server holds it (the generated cronoq.v1.Task).
 pub type Task = proto::Task;
@@ -247,8 +247,6 @@ pub struct WatchOptions {
 
 /// A sharded server's initial metadata (and trailers) name where a live stream starts.
 const WATCH_START_KEY: &str = "cronoq-watch-cursor";
-/// A stream that stayed open this long was connected: a failure after it starts a new row.
-const WATCH_CONNECTED: Duration = Duration::from_secs(5);
 
 /// Calls cronoq: any shard's server, or several servers (commas in the endpoint).
 /// UNAVAILABLE moves it to the leader a standby names, or to the next endpoint, and is
@@ -410,7 +408,7 @@ impl Client {
                     }
                     return;
                 }
-                if opened.elapsed() >= WATCH_CONNECTED {
+                if opened.elapsed() >= HEALTHY_STREAM {
                     failing_since = None;
                     failures = 0;
                 }

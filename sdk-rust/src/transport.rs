@@ -24,8 +24,9 @@ pub(crate) const MAX_REDIRECTS: usize = 3;
 pub const DEFAULT_ENDPOINT: &str = "http://127.0.0.1:7070";
 
 /// The transport retry: UNAVAILABLE (and CANCELLED the caller did not ask for) is retried
-/// after `initial_backoff` doubled per failure in a row, plus up to `initial_backoff` of
-/// random jitter, capped at `max_backoff`.
+/// after `initial_backoff` doubled per failure in a row, capped at `max_backoff`, with equal
+/// jitter (see [`RetryConfig::backoff`]). A worker's registration and Work stream back off the
+/// same way, for as long as it runs.
 #[derive(Debug, Clone, Copy)]
 pub struct RetryConfig {
     /// 50 ms by default.
@@ -47,13 +48,63 @@ impl Default for RetryConfig {
 }
 
 impl RetryConfig {
-    /// How long to wait after `failures` earlier failures in a row (0 for the first).
+    /// How long to wait after `failures` earlier failures in a row (0 for the first): the
+    /// step, `initial_backoff` doubled per failure and capped at `max_backoff`, with equal
+    /// jitter: half the step fixed, the other half uniformly random. Clients that failed
+    /// together spread out, and none retries sooner than half the step.
     pub fn backoff(&self, failures: u32) -> Duration {
         let initial = self.initial_backoff.max(Duration::from_millis(1));
         let max = self.max_backoff.max(initial);
-        let jitter = initial.mul_f64(rand::rng().random::<f64>());
-        let base = initial.saturating_mul(1u32 << failures.min(20));
-        (base + jitter).min(max)
+        let step = initial.saturating_mul(1u32 << failures.min(20)).min(max);
+        step / 2 + (step / 2).mul_f64(rand::rng().random::<f64>())
+    }
+}
+
+/// A stream that delivered a message, or stayed open this long, was healthy: its end starts a
+/// new row of failures (the backoff from `initial_backoff` again; `max_elapsed` bounds a row).
+pub(crate) const HEALTHY_STREAM: Duration = Duration::from_secs(5);
+
+/// A row of failed attempts at one thing (a registration, a Work stream): the delay before the
+/// next attempt ([`RetryConfig::backoff`]), and one log line when the row starts and one when
+/// it ends, not one per attempt.
+pub(crate) struct FailureRow {
+    retry: RetryConfig,
+    what: &'static str,
+    failures: u32,
+}
+
+impl FailureRow {
+    pub(crate) fn new(retry: RetryConfig, what: &'static str) -> Self {
+        FailureRow {
+            retry,
+            what,
+            failures: 0,
+        }
+    }
+
+    /// Counts a failure; returns how long to wait before the next attempt.
+    pub(crate) fn failed(&mut self, err: &Error, endpoint: &Endpoint) -> Duration {
+        let delay = self.retry.backoff(self.failures);
+        if self.failures == 0 {
+            tracing::warn!(error = %err, %endpoint, max_backoff = ?self.retry.max_backoff,
+                "cronoq: {} failed; retrying with backoff", self.what);
+        } else {
+            tracing::debug!(error = %err, %endpoint, ?delay, "cronoq: {} failed again", self.what);
+        }
+        self.failures += 1;
+        delay
+    }
+
+    /// The attempt worked (a stream: it was healthy): the next failure starts a new row.
+    pub(crate) fn succeeded(&mut self) {
+        if self.failures > 0 {
+            tracing::info!(
+                failed_attempts = self.failures,
+                "cronoq: {} works again",
+                self.what
+            );
+        }
+        self.failures = 0;
     }
 }
 
@@ -805,15 +856,31 @@ mod tests {
     }
 
     #[test]
-    fn backoff_grows_and_is_capped() {
+    fn backoff_doubles_to_the_cap_with_equal_jitter() {
         let r = RetryConfig {
-            initial_backoff: Duration::from_millis(10),
-            max_backoff: Duration::from_millis(100),
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(2),
             max_elapsed: None,
         };
-        assert!(
-            r.backoff(0) >= Duration::from_millis(10) && r.backoff(0) <= Duration::from_millis(20)
-        );
-        assert_eq!(r.backoff(10), Duration::from_millis(100));
+        for (failures, step_ms) in [
+            (0, 100),
+            (1, 200),
+            (3, 800),
+            (4, 1600),
+            (5, 2000),
+            (40, 2000),
+        ] {
+            let step = Duration::from_millis(step_ms);
+            let delays: Vec<Duration> = (0..200).map(|_| r.backoff(failures)).collect();
+            let (lo, hi) = (*delays.iter().min().unwrap(), *delays.iter().max().unwrap());
+            assert!(
+                lo >= step / 2 && hi <= step,
+                "backoff({failures}) in [{lo:?}, {hi:?}]"
+            );
+            assert!(
+                hi - lo > step / 4,
+                "backoff({failures}) in [{lo:?}, {hi:?}]: not jittered"
+            );
+        }
     }
 }

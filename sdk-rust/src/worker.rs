@@ -10,7 +10,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use prost::Message;
-use rand::Rng;
 use serde::Serialize;
 use tokio::sync::{Notify, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
@@ -23,7 +22,9 @@ use crate::error::Error;
 use crate::proto;
 use crate::proto::task_outcome::Outcome;
 use crate::proto::worker_service_client::WorkerServiceClient;
-use crate::transport::{Connection, Endpoint, MAX_MESSAGE_BYTES, MAX_REDIRECTS, Options};
+use crate::transport::{
+    Connection, Endpoint, FailureRow, HEALTHY_STREAM, MAX_MESSAGE_BYTES, MAX_REDIRECTS, Options,
+};
 
 const MAX_FINISH_BATCH: usize = 1000;
 const MIB: u64 = 1 << 20;
@@ -296,10 +297,6 @@ fn transient_stream(err: &Error) -> bool {
     ))
 }
 
-fn jittered(base: Duration, spread: f64) -> Duration {
-    base.mul_f64(1.0 + spread * rand::rng().random::<f64>())
-}
-
 impl Worker {
     /// Checks the options and returns a worker that runs `handler` for each task. The
     /// handler's token is cancelled when the task's cancellation is requested (the task ends
@@ -442,7 +439,7 @@ impl Shared {
     /// until stop. Ok(false): stopped first.
     async fn register(&self) -> Result<bool, Error> {
         let mut redirects = 0;
-        let mut unavailable = 0u32;
+        let mut row = FailureRow::new(self.conn.retry, "worker registration");
         let mut chain = vec![self.conn.endpoint().to_string()];
         let req = proto::RegisterWorkerRequest {
             name: self.opts.name.clone(),
@@ -462,6 +459,7 @@ impl Shared {
             };
             match result {
                 Ok(resp) => {
+                    row.succeeded();
                     self.registered(resp);
                     return Ok(true);
                 }
@@ -495,9 +493,7 @@ impl Shared {
                         redirects = 0;
                         chain = vec![self.conn.endpoint().to_string()];
                     }
-                    unavailable += 1;
-                    let delay = self.conn.retry.backoff(unavailable.min(10));
-                    tracing::debug!(error = %err, endpoint = %self.conn.endpoint(), ?delay, "cronoq: register: retrying");
+                    let delay = row.failed(&err, &self.conn.endpoint());
                     tokio::select! {
                         _ = tokio::time::sleep(delay) => {}
                         _ = self.stop.cancelled() => return Ok(false),
@@ -616,33 +612,27 @@ impl Shared {
     }
 
     /// Opens Work streams one after the other until the worker is finished: a stream that
-    /// fails is opened again (on the server an UNAVAILABLE names, after a backoff), and the
-    /// outcomes it did not answer are sent again on the next (fenced by attempt: safe).
+    /// fails is opened again (on the server an UNAVAILABLE names) after a backoff that grows
+    /// with the failures in a row and starts over after a healthy stream (one that delivered a
+    /// message or stayed open HEALTHY_STREAM); the outcomes it did not answer are sent again on
+    /// the next (fenced by attempt: safe).
     async fn work_loop(self: Arc<Self>, calls: CancellationToken) -> Result<(), Error> {
-        let mut failures = 0;
-        let initial = self.conn.retry.initial_backoff;
+        let mut row = FailureRow::new(self.conn.retry, "work stream");
         while !self.is_finished() {
-            let result = self.work_stream(&calls).await;
+            let opened = Instant::now();
+            let (answered, result) = self.work_stream(&calls).await;
             if calls.is_cancelled() {
                 return Ok(()); // the graceful stop's time is up
             }
-            let pause = match result {
-                Ok(()) => {
-                    // The server ended it cleanly: do not reopen it in a tight loop.
-                    failures = 0;
-                    if self.is_finished() {
-                        Duration::ZERO
-                    } else {
-                        jittered(initial, 1.0)
-                    }
-                }
-                Err(err) if err.code() == Code::NotFound && matches!(err, Error::Rpc(_)) => {
-                    tracing::warn!(worker_id = %self.id(), "cronoq: worker unknown to the server; registering again");
-                    if !self.register().await? {
-                        return Ok(());
-                    }
-                    Duration::ZERO
-                }
+            if answered || opened.elapsed() >= HEALTHY_STREAM {
+                row.succeeded();
+            }
+            if self.is_finished() {
+                return Ok(());
+            }
+            let err = match result {
+                // The server ended it cleanly: opened again, but not in a tight loop.
+                Ok(()) => Error::rpc_code(Code::Unavailable, "the server ended the stream"),
                 Err(
                     err @ (Error::Tls(_) | Error::TooManyRedirects(_) | Error::RedirectRefused(_)),
                 ) => return Err(err),
@@ -651,34 +641,41 @@ impl Shared {
                 {
                     return Err(err);
                 }
-                Err(err) if transient_stream(&err) => {
-                    if err.code() == Code::Unavailable {
-                        self.conn.on_unavailable(&err);
-                    }
-                    tracing::warn!(error = %err, endpoint = %self.conn.endpoint(), "cronoq: work stream ended; opening it again");
-                    jittered(initial, 3.0)
-                }
                 Err(err)
                     if err.code() == Code::FailedPrecondition
                         && !err.shard_endpoint().is_empty() =>
                 {
                     return Err(err); // the pools moved to another shard
                 }
+                Err(err) if err.code() == Code::Unavailable && matches!(err, Error::Rpc(_)) => {
+                    self.conn.on_unavailable(&err); // to the leader a standby names, or the next endpoint
+                    err
+                }
+                Err(err)
+                    if transient_stream(&err)
+                        || (err.code() == Code::NotFound && matches!(err, Error::Rpc(_))) =>
+                {
+                    err
+                }
                 Err(err) => {
                     // e.g. RESOURCE_EXHAUSTED, an answer over the receive limit: smaller answers.
-                    failures += 1;
                     {
                         let mut st = self.st.lock().unwrap();
                         st.lease_bytes = (st.lease_bytes / 2).max(MIN_LEASE_BYTES);
                     }
                     tracing::error!(error = %err, "cronoq: work stream failed; opening it again with a smaller max_bytes");
-                    self.conn.retry.backoff(failures)
+                    err
                 }
             };
-            if !pause.is_zero() {
-                tokio::select! {
-                    _ = tokio::time::sleep(pause) => {}
-                    _ = calls.cancelled() => return Ok(()),
+            let pause = row.failed(&err, &self.conn.endpoint());
+            tokio::select! {
+                _ = tokio::time::sleep(pause) => {}
+                _ = calls.cancelled() => return Ok(()),
+            }
+            if err.code() == Code::NotFound && matches!(err, Error::Rpc(_)) {
+                tracing::warn!(worker_id = %self.id(), "cronoq: worker unknown to the server; registering again");
+                if !self.register().await? {
+                    return Ok(());
                 }
             }
         }
@@ -686,9 +683,14 @@ impl Shared {
     }
 
     /// One Work stream: the first message gives the free slots; the sender sends outcomes,
-    /// freed slots and heartbeats; answers are read here until the server ends it.
-    async fn work_stream(self: &Arc<Self>, calls: &CancellationToken) -> Result<(), Error> {
-        let (ch, ep) = self.conn.channel()?;
+    /// freed slots and heartbeats; answers are read here until the server ends it. The bool:
+    /// the server sent a message on it.
+    async fn work_stream(self: &Arc<Self>, calls: &CancellationToken) -> (bool, Result<(), Error>) {
+        let (ch, ep) = match self.conn.channel() {
+            Ok(channel) => channel,
+            Err(err) => return (false, Err(err)),
+        };
+        let mut answered = false;
         let (first, resend) = {
             let mut st = self.st.lock().unwrap();
             let unanswered: Vec<_> = st.unacked.values().cloned().collect(); // what an earlier stream did not answer
@@ -724,7 +726,10 @@ impl Shared {
             loop {
                 tokio::select! {
                     m = stream.message() => match m? {
-                        Some(answer) => self.answered(answer),
+                        Some(answer) => {
+                            answered = true;
+                            self.answered(answer);
+                        }
                         None => return Ok(()),
                     },
                     _ = calls.cancelled() => return Ok(()),
@@ -735,8 +740,8 @@ impl Shared {
         stream_done.cancel();
         let _ = sender.await;
         match result {
-            Ok(()) => Ok(()),
-            Err(status) => Err(self.conn.diagnose(&ep, status).await),
+            Ok(()) => (answered, Ok(())),
+            Err(status) => (answered, Err(self.conn.diagnose(&ep, status).await)),
         }
     }
 

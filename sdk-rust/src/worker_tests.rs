@@ -19,15 +19,21 @@ use crate::{
 struct Recorded {
     /// Every WorkRequest received, per stream.
     streams: Vec<Vec<proto::WorkRequest>>,
+    registrations: usize,
     deregistered: bool,
 }
 
 /// Hands out `tasks` as credits allow; the first stream ends with UNAVAILABLE, unanswered,
-/// once it has received `break_first_after_outcomes` outcomes (0: never).
+/// once it has received `break_first_after_outcomes` outcomes (0: never). With
+/// `refuse_streams`, every stream is answered UNAVAILABLE on its first message; with
+/// `redirect_to`, RegisterWorker is refused with that shard endpoint.
+#[derive(Default)]
 struct FakeShard {
     tasks: Mutex<Vec<Task>>,
     cancel: Vec<u64>,
     break_first_after_outcomes: usize,
+    refuse_streams: bool,
+    redirect_to: Option<String>,
     recorded: Arc<Mutex<Recorded>>,
 }
 
@@ -39,6 +45,17 @@ impl WorkerService for FakeShard {
         &self,
         _: Request<proto::RegisterWorkerRequest>,
     ) -> Result<Response<proto::RegisterWorkerResponse>, Status> {
+        self.recorded.lock().unwrap().registrations += 1;
+        if let Some(target) = &self.redirect_to {
+            let mut metadata = tonic::metadata::MetadataMap::new();
+            metadata.insert("cronoq-shard", "gpu".parse().unwrap());
+            metadata.insert("cronoq-shard-endpoint", target.parse().unwrap());
+            return Err(Status::with_metadata(
+                tonic::Code::FailedPrecondition,
+                "pool default is on shard gpu",
+                metadata,
+            ));
+        }
         Ok(Response::new(proto::RegisterWorkerResponse {
             worker_id: "w1".into(),
             heartbeat_interval_ms: 100,
@@ -84,6 +101,10 @@ impl WorkerService for FakeShard {
         let recorded = self.recorded.clone();
         let pending: Vec<Task> = std::mem::take(&mut *self.tasks.lock().unwrap());
         let cancel = self.cancel.clone();
+        if self.refuse_streams {
+            let _ = incoming.next().await;
+            return Err(Status::unavailable("going away"));
+        }
         let break_after = if stream_index == 0 {
             self.break_first_after_outcomes
         } else {
@@ -228,6 +249,7 @@ async fn runs_tasks_within_credits_batches_outcomes_and_deregisters() {
         cancel: Vec::new(),
         break_first_after_outcomes: 0,
         recorded: recorded.clone(),
+        ..Default::default()
     })
     .await;
     let worker = Worker::new(
@@ -263,6 +285,7 @@ async fn outcomes_a_broken_stream_did_not_answer_are_sent_again() {
         cancel: Vec::new(),
         break_first_after_outcomes: 1,
         recorded: recorded.clone(),
+        ..Default::default()
     })
     .await;
     let worker = Worker::new(WorkerOptions::new(options(&endpoint), ["default"]), sleeper).unwrap();
@@ -286,6 +309,7 @@ async fn a_cancelled_id_cancels_the_handler_and_reports_it_cancelled() {
         cancel: vec![9],
         break_first_after_outcomes: 0,
         recorded: recorded.clone(),
+        ..Default::default()
     })
     .await;
     let worker = Worker::new(WorkerOptions::new(options(&endpoint), ["default"]), sleeper).unwrap();
@@ -313,6 +337,7 @@ async fn graceful_stop_releases_what_outlives_the_grace() {
         cancel: Vec::new(),
         break_first_after_outcomes: 0,
         recorded: recorded.clone(),
+        ..Default::default()
     })
     .await;
     let opts = WorkerOptions::new(options(&endpoint), ["default"])
@@ -331,4 +356,67 @@ async fn graceful_stop_releases_what_outlives_the_grace() {
         .collect();
     assert_eq!(kinds, vec![(4, false), (5, true)]);
     assert!(rec.deregistered);
+}
+
+// Timing-sensitive (generous margins): 10 ms doubling to 400 ms with equal jitter waits at
+// least 5, 10, 20, 40, 80, 160, 200, 200 ms: at most 10 streams in 1 s.
+#[tokio::test]
+async fn a_stream_refused_every_time_is_opened_again_with_backoff() {
+    let recorded = Arc::new(Mutex::new(Recorded::default()));
+    let endpoint = serve(FakeShard {
+        refuse_streams: true,
+        recorded: recorded.clone(),
+        ..Default::default()
+    })
+    .await;
+    let opts = Options::new(&endpoint).retry(RetryConfig {
+        initial_backoff: Duration::from_millis(10),
+        max_backoff: Duration::from_millis(400),
+        max_elapsed: None,
+    });
+    let worker = Worker::new(WorkerOptions::new(opts, ["default"]), sleeper).unwrap();
+    let runner = worker.clone();
+    let run = tokio::spawn(async move { runner.run().await });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let opened = recorded.lock().unwrap().streams.len();
+    worker.stop();
+    let _ = tokio::time::timeout(Duration::from_secs(10), run)
+        .await
+        .unwrap();
+    assert!((4..=10).contains(&opened), "{opened} streams in 1 s");
+}
+
+#[tokio::test]
+async fn a_worker_follows_three_redirects_in_a_row_and_refuses_the_fourth() {
+    // e <- d <- c <- b <- a: a worker given a is sent to b, c, d, and refused at d.
+    let mut records = Vec::new();
+    let mut next = "http://127.0.0.1:1".to_string(); // e: never reached
+    for _ in 0..4 {
+        let recorded = Arc::new(Mutex::new(Recorded::default()));
+        next = serve(FakeShard {
+            redirect_to: Some(next),
+            recorded: recorded.clone(),
+            ..Default::default()
+        })
+        .await;
+        records.insert(0, recorded);
+    }
+    let worker = Worker::new(WorkerOptions::new(options(&next), ["default"]), sleeper).unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(5), worker.run())
+        .await
+        .expect("run() went on: the 4th redirect in a row must end it")
+        .unwrap_err();
+    assert!(
+        matches!(err, crate::Error::TooManyRedirects(_)),
+        "{err:?}, want TooManyRedirects"
+    );
+    assert!(
+        err.to_string().contains("more than 3 times in a row"),
+        "{err}"
+    );
+    let calls: Vec<usize> = records
+        .iter()
+        .map(|r| r.lock().unwrap().registrations)
+        .collect();
+    assert_eq!(calls, vec![1, 1, 1, 1], "each of a, b, c, d asked once");
 }

@@ -26,8 +26,9 @@ export const MAX_MESSAGE_BYTES = 64 << 20;
 
 /**
  * Transport retries: UNAVAILABLE (and CANCELLED the caller did not ask for) is retried after
- * initialBackoffMs doubled per failure in a row, plus up to initialBackoffMs of random
- * jitter, capped at maxBackoffMs.
+ * initialBackoffMs doubled per failure in a row, capped at maxBackoffMs, with equal jitter
+ * (see backoffMs). A worker's registration and Work stream back off the same way, for as long
+ * as it runs.
  */
 export interface RetryConfig {
   /** 50 ms when absent. */
@@ -109,11 +110,48 @@ export function retryWithDefaults(r: RetryConfig = {}): Retry {
   return { initialBackoffMs, maxBackoffMs, maxElapsedMs };
 }
 
-/** How long to wait after `failures` earlier failures in a row: doubled per failure, plus up to initialBackoffMs of jitter, capped. */
+/**
+ * How long to wait after `failures` earlier failures in a row (0 for the first): the step,
+ * initialBackoffMs doubled per failure and capped at maxBackoffMs, with equal jitter: half the
+ * step fixed, the other half uniformly random. Clients that failed together spread out, and
+ * none retries sooner than half the step.
+ */
 export function backoffMs(r: Retry, failures: number): number {
-  const base = r.initialBackoffMs * 2 ** Math.min(failures, 30);
-  if (base >= r.maxBackoffMs) return r.maxBackoffMs;
-  return Math.min(base + Math.random() * r.initialBackoffMs, r.maxBackoffMs);
+  const step = Math.min(r.initialBackoffMs * 2 ** Math.min(failures, 30), r.maxBackoffMs);
+  return step / 2 + Math.random() * (step / 2);
+}
+
+/**
+ * A stream that delivered a message, or stayed open this long, was healthy: its end starts a
+ * new row of failures (the backoff from initialBackoffMs again; maxElapsedMs bounds a row).
+ */
+export const HEALTHY_STREAM_MS = 5000;
+
+/**
+ * A row of failed attempts at one thing (a registration, a Work stream): the delay before the
+ * next attempt (backoffMs), and one log line when the row starts and one when it ends, not one
+ * per attempt.
+ */
+export class FailureRow {
+  failures = 0;
+
+  constructor(private readonly retry: Retry, private readonly log: Logger, private readonly what: string) {}
+
+  /** Counts a failure; returns how long to wait before the next attempt (ms). */
+  failed(err: unknown, endpoint: Endpoint): number {
+    const delay = backoffMs(this.retry, this.failures);
+    const fields = { error: String(err), endpoint: endpoint.toString() };
+    if (this.failures === 0) this.log.warn(`cronoq: ${this.what} failed; retrying with backoff`, { ...fields, max_backoff_ms: this.retry.maxBackoffMs });
+    else this.log.debug(`cronoq: ${this.what} failed again`, { ...fields, after_ms: delay });
+    this.failures++;
+    return delay;
+  }
+
+  /** The attempt worked (a stream: it was healthy): the next failure starts a new row. */
+  succeeded(): void {
+    if (this.failures > 0) this.log.info(`cronoq: ${this.what} works again`, { failed_attempts: this.failures });
+    this.failures = 0;
+  }
 }
 
 /** Waits ms; resolves false at once when signal aborts first. */

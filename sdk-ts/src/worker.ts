@@ -30,7 +30,7 @@ import {
   UnknownError,
 } from "./errors.js";
 import { encodePayload } from "./payload.js";
-import { backoffMs, Connection, MAX_MESSAGE_BYTES, sleep, type ConnectionOptions } from "./transport.js";
+import { Connection, FailureRow, HEALTHY_STREAM_MS, MAX_MESSAGE_BYTES, sleep, type ConnectionOptions } from "./transport.js";
 import type { Endpoint } from "./endpoint.js";
 
 /**
@@ -217,6 +217,7 @@ export class Worker {
   private beatDue = false;
   private stopping = false;
   private closed = false; // the current stream's side is closed: nothing more can be reported
+  private streamAnswered = false; // the current stream delivered a message: it is healthy
   private processedCount = 0;
 
   constructor(opts: WorkerOptions, private readonly handler: Handler) {
@@ -303,7 +304,7 @@ export class Worker {
     const stopSignal = this.stopCtl.signal;
     const req = { name: this.name, pools: this.pools, concurrency: this.concurrency, labels: this.labels };
     let redirects = 0;
-    let unavailable = 0;
+    const row = new FailureRow(this.conn.retry, this.conn.log, "worker registration");
     let chain = [this.conn.endpoint.toString()]; // where it went, and where each server sent it
     for (;;) {
       let resp: RegisterWorkerResponse;
@@ -332,15 +333,12 @@ export class Worker {
             redirects = 0;
             chain = [this.conn.endpoint.toString()];
           }
-          unavailable++;
-          const r = this.conn.retry;
-          const delay = Math.min(r.initialBackoffMs * 2 ** Math.min(unavailable, 10), r.maxBackoffMs) * (0.5 + Math.random() / 2);
-          this.conn.log.debug("cronoq: register: retrying", { error: String(err), endpoint: this.conn.endpoint.toString(), after_ms: delay });
-          if (!(await sleep(delay, stopSignal))) return;
+          if (!(await sleep(row.failed(err, this.conn.endpoint), stopSignal))) return;
           continue;
         }
         throw err;
       }
+      row.succeeded();
       this.workerId = resp.workerId;
       this.heartbeatMs = Math.max(resp.heartbeatIntervalMs, 100);
       this.maxResultBytes = Math.min(Number(resp.maxResultBytes) || DEFAULT_MAX_RESULT_BYTES, MAX_REQUEST_BYTES);
@@ -396,34 +394,40 @@ export class Worker {
     }
   }
 
-  /** Opens Work streams one after the other until the worker is finished; a stream that fails is opened again. */
+  /**
+   * Opens Work streams one after the other until the worker is finished: a stream that fails is
+   * opened again (on the server an UNAVAILABLE names) after a backoff that grows with the
+   * failures in a row and starts over after a healthy stream (one that delivered a message or
+   * stayed open HEALTHY_STREAM_MS).
+   */
   private async workLoop(): Promise<void> {
     const calls = this.calls.signal;
-    const r = this.conn.retry;
-    let failures = 0; // in a row, of the kind that halves max_bytes
+    const row = new FailureRow(this.conn.retry, this.conn.log, "work stream");
     while (!this.finished()) {
-      const err = await this.workStream();
+      const opened = Date.now();
+      this.streamAnswered = false;
+      let err = await this.workStream();
       if (calls.aborted) return; // the graceful stop's time is up
-      if (err === undefined) { // the server ended it cleanly: do not reopen it in a tight loop
-        failures = 0;
-        if (!this.finished()) await sleep(r.initialBackoffMs * (1 + Math.random()), calls);
-      } else if (err instanceof NotFoundError) {
-        this.conn.log.warn("cronoq: worker unknown to the server; registering again", { worker_id: this.workerId });
-        await this.register();
+      if (this.streamAnswered || Date.now() - opened >= HEALTHY_STREAM_MS) row.succeeded();
+      if (this.finished()) return;
+      if (err === undefined) { // the server ended it cleanly: opened again, but not in a tight loop
+        err = new UnavailableError(Status.UNAVAILABLE, "the server ended the stream");
       } else if (err instanceof PermissionDeniedError || err instanceof UnauthenticatedError || err instanceof TlsError) {
         throw err; // no retry can help: run() fails with the reason
-      } else if (err instanceof UnavailableError || err instanceof CancelledError || err instanceof DeadlineExceededError ||
-          err instanceof InternalError || err instanceof UnknownError || !(err instanceof CronoqError)) {
-        if (err instanceof UnavailableError) this.conn.onUnavailable(err);
-        this.conn.log.warn("cronoq: work stream ended; opening it again", { error: String(err), endpoint: this.endpoint.toString() });
-        await sleep(r.initialBackoffMs * (1 + 3 * Math.random()), calls);
       } else if (err instanceof FailedPreconditionError && err.shardEndpoint) {
         throw err; // the pools moved to another shard
-      } else { // e.g. RESOURCE_EXHAUSTED, an answer over the receive limit: smaller answers
-        failures++;
+      } else if (err instanceof UnavailableError) {
+        this.conn.onUnavailable(err); // to the leader a standby names, or the next endpoint
+      } else if (!(err instanceof NotFoundError || err instanceof CancelledError || err instanceof DeadlineExceededError ||
+          err instanceof InternalError || err instanceof UnknownError || !(err instanceof CronoqError))) {
+        // e.g. RESOURCE_EXHAUSTED, an answer over the receive limit: smaller answers
         this.leaseBytes = Math.max(Math.floor(this.leaseBytes / 2), MIN_LEASE_BYTES);
         this.conn.log.error("cronoq: work stream failed; opening it again with a smaller max_bytes", { error: String(err) });
-        await sleep(backoffMs(r, failures), calls);
+      }
+      await sleep(row.failed(err, this.endpoint), calls);
+      if (err instanceof NotFoundError) {
+        this.conn.log.warn("cronoq: worker unknown to the server; registering again", { worker_id: this.workerId });
+        await this.register();
       }
     }
   }
@@ -445,7 +449,10 @@ export class Worker {
     const ended = new Promise<Error | undefined>((resolve) => {
       let readEnded = false;
       let cleanStatus = false;
-      call.on("data", (answer: WorkResponse) => this.answered(answer));
+      call.on("data", (answer: WorkResponse) => {
+        this.streamAnswered = true;
+        this.answered(answer);
+      });
       call.on("error", (err: unknown) => resolve(fromGrpcError(err)));
       call.on("end", () => {
         readEnded = true;

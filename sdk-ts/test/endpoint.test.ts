@@ -33,14 +33,13 @@ test("checkRedirect: never https to http; a token over plain http only to loopba
   checkRedirect(https, Endpoint.parse("https://b:2"), true, false);
 });
 
-test("backoff doubles, adds at most the initial backoff of jitter, and is capped", () => {
-  const r = retryWithDefaults({ initialBackoffMs: 10, maxBackoffMs: 100 });
-  for (let i = 0; i < 50; i++) {
-    const first = backoffMs(r, 0);
-    assert.ok(first >= 10 && first <= 20, String(first));
-    const third = backoffMs(r, 2);
-    assert.ok(third >= 40 && third <= 50, String(third));
-    assert.equal(backoffMs(r, 10), 100);
+test("backoff doubles to the cap with equal jitter: half the step fixed, half random", () => {
+  const r = retryWithDefaults({ initialBackoffMs: 100, maxBackoffMs: 2000 });
+  for (const [failures, step] of [[0, 100], [1, 200], [3, 800], [4, 1600], [5, 2000], [40, 2000]]) {
+    const delays = Array.from({ length: 200 }, () => backoffMs(r, failures));
+    const [lo, hi] = [Math.min(...delays), Math.max(...delays)];
+    assert.ok(lo >= step / 2 && hi <= step, `backoffMs(${failures}) in [${lo}, ${hi}], want [${step / 2}, ${step}]`);
+    assert.ok(hi - lo > step / 4, `backoffMs(${failures}) in [${lo}, ${hi}]: not jittered`);
   }
   assert.equal(retryWithDefaults({}).maxElapsedMs, 30_000);
   assert.equal(retryWithDefaults({ maxElapsedMs: -1 }).maxElapsedMs, -1);

@@ -56,6 +56,8 @@ interface FakeOptions {
   redirectTo?: () => string;
   /** The first stream fails with UNAVAILABLE on the first outcomes, without answering them. */
   failFirstStream?: boolean;
+  /** Every stream is answered UNAVAILABLE on its first message. */
+  refuseStreams?: boolean;
 }
 
 /** A server that registers workers (or redirects them), hands out its tasks as credits allow, and records outcomes. */
@@ -94,6 +96,10 @@ class FakeShard {
         const stream = ++this.streams;
         let credits = 0;
         call.on("data", (req: WorkRequest) => {
+          if (opts.refuseStreams) {
+            call.emit("error", { code: Status.UNAVAILABLE, details: "going away" });
+            return;
+          }
           credits += req.credits;
           if (opts.failFirstStream && stream === 1 && req.outcomes.length > 0) {
             this.outcomes.push(...req.outcomes);
@@ -207,6 +213,24 @@ test("outcomes a failed stream did not answer are sent again on the next stream"
   shard.stop();
   assert.ok(shard.streams >= 2, `streams: ${shard.streams}`);
   assert.deepEqual(shard.outcomes.map((o) => o.taskId), [7n, 7n]);
+});
+
+// Timing-sensitive (generous margins): 10 ms doubling to 400 ms with equal jitter waits at
+// least 5, 10, 20, 40, 80, 160, 200, 200 ms: at most 10 streams in 1 s.
+test("a stream answered UNAVAILABLE every time is opened again with backoff, with one warning", async () => {
+  const shard = await new FakeShard({ refuseStreams: true }).start();
+  const warnings: string[] = [];
+  const logger = { ...silent, warn: (message: string) => warnings.push(message) };
+  const retry = { initialBackoffMs: 10, maxBackoffMs: 400, maxElapsedMs: -1 };
+  const worker = tracked(new Worker({ endpoint: shard.url, pools: ["default"], logger, retry }, () => "ok"));
+  const run = worker.run();
+  await new Promise((r) => setTimeout(r, 1000));
+  const opened = shard.streams;
+  worker.stop();
+  await run;
+  shard.stop();
+  assert.ok(opened >= 4 && opened <= 10, `${opened} streams in 1 s`);
+  assert.deepEqual(warnings, ["cronoq: work stream failed; retrying with backoff"]);
 });
 
 test("a cancellation named by a heartbeat aborts the handler and reports the task cancelled", async () => {

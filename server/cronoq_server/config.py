@@ -239,6 +239,8 @@ class ServerConfig(_Strict):
     worker_reap_after: Window = 600.0
     # The longest this server waits for another shard's answer to a call it forwards.
     forward_timeout: ForwardTimeout = 30.0
+    # "json": one JSON object per log line, for log shippers (the --log-format flag overrides it).
+    log_format: Literal["text", "json"] = "text"
 
 
 class StoreConfig(_Strict):
@@ -249,6 +251,8 @@ class StoreConfig(_Strict):
     schema_: str | None = Field(default=None, alias="schema", min_length=1)
     # SQLite: FULL makes each acknowledged write survive power loss, not only a crash.
     synchronous: Literal["full", "normal"] = "full"
+    # PostgreSQL: the most connections the leader's pool opens (besides its leadership connection).
+    pool_size: int = Field(default=8, ge=1, le=1000)
 
 
 class PoolConfig(_Strict):

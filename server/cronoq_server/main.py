@@ -22,7 +22,9 @@ from .api.http import start_http
 from .api.listen import ListenError
 from .api.tls import check_tls_files, describe
 from .auth import MAX_TOKEN_CHARS
+from .backup import run_backup
 from .config import Config, ConfigError, load_config
+from .logformat import setup_logging
 from .node import Node
 from .router import ShardRouter
 from .store.base import StoreRefused
@@ -176,6 +178,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML config file (see docs/configuration.md)")
     parser.add_argument("--shard", metavar="NAME", help="the shard to serve; required with [[shards]]")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="text lines, or one JSON object per line (time, level, logger, message, shard, exception); "
+        "overrides server.log_format",
+    )
     parser.add_argument("--version", action="version", version=f"cronoq-server {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.add_parser(
@@ -185,19 +193,39 @@ def main(argv: list[str] | None = None) -> None:
         "in hex: the value of a [[tokens]] entry's sha256, or of the variable its env names. The server "
         'keeps only this digest. Example: printf %s "$TOKEN" | cronoq-server hash-token',
     )
+    backup = commands.add_parser(
+        "backup",
+        help="copy the SQLite store of --config (and --shard) to a file, while the server runs",
+        description="A consistent copy of a live SQLite store (SQLite's online backup API: the store as of "
+        "one commit; the leader goes on writing). To restore, stop the servers of the shard and put the copy "
+        "in the store's place. PostgreSQL: use pg_dump (docs/operations.md).",
+    )
+    # Also after the command; SUPPRESS keeps a value given before it.
+    backup.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="the server's config file")
+    backup.add_argument(
+        "--shard", metavar="NAME", default=argparse.SUPPRESS, help="the shard; required with [[shards]]"
+    )
+    backup.add_argument("--to", metavar="PATH", required=True, help="the file to write")
+    backup.add_argument("--force", action="store_true", help="replace --to if it exists")
     args = parser.parse_args(argv)
     if args.command == "hash-token":
         sys.exit(hash_token(sys.stdin))
-    logging.basicConfig(
-        level=args.log_level,
-        format=f"%(asctime)s %(levelname)s [shard={args.shard or 'unsharded'}] %(name)s: %(message)s",
-    )
+    if args.command == "backup":
+        try:
+            config = load_config(args.config)
+        except ConfigError as err:
+            print(f"cronoq-server backup: {err}", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(run_backup(config, args.config or "<defaults>", args.shard, args.to, args.force))
+    setup_logging(args.log_level, args.log_format or "text", args.shard)
     try:
         config = load_config(args.config)
         check_startup(config, args.config or "<defaults>", args.shard)
     except ConfigError as err:
         print(f"cronoq-server: {err}", file=sys.stderr)
         sys.exit(2)
+    if args.log_format is None and config.server.log_format != "text":
+        setup_logging(args.log_level, config.server.log_format, args.shard)
     try:
         import uvloop
     except ImportError:

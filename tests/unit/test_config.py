@@ -307,3 +307,18 @@ def test_forward_timeout_is_a_duration_within_its_range() -> None:
     for value, problem in (("1h", "from 100ms to 10m"), ("10ms", "from 100ms to 10m")):
         message = refusal({"server": {"forward_timeout": value}})
         assert "server.forward_timeout" in message and problem in message, message
+
+
+def test_store_pool_size_is_a_count_within_its_range() -> None:
+    assert parse_config({}).store.pool_size == 8
+    assert parse_config({"store": {"pool_size": 32}}).store.pool_size == 32
+    for value, problem in ((0, "greater than or equal to 1"), (1001, "less than or equal to 1000"), ("8", "integer")):
+        message = refusal({"store": {"pool_size": value}})
+        assert "store.pool_size" in message and problem in message, message
+
+
+def test_log_format_is_text_or_json() -> None:
+    assert parse_config({}).server.log_format == "text"
+    assert parse_config({"server": {"log_format": "json"}}).server.log_format == "json"
+    message = refusal({"server": {"log_format": "logfmt"}})
+    assert "server.log_format" in message and "'text' or 'json'" in message and "'logfmt'" in message, message

@@ -1,30 +1,45 @@
 """Packaging: the server uses cronoq-api (proto/python: the generated cronoq.v1 and
 cronoq.jsonform) and never the SDK. `cronoq` is a namespace shared by cronoq-api and the
 SDK; importing the generated code must not load the SDK's client, worker or tenacity,
-whichever of them is installed, editable or not."""
+whichever of them is installed, editable or not. And the three wheels are what a user
+installs: Apache-2.0 with its text, classifiers, project URLs, a readme and py.typed each;
+installed into a fresh virtualenv outside the repository, `cronoq-server` and `cronoq` run."""
 
 from __future__ import annotations
 
+import email.message
+import email.parser
+import email.policy
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
+import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import sysconfig
 import textwrap
+import time
 import tomllib
+import urllib.error
+import urllib.request
 import zipfile
 from pathlib import Path
 
 import pytest
+from ports import free_port  # type: ignore[import-not-found]
 from preconditions import missing  # type: ignore[import-not-found]
 
 REPO = Path(__file__).resolve().parents[2]
 API_DIR = REPO / "proto" / "python"
 SDK_DIR = REPO / "sdk-python"
 SERVER_DIR = REPO / "server"
+LICENSE = REPO / "LICENSE"
+# The repository's address, as the Go module path (github.com/cronoq/cronoq/sdk-go) names it.
+HOME = "https://github.com/cronoq/cronoq"
 SITE_DIRS = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
 
 # The SDK's modules, any of which means the SDK was loaded.
@@ -93,6 +108,11 @@ def _python(code: str, path: list[Path] | None = None) -> None:
 
 def _requirement_names(requirements: list[str]) -> set[str]:
     return {re.split(r"[\s;<>=!~\[(@]", r.strip(), maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
+
+
+def _version(project: Path) -> str:
+    with open(project / "pyproject.toml", "rb") as f:
+        return str(tomllib.load(f)["project"]["version"])
 
 
 def _pyproject_dependencies(project: Path) -> set[str]:
@@ -203,7 +223,7 @@ def _unpack(wheels: list[Path], target: Path) -> Path:
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("wheels")  # setuptools: in the test session's dependencies
-    return {"api": _wheel(API_DIR, tmp), "sdk": _wheel(SDK_DIR, tmp)}
+    return {"api": _wheel(API_DIR, tmp), "sdk": _wheel(SDK_DIR, tmp), "server": _wheel(SERVER_DIR, tmp)}
 
 
 def test_wheels_share_cronoq_without_overlapping(wheels: dict[str, Path]) -> None:
@@ -230,3 +250,214 @@ def test_installed_wheel_api_without_sdk_is_a_namespace(wheels: dict[str, Path],
         _not_here("the SDK is installed (not editable) in site-packages")
     target = _unpack([wheels["api"]], tmp_path / "site")
     _python(SERVER_SIDE + NAMESPACE_ONLY, [target, SERVER_DIR])
+
+
+# -- the wheels' metadata and files ----------------------------------------------------
+
+DISTRIBUTIONS = {"api": ("cronoq-api", API_DIR), "sdk": ("cronoq", SDK_DIR), "server": ("cronoq-server", SERVER_DIR)}
+
+
+def _wheel_file(wheel: Path, suffix: str) -> bytes:
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist() if n.endswith(suffix)]
+        assert len(names) == 1, f"{wheel.name}: {len(names)} files end with {suffix!r}: {names}"
+        return zf.read(names[0])
+
+
+def _metadata(wheel: Path) -> email.message.Message:
+    return email.parser.Parser(policy=email.policy.compat32).parsestr(
+        _wheel_file(wheel, ".dist-info/METADATA").decode()
+    )
+
+
+def test_license_is_apache_2() -> None:
+    text = LICENSE.read_text()
+    assert text.lstrip().startswith("Apache License\n                           Version 2.0, January 2004")
+    assert "END OF TERMS AND CONDITIONS" in text
+    # Each distribution's folder links to it: license-files may not reach outside the folder.
+    for _, project in DISTRIBUTIONS.values():
+        assert (project / "LICENSE").read_bytes() == LICENSE.read_bytes(), project / "LICENSE"
+
+
+@pytest.mark.parametrize("which", sorted(DISTRIBUTIONS))
+def test_wheel_metadata(wheels: dict[str, Path], which: str) -> None:
+    name, project = DISTRIBUTIONS[which]
+    meta = _metadata(wheels[which])
+    assert meta["Name"] == name
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert meta.get_all("License-File") == ["LICENSE"]
+    classifiers = meta.get_all("Classifier") or []
+    assert {"Typing :: Typed", "Programming Language :: Python :: 3.11", "Development Status :: 3 - Alpha"} <= set(
+        classifiers
+    ), classifiers
+    assert not [c for c in classifiers if c.startswith("License ::")], "the license is the SPDX expression alone"
+    urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL") or [])
+    assert set(urls) == {"Homepage", "Documentation", "Source", "Issues"}, urls
+    assert all(u.startswith(HOME) for u in urls.values()), urls
+    assert meta["Requires-Python"] == ">=3.11"
+    assert meta["Description-Content-Type"] == "text/markdown"
+    readme = (project / "README.md").read_text()
+    assert str(meta.get_payload()).strip() == readme.strip()
+    assert readme.startswith(f"# {name}") or (which == "sdk" and readme.startswith("# cronoq Python SDK"))
+
+
+@pytest.mark.parametrize("which", sorted(DISTRIBUTIONS))
+def test_wheel_carries_the_license(wheels: dict[str, Path], which: str) -> None:
+    assert _wheel_file(wheels[which], ".dist-info/licenses/LICENSE") == LICENSE.read_bytes()
+
+
+def test_wheels_are_typed(wheels: dict[str, Path]) -> None:
+    """py.typed marks each typed package: cronoq (shared by cronoq-api and the SDK, which
+    depends on it; one owner per installed file) and cronoq_server."""
+
+    def names(which: str) -> set[str]:
+        with zipfile.ZipFile(wheels[which]) as zf:
+            return set(zf.namelist())
+
+    assert "cronoq/py.typed" in names("api")
+    assert "cronoq_server/py.typed" in names("server")
+    assert "cronoq/py.typed" not in names("sdk")
+    assert (SDK_DIR / "cronoq" / "py.typed").exists()  # for editable installs of the SDK alone
+    assert _requirement_names(_metadata(wheels["sdk"]).get_all("Requires-Dist") or []) >= {"cronoq-api"}
+
+
+def test_readmes_live_in_their_distributions() -> None:
+    """setuptools reads `readme` from the project's folder only (a path outside is refused)."""
+    for _, project in DISTRIBUTIONS.values():
+        with open(project / "pyproject.toml", "rb") as f:
+            assert tomllib.load(f)["project"]["readme"] == "README.md", project
+
+
+# -- the wheels installed as a user installs them ---------------------------------------
+
+
+def _uv() -> str:
+    """uv (./dev installs it into .venv-dev): a fresh virtualenv and the wheels' dependencies
+    from the package index, quickly (its cache)."""
+    dev = REPO / ".venv-dev" / "bin" / "uv"
+    found = shutil.which("uv") or (str(dev) if dev.exists() else None)
+    if found is None:
+        _not_here("uv not found (./dev installs it into .venv-dev)")
+    return str(found)
+
+
+def _outside_env() -> dict[str, str]:
+    """This environment without what would point a process at the repository or this virtualenv."""
+    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"}}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if not p.startswith(sys.prefix))
+    return env
+
+
+@pytest.fixture(scope="module")
+def user_venv(wheels: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh virtualenv outside the repository with the three wheels (and their dependencies)."""
+    uv = _uv()
+    venv = tmp_path_factory.mktemp("user") / "venv"
+    for cmd in (
+        [uv, "venv", "--quiet", "--python", sys.executable, str(venv)],
+        # --compile-bytecode: the commands below start without compiling (PYTHONDONTWRITEBYTECODE in the tests)
+        [
+            uv,
+            "pip",
+            "install",
+            "--quiet",
+            "--compile-bytecode",
+            "--python",
+            str(venv / "bin" / "python"),
+            *map(str, wheels.values()),
+            "trove-classifiers",  # PyPI's list of classifiers, for test_classifiers_are_pypis
+        ],
+    ):
+        proc = subprocess.run(cmd, cwd=venv.parent, env=_outside_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return venv
+
+
+def _run(venv: Path, *cmd: str, stdin: str | None = None) -> str:
+    proc = subprocess.run(
+        [str(venv / "bin" / cmd[0]), *cmd[1:]],
+        input=stdin,
+        cwd=venv.parent,
+        env=_outside_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, f"{' '.join(cmd)}: exit {proc.returncode}\n{proc.stdout}{proc.stderr}"
+    return proc.stdout
+
+
+def test_installed_commands_run_outside_the_repository(user_venv: Path) -> None:
+    assert "hash-token" in _run(user_venv, "cronoq-server", "--help")
+    assert _run(user_venv, "cronoq-server", "--version").strip() == f"cronoq-server {_version(SERVER_DIR)}"
+    digest = _run(user_venv, "cronoq-server", "hash-token", stdin="s3cret")
+    assert digest == hashlib.sha256(b"s3cret").hexdigest() + "\n"
+    help_text = _run(user_venv, "cronoq", "--help")
+    for command in ("submit", "get", "wait", "cancel", "tasks", "watch", "workers", "schedules", "snapshot"):
+        assert command in help_text, help_text
+    assert _run(user_venv, "cronoq", "--version").strip() == f"cronoq {_version(SDK_DIR)}"
+
+
+def test_installed_packages_are_the_wheels_typed_and_licensed(user_venv: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import importlib.metadata, json, pathlib
+        import cronoq, cronoq.v1, cronoq_server
+        out = {
+            "files": [cronoq.__file__, cronoq.v1.__file__, cronoq_server.__file__],
+            "typed": [str(pathlib.Path(p.__file__).parent / "py.typed") for p in (cronoq, cronoq_server)],
+            "licenses": {d: importlib.metadata.metadata(d)["License-Expression"] for d in ("cronoq", "cronoq-api", "cronoq-server")},
+        }
+        print(json.dumps(out))
+        """
+    )
+    out = json.loads(_run(user_venv, "python", "-c", code))
+    for path in out["files"] + out["typed"]:
+        assert Path(path).is_relative_to(user_venv) and Path(path).exists(), path
+    assert out["licenses"] == dict.fromkeys(("cronoq", "cronoq-api", "cronoq-server"), "Apache-2.0")
+
+
+def test_installed_server_and_cli_work_together(user_venv: Path, tmp_path: Path) -> None:
+    """The main README's commands, from the fresh virtualenv: a server started with --config,
+    then the CLI against it."""
+    grpc_port, http_port = free_port(), free_port()
+    config = tmp_path / "cronoq.toml"
+    config.write_text(
+        f'[server]\nlisten = "127.0.0.1:{grpc_port}"\nhttp_listen = "127.0.0.1:{http_port}"\n'
+        f'[store]\npath = "{tmp_path / "cronoq.db"}"\n[[pools]]\nname = "default"\n'
+    )
+    log = open(tmp_path / "server.log", "wb")
+    server = subprocess.Popen(
+        [str(user_venv / "bin" / "cronoq-server"), "--config", str(config)],
+        cwd=tmp_path, env=_outside_env(), stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/readyz", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+            time.sleep(0.1)
+        endpoint = ["--endpoint", f"http://127.0.0.1:{grpc_port}"]
+        submit = ["submit", "--pool", "default", "--payload-json", '{"n": 1}', "--key", "job-1"]
+        _run(user_venv, "cronoq", *submit, *endpoint)
+        assert '"key": "job-1"' in _run(user_venv, "cronoq", "get", "job-1", "--json", *endpoint)
+        assert "default" in _run(user_venv, "cronoq", "snapshot", *endpoint)
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/ui/", timeout=5) as r:  # the dashboard's files
+            assert r.status == 200
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()
+
+
+def test_classifiers_are_pypis(wheels: dict[str, Path], user_venv: Path) -> None:
+    """PyPI refuses an upload with a classifier it does not know."""
+    ours = sorted({c for w in wheels.values() for c in _metadata(w).get_all("Classifier") or []})
+    code = f"from trove_classifiers import classifiers; print([c for c in {ours!r} if c not in classifiers])"
+    assert _run(user_venv, "python", "-c", code).strip() == "[]"

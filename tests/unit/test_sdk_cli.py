@@ -191,3 +191,18 @@ def test_ctrl_c_and_a_closed_pipe_end_without_a_traceback(
     with pytest.raises(SystemExit) as exit_:
         cli.main(["watch"])
     assert exit_.value.code == code and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("flag", ["--payload-json", "--json-payload"])
+def test_submit_with_bad_payload_json_names_the_flag_and_the_value(flag: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["submit", "--pool", "p", flag, "{n: 1}"])
+    message = str(exit_.value.code)
+    assert message.startswith("cronoq submit: --payload-json '{n: 1}' is not valid JSON: "), message
+    assert "property name enclosed in double quotes" in message  # the value's problem, as json says it
+    assert "--json " not in message
+
+
+def test_schedules_put_with_bad_payload_json_names_the_value() -> None:
+    with pytest.raises(SystemExit, match=r"^cronoq schedules put: --payload-json '\[1,' is not valid JSON: "):
+        cli.main(["schedules", "put", "p", "n", "--cron", "* * * * *", "--payload-json", "[1,"])

@@ -4,8 +4,12 @@ server closed after the handshake."""
 
 from __future__ import annotations
 
+import os
+import re
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -178,3 +182,30 @@ def test_probe_explains_a_refused_client_certificate(pki: Pki, tls_server: int, 
     assert reason is not None and reason.startswith("the server refused the client certificate")
     reason = probe_tls(endpoint, TlsFiles(cronoq.TlsConfig(Pki(tmp_path, "x").ca_path, good.cert, good.key)))
     assert reason is not None and reason.startswith("certificate verify failed: unknown CA")
+
+
+# A line of grpc core's own log ("I1201 22:08:12.907486   10256 ssl_transport_security.cc:2563] ...").
+GRPC_LOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ", re.MULTILINE)
+
+
+def cli_stderr(endpoint: str, **env: str) -> str:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("CRONOQ_", "GRPC_"))}
+    out = subprocess.run(
+        [sys.executable, "-m", "cronoq.cli", "get", "1", "--endpoint", endpoint],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**clean, **env},
+    )
+    assert out.returncode == 1, out.stderr
+    return out.stderr
+
+
+def test_cli_keeps_grpc_core_quiet_unless_asked(tls_server: int) -> None:
+    endpoint = f"https://127.0.0.1:{tls_server}"  # a certificate of a CA the CLI does not trust
+    quiet = cli_stderr(endpoint)
+    assert not GRPC_LOG_LINE.search(quiet), quiet
+    assert quiet.startswith(f"cronoq get: {endpoint}: TLS handshake failed: certificate verify failed: unknown CA")
+    assert len(quiet.splitlines()) == 1
+    asked = cli_stderr(endpoint, GRPC_VERBOSITY="INFO")  # the user's own setting wins
+    assert GRPC_LOG_LINE.search(asked) and "Handshake failed" in asked, asked

@@ -17,7 +17,8 @@ import pytest
 
 import cronoq
 from cronoq import worker as worker_mod
-from cronoq.v1 import task_pb2
+from cronoq._transport import Backoff, backoff_delay
+from cronoq.v1 import task_pb2, worker_service_pb2_grpc
 from cronoq.v1 import worker_service_pb2 as pb
 
 MiB = 1 << 20
@@ -412,6 +413,120 @@ async def test_a_shard_redirect_on_the_stream_still_ends_run():
     worker = make_worker(fake, echo)
     with pytest.raises(cronoq.errors.FailedPrecondition, match="pool moved"):
         await asyncio.wait_for(worker.run(), 10)
+
+
+# -- backoff ------------------------------------------------------------------------
+
+
+def opening_times(fake: FakeWorkerService) -> list[float]:
+    """Records when each Work stream is opened (the loop's clock)."""
+    opened: list[float] = []
+    work = fake.Work
+
+    def timed(metadata: Any = None, timeout: Any = None) -> FakeStream:
+        opened.append(asyncio.get_running_loop().time())
+        return work(metadata, timeout)
+
+    fake.Work = timed  # type: ignore[method-assign]
+    return opened
+
+
+async def test_a_stream_answered_unavailable_every_time_is_opened_again_with_backoff_and_one_warning(caplog):
+    # Timing-sensitive (generous margins): 10 ms doubling to 400 ms, equal jitter: the delays
+    # are at least 5, 10, 20, 40, 80, 160, 200, 200 ms: at most 10 streams in 1 s.
+    caplog.set_level(logging.DEBUG, "cronoq.worker")
+    fake = FakeWorkerService()
+    fake.script = [rpc_error(grpc.StatusCode.UNAVAILABLE, "going away")] * 1000
+    retry = cronoq.RetryConfig(initial_backoff=0.01, max_backoff=0.4, max_elapsed=None)
+    worker = make_worker(fake, echo, retry=retry)
+    running = asyncio.create_task(worker.run())
+    await asyncio.sleep(1.0)
+    assert not running.done(), running
+    opened = len(fake.streams)
+    await stop(worker, running)
+    assert 4 <= opened <= 10, f"{opened} streams in 1 s"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "work stream failed" in warnings[0] and "going away" in warnings[0], warnings
+
+
+async def test_a_healthy_stream_starts_the_backoff_over():
+    # Timing-sensitive: without the reset the 8th stream waits at least 320 ms; with it, 5-10 ms.
+    fake = FakeWorkerService()
+    unavailable = rpc_error(grpc.StatusCode.UNAVAILABLE, "going away")
+    fake.script = [unavailable] * 6 + [[task(1)], unavailable]  # the 7th delivers a task: healthy
+    opened = opening_times(fake)
+    ended: list[float] = []
+    retry = cronoq.RetryConfig(initial_backoff=0.01, max_backoff=5.0, max_elapsed=None)
+    worker = make_worker(fake, echo, retry=retry)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: len(fake.streams) >= 7 and fake.streams[6].ended is not None, running=running)
+    ended.append(asyncio.get_running_loop().time())
+    await until(lambda: fake.accepted[1] == 1, what="the task's outcome on the 8th stream", running=running)
+    await stop(worker, running)
+    assert opened[6] - opened[5] >= 0.16  # the 7th waited for its place in the row: 320 ms, equal jitter
+    assert opened[7] - ended[0] < 0.2, opened
+
+
+def test_backoff_doubles_to_the_cap_with_equal_jitter():
+    retry = cronoq.RetryConfig(initial_backoff=0.1, max_backoff=2.0)
+    for failures, step in [(0, 0.1), (1, 0.2), (3, 0.8), (4, 1.6), (5, 2.0), (40, 2.0)]:
+        delays = [backoff_delay(retry, failures) for _ in range(200)]
+        assert all(step / 2 <= d <= step for d in delays), (failures, min(delays), max(delays))
+        assert max(delays) - min(delays) > step / 4  # jittered, at the cap too
+
+
+def test_backoff_logs_a_row_of_failures_once(caplog):
+    caplog.set_level(logging.DEBUG, "cronoq")
+    backoff = Backoff(cronoq.RetryConfig(initial_backoff=0.1, max_backoff=2.0), "work stream")
+    delays = [backoff.failed(RuntimeError("down")) for _ in range(6)]
+    assert delays[-1] >= 1.0 and backoff.failures == 6
+    backoff.succeeded()
+    assert backoff.failures == 0 and backoff.failed(RuntimeError("down")) <= 0.1
+    levels = [(r.levelno, r.getMessage().split(" (")[0]) for r in caplog.records if r.levelno > logging.DEBUG]
+    assert levels == [
+        (logging.WARNING, "work stream failed"),
+        (logging.INFO, "work stream works again after 6 failed attempt(s)"),
+        (logging.WARNING, "work stream failed"),
+    ]
+
+
+# -- shard redirects ----------------------------------------------------------------
+
+
+class Redirecting(worker_service_pb2_grpc.WorkerServiceServicer):
+    """A server whose RegisterWorker sends every worker to the shard endpoint `to`."""
+
+    def __init__(self, to: str):
+        self.to = to
+        self.calls = 0
+
+    async def RegisterWorker(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.calls += 1
+        trailers = (("cronoq-shard", "gpu"), ("cronoq-shard-endpoint", self.to))
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION, "pool default is on shard gpu", trailing_metadata=trailers
+        )
+
+
+async def test_a_worker_follows_three_redirects_in_a_row_and_refuses_the_fourth():
+    # e <- d <- c <- b <- a: a worker given a is sent to b, c, d, and refused at d.
+    servers, chain, url = [], [], "http://127.0.0.1:1"  # e: never reached
+    try:
+        for _ in range(4):
+            servicer = Redirecting(url)
+            server = grpc.aio.server()
+            worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+            url = f"http://127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+            await server.start()
+            servers.append(server)
+            chain.insert(0, servicer)
+        worker = cronoq.Worker(url, "default", echo, retry=FAST)
+        with pytest.raises(cronoq.errors.TooManyRedirects, match="more than 3 times in a row"):
+            await asyncio.wait_for(worker.run(), 5)  # without the limit: back to a (e is down), forever
+        assert [s.calls for s in chain] == [1, 1, 1, 1]
+    finally:
+        for server in servers:
+            await server.stop(None)
 
 
 # -- results and outcomes -----------------------------------------------------------

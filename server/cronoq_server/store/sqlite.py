@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import re
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -168,6 +169,10 @@ MIGRATIONS: dict[int, str] = {
     ALTER TABLE events ADD COLUMN cancel_requested INTEGER;
     """,
 }
+
+# Release 0.1.0 wrote its own schema version (5) whenever it opened a store, also one a newer
+# server had migrated: a migration may find its columns already added.
+_ADD_COLUMN = re.compile(r"^\s*ALTER TABLE (\w+) ADD COLUMN (\w+)", re.IGNORECASE)
 
 _INSERT_EVENT = f"INSERT INTO events ({EVENT_COLUMNS}) VALUES ({', '.join('?' * 13)})"
 _RECORD_EVENT = (
@@ -331,7 +336,7 @@ class SqliteStore:
         for v in sorted(MIGRATIONS):
             if v > version:
                 for statement in MIGRATIONS[v].split(";"):
-                    if statement.strip():
+                    if statement.strip() and not _column_exists(db, statement):
                         db.execute(statement)
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(v),))
         db.execute("INSERT OR IGNORE INTO meta VALUES ('shard_name', ?)", (self.settings.shard_name,))
@@ -928,3 +933,9 @@ class SqliteStore:
             out += subs
             changes += created
         return out, changes
+
+
+def _column_exists(db: sqlite3.Connection, statement: str) -> bool:
+    """Whether statement adds a column its table already has (see _ADD_COLUMN)."""
+    add = _ADD_COLUMN.match(statement)
+    return add is not None and any(row[1] == add.group(2) for row in db.execute(f"PRAGMA table_info({add.group(1)})"))
