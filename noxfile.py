@@ -1,4 +1,4 @@
-"""Every job of the repository is a nox session: demo, tests, conformance, proto, lint, bench.
+"""Every job of the repository is a nox session: demo, tests, conformance, proto, lint, release, bench.
 
 Run them through ./dev (which installs nox itself), e.g. `./dev demo`, `./dev tests`.
 """
@@ -261,6 +261,21 @@ def demo(session: nox.Session) -> None:
     # the demo stops its servers and workers (nox's default is a SIGKILL after 0.2 s).
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     session.run("python", "examples/demo.py", *session.posargs, terminate_timeout=90)
+
+
+@nox.session
+def release(session: nox.Session) -> None:
+    """`-- --dry-run [--only STEPS] [--keep]`: builds every artifact into dist/ and proves each
+    installs and runs outside the repository (release/dry_run.py); `-- --set-version X.Y.Z`:
+    writes one version into VERSION and every package (release/versions.py). Publishing is by
+    hand (release/README.md)."""
+    args = session.posargs
+    if args[:1] == ["--dry-run"]:
+        session.run("python", "release/dry_run.py", *args[1:], env={"PYTHONDONTWRITEBYTECODE": "1"})
+    elif args[:1] == ["--set-version"] and len(args) == 2:
+        session.run("python", "release/versions.py", "--set", args[1])
+    else:
+        session.error("usage: ./dev release --dry-run [--only python,npm,rust,go] [--keep] | --set-version X.Y.Z")
 
 
 @nox.session
