@@ -230,7 +230,9 @@ def step_npm(ctx: Context, stack: list[Callable[[], None]]) -> None:
 def step_rust(ctx: Context, stack: list[Callable[[], None]]) -> None:
     sdk = ROOT / "sdk-rust"
     crate = rust_crate_name()
-    manifest = tomllib.loads((sdk / "Cargo.toml").read_text())["package"]
+    cargo = tomllib.loads((sdk / "Cargo.toml").read_text())
+    manifest = cargo["package"]
+    lib = cargo.get("lib", {}).get("name", crate.replace("-", "_"))  # the name the example's `use` lines say
     # The scratch build below is the verification (from the packaged files alone): not twice.
     run(["cargo", "package", "--locked", "--allow-dirty", "--no-verify"], sdk)
     packaged = sdk / "target" / "package" / f"{crate}-{ctx.version}.crate"
@@ -252,7 +254,7 @@ def step_rust(ctx: Context, stack: list[Callable[[], None]]) -> None:
         f'edition = "{manifest["edition"]}"\n'
         "publish = false\n\n"
         "[dependencies]\n"
-        f'cronoq = {{ package = "{crate}", path = "{unpacked / f"{crate}-{ctx.version}"}" }}\n'
+        f'{lib} = {{ package = "{crate}", path = "{unpacked / f"{crate}-{ctx.version}"}" }}\n'
         'tokio = { version = "1", features = ["macros", "rt-multi-thread", "signal"] }\n'
         'serde = { version = "1", features = ["derive"] }\n'
         'serde_json = "1"\n'
