@@ -1,4 +1,5 @@
-"""Every job of the repository is a nox session: demo, tests, conformance, mutants, proto, lint, bench.
+"""Every job of the repository is a nox session: demo, tests, conformance, mutants, proto, lint, release,
+bench.
 
 Run them through ./dev (which installs nox itself), e.g. `./dev demo`, `./dev tests`.
 """
@@ -10,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import tempfile
 from pathlib import Path
 
@@ -20,6 +22,9 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests"]
 
 ROOT = Path(__file__).parent
+sys.path.insert(0, str(ROOT / "release"))
+from versions import contract_baseline  # noqa: E402  # the last release's protos, for buf breaking
+
 PROTO_FILES = sorted(str(p.relative_to(ROOT / "proto")) for p in (ROOT / "proto").rglob("*.proto"))
 # The distribution cronoq-api (proto/python): the generated cronoq.v1 and cronoq.jsonform,
 # shared by the server and the SDK; `cronoq` is a namespace the SDK's __init__ joins.
@@ -79,6 +84,11 @@ def _buf(session: nox.Session, *args: str) -> None:
     session.run(str(ROOT / "node_modules" / ".bin" / "buf"), *args, external=True)
 
 
+def _buf_breaking(session: nox.Session) -> None:
+    """buf breaking (buf.yaml's FILE rules) against the last release's protos: the contract only grows."""
+    _buf(session, "breaking", "--against", str(contract_baseline()))
+
+
 def _generate_go(session: nox.Session, out: Path) -> None:
     """The Go SDK's generated code into out (as sdk-go/gen/cronoq/v1 holds it)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,10 +137,12 @@ def _tree_diff(left: Path, right: Path) -> list[str]:
 
 @nox.session
 def proto(session: nox.Session) -> None:
-    """Lints the protos (buf), regenerates the committed Python, Go and TypeScript code and copies the
-    Rust crate's protos (clean: stale files go)."""
+    """Lints the protos (buf), checks them against the last release's (buf breaking),
+    regenerates the committed Python, Go and TypeScript code and copies the Rust crate's
+    protos (clean: stale files go)."""
     session.install(*PROTO_TOOLS)
     _buf(session, "lint")
+    _buf_breaking(session)
     with tempfile.TemporaryDirectory() as tmp:
         _generate_python(session, Path(tmp))
         shutil.rmtree(PY_GENERATED, ignore_errors=True)
@@ -148,6 +160,7 @@ def check_generated(session: nox.Session) -> None:
     """Fails when regenerating the protos would change the committed code."""
     session.install(*PROTO_TOOLS)
     _buf(session, "lint")
+    _buf_breaking(session)
     with tempfile.TemporaryDirectory() as tmp:
         _generate_python(session, Path(tmp))
         cmp = filecmp.dircmp(Path(tmp) / "cronoq" / "v1", PY_GENERATED, ignore=["__pycache__"])
@@ -161,7 +174,9 @@ def check_generated(session: nox.Session) -> None:
         stale += [f"sdk-rust: {name}" for name in _tree_diff(Path(tmp) / "rust", RUST_PROTO)]
         if stale:
             session.error(f"generated code is stale ({', '.join(sorted(stale))}): run `./dev proto` and commit")
-    session.log("generated code is up to date; buf lint passed")
+    session.log(
+        f"generated code is up to date; buf lint passed; buf breaking against {contract_baseline().name} passed"
+    )
 
 
 @nox.session
@@ -236,9 +251,22 @@ def mutants(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff and mypy."""
+    """buf lint, buf breaking against the last release, ruff and mypy."""
     session.install(*PACKAGES, "ruff>=0.6", "mypy>=1.10", "types-protobuf", "grpc-stubs", *TEST_DEPS)
-    session.run("ruff", "check", "server", "sdk-python", "proto/python", "tests", "bench", "conformance", "noxfile.py")
+    _buf(session, "lint")
+    _buf_breaking(session)
+    session.run(
+        "ruff",
+        "check",
+        "server",
+        "sdk-python",
+        "proto/python",
+        "tests",
+        "bench",
+        "conformance",
+        "release",
+        "noxfile.py",
+    )
     # `cronoq` spans sdk-python/ and proto/python/: module names come from these bases, so
     # that cronoq.jsonform and the generated stubs are checked (not silenced as installed code).
     bases = os.pathsep.join(str(ROOT / d) for d in ("proto/python", "sdk-python", "server"))
@@ -261,6 +289,21 @@ def demo(session: nox.Session) -> None:
     # the demo stops its servers and workers (nox's default is a SIGKILL after 0.2 s).
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     session.run("python", "examples/demo.py", *session.posargs, terminate_timeout=90)
+
+
+@nox.session
+def release(session: nox.Session) -> None:
+    """`-- --dry-run [--only STEPS] [--keep]`: builds every artifact into dist/ and proves each
+    installs and runs outside the repository (release/dry_run.py); `-- --set-version X.Y.Z`:
+    writes one version into VERSION and every package (release/versions.py). Publishing is by
+    hand (release/README.md)."""
+    args = session.posargs
+    if args[:1] == ["--dry-run"]:
+        session.run("python", "release/dry_run.py", *args[1:], env={"PYTHONDONTWRITEBYTECODE": "1"})
+    elif args[:1] == ["--set-version"] and len(args) == 2:
+        session.run("python", "release/versions.py", "--set", args[1])
+    else:
+        session.error("usage: ./dev release --dry-run [--only python,npm,rust,go] [--keep] | --set-version X.Y.Z")
 
 
 @nox.session

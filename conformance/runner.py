@@ -69,6 +69,7 @@ TOKEN = "conformance-token"
 CLIENT_SUBJECT = "CN=conformance-worker"
 REMOTE_PORTS = iter(range(31000, 32000))  # in the namespace nothing else listens
 CASE_TIMEOUT_S = 60.0
+VERSION = (ROOT / "VERSION").read_text().strip()  # every SDK's user-agent names it: cronoq-<sdk>/VERSION
 
 
 @dataclass
@@ -236,7 +237,7 @@ def lookup(obj: Any, dotted: str) -> Any:
     return obj
 
 
-def check_servers(expect: dict[str, Any], log: list[dict[str, Any]], token: str | None) -> list[str]:
+def check_servers(expect: dict[str, Any], log: list[dict[str, Any]], token: str | None, sdk: str) -> list[str]:
     """The case's expectations of what the scripted servers recorded."""
     calls = [e for e in log if e["event"] == "call"]
     problems = []
@@ -263,6 +264,11 @@ def check_servers(expect: dict[str, Any], log: list[dict[str, Any]], token: str 
         there = [c for c in calls if c["role"] == role]
         if not there or any(not c["client_cert"] for c in there):
             problems.append(f"{role}: calls without the client certificate ({len(there)} call(s))")
+    agent = f"cronoq-{sdk}/{VERSION}"  # first; gRPC's own name and version follow it
+    for role in expect.get("user_agent_at", []):
+        seen = sorted({c["user_agent"] for c in calls if c["role"] == role})
+        if not seen or any(a != agent and not a.startswith(agent + " ") for a in seen):
+            problems.append(f"{role}: user-agent {seen}, expected {agent!r} first in every call")
     outcomes: dict[str, str] = {}
     for e in log:
         if e["event"] == "outcome":
@@ -396,7 +402,7 @@ def run_case(case: dict[str, Any], sdk: str, pkis: Pkis, netns: NetNs | None, ve
         if observed is not None:
             expect = substitute(case.get("expect", {}), urls)
             problems += match(expect.get("steps", []), observed.get("steps"), "steps")
-            problems += check_servers(expect, log, token)
+            problems += check_servers(expect, log, token, sdk)
         if problems and verbose:
             problems.append(f"driver input: {json.dumps(driver_input)}")
             problems.append(f"observed: {json.dumps(observed)}")

@@ -20,7 +20,7 @@ handshake the client gives up on). A black hole is made there too: the front sto
 the connection's bytes, either way, and keeps both its sockets open, as a server that vanished
 without a FIN (a crash, a partition) looks to the client. LOG gets one JSON object per line: {"ready"}, then
 {"role", "event": "connect"}, {"role", "event": "call", "method", "authorization",
-"client_cert", "request"} (each message of a Work stream too), {"role", "event": "stream"} for
+"user_agent", "client_cert", "request"} (each message of a Work stream too), {"role", "event": "stream"} for
 each Work stream opened, and {"role", "event": "outcome", ...} for every outcome reported.
 The runner reads it once the driver is done.
 """
@@ -119,6 +119,7 @@ class Scripted:
             event="call",
             method=method,
             authorization=_metadata(context, "authorization"),
+            user_agent=_metadata(context, "user-agent"),
             client_cert=_peer_cert(context),
             request=json_format.MessageToDict(request, preserving_proto_field_name=True),
         )

@@ -344,6 +344,7 @@ func (c *connection) channel() (*grpc.ClientConn, Endpoint, error) {
 	cc, err := grpc.NewClient(ep.Target(),
 		grpc.WithTransportCredentials(creds),
 		grpc.WithDisableRetry(),
+		grpc.WithUserAgent("cronoq-go/"+Version), // first in the user-agent; grpc-go's own follows
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(MaxMessageBytes), grpc.MaxCallSendMsgSize(MaxMessageBytes)),
 		// Reconnect as fast as the SDK's own retries, not gRPC's default (1 s, growing to 2 min).
 		grpc.WithConnectParams(grpc.ConnectParams{

@@ -11,12 +11,13 @@ worker.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import pkgutil
 from typing import TYPE_CHECKING, Any
 
 __path__ = pkgutil.extend_path(__path__, __name__)
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("cronoq")  # the installed distribution's (VERSION at release)
 
 # public name -> the submodule that defines it
 _EXPORTS: dict[str, str] = {

@@ -176,6 +176,8 @@ class TlsFiles:
 def open_channel(
     endpoint: Endpoint, tls: TlsConfig | TlsFiles | None, keepalive: KeepaliveConfig = KeepaliveConfig()
 ) -> grpc.aio.Channel:
+    from . import __version__  # the installed distribution's
+
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -186,6 +188,7 @@ def open_channel(
         ("grpc.http2.ping_timeout_ms", int(keepalive.timeout * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),  # a worker waiting for tasks has a stream; a client may not
         ("grpc.http2.max_pings_without_data", 0),  # else gRPC stops pinging after 2 pings on a quiet connection
+        ("grpc.primary_user_agent", f"cronoq-python/{__version__}"),  # first; gRPC's own name follows
     ]
     if not endpoint.secure:
         return grpc.aio.insecure_channel(endpoint.target, options=options)

@@ -516,6 +516,8 @@ impl Connection {
         let mut builder = tonic::transport::Endpoint::from_shared(ep.to_string())
             .map_err(bad)?
             .connect_timeout(Duration::from_secs(5))
+            .user_agent(concat!("cronoq-rust/", env!("CARGO_PKG_VERSION")))
+            .map_err(bad)?
             .tcp_nodelay(true)
             .http2_keep_alive_interval(self.keepalive.time)
             .keep_alive_timeout(self.keepalive.timeout)

@@ -18,6 +18,7 @@ import {
 import { TaskServiceClient } from "./gen/cronoq/v1/task_service.js";
 import { WorkerServiceClient } from "./gen/cronoq/v1/worker_service.js";
 import { checkRedirect, Endpoint } from "./endpoint.js";
+import { VERSION } from "./version.js";
 import { CronoqError, fromGrpcError, InvalidArgumentError, isRetryable, TlsError, UnavailableError } from "./errors.js";
 
 /** The channel's send and receive limit. */
@@ -255,6 +256,7 @@ export class Connection {
       const options: ChannelOptions = {
         "grpc.max_receive_message_length": MAX_MESSAGE_BYTES,
         "grpc.max_send_message_length": MAX_MESSAGE_BYTES,
+        "grpc.primary_user_agent": `cronoq-ts/${VERSION}`, // first; grpc-js's own name follows
         "grpc.enable_retries": 0,
         // Reconnect as fast as the SDK's own retries, not gRPC's default (1 s, growing to 2 min).
         "grpc.initial_reconnect_backoff_ms": this.retry.initialBackoffMs,

@@ -1,3 +1,5 @@
 """cronoq server: a durable task queue with one leader per shard."""
 
-__version__ = "0.1.0"
+from importlib.metadata import version
+
+__version__ = version("cronoq-server")  # the installed distribution's: one place sets it (VERSION)

@@ -74,9 +74,27 @@ def test_check_servers_fails_on_a_leaked_token_a_connection_or_a_wrong_outcome()
         "outcomes": {"1": "success"},
         "outcomes_batched": True,
     }
-    problems = runner.check_servers(expect, log, "tok")
+    problems = runner.check_servers(expect, log, "tok", "python")
     assert len(problems) == 6, problems
-    assert runner.check_servers({"token_at": ["a", "r"], "connected": ["a"]}, log, "tok") == []
+    assert runner.check_servers({"token_at": ["a", "r"], "connected": ["a"]}, log, "tok", "python") == []
+
+
+def test_check_servers_wants_the_sdk_and_its_version_first_in_every_user_agent() -> None:
+    def call(role: str, agent: str) -> dict[str, Any]:
+        return {"role": role, "event": "call", "method": "Work", "user_agent": agent, "request": {}}
+
+    ours = f"cronoq-go/{runner.VERSION}"
+    log = [
+        call("a", f"{ours} grpc-go/1.79.0"),
+        call("a", ours),
+        call("b", f"{ours} grpc-go/1.79.0"),
+        call("b", "grpc-go/1.79.0"),
+    ]
+    assert runner.check_servers({"user_agent_at": ["a"]}, log, None, "go") == []
+    assert len(runner.check_servers({"user_agent_at": ["a"]}, log, None, "ts")) == 1  # another SDK's name
+    assert len(runner.check_servers({"user_agent_at": ["b", "c"]}, log, None, "go")) == 2  # one call without; no call
+    log = [call("a", f"cronoq-go/{runner.VERSION}9 grpc-go/1.79.0")]  # another version
+    assert len(runner.check_servers({"user_agent_at": ["a"]}, log, None, "go")) == 1
 
 
 @pytest.fixture(scope="module")
