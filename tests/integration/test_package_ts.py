@@ -96,7 +96,8 @@ def tarball_text(tarball: Path, path: str) -> str:
 
 def test_pack_ships_dist_with_types_license_and_readme(packed: tuple[Path, list[str]]) -> None:
     tarball, files = packed
-    assert tarball.name == f"cronoq-{json.loads((TS_SDK / "package.json").read_text())["version"]}.tgz"
+    version = json.loads((TS_SDK / "package.json").read_text())["version"]
+    assert tarball.name == f"cronoq-{version}.tgz"
     assert TOP_LEVEL | {"dist/index.js", "dist/index.d.ts", "dist/client.js", "dist/worker.js"} <= set(files), files
     assert set(files) - TOP_LEVEL == {f for f in files if f.startswith("dist/")}, f"outside dist/: {files}"
     js = {f.removesuffix(".js") for f in files if f.endswith(".js")}

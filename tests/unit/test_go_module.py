@@ -38,5 +38,6 @@ def test_readme_documents_the_tag_scheme_of_the_module_directory() -> None:
     assert module == f"{REPOSITORY}/{directory}", f"module path {module} does not match the layout ({directory}/)"
     text = " ".join(README.read_text().split())
     assert f"tags `{directory}/vX.Y.Z`" in text
-    assert f"`go get {module}@v0.1.0` resolves the tag `{directory}/v0.1.0`" in text
+    version = (ROOT / "VERSION").read_text().strip()  # the README's example is the current release
+    assert f"`go get {module}@v{version}` resolves the tag `{directory}/v{version}`" in text
     assert f"go get {module}@latest" in text
