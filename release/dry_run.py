@@ -204,9 +204,9 @@ def step_npm(ctx: Context, stack: list[Callable[[], None]]) -> None:
     tools = [f"typescript@{dev.get('typescript', 'latest')}", f"@types/node@{dev.get('@types/node', 'latest')}"]
     run(["npm", "install", "--no-audit", "--no-fund", str(tarball), *tools], cwd=project)
     example = (sdk / "examples" / "worker.ts").read_text()
-    if '"../src/index.js"' not in example:
-        raise StepFailed("sdk-ts/examples/worker.ts no longer imports ../src/index.js: update this step")
-    (project / "worker.ts").write_text(example.replace('"../src/index.js"', json.dumps(manifest["name"])))
+    if f'from "{manifest["name"]}"' not in example:
+        raise StepFailed(f"sdk-ts/examples/worker.ts does not import {manifest['name']!r}, as an application does")
+    (project / "worker.ts").write_text(example)  # unchanged: it imports the package by its name
     tsconfig = {
         "compilerOptions": {
             "target": "ES2022",
