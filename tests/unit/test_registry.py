@@ -30,6 +30,15 @@ DOCUMENTED_ROUTES = {
     ("DELETE", "/v1/pools/{pool}/schedules/{name}"): "DeleteSchedule",
     ("GET", "/v1/snapshot"): "GetSnapshot",
     ("GET", "/v1/info"): "GetServerInfo",
+    ("POST", "/v1/tasks/{task.id}/retry"): "RetryTask",
+    ("POST", "/v1/keys/{task.key}/retry"): "RetryTask",
+    ("DELETE", "/v1/tasks/{task.id}"): "DeleteTask",
+    ("DELETE", "/v1/keys/{task.key}"): "DeleteTask",
+    ("POST", "/v1/tasks/bulk-cancel"): "CancelTasks",
+    ("POST", "/v1/tasks/bulk-retry"): "RetryTasks",
+    ("POST", "/v1/tasks/bulk-delete"): "DeleteTasks",
+    ("POST", "/v1/pools/{pool}/pause"): "PausePool",
+    ("POST", "/v1/pools/{pool}/resume"): "ResumePool",
 }
 
 

@@ -195,6 +195,24 @@ MIGRATIONS: dict[int, list[str]] = {
             ADD COLUMN started_at bigint, ADD COLUMN finished_at bigint, ADD COLUMN lease_expires_at bigint,
             ADD COLUMN cancel_requested boolean""",
     ],
+    8: [
+        # Every ended attempt of a task (outcome: cronoq.v1.AttemptOutcome), deleted with the task;
+        # and the pools an operator paused (nothing of theirs is leased).
+        """CREATE TABLE {s}.attempts (
+            task_seq bigint NOT NULL,
+            attempt int NOT NULL,
+            worker_id text,
+            started_at bigint,
+            ended_at bigint NOT NULL,
+            outcome smallint NOT NULL,
+            error text NOT NULL DEFAULT '')""",
+        """CREATE INDEX attempts_task ON {s}.attempts (task_seq, attempt)""",
+        """CREATE TABLE {s}.pools (
+            name text PRIMARY KEY,
+            paused boolean NOT NULL DEFAULT false,
+            paused_at bigint,
+            paused_by text NOT NULL DEFAULT '')""",
+    ],
 }
 WORKER_COLUMNS = "id, name, pools, concurrency, labels, registered_at, last_seen_at, principal"
 

@@ -168,6 +168,26 @@ MIGRATIONS: dict[int, str] = {
     ALTER TABLE events ADD COLUMN lease_expires_at INTEGER;
     ALTER TABLE events ADD COLUMN cancel_requested INTEGER;
     """,
+    # Every ended attempt of a task (outcome: cronoq.v1.AttemptOutcome), deleted with the task;
+    # and the pools an operator paused (nothing of theirs is leased).
+    7: """
+    CREATE TABLE attempts (
+        task_seq INTEGER NOT NULL,
+        attempt INTEGER NOT NULL,
+        worker_id TEXT,
+        started_at INTEGER,
+        ended_at INTEGER NOT NULL,
+        outcome INTEGER NOT NULL,
+        error TEXT NOT NULL DEFAULT ''
+    );
+    CREATE INDEX attempts_task ON attempts (task_seq, attempt);
+    CREATE TABLE pools (
+        name TEXT PRIMARY KEY,
+        paused INTEGER NOT NULL DEFAULT 0,
+        paused_at INTEGER,
+        paused_by TEXT NOT NULL DEFAULT ''
+    );
+    """,
 }
 
 # Release 0.1.0 wrote its own schema version (5) whenever it opened a store, also one a newer

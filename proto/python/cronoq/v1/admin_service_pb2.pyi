@@ -7,6 +7,7 @@ from collections import abc as _abc
 from cronoq.v1 import worker_service_pb2 as _worker_service_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
@@ -48,6 +49,7 @@ class PoolCounts(_message.Message):
     SUCCEEDED_FIELD_NUMBER: _builtins.int
     FAILED_FIELD_NUMBER: _builtins.int
     CANCELLED_FIELD_NUMBER: _builtins.int
+    PAUSED_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     pending: _builtins.int
     blocked: _builtins.int
@@ -55,6 +57,8 @@ class PoolCounts(_message.Message):
     succeeded: _builtins.int
     failed: _builtins.int
     cancelled: _builtins.int
+    paused: _builtins.bool
+    """Paused (PausePool): nothing is leased."""
     def __init__(
         self,
         *,
@@ -65,10 +69,11 @@ class PoolCounts(_message.Message):
         succeeded: _builtins.int = ...,
         failed: _builtins.int = ...,
         cancelled: _builtins.int = ...,
+        paused: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked", b"blocked", "cancelled", b"cancelled", "failed", b"failed", "pending", b"pending", "pool", b"pool", "running", b"running", "succeeded", b"succeeded"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked", b"blocked", "cancelled", b"cancelled", "failed", b"failed", "paused", b"paused", "pending", b"pending", "pool", b"pool", "running", b"running", "succeeded", b"succeeded"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -219,6 +224,118 @@ class PoolActivity(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PoolActivity: _TypeAlias = PoolActivity  # noqa: Y015
+
+@_typing.final
+class PausePoolRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PausePoolRequest: _TypeAlias = PausePoolRequest  # noqa: Y015
+
+@_typing.final
+class PausePoolResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAUSE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pause(self) -> Global___PoolPause: ...
+    def __init__(
+        self,
+        *,
+        pause: Global___PoolPause | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pause", b"pause"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pause", b"pause"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PausePoolResponse: _TypeAlias = PausePoolResponse  # noqa: Y015
+
+@_typing.final
+class ResumePoolRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumePoolRequest: _TypeAlias = ResumePoolRequest  # noqa: Y015
+
+@_typing.final
+class ResumePoolResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAUSE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pause(self) -> Global___PoolPause: ...
+    def __init__(
+        self,
+        *,
+        pause: Global___PoolPause | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pause", b"pause"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pause", b"pause"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumePoolResponse: _TypeAlias = ResumePoolResponse  # noqa: Y015
+
+@_typing.final
+class PoolPause(_message.Message):
+    """Whether a pool is paused, since when and by whom."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    PAUSED_FIELD_NUMBER: _builtins.int
+    PAUSED_AT_FIELD_NUMBER: _builtins.int
+    PAUSED_BY_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    paused: _builtins.bool
+    paused_by: _builtins.str
+    """The caller that paused it."""
+    @_builtins.property
+    def paused_at(self) -> _timestamp_pb2.Timestamp:
+        """When it was paused (unset while not paused)."""
+
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        paused: _builtins.bool = ...,
+        paused_at: _timestamp_pb2.Timestamp | None = ...,
+        paused_by: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["paused_at", b"paused_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["paused", b"paused", "paused_at", b"paused_at", "paused_by", b"paused_by", "pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolPause: _TypeAlias = PoolPause  # noqa: Y015
 
 @_typing.final
 class GetSnapshotRequest(_message.Message):

@@ -40,6 +40,16 @@ class AdminServiceStub:
                 request_serializer=cronoq_dot_v1_dot_admin__service__pb2.GetSnapshotRequest.SerializeToString,
                 response_deserializer=cronoq_dot_v1_dot_admin__service__pb2.GetSnapshotResponse.FromString,
                 _registered_method=True)
+        self.PausePool = channel.unary_unary(
+                '/cronoq.v1.AdminService/PausePool',
+                request_serializer=cronoq_dot_v1_dot_admin__service__pb2.PausePoolRequest.SerializeToString,
+                response_deserializer=cronoq_dot_v1_dot_admin__service__pb2.PausePoolResponse.FromString,
+                _registered_method=True)
+        self.ResumePool = channel.unary_unary(
+                '/cronoq.v1.AdminService/ResumePool',
+                request_serializer=cronoq_dot_v1_dot_admin__service__pb2.ResumePoolRequest.SerializeToString,
+                response_deserializer=cronoq_dot_v1_dot_admin__service__pb2.ResumePoolResponse.FromString,
+                _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/cronoq.v1.AdminService/GetServerInfo',
                 request_serializer=cronoq_dot_v1_dot_admin__service__pb2.GetServerInfoRequest.SerializeToString,
@@ -58,6 +68,20 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PausePool(self, request, context):
+        """Stops leasing the pool's tasks (stored: it holds across restarts and failovers). The pool
+        still accepts submissions and schedule fires; running tasks finish normally.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumePool(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetServerInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -71,6 +95,16 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.GetSnapshot,
                     request_deserializer=cronoq_dot_v1_dot_admin__service__pb2.GetSnapshotRequest.FromString,
                     response_serializer=cronoq_dot_v1_dot_admin__service__pb2.GetSnapshotResponse.SerializeToString,
+            ),
+            'PausePool': grpc.unary_unary_rpc_method_handler(
+                    servicer.PausePool,
+                    request_deserializer=cronoq_dot_v1_dot_admin__service__pb2.PausePoolRequest.FromString,
+                    response_serializer=cronoq_dot_v1_dot_admin__service__pb2.PausePoolResponse.SerializeToString,
+            ),
+            'ResumePool': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumePool,
+                    request_deserializer=cronoq_dot_v1_dot_admin__service__pb2.ResumePoolRequest.FromString,
+                    response_serializer=cronoq_dot_v1_dot_admin__service__pb2.ResumePoolResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
@@ -106,6 +140,60 @@ class AdminService:
             '/cronoq.v1.AdminService/GetSnapshot',
             cronoq_dot_v1_dot_admin__service__pb2.GetSnapshotRequest.SerializeToString,
             cronoq_dot_v1_dot_admin__service__pb2.GetSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PausePool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cronoq.v1.AdminService/PausePool',
+            cronoq_dot_v1_dot_admin__service__pb2.PausePoolRequest.SerializeToString,
+            cronoq_dot_v1_dot_admin__service__pb2.PausePoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumePool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cronoq.v1.AdminService/ResumePool',
+            cronoq_dot_v1_dot_admin__service__pb2.ResumePoolRequest.SerializeToString,
+            cronoq_dot_v1_dot_admin__service__pb2.ResumePoolResponse.FromString,
             options,
             channel_credentials,
             insecure,

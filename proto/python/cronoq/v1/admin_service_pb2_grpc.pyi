@@ -35,6 +35,11 @@ class AdminServiceStub:
     def __new__(cls, channel: _aio.Channel) -> AdminServiceAsyncStub: ...
     GetSnapshot: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.GetSnapshotRequest, _admin_service_pb2.GetSnapshotResponse]
     """The pools the caller may read or administer; the shard's resources need admin."""
+    PausePool: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.PausePoolRequest, _admin_service_pb2.PausePoolResponse]
+    """Stops leasing the pool's tasks (stored: it holds across restarts and failovers). The pool
+    still accepts submissions and schedule fires; running tasks finish normally.
+    """
+    ResumePool: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.ResumePoolRequest, _admin_service_pb2.ResumePoolResponse]
     GetServerInfo: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.GetServerInfoRequest, _admin_service_pb2.GetServerInfoResponse]
 
 @_typing.type_check_only
@@ -44,6 +49,11 @@ class AdminServiceAsyncStub(AdminServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetSnapshot: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.GetSnapshotRequest, _admin_service_pb2.GetSnapshotResponse]  # type: ignore[assignment]
     """The pools the caller may read or administer; the shard's resources need admin."""
+    PausePool: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.PausePoolRequest, _admin_service_pb2.PausePoolResponse]  # type: ignore[assignment]
+    """Stops leasing the pool's tasks (stored: it holds across restarts and failovers). The pool
+    still accepts submissions and schedule fires; running tasks finish normally.
+    """
+    ResumePool: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.ResumePoolRequest, _admin_service_pb2.ResumePoolResponse]  # type: ignore[assignment]
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.GetServerInfoRequest, _admin_service_pb2.GetServerInfoResponse]  # type: ignore[assignment]
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -56,6 +66,23 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_admin_service_pb2.GetSnapshotResponse, _abc.Awaitable[_admin_service_pb2.GetSnapshotResponse]]:
         """The pools the caller may read or administer; the shard's resources need admin."""
+
+    @_abc_1.abstractmethod
+    def PausePool(
+        self,
+        request: _admin_service_pb2.PausePoolRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_service_pb2.PausePoolResponse, _abc.Awaitable[_admin_service_pb2.PausePoolResponse]]:
+        """Stops leasing the pool's tasks (stored: it holds across restarts and failovers). The pool
+        still accepts submissions and schedule fires; running tasks finish normally.
+        """
+
+    @_abc_1.abstractmethod
+    def ResumePool(
+        self,
+        request: _admin_service_pb2.ResumePoolRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_service_pb2.ResumePoolResponse, _abc.Awaitable[_admin_service_pb2.ResumePoolResponse]]: ...
 
     @_abc_1.abstractmethod
     def GetServerInfo(

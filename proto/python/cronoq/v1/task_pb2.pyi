@@ -46,6 +46,36 @@ TASK_STATE_FAILED: TaskState.ValueType  # 5
 TASK_STATE_CANCELLED: TaskState.ValueType  # 6
 Global___TaskState: _TypeAlias = TaskState  # noqa: Y015
 
+class _AttemptOutcome:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _AttemptOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AttemptOutcome.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ATTEMPT_OUTCOME_UNSPECIFIED: _AttemptOutcome.ValueType  # 0
+    ATTEMPT_OUTCOME_RUNNING: _AttemptOutcome.ValueType  # 1
+    """Running now."""
+    ATTEMPT_OUTCOME_SUCCEEDED: _AttemptOutcome.ValueType  # 2
+    ATTEMPT_OUTCOME_FAILED: _AttemptOutcome.ValueType  # 3
+    """The handler failed (or timed out); the task was retried if attempts remained."""
+    ATTEMPT_OUTCOME_CANCELLED: _AttemptOutcome.ValueType  # 4
+    ATTEMPT_OUTCOME_LOST: _AttemptOutcome.ValueType  # 5
+    """The lease expired: the worker stopped heartbeating (crashed, or cut off)."""
+
+class AttemptOutcome(_AttemptOutcome, metaclass=_AttemptOutcomeEnumTypeWrapper):
+    """How an attempt ended."""
+
+ATTEMPT_OUTCOME_UNSPECIFIED: AttemptOutcome.ValueType  # 0
+ATTEMPT_OUTCOME_RUNNING: AttemptOutcome.ValueType  # 1
+"""Running now."""
+ATTEMPT_OUTCOME_SUCCEEDED: AttemptOutcome.ValueType  # 2
+ATTEMPT_OUTCOME_FAILED: AttemptOutcome.ValueType  # 3
+"""The handler failed (or timed out); the task was retried if attempts remained."""
+ATTEMPT_OUTCOME_CANCELLED: AttemptOutcome.ValueType  # 4
+ATTEMPT_OUTCOME_LOST: AttemptOutcome.ValueType  # 5
+"""The lease expired: the worker stopped heartbeating (crashed, or cut off)."""
+Global___AttemptOutcome: _TypeAlias = AttemptOutcome  # noqa: Y015
+
 @_typing.final
 class TaskRef(_message.Message):
     """Names one task, by id or by key (keys are unique within a shard)."""
@@ -240,3 +270,49 @@ class TaskEvent(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TaskEvent: _TypeAlias = TaskEvent  # noqa: Y015
+
+@_typing.final
+class Attempt(_message.Message):
+    """One attempt of a task, kept with it until the task is deleted or purged."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    WORKER_NAME_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
+    ENDED_AT_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    DURATION_MS_FIELD_NUMBER: _builtins.int
+    attempt: _builtins.int
+    worker_id: _builtins.str
+    worker_name: _builtins.str
+    """The name the worker registered with, while the shard still knows the worker."""
+    outcome: Global___AttemptOutcome.ValueType
+    error: _builtins.str
+    duration_ms: _builtins.int
+    """ended_at - started_at (for a running attempt: so far)."""
+    @_builtins.property
+    def started_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def ended_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        attempt: _builtins.int = ...,
+        worker_id: _builtins.str = ...,
+        worker_name: _builtins.str = ...,
+        started_at: _timestamp_pb2.Timestamp | None = ...,
+        ended_at: _timestamp_pb2.Timestamp | None = ...,
+        outcome: Global___AttemptOutcome.ValueType = ...,
+        error: _builtins.str = ...,
+        duration_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ended_at", b"ended_at", "started_at", b"started_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "duration_ms", b"duration_ms", "ended_at", b"ended_at", "error", b"error", "outcome", b"outcome", "started_at", b"started_at", "worker_id", b"worker_id", "worker_name", b"worker_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Attempt: _TypeAlias = Attempt  # noqa: Y015

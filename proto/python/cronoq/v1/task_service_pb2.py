@@ -27,7 +27,7 @@ from cronoq.v1 import task_pb2 as cronoq_dot_v1_dot_task__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63ronoq/v1/task_service.proto\x12\tcronoq.v1\x1a\x17\x63ronoq/v1/options.proto\x1a\x14\x63ronoq/v1/task.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xeb\x02\n\x11SubmitTaskRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x14\n\x0c\x63ontent_type\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12*\n\x06run_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cmax_attempts\x18\x07 \x01(\x05\x12&\n\ndepends_on\x18\x08 \x03(\x0b\x32\x12.cronoq.v1.TaskRef\x12>\n\tresources\x18\t \x03(\x0b\x32+.cronoq.v1.SubmitTaskRequest.ResourcesEntry\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x12\n\ntimeout_ms\x18\x0b \x01(\x03\x1a\x30\n\x0eResourcesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"I\n\x12SubmitTaskResponse\x12\x1d\n\x04task\x18\x01 \x01(\x0b\x32\x0f.cronoq.v1.Task\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x02 \x01(\x08\"U\n\x12SubmitBatchRequest\x12+\n\x05tasks\x18\x01 \x03(\x0b\x32\x1c.cronoq.v1.SubmitTaskRequest\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"O\n\x13SubmitBatchResponse\x12\x1e\n\x05tasks\x18\x01 \x03(\x0b\x32\x0f.cronoq.v1.Task\x12\x18\n\x10\x64\x65\x64uplicated_ids\x18\x02 \x03(\x04\"N\n\x0eGetTaskRequest\x12 \n\x04task\x18\x01 \x01(\x0b\x32\x12.cronoq.v1.TaskRef\x12\x1a\n\x12include_dependents\x18\x02 \x01(\x08\"`\n\x0fGetTaskResponse\x12\x1d\n\x04task\x18\x01 \x01(\x0b\x32\x0f.cronoq.v1.Task\x12\x1a\n\x12unavailable_shards\x18\x02 \x03(\t\x12\x12\n\ndependents\x18\x03 \x03(\x04\"G\n\x0fWaitTaskRequest\x12 \n\x04task\x18\x01 \x01(\x0b\x32\x12.cronoq.v1.TaskRef\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\"[\n\x10WaitTaskResponse\x12\x1d\n\x04task\x18\x01 \x01(\x0b\x32\x0f.cronoq.v1.Task\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x1a\n\x12unavailable_shards\x18\x03 \x03(\t\"5\n\x11\x43\x61ncelTaskRequest\x12 \n\x04task\x18\x01 \x01(\x0b\x32\x12.cronoq.v1.TaskRef\"3\n\x12\x43\x61ncelTaskResponse\x12\x1d\n\x04task\x18\x01 \x01(\x0b\x32\x0f.cronoq.v1.Task\"y\n\x10ListTasksRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12#\n\x05state\x18\x02 \x01(\x0e\x32\x14.cronoq.v1.TaskState\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\x12\x0b\n\x03key\x18\x05 \x01(\t\"h\n\x11ListTasksResponse\x12\x1e\n\x05tasks\x18\x01 \x03(\x0b\x32\x0f.cronoq.v1.Task\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x1a\n\x12unavailable_shards\x18\x03 \x03(\t\"F\n\x0cWatchRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x18\n\x10include_payloads\x18\x02 \x01(\x08\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\t\"4\n\rWatchResponse\x12#\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x14.cronoq.v1.TaskEvent2\xd7\x06\n\x0bTaskService\x12\x66\n\nSubmitTask\x12\x1c.cronoq.v1.SubmitTaskRequest\x1a\x1d.cronoq.v1.SubmitTaskResponse\"\x1b\xea\xe0\x18\x17\x08\x01\x18\x02\"\x11\n\x04POST\x12\t/v1/tasks\x12k\n\x0bSubmitBatch\x12\x1d.cronoq.v1.SubmitBatchRequest\x1a\x1e.cronoq.v1.SubmitBatchResponse\"\x1d\xea\xe0\x18\x19\x08\x01\x18\x02\"\x13\n\x04POST\x12\x0b/v1/batches\x12\x82\x01\n\x07GetTask\x12\x19.cronoq.v1.GetTaskRequest\x1a\x1a.cronoq.v1.GetTaskResponse\"@\xea\xe0\x18<\x08\x02\x18\x03\"\x1a\n\x03GET\x12\x13/v1/tasks/{task.id}\"\x1a\n\x03GET\x12\x13/v1/keys/{task.key}\x12\x8f\x01\n\x08WaitTask\x12\x1a.cronoq.v1.WaitTaskRequest\x1a\x1b.cronoq.v1.WaitTaskResponse\"J\xea\xe0\x18\x46\x08\x02\x18\x03\"\x1f\n\x03GET\x12\x18/v1/tasks/{task.id}/wait\"\x1f\n\x03GET\x12\x18/v1/keys/{task.key}/wait\x12\x9b\x01\n\nCancelTask\x12\x1c.cronoq.v1.CancelTaskRequest\x1a\x1d.cronoq.v1.CancelTaskResponse\"P\xea\xe0\x18L\x08\x03\x18\x03\"\"\n\x04POST\x12\x1a/v1/tasks/{task.id}/cancel\"\"\n\x04POST\x12\x1a/v1/keys/{task.key}/cancel\x12\x62\n\tListTasks\x12\x1b.cronoq.v1.ListTasksRequest\x1a\x1c.cronoq.v1.ListTasksResponse\"\x1a\xea\xe0\x18\x16\x08\x02\x18\x04\"\x10\n\x03GET\x12\t/v1/tasks\x12Z\n\x05Watch\x12\x17.cronoq.v1.WatchRequest\x1a\x18.cronoq.v1.WatchResponse\"\x1c\xea\xe0\x18\x18\x08\x02\x18\x04\"\x12\n\x03GET\x12\t/v1/watch\x18\x01\x30\x01\x42\x38Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63ronoq/v1/task_service.proto\x12\tcronoq.v1\x1a\x17\x63ronoq/v1/options.proto\x1a\x14\x63ronoq/v1/task.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xeb\x02\n\x11SubmitTaskRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x14\n\x0c\x63ontent_type\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12*\n\x06run_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cmax_attempts\x18\x07 \x01(\x05\x12&\n\ndepends_on\x18\x08 \x03(\x0b\x32\x12.cronoq.v1.TaskRef\x12>\n\tresources\x18\t \x03(\x0b\x32+.cronoq.v1.SubmitTaskRequest.ResourcesEntry\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x12\n\ntimeout_ms\x18\x0b \x01(\x03\x1a\x30\n\x0eResourcesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"I\n\x12SubmitTaskResponse\x12\x1d\n\x04task\x18\x01 \x01(\x0b\x32\x0f.cronoq.v1.Task\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x02 \x01(\x08\"U\n\x12SubmitBatchRequest\x12+\n\x05tasks\x18\x01 \x03(\x0b\x32\x1c.cronoq.v1.SubmitTaskRequest\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"O\n\x13SubmitBatchResponse\x12\x1e\n\x05tasks\x18\x01 \x03(\x0b\x32\x0f.cronoq.v1.Task\x12\x18\n\x10\x64\x65\x64uplicated_ids\x18\x02 \x03(\x04\"h\n\x0eGetTaskRequest\x12 \n\x04task\x18\x01 \x01(\x0b\x32\x12.cronoq.v1.TaskRef\x12\x1a\n\x12include_dependents\x18\x02 \x01(\x08\x12\x18\n\x10include_attempts\x18\x03 \x01(\x08\"\x86\x01\n\x0fGetTaskResponse\x12\x1d\n\x04task\x18\x01 \x01(\x0b\x32\x0f.cronoq.v1.Task\x12\x1a\n\x12unavailable_shards\x18\x02 \x03(\t\x12\x12\n\ndependents\x18\x03 \x03(\x04\x12$\n\x08\x61ttempts\x18\x04 \x03(\x0b\x32\x12.cronoq.v1.Attempt\"G\n\x0fWaitTaskRequest\x12 \n\x04task\x18\x01 \x01(\x0b\x32\x12.cronoq.v1.TaskRef\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\"[\n\x10WaitTaskResponse\x12\x1d\n\x04task\x18\x01 \x01(\x0b\x32\x0f.cronoq.v1.Task\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x1a\n\x12unavailable_shards\x18\x03 \x03(\t\"5\n\x11\x43\x61ncelTaskRequest\x12 \n\x04task\x18\x01 \x01(\x0b\x32\x12.cronoq.v1.TaskRef\"3\n\x12\x43\x61ncelTaskResponse\x12\x1d\n\x04task\x18\x01 \x01(\x0b\x32\x0f.cronoq.v1.Task\"x\n\x10RetryTaskRequest\x12 \n\x04task\x18\x01 \x01(\x0b\x32\x12.cronoq.v1.TaskRef\x12*\n\x06run_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0e\x65xtra_attempts\x18\x03 \x01(\x05\"O\n\x11RetryTaskResponse\x12\x1d\n\x04task\x18\x01 \x01(\x0b\x32\x0f.cronoq.v1.Task\x12\x1b\n\x13\x64\x65pendents_restored\x18\x02 \x01(\x03\"5\n\x11\x44\x65leteTaskRequest\x12 \n\x04task\x18\x01 \x01(\x0b\x32\x12.cronoq.v1.TaskRef\" \n\x12\x44\x65leteTaskResponse\x12\n\n\x02id\x18\x01 \x01(\x04\"\xc9\x02\n\nTaskFilter\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12$\n\x06states\x18\x02 \x03(\x0e\x32\x14.cronoq.v1.TaskState\x12\x31\n\rcreated_after\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0e\x63reated_before\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0e\x66inished_after\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x33\n\x0f\x66inished_before\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nkey_prefix\x18\x07 \x01(\t\x12\x16\n\x0e\x65rror_contains\x18\x08 \x01(\t\x12\x0b\n\x03ids\x18\t \x03(\x04\"B\n\x0f\x42ulkShardResult\x12\r\n\x05shard\x18\x01 \x01(\t\x12\x0f\n\x07matched\x18\x02 \x01(\x03\x12\x0f\n\x07\x63hanged\x18\x03 \x01(\x03\"L\n\x12\x43\x61ncelTasksRequest\x12%\n\x06\x66ilter\x18\x01 \x01(\x0b\x32\x15.cronoq.v1.TaskFilter\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\"\x7f\n\x13\x43\x61ncelTasksResponse\x12\x0f\n\x07matched\x18\x01 \x01(\x03\x12\x0f\n\x07\x63hanged\x18\x02 \x01(\x03\x12*\n\x06shards\x18\x03 \x03(\x0b\x32\x1a.cronoq.v1.BulkShardResult\x12\x1a\n\x12unavailable_shards\x18\x04 \x03(\t\"\x8f\x01\n\x11RetryTasksRequest\x12%\n\x06\x66ilter\x18\x01 \x01(\x0b\x32\x15.cronoq.v1.TaskFilter\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\x12*\n\x06run_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0e\x65xtra_attempts\x18\x04 \x01(\x05\"~\n\x12RetryTasksResponse\x12\x0f\n\x07matched\x18\x01 \x01(\x03\x12\x0f\n\x07\x63hanged\x18\x02 \x01(\x03\x12*\n\x06shards\x18\x03 \x03(\x0b\x32\x1a.cronoq.v1.BulkShardResult\x12\x1a\n\x12unavailable_shards\x18\x04 \x03(\t\"L\n\x12\x44\x65leteTasksRequest\x12%\n\x06\x66ilter\x18\x01 \x01(\x0b\x32\x15.cronoq.v1.TaskFilter\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\"\x7f\n\x13\x44\x65leteTasksResponse\x12\x0f\n\x07matched\x18\x01 \x01(\x03\x12\x0f\n\x07\x63hanged\x18\x02 \x01(\x03\x12*\n\x06shards\x18\x03 \x03(\x0b\x32\x1a.cronoq.v1.BulkShardResult\x12\x1a\n\x12unavailable_shards\x18\x04 \x03(\t\"\x8f\x01\n\x10ListTasksRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12#\n\x05state\x18\x02 \x01(\x0e\x32\x14.cronoq.v1.TaskState\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\x12\x0b\n\x03key\x18\x05 \x01(\t\x12\x14\n\x0cnewest_first\x18\x06 \x01(\x08\"h\n\x11ListTasksResponse\x12\x1e\n\x05tasks\x18\x01 \x03(\x0b\x32\x0f.cronoq.v1.Task\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x1a\n\x12unavailable_shards\x18\x03 \x03(\t\"F\n\x0cWatchRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x18\n\x10include_payloads\x18\x02 \x01(\x08\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\t\"4\n\rWatchResponse\x12#\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x14.cronoq.v1.TaskEvent2\xe5\x0b\n\x0bTaskService\x12\x66\n\nSubmitTask\x12\x1c.cronoq.v1.SubmitTaskRequest\x1a\x1d.cronoq.v1.SubmitTaskResponse\"\x1b\xea\xe0\x18\x17\x08\x01\x18\x02\"\x11\n\x04POST\x12\t/v1/tasks\x12k\n\x0bSubmitBatch\x12\x1d.cronoq.v1.SubmitBatchRequest\x1a\x1e.cronoq.v1.SubmitBatchResponse\"\x1d\xea\xe0\x18\x19\x08\x01\x18\x02\"\x13\n\x04POST\x12\x0b/v1/batches\x12\x82\x01\n\x07GetTask\x12\x19.cronoq.v1.GetTaskRequest\x1a\x1a.cronoq.v1.GetTaskResponse\"@\xea\xe0\x18<\x08\x02\x18\x03\"\x1a\n\x03GET\x12\x13/v1/tasks/{task.id}\"\x1a\n\x03GET\x12\x13/v1/keys/{task.key}\x12\x8f\x01\n\x08WaitTask\x12\x1a.cronoq.v1.WaitTaskRequest\x1a\x1b.cronoq.v1.WaitTaskResponse\"J\xea\xe0\x18\x46\x08\x02\x18\x03\"\x1f\n\x03GET\x12\x18/v1/tasks/{task.id}/wait\"\x1f\n\x03GET\x12\x18/v1/keys/{task.key}/wait\x12\x9b\x01\n\nCancelTask\x12\x1c.cronoq.v1.CancelTaskRequest\x1a\x1d.cronoq.v1.CancelTaskResponse\"P\xea\xe0\x18L\x08\x03\x18\x03\"\"\n\x04POST\x12\x1a/v1/tasks/{task.id}/cancel\"\"\n\x04POST\x12\x1a/v1/keys/{task.key}/cancel\x12\x96\x01\n\tRetryTask\x12\x1b.cronoq.v1.RetryTaskRequest\x1a\x1c.cronoq.v1.RetryTaskResponse\"N\xea\xe0\x18J\x08\x01\x18\x03\"!\n\x04POST\x12\x19/v1/tasks/{task.id}/retry\"!\n\x04POST\x12\x19/v1/keys/{task.key}/retry\x12\x91\x01\n\nDeleteTask\x12\x1c.cronoq.v1.DeleteTaskRequest\x1a\x1d.cronoq.v1.DeleteTaskResponse\"F\xea\xe0\x18\x42\x08\x06\x18\x03\"\x1d\n\x06\x44\x45LETE\x12\x13/v1/tasks/{task.id}\"\x1d\n\x06\x44\x45LETE\x12\x13/v1/keys/{task.key}\x12u\n\x0b\x43\x61ncelTasks\x12\x1d.cronoq.v1.CancelTasksRequest\x1a\x1e.cronoq.v1.CancelTasksResponse\"\'\xea\xe0\x18#\x08\x03\x18\x04\"\x1d\n\x04POST\x12\x15/v1/tasks/bulk-cancel\x12q\n\nRetryTasks\x12\x1c.cronoq.v1.RetryTasksRequest\x1a\x1d.cronoq.v1.RetryTasksResponse\"&\xea\xe0\x18\"\x08\x01\x18\x04\"\x1c\n\x04POST\x12\x14/v1/tasks/bulk-retry\x12u\n\x0b\x44\x65leteTasks\x12\x1d.cronoq.v1.DeleteTasksRequest\x1a\x1e.cronoq.v1.DeleteTasksResponse\"\'\xea\xe0\x18#\x08\x06\x18\x04\"\x1d\n\x04POST\x12\x15/v1/tasks/bulk-delete\x12\x62\n\tListTasks\x12\x1b.cronoq.v1.ListTasksRequest\x1a\x1c.cronoq.v1.ListTasksResponse\"\x1a\xea\xe0\x18\x16\x08\x02\x18\x04\"\x10\n\x03GET\x12\t/v1/tasks\x12Z\n\x05Watch\x12\x17.cronoq.v1.WatchRequest\x1a\x18.cronoq.v1.WatchResponse\"\x1c\xea\xe0\x18\x18\x08\x02\x18\x04\"\x12\n\x03GET\x12\t/v1/watch\x18\x01\x30\x01\x42\x38Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,6 +47,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TASKSERVICE'].methods_by_name['WaitTask']._serialized_options = b'\352\340\030F\010\002\030\003\"\037\n\003GET\022\030/v1/tasks/{task.id}/wait\"\037\n\003GET\022\030/v1/keys/{task.key}/wait'
   _globals['_TASKSERVICE'].methods_by_name['CancelTask']._loaded_options = None
   _globals['_TASKSERVICE'].methods_by_name['CancelTask']._serialized_options = b'\352\340\030L\010\003\030\003\"\"\n\004POST\022\032/v1/tasks/{task.id}/cancel\"\"\n\004POST\022\032/v1/keys/{task.key}/cancel'
+  _globals['_TASKSERVICE'].methods_by_name['RetryTask']._loaded_options = None
+  _globals['_TASKSERVICE'].methods_by_name['RetryTask']._serialized_options = b'\352\340\030J\010\001\030\003\"!\n\004POST\022\031/v1/tasks/{task.id}/retry\"!\n\004POST\022\031/v1/keys/{task.key}/retry'
+  _globals['_TASKSERVICE'].methods_by_name['DeleteTask']._loaded_options = None
+  _globals['_TASKSERVICE'].methods_by_name['DeleteTask']._serialized_options = b'\352\340\030B\010\006\030\003\"\035\n\006DELETE\022\023/v1/tasks/{task.id}\"\035\n\006DELETE\022\023/v1/keys/{task.key}'
+  _globals['_TASKSERVICE'].methods_by_name['CancelTasks']._loaded_options = None
+  _globals['_TASKSERVICE'].methods_by_name['CancelTasks']._serialized_options = b'\352\340\030#\010\003\030\004\"\035\n\004POST\022\025/v1/tasks/bulk-cancel'
+  _globals['_TASKSERVICE'].methods_by_name['RetryTasks']._loaded_options = None
+  _globals['_TASKSERVICE'].methods_by_name['RetryTasks']._serialized_options = b'\352\340\030\"\010\001\030\004\"\034\n\004POST\022\024/v1/tasks/bulk-retry'
+  _globals['_TASKSERVICE'].methods_by_name['DeleteTasks']._loaded_options = None
+  _globals['_TASKSERVICE'].methods_by_name['DeleteTasks']._serialized_options = b'\352\340\030#\010\006\030\004\"\035\n\004POST\022\025/v1/tasks/bulk-delete'
   _globals['_TASKSERVICE'].methods_by_name['ListTasks']._loaded_options = None
   _globals['_TASKSERVICE'].methods_by_name['ListTasks']._serialized_options = b'\352\340\030\026\010\002\030\004\"\020\n\003GET\022\t/v1/tasks'
   _globals['_TASKSERVICE'].methods_by_name['Watch']._loaded_options = None
@@ -62,25 +72,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBMITBATCHRESPONSE']._serialized_start=651
   _globals['_SUBMITBATCHRESPONSE']._serialized_end=730
   _globals['_GETTASKREQUEST']._serialized_start=732
-  _globals['_GETTASKREQUEST']._serialized_end=810
-  _globals['_GETTASKRESPONSE']._serialized_start=812
-  _globals['_GETTASKRESPONSE']._serialized_end=908
-  _globals['_WAITTASKREQUEST']._serialized_start=910
-  _globals['_WAITTASKREQUEST']._serialized_end=981
-  _globals['_WAITTASKRESPONSE']._serialized_start=983
-  _globals['_WAITTASKRESPONSE']._serialized_end=1074
-  _globals['_CANCELTASKREQUEST']._serialized_start=1076
-  _globals['_CANCELTASKREQUEST']._serialized_end=1129
-  _globals['_CANCELTASKRESPONSE']._serialized_start=1131
-  _globals['_CANCELTASKRESPONSE']._serialized_end=1182
-  _globals['_LISTTASKSREQUEST']._serialized_start=1184
-  _globals['_LISTTASKSREQUEST']._serialized_end=1305
-  _globals['_LISTTASKSRESPONSE']._serialized_start=1307
-  _globals['_LISTTASKSRESPONSE']._serialized_end=1411
-  _globals['_WATCHREQUEST']._serialized_start=1413
-  _globals['_WATCHREQUEST']._serialized_end=1483
-  _globals['_WATCHRESPONSE']._serialized_start=1485
-  _globals['_WATCHRESPONSE']._serialized_end=1537
-  _globals['_TASKSERVICE']._serialized_start=1540
-  _globals['_TASKSERVICE']._serialized_end=2395
+  _globals['_GETTASKREQUEST']._serialized_end=836
+  _globals['_GETTASKRESPONSE']._serialized_start=839
+  _globals['_GETTASKRESPONSE']._serialized_end=973
+  _globals['_WAITTASKREQUEST']._serialized_start=975
+  _globals['_WAITTASKREQUEST']._serialized_end=1046
+  _globals['_WAITTASKRESPONSE']._serialized_start=1048
+  _globals['_WAITTASKRESPONSE']._serialized_end=1139
+  _globals['_CANCELTASKREQUEST']._serialized_start=1141
+  _globals['_CANCELTASKREQUEST']._serialized_end=1194
+  _globals['_CANCELTASKRESPONSE']._serialized_start=1196
+  _globals['_CANCELTASKRESPONSE']._serialized_end=1247
+  _globals['_RETRYTASKREQUEST']._serialized_start=1249
+  _globals['_RETRYTASKREQUEST']._serialized_end=1369
+  _globals['_RETRYTASKRESPONSE']._serialized_start=1371
+  _globals['_RETRYTASKRESPONSE']._serialized_end=1450
+  _globals['_DELETETASKREQUEST']._serialized_start=1452
+  _globals['_DELETETASKREQUEST']._serialized_end=1505
+  _globals['_DELETETASKRESPONSE']._serialized_start=1507
+  _globals['_DELETETASKRESPONSE']._serialized_end=1539
+  _globals['_TASKFILTER']._serialized_start=1542
+  _globals['_TASKFILTER']._serialized_end=1871
+  _globals['_BULKSHARDRESULT']._serialized_start=1873
+  _globals['_BULKSHARDRESULT']._serialized_end=1939
+  _globals['_CANCELTASKSREQUEST']._serialized_start=1941
+  _globals['_CANCELTASKSREQUEST']._serialized_end=2017
+  _globals['_CANCELTASKSRESPONSE']._serialized_start=2019
+  _globals['_CANCELTASKSRESPONSE']._serialized_end=2146
+  _globals['_RETRYTASKSREQUEST']._serialized_start=2149
+  _globals['_RETRYTASKSREQUEST']._serialized_end=2292
+  _globals['_RETRYTASKSRESPONSE']._serialized_start=2294
+  _globals['_RETRYTASKSRESPONSE']._serialized_end=2420
+  _globals['_DELETETASKSREQUEST']._serialized_start=2422
+  _globals['_DELETETASKSREQUEST']._serialized_end=2498
+  _globals['_DELETETASKSRESPONSE']._serialized_start=2500
+  _globals['_DELETETASKSRESPONSE']._serialized_end=2627
+  _globals['_LISTTASKSREQUEST']._serialized_start=2630
+  _globals['_LISTTASKSREQUEST']._serialized_end=2773
+  _globals['_LISTTASKSRESPONSE']._serialized_start=2775
+  _globals['_LISTTASKSRESPONSE']._serialized_end=2879
+  _globals['_WATCHREQUEST']._serialized_start=2881
+  _globals['_WATCHREQUEST']._serialized_end=2951
+  _globals['_WATCHRESPONSE']._serialized_start=2953
+  _globals['_WATCHRESPONSE']._serialized_end=3005
+  _globals['_TASKSERVICE']._serialized_start=3008
+  _globals['_TASKSERVICE']._serialized_end=4517
 # @@protoc_insertion_point(module_scope)

@@ -189,8 +189,11 @@ class GetTaskRequest(_message.Message):
 
     TASK_FIELD_NUMBER: _builtins.int
     INCLUDE_DEPENDENTS_FIELD_NUMBER: _builtins.int
+    INCLUDE_ATTEMPTS_FIELD_NUMBER: _builtins.int
     include_dependents: _builtins.bool
     """Also list the tasks that depend on this one (GetTaskResponse.dependents)."""
+    include_attempts: _builtins.bool
+    """Also return the task's attempts (GetTaskResponse.attempts)."""
     @_builtins.property
     def task(self) -> _task_pb2.TaskRef: ...
     def __init__(
@@ -198,10 +201,11 @@ class GetTaskRequest(_message.Message):
         *,
         task: _task_pb2.TaskRef | None = ...,
         include_dependents: _builtins.bool = ...,
+        include_attempts: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_dependents", b"include_dependents", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_attempts", b"include_attempts", "include_dependents", b"include_dependents", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -214,6 +218,7 @@ class GetTaskResponse(_message.Message):
     TASK_FIELD_NUMBER: _builtins.int
     UNAVAILABLE_SHARDS_FIELD_NUMBER: _builtins.int
     DEPENDENTS_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def task(self) -> _task_pb2.Task: ...
     @_builtins.property
@@ -224,16 +229,23 @@ class GetTaskResponse(_message.Message):
         read, in id order, at most 100.
         """
 
+    @_builtins.property
+    def attempts(self) -> _containers.RepeatedCompositeFieldContainer[_task_pb2.Attempt]:
+        """With include_attempts: every attempt, oldest first; one running now is last (outcome
+        ATTEMPT_OUTCOME_RUNNING, no ended_at).
+        """
+
     def __init__(
         self,
         *,
         task: _task_pb2.Task | None = ...,
         unavailable_shards: _abc.Iterable[_builtins.str] | None = ...,
         dependents: _abc.Iterable[_builtins.int] | None = ...,
+        attempts: _abc.Iterable[_task_pb2.Attempt] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dependents", b"dependents", "task", b"task", "unavailable_shards", b"unavailable_shards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "dependents", b"dependents", "task", b"task", "unavailable_shards", b"unavailable_shards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -332,6 +344,360 @@ class CancelTaskResponse(_message.Message):
 Global___CancelTaskResponse: _TypeAlias = CancelTaskResponse  # noqa: Y015
 
 @_typing.final
+class RetryTaskRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_FIELD_NUMBER: _builtins.int
+    RUN_AT_FIELD_NUMBER: _builtins.int
+    EXTRA_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    extra_attempts: _builtins.int
+    """0 to 1000 (0: 1): how many more attempts a task that used all of its attempts gets
+    (its max_attempts becomes its attempt plus this). A task with attempts left keeps them.
+    """
+    @_builtins.property
+    def task(self) -> _task_pb2.TaskRef: ...
+    @_builtins.property
+    def run_at(self) -> _timestamp_pb2.Timestamp:
+        """When it may run again; unset: now. In the Timestamp range."""
+
+    def __init__(
+        self,
+        *,
+        task: _task_pb2.TaskRef | None = ...,
+        run_at: _timestamp_pb2.Timestamp | None = ...,
+        extra_attempts: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run_at", b"run_at", "task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_attempts", b"extra_attempts", "run_at", b"run_at", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetryTaskRequest: _TypeAlias = RetryTaskRequest  # noqa: Y015
+
+@_typing.final
+class RetryTaskResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_FIELD_NUMBER: _builtins.int
+    DEPENDENTS_RESTORED_FIELD_NUMBER: _builtins.int
+    dependents_restored: _builtins.int
+    """How many of its dependents, ended because it ended, wait for it again (BLOCKED)."""
+    @_builtins.property
+    def task(self) -> _task_pb2.Task: ...
+    def __init__(
+        self,
+        *,
+        task: _task_pb2.Task | None = ...,
+        dependents_restored: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dependents_restored", b"dependents_restored", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetryTaskResponse: _TypeAlias = RetryTaskResponse  # noqa: Y015
+
+@_typing.final
+class DeleteTaskRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def task(self) -> _task_pb2.TaskRef: ...
+    def __init__(
+        self,
+        *,
+        task: _task_pb2.TaskRef | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteTaskRequest: _TypeAlias = DeleteTaskRequest  # noqa: Y015
+
+@_typing.final
+class DeleteTaskResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """The id of the task deleted."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteTaskResponse: _TypeAlias = DeleteTaskResponse  # noqa: Y015
+
+@_typing.final
+class TaskFilter(_message.Message):
+    """Which tasks a bulk action applies to: those that match every field set."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    STATES_FIELD_NUMBER: _builtins.int
+    CREATED_AFTER_FIELD_NUMBER: _builtins.int
+    CREATED_BEFORE_FIELD_NUMBER: _builtins.int
+    FINISHED_AFTER_FIELD_NUMBER: _builtins.int
+    FINISHED_BEFORE_FIELD_NUMBER: _builtins.int
+    KEY_PREFIX_FIELD_NUMBER: _builtins.int
+    ERROR_CONTAINS_FIELD_NUMBER: _builtins.int
+    IDS_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    """Empty: every pool the caller may act on."""
+    key_prefix: _builtins.str
+    """Tasks whose key starts with this (at most 256 bytes)."""
+    error_contains: _builtins.str
+    """Tasks whose error contains this text, case-sensitive (at most 1024 bytes)."""
+    @_builtins.property
+    def states(self) -> _containers.RepeatedScalarFieldContainer[_task_pb2.TaskState.ValueType]:
+        """Empty: every state the action applies to (cancel: PENDING, BLOCKED, RUNNING; retry:
+        FAILED, CANCELLED; delete: SUCCEEDED, FAILED, CANCELLED); a state outside those is refused.
+        """
+
+    @_builtins.property
+    def created_after(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def created_before(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def finished_after(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def finished_before(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Only these tasks (at most 1000 ids)."""
+
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        states: _abc.Iterable[_task_pb2.TaskState.ValueType] | None = ...,
+        created_after: _timestamp_pb2.Timestamp | None = ...,
+        created_before: _timestamp_pb2.Timestamp | None = ...,
+        finished_after: _timestamp_pb2.Timestamp | None = ...,
+        finished_before: _timestamp_pb2.Timestamp | None = ...,
+        key_prefix: _builtins.str = ...,
+        error_contains: _builtins.str = ...,
+        ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_after", b"created_after", "created_before", b"created_before", "finished_after", b"finished_after", "finished_before", b"finished_before"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_after", b"created_after", "created_before", b"created_before", "error_contains", b"error_contains", "finished_after", b"finished_after", "finished_before", b"finished_before", "ids", b"ids", "key_prefix", b"key_prefix", "pool", b"pool", "states", b"states"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskFilter: _TypeAlias = TaskFilter  # noqa: Y015
+
+@_typing.final
+class BulkShardResult(_message.Message):
+    """What a bulk action did in one shard."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_FIELD_NUMBER: _builtins.int
+    MATCHED_FIELD_NUMBER: _builtins.int
+    CHANGED_FIELD_NUMBER: _builtins.int
+    shard: _builtins.str
+    matched: _builtins.int
+    """Tasks that matched the filter."""
+    changed: _builtins.int
+    """Tasks the action changed (a task that changed meanwhile is matched, not changed)."""
+    def __init__(
+        self,
+        *,
+        shard: _builtins.str = ...,
+        matched: _builtins.int = ...,
+        changed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "matched", b"matched", "shard", b"shard"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BulkShardResult: _TypeAlias = BulkShardResult  # noqa: Y015
+
+@_typing.final
+class CancelTasksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILTER_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    dry_run: _builtins.bool
+    """Count the tasks that match; change nothing (changed is 0)."""
+    @_builtins.property
+    def filter(self) -> Global___TaskFilter: ...
+    def __init__(
+        self,
+        *,
+        filter: Global___TaskFilter | None = ...,
+        dry_run: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "filter", b"filter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelTasksRequest: _TypeAlias = CancelTasksRequest  # noqa: Y015
+
+@_typing.final
+class CancelTasksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MATCHED_FIELD_NUMBER: _builtins.int
+    CHANGED_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    UNAVAILABLE_SHARDS_FIELD_NUMBER: _builtins.int
+    matched: _builtins.int
+    changed: _builtins.int
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___BulkShardResult]: ...
+    @_builtins.property
+    def unavailable_shards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        matched: _builtins.int = ...,
+        changed: _builtins.int = ...,
+        shards: _abc.Iterable[Global___BulkShardResult] | None = ...,
+        unavailable_shards: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "matched", b"matched", "shards", b"shards", "unavailable_shards", b"unavailable_shards"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelTasksResponse: _TypeAlias = CancelTasksResponse  # noqa: Y015
+
+@_typing.final
+class RetryTasksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILTER_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    RUN_AT_FIELD_NUMBER: _builtins.int
+    EXTRA_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    dry_run: _builtins.bool
+    extra_attempts: _builtins.int
+    @_builtins.property
+    def filter(self) -> Global___TaskFilter: ...
+    @_builtins.property
+    def run_at(self) -> _timestamp_pb2.Timestamp:
+        """As RetryTaskRequest's."""
+
+    def __init__(
+        self,
+        *,
+        filter: Global___TaskFilter | None = ...,
+        dry_run: _builtins.bool = ...,
+        run_at: _timestamp_pb2.Timestamp | None = ...,
+        extra_attempts: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "run_at", b"run_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "extra_attempts", b"extra_attempts", "filter", b"filter", "run_at", b"run_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetryTasksRequest: _TypeAlias = RetryTasksRequest  # noqa: Y015
+
+@_typing.final
+class RetryTasksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MATCHED_FIELD_NUMBER: _builtins.int
+    CHANGED_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    UNAVAILABLE_SHARDS_FIELD_NUMBER: _builtins.int
+    matched: _builtins.int
+    changed: _builtins.int
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___BulkShardResult]: ...
+    @_builtins.property
+    def unavailable_shards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        matched: _builtins.int = ...,
+        changed: _builtins.int = ...,
+        shards: _abc.Iterable[Global___BulkShardResult] | None = ...,
+        unavailable_shards: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "matched", b"matched", "shards", b"shards", "unavailable_shards", b"unavailable_shards"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetryTasksResponse: _TypeAlias = RetryTasksResponse  # noqa: Y015
+
+@_typing.final
+class DeleteTasksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILTER_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    dry_run: _builtins.bool
+    @_builtins.property
+    def filter(self) -> Global___TaskFilter: ...
+    def __init__(
+        self,
+        *,
+        filter: Global___TaskFilter | None = ...,
+        dry_run: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "filter", b"filter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteTasksRequest: _TypeAlias = DeleteTasksRequest  # noqa: Y015
+
+@_typing.final
+class DeleteTasksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MATCHED_FIELD_NUMBER: _builtins.int
+    CHANGED_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    UNAVAILABLE_SHARDS_FIELD_NUMBER: _builtins.int
+    matched: _builtins.int
+    changed: _builtins.int
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___BulkShardResult]: ...
+    @_builtins.property
+    def unavailable_shards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        matched: _builtins.int = ...,
+        changed: _builtins.int = ...,
+        shards: _abc.Iterable[Global___BulkShardResult] | None = ...,
+        unavailable_shards: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "matched", b"matched", "shards", b"shards", "unavailable_shards", b"unavailable_shards"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteTasksResponse: _TypeAlias = DeleteTasksResponse  # noqa: Y015
+
+@_typing.final
 class ListTasksRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -340,6 +706,7 @@ class ListTasksRequest(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     KEY_FIELD_NUMBER: _builtins.int
+    NEWEST_FIRST_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     state: _task_pb2.TaskState.ValueType
     page_size: _builtins.int
@@ -349,6 +716,10 @@ class ListTasksRequest(_message.Message):
     """Only the task with this key in each shard (keys deduplicate within a shard, so one key
     may name a task in each of several shards).
     """
+    newest_first: _builtins.bool
+    """Newest first: in descending id order (within a shard, the order of submission; across
+    shards, the higher shard number first). page_token then continues with older tasks.
+    """
     def __init__(
         self,
         *,
@@ -357,10 +728,11 @@ class ListTasksRequest(_message.Message):
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
         key: _builtins.str = ...,
+        newest_first: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "page_size", b"page_size", "page_token", b"page_token", "pool", b"pool", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "newest_first", b"newest_first", "page_size", b"page_size", "page_token", b"page_token", "pool", b"pool", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -376,7 +748,7 @@ class ListTasksResponse(_message.Message):
     next_page_token: _builtins.str
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[_task_pb2.Task]:
-        """In id order."""
+        """In id order (descending with newest_first)."""
 
     @_builtins.property
     def unavailable_shards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...

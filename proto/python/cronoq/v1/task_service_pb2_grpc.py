@@ -60,6 +60,31 @@ class TaskServiceStub:
                 request_serializer=cronoq_dot_v1_dot_task__service__pb2.CancelTaskRequest.SerializeToString,
                 response_deserializer=cronoq_dot_v1_dot_task__service__pb2.CancelTaskResponse.FromString,
                 _registered_method=True)
+        self.RetryTask = channel.unary_unary(
+                '/cronoq.v1.TaskService/RetryTask',
+                request_serializer=cronoq_dot_v1_dot_task__service__pb2.RetryTaskRequest.SerializeToString,
+                response_deserializer=cronoq_dot_v1_dot_task__service__pb2.RetryTaskResponse.FromString,
+                _registered_method=True)
+        self.DeleteTask = channel.unary_unary(
+                '/cronoq.v1.TaskService/DeleteTask',
+                request_serializer=cronoq_dot_v1_dot_task__service__pb2.DeleteTaskRequest.SerializeToString,
+                response_deserializer=cronoq_dot_v1_dot_task__service__pb2.DeleteTaskResponse.FromString,
+                _registered_method=True)
+        self.CancelTasks = channel.unary_unary(
+                '/cronoq.v1.TaskService/CancelTasks',
+                request_serializer=cronoq_dot_v1_dot_task__service__pb2.CancelTasksRequest.SerializeToString,
+                response_deserializer=cronoq_dot_v1_dot_task__service__pb2.CancelTasksResponse.FromString,
+                _registered_method=True)
+        self.RetryTasks = channel.unary_unary(
+                '/cronoq.v1.TaskService/RetryTasks',
+                request_serializer=cronoq_dot_v1_dot_task__service__pb2.RetryTasksRequest.SerializeToString,
+                response_deserializer=cronoq_dot_v1_dot_task__service__pb2.RetryTasksResponse.FromString,
+                _registered_method=True)
+        self.DeleteTasks = channel.unary_unary(
+                '/cronoq.v1.TaskService/DeleteTasks',
+                request_serializer=cronoq_dot_v1_dot_task__service__pb2.DeleteTasksRequest.SerializeToString,
+                response_deserializer=cronoq_dot_v1_dot_task__service__pb2.DeleteTasksResponse.FromString,
+                _registered_method=True)
         self.ListTasks = channel.unary_unary(
                 '/cronoq.v1.TaskService/ListTasks',
                 request_serializer=cronoq_dot_v1_dot_task__service__pb2.ListTasksRequest.SerializeToString,
@@ -108,6 +133,41 @@ class TaskServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RetryTask(self, request, context):
+        """A FAILED or CANCELLED task back to PENDING, keeping its attempts and their history.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteTask(self, request, context):
+        """Deletes an ended task (SUCCEEDED, FAILED or CANCELLED) with its attempts and events.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelTasks(self, request, context):
+        """Cancels the unfinished tasks that match a filter, in every shard, in bounded batches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetryTasks(self, request, context):
+        """Retries the FAILED and CANCELLED tasks that match a filter, as RetryTask does, in bounded batches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteTasks(self, request, context):
+        """Deletes the ended tasks that match a filter, as DeleteTask does, in bounded batches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListTasks(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -147,6 +207,31 @@ def add_TaskServiceServicer_to_server(servicer, server):
                     servicer.CancelTask,
                     request_deserializer=cronoq_dot_v1_dot_task__service__pb2.CancelTaskRequest.FromString,
                     response_serializer=cronoq_dot_v1_dot_task__service__pb2.CancelTaskResponse.SerializeToString,
+            ),
+            'RetryTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetryTask,
+                    request_deserializer=cronoq_dot_v1_dot_task__service__pb2.RetryTaskRequest.FromString,
+                    response_serializer=cronoq_dot_v1_dot_task__service__pb2.RetryTaskResponse.SerializeToString,
+            ),
+            'DeleteTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTask,
+                    request_deserializer=cronoq_dot_v1_dot_task__service__pb2.DeleteTaskRequest.FromString,
+                    response_serializer=cronoq_dot_v1_dot_task__service__pb2.DeleteTaskResponse.SerializeToString,
+            ),
+            'CancelTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelTasks,
+                    request_deserializer=cronoq_dot_v1_dot_task__service__pb2.CancelTasksRequest.FromString,
+                    response_serializer=cronoq_dot_v1_dot_task__service__pb2.CancelTasksResponse.SerializeToString,
+            ),
+            'RetryTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetryTasks,
+                    request_deserializer=cronoq_dot_v1_dot_task__service__pb2.RetryTasksRequest.FromString,
+                    response_serializer=cronoq_dot_v1_dot_task__service__pb2.RetryTasksResponse.SerializeToString,
+            ),
+            'DeleteTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTasks,
+                    request_deserializer=cronoq_dot_v1_dot_task__service__pb2.DeleteTasksRequest.FromString,
+                    response_serializer=cronoq_dot_v1_dot_task__service__pb2.DeleteTasksResponse.SerializeToString,
             ),
             'ListTasks': grpc.unary_unary_rpc_method_handler(
                     servicer.ListTasks,
@@ -295,6 +380,141 @@ class TaskService:
             '/cronoq.v1.TaskService/CancelTask',
             cronoq_dot_v1_dot_task__service__pb2.CancelTaskRequest.SerializeToString,
             cronoq_dot_v1_dot_task__service__pb2.CancelTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetryTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cronoq.v1.TaskService/RetryTask',
+            cronoq_dot_v1_dot_task__service__pb2.RetryTaskRequest.SerializeToString,
+            cronoq_dot_v1_dot_task__service__pb2.RetryTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cronoq.v1.TaskService/DeleteTask',
+            cronoq_dot_v1_dot_task__service__pb2.DeleteTaskRequest.SerializeToString,
+            cronoq_dot_v1_dot_task__service__pb2.DeleteTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cronoq.v1.TaskService/CancelTasks',
+            cronoq_dot_v1_dot_task__service__pb2.CancelTasksRequest.SerializeToString,
+            cronoq_dot_v1_dot_task__service__pb2.CancelTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetryTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cronoq.v1.TaskService/RetryTasks',
+            cronoq_dot_v1_dot_task__service__pb2.RetryTasksRequest.SerializeToString,
+            cronoq_dot_v1_dot_task__service__pb2.RetryTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cronoq.v1.TaskService/DeleteTasks',
+            cronoq_dot_v1_dot_task__service__pb2.DeleteTasksRequest.SerializeToString,
+            cronoq_dot_v1_dot_task__service__pb2.DeleteTasksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,6 +40,16 @@ class TaskServiceStub:
     WaitTask: _grpc.UnaryUnaryMultiCallable[_task_service_pb2.WaitTaskRequest, _task_service_pb2.WaitTaskResponse]
     """Blocks until the task is terminal or timeout_ms passes."""
     CancelTask: _grpc.UnaryUnaryMultiCallable[_task_service_pb2.CancelTaskRequest, _task_service_pb2.CancelTaskResponse]
+    RetryTask: _grpc.UnaryUnaryMultiCallable[_task_service_pb2.RetryTaskRequest, _task_service_pb2.RetryTaskResponse]
+    """A FAILED or CANCELLED task back to PENDING, keeping its attempts and their history."""
+    DeleteTask: _grpc.UnaryUnaryMultiCallable[_task_service_pb2.DeleteTaskRequest, _task_service_pb2.DeleteTaskResponse]
+    """Deletes an ended task (SUCCEEDED, FAILED or CANCELLED) with its attempts and events."""
+    CancelTasks: _grpc.UnaryUnaryMultiCallable[_task_service_pb2.CancelTasksRequest, _task_service_pb2.CancelTasksResponse]
+    """Cancels the unfinished tasks that match a filter, in every shard, in bounded batches."""
+    RetryTasks: _grpc.UnaryUnaryMultiCallable[_task_service_pb2.RetryTasksRequest, _task_service_pb2.RetryTasksResponse]
+    """Retries the FAILED and CANCELLED tasks that match a filter, as RetryTask does, in bounded batches."""
+    DeleteTasks: _grpc.UnaryUnaryMultiCallable[_task_service_pb2.DeleteTasksRequest, _task_service_pb2.DeleteTasksResponse]
+    """Deletes the ended tasks that match a filter, as DeleteTask does, in bounded batches."""
     ListTasks: _grpc.UnaryUnaryMultiCallable[_task_service_pb2.ListTasksRequest, _task_service_pb2.ListTasksResponse]
     Watch: _grpc.UnaryStreamMultiCallable[_task_service_pb2.WatchRequest, _task_service_pb2.WatchResponse]
 
@@ -55,6 +65,16 @@ class TaskServiceAsyncStub(TaskServiceStub):
     WaitTask: _aio.UnaryUnaryMultiCallable[_task_service_pb2.WaitTaskRequest, _task_service_pb2.WaitTaskResponse]  # type: ignore[assignment]
     """Blocks until the task is terminal or timeout_ms passes."""
     CancelTask: _aio.UnaryUnaryMultiCallable[_task_service_pb2.CancelTaskRequest, _task_service_pb2.CancelTaskResponse]  # type: ignore[assignment]
+    RetryTask: _aio.UnaryUnaryMultiCallable[_task_service_pb2.RetryTaskRequest, _task_service_pb2.RetryTaskResponse]  # type: ignore[assignment]
+    """A FAILED or CANCELLED task back to PENDING, keeping its attempts and their history."""
+    DeleteTask: _aio.UnaryUnaryMultiCallable[_task_service_pb2.DeleteTaskRequest, _task_service_pb2.DeleteTaskResponse]  # type: ignore[assignment]
+    """Deletes an ended task (SUCCEEDED, FAILED or CANCELLED) with its attempts and events."""
+    CancelTasks: _aio.UnaryUnaryMultiCallable[_task_service_pb2.CancelTasksRequest, _task_service_pb2.CancelTasksResponse]  # type: ignore[assignment]
+    """Cancels the unfinished tasks that match a filter, in every shard, in bounded batches."""
+    RetryTasks: _aio.UnaryUnaryMultiCallable[_task_service_pb2.RetryTasksRequest, _task_service_pb2.RetryTasksResponse]  # type: ignore[assignment]
+    """Retries the FAILED and CANCELLED tasks that match a filter, as RetryTask does, in bounded batches."""
+    DeleteTasks: _aio.UnaryUnaryMultiCallable[_task_service_pb2.DeleteTasksRequest, _task_service_pb2.DeleteTasksResponse]  # type: ignore[assignment]
+    """Deletes the ended tasks that match a filter, as DeleteTask does, in bounded batches."""
     ListTasks: _aio.UnaryUnaryMultiCallable[_task_service_pb2.ListTasksRequest, _task_service_pb2.ListTasksResponse]  # type: ignore[assignment]
     Watch: _aio.UnaryStreamMultiCallable[_task_service_pb2.WatchRequest, _task_service_pb2.WatchResponse]  # type: ignore[assignment]
 
@@ -97,6 +117,46 @@ class TaskServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _task_service_pb2.CancelTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_task_service_pb2.CancelTaskResponse, _abc.Awaitable[_task_service_pb2.CancelTaskResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def RetryTask(
+        self,
+        request: _task_service_pb2.RetryTaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_service_pb2.RetryTaskResponse, _abc.Awaitable[_task_service_pb2.RetryTaskResponse]]:
+        """A FAILED or CANCELLED task back to PENDING, keeping its attempts and their history."""
+
+    @_abc_1.abstractmethod
+    def DeleteTask(
+        self,
+        request: _task_service_pb2.DeleteTaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_service_pb2.DeleteTaskResponse, _abc.Awaitable[_task_service_pb2.DeleteTaskResponse]]:
+        """Deletes an ended task (SUCCEEDED, FAILED or CANCELLED) with its attempts and events."""
+
+    @_abc_1.abstractmethod
+    def CancelTasks(
+        self,
+        request: _task_service_pb2.CancelTasksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_service_pb2.CancelTasksResponse, _abc.Awaitable[_task_service_pb2.CancelTasksResponse]]:
+        """Cancels the unfinished tasks that match a filter, in every shard, in bounded batches."""
+
+    @_abc_1.abstractmethod
+    def RetryTasks(
+        self,
+        request: _task_service_pb2.RetryTasksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_service_pb2.RetryTasksResponse, _abc.Awaitable[_task_service_pb2.RetryTasksResponse]]:
+        """Retries the FAILED and CANCELLED tasks that match a filter, as RetryTask does, in bounded batches."""
+
+    @_abc_1.abstractmethod
+    def DeleteTasks(
+        self,
+        request: _task_service_pb2.DeleteTasksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_task_service_pb2.DeleteTasksResponse, _abc.Awaitable[_task_service_pb2.DeleteTasksResponse]]:
+        """Deletes the ended tasks that match a filter, as DeleteTask does, in bounded batches."""
 
     @_abc_1.abstractmethod
     def ListTasks(

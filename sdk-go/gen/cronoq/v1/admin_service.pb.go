@@ -9,6 +9,7 @@ package cronoqv1
 import (
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
+	timestamppb "google.golang.org/protobuf/types/known/timestamppb"
 	reflect "reflect"
 	sync "sync"
 	unsafe "unsafe"
@@ -71,14 +72,16 @@ func (Role) EnumDescriptor() ([]byte, []int) {
 }
 
 type PoolCounts struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Pool          string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
-	Pending       int64                  `protobuf:"varint,2,opt,name=pending,proto3" json:"pending,omitempty"`
-	Blocked       int64                  `protobuf:"varint,3,opt,name=blocked,proto3" json:"blocked,omitempty"`
-	Running       int64                  `protobuf:"varint,4,opt,name=running,proto3" json:"running,omitempty"`
-	Succeeded     int64                  `protobuf:"varint,5,opt,name=succeeded,proto3" json:"succeeded,omitempty"`
-	Failed        int64                  `protobuf:"varint,6,opt,name=failed,proto3" json:"failed,omitempty"`
-	Cancelled     int64                  `protobuf:"varint,7,opt,name=cancelled,proto3" json:"cancelled,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Pool      string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
+	Pending   int64                  `protobuf:"varint,2,opt,name=pending,proto3" json:"pending,omitempty"`
+	Blocked   int64                  `protobuf:"varint,3,opt,name=blocked,proto3" json:"blocked,omitempty"`
+	Running   int64                  `protobuf:"varint,4,opt,name=running,proto3" json:"running,omitempty"`
+	Succeeded int64                  `protobuf:"varint,5,opt,name=succeeded,proto3" json:"succeeded,omitempty"`
+	Failed    int64                  `protobuf:"varint,6,opt,name=failed,proto3" json:"failed,omitempty"`
+	Cancelled int64                  `protobuf:"varint,7,opt,name=cancelled,proto3" json:"cancelled,omitempty"`
+	// Paused (PausePool): nothing is leased.
+	Paused        bool `protobuf:"varint,8,opt,name=paused,proto3" json:"paused,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -160,6 +163,13 @@ func (x *PoolCounts) GetCancelled() int64 {
 		return x.Cancelled
 	}
 	return 0
+}
+
+func (x *PoolCounts) GetPaused() bool {
+	if x != nil {
+		return x.Paused
+	}
+	return false
 }
 
 type ResourceUsage struct {
@@ -465,6 +475,253 @@ func (x *PoolActivity) GetStartLatencyMaxMs() []float64 {
 	return nil
 }
 
+type PausePoolRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Pool          string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PausePoolRequest) Reset() {
+	*x = PausePoolRequest{}
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PausePoolRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PausePoolRequest) ProtoMessage() {}
+
+func (x *PausePoolRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PausePoolRequest.ProtoReflect.Descriptor instead.
+func (*PausePoolRequest) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *PausePoolRequest) GetPool() string {
+	if x != nil {
+		return x.Pool
+	}
+	return ""
+}
+
+type PausePoolResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Pause         *PoolPause             `protobuf:"bytes,1,opt,name=pause,proto3" json:"pause,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PausePoolResponse) Reset() {
+	*x = PausePoolResponse{}
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PausePoolResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PausePoolResponse) ProtoMessage() {}
+
+func (x *PausePoolResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PausePoolResponse.ProtoReflect.Descriptor instead.
+func (*PausePoolResponse) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *PausePoolResponse) GetPause() *PoolPause {
+	if x != nil {
+		return x.Pause
+	}
+	return nil
+}
+
+type ResumePoolRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Pool          string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResumePoolRequest) Reset() {
+	*x = ResumePoolRequest{}
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResumePoolRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResumePoolRequest) ProtoMessage() {}
+
+func (x *ResumePoolRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResumePoolRequest.ProtoReflect.Descriptor instead.
+func (*ResumePoolRequest) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *ResumePoolRequest) GetPool() string {
+	if x != nil {
+		return x.Pool
+	}
+	return ""
+}
+
+type ResumePoolResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Pause         *PoolPause             `protobuf:"bytes,1,opt,name=pause,proto3" json:"pause,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResumePoolResponse) Reset() {
+	*x = ResumePoolResponse{}
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResumePoolResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResumePoolResponse) ProtoMessage() {}
+
+func (x *ResumePoolResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResumePoolResponse.ProtoReflect.Descriptor instead.
+func (*ResumePoolResponse) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *ResumePoolResponse) GetPause() *PoolPause {
+	if x != nil {
+		return x.Pause
+	}
+	return nil
+}
+
+// Whether a pool is paused, since when and by whom.
+type PoolPause struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Pool   string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
+	Paused bool                   `protobuf:"varint,2,opt,name=paused,proto3" json:"paused,omitempty"`
+	// When it was paused (unset while not paused).
+	PausedAt *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=paused_at,json=pausedAt,proto3" json:"paused_at,omitempty"`
+	// The caller that paused it.
+	PausedBy      string `protobuf:"bytes,4,opt,name=paused_by,json=pausedBy,proto3" json:"paused_by,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PoolPause) Reset() {
+	*x = PoolPause{}
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PoolPause) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PoolPause) ProtoMessage() {}
+
+func (x *PoolPause) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PoolPause.ProtoReflect.Descriptor instead.
+func (*PoolPause) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *PoolPause) GetPool() string {
+	if x != nil {
+		return x.Pool
+	}
+	return ""
+}
+
+func (x *PoolPause) GetPaused() bool {
+	if x != nil {
+		return x.Paused
+	}
+	return false
+}
+
+func (x *PoolPause) GetPausedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.PausedAt
+	}
+	return nil
+}
+
+func (x *PoolPause) GetPausedBy() string {
+	if x != nil {
+		return x.PausedBy
+	}
+	return ""
+}
+
 type GetSnapshotRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -473,7 +730,7 @@ type GetSnapshotRequest struct {
 
 func (x *GetSnapshotRequest) Reset() {
 	*x = GetSnapshotRequest{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[4]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -485,7 +742,7 @@ func (x *GetSnapshotRequest) String() string {
 func (*GetSnapshotRequest) ProtoMessage() {}
 
 func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[4]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -498,7 +755,7 @@ func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*GetSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{4}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{9}
 }
 
 type GetSnapshotResponse struct {
@@ -511,7 +768,7 @@ type GetSnapshotResponse struct {
 
 func (x *GetSnapshotResponse) Reset() {
 	*x = GetSnapshotResponse{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[5]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -523,7 +780,7 @@ func (x *GetSnapshotResponse) String() string {
 func (*GetSnapshotResponse) ProtoMessage() {}
 
 func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[5]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -536,7 +793,7 @@ func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*GetSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{5}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *GetSnapshotResponse) GetShards() []*ShardSnapshot {
@@ -561,7 +818,7 @@ type GetServerInfoRequest struct {
 
 func (x *GetServerInfoRequest) Reset() {
 	*x = GetServerInfoRequest{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[6]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -573,7 +830,7 @@ func (x *GetServerInfoRequest) String() string {
 func (*GetServerInfoRequest) ProtoMessage() {}
 
 func (x *GetServerInfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[6]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -586,7 +843,7 @@ func (x *GetServerInfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetServerInfoRequest.ProtoReflect.Descriptor instead.
 func (*GetServerInfoRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{6}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{11}
 }
 
 type GetServerInfoResponse struct {
@@ -610,7 +867,7 @@ type GetServerInfoResponse struct {
 
 func (x *GetServerInfoResponse) Reset() {
 	*x = GetServerInfoResponse{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[7]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -622,7 +879,7 @@ func (x *GetServerInfoResponse) String() string {
 func (*GetServerInfoResponse) ProtoMessage() {}
 
 func (x *GetServerInfoResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[7]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -635,7 +892,7 @@ func (x *GetServerInfoResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetServerInfoResponse.ProtoReflect.Descriptor instead.
 func (*GetServerInfoResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{7}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *GetServerInfoResponse) GetVersion() string {
@@ -715,7 +972,7 @@ type Caller struct {
 
 func (x *Caller) Reset() {
 	*x = Caller{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[8]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -727,7 +984,7 @@ func (x *Caller) String() string {
 func (*Caller) ProtoMessage() {}
 
 func (x *Caller) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[8]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -740,7 +997,7 @@ func (x *Caller) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Caller.ProtoReflect.Descriptor instead.
 func (*Caller) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{8}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Caller) GetName() string {
@@ -775,7 +1032,7 @@ var File_cronoq_v1_admin_service_proto protoreflect.FileDescriptor
 
 const file_cronoq_v1_admin_service_proto_rawDesc = "" +
 	"\n" +
-	"\x1dcronoq/v1/admin_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x1ecronoq/v1/worker_service.proto\"\xc2\x01\n" +
+	"\x1dcronoq/v1/admin_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x1ecronoq/v1/worker_service.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xda\x01\n" +
 	"\n" +
 	"PoolCounts\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x18\n" +
@@ -784,7 +1041,8 @@ const file_cronoq_v1_admin_service_proto_rawDesc = "" +
 	"\arunning\x18\x04 \x01(\x03R\arunning\x12\x1c\n" +
 	"\tsucceeded\x18\x05 \x01(\x03R\tsucceeded\x12\x16\n" +
 	"\x06failed\x18\x06 \x01(\x03R\x06failed\x12\x1c\n" +
-	"\tcancelled\x18\a \x01(\x03R\tcancelled\"\x80\x01\n" +
+	"\tcancelled\x18\a \x01(\x03R\tcancelled\x12\x16\n" +
+	"\x06paused\x18\b \x01(\bR\x06paused\"\x80\x01\n" +
 	"\rResourceUsage\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x15\n" +
 	"\x06in_use\x18\x02 \x01(\x03R\x05inUse\x12\x1a\n" +
@@ -810,7 +1068,20 @@ const file_cronoq_v1_admin_service_proto_rawDesc = "" +
 	"\tsucceeded\x18\x06 \x03(\rR\tsucceeded\x12\x16\n" +
 	"\x06failed\x18\a \x03(\rR\x06failed\x12/\n" +
 	"\x14start_latency_sum_ms\x18\b \x03(\x01R\x11startLatencySumMs\x12/\n" +
-	"\x14start_latency_max_ms\x18\t \x03(\x01R\x11startLatencyMaxMs\"\x14\n" +
+	"\x14start_latency_max_ms\x18\t \x03(\x01R\x11startLatencyMaxMs\"&\n" +
+	"\x10PausePoolRequest\x12\x12\n" +
+	"\x04pool\x18\x01 \x01(\tR\x04pool\"?\n" +
+	"\x11PausePoolResponse\x12*\n" +
+	"\x05pause\x18\x01 \x01(\v2\x14.cronoq.v1.PoolPauseR\x05pause\"'\n" +
+	"\x11ResumePoolRequest\x12\x12\n" +
+	"\x04pool\x18\x01 \x01(\tR\x04pool\"@\n" +
+	"\x12ResumePoolResponse\x12*\n" +
+	"\x05pause\x18\x01 \x01(\v2\x14.cronoq.v1.PoolPauseR\x05pause\"\x8d\x01\n" +
+	"\tPoolPause\x12\x12\n" +
+	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x16\n" +
+	"\x06paused\x18\x02 \x01(\bR\x06paused\x127\n" +
+	"\tpaused_at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\bpausedAt\x12\x1b\n" +
+	"\tpaused_by\x18\x04 \x01(\tR\bpausedBy\"\x14\n" +
 	"\x12GetSnapshotRequest\"v\n" +
 	"\x13GetSnapshotResponse\x120\n" +
 	"\x06shards\x18\x01 \x03(\v2\x18.cronoq.v1.ShardSnapshotR\x06shards\x12-\n" +
@@ -834,10 +1105,15 @@ const file_cronoq_v1_admin_service_proto_rawDesc = "" +
 	"\x04Role\x12\x14\n" +
 	"\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n" +
 	"\vROLE_LEADER\x10\x01\x12\x10\n" +
-	"\fROLE_STANDBY\x10\x022\xec\x01\n" +
+	"\fROLE_STANDBY\x10\x022\xd4\x03\n" +
 	"\fAdminService\x12m\n" +
 	"\vGetSnapshot\x12\x1d.cronoq.v1.GetSnapshotRequest\x1a\x1e.cronoq.v1.GetSnapshotResponse\"\x1f\xea\xe0\x18\x1b\b\x06\x18\x04\"\x13\n" +
-	"\x03GET\x12\f/v1/snapshot(\x02\x12m\n" +
+	"\x03GET\x12\f/v1/snapshot(\x02\x12p\n" +
+	"\tPausePool\x12\x1b.cronoq.v1.PausePoolRequest\x1a\x1c.cronoq.v1.PausePoolResponse\"(\xea\xe0\x18$\b\x06\x18\x02\"\x1e\n" +
+	"\x04POST\x12\x16/v1/pools/{pool}/pause\x12t\n" +
+	"\n" +
+	"ResumePool\x12\x1c.cronoq.v1.ResumePoolRequest\x1a\x1d.cronoq.v1.ResumePoolResponse\")\xea\xe0\x18%\b\x06\x18\x02\"\x1f\n" +
+	"\x04POST\x12\x17/v1/pools/{pool}/resume\x12m\n" +
 	"\rGetServerInfo\x12\x1f.cronoq.v1.GetServerInfoRequest\x1a .cronoq.v1.GetServerInfoResponse\"\x19\xea\xe0\x18\x15\x10\x01\x18\x01\"\x0f\n" +
 	"\x03GET\x12\b/v1/infoB8Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3"
 
@@ -854,37 +1130,50 @@ func file_cronoq_v1_admin_service_proto_rawDescGZIP() []byte {
 }
 
 var file_cronoq_v1_admin_service_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_cronoq_v1_admin_service_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
+var file_cronoq_v1_admin_service_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
 var file_cronoq_v1_admin_service_proto_goTypes = []any{
 	(Role)(0),                     // 0: cronoq.v1.Role
 	(*PoolCounts)(nil),            // 1: cronoq.v1.PoolCounts
 	(*ResourceUsage)(nil),         // 2: cronoq.v1.ResourceUsage
 	(*ShardSnapshot)(nil),         // 3: cronoq.v1.ShardSnapshot
 	(*PoolActivity)(nil),          // 4: cronoq.v1.PoolActivity
-	(*GetSnapshotRequest)(nil),    // 5: cronoq.v1.GetSnapshotRequest
-	(*GetSnapshotResponse)(nil),   // 6: cronoq.v1.GetSnapshotResponse
-	(*GetServerInfoRequest)(nil),  // 7: cronoq.v1.GetServerInfoRequest
-	(*GetServerInfoResponse)(nil), // 8: cronoq.v1.GetServerInfoResponse
-	(*Caller)(nil),                // 9: cronoq.v1.Caller
-	(*Worker)(nil),                // 10: cronoq.v1.Worker
+	(*PausePoolRequest)(nil),      // 5: cronoq.v1.PausePoolRequest
+	(*PausePoolResponse)(nil),     // 6: cronoq.v1.PausePoolResponse
+	(*ResumePoolRequest)(nil),     // 7: cronoq.v1.ResumePoolRequest
+	(*ResumePoolResponse)(nil),    // 8: cronoq.v1.ResumePoolResponse
+	(*PoolPause)(nil),             // 9: cronoq.v1.PoolPause
+	(*GetSnapshotRequest)(nil),    // 10: cronoq.v1.GetSnapshotRequest
+	(*GetSnapshotResponse)(nil),   // 11: cronoq.v1.GetSnapshotResponse
+	(*GetServerInfoRequest)(nil),  // 12: cronoq.v1.GetServerInfoRequest
+	(*GetServerInfoResponse)(nil), // 13: cronoq.v1.GetServerInfoResponse
+	(*Caller)(nil),                // 14: cronoq.v1.Caller
+	(*Worker)(nil),                // 15: cronoq.v1.Worker
+	(*timestamppb.Timestamp)(nil), // 16: google.protobuf.Timestamp
 }
 var file_cronoq_v1_admin_service_proto_depIdxs = []int32{
 	1,  // 0: cronoq.v1.ShardSnapshot.pools:type_name -> cronoq.v1.PoolCounts
 	2,  // 1: cronoq.v1.ShardSnapshot.resources:type_name -> cronoq.v1.ResourceUsage
-	10, // 2: cronoq.v1.ShardSnapshot.workers:type_name -> cronoq.v1.Worker
+	15, // 2: cronoq.v1.ShardSnapshot.workers:type_name -> cronoq.v1.Worker
 	4,  // 3: cronoq.v1.ShardSnapshot.activity:type_name -> cronoq.v1.PoolActivity
-	3,  // 4: cronoq.v1.GetSnapshotResponse.shards:type_name -> cronoq.v1.ShardSnapshot
-	0,  // 5: cronoq.v1.GetServerInfoResponse.role:type_name -> cronoq.v1.Role
-	9,  // 6: cronoq.v1.GetServerInfoResponse.caller:type_name -> cronoq.v1.Caller
-	5,  // 7: cronoq.v1.AdminService.GetSnapshot:input_type -> cronoq.v1.GetSnapshotRequest
-	7,  // 8: cronoq.v1.AdminService.GetServerInfo:input_type -> cronoq.v1.GetServerInfoRequest
-	6,  // 9: cronoq.v1.AdminService.GetSnapshot:output_type -> cronoq.v1.GetSnapshotResponse
-	8,  // 10: cronoq.v1.AdminService.GetServerInfo:output_type -> cronoq.v1.GetServerInfoResponse
-	9,  // [9:11] is the sub-list for method output_type
-	7,  // [7:9] is the sub-list for method input_type
-	7,  // [7:7] is the sub-list for extension type_name
-	7,  // [7:7] is the sub-list for extension extendee
-	0,  // [0:7] is the sub-list for field type_name
+	9,  // 4: cronoq.v1.PausePoolResponse.pause:type_name -> cronoq.v1.PoolPause
+	9,  // 5: cronoq.v1.ResumePoolResponse.pause:type_name -> cronoq.v1.PoolPause
+	16, // 6: cronoq.v1.PoolPause.paused_at:type_name -> google.protobuf.Timestamp
+	3,  // 7: cronoq.v1.GetSnapshotResponse.shards:type_name -> cronoq.v1.ShardSnapshot
+	0,  // 8: cronoq.v1.GetServerInfoResponse.role:type_name -> cronoq.v1.Role
+	14, // 9: cronoq.v1.GetServerInfoResponse.caller:type_name -> cronoq.v1.Caller
+	10, // 10: cronoq.v1.AdminService.GetSnapshot:input_type -> cronoq.v1.GetSnapshotRequest
+	5,  // 11: cronoq.v1.AdminService.PausePool:input_type -> cronoq.v1.PausePoolRequest
+	7,  // 12: cronoq.v1.AdminService.ResumePool:input_type -> cronoq.v1.ResumePoolRequest
+	12, // 13: cronoq.v1.AdminService.GetServerInfo:input_type -> cronoq.v1.GetServerInfoRequest
+	11, // 14: cronoq.v1.AdminService.GetSnapshot:output_type -> cronoq.v1.GetSnapshotResponse
+	6,  // 15: cronoq.v1.AdminService.PausePool:output_type -> cronoq.v1.PausePoolResponse
+	8,  // 16: cronoq.v1.AdminService.ResumePool:output_type -> cronoq.v1.ResumePoolResponse
+	13, // 17: cronoq.v1.AdminService.GetServerInfo:output_type -> cronoq.v1.GetServerInfoResponse
+	14, // [14:18] is the sub-list for method output_type
+	10, // [10:14] is the sub-list for method input_type
+	10, // [10:10] is the sub-list for extension type_name
+	10, // [10:10] is the sub-list for extension extendee
+	0,  // [0:10] is the sub-list for field type_name
 }
 
 func init() { file_cronoq_v1_admin_service_proto_init() }
@@ -900,7 +1189,7 @@ func file_cronoq_v1_admin_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cronoq_v1_admin_service_proto_rawDesc), len(file_cronoq_v1_admin_service_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   9,
+			NumMessages:   14,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

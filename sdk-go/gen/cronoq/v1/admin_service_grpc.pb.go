@@ -20,6 +20,8 @@ const _ = grpc.SupportPackageIsVersion9
 
 const (
 	AdminService_GetSnapshot_FullMethodName   = "/cronoq.v1.AdminService/GetSnapshot"
+	AdminService_PausePool_FullMethodName     = "/cronoq.v1.AdminService/PausePool"
+	AdminService_ResumePool_FullMethodName    = "/cronoq.v1.AdminService/ResumePool"
 	AdminService_GetServerInfo_FullMethodName = "/cronoq.v1.AdminService/GetServerInfo"
 )
 
@@ -31,6 +33,10 @@ const (
 type AdminServiceClient interface {
 	// The pools the caller may read or administer; the shard's resources need admin.
 	GetSnapshot(ctx context.Context, in *GetSnapshotRequest, opts ...grpc.CallOption) (*GetSnapshotResponse, error)
+	// Stops leasing the pool's tasks (stored: it holds across restarts and failovers). The pool
+	// still accepts submissions and schedule fires; running tasks finish normally.
+	PausePool(ctx context.Context, in *PausePoolRequest, opts ...grpc.CallOption) (*PausePoolResponse, error)
+	ResumePool(ctx context.Context, in *ResumePoolRequest, opts ...grpc.CallOption) (*ResumePoolResponse, error)
 	GetServerInfo(ctx context.Context, in *GetServerInfoRequest, opts ...grpc.CallOption) (*GetServerInfoResponse, error)
 }
 
@@ -46,6 +52,26 @@ func (c *adminServiceClient) GetSnapshot(ctx context.Context, in *GetSnapshotReq
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(GetSnapshotResponse)
 	err := c.cc.Invoke(ctx, AdminService_GetSnapshot_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminServiceClient) PausePool(ctx context.Context, in *PausePoolRequest, opts ...grpc.CallOption) (*PausePoolResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(PausePoolResponse)
+	err := c.cc.Invoke(ctx, AdminService_PausePool_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminServiceClient) ResumePool(ctx context.Context, in *ResumePoolRequest, opts ...grpc.CallOption) (*ResumePoolResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ResumePoolResponse)
+	err := c.cc.Invoke(ctx, AdminService_ResumePool_FullMethodName, in, out, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -70,6 +96,10 @@ func (c *adminServiceClient) GetServerInfo(ctx context.Context, in *GetServerInf
 type AdminServiceServer interface {
 	// The pools the caller may read or administer; the shard's resources need admin.
 	GetSnapshot(context.Context, *GetSnapshotRequest) (*GetSnapshotResponse, error)
+	// Stops leasing the pool's tasks (stored: it holds across restarts and failovers). The pool
+	// still accepts submissions and schedule fires; running tasks finish normally.
+	PausePool(context.Context, *PausePoolRequest) (*PausePoolResponse, error)
+	ResumePool(context.Context, *ResumePoolRequest) (*ResumePoolResponse, error)
 	GetServerInfo(context.Context, *GetServerInfoRequest) (*GetServerInfoResponse, error)
 	mustEmbedUnimplementedAdminServiceServer()
 }
@@ -83,6 +113,12 @@ type UnimplementedAdminServiceServer struct{}
 
 func (UnimplementedAdminServiceServer) GetSnapshot(context.Context, *GetSnapshotRequest) (*GetSnapshotResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method GetSnapshot not implemented")
+}
+func (UnimplementedAdminServiceServer) PausePool(context.Context, *PausePoolRequest) (*PausePoolResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method PausePool not implemented")
+}
+func (UnimplementedAdminServiceServer) ResumePool(context.Context, *ResumePoolRequest) (*ResumePoolResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ResumePool not implemented")
 }
 func (UnimplementedAdminServiceServer) GetServerInfo(context.Context, *GetServerInfoRequest) (*GetServerInfoResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method GetServerInfo not implemented")
@@ -126,6 +162,42 @@ func _AdminService_GetSnapshot_Handler(srv interface{}, ctx context.Context, dec
 	return interceptor(ctx, in, info, handler)
 }
 
+func _AdminService_PausePool_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(PausePoolRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).PausePool(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_PausePool_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).PausePool(ctx, req.(*PausePoolRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _AdminService_ResumePool_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ResumePoolRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).ResumePool(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_ResumePool_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).ResumePool(ctx, req.(*ResumePoolRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _AdminService_GetServerInfo_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(GetServerInfoRequest)
 	if err := dec(in); err != nil {
@@ -154,6 +226,14 @@ var AdminService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "GetSnapshot",
 			Handler:    _AdminService_GetSnapshot_Handler,
+		},
+		{
+			MethodName: "PausePool",
+			Handler:    _AdminService_PausePool_Handler,
+		},
+		{
+			MethodName: "ResumePool",
+			Handler:    _AdminService_ResumePool_Handler,
 		},
 		{
 			MethodName: "GetServerInfo",

@@ -84,6 +84,68 @@ func (TaskState) EnumDescriptor() ([]byte, []int) {
 	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{0}
 }
 
+// How an attempt ended.
+type AttemptOutcome int32
+
+const (
+	AttemptOutcome_ATTEMPT_OUTCOME_UNSPECIFIED AttemptOutcome = 0
+	// Running now.
+	AttemptOutcome_ATTEMPT_OUTCOME_RUNNING   AttemptOutcome = 1
+	AttemptOutcome_ATTEMPT_OUTCOME_SUCCEEDED AttemptOutcome = 2
+	// The handler failed (or timed out); the task was retried if attempts remained.
+	AttemptOutcome_ATTEMPT_OUTCOME_FAILED    AttemptOutcome = 3
+	AttemptOutcome_ATTEMPT_OUTCOME_CANCELLED AttemptOutcome = 4
+	// The lease expired: the worker stopped heartbeating (crashed, or cut off).
+	AttemptOutcome_ATTEMPT_OUTCOME_LOST AttemptOutcome = 5
+)
+
+// Enum value maps for AttemptOutcome.
+var (
+	AttemptOutcome_name = map[int32]string{
+		0: "ATTEMPT_OUTCOME_UNSPECIFIED",
+		1: "ATTEMPT_OUTCOME_RUNNING",
+		2: "ATTEMPT_OUTCOME_SUCCEEDED",
+		3: "ATTEMPT_OUTCOME_FAILED",
+		4: "ATTEMPT_OUTCOME_CANCELLED",
+		5: "ATTEMPT_OUTCOME_LOST",
+	}
+	AttemptOutcome_value = map[string]int32{
+		"ATTEMPT_OUTCOME_UNSPECIFIED": 0,
+		"ATTEMPT_OUTCOME_RUNNING":     1,
+		"ATTEMPT_OUTCOME_SUCCEEDED":   2,
+		"ATTEMPT_OUTCOME_FAILED":      3,
+		"ATTEMPT_OUTCOME_CANCELLED":   4,
+		"ATTEMPT_OUTCOME_LOST":        5,
+	}
+)
+
+func (x AttemptOutcome) Enum() *AttemptOutcome {
+	p := new(AttemptOutcome)
+	*p = x
+	return p
+}
+
+func (x AttemptOutcome) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (AttemptOutcome) Descriptor() protoreflect.EnumDescriptor {
+	return file_cronoq_v1_task_proto_enumTypes[1].Descriptor()
+}
+
+func (AttemptOutcome) Type() protoreflect.EnumType {
+	return &file_cronoq_v1_task_proto_enumTypes[1]
+}
+
+func (x AttemptOutcome) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use AttemptOutcome.Descriptor instead.
+func (AttemptOutcome) EnumDescriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{1}
+}
+
 // Names one task, by id or by key (keys are unique within a shard).
 type TaskRef struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -476,6 +538,109 @@ func (x *TaskEvent) GetCursor() string {
 	return ""
 }
 
+// One attempt of a task, kept with it until the task is deleted or purged.
+type Attempt struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Attempt  int32                  `protobuf:"varint,1,opt,name=attempt,proto3" json:"attempt,omitempty"`
+	WorkerId string                 `protobuf:"bytes,2,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
+	// The name the worker registered with, while the shard still knows the worker.
+	WorkerName string                 `protobuf:"bytes,3,opt,name=worker_name,json=workerName,proto3" json:"worker_name,omitempty"`
+	StartedAt  *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=started_at,json=startedAt,proto3" json:"started_at,omitempty"`
+	EndedAt    *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=ended_at,json=endedAt,proto3" json:"ended_at,omitempty"`
+	Outcome    AttemptOutcome         `protobuf:"varint,6,opt,name=outcome,proto3,enum=cronoq.v1.AttemptOutcome" json:"outcome,omitempty"`
+	Error      string                 `protobuf:"bytes,7,opt,name=error,proto3" json:"error,omitempty"`
+	// ended_at - started_at (for a running attempt: so far).
+	DurationMs    int64 `protobuf:"varint,8,opt,name=duration_ms,json=durationMs,proto3" json:"duration_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Attempt) Reset() {
+	*x = Attempt{}
+	mi := &file_cronoq_v1_task_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Attempt) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Attempt) ProtoMessage() {}
+
+func (x *Attempt) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_task_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Attempt.ProtoReflect.Descriptor instead.
+func (*Attempt) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *Attempt) GetAttempt() int32 {
+	if x != nil {
+		return x.Attempt
+	}
+	return 0
+}
+
+func (x *Attempt) GetWorkerId() string {
+	if x != nil {
+		return x.WorkerId
+	}
+	return ""
+}
+
+func (x *Attempt) GetWorkerName() string {
+	if x != nil {
+		return x.WorkerName
+	}
+	return ""
+}
+
+func (x *Attempt) GetStartedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.StartedAt
+	}
+	return nil
+}
+
+func (x *Attempt) GetEndedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.EndedAt
+	}
+	return nil
+}
+
+func (x *Attempt) GetOutcome() AttemptOutcome {
+	if x != nil {
+		return x.Outcome
+	}
+	return AttemptOutcome_ATTEMPT_OUTCOME_UNSPECIFIED
+}
+
+func (x *Attempt) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
+func (x *Attempt) GetDurationMs() int64 {
+	if x != nil {
+		return x.DurationMs
+	}
+	return 0
+}
+
 var File_cronoq_v1_task_proto protoreflect.FileDescriptor
 
 const file_cronoq_v1_task_proto_rawDesc = "" +
@@ -522,7 +687,19 @@ const file_cronoq_v1_task_proto_rawDesc = "" +
 	"\x04time\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x04time\x12\x14\n" +
 	"\x05shard\x18\x03 \x01(\tR\x05shard\x12\x10\n" +
 	"\x03seq\x18\x04 \x01(\x04R\x03seq\x12\x16\n" +
-	"\x06cursor\x18\x05 \x01(\tR\x06cursor*\xba\x01\n" +
+	"\x06cursor\x18\x05 \x01(\tR\x06cursor\"\xbf\x02\n" +
+	"\aAttempt\x12\x18\n" +
+	"\aattempt\x18\x01 \x01(\x05R\aattempt\x12\x1b\n" +
+	"\tworker_id\x18\x02 \x01(\tR\bworkerId\x12\x1f\n" +
+	"\vworker_name\x18\x03 \x01(\tR\n" +
+	"workerName\x129\n" +
+	"\n" +
+	"started_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tstartedAt\x125\n" +
+	"\bended_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\aendedAt\x123\n" +
+	"\aoutcome\x18\x06 \x01(\x0e2\x19.cronoq.v1.AttemptOutcomeR\aoutcome\x12\x14\n" +
+	"\x05error\x18\a \x01(\tR\x05error\x12\x1f\n" +
+	"\vduration_ms\x18\b \x01(\x03R\n" +
+	"durationMs*\xba\x01\n" +
 	"\tTaskState\x12\x1a\n" +
 	"\x16TASK_STATE_UNSPECIFIED\x10\x00\x12\x16\n" +
 	"\x12TASK_STATE_PENDING\x10\x01\x12\x16\n" +
@@ -530,7 +707,14 @@ const file_cronoq_v1_task_proto_rawDesc = "" +
 	"\x12TASK_STATE_RUNNING\x10\x03\x12\x18\n" +
 	"\x14TASK_STATE_SUCCEEDED\x10\x04\x12\x15\n" +
 	"\x11TASK_STATE_FAILED\x10\x05\x12\x18\n" +
-	"\x14TASK_STATE_CANCELLED\x10\x06B8Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3"
+	"\x14TASK_STATE_CANCELLED\x10\x06*\xc2\x01\n" +
+	"\x0eAttemptOutcome\x12\x1f\n" +
+	"\x1bATTEMPT_OUTCOME_UNSPECIFIED\x10\x00\x12\x1b\n" +
+	"\x17ATTEMPT_OUTCOME_RUNNING\x10\x01\x12\x1d\n" +
+	"\x19ATTEMPT_OUTCOME_SUCCEEDED\x10\x02\x12\x1a\n" +
+	"\x16ATTEMPT_OUTCOME_FAILED\x10\x03\x12\x1d\n" +
+	"\x19ATTEMPT_OUTCOME_CANCELLED\x10\x04\x12\x18\n" +
+	"\x14ATTEMPT_OUTCOME_LOST\x10\x05B8Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3"
 
 var (
 	file_cronoq_v1_task_proto_rawDescOnce sync.Once
@@ -544,31 +728,36 @@ func file_cronoq_v1_task_proto_rawDescGZIP() []byte {
 	return file_cronoq_v1_task_proto_rawDescData
 }
 
-var file_cronoq_v1_task_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_cronoq_v1_task_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
+var file_cronoq_v1_task_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
+var file_cronoq_v1_task_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
 var file_cronoq_v1_task_proto_goTypes = []any{
 	(TaskState)(0),                // 0: cronoq.v1.TaskState
-	(*TaskRef)(nil),               // 1: cronoq.v1.TaskRef
-	(*Task)(nil),                  // 2: cronoq.v1.Task
-	(*TaskEvent)(nil),             // 3: cronoq.v1.TaskEvent
-	nil,                           // 4: cronoq.v1.Task.ResourcesEntry
-	(*timestamppb.Timestamp)(nil), // 5: google.protobuf.Timestamp
+	(AttemptOutcome)(0),           // 1: cronoq.v1.AttemptOutcome
+	(*TaskRef)(nil),               // 2: cronoq.v1.TaskRef
+	(*Task)(nil),                  // 3: cronoq.v1.Task
+	(*TaskEvent)(nil),             // 4: cronoq.v1.TaskEvent
+	(*Attempt)(nil),               // 5: cronoq.v1.Attempt
+	nil,                           // 6: cronoq.v1.Task.ResourcesEntry
+	(*timestamppb.Timestamp)(nil), // 7: google.protobuf.Timestamp
 }
 var file_cronoq_v1_task_proto_depIdxs = []int32{
-	5, // 0: cronoq.v1.Task.run_at:type_name -> google.protobuf.Timestamp
-	4, // 1: cronoq.v1.Task.resources:type_name -> cronoq.v1.Task.ResourcesEntry
-	0, // 2: cronoq.v1.Task.state:type_name -> cronoq.v1.TaskState
-	5, // 3: cronoq.v1.Task.created_at:type_name -> google.protobuf.Timestamp
-	5, // 4: cronoq.v1.Task.started_at:type_name -> google.protobuf.Timestamp
-	5, // 5: cronoq.v1.Task.finished_at:type_name -> google.protobuf.Timestamp
-	5, // 6: cronoq.v1.Task.lease_expires_at:type_name -> google.protobuf.Timestamp
-	2, // 7: cronoq.v1.TaskEvent.task:type_name -> cronoq.v1.Task
-	5, // 8: cronoq.v1.TaskEvent.time:type_name -> google.protobuf.Timestamp
-	9, // [9:9] is the sub-list for method output_type
-	9, // [9:9] is the sub-list for method input_type
-	9, // [9:9] is the sub-list for extension type_name
-	9, // [9:9] is the sub-list for extension extendee
-	0, // [0:9] is the sub-list for field type_name
+	7,  // 0: cronoq.v1.Task.run_at:type_name -> google.protobuf.Timestamp
+	6,  // 1: cronoq.v1.Task.resources:type_name -> cronoq.v1.Task.ResourcesEntry
+	0,  // 2: cronoq.v1.Task.state:type_name -> cronoq.v1.TaskState
+	7,  // 3: cronoq.v1.Task.created_at:type_name -> google.protobuf.Timestamp
+	7,  // 4: cronoq.v1.Task.started_at:type_name -> google.protobuf.Timestamp
+	7,  // 5: cronoq.v1.Task.finished_at:type_name -> google.protobuf.Timestamp
+	7,  // 6: cronoq.v1.Task.lease_expires_at:type_name -> google.protobuf.Timestamp
+	3,  // 7: cronoq.v1.TaskEvent.task:type_name -> cronoq.v1.Task
+	7,  // 8: cronoq.v1.TaskEvent.time:type_name -> google.protobuf.Timestamp
+	7,  // 9: cronoq.v1.Attempt.started_at:type_name -> google.protobuf.Timestamp
+	7,  // 10: cronoq.v1.Attempt.ended_at:type_name -> google.protobuf.Timestamp
+	1,  // 11: cronoq.v1.Attempt.outcome:type_name -> cronoq.v1.AttemptOutcome
+	12, // [12:12] is the sub-list for method output_type
+	12, // [12:12] is the sub-list for method input_type
+	12, // [12:12] is the sub-list for extension type_name
+	12, // [12:12] is the sub-list for extension extendee
+	0,  // [0:12] is the sub-list for field type_name
 }
 
 func init() { file_cronoq_v1_task_proto_init() }
@@ -585,8 +774,8 @@ func file_cronoq_v1_task_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cronoq_v1_task_proto_rawDesc), len(file_cronoq_v1_task_proto_rawDesc)),
-			NumEnums:      1,
-			NumMessages:   4,
+			NumEnums:      2,
+			NumMessages:   5,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -321,8 +321,10 @@ type GetTaskRequest struct {
 	Task  *TaskRef               `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
 	// Also list the tasks that depend on this one (GetTaskResponse.dependents).
 	IncludeDependents bool `protobuf:"varint,2,opt,name=include_dependents,json=includeDependents,proto3" json:"include_dependents,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// Also return the task's attempts (GetTaskResponse.attempts).
+	IncludeAttempts bool `protobuf:"varint,3,opt,name=include_attempts,json=includeAttempts,proto3" json:"include_attempts,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *GetTaskRequest) Reset() {
@@ -369,13 +371,23 @@ func (x *GetTaskRequest) GetIncludeDependents() bool {
 	return false
 }
 
+func (x *GetTaskRequest) GetIncludeAttempts() bool {
+	if x != nil {
+		return x.IncludeAttempts
+	}
+	return false
+}
+
 type GetTaskResponse struct {
 	state             protoimpl.MessageState `protogen:"open.v1"`
 	Task              *Task                  `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
 	UnavailableShards []string               `protobuf:"bytes,2,rep,name=unavailable_shards,json=unavailableShards,proto3" json:"unavailable_shards,omitempty"`
 	// With include_dependents: ids of the tasks waiting for this one, in pools the caller may
 	// read, in id order, at most 100.
-	Dependents    []uint64 `protobuf:"varint,3,rep,packed,name=dependents,proto3" json:"dependents,omitempty"`
+	Dependents []uint64 `protobuf:"varint,3,rep,packed,name=dependents,proto3" json:"dependents,omitempty"`
+	// With include_attempts: every attempt, oldest first; one running now is last (outcome
+	// ATTEMPT_OUTCOME_RUNNING, no ended_at).
+	Attempts      []*Attempt `protobuf:"bytes,4,rep,name=attempts,proto3" json:"attempts,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -427,6 +439,13 @@ func (x *GetTaskResponse) GetUnavailableShards() []string {
 func (x *GetTaskResponse) GetDependents() []uint64 {
 	if x != nil {
 		return x.Dependents
+	}
+	return nil
+}
+
+func (x *GetTaskResponse) GetAttempts() []*Attempt {
+	if x != nil {
+		return x.Attempts
 	}
 	return nil
 }
@@ -633,6 +652,767 @@ func (x *CancelTaskResponse) GetTask() *Task {
 	return nil
 }
 
+type RetryTaskRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Task  *TaskRef               `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
+	// When it may run again; unset: now. In the Timestamp range.
+	RunAt *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=run_at,json=runAt,proto3" json:"run_at,omitempty"`
+	// 0 to 1000 (0: 1): how many more attempts a task that used all of its attempts gets
+	// (its max_attempts becomes its attempt plus this). A task with attempts left keeps them.
+	ExtraAttempts int32 `protobuf:"varint,3,opt,name=extra_attempts,json=extraAttempts,proto3" json:"extra_attempts,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RetryTaskRequest) Reset() {
+	*x = RetryTaskRequest{}
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RetryTaskRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RetryTaskRequest) ProtoMessage() {}
+
+func (x *RetryTaskRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RetryTaskRequest.ProtoReflect.Descriptor instead.
+func (*RetryTaskRequest) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *RetryTaskRequest) GetTask() *TaskRef {
+	if x != nil {
+		return x.Task
+	}
+	return nil
+}
+
+func (x *RetryTaskRequest) GetRunAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.RunAt
+	}
+	return nil
+}
+
+func (x *RetryTaskRequest) GetExtraAttempts() int32 {
+	if x != nil {
+		return x.ExtraAttempts
+	}
+	return 0
+}
+
+type RetryTaskResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Task  *Task                  `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
+	// How many of its dependents, ended because it ended, wait for it again (BLOCKED).
+	DependentsRestored int64 `protobuf:"varint,2,opt,name=dependents_restored,json=dependentsRestored,proto3" json:"dependents_restored,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
+}
+
+func (x *RetryTaskResponse) Reset() {
+	*x = RetryTaskResponse{}
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RetryTaskResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RetryTaskResponse) ProtoMessage() {}
+
+func (x *RetryTaskResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RetryTaskResponse.ProtoReflect.Descriptor instead.
+func (*RetryTaskResponse) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *RetryTaskResponse) GetTask() *Task {
+	if x != nil {
+		return x.Task
+	}
+	return nil
+}
+
+func (x *RetryTaskResponse) GetDependentsRestored() int64 {
+	if x != nil {
+		return x.DependentsRestored
+	}
+	return 0
+}
+
+type DeleteTaskRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Task          *TaskRef               `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DeleteTaskRequest) Reset() {
+	*x = DeleteTaskRequest{}
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeleteTaskRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeleteTaskRequest) ProtoMessage() {}
+
+func (x *DeleteTaskRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeleteTaskRequest.ProtoReflect.Descriptor instead.
+func (*DeleteTaskRequest) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *DeleteTaskRequest) GetTask() *TaskRef {
+	if x != nil {
+		return x.Task
+	}
+	return nil
+}
+
+type DeleteTaskResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The id of the task deleted.
+	Id            uint64 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DeleteTaskResponse) Reset() {
+	*x = DeleteTaskResponse{}
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeleteTaskResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeleteTaskResponse) ProtoMessage() {}
+
+func (x *DeleteTaskResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeleteTaskResponse.ProtoReflect.Descriptor instead.
+func (*DeleteTaskResponse) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *DeleteTaskResponse) GetId() uint64 {
+	if x != nil {
+		return x.Id
+	}
+	return 0
+}
+
+// Which tasks a bulk action applies to: those that match every field set.
+type TaskFilter struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Empty: every pool the caller may act on.
+	Pool string `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
+	// Empty: every state the action applies to (cancel: PENDING, BLOCKED, RUNNING; retry:
+	// FAILED, CANCELLED; delete: SUCCEEDED, FAILED, CANCELLED); a state outside those is refused.
+	States         []TaskState            `protobuf:"varint,2,rep,packed,name=states,proto3,enum=cronoq.v1.TaskState" json:"states,omitempty"`
+	CreatedAfter   *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=created_after,json=createdAfter,proto3" json:"created_after,omitempty"`
+	CreatedBefore  *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=created_before,json=createdBefore,proto3" json:"created_before,omitempty"`
+	FinishedAfter  *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=finished_after,json=finishedAfter,proto3" json:"finished_after,omitempty"`
+	FinishedBefore *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=finished_before,json=finishedBefore,proto3" json:"finished_before,omitempty"`
+	// Tasks whose key starts with this (at most 256 bytes).
+	KeyPrefix string `protobuf:"bytes,7,opt,name=key_prefix,json=keyPrefix,proto3" json:"key_prefix,omitempty"`
+	// Tasks whose error contains this text, case-sensitive (at most 1024 bytes).
+	ErrorContains string `protobuf:"bytes,8,opt,name=error_contains,json=errorContains,proto3" json:"error_contains,omitempty"`
+	// Only these tasks (at most 1000 ids).
+	Ids           []uint64 `protobuf:"varint,9,rep,packed,name=ids,proto3" json:"ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TaskFilter) Reset() {
+	*x = TaskFilter{}
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TaskFilter) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TaskFilter) ProtoMessage() {}
+
+func (x *TaskFilter) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TaskFilter.ProtoReflect.Descriptor instead.
+func (*TaskFilter) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *TaskFilter) GetPool() string {
+	if x != nil {
+		return x.Pool
+	}
+	return ""
+}
+
+func (x *TaskFilter) GetStates() []TaskState {
+	if x != nil {
+		return x.States
+	}
+	return nil
+}
+
+func (x *TaskFilter) GetCreatedAfter() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CreatedAfter
+	}
+	return nil
+}
+
+func (x *TaskFilter) GetCreatedBefore() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CreatedBefore
+	}
+	return nil
+}
+
+func (x *TaskFilter) GetFinishedAfter() *timestamppb.Timestamp {
+	if x != nil {
+		return x.FinishedAfter
+	}
+	return nil
+}
+
+func (x *TaskFilter) GetFinishedBefore() *timestamppb.Timestamp {
+	if x != nil {
+		return x.FinishedBefore
+	}
+	return nil
+}
+
+func (x *TaskFilter) GetKeyPrefix() string {
+	if x != nil {
+		return x.KeyPrefix
+	}
+	return ""
+}
+
+func (x *TaskFilter) GetErrorContains() string {
+	if x != nil {
+		return x.ErrorContains
+	}
+	return ""
+}
+
+func (x *TaskFilter) GetIds() []uint64 {
+	if x != nil {
+		return x.Ids
+	}
+	return nil
+}
+
+// What a bulk action did in one shard.
+type BulkShardResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Shard string                 `protobuf:"bytes,1,opt,name=shard,proto3" json:"shard,omitempty"`
+	// Tasks that matched the filter.
+	Matched int64 `protobuf:"varint,2,opt,name=matched,proto3" json:"matched,omitempty"`
+	// Tasks the action changed (a task that changed meanwhile is matched, not changed).
+	Changed       int64 `protobuf:"varint,3,opt,name=changed,proto3" json:"changed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BulkShardResult) Reset() {
+	*x = BulkShardResult{}
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BulkShardResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BulkShardResult) ProtoMessage() {}
+
+func (x *BulkShardResult) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BulkShardResult.ProtoReflect.Descriptor instead.
+func (*BulkShardResult) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *BulkShardResult) GetShard() string {
+	if x != nil {
+		return x.Shard
+	}
+	return ""
+}
+
+func (x *BulkShardResult) GetMatched() int64 {
+	if x != nil {
+		return x.Matched
+	}
+	return 0
+}
+
+func (x *BulkShardResult) GetChanged() int64 {
+	if x != nil {
+		return x.Changed
+	}
+	return 0
+}
+
+type CancelTasksRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Filter *TaskFilter            `protobuf:"bytes,1,opt,name=filter,proto3" json:"filter,omitempty"`
+	// Count the tasks that match; change nothing (changed is 0).
+	DryRun        bool `protobuf:"varint,2,opt,name=dry_run,json=dryRun,proto3" json:"dry_run,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CancelTasksRequest) Reset() {
+	*x = CancelTasksRequest{}
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CancelTasksRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CancelTasksRequest) ProtoMessage() {}
+
+func (x *CancelTasksRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CancelTasksRequest.ProtoReflect.Descriptor instead.
+func (*CancelTasksRequest) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *CancelTasksRequest) GetFilter() *TaskFilter {
+	if x != nil {
+		return x.Filter
+	}
+	return nil
+}
+
+func (x *CancelTasksRequest) GetDryRun() bool {
+	if x != nil {
+		return x.DryRun
+	}
+	return false
+}
+
+type CancelTasksResponse struct {
+	state             protoimpl.MessageState `protogen:"open.v1"`
+	Matched           int64                  `protobuf:"varint,1,opt,name=matched,proto3" json:"matched,omitempty"`
+	Changed           int64                  `protobuf:"varint,2,opt,name=changed,proto3" json:"changed,omitempty"`
+	Shards            []*BulkShardResult     `protobuf:"bytes,3,rep,name=shards,proto3" json:"shards,omitempty"`
+	UnavailableShards []string               `protobuf:"bytes,4,rep,name=unavailable_shards,json=unavailableShards,proto3" json:"unavailable_shards,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
+}
+
+func (x *CancelTasksResponse) Reset() {
+	*x = CancelTasksResponse{}
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CancelTasksResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CancelTasksResponse) ProtoMessage() {}
+
+func (x *CancelTasksResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CancelTasksResponse.ProtoReflect.Descriptor instead.
+func (*CancelTasksResponse) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *CancelTasksResponse) GetMatched() int64 {
+	if x != nil {
+		return x.Matched
+	}
+	return 0
+}
+
+func (x *CancelTasksResponse) GetChanged() int64 {
+	if x != nil {
+		return x.Changed
+	}
+	return 0
+}
+
+func (x *CancelTasksResponse) GetShards() []*BulkShardResult {
+	if x != nil {
+		return x.Shards
+	}
+	return nil
+}
+
+func (x *CancelTasksResponse) GetUnavailableShards() []string {
+	if x != nil {
+		return x.UnavailableShards
+	}
+	return nil
+}
+
+type RetryTasksRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Filter *TaskFilter            `protobuf:"bytes,1,opt,name=filter,proto3" json:"filter,omitempty"`
+	DryRun bool                   `protobuf:"varint,2,opt,name=dry_run,json=dryRun,proto3" json:"dry_run,omitempty"`
+	// As RetryTaskRequest's.
+	RunAt         *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=run_at,json=runAt,proto3" json:"run_at,omitempty"`
+	ExtraAttempts int32                  `protobuf:"varint,4,opt,name=extra_attempts,json=extraAttempts,proto3" json:"extra_attempts,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RetryTasksRequest) Reset() {
+	*x = RetryTasksRequest{}
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RetryTasksRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RetryTasksRequest) ProtoMessage() {}
+
+func (x *RetryTasksRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RetryTasksRequest.ProtoReflect.Descriptor instead.
+func (*RetryTasksRequest) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *RetryTasksRequest) GetFilter() *TaskFilter {
+	if x != nil {
+		return x.Filter
+	}
+	return nil
+}
+
+func (x *RetryTasksRequest) GetDryRun() bool {
+	if x != nil {
+		return x.DryRun
+	}
+	return false
+}
+
+func (x *RetryTasksRequest) GetRunAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.RunAt
+	}
+	return nil
+}
+
+func (x *RetryTasksRequest) GetExtraAttempts() int32 {
+	if x != nil {
+		return x.ExtraAttempts
+	}
+	return 0
+}
+
+type RetryTasksResponse struct {
+	state             protoimpl.MessageState `protogen:"open.v1"`
+	Matched           int64                  `protobuf:"varint,1,opt,name=matched,proto3" json:"matched,omitempty"`
+	Changed           int64                  `protobuf:"varint,2,opt,name=changed,proto3" json:"changed,omitempty"`
+	Shards            []*BulkShardResult     `protobuf:"bytes,3,rep,name=shards,proto3" json:"shards,omitempty"`
+	UnavailableShards []string               `protobuf:"bytes,4,rep,name=unavailable_shards,json=unavailableShards,proto3" json:"unavailable_shards,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
+}
+
+func (x *RetryTasksResponse) Reset() {
+	*x = RetryTasksResponse{}
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RetryTasksResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RetryTasksResponse) ProtoMessage() {}
+
+func (x *RetryTasksResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RetryTasksResponse.ProtoReflect.Descriptor instead.
+func (*RetryTasksResponse) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *RetryTasksResponse) GetMatched() int64 {
+	if x != nil {
+		return x.Matched
+	}
+	return 0
+}
+
+func (x *RetryTasksResponse) GetChanged() int64 {
+	if x != nil {
+		return x.Changed
+	}
+	return 0
+}
+
+func (x *RetryTasksResponse) GetShards() []*BulkShardResult {
+	if x != nil {
+		return x.Shards
+	}
+	return nil
+}
+
+func (x *RetryTasksResponse) GetUnavailableShards() []string {
+	if x != nil {
+		return x.UnavailableShards
+	}
+	return nil
+}
+
+type DeleteTasksRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Filter        *TaskFilter            `protobuf:"bytes,1,opt,name=filter,proto3" json:"filter,omitempty"`
+	DryRun        bool                   `protobuf:"varint,2,opt,name=dry_run,json=dryRun,proto3" json:"dry_run,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DeleteTasksRequest) Reset() {
+	*x = DeleteTasksRequest{}
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeleteTasksRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeleteTasksRequest) ProtoMessage() {}
+
+func (x *DeleteTasksRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeleteTasksRequest.ProtoReflect.Descriptor instead.
+func (*DeleteTasksRequest) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *DeleteTasksRequest) GetFilter() *TaskFilter {
+	if x != nil {
+		return x.Filter
+	}
+	return nil
+}
+
+func (x *DeleteTasksRequest) GetDryRun() bool {
+	if x != nil {
+		return x.DryRun
+	}
+	return false
+}
+
+type DeleteTasksResponse struct {
+	state             protoimpl.MessageState `protogen:"open.v1"`
+	Matched           int64                  `protobuf:"varint,1,opt,name=matched,proto3" json:"matched,omitempty"`
+	Changed           int64                  `protobuf:"varint,2,opt,name=changed,proto3" json:"changed,omitempty"`
+	Shards            []*BulkShardResult     `protobuf:"bytes,3,rep,name=shards,proto3" json:"shards,omitempty"`
+	UnavailableShards []string               `protobuf:"bytes,4,rep,name=unavailable_shards,json=unavailableShards,proto3" json:"unavailable_shards,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
+}
+
+func (x *DeleteTasksResponse) Reset() {
+	*x = DeleteTasksResponse{}
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeleteTasksResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeleteTasksResponse) ProtoMessage() {}
+
+func (x *DeleteTasksResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeleteTasksResponse.ProtoReflect.Descriptor instead.
+func (*DeleteTasksResponse) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *DeleteTasksResponse) GetMatched() int64 {
+	if x != nil {
+		return x.Matched
+	}
+	return 0
+}
+
+func (x *DeleteTasksResponse) GetChanged() int64 {
+	if x != nil {
+		return x.Changed
+	}
+	return 0
+}
+
+func (x *DeleteTasksResponse) GetShards() []*BulkShardResult {
+	if x != nil {
+		return x.Shards
+	}
+	return nil
+}
+
+func (x *DeleteTasksResponse) GetUnavailableShards() []string {
+	if x != nil {
+		return x.UnavailableShards
+	}
+	return nil
+}
+
 type ListTasksRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Pool  string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
@@ -642,14 +1422,17 @@ type ListTasksRequest struct {
 	PageToken string `protobuf:"bytes,4,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
 	// Only the task with this key in each shard (keys deduplicate within a shard, so one key
 	// may name a task in each of several shards).
-	Key           string `protobuf:"bytes,5,opt,name=key,proto3" json:"key,omitempty"`
+	Key string `protobuf:"bytes,5,opt,name=key,proto3" json:"key,omitempty"`
+	// Newest first: in descending id order (within a shard, the order of submission; across
+	// shards, the higher shard number first). page_token then continues with older tasks.
+	NewestFirst   bool `protobuf:"varint,6,opt,name=newest_first,json=newestFirst,proto3" json:"newest_first,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ListTasksRequest) Reset() {
 	*x = ListTasksRequest{}
-	mi := &file_cronoq_v1_task_service_proto_msgTypes[10]
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -661,7 +1444,7 @@ func (x *ListTasksRequest) String() string {
 func (*ListTasksRequest) ProtoMessage() {}
 
 func (x *ListTasksRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_task_service_proto_msgTypes[10]
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -674,7 +1457,7 @@ func (x *ListTasksRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTasksRequest.ProtoReflect.Descriptor instead.
 func (*ListTasksRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{10}
+	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ListTasksRequest) GetPool() string {
@@ -712,9 +1495,16 @@ func (x *ListTasksRequest) GetKey() string {
 	return ""
 }
 
+func (x *ListTasksRequest) GetNewestFirst() bool {
+	if x != nil {
+		return x.NewestFirst
+	}
+	return false
+}
+
 type ListTasksResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// In id order.
+	// In id order (descending with newest_first).
 	Tasks             []*Task  `protobuf:"bytes,1,rep,name=tasks,proto3" json:"tasks,omitempty"`
 	NextPageToken     string   `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
 	UnavailableShards []string `protobuf:"bytes,3,rep,name=unavailable_shards,json=unavailableShards,proto3" json:"unavailable_shards,omitempty"`
@@ -724,7 +1514,7 @@ type ListTasksResponse struct {
 
 func (x *ListTasksResponse) Reset() {
 	*x = ListTasksResponse{}
-	mi := &file_cronoq_v1_task_service_proto_msgTypes[11]
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -736,7 +1526,7 @@ func (x *ListTasksResponse) String() string {
 func (*ListTasksResponse) ProtoMessage() {}
 
 func (x *ListTasksResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_task_service_proto_msgTypes[11]
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -749,7 +1539,7 @@ func (x *ListTasksResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTasksResponse.ProtoReflect.Descriptor instead.
 func (*ListTasksResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{11}
+	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ListTasksResponse) GetTasks() []*Task {
@@ -789,7 +1579,7 @@ type WatchRequest struct {
 
 func (x *WatchRequest) Reset() {
 	*x = WatchRequest{}
-	mi := &file_cronoq_v1_task_service_proto_msgTypes[12]
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -801,7 +1591,7 @@ func (x *WatchRequest) String() string {
 func (*WatchRequest) ProtoMessage() {}
 
 func (x *WatchRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_task_service_proto_msgTypes[12]
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -814,7 +1604,7 @@ func (x *WatchRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchRequest.ProtoReflect.Descriptor instead.
 func (*WatchRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{12}
+	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *WatchRequest) GetPool() string {
@@ -847,7 +1637,7 @@ type WatchResponse struct {
 
 func (x *WatchResponse) Reset() {
 	*x = WatchResponse{}
-	mi := &file_cronoq_v1_task_service_proto_msgTypes[13]
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -859,7 +1649,7 @@ func (x *WatchResponse) String() string {
 func (*WatchResponse) ProtoMessage() {}
 
 func (x *WatchResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_task_service_proto_msgTypes[13]
+	mi := &file_cronoq_v1_task_service_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -872,7 +1662,7 @@ func (x *WatchResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchResponse.ProtoReflect.Descriptor instead.
 func (*WatchResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{13}
+	return file_cronoq_v1_task_service_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *WatchResponse) GetEvent() *TaskEvent {
@@ -915,16 +1705,18 @@ const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"request_id\x18\x02 \x01(\tR\trequestId\"g\n" +
 	"\x13SubmitBatchResponse\x12%\n" +
 	"\x05tasks\x18\x01 \x03(\v2\x0f.cronoq.v1.TaskR\x05tasks\x12)\n" +
-	"\x10deduplicated_ids\x18\x02 \x03(\x04R\x0fdeduplicatedIds\"g\n" +
+	"\x10deduplicated_ids\x18\x02 \x03(\x04R\x0fdeduplicatedIds\"\x92\x01\n" +
 	"\x0eGetTaskRequest\x12&\n" +
 	"\x04task\x18\x01 \x01(\v2\x12.cronoq.v1.TaskRefR\x04task\x12-\n" +
-	"\x12include_dependents\x18\x02 \x01(\bR\x11includeDependents\"\x85\x01\n" +
+	"\x12include_dependents\x18\x02 \x01(\bR\x11includeDependents\x12)\n" +
+	"\x10include_attempts\x18\x03 \x01(\bR\x0fincludeAttempts\"\xb5\x01\n" +
 	"\x0fGetTaskResponse\x12#\n" +
 	"\x04task\x18\x01 \x01(\v2\x0f.cronoq.v1.TaskR\x04task\x12-\n" +
 	"\x12unavailable_shards\x18\x02 \x03(\tR\x11unavailableShards\x12\x1e\n" +
 	"\n" +
 	"dependents\x18\x03 \x03(\x04R\n" +
-	"dependents\"X\n" +
+	"dependents\x12.\n" +
+	"\battempts\x18\x04 \x03(\v2\x12.cronoq.v1.AttemptR\battempts\"X\n" +
 	"\x0fWaitTaskRequest\x12&\n" +
 	"\x04task\x18\x01 \x01(\v2\x12.cronoq.v1.TaskRefR\x04task\x12\x1d\n" +
 	"\n" +
@@ -936,14 +1728,68 @@ const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"\x11CancelTaskRequest\x12&\n" +
 	"\x04task\x18\x01 \x01(\v2\x12.cronoq.v1.TaskRefR\x04task\"9\n" +
 	"\x12CancelTaskResponse\x12#\n" +
-	"\x04task\x18\x01 \x01(\v2\x0f.cronoq.v1.TaskR\x04task\"\xa0\x01\n" +
+	"\x04task\x18\x01 \x01(\v2\x0f.cronoq.v1.TaskR\x04task\"\x94\x01\n" +
+	"\x10RetryTaskRequest\x12&\n" +
+	"\x04task\x18\x01 \x01(\v2\x12.cronoq.v1.TaskRefR\x04task\x121\n" +
+	"\x06run_at\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x05runAt\x12%\n" +
+	"\x0eextra_attempts\x18\x03 \x01(\x05R\rextraAttempts\"i\n" +
+	"\x11RetryTaskResponse\x12#\n" +
+	"\x04task\x18\x01 \x01(\v2\x0f.cronoq.v1.TaskR\x04task\x12/\n" +
+	"\x13dependents_restored\x18\x02 \x01(\x03R\x12dependentsRestored\";\n" +
+	"\x11DeleteTaskRequest\x12&\n" +
+	"\x04task\x18\x01 \x01(\v2\x12.cronoq.v1.TaskRefR\x04task\"$\n" +
+	"\x12DeleteTaskResponse\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\x04R\x02id\"\xb2\x03\n" +
+	"\n" +
+	"TaskFilter\x12\x12\n" +
+	"\x04pool\x18\x01 \x01(\tR\x04pool\x12,\n" +
+	"\x06states\x18\x02 \x03(\x0e2\x14.cronoq.v1.TaskStateR\x06states\x12?\n" +
+	"\rcreated_after\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\fcreatedAfter\x12A\n" +
+	"\x0ecreated_before\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\rcreatedBefore\x12A\n" +
+	"\x0efinished_after\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\rfinishedAfter\x12C\n" +
+	"\x0ffinished_before\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\x0efinishedBefore\x12\x1d\n" +
+	"\n" +
+	"key_prefix\x18\a \x01(\tR\tkeyPrefix\x12%\n" +
+	"\x0eerror_contains\x18\b \x01(\tR\rerrorContains\x12\x10\n" +
+	"\x03ids\x18\t \x03(\x04R\x03ids\"[\n" +
+	"\x0fBulkShardResult\x12\x14\n" +
+	"\x05shard\x18\x01 \x01(\tR\x05shard\x12\x18\n" +
+	"\amatched\x18\x02 \x01(\x03R\amatched\x12\x18\n" +
+	"\achanged\x18\x03 \x01(\x03R\achanged\"\\\n" +
+	"\x12CancelTasksRequest\x12-\n" +
+	"\x06filter\x18\x01 \x01(\v2\x15.cronoq.v1.TaskFilterR\x06filter\x12\x17\n" +
+	"\adry_run\x18\x02 \x01(\bR\x06dryRun\"\xac\x01\n" +
+	"\x13CancelTasksResponse\x12\x18\n" +
+	"\amatched\x18\x01 \x01(\x03R\amatched\x12\x18\n" +
+	"\achanged\x18\x02 \x01(\x03R\achanged\x122\n" +
+	"\x06shards\x18\x03 \x03(\v2\x1a.cronoq.v1.BulkShardResultR\x06shards\x12-\n" +
+	"\x12unavailable_shards\x18\x04 \x03(\tR\x11unavailableShards\"\xb5\x01\n" +
+	"\x11RetryTasksRequest\x12-\n" +
+	"\x06filter\x18\x01 \x01(\v2\x15.cronoq.v1.TaskFilterR\x06filter\x12\x17\n" +
+	"\adry_run\x18\x02 \x01(\bR\x06dryRun\x121\n" +
+	"\x06run_at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x05runAt\x12%\n" +
+	"\x0eextra_attempts\x18\x04 \x01(\x05R\rextraAttempts\"\xab\x01\n" +
+	"\x12RetryTasksResponse\x12\x18\n" +
+	"\amatched\x18\x01 \x01(\x03R\amatched\x12\x18\n" +
+	"\achanged\x18\x02 \x01(\x03R\achanged\x122\n" +
+	"\x06shards\x18\x03 \x03(\v2\x1a.cronoq.v1.BulkShardResultR\x06shards\x12-\n" +
+	"\x12unavailable_shards\x18\x04 \x03(\tR\x11unavailableShards\"\\\n" +
+	"\x12DeleteTasksRequest\x12-\n" +
+	"\x06filter\x18\x01 \x01(\v2\x15.cronoq.v1.TaskFilterR\x06filter\x12\x17\n" +
+	"\adry_run\x18\x02 \x01(\bR\x06dryRun\"\xac\x01\n" +
+	"\x13DeleteTasksResponse\x12\x18\n" +
+	"\amatched\x18\x01 \x01(\x03R\amatched\x12\x18\n" +
+	"\achanged\x18\x02 \x01(\x03R\achanged\x122\n" +
+	"\x06shards\x18\x03 \x03(\v2\x1a.cronoq.v1.BulkShardResultR\x06shards\x12-\n" +
+	"\x12unavailable_shards\x18\x04 \x03(\tR\x11unavailableShards\"\xc3\x01\n" +
 	"\x10ListTasksRequest\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12*\n" +
 	"\x05state\x18\x02 \x01(\x0e2\x14.cronoq.v1.TaskStateR\x05state\x12\x1b\n" +
 	"\tpage_size\x18\x03 \x01(\x05R\bpageSize\x12\x1d\n" +
 	"\n" +
 	"page_token\x18\x04 \x01(\tR\tpageToken\x12\x10\n" +
-	"\x03key\x18\x05 \x01(\tR\x03key\"\x91\x01\n" +
+	"\x03key\x18\x05 \x01(\tR\x03key\x12!\n" +
+	"\fnewest_first\x18\x06 \x01(\bR\vnewestFirst\"\x91\x01\n" +
 	"\x11ListTasksResponse\x12%\n" +
 	"\x05tasks\x18\x01 \x03(\v2\x0f.cronoq.v1.TaskR\x05tasks\x12&\n" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\x12-\n" +
@@ -953,7 +1799,7 @@ const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"\x10include_payloads\x18\x02 \x01(\bR\x0fincludePayloads\x12\x16\n" +
 	"\x06cursor\x18\x03 \x01(\tR\x06cursor\";\n" +
 	"\rWatchResponse\x12*\n" +
-	"\x05event\x18\x01 \x01(\v2\x14.cronoq.v1.TaskEventR\x05event2\xd7\x06\n" +
+	"\x05event\x18\x01 \x01(\v2\x14.cronoq.v1.TaskEventR\x05event2\xe5\v\n" +
 	"\vTaskService\x12f\n" +
 	"\n" +
 	"SubmitTask\x12\x1c.cronoq.v1.SubmitTaskRequest\x1a\x1d.cronoq.v1.SubmitTaskResponse\"\x1b\xea\xe0\x18\x17\b\x01\x18\x02\"\x11\n" +
@@ -969,7 +1815,21 @@ const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"\n" +
 	"CancelTask\x12\x1c.cronoq.v1.CancelTaskRequest\x1a\x1d.cronoq.v1.CancelTaskResponse\"P\xea\xe0\x18L\b\x03\x18\x03\"\"\n" +
 	"\x04POST\x12\x1a/v1/tasks/{task.id}/cancel\"\"\n" +
-	"\x04POST\x12\x1a/v1/keys/{task.key}/cancel\x12b\n" +
+	"\x04POST\x12\x1a/v1/keys/{task.key}/cancel\x12\x96\x01\n" +
+	"\tRetryTask\x12\x1b.cronoq.v1.RetryTaskRequest\x1a\x1c.cronoq.v1.RetryTaskResponse\"N\xea\xe0\x18J\b\x01\x18\x03\"!\n" +
+	"\x04POST\x12\x19/v1/tasks/{task.id}/retry\"!\n" +
+	"\x04POST\x12\x19/v1/keys/{task.key}/retry\x12\x91\x01\n" +
+	"\n" +
+	"DeleteTask\x12\x1c.cronoq.v1.DeleteTaskRequest\x1a\x1d.cronoq.v1.DeleteTaskResponse\"F\xea\xe0\x18B\b\x06\x18\x03\"\x1d\n" +
+	"\x06DELETE\x12\x13/v1/tasks/{task.id}\"\x1d\n" +
+	"\x06DELETE\x12\x13/v1/keys/{task.key}\x12u\n" +
+	"\vCancelTasks\x12\x1d.cronoq.v1.CancelTasksRequest\x1a\x1e.cronoq.v1.CancelTasksResponse\"'\xea\xe0\x18#\b\x03\x18\x04\"\x1d\n" +
+	"\x04POST\x12\x15/v1/tasks/bulk-cancel\x12q\n" +
+	"\n" +
+	"RetryTasks\x12\x1c.cronoq.v1.RetryTasksRequest\x1a\x1d.cronoq.v1.RetryTasksResponse\"&\xea\xe0\x18\"\b\x01\x18\x04\"\x1c\n" +
+	"\x04POST\x12\x14/v1/tasks/bulk-retry\x12u\n" +
+	"\vDeleteTasks\x12\x1d.cronoq.v1.DeleteTasksRequest\x1a\x1e.cronoq.v1.DeleteTasksResponse\"'\xea\xe0\x18#\b\x06\x18\x04\"\x1d\n" +
+	"\x04POST\x12\x15/v1/tasks/bulk-delete\x12b\n" +
 	"\tListTasks\x12\x1b.cronoq.v1.ListTasksRequest\x1a\x1c.cronoq.v1.ListTasksResponse\"\x1a\xea\xe0\x18\x16\b\x02\x18\x04\"\x10\n" +
 	"\x03GET\x12\t/v1/tasks\x12Z\n" +
 	"\x05Watch\x12\x17.cronoq.v1.WatchRequest\x1a\x18.cronoq.v1.WatchResponse\"\x1c\xea\xe0\x18\x18\b\x02\x18\x04\"\x12\n" +
@@ -987,7 +1847,7 @@ func file_cronoq_v1_task_service_proto_rawDescGZIP() []byte {
 	return file_cronoq_v1_task_service_proto_rawDescData
 }
 
-var file_cronoq_v1_task_service_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
+var file_cronoq_v1_task_service_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_cronoq_v1_task_service_proto_goTypes = []any{
 	(*SubmitTaskRequest)(nil),     // 0: cronoq.v1.SubmitTaskRequest
 	(*SubmitTaskResponse)(nil),    // 1: cronoq.v1.SubmitTaskResponse
@@ -999,52 +1859,92 @@ var file_cronoq_v1_task_service_proto_goTypes = []any{
 	(*WaitTaskResponse)(nil),      // 7: cronoq.v1.WaitTaskResponse
 	(*CancelTaskRequest)(nil),     // 8: cronoq.v1.CancelTaskRequest
 	(*CancelTaskResponse)(nil),    // 9: cronoq.v1.CancelTaskResponse
-	(*ListTasksRequest)(nil),      // 10: cronoq.v1.ListTasksRequest
-	(*ListTasksResponse)(nil),     // 11: cronoq.v1.ListTasksResponse
-	(*WatchRequest)(nil),          // 12: cronoq.v1.WatchRequest
-	(*WatchResponse)(nil),         // 13: cronoq.v1.WatchResponse
-	nil,                           // 14: cronoq.v1.SubmitTaskRequest.ResourcesEntry
-	(*timestamppb.Timestamp)(nil), // 15: google.protobuf.Timestamp
-	(*TaskRef)(nil),               // 16: cronoq.v1.TaskRef
-	(*Task)(nil),                  // 17: cronoq.v1.Task
-	(TaskState)(0),                // 18: cronoq.v1.TaskState
-	(*TaskEvent)(nil),             // 19: cronoq.v1.TaskEvent
+	(*RetryTaskRequest)(nil),      // 10: cronoq.v1.RetryTaskRequest
+	(*RetryTaskResponse)(nil),     // 11: cronoq.v1.RetryTaskResponse
+	(*DeleteTaskRequest)(nil),     // 12: cronoq.v1.DeleteTaskRequest
+	(*DeleteTaskResponse)(nil),    // 13: cronoq.v1.DeleteTaskResponse
+	(*TaskFilter)(nil),            // 14: cronoq.v1.TaskFilter
+	(*BulkShardResult)(nil),       // 15: cronoq.v1.BulkShardResult
+	(*CancelTasksRequest)(nil),    // 16: cronoq.v1.CancelTasksRequest
+	(*CancelTasksResponse)(nil),   // 17: cronoq.v1.CancelTasksResponse
+	(*RetryTasksRequest)(nil),     // 18: cronoq.v1.RetryTasksRequest
+	(*RetryTasksResponse)(nil),    // 19: cronoq.v1.RetryTasksResponse
+	(*DeleteTasksRequest)(nil),    // 20: cronoq.v1.DeleteTasksRequest
+	(*DeleteTasksResponse)(nil),   // 21: cronoq.v1.DeleteTasksResponse
+	(*ListTasksRequest)(nil),      // 22: cronoq.v1.ListTasksRequest
+	(*ListTasksResponse)(nil),     // 23: cronoq.v1.ListTasksResponse
+	(*WatchRequest)(nil),          // 24: cronoq.v1.WatchRequest
+	(*WatchResponse)(nil),         // 25: cronoq.v1.WatchResponse
+	nil,                           // 26: cronoq.v1.SubmitTaskRequest.ResourcesEntry
+	(*timestamppb.Timestamp)(nil), // 27: google.protobuf.Timestamp
+	(*TaskRef)(nil),               // 28: cronoq.v1.TaskRef
+	(*Task)(nil),                  // 29: cronoq.v1.Task
+	(*Attempt)(nil),               // 30: cronoq.v1.Attempt
+	(TaskState)(0),                // 31: cronoq.v1.TaskState
+	(*TaskEvent)(nil),             // 32: cronoq.v1.TaskEvent
 }
 var file_cronoq_v1_task_service_proto_depIdxs = []int32{
-	15, // 0: cronoq.v1.SubmitTaskRequest.run_at:type_name -> google.protobuf.Timestamp
-	16, // 1: cronoq.v1.SubmitTaskRequest.depends_on:type_name -> cronoq.v1.TaskRef
-	14, // 2: cronoq.v1.SubmitTaskRequest.resources:type_name -> cronoq.v1.SubmitTaskRequest.ResourcesEntry
-	17, // 3: cronoq.v1.SubmitTaskResponse.task:type_name -> cronoq.v1.Task
+	27, // 0: cronoq.v1.SubmitTaskRequest.run_at:type_name -> google.protobuf.Timestamp
+	28, // 1: cronoq.v1.SubmitTaskRequest.depends_on:type_name -> cronoq.v1.TaskRef
+	26, // 2: cronoq.v1.SubmitTaskRequest.resources:type_name -> cronoq.v1.SubmitTaskRequest.ResourcesEntry
+	29, // 3: cronoq.v1.SubmitTaskResponse.task:type_name -> cronoq.v1.Task
 	0,  // 4: cronoq.v1.SubmitBatchRequest.tasks:type_name -> cronoq.v1.SubmitTaskRequest
-	17, // 5: cronoq.v1.SubmitBatchResponse.tasks:type_name -> cronoq.v1.Task
-	16, // 6: cronoq.v1.GetTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	17, // 7: cronoq.v1.GetTaskResponse.task:type_name -> cronoq.v1.Task
-	16, // 8: cronoq.v1.WaitTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	17, // 9: cronoq.v1.WaitTaskResponse.task:type_name -> cronoq.v1.Task
-	16, // 10: cronoq.v1.CancelTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	17, // 11: cronoq.v1.CancelTaskResponse.task:type_name -> cronoq.v1.Task
-	18, // 12: cronoq.v1.ListTasksRequest.state:type_name -> cronoq.v1.TaskState
-	17, // 13: cronoq.v1.ListTasksResponse.tasks:type_name -> cronoq.v1.Task
-	19, // 14: cronoq.v1.WatchResponse.event:type_name -> cronoq.v1.TaskEvent
-	0,  // 15: cronoq.v1.TaskService.SubmitTask:input_type -> cronoq.v1.SubmitTaskRequest
-	2,  // 16: cronoq.v1.TaskService.SubmitBatch:input_type -> cronoq.v1.SubmitBatchRequest
-	4,  // 17: cronoq.v1.TaskService.GetTask:input_type -> cronoq.v1.GetTaskRequest
-	6,  // 18: cronoq.v1.TaskService.WaitTask:input_type -> cronoq.v1.WaitTaskRequest
-	8,  // 19: cronoq.v1.TaskService.CancelTask:input_type -> cronoq.v1.CancelTaskRequest
-	10, // 20: cronoq.v1.TaskService.ListTasks:input_type -> cronoq.v1.ListTasksRequest
-	12, // 21: cronoq.v1.TaskService.Watch:input_type -> cronoq.v1.WatchRequest
-	1,  // 22: cronoq.v1.TaskService.SubmitTask:output_type -> cronoq.v1.SubmitTaskResponse
-	3,  // 23: cronoq.v1.TaskService.SubmitBatch:output_type -> cronoq.v1.SubmitBatchResponse
-	5,  // 24: cronoq.v1.TaskService.GetTask:output_type -> cronoq.v1.GetTaskResponse
-	7,  // 25: cronoq.v1.TaskService.WaitTask:output_type -> cronoq.v1.WaitTaskResponse
-	9,  // 26: cronoq.v1.TaskService.CancelTask:output_type -> cronoq.v1.CancelTaskResponse
-	11, // 27: cronoq.v1.TaskService.ListTasks:output_type -> cronoq.v1.ListTasksResponse
-	13, // 28: cronoq.v1.TaskService.Watch:output_type -> cronoq.v1.WatchResponse
-	22, // [22:29] is the sub-list for method output_type
-	15, // [15:22] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	29, // 5: cronoq.v1.SubmitBatchResponse.tasks:type_name -> cronoq.v1.Task
+	28, // 6: cronoq.v1.GetTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	29, // 7: cronoq.v1.GetTaskResponse.task:type_name -> cronoq.v1.Task
+	30, // 8: cronoq.v1.GetTaskResponse.attempts:type_name -> cronoq.v1.Attempt
+	28, // 9: cronoq.v1.WaitTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	29, // 10: cronoq.v1.WaitTaskResponse.task:type_name -> cronoq.v1.Task
+	28, // 11: cronoq.v1.CancelTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	29, // 12: cronoq.v1.CancelTaskResponse.task:type_name -> cronoq.v1.Task
+	28, // 13: cronoq.v1.RetryTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	27, // 14: cronoq.v1.RetryTaskRequest.run_at:type_name -> google.protobuf.Timestamp
+	29, // 15: cronoq.v1.RetryTaskResponse.task:type_name -> cronoq.v1.Task
+	28, // 16: cronoq.v1.DeleteTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	31, // 17: cronoq.v1.TaskFilter.states:type_name -> cronoq.v1.TaskState
+	27, // 18: cronoq.v1.TaskFilter.created_after:type_name -> google.protobuf.Timestamp
+	27, // 19: cronoq.v1.TaskFilter.created_before:type_name -> google.protobuf.Timestamp
+	27, // 20: cronoq.v1.TaskFilter.finished_after:type_name -> google.protobuf.Timestamp
+	27, // 21: cronoq.v1.TaskFilter.finished_before:type_name -> google.protobuf.Timestamp
+	14, // 22: cronoq.v1.CancelTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
+	15, // 23: cronoq.v1.CancelTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
+	14, // 24: cronoq.v1.RetryTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
+	27, // 25: cronoq.v1.RetryTasksRequest.run_at:type_name -> google.protobuf.Timestamp
+	15, // 26: cronoq.v1.RetryTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
+	14, // 27: cronoq.v1.DeleteTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
+	15, // 28: cronoq.v1.DeleteTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
+	31, // 29: cronoq.v1.ListTasksRequest.state:type_name -> cronoq.v1.TaskState
+	29, // 30: cronoq.v1.ListTasksResponse.tasks:type_name -> cronoq.v1.Task
+	32, // 31: cronoq.v1.WatchResponse.event:type_name -> cronoq.v1.TaskEvent
+	0,  // 32: cronoq.v1.TaskService.SubmitTask:input_type -> cronoq.v1.SubmitTaskRequest
+	2,  // 33: cronoq.v1.TaskService.SubmitBatch:input_type -> cronoq.v1.SubmitBatchRequest
+	4,  // 34: cronoq.v1.TaskService.GetTask:input_type -> cronoq.v1.GetTaskRequest
+	6,  // 35: cronoq.v1.TaskService.WaitTask:input_type -> cronoq.v1.WaitTaskRequest
+	8,  // 36: cronoq.v1.TaskService.CancelTask:input_type -> cronoq.v1.CancelTaskRequest
+	10, // 37: cronoq.v1.TaskService.RetryTask:input_type -> cronoq.v1.RetryTaskRequest
+	12, // 38: cronoq.v1.TaskService.DeleteTask:input_type -> cronoq.v1.DeleteTaskRequest
+	16, // 39: cronoq.v1.TaskService.CancelTasks:input_type -> cronoq.v1.CancelTasksRequest
+	18, // 40: cronoq.v1.TaskService.RetryTasks:input_type -> cronoq.v1.RetryTasksRequest
+	20, // 41: cronoq.v1.TaskService.DeleteTasks:input_type -> cronoq.v1.DeleteTasksRequest
+	22, // 42: cronoq.v1.TaskService.ListTasks:input_type -> cronoq.v1.ListTasksRequest
+	24, // 43: cronoq.v1.TaskService.Watch:input_type -> cronoq.v1.WatchRequest
+	1,  // 44: cronoq.v1.TaskService.SubmitTask:output_type -> cronoq.v1.SubmitTaskResponse
+	3,  // 45: cronoq.v1.TaskService.SubmitBatch:output_type -> cronoq.v1.SubmitBatchResponse
+	5,  // 46: cronoq.v1.TaskService.GetTask:output_type -> cronoq.v1.GetTaskResponse
+	7,  // 47: cronoq.v1.TaskService.WaitTask:output_type -> cronoq.v1.WaitTaskResponse
+	9,  // 48: cronoq.v1.TaskService.CancelTask:output_type -> cronoq.v1.CancelTaskResponse
+	11, // 49: cronoq.v1.TaskService.RetryTask:output_type -> cronoq.v1.RetryTaskResponse
+	13, // 50: cronoq.v1.TaskService.DeleteTask:output_type -> cronoq.v1.DeleteTaskResponse
+	17, // 51: cronoq.v1.TaskService.CancelTasks:output_type -> cronoq.v1.CancelTasksResponse
+	19, // 52: cronoq.v1.TaskService.RetryTasks:output_type -> cronoq.v1.RetryTasksResponse
+	21, // 53: cronoq.v1.TaskService.DeleteTasks:output_type -> cronoq.v1.DeleteTasksResponse
+	23, // 54: cronoq.v1.TaskService.ListTasks:output_type -> cronoq.v1.ListTasksResponse
+	25, // 55: cronoq.v1.TaskService.Watch:output_type -> cronoq.v1.WatchResponse
+	44, // [44:56] is the sub-list for method output_type
+	32, // [32:44] is the sub-list for method input_type
+	32, // [32:32] is the sub-list for extension type_name
+	32, // [32:32] is the sub-list for extension extendee
+	0,  // [0:32] is the sub-list for field type_name
 }
 
 func init() { file_cronoq_v1_task_service_proto_init() }
@@ -1060,7 +1960,7 @@ func file_cronoq_v1_task_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cronoq_v1_task_service_proto_rawDesc), len(file_cronoq_v1_task_service_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   15,
+			NumMessages:   27,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

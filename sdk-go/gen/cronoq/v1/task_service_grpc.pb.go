@@ -24,6 +24,11 @@ const (
 	TaskService_GetTask_FullMethodName     = "/cronoq.v1.TaskService/GetTask"
 	TaskService_WaitTask_FullMethodName    = "/cronoq.v1.TaskService/WaitTask"
 	TaskService_CancelTask_FullMethodName  = "/cronoq.v1.TaskService/CancelTask"
+	TaskService_RetryTask_FullMethodName   = "/cronoq.v1.TaskService/RetryTask"
+	TaskService_DeleteTask_FullMethodName  = "/cronoq.v1.TaskService/DeleteTask"
+	TaskService_CancelTasks_FullMethodName = "/cronoq.v1.TaskService/CancelTasks"
+	TaskService_RetryTasks_FullMethodName  = "/cronoq.v1.TaskService/RetryTasks"
+	TaskService_DeleteTasks_FullMethodName = "/cronoq.v1.TaskService/DeleteTasks"
 	TaskService_ListTasks_FullMethodName   = "/cronoq.v1.TaskService/ListTasks"
 	TaskService_Watch_FullMethodName       = "/cronoq.v1.TaskService/Watch"
 )
@@ -41,6 +46,16 @@ type TaskServiceClient interface {
 	// Blocks until the task is terminal or timeout_ms passes.
 	WaitTask(ctx context.Context, in *WaitTaskRequest, opts ...grpc.CallOption) (*WaitTaskResponse, error)
 	CancelTask(ctx context.Context, in *CancelTaskRequest, opts ...grpc.CallOption) (*CancelTaskResponse, error)
+	// A FAILED or CANCELLED task back to PENDING, keeping its attempts and their history.
+	RetryTask(ctx context.Context, in *RetryTaskRequest, opts ...grpc.CallOption) (*RetryTaskResponse, error)
+	// Deletes an ended task (SUCCEEDED, FAILED or CANCELLED) with its attempts and events.
+	DeleteTask(ctx context.Context, in *DeleteTaskRequest, opts ...grpc.CallOption) (*DeleteTaskResponse, error)
+	// Cancels the unfinished tasks that match a filter, in every shard, in bounded batches.
+	CancelTasks(ctx context.Context, in *CancelTasksRequest, opts ...grpc.CallOption) (*CancelTasksResponse, error)
+	// Retries the FAILED and CANCELLED tasks that match a filter, as RetryTask does, in bounded batches.
+	RetryTasks(ctx context.Context, in *RetryTasksRequest, opts ...grpc.CallOption) (*RetryTasksResponse, error)
+	// Deletes the ended tasks that match a filter, as DeleteTask does, in bounded batches.
+	DeleteTasks(ctx context.Context, in *DeleteTasksRequest, opts ...grpc.CallOption) (*DeleteTasksResponse, error)
 	ListTasks(ctx context.Context, in *ListTasksRequest, opts ...grpc.CallOption) (*ListTasksResponse, error)
 	Watch(ctx context.Context, in *WatchRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchResponse], error)
 }
@@ -103,6 +118,56 @@ func (c *taskServiceClient) CancelTask(ctx context.Context, in *CancelTaskReques
 	return out, nil
 }
 
+func (c *taskServiceClient) RetryTask(ctx context.Context, in *RetryTaskRequest, opts ...grpc.CallOption) (*RetryTaskResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(RetryTaskResponse)
+	err := c.cc.Invoke(ctx, TaskService_RetryTask_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *taskServiceClient) DeleteTask(ctx context.Context, in *DeleteTaskRequest, opts ...grpc.CallOption) (*DeleteTaskResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(DeleteTaskResponse)
+	err := c.cc.Invoke(ctx, TaskService_DeleteTask_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *taskServiceClient) CancelTasks(ctx context.Context, in *CancelTasksRequest, opts ...grpc.CallOption) (*CancelTasksResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(CancelTasksResponse)
+	err := c.cc.Invoke(ctx, TaskService_CancelTasks_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *taskServiceClient) RetryTasks(ctx context.Context, in *RetryTasksRequest, opts ...grpc.CallOption) (*RetryTasksResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(RetryTasksResponse)
+	err := c.cc.Invoke(ctx, TaskService_RetryTasks_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *taskServiceClient) DeleteTasks(ctx context.Context, in *DeleteTasksRequest, opts ...grpc.CallOption) (*DeleteTasksResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(DeleteTasksResponse)
+	err := c.cc.Invoke(ctx, TaskService_DeleteTasks_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *taskServiceClient) ListTasks(ctx context.Context, in *ListTasksRequest, opts ...grpc.CallOption) (*ListTasksResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(ListTasksResponse)
@@ -145,6 +210,16 @@ type TaskServiceServer interface {
 	// Blocks until the task is terminal or timeout_ms passes.
 	WaitTask(context.Context, *WaitTaskRequest) (*WaitTaskResponse, error)
 	CancelTask(context.Context, *CancelTaskRequest) (*CancelTaskResponse, error)
+	// A FAILED or CANCELLED task back to PENDING, keeping its attempts and their history.
+	RetryTask(context.Context, *RetryTaskRequest) (*RetryTaskResponse, error)
+	// Deletes an ended task (SUCCEEDED, FAILED or CANCELLED) with its attempts and events.
+	DeleteTask(context.Context, *DeleteTaskRequest) (*DeleteTaskResponse, error)
+	// Cancels the unfinished tasks that match a filter, in every shard, in bounded batches.
+	CancelTasks(context.Context, *CancelTasksRequest) (*CancelTasksResponse, error)
+	// Retries the FAILED and CANCELLED tasks that match a filter, as RetryTask does, in bounded batches.
+	RetryTasks(context.Context, *RetryTasksRequest) (*RetryTasksResponse, error)
+	// Deletes the ended tasks that match a filter, as DeleteTask does, in bounded batches.
+	DeleteTasks(context.Context, *DeleteTasksRequest) (*DeleteTasksResponse, error)
 	ListTasks(context.Context, *ListTasksRequest) (*ListTasksResponse, error)
 	Watch(*WatchRequest, grpc.ServerStreamingServer[WatchResponse]) error
 	mustEmbedUnimplementedTaskServiceServer()
@@ -171,6 +246,21 @@ func (UnimplementedTaskServiceServer) WaitTask(context.Context, *WaitTaskRequest
 }
 func (UnimplementedTaskServiceServer) CancelTask(context.Context, *CancelTaskRequest) (*CancelTaskResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method CancelTask not implemented")
+}
+func (UnimplementedTaskServiceServer) RetryTask(context.Context, *RetryTaskRequest) (*RetryTaskResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method RetryTask not implemented")
+}
+func (UnimplementedTaskServiceServer) DeleteTask(context.Context, *DeleteTaskRequest) (*DeleteTaskResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method DeleteTask not implemented")
+}
+func (UnimplementedTaskServiceServer) CancelTasks(context.Context, *CancelTasksRequest) (*CancelTasksResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method CancelTasks not implemented")
+}
+func (UnimplementedTaskServiceServer) RetryTasks(context.Context, *RetryTasksRequest) (*RetryTasksResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method RetryTasks not implemented")
+}
+func (UnimplementedTaskServiceServer) DeleteTasks(context.Context, *DeleteTasksRequest) (*DeleteTasksResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method DeleteTasks not implemented")
 }
 func (UnimplementedTaskServiceServer) ListTasks(context.Context, *ListTasksRequest) (*ListTasksResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListTasks not implemented")
@@ -289,6 +379,96 @@ func _TaskService_CancelTask_Handler(srv interface{}, ctx context.Context, dec f
 	return interceptor(ctx, in, info, handler)
 }
 
+func _TaskService_RetryTask_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RetryTaskRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(TaskServiceServer).RetryTask(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: TaskService_RetryTask_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(TaskServiceServer).RetryTask(ctx, req.(*RetryTaskRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _TaskService_DeleteTask_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DeleteTaskRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(TaskServiceServer).DeleteTask(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: TaskService_DeleteTask_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(TaskServiceServer).DeleteTask(ctx, req.(*DeleteTaskRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _TaskService_CancelTasks_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CancelTasksRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(TaskServiceServer).CancelTasks(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: TaskService_CancelTasks_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(TaskServiceServer).CancelTasks(ctx, req.(*CancelTasksRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _TaskService_RetryTasks_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RetryTasksRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(TaskServiceServer).RetryTasks(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: TaskService_RetryTasks_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(TaskServiceServer).RetryTasks(ctx, req.(*RetryTasksRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _TaskService_DeleteTasks_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DeleteTasksRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(TaskServiceServer).DeleteTasks(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: TaskService_DeleteTasks_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(TaskServiceServer).DeleteTasks(ctx, req.(*DeleteTasksRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _TaskService_ListTasks_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(ListTasksRequest)
 	if err := dec(in); err != nil {
@@ -344,6 +524,26 @@ var TaskService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "CancelTask",
 			Handler:    _TaskService_CancelTask_Handler,
+		},
+		{
+			MethodName: "RetryTask",
+			Handler:    _TaskService_RetryTask_Handler,
+		},
+		{
+			MethodName: "DeleteTask",
+			Handler:    _TaskService_DeleteTask_Handler,
+		},
+		{
+			MethodName: "CancelTasks",
+			Handler:    _TaskService_CancelTasks_Handler,
+		},
+		{
+			MethodName: "RetryTasks",
+			Handler:    _TaskService_RetryTasks_Handler,
+		},
+		{
+			MethodName: "DeleteTasks",
+			Handler:    _TaskService_DeleteTasks_Handler,
 		},
 		{
 			MethodName: "ListTasks",

@@ -18,6 +18,7 @@ import {
   type ServiceError,
   type UntypedServiceImplementation,
 } from "@grpc/grpc-js";
+import { Timestamp } from "../../google/protobuf/timestamp.js";
 import { Worker } from "./worker_service.js";
 
 export const protobufPackage = "cronoq.v1";
@@ -71,6 +72,8 @@ export interface PoolCounts {
   succeeded: bigint;
   failed: bigint;
   cancelled: bigint;
+  /** Paused (PausePool): nothing is leased. */
+  paused: boolean;
 }
 
 export interface ResourceUsage {
@@ -122,6 +125,34 @@ export interface PoolActivity {
   startLatencyMaxMs: number[];
 }
 
+export interface PausePoolRequest {
+  pool: string;
+}
+
+export interface PausePoolResponse {
+  pause: PoolPause | undefined;
+}
+
+export interface ResumePoolRequest {
+  pool: string;
+}
+
+export interface ResumePoolResponse {
+  pause: PoolPause | undefined;
+}
+
+/** Whether a pool is paused, since when and by whom. */
+export interface PoolPause {
+  pool: string;
+  paused: boolean;
+  /** When it was paused (unset while not paused). */
+  pausedAt:
+    | Timestamp
+    | undefined;
+  /** The caller that paused it. */
+  pausedBy: string;
+}
+
 export interface GetSnapshotRequest {
 }
 
@@ -161,7 +192,7 @@ export interface Caller {
 }
 
 function createBasePoolCounts(): PoolCounts {
-  return { pool: "", pending: 0n, blocked: 0n, running: 0n, succeeded: 0n, failed: 0n, cancelled: 0n };
+  return { pool: "", pending: 0n, blocked: 0n, running: 0n, succeeded: 0n, failed: 0n, cancelled: 0n, paused: false };
 }
 
 export const PoolCounts: MessageFns<PoolCounts> = {
@@ -204,6 +235,9 @@ export const PoolCounts: MessageFns<PoolCounts> = {
         throw new globalThis.Error("value provided for field message.cancelled of type int64 too large");
       }
       writer.uint32(56).int64(message.cancelled);
+    }
+    if (message.paused !== false) {
+      writer.uint32(64).bool(message.paused);
     }
     return writer;
   },
@@ -277,6 +311,14 @@ export const PoolCounts: MessageFns<PoolCounts> = {
             message.cancelled = reader.int64() as bigint;
             continue;
           }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.paused = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -298,6 +340,7 @@ export const PoolCounts: MessageFns<PoolCounts> = {
       succeeded: isSet(object.succeeded) ? BigInt(object.succeeded) : 0n,
       failed: isSet(object.failed) ? BigInt(object.failed) : 0n,
       cancelled: isSet(object.cancelled) ? BigInt(object.cancelled) : 0n,
+      paused: isSet(object.paused) ? globalThis.Boolean(object.paused) : false,
     };
   },
 
@@ -324,6 +367,9 @@ export const PoolCounts: MessageFns<PoolCounts> = {
     if (message.cancelled !== 0n) {
       obj.cancelled = message.cancelled.toString();
     }
+    if (message.paused !== false) {
+      obj.paused = message.paused;
+    }
     return obj;
   },
 
@@ -339,6 +385,7 @@ export const PoolCounts: MessageFns<PoolCounts> = {
     message.succeeded = (object.succeeded !== undefined && object.succeeded !== null) ? BigInt(object.succeeded) : 0n;
     message.failed = (object.failed !== undefined && object.failed !== null) ? BigInt(object.failed) : 0n;
     message.cancelled = (object.cancelled !== undefined && object.cancelled !== null) ? BigInt(object.cancelled) : 0n;
+    message.paused = object.paused ?? false;
     return message;
   },
 };
@@ -1019,6 +1066,405 @@ export const PoolActivity: MessageFns<PoolActivity> = {
   },
 };
 
+function createBasePausePoolRequest(): PausePoolRequest {
+  return { pool: "" };
+}
+
+export const PausePoolRequest: MessageFns<PausePoolRequest> = {
+  encode(message: PausePoolRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.pool !== "") {
+      writer.uint32(10).string(message.pool);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): PausePoolRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBasePausePoolRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.pool = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): PausePoolRequest {
+    return { pool: isSet(object.pool) ? globalThis.String(object.pool) : "" };
+  },
+
+  toJSON(message: PausePoolRequest): unknown {
+    const obj: any = {};
+    if (message.pool !== "") {
+      obj.pool = message.pool;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<PausePoolRequest>, I>>(base?: I): PausePoolRequest {
+    return PausePoolRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<PausePoolRequest>, I>>(object: I): PausePoolRequest {
+    const message = createBasePausePoolRequest();
+    message.pool = object.pool ?? "";
+    return message;
+  },
+};
+
+function createBasePausePoolResponse(): PausePoolResponse {
+  return { pause: undefined };
+}
+
+export const PausePoolResponse: MessageFns<PausePoolResponse> = {
+  encode(message: PausePoolResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.pause !== undefined) {
+      PoolPause.encode(message.pause, writer.uint32(10).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): PausePoolResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBasePausePoolResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.pause = PoolPause.decode(reader, reader.uint32());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): PausePoolResponse {
+    return { pause: isSet(object.pause) ? PoolPause.fromJSON(object.pause) : undefined };
+  },
+
+  toJSON(message: PausePoolResponse): unknown {
+    const obj: any = {};
+    if (message.pause !== undefined) {
+      obj.pause = PoolPause.toJSON(message.pause);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<PausePoolResponse>, I>>(base?: I): PausePoolResponse {
+    return PausePoolResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<PausePoolResponse>, I>>(object: I): PausePoolResponse {
+    const message = createBasePausePoolResponse();
+    message.pause = (object.pause !== undefined && object.pause !== null)
+      ? PoolPause.fromPartial(object.pause)
+      : undefined;
+    return message;
+  },
+};
+
+function createBaseResumePoolRequest(): ResumePoolRequest {
+  return { pool: "" };
+}
+
+export const ResumePoolRequest: MessageFns<ResumePoolRequest> = {
+  encode(message: ResumePoolRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.pool !== "") {
+      writer.uint32(10).string(message.pool);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ResumePoolRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseResumePoolRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.pool = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ResumePoolRequest {
+    return { pool: isSet(object.pool) ? globalThis.String(object.pool) : "" };
+  },
+
+  toJSON(message: ResumePoolRequest): unknown {
+    const obj: any = {};
+    if (message.pool !== "") {
+      obj.pool = message.pool;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ResumePoolRequest>, I>>(base?: I): ResumePoolRequest {
+    return ResumePoolRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ResumePoolRequest>, I>>(object: I): ResumePoolRequest {
+    const message = createBaseResumePoolRequest();
+    message.pool = object.pool ?? "";
+    return message;
+  },
+};
+
+function createBaseResumePoolResponse(): ResumePoolResponse {
+  return { pause: undefined };
+}
+
+export const ResumePoolResponse: MessageFns<ResumePoolResponse> = {
+  encode(message: ResumePoolResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.pause !== undefined) {
+      PoolPause.encode(message.pause, writer.uint32(10).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ResumePoolResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseResumePoolResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.pause = PoolPause.decode(reader, reader.uint32());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ResumePoolResponse {
+    return { pause: isSet(object.pause) ? PoolPause.fromJSON(object.pause) : undefined };
+  },
+
+  toJSON(message: ResumePoolResponse): unknown {
+    const obj: any = {};
+    if (message.pause !== undefined) {
+      obj.pause = PoolPause.toJSON(message.pause);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ResumePoolResponse>, I>>(base?: I): ResumePoolResponse {
+    return ResumePoolResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ResumePoolResponse>, I>>(object: I): ResumePoolResponse {
+    const message = createBaseResumePoolResponse();
+    message.pause = (object.pause !== undefined && object.pause !== null)
+      ? PoolPause.fromPartial(object.pause)
+      : undefined;
+    return message;
+  },
+};
+
+function createBasePoolPause(): PoolPause {
+  return { pool: "", paused: false, pausedAt: undefined, pausedBy: "" };
+}
+
+export const PoolPause: MessageFns<PoolPause> = {
+  encode(message: PoolPause, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.pool !== "") {
+      writer.uint32(10).string(message.pool);
+    }
+    if (message.paused !== false) {
+      writer.uint32(16).bool(message.paused);
+    }
+    if (message.pausedAt !== undefined) {
+      Timestamp.encode(message.pausedAt, writer.uint32(26).fork()).join();
+    }
+    if (message.pausedBy !== "") {
+      writer.uint32(34).string(message.pausedBy);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): PoolPause {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBasePoolPause();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.pool = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.paused = reader.bool();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.pausedAt = Timestamp.decode(reader, reader.uint32());
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.pausedBy = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): PoolPause {
+    return {
+      pool: isSet(object.pool) ? globalThis.String(object.pool) : "",
+      paused: isSet(object.paused) ? globalThis.Boolean(object.paused) : false,
+      pausedAt: isSet(object.pausedAt)
+        ? fromJsonTimestamp(object.pausedAt)
+        : isSet(object.paused_at)
+        ? fromJsonTimestamp(object.paused_at)
+        : undefined,
+      pausedBy: isSet(object.pausedBy)
+        ? globalThis.String(object.pausedBy)
+        : isSet(object.paused_by)
+        ? globalThis.String(object.paused_by)
+        : "",
+    };
+  },
+
+  toJSON(message: PoolPause): unknown {
+    const obj: any = {};
+    if (message.pool !== "") {
+      obj.pool = message.pool;
+    }
+    if (message.paused !== false) {
+      obj.paused = message.paused;
+    }
+    if (message.pausedAt !== undefined) {
+      obj.pausedAt = fromTimestamp(message.pausedAt).toISOString();
+    }
+    if (message.pausedBy !== "") {
+      obj.pausedBy = message.pausedBy;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<PoolPause>, I>>(base?: I): PoolPause {
+    return PoolPause.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<PoolPause>, I>>(object: I): PoolPause {
+    const message = createBasePoolPause();
+    message.pool = object.pool ?? "";
+    message.paused = object.paused ?? false;
+    message.pausedAt = (object.pausedAt !== undefined && object.pausedAt !== null)
+      ? Timestamp.fromPartial(object.pausedAt)
+      : undefined;
+    message.pausedBy = object.pausedBy ?? "";
+    return message;
+  },
+};
+
 function createBaseGetSnapshotRequest(): GetSnapshotRequest {
   return {};
 }
@@ -1568,6 +2014,28 @@ export const AdminServiceService = {
     responseSerialize: (value: GetSnapshotResponse): Buffer => Buffer.from(GetSnapshotResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): GetSnapshotResponse => GetSnapshotResponse.decode(value),
   },
+  /**
+   * Stops leasing the pool's tasks (stored: it holds across restarts and failovers). The pool
+   * still accepts submissions and schedule fires; running tasks finish normally.
+   */
+  pausePool: {
+    path: "/cronoq.v1.AdminService/PausePool" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: PausePoolRequest): Buffer => Buffer.from(PausePoolRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): PausePoolRequest => PausePoolRequest.decode(value),
+    responseSerialize: (value: PausePoolResponse): Buffer => Buffer.from(PausePoolResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): PausePoolResponse => PausePoolResponse.decode(value),
+  },
+  resumePool: {
+    path: "/cronoq.v1.AdminService/ResumePool" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: ResumePoolRequest): Buffer => Buffer.from(ResumePoolRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): ResumePoolRequest => ResumePoolRequest.decode(value),
+    responseSerialize: (value: ResumePoolResponse): Buffer => Buffer.from(ResumePoolResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): ResumePoolResponse => ResumePoolResponse.decode(value),
+  },
   getServerInfo: {
     path: "/cronoq.v1.AdminService/GetServerInfo" as const,
     requestStream: false as const,
@@ -1583,6 +2051,12 @@ export const AdminServiceService = {
 export interface AdminServiceServer extends UntypedServiceImplementation {
   /** The pools the caller may read or administer; the shard's resources need admin. */
   getSnapshot: handleUnaryCall<GetSnapshotRequest, GetSnapshotResponse>;
+  /**
+   * Stops leasing the pool's tasks (stored: it holds across restarts and failovers). The pool
+   * still accepts submissions and schedule fires; running tasks finish normally.
+   */
+  pausePool: handleUnaryCall<PausePoolRequest, PausePoolResponse>;
+  resumePool: handleUnaryCall<ResumePoolRequest, ResumePoolResponse>;
   getServerInfo: handleUnaryCall<GetServerInfoRequest, GetServerInfoResponse>;
 }
 
@@ -1602,6 +2076,40 @@ export interface AdminServiceClient extends Client {
     metadata: Metadata,
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: GetSnapshotResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * Stops leasing the pool's tasks (stored: it holds across restarts and failovers). The pool
+   * still accepts submissions and schedule fires; running tasks finish normally.
+   */
+  pausePool(
+    request: PausePoolRequest,
+    callback: (error: ServiceError | null, response: PausePoolResponse) => void,
+  ): ClientUnaryCall;
+  pausePool(
+    request: PausePoolRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: PausePoolResponse) => void,
+  ): ClientUnaryCall;
+  pausePool(
+    request: PausePoolRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: PausePoolResponse) => void,
+  ): ClientUnaryCall;
+  resumePool(
+    request: ResumePoolRequest,
+    callback: (error: ServiceError | null, response: ResumePoolResponse) => void,
+  ): ClientUnaryCall;
+  resumePool(
+    request: ResumePoolRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: ResumePoolResponse) => void,
+  ): ClientUnaryCall;
+  resumePool(
+    request: ResumePoolRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: ResumePoolResponse) => void,
   ): ClientUnaryCall;
   getServerInfo(
     request: GetServerInfoRequest,
@@ -1644,6 +2152,39 @@ export type DeepPartial<T> = T extends bigint ? string | number | bigint
 type KeysOfUnion<T> = T extends T ? keyof T : never;
 export type Exact<P, I extends P> = P extends Builtin ? P
   : P & { [K in keyof P]: Exact<P[K], I[K]> } & { [K in Exclude<keyof I, KeysOfUnion<P>>]: never };
+
+function toTimestamp(date: Date): Timestamp {
+  const seconds = BigInt(Math.trunc(date.getTime() / 1_000));
+  const nanos = (date.getTime() % 1_000) * 1_000_000;
+  return { seconds, nanos };
+}
+
+function fromTimestamp(t: Timestamp): Date {
+  let millis = (globalThis.Number(t.seconds.toString()) || 0) * 1_000;
+  millis += (t.nanos || 0) / 1_000_000;
+  return new globalThis.Date(millis);
+}
+
+const timestampFractionRegex = /:\d{2}\.\d+/;
+
+function fromJsonTimestamp(o: any): Timestamp {
+  if (o instanceof globalThis.Date) {
+    return toTimestamp(o);
+  } else if (typeof o === "string") {
+    // Date only keeps milliseconds, and parses longer fractions in an engine-specific way,
+    // so parse the fractional seconds ourselves and give Date only the whole seconds
+    const fraction = timestampFractionRegex.exec(o);
+    if (fraction === null) {
+      return toTimestamp(new globalThis.Date(o));
+    }
+    const fractionNanos = Number(fraction[0].slice(4, 13).padEnd(9, "0"));
+    const wholeSeconds = new globalThis.Date(o.replace(fraction[0], fraction[0].slice(0, 3)));
+    const timestamp = toTimestamp(new globalThis.Date(wholeSeconds.getTime() + Math.trunc(fractionNanos / 1_000_000)));
+    return { ...timestamp, nanos: (timestamp.nanos ?? 0) + (fractionNanos % 1_000_000) };
+  } else {
+    return Timestamp.fromJSON(o);
+  }
+}
 
 function isSet(value: any): boolean {
   return value !== null && value !== undefined;

@@ -76,6 +76,67 @@ export function taskStateToJSON(object: TaskState): string {
   }
 }
 
+/** How an attempt ended. */
+export enum AttemptOutcome {
+  ATTEMPT_OUTCOME_UNSPECIFIED = 0,
+  /** ATTEMPT_OUTCOME_RUNNING - Running now. */
+  ATTEMPT_OUTCOME_RUNNING = 1,
+  ATTEMPT_OUTCOME_SUCCEEDED = 2,
+  /** ATTEMPT_OUTCOME_FAILED - The handler failed (or timed out); the task was retried if attempts remained. */
+  ATTEMPT_OUTCOME_FAILED = 3,
+  ATTEMPT_OUTCOME_CANCELLED = 4,
+  /** ATTEMPT_OUTCOME_LOST - The lease expired: the worker stopped heartbeating (crashed, or cut off). */
+  ATTEMPT_OUTCOME_LOST = 5,
+  UNRECOGNIZED = -1,
+}
+
+export function attemptOutcomeFromJSON(object: any): AttemptOutcome {
+  switch (object) {
+    case 0:
+    case "ATTEMPT_OUTCOME_UNSPECIFIED":
+      return AttemptOutcome.ATTEMPT_OUTCOME_UNSPECIFIED;
+    case 1:
+    case "ATTEMPT_OUTCOME_RUNNING":
+      return AttemptOutcome.ATTEMPT_OUTCOME_RUNNING;
+    case 2:
+    case "ATTEMPT_OUTCOME_SUCCEEDED":
+      return AttemptOutcome.ATTEMPT_OUTCOME_SUCCEEDED;
+    case 3:
+    case "ATTEMPT_OUTCOME_FAILED":
+      return AttemptOutcome.ATTEMPT_OUTCOME_FAILED;
+    case 4:
+    case "ATTEMPT_OUTCOME_CANCELLED":
+      return AttemptOutcome.ATTEMPT_OUTCOME_CANCELLED;
+    case 5:
+    case "ATTEMPT_OUTCOME_LOST":
+      return AttemptOutcome.ATTEMPT_OUTCOME_LOST;
+    case -1:
+    case "UNRECOGNIZED":
+    default:
+      return AttemptOutcome.UNRECOGNIZED;
+  }
+}
+
+export function attemptOutcomeToJSON(object: AttemptOutcome): string {
+  switch (object) {
+    case AttemptOutcome.ATTEMPT_OUTCOME_UNSPECIFIED:
+      return "ATTEMPT_OUTCOME_UNSPECIFIED";
+    case AttemptOutcome.ATTEMPT_OUTCOME_RUNNING:
+      return "ATTEMPT_OUTCOME_RUNNING";
+    case AttemptOutcome.ATTEMPT_OUTCOME_SUCCEEDED:
+      return "ATTEMPT_OUTCOME_SUCCEEDED";
+    case AttemptOutcome.ATTEMPT_OUTCOME_FAILED:
+      return "ATTEMPT_OUTCOME_FAILED";
+    case AttemptOutcome.ATTEMPT_OUTCOME_CANCELLED:
+      return "ATTEMPT_OUTCOME_CANCELLED";
+    case AttemptOutcome.ATTEMPT_OUTCOME_LOST:
+      return "ATTEMPT_OUTCOME_LOST";
+    case AttemptOutcome.UNRECOGNIZED:
+    default:
+      return "UNRECOGNIZED";
+  }
+}
+
 /** Names one task, by id or by key (keys are unique within a shard). */
 export interface TaskRef {
   id?: bigint | undefined;
@@ -145,6 +206,20 @@ export interface TaskEvent {
   seq: bigint;
   /** Where a Watch resumes after this event (WatchRequest.cursor, the SSE id). Opaque. */
   cursor: string;
+}
+
+/** One attempt of a task, kept with it until the task is deleted or purged. */
+export interface Attempt {
+  attempt: number;
+  workerId: string;
+  /** The name the worker registered with, while the shard still knows the worker. */
+  workerName: string;
+  startedAt: Timestamp | undefined;
+  endedAt: Timestamp | undefined;
+  outcome: AttemptOutcome;
+  error: string;
+  /** ended_at - started_at (for a running attempt: so far). */
+  durationMs: bigint;
 }
 
 function createBaseTaskRef(): TaskRef {
@@ -994,6 +1069,225 @@ export const TaskEvent: MessageFns<TaskEvent> = {
     message.shard = object.shard ?? "";
     message.seq = (object.seq !== undefined && object.seq !== null) ? BigInt(object.seq) : 0n;
     message.cursor = object.cursor ?? "";
+    return message;
+  },
+};
+
+function createBaseAttempt(): Attempt {
+  return {
+    attempt: 0,
+    workerId: "",
+    workerName: "",
+    startedAt: undefined,
+    endedAt: undefined,
+    outcome: 0,
+    error: "",
+    durationMs: 0n,
+  };
+}
+
+export const Attempt: MessageFns<Attempt> = {
+  encode(message: Attempt, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.attempt !== 0) {
+      writer.uint32(8).int32(message.attempt);
+    }
+    if (message.workerId !== "") {
+      writer.uint32(18).string(message.workerId);
+    }
+    if (message.workerName !== "") {
+      writer.uint32(26).string(message.workerName);
+    }
+    if (message.startedAt !== undefined) {
+      Timestamp.encode(message.startedAt, writer.uint32(34).fork()).join();
+    }
+    if (message.endedAt !== undefined) {
+      Timestamp.encode(message.endedAt, writer.uint32(42).fork()).join();
+    }
+    if (message.outcome !== 0) {
+      writer.uint32(48).int32(message.outcome);
+    }
+    if (message.error !== "") {
+      writer.uint32(58).string(message.error);
+    }
+    if (message.durationMs !== 0n) {
+      if (BigInt.asIntN(64, message.durationMs) !== message.durationMs) {
+        throw new globalThis.Error("value provided for field message.durationMs of type int64 too large");
+      }
+      writer.uint32(64).int64(message.durationMs);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): Attempt {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseAttempt();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.attempt = reader.int32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.workerId = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.workerName = reader.string();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.startedAt = Timestamp.decode(reader, reader.uint32());
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.endedAt = Timestamp.decode(reader, reader.uint32());
+            continue;
+          }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.outcome = reader.int32() as any;
+            continue;
+          }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.error = reader.string();
+            continue;
+          }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.durationMs = reader.int64() as bigint;
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): Attempt {
+    return {
+      attempt: isSet(object.attempt) ? globalThis.Number(object.attempt) : 0,
+      workerId: isSet(object.workerId)
+        ? globalThis.String(object.workerId)
+        : isSet(object.worker_id)
+        ? globalThis.String(object.worker_id)
+        : "",
+      workerName: isSet(object.workerName)
+        ? globalThis.String(object.workerName)
+        : isSet(object.worker_name)
+        ? globalThis.String(object.worker_name)
+        : "",
+      startedAt: isSet(object.startedAt)
+        ? fromJsonTimestamp(object.startedAt)
+        : isSet(object.started_at)
+        ? fromJsonTimestamp(object.started_at)
+        : undefined,
+      endedAt: isSet(object.endedAt)
+        ? fromJsonTimestamp(object.endedAt)
+        : isSet(object.ended_at)
+        ? fromJsonTimestamp(object.ended_at)
+        : undefined,
+      outcome: isSet(object.outcome) ? attemptOutcomeFromJSON(object.outcome) : 0,
+      error: isSet(object.error) ? globalThis.String(object.error) : "",
+      durationMs: isSet(object.durationMs)
+        ? BigInt(object.durationMs)
+        : isSet(object.duration_ms)
+        ? BigInt(object.duration_ms)
+        : 0n,
+    };
+  },
+
+  toJSON(message: Attempt): unknown {
+    const obj: any = {};
+    if (message.attempt !== 0) {
+      obj.attempt = Math.round(message.attempt);
+    }
+    if (message.workerId !== "") {
+      obj.workerId = message.workerId;
+    }
+    if (message.workerName !== "") {
+      obj.workerName = message.workerName;
+    }
+    if (message.startedAt !== undefined) {
+      obj.startedAt = fromTimestamp(message.startedAt).toISOString();
+    }
+    if (message.endedAt !== undefined) {
+      obj.endedAt = fromTimestamp(message.endedAt).toISOString();
+    }
+    if (message.outcome !== 0) {
+      obj.outcome = attemptOutcomeToJSON(message.outcome);
+    }
+    if (message.error !== "") {
+      obj.error = message.error;
+    }
+    if (message.durationMs !== 0n) {
+      obj.durationMs = message.durationMs.toString();
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<Attempt>, I>>(base?: I): Attempt {
+    return Attempt.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<Attempt>, I>>(object: I): Attempt {
+    const message = createBaseAttempt();
+    message.attempt = object.attempt ?? 0;
+    message.workerId = object.workerId ?? "";
+    message.workerName = object.workerName ?? "";
+    message.startedAt = (object.startedAt !== undefined && object.startedAt !== null)
+      ? Timestamp.fromPartial(object.startedAt)
+      : undefined;
+    message.endedAt = (object.endedAt !== undefined && object.endedAt !== null)
+      ? Timestamp.fromPartial(object.endedAt)
+      : undefined;
+    message.outcome = object.outcome ?? 0;
+    message.error = object.error ?? "";
+    message.durationMs = (object.durationMs !== undefined && object.durationMs !== null)
+      ? BigInt(object.durationMs)
+      : 0n;
     return message;
   },
 };

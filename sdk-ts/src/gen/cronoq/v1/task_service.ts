@@ -21,7 +21,7 @@ import {
   type UntypedServiceImplementation,
 } from "@grpc/grpc-js";
 import { Timestamp } from "../../google/protobuf/timestamp.js";
-import { Task, TaskEvent, TaskRef, TaskState, taskStateFromJSON, taskStateToJSON } from "./task.js";
+import { Attempt, Task, TaskEvent, TaskRef, TaskState, taskStateFromJSON, taskStateToJSON } from "./task.js";
 
 export const protobufPackage = "cronoq.v1";
 
@@ -89,6 +89,8 @@ export interface GetTaskRequest {
     | undefined;
   /** Also list the tasks that depend on this one (GetTaskResponse.dependents). */
   includeDependents: boolean;
+  /** Also return the task's attempts (GetTaskResponse.attempts). */
+  includeAttempts: boolean;
 }
 
 export interface GetTaskResponse {
@@ -99,6 +101,11 @@ export interface GetTaskResponse {
    * read, in id order, at most 100.
    */
   dependents: bigint[];
+  /**
+   * With include_attempts: every attempt, oldest first; one running now is last (outcome
+   * ATTEMPT_OUTCOME_RUNNING, no ended_at).
+   */
+  attempts: Attempt[];
 }
 
 export interface WaitTaskRequest {
@@ -126,6 +133,112 @@ export interface CancelTaskResponse {
   task: Task | undefined;
 }
 
+export interface RetryTaskRequest {
+  task:
+    | TaskRef
+    | undefined;
+  /** When it may run again; unset: now. In the Timestamp range. */
+  runAt:
+    | Timestamp
+    | undefined;
+  /**
+   * 0 to 1000 (0: 1): how many more attempts a task that used all of its attempts gets
+   * (its max_attempts becomes its attempt plus this). A task with attempts left keeps them.
+   */
+  extraAttempts: number;
+}
+
+export interface RetryTaskResponse {
+  task:
+    | Task
+    | undefined;
+  /** How many of its dependents, ended because it ended, wait for it again (BLOCKED). */
+  dependentsRestored: bigint;
+}
+
+export interface DeleteTaskRequest {
+  task: TaskRef | undefined;
+}
+
+export interface DeleteTaskResponse {
+  /** The id of the task deleted. */
+  id: bigint;
+}
+
+/** Which tasks a bulk action applies to: those that match every field set. */
+export interface TaskFilter {
+  /** Empty: every pool the caller may act on. */
+  pool: string;
+  /**
+   * Empty: every state the action applies to (cancel: PENDING, BLOCKED, RUNNING; retry:
+   * FAILED, CANCELLED; delete: SUCCEEDED, FAILED, CANCELLED); a state outside those is refused.
+   */
+  states: TaskState[];
+  createdAfter: Timestamp | undefined;
+  createdBefore: Timestamp | undefined;
+  finishedAfter: Timestamp | undefined;
+  finishedBefore:
+    | Timestamp
+    | undefined;
+  /** Tasks whose key starts with this (at most 256 bytes). */
+  keyPrefix: string;
+  /** Tasks whose error contains this text, case-sensitive (at most 1024 bytes). */
+  errorContains: string;
+  /** Only these tasks (at most 1000 ids). */
+  ids: bigint[];
+}
+
+/** What a bulk action did in one shard. */
+export interface BulkShardResult {
+  shard: string;
+  /** Tasks that matched the filter. */
+  matched: bigint;
+  /** Tasks the action changed (a task that changed meanwhile is matched, not changed). */
+  changed: bigint;
+}
+
+export interface CancelTasksRequest {
+  filter:
+    | TaskFilter
+    | undefined;
+  /** Count the tasks that match; change nothing (changed is 0). */
+  dryRun: boolean;
+}
+
+export interface CancelTasksResponse {
+  matched: bigint;
+  changed: bigint;
+  shards: BulkShardResult[];
+  unavailableShards: string[];
+}
+
+export interface RetryTasksRequest {
+  filter: TaskFilter | undefined;
+  dryRun: boolean;
+  /** As RetryTaskRequest's. */
+  runAt: Timestamp | undefined;
+  extraAttempts: number;
+}
+
+export interface RetryTasksResponse {
+  matched: bigint;
+  changed: bigint;
+  shards: BulkShardResult[];
+  unavailableShards: string[];
+}
+
+export interface DeleteTasksRequest {
+  filter: TaskFilter | undefined;
+  dryRun: boolean;
+}
+
+export interface DeleteTasksResponse {
+  matched: bigint;
+  changed: bigint;
+  shards: BulkShardResult[];
+  unavailableShards: string[];
+}
+
 export interface ListTasksRequest {
   pool: string;
   state: TaskState;
@@ -137,10 +250,15 @@ export interface ListTasksRequest {
    * may name a task in each of several shards).
    */
   key: string;
+  /**
+   * Newest first: in descending id order (within a shard, the order of submission; across
+   * shards, the higher shard number first). page_token then continues with older tasks.
+   */
+  newestFirst: boolean;
 }
 
 export interface ListTasksResponse {
-  /** In id order. */
+  /** In id order (descending with newest_first). */
   tasks: Task[];
   nextPageToken: string;
   unavailableShards: string[];
@@ -836,7 +954,7 @@ export const SubmitBatchResponse: MessageFns<SubmitBatchResponse> = {
 };
 
 function createBaseGetTaskRequest(): GetTaskRequest {
-  return { task: undefined, includeDependents: false };
+  return { task: undefined, includeDependents: false, includeAttempts: false };
 }
 
 export const GetTaskRequest: MessageFns<GetTaskRequest> = {
@@ -846,6 +964,9 @@ export const GetTaskRequest: MessageFns<GetTaskRequest> = {
     }
     if (message.includeDependents !== false) {
       writer.uint32(16).bool(message.includeDependents);
+    }
+    if (message.includeAttempts !== false) {
+      writer.uint32(24).bool(message.includeAttempts);
     }
     return writer;
   },
@@ -879,6 +1000,14 @@ export const GetTaskRequest: MessageFns<GetTaskRequest> = {
             message.includeDependents = reader.bool();
             continue;
           }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.includeAttempts = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -899,6 +1028,11 @@ export const GetTaskRequest: MessageFns<GetTaskRequest> = {
         : isSet(object.include_dependents)
         ? globalThis.Boolean(object.include_dependents)
         : false,
+      includeAttempts: isSet(object.includeAttempts)
+        ? globalThis.Boolean(object.includeAttempts)
+        : isSet(object.include_attempts)
+        ? globalThis.Boolean(object.include_attempts)
+        : false,
     };
   },
 
@@ -910,6 +1044,9 @@ export const GetTaskRequest: MessageFns<GetTaskRequest> = {
     if (message.includeDependents !== false) {
       obj.includeDependents = message.includeDependents;
     }
+    if (message.includeAttempts !== false) {
+      obj.includeAttempts = message.includeAttempts;
+    }
     return obj;
   },
 
@@ -920,12 +1057,13 @@ export const GetTaskRequest: MessageFns<GetTaskRequest> = {
     const message = createBaseGetTaskRequest();
     message.task = (object.task !== undefined && object.task !== null) ? TaskRef.fromPartial(object.task) : undefined;
     message.includeDependents = object.includeDependents ?? false;
+    message.includeAttempts = object.includeAttempts ?? false;
     return message;
   },
 };
 
 function createBaseGetTaskResponse(): GetTaskResponse {
-  return { task: undefined, unavailableShards: [], dependents: [] };
+  return { task: undefined, unavailableShards: [], dependents: [], attempts: [] };
 }
 
 export const GetTaskResponse: MessageFns<GetTaskResponse> = {
@@ -945,6 +1083,9 @@ export const GetTaskResponse: MessageFns<GetTaskResponse> = {
         writer.uint64(v);
       }
       writer.join();
+    }
+    for (const v of message.attempts) {
+      Attempt.encode(v!, writer.uint32(34).fork()).join();
     }
     return writer;
   },
@@ -996,6 +1137,14 @@ export const GetTaskResponse: MessageFns<GetTaskResponse> = {
 
             break;
           }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.attempts.push(Attempt.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1017,6 +1166,7 @@ export const GetTaskResponse: MessageFns<GetTaskResponse> = {
         ? object.unavailable_shards.map((e: any) => globalThis.String(e))
         : [],
       dependents: globalThis.Array.isArray(object?.dependents) ? object.dependents.map((e: any) => BigInt(e)) : [],
+      attempts: globalThis.Array.isArray(object?.attempts) ? object.attempts.map((e: any) => Attempt.fromJSON(e)) : [],
     };
   },
 
@@ -1031,6 +1181,9 @@ export const GetTaskResponse: MessageFns<GetTaskResponse> = {
     if (message.dependents?.length) {
       obj.dependents = message.dependents.map((e) => e.toString());
     }
+    if (message.attempts?.length) {
+      obj.attempts = message.attempts.map((e) => Attempt.toJSON(e));
+    }
     return obj;
   },
 
@@ -1042,6 +1195,7 @@ export const GetTaskResponse: MessageFns<GetTaskResponse> = {
     message.task = (object.task !== undefined && object.task !== null) ? Task.fromPartial(object.task) : undefined;
     message.unavailableShards = object.unavailableShards?.map((e) => e) || [];
     message.dependents = object.dependents?.map((e) => BigInt(e)) || [];
+    message.attempts = object.attempts?.map((e) => Attempt.fromPartial(e)) || [];
     return message;
   },
 };
@@ -1374,8 +1528,1431 @@ export const CancelTaskResponse: MessageFns<CancelTaskResponse> = {
   },
 };
 
+function createBaseRetryTaskRequest(): RetryTaskRequest {
+  return { task: undefined, runAt: undefined, extraAttempts: 0 };
+}
+
+export const RetryTaskRequest: MessageFns<RetryTaskRequest> = {
+  encode(message: RetryTaskRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.task !== undefined) {
+      TaskRef.encode(message.task, writer.uint32(10).fork()).join();
+    }
+    if (message.runAt !== undefined) {
+      Timestamp.encode(message.runAt, writer.uint32(18).fork()).join();
+    }
+    if (message.extraAttempts !== 0) {
+      writer.uint32(24).int32(message.extraAttempts);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): RetryTaskRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseRetryTaskRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.task = TaskRef.decode(reader, reader.uint32());
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.runAt = Timestamp.decode(reader, reader.uint32());
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.extraAttempts = reader.int32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): RetryTaskRequest {
+    return {
+      task: isSet(object.task) ? TaskRef.fromJSON(object.task) : undefined,
+      runAt: isSet(object.runAt)
+        ? fromJsonTimestamp(object.runAt)
+        : isSet(object.run_at)
+        ? fromJsonTimestamp(object.run_at)
+        : undefined,
+      extraAttempts: isSet(object.extraAttempts)
+        ? globalThis.Number(object.extraAttempts)
+        : isSet(object.extra_attempts)
+        ? globalThis.Number(object.extra_attempts)
+        : 0,
+    };
+  },
+
+  toJSON(message: RetryTaskRequest): unknown {
+    const obj: any = {};
+    if (message.task !== undefined) {
+      obj.task = TaskRef.toJSON(message.task);
+    }
+    if (message.runAt !== undefined) {
+      obj.runAt = fromTimestamp(message.runAt).toISOString();
+    }
+    if (message.extraAttempts !== 0) {
+      obj.extraAttempts = Math.round(message.extraAttempts);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<RetryTaskRequest>, I>>(base?: I): RetryTaskRequest {
+    return RetryTaskRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<RetryTaskRequest>, I>>(object: I): RetryTaskRequest {
+    const message = createBaseRetryTaskRequest();
+    message.task = (object.task !== undefined && object.task !== null) ? TaskRef.fromPartial(object.task) : undefined;
+    message.runAt = (object.runAt !== undefined && object.runAt !== null)
+      ? Timestamp.fromPartial(object.runAt)
+      : undefined;
+    message.extraAttempts = object.extraAttempts ?? 0;
+    return message;
+  },
+};
+
+function createBaseRetryTaskResponse(): RetryTaskResponse {
+  return { task: undefined, dependentsRestored: 0n };
+}
+
+export const RetryTaskResponse: MessageFns<RetryTaskResponse> = {
+  encode(message: RetryTaskResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.task !== undefined) {
+      Task.encode(message.task, writer.uint32(10).fork()).join();
+    }
+    if (message.dependentsRestored !== 0n) {
+      if (BigInt.asIntN(64, message.dependentsRestored) !== message.dependentsRestored) {
+        throw new globalThis.Error("value provided for field message.dependentsRestored of type int64 too large");
+      }
+      writer.uint32(16).int64(message.dependentsRestored);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): RetryTaskResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseRetryTaskResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.task = Task.decode(reader, reader.uint32());
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.dependentsRestored = reader.int64() as bigint;
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): RetryTaskResponse {
+    return {
+      task: isSet(object.task) ? Task.fromJSON(object.task) : undefined,
+      dependentsRestored: isSet(object.dependentsRestored)
+        ? BigInt(object.dependentsRestored)
+        : isSet(object.dependents_restored)
+        ? BigInt(object.dependents_restored)
+        : 0n,
+    };
+  },
+
+  toJSON(message: RetryTaskResponse): unknown {
+    const obj: any = {};
+    if (message.task !== undefined) {
+      obj.task = Task.toJSON(message.task);
+    }
+    if (message.dependentsRestored !== 0n) {
+      obj.dependentsRestored = message.dependentsRestored.toString();
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<RetryTaskResponse>, I>>(base?: I): RetryTaskResponse {
+    return RetryTaskResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<RetryTaskResponse>, I>>(object: I): RetryTaskResponse {
+    const message = createBaseRetryTaskResponse();
+    message.task = (object.task !== undefined && object.task !== null) ? Task.fromPartial(object.task) : undefined;
+    message.dependentsRestored = (object.dependentsRestored !== undefined && object.dependentsRestored !== null)
+      ? BigInt(object.dependentsRestored)
+      : 0n;
+    return message;
+  },
+};
+
+function createBaseDeleteTaskRequest(): DeleteTaskRequest {
+  return { task: undefined };
+}
+
+export const DeleteTaskRequest: MessageFns<DeleteTaskRequest> = {
+  encode(message: DeleteTaskRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.task !== undefined) {
+      TaskRef.encode(message.task, writer.uint32(10).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): DeleteTaskRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseDeleteTaskRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.task = TaskRef.decode(reader, reader.uint32());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): DeleteTaskRequest {
+    return { task: isSet(object.task) ? TaskRef.fromJSON(object.task) : undefined };
+  },
+
+  toJSON(message: DeleteTaskRequest): unknown {
+    const obj: any = {};
+    if (message.task !== undefined) {
+      obj.task = TaskRef.toJSON(message.task);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<DeleteTaskRequest>, I>>(base?: I): DeleteTaskRequest {
+    return DeleteTaskRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<DeleteTaskRequest>, I>>(object: I): DeleteTaskRequest {
+    const message = createBaseDeleteTaskRequest();
+    message.task = (object.task !== undefined && object.task !== null) ? TaskRef.fromPartial(object.task) : undefined;
+    return message;
+  },
+};
+
+function createBaseDeleteTaskResponse(): DeleteTaskResponse {
+  return { id: 0n };
+}
+
+export const DeleteTaskResponse: MessageFns<DeleteTaskResponse> = {
+  encode(message: DeleteTaskResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.id !== 0n) {
+      if (BigInt.asUintN(64, message.id) !== message.id) {
+        throw new globalThis.Error("value provided for field message.id of type uint64 too large");
+      }
+      writer.uint32(8).uint64(message.id);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): DeleteTaskResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseDeleteTaskResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.id = reader.uint64() as bigint;
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): DeleteTaskResponse {
+    return { id: isSet(object.id) ? BigInt(object.id) : 0n };
+  },
+
+  toJSON(message: DeleteTaskResponse): unknown {
+    const obj: any = {};
+    if (message.id !== 0n) {
+      obj.id = message.id.toString();
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<DeleteTaskResponse>, I>>(base?: I): DeleteTaskResponse {
+    return DeleteTaskResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<DeleteTaskResponse>, I>>(object: I): DeleteTaskResponse {
+    const message = createBaseDeleteTaskResponse();
+    message.id = (object.id !== undefined && object.id !== null) ? BigInt(object.id) : 0n;
+    return message;
+  },
+};
+
+function createBaseTaskFilter(): TaskFilter {
+  return {
+    pool: "",
+    states: [],
+    createdAfter: undefined,
+    createdBefore: undefined,
+    finishedAfter: undefined,
+    finishedBefore: undefined,
+    keyPrefix: "",
+    errorContains: "",
+    ids: [],
+  };
+}
+
+export const TaskFilter: MessageFns<TaskFilter> = {
+  encode(message: TaskFilter, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.pool !== "") {
+      writer.uint32(10).string(message.pool);
+    }
+    if (message.states.length !== 0) {
+      writer.uint32(18).fork();
+      for (const v of message.states) {
+        writer.int32(v);
+      }
+      writer.join();
+    }
+    if (message.createdAfter !== undefined) {
+      Timestamp.encode(message.createdAfter, writer.uint32(26).fork()).join();
+    }
+    if (message.createdBefore !== undefined) {
+      Timestamp.encode(message.createdBefore, writer.uint32(34).fork()).join();
+    }
+    if (message.finishedAfter !== undefined) {
+      Timestamp.encode(message.finishedAfter, writer.uint32(42).fork()).join();
+    }
+    if (message.finishedBefore !== undefined) {
+      Timestamp.encode(message.finishedBefore, writer.uint32(50).fork()).join();
+    }
+    if (message.keyPrefix !== "") {
+      writer.uint32(58).string(message.keyPrefix);
+    }
+    if (message.errorContains !== "") {
+      writer.uint32(66).string(message.errorContains);
+    }
+    if (message.ids.length !== 0) {
+      writer.uint32(74).fork();
+      for (const v of message.ids) {
+        if (BigInt.asUintN(64, v) !== v) {
+          throw new globalThis.Error("a value provided in array field ids of type uint64 is too large");
+        }
+        writer.uint64(v);
+      }
+      writer.join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): TaskFilter {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseTaskFilter();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.pool = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag === 16) {
+              message.states.push(reader.int32() as any);
+
+              continue;
+            }
+
+            if (tag === 18) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.states.push(reader.int32() as any);
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.createdAfter = Timestamp.decode(reader, reader.uint32());
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.createdBefore = Timestamp.decode(reader, reader.uint32());
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.finishedAfter = Timestamp.decode(reader, reader.uint32());
+            continue;
+          }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.finishedBefore = Timestamp.decode(reader, reader.uint32());
+            continue;
+          }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.keyPrefix = reader.string();
+            continue;
+          }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.errorContains = reader.string();
+            continue;
+          }
+          case 9: {
+            if (tag === 72) {
+              message.ids.push(reader.uint64() as bigint);
+
+              continue;
+            }
+
+            if (tag === 74) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.ids.push(reader.uint64() as bigint);
+              }
+
+              continue;
+            }
+
+            break;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): TaskFilter {
+    return {
+      pool: isSet(object.pool) ? globalThis.String(object.pool) : "",
+      states: globalThis.Array.isArray(object?.states) ? object.states.map((e: any) => taskStateFromJSON(e)) : [],
+      createdAfter: isSet(object.createdAfter)
+        ? fromJsonTimestamp(object.createdAfter)
+        : isSet(object.created_after)
+        ? fromJsonTimestamp(object.created_after)
+        : undefined,
+      createdBefore: isSet(object.createdBefore)
+        ? fromJsonTimestamp(object.createdBefore)
+        : isSet(object.created_before)
+        ? fromJsonTimestamp(object.created_before)
+        : undefined,
+      finishedAfter: isSet(object.finishedAfter)
+        ? fromJsonTimestamp(object.finishedAfter)
+        : isSet(object.finished_after)
+        ? fromJsonTimestamp(object.finished_after)
+        : undefined,
+      finishedBefore: isSet(object.finishedBefore)
+        ? fromJsonTimestamp(object.finishedBefore)
+        : isSet(object.finished_before)
+        ? fromJsonTimestamp(object.finished_before)
+        : undefined,
+      keyPrefix: isSet(object.keyPrefix)
+        ? globalThis.String(object.keyPrefix)
+        : isSet(object.key_prefix)
+        ? globalThis.String(object.key_prefix)
+        : "",
+      errorContains: isSet(object.errorContains)
+        ? globalThis.String(object.errorContains)
+        : isSet(object.error_contains)
+        ? globalThis.String(object.error_contains)
+        : "",
+      ids: globalThis.Array.isArray(object?.ids)
+        ? object.ids.map((e: any) => BigInt(e))
+        : [],
+    };
+  },
+
+  toJSON(message: TaskFilter): unknown {
+    const obj: any = {};
+    if (message.pool !== "") {
+      obj.pool = message.pool;
+    }
+    if (message.states?.length) {
+      obj.states = message.states.map((e) => taskStateToJSON(e));
+    }
+    if (message.createdAfter !== undefined) {
+      obj.createdAfter = fromTimestamp(message.createdAfter).toISOString();
+    }
+    if (message.createdBefore !== undefined) {
+      obj.createdBefore = fromTimestamp(message.createdBefore).toISOString();
+    }
+    if (message.finishedAfter !== undefined) {
+      obj.finishedAfter = fromTimestamp(message.finishedAfter).toISOString();
+    }
+    if (message.finishedBefore !== undefined) {
+      obj.finishedBefore = fromTimestamp(message.finishedBefore).toISOString();
+    }
+    if (message.keyPrefix !== "") {
+      obj.keyPrefix = message.keyPrefix;
+    }
+    if (message.errorContains !== "") {
+      obj.errorContains = message.errorContains;
+    }
+    if (message.ids?.length) {
+      obj.ids = message.ids.map((e) => e.toString());
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<TaskFilter>, I>>(base?: I): TaskFilter {
+    return TaskFilter.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<TaskFilter>, I>>(object: I): TaskFilter {
+    const message = createBaseTaskFilter();
+    message.pool = object.pool ?? "";
+    message.states = object.states?.map((e) => e) || [];
+    message.createdAfter = (object.createdAfter !== undefined && object.createdAfter !== null)
+      ? Timestamp.fromPartial(object.createdAfter)
+      : undefined;
+    message.createdBefore = (object.createdBefore !== undefined && object.createdBefore !== null)
+      ? Timestamp.fromPartial(object.createdBefore)
+      : undefined;
+    message.finishedAfter = (object.finishedAfter !== undefined && object.finishedAfter !== null)
+      ? Timestamp.fromPartial(object.finishedAfter)
+      : undefined;
+    message.finishedBefore = (object.finishedBefore !== undefined && object.finishedBefore !== null)
+      ? Timestamp.fromPartial(object.finishedBefore)
+      : undefined;
+    message.keyPrefix = object.keyPrefix ?? "";
+    message.errorContains = object.errorContains ?? "";
+    message.ids = object.ids?.map((e) => BigInt(e)) || [];
+    return message;
+  },
+};
+
+function createBaseBulkShardResult(): BulkShardResult {
+  return { shard: "", matched: 0n, changed: 0n };
+}
+
+export const BulkShardResult: MessageFns<BulkShardResult> = {
+  encode(message: BulkShardResult, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.shard !== "") {
+      writer.uint32(10).string(message.shard);
+    }
+    if (message.matched !== 0n) {
+      if (BigInt.asIntN(64, message.matched) !== message.matched) {
+        throw new globalThis.Error("value provided for field message.matched of type int64 too large");
+      }
+      writer.uint32(16).int64(message.matched);
+    }
+    if (message.changed !== 0n) {
+      if (BigInt.asIntN(64, message.changed) !== message.changed) {
+        throw new globalThis.Error("value provided for field message.changed of type int64 too large");
+      }
+      writer.uint32(24).int64(message.changed);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): BulkShardResult {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseBulkShardResult();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.shard = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.matched = reader.int64() as bigint;
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.changed = reader.int64() as bigint;
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): BulkShardResult {
+    return {
+      shard: isSet(object.shard) ? globalThis.String(object.shard) : "",
+      matched: isSet(object.matched) ? BigInt(object.matched) : 0n,
+      changed: isSet(object.changed) ? BigInt(object.changed) : 0n,
+    };
+  },
+
+  toJSON(message: BulkShardResult): unknown {
+    const obj: any = {};
+    if (message.shard !== "") {
+      obj.shard = message.shard;
+    }
+    if (message.matched !== 0n) {
+      obj.matched = message.matched.toString();
+    }
+    if (message.changed !== 0n) {
+      obj.changed = message.changed.toString();
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<BulkShardResult>, I>>(base?: I): BulkShardResult {
+    return BulkShardResult.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<BulkShardResult>, I>>(object: I): BulkShardResult {
+    const message = createBaseBulkShardResult();
+    message.shard = object.shard ?? "";
+    message.matched = (object.matched !== undefined && object.matched !== null) ? BigInt(object.matched) : 0n;
+    message.changed = (object.changed !== undefined && object.changed !== null) ? BigInt(object.changed) : 0n;
+    return message;
+  },
+};
+
+function createBaseCancelTasksRequest(): CancelTasksRequest {
+  return { filter: undefined, dryRun: false };
+}
+
+export const CancelTasksRequest: MessageFns<CancelTasksRequest> = {
+  encode(message: CancelTasksRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.filter !== undefined) {
+      TaskFilter.encode(message.filter, writer.uint32(10).fork()).join();
+    }
+    if (message.dryRun !== false) {
+      writer.uint32(16).bool(message.dryRun);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): CancelTasksRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseCancelTasksRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.filter = TaskFilter.decode(reader, reader.uint32());
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.dryRun = reader.bool();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): CancelTasksRequest {
+    return {
+      filter: isSet(object.filter) ? TaskFilter.fromJSON(object.filter) : undefined,
+      dryRun: isSet(object.dryRun)
+        ? globalThis.Boolean(object.dryRun)
+        : isSet(object.dry_run)
+        ? globalThis.Boolean(object.dry_run)
+        : false,
+    };
+  },
+
+  toJSON(message: CancelTasksRequest): unknown {
+    const obj: any = {};
+    if (message.filter !== undefined) {
+      obj.filter = TaskFilter.toJSON(message.filter);
+    }
+    if (message.dryRun !== false) {
+      obj.dryRun = message.dryRun;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<CancelTasksRequest>, I>>(base?: I): CancelTasksRequest {
+    return CancelTasksRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<CancelTasksRequest>, I>>(object: I): CancelTasksRequest {
+    const message = createBaseCancelTasksRequest();
+    message.filter = (object.filter !== undefined && object.filter !== null)
+      ? TaskFilter.fromPartial(object.filter)
+      : undefined;
+    message.dryRun = object.dryRun ?? false;
+    return message;
+  },
+};
+
+function createBaseCancelTasksResponse(): CancelTasksResponse {
+  return { matched: 0n, changed: 0n, shards: [], unavailableShards: [] };
+}
+
+export const CancelTasksResponse: MessageFns<CancelTasksResponse> = {
+  encode(message: CancelTasksResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.matched !== 0n) {
+      if (BigInt.asIntN(64, message.matched) !== message.matched) {
+        throw new globalThis.Error("value provided for field message.matched of type int64 too large");
+      }
+      writer.uint32(8).int64(message.matched);
+    }
+    if (message.changed !== 0n) {
+      if (BigInt.asIntN(64, message.changed) !== message.changed) {
+        throw new globalThis.Error("value provided for field message.changed of type int64 too large");
+      }
+      writer.uint32(16).int64(message.changed);
+    }
+    for (const v of message.shards) {
+      BulkShardResult.encode(v!, writer.uint32(26).fork()).join();
+    }
+    for (const v of message.unavailableShards) {
+      writer.uint32(34).string(v!);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): CancelTasksResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseCancelTasksResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.matched = reader.int64() as bigint;
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.changed = reader.int64() as bigint;
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.shards.push(BulkShardResult.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.unavailableShards.push(reader.string());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): CancelTasksResponse {
+    return {
+      matched: isSet(object.matched) ? BigInt(object.matched) : 0n,
+      changed: isSet(object.changed) ? BigInt(object.changed) : 0n,
+      shards: globalThis.Array.isArray(object?.shards)
+        ? object.shards.map((e: any) => BulkShardResult.fromJSON(e))
+        : [],
+      unavailableShards: globalThis.Array.isArray(object?.unavailableShards)
+        ? object.unavailableShards.map((e: any) => globalThis.String(e))
+        : globalThis.Array.isArray(object?.unavailable_shards)
+        ? object.unavailable_shards.map((e: any) => globalThis.String(e))
+        : [],
+    };
+  },
+
+  toJSON(message: CancelTasksResponse): unknown {
+    const obj: any = {};
+    if (message.matched !== 0n) {
+      obj.matched = message.matched.toString();
+    }
+    if (message.changed !== 0n) {
+      obj.changed = message.changed.toString();
+    }
+    if (message.shards?.length) {
+      obj.shards = message.shards.map((e) => BulkShardResult.toJSON(e));
+    }
+    if (message.unavailableShards?.length) {
+      obj.unavailableShards = message.unavailableShards;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<CancelTasksResponse>, I>>(base?: I): CancelTasksResponse {
+    return CancelTasksResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<CancelTasksResponse>, I>>(object: I): CancelTasksResponse {
+    const message = createBaseCancelTasksResponse();
+    message.matched = (object.matched !== undefined && object.matched !== null) ? BigInt(object.matched) : 0n;
+    message.changed = (object.changed !== undefined && object.changed !== null) ? BigInt(object.changed) : 0n;
+    message.shards = object.shards?.map((e) => BulkShardResult.fromPartial(e)) || [];
+    message.unavailableShards = object.unavailableShards?.map((e) => e) || [];
+    return message;
+  },
+};
+
+function createBaseRetryTasksRequest(): RetryTasksRequest {
+  return { filter: undefined, dryRun: false, runAt: undefined, extraAttempts: 0 };
+}
+
+export const RetryTasksRequest: MessageFns<RetryTasksRequest> = {
+  encode(message: RetryTasksRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.filter !== undefined) {
+      TaskFilter.encode(message.filter, writer.uint32(10).fork()).join();
+    }
+    if (message.dryRun !== false) {
+      writer.uint32(16).bool(message.dryRun);
+    }
+    if (message.runAt !== undefined) {
+      Timestamp.encode(message.runAt, writer.uint32(26).fork()).join();
+    }
+    if (message.extraAttempts !== 0) {
+      writer.uint32(32).int32(message.extraAttempts);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): RetryTasksRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseRetryTasksRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.filter = TaskFilter.decode(reader, reader.uint32());
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.dryRun = reader.bool();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.runAt = Timestamp.decode(reader, reader.uint32());
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.extraAttempts = reader.int32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): RetryTasksRequest {
+    return {
+      filter: isSet(object.filter) ? TaskFilter.fromJSON(object.filter) : undefined,
+      dryRun: isSet(object.dryRun)
+        ? globalThis.Boolean(object.dryRun)
+        : isSet(object.dry_run)
+        ? globalThis.Boolean(object.dry_run)
+        : false,
+      runAt: isSet(object.runAt)
+        ? fromJsonTimestamp(object.runAt)
+        : isSet(object.run_at)
+        ? fromJsonTimestamp(object.run_at)
+        : undefined,
+      extraAttempts: isSet(object.extraAttempts)
+        ? globalThis.Number(object.extraAttempts)
+        : isSet(object.extra_attempts)
+        ? globalThis.Number(object.extra_attempts)
+        : 0,
+    };
+  },
+
+  toJSON(message: RetryTasksRequest): unknown {
+    const obj: any = {};
+    if (message.filter !== undefined) {
+      obj.filter = TaskFilter.toJSON(message.filter);
+    }
+    if (message.dryRun !== false) {
+      obj.dryRun = message.dryRun;
+    }
+    if (message.runAt !== undefined) {
+      obj.runAt = fromTimestamp(message.runAt).toISOString();
+    }
+    if (message.extraAttempts !== 0) {
+      obj.extraAttempts = Math.round(message.extraAttempts);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<RetryTasksRequest>, I>>(base?: I): RetryTasksRequest {
+    return RetryTasksRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<RetryTasksRequest>, I>>(object: I): RetryTasksRequest {
+    const message = createBaseRetryTasksRequest();
+    message.filter = (object.filter !== undefined && object.filter !== null)
+      ? TaskFilter.fromPartial(object.filter)
+      : undefined;
+    message.dryRun = object.dryRun ?? false;
+    message.runAt = (object.runAt !== undefined && object.runAt !== null)
+      ? Timestamp.fromPartial(object.runAt)
+      : undefined;
+    message.extraAttempts = object.extraAttempts ?? 0;
+    return message;
+  },
+};
+
+function createBaseRetryTasksResponse(): RetryTasksResponse {
+  return { matched: 0n, changed: 0n, shards: [], unavailableShards: [] };
+}
+
+export const RetryTasksResponse: MessageFns<RetryTasksResponse> = {
+  encode(message: RetryTasksResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.matched !== 0n) {
+      if (BigInt.asIntN(64, message.matched) !== message.matched) {
+        throw new globalThis.Error("value provided for field message.matched of type int64 too large");
+      }
+      writer.uint32(8).int64(message.matched);
+    }
+    if (message.changed !== 0n) {
+      if (BigInt.asIntN(64, message.changed) !== message.changed) {
+        throw new globalThis.Error("value provided for field message.changed of type int64 too large");
+      }
+      writer.uint32(16).int64(message.changed);
+    }
+    for (const v of message.shards) {
+      BulkShardResult.encode(v!, writer.uint32(26).fork()).join();
+    }
+    for (const v of message.unavailableShards) {
+      writer.uint32(34).string(v!);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): RetryTasksResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseRetryTasksResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.matched = reader.int64() as bigint;
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.changed = reader.int64() as bigint;
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.shards.push(BulkShardResult.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.unavailableShards.push(reader.string());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): RetryTasksResponse {
+    return {
+      matched: isSet(object.matched) ? BigInt(object.matched) : 0n,
+      changed: isSet(object.changed) ? BigInt(object.changed) : 0n,
+      shards: globalThis.Array.isArray(object?.shards)
+        ? object.shards.map((e: any) => BulkShardResult.fromJSON(e))
+        : [],
+      unavailableShards: globalThis.Array.isArray(object?.unavailableShards)
+        ? object.unavailableShards.map((e: any) => globalThis.String(e))
+        : globalThis.Array.isArray(object?.unavailable_shards)
+        ? object.unavailable_shards.map((e: any) => globalThis.String(e))
+        : [],
+    };
+  },
+
+  toJSON(message: RetryTasksResponse): unknown {
+    const obj: any = {};
+    if (message.matched !== 0n) {
+      obj.matched = message.matched.toString();
+    }
+    if (message.changed !== 0n) {
+      obj.changed = message.changed.toString();
+    }
+    if (message.shards?.length) {
+      obj.shards = message.shards.map((e) => BulkShardResult.toJSON(e));
+    }
+    if (message.unavailableShards?.length) {
+      obj.unavailableShards = message.unavailableShards;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<RetryTasksResponse>, I>>(base?: I): RetryTasksResponse {
+    return RetryTasksResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<RetryTasksResponse>, I>>(object: I): RetryTasksResponse {
+    const message = createBaseRetryTasksResponse();
+    message.matched = (object.matched !== undefined && object.matched !== null) ? BigInt(object.matched) : 0n;
+    message.changed = (object.changed !== undefined && object.changed !== null) ? BigInt(object.changed) : 0n;
+    message.shards = object.shards?.map((e) => BulkShardResult.fromPartial(e)) || [];
+    message.unavailableShards = object.unavailableShards?.map((e) => e) || [];
+    return message;
+  },
+};
+
+function createBaseDeleteTasksRequest(): DeleteTasksRequest {
+  return { filter: undefined, dryRun: false };
+}
+
+export const DeleteTasksRequest: MessageFns<DeleteTasksRequest> = {
+  encode(message: DeleteTasksRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.filter !== undefined) {
+      TaskFilter.encode(message.filter, writer.uint32(10).fork()).join();
+    }
+    if (message.dryRun !== false) {
+      writer.uint32(16).bool(message.dryRun);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): DeleteTasksRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseDeleteTasksRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.filter = TaskFilter.decode(reader, reader.uint32());
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.dryRun = reader.bool();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): DeleteTasksRequest {
+    return {
+      filter: isSet(object.filter) ? TaskFilter.fromJSON(object.filter) : undefined,
+      dryRun: isSet(object.dryRun)
+        ? globalThis.Boolean(object.dryRun)
+        : isSet(object.dry_run)
+        ? globalThis.Boolean(object.dry_run)
+        : false,
+    };
+  },
+
+  toJSON(message: DeleteTasksRequest): unknown {
+    const obj: any = {};
+    if (message.filter !== undefined) {
+      obj.filter = TaskFilter.toJSON(message.filter);
+    }
+    if (message.dryRun !== false) {
+      obj.dryRun = message.dryRun;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<DeleteTasksRequest>, I>>(base?: I): DeleteTasksRequest {
+    return DeleteTasksRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<DeleteTasksRequest>, I>>(object: I): DeleteTasksRequest {
+    const message = createBaseDeleteTasksRequest();
+    message.filter = (object.filter !== undefined && object.filter !== null)
+      ? TaskFilter.fromPartial(object.filter)
+      : undefined;
+    message.dryRun = object.dryRun ?? false;
+    return message;
+  },
+};
+
+function createBaseDeleteTasksResponse(): DeleteTasksResponse {
+  return { matched: 0n, changed: 0n, shards: [], unavailableShards: [] };
+}
+
+export const DeleteTasksResponse: MessageFns<DeleteTasksResponse> = {
+  encode(message: DeleteTasksResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.matched !== 0n) {
+      if (BigInt.asIntN(64, message.matched) !== message.matched) {
+        throw new globalThis.Error("value provided for field message.matched of type int64 too large");
+      }
+      writer.uint32(8).int64(message.matched);
+    }
+    if (message.changed !== 0n) {
+      if (BigInt.asIntN(64, message.changed) !== message.changed) {
+        throw new globalThis.Error("value provided for field message.changed of type int64 too large");
+      }
+      writer.uint32(16).int64(message.changed);
+    }
+    for (const v of message.shards) {
+      BulkShardResult.encode(v!, writer.uint32(26).fork()).join();
+    }
+    for (const v of message.unavailableShards) {
+      writer.uint32(34).string(v!);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): DeleteTasksResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseDeleteTasksResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.matched = reader.int64() as bigint;
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.changed = reader.int64() as bigint;
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.shards.push(BulkShardResult.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.unavailableShards.push(reader.string());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): DeleteTasksResponse {
+    return {
+      matched: isSet(object.matched) ? BigInt(object.matched) : 0n,
+      changed: isSet(object.changed) ? BigInt(object.changed) : 0n,
+      shards: globalThis.Array.isArray(object?.shards)
+        ? object.shards.map((e: any) => BulkShardResult.fromJSON(e))
+        : [],
+      unavailableShards: globalThis.Array.isArray(object?.unavailableShards)
+        ? object.unavailableShards.map((e: any) => globalThis.String(e))
+        : globalThis.Array.isArray(object?.unavailable_shards)
+        ? object.unavailable_shards.map((e: any) => globalThis.String(e))
+        : [],
+    };
+  },
+
+  toJSON(message: DeleteTasksResponse): unknown {
+    const obj: any = {};
+    if (message.matched !== 0n) {
+      obj.matched = message.matched.toString();
+    }
+    if (message.changed !== 0n) {
+      obj.changed = message.changed.toString();
+    }
+    if (message.shards?.length) {
+      obj.shards = message.shards.map((e) => BulkShardResult.toJSON(e));
+    }
+    if (message.unavailableShards?.length) {
+      obj.unavailableShards = message.unavailableShards;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<DeleteTasksResponse>, I>>(base?: I): DeleteTasksResponse {
+    return DeleteTasksResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<DeleteTasksResponse>, I>>(object: I): DeleteTasksResponse {
+    const message = createBaseDeleteTasksResponse();
+    message.matched = (object.matched !== undefined && object.matched !== null) ? BigInt(object.matched) : 0n;
+    message.changed = (object.changed !== undefined && object.changed !== null) ? BigInt(object.changed) : 0n;
+    message.shards = object.shards?.map((e) => BulkShardResult.fromPartial(e)) || [];
+    message.unavailableShards = object.unavailableShards?.map((e) => e) || [];
+    return message;
+  },
+};
+
 function createBaseListTasksRequest(): ListTasksRequest {
-  return { pool: "", state: 0, pageSize: 0, pageToken: "", key: "" };
+  return { pool: "", state: 0, pageSize: 0, pageToken: "", key: "", newestFirst: false };
 }
 
 export const ListTasksRequest: MessageFns<ListTasksRequest> = {
@@ -1394,6 +2971,9 @@ export const ListTasksRequest: MessageFns<ListTasksRequest> = {
     }
     if (message.key !== "") {
       writer.uint32(42).string(message.key);
+    }
+    if (message.newestFirst !== false) {
+      writer.uint32(48).bool(message.newestFirst);
     }
     return writer;
   },
@@ -1451,6 +3031,14 @@ export const ListTasksRequest: MessageFns<ListTasksRequest> = {
             message.key = reader.string();
             continue;
           }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.newestFirst = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1478,6 +3066,11 @@ export const ListTasksRequest: MessageFns<ListTasksRequest> = {
         ? globalThis.String(object.page_token)
         : "",
       key: isSet(object.key) ? globalThis.String(object.key) : "",
+      newestFirst: isSet(object.newestFirst)
+        ? globalThis.Boolean(object.newestFirst)
+        : isSet(object.newest_first)
+        ? globalThis.Boolean(object.newest_first)
+        : false,
     };
   },
 
@@ -1498,6 +3091,9 @@ export const ListTasksRequest: MessageFns<ListTasksRequest> = {
     if (message.key !== "") {
       obj.key = message.key;
     }
+    if (message.newestFirst !== false) {
+      obj.newestFirst = message.newestFirst;
+    }
     return obj;
   },
 
@@ -1511,6 +3107,7 @@ export const ListTasksRequest: MessageFns<ListTasksRequest> = {
     message.pageSize = object.pageSize ?? 0;
     message.pageToken = object.pageToken ?? "";
     message.key = object.key ?? "";
+    message.newestFirst = object.newestFirst ?? false;
     return message;
   },
 };
@@ -1848,6 +3445,56 @@ export const TaskServiceService = {
     responseSerialize: (value: CancelTaskResponse): Buffer => Buffer.from(CancelTaskResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): CancelTaskResponse => CancelTaskResponse.decode(value),
   },
+  /** A FAILED or CANCELLED task back to PENDING, keeping its attempts and their history. */
+  retryTask: {
+    path: "/cronoq.v1.TaskService/RetryTask" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: RetryTaskRequest): Buffer => Buffer.from(RetryTaskRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): RetryTaskRequest => RetryTaskRequest.decode(value),
+    responseSerialize: (value: RetryTaskResponse): Buffer => Buffer.from(RetryTaskResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): RetryTaskResponse => RetryTaskResponse.decode(value),
+  },
+  /** Deletes an ended task (SUCCEEDED, FAILED or CANCELLED) with its attempts and events. */
+  deleteTask: {
+    path: "/cronoq.v1.TaskService/DeleteTask" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: DeleteTaskRequest): Buffer => Buffer.from(DeleteTaskRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): DeleteTaskRequest => DeleteTaskRequest.decode(value),
+    responseSerialize: (value: DeleteTaskResponse): Buffer => Buffer.from(DeleteTaskResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): DeleteTaskResponse => DeleteTaskResponse.decode(value),
+  },
+  /** Cancels the unfinished tasks that match a filter, in every shard, in bounded batches. */
+  cancelTasks: {
+    path: "/cronoq.v1.TaskService/CancelTasks" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: CancelTasksRequest): Buffer => Buffer.from(CancelTasksRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): CancelTasksRequest => CancelTasksRequest.decode(value),
+    responseSerialize: (value: CancelTasksResponse): Buffer => Buffer.from(CancelTasksResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): CancelTasksResponse => CancelTasksResponse.decode(value),
+  },
+  /** Retries the FAILED and CANCELLED tasks that match a filter, as RetryTask does, in bounded batches. */
+  retryTasks: {
+    path: "/cronoq.v1.TaskService/RetryTasks" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: RetryTasksRequest): Buffer => Buffer.from(RetryTasksRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): RetryTasksRequest => RetryTasksRequest.decode(value),
+    responseSerialize: (value: RetryTasksResponse): Buffer => Buffer.from(RetryTasksResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): RetryTasksResponse => RetryTasksResponse.decode(value),
+  },
+  /** Deletes the ended tasks that match a filter, as DeleteTask does, in bounded batches. */
+  deleteTasks: {
+    path: "/cronoq.v1.TaskService/DeleteTasks" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: DeleteTasksRequest): Buffer => Buffer.from(DeleteTasksRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): DeleteTasksRequest => DeleteTasksRequest.decode(value),
+    responseSerialize: (value: DeleteTasksResponse): Buffer => Buffer.from(DeleteTasksResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): DeleteTasksResponse => DeleteTasksResponse.decode(value),
+  },
   listTasks: {
     path: "/cronoq.v1.TaskService/ListTasks" as const,
     requestStream: false as const,
@@ -1876,6 +3523,16 @@ export interface TaskServiceServer extends UntypedServiceImplementation {
   /** Blocks until the task is terminal or timeout_ms passes. */
   waitTask: handleUnaryCall<WaitTaskRequest, WaitTaskResponse>;
   cancelTask: handleUnaryCall<CancelTaskRequest, CancelTaskResponse>;
+  /** A FAILED or CANCELLED task back to PENDING, keeping its attempts and their history. */
+  retryTask: handleUnaryCall<RetryTaskRequest, RetryTaskResponse>;
+  /** Deletes an ended task (SUCCEEDED, FAILED or CANCELLED) with its attempts and events. */
+  deleteTask: handleUnaryCall<DeleteTaskRequest, DeleteTaskResponse>;
+  /** Cancels the unfinished tasks that match a filter, in every shard, in bounded batches. */
+  cancelTasks: handleUnaryCall<CancelTasksRequest, CancelTasksResponse>;
+  /** Retries the FAILED and CANCELLED tasks that match a filter, as RetryTask does, in bounded batches. */
+  retryTasks: handleUnaryCall<RetryTasksRequest, RetryTasksResponse>;
+  /** Deletes the ended tasks that match a filter, as DeleteTask does, in bounded batches. */
+  deleteTasks: handleUnaryCall<DeleteTasksRequest, DeleteTasksResponse>;
   listTasks: handleUnaryCall<ListTasksRequest, ListTasksResponse>;
   watch: handleServerStreamingCall<WatchRequest, WatchResponse>;
 }
@@ -1957,6 +3614,86 @@ export interface TaskServiceClient extends Client {
     metadata: Metadata,
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: CancelTaskResponse) => void,
+  ): ClientUnaryCall;
+  /** A FAILED or CANCELLED task back to PENDING, keeping its attempts and their history. */
+  retryTask(
+    request: RetryTaskRequest,
+    callback: (error: ServiceError | null, response: RetryTaskResponse) => void,
+  ): ClientUnaryCall;
+  retryTask(
+    request: RetryTaskRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: RetryTaskResponse) => void,
+  ): ClientUnaryCall;
+  retryTask(
+    request: RetryTaskRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: RetryTaskResponse) => void,
+  ): ClientUnaryCall;
+  /** Deletes an ended task (SUCCEEDED, FAILED or CANCELLED) with its attempts and events. */
+  deleteTask(
+    request: DeleteTaskRequest,
+    callback: (error: ServiceError | null, response: DeleteTaskResponse) => void,
+  ): ClientUnaryCall;
+  deleteTask(
+    request: DeleteTaskRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: DeleteTaskResponse) => void,
+  ): ClientUnaryCall;
+  deleteTask(
+    request: DeleteTaskRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: DeleteTaskResponse) => void,
+  ): ClientUnaryCall;
+  /** Cancels the unfinished tasks that match a filter, in every shard, in bounded batches. */
+  cancelTasks(
+    request: CancelTasksRequest,
+    callback: (error: ServiceError | null, response: CancelTasksResponse) => void,
+  ): ClientUnaryCall;
+  cancelTasks(
+    request: CancelTasksRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: CancelTasksResponse) => void,
+  ): ClientUnaryCall;
+  cancelTasks(
+    request: CancelTasksRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: CancelTasksResponse) => void,
+  ): ClientUnaryCall;
+  /** Retries the FAILED and CANCELLED tasks that match a filter, as RetryTask does, in bounded batches. */
+  retryTasks(
+    request: RetryTasksRequest,
+    callback: (error: ServiceError | null, response: RetryTasksResponse) => void,
+  ): ClientUnaryCall;
+  retryTasks(
+    request: RetryTasksRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: RetryTasksResponse) => void,
+  ): ClientUnaryCall;
+  retryTasks(
+    request: RetryTasksRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: RetryTasksResponse) => void,
+  ): ClientUnaryCall;
+  /** Deletes the ended tasks that match a filter, as DeleteTask does, in bounded batches. */
+  deleteTasks(
+    request: DeleteTasksRequest,
+    callback: (error: ServiceError | null, response: DeleteTasksResponse) => void,
+  ): ClientUnaryCall;
+  deleteTasks(
+    request: DeleteTasksRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: DeleteTasksResponse) => void,
+  ): ClientUnaryCall;
+  deleteTasks(
+    request: DeleteTasksRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: DeleteTasksResponse) => void,
   ): ClientUnaryCall;
   listTasks(
     request: ListTasksRequest,
