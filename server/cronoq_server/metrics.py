@@ -40,6 +40,12 @@ SCHEDULE_FIRES = Counter(
     "Tasks created by schedules (also counted in cronoq_tasks_submitted_total).",
     ["pool"],
 )
+TASK_RETRIES = Counter(
+    "cronoq_task_retries_total",
+    "Tasks put back to PENDING for another attempt: after a failed or lost attempt (reason failure or lost), "
+    "or by an operator's RetryTask/RetryTasks (reason manual).",
+    ["pool", "reason"],
+)
 CALLS = Counter("cronoq_api_calls_total", "API calls by method and code.", ["method", "code"])
 
 
