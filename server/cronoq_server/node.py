@@ -20,6 +20,7 @@ from cronoq.v1 import worker_service_pb2
 from . import __version__
 from .auth import Authenticator, Principal
 from .config import PERMISSIONS, UNSHARDED, Config
+from .core.bulk import Bulk
 from .core.events import EVENT_RETENTION_EVERY_S, SEQUENCE_EVERY_S, EventBus
 from .core.leases import NUDGE_EVERY_S, Leases
 from .core.maintenance import Periodic, Services
@@ -81,6 +82,7 @@ class Node:
             lambda: self.is_leader,
             self.gate,
         )
+        self.bulk = Bulk(self.store, self.events, self.shard_name, self.shard_number, self.pools)
         self.schedules = Schedules(config, self.store, self.events, self.tasks, self.pools)
         self.is_leader = False
         self.draining = False
@@ -107,6 +109,7 @@ class Node:
             "WaitTask": self.tasks.wait_task,
             "CancelTask": self.tasks.cancel_task,
             "ListTasks": self.tasks.list_tasks,
+            "CancelTasks": self.bulk.cancel_tasks,
             "RegisterWorker": self.leases.register_worker,
             "LeaseTasks": self.leases.lease_tasks,
             "Heartbeat": self.leases.heartbeat,
@@ -421,7 +424,7 @@ def _count_submitted(method: str, request: Any, response: Any) -> None:
 
 
 # RPCs declared in the protos whose handlers are being built (answered UNIMPLEMENTED until then).
-_NOT_YET = ("RetryTask", "DeleteTask", "CancelTasks", "RetryTasks", "DeleteTasks", "PausePool", "ResumePool")
+_NOT_YET = ("RetryTask", "DeleteTask", "RetryTasks", "DeleteTasks", "PausePool", "ResumePool")
 
 
 def _not_yet(name: str) -> Callable[[Any, Principal], Awaitable[Message]]:

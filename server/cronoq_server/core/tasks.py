@@ -7,6 +7,8 @@ import time
 from collections.abc import AsyncGenerator, Mapping
 from typing import Protocol
 
+from google.protobuf.timestamp_pb2 import Timestamp
+
 from cronoq.v1 import task_pb2
 from cronoq.v1 import task_service_pb2 as pb
 
@@ -58,6 +60,14 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
+def check_timestamp(field: str, ts: Timestamp) -> None:
+    """A Timestamp the caller gave: within the range google.protobuf.Timestamp allows."""
+    if not (MIN_TIMESTAMP_S <= ts.seconds <= MAX_TIMESTAMP_S and 0 <= ts.nanos < 1_000_000_000):
+        raise invalid(
+            f"{field}: seconds {ts.seconds}, nanos {ts.nanos} is outside the Timestamp range (0001-01-01 to 9999-12-31)"
+        )
+
+
 def wait_ms(asked_ms: int) -> int:
     """How long a WaitTask asking `asked_ms` waits (0: the default)."""
     return min(asked_ms or DEFAULT_WAIT_MS, MAX_WAIT_MS)
@@ -102,13 +112,8 @@ class Tasks:
                 f"{where}key: {req.key!r}: keys starting with {SCHEDULE_KEY_PREFIX!r} are reserved for schedules"
             )
         self.check_template(req, where)
-        if req.HasField("run_at") and not (
-            MIN_TIMESTAMP_S <= req.run_at.seconds <= MAX_TIMESTAMP_S and 0 <= req.run_at.nanos < 1_000_000_000
-        ):
-            raise invalid(
-                f"{where}run_at: seconds {req.run_at.seconds}, nanos {req.run_at.nanos} is outside the Timestamp "
-                "range (0001-01-01 to 9999-12-31)"
-            )
+        if req.HasField("run_at"):
+            check_timestamp(f"{where}run_at", req.run_at)
         task = NewTask(
             pool=req.pool,
             key=req.key or None,

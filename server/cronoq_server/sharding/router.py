@@ -348,7 +348,7 @@ class ShardRouter:
         merge = MERGES[rpc.name]
         # The shards the caller may read a pool of: nothing of the others, not even that they are down.
         shards = [s for s in self.shards if may_read(call.caller, s, (rpc.permission, rpc.or_permission))]
-        pool = getattr(request, "pool", "")
+        pool = merge.pool(request)
         if pool:
             owner = self._shard_by_pool.get(pool)
             if owner is None:  # the Node names the unknown pool
@@ -356,7 +356,8 @@ class ShardRouter:
             self._require(rpc, call.caller, [pool])
             shards = [owner]
         requests = merge.requests(request, shards)
-        answers = await self._ask(rpc, requests, call, lambda answered: merge.enough(request, answered))
+        patience = self.peers.timeout(rpc, request, call.timeout) if merge.changes else PEER_READ_TIMEOUT_S
+        answers = await self._ask(rpc, requests, call, lambda answered: merge.enough(request, answered), patience)
         responses: list[Message] = []
         missing: list[str] = []
         for name, answer in answers.items():
@@ -376,11 +377,13 @@ class ShardRouter:
         requests: dict[str, Message],
         call: Call,
         enough: Callable[[list[Message]], bool] = lambda answered: False,
+        patience: float = PEER_READ_TIMEOUT_S,
     ) -> dict[str, Message | ApiError]:
-        """Each shard's answer (or refusal) to its request, asked in parallel, in shard order;
-        once the answers so far are `enough`, the later shards' are not waited for (nor named)."""
+        """Each shard's answer (or refusal) to its request, asked in parallel, in shard order,
+        waited for `patience` seconds at most; once the answers so far are `enough`, the later
+        shards' are not waited for (nor named)."""
         loop = asyncio.get_running_loop()
-        timeout = PEER_READ_TIMEOUT_S if call.timeout is None else min(call.timeout, PEER_READ_TIMEOUT_S)
+        timeout = patience if call.timeout is None else min(call.timeout, patience)
         deadline = loop.time() + timeout
 
         async def ask(shard: ShardConfig, request: Message) -> Message | ApiError:

@@ -1,0 +1,114 @@
+"""Bulk actions by filter (CancelTasks, RetryTasks, DeleteTasks) on one real server, on both
+stores, over gRPC and HTTP: filters, dry runs, repeats, and filters refused whole."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+import pytest
+from _helpers import Api, store_table  # type: ignore[import-not-found]
+from conftest import ServerProcess  # type: ignore[import-not-found]
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from cronoq.v1 import task_pb2
+from cronoq.v1 import task_service_pb2 as tpb
+
+pytestmark = pytest.mark.timeout(120)
+
+S = task_pb2
+PENDING, RUNNING, CANCELLED = S.TASK_STATE_PENDING, S.TASK_STATE_RUNNING, S.TASK_STATE_CANCELLED
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def srv(request: pytest.FixtureRequest, start_server: Any) -> ServerProcess:
+    return start_server(
+        {
+            "pools": [{"name": "default", "lease_ttl": "30s"}, {"name": "other", "lease_ttl": "30s"}],
+            "store": store_table(request.param, request),
+        }
+    )
+
+
+def states(api: Api, *tasks: task_pb2.Task) -> list[int]:
+    return [api.get(t.id).state for t in tasks]
+
+
+def cancel(api: Api, dry_run: bool = False, **f: Any) -> tpb.CancelTasksResponse:
+    return api.tasks.CancelTasks(tpb.CancelTasksRequest(filter=tpb.TaskFilter(**f), dry_run=dry_run), timeout=30)
+
+
+def counts(response: Any) -> tuple[int, int, list[tuple[str, int, int]]]:
+    return response.matched, response.changed, [(s.shard, s.matched, s.changed) for s in response.shards]
+
+
+def test_cancel_by_pool_dry_run_then_for_real_then_again(srv: ServerProcess) -> None:
+    api = Api(srv.grpc_target)
+    running = api.submit(payload=b"r")
+    worker = api.register()
+    assert [t.id for t in api.lease(worker, 1)] == [running.id]
+    pending = [api.submit(payload=b"p") for _ in range(3)]
+    blocked = api.submit(depends_on=[pending[0].id])
+    elsewhere = api.submit("other")
+
+    assert counts(cancel(api, dry_run=True, pool="default")) == (5, 0, [("unsharded", 5, 0)])
+    assert states(api, running, *pending) == [RUNNING, PENDING, PENDING, PENDING]
+
+    assert counts(cancel(api, pool="default")) == (5, 5, [("unsharded", 5, 0 + 5)])
+    assert states(api, *pending, blocked, elsewhere) == [CANCELLED] * 4 + [PENDING]
+    got = api.get(running.id)
+    assert got.state == RUNNING and got.cancel_requested
+    # Safe to repeat: the running task is still matched, nothing changes.
+    assert counts(cancel(api, pool="default")) == (1, 0, [("unsharded", 1, 0)])
+
+
+def test_filters_by_state_created_key_prefix_and_ids_over_http(srv: ServerProcess) -> None:
+    api = Api(srv.grpc_target)
+    old = api.submit(key="50%_off/old")
+    time.sleep(0.01)
+    cut = Timestamp()
+    cut.GetCurrentTime()
+    time.sleep(0.01)
+    pct = api.submit(key="50%_off/new")
+    lookalike = api.submit(key="50xyoff/new")
+    plain = [api.submit() for _ in range(3)]
+
+    def bulk(body: dict[str, Any]) -> dict[str, Any]:
+        status, answer = srv.http("POST", "/v1/tasks/bulk-cancel", body)
+        assert status == 200, answer
+        return answer
+
+    answer = bulk({"filter": {"key_prefix": "50%_off", "created_after": cut.ToJsonString()}, "dry_run": True})
+    assert (int(answer["matched"]), int(answer.get("changed", 0))) == (1, 0)
+    answer = bulk({"filter": {"key_prefix": "50%_off", "created_before": cut.ToJsonString()}})
+    assert (int(answer["matched"]), int(answer["changed"])) == (1, 1)
+    assert states(api, old, pct, lookalike) == [CANCELLED, PENDING, PENDING]
+    answer = bulk({"filter": {"ids": [str(plain[0].id), str(plain[2].id)], "states": ["TASK_STATE_PENDING"]}})
+    assert int(answer["changed"]) == 2 and answer["shards"][0]["shard"] == "unsharded"
+    assert states(api, *plain) == [CANCELLED, PENDING, CANCELLED]
+    bulk({"filter": {"states": ["TASK_STATE_PENDING", "TASK_STATE_BLOCKED", "TASK_STATE_RUNNING"]}})
+    assert states(api, pct, lookalike, plain[1]) == [CANCELLED] * 3
+
+
+BAD_FILTERS: list[tuple[dict[str, Any], str]] = [
+    ({}, "filter: nothing set"),
+    ({"pool": "nope"}, "filter.pool: unknown pool 'nope'"),
+    ({"states": [S.TASK_STATE_FAILED]}, "filter.states[0]: FAILED is not a state cancel applies to"),
+    ({"key_prefix": "k" * 257}, "filter.key_prefix: 257 bytes, more than 256"),
+    ({"error_contains": "é" * 513}, "filter.error_contains: 1026 bytes, more than 1024"),
+    ({"ids": list(range(1, 1002))}, "filter.ids: 1001 ids, more than 1000"),
+    ({"ids": [0]}, "filter.ids[0]: 0 is not a task id"),
+    ({"created_after": Timestamp(seconds=-62_135_596_801)}, "filter.created_after: seconds -62135596801"),
+]
+
+
+def test_a_bad_filter_is_refused_and_changes_nothing(srv: ServerProcess) -> None:
+    api = Api(srv.grpc_target)
+    task = api.submit()
+    for f, message in BAD_FILTERS:
+        with pytest.raises(grpc.RpcError) as err:
+            cancel(api, **f)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, f  # type: ignore[attr-defined]
+        assert message in err.value.details(), err.value.details()  # type: ignore[attr-defined]
+    assert states(api, task) == [PENDING]
