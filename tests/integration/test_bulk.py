@@ -3,6 +3,7 @@ stores, over gRPC and HTTP: filters, dry runs, repeats, and filters refused whol
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
@@ -112,3 +113,47 @@ def test_a_bad_filter_is_refused_and_changes_nothing(srv: ServerProcess) -> None
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, f  # type: ignore[attr-defined]
         assert message in err.value.details(), err.value.details()  # type: ignore[attr-defined]
     assert states(api, task) == [PENDING]
+
+
+TOKENS = {
+    "a-cancel-read": (["a"], ["cancel", "read"]),
+    "a-cancel": (["a"], ["cancel"]),
+    "all-cancel": (["*"], ["cancel"]),
+    "admin": (["*"], ["submit", "read", "cancel", "admin"]),
+}
+
+
+def test_a_bulk_call_covers_only_pools_the_caller_may_act_on_and_read(start_server: Any) -> None:
+    """A pool named without the permission or read on it: refused, nothing changed; no pool
+    named: only the pools where the caller holds both are covered."""
+    srv = start_server(
+        {
+            "pools": [{"name": "a"}, {"name": "b"}],
+            "tokens": [
+                {"name": n, "sha256": hashlib.sha256(n.encode()).hexdigest(), "pools": p, "permissions": perms}
+                for n, (p, perms) in TOKENS.items()
+            ],
+        }
+    )
+    api = Api(srv.grpc_target)
+    admin = [("authorization", "Bearer admin")]
+    a = api.tasks.SubmitTask(tpb.SubmitTaskRequest(pool="a"), metadata=admin).task
+    b = api.tasks.SubmitTask(tpb.SubmitTaskRequest(pool="b"), metadata=admin).task
+
+    def as_(token: str, **f: Any) -> Any:
+        req = tpb.CancelTasksRequest(filter=tpb.TaskFilter(**f))
+        return api.tasks.CancelTasks(req, metadata=[("authorization", f"Bearer {token}")], timeout=30)
+
+    for token, pool in (("a-cancel", "a"), ("a-cancel-read", "b"), ("all-cancel", "a")):
+        with pytest.raises(grpc.RpcError) as err:
+            as_(token, pool=pool)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, (token, pool)  # type: ignore[attr-defined]
+    for token in ("a-cancel", "all-cancel"):  # may cancel but not read: nothing is theirs to see
+        assert counts(as_(token, states=[PENDING])) == (0, 0, [("unsharded", 0, 0)])
+
+    def state(task: task_pb2.Task) -> int:
+        return api.tasks.GetTask(tpb.GetTaskRequest(task=S.TaskRef(id=task.id)), metadata=admin).task.state
+
+    assert [state(a), state(b)] == [PENDING, PENDING]
+    assert counts(as_("a-cancel-read", states=[PENDING])) == (1, 1, [("unsharded", 1, 1)])
+    assert [state(a), state(b)] == [CANCELLED, PENDING]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from cronoq_server.store.base import TERMINAL, State, Store, TaskFilter
-
 from test_store import SEC, T0, failure, finish_ok, lease_one, new, run_to_failure, run_to_success, states, submit_one
+
+from cronoq_server.store.base import TERMINAL, State, Store, TaskFilter
 
 EVERY_STATE = frozenset(State)
 

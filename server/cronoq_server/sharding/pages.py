@@ -114,7 +114,7 @@ class BulkResults(Merge):
         return str(request.filter.pool)
 
     def merge(self, request: Any, responses: list[Any], complete: bool = True) -> Message:
-        merged = self.response()
+        merged: Any = self.response()
         for response in responses:
             merged.shards.extend(response.shards)
             merged.matched += response.matched

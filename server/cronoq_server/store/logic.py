@@ -348,7 +348,9 @@ def match_sql(match: TaskFilter, after_seq: int, limit: int, dialect: Dialect) -
     if match.pools is not None:
         pools = match.pools
         # One pool: an equality, so the (pool, seq) index serves it in seq order.
-        where.append(f"pool = {p(pools[0])}" if len(pools) == 1 else dialect.any_of("pool", p(dialect.array(pools)), "text"))
+        where.append(
+            f"pool = {p(pools[0])}" if len(pools) == 1 else dialect.any_of("pool", p(dialect.array(pools)), "text")
+        )
     if match.seqs is not None:
         where.append(dialect.any_of("seq", p(dialect.array(match.seqs)), "bigint"))
     bounds = (
