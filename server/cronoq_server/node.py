@@ -82,7 +82,9 @@ class Node:
             lambda: self.is_leader,
             self.gate,
         )
-        self.bulk = Bulk(self.store, self.events, self.shard_name, self.shard_number, self.pools)
+        self.bulk = Bulk(
+            self.store, self.events, self.shard_name, self.shard_number, self.pools, config.server.forward_timeout / 2
+        )
         self.schedules = Schedules(config, self.store, self.events, self.tasks, self.pools)
         self.is_leader = False
         self.draining = False

@@ -24,8 +24,10 @@ PENDING, RUNNING, CANCELLED = S.TASK_STATE_PENDING, S.TASK_STATE_RUNNING, S.TASK
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def srv(request: pytest.FixtureRequest, start_server: Any) -> ServerProcess:
+    """forward_timeout 100 ms: a bulk call goes on 50 ms at most (the first batch of 100 always)."""
     return start_server(
         {
+            "server": {"forward_timeout": "100ms"},
             "pools": [{"name": "default", "lease_ttl": "30s"}, {"name": "other", "lease_ttl": "30s"}],
             "store": store_table(request.param, request),
         }
@@ -62,6 +64,20 @@ def test_cancel_by_pool_dry_run_then_for_real_then_again(srv: ServerProcess) -> 
     assert got.state == RUNNING and got.cancel_requested
     # Safe to repeat: the running task is still matched, nothing changes.
     assert counts(cancel(api, pool="default")) == (1, 0, [("unsharded", 1, 0)])
+
+
+def test_a_long_bulk_call_answers_incomplete_and_the_same_call_continues(srv: ServerProcess) -> None:
+    api = Api(srv.grpc_target)
+    total = 3000
+    for _ in range(total // 1000):
+        api.tasks.SubmitBatch(tpb.SubmitBatchRequest(tasks=[tpb.SubmitTaskRequest(pool="other")] * 1000))
+    answers = []
+    while not answers or answers[-1].incomplete:
+        answers.append(cancel(api, pool="other"))
+        assert len(answers) < 200
+    assert len(answers) > 1 and answers[0].incomplete and answers[0].shards[0].incomplete
+    assert 0 < answers[0].changed < total
+    assert sum(a.changed for a in answers) == total and answers[-1].matched == answers[-1].changed
 
 
 def test_filters_by_state_created_key_prefix_and_ids_over_http(srv: ServerProcess) -> None:

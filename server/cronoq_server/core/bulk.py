@@ -2,8 +2,9 @@
 
 The filter is checked whole before anything changes. Then the matching tasks are taken in
 bounded batches in seq order, each changed in one transaction and published, the event loop
-yielded to between batches (so other callers stay fast). A task that changed meanwhile is
-matched, not changed; a repeated call matches what is left and changes only that.
+yielded to between batches (so other callers stay fast), for half of server.forward_timeout
+at most: then the answer says incomplete, and the same call again continues. A task that changed
+meanwhile is matched, not changed; a repeated call matches what is left and changes only that.
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ from .events import EventBus
 from .limits import check_text
 from .tasks import check_timestamp, now_us
 
-# Tasks matched and changed per transaction: small enough that the store serves other callers
-# between batches without a wait they would notice.
-BATCH = 200
+# Tasks matched and changed per transaction: sized as it goes so that a batch takes about
+# BATCH_TARGET_S (a caller queued behind one waits no longer), then BATCH_YIELD times as long
+# is left to other callers before the next one.
+BATCH_FIRST = 100
+BATCH_MIN, BATCH_MAX = 10, 500
+BATCH_TARGET_S = 0.005
+BATCH_YIELD = 2.0
 MAX_IDS = 1000
 MAX_KEY_PREFIX_BYTES = 256
 MAX_ERROR_CONTAINS_BYTES = 1024
@@ -53,7 +58,12 @@ def _names(states: frozenset[State]) -> str:
 
 
 class Bulk:
-    def __init__(self, store: Store, events: EventBus, shard_name: str, shard_number: int, pools: list[str]):
+    def __init__(
+        self, store: Store, events: EventBus, shard_name: str, shard_number: int, pools: list[str], budget_s: float
+    ):
+        """budget_s: how long one call goes on before it answers what it did, incomplete (so that
+        a shard asked by another answers within server.forward_timeout)."""
+        self._budget_s = budget_s
         self._store = store
         self._events = events
         self._shard_name = shard_name
@@ -67,7 +77,9 @@ class Bulk:
             return len(changed)
 
         result = await self.run(self.task_filter(req.filter, CANCEL, caller), req.dry_run, cancel)
-        return pb.CancelTasksResponse(matched=result.matched, changed=result.changed, shards=[result])
+        return pb.CancelTasksResponse(
+            matched=result.matched, changed=result.changed, shards=[result], incomplete=result.incomplete
+        )
 
     def task_filter(self, f: pb.TaskFilter, action: Action, caller: Principal) -> TaskFilter | None:
         """The store's filter for this shard's part of the request, checked whole (None: it
@@ -140,18 +152,25 @@ class Bulk:
         )
 
     async def run(self, match: TaskFilter | None, dry_run: bool, apply: Apply) -> pb.BulkShardResult:
-        """Matches in batches after the last seq seen, applying each (unless dry_run)."""
+        """Matches in batches after the last seq seen, applying each (unless dry_run), until no
+        task is left or the time budget is spent (incomplete)."""
         result = pb.BulkShardResult(shard=self._shard_name)
-        after = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._budget_s
+        after, size = 0, BATCH_FIRST
         while match is not None:
-            batch = await self._store.match_tasks(match, after, BATCH)
-            if not batch:
-                break
+            started = loop.time()
+            batch = await self._store.match_tasks(match, after, size)
             result.matched += len(batch)
-            if not dry_run:
+            if batch and not dry_run:
                 result.changed += await apply([(seq, pool) for seq, _, pool in batch])
-            after = batch[-1][0]
-            if len(batch) < BATCH:
+            if len(batch) < size:
                 break
-            await asyncio.sleep(0)  # let other callers' calls in between batches
+            after = batch[-1][0]
+            took = loop.time() - started
+            size = max(BATCH_MIN, min(BATCH_MAX, int(size * BATCH_TARGET_S / max(took, 1e-4))))
+            if loop.time() + took * (BATCH_YIELD + 1) > deadline:
+                result.incomplete = True
+                break
+            await asyncio.sleep(took * BATCH_YIELD)  # the store is other callers' meanwhile
         return result

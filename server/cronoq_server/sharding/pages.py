@@ -119,6 +119,7 @@ class BulkResults(Merge):
             merged.shards.extend(response.shards)
             merged.matched += response.matched
             merged.changed += response.changed
+            merged.incomplete |= response.incomplete
         return merged
 
 
