@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from _helpers import store_table  # type: ignore[import-not-found]
-from test_sharding import TwoShards, bearer, http, submit  # type: ignore[import-not-found]
+from test_sharding import Stubs, TwoShards, bearer, http, submit  # type: ignore[import-not-found]
 
 from cronoq.v1 import task_pb2
 from cronoq.v1 import task_service_pb2 as tpb
@@ -23,7 +23,7 @@ def shards(request: pytest.FixtureRequest, tmp_path: Path, start_server: Any) ->
     if request.param == "postgres":
         store = store_table("postgres", request)
         store["schema"] += "_{shard}"
-    return TwoShards(tmp_path, start_server, store)
+    return TwoShards(tmp_path, start_server, store, replicas=2)
 
 
 def per_shard(response: Any) -> list[tuple[str, int, int]]:
@@ -31,6 +31,7 @@ def per_shard(response: Any) -> list[tuple[str, int, int]]:
 
 
 def test_bulk_cancel_across_shards_then_with_one_down(shards: TwoShards) -> None:
+    """Each shard with a standby: a standby asks its leader for its shard's part."""
     cpu = shards.stubs["cpu"]
     on_cpu = [submit(cpu, "default").task for _ in range(3)]
     on_gpu = [submit(cpu, "llm").task for _ in range(2)]
@@ -48,6 +49,14 @@ def test_bulk_cancel_across_shards_then_with_one_down(shards: TwoShards) -> None
         tpb.CancelTasksRequest(filter=tpb.TaskFilter(pool="default", ids=[on_cpu[1].id])), metadata=bearer("full")
     )
     assert per_shard(answer) == [("cpu", 1, 1)]
+
+    # At cpu's standby: cpu's part at cpu's leader, gpu's at gpu's.
+    standby = Stubs(shards.servers["cpu"][1])
+    answer = standby.tasks.CancelTasks(
+        tpb.CancelTasksRequest(filter=tpb.TaskFilter(ids=[on_cpu[2].id, on_gpu[1].id]), dry_run=True),
+        metadata=bearer("full"),
+    )
+    assert per_shard(answer) == [("cpu", 1, 0), ("gpu", 1, 0)] and not answer.unavailable_shards
 
     shards.kill("gpu")
     status, headers, body = http(
