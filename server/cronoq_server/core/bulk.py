@@ -23,12 +23,11 @@ from .events import EventBus
 from .limits import check_text
 from .tasks import check_timestamp, now_us
 
-# Tasks matched and changed per transaction: sized as it goes so that a batch takes about
-# BATCH_TARGET_S (a caller queued behind one waits no longer), then BATCH_YIELD times as long
-# is left to other callers before the next one.
+# Tasks matched and changed per transaction: sized as it goes so that a batch takes about the
+# store's bulk_batch_s (a caller queued behind one waits no longer), then BATCH_YIELD times as
+# long is left to other callers before the next one.
 BATCH_FIRST = 100
-BATCH_MIN, BATCH_MAX = 10, 500
-BATCH_TARGET_S = 0.005
+BATCH_MIN, BATCH_MAX = 10, 2000
 BATCH_YIELD = 2.0
 MAX_IDS = 1000
 MAX_KEY_PREFIX_BYTES = 256
@@ -168,7 +167,7 @@ class Bulk:
                 break
             after = batch[-1][0]
             took = loop.time() - started
-            size = max(BATCH_MIN, min(BATCH_MAX, int(size * BATCH_TARGET_S / max(took, 1e-4))))
+            size = max(BATCH_MIN, min(BATCH_MAX, int(size * self._store.bulk_batch_s / max(took, 1e-4))))
             if loop.time() + took * (BATCH_YIELD + 1) > deadline:
                 result.incomplete = True
                 break

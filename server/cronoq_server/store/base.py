@@ -252,6 +252,9 @@ class Store(Protocol):
 
     # Steps of one Work stream (finish_and_lease calls) worth running at once.
     work_steps: int
+    # How long a batch of a bulk action should take: every other call waits behind it where the
+    # store has one writer (SQLite); elsewhere, longer batches spare round trips.
+    bulk_batch_s: float
 
     async def open(self) -> None:
         """Creates or migrates the schema; refuses (StoreRefused) a store of another shard or of

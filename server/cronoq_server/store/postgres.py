@@ -294,6 +294,9 @@ class PostgresStore:
     # Two steps of a Work stream at once, each leasing half the worker's slots: the database
     # works on one while the worker runs the tasks of the other.
     work_steps = 2
+    # Other calls run beside a batch (it locks only its own rows), and a batch costs round trips
+    # whatever its size (30 ms for 100 tasks, 42 ms for 1,000 on the 2-core machine).
+    bulk_batch_s = 0.1
 
     def __init__(self, url: str, schema: str, settings: StoreSettings, pool_size: int = 8):
         self.url = url
