@@ -83,7 +83,13 @@ class Node:
             self.gate,
         )
         self.bulk = Bulk(
-            self.store, self.events, self.shard_name, self.shard_number, self.pools, config.server.forward_timeout / 2
+            self.tasks,
+            self.store,
+            self.events,
+            self.shard_name,
+            self.shard_number,
+            self.pools,
+            config.server.forward_timeout / 2,
         )
         self.schedules = Schedules(config, self.store, self.events, self.tasks, self.pools)
         self.is_leader = False
@@ -112,6 +118,8 @@ class Node:
             "CancelTask": self.tasks.cancel_task,
             "ListTasks": self.tasks.list_tasks,
             "CancelTasks": self.bulk.cancel_tasks,
+            "RetryTasks": self.bulk.retry_tasks,
+            "DeleteTasks": self.bulk.delete_tasks,
             "RegisterWorker": self.leases.register_worker,
             "LeaseTasks": self.leases.lease_tasks,
             "Heartbeat": self.leases.heartbeat,
@@ -426,7 +434,7 @@ def _count_submitted(method: str, request: Any, response: Any) -> None:
 
 
 # RPCs declared in the protos whose handlers are being built (answered UNIMPLEMENTED until then).
-_NOT_YET = ("RetryTask", "DeleteTask", "RetryTasks", "DeleteTasks", "PausePool", "ResumePool")
+_NOT_YET = ("RetryTask", "DeleteTask", "PausePool", "ResumePool")
 
 
 def _not_yet(name: str) -> Callable[[Any, Principal], Awaitable[Message]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import urllib.request
 from typing import Any
 
 import grpc
@@ -15,11 +16,17 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from cronoq.v1 import task_pb2
 from cronoq.v1 import task_service_pb2 as tpb
+from cronoq.v1 import worker_service_pb2 as wpb
 
 pytestmark = pytest.mark.timeout(120)
 
 S = task_pb2
-PENDING, RUNNING, CANCELLED = S.TASK_STATE_PENDING, S.TASK_STATE_RUNNING, S.TASK_STATE_CANCELLED
+PENDING, RUNNING, FAILED, CANCELLED = (
+    S.TASK_STATE_PENDING,
+    S.TASK_STATE_RUNNING,
+    S.TASK_STATE_FAILED,
+    S.TASK_STATE_CANCELLED,
+)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -78,6 +85,63 @@ def test_a_long_bulk_call_answers_incomplete_and_the_same_call_continues(srv: Se
     assert len(answers) > 1 and answers[0].incomplete and answers[0].shards[0].incomplete
     assert 0 < answers[0].changed < total
     assert sum(a.changed for a in answers) == total and answers[-1].matched == answers[-1].changed
+
+
+def test_retry_failed_by_error_and_finished_bounds_then_delete_ended(srv: ServerProcess) -> None:
+    api = Api(srv.grpc_target)
+    worker = api.register()
+    done = api.submit(payload=b"ok")
+    api.succeed(worker, api.lease(worker, 1)[0])
+    failing = [api.submit(max_attempts=1) for _ in range(3)]
+    leased = {t.id: t for t in api.lease(worker, 3)}
+    errors = ["HTTP 503 from api", "100% _bad_ input", "timeout"]
+    cut = Timestamp()
+    for i, (task, error) in enumerate(zip(failing, errors, strict=True)):
+        if i == 1:
+            time.sleep(0.01)
+            cut.GetCurrentTime()
+            time.sleep(0.01)
+        api.finish(worker, leased[task.id], failure=wpb.TaskFailure(error=error, retryable=False))
+    assert states(api, *failing) == [FAILED] * 3
+
+    def retry(dry_run: bool = False, **f: Any) -> tpb.RetryTasksResponse:
+        req = tpb.RetryTasksRequest(filter=tpb.TaskFilter(**f), dry_run=dry_run)
+        return api.tasks.RetryTasks(req, timeout=30)
+
+    assert counts(retry(dry_run=True, error_contains="503")) == (1, 0, [("unsharded", 1, 0)])
+    assert counts(retry(error_contains="% _")) == (1, 1, [("unsharded", 1, 1)])
+    assert counts(retry(finished_before=cut)) == (1, 1, [("unsharded", 1, 1)])
+    assert states(api, *failing) == [PENDING, PENDING, FAILED]
+    assert counts(retry(finished_before=cut)) == (0, 0, [("unsharded", 0, 0)])  # done already
+    status, answer = srv.http("POST", "/v1/tasks/bulk-retry", {"filter": {"finished_after": cut.ToJsonString()}})
+    assert status == 200 and (int(answer["matched"]), int(answer["changed"])) == (1, 1), answer
+    assert states(api, *failing) == [PENDING] * 3 and api.get(failing[2].id).attempt == 1
+    with pytest.raises(grpc.RpcError) as err:
+        retry(states=[PENDING])
+    assert "filter.states[0]: PENDING is not a state retry applies to (FAILED, CANCELLED)" in err.value.details()  # type: ignore[attr-defined]
+    assert _metric(srv, 'cronoq_task_retries_total{pool="default",reason="manual"}') == 3
+
+    def delete(dry_run: bool = False, **f: Any) -> tpb.DeleteTasksResponse:
+        req = tpb.DeleteTasksRequest(filter=tpb.TaskFilter(**f), dry_run=dry_run)
+        return api.tasks.DeleteTasks(req, timeout=30)
+
+    assert counts(delete(dry_run=True, pool="default")) == (1, 0, [("unsharded", 1, 0)])  # the one ended
+    status, answer = srv.http("POST", "/v1/tasks/bulk-delete", {"filter": {"pool": "default"}})
+    assert status == 200 and int(answer["changed"]) == 1, answer
+    with pytest.raises(grpc.RpcError) as err:
+        api.get(done.id)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+    assert counts(cancel(api, pool="default")) == (3, 3, [("unsharded", 3, 3)])
+    assert counts(delete(states=[CANCELLED])) == (3, 3, [("unsharded", 3, 3)])
+    assert counts(delete(states=[CANCELLED])) == (0, 0, [("unsharded", 0, 0)])
+
+
+def _metric(srv: ServerProcess, sample: str) -> float:
+    with urllib.request.urlopen(srv.http_url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[-1])
+    return 0.0
 
 
 def test_filters_by_state_created_key_prefix_and_ids_over_http(srv: ServerProcess) -> None:

@@ -20,8 +20,8 @@ from ..errors import invalid
 from ..ids import seq_of, shard_of
 from ..store.base import TERMINAL, State, Store, TaskFilter
 from .events import EventBus
-from .limits import check_text
-from .tasks import check_timestamp, now_us
+from .limits import RETRY_EXTRA_ATTEMPTS, check_range, check_text
+from .tasks import Tasks, now_us, timestamp_us
 
 # Tasks matched and changed per transaction: sized as it goes so that a batch takes about the
 # store's bulk_batch_s (a caller queued behind one waits no longer), then BATCH_YIELD times as
@@ -47,9 +47,10 @@ CANCEL = Action("cancel", "cancel", frozenset({State.PENDING, State.BLOCKED, Sta
 RETRY = Action("retry", "submit", frozenset({State.FAILED, State.CANCELLED}))
 DELETE = Action("delete", "admin", TERMINAL)
 
-# Changes a batch of matched tasks (seq, pool) in one transaction and publishes the changes;
+# Changes a batch of matched tasks (their seqs) in one transaction and publishes the changes;
 # returns how many of them it changed.
-Apply = Callable[[list[tuple[int, str]]], Awaitable[int]]
+Apply = Callable[[list[int]], Awaitable[int]]
+BulkResponse = pb.CancelTasksResponse | pb.RetryTasksResponse | pb.DeleteTasksResponse
 
 
 def _names(states: frozenset[State]) -> str:
@@ -58,11 +59,19 @@ def _names(states: frozenset[State]) -> str:
 
 class Bulk:
     def __init__(
-        self, store: Store, events: EventBus, shard_name: str, shard_number: int, pools: list[str], budget_s: float
+        self,
+        tasks: Tasks,
+        store: Store,
+        events: EventBus,
+        shard_name: str,
+        shard_number: int,
+        pools: list[str],
+        budget_s: float,
     ):
         """budget_s: how long one call goes on before it answers what it did, incomplete (so that
         a shard asked by another answers within server.forward_timeout)."""
         self._budget_s = budget_s
+        self._tasks = tasks
         self._store = store
         self._events = events
         self._shard_name = shard_name
@@ -70,15 +79,31 @@ class Bulk:
         self._pools = pools
 
     async def cancel_tasks(self, req: pb.CancelTasksRequest, caller: Principal) -> pb.CancelTasksResponse:
-        async def cancel(batch: list[tuple[int, str]]) -> int:
-            changed, changes = await self._store.cancel_tasks([seq for seq, _ in batch], now_us())
+        async def cancel(seqs: list[int]) -> int:
+            changed, changes = await self._store.cancel_tasks(seqs, now_us())
             await self._events.publish(changes)
             return len(changed)
 
         result = await self.run(self.task_filter(req.filter, CANCEL, caller), req.dry_run, cancel)
-        return pb.CancelTasksResponse(
-            matched=result.matched, changed=result.changed, shards=[result], incomplete=result.incomplete
-        )
+        return _answer(pb.CancelTasksResponse(), result)
+
+    async def retry_tasks(self, req: pb.RetryTasksRequest, caller: Principal) -> pb.RetryTasksResponse:
+        match = self.task_filter(req.filter, RETRY, caller)
+        run_at = timestamp_us("run_at", req.run_at) if req.HasField("run_at") else None
+        check_range("extra_attempts", req.extra_attempts, RETRY_EXTRA_ATTEMPTS)
+
+        async def retry(seqs: list[int]) -> int:
+            rows, _ = await self._tasks.retry_seqs(seqs, run_at, req.extra_attempts)
+            return len(rows)
+
+        return _answer(pb.RetryTasksResponse(), await self.run(match, req.dry_run, retry))
+
+    async def delete_tasks(self, req: pb.DeleteTasksRequest, caller: Principal) -> pb.DeleteTasksResponse:
+        async def delete(seqs: list[int]) -> int:
+            return len(await self._tasks.delete_seqs(seqs))
+
+        result = await self.run(self.task_filter(req.filter, DELETE, caller), req.dry_run, delete)
+        return _answer(pb.DeleteTasksResponse(), result)
 
     def task_filter(self, f: pb.TaskFilter, action: Action, caller: Principal) -> TaskFilter | None:
         """The store's filter for this shard's part of the request, checked whole (None: it
@@ -119,12 +144,10 @@ class Bulk:
                         f"({_names(action.states)})"
                     )
                 states |= {State(number)}
-        bounds: dict[str, int | None] = {}
-        for name in ("created_after", "created_before", "finished_after", "finished_before"):
-            bounds[name] = None
-            if f.HasField(name):
-                check_timestamp(f"filter.{name}", getattr(f, name))
-                bounds[name] = getattr(f, name).ToMicroseconds()
+        bounds = {
+            name: timestamp_us(f"filter.{name}", getattr(f, name)) if f.HasField(name) else None
+            for name in ("created_after", "created_before", "finished_after", "finished_before")
+        }
         for name, limit in (("key_prefix", MAX_KEY_PREFIX_BYTES), ("error_contains", MAX_ERROR_CONTAINS_BYTES)):
             size = len(getattr(f, name).encode())
             if size > limit:
@@ -162,7 +185,7 @@ class Bulk:
             batch = await self._store.match_tasks(match, after, size)
             result.matched += len(batch)
             if batch and not dry_run:
-                result.changed += await apply([(seq, pool) for seq, _, pool in batch])
+                result.changed += await apply([seq for seq, _, _ in batch])
             if len(batch) < size:
                 break
             after = batch[-1][0]
@@ -173,3 +196,10 @@ class Bulk:
                 break
             await asyncio.sleep(took * BATCH_YIELD)  # the store is other callers' meanwhile
         return result
+
+
+def _answer(response: BulkResponse, result: pb.BulkShardResult) -> BulkResponse:
+    """A shard's answer: its one result, and its counts as the whole answer's."""
+    response.matched, response.changed, response.incomplete = result.matched, result.changed, result.incomplete
+    response.shards.append(result)
+    return response
