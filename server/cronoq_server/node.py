@@ -116,6 +116,8 @@ class Node:
             "GetTask": self.tasks.get_task,
             "WaitTask": self.tasks.wait_task,
             "CancelTask": self.tasks.cancel_task,
+            "RetryTask": self.tasks.retry_task,
+            "DeleteTask": self.tasks.delete_task,
             "ListTasks": self.tasks.list_tasks,
             "CancelTasks": self.bulk.cancel_tasks,
             "RetryTasks": self.bulk.retry_tasks,
@@ -434,7 +436,7 @@ def _count_submitted(method: str, request: Any, response: Any) -> None:
 
 
 # RPCs declared in the protos whose handlers are being built (answered UNIMPLEMENTED until then).
-_NOT_YET = ("RetryTask", "DeleteTask", "PausePool", "ResumePool")
+_NOT_YET = ("PausePool", "ResumePool")
 
 
 def _not_yet(name: str) -> Callable[[Any, Principal], Awaitable[Message]]:
