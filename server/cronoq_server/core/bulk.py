@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from cronoq.v1 import task_service_pb2 as pb
 
@@ -50,7 +51,7 @@ DELETE = Action("delete", "admin", TERMINAL)
 # Changes a batch of matched tasks (their seqs) in one transaction and publishes the changes;
 # returns how many of them it changed.
 Apply = Callable[[list[int]], Awaitable[int]]
-BulkResponse = pb.CancelTasksResponse | pb.RetryTasksResponse | pb.DeleteTasksResponse
+BulkResponse = TypeVar("BulkResponse", pb.CancelTasksResponse, pb.RetryTasksResponse, pb.DeleteTasksResponse)
 
 
 def _names(states: frozenset[State]) -> str:
