@@ -443,20 +443,23 @@ class SqliteStore:
         params.append(limit)
         return await self._run(lambda: self._select(self._conn, where, params))
 
-    async def count_by_pool_and_state(self) -> dict[tuple[str, State], int]:
-        """Counted on a connection of its own, off the store's thread: a full scan must not
-        hold up the writes queued there (WAL lets it read beside them)."""
+    async def _read_aside(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """fn on a read-only connection of its own, off the store's thread: a long scan must not
+        hold up the calls queued there (WAL lets it read beside them); it sees committed data."""
 
-        def count() -> dict[tuple[str, State], int]:
+        def read() -> T:
             db = sqlite3.connect(self.path, isolation_level=None, timeout=30)
             try:
                 db.execute("PRAGMA query_only = 1")
-                sql = "SELECT pool, state, COUNT(*) FROM tasks GROUP BY pool, state"
-                return {(p, State(s)): n for p, s, n in db.execute(sql)}
+                return fn(db)
             finally:
                 db.close()
 
-        return await asyncio.get_running_loop().run_in_executor(None, count)
+        return await asyncio.get_running_loop().run_in_executor(None, read)
+
+    async def count_by_pool_and_state(self) -> dict[tuple[str, State], int]:
+        sql = "SELECT pool, state, COUNT(*) FROM tasks GROUP BY pool, state"
+        return await self._read_aside(lambda db: {(p, State(s)): n for p, s, n in db.execute(sql)})
 
     # -- submit ---------------------------------------------------------------
 
@@ -813,7 +816,9 @@ class SqliteStore:
     async def match_tasks(self, match: TaskFilter, after_seq: int, limit: int) -> list[tuple[int, State, str]]:
         where, params = match_sql(match, after_seq, limit, _DIALECT)
         sql = f"SELECT seq, state, pool FROM tasks WHERE {where}"
-        rows = await self._run(lambda: self._conn.execute(sql, params).fetchall())
+        # Aside: a filter few tasks match scans far (18 ms for 200,000 tasks), and other calls
+        # would wait behind it on the store's thread.
+        rows = await self._read_aside(lambda db: db.execute(sql, params).fetchall())
         return [(seq, State(state), pool) for seq, state, pool in rows]
 
     async def purge(self, now: int) -> int:
