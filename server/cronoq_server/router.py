@@ -102,6 +102,8 @@ _POOLS_OF: dict[str, Callable[[Any], list[str]]] = {
     "PutSchedule": lambda req: [req.schedule.pool],
     "DeleteSchedule": lambda req: [req.pool],
     "RegisterWorker": lambda req: list(req.pools),
+    "PausePool": lambda req: [req.pool],
+    "ResumePool": lambda req: [req.pool],
 }
 # by_pool calls that are sent to their shard (a refusal naming its endpoint), never forwarded:
 # a worker's lease, heartbeat and finish calls must reach the shard directly.
