@@ -14,7 +14,7 @@ from ..auth import Principal, one_authorization
 from ..errors import ApiError
 from ..node import Node
 from ..registry import Rpc, registry
-from ..router import FORWARDED_HEADER, Call, ShardRouter, unavailable_metadata
+from ..sharding import FORWARDED_HEADER, Call, ShardRouter, unavailable_metadata
 from .listen import ListenError, precheck_bind, probe_bind
 from .reflection import enable_reflection
 from .tls import grpc_cert_subject, grpc_server_credentials
