@@ -175,10 +175,11 @@ MIGRATIONS: dict[int, str] = {
     """,
     # Every ended attempt of a task (outcome: cronoq.v1.AttemptOutcome), deleted with the task;
     # and the pools an operator paused (nothing of theirs is leased). tasks_due: each pool's
-    # earliest-due PENDING task (cronoq_oldest_pending_age_seconds) in one index read.
+    # earliest-due PENDING task (cronoq_oldest_pending_age_seconds) in one index read. IF NOT
+    # EXISTS: a 0.1.0 server started on the migrated store writes version 5 back (see _ADD_COLUMN).
     7: """
-    CREATE INDEX tasks_due ON tasks (pool, run_at) WHERE state = 1;
-    CREATE TABLE attempts (
+    CREATE INDEX IF NOT EXISTS tasks_due ON tasks (pool, run_at) WHERE state = 1;
+    CREATE TABLE IF NOT EXISTS attempts (
         task_seq INTEGER NOT NULL,
         attempt INTEGER NOT NULL,
         worker_id TEXT,
@@ -187,8 +188,8 @@ MIGRATIONS: dict[int, str] = {
         outcome INTEGER NOT NULL,
         error TEXT NOT NULL DEFAULT ''
     );
-    CREATE INDEX attempts_task ON attempts (task_seq, attempt);
-    CREATE TABLE pools (
+    CREATE INDEX IF NOT EXISTS attempts_task ON attempts (task_seq, attempt);
+    CREATE TABLE IF NOT EXISTS pools (
         name TEXT PRIMARY KEY,
         paused INTEGER NOT NULL DEFAULT 0,
         paused_at INTEGER,
