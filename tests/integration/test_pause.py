@@ -139,7 +139,7 @@ def test_resume_wakes_the_waiting_long_polls_and_bad_pools_are_refused(start_ser
     with pytest.raises(grpc.RpcError) as err:
         admin.PausePool(apb.PausePoolRequest(pool="nope"))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'nope'" in (err.value.details() or "")
-    status, body = srv.http("POST", "/v1/pools/nope/resume", {})
+    status, body = srv.http("POST", "/v1/pools/nope/resume")  # no body: as good as {}
     assert status == 400 and "'nope'" in json.dumps(body), body
 
 
