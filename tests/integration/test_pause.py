@@ -183,9 +183,13 @@ def test_metrics_by_pool_after_a_known_workload(start_server: Any, kind: str, re
     api = Api(srv.grpc_target)
     admin = admin_service_pb2_grpc.AdminServiceStub(api.channel)
     worker = api.register(pools=("default", "other"))
+    began = time.monotonic()
     ok, retried, lost = (api.submit(max_attempts=2) for _ in range(3))
-    cancelled = api.submit("other")
-    assert {t.id for t in api.lease(worker)} == {ok.id, retried.id, lost.id, cancelled.id}
+    cancelled, released = api.submit("other"), api.submit("other")
+    assert {t.id for t in api.lease(worker)} == {ok.id, retried.id, lost.id, cancelled.id, released.id}
+    admin.PausePool(apb.PausePoolRequest(pool="other"))  # its running tasks still report
+    # Given back unfinished: leased, but neither an attempt that ran nor a retry; it waits.
+    assert api.finish(worker, api.get(released.id), released=wpb.TaskReleased()).accepted
     api.succeed(worker, api.get(ok.id))
     api.fail(worker, api.get(retried.id))  # retried: attempts remain
     api.finish(worker, api.get(cancelled.id), cancelled=wpb.TaskCancelled(reason="no"))
@@ -195,15 +199,12 @@ def test_metrics_by_pool_after_a_known_workload(start_server: Any, kind: str, re
     eventually(lambda: again.extend(api.lease(worker)) or len(again) == 2, what="both leased again")
     api.fail(worker, api.get(retried.id), retryable=False)
     api.succeed(worker, api.get(lost.id))
-    admin.PausePool(apb.PausePoolRequest(pool="other"))
-    api.submit("other")
-    submitted = time.monotonic()
 
     expected = {
         ("cronoq_tasks_leased_total", "default", ""): 5,
-        ("cronoq_tasks_leased_total", "other", ""): 1,
+        ("cronoq_tasks_leased_total", "other", ""): 2,
         ("cronoq_task_start_latency_seconds_count", "default", ""): 5,
-        ("cronoq_task_start_latency_seconds_count", "other", ""): 1,
+        ("cronoq_task_start_latency_seconds_count", "other", ""): 2,
         ("cronoq_tasks_finished_total", "default", "succeeded"): 2,
         ("cronoq_tasks_finished_total", "default", "failed"): 1,
         ("cronoq_tasks_finished_total", "other", "cancelled"): 1,
@@ -234,9 +235,10 @@ def test_metrics_by_pool_after_a_known_workload(start_server: Any, kind: str, re
     # Counted once each: no series beyond these pools and outcomes.
     assert value(got, "cronoq_tasks_finished_total", pool="other", outcome="succeeded") == 0
     # The lost attempt ran for its lease (1 s) at least; the paused pool's task has waited since it was submitted.
+    assert value(got, "cronoq_task_run_duration_seconds_count", pool="other", outcome="failed") == 0
     assert 0.9 <= value(got, "cronoq_task_run_duration_seconds_sum", pool="default", outcome="lost") < 15
     age = value(got, "cronoq_oldest_pending_age_seconds", pool="other")
-    assert 1 <= age <= time.monotonic() - submitted + 1
+    assert 1 <= age <= time.monotonic() - began + 1
     assert value(got, "cronoq_oldest_pending_age_seconds", pool="default") == 0
 
     promtool = shutil.which("promtool")
