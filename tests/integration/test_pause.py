@@ -20,7 +20,9 @@ from preconditions import missing  # type: ignore[import-not-found]
 from test_sharding import TOKENS, TwoShards, bearer, metric  # type: ignore[import-not-found]
 
 from cronoq.v1 import admin_service_pb2 as apb
-from cronoq.v1 import admin_service_pb2_grpc, task_pb2
+from cronoq.v1 import admin_service_pb2_grpc, schedule_service_pb2_grpc, task_pb2
+from cronoq.v1 import schedule_service_pb2 as spb
+from cronoq.v1 import task_service_pb2 as tpb
 from cronoq.v1 import worker_service_pb2 as wpb
 
 pytestmark = pytest.mark.timeout(180)
@@ -118,10 +120,15 @@ def test_a_paused_pool_accepts_leases_nothing_and_stays_paused(
 
 
 def test_resume_wakes_the_waiting_long_polls_and_bad_pools_are_refused(start_server: Any) -> None:
-    srv = start_server({"pools": [{"name": "default"}]})
+    srv = start_server({"pools": [{"name": "default"}, {"name": "cron"}]})
     api = Api(srv.grpc_target)
     admin = admin_service_pb2_grpc.AdminServiceStub(api.channel)
     admin.PausePool(apb.PausePoolRequest(pool="default"))
+    # A paused pool's schedule fires as usual: its tasks wait.
+    admin.PausePool(apb.PausePoolRequest(pool="cron"))
+    schedules = schedule_service_pb2_grpc.ScheduleServiceStub(api.channel)
+    every_second = spb.Schedule(pool="cron", name="tick", cron="* * * * * *")
+    schedules.PutSchedule(spb.PutScheduleRequest(schedule=every_second), timeout=10)
     tasks = {api.submit().id for _ in range(3)}
     # Three long polls of one task each: without the resume's wake, the leader's once-a-second
     # nudge would hand them out one a second.
@@ -135,6 +142,8 @@ def test_resume_wakes_the_waiting_long_polls_and_bad_pools_are_refused(start_ser
     admin.ResumePool(apb.ResumePoolRequest(pool="default"))
     assert {t.id for p in polls for t in p.result(timeout=10).tasks} == tasks
     assert time.monotonic() - start < 1.5
+    fired = api.tasks.ListTasks(tpb.ListTasksRequest(pool="cron"), timeout=10).tasks
+    assert fired and all(t.state == task_pb2.TASK_STATE_PENDING for t in fired)
 
     with pytest.raises(grpc.RpcError) as err:
         admin.PausePool(apb.PausePoolRequest(pool="nope"))
