@@ -19,6 +19,8 @@ from .tasks import now_us
 
 
 class PoolPauses:
+    """The handlers of PausePool and ResumePool, and the paused pools of the shard's leader."""
+
     def __init__(self, store: Store, events: EventBus, pools: Iterable[str]):
         self._store = store
         self._events = events
