@@ -25,6 +25,9 @@ class State(enum.IntEnum):
 
 TERMINAL = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
 
+# The error of an attempt whose lease expired (its worker went silent): a lost attempt.
+LEASE_EXPIRED = "lease expired"
+
 # Column order of every task row a store returns.
 TASK_COLUMNS = (
     "seq, pool, key, payload, content_type, priority, run_at, max_attempts, depends_on, resources, "
@@ -176,6 +179,34 @@ class ScheduleRow:
     updated_at: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class TaskFilter:
+    """Which tasks a bulk action matches: those that match every field set (validated by the core).
+
+    Times are bounds in µs: *_after inclusive, *_before exclusive; a finished bound matches
+    ended tasks only. key_prefix and error_contains compare exactly (case-sensitive)."""
+
+    states: frozenset[State]
+    pools: list[str] | None = None  # None: every pool
+    created_after: int | None = None
+    created_before: int | None = None
+    finished_after: int | None = None
+    finished_before: int | None = None
+    key_prefix: str = ""
+    error_contains: str = ""
+    seqs: list[int] | None = None  # None: any task
+
+
+@dataclass(slots=True)
+class PoolPause:
+    """A pool an operator paused (PausePool): nothing of it is leased until it is resumed."""
+
+    pool: str
+    paused: bool
+    paused_at: int | None = None  # None while not paused
+    paused_by: str = ""  # the caller's name
+
+
 # (seq, new state) of every task a transaction changed, for events and waiters.
 Changes = list[tuple[int, State]]
 
@@ -264,6 +295,9 @@ class Store(Protocol):
 
     # Steps of one Work stream (finish_and_lease calls) worth running at once.
     work_steps: int
+    # How long a batch of a bulk action should take: every other call waits behind it where the
+    # store has one writer (SQLite); elsewhere, longer batches spare round trips.
+    bulk_batch_s: float
 
     async def open(self) -> None:
         """Creates or migrates the schema; refuses (StoreRefused) a store of another shard or of
@@ -343,7 +377,16 @@ class Store(Protocol):
     async def expire_leases(self, now: int) -> tuple[Changes, list[tuple[int, int]]]:
         """Ends every lease past its expiry; returns the changes and the (seq, attempt) ended."""
 
-    async def cancel(self, seq: int, now: int) -> tuple[TaskRow | None, Changes]: ...
+    async def cancel(self, seq: int, now: int) -> tuple[TaskRow | None, Changes]:
+        """cancel_tasks of one task; returns it as the call left it (None: no such task)."""
+
+    async def cancel_tasks(self, seqs: list[int], now: int) -> tuple[list[int], Changes]:
+        """In one transaction: the PENDING and BLOCKED tasks among seqs are CANCELLED (their
+        BLOCKED dependents too, transitively), the RUNNING ones get cancel_requested; the rest
+        are left alone. Returns the seqs among seqs that changed, in order, and the changes."""
+
+    async def match_tasks(self, match: TaskFilter, after_seq: int, limit: int) -> list[tuple[int, State, str]]:
+        """(seq, state, pool) of at most limit tasks that match, after after_seq, in seq order."""
 
     async def purge(self, now: int) -> int:
         """Deletes terminal tasks past their pool's retention, with their attempts; returns how many."""
@@ -383,6 +426,19 @@ class Store(Protocol):
         """Removes workers last seen before seen_before (µs); returns their ids."""
 
     async def count_by_pool_and_state(self) -> dict[tuple[str, State], int]: ...
+
+    async def oldest_due_pending(self, pools: list[str], now: int) -> dict[str, int]:
+        """For each of these pools with a PENDING task due by now: max(run_at, created_at) of
+        its earliest-due one (one indexed read per pool)."""
+
+    # -- paused pools --
+
+    async def set_pool_paused(self, pool: str, paused: bool, now: int, by: str) -> PoolPause:
+        """Pauses (keeping the first paused_at and paused_by of a pool already paused) or resumes
+        the pool; returns it as it is now."""
+
+    async def paused_pools(self) -> list[PoolPause]:
+        """The pools paused now."""
 
     # -- events (every method above that changes a task records an EventRow with it)
 

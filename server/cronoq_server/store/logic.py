@@ -17,6 +17,7 @@ import grpc
 from ..errors import ApiError
 from ..ids import seq_of
 from .base import (
+    LEASE_EXPIRED,
     TERMINAL,
     AttemptOutcome,
     AttemptRow,
@@ -25,11 +26,13 @@ from .base import (
     Outcome,
     OutcomeKind,
     OutcomeResult,
+    PoolPause,
     RetryAt,
     ScheduleRow,
     State,
     StoreSettings,
     Submitted,
+    TaskFilter,
     TaskRow,
 )
 
@@ -181,7 +184,7 @@ def decide_outcomes(accepted: list[tuple[Outcome, tuple[Any, ...]]], now: int, r
 
 def expired_outcome(row: tuple[Any, ...]) -> tuple[Outcome, tuple[Any, ...]]:
     """An expired lease counts as a failed, retryable attempt (recorded LOST)."""
-    return Outcome(row[0], row[2], OutcomeKind.FAILURE, error="lease expired", retryable=True, lost=True), row
+    return Outcome(row[0], row[2], OutcomeKind.FAILURE, error=LEASE_EXPIRED, retryable=True, lost=True), row
 
 
 def decide_heartbeat(
@@ -375,6 +378,29 @@ def lease_scan(limit: int) -> int:
     return limit + 16
 
 
+# -- paused pools ---------------------------------------------------------------
+
+POOL_PAUSE_COLUMNS = "name, paused, paused_at, paused_by"
+# INSERT INTO pools (POOL_PAUSE_COLUMNS) VALUES ({p} four times), then this: a pool paused again
+# keeps when and by whom it was first paused; a resumed one forgets both.
+POOL_PAUSE_UPSERT = (
+    "INSERT INTO {s}pools (" + POOL_PAUSE_COLUMNS + ") VALUES ({p1}, {p2}, {p3}, {p4})"
+    " ON CONFLICT (name) DO UPDATE SET paused = excluded.paused,"
+    " paused_at = CASE WHEN pools.paused AND excluded.paused THEN pools.paused_at ELSE excluded.paused_at END,"
+    " paused_by = CASE WHEN pools.paused AND excluded.paused THEN pools.paused_by ELSE excluded.paused_by END"
+    " RETURNING " + POOL_PAUSE_COLUMNS
+)
+
+
+def pool_pause_values(pool: str, paused: bool, now: int, by: str) -> tuple[str, bool, int | None, str]:
+    return pool, paused, now if paused else None, by if paused else ""
+
+
+def pool_pause(r: Any) -> PoolPause:
+    """A PoolPause from a row read in POOL_PAUSE_COLUMNS order."""
+    return PoolPause(pool=r[0], paused=bool(r[1]), paused_at=r[2], paused_by=r[3])
+
+
 # -- schedules ------------------------------------------------------------------
 
 SCHEDULE_COLUMNS = (
@@ -426,3 +452,45 @@ def schedule_values(s: ScheduleRow, now: int) -> tuple[Any, ...]:
 def key_in_another_pool(err: ApiError) -> bool:
     """A fired slot's key already names another pool's task: that slot is skipped, not retried forever."""
     return err.reason == "KEY_IN_ANOTHER_POOL"
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """What the stores' SQL says differently for match_sql."""
+
+    mark: Callable[[int], str]  # the placeholder of the n-th parameter (1-based)
+    any_of: Callable[[str, str, str], str]  # (column, placeholder, SQL type): column is in the list
+    array: Callable[[list[Any]], Any]  # a list as that placeholder's value
+    contains: str  # "{0} contains {1}", case-sensitive, no pattern characters
+
+
+def match_sql(match: TaskFilter, after_seq: int, limit: int, dialect: Dialect) -> tuple[str, list[Any]]:
+    """The WHERE clause (with ORDER BY and LIMIT) of match_tasks, and its parameters."""
+    params: list[Any] = []
+
+    def p(value: Any) -> str:
+        params.append(value)
+        return dialect.mark(len(params))
+
+    where = [f"seq > {p(after_seq)}", f"state IN ({', '.join(str(int(s)) for s in sorted(match.states))})"]
+    if match.pools is not None:
+        pools = match.pools
+        # One pool: an equality, so the (pool, seq) index serves it in seq order.
+        where.append(
+            f"pool = {p(pools[0])}" if len(pools) == 1 else dialect.any_of("pool", p(dialect.array(pools)), "text")
+        )
+    if match.seqs is not None:
+        where.append(dialect.any_of("seq", p(dialect.array(match.seqs)), "bigint"))
+    bounds = (
+        ("created_at >=", match.created_after),
+        ("created_at <", match.created_before),
+        ("finished_at >=", match.finished_after),
+        ("finished_at <", match.finished_before),
+    )
+    where += [f"{column} {p(bound)}" for column, bound in bounds if bound is not None]
+    if match.key_prefix:
+        # Compared as text, not a LIKE pattern: % and _ in the prefix are plain characters.
+        where.append(f"substr(key, 1, {p(len(match.key_prefix))}) = {p(match.key_prefix)}")
+    if match.error_contains:
+        where.append(dialect.contains.format("error", p(match.error_contains)))
+    return " AND ".join(where) + f" ORDER BY seq LIMIT {p(limit)}", params

@@ -37,12 +37,14 @@ from .base import (
     Outcome,
     OutcomeKind,
     OutcomeResult,
+    PoolPause,
     ScheduleRow,
     State,
     StoreOwnedElsewhere,
     StoreSettings,
     StoreUnavailable,
     Submitted,
+    TaskFilter,
     TaskRow,
     WorkerRow,
     schema_too_new,
@@ -51,8 +53,11 @@ from .logic import (
     HEARTBEAT_COLUMNS,
     LEASE_RESOURCE_WINDOW,
     OUTCOME_COLUMNS,
+    POOL_PAUSE_COLUMNS,
+    POOL_PAUSE_UPSERT,
     SCHEDULE_COLUMNS,
     SCHEDULE_UPSERT,
+    Dialect,
     attempt_row,
     check_outcomes,
     check_pending_limits,
@@ -69,7 +74,10 @@ from .logic import (
     key_of_another_pool,
     lease_scan,
     limits_apply,
+    match_sql,
     not_leased,
+    pool_pause,
+    pool_pause_values,
     replay_request,
     request_retention,
     request_seqs,
@@ -80,6 +88,13 @@ from .logic import (
 
 log = logging.getLogger("cronoq.store.postgres")
 T = TypeVar("T")
+
+_DIALECT = Dialect(
+    mark=lambda n: f"${n}",
+    any_of=lambda column, mark, sql_type: f"{column} = ANY({mark}::{sql_type}[])",
+    array=list,
+    contains="strpos({0}, {1}) > 0",
+)
 
 MIGRATIONS: dict[int, list[str]] = {
     1: [
@@ -203,7 +218,9 @@ MIGRATIONS: dict[int, list[str]] = {
     ],
     8: [
         # Every ended attempt of a task (outcome: cronoq.v1.AttemptOutcome), deleted with the task;
-        # and the pools an operator paused (nothing of theirs is leased).
+        # and the pools an operator paused (nothing of theirs is leased). tasks_due: each pool's
+        # earliest-due PENDING task (cronoq_oldest_pending_age_seconds) in one index read.
+        """CREATE INDEX tasks_due ON {s}.tasks (pool, run_at) WHERE state = 1""",
         """CREATE TABLE {s}.attempts (
             task_seq bigint NOT NULL,
             attempt int NOT NULL,
@@ -291,6 +308,9 @@ class PostgresStore:
     # Two steps of a Work stream at once, each leasing half the worker's slots: the database
     # works on one while the worker runs the tasks of the other.
     work_steps = 2
+    # Other calls run beside a batch (it locks only its own rows), and a batch costs round trips
+    # whatever its size (30 ms for 100 tasks, 42 ms for 1,000 on the 2-core machine).
+    bulk_batch_s = 0.1
 
     def __init__(self, url: str, schema: str, settings: StoreSettings, pool_size: int = 8):
         self.url = url
@@ -463,6 +483,18 @@ class PostgresStore:
         where += f" ORDER BY seq {'DESC' if newest_first else ''} LIMIT $4"
         st = int(state) if state is not None else None
         return await self._read(lambda c: self._select(c, where, after_seq, pools, st, limit))
+
+    async def oldest_due_pending(self, pools: list[str], now: int) -> dict[str, int]:
+        sql = self._sql(
+            "SELECT greatest(run_at, created_at) FROM {s}.tasks WHERE state = 1 AND pool = $1 AND run_at <= $2"
+            " ORDER BY run_at LIMIT 1"
+        )
+
+        async def oldest(conn: asyncpg.Connection) -> dict[str, int]:
+            found = {p: await conn.fetchval(sql, p, now) for p in pools}
+            return {p: at for p, at in found.items() if at is not None}
+
+        return await self._read(oldest)
 
     async def count_by_pool_and_state(self) -> dict[tuple[str, State], int]:
         sql = self._sql("SELECT pool, state, count(*) FROM {s}.tasks GROUP BY pool, state")
@@ -1122,23 +1154,49 @@ class PostgresStore:
 
     async def cancel(self, seq: int, now: int) -> tuple[TaskRow | None, Changes]:
         async def cancel(conn: asyncpg.Connection) -> tuple[TaskRow | None, Changes]:
-            rows = await self._select(conn, "seq = $1 FOR UPDATE", seq)
-            if not rows:
-                return None, []
-            row, changes = rows[0], []
-            if row.state in (State.PENDING, State.BLOCKED):
-                sql = "UPDATE {s}.tasks SET state = 6, error = 'cancelled', finished_at = $1 WHERE seq = $2"
-                await conn.execute(self._sql(sql), now, seq)
-                changes = [(seq, State.CANCELLED), *await self._end_dependents(conn, [seq], State.CANCELLED, now)]
-            elif row.state == State.RUNNING and not row.cancel_requested:
-                await conn.execute(self._sql("UPDATE {s}.tasks SET cancel_requested = true WHERE seq = $1"), seq)
-                changes = [(seq, State.RUNNING)]
-            if changes:
-                await self._record_events(conn, changes, [row.state] + [State.BLOCKED] * (len(changes) - 1), now)
-                row = (await self._select(conn, "seq = $1", seq))[0]
-            return row, changes
+            _, changes = await self._cancel_tasks(conn, [seq], now)
+            rows = await self._select(conn, "seq = $1", seq)
+            return (rows[0] if rows else None), changes
 
         return await self._tx(cancel)
+
+    async def cancel_tasks(self, seqs: list[int], now: int) -> tuple[list[int], Changes]:
+        return await self._tx(lambda conn: self._cancel_tasks(conn, seqs, now))
+
+    async def _cancel_tasks(self, conn: asyncpg.Connection, seqs: list[int], now: int) -> tuple[list[int], Changes]:
+        # Locked in seq order, as every change of several tasks does: no deadlock between them.
+        rows = await conn.fetch(
+            self._sql(
+                "SELECT seq, state FROM {s}.tasks WHERE seq = ANY($1::bigint[])"
+                " AND (state IN (1, 2) OR (state = 3 AND NOT cancel_requested)) ORDER BY seq FOR UPDATE"
+            ),
+            seqs,
+        )
+        ended = [(r[0], State(r[1])) for r in rows if r[1] != State.RUNNING]
+        requested = [r[0] for r in rows if r[1] == State.RUNNING]
+        await conn.execute(
+            self._sql(
+                "UPDATE {s}.tasks SET state = 6, error = 'cancelled', finished_at = $1 WHERE seq = ANY($2::bigint[])"
+            ),
+            now,
+            [seq for seq, _ in ended],
+        )
+        await conn.execute(
+            self._sql("UPDATE {s}.tasks SET cancel_requested = true WHERE seq = ANY($1::bigint[])"), requested
+        )
+        changes: Changes = [(seq, State.CANCELLED) for seq, _ in ended] + [(seq, State.RUNNING) for seq in requested]
+        prev = [state for _, state in ended] + [State.RUNNING] * len(requested)
+        dependents = await self._end_dependents(conn, [seq for seq, _ in ended], State.CANCELLED, now)
+        changes += dependents
+        prev += [State.BLOCKED] * len(dependents)
+        await self._record_events(conn, changes, prev, now)
+        return sorted([seq for seq, _ in ended] + requested), changes
+
+    async def match_tasks(self, match: TaskFilter, after_seq: int, limit: int) -> list[tuple[int, State, str]]:
+        where, params = match_sql(match, after_seq, limit, _DIALECT)
+        sql = self._sql(f"SELECT seq, state, pool FROM {{s}}.tasks WHERE {where}")
+        rows = await self._read(lambda c: c.fetch(sql, *params))
+        return [(r[0], State(r[1]), r[2]) for r in rows]
 
     async def purge(self, now: int) -> int:
         async def purge(conn: asyncpg.Connection) -> int:
@@ -1389,6 +1447,17 @@ class PostgresStore:
     async def reap_workers(self, seen_before: int) -> list[str]:
         sql = self._sql("DELETE FROM {s}.workers WHERE last_seen_at < $1 RETURNING id")
         return [r[0] for r in await self._tx(lambda c: c.fetch(sql, seen_before))]
+
+    # -- paused pools ---------------------------------------------------------
+
+    async def set_pool_paused(self, pool: str, paused: bool, now: int, by: str) -> PoolPause:
+        sql = self._sql(POOL_PAUSE_UPSERT.format(s="{s}.", p1="$1", p2="$2", p3="$3", p4="$4"))
+        values = pool_pause_values(pool, paused, now, by)
+        return pool_pause(await self._tx(lambda c: c.fetchrow(sql, *values)))
+
+    async def paused_pools(self) -> list[PoolPause]:
+        sql = self._sql(f"SELECT {POOL_PAUSE_COLUMNS} FROM {{s}}.pools WHERE paused ORDER BY name")
+        return [pool_pause(r) for r in await self._read(lambda c: c.fetch(sql))]
 
     # -- schedules ------------------------------------------------------------
 
