@@ -323,6 +323,9 @@ pub struct BulkResult {
     pub shards: Vec<BulkShardResult>,
     /// Shards that did not answer: their tasks were not acted on.
     pub unavailable_shards: Vec<String>,
+    /// Some shard stopped at its time bound before the end of the matching tasks: the same
+    /// call again continues (it changes only what is left).
+    pub incomplete: bool,
 }
 
 /// A BulkResult from any of the three bulk responses (they have the same fields).
@@ -334,6 +337,7 @@ macro_rules! bulk_result {
             changed: resp.changed,
             shards: resp.shards,
             unavailable_shards: resp.unavailable_shards,
+            incomplete: resp.incomplete,
         }
     }};
 }

@@ -63,7 +63,8 @@ fn id_of(task: &Option<proto::TaskRef>) -> u64 {
     }
 }
 
-/// Counts the filter's ids as matched (all changed unless a dry run) in shard cpu; gpu is down.
+/// Counts the filter's ids as matched (all changed unless a dry run) in shard cpu, which stops
+/// at its time bound on a real run; gpu is down.
 fn bulk_counts(
     filter: &Option<proto::TaskFilter>,
     dry_run: bool,
@@ -74,6 +75,7 @@ fn bulk_counts(
         shard: "cpu".into(),
         matched,
         changed,
+        incomplete: !dry_run,
     }];
     (matched, changed, shards)
 }
@@ -205,6 +207,7 @@ impl TaskService for Fake {
             changed,
             shards,
             unavailable_shards: vec!["gpu".into()],
+            incomplete: !req.dry_run,
         }))
     }
 
@@ -220,6 +223,7 @@ impl TaskService for Fake {
             changed,
             shards,
             unavailable_shards: vec!["gpu".into()],
+            incomplete: !req.dry_run,
         }))
     }
 
@@ -235,6 +239,7 @@ impl TaskService for Fake {
             changed,
             shards,
             unavailable_shards: vec!["gpu".into()],
+            incomplete: !req.dry_run,
         }))
     }
 
@@ -467,24 +472,33 @@ async fn bulk_actions_send_the_whole_filter_and_answer_per_shard() {
     };
 
     let counted = client.cancel_tasks(&filter, true).await.unwrap();
-    assert_eq!((counted.matched, counted.changed), (2, 0));
+    assert_eq!(
+        (counted.matched, counted.changed, counted.incomplete),
+        (2, 0, false)
+    );
     assert_eq!(counted.unavailable_shards, vec!["gpu".to_string()]);
     assert_eq!(
         counted
             .shards
             .iter()
-            .map(|s| (s.shard.as_str(), s.matched, s.changed))
+            .map(|s| (s.shard.as_str(), s.matched, s.changed, s.incomplete))
             .collect::<Vec<_>>(),
-        vec![("cpu", 2, 0)]
+        vec![("cpu", 2, 0, false)]
     );
     let opts = RetryTaskOptions {
         run_at: Some(at(50)),
         extra_attempts: 1,
     };
     let retried = client.retry_tasks(&filter, false, opts).await.unwrap();
-    assert_eq!((retried.matched, retried.changed), (2, 2));
+    assert_eq!(
+        (retried.matched, retried.changed, retried.incomplete),
+        (2, 2, true)
+    );
     let deleted = client.delete_tasks(&filter, false).await.unwrap();
-    assert_eq!((deleted.matched, deleted.changed), (2, 2));
+    assert_eq!(
+        (deleted.matched, deleted.changed, deleted.incomplete),
+        (2, 2, true)
+    );
 
     assert_eq!(
         fake.calls(),
