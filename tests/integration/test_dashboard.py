@@ -16,10 +16,10 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -498,9 +498,13 @@ def test_a_token_that_reads_one_pool_sees_only_that_pool_and_cannot_change_anyth
     assert page.locator(f'table.live tr[data-task="{later_b["id"]}"]').count() == 0
     # The 401 before the token, the 404 of pool b's task and the forged calls' 403s are logged by
     # Chromium; nothing else.
-    assert page.dialogs == [] and [
-        e for e in page.console_errors if not any(s in e for s in ("(Unauthorized)", "(Not Found)", "(Forbidden)"))
-    ] == []
+    assert (
+        page.dialogs == []
+        and [
+            e for e in page.console_errors if not any(s in e for s in ("(Unauthorized)", "(Not Found)", "(Forbidden)"))
+        ]
+        == []
+    )
 
 
 def test_schedules_pause_resume_and_delete_from_the_page(start_server: Any, browser_page: Any, tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ async function showRole() {
     const of = info.shard_number ? ` of shard ${info.shard}` : "";
     standby.textContent = standby.hidden ? "" : `This server is a standby${of}: `
       + `its pages are read from its leader (${info.leader || "not known yet"}); `
-      + "changes (Cancel, Pause, Resume, Delete) and the Live view need the leader's own dashboard.";
+      + "changes (Retry, Cancel, Delete, Pause, Resume) and the Live view need the leader's own dashboard.";
   } catch {
     serverLabel.textContent = "";
     standby.hidden = true; // a missing token is asked for by the view
