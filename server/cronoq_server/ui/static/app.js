@@ -21,7 +21,7 @@ const standby = document.getElementById("standby");
 const serverLabel = document.getElementById("server");
 const tokenForm = document.getElementById("token-form");
 const signOut = document.getElementById("sign-out");
-document.getElementById("zone").textContent = `your zone (${LOCAL_ZONE})`;
+document.getElementById("zone").textContent = LOCAL_ZONE; // the zone a time shown on hover is in
 
 function parseHash() {
   const raw = location.hash.replace(/^#\/?/, "");
