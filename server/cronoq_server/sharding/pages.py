@@ -50,7 +50,8 @@ class TaskPages(Merge):
     """ListTasks across shards in id order. Shards are numbered in id order, so the page token
     (the last id shown) says it all: lower shards are done, its own shard continues after it,
     higher shards start from their first task. Each is asked for a whole page, in parallel,
-    and a page the lower shards fill is answered without waiting for the higher ones."""
+    and a page the lower shards fill is answered without waiting for the higher ones.
+    newest_first: the same in descending order (higher shards first)."""
 
     def requests(self, request: Any, shards: list[ShardConfig]) -> dict[str, Message]:
         size = page_size(request.page_size)
@@ -58,8 +59,10 @@ class TaskPages(Merge):
         if after and shard_of(after) not in {s.number for s in shards}:
             raise invalid(f"page_token: {request.page_token!r} was not issued for this listing")
         requests: dict[str, Message] = {}
-        for shard in shards:
-            if shard.number < shard_of(after):
+        order = sorted(shards, key=lambda s: s.number, reverse=request.newest_first)
+        for shard in order:
+            done = shard.number > shard_of(after) if request.newest_first else shard.number < shard_of(after)
+            if after and done:
                 continue
             asked = task_pb.ListTasksRequest()
             asked.CopyFrom(request)
@@ -84,7 +87,7 @@ class TaskPages(Merge):
             merged.next_page_token = ""
         else:
             merged = task_pb.ListTasksResponse()
-            for response in responses:  # in shard order, which is id order
+            for response in responses:  # in the order asked, which is id order
                 merged.tasks.extend(response.tasks[: size - len(merged.tasks)])
         if merged.tasks and more:
             merged.next_page_token = str(merged.tasks[-1].id)
