@@ -119,6 +119,13 @@ def column(page: Any, name: str, table: str = "table.task-list") -> list[str]:
     return texts
 
 
+def pool_choice(page: Any) -> list[str]:
+    """The task list's pool choice, once filled."""
+    page.wait_for_selector("select[name=pool][data-loaded]", state="attached")
+    options: list[str] = page.locator("select[name=pool] option").all_inner_texts()
+    return options
+
+
 def sign_in(page: Any, url: str, token: str) -> None:
     """Opens the overview at `url`, which asks for a token, and gives it."""
     page.goto(url)
@@ -445,7 +452,7 @@ def test_a_token_that_reads_one_pool_sees_only_that_pool_and_cannot_change_anyth
     page.goto(srv.http_url + "/ui/#/tasks")
     loaded_ms(page, "tasks")
     assert column(page, "id") == [ended["id"], in_a["id"]]
-    assert page.locator("select[name=pool] option").all_inner_texts() == ["all pools", "a"]
+    assert pool_choice(page) == ["all pools", "a"]
     assert page.locator("main input[type=checkbox]").count() == 0 and page.locator(".bulk").count() == 0
     page.goto(srv.http_url + f"/ui/#/task/{in_a['id']}")
     loaded_ms(page, "task")
@@ -806,7 +813,7 @@ def test_tasks_newest_first_with_pool_choice_zones_worker_names_and_plain_words(
         assert durations[0] == "" and durations[1].endswith("so far") and durations[3].endswith(" ms"), durations
         title = page.locator("table.task-list time").first.get_attribute("title")
         assert title.endswith("America/New_York (your zone)"), title
-        assert page.locator("select[name=pool] option").all_inner_texts() == ["all pools", "a", "b"]
+        assert pool_choice(page) == ["all pools", "a", "b"]
         page.select_option("select[name=pool]", "b")
         page.click("form.filters button")
         page.wait_for_function("location.hash === '#/tasks?pool=b'")

@@ -38,7 +38,8 @@ let poolsPromise = null;
  * snapshot holds (which are all of them for a token on every pool); asked once per token. */
 export function readablePools() {
   if (!poolsPromise) {
-    poolsPromise = Promise.all([caller(), call("GET", "/v1/snapshot")]).then(([who, snapshot]) => notePools(who, snapshot));
+    // A token on named pools needs no snapshot: its pools are those (the snapshot holds no other).
+    poolsPromise = caller().then(async (who) => (who.all_pools ? notePools(who, await call("GET", "/v1/snapshot")) : notePools(who, {})));
     poolsPromise.catch(() => { poolsPromise = null; });
   }
   return poolsPromise;

@@ -50,12 +50,19 @@ function taskLink(id) {
   return h("a", { href: `#/task/${encodeURIComponent(id)}` }, String(id));
 }
 
-function filterForm(params, pools) {
+// The pool choice is filled when the pools are known: the list does not wait for the snapshot
+// they may come from.
+function filterForm(params) {
   const chosen = params.get("pool") || "";
-  const names = chosen && !pools.includes(chosen) ? [...pools, chosen] : pools;
-  const pool = h("select", { name: "pool", "aria-label": "pool" },
-    h("option", { value: "" }, "all pools"),
-    names.map((name) => h("option", { value: name, selected: chosen === name }, name)));
+  const option = (name) => h("option", { value: name, selected: chosen === name }, name);
+  const pool = h("select", { name: "pool", "aria-label": "pool" }, h("option", { value: "" }, "all pools"), chosen ? option(chosen) : null);
+  readablePools().then((pools) => {
+    const current = pool.value; // as the viewer may have chosen meanwhile
+    const names = [...new Set(chosen ? [...pools, chosen] : pools)].sort();
+    pool.replaceChildren(h("option", { value: "" }, "all pools"), ...names.map(option));
+    pool.value = current;
+    pool.dataset.loaded = "true";
+  }, () => { pool.dataset.loaded = "true"; });
   const state = h("select", { name: "state", "aria-label": "state" },
     STATES.map((s) => h("option", { value: s, selected: (params.get("state") || "") === s }, s || "any state")));
   return h("form", {
@@ -225,13 +232,12 @@ export async function renderTasks(params) {
   const state = params.get("state") || "";
   const pageToken = params.get("page_token") || "";
   const previous = (params.get("prev") || "").split(",").filter((t) => t !== "");
-  const [listed, who, names, pools] = await Promise.all([
+  const [listed, who, names] = await Promise.all([
     call("GET", `/v1/tasks${query({
       pool, state: state ? `TASK_STATE_${state}` : "", page_size: PAGE_SIZE, page_token: pageToken, newest_first: true,
     })}`),
     caller(),
     workerNames(),
-    readablePools().catch(() => []),
   ]);
   const tasks = listed.tasks || [];
   // Previous pages: the tokens that led here, kept in the address ("-" for the first page).
@@ -245,7 +251,7 @@ export async function renderTasks(params) {
   return h("div", { class: "tasks" },
     h("h1", null, "Tasks ", h("small", { class: "muted" }, "newest first")),
     takeNotice(),
-    filterForm(params, pools),
+    filterForm(params),
     (listed.unavailable_shards || []).length
       ? h("p", { class: "warning" }, `Unavailable shards (their tasks are missing): ${listed.unavailable_shards.join(", ")}`)
       : null,
