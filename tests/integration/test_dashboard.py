@@ -844,7 +844,7 @@ def test_tasks_newest_first_with_pool_choice_zones_worker_names_and_plain_words(
         assert page.dialogs == [] and page.console_errors == []
 
 
-def test_retry_a_failed_task_from_its_page_which_shows_its_attempts(start_server: Any, browser_page: Any) -> None:
+def test_retry_and_delete_from_the_task_page_which_shows_its_attempts(start_server: Any, browser_page: Any) -> None:
     srv = start_server({"pools": [{"name": "default"}]})
     api, worker = register_worker(srv, "night-shift", ["default"])
     task = submit(srv, {"pool": "default", "payload_json": 1, "max_attempts": 1})
@@ -862,6 +862,17 @@ def test_retry_a_failed_task_from_its_page_which_shows_its_attempts(start_server
     page.wait_for_selector("dd:text-is('PENDING')", timeout=10_000)
     assert page.locator("button.retry").count() == 0  # no Retry on a pending task
     assert srv.http("GET", f"/v1/tasks/{task['id']}")[1]["task"]["state"] == "TASK_STATE_PENDING"
+    # Delete, asked twice on the page, then the list says so.
+    ended = submit(srv, {"pool": "default", "payload_json": 2})
+    assert srv.http("POST", f"/v1/tasks/{ended['id']}/cancel", {})[0] == 200
+    page.goto(srv.http_url + f"/ui/#/task/{ended['id']}")
+    loaded_ms(page, "task")
+    page.click("button.delete")
+    assert srv.http("GET", f"/v1/tasks/{ended['id']}")[0] == 200  # not yet: asked once more
+    page.click("button.delete:text-is('Really delete')")
+    page.wait_for_selector(f"text=Task {ended['id']} deleted.", timeout=10_000)
+    assert srv.http("GET", f"/v1/tasks/{ended['id']}")[0] == 404
+    assert column(page, "id") == [task["id"]]
     assert page.dialogs == [] and page.console_errors == []
 
 
