@@ -199,7 +199,8 @@ function bulkActions({ who, pool, state, list }) {
         onclick: async () => {
           close();
           try {
-            notice = result(action, await call("POST", action.path, { filter: filter() }));
+            const sent = { filter: filter() };
+            notice = result(action, await call("POST", action.path, sent), sent);
             window.dispatchEvent(new HashChangeEvent("hashchange")); // the list drawn again, with the result
           } catch (err) {
             status.textContent = `${action.verb} refused: ${err.message}`;
@@ -215,16 +216,33 @@ function bulkActions({ who, pool, state, list }) {
   return h("div", { class: "bulk" }, h("p", { class: "actions" }, everything, " ", buttons, " ", chosen), dialog, status);
 }
 
-/** What a bulk action did: its totals, a row per shard, and the shards that could not be asked. */
-function result(action, answer) {
+/** What a bulk action did: its totals, a row per shard, and the shards that could not be asked;
+ * when a shard stopped at its time bound, Continue sends the same call again (it changes only
+ * what is left). */
+function result(action, answer, sent) {
   const shards = answer.shards || [];
   const missing = answer.unavailable_shards || [];
+  const again = answer.incomplete ? h("button", {
+    type: "button",
+    class: "continue",
+    onclick: async () => {
+      try {
+        notice = result(action, await call("POST", action.path, sent), sent);
+      } catch (err) {
+        notice = h("p", { class: "error", role: "alert" }, `${action.verb} refused: ${err.message}`);
+      }
+      window.dispatchEvent(new HashChangeEvent("hashchange"));
+    },
+  }, "Continue") : null;
   return h("div", { class: "bulk-result", role: "status" },
     h("p", null, `${action.verb}: ${answer.changed || 0} of ${answer.matched || 0} matched ${action.done}.`),
     shards.length
-      ? table(["shard", "matched", action.done], shards.map((s) => [s.shard, String(s.matched || 0), String(s.changed || 0)]), { class: "bulk-shards" })
+      ? table(["shard", "matched", action.done, ""], shards.map((s) => [
+        s.shard, String(s.matched || 0), String(s.changed || 0), s.incomplete ? "stopped at its time bound" : "",
+      ]), { class: "bulk-shards" })
       : null,
-    missing.length ? h("p", { class: "warning" }, `Unavailable shards (not changed; repeat the action when they are back): ${missing.join(", ")}`) : null);
+    missing.length ? h("p", { class: "warning" }, `Unavailable shards (not changed; repeat the action when they are back): ${missing.join(", ")}`) : null,
+    again ? h("p", { class: "warning" }, "Not finished: a shard stopped at its time bound (what it did is counted). ", again) : null);
 }
 
 export async function renderTasks(params) {
