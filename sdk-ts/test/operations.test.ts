@@ -10,7 +10,7 @@ import {
   type ServerUnaryCall,
   type UntypedServiceImplementation,
 } from "@grpc/grpc-js";
-import { GetTaskResponse, RetryTaskResponse, TaskServiceService } from "../src/gen/cronoq/v1/task_service.js";
+import { CancelTasksResponse, GetTaskResponse, RetryTaskResponse, TaskServiceService } from "../src/gen/cronoq/v1/task_service.js";
 import { AdminServiceService } from "../src/gen/cronoq/v1/admin_service.js";
 import { Attempt, AttemptOutcome, Task, TaskState } from "../src/gen/cronoq/v1/task.js";
 import { Client, FailedPreconditionError, NotFoundError } from "../src/index.js";
@@ -136,12 +136,13 @@ test("getWithAttempts asks for the attempts and answers the task with them, olde
   });
 });
 
-const bulkAnswer = {
+// The three bulk responses have the same fields.
+const bulkAnswer = CancelTasksResponse.fromPartial({
   matched: 7n,
   changed: 5n,
   shards: [{ shard: "cpu", matched: 4n, changed: 4n }, { shard: "gpu", matched: 3n, changed: 1n }],
   unavailableShards: ["tpu"],
-};
+});
 
 test("a bulk retry sends the whole filter, dry_run, run_at and extra_attempts, and answers the counts per shard", async () => {
   await withClient({ retryTasks: [bulkAnswer] }, async (client, shard) => {
