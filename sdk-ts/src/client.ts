@@ -171,6 +171,8 @@ export interface BulkResult {
   changed: bigint;
   shards: BulkShardResult[];
   unavailableShards: string[];
+  /** Some shard stopped at its time bound before the end of the matching tasks (shards[].incomplete): the same call again continues. */
+  incomplete: boolean;
 }
 
 function filterProto(filter: TaskFilter): TaskFilterProto {

@@ -13,7 +13,7 @@ import {
 import { CancelTasksResponse, GetTaskResponse, RetryTaskResponse, TaskServiceService } from "../src/gen/cronoq/v1/task_service.js";
 import { AdminServiceService } from "../src/gen/cronoq/v1/admin_service.js";
 import { Attempt, AttemptOutcome, Task, TaskState } from "../src/gen/cronoq/v1/task.js";
-import { Client, FailedPreconditionError, NotFoundError } from "../src/index.js";
+import { Client, FailedPreconditionError, NotFoundError, type BulkResult } from "../src/index.js";
 import { listenLocal, silent, statusDetailsBin, TOP_BIT_ID } from "./helpers.js";
 
 /** What a call of the fake answers: a response, or a gRPC error. */
@@ -174,6 +174,15 @@ test("a bulk retry sends the whole filter, dry_run, run_at and extra_attempts, a
       runAt: { seconds: 1_800_000_000n, nanos: 0 },
       extraAttempts: 2,
     }]);
+  });
+});
+
+test("a bulk answer says when a shard stopped at its time bound (incomplete: call again)", async () => {
+  const partial = CancelTasksResponse.fromPartial({ matched: 9n, changed: 2n, shards: [{ shard: "cpu", matched: 9n, changed: 2n, incomplete: true }], incomplete: true });
+  await withClient({ deleteTasks: [partial] }, async (client) => {
+    const result: BulkResult = await client.deleteTasks({ pool: "default" });
+    assert.equal(result.incomplete, true);
+    assert.equal(result.shards[0]!.incomplete, true);
   });
 });
 
