@@ -1432,6 +1432,7 @@ def seed(env: Env) -> None:
     env.register("full-a", ["a"], "only-a")
 
 
+@pytest.mark.timeout(300)  # a table of every call x credential: long, and longer on a busy machine
 def test_permission_matrix(env: Env) -> None:
     seed(env)
     run_matrix(env, matrix_calls(), CREDS)
@@ -1439,6 +1440,7 @@ def test_permission_matrix(env: Env) -> None:
     env.finish()
 
 
+@pytest.mark.timeout(300)  # a table of every call x credential: long, and longer on a busy machine
 def test_permission_matrix_mtls(mtls_env: Env) -> None:
     """The whole table over mTLS: every token column (sent with the certificate of CN=carrier,
     it must get what it gets over plaintext), a column per [[clients]] certificate without a
