@@ -1236,16 +1236,66 @@ def schedule_rows() -> list[Call]:
     return rows
 
 
+def _pool_paused(env: Env, pool: str) -> bool:
+    snapshot = env.admin.GetSnapshot(apb.GetSnapshotRequest(), metadata=env.as_("admin-all"), timeout=TIMEOUT)
+    return any(p.paused for s in snapshot.shards for p in s.pools if p.pool == pool)
+
+
+def _pool_set_paused(paused: bool) -> Callable[[Env, Tok | None], Target]:
+    """Pauses (or resumes) pool a as admin-all before a cell: the call then has something to change."""
+
+    def prepare(env: Env, tok: Tok | None) -> Target:
+        md = env.as_("admin-all")
+        if paused:
+            env.admin.PausePool(apb.PausePoolRequest(pool="a"), metadata=md, timeout=TIMEOUT)
+        else:
+            env.admin.ResumePool(apb.ResumePoolRequest(pool="a"), metadata=md, timeout=TIMEOUT)
+        return Target(pool="a")
+
+    return prepare
+
+
+def check_pool_paused(paused: bool) -> CheckFn:
+    def check(env: Env, tok: Tok, target: Target, out: Outcome) -> list[str]:
+        if _pool_paused(env, target.pool) != paused:
+            return [f"pool {target.pool!r} {'not ' if paused else ''}paused after the call"]
+        return []
+
+    return check
+
+
+def pause_rows() -> list[Call]:
+    """PausePool and ResumePool need admin on the pool; a refusal leaves the pool as it was.
+    Last in the matrix: no other row finds pool a paused."""
+    return [
+        Call(
+            "PausePool",
+            "admin",
+            needs("admin"),
+            lambda env, t, md: env.admin.PausePool(apb.PausePoolRequest(pool=t.pool), metadata=md, timeout=TIMEOUT),
+            lambda env, t: ("POST", f"/v1/pools/{t.pool}/pause", {}),
+            prepare=_pool_set_paused(False),
+            check_ok=check_pool_paused(True),
+            check_refusal=check_pool_paused(False),
+        ),
+        Call(
+            "ResumePool",
+            "admin",
+            needs("admin"),
+            lambda env, t, md: env.admin.ResumePool(apb.ResumePoolRequest(pool=t.pool), metadata=md, timeout=TIMEOUT),
+            lambda env, t: ("POST", f"/v1/pools/{t.pool}/resume", {}),
+            prepare=_pool_set_paused(True),
+            check_ok=check_pool_paused(False),
+            check_refusal=check_pool_paused(True),
+        ),
+    ]
+
+
 def matrix_calls() -> list[Call]:
     return (
-        submit_rows()
-        + lookup_rows()
-        + retry_and_delete_rows()
-        + list_and_watch_rows()
-        + worker_rows()
-        + admin_rows()
-        + schedule_rows()
-    )
+        submit_rows() + lookup_rows() + retry_and_delete_rows() + list_and_watch_rows() + worker_rows()
+        + admin_rows() + schedule_rows() + pause_rows()
+    )  # fmt: skip
 
 
 # -- the runner -------------------------------------------------------------------
@@ -1806,3 +1856,19 @@ def test_fenced_finish_without_tokens(start_server: Any) -> None:
 #         Leases._worker: caller.require("work", pool) for the worker's pools
 #           none: only a principal that registered the worker yet lacks work could show it,
 #           and token names are unique (one grant a principal), so no case can.
+
+
+def test_every_rpc_and_route_is_in_the_matrix() -> None:
+    """The guard of the guard: a new RPC joins the matrix, over gRPC and over each of its HTTP routes."""
+    from cronoq_server.registry import registry
+
+    rows = matrix_calls()
+
+    def rows_of(rpc: str) -> list[Call]:
+        return [r for r in rows if r.name.split(",")[0].split(" ")[0] == rpc]
+
+    missing = [f"{name} over gRPC" for name in registry() if not any(r.grpc for r in rows_of(name))]
+    missing += [
+        f"{name} over HTTP" for name, rpc in registry().items() if rpc.http and not any(r.http for r in rows_of(name))
+    ]
+    assert not missing, f"RPCs missing from matrix_calls(): {missing}"
