@@ -823,10 +823,15 @@ def retry_and_delete_rows() -> list[Call]:
                 f"RetryTask by {kind} (pool-{pool} cancelled task)",
                 "submit",
                 hidden_unless_readable("submit", pool),
+                # Due a day ahead, as every task here: the matrix's LeaseTasks never takes it.
                 lambda env, t, md, kind=kind: env.tasks.RetryTask(
-                    tpb.RetryTaskRequest(task=_ref(kind, t)), metadata=md, timeout=TIMEOUT
+                    tpb.RetryTaskRequest(task=_ref(kind, t), run_at=future_ts()), metadata=md, timeout=TIMEOUT
                 ),
-                lambda env, t, kind=kind: ("POST", f"{_http_base(kind, t)}/retry", {}),
+                lambda env, t, kind=kind: (
+                    "POST",
+                    f"{_http_base(kind, t)}/retry",
+                    {"run_at": future_ts().ToJsonString()},
+                ),
                 prepare=lambda env, tok, pool=pool: env.cancelled_task(pool),
                 missing=_missing(kind),
                 ref=_ref_text(kind),
