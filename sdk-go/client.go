@@ -176,16 +176,22 @@ func (c *Client) SubmitBatch(ctx context.Context, specs []TaskSpec) (*cronoqv1.S
 
 // Get reads one task.
 func (c *Client) Get(ctx context.Context, ref TaskRef) (*Task, error) {
+	resp, err := c.getTask(ctx, ref, false)
+	return resp.GetTask(), err
+}
+
+func (c *Client) getTask(ctx context.Context, ref TaskRef, includeAttempts bool) (*cronoqv1.GetTaskResponse, error) {
 	r, err := ref.proto()
 	if err != nil {
 		return nil, err
 	}
+	req := &cronoqv1.GetTaskRequest{Task: r, IncludeAttempts: includeAttempts}
 	var resp *cronoqv1.GetTaskResponse
 	err = c.conn.invoke(ctx, "GetTask", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
-		resp, err = cronoqv1.NewTaskServiceClient(cc).GetTask(ctx, &cronoqv1.GetTaskRequest{Task: r}, opts...)
+		resp, err = cronoqv1.NewTaskServiceClient(cc).GetTask(ctx, req, opts...)
 		return err
 	})
-	return resp.GetTask(), err
+	return resp, err
 }
 
 // TaskWithAttempts is a GetWithAttempts's answer: the task and its attempts, oldest first
@@ -197,15 +203,7 @@ type TaskWithAttempts struct {
 
 // GetWithAttempts reads one task with the history of its attempts (Get without it).
 func (c *Client) GetWithAttempts(ctx context.Context, ref TaskRef) (*TaskWithAttempts, error) {
-	r, err := ref.proto()
-	if err != nil {
-		return nil, err
-	}
-	var resp *cronoqv1.GetTaskResponse
-	err = c.conn.invoke(ctx, "GetTask", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
-		resp, err = cronoqv1.NewTaskServiceClient(cc).GetTask(ctx, &cronoqv1.GetTaskRequest{Task: r, IncludeAttempts: true}, opts...)
-		return err
-	})
+	resp, err := c.getTask(ctx, ref, true)
 	if err != nil {
 		return nil, err
 	}
@@ -372,28 +370,33 @@ type bulkResponse interface {
 	GetUnavailableShards() []string
 }
 
-func bulkResult(resp bulkResponse) *BulkResult {
+// bulkCall runs one bulk action (its call on the TaskService) with the retries of every call.
+func bulkCall[R bulkResponse](ctx context.Context, c *Client, what string,
+	call func(context.Context, cronoqv1.TaskServiceClient, ...grpc.CallOption) (R, error),
+) (*BulkResult, error) {
+	var resp R
+	err := c.conn.invoke(ctx, what, c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
+		resp, err = call(ctx, cronoqv1.NewTaskServiceClient(cc), opts...)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
 	return &BulkResult{
 		Matched:           resp.GetMatched(),
 		Changed:           resp.GetChanged(),
 		Shards:            resp.GetShards(),
 		UnavailableShards: resp.GetUnavailableShards(),
-	}
+	}, nil
 }
 
 // CancelTasks requests the cancellation of the unfinished tasks that match filter, in
 // every shard.
 func (c *Client) CancelTasks(ctx context.Context, filter TaskFilter, opts BulkOptions) (*BulkResult, error) {
 	req := &cronoqv1.CancelTasksRequest{Filter: filter.proto(), DryRun: opts.DryRun}
-	var resp *cronoqv1.CancelTasksResponse
-	err := c.conn.invoke(ctx, "CancelTasks", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, callOpts ...grpc.CallOption) (err error) {
-		resp, err = cronoqv1.NewTaskServiceClient(cc).CancelTasks(ctx, req, callOpts...)
-		return err
+	return bulkCall(ctx, c, "CancelTasks", func(ctx context.Context, tc cronoqv1.TaskServiceClient, callOpts ...grpc.CallOption) (*cronoqv1.CancelTasksResponse, error) {
+		return tc.CancelTasks(ctx, req, callOpts...)
 	})
-	if err != nil {
-		return nil, err
-	}
-	return bulkResult(resp), nil
 }
 
 // RetryTasks retries the FAILED and CANCELLED tasks that match filter, in every shard, as
@@ -402,29 +405,17 @@ func (c *Client) RetryTasks(ctx context.Context, filter TaskFilter, opts BulkRet
 	req := &cronoqv1.RetryTasksRequest{
 		Filter: filter.proto(), DryRun: opts.DryRun, RunAt: runAt(opts.RunAt, opts.Delay), ExtraAttempts: opts.ExtraAttempts,
 	}
-	var resp *cronoqv1.RetryTasksResponse
-	err := c.conn.invoke(ctx, "RetryTasks", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, callOpts ...grpc.CallOption) (err error) {
-		resp, err = cronoqv1.NewTaskServiceClient(cc).RetryTasks(ctx, req, callOpts...)
-		return err
+	return bulkCall(ctx, c, "RetryTasks", func(ctx context.Context, tc cronoqv1.TaskServiceClient, callOpts ...grpc.CallOption) (*cronoqv1.RetryTasksResponse, error) {
+		return tc.RetryTasks(ctx, req, callOpts...)
 	})
-	if err != nil {
-		return nil, err
-	}
-	return bulkResult(resp), nil
 }
 
 // DeleteTasks deletes the ended tasks that match filter, in every shard, as Delete does.
 func (c *Client) DeleteTasks(ctx context.Context, filter TaskFilter, opts BulkOptions) (*BulkResult, error) {
 	req := &cronoqv1.DeleteTasksRequest{Filter: filter.proto(), DryRun: opts.DryRun}
-	var resp *cronoqv1.DeleteTasksResponse
-	err := c.conn.invoke(ctx, "DeleteTasks", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, callOpts ...grpc.CallOption) (err error) {
-		resp, err = cronoqv1.NewTaskServiceClient(cc).DeleteTasks(ctx, req, callOpts...)
-		return err
+	return bulkCall(ctx, c, "DeleteTasks", func(ctx context.Context, tc cronoqv1.TaskServiceClient, callOpts ...grpc.CallOption) (*cronoqv1.DeleteTasksResponse, error) {
+		return tc.DeleteTasks(ctx, req, callOpts...)
 	})
-	if err != nil {
-		return nil, err
-	}
-	return bulkResult(resp), nil
 }
 
 // PausePool pauses a pool: it still accepts submissions and schedule fires, but nothing
