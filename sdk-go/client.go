@@ -261,7 +261,7 @@ type RetryOptions struct {
 
 // Retried is a Retry's answer.
 type Retried struct {
-	// Task: PENDING again (or BLOCKED, waiting for its dependencies), its attempts kept.
+	// Task: PENDING again, its attempts kept.
 	Task *Task
 	// DependentsRestored: how many of its dependents, ended because it ended, wait for it again.
 	DependentsRestored int64
@@ -308,7 +308,7 @@ type TaskFilter struct {
 	Pool string
 	// States: empty for every state the action applies to (cancel: PENDING, BLOCKED,
 	// RUNNING; retry: FAILED, CANCELLED; delete: SUCCEEDED, FAILED, CANCELLED); a state
-	// outside those is INVALID_ARGUMENT.
+	// outside those is refused.
 	States []TaskState
 	// Created and finished within these bounds (a zero time: no bound).
 	CreatedAfter, CreatedBefore   time.Time
