@@ -287,7 +287,7 @@ func (c *Client) Retry(ctx context.Context, ref TaskRef, opts RetryOptions) (*Re
 }
 
 // Delete deletes an ended task (SUCCEEDED, FAILED or CANCELLED) with its attempts and
-// events, and returns its id. An unfinished task is refused (Cancel it first).
+// events, and returns its id. An unfinished task is FAILED_PRECONDITION (Cancel it first).
 func (c *Client) Delete(ctx context.Context, ref TaskRef) (uint64, error) {
 	r, err := ref.proto()
 	if err != nil {
