@@ -360,6 +360,9 @@ type BulkResult struct {
 	Matched, Changed  int64
 	Shards            []*BulkShardResult
 	UnavailableShards []string
+	// Incomplete: some shard stopped at its time bound before the end of the matching tasks
+	// (its BulkShardResult says so); what it did is counted. The same call again continues.
+	Incomplete bool
 }
 
 // bulkResponse is what the three bulk responses share.
@@ -368,6 +371,7 @@ type bulkResponse interface {
 	GetChanged() int64
 	GetShards() []*cronoqv1.BulkShardResult
 	GetUnavailableShards() []string
+	GetIncomplete() bool
 }
 
 // bulkCall runs one bulk action (its call on the TaskService) with the retries of every call.
@@ -387,6 +391,7 @@ func bulkCall[R bulkResponse](ctx context.Context, c *Client, what string,
 		Changed:           resp.GetChanged(),
 		Shards:            resp.GetShards(),
 		UnavailableShards: resp.GetUnavailableShards(),
+		Incomplete:        resp.GetIncomplete(),
 	}, nil
 }
 

@@ -74,27 +74,27 @@ func (s *opsServer) DeleteTask(_ context.Context, req *cronoqv1.DeleteTaskReques
 	return &cronoqv1.DeleteTaskResponse{Id: uint64(1)<<63 | 9}, nil
 }
 
-var opsShards = []*cronoqv1.BulkShardResult{{Shard: "cpu", Matched: 2, Changed: 1}, {Shard: "gpu", Matched: 1, Changed: 1}}
+var opsShards = []*cronoqv1.BulkShardResult{{Shard: "cpu", Matched: 2, Changed: 1, Incomplete: true}, {Shard: "gpu", Matched: 1, Changed: 1}}
 
 func (s *opsServer) CancelTasks(_ context.Context, req *cronoqv1.CancelTasksRequest) (*cronoqv1.CancelTasksResponse, error) {
 	if err := s.record(req); err != nil {
 		return nil, err
 	}
-	return &cronoqv1.CancelTasksResponse{Matched: 3, Changed: 2, Shards: opsShards, UnavailableShards: []string{"tpu"}}, nil
+	return &cronoqv1.CancelTasksResponse{Matched: 3, Changed: 2, Shards: opsShards, UnavailableShards: []string{"tpu"}, Incomplete: true}, nil
 }
 
 func (s *opsServer) RetryTasks(_ context.Context, req *cronoqv1.RetryTasksRequest) (*cronoqv1.RetryTasksResponse, error) {
 	if err := s.record(req); err != nil {
 		return nil, err
 	}
-	return &cronoqv1.RetryTasksResponse{Matched: 3, Changed: 2, Shards: opsShards, UnavailableShards: []string{"tpu"}}, nil
+	return &cronoqv1.RetryTasksResponse{Matched: 3, Changed: 2, Shards: opsShards, UnavailableShards: []string{"tpu"}, Incomplete: true}, nil
 }
 
 func (s *opsServer) DeleteTasks(_ context.Context, req *cronoqv1.DeleteTasksRequest) (*cronoqv1.DeleteTasksResponse, error) {
 	if err := s.record(req); err != nil {
 		return nil, err
 	}
-	return &cronoqv1.DeleteTasksResponse{Matched: 3, Changed: 2, Shards: opsShards, UnavailableShards: []string{"tpu"}}, nil
+	return &cronoqv1.DeleteTasksResponse{Matched: 3, Changed: 2, Shards: opsShards, UnavailableShards: []string{"tpu"}, Incomplete: true}, nil
 }
 
 func (s *opsServer) PausePool(_ context.Context, req *cronoqv1.PausePoolRequest) (*cronoqv1.PausePoolResponse, error) {
@@ -221,7 +221,7 @@ func TestBulkActionsSendTheFilterAndReadEveryShard(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: %v", what, err)
 		}
-		if res.Matched != 3 || res.Changed != 2 || len(res.Shards) != 2 || res.Shards[1].GetShard() != "gpu" ||
+		if res.Matched != 3 || res.Changed != 2 || !res.Incomplete || len(res.Shards) != 2 || !res.Shards[0].GetIncomplete() || res.Shards[1].GetShard() != "gpu" ||
 			len(res.UnavailableShards) != 1 || res.UnavailableShards[0] != "tpu" {
 			t.Errorf("%s: %+v", what, res)
 		}
