@@ -45,7 +45,9 @@ TS_TESTS = sorted(str(p.relative_to(TS_SDK)) for p in (TS_SDK / "test").glob("*.
 # protos it compiles (and those they import) are copied into the crate, so that it packages alone.
 RUST_MANIFEST = ROOT / "sdk-rust" / "Cargo.toml"
 RUST_PROTO = ROOT / "sdk-rust" / "proto"
-RUST_PROTO_FILES = [f"cronoq/v1/{name}.proto" for name in ("options", "task", "task_service", "worker_service")]
+RUST_PROTO_FILES = [
+    f"cronoq/v1/{name}.proto" for name in ("admin_service", "options", "task", "task_service", "worker_service")
+]
 # cronoq-api first: the SDK and the server depend on it (uv takes it from here, not an index).
 PACKAGES = ["-e", "proto/python", "-e", "sdk-python", "-e", "server"]
 TEST_DEPS = [

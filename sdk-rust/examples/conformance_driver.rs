@@ -4,11 +4,11 @@
 
 use std::io::Read;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use cronoq::{
-    Client, Error, KeepaliveConfig, Options, RetryConfig, TaskError, TaskSpec, Worker,
-    WorkerOptions, code_name,
+    BulkResult, Client, Error, KeepaliveConfig, Options, PoolPause, RetryConfig, RetryTaskOptions,
+    Task, TaskError, TaskFilter, TaskRef, TaskSpec, TaskState, Worker, WorkerOptions, code_name,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -59,6 +59,14 @@ struct Step {
     payload: Value,
     #[serde(default)]
     id: String,
+    #[serde(default)]
+    key: String,
+    #[serde(default)]
+    include_attempts: bool,
+    #[serde(default)]
+    filter: serde_json::Map<String, Value>,
+    #[serde(default)]
+    dry_run: bool,
     #[serde(default)]
     timeout_ms: u64,
     #[serde(default)]
@@ -129,43 +137,156 @@ fn other(message: String) -> Value {
 }
 
 async fn client_step(client: &Client, step: &Step) -> Value {
-    if step.op == "submit" {
-        let spec = match TaskSpec::new(&step.pool).json(&step.payload) {
-            Ok(spec) => spec,
-            Err(err) => return json!({"error": error_of(&err)}),
-        };
-        return match client.submit(spec).await {
-            Ok(sub) => json!({"id": sub.task.id.to_string(), "error": null}),
-            Err(err) => json!({"error": error_of(&err)}),
-        };
+    match client_op(client, step).await {
+        Ok(result) => result,
+        Err(Failed::Sdk(err)) => json!({"error": error_of(&err)}),
+        Err(Failed::Input(message)) => json!({"error": other(message)}),
+        Err(Failed::Unsupported(op)) => {
+            json!({"error": {"code": "", "kind": "unsupported", "message": format!("unknown op {op:?}")}})
+        }
     }
-    let id: u64 = match step.id.parse() {
-        Ok(id) => id,
-        Err(e) => return json!({"error": other(format!("id {:?}: {e}", step.id))}),
-    };
-    let task = match step.op.as_str() {
-        "get" => client.get(id).await,
-        "cancel" => client.cancel(id).await,
+}
+
+/// Why a client step failed: the SDK's error, or a step the driver could not read.
+enum Failed {
+    Sdk(Error),
+    Input(String),
+    Unsupported(String),
+}
+
+impl From<Error> for Failed {
+    fn from(err: Error) -> Failed {
+        Failed::Sdk(err)
+    }
+}
+
+/// One client step's result (without "op").
+async fn client_op(client: &Client, step: &Step) -> Result<Value, Failed> {
+    Ok(match step.op.as_str() {
+        "submit" => {
+            let spec = TaskSpec::new(&step.pool)
+                .json(&step.payload)?
+                .key(&step.key);
+            json!({"id": client.submit(spec).await?.task.id.to_string(), "error": null})
+        }
+        "get" if step.include_attempts => {
+            let got = client.get_with_attempts(task_ref(step)?).await?;
+            let attempts: Vec<Value> = got
+                .attempts
+                .iter()
+                .map(|a| json!({"attempt": a.attempt, "outcome": a.outcome().as_str_name(), "error": a.error}))
+                .collect();
+            let mut result = task_result(&got.task);
+            result["attempts"] = json!(attempts);
+            result
+        }
+        "get" => task_result(&client.get(task_ref(step)?).await?),
+        "cancel" => task_result(&client.cancel(task_ref(step)?).await?),
         "wait" => {
             let timeout = if step.timeout_ms > 0 {
                 step.timeout_ms
             } else {
                 10_000
             };
-            client.wait(id, ms(timeout)).await.map(|w| w.task)
+            task_result(&client.wait(task_ref(step)?, ms(timeout)).await?.task)
         }
-        op => {
-            return json!({"error": {"code": "", "kind": "unsupported", "message": format!("unknown op {op:?}")}});
+        "retry" => {
+            let retried = client
+                .retry(task_ref(step)?, RetryTaskOptions::default())
+                .await?;
+            task_result(&retried.task)
         }
-    };
-    match task {
-        Ok(task) => json!({
-            "id": task.id.to_string(),
-            "state": task.state().as_str_name(),
-            "error": null,
-        }),
-        Err(err) => json!({"error": error_of(&err)}),
+        "delete" => json!({"id": client.delete(task_ref(step)?).await?.to_string(), "error": null}),
+        "pause_pool" => pause_result(&client.pause_pool(&step.pool).await?),
+        "resume_pool" => pause_result(&client.resume_pool(&step.pool).await?),
+        "bulk_cancel" => bulk_output(&client.cancel_tasks(&filter(step)?, step.dry_run).await?),
+        "bulk_retry" => {
+            let done = client
+                .retry_tasks(&filter(step)?, step.dry_run, RetryTaskOptions::default())
+                .await?;
+            bulk_output(&done)
+        }
+        "bulk_delete" => bulk_output(&client.delete_tasks(&filter(step)?, step.dry_run).await?),
+        op => return Err(Failed::Unsupported(op.to_string())),
+    })
+}
+
+/// The task a step names: by "id" (a decimal string) or by "key".
+fn task_ref(step: &Step) -> Result<TaskRef, Failed> {
+    if !step.key.is_empty() {
+        return Ok(TaskRef::Key(step.key.clone()));
     }
+    step.id
+        .parse()
+        .map(TaskRef::Id)
+        .map_err(|e| Failed::Input(format!("id {:?}: {e}", step.id)))
+}
+
+fn task_result(task: &Task) -> Value {
+    json!({"id": task.id.to_string(), "state": task.state().as_str_name(), "error": null})
+}
+
+fn pause_result(pause: &PoolPause) -> Value {
+    json!({"pool": pause.pool, "paused": pause.paused, "error": null})
+}
+
+fn bulk_output(done: &BulkResult) -> Value {
+    json!({
+        "matched": done.matched,
+        "changed": done.changed,
+        "unavailable_shards": done.unavailable_shards,
+        "error": null,
+    })
+}
+
+/// A TaskFilter from its proto JSON form (snake_case or lowerCamelCase names; states by enum
+/// name; times as RFC 3339; ids as decimal strings or numbers).
+fn filter(step: &Step) -> Result<TaskFilter, Failed> {
+    let bad = |name: &str, value: &Value| Failed::Input(format!("filter.{name}: {value}"));
+    let text = |name: &str, value: &Value| {
+        value
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| bad(name, value))
+    };
+    let time = |name: &str, value: &Value| -> Result<Option<SystemTime>, Failed> {
+        let stamp: prost_types::Timestamp =
+            text(name, value)?.parse().map_err(|_| bad(name, value))?;
+        SystemTime::try_from(stamp)
+            .map(Some)
+            .map_err(|_| bad(name, value))
+    };
+    let list =
+        |name: &str, value: &Value| value.as_array().cloned().ok_or_else(|| bad(name, value));
+    let mut out = TaskFilter::default();
+    for (name, value) in &step.filter {
+        match name.as_str() {
+            "pool" => out.pool = text(name, value)?,
+            "states" => {
+                for state in list(name, value)? {
+                    let parsed = state.as_str().and_then(TaskState::from_str_name);
+                    out.states.push(parsed.ok_or_else(|| bad(name, &state))?);
+                }
+            }
+            "created_after" | "createdAfter" => out.created_after = time(name, value)?,
+            "created_before" | "createdBefore" => out.created_before = time(name, value)?,
+            "finished_after" | "finishedAfter" => out.finished_after = time(name, value)?,
+            "finished_before" | "finishedBefore" => out.finished_before = time(name, value)?,
+            "key_prefix" | "keyPrefix" => out.key_prefix = text(name, value)?,
+            "error_contains" | "errorContains" => out.error_contains = text(name, value)?,
+            "ids" => {
+                for id in list(name, value)? {
+                    let parsed = match &id {
+                        Value::String(s) => s.parse().ok(),
+                        other => other.as_u64(),
+                    };
+                    out.ids.push(parsed.ok_or_else(|| bad(name, &id))?);
+                }
+            }
+            _ => return Err(bad(name, value)),
+        }
+    }
+    Ok(out)
 }
 
 #[derive(Default)]

@@ -1,4 +1,5 @@
-//! The client: submit, read, wait for, cancel and list tasks.
+//! The client: submit, read, wait for, cancel and list tasks; retry, delete and act in bulk
+//! on them; pause and resume pools.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,6 +15,7 @@ use serde::Serialize;
 
 use crate::error::Error;
 use crate::proto;
+use crate::proto::admin_service_client::AdminServiceClient;
 use crate::proto::task_service_client::TaskServiceClient;
 use crate::transport::{Connection, Endpoint, HEALTHY_STREAM, MAX_MESSAGE_BYTES, Options};
 
@@ -21,6 +23,14 @@ use crate::transport::{Connection, Endpoint, HEALTHY_STREAM, MAX_MESSAGE_BYTES, 
 pub type Task = proto::Task;
 /// A task's lifecycle state.
 pub use proto::TaskState;
+/// One attempt of a task (the generated cronoq.v1.Attempt).
+pub type Attempt = proto::Attempt;
+/// How an attempt ended.
+pub use proto::AttemptOutcome;
+/// Whether a pool is paused, since when and by whom (the generated cronoq.v1.PoolPause).
+pub type PoolPause = proto::PoolPause;
+/// What a bulk action did in one shard (the generated cronoq.v1.BulkShardResult).
+pub type BulkShardResult = proto::BulkShardResult;
 
 /// Marks payloads and results stored as JSON.
 pub const JSON_CONTENT_TYPE: &str = "application/json";
@@ -232,6 +242,106 @@ pub struct ListOptions {
     pub page_token: String,
 }
 
+/// A task and its attempts, oldest first ([`Client::get_with_attempts`]).
+#[derive(Debug, Clone)]
+pub struct TaskAttempts {
+    /// The task as it is now.
+    pub task: Task,
+    /// Its attempts, oldest first.
+    pub attempts: Vec<Attempt>,
+}
+
+/// A retry's answer ([`Client::retry`]).
+#[derive(Debug, Clone)]
+pub struct Retried {
+    /// The task, PENDING again.
+    pub task: Task,
+    /// How many of its dependents, ended because it ended, wait for it again (BLOCKED).
+    pub dependents_restored: i64,
+}
+
+/// How [`Client::retry`] and [`Client::retry_tasks`] retry a task.
+#[derive(Debug, Clone, Default)]
+pub struct RetryTaskOptions {
+    /// When it may run again; None: now.
+    pub run_at: Option<SystemTime>,
+    /// 0 to 1000 (0: 1): how many more attempts a task that used all of its attempts gets.
+    /// A task with attempts left keeps them.
+    pub extra_attempts: i32,
+}
+
+/// Which tasks a bulk action applies to: those that match every field set.
+#[derive(Debug, Clone, Default)]
+pub struct TaskFilter {
+    /// Empty: every pool the caller may act on.
+    pub pool: String,
+    /// Empty: every state the action applies to (cancel: PENDING, BLOCKED, RUNNING; retry:
+    /// FAILED, CANCELLED; delete: SUCCEEDED, FAILED, CANCELLED).
+    pub states: Vec<TaskState>,
+    /// Created after this time.
+    pub created_after: Option<SystemTime>,
+    /// Created before this time.
+    pub created_before: Option<SystemTime>,
+    /// Ended after this time.
+    pub finished_after: Option<SystemTime>,
+    /// Ended before this time.
+    pub finished_before: Option<SystemTime>,
+    /// Tasks whose key starts with this.
+    pub key_prefix: String,
+    /// Tasks whose error contains this text (case-sensitive).
+    pub error_contains: String,
+    /// Only these tasks (at most 1000).
+    pub ids: Vec<u64>,
+}
+
+impl TaskFilter {
+    fn proto(&self) -> proto::TaskFilter {
+        let at = |t: &Option<SystemTime>| t.map(prost_types::Timestamp::from);
+        proto::TaskFilter {
+            pool: self.pool.clone(),
+            states: self.states.iter().map(|s| *s as i32).collect(),
+            created_after: at(&self.created_after),
+            created_before: at(&self.created_before),
+            finished_after: at(&self.finished_after),
+            finished_before: at(&self.finished_before),
+            key_prefix: self.key_prefix.clone(),
+            error_contains: self.error_contains.clone(),
+            ids: self.ids.clone(),
+        }
+    }
+}
+
+/// A bulk action's answer ([`Client::cancel_tasks`], [`Client::retry_tasks`],
+/// [`Client::delete_tasks`]).
+#[derive(Debug, Clone, Default)]
+pub struct BulkResult {
+    /// Tasks that matched the filter, in every shard that answered.
+    pub matched: i64,
+    /// Tasks changed (0 on a dry run).
+    pub changed: i64,
+    /// What the action did in each shard.
+    pub shards: Vec<BulkShardResult>,
+    /// Shards that did not answer: their tasks were not acted on.
+    pub unavailable_shards: Vec<String>,
+    /// Some shard stopped at its time bound before the end of the matching tasks: the same
+    /// call again continues (it changes only what is left).
+    pub incomplete: bool,
+}
+
+/// A BulkResult from any of the three bulk responses (they have the same fields).
+macro_rules! bulk_result {
+    ($resp:expr) => {{
+        let resp = $resp;
+        BulkResult {
+            matched: resp.matched,
+            changed: resp.changed,
+            shards: resp.shards,
+            unavailable_shards: resp.unavailable_shards,
+            incomplete: resp.incomplete,
+        }
+    }};
+}
+
 /// Selects the events of [`Client::watch`].
 #[derive(Debug, Clone, Default)]
 pub struct WatchOptions {
@@ -258,6 +368,12 @@ pub struct Client {
 
 fn tasks(ch: tonic::transport::Channel) -> TaskServiceClient<tonic::transport::Channel> {
     TaskServiceClient::new(ch)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+fn admin(ch: tonic::transport::Channel) -> AdminServiceClient<tonic::transport::Channel> {
+    AdminServiceClient::new(ch)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES)
 }
@@ -315,19 +431,36 @@ impl Client {
 
     /// Reads one task.
     pub async fn get(&self, task: impl Into<TaskRef>) -> Result<Task, Error> {
+        let resp = self.get_task(task.into(), false).await?;
+        Ok(resp.task.unwrap_or_default())
+    }
+
+    /// Reads one task with its attempts, oldest first.
+    pub async fn get_with_attempts(&self, task: impl Into<TaskRef>) -> Result<TaskAttempts, Error> {
+        let resp = self.get_task(task.into(), true).await?;
+        Ok(TaskAttempts {
+            task: resp.task.unwrap_or_default(),
+            attempts: resp.attempts,
+        })
+    }
+
+    async fn get_task(
+        &self,
+        task: TaskRef,
+        include_attempts: bool,
+    ) -> Result<proto::GetTaskResponse, Error> {
         let req = proto::GetTaskRequest {
-            task: Some(task.into().proto()),
+            task: Some(task.proto()),
+            include_attempts,
             ..Default::default()
         };
         let timeout = self.conn.timeout;
-        let resp = self
-            .conn
+        self.conn
             .invoke("GetTask", timeout, |ch| {
                 let r = self.conn.request(req.clone(), Some(timeout));
                 async move { tasks(ch).get_task(r).await }
             })
-            .await?;
-        Ok(resp.task.unwrap_or_default())
+            .await
     }
 
     /// Blocks until the task is terminal or `timeout` passes (then `done` is false).
@@ -364,6 +497,147 @@ impl Client {
             })
             .await?;
         Ok(resp.task.unwrap_or_default())
+    }
+
+    /// Makes a FAILED or CANCELLED task PENDING again, keeping its attempts and their
+    /// history; its dependents that ended because it ended wait for it again.
+    pub async fn retry(
+        &self,
+        task: impl Into<TaskRef>,
+        opts: RetryTaskOptions,
+    ) -> Result<Retried, Error> {
+        let req = proto::RetryTaskRequest {
+            task: Some(task.into().proto()),
+            run_at: opts.run_at.map(prost_types::Timestamp::from),
+            extra_attempts: opts.extra_attempts,
+        };
+        let timeout = self.conn.timeout;
+        let resp = self
+            .conn
+            .invoke("RetryTask", timeout, |ch| {
+                let r = self.conn.request(req.clone(), Some(timeout));
+                async move { tasks(ch).retry_task(r).await }
+            })
+            .await?;
+        Ok(Retried {
+            task: resp.task.unwrap_or_default(),
+            dependents_restored: resp.dependents_restored,
+        })
+    }
+
+    /// Deletes an ended task (SUCCEEDED, FAILED or CANCELLED) with its attempts and events;
+    /// returns its id.
+    pub async fn delete(&self, task: impl Into<TaskRef>) -> Result<u64, Error> {
+        let req = proto::DeleteTaskRequest {
+            task: Some(task.into().proto()),
+        };
+        let timeout = self.conn.timeout;
+        let resp = self
+            .conn
+            .invoke("DeleteTask", timeout, |ch| {
+                let r = self.conn.request(req.clone(), Some(timeout));
+                async move { tasks(ch).delete_task(r).await }
+            })
+            .await?;
+        Ok(resp.id)
+    }
+
+    /// Cancels the unfinished tasks that match `filter`, in every shard (with `dry_run`:
+    /// only counts them).
+    pub async fn cancel_tasks(
+        &self,
+        filter: &TaskFilter,
+        dry_run: bool,
+    ) -> Result<BulkResult, Error> {
+        let req = proto::CancelTasksRequest {
+            filter: Some(filter.proto()),
+            dry_run,
+        };
+        let timeout = self.conn.timeout;
+        let resp = self
+            .conn
+            .invoke("CancelTasks", timeout, |ch| {
+                let r = self.conn.request(req.clone(), Some(timeout));
+                async move { tasks(ch).cancel_tasks(r).await }
+            })
+            .await?;
+        Ok(bulk_result!(resp))
+    }
+
+    /// Retries the FAILED and CANCELLED tasks that match `filter`, as [`Client::retry`]
+    /// does, in every shard (with `dry_run`: only counts them).
+    pub async fn retry_tasks(
+        &self,
+        filter: &TaskFilter,
+        dry_run: bool,
+        opts: RetryTaskOptions,
+    ) -> Result<BulkResult, Error> {
+        let req = proto::RetryTasksRequest {
+            filter: Some(filter.proto()),
+            dry_run,
+            run_at: opts.run_at.map(prost_types::Timestamp::from),
+            extra_attempts: opts.extra_attempts,
+        };
+        let timeout = self.conn.timeout;
+        let resp = self
+            .conn
+            .invoke("RetryTasks", timeout, |ch| {
+                let r = self.conn.request(req.clone(), Some(timeout));
+                async move { tasks(ch).retry_tasks(r).await }
+            })
+            .await?;
+        Ok(bulk_result!(resp))
+    }
+
+    /// Deletes the ended tasks that match `filter`, as [`Client::delete`] does, in every
+    /// shard (with `dry_run`: only counts them).
+    pub async fn delete_tasks(
+        &self,
+        filter: &TaskFilter,
+        dry_run: bool,
+    ) -> Result<BulkResult, Error> {
+        let req = proto::DeleteTasksRequest {
+            filter: Some(filter.proto()),
+            dry_run,
+        };
+        let timeout = self.conn.timeout;
+        let resp = self
+            .conn
+            .invoke("DeleteTasks", timeout, |ch| {
+                let r = self.conn.request(req.clone(), Some(timeout));
+                async move { tasks(ch).delete_tasks(r).await }
+            })
+            .await?;
+        Ok(bulk_result!(resp))
+    }
+
+    /// Stops leasing the pool's tasks, across restarts and failovers, until
+    /// [`Client::resume_pool`]. The pool still accepts submissions; running tasks finish.
+    pub async fn pause_pool(&self, pool: impl Into<String>) -> Result<PoolPause, Error> {
+        let req = proto::PausePoolRequest { pool: pool.into() };
+        let timeout = self.conn.timeout;
+        let resp = self
+            .conn
+            .invoke("PausePool", timeout, |ch| {
+                let r = self.conn.request(req.clone(), Some(timeout));
+                async move { admin(ch).pause_pool(r).await }
+            })
+            .await?;
+        Ok(resp.pause.unwrap_or_default())
+    }
+
+    /// Leases the pool's tasks again.
+    pub async fn resume_pool(&self, pool: impl Into<String>) -> Result<PoolPause, Error> {
+        let req = proto::ResumePoolRequest { pool: pool.into() };
+        let timeout = self.conn.timeout;
+        let resp = self
+            .conn
+            .invoke("ResumePool", timeout, |ch| {
+                let r = self.conn.request(req.clone(), Some(timeout));
+                async move { admin(ch).resume_pool(r).await }
+            })
+            .await?;
+        Ok(resp.pause.unwrap_or_default())
     }
 
     /// Streams task events as they happen. Unless `no_resume`, a stream that ends or breaks

@@ -1,24 +1,87 @@
 //! The client against an in-process fake TaskService (real gRPC over loopback TCP).
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
 
 use crate::proto;
+use crate::proto::admin_service_server::{AdminService, AdminServiceServer};
 use crate::proto::task_service_server::{TaskService, TaskServiceServer};
-use crate::{Client, Code, Options, RetryConfig, TaskSpec};
+use crate::{
+    AttemptOutcome, Client, Code, Options, RetryConfig, RetryTaskOptions, TaskFilter, TaskRef,
+    TaskSpec, TaskState,
+};
 
-/// Refuses the first `unavailable` submissions with UNAVAILABLE, then accepts; records the
-/// request ids and authorization headers it saw.
-struct FakeTasks {
-    unavailable: Mutex<usize>,
+/// A request of the calls that read or change existing tasks and pools, as the fake got it.
+#[derive(Debug, Clone, PartialEq)]
+enum Call {
+    Get(proto::GetTaskRequest),
+    Retry(proto::RetryTaskRequest),
+    Delete(proto::DeleteTaskRequest),
+    CancelTasks(proto::CancelTasksRequest),
+    RetryTasks(proto::RetryTasksRequest),
+    DeleteTasks(proto::DeleteTasksRequest),
+    Pause(proto::PausePoolRequest),
+    Resume(proto::ResumePoolRequest),
+}
+
+/// Refuses the first `unavailable` submissions and retries (RetryTask) with UNAVAILABLE, then
+/// accepts; records the submissions' request ids and authorization headers, and the other
+/// calls' requests. Task 1 does not exist.
+#[derive(Clone, Default)]
+struct Fake {
+    unavailable: Arc<Mutex<usize>>,
     seen: Arc<Mutex<Vec<(String, String)>>>,
+    calls: Arc<Mutex<Vec<Call>>>,
+}
+
+impl Fake {
+    fn refuse(&self) -> Result<(), Status> {
+        let mut left = self.unavailable.lock().unwrap();
+        if *left > 0 {
+            *left -= 1;
+            return Err(Status::unavailable("fake: not yet"));
+        }
+        Ok(())
+    }
+
+    fn record(&self, call: Call) {
+        self.calls.lock().unwrap().push(call);
+    }
+
+    fn calls(&self) -> Vec<Call> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+fn id_of(task: &Option<proto::TaskRef>) -> u64 {
+    match task.as_ref().and_then(|t| t.r#ref.as_ref()) {
+        Some(proto::task_ref::Ref::Id(id)) => *id,
+        _ => 42,
+    }
+}
+
+/// Counts the filter's ids as matched (all changed unless a dry run) in shard cpu, which stops
+/// at its time bound on a real run; gpu is down.
+fn bulk_counts(
+    filter: &Option<proto::TaskFilter>,
+    dry_run: bool,
+) -> (i64, i64, Vec<proto::BulkShardResult>) {
+    let matched = filter.as_ref().map_or(0, |f| f.ids.len() as i64);
+    let changed = if dry_run { 0 } else { matched };
+    let shards = vec![proto::BulkShardResult {
+        shard: "cpu".into(),
+        matched,
+        changed,
+        incomplete: !dry_run,
+    }];
+    (matched, changed, shards)
 }
 
 #[tonic::async_trait]
-impl TaskService for FakeTasks {
+impl TaskService for Fake {
     async fn submit_task(
         &self,
         request: Request<proto::SubmitTaskRequest>,
@@ -34,13 +97,7 @@ impl TaskService for FakeTasks {
             .lock()
             .unwrap()
             .push((req.request_id.clone(), auth));
-        {
-            let mut left = self.unavailable.lock().unwrap();
-            if *left > 0 {
-                *left -= 1;
-                return Err(Status::unavailable("fake: not yet"));
-            }
-        }
+        self.refuse()?;
         Ok(Response::new(proto::SubmitTaskResponse {
             task: Some(proto::Task {
                 id: u64::MAX - 1,
@@ -60,9 +117,40 @@ impl TaskService for FakeTasks {
 
     async fn get_task(
         &self,
-        _: Request<proto::GetTaskRequest>,
+        request: Request<proto::GetTaskRequest>,
     ) -> Result<Response<proto::GetTaskResponse>, Status> {
-        Err(Status::not_found("fake: no such task"))
+        let req = request.into_inner();
+        self.record(Call::Get(req.clone()));
+        let id = id_of(&req.task);
+        if id == 1 {
+            return Err(Status::not_found("fake: no such task"));
+        }
+        let attempts = if req.include_attempts {
+            vec![
+                proto::Attempt {
+                    attempt: 1,
+                    outcome: AttemptOutcome::Lost as i32,
+                    ..Default::default()
+                },
+                proto::Attempt {
+                    attempt: 2,
+                    outcome: AttemptOutcome::Failed as i32,
+                    error: "boom".into(),
+                    ..Default::default()
+                },
+            ]
+        } else {
+            Vec::new()
+        };
+        Ok(Response::new(proto::GetTaskResponse {
+            task: Some(proto::Task {
+                id,
+                state: TaskState::Failed as i32,
+                ..Default::default()
+            }),
+            attempts,
+            ..Default::default()
+        }))
     }
 
     async fn wait_task(
@@ -77,6 +165,82 @@ impl TaskService for FakeTasks {
         _: Request<proto::CancelTaskRequest>,
     ) -> Result<Response<proto::CancelTaskResponse>, Status> {
         Err(Status::unimplemented("fake"))
+    }
+
+    async fn retry_task(
+        &self,
+        request: Request<proto::RetryTaskRequest>,
+    ) -> Result<Response<proto::RetryTaskResponse>, Status> {
+        let req = request.into_inner();
+        self.record(Call::Retry(req.clone()));
+        self.refuse()?;
+        Ok(Response::new(proto::RetryTaskResponse {
+            task: Some(proto::Task {
+                id: id_of(&req.task),
+                state: TaskState::Pending as i32,
+                ..Default::default()
+            }),
+            dependents_restored: 2,
+        }))
+    }
+
+    async fn delete_task(
+        &self,
+        request: Request<proto::DeleteTaskRequest>,
+    ) -> Result<Response<proto::DeleteTaskResponse>, Status> {
+        let req = request.into_inner();
+        self.record(Call::Delete(req.clone()));
+        Ok(Response::new(proto::DeleteTaskResponse {
+            id: id_of(&req.task),
+        }))
+    }
+
+    async fn cancel_tasks(
+        &self,
+        request: Request<proto::CancelTasksRequest>,
+    ) -> Result<Response<proto::CancelTasksResponse>, Status> {
+        let req = request.into_inner();
+        self.record(Call::CancelTasks(req.clone()));
+        let (matched, changed, shards) = bulk_counts(&req.filter, req.dry_run);
+        Ok(Response::new(proto::CancelTasksResponse {
+            matched,
+            changed,
+            shards,
+            unavailable_shards: vec!["gpu".into()],
+            incomplete: !req.dry_run,
+        }))
+    }
+
+    async fn retry_tasks(
+        &self,
+        request: Request<proto::RetryTasksRequest>,
+    ) -> Result<Response<proto::RetryTasksResponse>, Status> {
+        let req = request.into_inner();
+        self.record(Call::RetryTasks(req.clone()));
+        let (matched, changed, shards) = bulk_counts(&req.filter, req.dry_run);
+        Ok(Response::new(proto::RetryTasksResponse {
+            matched,
+            changed,
+            shards,
+            unavailable_shards: vec!["gpu".into()],
+            incomplete: !req.dry_run,
+        }))
+    }
+
+    async fn delete_tasks(
+        &self,
+        request: Request<proto::DeleteTasksRequest>,
+    ) -> Result<Response<proto::DeleteTasksResponse>, Status> {
+        let req = request.into_inner();
+        self.record(Call::DeleteTasks(req.clone()));
+        let (matched, changed, shards) = bulk_counts(&req.filter, req.dry_run);
+        Ok(Response::new(proto::DeleteTasksResponse {
+            matched,
+            changed,
+            shards,
+            unavailable_shards: vec!["gpu".into()],
+            incomplete: !req.dry_run,
+        }))
     }
 
     async fn list_tasks(
@@ -96,20 +260,71 @@ impl TaskService for FakeTasks {
     }
 }
 
-async fn serve(unavailable: usize) -> (String, Arc<Mutex<Vec<(String, String)>>>) {
-    let seen = Arc::new(Mutex::new(Vec::new()));
+#[tonic::async_trait]
+impl AdminService for Fake {
+    async fn get_snapshot(
+        &self,
+        _: Request<proto::GetSnapshotRequest>,
+    ) -> Result<Response<proto::GetSnapshotResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn pause_pool(
+        &self,
+        request: Request<proto::PausePoolRequest>,
+    ) -> Result<Response<proto::PausePoolResponse>, Status> {
+        let req = request.into_inner();
+        self.record(Call::Pause(req.clone()));
+        Ok(Response::new(proto::PausePoolResponse {
+            pause: Some(proto::PoolPause {
+                pool: req.pool,
+                paused: true,
+                paused_at: Some(prost_types::Timestamp {
+                    seconds: 1000,
+                    nanos: 0,
+                }),
+                paused_by: "ops".into(),
+            }),
+        }))
+    }
+
+    async fn resume_pool(
+        &self,
+        request: Request<proto::ResumePoolRequest>,
+    ) -> Result<Response<proto::ResumePoolResponse>, Status> {
+        let req = request.into_inner();
+        self.record(Call::Resume(req.clone()));
+        Ok(Response::new(proto::ResumePoolResponse {
+            pause: Some(proto::PoolPause {
+                pool: req.pool,
+                ..Default::default()
+            }),
+        }))
+    }
+
+    async fn get_server_info(
+        &self,
+        _: Request<proto::GetServerInfoRequest>,
+    ) -> Result<Response<proto::GetServerInfoResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+}
+
+/// The fake's TaskService and AdminService on loopback: its endpoint, and the fake.
+async fn serve(unavailable: usize) -> (String, Fake) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let fake = FakeTasks {
-        unavailable: Mutex::new(unavailable),
-        seen: seen.clone(),
+    let fake = Fake {
+        unavailable: Arc::new(Mutex::new(unavailable)),
+        ..Fake::default()
     };
     tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(TaskServiceServer::new(fake))
+            .add_service(TaskServiceServer::new(fake.clone()))
+            .add_service(AdminServiceServer::new(fake.clone()))
             .serve_with_incoming(TcpListenerStream::new(listener)),
     );
-    (format!("http://{addr}"), seen)
+    (format!("http://{addr}"), fake)
 }
 
 fn options(endpoint: &str, max_elapsed: Duration) -> Options {
@@ -122,11 +337,11 @@ fn options(endpoint: &str, max_elapsed: Duration) -> Options {
 
 #[tokio::test]
 async fn submit_retries_unavailable_with_the_same_request_id_and_the_token() {
-    let (endpoint, seen) = serve(2).await;
+    let (endpoint, fake) = serve(2).await;
     let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
     let submitted = client.submit(TaskSpec::new("default")).await.unwrap();
     assert_eq!(submitted.task.id, u64::MAX - 1, "all 64 bits survive");
-    let seen = seen.lock().unwrap();
+    let seen = fake.seen.lock().unwrap();
     assert_eq!(seen.len(), 3);
     assert!(
         seen.iter()
@@ -146,11 +361,184 @@ async fn unavailable_is_raised_once_the_retries_are_spent() {
 
 #[tokio::test]
 async fn other_codes_are_not_retried() {
-    let (endpoint, _) = serve(0).await;
+    let (endpoint, fake) = serve(0).await;
     let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
     let err = client.get(1).await.unwrap_err();
     assert_eq!(err.code(), Code::NotFound);
     assert_eq!(err.to_string(), "NOT_FOUND: fake: no such task");
+    assert_eq!(fake.calls().len(), 1);
+}
+
+fn key(key: &str) -> Option<proto::TaskRef> {
+    Some(proto::TaskRef {
+        r#ref: Some(proto::task_ref::Ref::Key(key.into())),
+    })
+}
+
+fn at(seconds: u64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_secs(seconds)
+}
+
+fn timestamp(seconds: i64) -> Option<prost_types::Timestamp> {
+    Some(prost_types::Timestamp { seconds, nanos: 0 })
+}
+
+#[tokio::test]
+async fn retry_by_key_sends_its_options_and_is_retried_on_unavailable_as_cancel_is() {
+    let (endpoint, fake) = serve(2).await;
+    let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
+    let opts = RetryTaskOptions {
+        run_at: Some(at(1000)),
+        extra_attempts: 3,
+    };
+    let retried = client
+        .retry(TaskRef::Key("nightly".into()), opts)
+        .await
+        .unwrap();
+    assert_eq!(retried.task.state(), TaskState::Pending);
+    assert_eq!(retried.dependents_restored, 2);
+    let sent = Call::Retry(proto::RetryTaskRequest {
+        task: key("nightly"),
+        run_at: timestamp(1000),
+        extra_attempts: 3,
+    });
+    assert_eq!(fake.calls(), vec![sent.clone(), sent.clone(), sent]);
+}
+
+#[tokio::test]
+async fn delete_answers_the_id_deleted() {
+    let (endpoint, fake) = serve(0).await;
+    let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
+    assert_eq!(client.delete(u64::MAX).await.unwrap(), u64::MAX);
+    assert_eq!(client.delete(TaskRef::Key("old".into())).await.unwrap(), 42);
+    assert_eq!(
+        fake.calls()[1],
+        Call::Delete(proto::DeleteTaskRequest { task: key("old") })
+    );
+}
+
+#[tokio::test]
+async fn get_with_attempts_asks_for_them_and_get_does_not() {
+    let (endpoint, fake) = serve(0).await;
+    let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
+    let got = client.get_with_attempts(7).await.unwrap();
+    assert_eq!(got.task.id, 7);
+    let outcomes: Vec<_> = got
+        .attempts
+        .iter()
+        .map(|a| (a.attempt, a.outcome(), a.error.as_str()))
+        .collect();
+    assert_eq!(
+        outcomes,
+        vec![
+            (1, AttemptOutcome::Lost, ""),
+            (2, AttemptOutcome::Failed, "boom")
+        ]
+    );
+    client.get(7).await.unwrap();
+    let asked: Vec<bool> = fake
+        .calls()
+        .iter()
+        .map(|c| matches!(c, Call::Get(r) if r.include_attempts))
+        .collect();
+    assert_eq!(asked, vec![true, false]);
+}
+
+#[tokio::test]
+async fn bulk_actions_send_the_whole_filter_and_answer_per_shard() {
+    let (endpoint, fake) = serve(0).await;
+    let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
+    let filter = TaskFilter {
+        pool: "llm".into(),
+        states: vec![TaskState::Failed, TaskState::Cancelled],
+        created_after: Some(at(10)),
+        created_before: Some(at(20)),
+        finished_after: Some(at(30)),
+        finished_before: Some(at(40)),
+        key_prefix: "op-".into(),
+        error_contains: "boom".into(),
+        ids: vec![u64::MAX, 5],
+    };
+    let sent = proto::TaskFilter {
+        pool: "llm".into(),
+        states: vec![TaskState::Failed as i32, TaskState::Cancelled as i32],
+        created_after: timestamp(10),
+        created_before: timestamp(20),
+        finished_after: timestamp(30),
+        finished_before: timestamp(40),
+        key_prefix: "op-".into(),
+        error_contains: "boom".into(),
+        ids: vec![u64::MAX, 5],
+    };
+
+    let counted = client.cancel_tasks(&filter, true).await.unwrap();
+    assert_eq!(
+        (counted.matched, counted.changed, counted.incomplete),
+        (2, 0, false)
+    );
+    assert_eq!(counted.unavailable_shards, vec!["gpu".to_string()]);
+    assert_eq!(
+        counted
+            .shards
+            .iter()
+            .map(|s| (s.shard.as_str(), s.matched, s.changed, s.incomplete))
+            .collect::<Vec<_>>(),
+        vec![("cpu", 2, 0, false)]
+    );
+    let opts = RetryTaskOptions {
+        run_at: Some(at(50)),
+        extra_attempts: 1,
+    };
+    let retried = client.retry_tasks(&filter, false, opts).await.unwrap();
+    assert_eq!(
+        (retried.matched, retried.changed, retried.incomplete),
+        (2, 2, true)
+    );
+    let deleted = client.delete_tasks(&filter, false).await.unwrap();
+    assert_eq!(
+        (deleted.matched, deleted.changed, deleted.incomplete),
+        (2, 2, true)
+    );
+
+    assert_eq!(
+        fake.calls(),
+        vec![
+            Call::CancelTasks(proto::CancelTasksRequest {
+                filter: Some(sent.clone()),
+                dry_run: true,
+            }),
+            Call::RetryTasks(proto::RetryTasksRequest {
+                filter: Some(sent.clone()),
+                dry_run: false,
+                run_at: timestamp(50),
+                extra_attempts: 1,
+            }),
+            Call::DeleteTasks(proto::DeleteTasksRequest {
+                filter: Some(sent),
+                dry_run: false,
+            }),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn pause_and_resume_a_pool_answer_its_pause() {
+    let (endpoint, fake) = serve(0).await;
+    let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
+    let paused = client.pause_pool("llm").await.unwrap();
+    assert_eq!((paused.pool.as_str(), paused.paused), ("llm", true));
+    assert_eq!(paused.paused_by, "ops");
+    assert_eq!(paused.paused_at, timestamp(1000));
+    let resumed = client.resume_pool("llm").await.unwrap();
+    assert_eq!((resumed.pool.as_str(), resumed.paused), ("llm", false));
+    assert_eq!(resumed.paused_at, None);
+    assert_eq!(
+        fake.calls(),
+        vec![
+            Call::Pause(proto::PausePoolRequest { pool: "llm".into() }),
+            Call::Resume(proto::ResumePoolRequest { pool: "llm".into() }),
+        ]
+    );
 }
 
 /// A raw TCP server that answers a TLS ClientHello with a TLS alert (fatal

@@ -1,6 +1,6 @@
 //! The Rust SDK of cronoq, a durable sharded task queue: a [`Client`] that submits, reads,
-//! waits for and cancels tasks, and a [`Worker`] that runs them over the bidirectional
-//! `WorkerService.Work` stream.
+//! waits for, cancels, retries and deletes tasks (one by one or by filter) and pauses pools,
+//! and a [`Worker`] that runs them over the bidirectional `WorkerService.Work` stream.
 
 #![warn(missing_docs)]
 
@@ -14,8 +14,10 @@ mod worker;
 mod worker_tests;
 
 pub use client::{
-    Client, JSON_CONTENT_TYPE, ListOptions, Submitted, Task, TaskRef, TaskSpec, TaskState, Waited,
-    WatchOptions, decode_payload, decode_result, is_terminal, new_request_id,
+    Attempt, AttemptOutcome, BulkResult, BulkShardResult, Client, JSON_CONTENT_TYPE, ListOptions,
+    PoolPause, Retried, RetryTaskOptions, Submitted, Task, TaskAttempts, TaskFilter, TaskRef,
+    TaskSpec, TaskState, Waited, WatchOptions, decode_payload, decode_result, is_terminal,
+    new_request_id,
 };
 pub use error::{Error, RpcError, code_name};
 pub use tokio_util::sync::CancellationToken;
