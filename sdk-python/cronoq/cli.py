@@ -9,10 +9,12 @@ import contextlib
 import datetime as dt
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
+import grpc
 from google.protobuf.message import Message
 
 # grpc core writes its own log lines to stderr ("I1201 ... Handshake failed ...", "E1201 ...
@@ -22,12 +24,48 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 from . import __version__
 from ._transport import RetryConfig, TlsConfig
-from .client import Client, Schedule, Task, TaskEvent, payload_of, result_of
+from .client import TERMINAL_STATES, Client, Schedule, Task, TaskEvent, payload_of, result_of
 from .errors import CronoqError
 from .jsonform import task_dict, to_dict
 from .v1 import admin_service_pb2, schedule_service_pb2, task_pb2, task_service_pb2, worker_service_pb2
 
 STATE_NAMES = {v: k.removeprefix("TASK_STATE_").lower() for k, v in task_pb2.TaskState.items()}
+
+# Exit codes, one per kind of failure a script may act on; shown by `cronoq --help`.
+EXIT_ERROR = 1
+EXIT_BAD_INPUT = 2
+EXIT_WAIT_TIMEOUT = 3
+EXIT_NOT_FOUND = 4
+EXIT_PERMISSION = 5
+EXIT_UNAVAILABLE = 6
+EXIT_FAILED_PRECONDITION = 7
+EXIT_INTERRUPTED = 130
+EXIT_FOR_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: EXIT_BAD_INPUT,
+    grpc.StatusCode.OUT_OF_RANGE: EXIT_BAD_INPUT,
+    grpc.StatusCode.NOT_FOUND: EXIT_NOT_FOUND,
+    grpc.StatusCode.UNAUTHENTICATED: EXIT_PERMISSION,
+    grpc.StatusCode.PERMISSION_DENIED: EXIT_PERMISSION,
+    grpc.StatusCode.UNAVAILABLE: EXIT_UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: EXIT_UNAVAILABLE,
+    grpc.StatusCode.FAILED_PRECONDITION: EXIT_FAILED_PRECONDITION,
+}
+EXIT_CODES_HELP = f"""exit codes:
+  0    done
+  {EXIT_ERROR}    any other failure (INTERNAL, UNIMPLEMENTED, a file that cannot be read, ...)
+  {EXIT_BAD_INPUT}    usage error or bad input: a bad option or value, INVALID_ARGUMENT, OUT_OF_RANGE
+  {EXIT_WAIT_TIMEOUT}    wait, submit --wait: the task had not ended when the timeout passed
+  {EXIT_NOT_FOUND}    NOT_FOUND: no such task, schedule or pool (or one you may not read)
+  {EXIT_PERMISSION}    UNAUTHENTICATED or PERMISSION_DENIED: no, or not enough, credentials
+  {EXIT_UNAVAILABLE}    UNAVAILABLE or DEADLINE_EXCEEDED: no server (or shard) answered in time
+  {EXIT_FAILED_PRECONDITION}    FAILED_PRECONDITION: the task's state does not allow it (cancel of a
+       SUCCEEDED or FAILED task, retry of a PENDING one, ...)
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
+Errors are one line on stderr: `cronoq COMMAND: CODE: message`."""
+
+
+class BadInput(Exception):
+    """A value the CLI refuses before calling the server (exit 2, one line)."""
 
 
 MAX_TASK_ID = 2**64 - 1
@@ -39,8 +77,21 @@ def _ref(text: str, force_key: bool) -> int | str:
         return text
     task_id = int(text)
     if task_id > MAX_TASK_ID:
-        raise SystemExit(f"cronoq: {text} is too large for a task id (ids fit in 64 bits)")
+        raise BadInput(f"{text} is too large for a task id (ids fit in 64 bits)")
     return task_id
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h|d)?")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+DURATION_HELP = "DURATION: a number with a unit (500ms, 30s, 5m, 2h, 1d); a bare number is seconds"
+
+
+def duration_arg(text: str) -> float:
+    """Seconds from "500ms", "30s", "5m", "2h", "1d" or a bare number of seconds."""
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 30s, 500ms, 5m, 2h or 1d")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
 def _ts(msg: Message, field: str, timespec: str = "milliseconds") -> str:
@@ -91,7 +142,7 @@ def _title(args: argparse.Namespace) -> str:
 
 def _client(args: argparse.Namespace, retry_for: float = 10.0) -> Client:
     if bool(args.cert) != bool(args.key_file):
-        raise SystemExit(f"cronoq {_title(args)}: give --cert and --key-file together (env CRONOQ_CERT and CRONOQ_KEY)")
+        raise BadInput("give --cert and --key-file together (env CRONOQ_CERT and CRONOQ_KEY)")
     tls = TlsConfig(args.ca or None, args.cert or None, args.key_file or None) if (args.ca or args.cert) else None
     return Client(args.endpoint, token=args.token or None, tls=tls, retry=RetryConfig(max_elapsed=retry_for))
 
@@ -134,30 +185,30 @@ def age(msg: Message, field: str, now: dt.datetime) -> str:
     return f"{seconds // 86400}d{seconds % 86400 // 3600}h ago"
 
 
-def _payload(command: str, json_flag: str, json_text: str | None, text: str | None) -> Any:
+def _payload(json_flag: str, json_text: str | None, text: str | None) -> Any:
     """A JSON value from json_text, else text's bytes, else None."""
     if json_text is not None:
         try:
             return json.loads(json_text)
         except ValueError as err:
             shown = json_text if len(json_text) <= 60 else json_text[:57] + "..."
-            raise SystemExit(f"cronoq {command}: {json_flag} {shown!r} is not valid JSON: {err}") from None
+            raise BadInput(f"{json_flag} {shown!r} is not valid JSON: {err}") from None
     return text.encode() if text is not None else None
 
 
-def _resources(command: str, given: list[tuple[str, int]]) -> dict[str, int]:
+def _resources(given: list[tuple[str, int]]) -> dict[str, int]:
     resources: dict[str, int] = {}
     for name, amount in given:
         if name in resources:
-            raise SystemExit(f"cronoq {command}: --resource {name!r} given twice")
+            raise BadInput(f"--resource {name!r} given twice")
         resources[name] = amount
     return resources
 
 
 async def cmd_submit(args: argparse.Namespace) -> int:
     if sum(x is not None for x in (args.json_payload, args.data, args.file)) > 1:
-        raise SystemExit("cronoq submit: give at most one of --json, --data, --file")
-    payload = _payload("submit", "--payload-json", args.json_payload, args.data)
+        raise BadInput("give at most one of --payload-json, --data, --file")
+    payload = _payload("--payload-json", args.json_payload, args.data)
     if args.file is not None:
         payload = sys.stdin.buffer.read() if args.file == "-" else open(args.file, "rb").read()
     async with _client(args) as client:
@@ -169,14 +220,15 @@ async def cmd_submit(args: argparse.Namespace) -> int:
             max_attempts=args.max_attempts,
             delay=args.delay,
             depends_on=[_ref(d, False) for d in args.depends_on],
-            resources=_resources("submit", args.resource),
+            resources=_resources(args.resource),
             timeout=args.timeout,
         )
-        task = sub.task
+        task, done = sub.task, True
         if args.wait is not None:
-            task = (await client.wait(task.id, args.wait)).task
+            waited = await client.wait(task.id, args.wait)
+            task, done = waited.task, waited.done
     print_task(task, args.json, deduplicated=sub.deduplicated)
-    return 0
+    return 0 if done else EXIT_WAIT_TIMEOUT
 
 
 async def cmd_get(args: argparse.Namespace) -> int:
@@ -189,48 +241,74 @@ async def cmd_wait(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         res = await client.wait(_ref(args.task, args.key), args.timeout)
     print_task(res.task, args.json, done=res.done)
-    return 0 if res.done else 3
+    return 0 if res.done else EXIT_WAIT_TIMEOUT
 
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancels the task; one that had already ended is left as it is, and said so."""
     async with _client(args) as client:
-        print_task(await client.cancel(_ref(args.task, args.key)), args.json)
+        before = await client.get(_ref(args.task, args.key))
+        task = before if before.state in TERMINAL_STATES else await client.cancel(before.id)
+    print_task(task, args.json)
+    # Ended before this call: already so when read, or it finished between the read and the cancel.
+    if before.state in TERMINAL_STATES or task.state in (task_pb2.TASK_STATE_SUCCEEDED, task_pb2.TASK_STATE_FAILED):
+        state = task_pb2.TaskState.Name(task.state).removeprefix("TASK_STATE_")
+        print(f"cronoq cancel: task {task.id} already {state}; nothing to cancel", file=sys.stderr)
+        return 0 if task.state == task_pb2.TASK_STATE_CANCELLED else EXIT_FAILED_PRECONDITION
     return 0
 
 
+TASK_COLUMNS = ("ID", "POOL", "STATE", "ATTEMPT", "KEY")
+
+
+def task_row(task: Task) -> str:
+    """One row of `cronoq tasks`: fixed widths, so that pages print as they come."""
+    return (
+        f"{task.id:>20}  {task.pool:<12} {STATE_NAMES[task.state]:<10} "
+        f"{f'{task.attempt}/{task.max_attempts}':>7}  {task.key or '-'}"
+    )
+
+
+def task_header() -> str:
+    id_, pool, state, attempt, key = TASK_COLUMNS
+    return f"{id_:>20}  {pool:<12} {state:<10} {attempt:>7}  {key}"
+
+
+def state_arg(text: str) -> int:
+    """A task state by its lower-case name (pending, ..., cancelled)."""
+    name = "TASK_STATE_" + text.strip().upper()
+    if text.strip().lower() == "unspecified" or name not in task_pb2.TaskState.keys():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not one of " + ", ".join(STATE_NAMES[v] for v in STATE_NAMES if v)
+        )
+    return task_pb2.TaskState.Value(name)
+
+
 async def cmd_tasks(args: argparse.Namespace) -> int:
-    state = 0
-    if args.state:
-        name = "TASK_STATE_" + args.state.upper()
-        if name not in task_pb2.TaskState.keys():
-            raise SystemExit(
-                f"cronoq tasks: --state {args.state!r} is not one of "
-                + ", ".join(STATE_NAMES[v] for v in STATE_NAMES if v)
-            )
-        state = task_pb2.TaskState.Value(name)
-    shown, token, unavailable = 0, "", set[str]()
+    limit = None if args.all else args.limit
+    shown, token, unavailable = 0, args.page_token, set[str]()
+    progress = sys.stderr.isatty() and (limit is None or limit > 500)
+    if not args.json:
+        print(task_header())
     async with _client(args) as client:
-        while shown < args.limit:
-            page = await client.list(args.pool, state, min(500, args.limit - shown), token)
+        while limit is None or shown < limit:
+            size = 500 if limit is None else min(500, limit - shown)
+            page = await client.list(args.pool, args.state or 0, size, token)
             unavailable.update(page.unavailable_shards)
             for task in page.tasks:
-                if args.json:
-                    print(json.dumps(_wrap(task)))
-                else:
-                    print(
-                        f"{task.id:>20}  {task.pool:<12} {STATE_NAMES[task.state]:<10} "
-                        f"{task.attempt:>3}  {task.key or '-'}"
-                    )
+                print(json.dumps(_wrap(task)) if args.json else task_row(task))
             shown += len(page.tasks)
             token = page.next_page_token
-            if args.limit > 500 and sys.stderr.isatty():
+            if progress:
                 print(f"\rlisted {shown} task(s)...", end="", file=sys.stderr)
             if not token:
                 break
-    if args.limit > 500 and sys.stderr.isatty():
+    if progress:
         print(file=sys.stderr)
     if not args.json:
-        print(f"{shown} task(s)" + ("; more remain (raise --limit)" if token else ""), file=sys.stderr)
+        print(f"{shown} task(s)", file=sys.stderr)
+    if token:
+        print(f"more: run with --page-token {token}", file=sys.stderr)
     _warn_unavailable(args, sorted(unavailable))
     return 0
 
@@ -317,8 +395,8 @@ def resource_arg(text: str) -> tuple[str, int]:
 
 
 async def cmd_schedules_put(args: argparse.Namespace) -> int:
-    payload = _payload("schedules put", "--payload-json", args.payload_json, args.payload)
-    resources = _resources("schedules put", args.resource)
+    payload = _payload("--payload-json", args.payload_json, args.payload)
+    resources = _resources(args.resource)
     async with _client(args) as client:
         schedule = await client.put_schedule(
             args.pool,
@@ -329,7 +407,7 @@ async def cmd_schedules_put(args: argparse.Namespace) -> int:
             priority=args.priority,
             max_attempts=args.max_attempts,
             resources=resources,
-            timeout_ms=args.timeout_ms,
+            timeout_ms=args.timeout_ms if args.timeout_ms is not None else round((args.timeout or 0) * 1000),
             paused=args.paused,
             fire_all_missed=args.fire_all_missed,
         )
@@ -396,40 +474,71 @@ async def cmd_snapshot(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
+class Parser(argparse.ArgumentParser):
+    """Usage errors as one line naming the command, with exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def add_global_flags(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """--endpoint, --token, the TLS files and --json. On the top parser (defaults: from the
+    environment) they go before the command; on each command's (defaults SUPPRESSed, so a value
+    given before the command stands) after it: `cronoq --endpoint X get 1` = `cronoq get 1 --endpoint X`."""
+
+    def default(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
+    group = parser.add_argument_group("global options (before or after the command)")
+    group.add_argument(
         "--endpoint",
-        default=os.environ.get("CRONOQ_ENDPOINT", "http://127.0.0.1:7070"),
-        help="http://host:port, or https://host:port for TLS (env CRONOQ_ENDPOINT)",
+        default=default(os.environ.get("CRONOQ_ENDPOINT", "http://127.0.0.1:7070")),
+        help="http://host:port, or https://host:port for TLS; several, separated by commas (env CRONOQ_ENDPOINT)",
     )
-    common.add_argument("--token", default=os.environ.get("CRONOQ_TOKEN"), help="bearer token (env CRONOQ_TOKEN)")
-    common.add_argument(
+    group.add_argument(
+        "--token", default=default(os.environ.get("CRONOQ_TOKEN")), help="bearer token (env CRONOQ_TOKEN)"
+    )
+    group.add_argument(
         "--ca",
-        default=os.environ.get("CRONOQ_CA"),
+        default=default(os.environ.get("CRONOQ_CA")),
         help="CA bundle (PEM) the server's certificate must chain to, for https:// endpoints; "
         "default: the system's roots (env CRONOQ_CA)",
     )
-    common.add_argument(
+    group.add_argument(
         "--cert",
-        default=os.environ.get("CRONOQ_CERT"),
+        default=default(os.environ.get("CRONOQ_CERT")),
         help="client certificate (PEM), for servers that require one (env CRONOQ_CERT)",
     )
-    common.add_argument(
+    group.add_argument(
         "--key-file",
         dest="key_file",  # not "key": submit's --key (a task key) and get's --key (by key) have that dest
-        default=os.environ.get("CRONOQ_KEY"),
+        default=default(os.environ.get("CRONOQ_KEY")),
         help="the client certificate's private key (PEM, unencrypted) (env CRONOQ_KEY)",
     )
-    common.add_argument("--json", action="store_true", help="print JSON (proto field names, ids as strings)")
+    group.add_argument(
+        "--json", action="store_true", default=default(False), help="print JSON (proto field names, ids as strings)"
+    )
 
-    parser = argparse.ArgumentParser(
-        prog="cronoq", description="Submit, inspect and watch cronoq tasks; list workers; manage schedules."
+
+def build_parser() -> argparse.ArgumentParser:
+    common = Parser(add_help=False)
+    add_global_flags(common, defaults=False)
+
+    parser = Parser(
+        prog="cronoq",
+        description="Submit, inspect and watch cronoq tasks; list workers; manage schedules.",
+        epilog=f"{DURATION_HELP}.\n\n{EXIT_CODES_HELP}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"cronoq {__version__}")
+    add_global_flags(parser, defaults=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("submit", parents=[common], help="submit a task", description="Submit one task.")
+    def command(name: str, text: str, description: str, parents: Sequence[argparse.ArgumentParser] = (common,),
+                subparsers: Any = sub, **options: Any) -> argparse.ArgumentParser:  # fmt: skip
+        return subparsers.add_parser(name, parents=list(parents), help=text, description=description, **options)
+
+    p = command("submit", "submit a task", "Submit one task.", epilog=DURATION_HELP)
     p.add_argument("--pool", default="default")
     p.add_argument("--key", help="deduplication key (unique within a shard)")
     p.add_argument("--json-payload", "--payload-json", dest="json_payload", metavar="JSON", help="a JSON payload")
@@ -437,7 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file", help="payload bytes from a file ('-' for stdin)")
     p.add_argument("--priority", type=int, default=0, help="higher runs first")
     p.add_argument("--max-attempts", type=int, default=0, help="0 takes the pool's default")
-    p.add_argument("--delay", type=float, help="seconds before the task may start")
+    p.add_argument("--delay", type=duration_arg, metavar="DURATION", help="how long before the task may start")
     p.add_argument("--depends-on", action="append", default=[], metavar="ID|KEY", help="repeatable")
     p.add_argument(
         "--resource",
@@ -447,74 +556,94 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=AMOUNT",
         help="a resource the task needs while it runs (repeatable)",
     )
-    p.add_argument("--timeout", type=float, metavar="SECONDS", help="each attempt's timeout (capped by the pool's)")
-    p.add_argument("--wait", type=float, metavar="SECONDS", help="wait for the task to end")
+    p.add_argument(
+        "--timeout", type=duration_arg, metavar="DURATION", help="each attempt's timeout (capped by the pool's)"
+    )
+    p.add_argument(
+        "--wait",
+        type=duration_arg,
+        metavar="DURATION",
+        help="wait that long for the task to end (exit 3 if it has not)",
+    )
     p.set_defaults(run=cmd_submit)
 
     for name, fn, text in (("get", cmd_get, "show a task"), ("cancel", cmd_cancel, "cancel a task")):
-        p = sub.add_parser(name, parents=[common], help=text, description=f"{text.capitalize()} by id or key.")
+        p = command(name, text, f"{text.capitalize()} by id or key.")
         p.add_argument("task", metavar="ID|KEY", help="a decimal id, or else a key")
         p.add_argument("--key", action="store_true", help="treat ID|KEY as a key even if it is all digits")
         p.set_defaults(run=fn)
+    p.description = (
+        "Cancel a task by id or key: a PENDING or BLOCKED task ends CANCELLED, a RUNNING one is asked to stop. "
+        "A task that had already ended is left as it is, said so on stderr: exit 0 if it was CANCELLED, "
+        f"{EXIT_FAILED_PRECONDITION} if it SUCCEEDED or FAILED."
+    )
 
-    p = sub.add_parser(
+    p = command(
         "wait",
-        parents=[common],
-        help="wait for a task to end",
-        description="Wait until the task ends or the timeout passes (exit 3 on timeout).",
+        "wait for a task to end",
+        "Wait until the task ends or the timeout passes (exit 3 on timeout).",
+        epilog=DURATION_HELP,
     )
     p.add_argument("task", metavar="ID|KEY")
     p.add_argument("--key", action="store_true", help="treat ID|KEY as a key even if it is all digits")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")
+    p.add_argument("--timeout", type=duration_arg, default=30.0, metavar="DURATION", help="default 30s")
     p.set_defaults(run=cmd_wait)
 
-    p = sub.add_parser("tasks", parents=[common], help="list tasks", description="List tasks in id order.")
+    p = command(
+        "tasks",
+        "list tasks",
+        "List tasks in id order, a row each under a header (--json: one object per line). When more remain "
+        "than --limit, stderr says the --page-token to go on from; --all lists every page.",
+    )
     p.add_argument("--pool", default="")
-    p.add_argument("--state", help="pending, blocked, running, succeeded, failed or cancelled")
-    p.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    p.add_argument("--state", type=state_arg, help="pending, blocked, running, succeeded, failed or cancelled")
+    pages = p.add_mutually_exclusive_group()
+    pages.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    pages.add_argument("--all", action="store_true", help="every task, page after page (progress on stderr)")
+    p.add_argument("--page-token", default="", metavar="TOKEN", help="go on from where a listing stopped")
     p.set_defaults(run=cmd_tasks)
 
-    p = sub.add_parser(
+    p = command(
         "watch",
-        parents=[common],
-        help="print task events as they happen",
-        description="Print one line per task event as it happens (--json: one object per line, with the cursor "
+        "print task events as they happen",
+        "Print one line per task event as it happens (--json: one object per line, with the cursor "
         "to resume from) until Ctrl-C (exit 130). When the stream breaks (a server restart, a new leader) it "
         "reconnects, saying so on stderr, from the last event's cursor: the events in between are printed, "
         "none twice.",
+        epilog=DURATION_HELP,
     )
     p.add_argument("--pool", default="", help="one pool (default: every pool you may read)")
     p.add_argument("--cursor", help="start after this event's cursor (from --json output) instead of live")
     p.add_argument("--include-payloads", action="store_true", help="events carry payloads and results")
     p.add_argument(
         "--retry-for",
-        type=float,
+        type=duration_arg,
         default=60.0,
-        metavar="SECONDS",
-        help="give up when no server answers for this long after the stream breaks (default 60)",
+        metavar="DURATION",
+        help="give up when no server answers for this long after the stream breaks (default 60s)",
     )
     p.set_defaults(run=cmd_watch)
 
-    p = sub.add_parser(
+    p = command(
         "workers",
-        parents=[common],
-        help="list workers",
-        description="List registered workers: id, name, pools, concurrency, tasks running, last heartbeat.",
+        "list workers",
+        "List registered workers: id, name, pools, concurrency, tasks running, last heartbeat.",
     )
     p.add_argument("--pool", default="", help="only workers of this pool")
     p.set_defaults(run=cmd_workers)
 
-    p = sub.add_parser(
+    p = command(
         "schedules",
-        help="put, delete and list schedules",
-        description="Cron schedules that create tasks in a pool, named by (pool, name).",
+        "put, delete and list schedules",
+        "Cron schedules that create tasks in a pool, named by (pool, name).",
     )
     schedules = p.add_subparsers(dest="schedules_command", required=True, metavar="SUBCOMMAND")
-    p = schedules.add_parser(
+    p = command(
         "put",
-        parents=[common],
-        help="create or replace a schedule",
-        description="Create or replace the schedule NAME of POOL; prints it with its next fire time.",
+        "create or replace a schedule",
+        "Create or replace the schedule NAME of POOL; prints it with its next fire time.",
+        subparsers=schedules,
+        epilog=DURATION_HELP,
     )
     p.add_argument("pool", metavar="POOL")
     p.add_argument("name", metavar="NAME")
@@ -538,34 +667,35 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=AMOUNT",
         help="a resource each fired task needs (repeatable)",
     )
-    p.add_argument("--timeout-ms", type=int, default=0, help="each fired task's timeout; 0 takes the pool's")
+    timeout = p.add_mutually_exclusive_group()
+    timeout.add_argument(
+        "--timeout", type=duration_arg, metavar="DURATION", help="each fired task's timeout (default: the pool's)"
+    )
+    timeout.add_argument("--timeout-ms", type=int, help=argparse.SUPPRESS)  # deprecated: --timeout 1500ms
     p.add_argument("--paused", action="store_true", help="keep it, but fire nothing until put again without this")
     p.add_argument(
         "--fire-all-missed", action="store_true", help="after downtime, fire every missed slot (not only the latest)"
     )
     p.set_defaults(run=cmd_schedules_put, title="schedules put")
 
-    p = schedules.add_parser(
-        "delete", parents=[common], help="delete a schedule", description="Delete the schedule NAME of POOL."
-    )
+    p = command("delete", "delete a schedule", "Delete the schedule NAME of POOL.", subparsers=schedules)
     p.add_argument("pool", metavar="POOL")
     p.add_argument("name", metavar="NAME")
     p.set_defaults(run=cmd_schedules_delete, title="schedules delete")
 
-    p = schedules.add_parser(
+    p = command(
         "list",
-        parents=[common],
-        help="list schedules",
-        description="List schedules: pool, name, cron, timezone, paused, next and last fire (UTC).",
+        "list schedules",
+        "List schedules: pool, name, cron, timezone, paused, next and last fire (UTC).",
+        subparsers=schedules,
     )
     p.add_argument("--pool", default="", help="only schedules of this pool")
     p.set_defaults(run=cmd_schedules_list, title="schedules list")
 
-    p = sub.add_parser(
+    p = command(
         "snapshot",
-        parents=[common],
-        help="show the state of every shard",
-        description="Per shard: its leader and term, task counts by pool and state, resources in use, workers.",
+        "show the state of every shard",
+        "Per shard: its leader and term, task counts by pool and state, resources in use, workers.",
     )
     p.set_defaults(run=cmd_snapshot)
     return parser
@@ -577,16 +707,19 @@ def main(argv: list[str] | None = None) -> None:
         code = asyncio.run(args.run(args))
     except CronoqError as err:
         print(f"cronoq {_title(args)}: {err}", file=sys.stderr)
-        code = 1
+        code = EXIT_FOR_CODE.get(err.code, EXIT_ERROR) if err.code is not None else EXIT_ERROR
+    except BadInput as err:
+        print(f"cronoq {_title(args)}: {err}", file=sys.stderr)
+        code = EXIT_BAD_INPUT
     except KeyboardInterrupt:  # Ctrl-C: how `watch` is meant to end; any command, no traceback
-        code = 130
+        code = EXIT_INTERRUPTED
     except BrokenPipeError:  # stdout closed by the reader (`cronoq watch | head`): quiet, as if by SIGPIPE
         with contextlib.suppress(OSError):  # the exit's flush of stdout must not fail again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 141
     except OSError as err:
         print(f"cronoq {_title(args)}: {err}", file=sys.stderr)
-        code = 1
+        code = EXIT_ERROR
     sys.exit(code)
 
 
