@@ -24,7 +24,17 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 from . import __version__
 from ._transport import RetryConfig, TlsConfig
-from .client import TERMINAL_STATES, Client, Schedule, Task, TaskEvent, payload_of, result_of
+from .client import (
+    TERMINAL_STATES,
+    Client,
+    Schedule,
+    Task,
+    TaskEvent,
+    TaskFilter,
+    payload_of,
+    result_of,
+    task_filter,
+)
 from .errors import CronoqError
 from .jsonform import task_dict, to_dict
 from .v1 import admin_service_pb2, schedule_service_pb2, task_pb2, task_service_pb2, worker_service_pb2
@@ -231,9 +241,44 @@ async def cmd_submit(args: argparse.Namespace) -> int:
     return 0 if done else EXIT_WAIT_TIMEOUT
 
 
+OUTCOME_NAMES = {v: k.removeprefix("ATTEMPT_OUTCOME_").lower() for k, v in task_pb2.AttemptOutcome.items()}
+
+
+def _duration_text(ms: int) -> str:
+    return (
+        f"{ms}ms" if ms < 1000 else f"{ms / 1000:.3f}s" if ms < 60_000 else f"{ms // 60_000}m{ms % 60_000 / 1000:.0f}s"
+    )
+
+
+def format_attempts(attempts: Sequence[task_pb2.Attempt]) -> list[str]:
+    """The attempt history under a task: one row per attempt, oldest first."""
+    rows = [
+        (
+            a.attempt,
+            a.worker_name or a.worker_id or "-",
+            _ts(a, "started_at"),
+            _ts(a, "ended_at"),
+            _duration_text(a.duration_ms),
+            OUTCOME_NAMES[a.outcome],
+            a.error or "-",
+        )
+        for a in attempts
+    ]
+    return format_table(("ATTEMPT", "WORKER", "STARTED", "ENDED", "DURATION", "OUTCOME", "ERROR"), rows, "  ")
+
+
 async def cmd_get(args: argparse.Namespace) -> int:
+    ref = _ref(args.task, args.key)
     async with _client(args) as client:
-        print_task(await client.get(_ref(args.task, args.key)), args.json)
+        if not args.attempts:
+            print_task(await client.get(ref), args.json)
+            return 0
+        resp = await client.get(ref, include_attempts=True)
+    if args.json:
+        print(json.dumps({**_wrap(resp.task), "attempts": [to_dict(a) for a in resp.attempts]}))
+        return 0
+    print_task(resp.task, False)
+    print("\n".join(format_attempts(resp.attempts)) if resp.attempts else "  no attempts yet")
     return 0
 
 
@@ -246,6 +291,9 @@ async def cmd_wait(args: argparse.Namespace) -> int:
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
     """Cancels the task; one that had already ended is left as it is, and said so."""
+    _single_or_bulk(args)
+    if args.all_matching:
+        return await run_bulk(args, "cancel")
     async with _client(args) as client:
         before = await client.get(_ref(args.task, args.key))
         task = before if before.state in TERMINAL_STATES else await client.cancel(before.id)
@@ -255,6 +303,175 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
         state = task_pb2.TaskState.Name(task.state).removeprefix("TASK_STATE_")
         print(f"cronoq cancel: task {task.id} already {state}; nothing to cancel", file=sys.stderr)
         return 0 if task.state == task_pb2.TASK_STATE_CANCELLED else EXIT_FAILED_PRECONDITION
+    return 0
+
+
+# -- retry, delete, and the bulk form of cancel, retry and delete -----------------------------
+
+# The flags of a bulk action's filter: (flag, TaskFilter field).
+FILTER_FLAGS = (
+    ("--pool", "pool"),
+    ("--state", "states"),
+    ("--created-after", "created_after"),
+    ("--created-before", "created_before"),
+    ("--finished-after", "finished_after"),
+    ("--finished-before", "finished_before"),
+    ("--key-prefix", "key_prefix"),
+    ("--error-contains", "error_contains"),
+)
+# Past tense of each action, for its summary line.
+DONE = {"cancel": "cancelled", "retry": "retried", "delete": "deleted"}
+
+
+def time_arg(text: str) -> dt.datetime:
+    """An ISO 8601 time (no zone: UTC), or a DURATION meaning that long ago ("2h")."""
+    if _DURATION.fullmatch(text.strip()):
+        return dt.datetime.now(dt.UTC) - dt.timedelta(seconds=duration_arg(text))
+    try:
+        when = dt.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a time such as 2026-12-01T09:30:00Z nor a DURATION ago such as 2h"
+        ) from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
+
+
+def states_arg(text: str) -> list[int]:
+    """One state, or several separated by commas."""
+    return [state_arg(part) for part in text.split(",")]
+
+
+def _given_filter_flags(args: argparse.Namespace) -> list[str]:
+    return [flag for flag, dest in FILTER_FLAGS if getattr(args, dest) not in (None, [])]
+
+
+def _single_or_bulk(args: argparse.Namespace) -> None:
+    """ID|KEY, or --all-matching with filter flags: one or the other."""
+    flags = _given_filter_flags(args)
+    if args.all_matching:
+        if args.task is not None:
+            raise BadInput(f"give ID|KEY or --all-matching, not both (got {args.task!r})")
+        return
+    if args.task is None:
+        raise BadInput("give the task's ID|KEY, or --all-matching with filter flags")
+    bulk_only = flags + [flag for flag in ("--dry-run", "--yes") if getattr(args, flag[2:].replace("-", "_"))]
+    if bulk_only:
+        raise BadInput(f"{', '.join(bulk_only)}: only with --all-matching (for every task that matches)")
+
+
+def filter_of(args: argparse.Namespace) -> TaskFilter:
+    return task_filter(
+        args.pool,
+        states=args.states or (),
+        created_after=args.created_after,
+        created_before=args.created_before,
+        finished_after=args.finished_after,
+        finished_before=args.finished_before,
+        key_prefix=args.key_prefix,
+        error_contains=args.error_contains,
+    )
+
+
+def _describe(args: argparse.Namespace) -> str:
+    """The filter as typed, for the confirmation prompt."""
+    parts = []
+    for flag, dest in FILTER_FLAGS:
+        value = getattr(args, dest)
+        if value in (None, []):
+            continue
+        if dest == "states":
+            value = ",".join(STATE_NAMES[v] for v in value)
+        elif isinstance(value, dt.datetime):
+            value = value.isoformat(timespec="seconds")
+        parts.append(f"{flag} {value}")
+    return " ".join(parts) or "(no filter: every task the action applies to)"
+
+
+BulkResponse = (
+    task_service_pb2.CancelTasksResponse | task_service_pb2.RetryTasksResponse | task_service_pb2.DeleteTasksResponse
+)
+
+
+def format_bulk(action: str, resp: BulkResponse, dry_run: bool) -> list[str]:
+    """Per shard what matched (and changed), then one line of totals."""
+    if dry_run:
+        rows: list[tuple[Any, ...]] = [(r.shard or "-", r.matched) for r in resp.shards]
+        lines = format_table(("SHARD", "MATCHED"), rows)
+        return [*lines, f"dry run: {resp.matched} task(s) match; nothing changed"]
+    rows = [(r.shard or "-", r.matched, r.changed) for r in resp.shards]
+    lines = format_table(("SHARD", "MATCHED", "CHANGED"), rows)
+    return [*lines, f"{DONE[action]} {resp.changed} of {resp.matched} matching task(s)"]
+
+
+def _confirm(question: str) -> bool:
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
+
+
+async def run_bulk(args: argparse.Namespace, action: str) -> int:
+    """The bulk form: a dry run answers the counts; a real one asks first on a terminal."""
+    filt = filter_of(args)
+    async with _client(args) as client:
+
+        async def call(dry_run: bool) -> BulkResponse:
+            if action == "cancel":
+                return await client.cancel_tasks(filt, dry_run=dry_run)
+            if action == "delete":
+                return await client.delete_tasks(filt, dry_run=dry_run)
+            return await client.retry_tasks(
+                filt, dry_run=dry_run, run_at=_run_at(args), extra_attempts=args.extra_attempts
+            )
+
+        if not args.dry_run and not args.yes:
+            if not sys.stdin.isatty():
+                raise BadInput("--all-matching changes every task that matches: give --yes (or --dry-run to count)")
+            preview = await call(True)
+            if not preview.matched:
+                print(f"cronoq {_title(args)}: no task matches {_describe(args)}; nothing to do", file=sys.stderr)
+                _warn_unavailable(args, preview.unavailable_shards)
+                return EXIT_UNAVAILABLE if preview.unavailable_shards else 0
+            unreached = f" (shards not reached: {', '.join(preview.unavailable_shards)})"
+            question = f"{action} {preview.matched} task(s) that match {_describe(args)}"
+            if not _confirm(question + (unreached if preview.unavailable_shards else "") + "?"):
+                print(f"cronoq {_title(args)}: not confirmed; nothing changed", file=sys.stderr)
+                return EXIT_ERROR
+        resp = await call(args.dry_run)
+    print(json.dumps(to_dict(resp)) if args.json else "\n".join(format_bulk(action, resp, args.dry_run)))
+    if resp.unavailable_shards:  # a partial action: said, and told by the exit code
+        print(
+            f"cronoq {_title(args)}: shards unavailable (not counted, nothing changed there): "
+            f"{', '.join(resp.unavailable_shards)}",
+            file=sys.stderr,
+        )
+        return EXIT_UNAVAILABLE
+    return 0
+
+
+def _run_at(args: argparse.Namespace) -> dt.datetime | None:
+    if args.delay is not None:
+        return dt.datetime.now(dt.UTC) + dt.timedelta(seconds=args.delay)
+    return args.run_at  # type: ignore[no-any-return]
+
+
+async def cmd_retry(args: argparse.Namespace) -> int:
+    _single_or_bulk(args)
+    if args.all_matching:
+        return await run_bulk(args, "retry")
+    async with _client(args) as client:
+        retried = await client.retry(
+            _ref(args.task, args.key), run_at=_run_at(args), extra_attempts=args.extra_attempts
+        )
+    print_task(retried.task, args.json, dependents_restored=retried.dependents_restored)
+    return 0
+
+
+async def cmd_delete(args: argparse.Namespace) -> int:
+    _single_or_bulk(args)
+    if args.all_matching:
+        return await run_bulk(args, "delete")
+    async with _client(args) as client:
+        task_id = await client.delete(_ref(args.task, args.key))
+    print(json.dumps({"id": str(task_id)}) if args.json else f"deleted task {task_id}")
     return 0
 
 
@@ -466,6 +683,46 @@ def format_snapshot(snap: admin_service_pb2.GetSnapshotResponse) -> list[str]:
     return lines
 
 
+def pool_rows(snap: admin_service_pb2.GetSnapshotResponse) -> list[tuple[str, admin_service_pb2.PoolCounts]]:
+    """(shard, counts) of every pool, by pool name."""
+    return sorted(((shard.shard, p) for shard in snap.shards for p in shard.pools), key=lambda r: (r[1].pool, r[0]))
+
+
+def format_pools(snap: admin_service_pb2.GetSnapshotResponse) -> list[str]:
+    rows = [
+        (p.pool, shard or "-", "yes" if p.paused else "no", *(getattr(p, state) for state in POOL_STATES))
+        for shard, p in pool_rows(snap)
+    ]
+    return format_table(("POOL", "SHARD", "PAUSED", *(state.upper() for state in POOL_STATES)), rows)
+
+
+async def cmd_pools_list(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        snap = await client.snapshot()
+    if args.json:
+        for shard, counts in pool_rows(snap):
+            print(json.dumps({**to_dict(counts), "shard": shard}))
+    else:
+        print("\n".join(format_pools(snap)))
+    _warn_unavailable(args, snap.unavailable_shards)
+    return 0
+
+
+async def cmd_pools_pause(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        if args.pools_command == "pause":
+            pause = await client.pause_pool(args.pool)
+        else:
+            pause = await client.resume_pool(args.pool)
+    if args.json:
+        print(json.dumps(to_dict(pause)))
+    elif pause.paused:
+        print(f"pool {pause.pool} paused since {_ts(pause, 'paused_at', 'seconds')} by {pause.paused_by or '-'}")
+    else:
+        print(f"pool {pause.pool} not paused: its tasks are leased")
+    return 0
+
+
 async def cmd_snapshot(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         snap = await client.snapshot()
@@ -474,8 +731,27 @@ async def cmd_snapshot(args: argparse.Namespace) -> int:
     return 0
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Wraps each paragraph of a description or epilog on its own; keeps a paragraph with
+    indented lines (a table) as it is."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = []
+        for paragraph in text.split("\n\n"):
+            lines = paragraph.splitlines()
+            if any(line.startswith("  ") for line in lines):
+                paragraphs.append("\n".join(indent + line for line in lines))
+            else:
+                paragraphs.append(super()._fill_text(paragraph, width, indent))
+        return "\n\n".join(paragraphs)
+
+
 class Parser(argparse.ArgumentParser):
     """Usage errors as one line naming the command, with exit code 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: {message} (see {self.prog} --help)\n")
@@ -520,6 +796,41 @@ def add_global_flags(parser: argparse.ArgumentParser, defaults: bool) -> None:
     )
 
 
+BULK_HELP = f"""With --all-matching, the filter flags choose the tasks: those that match every flag given.
+--dry-run counts them per shard and changes nothing. Otherwise, on a terminal, the count is
+shown and the action asked for first (--yes: do not ask; not on a terminal, --yes is needed).
+A shard that cannot be reached is named on stderr, and the exit code is then {EXIT_UNAVAILABLE}: run it again
+once the shard is back (a repeated action changes only what it has not changed yet).
+
+TIME: an ISO 8601 time (2026-12-01T09:30:00Z; no zone: UTC), or a DURATION ago (2h).
+
+{DURATION_HELP}."""
+
+
+def add_task_or_filter(parser: argparse.ArgumentParser, action: str) -> None:
+    """ID|KEY for one task, or --all-matching and the filter flags for a bulk action."""
+    parser.add_argument("task", metavar="ID|KEY", nargs="?", help="a decimal id, or else a key")
+    parser.add_argument("--key", action="store_true", help="treat ID|KEY as a key even if it is all digits")
+    bulk = parser.add_argument_group("every task that matches (instead of ID|KEY)")
+    bulk.add_argument("--all-matching", action="store_true", help=f"{action} every task that matches the flags below")
+    bulk.add_argument("--pool", help="of this pool (default: every pool you may act on)")
+    bulk.add_argument(
+        "--state",
+        dest="states",
+        type=states_arg,
+        action="extend",
+        metavar="STATE",
+        help="in this state (repeatable, or comma-separated; default: every state the action applies to)",
+    )
+    for flag, what in (("created", "created"), ("finished", "ended")):
+        bulk.add_argument(f"--{flag}-after", type=time_arg, metavar="TIME", help=f"{what} after TIME")
+        bulk.add_argument(f"--{flag}-before", type=time_arg, metavar="TIME", help=f"{what} before TIME")
+    bulk.add_argument("--key-prefix", metavar="PREFIX", help="whose key starts with PREFIX")
+    bulk.add_argument("--error-contains", metavar="TEXT", help="whose error contains TEXT (case-sensitive)")
+    bulk.add_argument("--dry-run", action="store_true", help="count the tasks that match, per shard; change nothing")
+    bulk.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = Parser(add_help=False)
     add_global_flags(common, defaults=False)
@@ -528,7 +839,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cronoq",
         description="Submit, inspect and watch cronoq tasks; list workers; manage schedules.",
         epilog=f"{DURATION_HELP}.\n\n{EXIT_CODES_HELP}",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"cronoq {__version__}")
     add_global_flags(parser, defaults=True)
@@ -567,16 +877,60 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run=cmd_submit)
 
-    for name, fn, text in (("get", cmd_get, "show a task"), ("cancel", cmd_cancel, "cancel a task")):
-        p = command(name, text, f"{text.capitalize()} by id or key.")
-        p.add_argument("task", metavar="ID|KEY", help="a decimal id, or else a key")
-        p.add_argument("--key", action="store_true", help="treat ID|KEY as a key even if it is all digits")
-        p.set_defaults(run=fn)
-    p.description = (
+    p = command("get", "show a task", "Show a task by id or key.")
+    p.add_argument("task", metavar="ID|KEY", help="a decimal id, or else a key")
+    p.add_argument("--key", action="store_true", help="treat ID|KEY as a key even if it is all digits")
+    p.add_argument(
+        "--attempts",
+        action="store_true",
+        help="and its attempts, oldest first: worker, start, end, duration, outcome, error (--json: attempts)",
+    )
+    p.set_defaults(run=cmd_get)
+
+    p = command(
+        "cancel",
+        "cancel a task, or every task that matches",
         "Cancel a task by id or key: a PENDING or BLOCKED task ends CANCELLED, a RUNNING one is asked to stop. "
         "A task that had already ended is left as it is, said so on stderr: exit 0 if it was CANCELLED, "
-        f"{EXIT_FAILED_PRECONDITION} if it SUCCEEDED or FAILED."
+        f"{EXIT_FAILED_PRECONDITION} if it SUCCEEDED or FAILED. With --all-matching: every unfinished task "
+        "that matches the filter flags, on every shard.",
+        epilog=BULK_HELP,
     )
+    add_task_or_filter(p, "cancel")
+    p.set_defaults(run=cmd_cancel)
+
+    p = command(
+        "retry",
+        "run a FAILED or CANCELLED task again, or every one that matches",
+        "Put a FAILED or CANCELLED task back to PENDING, due now (or --run-at, --delay), keeping its attempts "
+        "and their history; a task that used all its attempts gets --extra-attempts more (default 1). A task in "
+        f"another state is refused (FAILED_PRECONDITION, exit {EXIT_FAILED_PRECONDITION}). With --all-matching: "
+        "every FAILED and CANCELLED task that matches the filter flags, on every shard.",
+        epilog=BULK_HELP,
+    )
+    add_task_or_filter(p, "retry")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--run-at", type=time_arg, metavar="TIME", help="when it may run again (default: now)")
+    when.add_argument("--delay", type=duration_arg, metavar="DURATION", help="how long from now it may run again")
+    p.add_argument(
+        "--extra-attempts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="attempts given to a task that used all of its own (default 0: one more)",
+    )
+    p.set_defaults(run=cmd_retry)
+
+    p = command(
+        "delete",
+        "delete an ended task, or every one that matches",
+        "Delete a SUCCEEDED, FAILED or CANCELLED task with its attempts and events (another state is refused: "
+        f"exit {EXIT_FAILED_PRECONDITION}). With --all-matching: every ended task that matches the filter "
+        "flags, on every shard.",
+        epilog=BULK_HELP,
+    )
+    add_task_or_filter(p, "delete")
+    p.set_defaults(run=cmd_delete)
 
     p = command(
         "wait",
@@ -691,6 +1045,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pool", default="", help="only schedules of this pool")
     p.set_defaults(run=cmd_schedules_list, title="schedules list")
+
+    p = command(
+        "pools",
+        "list pools (with task counts and paused), pause or resume one",
+        "Without a subcommand (or with list): every pool, its shard, whether it is paused and its tasks by "
+        "state. pause POOL: lease none of its tasks (stored; submissions and schedule fires are still taken, "
+        "running tasks finish); resume POOL: lease them again.",
+    )
+    p.set_defaults(run=cmd_pools_list, title="pools")
+    pools = p.add_subparsers(dest="pools_command", metavar="SUBCOMMAND")
+    p = command("list", "list pools", "Every pool: shard, paused, tasks by state.", subparsers=pools)
+    p.set_defaults(run=cmd_pools_list, title="pools list")
+    for name, text in (("pause", "stop leasing a pool's tasks"), ("resume", "lease a paused pool's tasks again")):
+        p = command(name, text, f"{text[0].upper()}{text[1:]}; prints whether it is paused, since when, by whom.",
+                    subparsers=pools)  # fmt: skip
+        p.add_argument("pool", metavar="POOL")
+        p.set_defaults(run=cmd_pools_pause, title=f"pools {name}")
 
     p = command(
         "snapshot",

@@ -25,12 +25,18 @@ COMMANDS = [
     "get",
     "wait",
     "cancel",
+    "retry",
+    "delete",
     "tasks",
     "watch",
     "workers",
     "schedules put",
     "schedules delete",
     "schedules list",
+    "pools",
+    "pools list",
+    "pools pause",
+    "pools resume",
     "snapshot",
 ]
 
