@@ -14,7 +14,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-import grpc
 from google.protobuf.message import Message
 
 # grpc core writes its own log lines to stderr ("I1201 ... Handshake failed ...", "E1201 ...
@@ -22,7 +21,7 @@ from google.protobuf.message import Message
 # own: NONE silences them unless the user set GRPC_VERBOSITY. grpc reads it once, on import.
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from . import __version__
+from . import __version__, errors
 from ._transport import RetryConfig, TlsConfig
 from .client import (
     TERMINAL_STATES,
@@ -50,15 +49,17 @@ EXIT_PERMISSION = 5
 EXIT_UNAVAILABLE = 6
 EXIT_FAILED_PRECONDITION = 7
 EXIT_INTERRUPTED = 130
-EXIT_FOR_CODE = {
-    grpc.StatusCode.INVALID_ARGUMENT: EXIT_BAD_INPUT,
-    grpc.StatusCode.OUT_OF_RANGE: EXIT_BAD_INPUT,
-    grpc.StatusCode.NOT_FOUND: EXIT_NOT_FOUND,
-    grpc.StatusCode.UNAUTHENTICATED: EXIT_PERMISSION,
-    grpc.StatusCode.PERMISSION_DENIED: EXIT_PERMISSION,
-    grpc.StatusCode.UNAVAILABLE: EXIT_UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED: EXIT_UNAVAILABLE,
-    grpc.StatusCode.FAILED_PRECONDITION: EXIT_FAILED_PRECONDITION,
+EXIT_FOR_ERROR: dict[type[CronoqError], int] = {
+    errors.InvalidArgument: EXIT_BAD_INPUT,
+    errors.OutOfRange: EXIT_BAD_INPUT,
+    errors.NotFound: EXIT_NOT_FOUND,
+    errors.Unauthenticated: EXIT_PERMISSION,
+    errors.PermissionDenied: EXIT_PERMISSION,
+    # UNAVAILABLE to gRPC, but the credentials are at fault: no retry helps.
+    errors.TlsError: EXIT_PERMISSION,
+    errors.Unavailable: EXIT_UNAVAILABLE,
+    errors.DeadlineExceeded: EXIT_UNAVAILABLE,
+    errors.FailedPrecondition: EXIT_FAILED_PRECONDITION,
 }
 EXIT_CODES_HELP = f"""exit codes:
   0    done
@@ -66,7 +67,8 @@ EXIT_CODES_HELP = f"""exit codes:
   {EXIT_BAD_INPUT}    usage error or bad input: a bad option or value, INVALID_ARGUMENT, OUT_OF_RANGE
   {EXIT_WAIT_TIMEOUT}    wait, submit --wait: the task had not ended when the timeout passed
   {EXIT_NOT_FOUND}    NOT_FOUND: no such task, schedule or pool (or one you may not read)
-  {EXIT_PERMISSION}    UNAUTHENTICATED or PERMISSION_DENIED: no, or not enough, credentials
+  {EXIT_PERMISSION}    UNAUTHENTICATED or PERMISSION_DENIED: no, or not enough, credentials; or a
+       TLS handshake that failed (a certificate not trusted, or refused)
   {EXIT_UNAVAILABLE}    UNAVAILABLE or DEADLINE_EXCEEDED: no server (or shard) answered in time
   {EXIT_FAILED_PRECONDITION}    FAILED_PRECONDITION: the task's state does not allow it (cancel of a
        SUCCEEDED or FAILED task, retry of a PENDING one, ...)
@@ -308,7 +310,7 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
 
 # -- retry, delete, and the bulk form of cancel, retry and delete -----------------------------
 
-# The flags of a bulk action's filter: (flag, TaskFilter field).
+# The flags of a bulk action's filter: (flag, their dest: task_filter's argument).
 FILTER_FLAGS = (
     ("--pool", "pool"),
     ("--state", "states"),
@@ -360,16 +362,7 @@ def _single_or_bulk(args: argparse.Namespace) -> None:
 
 
 def filter_of(args: argparse.Namespace) -> TaskFilter:
-    return task_filter(
-        args.pool,
-        states=args.states or (),
-        created_after=args.created_after,
-        created_before=args.created_before,
-        finished_after=args.finished_after,
-        finished_before=args.finished_before,
-        key_prefix=args.key_prefix,
-        error_contains=args.error_contains,
-    )
+    return task_filter(**{dest: getattr(args, dest) for _, dest in FILTER_FLAGS})
 
 
 def _describe(args: argparse.Namespace) -> str:
@@ -819,6 +812,7 @@ def add_task_or_filter(parser: argparse.ArgumentParser, action: str) -> None:
         dest="states",
         type=states_arg,
         action="extend",
+        default=[],
         metavar="STATE",
         help="in this state (repeatable, or comma-separated; default: every state the action applies to)",
     )
@@ -1078,7 +1072,7 @@ def main(argv: list[str] | None = None) -> None:
         code = asyncio.run(args.run(args))
     except CronoqError as err:
         print(f"cronoq {_title(args)}: {err}", file=sys.stderr)
-        code = EXIT_FOR_CODE.get(err.code, EXIT_ERROR) if err.code is not None else EXIT_ERROR
+        code = next((code for kind, code in EXIT_FOR_ERROR.items() if isinstance(err, kind)), EXIT_ERROR)
     except BadInput as err:
         print(f"cronoq {_title(args)}: {err}", file=sys.stderr)
         code = EXIT_BAD_INPUT

@@ -22,11 +22,17 @@ def bad_utf8(message: wpb.WorkRequest | wpb.RegisterWorkerRequest) -> bytes:
         (wpb.WorkRequest, bad_utf8(wpb.WorkRequest(pools=["a", "éé"])), "pools[1]"),
         (
             wpb.WorkRequest,
-            bad_utf8(wpb.WorkRequest(outcomes=[wpb.TaskOutcome(), wpb.TaskOutcome(failure=wpb.TaskFailure(error="éé"))])),
+            bad_utf8(
+                wpb.WorkRequest(outcomes=[wpb.TaskOutcome(), wpb.TaskOutcome(failure=wpb.TaskFailure(error="éé"))])
+            ),
             "outcomes[1].failure.error",
         ),
         (wpb.RegisterWorkerRequest, bad_utf8(wpb.RegisterWorkerRequest(labels={"k": "éé"})), "labels[0].value"),
-        (wpb.WorkRequest, wpb.WorkRequest(worker_id="w", outcomes=[wpb.TaskOutcome(task_id=5)]).SerializeToString()[:-1], "outcomes[0]"),
+        (
+            wpb.WorkRequest,
+            wpb.WorkRequest(worker_id="w", outcomes=[wpb.TaskOutcome(task_id=5)]).SerializeToString()[:-1],
+            "outcomes[0]",
+        ),
     ],
 )
 def test_a_malformed_request_names_the_field_it_breaks_at(message: type, data: bytes, field: str) -> None:
