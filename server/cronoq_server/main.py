@@ -20,14 +20,15 @@ from . import __version__
 from .api.grpc import start_grpc
 from .api.http import start_http
 from .api.listen import ListenError
-from .api.tls import check_tls_files, describe
+from .api.tls import describe
 from .auth import MAX_TOKEN_CHARS
 from .backup import run_backup
 from .config import Config, ConfigError, load_config
 from .logformat import setup_logging
 from .node import Node
-from .router import ShardRouter
+from .sharding import ShardRouter
 from .store.base import StoreRefused
+from .tls_files import check_tls_files
 
 log = logging.getLogger("cronoq.server")
 # A drain answers the calls in flight within this, then releases leadership.

@@ -1742,3 +1742,19 @@ def test_fenced_finish_without_tokens(start_server: Any) -> None:
 #         Leases._worker: caller.require("work", pool) for the worker's pools
 #           none: only a principal that registered the worker yet lacks work could show it,
 #           and token names are unique (one grant a principal), so no case can.
+
+
+def test_every_rpc_and_route_is_in_the_matrix() -> None:
+    """The guard of the guard: a new RPC joins the matrix, over gRPC and over each of its HTTP routes."""
+    from cronoq_server.registry import registry
+
+    rows = matrix_calls()
+
+    def rows_of(rpc: str) -> list[Call]:
+        return [r for r in rows if r.name.split(",")[0].split(" ")[0] == rpc]
+
+    missing = [f"{name} over gRPC" for name in registry() if not any(r.grpc for r in rows_of(name))]
+    missing += [
+        f"{name} over HTTP" for name, rpc in registry().items() if rpc.http and not any(r.http for r in rows_of(name))
+    ]
+    assert not missing, f"RPCs missing from matrix_calls(): {missing}"

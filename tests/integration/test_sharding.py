@@ -502,6 +502,13 @@ def test_listings_page_across_shards_in_id_order(shards: TwoShards) -> None:
     assert [t.id for t in page.tasks] == expected[:6]
     err = refusal(lambda: gpu.tasks.ListTasks(tpb.ListTasksRequest(page_token="x1"), metadata=bearer("full")))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "page_token" in err.details()  # type: ignore[attr-defined]
+    # Newest first: descending ids, the higher shard first, pages across the shards' border.
+    newest = expected[::-1]
+    for stubs in (cpu, gpu):
+        assert list_all(stubs, 3, newest_first=True) == [newest[0:3], newest[3:6], newest[6:9], newest[9:]]
+        assert list_all(stubs, 100, newest_first=True, pool="default") == [newest[4:]]
+    status, _, body = http(shards.cpu, "GET", "/v1/tasks?page_size=5&newest_first=true")
+    assert status == 200 and [int(t["id"]) for t in body["tasks"]] == newest[:5], body
     err = refusal(lambda: cpu.tasks.ListTasks(tpb.ListTasksRequest(pool="llm"), metadata=bearer("default-only")))
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "gpu" not in err.details()  # type: ignore[attr-defined]
 

@@ -140,6 +140,14 @@ async def test_key_deduplicates(store: Store) -> None:
     assert [r.seq for r in await store.list_tasks(None, None, 0, 100)] == [first.seq]
 
 
+async def test_newest_first_lists_in_descending_seq_order_before_the_bound(store: Store) -> None:
+    seqs = [(await submit_one(store, pool="a" if i % 2 else "b")).seq for i in range(5)]
+    assert [r.seq for r in await store.list_tasks(None, None, 0, 3, newest_first=True)] == seqs[::-1][:3]
+    assert [r.seq for r in await store.list_tasks(None, None, seqs[2], 100, newest_first=True)] == seqs[1::-1]
+    assert [r.seq for r in await store.list_tasks(["a"], None, 0, 100, newest_first=True)] == seqs[3::-2]
+    assert [r.seq for r in await store.list_tasks(None, None, 0, 100)] == seqs  # the default is unchanged
+
+
 async def test_batch_is_atomic(store: Store) -> None:
     batch = [new(key="a"), new(key="b"), new(key="c", dep_seqs=[999])]
     with pytest.raises(ApiError) as err:

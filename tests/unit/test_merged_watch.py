@@ -13,7 +13,7 @@ from cronoq.v1 import task_pb2
 from cronoq.v1 import task_service_pb2 as pb
 from cronoq_server.config import ShardConfig
 from cronoq_server.errors import ApiError
-from cronoq_server.merged_watch import MERGE_BUFFER, MergedWatch, Source, format_positions, parse_positions
+from cronoq_server.sharding.watch import MERGE_BUFFER, MergedWatch, Source, format_positions, parse_positions
 
 CPU = ShardConfig(name="cpu", number=1, pools=["default"], endpoint="http://127.0.0.1:1")
 GPU = ShardConfig(name="gpu", number=2, pools=["llm"], endpoint="http://127.0.0.1:2")

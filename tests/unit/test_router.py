@@ -6,7 +6,7 @@ import pytest
 
 from cronoq_server.auth import ANONYMOUS, Principal
 from cronoq_server.config import parse_config
-from cronoq_server.router import PeerChannels, is_loopback_host
+from cronoq_server.sharding.peers import PeerChannels, is_loopback_host
 
 TOKEN = Principal("t", None, frozenset({"submit"}), token="secret")
 CERT = Principal("CN=w", None, frozenset({"submit"}), via_certificate=True)

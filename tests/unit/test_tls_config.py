@@ -1,4 +1,4 @@
-"""api/tls.py and the TLS parts of config.py: [server.tls] / [server.peer_tls] files checked with
+"""api/tls.py, tls_files.py, sharding/peers.py (peer credentials) and the TLS parts of config.py: [server.tls] / [server.peer_tls] files checked with
 one-line errors naming the key, peer channel credentials, canonical RFC 4514 subjects, and the
 subject of a verified client certificate as gRPC and aiohttp report it."""
 
@@ -18,8 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from tls_pki import Pki
 
+from cronoq_server import tls_files
 from cronoq_server.api import tls
 from cronoq_server.config import ConfigError, TlsConfig, parse_config, rfc4514_subject, subject_string
+from cronoq_server.sharding.peers import peer_channel_credentials
 
 POOLS = [{"name": "default"}]
 
@@ -48,7 +50,7 @@ def test_peer_channel_credentials_from_files(pki: Pki) -> None:
     client = pki.client("CN=shard-a", "peer")
     for peer in (None, {"ca": pki.ca_path}, {"ca": pki.ca_path, "cert": client.cert, "key": client.key}):
         cfg = config(peer_tls=peer) if peer is not None else config()
-        assert isinstance(tls.peer_channel_credentials(cfg), grpc.ChannelCredentials)
+        assert isinstance(peer_channel_credentials(cfg), grpc.ChannelCredentials)
 
 
 async def test_peer_credentials_present_the_client_certificate(pki: Pki) -> None:
@@ -71,10 +73,10 @@ async def test_peer_credentials_present_the_client_certificate(pki: Pki) -> None
     try:
         client = pki.client("CN=shard-a,O=acme", "peer2")
         cfg = config(peer_tls={"ca": pki.ca_path, "cert": client.cert, "key": client.key})
-        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", tls.peer_channel_credentials(cfg)) as channel:
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", peer_channel_credentials(cfg)) as channel:
             await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert seen == ["CN=shard-a,O=acme"]
-        no_cert = tls.peer_channel_credentials(config(peer_tls={"ca": pki.ca_path}))
+        no_cert = peer_channel_credentials(config(peer_tls={"ca": pki.ca_path}))
         async with grpc.aio.secure_channel(f"127.0.0.1:{port}", no_cert) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
@@ -108,7 +110,7 @@ def test_peer_tls_files_missing_or_unreadable_name_the_key(pki: Pki, tmp_path: P
         ({"cert": client.cert, "key": other_key}, "server.peer_tls.key: ", "is not the key of the certificate"),
     ]
     for peer, where, problem in cases:
-        message = refusal(lambda peer=peer: tls.peer_channel_credentials(config(peer_tls=peer), "cronoq.toml"))
+        message = refusal(lambda peer=peer: peer_channel_credentials(config(peer_tls=peer), "cronoq.toml"))
         assert message.startswith(f"cronoq.toml: {where}") and problem in message, message
     half = refusal(lambda: config(peer_tls={"cert": client.cert}))
     assert "server.peer_tls" in half and "both 'cert' and 'key'" in half
@@ -126,7 +128,7 @@ def test_server_tls_files_are_checked(pki: Pki, tmp_path: Path) -> None:
     os.mkfifo(fifo)
     huge = tmp_path / "huge.pem"
     huge.write_bytes(b"-" * ((1 << 20) + 1))
-    tls.check_tls_files(config(tls={"cert": pair.cert, "key": pair.key, "client_ca": pki.ca_path}))
+    tls_files.check_tls_files(config(tls={"cert": pair.cert, "key": pair.key, "client_ca": pki.ca_path}))
     cases = [
         ({"cert": str(tmp_path / "nope"), "key": pair.key}, "server.tls.cert: cannot read"),
         ({"cert": pair.cert, "key": str(tmp_path / "nope")}, "server.tls.key: cannot read"),
@@ -144,7 +146,7 @@ def test_server_tls_files_are_checked(pki: Pki, tmp_path: Path) -> None:
         ({"cert": str(huge), "key": pair.key}, "server.tls.cert: "),
     ]
     for section, where in cases:
-        message = refusal(lambda section=section: tls.check_tls_files(config(tls=section), "c.toml"))
+        message = refusal(lambda section=section: tls_files.check_tls_files(config(tls=section), "c.toml"))
         assert message.startswith(f"c.toml: {where}"), message
 
 

@@ -14,7 +14,7 @@ from ..auth import Principal, one_authorization
 from ..errors import ApiError
 from ..node import Node
 from ..registry import Rpc, registry
-from ..router import FORWARDED_HEADER, Call, ShardRouter, unavailable_metadata
+from ..sharding import FORWARDED_HEADER, Call, ShardRouter, unavailable_metadata
 from .listen import ListenError, precheck_bind, probe_bind
 from .reflection import enable_reflection
 from .tls import grpc_cert_subject, grpc_server_credentials
@@ -149,17 +149,11 @@ class _Handlers:
         by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
         for rpc in registry().values():
             if rpc.client_streaming:  # the Work stream, the one bidirectional RPC
-                handler = grpc.stream_stream_rpc_method_handler(
-                    self.bidi(rpc), None, rpc.response.SerializeToString
-                )
+                handler = grpc.stream_stream_rpc_method_handler(self.bidi(rpc), None, rpc.response.SerializeToString)
             elif rpc.server_streaming:
-                handler = grpc.unary_stream_rpc_method_handler(
-                    self.stream(rpc), None, rpc.response.SerializeToString
-                )
+                handler = grpc.unary_stream_rpc_method_handler(self.stream(rpc), None, rpc.response.SerializeToString)
             else:
-                handler = grpc.unary_unary_rpc_method_handler(
-                    self.unary(rpc), None, rpc.response.SerializeToString
-                )
+                handler = grpc.unary_unary_rpc_method_handler(self.unary(rpc), None, rpc.response.SerializeToString)
             by_service.setdefault(rpc.service, {})[rpc.name] = handler  # requests parsed by the handler (wire.parse)
         return [grpc.method_handlers_generic_handler(name, methods) for name, methods in by_service.items()]
 

@@ -23,7 +23,7 @@ from ..auth import Principal, one_authorization
 from ..errors import ApiError
 from ..node import Node
 from ..registry import HttpRoute, Rpc, registry
-from ..router import FORWARDED_HEADER, Call, ShardRouter, unavailable_metadata
+from ..sharding import FORWARDED_HEADER, Call, ShardRouter, unavailable_metadata
 from ..ui import add_ui_routes
 from . import http_listener
 from .http_body import decode_json

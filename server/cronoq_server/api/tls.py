@@ -1,4 +1,4 @@
-"""TLS for both listeners and for channels to peers.
+"""TLS for both listeners.
 
 - [server.tls] (cert, key, client_ca) covers the gRPC and the HTTP listener alike. With
   client_ca both REQUIRE a client certificate signed by it: grpcio cannot ask for an
@@ -6,161 +6,31 @@
   listener requires one too rather than behave differently.
 - A verified client certificate's subject, in canonical RFC 4514 form (config.subject_string),
   names a [[clients]] principal: grpc_cert_subject and http_cert_subject.
-- [server.peer_tls] (ca, cert, key) becomes the channel credentials of this server's calls to
-  other servers: peer_channel_credentials.
-- check_tls_files: at start, every configured file must be readable and hold what its key
-  says (a certificate, an unencrypted private key matching the certificate), else one line.
+
+The files themselves are read and checked by tls_files.py; [server.peer_tls], the credentials of
+this server's calls to other servers, by sharding/peers.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import functools
 import logging
-import os
 import ssl
-import stat
-from dataclasses import dataclass
-from typing import Any
 
 import grpc
 from aiohttp import web
 from cryptography import x509
-from cryptography.exceptions import UnsupportedAlgorithm
-from cryptography.hazmat.primitives import serialization
 
-from ..config import Config, ConfigError, PeerTlsConfig, TlsConfig, subject_string
+from ..config import ConfigError, TlsConfig, subject_string
+from ..tls_files import server_files
 
 log = logging.getLogger("cronoq.tls")
 
 # A TLS handshake on the HTTP listener must finish within this (asyncio's default is 60 s;
 # the listener's own header timeout starts only once the handshake is done).
 HANDSHAKE_TIMEOUT_S = 10.0
-MAX_PEM_BYTES = 1 << 20  # a certificate chain, a key or a CA bundle
 _SUBJECT_CACHE = 1024  # distinct client certificates whose subject is kept parsed
-
-
-# -- the files ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ServerFiles:
-    """The PEM bytes of [server.tls], checked."""
-
-    cert: bytes
-    key: bytes
-    client_ca: bytes | None
-
-
-@dataclass(frozen=True)
-class PeerFiles:
-    """The PEM bytes of [server.peer_tls], checked; None where not configured."""
-
-    ca: bytes | None
-    cert: bytes | None
-    key: bytes | None
-
-
-def _where(source: str, key: str) -> str:
-    return f"{source}: {key}"
-
-
-def _read(path: str, key: str, source: str) -> bytes:
-    try:
-        # A device (/dev/zero is read forever), a FIFO (open() waits for a writer) or a directory:
-        # refused before it is opened.
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise ConfigError(f"{_where(source, key)}: cannot read {path!r}: not a regular file")
-        with open(path, "rb") as f:
-            data = f.read(MAX_PEM_BYTES + 1)
-    except OSError as err:
-        reason = (err.strerror or type(err).__name__).lower()
-        raise ConfigError(f"{_where(source, key)}: cannot read {path!r}: {reason}") from None
-    if len(data) > MAX_PEM_BYTES:
-        raise ConfigError(f"{_where(source, key)}: {path!r} has more than {MAX_PEM_BYTES >> 20} MiB; not a PEM file")
-    return data
-
-
-def _certificates(data: bytes, path: str, key: str, source: str) -> list[x509.Certificate]:
-    try:
-        certs = x509.load_pem_x509_certificates(data)
-    except ValueError:
-        certs = []
-    if not certs:
-        raise ConfigError(f"{_where(source, key)}: {path!r} holds no PEM certificate")
-    return certs
-
-
-def _private_key(data: bytes, path: str, key: str, source: str) -> Any:
-    try:
-        return serialization.load_pem_private_key(data, password=None)
-    except TypeError:
-        raise ConfigError(
-            f"{_where(source, key)}: {path!r} is an encrypted private key (cronoq needs it unencrypted)"
-        ) from None
-    except UnsupportedAlgorithm:
-        raise ConfigError(f"{_where(source, key)}: {path!r} holds a private key of an unsupported type") from None
-    except ValueError:
-        raise ConfigError(f"{_where(source, key)}: {path!r} holds no PEM private key") from None
-
-
-def _public(obj: Any) -> bytes:
-    return obj.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-
-
-def _pair(
-    cert_path: str, key_path: str, cert_key: str, key_key: str, source: str, warn: bool = False
-) -> tuple[bytes, bytes]:
-    """A certificate (chain) and the private key of its first certificate; with warn, a log
-    line if the certificate is not valid now (clients will refuse it, but it may be renewed)."""
-    cert = _read(cert_path, cert_key, source)
-    certs = _certificates(cert, cert_path, cert_key, source)
-    key = _read(key_path, key_key, source)
-    private = _private_key(key, key_path, key_key, source)
-    if _public(private.public_key()) != _public(certs[0].public_key()):
-        raise ConfigError(f"{_where(source, key_key)}: {key_path!r} is not the key of the certificate in {cert_path!r}")
-    if warn:
-        now, leaf = dt.datetime.now(dt.UTC), certs[0]
-        if leaf.not_valid_after_utc < now:
-            log.warning("%s: %r expired on %s", cert_key, cert_path, leaf.not_valid_after_utc.isoformat())
-        elif leaf.not_valid_before_utc > now:
-            log.warning("%s: %r is not valid before %s", cert_key, cert_path, leaf.not_valid_before_utc.isoformat())
-    return cert, key
-
-
-def server_files(tls: TlsConfig, source: str = "<config>", warn: bool = False) -> ServerFiles:
-    """[server.tls]'s files, read and checked; ConfigError (one line naming the key) otherwise."""
-    cert, key = _pair(tls.cert, tls.key, "server.tls.cert", "server.tls.key", source, warn)
-    ca = None
-    if tls.client_ca is not None:
-        ca = _read(tls.client_ca, "server.tls.client_ca", source)
-        _certificates(ca, tls.client_ca, "server.tls.client_ca", source)
-    return ServerFiles(cert, key, ca)
-
-
-def peer_files(peer: PeerTlsConfig | None, source: str = "<config>", warn: bool = False) -> PeerFiles:
-    """[server.peer_tls]'s files, read and checked; all None when it is not configured."""
-    if peer is None:
-        return PeerFiles(None, None, None)
-    ca = None
-    if peer.ca is not None:
-        ca = _read(peer.ca, "server.peer_tls.ca", source)
-        _certificates(ca, peer.ca, "server.peer_tls.ca", source)
-    cert = key = None
-    if peer.cert is not None and peer.key is not None:
-        cert, key = _pair(peer.cert, peer.key, "server.peer_tls.cert", "server.peer_tls.key", source, warn)
-    elif peer.cert is not None or peer.key is not None:
-        raise ConfigError(f"{source}: server.peer_tls: give both 'cert' and 'key', or neither")
-    return PeerFiles(ca, cert, key)
-
-
-def check_tls_files(config: Config, source: str = "<config>") -> None:
-    """Refuses (ConfigError, one line) a [server.tls] or [server.peer_tls] file that is missing,
-    unreadable, or does not hold what its key says."""
-    if config.server.tls is not None:
-        server_files(config.server.tls, source, warn=True)
-    peer_files(config.server.peer_tls, source, warn=True)
 
 
 def describe(tls: TlsConfig | None) -> str:
@@ -274,15 +144,3 @@ def http_cert_subject(request: web.BaseRequest) -> str | None:
         return _subject_of_der(der)
     except ValueError:
         return None
-
-
-# -- channels to peers --------------------------------------------------------------
-
-
-def peer_channel_credentials(config: Config, source: str = "<config>") -> grpc.ChannelCredentials:
-    """Credentials for this server's gRPC channels to other servers over https://: the roots of
-    server.peer_tls.ca (the system's without it), and the client certificate of
-    server.peer_tls.cert/key if given (needed when the peers set server.tls.client_ca).
-    Raises ConfigError, one line naming the key, for a missing or unreadable file."""
-    files = peer_files(config.server.peer_tls, source)
-    return grpc.ssl_channel_credentials(root_certificates=files.ca, private_key=files.key, certificate_chain=files.cert)

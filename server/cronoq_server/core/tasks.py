@@ -302,10 +302,12 @@ class Tasks:
             rows = [
                 r
                 for r in rows
-                if r.seq > after and (pools is None or r.pool in pools) and (state is None or r.state == state)
+                if _follows(r.seq, after, req.newest_first)
+                and (pools is None or r.pool in pools)
+                and (state is None or r.state == state)
             ]
         else:
-            rows = await self._store.list_tasks(pools, state, after, size + 1)
+            rows = await self._store.list_tasks(pools, state, after, size + 1, req.newest_first)
         more = len(rows) > size
         rows = rows[:size]
         token = str(make_task_id(self._shard, rows[-1].seq)) if more else ""
@@ -355,6 +357,13 @@ def page_token_id(token: str) -> int:
     if not (token.isascii() and token.isdigit() and len(token) <= 20) or not 0 < int(token) <= MAX_ID:
         raise invalid(f"page_token: {_shown(token)!r} is not a token this server issued")
     return int(token)
+
+
+def _follows(seq: int, after: int, newest_first: bool) -> bool:
+    """Whether task `seq` is on a page that continues after `after` (0: the first page)."""
+    if newest_first:
+        return not after or seq < after
+    return seq > after
 
 
 def _shown(token: str) -> str:

@@ -266,9 +266,10 @@ class Store(Protocol):
         ...
 
     async def list_tasks(
-        self, pools: list[str] | None, state: State | None, after_seq: int, limit: int
+        self, pools: list[str] | None, state: State | None, after_seq: int, limit: int, newest_first: bool = False
     ) -> list[TaskRow]:
-        """Tasks of those pools (None: all) in seq order after after_seq."""
+        """Tasks of those pools (None: all) in seq order after after_seq; newest_first: in
+        descending seq order before after_seq (0: from the newest)."""
 
     async def lease(
         self,

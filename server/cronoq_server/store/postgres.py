@@ -449,10 +449,11 @@ class PostgresStore:
         return [(r[0], r[1]) for r in rows]
 
     async def list_tasks(
-        self, pools: list[str] | None, state: State | None, after_seq: int, limit: int
+        self, pools: list[str] | None, state: State | None, after_seq: int, limit: int, newest_first: bool = False
     ) -> list[TaskRow]:
-        where = "seq > $1 AND ($2::text[] IS NULL OR pool = ANY($2)) AND ($3::smallint IS NULL OR state = $3)"
-        where += " ORDER BY seq LIMIT $4"
+        bound = "($1 = 0 OR seq < $1)" if newest_first else "seq > $1"
+        where = f"{bound} AND ($2::text[] IS NULL OR pool = ANY($2)) AND ($3::smallint IS NULL OR state = $3)"
+        where += f" ORDER BY seq {'DESC' if newest_first else ''} LIMIT $4"
         st = int(state) if state is not None else None
         return await self._read(lambda c: self._select(c, where, after_seq, pools, st, limit))
 

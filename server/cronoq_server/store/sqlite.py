@@ -408,16 +408,19 @@ class SqliteStore:
         return [(s, p) for s, p in rows]
 
     async def list_tasks(
-        self, pools: list[str] | None, state: State | None, after_seq: int, limit: int
+        self, pools: list[str] | None, state: State | None, after_seq: int, limit: int, newest_first: bool = False
     ) -> list[TaskRow]:
-        where, params = "seq > ?", list[Any]([after_seq])
+        if newest_first:
+            where, params = ("seq < ?", list[Any]([after_seq])) if after_seq else ("1 = 1", list[Any]())
+        else:
+            where, params = "seq > ?", list[Any]([after_seq])
         if pools is not None:
             where += f" AND pool IN ({_marks(len(pools))})"
             params += pools
         if state is not None:
             where += " AND state = ?"
             params.append(int(state))
-        where += " ORDER BY seq LIMIT ?"
+        where += f" ORDER BY seq {'DESC' if newest_first else ''} LIMIT ?"
         params.append(limit)
         return await self._run(lambda: self._select(self._conn, where, params))
 

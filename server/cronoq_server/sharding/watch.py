@@ -58,19 +58,19 @@ from google.protobuf.message import Message
 
 from cronoq.v1 import task_service_pb2 as pb
 
-from .auth import Principal
-from .config import ShardConfig
-from .core.events import make_cursor, parse_cursor
-from .errors import ApiError, invalid
-from .metrics import FORWARDED, WATCH_STREAMS
-from .node import Node
-from .registry import Rpc
-from .router import (
+from ..auth import Principal
+from ..config import ShardConfig
+from ..core.events import make_cursor, parse_cursor
+from ..errors import ApiError, invalid
+from ..metrics import FORWARDED, WATCH_STREAMS
+from ..node import Node
+from ..registry import Rpc
+from .call import Call, may_read
+from .peers import (
     FORWARDED_HEADER,
-    Call,
+    UNAVAILABLE_HEADER,
     PeerChannels,
     forward_metadata,
-    may_read,
     peer_error,
     shard_refusal,
     trailer,
@@ -80,7 +80,6 @@ from .router import (
 log = logging.getLogger("cronoq.watch")
 
 CURSOR_HEADER = "cronoq-watch-cursor"  # initial metadata: the cursor of where the stream starts
-UNAVAILABLE_HEADER = "cronoq-unavailable-shards"
 # Events held between the shards' streams and the caller; past it, the shards are not read.
 MERGE_BUFFER = 32
 # A shard that has not started its stream within this long (or server.forward_timeout, when

@@ -17,7 +17,7 @@ Each RPC's routing class (registry.Rpc.routing) picks one strategy in ShardRoute
   that could not be asked are named in `unavailable_shards`. ListTasks pages across shards in
   id order: ids carry their shard number in the top 8 bits, so the page token (the page's
   last id) tells which shards are done, which one continues after it, and which start over.
-- Watch (fan_out, streaming): merged from every shard, with a composite cursor; merged_watch.py.
+- Watch (fan_out, streaming): merged from every shard, with a composite cursor; watch.py.
 - A standby answers the reads of its own shard (Get, Wait, listings, snapshot; not Watch) by
   forwarding them to its leader, like a call for another shard (unsharded too); other calls
   get UNAVAILABLE naming the leader.
@@ -54,46 +54,42 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any, cast
-from urllib.parse import urlsplit
 
 import grpc
 from google.protobuf.message import Message
 
-from cronoq.status import decode_details
-from cronoq.v1 import admin_service_pb2 as admin_pb
-from cronoq.v1 import schedule_service_pb2 as schedule_pb
 from cronoq.v1 import task_pb2
 from cronoq.v1 import task_service_pb2 as task_pb
-from cronoq.v1 import worker_service_pb2 as worker_pb
 
-from .api.tls import peer_channel_credentials
-from .auth import Principal
-from .config import Config, ShardConfig
-from .core.tasks import page_size, page_token_id, wait_ms
-from .errors import ApiError, invalid, not_found
-from .ids import shard_of
-from .metrics import CALLS, FORWARDED
-from .node import Node
-from .registry import ROUTINGS, RegistryError, Rpc, registry
+from ..auth import Principal
+from ..config import Config, ShardConfig
+from ..errors import ApiError, invalid, not_found
+from ..ids import shard_of
+from ..metrics import CALLS, FORWARDED
+from ..node import Node
+from ..registry import ROUTINGS, RegistryError, Rpc, registry
+from .call import Call, may_read
+from .pages import MERGES
+from .peers import (
+    FORWARDED_HEADER,
+    UNAVAILABLE_HEADER,
+    PeerChannels,
+    forward_metadata,
+    is_missing,
+    peer_error,
+    shard_refusal,
+)
+from .watch import open_watch, shard_watch
 
 log = logging.getLogger("cronoq.router")
 
-FORWARDED_HEADER = "cronoq-forwarded"
-UNAVAILABLE_HEADER = "cronoq-unavailable-shards"
-# A shard that went away is retried at least this often by its channel, so it is used again
-# within about this long of coming back (gRPC's default backoff grows to 120 s).
-PEER_RECONNECT_MAX_MS = 2_000
 # How long a read that asks every shard (a fan-out, a lookup by key) waits for one shard
 # before it answers without it (naming it unavailable), when the caller and
 # server.forward_timeout allow longer.
 PEER_READ_TIMEOUT_S = 5.0
-# Peer answers that mean "this shard cannot answer now": it is named in unavailable_shards.
-_UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 # The pools a by_pool call concerns.
 _POOLS_OF: dict[str, Callable[[Any], list[str]]] = {
@@ -103,30 +99,16 @@ _POOLS_OF: dict[str, Callable[[Any], list[str]]] = {
     "DeleteSchedule": lambda req: [req.pool],
     "RegisterWorker": lambda req: list(req.pools),
 }
+# Calls by key that change the task: refused while a shard that may hold the key too cannot be
+# asked, and sent to the task's shard by its id.
+_VERBS = {"CancelTask": "cancelling", "RetryTask": "retrying", "DeleteTask": "deleting"}
+_CHANGES_BY_KEY = frozenset(_VERBS)
 # by_pool calls that are sent to their shard (a refusal naming its endpoint), never forwarded:
 # a worker's lease, heartbeat and finish calls must reach the shard directly.
 _NOT_FORWARDED = {"RegisterWorker": "a worker registers with the shard that owns its pools"}
 
 
-@dataclass(frozen=True, slots=True)
-class Call:
-    """Who calls and how, beyond the request: what routing needs from the API layer."""
-
-    caller: Principal
-    forwarded: bool = False  # arrived with cronoq-forwarded: answered for this shard only
-    timeout: float | None = None  # seconds left before the caller's deadline; None: no deadline
-
-
 Strategy = Callable[[Rpc, Message, Call], Awaitable[Message]]
-
-
-def is_loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class ShardRouter:
@@ -187,10 +169,8 @@ class ShardRouter:
                 yield answer
 
     async def watch(self, request: Message, call: Call) -> Any:
-        """A merged_watch.WatchStream. Unsharded: this server's events. Sharded: merged from every
-        shard the caller may read (or the pool's shard), with a composite cursor; see merged_watch."""
-        from .merged_watch import open_watch, shard_watch  # it builds on this module
-
+        """A watch.WatchStream. Unsharded: this server's events. Sharded: merged from every
+        shard the caller may read (or the pool's shard), with a composite cursor; see watch.py."""
         if not self.sharded:
             return await shard_watch(self.node, request, call.caller)  # type: ignore[arg-type]
         return await open_watch(self.node, self.peers, self.rpcs["Watch"], request, call)  # type: ignore[arg-type]
@@ -284,19 +264,21 @@ class ShardRouter:
         if "read" not in call.caller.permissions:  # as on one shard: a task the caller cannot read is not found
             raise not_found(f"no task with key {key!r}")
         lookup = task_pb.GetTaskRequest(
-            task=task_pb2.TaskRef(key=key), include_dependents=getattr(request, "include_dependents", False)
+            task=task_pb2.TaskRef(key=key),
+            include_dependents=getattr(request, "include_dependents", False),
+            include_attempts=getattr(request, "include_attempts", False),
         )
         # Only where the caller may read a pool: elsewhere no task is its to see, nor the shard's name.
         readable: dict[str, Message] = {s.name: lookup for s in self.shards if may_read(call.caller, s)}
         answers = await self._ask(self.rpcs["GetTask"], readable, call)
         found: dict[str, task_pb2.Task] = {}
-        dependents: dict[str, list[int]] = {}
+        lookups: dict[str, task_pb.GetTaskResponse] = {}
         missing: list[str] = []
         for name, answer in answers.items():
             if not isinstance(answer, ApiError):
                 found[name] = answer.task  # type: ignore[attr-defined]
-                dependents[name] = list(answer.dependents)  # type: ignore[attr-defined]
-            elif _missing(answer):
+                lookups[name] = cast(task_pb.GetTaskResponse, answer)
+            elif is_missing(answer):
                 missing.append(name)
             elif answer.code != grpc.StatusCode.NOT_FOUND:
                 raise answer
@@ -308,31 +290,42 @@ class ShardRouter:
                 "use the task id",
                 reason="KEY_IN_SEVERAL_SHARDS",
             )
-        if missing and (rpc.name == "CancelTask" or not found):
-            raise self._key_unanswered(call, key, answers, missing, found)
+        if missing and (rpc.name in _CHANGES_BY_KEY or not found):
+            raise self._key_unanswered(rpc, call, key, answers, missing, found)
         if not found:
             raise not_found(f"no task with key {key!r}")
-        (holder, task), unavailable = next(iter(found.items())), {"unavailable_shards": missing}
+        holder, task = next(iter(found.items()))
         if rpc.name == "GetTask":
-            return task_pb.GetTaskResponse(task=task, dependents=dependents[holder], **unavailable)
+            lookups[holder].unavailable_shards.extend(missing)
+            return lookups[holder]
         shard = self._by_name[holder]
-        if rpc.name == "CancelTask":  # by id: the task found, even if its key was reused since
-            request = task_pb.CancelTaskRequest(task=task_pb2.TaskRef(id=task.id))
+        if rpc.name in _CHANGES_BY_KEY:  # by id: the task found, even if its key was reused since
+            by_id = type(request)()
+            by_id.CopyFrom(request)
+            by_id.task.id = task.id  # type: ignore[attr-defined]
+            request = by_id
         response = await self._on_shard(rpc, request, call, shard, [])
         if missing:
             response.unavailable_shards.extend(missing)  # type: ignore[attr-defined]
         return response
 
     def _key_unanswered(
-        self, call: Call, key: str, answers: dict[str, Message | ApiError], missing: list[str], found: dict[str, Any]
+        self,
+        rpc: Rpc,
+        call: Call,
+        key: str,
+        answers: dict[str, Message | ApiError],
+        missing: list[str],
+        found: dict[str, Any],
     ) -> ApiError:
         """The refusal of a lookup by key that needs the shards that could not be asked."""
         names = ", ".join(repr(n) for n in missing)
         if found:
             (task,) = found.values()
+            verb = _VERBS.get(rpc.name, rpc.name)
             what = (
-                f"cancelling by key asks every shard, and shards {names} cannot be asked: they may hold "
-                f"{key!r} too; cancel by task id ({task.id})"
+                f"{verb} by key asks every shard, and shards {names} cannot be asked: they may hold "
+                f"{key!r} too; use the task id ({task.id})"
             )
         else:
             what = f"no reachable shard holds a task with key {key!r}, and shards {names} cannot be asked"
@@ -352,7 +345,7 @@ class ShardRouter:
         """A read of every shard the request concerns, merged; missing shards named."""
         if call.forwarded:
             return await self._local(rpc, request, call)
-        merge = _MERGES[rpc.name]
+        merge = MERGES[rpc.name]
         # The shards the caller may read a pool of: nothing of the others, not even that they are down.
         shards = [s for s in self.shards if may_read(call.caller, s, (rpc.permission, rpc.or_permission))]
         pool = getattr(request, "pool", "")
@@ -368,7 +361,7 @@ class ShardRouter:
         missing: list[str] = []
         for name, answer in answers.items():
             if isinstance(answer, ApiError):
-                if not _missing(answer):
+                if not is_missing(answer):
                     raise answer
                 missing.append(name)
             else:
@@ -496,269 +489,3 @@ def unavailable_metadata(response: Message) -> dict[str, str]:
     """The cronoq-unavailable-shards metadata of an answer that names shards it could not ask."""
     missing = getattr(response, "unavailable_shards", None)
     return {UNAVAILABLE_HEADER: ",".join(missing)} if missing else {}
-
-
-def _missing(err: ApiError) -> bool:
-    """Whether a shard's refusal means it could not be asked (unreachable, no leader, too slow,
-    or not to be sent this caller's call): it is then named in unavailable_shards."""
-    return err.code in _UNAVAILABLE or err.reason == "NOT_FORWARDED"
-
-
-class _Merge:
-    """How a fan-out read is asked of each shard, and how the answers are joined."""
-
-    def requests(self, request: Any, shards: list[ShardConfig]) -> dict[str, Message]:
-        return {shard.name: request for shard in shards}
-
-    def merge(self, request: Any, responses: list[Any], complete: bool = True) -> Message:
-        """One answer from the shards' (in shard order); complete: every shard asked answered
-        or is named missing (else `enough` stopped early)."""
-        raise NotImplementedError
-
-    def enough(self, request: Any, responses: list[Any]) -> bool:
-        """Whether the first shards' answers make the whole answer (the rest need not be asked)."""
-        return False
-
-
-class _Concat(_Merge):
-    """Answers joined in shard order: the `field` lists of each shard's response."""
-
-    def __init__(self, response: type[Message], field: str):
-        self.response, self.field = response, field
-
-    def merge(self, request: Any, responses: list[Any], complete: bool = True) -> Message:
-        merged = self.response()
-        for response in responses:
-            getattr(merged, self.field).extend(getattr(response, self.field))
-        return merged
-
-
-class _TaskPages(_Merge):
-    """ListTasks across shards in id order. Shards are numbered in id order, so the page token
-    (the last id shown) says it all: lower shards are done, its own shard continues after it,
-    higher shards start from their first task. Each is asked for a whole page, in parallel,
-    and a page the lower shards fill is answered without waiting for the higher ones."""
-
-    def requests(self, request: Any, shards: list[ShardConfig]) -> dict[str, Message]:
-        size = page_size(request.page_size)
-        after = page_token_id(request.page_token) if request.page_token else 0
-        if after and shard_of(after) not in {s.number for s in shards}:
-            raise invalid(f"page_token: {request.page_token!r} was not issued for this listing")
-        requests: dict[str, Message] = {}
-        for shard in shards:
-            if shard.number < shard_of(after):
-                continue
-            asked = task_pb.ListTasksRequest()
-            asked.CopyFrom(request)
-            asked.page_size = size
-            asked.page_token = request.page_token if shard.number == shard_of(after) else ""
-            requests[shard.name] = asked
-        return requests
-
-    def enough(self, request: Any, responses: list[Any]) -> bool:
-        """The lower shards' tasks come first: once they fill the page, the higher shards'
-        tasks are on later pages (and a higher shard that is down is named there)."""
-        return bool(responses) and (
-            bool(responses[-1].next_page_token) or sum(len(r.tasks) for r in responses) >= page_size(request.page_size)
-        )
-
-    def merge(self, request: Any, responses: list[Any], complete: bool = True) -> Message:
-        size = page_size(request.page_size)
-        more = not complete or sum(len(r.tasks) for r in responses) > size or any(r.next_page_token for r in responses)
-        holding = [r for r in responses if r.tasks]
-        if len(holding) == 1 and len(holding[0].tasks) <= size:  # the usual page: one shard's, as it is
-            merged = holding[0]
-            merged.next_page_token = ""
-        else:
-            merged = task_pb.ListTasksResponse()
-            for response in responses:  # in shard order, which is id order
-                merged.tasks.extend(response.tasks[: size - len(merged.tasks)])
-        if merged.tasks and more:
-            merged.next_page_token = str(merged.tasks[-1].id)
-        return merged
-
-
-_MERGES: dict[str, _Merge] = {
-    "ListTasks": _TaskPages(),
-    "ListWorkers": _Concat(worker_pb.ListWorkersResponse, "workers"),
-    "ListSchedules": _Concat(schedule_pb.ListSchedulesResponse, "schedules"),
-    "GetSnapshot": _Concat(admin_pb.GetSnapshotResponse, "shards"),
-}
-
-
-def may_read(caller: Principal, shard: ShardConfig, permissions: Iterable[str | None] = ("read",)) -> bool:
-    """Whether the caller may read (or hold one of `permissions` on) some pool of the shard: a
-    caller that may not learns nothing of it (its name, endpoint, leader, or that it is down)."""
-    return any(p is not None and caller.may(p, pool) for pool in shard.pools for p in permissions)
-
-
-def trailer(trailers: Iterable[tuple[str, Any]], name: str) -> str | None:
-    for key, value in trailers:
-        if key == name:
-            return value if isinstance(value, str) else value.decode()
-    return None
-
-
-def shard_refusal(shard: ShardConfig, why: str, reason: str) -> ApiError:
-    return ApiError(
-        grpc.StatusCode.FAILED_PRECONDITION,
-        f"served by shard {shard.name!r} at {shard.endpoint}: {why}; call that shard there",
-        {"cronoq-shard": shard.name, "cronoq-shard-endpoint": shard.endpoint},
-        reason=reason,
-    )
-
-
-def peer_trailers(err: grpc.aio.AioRpcError) -> tuple[tuple[str, Any], ...]:
-    raw: Any = err.trailing_metadata() or ()  # grpc-stubs type it as one entry
-    return tuple((str(k), v) for k, v in raw)
-
-
-def unreachable(shard: ShardConfig, endpoint: str, why: str) -> ApiError:
-    """UNAVAILABLE naming a shard that gave no answer (cronoq-unavailable-shards)."""
-    return ApiError(
-        grpc.StatusCode.UNAVAILABLE,
-        f"shard {shard.name!r} cannot be reached at {endpoint}: {why}",
-        {UNAVAILABLE_HEADER: shard.name},
-        reason="SHARD_UNAVAILABLE",
-        retry_delay=1.0,
-    )
-
-
-def forward_metadata(caller: Principal) -> list[tuple[str, str]]:
-    """What a call forwarded for `caller` carries: the mark, and the caller's own token."""
-    metadata = [(FORWARDED_HEADER, "1")]
-    if caller.token is not None:
-        metadata.append(("authorization", f"Bearer {caller.token}"))
-    return metadata
-
-
-def peer_error(shard: ShardConfig, endpoint: str, err: grpc.aio.AioRpcError, allowed: float | None = None) -> ApiError:
-    """The peer's refusal as this server's answer; a call that got no answer names the shard
-    (`allowed`: the seconds it was given)."""
-    code = err.code()
-    trailers = peer_trailers(err)
-    details = decode_details(trailers)
-    if details is None:  # the peer did not answer: gRPC's own status
-        if code == grpc.StatusCode.UNAVAILABLE:
-            return unreachable(shard, endpoint, err.details() or "")
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            within = "in time" if allowed is None else f"within {allowed:g}s"
-            return ApiError(
-                code,
-                f"shard {shard.name!r} at {endpoint} did not answer {within} (server.forward_timeout); "
-                "a call that changes something may or may not have been done there",
-                {UNAVAILABLE_HEADER: shard.name},
-                reason="SHARD_UNAVAILABLE",
-            )
-        return ApiError(code, f"shard {shard.name!r} at {endpoint}: {err.details()}")
-    metadata = {
-        key: value
-        for key, value in trailers
-        if key.startswith("cronoq-") and key != "cronoq-leader" and isinstance(value, str)
-    }
-    return ApiError(code, err.details() or "", metadata, reason=details.reason or None, retry_delay=details.retry_delay)
-
-
-class PeerChannels:
-    """This server's gRPC channels to other shards' endpoints: one pooled channel an endpoint,
-    [server.peer_tls] for https://, and the rules for when not to send a call at all."""
-
-    def __init__(self, config: Config):
-        self._config = config
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._leaders: dict[str, str] = {}  # a shard's endpoint -> the leader it last named
-        self._credentials: grpc.ChannelCredentials | None = None
-
-    def refusal(self, endpoint: str, caller: Principal, previous: str | None = None) -> str | None:
-        """Why a call of `caller` must not be sent to `endpoint` (None: it may)."""
-        if caller.via_certificate:
-            return "the caller authenticated with a client certificate, which cannot be forwarded"
-        url = urlsplit(endpoint)
-        if url.scheme not in ("http", "https") or not url.netloc:  # e.g. a server.advertise without a scheme
-            return f"{endpoint!r} is not an http:// or https:// address"
-        if previous is not None and urlsplit(previous).scheme == "https" and url.scheme != "https":
-            return f"{endpoint} is plain http:// and the shard's endpoint is https://"
-        insecure_ok = self._config.server.insecure_peer_http
-        if url.scheme == "http" and not is_loopback_host(url.hostname or "") and not insecure_ok:
-            return (
-                "its endpoint is plain http:// on another host, and tokens are not sent unencrypted "
-                "(server.insecure_peer_http = false)"
-            )
-        return None
-
-    def leader_of(self, endpoint: str, caller: Principal) -> str:
-        """Where to send a call for the shard at `endpoint`: the leader it last named, if any
-        (and if these rules allow it for this caller), else the endpoint itself."""
-        leader = self._leaders.get(endpoint)
-        if leader is None or self.refusal(leader, caller, previous=endpoint):
-            return endpoint
-        return leader
-
-    def learn_leader(self, endpoint: str, leader: str | None) -> None:
-        """The leader the shard at `endpoint` named (None: forget it, it could not be reached)."""
-        if leader is None:
-            self._leaders.pop(endpoint, None)
-        else:
-            self._leaders[endpoint] = leader
-
-    def leader_to_follow(self, err: grpc.aio.AioRpcError, endpoint: str, caller: Principal) -> str | None:
-        """The leader to try once more after a peer's refusal, when `endpoint` is a standby
-        naming one these rules allow (else None)."""
-        leader = trailer(peer_trailers(err), "cronoq-leader")
-        if (
-            err.code() == grpc.StatusCode.UNAVAILABLE
-            and leader
-            and leader != endpoint
-            and not self.refusal(leader, caller, previous=endpoint)
-        ):
-            return leader
-        return None
-
-    def channel(self, endpoint: str) -> grpc.aio.Channel:
-        channel = self._channels.get(endpoint)
-        if channel is None:
-            url = urlsplit(endpoint)
-            options = [
-                ("grpc.max_receive_message_length", max(self._config.limits.max_payload_bytes * 2, 64 << 20)),
-                ("grpc.max_reconnect_backoff_ms", PEER_RECONNECT_MAX_MS),
-                ("grpc.keepalive_time_ms", 60_000),
-            ]
-            if url.scheme == "https":
-                if self._credentials is None:
-                    self._credentials = peer_channel_credentials(self._config)
-                channel = grpc.aio.secure_channel(url.netloc, self._credentials, options)
-            else:
-                channel = grpc.aio.insecure_channel(url.netloc, options)
-            self._channels[endpoint] = channel
-        return channel
-
-    def timeout(self, rpc: Rpc, request: Message, caller_timeout: float | None) -> float:
-        """How long a call at a peer may take: server.forward_timeout (a WaitTask: plus the wait it
-        asks for), or the caller's time left when that is shorter. A shard that hangs (stopped, or
-        a peer that accepts and never answers) costs no caller more, whatever deadline it has."""
-        allowed = self._config.server.forward_timeout
-        if rpc.name == "WaitTask":
-            allowed += wait_ms(request.timeout_ms) / 1000  # type: ignore[attr-defined]
-        return allowed if caller_timeout is None else min(caller_timeout, allowed)
-
-    async def unary(
-        self, endpoint: str, rpc: Rpc, request: Message, metadata: list[tuple[str, str]], timeout: float | None
-    ) -> Message:
-        method = self.channel(endpoint).unary_unary(
-            rpc.path, request_serializer=rpc.request.SerializeToString, response_deserializer=rpc.response.FromString
-        )
-        response: Message = await method(request, metadata=metadata, timeout=timeout)
-        return response
-
-    async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
-        await asyncio.gather(*(c.close(None) for c in channels), return_exceptions=True)
-
-    def stream(
-        self, endpoint: str, rpc: Rpc, request: Message, metadata: list[tuple[str, str]], timeout: float | None
-    ) -> grpc.aio.UnaryStreamCall:  # type: ignore[type-arg]
-        """A server-streaming call at `endpoint`, started; the caller reads it and cancels it."""
-        method = self.channel(endpoint).unary_stream(
-            rpc.path, request_serializer=rpc.request.SerializeToString, response_deserializer=rpc.response.FromString
-        )
-        return method(request, metadata=metadata, timeout=timeout)
