@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "TlsConfig": "_transport",
     "TERMINAL_STATES": "client",
     "Attempt": "client",
+    "AttemptOutcome": "client",
     "Client": "client",
     "PoolPause": "client",
     "Retried": "client",
@@ -51,6 +52,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "TERMINAL_STATES",
     "Attempt",
+    "AttemptOutcome",
     "Client",
     "CronoqError",
     "KeepaliveConfig",
@@ -81,6 +83,7 @@ if TYPE_CHECKING:
     from .client import (
         TERMINAL_STATES,
         Attempt,
+        AttemptOutcome,
         Client,
         PoolPause,
         Retried,

@@ -45,6 +45,7 @@ TaskState = task_pb2.TaskState
 TaskEvent = task_pb2.TaskEvent
 Schedule = schedule_service_pb2.Schedule
 Attempt = task_pb2.Attempt
+AttemptOutcome = task_pb2.AttemptOutcome
 TaskFilter = pb.TaskFilter
 PoolPause = admin_service_pb2.PoolPause
 TERMINAL_STATES = frozenset({task_pb2.TASK_STATE_SUCCEEDED, task_pb2.TASK_STATE_FAILED, task_pb2.TASK_STATE_CANCELLED})
