@@ -503,7 +503,7 @@ async def cmd_tasks(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         while limit is None or shown < limit:
             size = 500 if limit is None else min(500, limit - shown)
-            page = await client.list(args.pool, args.state or 0, size, token)
+            page = await client.list(args.pool, args.state or 0, size, token, newest_first=args.newest_first)
             unavailable.update(page.unavailable_shards)
             for task in page.tasks:
                 print(json.dumps(_wrap(task)) if args.json else task_row(task))
@@ -940,8 +940,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command(
         "tasks",
         "list tasks",
-        "List tasks in id order, a row each under a header (--json: one object per line). When more remain "
-        "than --limit, stderr says the --page-token to go on from; --all lists every page.",
+        "List tasks in id order (--newest-first: descending), a row each under a header (--json: one object "
+        "per line). When more remain than --limit, stderr says the --page-token to go on from; --all lists every "
+        "page.",
     )
     p.add_argument("--pool", default="")
     p.add_argument("--state", type=state_arg, help="pending, blocked, running, succeeded, failed or cancelled")
@@ -949,6 +950,7 @@ def build_parser() -> argparse.ArgumentParser:
     pages.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
     pages.add_argument("--all", action="store_true", help="every task, page after page (progress on stderr)")
     p.add_argument("--page-token", default="", metavar="TOKEN", help="go on from where a listing stopped")
+    p.add_argument("--newest-first", action="store_true", help="in descending id order (then --page-token: older)")
     p.set_defaults(run=cmd_tasks)
 
     p = command(

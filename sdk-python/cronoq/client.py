@@ -341,16 +341,24 @@ class Client:
         return await self._call("DeleteTasks", pb.DeleteTasksRequest(filter=filter, dry_run=dry_run), timeout)
 
     async def list(
-        self, pool: str = "", state: int = 0, page_size: int = 100, page_token: str = ""
+        self, pool: str = "", state: int = 0, page_size: int = 100, page_token: str = "", *, newest_first: bool = False
     ) -> pb.ListTasksResponse:
-        """One page of tasks in id order; pass next_page_token for the next."""
-        req = pb.ListTasksRequest(pool=pool, state=state, page_size=page_size, page_token=page_token)  # type: ignore[arg-type]
+        """One page of tasks in id order (newest_first: descending); pass next_page_token for the next."""
+        req = pb.ListTasksRequest(
+            pool=pool,
+            state=state,  # type: ignore[arg-type]
+            page_size=page_size,
+            page_token=page_token,
+            newest_first=newest_first,
+        )
         return await self._call("ListTasks", req)
 
-    async def iter_tasks(self, pool: str = "", state: int = 0, page_size: int = 500) -> AsyncIterator[Task]:
+    async def iter_tasks(
+        self, pool: str = "", state: int = 0, page_size: int = 500, *, newest_first: bool = False
+    ) -> AsyncIterator[Task]:
         token = ""
         while True:
-            page = await self.list(pool, state, page_size, token)
+            page = await self.list(pool, state, page_size, token, newest_first=newest_first)
             for task in page.tasks:
                 yield task
             token = page.next_page_token

@@ -87,8 +87,10 @@ class SyncClient:
     ) -> pb.DeleteTasksResponse:
         return self._run(self._client.delete_tasks(filter, dry_run=dry_run, timeout=timeout))
 
-    def list(self, pool: str = "", state: int = 0, page_size: int = 100, page_token: str = "") -> pb.ListTasksResponse:
-        return self._run(self._client.list(pool, state, page_size, page_token))
+    def list(
+        self, pool: str = "", state: int = 0, page_size: int = 100, page_token: str = "", *, newest_first: bool = False
+    ) -> pb.ListTasksResponse:
+        return self._run(self._client.list(pool, state, page_size, page_token, newest_first=newest_first))
 
     def watch(self, pool: str | None = None, **options: Any) -> Iterator[TaskEvent]:
         """Client.watch as a generator (same options); close it, or break out, to stop."""

@@ -179,6 +179,12 @@ def test_tasks_prints_a_header_and_pages(server):
     last = cli(server, "tasks", "--limit", "10")
     assert len(last.stdout.splitlines()) == 6 and "more:" not in last.stderr and "5 task(s)" in last.stderr
     assert cli(server, "tasks", "--all", "--limit", "3", check=False).returncode == EXIT_BAD_INPUT
+    newest = cli(server, "tasks", "--newest-first", "--limit", "3", "--json")
+    assert [int(json.loads(line)["id"]) for line in newest.stdout.splitlines()] == ids[:-4:-1]
+    token = re.search(r"--page-token (\S+)", newest.stderr)
+    assert token, newest.stderr
+    older = cli(server, "tasks", "--newest-first", "--page-token", token.group(1), "--json")
+    assert [int(json.loads(line)["id"]) for line in older.stdout.splitlines()] == ids[1::-1]
 
 
 def test_durations_take_a_unit_and_bare_numbers_are_seconds(server):
