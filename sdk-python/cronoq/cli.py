@@ -296,9 +296,11 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     _single_or_bulk(args)
     if args.all_matching:
         return await run_bulk(args, "cancel")
+    ref = _ref(args.task, args.key)
     async with _client(args) as client:
-        before = await client.get(_ref(args.task, args.key))
-        task = before if before.state in TERMINAL_STATES else await client.cancel(before.id)
+        before = await client.get(ref)
+        # By the ref as given: the server decides what a key names (and needs) as for any cancel.
+        task = before if before.state in TERMINAL_STATES else await client.cancel(ref)
     print_task(task, args.json)
     # Ended before this call: already so when read, or it finished between the read and the cancel.
     if before.state in TERMINAL_STATES or task.state in (task_pb2.TASK_STATE_SUCCEEDED, task_pb2.TASK_STATE_FAILED):
