@@ -1,5 +1,6 @@
-"""`cronoq`: submit, get, wait, cancel, list and watch tasks; list workers; manage
-schedules; show a snapshot of the cluster."""
+"""`cronoq`: submit, get, wait, cancel, retry, delete, list and watch tasks (cancel, retry and
+delete also every task that matches a filter); list workers; manage schedules; list, pause and
+resume pools; show a snapshot of the cluster."""
 
 from __future__ import annotations
 
@@ -379,7 +380,7 @@ def _describe(args: argparse.Namespace) -> str:
         elif isinstance(value, dt.datetime):
             value = value.isoformat(timespec="seconds")
         parts.append(f"{flag} {value}")
-    return " ".join(parts) or "(no filter: every task the action applies to)"
+    return " ".join(parts) or "(no filter)"
 
 
 BulkResponse = (
@@ -833,7 +834,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = Parser(
         prog="cronoq",
-        description="Submit, inspect and watch cronoq tasks; list workers; manage schedules.",
+        description="Submit, inspect, watch, cancel, retry and delete cronoq tasks (one, or every task that "
+        "matches a filter); list workers; manage schedules; list, pause and resume pools.",
         epilog=f"{DURATION_HELP}.\n\n{EXIT_CODES_HELP}",
     )
     parser.add_argument("--version", action="version", version=f"cronoq {__version__}")
