@@ -101,6 +101,7 @@ class Outcome:
     error: str = ""
     retryable: bool = True
     retry_after_ms: int = 0
+    lost: bool = False  # the lease expired: no word from the worker (a failed attempt, recorded LOST)
 
 
 @dataclass(slots=True)
@@ -109,6 +110,33 @@ class OutcomeResult:
     accepted: bool
     code: str = ""
     message: str = ""
+
+
+class AttemptOutcome(enum.IntEnum):
+    """Matches cronoq.v1.AttemptOutcome."""
+
+    RUNNING = 1
+    SUCCEEDED = 2
+    FAILED = 3
+    CANCELLED = 4
+    LOST = 5
+
+
+# Column order of every attempt row a store writes and returns.
+ATTEMPT_COLUMNS = "task_seq, attempt, worker_id, started_at, ended_at, outcome, error"
+
+
+@dataclass(slots=True)
+class AttemptRow:
+    """One ended attempt of a task, recorded in the transaction that ended it."""
+
+    task_seq: int
+    attempt: int
+    worker_id: str | None
+    started_at: int | None
+    ended_at: int
+    outcome: AttemptOutcome
+    error: str
 
 
 @dataclass(slots=True)
@@ -316,7 +344,27 @@ class Store(Protocol):
     async def cancel(self, seq: int, now: int) -> tuple[TaskRow | None, Changes]: ...
 
     async def purge(self, now: int) -> int:
-        """Deletes terminal tasks past their pool's retention; returns how many."""
+        """Deletes terminal tasks past their pool's retention, with their attempts; returns how many."""
+
+    async def retry_tasks(
+        self, seqs: list[int], now: int, run_at: int | None, extra_attempts: int
+    ) -> tuple[list[TaskRow], int, Changes]:
+        """In one transaction, the FAILED and CANCELLED tasks among seqs wait again: PENDING due at
+        run_at (None: now), or BLOCKED while a dependency has not succeeded, keeping their attempt
+        (one whose attempts are used up gets max(extra_attempts, 1) more); the rest are left
+        alone, as is a task whose dependency is still FAILED or CANCELLED (retry that one too).
+        The dependents they ended (never started, with the dependency error naming them) wait
+        for them again (BLOCKED), transitively.
+
+        Returns (the rows retried, how many dependents wait again, the changes)."""
+
+    async def delete_tasks(self, seqs: list[int], events_through: int | None) -> list[int]:
+        """Deletes the ended tasks among seqs with their dependencies, attempts, and their events
+        up to seq events_through (None: none; events after it are left for the leader's counts
+        to fold, then to age out); returns the seqs deleted, in order."""
+
+    async def attempts(self, seq: int) -> list[AttemptRow]:
+        """The ended attempts of a task, oldest first."""
 
     async def register_worker(self, worker: WorkerRow) -> None: ...
 

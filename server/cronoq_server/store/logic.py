@@ -1,14 +1,14 @@
 """The decisions every backend makes the same way; backends only read and write rows.
 
 Rows handed in here are tuples (seq, state, attempt, pool, max_attempts, cancel_requested,
-worker_id) for outcomes, and (seq, state, attempt, worker_id, cancel_requested, pool, started_at,
+worker_id, started_at) for outcomes, and (seq, state, attempt, worker_id, cancel_requested, pool, started_at,
 timeout_ms) for heartbeats.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,8 @@ from ..errors import ApiError
 from ..ids import seq_of
 from .base import (
     TERMINAL,
+    AttemptOutcome,
+    AttemptRow,
     Changes,
     EventRow,
     Outcome,
@@ -32,7 +34,7 @@ from .base import (
 )
 
 # What an outcome decision reads of a task, in this order.
-OUTCOME_COLUMNS = "seq, state, attempt, pool, max_attempts, cancel_requested, worker_id"
+OUTCOME_COLUMNS = "seq, state, attempt, pool, max_attempts, cancel_requested, worker_id, started_at"
 HEARTBEAT_COLUMNS = "seq, state, attempt, worker_id, cancel_requested, pool, started_at, timeout_ms"
 
 
@@ -62,6 +64,11 @@ def task_row(r: Any) -> TaskRow:
         lease_expires_at=r[20],
         timeout_ms=r[21],
     )
+
+
+def attempt_row(r: Any) -> AttemptRow:
+    """An AttemptRow from a row read in ATTEMPT_COLUMNS order."""
+    return AttemptRow(r[0], r[1], r[2], r[3], r[4], AttemptOutcome(r[5]), r[6])
 
 
 def event_row(r: Any) -> EventRow:
@@ -138,6 +145,8 @@ class Decisions:
     failed: list[int] = field(default_factory=list)
     cancelled: list[int] = field(default_factory=list)
     changes: Changes = field(default_factory=list)
+    # The attempts ended, in ATTEMPT_COLUMNS order (a released one is not an attempt)
+    attempts: list[tuple[int, int, str | None, int | None, int, int, str]] = field(default_factory=list)
 
 
 def decide_outcomes(accepted: list[tuple[Outcome, tuple[Any, ...]]], now: int, retry_at: RetryAt) -> Decisions:
@@ -150,26 +159,29 @@ def decide_outcomes(accepted: list[tuple[Outcome, tuple[Any, ...]]], now: int, r
             d.changes.append((seq, State.PENDING))
             continue
         if o.kind in (OutcomeKind.CANCELLED, OutcomeKind.RELEASED) or cancel_requested:
-            state, error = State.CANCELLED, o.error or "cancelled"
+            state, error, outcome = State.CANCELLED, o.error or "cancelled", AttemptOutcome.CANCELLED
             d.cancelled.append(seq)
         elif o.kind is OutcomeKind.SUCCESS:
-            state, error = State.SUCCEEDED, ""
+            state, error, outcome = State.SUCCEEDED, "", AttemptOutcome.SUCCEEDED
             d.succeeded.append(seq)
         elif o.retryable and attempt < max_attempts:
+            state, error, outcome = State.PENDING, o.error, AttemptOutcome.FAILED
             d.retries.append((retry_at(pool, attempt, now, o.retry_after_ms), o.error, seq))
-            d.changes.append((seq, State.PENDING))
-            continue
         else:
-            state, error = State.FAILED, o.error
+            state, error, outcome = State.FAILED, o.error, AttemptOutcome.FAILED
             d.failed.append(seq)
-        d.terminal.append((int(state), o.result or None, o.result_content_type, error, now, seq))
+        if o.lost:
+            outcome = AttemptOutcome.LOST
+        d.attempts.append((seq, attempt, r[6], r[7], now, int(outcome), error))
+        if state != State.PENDING:
+            d.terminal.append((int(state), o.result or None, o.result_content_type, error, now, seq))
         d.changes.append((seq, state))
     return d
 
 
 def expired_outcome(row: tuple[Any, ...]) -> tuple[Outcome, tuple[Any, ...]]:
-    """An expired lease counts as a failed, retryable attempt."""
-    return Outcome(row[0], row[2], OutcomeKind.FAILURE, error="lease expired", retryable=True), row
+    """An expired lease counts as a failed, retryable attempt (recorded LOST)."""
+    return Outcome(row[0], row[2], OutcomeKind.FAILURE, error="lease expired", retryable=True, lost=True), row
 
 
 def decide_heartbeat(
@@ -227,6 +239,97 @@ def request_retention(settings: StoreSettings) -> int:
 
 def dependency_error(state: State, dep_full_id: int) -> str:
     return f"dependency {dep_full_id} {'failed' if state == State.FAILED else 'was cancelled'}"
+
+
+# -- an operator's retry ------------------------------------------------------------
+#
+# A task ended by a dependency (FAILED or CANCELLED, never started, its error naming that
+# dependency) is brought back when the dependency is retried. Its error always names one of its
+# dependencies that is still ended: when the one it named waits again but another is still
+# ended, it names that other one, so that retrying it brings the task back.
+
+ENDED_UNSUCCESSFULLY = (State.FAILED, State.CANCELLED)
+# A task's dependencies still stored, each with its state now (one deleted is no longer waited for)
+DepStates = Mapping[int, Sequence[tuple[int, State]]]
+
+
+@dataclass
+class Retry:
+    """What retry_tasks writes, in the order it decides it."""
+
+    # (state, run_at, max_attempts, blocked_on, seq) of each task asked for that waits again
+    retried: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    # (blocked_on, seq) of each dependent that waits again (BLOCKED)
+    restored: list[tuple[int, int]] = field(default_factory=list)
+    # (error, seq) of each dependent still ended by another dependency
+    renamed: list[tuple[str, int]] = field(default_factory=list)
+    changes: Changes = field(default_factory=list)
+    prev: list[int] = field(default_factory=list)
+
+
+def _ended_dependency(deps: Sequence[tuple[int, State]], again: set[int]) -> tuple[int, State] | None:
+    """The first of a task's dependencies still FAILED or CANCELLED (those in `again` wait again)."""
+    return next(((dep, state) for dep, state in deps if dep not in again and state in ENDED_UNSUCCESSFULLY), None)
+
+
+def _waiting(deps: Sequence[tuple[int, State]], again: set[int]) -> int:
+    """How many of a task's dependencies it waits for: those in `again`, and those not SUCCEEDED."""
+    return sum(1 for dep, state in deps if dep in again or state != State.SUCCEEDED)
+
+
+def decide_retry(
+    rows: Iterable[tuple[int, State, int, int]], deps: DepStates, now: int, run_at: int | None, extra_attempts: int
+) -> Retry:
+    """The tasks (seq, state, attempt, max_attempts) asked for that wait again, in seq order: a
+    dependency always has a lower seq than its dependents, so one retried with them is decided first."""
+    plan = Retry()
+    again: set[int] = set()
+    for seq, state, attempt, max_attempts in sorted(rows):
+        task_deps = deps.get(seq, ())
+        if state not in ENDED_UNSUCCESSFULLY or _ended_dependency(task_deps, again) is not None:
+            continue
+        if attempt >= max_attempts:  # used up: more attempts; one with attempts left keeps them
+            max_attempts = attempt + max(extra_attempts, 1)
+        waiting = _waiting(task_deps, again)
+        new_state = State.BLOCKED if waiting else State.PENDING
+        plan.retried.append((int(new_state), now if run_at is None else run_at, max_attempts, waiting, seq))
+        plan.changes.append((seq, new_state))
+        plan.prev.append(int(state))
+        again.add(seq)
+    return plan
+
+
+def decide_restore(
+    plan: Retry,
+    candidates: Iterable[tuple[int, State, str]],
+    frontier: Iterable[int],
+    deps: DepStates,
+    full_id: Callable[[int], int],
+) -> list[int]:
+    """Of the dependents (seq, state, error) of the tasks that wait again (frontier) ended at
+    attempt 0, those ended by one of them wait again too; returns their seqs (the next frontier)."""
+    frontier = set(frontier)
+    restored: set[int] = set()
+    for seq, state, error in sorted(candidates):
+        task_deps = deps.get(seq, ())
+        named = {
+            dependency_error(dep_state, full_id(dep))
+            for dep, _ in task_deps
+            if dep in frontier
+            for dep_state in ENDED_UNSUCCESSFULLY
+        }
+        if state not in ENDED_UNSUCCESSFULLY or error not in named:
+            continue
+        ended = _ended_dependency(task_deps, restored)
+        if ended is not None:
+            plan.renamed.append((dependency_error(ended[1], full_id(ended[0])), seq))
+            plan.changes.append((seq, state))
+        else:
+            plan.restored.append((_waiting(task_deps, restored), seq))
+            plan.changes.append((seq, State.BLOCKED))
+            restored.add(seq)
+        plan.prev.append(int(state))
+    return sorted(restored)
 
 
 def check_pending_limits(settings: StoreSettings, counts: Mapping[str, int], created: list[str]) -> None:

@@ -23,10 +23,13 @@ from ..core.limits import MAX_TIMEOUT_MS
 from ..errors import ApiError, not_found
 from ..ids import make_task_id
 from .base import (
+    ATTEMPT_COLUMNS,
     EVENT_COLUMNS,
     EVENT_TASK_COLUMNS,
     TASK_COLUMNS,
     TERMINAL,
+    AttemptOutcome,
+    AttemptRow,
     Changes,
     EventRow,
     Fenced,
@@ -50,10 +53,13 @@ from .logic import (
     OUTCOME_COLUMNS,
     SCHEDULE_COLUMNS,
     SCHEDULE_UPSERT,
+    attempt_row,
     check_outcomes,
     check_pending_limits,
     decide_heartbeat,
     decide_outcomes,
+    decide_restore,
+    decide_retry,
     dependency_error,
     encode_request,
     event_row,
@@ -219,6 +225,7 @@ WORKER_COLUMNS = "id, name, pools, concurrency, labels, registered_at, last_seen
 # Every event is written by a statement that starts so, then selects EVENT_COLUMNS from the rows
 # its change left (of a CTE's RETURNING, or of tasks t).
 INSERT_EVENTS = f"INSERT INTO {{s}}.events ({EVENT_COLUMNS})"
+INSERT_ATTEMPTS = f"INSERT INTO {{s}}.attempts ({ATTEMPT_COLUMNS})"
 T_EVENT_TASK_COLUMNS = ", ".join(f"t.{c}" for c in EVENT_TASK_COLUMNS.split(", "))
 
 # What a task (alias t) weighs in a lease reply.
@@ -955,7 +962,10 @@ class PostgresStore:
             f" WHERE t.seq = u.seq AND t.state = 3 AND t.attempt = u.attempt AND t.worker_id = {worker} AND {{fence}}"
             f" RETURNING t.seq, t.pool, t.state, t.attempt, {T_EVENT_TASK_COLUMNS}),"
             f" ended_ev AS ({INSERT_EVENTS} SELECT seq, state, attempt, {now}, pool, 3, {EVENT_TASK_COLUMNS}"
-            " FROM ended)"
+            " FROM ended),"
+            f" ended_attempts AS ({INSERT_ATTEMPTS} SELECT seq, attempt, worker_id, started_at, {now},"
+            f" CASE WHEN state = 6 THEN {int(AttemptOutcome.CANCELLED)} ELSE {int(AttemptOutcome.SUCCEEDED)} END,"
+            " error FROM ended)"
         )
 
     async def _successes(
@@ -998,6 +1008,14 @@ class PostgresStore:
 
     async def _apply_outcomes(self, conn: asyncpg.Connection, accepted: list[tuple[Outcome, Any]], now: int) -> Changes:
         d = decide_outcomes(accepted, now, self.settings.retry_at)
+        if d.attempts:
+            await conn.execute(
+                self._sql(
+                    f"{INSERT_ATTEMPTS} SELECT * FROM unnest($1::bigint[], $2::int[], $3::text[], $4::bigint[],"
+                    " $5::bigint[], $6::smallint[], $7::text[])"
+                ),
+                *[list(c) for c in zip(*d.attempts, strict=True)],
+            )
         if d.terminal:
             cols = list(zip(*d.terminal, strict=True))
             await conn.execute(
@@ -1127,11 +1145,9 @@ class PostgresStore:
             purged = 0
             for pool, retention in self.settings.retention_us.items():
                 cond = "pool = $1 AND state IN (4, 5, 6) AND finished_at < $2"
-                await conn.execute(
-                    self._sql(f"DELETE FROM {{s}}.deps WHERE task_seq IN (SELECT seq FROM {{s}}.tasks WHERE {cond})"),
-                    pool,
-                    now - retention,
-                )
+                for table in ("deps", "attempts"):
+                    sql = f"DELETE FROM {{s}}.{table} WHERE task_seq IN (SELECT seq FROM {{s}}.tasks WHERE {cond})"
+                    await conn.execute(self._sql(sql), pool, now - retention)
                 status = await conn.execute(self._sql(f"DELETE FROM {{s}}.tasks WHERE {cond}"), pool, now - retention)
                 purged += int(status.split()[-1])
             # A request's record is kept as long as the tasks it created can be.
@@ -1140,6 +1156,107 @@ class PostgresStore:
             return purged
 
         return await self._tx(purge)
+
+    # -- an operator's actions on ended tasks ----------------------------------
+    #
+    # Rows are locked in the order finish locks them: a task's dependencies (FOR SHARE: none ends
+    # until this commits, so none is miscounted) before the task (FOR UPDATE).
+
+    async def retry_tasks(
+        self, seqs: list[int], now: int, run_at: int | None, extra_attempts: int
+    ) -> tuple[list[TaskRow], int, Changes]:
+        # May create BLOCKED tasks: the fast finish path is off meanwhile, as for a submission.
+        self._blocking_submits += 1
+        self._blocked_generation += 1
+        try:
+            return await self._tx(lambda c: self._retry_tasks(c, seqs, now, run_at, extra_attempts))
+        finally:
+            self._blocking_submits -= 1
+            self._blocked_generation += 1
+
+    async def _retry_tasks(
+        self, conn: asyncpg.Connection, seqs: list[int], now: int, run_at: int | None, extra_attempts: int
+    ) -> tuple[list[TaskRow], int, Changes]:
+        deps = await self._dep_states(conn, seqs)
+        sql = self._sql(
+            "SELECT seq, state, attempt, max_attempts FROM {s}.tasks WHERE seq = ANY($1::bigint[])"
+            " AND state IN (5, 6) ORDER BY seq FOR UPDATE"
+        )
+        rows = [(r[0], State(r[1]), r[2], r[3]) for r in await conn.fetch(sql, seqs)]
+        plan = decide_retry(rows, deps, now, run_at, extra_attempts)
+        if plan.retried:
+            await conn.execute(
+                self._sql(
+                    "UPDATE {s}.tasks t SET state = u.state, run_at = u.run_at, max_attempts = u.max_attempts,"
+                    " blocked_on = u.blocked_on, error = '', result = NULL, result_content_type = '',"
+                    " finished_at = NULL, worker_id = NULL, started_at = NULL, lease_expires_at = NULL,"
+                    " cancel_requested = false FROM unnest($1::smallint[], $2::bigint[], $3::int[], $4::int[],"
+                    " $5::bigint[]) AS u(state, run_at, max_attempts, blocked_on, seq) WHERE t.seq = u.seq"
+                ),
+                *[list(c) for c in zip(*plan.retried, strict=True)],
+            )
+        # Each step's events are recorded after its writes: they read the task as it left it.
+        await self._record_events(conn, plan.changes, plan.prev, now)
+        retried = frontier = [r[-1] for r in plan.retried]
+        while frontier:
+            recorded, restored, renamed = len(plan.changes), len(plan.restored), len(plan.renamed)
+            sql = self._sql(
+                "SELECT DISTINCT d.task_seq FROM {s}.deps d JOIN {s}.tasks t ON t.seq = d.task_seq"
+                " WHERE d.dep_seq = ANY($1::bigint[]) AND t.state IN (5, 6) AND t.attempt = 0"
+            )
+            found = [r[0] for r in await conn.fetch(sql, frontier)]
+            deps = await self._dep_states(conn, found)
+            sql = self._sql(
+                "SELECT seq, state, error FROM {s}.tasks WHERE seq = ANY($1::bigint[]) AND state IN (5, 6)"
+                " AND attempt = 0 ORDER BY seq FOR UPDATE"
+            )
+            candidates = [(r[0], State(r[1]), r[2]) for r in await conn.fetch(sql, found)]
+            frontier = decide_restore(plan, candidates, frontier, deps, self._full_id)
+            if plan.restored[restored:]:
+                await conn.execute(
+                    self._sql(
+                        "UPDATE {s}.tasks t SET state = 2, blocked_on = u.blocked_on, error = '', finished_at = NULL"
+                        " FROM unnest($1::int[], $2::bigint[]) AS u(blocked_on, seq) WHERE t.seq = u.seq"
+                    ),
+                    *[list(c) for c in zip(*plan.restored[restored:], strict=True)],
+                )
+            if plan.renamed[renamed:]:
+                await conn.execute(
+                    self._sql(
+                        "UPDATE {s}.tasks t SET error = u.error FROM unnest($1::text[], $2::bigint[])"
+                        " AS u(error, seq) WHERE t.seq = u.seq"
+                    ),
+                    *[list(c) for c in zip(*plan.renamed[renamed:], strict=True)],
+                )
+            await self._record_events(conn, plan.changes[recorded:], plan.prev[recorded:], now)
+        if any(state == State.PENDING for _, state in plan.changes):
+            await conn.execute("SELECT pg_notify($1, '')", self.channel)
+        return await self._select(conn, "seq = ANY($1::bigint[])", retried), len(plan.restored), plan.changes
+
+    async def _dep_states(self, conn: asyncpg.Connection, seqs: list[int]) -> dict[int, list[tuple[int, State]]]:
+        """The dependencies still stored of each of these tasks, with their states (share-locked)."""
+        sql = self._sql(
+            "SELECT d.task_seq, d.dep_seq, t.state FROM {s}.deps d JOIN {s}.tasks t ON t.seq = d.dep_seq"
+            " WHERE d.task_seq = ANY($1::bigint[]) ORDER BY t.seq FOR SHARE OF t"
+        )
+        deps: dict[int, list[tuple[int, State]]] = {}
+        for seq, dep, state in await conn.fetch(sql, seqs):
+            deps.setdefault(seq, []).append((dep, State(state)))
+        return deps
+
+    async def delete_tasks(self, seqs: list[int], events_through: int | None) -> list[int]:
+        sql = self._sql(
+            "WITH gone AS (DELETE FROM {s}.tasks WHERE seq = ANY($1::bigint[]) AND state IN (4, 5, 6) RETURNING seq),"
+            " deps AS (DELETE FROM {s}.deps WHERE task_seq IN (SELECT seq FROM gone)),"
+            " attempts AS (DELETE FROM {s}.attempts WHERE task_seq IN (SELECT seq FROM gone)),"
+            " events AS (DELETE FROM {s}.events WHERE task_seq IN (SELECT seq FROM gone) AND pos <= $2)"
+            " SELECT seq FROM gone ORDER BY seq"
+        )
+        return [r[0] for r in await self._tx(lambda c: c.fetch(sql, seqs, events_through))]
+
+    async def attempts(self, seq: int) -> list[AttemptRow]:
+        sql = self._sql(f"SELECT {ATTEMPT_COLUMNS} FROM {{s}}.attempts WHERE task_seq = $1 ORDER BY attempt, ended_at")
+        return [attempt_row(r) for r in await self._read(lambda c: c.fetch(sql, seq))]
 
     # -- events ---------------------------------------------------------------
     #

@@ -19,10 +19,12 @@ from typing import Any, TypeVar
 from ..errors import ApiError, not_found
 from ..ids import make_task_id
 from .base import (
+    ATTEMPT_COLUMNS,
     EVENT_COLUMNS,
     EVENT_TASK_COLUMNS,
     TASK_COLUMNS,
     TERMINAL,
+    AttemptRow,
     Changes,
     EventRow,
     NewTask,
@@ -43,10 +45,13 @@ from .logic import (
     OUTCOME_COLUMNS,
     SCHEDULE_COLUMNS,
     SCHEDULE_UPSERT,
+    attempt_row,
     check_outcomes,
     check_pending_limits,
     decide_heartbeat,
     decide_outcomes,
+    decide_restore,
+    decide_retry,
     dependency_error,
     encode_request,
     event_row,
@@ -194,6 +199,7 @@ MIGRATIONS: dict[int, str] = {
 # server had migrated: a migration may find its columns already added.
 _ADD_COLUMN = re.compile(r"^\s*ALTER TABLE (\w+) ADD COLUMN (\w+)", re.IGNORECASE)
 
+_INSERT_ATTEMPT = f"INSERT INTO attempts ({ATTEMPT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
 _INSERT_EVENT = f"INSERT INTO events ({EVENT_COLUMNS}) VALUES ({', '.join('?' * 13)})"
 _RECORD_EVENT = (
     f"INSERT INTO events ({EVENT_COLUMNS})"
@@ -666,6 +672,7 @@ class SqliteStore:
         self, db: sqlite3.Connection, accepted: list[tuple[Outcome, tuple[Any, ...]]], now: int
     ) -> Changes:
         d = decide_outcomes(accepted, now, self.settings.retry_at)
+        db.executemany(_INSERT_ATTEMPT, d.attempts)
         db.executemany(
             "UPDATE tasks SET state = ?, result = ?, result_content_type = ?, error = ?, finished_at = ?,"
             " lease_expires_at = NULL WHERE seq = ?",
@@ -781,11 +788,91 @@ class SqliteStore:
         for pool, retention in self.settings.retention_us.items():
             cond = "pool = ? AND state IN (4, 5, 6) AND finished_at < ?"
             params = (pool, now - retention)
-            db.execute(f"DELETE FROM deps WHERE task_seq IN (SELECT seq FROM tasks WHERE {cond})", params)
+            for table in ("deps", "attempts"):
+                db.execute(f"DELETE FROM {table} WHERE task_seq IN (SELECT seq FROM tasks WHERE {cond})", params)
             purged += db.execute(f"DELETE FROM tasks WHERE {cond}", params).rowcount
         # A request's record is kept as long as the tasks it created can be.
         db.execute("DELETE FROM requests WHERE created_at < ?", (now - request_retention(self.settings),))
         return purged
+
+    # -- an operator's actions on ended tasks ----------------------------------
+
+    async def retry_tasks(
+        self, seqs: list[int], now: int, run_at: int | None, extra_attempts: int
+    ) -> tuple[list[TaskRow], int, Changes]:
+        return await self._tx(self._retry_tasks, seqs, now, run_at, extra_attempts)
+
+    def _retry_tasks(
+        self, db: sqlite3.Connection, seqs: list[int], now: int, run_at: int | None, extra_attempts: int
+    ) -> tuple[list[TaskRow], int, Changes]:
+        rows: list[tuple[int, State, int, int]] = []
+        for chunk in _chunks(seqs):
+            sql = (
+                "SELECT seq, state, attempt, max_attempts FROM tasks"
+                f" WHERE seq IN ({_marks(len(chunk))}) AND state IN (5, 6)"
+            )
+            rows += [(r[0], State(r[1]), r[2], r[3]) for r in db.execute(sql, chunk)]
+        plan = decide_retry(rows, self._dep_states(db, [r[0] for r in rows]), now, run_at, extra_attempts)
+        db.executemany(
+            "UPDATE tasks SET state = ?, run_at = ?, max_attempts = ?, blocked_on = ?, error = '', result = NULL,"
+            " result_content_type = '', finished_at = NULL, worker_id = NULL, started_at = NULL,"
+            " lease_expires_at = NULL, cancel_requested = 0 WHERE seq = ?",
+            plan.retried,
+        )
+        # Each step's events are recorded after its writes: they read the task as it left it.
+        self._record_events(db, plan.changes, plan.prev, now)
+        retried = frontier = [r[-1] for r in plan.retried]
+        while frontier:
+            recorded, restored, renamed = len(plan.changes), len(plan.restored), len(plan.renamed)
+            candidates: dict[int, tuple[int, State, str]] = {}
+            for chunk in _chunks(frontier):
+                sql = (
+                    "SELECT t.seq, t.state, t.error FROM deps d JOIN tasks t ON t.seq = d.task_seq"
+                    f" WHERE d.dep_seq IN ({_marks(len(chunk))}) AND t.state IN (5, 6) AND t.attempt = 0"
+                )
+                candidates |= {r[0]: (r[0], State(r[1]), r[2]) for r in db.execute(sql, chunk)}
+            deps = self._dep_states(db, list(candidates))
+            frontier = decide_restore(plan, candidates.values(), frontier, deps, self._full_id)
+            db.executemany(
+                "UPDATE tasks SET state = 2, blocked_on = ?, error = '', finished_at = NULL WHERE seq = ?",
+                plan.restored[restored:],
+            )
+            db.executemany("UPDATE tasks SET error = ? WHERE seq = ?", plan.renamed[renamed:])
+            self._record_events(db, plan.changes[recorded:], plan.prev[recorded:], now)
+        return self._select_seqs(db, retried), len(plan.restored), plan.changes
+
+    def _dep_states(self, db: sqlite3.Connection, seqs: list[int]) -> dict[int, list[tuple[int, State]]]:
+        """The dependencies still stored of each of these tasks, with their states."""
+        deps: dict[int, list[tuple[int, State]]] = {}
+        for chunk in _chunks(seqs):
+            sql = (
+                "SELECT d.task_seq, d.dep_seq, t.state FROM deps d JOIN tasks t ON t.seq = d.dep_seq"
+                f" WHERE d.task_seq IN ({_marks(len(chunk))})"
+            )
+            for seq, dep, state in db.execute(sql, chunk):
+                deps.setdefault(seq, []).append((dep, State(state)))
+        return deps
+
+    async def delete_tasks(self, seqs: list[int], events_through: int | None) -> list[int]:
+        return await self._tx(self._delete_tasks, seqs, events_through)
+
+    def _delete_tasks(self, db: sqlite3.Connection, seqs: list[int], events_through: int | None) -> list[int]:
+        deleted: list[int] = []
+        for chunk in _chunks(seqs):
+            sql = f"DELETE FROM tasks WHERE seq IN ({_marks(len(chunk))}) AND state IN (4, 5, 6) RETURNING seq"
+            deleted += [r[0] for r in db.execute(sql, chunk)]
+        for chunk in _chunks(deleted):
+            marks = _marks(len(chunk))
+            db.execute(f"DELETE FROM deps WHERE task_seq IN ({marks})", chunk)
+            db.execute(f"DELETE FROM attempts WHERE task_seq IN ({marks})", chunk)
+            if events_through is not None:
+                db.execute(f"DELETE FROM events WHERE task_seq IN ({marks}) AND id <= ?", (*chunk, events_through))
+        return sorted(deleted)
+
+    async def attempts(self, seq: int) -> list[AttemptRow]:
+        sql = f"SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE task_seq = ? ORDER BY attempt, ended_at"
+        rows = await self._run(lambda: self._conn.execute(sql, (seq,)).fetchall())
+        return [attempt_row(r) for r in rows]
 
     # -- events ---------------------------------------------------------------
     #
