@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import datetime as dt
 import json
 import os
@@ -388,11 +389,38 @@ BulkResponse = (
 )
 
 
+def _incomplete(resp: BulkResponse) -> bool:
+    """The server stopped at its time bound before the end of the matching tasks."""
+    return bool(getattr(resp, "incomplete", False))
+
+
+def add_bulk(total: BulkResponse, more: BulkResponse) -> BulkResponse:
+    """Two answers of the same bulk call as one: counts summed per shard; the shards not
+    reached by either; incomplete as the later says."""
+    merged = copy.deepcopy(total)
+    merged.matched += more.matched
+    merged.changed += more.changed
+    by_shard = {r.shard: r for r in merged.shards}
+    for result in more.shards:
+        if result.shard in by_shard:
+            by_shard[result.shard].matched += result.matched
+            by_shard[result.shard].changed += result.changed
+        else:
+            merged.shards.add().CopyFrom(result)
+    merged.unavailable_shards.extend(s for s in more.unavailable_shards if s not in merged.unavailable_shards)
+    if hasattr(merged, "incomplete"):
+        merged.incomplete = _incomplete(more)
+    return merged
+
+
 def format_bulk(action: str, resp: BulkResponse, dry_run: bool) -> list[str]:
     """Per shard what matched (and changed), then one line of totals."""
     if dry_run:
         rows: list[tuple[Any, ...]] = [(r.shard or "-", r.matched) for r in resp.shards]
         lines = format_table(("SHARD", "MATCHED"), rows)
+        if _incomplete(resp):
+            return [*lines, f"dry run: at least {resp.matched} task(s) match (the count stopped at the server's "
+                            "time bound); nothing changed"]  # fmt: skip
         return [*lines, f"dry run: {resp.matched} task(s) match; nothing changed"]
     rows = [(r.shard or "-", r.matched, r.changed) for r in resp.shards]
     lines = format_table(("SHARD", "MATCHED", "CHANGED"), rows)
@@ -405,8 +433,11 @@ def _confirm(question: str) -> bool:
 
 
 async def run_bulk(args: argparse.Namespace, action: str) -> int:
-    """The bulk form: a dry run answers the counts; a real one asks first on a terminal."""
+    """The bulk form: a dry run answers the counts; a real one asks first on a terminal, then
+    calls again while the server answers incomplete (it stops at a time bound, and a repeated
+    call goes on with what is left)."""
     filt = filter_of(args)
+    progress = sys.stderr.isatty()
     async with _client(args) as client:
 
         async def call(dry_run: bool) -> BulkResponse:
@@ -426,17 +457,25 @@ async def run_bulk(args: argparse.Namespace, action: str) -> int:
                 print(f"cronoq {_title(args)}: no task matches {_describe(args)}; nothing to do", file=sys.stderr)
                 _warn_unavailable(args, preview.unavailable_shards)
                 return EXIT_UNAVAILABLE if preview.unavailable_shards else 0
-            unreached = f" (shards not reached: {', '.join(preview.unavailable_shards)})"
-            question = f"{action} {preview.matched} task(s) that match {_describe(args)}"
-            if not _confirm(question + (unreached if preview.unavailable_shards else "") + "?"):
+            count = f"at least {preview.matched}" if _incomplete(preview) else str(preview.matched)
+            question = f"{action} {count} task(s) that match {_describe(args)}"
+            if preview.unavailable_shards:
+                question += f" (shards not reached: {', '.join(preview.unavailable_shards)})"
+            if not _confirm(question + "?"):
                 print(f"cronoq {_title(args)}: not confirmed; nothing changed", file=sys.stderr)
                 return EXIT_ERROR
         resp = await call(args.dry_run)
+        while not args.dry_run and _incomplete(resp):
+            if progress:
+                print(f"\r{DONE[action]} {resp.changed} task(s) so far...", end="", file=sys.stderr, flush=True)
+            resp = add_bulk(resp, await call(False))
+    if progress and not args.dry_run and resp.changed:
+        print("\r\033[K", end="", file=sys.stderr)  # the progress line, erased
     print(json.dumps(to_dict(resp)) if args.json else "\n".join(format_bulk(action, resp, args.dry_run)))
     if resp.unavailable_shards:  # a partial action: said, and told by the exit code
         print(
-            f"cronoq {_title(args)}: shards unavailable (not counted, nothing changed there): "
-            f"{', '.join(resp.unavailable_shards)}",
+            f"cronoq {_title(args)}: shards not reached (their tasks are not counted): "
+            f"{', '.join(resp.unavailable_shards)}; run it again once they are back",
             file=sys.stderr,
         )
         return EXIT_UNAVAILABLE

@@ -647,7 +647,9 @@ def test_worker_calls_bad_input(client: Client) -> None:
     )
     client.grpc_case(
         "register with a concurrency past the credits a worker may hold",
-        lambda: w.RegisterWorker(wpb.RegisterWorkerRequest(name="w", pools=["other"], concurrency=2**31 - 1), timeout=10),
+        lambda: w.RegisterWorker(
+            wpb.RegisterWorkerRequest(name="w", pools=["other"], concurrency=2**31 - 1), timeout=10
+        ),
         "INVALID_ARGUMENT",
         "concurrency",
         "2147483647",

@@ -413,12 +413,17 @@ def test_malformed_messages_are_invalid_argument_naming_the_field_without_a_trac
         ),
         (
             "a second outcome's error not UTF-8",
-            [first, _bad_utf8(wpb.WorkRequest(outcomes=[outcome, wpb.TaskOutcome(failure=wpb.TaskFailure(error="éé"))]))],
+            [
+                first,
+                _bad_utf8(wpb.WorkRequest(outcomes=[outcome, wpb.TaskOutcome(failure=wpb.TaskFailure(error="éé"))])),
+            ],
             "outcomes[1].failure.error",
         ),
     ]
     raw = api.channel.stream_stream(
-        "/cronoq.v1.WorkerService/Work", request_serializer=lambda b: b, response_deserializer=wpb.WorkResponse.FromString
+        "/cronoq.v1.WorkerService/Work",
+        request_serializer=lambda b: b,
+        response_deserializer=wpb.WorkResponse.FromString,
     )
     wrong = []
     for name, messages, field in work:

@@ -337,3 +337,19 @@ def test_pools_table_across_shards() -> None:
         "default  cpu    no            0        0        2          0       1          0",
         "llm      gpu    yes           3        0        0          0       0          0",
     ]
+
+
+def test_answers_of_a_repeated_bulk_call_add_up() -> None:
+    shard = task_service_pb2.BulkShardResult
+    first = task_service_pb2.CancelTasksResponse(
+        matched=300, changed=290, shards=[shard(shard="cpu", matched=300, changed=290)], unavailable_shards=["gpu"]
+    )
+    second = task_service_pb2.CancelTasksResponse(
+        matched=15,
+        changed=15,
+        shards=[shard(shard="cpu", matched=10, changed=10), shard(shard="gpu", matched=5, changed=5)],
+    )
+    total = cli.add_bulk(first, second)
+    assert (total.matched, total.changed, list(total.unavailable_shards)) == (315, 305, ["gpu"])
+    assert [(r.shard, r.matched, r.changed) for r in total.shards] == [("cpu", 310, 300), ("gpu", 5, 5)]
+    assert first.matched == 300 and len(first.shards) == 1  # the answers themselves are left as they were
