@@ -106,6 +106,8 @@ class Node:
             "GetTask": self.tasks.get_task,
             "WaitTask": self.tasks.wait_task,
             "CancelTask": self.tasks.cancel_task,
+            "RetryTask": self.tasks.retry_task,
+            "DeleteTask": self.tasks.delete_task,
             "ListTasks": self.tasks.list_tasks,
             "RegisterWorker": self.leases.register_worker,
             "LeaseTasks": self.leases.lease_tasks,
@@ -421,7 +423,7 @@ def _count_submitted(method: str, request: Any, response: Any) -> None:
 
 
 # RPCs declared in the protos whose handlers are being built (answered UNIMPLEMENTED until then).
-_NOT_YET = ("RetryTask", "DeleteTask", "CancelTasks", "RetryTasks", "DeleteTasks", "PausePool", "ResumePool")
+_NOT_YET = ("CancelTasks", "RetryTasks", "DeleteTasks", "PausePool", "ResumePool")
 
 
 def _not_yet(name: str) -> Callable[[Any, Principal], Awaitable[Message]]:

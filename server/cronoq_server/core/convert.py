@@ -5,7 +5,7 @@ from __future__ import annotations
 from cronoq.v1 import schedule_service_pb2, task_pb2, worker_service_pb2
 
 from ..ids import make_task_id
-from ..store.base import ScheduleRow, TaskRow, WorkerRow
+from ..store.base import AttemptRow, ScheduleRow, TaskRow, WorkerRow
 
 
 def to_task(row: TaskRow, shard_number: int) -> task_pb2.Task:
@@ -37,6 +37,23 @@ def to_task(row: TaskRow, shard_number: int) -> task_pb2.Task:
     if row.lease_expires_at is not None:
         task.lease_expires_at.FromMicroseconds(row.lease_expires_at)
     return task
+
+
+def to_attempt(row: AttemptRow, worker_name: str, now: int) -> task_pb2.Attempt:
+    """An attempt; one still running (no ended_at) lasts until now so far."""
+    attempt = task_pb2.Attempt(
+        attempt=row.attempt,
+        worker_id=row.worker_id or "",
+        worker_name=worker_name,
+        outcome=int(row.outcome),  # type: ignore[arg-type]
+        error=row.error,
+    )
+    if row.started_at is not None:
+        attempt.started_at.FromMicroseconds(row.started_at)
+        attempt.duration_ms = max((now if row.ended_at is None else row.ended_at) - row.started_at, 0) // 1000
+    if row.ended_at is not None:
+        attempt.ended_at.FromMicroseconds(row.ended_at)
+    return attempt
 
 
 def to_worker(row: WorkerRow, shard: str, running: int = 0) -> worker_service_pb2.Worker:

@@ -272,7 +272,7 @@ class EventBus:
                 self._wake_fanout()  # events past the fan-out's position go out now
                 return
             events = await self._store.read_events(watcher.pos, REPLAY_BATCH)
-            if not events or events[0].seq != watcher.pos + 1:  # purged since the check
+            if (not events or events[0].seq != watcher.pos + 1) and not await self._deleted_after(watcher.pos):
                 raise ApiError(
                     grpc.StatusCode.OUT_OF_RANGE,
                     f"cursor {make_cursor(self._shard_number, watcher.pos)!r}: the events after it were purged "
@@ -280,11 +280,20 @@ class EventBus:
                     "without a cursor",
                     reason="CURSOR_EXPIRED",
                 )
+            if not events:  # those up to the position were deleted with their tasks
+                watcher.pos = await self.position()
+                continue
             for ev, row in await self._join(events):
                 watcher.pos = ev.seq
                 if watcher.pools is None or row.pool in watcher.pools:
                     yield self._event(ev, row, watcher.include_payloads)[0]
             watcher.pos = events[-1].seq
+
+    async def _deleted_after(self, pos: int) -> bool:
+        """Whether the events missing after pos were deleted with their tasks (an operator's
+        DeleteTask), not purged: the stream goes on past them."""
+        purged, _ = await self._store.event_bounds()
+        return pos >= purged
 
     async def position(self) -> int:
         """The last event seq the fan-out has delivered (read from the store when not known)."""

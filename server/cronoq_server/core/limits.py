@@ -86,6 +86,9 @@ TASK_RANGES = {
     "timeout_ms": Range(0, MAX_TIMEOUT_MS, "at most 7 days; 0 takes the pool's timeout"),
 }
 
+# How many more attempts a retried task that used all of its attempts gets.
+RETRY_EXTRA_ATTEMPTS = Range(0, MAX_ATTEMPTS, "0 gives one more")
+
 # A worker's concurrency (shown in listings): no more than its credits may reach.
 WORKER_CONCURRENCY = Range(0, MAX_WORK_CREDITS, "what the worker runs at once")
 

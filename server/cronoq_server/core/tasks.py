@@ -1,4 +1,5 @@
-"""TaskService: submit (with keys, dependencies and batches), get, wait, cancel, list, watch."""
+"""TaskService: submit (with keys, dependencies and batches), get, wait, cancel, retry, delete,
+list, watch."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import time
 from collections.abc import AsyncGenerator, Mapping
 from typing import Protocol
 
+from google.protobuf.timestamp_pb2 import Timestamp
+
 from cronoq.v1 import task_pb2
 from cronoq.v1 import task_service_pb2 as pb
 
@@ -14,14 +17,17 @@ from ..auth import Principal
 from ..config import Config
 from ..errors import failed_precondition, invalid, not_found
 from ..ids import MAX_ID, make_task_id, seq_of, shard_of
-from ..store.base import TERMINAL, NewTask, State, Store, Submitted, TaskRow
-from .convert import to_task
+from ..metrics import TASK_RETRIES
+from ..store.base import TERMINAL, AttemptOutcome, AttemptRow, NewTask, State, Store, Submitted, TaskRow
+from ..store.logic import ENDED_UNSUCCESSFULLY
+from .convert import to_attempt, to_task
 from .events import EventBus, Watcher, parse_cursor
 from .limits import (
     MAX_CONTENT_TYPE,
     MAX_KEY_LENGTH,
     MAX_REQUEST_ID,
     MAX_TIMEOUT_MS,
+    RETRY_EXTRA_ATTEMPTS,
     SCHEDULE_KEY_PREFIX,
     TASK_RANGES,
     check_range,
@@ -102,20 +108,13 @@ class Tasks:
                 f"{where}key: {req.key!r}: keys starting with {SCHEDULE_KEY_PREFIX!r} are reserved for schedules"
             )
         self.check_template(req, where)
-        if req.HasField("run_at") and not (
-            MIN_TIMESTAMP_S <= req.run_at.seconds <= MAX_TIMESTAMP_S and 0 <= req.run_at.nanos < 1_000_000_000
-        ):
-            raise invalid(
-                f"{where}run_at: seconds {req.run_at.seconds}, nanos {req.run_at.nanos} is outside the Timestamp "
-                "range (0001-01-01 to 9999-12-31)"
-            )
         task = NewTask(
             pool=req.pool,
             key=req.key or None,
             payload=req.payload,
             content_type=req.content_type,
             priority=req.priority,
-            run_at=req.run_at.ToMicroseconds() if req.HasField("run_at") else None,
+            run_at=timestamp_us(f"{where}run_at", req.run_at) if req.HasField("run_at") else None,
             max_attempts=req.max_attempts or pool.max_attempts,
             resources=dict(req.resources),
             timeout_ms=_timeout_ms(req.timeout_ms, pool.timeout),
@@ -249,7 +248,25 @@ class Tasks:
             found = await self._store.dependents(row.seq, MAX_DEPENDENTS * 10)
             readable = [make_task_id(self._shard, s) for s, pool in found if caller.may("read", pool)]
             response.dependents.extend(readable[:MAX_DEPENDENTS])
+        if req.include_attempts:
+            response.attempts.extend(await self._attempts(row))
         return response
+
+    async def _attempts(self, row: TaskRow) -> list[task_pb2.Attempt]:
+        """The task's attempts, oldest first, and the one running now last; each named by the
+        worker's registered name while the shard still knows that worker."""
+        attempts = await self._store.attempts(row.seq)
+        if row.state == State.RUNNING:
+            attempts.append(
+                AttemptRow(row.seq, row.attempt, row.worker_id, row.started_at, None, AttemptOutcome.RUNNING, "")
+            )
+        names: dict[str, str] = {}
+        for worker_id in {a.worker_id for a in attempts if a.worker_id}:
+            worker = await self._store.get_worker(worker_id)
+            if worker is not None:
+                names[worker_id] = worker.name
+        now = now_us()
+        return [to_attempt(a, names.get(a.worker_id or "", ""), now) for a in attempts]
 
     async def wait_task(self, req: pb.WaitTaskRequest, caller: Principal) -> pb.WaitTaskResponse:
         timeout_ms = wait_ms(req.timeout_ms)
@@ -275,6 +292,60 @@ class Tasks:
             raise not_found(f"task {make_task_id(self._shard, row.seq)} not found")
         await self._events.publish(changes)
         return pb.CancelTaskResponse(task=self._task(updated))
+
+    async def retry_task(self, req: pb.RetryTaskRequest, caller: Principal) -> pb.RetryTaskResponse:
+        run_at = timestamp_us("run_at", req.run_at) if req.HasField("run_at") else None
+        check_range("extra_attempts", req.extra_attempts, RETRY_EXTRA_ATTEMPTS)
+        row = await self.find(req.task, caller, "submit")
+        rows, restored = await self.retry_seqs([row.seq], run_at, req.extra_attempts) if _retryable(row) else ([], 0)
+        if not rows:
+            await self._not_retried(row)
+        return pb.RetryTaskResponse(task=self._task(rows[0]), dependents_restored=restored)
+
+    async def retry_seqs(self, seqs: list[int], run_at: int | None, extra_attempts: int) -> tuple[list[TaskRow], int]:
+        """Retries the FAILED and CANCELLED tasks among these (one transaction; see
+        Store.retry_tasks), tells whoever waits, and counts them; (rows retried, dependents
+        restored). For callers that checked the request and the caller's permissions."""
+        rows, restored, changes = await self._store.retry_tasks(seqs, now_us(), run_at, extra_attempts)
+        await self._events.publish(changes, rows)
+        for r in rows:
+            TASK_RETRIES.labels(pool=r.pool, reason="manual").inc()
+        return rows, restored
+
+    async def _not_retried(self, row: TaskRow) -> None:
+        """Raises why a task was not retried: its state (now), or a dependency still ended."""
+        task_id = make_task_id(self._shard, row.seq)
+        now = await self._store.get(row.seq)
+        if now is None:
+            raise not_found(f"task {task_id} not found")
+        if not _retryable(now):
+            raise failed_precondition(
+                f"task {task_id} is {now.state.name}; only a FAILED or CANCELLED task can be retried"
+            )
+        deps = [d for d in await self._store.get_many(now.depends_on) if d.state in ENDED_UNSUCCESSFULLY]
+        dep = min(deps, key=lambda d: d.seq)
+        raise failed_precondition(
+            f"task {task_id} depends on task {make_task_id(self._shard, dep.seq)}, which is {dep.state.name}: "
+            "retry that one (the tasks it ended wait for it again)"
+        )
+
+    async def delete_task(self, req: pb.DeleteTaskRequest, caller: Principal) -> pb.DeleteTaskResponse:
+        row = await self.find(req.task, caller, "admin")
+        task_id = make_task_id(self._shard, row.seq)
+        if row.state in TERMINAL and await self.delete_seqs([row.seq]):
+            return pb.DeleteTaskResponse(id=task_id)
+        now = await self._store.get(row.seq)
+        if now is None:
+            raise not_found(f"task {task_id} not found")
+        raise failed_precondition(
+            f"task {task_id} is {now.state.name}; only an ended task (SUCCEEDED, FAILED or CANCELLED) can be "
+            "deleted: cancel it first"
+        )
+
+    async def delete_seqs(self, seqs: list[int]) -> list[int]:
+        """Deletes the ended tasks among these (one transaction; see Store.delete_tasks) with their
+        events the leader has counted; the seqs deleted. For callers that checked permissions."""
+        return await self._store.delete_tasks(seqs, self._events.counts.position)
 
     def readable_pools(self, pool: str, caller: Principal) -> list[str] | None:
         if pool:
@@ -342,6 +413,19 @@ class Tasks:
                 yield pb.WatchResponse(event=event)
         finally:
             await events.aclose()
+
+
+def timestamp_us(field: str, ts: Timestamp) -> int:
+    """A Timestamp in µs; INVALID_ARGUMENT naming field outside the Timestamp range."""
+    if not (MIN_TIMESTAMP_S <= ts.seconds <= MAX_TIMESTAMP_S and 0 <= ts.nanos < 1_000_000_000):
+        raise invalid(
+            f"{field}: seconds {ts.seconds}, nanos {ts.nanos} is outside the Timestamp range (0001-01-01 to 9999-12-31)"
+        )
+    return ts.ToMicroseconds()
+
+
+def _retryable(row: TaskRow) -> bool:
+    return row.state in ENDED_UNSUCCESSFULLY
 
 
 def page_size(requested: int) -> int:

@@ -128,13 +128,14 @@ ATTEMPT_COLUMNS = "task_seq, attempt, worker_id, started_at, ended_at, outcome, 
 
 @dataclass(slots=True)
 class AttemptRow:
-    """One ended attempt of a task, recorded in the transaction that ended it."""
+    """One ended attempt of a task, recorded in the transaction that ended it (ended_at None: a
+    RUNNING task's current attempt, read from the task)."""
 
     task_seq: int
     attempt: int
     worker_id: str | None
     started_at: int | None
-    ended_at: int
+    ended_at: int | None
     outcome: AttemptOutcome
     error: str
 
@@ -183,7 +184,8 @@ Changes = list[tuple[int, State]]
 class EventRow:
     """One recorded change of a task, written in the transaction that made it.
 
-    seq is the shard's event sequence: dense, increasing, and in each task's order of changes.
+    seq is the shard's event sequence: dense (but for the events of tasks deleted by an operator),
+    increasing, and in each task's order of changes.
     pool and prev_state (the state the change left; 0 for a new task) let the leader keep its
     counts of tasks by pool and state from the events alone.
     """
