@@ -496,7 +496,8 @@ async def cmd_retry(args: argparse.Namespace) -> int:
         retried = await client.retry(
             _ref(args.task, args.key), run_at=_run_at(args), extra_attempts=args.extra_attempts
         )
-    print_task(retried.task, args.json, dependents_restored=retried.dependents_restored)
+    # As in proto JSON: an int64 is a string.
+    print_task(retried.task, args.json, dependents_restored=str(retried.dependents_restored))
     return 0
 
 
