@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import Counter, Gauge, Histogram
 
-from .store.base import TERMINAL, Changes, State
+from .store.base import LEASE_EXPIRED, TERMINAL, EventRow, State
 
 TASKS_SUBMITTED = Counter(
     "cronoq_tasks_submitted_total", "Tasks admitted (deduplicated submissions excluded).", ["pool"]
 )
-TASKS_LEASED = Counter("cronoq_tasks_leased_total", "Task attempts leased to workers.")
-TASKS_FINISHED = Counter("cronoq_tasks_finished_total", "Tasks that ended, by outcome.", ["outcome"])
+TASKS_LEASED = Counter("cronoq_tasks_leased_total", "Task attempts leased to workers.", ["pool"])
+TASKS_FINISHED = Counter(
+    "cronoq_tasks_finished_total",
+    "Tasks that ended, by outcome (succeeded, failed, cancelled), counted by the leader from the shard's events.",
+    ["pool", "outcome"],
+)
 TASKS_BY_STATE = Gauge(
     "cronoq_tasks",
     "Unfinished tasks by pool and state (pending, blocked, running), kept by the leader as tasks change.",
@@ -19,8 +25,21 @@ TASKS_BY_STATE = Gauge(
 START_LATENCY = Histogram(
     "cronoq_task_start_latency_seconds",
     "From when a task was due (run_at or submission) to its lease.",
+    ["pool"],
     buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
+RUN_DURATION = Histogram(
+    "cronoq_task_run_duration_seconds",
+    "From an attempt's lease to its end, by outcome (succeeded, failed, cancelled, lost: its lease expired).",
+    ["pool", "outcome"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
+)
+OLDEST_PENDING_AGE = Gauge(
+    "cronoq_oldest_pending_age_seconds",
+    "How long the earliest-due PENDING task has been due (0: none due); the leader's, every few seconds.",
+    ["pool"],
+)
+POOL_PAUSED = Gauge("cronoq_pool_paused", "1 while the pool is paused (PausePool): nothing of it is leased.", ["pool"])
 LEADER = Gauge("cronoq_leader", "1 while this server leads its shard.")
 LEADER_TERM = Gauge("cronoq_leader_term", "The leadership term this server last led in (0 on SQLite).")
 WORKERS = Gauge("cronoq_workers", "Registered workers by pool.", ["pool"])
@@ -49,7 +68,18 @@ TASK_RETRIES = Counter(
 CALLS = Counter("cronoq_api_calls_total", "API calls by method and code.", ["method", "code"])
 
 
-def record_finished(changes: Changes) -> None:
-    for _, state in changes:
-        if state in TERMINAL:
-            TASKS_FINISHED.labels(outcome=State(state).name.lower()).inc()
+def record_events(events: Iterable[EventRow]) -> None:
+    """Counts what the shard's events say ended: tasks, attempts and retries (each event once,
+    as the leader folds them). An attempt given back unfinished (started_at cleared) is none."""
+    for e in events:
+        if e.prev_state == e.state:
+            continue
+        if e.state in TERMINAL:
+            TASKS_FINISHED.labels(pool=e.pool, outcome=e.state.name.lower()).inc()
+        if e.prev_state != State.RUNNING or e.started_at is None:
+            continue
+        lost = e.error == LEASE_EXPIRED
+        if e.state == State.PENDING:
+            TASK_RETRIES.labels(pool=e.pool, reason="lost" if lost else "failure").inc()
+        outcome = "lost" if lost else "failed" if e.state == State.PENDING else e.state.name.lower()
+        RUN_DURATION.labels(pool=e.pool, outcome=outcome).observe(max(e.at - e.started_at, 0) / 1e6)

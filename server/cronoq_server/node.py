@@ -23,13 +23,14 @@ from .config import PERMISSIONS, UNSHARDED, Config
 from .core.events import EVENT_RETENTION_EVERY_S, SEQUENCE_EVERY_S, EventBus
 from .core.leases import NUDGE_EVERY_S, Leases
 from .core.maintenance import Periodic, Services
+from .core.pools import PoolPauses
 from .core.resources import ResourceGate
 from .core.retry import make_retry_at
 from .core.schedules import Schedules
 from .core.tasks import Tasks, now_us
 from .errors import ApiError
 from .leader import FileLeadership, PgLeadership
-from .metrics import LEADER, LEADER_TERM, TASKS_SUBMITTED, WORKERS
+from .metrics import LEADER, LEADER_TERM, OLDEST_PENDING_AGE, TASKS_SUBMITTED, WORKERS
 from .registry import RegistryError, registry
 from .store.base import State, Store, StoreSettings, StoreUnavailable
 from .store.postgres import PostgresStore
@@ -38,9 +39,10 @@ from .store.sqlite import SqliteStore
 log = logging.getLogger("cronoq.node")
 T = TypeVar("T")
 
-# The leader recounts registered workers by pool this often (never for a scrape); tasks by pool
-# and state are kept from the events (core/counts.py).
+# The leader recounts registered workers by pool, and reads each pool's oldest due task, this
+# often (never for a scrape); tasks by pool and state are kept from the events (core/counts.py).
 WORKER_GAUGES_EVERY_S = 5.0
+PENDING_AGE_EVERY_S = 5.0
 
 
 class Node:
@@ -70,6 +72,7 @@ class Node:
         else:
             self.leadership = FileLeadership(self._store_path(), self.advertise, self.server_id)
         self.tasks = Tasks(config, self.store, self.events, self.shard_name, self.shard_number, self.pools)
+        self.pauses = PoolPauses(self.store, self.events, self.pools)
         self.gate = ResourceGate(r for r in config.resources if r.shard in (None, self.shard_name))
         self.leases = Leases(
             config,
@@ -80,6 +83,7 @@ class Node:
             self.pools,
             lambda: self.is_leader,
             self.gate,
+            lambda: self.pauses.paused,
         )
         self.schedules = Schedules(config, self.store, self.events, self.tasks, self.pools)
         self.is_leader = False
@@ -96,6 +100,7 @@ class Node:
         reap_every = min(max(config.server.worker_reap_after / 4, 1.0), 60.0)
         self.services.add(Periodic("worker reaper", reap_every, self.leases.reap_once))
         self.services.add(Periodic("worker gauges", WORKER_GAUGES_EVERY_S, self._set_worker_gauges))
+        self.services.add(Periodic("pending age gauge", PENDING_AGE_EVERY_S, self._set_pending_age_gauge))
         self.services.add(Periodic("event sequencer", SEQUENCE_EVERY_S, self.events.sequence_once))
         purge_every = min(EVENT_RETENTION_EVERY_S, max(config.server.watch_window / 4, 0.1))
         self.services.add(Periodic("event retention", purge_every, self.events.purge_once))
@@ -120,6 +125,8 @@ class Node:
             "ListSchedules": self.schedules.list_schedules,
             "GetServerInfo": self.get_server_info,
             "GetSnapshot": self.get_snapshot,
+            "PausePool": self.pauses.pause_pool,
+            "ResumePool": self.pauses.resume_pool,
             **{name: _not_yet(name) for name in _NOT_YET},
         }
         self.rpcs = registry()
@@ -197,6 +204,7 @@ class Node:
         if self.gate.enabled:
             # Slots held by tasks that were running under the previous leader stay held.
             self.gate.rebuild(await self._retrying("resources not rebuilt", self.store.running_resources))
+        await self._retrying("paused pools not read", self.pauses.load)
         self.events.lead()
         self.is_leader = True
         LEADER.set(1)
@@ -230,6 +238,8 @@ class Node:
             )
         )
         await self.services.stop()
+        self.pauses.step_down()
+        OLDEST_PENDING_AGE.clear()
         self.events.step_down()  # after the sequencer stopped: nothing counts on
 
     async def drain(self) -> None:
@@ -375,7 +385,7 @@ class Node:
             shard=self.shard_name, number=self.shard_number, leader=self.advertise, term=self.leadership.term
         )
         for pool in shown:
-            pc = admin_pb.PoolCounts(pool=pool)
+            pc = admin_pb.PoolCounts(pool=pool, paused=pool in self.pauses.paused)
             for state in State:
                 setattr(pc, state.name.lower(), counts.get((pool, state), 0))
             snap.pools.append(pc)
@@ -410,6 +420,13 @@ class Node:
         for pool, n in per_pool.items():
             WORKERS.labels(pool=pool).set(n)
 
+    async def _set_pending_age_gauge(self) -> None:
+        """How long each pool's earliest-due PENDING task has waited (0: none due)."""
+        now = now_us()
+        due_since = await self.store.oldest_due_pending(self.pools, now)
+        for pool in self.pools:
+            OLDEST_PENDING_AGE.labels(pool=pool).set(max(now - due_since.get(pool, now), 0) / 1e6)
+
 
 def _count_submitted(method: str, request: Any, response: Any) -> None:
     if method == "SubmitTask":
@@ -423,7 +440,7 @@ def _count_submitted(method: str, request: Any, response: Any) -> None:
 
 
 # RPCs declared in the protos whose handlers are being built (answered UNIMPLEMENTED until then).
-_NOT_YET = ("CancelTasks", "RetryTasks", "DeleteTasks", "PausePool", "ResumePool")
+_NOT_YET = ("CancelTasks", "RetryTasks", "DeleteTasks")
 
 
 def _not_yet(name: str) -> Callable[[Any, Principal], Awaitable[Message]]:

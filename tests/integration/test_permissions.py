@@ -1180,8 +1180,66 @@ def schedule_rows() -> list[Call]:
     return rows
 
 
+def _pool_paused(env: Env, pool: str) -> bool:
+    snapshot = env.admin.GetSnapshot(apb.GetSnapshotRequest(), metadata=env.as_("admin-all"), timeout=TIMEOUT)
+    return any(p.paused for s in snapshot.shards for p in s.pools if p.pool == pool)
+
+
+def _pool_set_paused(paused: bool) -> Callable[[Env, Tok | None], Target]:
+    """Pauses (or resumes) pool a as admin-all before a cell: the call then has something to change."""
+
+    def prepare(env: Env, tok: Tok | None) -> Target:
+        md = env.as_("admin-all")
+        if paused:
+            env.admin.PausePool(apb.PausePoolRequest(pool="a"), metadata=md, timeout=TIMEOUT)
+        else:
+            env.admin.ResumePool(apb.ResumePoolRequest(pool="a"), metadata=md, timeout=TIMEOUT)
+        return Target(pool="a")
+
+    return prepare
+
+
+def check_pool_paused(paused: bool) -> CheckFn:
+    def check(env: Env, tok: Tok, target: Target, out: Outcome) -> list[str]:
+        if _pool_paused(env, target.pool) != paused:
+            return [f"pool {target.pool!r} {'not ' if paused else ''}paused after the call"]
+        return []
+
+    return check
+
+
+def pause_rows() -> list[Call]:
+    """PausePool and ResumePool need admin on the pool; a refusal leaves the pool as it was.
+    Last in the matrix: no other row finds pool a paused."""
+    return [
+        Call(
+            "PausePool",
+            "admin",
+            needs("admin"),
+            lambda env, t, md: env.admin.PausePool(apb.PausePoolRequest(pool=t.pool), metadata=md, timeout=TIMEOUT),
+            lambda env, t: ("POST", f"/v1/pools/{t.pool}/pause", {}),
+            prepare=_pool_set_paused(False),
+            check_ok=check_pool_paused(True),
+            check_refusal=check_pool_paused(False),
+        ),
+        Call(
+            "ResumePool",
+            "admin",
+            needs("admin"),
+            lambda env, t, md: env.admin.ResumePool(apb.ResumePoolRequest(pool=t.pool), metadata=md, timeout=TIMEOUT),
+            lambda env, t: ("POST", f"/v1/pools/{t.pool}/resume", {}),
+            prepare=_pool_set_paused(True),
+            check_ok=check_pool_paused(False),
+            check_refusal=check_pool_paused(True),
+        ),
+    ]
+
+
 def matrix_calls() -> list[Call]:
-    return submit_rows() + lookup_rows() + list_and_watch_rows() + worker_rows() + admin_rows() + schedule_rows()
+    return (
+        submit_rows() + lookup_rows() + list_and_watch_rows() + worker_rows() + admin_rows() + schedule_rows()
+        + pause_rows()
+    )  # fmt: skip
 
 
 # -- the runner -------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from ..metrics import TASKS_BY_STATE
+from ..metrics import TASKS_BY_STATE, record_events
 from ..store.base import EventRow, State
 from .activity import Activity
 
@@ -21,6 +21,7 @@ class TaskCounts:
     """Unfinished tasks by (pool, state) as of event `position` (None: not started)."""
 
     def __init__(self, pools: Iterable[str] = (), gauge: bool = False, activity: Activity | None = None):
+        """gauge: the leader's counts, published as metrics (metrics.record_events too)."""
         self._pools = tuple(pools)
         self._gauge = gauge
         self._activity = activity  # also told of each event folded, once
@@ -71,6 +72,7 @@ class TaskCounts:
         if self._activity is not None:
             self._activity.record_events(fresh)
         if self._gauge:
+            record_events(fresh)
             for pool, state in touched:
                 self._set_gauge(pool, state)
         return True

@@ -168,6 +168,11 @@ class EventBus:
         for pool in list(self._leasers):
             self.work_available(pool, 1)
 
+    def wake_pool_leasers(self, pool: str) -> None:
+        """Wakes every long poll of the pool (it was resumed): each looks at the store again."""
+        for waiter in self._leasers.pop(pool, ()):
+            waiter.event.set()
+
     def wake_leasers(self) -> None:
         """Wakes every long poll (leadership changes, drain): each sees why and returns."""
         for queue in self._leasers.values():

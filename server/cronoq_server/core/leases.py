@@ -20,7 +20,7 @@ from ..auth import Principal
 from ..config import Config
 from ..errors import ApiError, invalid
 from ..ids import make_task_id, seq_of, shard_of
-from ..metrics import START_LATENCY, TASKS_LEASED, WORK_STREAMS, record_finished
+from ..metrics import START_LATENCY, TASKS_LEASED, WORK_STREAMS
 from ..store.base import (
     Changes,
     Outcome,
@@ -85,8 +85,10 @@ class Leases:
         pools: list[str],
         is_leader: Callable[[], bool] = lambda: True,
         gate: ResourceGate | None = None,
+        paused: Callable[[], frozenset[str]] = frozenset,
     ):
         self._is_leader = is_leader
+        self._paused = paused  # the pools nothing is leased from (core/pools.py)
         self._gate = gate or ResourceGate([])
         self._resource_lease = asyncio.Lock()
         self._config = config
@@ -200,10 +202,10 @@ class Leases:
         """Counts, announces and converts the tasks a lease took."""
         if not rows:
             return []
-        TASKS_LEASED.inc(len(rows))
         for r in rows:
+            TASKS_LEASED.labels(pool=r.pool).inc()
             latency = max(now - max(r.run_at, r.created_at), 0)
-            START_LATENCY.observe(latency / 1e6)
+            START_LATENCY.labels(pool=r.pool).observe(latency / 1e6)
             self._events.activity.record_start(r.pool, now, latency)
         await self._events.publish([(r.seq, r.state) for r in rows], rows)
         return [to_task(r, self._shard) for r in rows]
@@ -243,14 +245,22 @@ class Leases:
     async def _lease(
         self, worker_id: str, pools: list[str], limit: int, now: int, max_bytes: int
     ) -> tuple[list[TaskRow], int | None]:
-        """The store's lease; with resources configured, only tasks that fit in what is available
-        (one such lease at a time, so what was available is still there when it is taken)."""
+        """The store's lease, of the pools not paused; with resources configured, only tasks that
+        fit in what is available (one such lease at a time, so what was available is still there
+        when it is taken)."""
+        pools = self._unpaused(pools)
+        if not pools:
+            return [], None
         if not self._gate.enabled:
             return await self._store.lease(worker_id, pools, limit, now, max_bytes)
         async with self._resource_lease:
             rows, next_due = await self._store.lease(worker_id, pools, limit, now, max_bytes, self._gate.available())
             self._gate.take(worker_id, ((r.seq, r.attempt, r.resources) for r in rows if r.resources))
         return rows, next_due
+
+    def _unpaused(self, pools: list[str]) -> list[str]:
+        paused = self._paused()
+        return [p for p in pools if p not in paused] if paused else pools
 
     def _recheck_in(self, next_due: int | None, now: int) -> float:
         """Seconds until a lease that found nothing may find something without being told: the
@@ -338,12 +348,11 @@ class Leases:
     async def _finished(
         self, outcomes: list[Outcome], results: list[OutcomeResult], changes: Changes
     ) -> list[pb.FinishTaskResult]:
-        """Frees the resource slots of the accepted outcomes, announces and counts the changes;
-        the results as the API gives them."""
+        """Frees the resource slots of the accepted outcomes, announces the changes (counted as
+        the leader folds their events: metrics.record_events); the results as the API gives them."""
         attempts = {o.seq: o.attempt for o in outcomes}
         self._ended([(r.seq, attempts[r.seq]) for r in results if r.accepted])
         await self._events.publish(changes)
-        record_finished(changes)
         return [
             pb.FinishTaskResult(
                 task_id=make_task_id(self._shard, r.seq), accepted=r.accepted, code=r.code, message=r.message
@@ -522,6 +531,9 @@ class Leases:
             except ApiError as err:  # a malformed outcome is refused alone
                 refused[i] = pb.FinishTaskResult(task_id=o.task_id, code=err.code.name, message=err.message)
         beats = [r.heartbeat for r in received if r.HasField("heartbeat")]
+        pools = self._unpaused(pools)
+        if not pools:  # a resume wakes the stream's waiter
+            limit = 0
         with in_flight():
             if beats:
                 answer.heartbeat.CopyFrom(await self._beat(worker.id, [t for b in beats for t in b.tasks]))

@@ -98,6 +98,8 @@ _POOLS_OF: dict[str, Callable[[Any], list[str]]] = {
     "PutSchedule": lambda req: [req.schedule.pool],
     "DeleteSchedule": lambda req: [req.pool],
     "RegisterWorker": lambda req: list(req.pools),
+    "PausePool": lambda req: [req.pool],
+    "ResumePool": lambda req: [req.pool],
 }
 # Calls by key that change the task: refused while a shard that may hold the key too cannot be
 # asked, and sent to the task's shard by its id.

@@ -25,6 +25,9 @@ class State(enum.IntEnum):
 
 TERMINAL = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
 
+# The error of an attempt whose lease expired (its worker went silent): a lost attempt.
+LEASE_EXPIRED = "lease expired"
+
 # Column order of every task row a store returns.
 TASK_COLUMNS = (
     "seq, pool, key, payload, content_type, priority, run_at, max_attempts, depends_on, resources, "
@@ -174,6 +177,16 @@ class ScheduleRow:
     last_fire_at: int | None = None
     created_at: int = 0
     updated_at: int = 0
+
+
+@dataclass(slots=True)
+class PoolPause:
+    """A pool an operator paused (PausePool): nothing of it is leased until it is resumed."""
+
+    pool: str
+    paused: bool
+    paused_at: int | None = None  # None while not paused
+    paused_by: str = ""  # the caller's name
 
 
 # (seq, new state) of every task a transaction changed, for events and waiters.
@@ -383,6 +396,19 @@ class Store(Protocol):
         """Removes workers last seen before seen_before (µs); returns their ids."""
 
     async def count_by_pool_and_state(self) -> dict[tuple[str, State], int]: ...
+
+    async def oldest_due_pending(self, pools: list[str], now: int) -> dict[str, int]:
+        """For each of these pools with a PENDING task due by now: max(run_at, created_at) of
+        its earliest-due one (one indexed read per pool)."""
+
+    # -- paused pools --
+
+    async def set_pool_paused(self, pool: str, paused: bool, now: int, by: str) -> PoolPause:
+        """Pauses (keeping the first paused_at and paused_by of a pool already paused) or resumes
+        the pool; returns it as it is now."""
+
+    async def paused_pools(self) -> list[PoolPause]:
+        """The pools paused now."""
 
     # -- events (every method above that changes a task records an EventRow with it)
 

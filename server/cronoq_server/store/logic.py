@@ -17,6 +17,7 @@ import grpc
 from ..errors import ApiError
 from ..ids import seq_of
 from .base import (
+    LEASE_EXPIRED,
     TERMINAL,
     AttemptOutcome,
     AttemptRow,
@@ -25,6 +26,7 @@ from .base import (
     Outcome,
     OutcomeKind,
     OutcomeResult,
+    PoolPause,
     RetryAt,
     ScheduleRow,
     State,
@@ -181,7 +183,7 @@ def decide_outcomes(accepted: list[tuple[Outcome, tuple[Any, ...]]], now: int, r
 
 def expired_outcome(row: tuple[Any, ...]) -> tuple[Outcome, tuple[Any, ...]]:
     """An expired lease counts as a failed, retryable attempt (recorded LOST)."""
-    return Outcome(row[0], row[2], OutcomeKind.FAILURE, error="lease expired", retryable=True, lost=True), row
+    return Outcome(row[0], row[2], OutcomeKind.FAILURE, error=LEASE_EXPIRED, retryable=True, lost=True), row
 
 
 def decide_heartbeat(
@@ -373,6 +375,29 @@ def lease_scan(limit: int) -> int:
     whose resources are used up are not among them, but a task that fits alone may not fit
     beside those before it, and is then skipped."""
     return limit + 16
+
+
+# -- paused pools ---------------------------------------------------------------
+
+POOL_PAUSE_COLUMNS = "name, paused, paused_at, paused_by"
+# INSERT INTO pools (POOL_PAUSE_COLUMNS) VALUES ({p} four times), then this: a pool paused again
+# keeps when and by whom it was first paused; a resumed one forgets both.
+POOL_PAUSE_UPSERT = (
+    "INSERT INTO {s}pools (" + POOL_PAUSE_COLUMNS + ") VALUES ({p1}, {p2}, {p3}, {p4})"
+    " ON CONFLICT (name) DO UPDATE SET paused = excluded.paused,"
+    " paused_at = CASE WHEN pools.paused AND excluded.paused THEN pools.paused_at ELSE excluded.paused_at END,"
+    " paused_by = CASE WHEN pools.paused AND excluded.paused THEN pools.paused_by ELSE excluded.paused_by END"
+    " RETURNING " + POOL_PAUSE_COLUMNS
+)
+
+
+def pool_pause_values(pool: str, paused: bool, now: int, by: str) -> tuple[str, bool, int | None, str]:
+    return pool, paused, now if paused else None, by if paused else ""
+
+
+def pool_pause(r: Any) -> PoolPause:
+    """A PoolPause from a row read in POOL_PAUSE_COLUMNS order."""
+    return PoolPause(pool=r[0], paused=bool(r[1]), paused_at=r[2], paused_by=r[3])
 
 
 # -- schedules ------------------------------------------------------------------

@@ -37,6 +37,7 @@ from .base import (
     Outcome,
     OutcomeKind,
     OutcomeResult,
+    PoolPause,
     ScheduleRow,
     State,
     StoreOwnedElsewhere,
@@ -51,6 +52,8 @@ from .logic import (
     HEARTBEAT_COLUMNS,
     LEASE_RESOURCE_WINDOW,
     OUTCOME_COLUMNS,
+    POOL_PAUSE_COLUMNS,
+    POOL_PAUSE_UPSERT,
     SCHEDULE_COLUMNS,
     SCHEDULE_UPSERT,
     attempt_row,
@@ -70,6 +73,8 @@ from .logic import (
     lease_scan,
     limits_apply,
     not_leased,
+    pool_pause,
+    pool_pause_values,
     replay_request,
     request_retention,
     request_seqs,
@@ -203,7 +208,9 @@ MIGRATIONS: dict[int, list[str]] = {
     ],
     8: [
         # Every ended attempt of a task (outcome: cronoq.v1.AttemptOutcome), deleted with the task;
-        # and the pools an operator paused (nothing of theirs is leased).
+        # and the pools an operator paused (nothing of theirs is leased). tasks_due: each pool's
+        # earliest-due PENDING task (cronoq_oldest_pending_age_seconds) in one index read.
+        """CREATE INDEX tasks_due ON {s}.tasks (pool, run_at) WHERE state = 1""",
         """CREATE TABLE {s}.attempts (
             task_seq bigint NOT NULL,
             attempt int NOT NULL,
@@ -463,6 +470,18 @@ class PostgresStore:
         where += f" ORDER BY seq {'DESC' if newest_first else ''} LIMIT $4"
         st = int(state) if state is not None else None
         return await self._read(lambda c: self._select(c, where, after_seq, pools, st, limit))
+
+    async def oldest_due_pending(self, pools: list[str], now: int) -> dict[str, int]:
+        sql = self._sql(
+            "SELECT greatest(run_at, created_at) FROM {s}.tasks WHERE state = 1 AND pool = $1 AND run_at <= $2"
+            " ORDER BY run_at LIMIT 1"
+        )
+
+        async def oldest(conn: asyncpg.Connection) -> dict[str, int]:
+            found = {p: await conn.fetchval(sql, p, now) for p in pools}
+            return {p: at for p, at in found.items() if at is not None}
+
+        return await self._read(oldest)
 
     async def count_by_pool_and_state(self) -> dict[tuple[str, State], int]:
         sql = self._sql("SELECT pool, state, count(*) FROM {s}.tasks GROUP BY pool, state")
@@ -1389,6 +1408,17 @@ class PostgresStore:
     async def reap_workers(self, seen_before: int) -> list[str]:
         sql = self._sql("DELETE FROM {s}.workers WHERE last_seen_at < $1 RETURNING id")
         return [r[0] for r in await self._tx(lambda c: c.fetch(sql, seen_before))]
+
+    # -- paused pools ---------------------------------------------------------
+
+    async def set_pool_paused(self, pool: str, paused: bool, now: int, by: str) -> PoolPause:
+        sql = self._sql(POOL_PAUSE_UPSERT.format(s="{s}.", p1="$1", p2="$2", p3="$3", p4="$4"))
+        values = pool_pause_values(pool, paused, now, by)
+        return pool_pause(await self._tx(lambda c: c.fetchrow(sql, *values)))
+
+    async def paused_pools(self) -> list[PoolPause]:
+        sql = self._sql(f"SELECT {POOL_PAUSE_COLUMNS} FROM {{s}}.pools WHERE paused ORDER BY name")
+        return [pool_pause(r) for r in await self._read(lambda c: c.fetch(sql))]
 
     # -- schedules ------------------------------------------------------------
 

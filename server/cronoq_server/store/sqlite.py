@@ -30,6 +30,7 @@ from .base import (
     NewTask,
     Outcome,
     OutcomeResult,
+    PoolPause,
     ScheduleRow,
     State,
     StoreOwnedElsewhere,
@@ -43,6 +44,8 @@ from .logic import (
     HEARTBEAT_COLUMNS,
     LEASE_RESOURCE_WINDOW,
     OUTCOME_COLUMNS,
+    POOL_PAUSE_COLUMNS,
+    POOL_PAUSE_UPSERT,
     SCHEDULE_COLUMNS,
     SCHEDULE_UPSERT,
     attempt_row,
@@ -62,6 +65,8 @@ from .logic import (
     key_of_another_pool,
     lease_scan,
     limits_apply,
+    pool_pause,
+    pool_pause_values,
     replay_request,
     request_retention,
     request_seqs,
@@ -174,9 +179,12 @@ MIGRATIONS: dict[int, str] = {
     ALTER TABLE events ADD COLUMN cancel_requested INTEGER;
     """,
     # Every ended attempt of a task (outcome: cronoq.v1.AttemptOutcome), deleted with the task;
-    # and the pools an operator paused (nothing of theirs is leased).
+    # and the pools an operator paused (nothing of theirs is leased). tasks_due: each pool's
+    # earliest-due PENDING task (cronoq_oldest_pending_age_seconds) in one index read. IF NOT
+    # EXISTS: a 0.1.0 server started on the migrated store writes version 5 back (see _ADD_COLUMN).
     7: """
-    CREATE TABLE attempts (
+    CREATE INDEX IF NOT EXISTS tasks_due ON tasks (pool, run_at) WHERE state = 1;
+    CREATE TABLE IF NOT EXISTS attempts (
         task_seq INTEGER NOT NULL,
         attempt INTEGER NOT NULL,
         worker_id TEXT,
@@ -185,8 +193,8 @@ MIGRATIONS: dict[int, str] = {
         outcome INTEGER NOT NULL,
         error TEXT NOT NULL DEFAULT ''
     );
-    CREATE INDEX attempts_task ON attempts (task_seq, attempt);
-    CREATE TABLE pools (
+    CREATE INDEX IF NOT EXISTS attempts_task ON attempts (task_seq, attempt);
+    CREATE TABLE IF NOT EXISTS pools (
         name TEXT PRIMARY KEY,
         paused INTEGER NOT NULL DEFAULT 0,
         paused_at INTEGER,
@@ -429,6 +437,18 @@ class SqliteStore:
         where += f" ORDER BY seq {'DESC' if newest_first else ''} LIMIT ?"
         params.append(limit)
         return await self._run(lambda: self._select(self._conn, where, params))
+
+    async def oldest_due_pending(self, pools: list[str], now: int) -> dict[str, int]:
+        sql = (
+            "SELECT max(run_at, created_at) FROM tasks WHERE state = 1 AND pool = ? AND run_at <= ?"
+            " ORDER BY run_at LIMIT 1"
+        )
+
+        def oldest() -> dict[str, int]:
+            found = {p: self._conn.execute(sql, (p, now)).fetchone() for p in pools}
+            return {p: r[0] for p, r in found.items() if r is not None}
+
+        return await self._run(oldest)
 
     async def count_by_pool_and_state(self) -> dict[tuple[str, State], int]:
         """Counted on a connection of its own, off the store's thread: a full scan must not
@@ -977,6 +997,17 @@ class SqliteStore:
     async def reap_workers(self, seen_before: int) -> list[str]:
         sql = "DELETE FROM workers WHERE last_seen_at < ? RETURNING id"
         return await self._tx(lambda db: [r[0] for r in db.execute(sql, (seen_before,))])
+
+    # -- paused pools ---------------------------------------------------------
+
+    async def set_pool_paused(self, pool: str, paused: bool, now: int, by: str) -> PoolPause:
+        sql = POOL_PAUSE_UPSERT.format(s="", p1="?", p2="?", p3="?", p4="?")
+        values = pool_pause_values(pool, paused, now, by)
+        return await self._tx(lambda db: pool_pause(db.execute(sql, values).fetchone()))
+
+    async def paused_pools(self) -> list[PoolPause]:
+        sql = f"SELECT {POOL_PAUSE_COLUMNS} FROM pools WHERE paused ORDER BY name"
+        return await self._run(lambda: [pool_pause(r) for r in self._conn.execute(sql)])
 
     # -- schedules ------------------------------------------------------------
 
