@@ -1,10 +1,11 @@
 """`./dev bench`: every benchmark in one run, and a summary table.
 
-cronoq on SQLite and on PostgreSQL (burn-down, submit→start and submit→Watch event latency, and two
-shards: forwarded calls, ListTasks across shards, burn-down across shards), then the
-anchors PgQueuer and procrastinate on the same PostgreSQL server and the same
-workloads, and River's burn-down there too (built with `go`; skipped when Go is
-missing), and cronoq's ratio to each; then submit latency under idle load. Each run is its own process with its own
+cronoq on SQLite and on PostgreSQL (burn-down, submit→start and submit→Watch event latency, another
+caller's latency during a bulk retry of 50,000 FAILED tasks, and two shards: forwarded calls,
+ListTasks across shards, burn-down across shards), then the anchors PgQueuer and procrastinate
+on the same PostgreSQL server and the same workloads, and River's burn-down there too (built
+with `go`; skipped when Go is missing), and cronoq's ratio to each; then submit latency under
+idle load. Each run is its own process with its own
 servers and workers. `--quick` runs smaller sizes; `--no-anchors` skips the anchors.
 """
 
@@ -41,6 +42,14 @@ def dashboard_cost_text(r: dict[str, Any]) -> str:
 
 def latency_text(r: dict[str, Any]) -> str:
     return f"p50 {r['p50_ms']} ms, p90 {r['p90_ms']} ms, p99 {r['p99_ms']} ms (achieved {r['achieved_rate']:,}/s)"
+
+
+def bulk_text(r: dict[str, Any]) -> str:
+    q, d = r["quiet"], r["during"]
+    return (
+        f"{r['bulk_s']} s ({r['calls']} call(s)); another caller's GetTask/SubmitTask p99 {q['p99_ms']} ms quiet, "
+        f"{d['p99_ms']} ms during = {r['p99_ratio']}× (p50 {q['p50_ms']} → {d['p50_ms']} ms)"
+    )
 
 
 def sharding_rows(store: str, r: dict[str, Any]) -> list[tuple[str, str]]:
@@ -151,6 +160,9 @@ def main() -> None:
                         ),
                     )
                 )
+            step(f"cronoq on {store}: a bulk retry of FAILED tasks while another caller works")
+            bulk = run("bulk.py", "--tasks", "10000" if args.quick else "50000", *extra)
+            rows.append((f"cronoq {store}: RetryTasks of {bulk['tasks']:,} FAILED tasks", bulk_text(bulk)))
             step(f"cronoq on {store}: two shards (forwarding, ListTasks across shards, burn-down across shards)")
             small = ["--calls", "300", "--rounds", "1"] if args.quick else []
             rows += sharding_rows(store, run("sharding.py", "--tasks", tasks, *small, *extra))

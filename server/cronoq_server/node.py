@@ -20,6 +20,7 @@ from cronoq.v1 import worker_service_pb2
 from . import __version__
 from .auth import Authenticator, Principal
 from .config import PERMISSIONS, UNSHARDED, Config
+from .core.bulk import Bulk
 from .core.events import EVENT_RETENTION_EVERY_S, SEQUENCE_EVERY_S, EventBus
 from .core.leases import NUDGE_EVERY_S, Leases
 from .core.maintenance import Periodic, Services
@@ -85,6 +86,15 @@ class Node:
             self.gate,
             lambda: self.pauses.paused,
         )
+        self.bulk = Bulk(
+            self.tasks,
+            self.store,
+            self.events,
+            self.shard_name,
+            self.shard_number,
+            self.pools,
+            config.server.forward_timeout / 2,
+        )
         self.schedules = Schedules(config, self.store, self.events, self.tasks, self.pools)
         self.is_leader = False
         self.draining = False
@@ -114,6 +124,9 @@ class Node:
             "RetryTask": self.tasks.retry_task,
             "DeleteTask": self.tasks.delete_task,
             "ListTasks": self.tasks.list_tasks,
+            "CancelTasks": self.bulk.cancel_tasks,
+            "RetryTasks": self.bulk.retry_tasks,
+            "DeleteTasks": self.bulk.delete_tasks,
             "RegisterWorker": self.leases.register_worker,
             "LeaseTasks": self.leases.lease_tasks,
             "Heartbeat": self.leases.heartbeat,
@@ -440,7 +453,7 @@ def _count_submitted(method: str, request: Any, response: Any) -> None:
 
 
 # RPCs declared in the protos whose handlers are being built (answered UNIMPLEMENTED until then).
-_NOT_YET = ("CancelTasks", "RetryTasks", "DeleteTasks")
+_NOT_YET: tuple[str, ...] = ()
 
 
 def _not_yet(name: str) -> Callable[[Any, Principal], Awaitable[Message]]:

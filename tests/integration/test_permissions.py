@@ -1095,6 +1095,74 @@ def admin_rows() -> list[Call]:
     ]
 
 
+# Bulk actions: (permission, the state the action leaves its task in, the HTTP route).
+BULK = {
+    "CancelTasks": ("cancel", "TASK_STATE_CANCELLED", "bulk-cancel"),
+    "RetryTasks": ("submit", "TASK_STATE_PENDING", "bulk-retry"),
+    "DeleteTasks": ("admin", "deleted", "bulk-delete"),
+}
+
+
+def _ended_task(env: Env, tok: Tok | None) -> Target:
+    """A CANCELLED task of pool a: one that retry and delete apply to."""
+    target = env.fresh_task("a")
+    req = tpb.CancelTaskRequest(task=task_pb2.TaskRef(id=target.task_id))
+    env.stubs().tasks.CancelTask(req, metadata=env.as_("admin-all"), timeout=TIMEOUT)
+    return target
+
+
+def check_bulk(rpc: str, covered: Callable[[Tok], bool]) -> CheckFn:
+    """The bulk call changed the task exactly when the caller holds the permission and read on its pool."""
+    after = BULK[rpc][1]
+
+    def check(env: Env, tok: Tok, target: Target, out: Outcome) -> list[str]:
+        req = tpb.ListTasksRequest(pool="a", page_size=1000)
+        listed = env.stubs().tasks.ListTasks(req, metadata=env.as_("admin-all"), timeout=TIMEOUT).tasks
+        state = next((task_pb2.TaskState.Name(t.state) for t in listed if t.id == target.task_id), "deleted")
+        changed = int((out.body or {}).get("changed", 0))
+        ok = changed == 1 and state == after if covered(tok) else changed == 0 and state != after
+        return [] if ok else [f"changed {changed}, task {state} (covered: {covered(tok)})"]
+
+    return check
+
+
+def bulk_rows() -> list[Call]:
+    """A refused bulk call changes nothing (rule 5); an accepted one acts on the pools where the
+    caller holds the action's permission and read: the named pool, else every such pool."""
+    rows = []
+    for rpc, (permission, _, route) in BULK.items():
+        request = getattr(tpb, rpc.replace("Tasks", "TasksRequest"))
+        method = rpc
+
+        def covers(tok: Tok, permission: str = permission) -> bool:
+            return tok.may(permission, "a") and tok.may("read", "a")
+
+        prepare = (lambda env, tok: env.fresh_task("a")) if rpc == "CancelTasks" else _ended_task
+        # The pools covered without one named are chosen alike for the three: one row shows it.
+        for pool in ("a", "") if rpc == "CancelTasks" else ("a",):
+
+            def grpc_call(env: Env, t: Target, md: Metadata, request: Any = request, method: str = method,
+                          pool: str = pool) -> Any:  # fmt: skip
+                req = request(filter=tpb.TaskFilter(pool=pool, ids=[t.task_id]))
+                return getattr(env.tasks, method)(req, metadata=md, timeout=TIMEOUT)
+
+            def http_call(env: Env, t: Target, route: str = route, pool: str = pool) -> tuple[str, str, Any]:
+                return "POST", f"/v1/tasks/{route}", {"filter": {"pool": pool, "ids": [str(t.task_id)]}}
+
+            rows.append(
+                Call(
+                    f"{rpc}, pool {pool or '(none: the pools the caller may act on)'}",
+                    permission,
+                    (lambda tok, covers=covers: OK if covers(tok) else DENIED) if pool else holds(permission),
+                    grpc_call,
+                    http_call,
+                    prepare=prepare,
+                    check_ok=check_bulk(rpc, covers),
+                )
+            )
+    return rows
+
+
 def _admin_schedules(env: Env) -> list[tuple[str, str]]:
     req = spb.ListSchedulesRequest()
     listed = env.stubs().schedules.ListSchedules(req, metadata=env.as_("admin-all"), timeout=TIMEOUT).schedules
@@ -1238,7 +1306,7 @@ def pause_rows() -> list[Call]:
 def matrix_calls() -> list[Call]:
     return (
         submit_rows() + lookup_rows() + list_and_watch_rows() + worker_rows() + admin_rows() + schedule_rows()
-        + pause_rows()
+        + pause_rows() + bulk_rows()
     )  # fmt: skip
 
 
@@ -1364,6 +1432,7 @@ def seed(env: Env) -> None:
     env.register("full-a", ["a"], "only-a")
 
 
+@pytest.mark.timeout(300)  # a table of every call x credential: long, and longer on a busy machine
 def test_permission_matrix(env: Env) -> None:
     seed(env)
     run_matrix(env, matrix_calls(), CREDS)
@@ -1371,6 +1440,7 @@ def test_permission_matrix(env: Env) -> None:
     env.finish()
 
 
+@pytest.mark.timeout(300)  # a table of every call x credential: long, and longer on a busy machine
 def test_permission_matrix_mtls(mtls_env: Env) -> None:
     """The whole table over mTLS: every token column (sent with the certificate of CN=carrier,
     it must get what it gets over plaintext), a column per [[clients]] certificate without a

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +124,12 @@ def test_rolling_upgrade_from_the_last_release(release: Path, tmp_path: Path, re
         new = ServerProcess(tmp_path, config, name="new").start(wait_ready=False)
         servers.append(new)
         new.wait_ready(leader=False)
-        assert store_version(kind, store) == (SQLITE_LATEST if kind == "sqlite" else POSTGRES_LATEST)
+        latest = SQLITE_LATEST if kind == "sqlite" else POSTGRES_LATEST
+        # A standby answers /healthz before it has opened (and migrated) the store.
+        deadline = time.monotonic() + 20
+        while store_version(kind, store) != latest and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store_version(kind, store) == latest
         during = api.submit(payload=b"during")  # the old leader, on the migrated store
         worker = api.register()
         leased = {t.id: t for t in api.lease(worker, n=10)}

@@ -1,4 +1,4 @@
-"""How the answers of a fan-out read are asked of each shard and joined into one."""
+"""How the answers of a fan-out (a read, or a bulk action) are asked of each shard and joined into one."""
 
 from __future__ import annotations
 
@@ -19,6 +19,14 @@ from ..ids import shard_of
 
 class Merge:
     """How a fan-out read is asked of each shard, and how the answers are joined."""
+
+    # Whether the call changes tasks: each shard is then given server.forward_timeout to answer,
+    # not the few seconds a read waits for a shard.
+    changes = False
+
+    def pool(self, request: Any) -> str:
+        """The one pool the request names (its shard alone is asked); "": every shard."""
+        return getattr(request, "pool", "")
 
     def requests(self, request: Any, shards: list[ShardConfig]) -> dict[str, Message]:
         return {shard.name: request for shard in shards}
@@ -94,7 +102,31 @@ class TaskPages(Merge):
         return merged
 
 
+class BulkResults(Merge):
+    """A bulk action's answers: each shard's result listed, matched and changed summed."""
+
+    changes = True
+
+    def __init__(self, response: type[Message]):
+        self.response = response
+
+    def pool(self, request: Any) -> str:
+        return str(request.filter.pool)
+
+    def merge(self, request: Any, responses: list[Any], complete: bool = True) -> Message:
+        merged: Any = self.response()
+        for response in responses:
+            merged.shards.extend(response.shards)
+            merged.matched += response.matched
+            merged.changed += response.changed
+            merged.incomplete |= response.incomplete
+        return merged
+
+
 MERGES: dict[str, Merge] = {
+    "CancelTasks": BulkResults(task_pb.CancelTasksResponse),
+    "RetryTasks": BulkResults(task_pb.RetryTasksResponse),
+    "DeleteTasks": BulkResults(task_pb.DeleteTasksResponse),
     "ListTasks": TaskPages(),
     "ListWorkers": Concat(worker_pb.ListWorkersResponse, "workers"),
     "ListSchedules": Concat(schedule_pb.ListSchedulesResponse, "schedules"),

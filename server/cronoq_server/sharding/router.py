@@ -18,9 +18,12 @@ Each RPC's routing class (registry.Rpc.routing) picks one strategy in ShardRoute
   id order: ids carry their shard number in the top 8 bits, so the page token (the page's
   last id) tells which shards are done, which one continues after it, and which start over.
 - Watch (fan_out, streaming): merged from every shard, with a composite cursor; watch.py.
-- A standby answers the reads of its own shard (Get, Wait, listings, snapshot; not Watch) by
-  forwarding them to its leader, like a call for another shard (unsharded too); other calls
-  get UNAVAILABLE naming the leader.
+- A standby answers the reads of its own shard (Get, Wait, listings, snapshot; not Watch) and
+  its part of a bulk action by forwarding them to its leader, like a call for another shard
+  (unsharded too); other calls get UNAVAILABLE naming the leader.
+- Bulk actions (Cancel/Retry/DeleteTasks) fan out like reads, to the shards where the caller
+  holds the RPC's permission on some pool (or the filter's pool's shard), each given
+  server.forward_timeout; the results are listed per shard and summed (pages.BulkResults).
 
 A forwarded call carries the caller's own token and `cronoq-forwarded: 1`, with a deadline:
 the caller's time left, at most server.forward_timeout (a WaitTask: plus the wait it asks
@@ -190,13 +193,15 @@ class ShardRouter:
 
     def _read_at_leader(self, rpc: Rpc, call: Call) -> bool:
         """Whether this server, a standby, asks its leader for its shard's part of a read (the
-        dashboard and the read API work on a standby); changes are refused with the leader named."""
+        dashboard and the read API work on a standby) or of a bulk action (a fan-out, like a
+        read); other changes are refused with the leader named."""
+        merge = MERGES.get(rpc.name)
         return (
             not self.node.is_leader
             and not call.forwarded
             and not rpc.standby
             and not rpc.server_streaming
-            and "read" in (rpc.permission, rpc.or_permission)
+            and ("read" in (rpc.permission, rpc.or_permission) or (merge is not None and merge.changes))
         )
 
     async def _at_leader(self, rpc: Rpc, request: Message, call: Call) -> Message:
@@ -350,7 +355,7 @@ class ShardRouter:
         merge = MERGES[rpc.name]
         # The shards the caller may read a pool of: nothing of the others, not even that they are down.
         shards = [s for s in self.shards if may_read(call.caller, s, (rpc.permission, rpc.or_permission))]
-        pool = getattr(request, "pool", "")
+        pool = merge.pool(request)
         if pool:
             owner = self._shard_by_pool.get(pool)
             if owner is None:  # the Node names the unknown pool
@@ -358,7 +363,8 @@ class ShardRouter:
             self._require(rpc, call.caller, [pool])
             shards = [owner]
         requests = merge.requests(request, shards)
-        answers = await self._ask(rpc, requests, call, lambda answered: merge.enough(request, answered))
+        patience = self.peers.timeout(rpc, request, call.timeout) if merge.changes else PEER_READ_TIMEOUT_S
+        answers = await self._ask(rpc, requests, call, lambda answered: merge.enough(request, answered), patience)
         responses: list[Message] = []
         missing: list[str] = []
         for name, answer in answers.items():
@@ -378,11 +384,13 @@ class ShardRouter:
         requests: dict[str, Message],
         call: Call,
         enough: Callable[[list[Message]], bool] = lambda answered: False,
+        patience: float = PEER_READ_TIMEOUT_S,
     ) -> dict[str, Message | ApiError]:
-        """Each shard's answer (or refusal) to its request, asked in parallel, in shard order;
-        once the answers so far are `enough`, the later shards' are not waited for (nor named)."""
+        """Each shard's answer (or refusal) to its request, asked in parallel, in shard order,
+        waited for `patience` seconds at most; once the answers so far are `enough`, the later
+        shards' are not waited for (nor named)."""
         loop = asyncio.get_running_loop()
-        timeout = PEER_READ_TIMEOUT_S if call.timeout is None else min(call.timeout, PEER_READ_TIMEOUT_S)
+        timeout = patience if call.timeout is None else min(call.timeout, patience)
         deadline = loop.time() + timeout
 
         async def ask(shard: ShardConfig, request: Message) -> Message | ApiError:

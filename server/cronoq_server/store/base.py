@@ -179,6 +179,24 @@ class ScheduleRow:
     updated_at: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class TaskFilter:
+    """Which tasks a bulk action matches: those that match every field set (validated by the core).
+
+    Times are bounds in µs: *_after inclusive, *_before exclusive; a finished bound matches
+    ended tasks only. key_prefix and error_contains compare exactly (case-sensitive)."""
+
+    states: frozenset[State]
+    pools: list[str] | None = None  # None: every pool
+    created_after: int | None = None
+    created_before: int | None = None
+    finished_after: int | None = None
+    finished_before: int | None = None
+    key_prefix: str = ""
+    error_contains: str = ""
+    seqs: list[int] | None = None  # None: any task
+
+
 @dataclass(slots=True)
 class PoolPause:
     """A pool an operator paused (PausePool): nothing of it is leased until it is resumed."""
@@ -277,6 +295,9 @@ class Store(Protocol):
 
     # Steps of one Work stream (finish_and_lease calls) worth running at once.
     work_steps: int
+    # How long a batch of a bulk action should take: every other call waits behind it where the
+    # store has one writer (SQLite); elsewhere, longer batches spare round trips.
+    bulk_batch_s: float
 
     async def open(self) -> None:
         """Creates or migrates the schema; refuses (StoreRefused) a store of another shard or of
@@ -356,7 +377,16 @@ class Store(Protocol):
     async def expire_leases(self, now: int) -> tuple[Changes, list[tuple[int, int]]]:
         """Ends every lease past its expiry; returns the changes and the (seq, attempt) ended."""
 
-    async def cancel(self, seq: int, now: int) -> tuple[TaskRow | None, Changes]: ...
+    async def cancel(self, seq: int, now: int) -> tuple[TaskRow | None, Changes]:
+        """cancel_tasks of one task; returns it as the call left it (None: no such task)."""
+
+    async def cancel_tasks(self, seqs: list[int], now: int) -> tuple[list[int], Changes]:
+        """In one transaction: the PENDING and BLOCKED tasks among seqs are CANCELLED (their
+        BLOCKED dependents too, transitively), the RUNNING ones get cancel_requested; the rest
+        are left alone. Returns the seqs among seqs that changed, in order, and the changes."""
+
+    async def match_tasks(self, match: TaskFilter, after_seq: int, limit: int) -> list[tuple[int, State, str]]:
+        """(seq, state, pool) of at most limit tasks that match, after after_seq, in seq order."""
 
     async def purge(self, now: int) -> int:
         """Deletes terminal tasks past their pool's retention, with their attempts; returns how many."""

@@ -32,6 +32,7 @@ from .base import (
     State,
     StoreSettings,
     Submitted,
+    TaskFilter,
     TaskRow,
 )
 
@@ -451,3 +452,45 @@ def schedule_values(s: ScheduleRow, now: int) -> tuple[Any, ...]:
 def key_in_another_pool(err: ApiError) -> bool:
     """A fired slot's key already names another pool's task: that slot is skipped, not retried forever."""
     return err.reason == "KEY_IN_ANOTHER_POOL"
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """What the stores' SQL says differently for match_sql."""
+
+    mark: Callable[[int], str]  # the placeholder of the n-th parameter (1-based)
+    any_of: Callable[[str, str, str], str]  # (column, placeholder, SQL type): column is in the list
+    array: Callable[[list[Any]], Any]  # a list as that placeholder's value
+    contains: str  # "{0} contains {1}", case-sensitive, no pattern characters
+
+
+def match_sql(match: TaskFilter, after_seq: int, limit: int, dialect: Dialect) -> tuple[str, list[Any]]:
+    """The WHERE clause (with ORDER BY and LIMIT) of match_tasks, and its parameters."""
+    params: list[Any] = []
+
+    def p(value: Any) -> str:
+        params.append(value)
+        return dialect.mark(len(params))
+
+    where = [f"seq > {p(after_seq)}", f"state IN ({', '.join(str(int(s)) for s in sorted(match.states))})"]
+    if match.pools is not None:
+        pools = match.pools
+        # One pool: an equality, so the (pool, seq) index serves it in seq order.
+        where.append(
+            f"pool = {p(pools[0])}" if len(pools) == 1 else dialect.any_of("pool", p(dialect.array(pools)), "text")
+        )
+    if match.seqs is not None:
+        where.append(dialect.any_of("seq", p(dialect.array(match.seqs)), "bigint"))
+    bounds = (
+        ("created_at >=", match.created_after),
+        ("created_at <", match.created_before),
+        ("finished_at >=", match.finished_after),
+        ("finished_at <", match.finished_before),
+    )
+    where += [f"{column} {p(bound)}" for column, bound in bounds if bound is not None]
+    if match.key_prefix:
+        # Compared as text, not a LIKE pattern: % and _ in the prefix are plain characters.
+        where.append(f"substr(key, 1, {p(len(match.key_prefix))}) = {p(match.key_prefix)}")
+    if match.error_contains:
+        where.append(dialect.contains.format("error", p(match.error_contains)))
+    return " AND ".join(where) + f" ORDER BY seq LIMIT {p(limit)}", params

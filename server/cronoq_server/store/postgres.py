@@ -44,6 +44,7 @@ from .base import (
     StoreSettings,
     StoreUnavailable,
     Submitted,
+    TaskFilter,
     TaskRow,
     WorkerRow,
     schema_too_new,
@@ -56,6 +57,7 @@ from .logic import (
     POOL_PAUSE_UPSERT,
     SCHEDULE_COLUMNS,
     SCHEDULE_UPSERT,
+    Dialect,
     attempt_row,
     check_outcomes,
     check_pending_limits,
@@ -72,6 +74,7 @@ from .logic import (
     key_of_another_pool,
     lease_scan,
     limits_apply,
+    match_sql,
     not_leased,
     pool_pause,
     pool_pause_values,
@@ -85,6 +88,13 @@ from .logic import (
 
 log = logging.getLogger("cronoq.store.postgres")
 T = TypeVar("T")
+
+_DIALECT = Dialect(
+    mark=lambda n: f"${n}",
+    any_of=lambda column, mark, sql_type: f"{column} = ANY({mark}::{sql_type}[])",
+    array=list,
+    contains="strpos({0}, {1}) > 0",
+)
 
 MIGRATIONS: dict[int, list[str]] = {
     1: [
@@ -298,6 +308,9 @@ class PostgresStore:
     # Two steps of a Work stream at once, each leasing half the worker's slots: the database
     # works on one while the worker runs the tasks of the other.
     work_steps = 2
+    # Other calls run beside a batch (it locks only its own rows), and a batch costs round trips
+    # whatever its size (30 ms for 100 tasks, 42 ms for 1,000 on the 2-core machine).
+    bulk_batch_s = 0.1
 
     def __init__(self, url: str, schema: str, settings: StoreSettings, pool_size: int = 8):
         self.url = url
@@ -1141,23 +1154,49 @@ class PostgresStore:
 
     async def cancel(self, seq: int, now: int) -> tuple[TaskRow | None, Changes]:
         async def cancel(conn: asyncpg.Connection) -> tuple[TaskRow | None, Changes]:
-            rows = await self._select(conn, "seq = $1 FOR UPDATE", seq)
-            if not rows:
-                return None, []
-            row, changes = rows[0], []
-            if row.state in (State.PENDING, State.BLOCKED):
-                sql = "UPDATE {s}.tasks SET state = 6, error = 'cancelled', finished_at = $1 WHERE seq = $2"
-                await conn.execute(self._sql(sql), now, seq)
-                changes = [(seq, State.CANCELLED), *await self._end_dependents(conn, [seq], State.CANCELLED, now)]
-            elif row.state == State.RUNNING and not row.cancel_requested:
-                await conn.execute(self._sql("UPDATE {s}.tasks SET cancel_requested = true WHERE seq = $1"), seq)
-                changes = [(seq, State.RUNNING)]
-            if changes:
-                await self._record_events(conn, changes, [row.state] + [State.BLOCKED] * (len(changes) - 1), now)
-                row = (await self._select(conn, "seq = $1", seq))[0]
-            return row, changes
+            _, changes = await self._cancel_tasks(conn, [seq], now)
+            rows = await self._select(conn, "seq = $1", seq)
+            return (rows[0] if rows else None), changes
 
         return await self._tx(cancel)
+
+    async def cancel_tasks(self, seqs: list[int], now: int) -> tuple[list[int], Changes]:
+        return await self._tx(lambda conn: self._cancel_tasks(conn, seqs, now))
+
+    async def _cancel_tasks(self, conn: asyncpg.Connection, seqs: list[int], now: int) -> tuple[list[int], Changes]:
+        # Locked in seq order, as every change of several tasks does: no deadlock between them.
+        rows = await conn.fetch(
+            self._sql(
+                "SELECT seq, state FROM {s}.tasks WHERE seq = ANY($1::bigint[])"
+                " AND (state IN (1, 2) OR (state = 3 AND NOT cancel_requested)) ORDER BY seq FOR UPDATE"
+            ),
+            seqs,
+        )
+        ended = [(r[0], State(r[1])) for r in rows if r[1] != State.RUNNING]
+        requested = [r[0] for r in rows if r[1] == State.RUNNING]
+        await conn.execute(
+            self._sql(
+                "UPDATE {s}.tasks SET state = 6, error = 'cancelled', finished_at = $1 WHERE seq = ANY($2::bigint[])"
+            ),
+            now,
+            [seq for seq, _ in ended],
+        )
+        await conn.execute(
+            self._sql("UPDATE {s}.tasks SET cancel_requested = true WHERE seq = ANY($1::bigint[])"), requested
+        )
+        changes: Changes = [(seq, State.CANCELLED) for seq, _ in ended] + [(seq, State.RUNNING) for seq in requested]
+        prev = [state for _, state in ended] + [State.RUNNING] * len(requested)
+        dependents = await self._end_dependents(conn, [seq for seq, _ in ended], State.CANCELLED, now)
+        changes += dependents
+        prev += [State.BLOCKED] * len(dependents)
+        await self._record_events(conn, changes, prev, now)
+        return sorted([seq for seq, _ in ended] + requested), changes
+
+    async def match_tasks(self, match: TaskFilter, after_seq: int, limit: int) -> list[tuple[int, State, str]]:
+        where, params = match_sql(match, after_seq, limit, _DIALECT)
+        sql = self._sql(f"SELECT seq, state, pool FROM {{s}}.tasks WHERE {where}")
+        rows = await self._read(lambda c: c.fetch(sql, *params))
+        return [(r[0], State(r[1]), r[2]) for r in rows]
 
     async def purge(self, now: int) -> int:
         async def purge(conn: asyncpg.Connection) -> int:

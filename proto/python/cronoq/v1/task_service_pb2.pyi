@@ -508,21 +508,28 @@ class BulkShardResult(_message.Message):
     SHARD_FIELD_NUMBER: _builtins.int
     MATCHED_FIELD_NUMBER: _builtins.int
     CHANGED_FIELD_NUMBER: _builtins.int
+    INCOMPLETE_FIELD_NUMBER: _builtins.int
     shard: _builtins.str
     matched: _builtins.int
     """Tasks that matched the filter."""
     changed: _builtins.int
     """Tasks the action changed (a task that changed meanwhile is matched, not changed)."""
+    incomplete: _builtins.bool
+    """The shard stopped at its time bound (half of server.forward_timeout) before the end of the
+    matching tasks: what it did is counted; the same call again continues (it changes only
+    what is left).
+    """
     def __init__(
         self,
         *,
         shard: _builtins.str = ...,
         matched: _builtins.int = ...,
         changed: _builtins.int = ...,
+        incomplete: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "matched", b"matched", "shard", b"shard"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "incomplete", b"incomplete", "matched", b"matched", "shard", b"shard"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -560,8 +567,11 @@ class CancelTasksResponse(_message.Message):
     CHANGED_FIELD_NUMBER: _builtins.int
     SHARDS_FIELD_NUMBER: _builtins.int
     UNAVAILABLE_SHARDS_FIELD_NUMBER: _builtins.int
+    INCOMPLETE_FIELD_NUMBER: _builtins.int
     matched: _builtins.int
     changed: _builtins.int
+    incomplete: _builtins.bool
+    """Some shard stopped at its time bound (see BulkShardResult.incomplete): call again to continue."""
     @_builtins.property
     def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___BulkShardResult]: ...
     @_builtins.property
@@ -573,10 +583,11 @@ class CancelTasksResponse(_message.Message):
         changed: _builtins.int = ...,
         shards: _abc.Iterable[Global___BulkShardResult] | None = ...,
         unavailable_shards: _abc.Iterable[_builtins.str] | None = ...,
+        incomplete: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "matched", b"matched", "shards", b"shards", "unavailable_shards", b"unavailable_shards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "incomplete", b"incomplete", "matched", b"matched", "shards", b"shards", "unavailable_shards", b"unavailable_shards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -622,8 +633,11 @@ class RetryTasksResponse(_message.Message):
     CHANGED_FIELD_NUMBER: _builtins.int
     SHARDS_FIELD_NUMBER: _builtins.int
     UNAVAILABLE_SHARDS_FIELD_NUMBER: _builtins.int
+    INCOMPLETE_FIELD_NUMBER: _builtins.int
     matched: _builtins.int
     changed: _builtins.int
+    incomplete: _builtins.bool
+    """Some shard stopped at its time bound (see BulkShardResult.incomplete): call again to continue."""
     @_builtins.property
     def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___BulkShardResult]: ...
     @_builtins.property
@@ -635,10 +649,11 @@ class RetryTasksResponse(_message.Message):
         changed: _builtins.int = ...,
         shards: _abc.Iterable[Global___BulkShardResult] | None = ...,
         unavailable_shards: _abc.Iterable[_builtins.str] | None = ...,
+        incomplete: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "matched", b"matched", "shards", b"shards", "unavailable_shards", b"unavailable_shards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "incomplete", b"incomplete", "matched", b"matched", "shards", b"shards", "unavailable_shards", b"unavailable_shards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -675,8 +690,11 @@ class DeleteTasksResponse(_message.Message):
     CHANGED_FIELD_NUMBER: _builtins.int
     SHARDS_FIELD_NUMBER: _builtins.int
     UNAVAILABLE_SHARDS_FIELD_NUMBER: _builtins.int
+    INCOMPLETE_FIELD_NUMBER: _builtins.int
     matched: _builtins.int
     changed: _builtins.int
+    incomplete: _builtins.bool
+    """Some shard stopped at its time bound (see BulkShardResult.incomplete): call again to continue."""
     @_builtins.property
     def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___BulkShardResult]: ...
     @_builtins.property
@@ -688,10 +706,11 @@ class DeleteTasksResponse(_message.Message):
         changed: _builtins.int = ...,
         shards: _abc.Iterable[Global___BulkShardResult] | None = ...,
         unavailable_shards: _abc.Iterable[_builtins.str] | None = ...,
+        incomplete: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "matched", b"matched", "shards", b"shards", "unavailable_shards", b"unavailable_shards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "incomplete", b"incomplete", "matched", b"matched", "shards", b"shards", "unavailable_shards", b"unavailable_shards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -979,7 +979,11 @@ type BulkShardResult struct {
 	// Tasks that matched the filter.
 	Matched int64 `protobuf:"varint,2,opt,name=matched,proto3" json:"matched,omitempty"`
 	// Tasks the action changed (a task that changed meanwhile is matched, not changed).
-	Changed       int64 `protobuf:"varint,3,opt,name=changed,proto3" json:"changed,omitempty"`
+	Changed int64 `protobuf:"varint,3,opt,name=changed,proto3" json:"changed,omitempty"`
+	// The shard stopped at its time bound (half of server.forward_timeout) before the end of the
+	// matching tasks: what it did is counted; the same call again continues (it changes only
+	// what is left).
+	Incomplete    bool `protobuf:"varint,4,opt,name=incomplete,proto3" json:"incomplete,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1033,6 +1037,13 @@ func (x *BulkShardResult) GetChanged() int64 {
 		return x.Changed
 	}
 	return 0
+}
+
+func (x *BulkShardResult) GetIncomplete() bool {
+	if x != nil {
+		return x.Incomplete
+	}
+	return false
 }
 
 type CancelTasksRequest struct {
@@ -1094,8 +1105,10 @@ type CancelTasksResponse struct {
 	Changed           int64                  `protobuf:"varint,2,opt,name=changed,proto3" json:"changed,omitempty"`
 	Shards            []*BulkShardResult     `protobuf:"bytes,3,rep,name=shards,proto3" json:"shards,omitempty"`
 	UnavailableShards []string               `protobuf:"bytes,4,rep,name=unavailable_shards,json=unavailableShards,proto3" json:"unavailable_shards,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// Some shard stopped at its time bound (see BulkShardResult.incomplete): call again to continue.
+	Incomplete    bool `protobuf:"varint,5,opt,name=incomplete,proto3" json:"incomplete,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *CancelTasksResponse) Reset() {
@@ -1154,6 +1167,13 @@ func (x *CancelTasksResponse) GetUnavailableShards() []string {
 		return x.UnavailableShards
 	}
 	return nil
+}
+
+func (x *CancelTasksResponse) GetIncomplete() bool {
+	if x != nil {
+		return x.Incomplete
+	}
+	return false
 }
 
 type RetryTasksRequest struct {
@@ -1231,8 +1251,10 @@ type RetryTasksResponse struct {
 	Changed           int64                  `protobuf:"varint,2,opt,name=changed,proto3" json:"changed,omitempty"`
 	Shards            []*BulkShardResult     `protobuf:"bytes,3,rep,name=shards,proto3" json:"shards,omitempty"`
 	UnavailableShards []string               `protobuf:"bytes,4,rep,name=unavailable_shards,json=unavailableShards,proto3" json:"unavailable_shards,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// Some shard stopped at its time bound (see BulkShardResult.incomplete): call again to continue.
+	Incomplete    bool `protobuf:"varint,5,opt,name=incomplete,proto3" json:"incomplete,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RetryTasksResponse) Reset() {
@@ -1293,6 +1315,13 @@ func (x *RetryTasksResponse) GetUnavailableShards() []string {
 	return nil
 }
 
+func (x *RetryTasksResponse) GetIncomplete() bool {
+	if x != nil {
+		return x.Incomplete
+	}
+	return false
+}
+
 type DeleteTasksRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Filter        *TaskFilter            `protobuf:"bytes,1,opt,name=filter,proto3" json:"filter,omitempty"`
@@ -1351,8 +1380,10 @@ type DeleteTasksResponse struct {
 	Changed           int64                  `protobuf:"varint,2,opt,name=changed,proto3" json:"changed,omitempty"`
 	Shards            []*BulkShardResult     `protobuf:"bytes,3,rep,name=shards,proto3" json:"shards,omitempty"`
 	UnavailableShards []string               `protobuf:"bytes,4,rep,name=unavailable_shards,json=unavailableShards,proto3" json:"unavailable_shards,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// Some shard stopped at its time bound (see BulkShardResult.incomplete): call again to continue.
+	Incomplete    bool `protobuf:"varint,5,opt,name=incomplete,proto3" json:"incomplete,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *DeleteTasksResponse) Reset() {
@@ -1411,6 +1442,13 @@ func (x *DeleteTasksResponse) GetUnavailableShards() []string {
 		return x.UnavailableShards
 	}
 	return nil
+}
+
+func (x *DeleteTasksResponse) GetIncomplete() bool {
+	if x != nil {
+		return x.Incomplete
+	}
+	return false
 }
 
 type ListTasksRequest struct {
@@ -1751,37 +1789,49 @@ const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"\n" +
 	"key_prefix\x18\a \x01(\tR\tkeyPrefix\x12%\n" +
 	"\x0eerror_contains\x18\b \x01(\tR\rerrorContains\x12\x10\n" +
-	"\x03ids\x18\t \x03(\x04R\x03ids\"[\n" +
+	"\x03ids\x18\t \x03(\x04R\x03ids\"{\n" +
 	"\x0fBulkShardResult\x12\x14\n" +
 	"\x05shard\x18\x01 \x01(\tR\x05shard\x12\x18\n" +
 	"\amatched\x18\x02 \x01(\x03R\amatched\x12\x18\n" +
-	"\achanged\x18\x03 \x01(\x03R\achanged\"\\\n" +
+	"\achanged\x18\x03 \x01(\x03R\achanged\x12\x1e\n" +
+	"\n" +
+	"incomplete\x18\x04 \x01(\bR\n" +
+	"incomplete\"\\\n" +
 	"\x12CancelTasksRequest\x12-\n" +
 	"\x06filter\x18\x01 \x01(\v2\x15.cronoq.v1.TaskFilterR\x06filter\x12\x17\n" +
-	"\adry_run\x18\x02 \x01(\bR\x06dryRun\"\xac\x01\n" +
+	"\adry_run\x18\x02 \x01(\bR\x06dryRun\"\xcc\x01\n" +
 	"\x13CancelTasksResponse\x12\x18\n" +
 	"\amatched\x18\x01 \x01(\x03R\amatched\x12\x18\n" +
 	"\achanged\x18\x02 \x01(\x03R\achanged\x122\n" +
 	"\x06shards\x18\x03 \x03(\v2\x1a.cronoq.v1.BulkShardResultR\x06shards\x12-\n" +
-	"\x12unavailable_shards\x18\x04 \x03(\tR\x11unavailableShards\"\xb5\x01\n" +
+	"\x12unavailable_shards\x18\x04 \x03(\tR\x11unavailableShards\x12\x1e\n" +
+	"\n" +
+	"incomplete\x18\x05 \x01(\bR\n" +
+	"incomplete\"\xb5\x01\n" +
 	"\x11RetryTasksRequest\x12-\n" +
 	"\x06filter\x18\x01 \x01(\v2\x15.cronoq.v1.TaskFilterR\x06filter\x12\x17\n" +
 	"\adry_run\x18\x02 \x01(\bR\x06dryRun\x121\n" +
 	"\x06run_at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x05runAt\x12%\n" +
-	"\x0eextra_attempts\x18\x04 \x01(\x05R\rextraAttempts\"\xab\x01\n" +
+	"\x0eextra_attempts\x18\x04 \x01(\x05R\rextraAttempts\"\xcb\x01\n" +
 	"\x12RetryTasksResponse\x12\x18\n" +
 	"\amatched\x18\x01 \x01(\x03R\amatched\x12\x18\n" +
 	"\achanged\x18\x02 \x01(\x03R\achanged\x122\n" +
 	"\x06shards\x18\x03 \x03(\v2\x1a.cronoq.v1.BulkShardResultR\x06shards\x12-\n" +
-	"\x12unavailable_shards\x18\x04 \x03(\tR\x11unavailableShards\"\\\n" +
+	"\x12unavailable_shards\x18\x04 \x03(\tR\x11unavailableShards\x12\x1e\n" +
+	"\n" +
+	"incomplete\x18\x05 \x01(\bR\n" +
+	"incomplete\"\\\n" +
 	"\x12DeleteTasksRequest\x12-\n" +
 	"\x06filter\x18\x01 \x01(\v2\x15.cronoq.v1.TaskFilterR\x06filter\x12\x17\n" +
-	"\adry_run\x18\x02 \x01(\bR\x06dryRun\"\xac\x01\n" +
+	"\adry_run\x18\x02 \x01(\bR\x06dryRun\"\xcc\x01\n" +
 	"\x13DeleteTasksResponse\x12\x18\n" +
 	"\amatched\x18\x01 \x01(\x03R\amatched\x12\x18\n" +
 	"\achanged\x18\x02 \x01(\x03R\achanged\x122\n" +
 	"\x06shards\x18\x03 \x03(\v2\x1a.cronoq.v1.BulkShardResultR\x06shards\x12-\n" +
-	"\x12unavailable_shards\x18\x04 \x03(\tR\x11unavailableShards\"\xc3\x01\n" +
+	"\x12unavailable_shards\x18\x04 \x03(\tR\x11unavailableShards\x12\x1e\n" +
+	"\n" +
+	"incomplete\x18\x05 \x01(\bR\n" +
+	"incomplete\"\xc3\x01\n" +
 	"\x10ListTasksRequest\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12*\n" +
 	"\x05state\x18\x02 \x01(\x0e2\x14.cronoq.v1.TaskStateR\x05state\x12\x1b\n" +

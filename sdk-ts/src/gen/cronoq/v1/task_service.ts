@@ -195,6 +195,12 @@ export interface BulkShardResult {
   matched: bigint;
   /** Tasks the action changed (a task that changed meanwhile is matched, not changed). */
   changed: bigint;
+  /**
+   * The shard stopped at its time bound (half of server.forward_timeout) before the end of the
+   * matching tasks: what it did is counted; the same call again continues (it changes only
+   * what is left).
+   */
+  incomplete: boolean;
 }
 
 export interface CancelTasksRequest {
@@ -210,6 +216,8 @@ export interface CancelTasksResponse {
   changed: bigint;
   shards: BulkShardResult[];
   unavailableShards: string[];
+  /** Some shard stopped at its time bound (see BulkShardResult.incomplete): call again to continue. */
+  incomplete: boolean;
 }
 
 export interface RetryTasksRequest {
@@ -225,6 +233,8 @@ export interface RetryTasksResponse {
   changed: bigint;
   shards: BulkShardResult[];
   unavailableShards: string[];
+  /** Some shard stopped at its time bound (see BulkShardResult.incomplete): call again to continue. */
+  incomplete: boolean;
 }
 
 export interface DeleteTasksRequest {
@@ -237,6 +247,8 @@ export interface DeleteTasksResponse {
   changed: bigint;
   shards: BulkShardResult[];
   unavailableShards: string[];
+  /** Some shard stopped at its time bound (see BulkShardResult.incomplete): call again to continue. */
+  incomplete: boolean;
 }
 
 export interface ListTasksRequest {
@@ -2143,7 +2155,7 @@ export const TaskFilter: MessageFns<TaskFilter> = {
 };
 
 function createBaseBulkShardResult(): BulkShardResult {
-  return { shard: "", matched: 0n, changed: 0n };
+  return { shard: "", matched: 0n, changed: 0n, incomplete: false };
 }
 
 export const BulkShardResult: MessageFns<BulkShardResult> = {
@@ -2162,6 +2174,9 @@ export const BulkShardResult: MessageFns<BulkShardResult> = {
         throw new globalThis.Error("value provided for field message.changed of type int64 too large");
       }
       writer.uint32(24).int64(message.changed);
+    }
+    if (message.incomplete !== false) {
+      writer.uint32(32).bool(message.incomplete);
     }
     return writer;
   },
@@ -2203,6 +2218,14 @@ export const BulkShardResult: MessageFns<BulkShardResult> = {
             message.changed = reader.int64() as bigint;
             continue;
           }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.incomplete = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2220,6 +2243,7 @@ export const BulkShardResult: MessageFns<BulkShardResult> = {
       shard: isSet(object.shard) ? globalThis.String(object.shard) : "",
       matched: isSet(object.matched) ? BigInt(object.matched) : 0n,
       changed: isSet(object.changed) ? BigInt(object.changed) : 0n,
+      incomplete: isSet(object.incomplete) ? globalThis.Boolean(object.incomplete) : false,
     };
   },
 
@@ -2234,6 +2258,9 @@ export const BulkShardResult: MessageFns<BulkShardResult> = {
     if (message.changed !== 0n) {
       obj.changed = message.changed.toString();
     }
+    if (message.incomplete !== false) {
+      obj.incomplete = message.incomplete;
+    }
     return obj;
   },
 
@@ -2245,6 +2272,7 @@ export const BulkShardResult: MessageFns<BulkShardResult> = {
     message.shard = object.shard ?? "";
     message.matched = (object.matched !== undefined && object.matched !== null) ? BigInt(object.matched) : 0n;
     message.changed = (object.changed !== undefined && object.changed !== null) ? BigInt(object.changed) : 0n;
+    message.incomplete = object.incomplete ?? false;
     return message;
   },
 };
@@ -2341,7 +2369,7 @@ export const CancelTasksRequest: MessageFns<CancelTasksRequest> = {
 };
 
 function createBaseCancelTasksResponse(): CancelTasksResponse {
-  return { matched: 0n, changed: 0n, shards: [], unavailableShards: [] };
+  return { matched: 0n, changed: 0n, shards: [], unavailableShards: [], incomplete: false };
 }
 
 export const CancelTasksResponse: MessageFns<CancelTasksResponse> = {
@@ -2363,6 +2391,9 @@ export const CancelTasksResponse: MessageFns<CancelTasksResponse> = {
     }
     for (const v of message.unavailableShards) {
       writer.uint32(34).string(v!);
+    }
+    if (message.incomplete !== false) {
+      writer.uint32(40).bool(message.incomplete);
     }
     return writer;
   },
@@ -2412,6 +2443,14 @@ export const CancelTasksResponse: MessageFns<CancelTasksResponse> = {
             message.unavailableShards.push(reader.string());
             continue;
           }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.incomplete = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2436,6 +2475,7 @@ export const CancelTasksResponse: MessageFns<CancelTasksResponse> = {
         : globalThis.Array.isArray(object?.unavailable_shards)
         ? object.unavailable_shards.map((e: any) => globalThis.String(e))
         : [],
+      incomplete: isSet(object.incomplete) ? globalThis.Boolean(object.incomplete) : false,
     };
   },
 
@@ -2453,6 +2493,9 @@ export const CancelTasksResponse: MessageFns<CancelTasksResponse> = {
     if (message.unavailableShards?.length) {
       obj.unavailableShards = message.unavailableShards;
     }
+    if (message.incomplete !== false) {
+      obj.incomplete = message.incomplete;
+    }
     return obj;
   },
 
@@ -2465,6 +2508,7 @@ export const CancelTasksResponse: MessageFns<CancelTasksResponse> = {
     message.changed = (object.changed !== undefined && object.changed !== null) ? BigInt(object.changed) : 0n;
     message.shards = object.shards?.map((e) => BulkShardResult.fromPartial(e)) || [];
     message.unavailableShards = object.unavailableShards?.map((e) => e) || [];
+    message.incomplete = object.incomplete ?? false;
     return message;
   },
 };
@@ -2603,7 +2647,7 @@ export const RetryTasksRequest: MessageFns<RetryTasksRequest> = {
 };
 
 function createBaseRetryTasksResponse(): RetryTasksResponse {
-  return { matched: 0n, changed: 0n, shards: [], unavailableShards: [] };
+  return { matched: 0n, changed: 0n, shards: [], unavailableShards: [], incomplete: false };
 }
 
 export const RetryTasksResponse: MessageFns<RetryTasksResponse> = {
@@ -2625,6 +2669,9 @@ export const RetryTasksResponse: MessageFns<RetryTasksResponse> = {
     }
     for (const v of message.unavailableShards) {
       writer.uint32(34).string(v!);
+    }
+    if (message.incomplete !== false) {
+      writer.uint32(40).bool(message.incomplete);
     }
     return writer;
   },
@@ -2674,6 +2721,14 @@ export const RetryTasksResponse: MessageFns<RetryTasksResponse> = {
             message.unavailableShards.push(reader.string());
             continue;
           }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.incomplete = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2698,6 +2753,7 @@ export const RetryTasksResponse: MessageFns<RetryTasksResponse> = {
         : globalThis.Array.isArray(object?.unavailable_shards)
         ? object.unavailable_shards.map((e: any) => globalThis.String(e))
         : [],
+      incomplete: isSet(object.incomplete) ? globalThis.Boolean(object.incomplete) : false,
     };
   },
 
@@ -2715,6 +2771,9 @@ export const RetryTasksResponse: MessageFns<RetryTasksResponse> = {
     if (message.unavailableShards?.length) {
       obj.unavailableShards = message.unavailableShards;
     }
+    if (message.incomplete !== false) {
+      obj.incomplete = message.incomplete;
+    }
     return obj;
   },
 
@@ -2727,6 +2786,7 @@ export const RetryTasksResponse: MessageFns<RetryTasksResponse> = {
     message.changed = (object.changed !== undefined && object.changed !== null) ? BigInt(object.changed) : 0n;
     message.shards = object.shards?.map((e) => BulkShardResult.fromPartial(e)) || [];
     message.unavailableShards = object.unavailableShards?.map((e) => e) || [];
+    message.incomplete = object.incomplete ?? false;
     return message;
   },
 };
@@ -2823,7 +2883,7 @@ export const DeleteTasksRequest: MessageFns<DeleteTasksRequest> = {
 };
 
 function createBaseDeleteTasksResponse(): DeleteTasksResponse {
-  return { matched: 0n, changed: 0n, shards: [], unavailableShards: [] };
+  return { matched: 0n, changed: 0n, shards: [], unavailableShards: [], incomplete: false };
 }
 
 export const DeleteTasksResponse: MessageFns<DeleteTasksResponse> = {
@@ -2845,6 +2905,9 @@ export const DeleteTasksResponse: MessageFns<DeleteTasksResponse> = {
     }
     for (const v of message.unavailableShards) {
       writer.uint32(34).string(v!);
+    }
+    if (message.incomplete !== false) {
+      writer.uint32(40).bool(message.incomplete);
     }
     return writer;
   },
@@ -2894,6 +2957,14 @@ export const DeleteTasksResponse: MessageFns<DeleteTasksResponse> = {
             message.unavailableShards.push(reader.string());
             continue;
           }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.incomplete = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2918,6 +2989,7 @@ export const DeleteTasksResponse: MessageFns<DeleteTasksResponse> = {
         : globalThis.Array.isArray(object?.unavailable_shards)
         ? object.unavailable_shards.map((e: any) => globalThis.String(e))
         : [],
+      incomplete: isSet(object.incomplete) ? globalThis.Boolean(object.incomplete) : false,
     };
   },
 
@@ -2935,6 +3007,9 @@ export const DeleteTasksResponse: MessageFns<DeleteTasksResponse> = {
     if (message.unavailableShards?.length) {
       obj.unavailableShards = message.unavailableShards;
     }
+    if (message.incomplete !== false) {
+      obj.incomplete = message.incomplete;
+    }
     return obj;
   },
 
@@ -2947,6 +3022,7 @@ export const DeleteTasksResponse: MessageFns<DeleteTasksResponse> = {
     message.changed = (object.changed !== undefined && object.changed !== null) ? BigInt(object.changed) : 0n;
     message.shards = object.shards?.map((e) => BulkShardResult.fromPartial(e)) || [];
     message.unavailableShards = object.unavailableShards?.map((e) => e) || [];
+    message.incomplete = object.incomplete ?? false;
     return message;
   },
 };
