@@ -389,11 +389,6 @@ BulkResponse = (
 )
 
 
-def _incomplete(resp: BulkResponse) -> bool:
-    """The server stopped at its time bound before the end of the matching tasks."""
-    return bool(getattr(resp, "incomplete", False))
-
-
 def add_bulk(total: BulkResponse, more: BulkResponse) -> BulkResponse:
     """Two answers of the same bulk call as one: counts summed per shard; the shards not
     reached by either; incomplete as the later says."""
@@ -408,8 +403,7 @@ def add_bulk(total: BulkResponse, more: BulkResponse) -> BulkResponse:
         else:
             merged.shards.add().CopyFrom(result)
     merged.unavailable_shards.extend(s for s in more.unavailable_shards if s not in merged.unavailable_shards)
-    if hasattr(merged, "incomplete"):
-        merged.incomplete = _incomplete(more)
+    merged.incomplete = more.incomplete
     return merged
 
 
@@ -418,7 +412,7 @@ def format_bulk(action: str, resp: BulkResponse, dry_run: bool) -> list[str]:
     if dry_run:
         rows: list[tuple[Any, ...]] = [(r.shard or "-", r.matched) for r in resp.shards]
         lines = format_table(("SHARD", "MATCHED"), rows)
-        if _incomplete(resp):
+        if resp.incomplete:
             return [*lines, f"dry run: at least {resp.matched} task(s) match (the count stopped at the server's "
                             "time bound); nothing changed"]  # fmt: skip
         return [*lines, f"dry run: {resp.matched} task(s) match; nothing changed"]
@@ -457,7 +451,7 @@ async def run_bulk(args: argparse.Namespace, action: str) -> int:
                 print(f"cronoq {_title(args)}: no task matches {_describe(args)}; nothing to do", file=sys.stderr)
                 _warn_unavailable(args, preview.unavailable_shards)
                 return EXIT_UNAVAILABLE if preview.unavailable_shards else 0
-            count = f"at least {preview.matched}" if _incomplete(preview) else str(preview.matched)
+            count = f"at least {preview.matched}" if preview.incomplete else str(preview.matched)
             question = f"{action} {count} task(s) that match {_describe(args)}"
             if preview.unavailable_shards:
                 question += f" (shards not reached: {', '.join(preview.unavailable_shards)})"
@@ -465,7 +459,7 @@ async def run_bulk(args: argparse.Namespace, action: str) -> int:
                 print(f"cronoq {_title(args)}: not confirmed; nothing changed", file=sys.stderr)
                 return EXIT_ERROR
         resp = await call(args.dry_run)
-        while not args.dry_run and _incomplete(resp):
+        while not args.dry_run and resp.incomplete:
             if progress:
                 print(f"\r{DONE[action]} {resp.changed} task(s) so far...", end="", file=sys.stderr, flush=True)
             resp = add_bulk(resp, await call(False))

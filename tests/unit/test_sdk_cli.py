@@ -303,6 +303,10 @@ def test_bulk_output_per_shard() -> None:
         "gpu         12",
         "dry run: 40012 task(s) match; nothing changed",
     ]
+    resp.incomplete = True
+    assert cli.format_bulk("delete", resp, dry_run=True)[-1] == (
+        "dry run: at least 40012 task(s) match (the count stopped at the server's time bound); nothing changed"
+    )
 
 
 def test_attempts_table() -> None:
@@ -342,7 +346,11 @@ def test_pools_table_across_shards() -> None:
 def test_answers_of_a_repeated_bulk_call_add_up() -> None:
     shard = task_service_pb2.BulkShardResult
     first = task_service_pb2.CancelTasksResponse(
-        matched=300, changed=290, shards=[shard(shard="cpu", matched=300, changed=290)], unavailable_shards=["gpu"]
+        matched=300,
+        changed=290,
+        shards=[shard(shard="cpu", matched=300, changed=290, incomplete=True)],
+        unavailable_shards=["gpu"],
+        incomplete=True,
     )
     second = task_service_pb2.CancelTasksResponse(
         matched=15,
@@ -351,5 +359,6 @@ def test_answers_of_a_repeated_bulk_call_add_up() -> None:
     )
     total = cli.add_bulk(first, second)
     assert (total.matched, total.changed, list(total.unavailable_shards)) == (315, 305, ["gpu"])
+    assert not total.incomplete  # as the later answer says
     assert [(r.shard, r.matched, r.changed) for r in total.shards] == [("cpu", 310, 300), ("gpu", 5, 5)]
     assert first.matched == 300 and len(first.shards) == 1  # the answers themselves are left as they were
