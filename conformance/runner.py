@@ -182,7 +182,7 @@ def two_shards(workdir: Path) -> Iterator[dict[str, str]]:
                 "name": "conformance",
                 "sha256": hashlib.sha256(TOKEN.encode()).hexdigest(),
                 "pools": ["*"],
-                "permissions": ["submit", "read", "cancel", "work"],
+                "permissions": ["submit", "read", "cancel", "work", "admin"],
             }
         ],
     }
