@@ -1,11 +1,7 @@
 """The CLI's day-2 operations against real servers: retry and delete a task, the bulk forms of
-cancel, retry and delete (--all-matching, --dry-run, the confirmation, a shard down), the
-attempt history (get --attempts), and pools (list, pause, resume).
-
-Written to the API contract (task_service.proto, admin_service.proto): the tests of a server
-feature pass once its handlers (RetryTask/DeleteTask, CancelTasks/RetryTasks/DeleteTasks,
-PausePool/ResumePool, GetTaskRequest.include_attempts) are in; until then the server answers
-UNIMPLEMENTED (exit 1).
+cancel, retry and delete (--all-matching, --dry-run, the confirmation on a terminal, a long
+action answered in parts, a shard down), the attempt history (get --attempts), and pools
+(list, pause, resume); and the SDK calls under them, through SyncClient.
 """
 
 from __future__ import annotations
@@ -308,3 +304,25 @@ def test_pools_pause_and_resume(server: Any) -> None:
     (leased,) = eventually(lambda: api.lease(worker, n=1), what="the task leased after resume")
     assert leased.id == task.id
     assert run(server, "pools", "pause", "nope")[0] in (EXIT_BAD_INPUT, EXIT_NOT_FOUND)
+
+
+def test_the_sync_client_has_the_same_calls(server: Any) -> None:
+    """The SDK's calls under the CLI, through SyncClient (which wraps Client's)."""
+    import cronoq
+
+    api = Api(server.grpc_target)
+    failed = failed_task(api, "sync-1")
+    with cronoq.SyncClient(server.endpoint) as client:
+        got = client.get("sync-1", include_attempts=True)
+        assert got.task.id == failed.id and [a.outcome for a in got.attempts] == [cronoq.AttemptOutcome.Value(
+            "ATTEMPT_OUTCOME_FAILED")]  # fmt: skip
+        assert client.get(failed.id).id == failed.id  # a Task without include_attempts
+        retried = client.retry("sync-1", extra_attempts=2, run_at=dt.datetime.now(dt.UTC) + dt.timedelta(hours=1))
+        assert retried.task.state == task_pb2.TASK_STATE_PENDING and retried.task.max_attempts == 3
+        filt = cronoq.task_filter("default", key_prefix="sync-")
+        assert client.cancel_tasks(filt, dry_run=True).matched == 1
+        assert client.cancel_tasks(filt).changed == 1
+        assert client.retry_tasks(filt, dry_run=True).matched == 1
+        assert client.delete_tasks(filt, dry_run=True).matched == 1
+        assert client.delete("sync-1") == failed.id
+        assert client.pause_pool("other").paused and not client.resume_pool("other").paused
