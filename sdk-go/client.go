@@ -99,12 +99,7 @@ func (s TaskSpec) proto() (*cronoqv1.SubmitTaskRequest, error) {
 	if s.Timeout > 0 {
 		req.TimeoutMs = max(s.Timeout.Milliseconds(), 1)
 	}
-	switch {
-	case !s.RunAt.IsZero():
-		req.RunAt = timestamppb.New(s.RunAt)
-	case s.Delay > 0:
-		req.RunAt = timestamppb.New(time.Now().Add(s.Delay))
-	}
+	req.RunAt = runAt(s.RunAt, s.Delay)
 	for _, d := range s.DependsOn {
 		ref, err := d.proto()
 		if err != nil {
@@ -113,6 +108,17 @@ func (s TaskSpec) proto() (*cronoqv1.SubmitTaskRequest, error) {
 		req.DependsOn = append(req.DependsOn, ref)
 	}
 	return req, nil
+}
+
+// runAt is "not before at, or now + delay": nil (now) when neither is set; at wins.
+func runAt(at time.Time, delay time.Duration) *timestamppb.Timestamp {
+	switch {
+	case !at.IsZero():
+		return timestamppb.New(at)
+	case delay > 0:
+		return timestamppb.New(time.Now().Add(delay))
+	}
+	return nil
 }
 
 // NewRequestID is a fresh request id: the server answers a repeated one with what the
@@ -170,16 +176,38 @@ func (c *Client) SubmitBatch(ctx context.Context, specs []TaskSpec) (*cronoqv1.S
 
 // Get reads one task.
 func (c *Client) Get(ctx context.Context, ref TaskRef) (*Task, error) {
+	resp, err := c.getTask(ctx, ref, false)
+	return resp.GetTask(), err
+}
+
+func (c *Client) getTask(ctx context.Context, ref TaskRef, includeAttempts bool) (*cronoqv1.GetTaskResponse, error) {
 	r, err := ref.proto()
 	if err != nil {
 		return nil, err
 	}
+	req := &cronoqv1.GetTaskRequest{Task: r, IncludeAttempts: includeAttempts}
 	var resp *cronoqv1.GetTaskResponse
 	err = c.conn.invoke(ctx, "GetTask", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
-		resp, err = cronoqv1.NewTaskServiceClient(cc).GetTask(ctx, &cronoqv1.GetTaskRequest{Task: r}, opts...)
+		resp, err = cronoqv1.NewTaskServiceClient(cc).GetTask(ctx, req, opts...)
 		return err
 	})
-	return resp.GetTask(), err
+	return resp, err
+}
+
+// TaskWithAttempts is a GetWithAttempts's answer: the task and its attempts, oldest first
+// (one running now is last, with outcome AttemptOutcomeRunning and no EndedAt).
+type TaskWithAttempts struct {
+	Task     *Task
+	Attempts []*Attempt
+}
+
+// GetWithAttempts reads one task with the history of its attempts (Get without it).
+func (c *Client) GetWithAttempts(ctx context.Context, ref TaskRef) (*TaskWithAttempts, error) {
+	resp, err := c.getTask(ctx, ref, true)
+	if err != nil {
+		return nil, err
+	}
+	return &TaskWithAttempts{Task: resp.GetTask(), Attempts: resp.GetAttempts()}, nil
 }
 
 // Waited is a Wait's answer: the task, and whether it is terminal.
@@ -218,6 +246,203 @@ func (c *Client) Cancel(ctx context.Context, ref TaskRef) (*Task, error) {
 		return err
 	})
 	return resp.GetTask(), err
+}
+
+// RetryOptions say when a retried task may run again and how many attempts it gets.
+type RetryOptions struct {
+	// RunAt: not before this time; Delay: not before now + Delay (RunAt wins when both are
+	// set); neither: now.
+	RunAt time.Time
+	Delay time.Duration
+	// ExtraAttempts: how many more attempts a task that used all of its attempts gets
+	// (0 to 1000; 0: 1). A task with attempts left keeps them.
+	ExtraAttempts int32
+}
+
+// Retried is a Retry's answer.
+type Retried struct {
+	// Task: PENDING again, its attempts kept.
+	Task *Task
+	// DependentsRestored: how many of its dependents, ended because it ended, wait for it again.
+	DependentsRestored int64
+}
+
+// Retry puts a FAILED or CANCELLED task back to PENDING, keeping its attempts and their
+// history. Another state is FAILED_PRECONDITION.
+func (c *Client) Retry(ctx context.Context, ref TaskRef, opts RetryOptions) (*Retried, error) {
+	r, err := ref.proto()
+	if err != nil {
+		return nil, err
+	}
+	req := &cronoqv1.RetryTaskRequest{Task: r, RunAt: runAt(opts.RunAt, opts.Delay), ExtraAttempts: opts.ExtraAttempts}
+	var resp *cronoqv1.RetryTaskResponse
+	err = c.conn.invoke(ctx, "RetryTask", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, callOpts ...grpc.CallOption) (err error) {
+		resp, err = cronoqv1.NewTaskServiceClient(cc).RetryTask(ctx, req, callOpts...)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &Retried{Task: resp.GetTask(), DependentsRestored: resp.GetDependentsRestored()}, nil
+}
+
+// Delete deletes an ended task (SUCCEEDED, FAILED or CANCELLED) with its attempts and
+// events, and returns its id. An unfinished task is FAILED_PRECONDITION (Cancel it first).
+func (c *Client) Delete(ctx context.Context, ref TaskRef) (uint64, error) {
+	r, err := ref.proto()
+	if err != nil {
+		return 0, err
+	}
+	var resp *cronoqv1.DeleteTaskResponse
+	err = c.conn.invoke(ctx, "DeleteTask", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
+		resp, err = cronoqv1.NewTaskServiceClient(cc).DeleteTask(ctx, &cronoqv1.DeleteTaskRequest{Task: r}, opts...)
+		return err
+	})
+	return resp.GetId(), err
+}
+
+// TaskFilter selects the tasks of a bulk action: those that match every field set. An
+// unset field matches every task.
+type TaskFilter struct {
+	// Pool: empty for every pool the caller may act on.
+	Pool string
+	// States: empty for every state the action applies to (cancel: PENDING, BLOCKED,
+	// RUNNING; retry: FAILED, CANCELLED; delete: SUCCEEDED, FAILED, CANCELLED); a state
+	// outside those is refused.
+	States []TaskState
+	// Created and finished within these bounds (a zero time: no bound).
+	CreatedAfter, CreatedBefore   time.Time
+	FinishedAfter, FinishedBefore time.Time
+	// KeyPrefix: tasks whose key starts with this (at most 256 bytes).
+	KeyPrefix string
+	// ErrorContains: tasks whose error contains this text, case-sensitive (at most 1024 bytes).
+	ErrorContains string
+	// IDs: only these tasks (at most 1000).
+	IDs []uint64
+}
+
+func (f TaskFilter) proto() *cronoqv1.TaskFilter {
+	timestamp := func(t time.Time) *timestamppb.Timestamp {
+		if t.IsZero() {
+			return nil
+		}
+		return timestamppb.New(t)
+	}
+	return &cronoqv1.TaskFilter{
+		Pool:           f.Pool,
+		States:         f.States,
+		CreatedAfter:   timestamp(f.CreatedAfter),
+		CreatedBefore:  timestamp(f.CreatedBefore),
+		FinishedAfter:  timestamp(f.FinishedAfter),
+		FinishedBefore: timestamp(f.FinishedBefore),
+		KeyPrefix:      f.KeyPrefix,
+		ErrorContains:  f.ErrorContains,
+		Ids:            f.IDs,
+	}
+}
+
+// BulkOptions: DryRun counts the tasks that match and changes nothing (Changed is 0).
+type BulkOptions struct {
+	DryRun bool
+}
+
+// BulkRetryOptions are RetryTasks's: DryRun, and RetryOptions applied to every task retried.
+type BulkRetryOptions struct {
+	DryRun bool
+	RetryOptions
+}
+
+// BulkResult is what a bulk action did: in total, per shard, and the shards that could
+// not be reached (their tasks are neither matched nor changed: run it again later).
+type BulkResult struct {
+	// Matched: tasks that matched the filter; Changed: those the action changed (a task
+	// that changed meanwhile is matched, not changed).
+	Matched, Changed  int64
+	Shards            []*BulkShardResult
+	UnavailableShards []string
+	// Incomplete: some shard stopped at its time bound before the end of the matching tasks
+	// (its BulkShardResult says so); what it did is counted. The same call again continues.
+	Incomplete bool
+}
+
+// bulkResponse is what the three bulk responses share.
+type bulkResponse interface {
+	GetMatched() int64
+	GetChanged() int64
+	GetShards() []*cronoqv1.BulkShardResult
+	GetUnavailableShards() []string
+	GetIncomplete() bool
+}
+
+// bulkCall runs one bulk action (its call on the TaskService) with the retries of every call.
+func bulkCall[R bulkResponse](ctx context.Context, c *Client, what string,
+	call func(context.Context, cronoqv1.TaskServiceClient, ...grpc.CallOption) (R, error),
+) (*BulkResult, error) {
+	var resp R
+	err := c.conn.invoke(ctx, what, c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
+		resp, err = call(ctx, cronoqv1.NewTaskServiceClient(cc), opts...)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &BulkResult{
+		Matched:           resp.GetMatched(),
+		Changed:           resp.GetChanged(),
+		Shards:            resp.GetShards(),
+		UnavailableShards: resp.GetUnavailableShards(),
+		Incomplete:        resp.GetIncomplete(),
+	}, nil
+}
+
+// CancelTasks requests the cancellation of the unfinished tasks that match filter, in
+// every shard.
+func (c *Client) CancelTasks(ctx context.Context, filter TaskFilter, opts BulkOptions) (*BulkResult, error) {
+	req := &cronoqv1.CancelTasksRequest{Filter: filter.proto(), DryRun: opts.DryRun}
+	return bulkCall(ctx, c, "CancelTasks", func(ctx context.Context, tc cronoqv1.TaskServiceClient, callOpts ...grpc.CallOption) (*cronoqv1.CancelTasksResponse, error) {
+		return tc.CancelTasks(ctx, req, callOpts...)
+	})
+}
+
+// RetryTasks retries the FAILED and CANCELLED tasks that match filter, in every shard, as
+// Retry does.
+func (c *Client) RetryTasks(ctx context.Context, filter TaskFilter, opts BulkRetryOptions) (*BulkResult, error) {
+	req := &cronoqv1.RetryTasksRequest{
+		Filter: filter.proto(), DryRun: opts.DryRun, RunAt: runAt(opts.RunAt, opts.Delay), ExtraAttempts: opts.ExtraAttempts,
+	}
+	return bulkCall(ctx, c, "RetryTasks", func(ctx context.Context, tc cronoqv1.TaskServiceClient, callOpts ...grpc.CallOption) (*cronoqv1.RetryTasksResponse, error) {
+		return tc.RetryTasks(ctx, req, callOpts...)
+	})
+}
+
+// DeleteTasks deletes the ended tasks that match filter, in every shard, as Delete does.
+func (c *Client) DeleteTasks(ctx context.Context, filter TaskFilter, opts BulkOptions) (*BulkResult, error) {
+	req := &cronoqv1.DeleteTasksRequest{Filter: filter.proto(), DryRun: opts.DryRun}
+	return bulkCall(ctx, c, "DeleteTasks", func(ctx context.Context, tc cronoqv1.TaskServiceClient, callOpts ...grpc.CallOption) (*cronoqv1.DeleteTasksResponse, error) {
+		return tc.DeleteTasks(ctx, req, callOpts...)
+	})
+}
+
+// PausePool pauses a pool: it still accepts submissions and schedule fires, but nothing
+// of it is leased until ResumePool; its running tasks finish normally. The pause is stored
+// (it holds across restarts and failovers). An unknown pool is INVALID_ARGUMENT.
+func (c *Client) PausePool(ctx context.Context, pool string) (*PoolPause, error) {
+	var resp *cronoqv1.PausePoolResponse
+	err := c.conn.invoke(ctx, "PausePool", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
+		resp, err = cronoqv1.NewAdminServiceClient(cc).PausePool(ctx, &cronoqv1.PausePoolRequest{Pool: pool}, opts...)
+		return err
+	})
+	return resp.GetPause(), err
+}
+
+// ResumePool lets a paused pool's tasks be leased again.
+func (c *Client) ResumePool(ctx context.Context, pool string) (*PoolPause, error) {
+	var resp *cronoqv1.ResumePoolResponse
+	err := c.conn.invoke(ctx, "ResumePool", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
+		resp, err = cronoqv1.NewAdminServiceClient(cc).ResumePool(ctx, &cronoqv1.ResumePoolRequest{Pool: pool}, opts...)
+		return err
+	})
+	return resp.GetPause(), err
 }
 
 // ListOptions select a page of tasks.

@@ -1,5 +1,6 @@
 // Package cronoq is the Go SDK of cronoq, a durable sharded task queue: a Client that
-// submits, reads, waits for and cancels tasks, and a Worker that runs them.
+// submits, reads, waits for, cancels, retries and deletes tasks (one by one or by filter) and
+// pauses pools, and a Worker that runs them.
 //
 //	client, err := cronoq.NewClient(cronoq.Options{Endpoint: "http://127.0.0.1:7070"})
 //	sub, err := client.Submit(ctx, cronoq.TaskSpec{Pool: "default", Payload: map[string]int{"n": 21}})
@@ -41,6 +42,29 @@ const (
 	TaskStateFailed    = cronoqv1.TaskState_TASK_STATE_FAILED
 	TaskStateCancelled = cronoqv1.TaskState_TASK_STATE_CANCELLED
 )
+
+// Attempt is one attempt of a task (the generated cronoq.v1.Attempt): GetWithAttempts.
+type Attempt = cronoqv1.Attempt
+
+// AttemptOutcome is how an attempt ended.
+type AttemptOutcome = cronoqv1.AttemptOutcome
+
+// The attempt outcomes.
+const (
+	AttemptOutcomeRunning   = cronoqv1.AttemptOutcome_ATTEMPT_OUTCOME_RUNNING
+	AttemptOutcomeSucceeded = cronoqv1.AttemptOutcome_ATTEMPT_OUTCOME_SUCCEEDED
+	AttemptOutcomeFailed    = cronoqv1.AttemptOutcome_ATTEMPT_OUTCOME_FAILED
+	AttemptOutcomeCancelled = cronoqv1.AttemptOutcome_ATTEMPT_OUTCOME_CANCELLED
+	// AttemptOutcomeLost: the lease expired (the worker stopped heartbeating).
+	AttemptOutcomeLost = cronoqv1.AttemptOutcome_ATTEMPT_OUTCOME_LOST
+)
+
+// PoolPause is whether a pool is paused, since when and by whom (the generated
+// cronoq.v1.PoolPause): PausePool and ResumePool.
+type PoolPause = cronoqv1.PoolPause
+
+// BulkShardResult is what a bulk action did in one shard (the generated cronoq.v1.BulkShardResult).
+type BulkShardResult = cronoqv1.BulkShardResult
 
 // Terminal reports whether a task in this state will not change again.
 func Terminal(s TaskState) bool {

@@ -2,6 +2,7 @@
 // as JSON on stdout (the protocol: conformance/README.md in the cronoq repository). It uses
 // the SDK's public API only.
 import {
+  attemptOutcomeToJSON,
   Client,
   codeName,
   CronoqError,
@@ -9,13 +10,17 @@ import {
   nonRetryable,
   RedirectRefusedError,
   TaskFailure,
+  taskStateFromJSON,
   taskStateToJSON,
   TlsError,
   TooManyRedirectsError,
   Worker,
   type ConnectionOptions,
+  type BulkResult,
   type Logger,
   type Task,
+  type TaskFilter,
+  type TaskRef,
 } from "../src/index.js";
 
 interface Input {
@@ -35,6 +40,10 @@ interface Step {
   pool?: string;
   payload?: unknown;
   id?: string;
+  key?: string;
+  include_attempts?: boolean;
+  filter?: Record<string, unknown>;
+  dry_run?: boolean;
   timeout_ms?: number;
   pools?: string[];
   concurrency?: number;
@@ -89,32 +98,75 @@ function errorOf(err: unknown): Result {
   };
 }
 
-async function clientStep(client: Client, step: Step): Promise<Result> {
-  if (step.op === "submit") {
-    const submitted = await client.submit({ pool: step.pool ?? "", payload: step.payload });
-    return { id: submitted.task.id.toString(), error: null };
-  }
-  let id: bigint;
+/** A step's task: its "key", else its "id" (a decimal string). */
+function refOf(step: Step): TaskRef {
+  if (step.key !== undefined) return { key: step.key };
   try {
-    id = BigInt(step.id ?? "");
+    return BigInt(step.id ?? "");
   } catch {
-    return { error: { code: "", kind: "other", message: `id "${step.id}" is not an integer` } };
+    throw new Error(`id "${step.id}" is not an integer`);
   }
-  let task: Task;
+}
+
+/** A TaskFilter in proto JSON form (field names as in the proto, or lowerCamelCase; times RFC 3339; ids decimal strings). */
+function filterOf(json: Record<string, unknown> = {}): TaskFilter {
+  const field = (name: string): unknown => json[name] ?? json[name.replace(/_([a-z])/g, (_m, c: string) => c.toUpperCase())];
+  const time = (name: string): Date | undefined => (field(name) === undefined ? undefined : new Date(String(field(name))));
+  return {
+    pool: field("pool") as string | undefined,
+    states: (field("states") as unknown[] | undefined)?.map(taskStateFromJSON),
+    createdAfter: time("created_after"),
+    createdBefore: time("created_before"),
+    finishedAfter: time("finished_after"),
+    finishedBefore: time("finished_before"),
+    keyPrefix: field("key_prefix") as string | undefined,
+    errorContains: field("error_contains") as string | undefined,
+    ids: (field("ids") as unknown[] | undefined)?.map((id) => BigInt(String(id))),
+  };
+}
+
+function bulkResult(result: BulkResult): Result {
+  return { matched: Number(result.matched), changed: Number(result.changed), unavailable_shards: result.unavailableShards, error: null };
+}
+
+function taskResult(task: Task): Result {
+  return { id: task.id.toString(), state: taskStateToJSON(task.state), error: null };
+}
+
+async function clientStep(client: Client, step: Step): Promise<Result> {
   switch (step.op) {
-    case "get":
-      task = await client.get(id);
-      break;
+    case "submit": {
+      const submitted = await client.submit({ pool: step.pool ?? "", payload: step.payload, key: step.key });
+      return { id: submitted.task.id.toString(), error: null };
+    }
+    case "get": {
+      if (!step.include_attempts) return taskResult(await client.get(refOf(step)));
+      const { task, attempts } = await client.getWithAttempts(refOf(step));
+      const history = attempts.map((a) => ({ attempt: a.attempt, outcome: attemptOutcomeToJSON(a.outcome), error: a.error }));
+      return { ...taskResult(task), attempts: history };
+    }
     case "cancel":
-      task = await client.cancel(id);
-      break;
+      return taskResult(await client.cancel(refOf(step)));
     case "wait":
-      task = (await client.wait(id, step.timeout_ms && step.timeout_ms > 0 ? step.timeout_ms : 10_000)).task;
-      break;
+      return taskResult((await client.wait(refOf(step), step.timeout_ms && step.timeout_ms > 0 ? step.timeout_ms : 10_000)).task);
+    case "retry":
+      return taskResult(await client.retry(refOf(step)));
+    case "delete":
+      return { id: (await client.delete(refOf(step))).toString(), error: null };
+    case "pause_pool":
+    case "resume_pool": {
+      const pause = step.op === "pause_pool" ? await client.pausePool(step.pool ?? "") : await client.resumePool(step.pool ?? "");
+      return { pool: pause.pool, paused: pause.paused, error: null };
+    }
+    case "bulk_cancel":
+      return bulkResult(await client.cancelTasks(filterOf(step.filter), { dryRun: step.dry_run }));
+    case "bulk_retry":
+      return bulkResult(await client.retryTasks(filterOf(step.filter), { dryRun: step.dry_run }));
+    case "bulk_delete":
+      return bulkResult(await client.deleteTasks(filterOf(step.filter), { dryRun: step.dry_run }));
     default:
       return { error: { code: "", kind: "unsupported", message: `unknown op "${step.op}"` } };
   }
-  return { id: task.id.toString(), state: taskStateToJSON(task.state), error: null };
 }
 
 /** Runs a worker until it has handled until_handled tasks (or started stop_after_started), then stops it gracefully; or until it fails. */

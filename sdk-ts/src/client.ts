@@ -1,20 +1,30 @@
-// The client: submit, submitBatch, get, wait, cancel, list and watch, on any shard's server
+// The client: submit, submitBatch, get, wait, cancel, list and watch, and the operator's calls
+// (retry, delete, attempts, bulk actions by filter, pause/resume a pool), on any shard's server
 // (or several servers), with the transport retries of the connection.
 import { randomBytes } from "node:crypto";
 import { status as Status, type Metadata, type StatusObject } from "@grpc/grpc-js";
-import type { TaskEvent, TaskRef as TaskRefProto, Task, TaskState } from "./gen/cronoq/v1/task.js";
+import type { Attempt, TaskEvent, TaskRef as TaskRefProto, Task, TaskState } from "./gen/cronoq/v1/task.js";
 import {
   GetTaskRequest,
   ListTasksRequest,
   SubmitTaskRequest,
+  type BulkShardResult,
   type CancelTaskResponse,
+  type CancelTasksResponse,
+  type DeleteTaskResponse,
+  type DeleteTasksResponse,
   type GetTaskResponse,
   type ListTasksResponse,
+  type RetryTaskResponse,
+  type RetryTasksResponse,
   type SubmitTaskResponse,
   type WaitTaskResponse,
   type SubmitBatchResponse,
+  type TaskFilter as TaskFilterProto,
   type WatchResponse,
 } from "./gen/cronoq/v1/task_service.js";
+import type { PausePoolResponse, PoolPause, ResumePoolResponse } from "./gen/cronoq/v1/admin_service.js";
+import type { Timestamp } from "./gen/google/protobuf/timestamp.js";
 import { AbortedError, CancelledError, fromGrpcError, InternalError, InvalidArgumentError, UnavailableError } from "./errors.js";
 import { encodePayload } from "./payload.js";
 import { backoffMs, Connection, sleep, type ConnectionOptions } from "./transport.js";
@@ -50,9 +60,14 @@ export interface TaskSpec {
   timeoutMs?: number;
 }
 
-function timestamp(ms: number): { seconds: bigint; nanos: number } {
+function timestamp(ms: number): Timestamp {
   const whole = Math.floor(ms / 1000);
   return { seconds: BigInt(whole), nanos: Math.round((ms - whole * 1000) * 1e6) };
+}
+
+/** A time given as a Date or ms since the epoch, as a Timestamp; absent stays absent. */
+function optionalTimestamp(time: Date | number | undefined): Timestamp | undefined {
+  return time === undefined ? undefined : timestamp(Number(time));
 }
 
 function specProto(spec: TaskSpec): SubmitTaskRequest {
@@ -110,6 +125,70 @@ export interface CallOptions {
   signal?: AbortSignal;
 }
 
+/** A task with every attempt it made, oldest first (a running one last, outcome ATTEMPT_OUTCOME_RUNNING). */
+export interface TaskWithAttempts {
+  task: Task;
+  attempts: Attempt[];
+}
+
+export interface RetryOptions {
+  /** When it may run again (ms since the epoch, or a Date); absent: now. */
+  runAt?: Date | number;
+  /** 0 to 1000 (0 or absent: 1): how many more attempts a task that used all of its attempts gets; one with attempts left keeps them. */
+  extraAttempts?: number;
+}
+
+/** Which tasks a bulk action applies to: those that match every field given. */
+export interface TaskFilter {
+  /** Absent: every pool the caller may act on. */
+  pool?: string;
+  /** Absent: every state the action applies to (cancel: PENDING, BLOCKED, RUNNING; retry: FAILED, CANCELLED; delete: SUCCEEDED, FAILED, CANCELLED). */
+  states?: TaskState[];
+  /** Times as ms since the epoch, or Dates. */
+  createdAfter?: Date | number;
+  createdBefore?: Date | number;
+  finishedAfter?: Date | number;
+  finishedBefore?: Date | number;
+  /** Tasks whose key starts with this. */
+  keyPrefix?: string;
+  /** Tasks whose error contains this text (case-sensitive). */
+  errorContains?: string;
+  /** Only these tasks (at most 1000). */
+  ids?: bigint[];
+}
+
+export interface BulkOptions {
+  /** Count the tasks that match; change nothing (changed is 0). */
+  dryRun?: boolean;
+}
+
+/**
+ * What a bulk action did: tasks matched and changed in all, per shard, and the shards that could
+ * not be asked (their tasks are not counted: repeat the call, it is safe to).
+ */
+export interface BulkResult {
+  matched: bigint;
+  changed: bigint;
+  shards: BulkShardResult[];
+  unavailableShards: string[];
+  /** Some shard stopped at its time bound before the end of the matching tasks (shards[].incomplete): the same call again continues. */
+  incomplete: boolean;
+}
+
+function filterProto(filter: TaskFilter): TaskFilterProto {
+  return {
+    pool: filter.pool ?? "",
+    states: filter.states ?? [],
+    createdAfter: optionalTimestamp(filter.createdAfter),
+    createdBefore: optionalTimestamp(filter.createdBefore),
+    finishedAfter: optionalTimestamp(filter.finishedAfter),
+    finishedBefore: optionalTimestamp(filter.finishedBefore),
+    keyPrefix: filter.keyPrefix ?? "",
+    errorContains: filter.errorContains ?? "",
+    ids: filter.ids ?? [],
+  };
+}
+
 /**
  * Calls cronoq: any shard's server, or several servers. UNAVAILABLE moves it to the leader a
  * standby names, or to the next endpoint, and is retried with backoff. close() it when done.
@@ -148,9 +227,18 @@ export class Client {
   }
 
   async get(ref: TaskRef, opts: CallOptions = {}): Promise<Task> {
-    const req = GetTaskRequest.fromPartial({ task: refProto(ref) });
-    const resp = await this.conn.invoke<GetTaskResponse>("GetTask", (c, md, o, cb) => c.task.getTask(req, md, o, cb), this.conn.timeoutMs, opts.signal);
-    return resp.task!;
+    return (await this.getTask(ref, false, opts)).task!;
+  }
+
+  /** The task with its attempts (GetTask with include_attempts): get's variant for an operator. */
+  async getWithAttempts(ref: TaskRef, opts: CallOptions = {}): Promise<TaskWithAttempts> {
+    const resp = await this.getTask(ref, true, opts);
+    return { task: resp.task!, attempts: resp.attempts };
+  }
+
+  private getTask(ref: TaskRef, includeAttempts: boolean, opts: CallOptions): Promise<GetTaskResponse> {
+    const req = GetTaskRequest.fromPartial({ task: refProto(ref), includeAttempts });
+    return this.conn.invoke<GetTaskResponse>("GetTask", (c, md, o, cb) => c.task.getTask(req, md, o, cb), this.conn.timeoutMs, opts.signal);
   }
 
   /** Waits up to timeoutMs for the task to end (done: false when it has not). */
@@ -166,6 +254,56 @@ export class Client {
     const req = { task: refProto(ref) };
     const resp = await this.conn.invoke<CancelTaskResponse>("CancelTask", (c, md, o, cb) => c.task.cancelTask(req, md, o, cb), this.conn.timeoutMs, opts.signal);
     return resp.task!;
+  }
+
+  /**
+   * A FAILED or CANCELLED task back to PENDING, keeping its attempts and their history (any
+   * other state: FailedPreconditionError naming it). Its dependents that ended because it
+   * ended wait for it again.
+   */
+  async retry(ref: TaskRef, opts: RetryOptions & CallOptions = {}): Promise<Task> {
+    const req = { task: refProto(ref), runAt: optionalTimestamp(opts.runAt), extraAttempts: opts.extraAttempts ?? 0 };
+    const resp = await this.conn.invoke<RetryTaskResponse>("RetryTask", (c, md, o, cb) => c.task.retryTask(req, md, o, cb), this.conn.timeoutMs, opts.signal);
+    return resp.task!;
+  }
+
+  /** Deletes an ended task (SUCCEEDED, FAILED or CANCELLED) with its attempts and events; answers its id. */
+  async delete(ref: TaskRef, opts: CallOptions = {}): Promise<bigint> {
+    const req = { task: refProto(ref) };
+    const resp = await this.conn.invoke<DeleteTaskResponse>("DeleteTask", (c, md, o, cb) => c.task.deleteTask(req, md, o, cb), this.conn.timeoutMs, opts.signal);
+    return resp.id;
+  }
+
+  /** Cancels the unfinished tasks that match filter, in every shard. */
+  async cancelTasks(filter: TaskFilter, opts: BulkOptions & CallOptions = {}): Promise<BulkResult> {
+    const req = { filter: filterProto(filter), dryRun: opts.dryRun ?? false };
+    return this.conn.invoke<CancelTasksResponse>("CancelTasks", (c, md, o, cb) => c.task.cancelTasks(req, md, o, cb), this.conn.timeoutMs, opts.signal);
+  }
+
+  /** Retries the FAILED and CANCELLED tasks that match filter, in every shard, as retry does. */
+  async retryTasks(filter: TaskFilter, opts: BulkOptions & RetryOptions & CallOptions = {}): Promise<BulkResult> {
+    const req = { filter: filterProto(filter), dryRun: opts.dryRun ?? false, runAt: optionalTimestamp(opts.runAt), extraAttempts: opts.extraAttempts ?? 0 };
+    return this.conn.invoke<RetryTasksResponse>("RetryTasks", (c, md, o, cb) => c.task.retryTasks(req, md, o, cb), this.conn.timeoutMs, opts.signal);
+  }
+
+  /** Deletes the ended tasks that match filter, in every shard, as delete does. */
+  async deleteTasks(filter: TaskFilter, opts: BulkOptions & CallOptions = {}): Promise<BulkResult> {
+    const req = { filter: filterProto(filter), dryRun: opts.dryRun ?? false };
+    return this.conn.invoke<DeleteTasksResponse>("DeleteTasks", (c, md, o, cb) => c.task.deleteTasks(req, md, o, cb), this.conn.timeoutMs, opts.signal);
+  }
+
+  /** Stops leasing the pool's tasks, across restarts, until resumePool; it still accepts submissions, and running tasks finish. */
+  async pausePool(pool: string, opts: CallOptions = {}): Promise<PoolPause> {
+    const req = { pool };
+    const resp = await this.conn.invoke<PausePoolResponse>("PausePool", (c, md, o, cb) => c.admin.pausePool(req, md, o, cb), this.conn.timeoutMs, opts.signal);
+    return resp.pause!;
+  }
+
+  /** Leases the pool's tasks again. */
+  async resumePool(pool: string, opts: CallOptions = {}): Promise<PoolPause> {
+    const req = { pool };
+    const resp = await this.conn.invoke<ResumePoolResponse>("ResumePool", (c, md, o, cb) => c.admin.resumePool(req, md, o, cb), this.conn.timeoutMs, opts.signal);
+    return resp.pause!;
   }
 
   /** One page of tasks (nextPageToken: the next page's, "" after the last). */

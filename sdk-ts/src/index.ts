@@ -1,6 +1,20 @@
-// cronoq's TypeScript SDK: a Client (submit, get, wait, cancel, list, watch) and a Worker.
+// cronoq's TypeScript SDK: a Client (submit, get, wait, cancel, list, watch; retry, delete,
+// attempts, bulk actions, pause/resume) and a Worker.
 export { Client, newRequestId } from "./client.js";
-export type { CallOptions, ListOptions, Submitted, TaskRef, TaskSpec, Waited, WatchOptions } from "./client.js";
+export type {
+  BulkOptions,
+  BulkResult,
+  CallOptions,
+  ListOptions,
+  RetryOptions,
+  Submitted,
+  TaskFilter,
+  TaskRef,
+  TaskSpec,
+  TaskWithAttempts,
+  Waited,
+  WatchOptions,
+} from "./client.js";
 export {
   LeaseLostError,
   nonRetryable,
@@ -17,5 +31,7 @@ export { backoffMs, consoleLogger, DEFAULT_KEEPALIVE, MAX_MESSAGE_BYTES, retryWi
 export type { ConnectionOptions, KeepaliveConfig, Logger, Retry, RetryConfig, TlsOptions } from "./transport.js";
 export * from "./errors.js";
 export { decodePayload, decodeResult, encodePayload, JSON_CONTENT_TYPE } from "./payload.js";
-export { TaskState, taskStateToJSON } from "./gen/cronoq/v1/task.js";
-export type { Task, TaskEvent } from "./gen/cronoq/v1/task.js";
+export { AttemptOutcome, attemptOutcomeToJSON, TaskState, taskStateFromJSON, taskStateToJSON } from "./gen/cronoq/v1/task.js";
+export type { Attempt, Task, TaskEvent } from "./gen/cronoq/v1/task.js";
+export type { BulkShardResult } from "./gen/cronoq/v1/task_service.js";
+export type { PoolPause } from "./gen/cronoq/v1/admin_service.js";

@@ -15,6 +15,7 @@ import {
   type ClientUnaryCall,
   type ServiceError,
 } from "@grpc/grpc-js";
+import { AdminServiceClient } from "./gen/cronoq/v1/admin_service.js";
 import { TaskServiceClient } from "./gen/cronoq/v1/task_service.js";
 import { WorkerServiceClient } from "./gen/cronoq/v1/worker_service.js";
 import { checkRedirect, Endpoint } from "./endpoint.js";
@@ -177,6 +178,7 @@ export type UnaryCall<C, Res> = (client: C, md: Metadata, opts: Partial<CallOpti
 interface Clients {
   task: TaskServiceClient;
   worker: WorkerServiceClient;
+  admin: AdminServiceClient;
 }
 
 interface TlsMaterial {
@@ -267,9 +269,10 @@ export class Connection {
         "grpc.keepalive_permit_without_calls": 1,
       };
       const task = new TaskServiceClient(ep.target, creds, options);
-      // The worker service shares the task service's channel.
+      // The worker and admin services share the task service's channel.
       const worker = new WorkerServiceClient(ep.target, creds, { ...options, channelOverride: task.getChannel() });
-      clients = { task, worker };
+      const admin = new AdminServiceClient(ep.target, creds, { ...options, channelOverride: task.getChannel() });
+      clients = { task, worker, admin };
       this.channels.set(key, clients);
     }
     return { clients, endpoint: ep };
@@ -364,6 +367,7 @@ export class Connection {
   close(): void {
     for (const clients of this.channels.values()) {
       clients.worker.close();
+      clients.admin.close();
       clients.task.close();
     }
     this.channels.clear();

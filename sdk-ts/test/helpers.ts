@@ -1,5 +1,19 @@
 // What the unit tests share.
 import { BinaryWriter } from "@bufbuild/protobuf/wire";
+import { ServerCredentials, type Server } from "@grpc/grpc-js";
+
+/** The largest uint64 id: its top bit set, it does not fit a number. */
+export const TOP_BIT_ID = 18446744073709551615n;
+
+/** A logger that writes nothing. */
+export const silent = { debug() {}, info() {}, warn() {}, error() {} };
+
+/** Binds server to a free loopback port (plaintext); answers its http:// URL. */
+export async function listenLocal(server: Server): Promise<string> {
+  const port = await new Promise<number>((resolve, reject) =>
+    server.bindAsync("127.0.0.1:0", ServerCredentials.createInsecure(), (err, p) => (err ? reject(err) : resolve(p))));
+  return `http://127.0.0.1:${port}`;
+}
 
 /** A google.rpc.Status with an ErrorInfo and a RetryInfo, serialized as grpc-status-details-bin carries it. */
 export function statusDetailsBin(reason: string, metadata: Record<string, string>, retryDelayMs = 0): Buffer {

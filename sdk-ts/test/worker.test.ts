@@ -4,7 +4,6 @@ import assert from "node:assert/strict";
 import {
   Metadata,
   Server,
-  ServerCredentials,
   status as Status,
   type sendUnaryData,
   type ServerDuplexStream,
@@ -29,10 +28,7 @@ import {
 } from "../src/gen/cronoq/v1/worker_service.js";
 import { Task, TaskState, type TaskEvent } from "../src/gen/cronoq/v1/task.js";
 import { Client, NotFoundError, TaskCancelledError, TooManyRedirectsError, Worker } from "../src/index.js";
-import { statusDetailsBin } from "./helpers.js";
-
-const TOP_BIT_ID = 18446744073709551615n;
-const silent = { debug() {}, info() {}, warn() {}, error() {} };
+import { listenLocal, silent, statusDetailsBin, TOP_BIT_ID } from "./helpers.js";
 
 // Whatever a failed test leaves running is stopped, so that the run ends.
 const started: Array<{ stop(): void }> = [];
@@ -155,9 +151,7 @@ class FakeShard {
 
   async start(): Promise<this> {
     tracked(this);
-    const port = await new Promise<number>((resolve, reject) =>
-      this.server.bindAsync("127.0.0.1:0", ServerCredentials.createInsecure(), (err, p) => (err ? reject(err) : resolve(p))));
-    this.url = `http://127.0.0.1:${port}`;
+    this.url = await listenLocal(this.server);
     return this;
   }
 

@@ -19,6 +19,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,9 @@ def _browser_missing() -> str | None:
 
 
 @contextmanager
-def chromium_page(*args: str) -> Iterator[Any]:
-    """A fresh page in headless Chromium started with `args`; dialogs and console errors are recorded on it."""
+def chromium_page(*args: str, timezone: str | None = None) -> Iterator[Any]:
+    """A fresh page in headless Chromium started with `args` (in the time zone `timezone`, else the
+    machine's); dialogs and console errors are recorded on it."""
     reason = _browser_missing()
     if reason:
         missing(reason)
@@ -54,7 +56,7 @@ def chromium_page(*args: str) -> Iterator[Any]:
     with sync_playwright() as pw:
         # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", *args])
-        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page = browser.new_page(viewport={"width": 1200, "height": 900}, timezone_id=timezone)
         page.dialogs = []  # type: ignore[attr-defined]
         page.console_errors = []  # type: ignore[attr-defined]
 
@@ -100,6 +102,28 @@ def counts(page: Any, shard: str, pool: str) -> dict[str, int]:
 def loaded_ms(page: Any, view: str) -> int:
     page.wait_for_selector(f'main[data-view="{view}"]', timeout=10_000)
     return int(page.get_attribute("main", "data-loaded-ms"))
+
+
+def column(page: Any, name: str, table: str = "table.task-list") -> list[str]:
+    """The texts of a table's column, found by its header (the task list has a checkbox column
+    first for a viewer who may act on tasks)."""
+    texts: list[str] = page.evaluate(
+        """([selector, name]) => {
+          const t = document.querySelector(selector);
+          const i = [...t.querySelectorAll("thead th")].findIndex((th) => th.textContent === name);
+          if (i < 0) throw new Error(`no column ${name}`);
+          return [...t.querySelectorAll("tbody tr")].map((row) => row.children[i].textContent);
+        }""",
+        [table, name],
+    )
+    return texts
+
+
+def pool_choice(page: Any) -> list[str]:
+    """The task list's pool choice, once filled."""
+    page.wait_for_selector("select[name=pool][data-loaded]", state="attached")
+    options: list[str] = page.locator("select[name=pool] option").all_inner_texts()
+    return options
 
 
 def sign_in(page: Any, url: str, token: str) -> None:
@@ -164,7 +188,7 @@ def test_overview_and_tasks_show_counts_and_hostile_text_literally(
 
     page.goto(srv.http_url + "/ui/#/tasks?pool=default")
     tasks_ms = loaded_ms(page, "tasks")
-    keys = page.locator("table.task-list tbody tr td:nth-child(3)").all_inner_texts()
+    keys = column(page, "key")
     assert XSS in keys and SCRIPT_XSS in keys
     page.screenshot(path=str(shots / "tasks.png"), full_page=True)
 
@@ -253,8 +277,7 @@ def test_overview_shows_both_shards_and_a_stopped_one_as_unavailable(
     page.fill("#search input[name=q]", "twice")
     page.click("#search button")
     page.wait_for_selector("text=This key names tasks in 2 shards")
-    listed = page.locator("table.task-list tbody tr td:nth-child(1)").all_inner_texts()
-    assert listed == [t["id"] for t in both]
+    assert column(page, "id") == [t["id"] for t in both]
     page.screenshot(path=str(screenshots_dir(tmp_path) / "key-in-two-shards.png"), full_page=True)
     page.goto(cpu.http_url + "/ui/#/overview")
     loaded_ms(page, "overview")
@@ -412,6 +435,8 @@ def test_a_token_that_reads_one_pool_sees_only_that_pool_and_cannot_change_anyth
     )
     in_a = submit(srv, {"pool": "a", "key": "in-a", "payload_json": 1}, token=TOKEN)
     in_b = submit(srv, {"pool": "b", "key": "in-b", "payload_json": 2}, token=TOKEN)
+    ended = submit(srv, {"pool": "a", "key": "ended-in-a", "payload_json": 3}, token=TOKEN)
+    assert srv.http("POST", f"/v1/tasks/{ended['id']}/cancel", {}, token=TOKEN)[0] == 200
     for pool in ("a", "b"):
         status, body = srv.http("PUT", f"/v1/pools/{pool}/schedules/nightly-{pool}", {"cron": "0 3 * * *"}, token=TOKEN)
         assert status == 200, body
@@ -421,14 +446,45 @@ def test_a_token_that_reads_one_pool_sees_only_that_pool_and_cannot_change_anyth
     assert page.locator(f'section[data-shard="{shard}"] table.counts tbody tr').all_inner_texts()[0].startswith("a")
     assert page.locator(f'section[data-shard="{shard}"] table.counts tbody tr').count() == 1
     assert "gpu" not in page.inner_text("main")  # resources need admin
+    assert page.locator("main button").count() == 0  # no admin: no Pause / Resume
     page.screenshot(path=str(screenshots_dir(tmp_path) / "overview-reader.png"), full_page=True)
 
     page.goto(srv.http_url + "/ui/#/tasks")
     loaded_ms(page, "tasks")
-    assert page.locator("table.task-list tbody tr td:nth-child(1)").all_inner_texts() == [in_a["id"]]
+    assert column(page, "id") == [ended["id"], in_a["id"]]
+    assert pool_choice(page) == ["all pools", "a"]
+    assert page.locator("main input[type=checkbox]").count() == 0 and page.locator(".bulk").count() == 0
     page.goto(srv.http_url + f"/ui/#/task/{in_a['id']}")
     loaded_ms(page, "task")
-    assert page.locator("button.danger").count() == 0  # no cancel permission: no Cancel
+    assert page.locator("main button").count() == 0  # no cancel permission: no Cancel
+    page.goto(srv.http_url + f"/ui/#/task/{ended['id']}")
+    loaded_ms(page, "task")
+    assert page.locator("main button").count() == 0  # no submit or admin: no Retry, no Delete
+    # Its own requests, forged from the page with its token: refused, and nothing changes.
+    forged = page.evaluate(
+        """async ([token, ended, pending]) => {
+          const send = async (method, path, body) => (await fetch(path, {
+            method, headers: {authorization: `Bearer ${token}`, "content-type": "application/json"},
+            body: body === undefined ? undefined : JSON.stringify(body),
+          })).status;
+          const every = {filter: {pool: "a"}};
+          return [
+            await send("POST", `/v1/tasks/${ended}/retry`, {}),
+            await send("DELETE", `/v1/tasks/${ended}`),
+            await send("POST", `/v1/tasks/${pending}/cancel`, {}),
+            await send("POST", "/v1/tasks/bulk-cancel", every),
+            await send("POST", "/v1/tasks/bulk-retry", every),
+            await send("POST", "/v1/tasks/bulk-delete", every),
+            await send("POST", "/v1/pools/a/pause", {}),
+          ];
+        }""",
+        [reader, ended["id"], in_a["id"]],
+    )
+    assert forged == [403] * 7, forged
+    states = {t["key"]: t["state"] for t in srv.http("GET", "/v1/tasks", token=TOKEN)[1]["tasks"]}
+    assert states == {"in-a": "TASK_STATE_PENDING", "in-b": "TASK_STATE_PENDING", "ended-in-a": "TASK_STATE_CANCELLED"}
+    pools = srv.http("GET", "/v1/snapshot", token=TOKEN)[1]["shards"][0]["pools"]
+    assert not any(p.get("paused") for p in pools), pools
     page.goto(srv.http_url + "/ui/#/task/in-b")
     loaded_ms(page, "task")
     assert "No task has this key." in page.inner_text("main")
@@ -447,10 +503,14 @@ def test_a_token_that_reads_one_pool_sees_only_that_pool_and_cannot_change_anyth
     later_a = submit(srv, {"pool": "a", "payload_json": 4}, token=TOKEN)
     page.wait_for_selector(f'table.live tr[data-task="{later_a["id"]}"]', timeout=10_000)
     assert page.locator(f'table.live tr[data-task="{later_b["id"]}"]').count() == 0
-    # The 401 before the token and the 404 of pool b's task are logged by Chromium; nothing else.
+    # The 401 before the token, the 404 of pool b's task and the forged calls' 403s are logged by
+    # Chromium; nothing else.
     assert (
         page.dialogs == []
-        and [e for e in page.console_errors if "(Unauthorized)" not in e and "(Not Found)" not in e] == []
+        and [
+            e for e in page.console_errors if not any(s in e for s in ("(Unauthorized)", "(Not Found)", "(Forbidden)"))
+        ]
+        == []
     )
 
 
@@ -599,7 +659,7 @@ def test_a_standbys_dashboard_shows_the_shard_as_read_from_its_leader(
 
     page.goto(standby.http_url + "/ui/#/tasks")
     loaded_ms(page, "tasks")
-    assert page.locator("table.task-list tbody tr td:nth-child(3)").all_inner_texts() == ["seen-from-the-standby"]
+    assert column(page, "key") == ["seen-from-the-standby"]
     page.goto(standby.http_url + "/ui/#/task/seen-from-the-standby")  # by key
     loaded_ms(page, "task")
     assert json.loads(page.inner_text("pre.payload")) == {"n": 1}
@@ -707,3 +767,167 @@ def test_a_page_whose_name_dns_rebinds_to_the_server_reads_and_changes_nothing(s
     assert not dashboard_loaded
     assert "invoice-42" not in text and "'rebound.test:" in json.loads(text)["message"], text
     assert tasks_by_key(srv) == {"invoice-42": "TASK_STATE_PENDING"}
+
+
+def register_worker(srv: Any, name: str, pools: list[str]) -> tuple[Api, str]:
+    """A worker (raw gRPC calls) registered under `name`."""
+    from cronoq.v1 import worker_service_pb2 as wpb
+
+    api = Api(srv.grpc_target)
+    worker = api.workers.RegisterWorker(wpb.RegisterWorkerRequest(name=name, pools=pools, concurrency=4)).worker_id
+    return api, worker
+
+
+def test_tasks_newest_first_with_pool_choice_zones_worker_names_and_plain_words(start_server: Any) -> None:
+    """Item 8 of the day-2 issue: the task list newest first with finished, duration and error;
+    the pool filter a choice of the readable pools; times in UTC labelled, the viewer's zone
+    named; a schedule's next fire in its zone and UTC; workers by name; a waiting Live view; a
+    single server in plain words."""
+    from zoneinfo import ZoneInfo
+
+    srv = start_server({"pools": [{"name": "a"}, {"name": "b"}]})
+    api, worker = register_worker(srv, "night-shift", ["a"])
+    ids = [submit(srv, {"pool": "a", "key": key, "payload_json": 1})["id"] for key in ("fails", "succeeds", "runs")]
+    taken = {str(t.id): t for t in api.lease(worker, n=3)}
+    api.fail(worker, taken[ids[0]], retryable=False)
+    api.succeed(worker, taken[ids[1]])
+    newest = submit(srv, {"pool": "b", "key": "newest", "payload_json": 2})["id"]
+    status, made = srv.http("PUT", "/v1/pools/b/schedules/nightly", {"cron": "0 3 * * *", "timezone": "Europe/Paris"})
+    assert status == 200, made
+    with chromium_page(timezone="America/New_York") as page:
+        page.goto(srv.http_url + "/ui/")
+        loaded_ms(page, "overview")
+        page.wait_for_function("document.getElementById('server').textContent !== ''")
+        assert page.inner_text("#server") == "Single server · leader"
+        heading = page.inner_text("section.shard h2")
+        assert heading.startswith("Single server") and "unsharded" not in heading and "term" not in heading, heading
+        assert "America/New_York" in page.inner_text("header")
+
+        page.goto(srv.http_url + "/ui/#/tasks")
+        loaded_ms(page, "tasks")
+        assert column(page, "id") == [newest, ids[2], ids[1], ids[0]]  # newest first
+        assert column(page, "error") == ["", "", "", "boom"]
+        assert column(page, "worker") == ["", "night-shift", "night-shift", "night-shift"]
+        finished, durations = column(page, "finished"), column(page, "duration")
+        assert finished[:2] == ["", ""] and all(f.endswith(" UTC") for f in finished[2:]), finished
+        assert durations[0] == "" and durations[1].endswith("so far") and durations[3].endswith(" ms"), durations
+        title = page.locator("table.task-list time").first.get_attribute("title")
+        assert title.endswith("America/New_York (your zone)"), title
+        assert pool_choice(page) == ["all pools", "a", "b"]
+        page.select_option("select[name=pool]", "b")
+        page.click("form.filters button")
+        page.wait_for_function("location.hash === '#/tasks?pool=b'")
+        loaded_ms(page, "tasks")
+        page.wait_for_function("document.querySelectorAll('table.task-list tbody tr').length === 1")
+        assert column(page, "id") == [newest]
+
+        page.goto(srv.http_url + f"/ui/#/task/{ids[2]}")
+        loaded_ms(page, "task")
+        assert page.locator("dd .worker").inner_text() == "night-shift"
+
+        page.goto(srv.http_url + "/ui/#/schedules")
+        loaded_ms(page, "schedules")
+        (schedule,) = srv.http("GET", "/v1/schedules")[1]["schedules"]
+        fire = datetime.fromisoformat(schedule["next_fire_at"].replace("Z", "+00:00"))
+        paris = fire.astimezone(ZoneInfo("Europe/Paris"))
+        assert paris.strftime("%H:%M:%S") == "03:00:00"
+        shown = page.inner_text("table.schedules time.both")
+        assert f"{paris:%Y-%m-%d %H:%M:%S} Europe/Paris" in shown, shown
+        assert f"{fire:%Y-%m-%d %H:%M:%S} UTC" in shown, shown
+
+        page.goto(srv.http_url + "/ui/#/live")
+        page.wait_for_selector(".live-status.connected", timeout=10_000)
+        assert "Waiting for events" in page.inner_text("p.waiting")
+        later = submit(srv, {"pool": "a", "payload_json": 3})
+        page.wait_for_selector(f'table.live tr[data-task="{later["id"]}"]', timeout=10_000)
+        assert page.locator("p.waiting").is_hidden()
+        assert page.dialogs == [] and page.console_errors == []
+
+
+def test_retry_and_delete_from_the_task_page_which_shows_its_attempts(start_server: Any, browser_page: Any) -> None:
+    srv = start_server({"pools": [{"name": "default"}]})
+    api, worker = register_worker(srv, "night-shift", ["default"])
+    task = submit(srv, {"pool": "default", "payload_json": 1, "max_attempts": 1})
+    (taken,) = api.lease(worker, n=1)
+    api.fail(worker, taken, retryable=False)
+    page = browser_page
+    page.goto(srv.http_url + f"/ui/#/task/{task['id']}")
+    loaded_ms(page, "task")
+    assert column(page, "worker", "table.attempts") == ["night-shift"]
+    assert column(page, "outcome", "table.attempts") == ["FAILED"]
+    assert column(page, "error", "table.attempts") == ["boom"]
+    assert column(page, "ended", "table.attempts")[0].endswith(" UTC")
+    assert page.locator("button.cancel").count() == 0
+    page.click("button.retry")
+    page.wait_for_selector("dd:text-is('PENDING')", timeout=10_000)
+    assert page.locator("button.retry").count() == 0  # no Retry on a pending task
+    assert srv.http("GET", f"/v1/tasks/{task['id']}")[1]["task"]["state"] == "TASK_STATE_PENDING"
+    # Delete, asked twice on the page, then the list says so.
+    ended = submit(srv, {"pool": "default", "payload_json": 2})
+    assert srv.http("POST", f"/v1/tasks/{ended['id']}/cancel", {})[0] == 200
+    page.goto(srv.http_url + f"/ui/#/task/{ended['id']}")
+    loaded_ms(page, "task")
+    page.click("button.delete")
+    assert srv.http("GET", f"/v1/tasks/{ended['id']}")[0] == 200  # not yet: asked once more
+    page.click("button.delete:text-is('Really delete')")
+    page.wait_for_selector(f"text=Task {ended['id']} deleted.", timeout=10_000)
+    assert srv.http("GET", f"/v1/tasks/{ended['id']}")[0] == 404
+    assert column(page, "id") == [task["id"]]
+    assert page.dialogs == [] and page.console_errors == []
+
+
+def test_bulk_cancel_of_all_that_match_counts_and_asks_on_the_page_first(start_server: Any, browser_page: Any) -> None:
+    srv = start_server({"pools": [{"name": "default"}, {"name": "other"}]})
+    mine = [submit(srv, {"pool": "default", "payload_json": n})["id"] for n in range(5)]
+    others = [submit(srv, {"pool": "other", "payload_json": n})["id"] for n in range(2)]
+
+    def states() -> dict[str, str]:
+        return {t["id"]: t["state"].removeprefix("TASK_STATE_") for t in srv.http("GET", "/v1/tasks")[1]["tasks"]}
+
+    page = browser_page
+    page.goto(srv.http_url + "/ui/#/tasks?pool=default&state=PENDING")
+    loaded_ms(page, "tasks")
+    # Two picked by hand: counted, then Back changes nothing.
+    page.check(f'input.pick[data-id="{mine[0]}"]')
+    page.check(f'input.pick[data-id="{mine[1]}"]')
+    assert page.inner_text(".picked") == "2 selected."
+    page.click("button.bulk-cancel")
+    page.wait_for_selector(".confirm:not([hidden])", timeout=10_000)
+    assert page.inner_text(".confirm .question") == "Cancel 2 tasks of the 2 selected?"
+    page.click(".confirm button.back")
+    assert page.locator(".confirm").is_hidden() and set(states().values()) == {"PENDING"}
+    # All that match: the dry run's count, asked on the page, then the result per shard.
+    page.click("button.pick-all")
+    assert "All tasks that match pool default, state PENDING" in page.inner_text(".picked")
+    page.click("button.bulk-cancel")
+    page.wait_for_selector(".confirm:not([hidden])", timeout=10_000)
+    assert page.inner_text(".confirm .question") == "Cancel 5 tasks that match pool default, state PENDING?"
+    assert set(states().values()) == {"PENDING"}
+    page.click(".confirm button.confirm-action")
+    page.wait_for_selector(".bulk-result", timeout=10_000)
+    assert "5 of 5 matched cancelled" in page.inner_text(".bulk-result")
+    assert column(page, "cancelled", "table.bulk-shards") == ["5"]
+    assert states() == {**{i: "CANCELLED" for i in mine}, **{i: "PENDING" for i in others}}
+    page.wait_for_selector("text=No tasks.")  # the list drawn again: none pending left
+    assert page.dialogs == [] and page.console_errors == []
+
+
+def test_pause_and_resume_a_pool_from_the_overview(start_server: Any, browser_page: Any) -> None:
+    srv = start_server({"pools": [{"name": "default"}, {"name": "other"}]})
+
+    def paused() -> dict[str, bool]:
+        pools = srv.http("GET", "/v1/snapshot")[1]["shards"][0]["pools"]
+        return {p["pool"]: bool(p.get("paused")) for p in pools}
+
+    page = browser_page
+    page.goto(srv.http_url + "/ui/")
+    loaded_ms(page, "overview")
+    row = page.locator("table.counts tbody tr", has_text="default")
+    assert row.locator(".badge.paused").count() == 0
+    row.locator("button.pause-pool").click()
+    page.wait_for_selector("table.counts tbody tr:has-text('default') .badge.paused", timeout=10_000)
+    assert paused() == {"default": True, "other": False}
+    row.locator("button.resume-pool").click()
+    page.wait_for_selector("table.counts tbody tr:has-text('default') button.pause-pool", timeout=10_000)
+    assert row.locator(".badge.paused").count() == 0 and paused() == {"default": False, "other": False}
+    assert page.dialogs == [] and page.console_errors == []

@@ -519,6 +519,12 @@ class Env:
         t = self.submit(pool)
         return Target(task_id=t.id, key=t.key, pool=pool)
 
+    def cancelled_task(self, pool: str) -> Target:
+        target = self.fresh_task(pool)
+        req = tpb.CancelTaskRequest(task=task_pb2.TaskRef(id=target.task_id))
+        self.stubs().tasks.CancelTask(req, metadata=self.as_("admin-all"), timeout=TIMEOUT)
+        return target
+
     def shared_task(self, pool: str) -> Target:
         if pool not in self._shared:
             self._shared[pool] = self.fresh_task(pool)
@@ -804,6 +810,61 @@ def lookup_rows() -> list[Call]:
                     )
                 )
     return rows
+
+
+def retry_and_delete_rows() -> list[Call]:
+    """RetryTask (submit) and DeleteTask (admin) of a CANCELLED task, by id and by key: as the
+    other lookups, a task of a pool the caller may not read is a missing one. One pool per
+    kind of ref (tokens of either pool alone find the other's tasks missing)."""
+    rows = []
+    for pool, kind in (("a", "id"), ("b", "key")):
+        rows += [
+            Call(
+                f"RetryTask by {kind} (pool-{pool} cancelled task)",
+                "submit",
+                hidden_unless_readable("submit", pool),
+                # Due a day ahead, as every task here: the matrix's LeaseTasks never takes it.
+                lambda env, t, md, kind=kind: env.tasks.RetryTask(
+                    tpb.RetryTaskRequest(task=_ref(kind, t), run_at=future_ts()), metadata=md, timeout=TIMEOUT
+                ),
+                lambda env, t, kind=kind: (
+                    "POST",
+                    f"{_http_base(kind, t)}/retry",
+                    {"run_at": future_ts().ToJsonString()},
+                ),
+                prepare=lambda env, tok, pool=pool: env.cancelled_task(pool),
+                missing=_missing(kind),
+                ref=_ref_text(kind),
+                check_ok=check_task_is("TASK_STATE_PENDING"),
+            ),
+            Call(
+                f"DeleteTask by {kind} (pool-{pool} cancelled task)",
+                "admin",
+                hidden_unless_readable("admin", pool),
+                lambda env, t, md, kind=kind: env.tasks.DeleteTask(
+                    tpb.DeleteTaskRequest(task=_ref(kind, t)), metadata=md, timeout=TIMEOUT
+                ),
+                lambda env, t, kind=kind: ("DELETE", _http_base(kind, t), None),
+                prepare=lambda env, tok, pool=pool: env.cancelled_task(pool),
+                missing=_missing(kind),
+                ref=_ref_text(kind),
+                check_ok=check_deleted,
+            ),
+        ]
+    return rows
+
+
+def _http_base(kind: str, t: Target) -> str:
+    return f"/v1/tasks/{t.task_id}" if kind == "id" else f"/v1/keys/{t.key}"
+
+
+def check_deleted(env: Env, tok: Tok, target: Target, out: Outcome) -> list[str]:
+    problems = []
+    if str((out.body or {}).get("id")) != str(target.task_id):
+        problems.append(f"answer names task {(out.body or {}).get('id')}, want {target.task_id}")
+    if any(str(t["id"]) == str(target.task_id) for t in env.admin_tasks()):
+        problems.append(f"task {target.task_id} is still listed")
+    return problems
 
 
 def submit_rows() -> list[Call]:
@@ -1305,8 +1366,8 @@ def pause_rows() -> list[Call]:
 
 def matrix_calls() -> list[Call]:
     return (
-        submit_rows() + lookup_rows() + list_and_watch_rows() + worker_rows() + admin_rows() + schedule_rows()
-        + pause_rows() + bulk_rows()
+        submit_rows() + lookup_rows() + retry_and_delete_rows() + list_and_watch_rows() + worker_rows()
+        + admin_rows() + schedule_rows() + pause_rows() + bulk_rows()
     )  # fmt: skip
 
 

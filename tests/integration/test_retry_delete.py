@@ -236,6 +236,11 @@ def test_dependents_ended_by_a_task_wait_for_it_again_then_run(c: Client) -> Non
     cc = c.submit(key="c", depends_on=["b"])
     c.fail(worker, c.lease_one(worker, a.id))
     assert [c.get(t.id).task.state for t in (b, cc)] == [S.TASK_STATE_FAILED] * 2
+    err = refused(lambda: c.retry(b.id))  # alone: it would wait for a task that will not run
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+    assert err.details() == (  # type: ignore[attr-defined]
+        f"task {b.id} depends on task {a.id}, which is FAILED: retry that one (the tasks it ended wait for it again)"
+    )
     got = c.retry("a")
     assert got.dependents_restored == 2
     assert [c.get(t.id).task.state for t in (b, cc)] == [S.TASK_STATE_BLOCKED] * 2

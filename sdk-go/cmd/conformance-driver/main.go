@@ -16,7 +16,11 @@ import (
 	"sync"
 	"time"
 
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
 	"github.com/cronoq/cronoq/sdk-go"
+	cronoqv1 "github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1"
 )
 
 func main() {
@@ -51,6 +55,10 @@ type step struct {
 	Pool             string          `json:"pool"`
 	Payload          json.RawMessage `json:"payload"`
 	ID               string          `json:"id"`
+	Key              string          `json:"key"`
+	IncludeAttempts  bool            `json:"include_attempts"`
+	Filter           json.RawMessage `json:"filter"`
+	DryRun           bool            `json:"dry_run"`
 	TimeoutMs        int64           `json:"timeout_ms"`
 	Pools            []string        `json:"pools"`
 	Concurrency      int             `json:"concurrency"`
@@ -151,30 +159,67 @@ func errorOf(err error) result {
 
 func clientStep(client *cronoq.Client, in *input, s step) result {
 	ctx := context.Background()
-	if s.Op == "submit" {
-		sub, err := client.Submit(ctx, cronoq.TaskSpec{Pool: s.Pool, Payload: s.Payload})
+	switch s.Op {
+	case "submit":
+		sub, err := client.Submit(ctx, cronoq.TaskSpec{Pool: s.Pool, Key: s.Key, Payload: s.Payload})
 		if err != nil {
 			return result{"error": errorOf(err)}
 		}
 		return result{"id": strconv.FormatUint(sub.Task.GetId(), 10), "error": nil}
+	case "pause_pool", "resume_pool":
+		change := client.PausePool
+		if s.Op == "resume_pool" {
+			change = client.ResumePool
+		}
+		p, err := change(ctx, s.Pool)
+		if err != nil {
+			return result{"error": errorOf(err)}
+		}
+		return result{"pool": p.GetPool(), "paused": p.GetPaused(), "error": nil}
+	case "bulk_cancel", "bulk_retry", "bulk_delete":
+		return bulkStep(ctx, client, s)
 	}
-	id, err := strconv.ParseUint(s.ID, 10, 64)
+	ref, err := taskRef(s)
 	if err != nil {
-		return result{"error": result{"code": "", "kind": "other", "message": fmt.Sprintf("id %q: %v", s.ID, err)}}
+		return result{"error": result{"code": "", "kind": "other", "message": err.Error()}}
 	}
 	var task *cronoq.Task
+	out := result{"error": nil}
 	switch s.Op {
 	case "get":
-		task, err = client.Get(ctx, cronoq.ByID(id))
+		if !s.IncludeAttempts {
+			task, err = client.Get(ctx, ref)
+			break
+		}
+		var got *cronoq.TaskWithAttempts
+		if got, err = client.GetWithAttempts(ctx, ref); err == nil {
+			task = got.Task
+			attempts := []result{}
+			for _, a := range got.Attempts {
+				attempts = append(attempts, result{"attempt": a.GetAttempt(), "outcome": a.GetOutcome().String(), "error": a.GetError()})
+			}
+			out["attempts"] = attempts
+		}
 	case "cancel":
-		task, err = client.Cancel(ctx, cronoq.ByID(id))
+		task, err = client.Cancel(ctx, ref)
+	case "retry":
+		var retried *cronoq.Retried
+		if retried, err = client.Retry(ctx, ref, cronoq.RetryOptions{}); err == nil {
+			task = retried.Task
+		}
+	case "delete":
+		var id uint64
+		if id, err = client.Delete(ctx, ref); err != nil {
+			return result{"error": errorOf(err)}
+		}
+		return result{"id": strconv.FormatUint(id, 10), "error": nil}
 	case "wait":
 		timeout := int64(10000)
 		if s.TimeoutMs > 0 {
 			timeout = s.TimeoutMs
 		}
 		var waited *cronoq.Waited
-		if waited, err = client.Wait(ctx, cronoq.ByID(id), ms(timeout)); err == nil {
+		if waited, err = client.Wait(ctx, ref, ms(timeout)); err == nil {
 			task = waited.Task
 		}
 	default:
@@ -183,7 +228,56 @@ func clientStep(client *cronoq.Client, in *input, s step) result {
 	if err != nil {
 		return result{"error": errorOf(err)}
 	}
-	return result{"id": strconv.FormatUint(task.GetId(), 10), "state": task.GetState().String(), "error": nil}
+	out["id"] = strconv.FormatUint(task.GetId(), 10)
+	out["state"] = task.GetState().String()
+	return out
+}
+
+// taskRef is the task a step names: by "id" or by "key".
+func taskRef(s step) (cronoq.TaskRef, error) {
+	if s.ID == "" && s.Key != "" {
+		return cronoq.ByKey(s.Key), nil
+	}
+	id, err := strconv.ParseUint(s.ID, 10, 64)
+	if err != nil {
+		return cronoq.TaskRef{}, fmt.Errorf("id %q: %v", s.ID, err)
+	}
+	return cronoq.ByID(id), nil
+}
+
+// bulkStep runs a bulk action; its filter is a TaskFilter in proto JSON form.
+func bulkStep(ctx context.Context, client *cronoq.Client, s step) result {
+	var pf cronoqv1.TaskFilter
+	if len(s.Filter) > 0 {
+		if err := protojson.Unmarshal(s.Filter, &pf); err != nil {
+			return result{"error": result{"code": "", "kind": "other", "message": fmt.Sprintf("filter %s: %v", s.Filter, err)}}
+		}
+	}
+	timeOf := func(ts *timestamppb.Timestamp) time.Time {
+		if ts == nil {
+			return time.Time{}
+		}
+		return ts.AsTime()
+	}
+	filter := cronoq.TaskFilter{
+		Pool: pf.GetPool(), States: pf.GetStates(), KeyPrefix: pf.GetKeyPrefix(), ErrorContains: pf.GetErrorContains(), IDs: pf.GetIds(),
+		CreatedAfter: timeOf(pf.GetCreatedAfter()), CreatedBefore: timeOf(pf.GetCreatedBefore()),
+		FinishedAfter: timeOf(pf.GetFinishedAfter()), FinishedBefore: timeOf(pf.GetFinishedBefore()),
+	}
+	var res *cronoq.BulkResult
+	var err error
+	switch s.Op {
+	case "bulk_cancel":
+		res, err = client.CancelTasks(ctx, filter, cronoq.BulkOptions{DryRun: s.DryRun})
+	case "bulk_retry":
+		res, err = client.RetryTasks(ctx, filter, cronoq.BulkRetryOptions{DryRun: s.DryRun})
+	default:
+		res, err = client.DeleteTasks(ctx, filter, cronoq.BulkOptions{DryRun: s.DryRun})
+	}
+	if err != nil {
+		return result{"error": errorOf(err)}
+	}
+	return result{"matched": res.Matched, "changed": res.Changed, "unavailable_shards": append([]string{}, res.UnavailableShards...), "error": nil}
 }
 
 // runWorker runs a worker until it has handled until_handled tasks (or started

@@ -18,6 +18,7 @@ export function setToken(value) {
   if (value) sessionStorage.setItem(TOKEN_KEY, value);
   else sessionStorage.removeItem(TOKEN_KEY);
   callerPromise = null;
+  poolsPromise = null;
 }
 
 let callerPromise = null;
@@ -29,6 +30,39 @@ export function caller() {
     callerPromise.catch(() => { callerPromise = null; });
   }
   return callerPromise;
+}
+
+let poolsPromise = null;
+
+/** The names of the pools the viewer may read, sorted: the token's own pools, with those the
+ * snapshot holds (which are all of them for a token on every pool); asked once per token. */
+export function readablePools() {
+  if (!poolsPromise) {
+    // A token on named pools needs no snapshot: its pools are those (the snapshot holds no other).
+    poolsPromise = caller().then(async (who) => (who.all_pools ? notePools(who, await call("GET", "/v1/snapshot")) : notePools(who, {})));
+    poolsPromise.catch(() => { poolsPromise = null; });
+  }
+  return poolsPromise;
+}
+
+/** Records the pools of a snapshot just read (the overview's): readablePools() answers them. */
+export function notePools(who, snapshot) {
+  const reads = (who.permissions || []).some((p) => p === "read" || p === "admin");
+  const names = new Set(who.all_pools || !reads ? [] : who.pools || []);
+  for (const shard of snapshot.shards || []) for (const pool of shard.pools || []) names.add(pool.pool);
+  const sorted = [...names].sort();
+  poolsPromise = Promise.resolve(sorted);
+  return sorted;
+}
+
+/** Worker ids to their names (GET /v1/workers, every shard); empty when they cannot be read. */
+export async function workerNames() {
+  try {
+    const listed = await call("GET", "/v1/workers");
+    return new Map((listed.workers || []).filter((w) => w.name).map((w) => [w.id, w.name]));
+  } catch {
+    return new Map();
+  }
 }
 
 /** GET /v1/info: this server (shard, role, leader) and the caller. */

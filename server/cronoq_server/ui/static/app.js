@@ -1,9 +1,9 @@
 // The dashboard's entry point: hash routes (#/overview, #/tasks?…, #/task/<id or key>, #/live,
 // #/schedules, #/workers), the token form shown when the API answers 401, and the search box.
 import { ApiError, caller, serverInfo, setToken, token } from "./api.js";
-import { h, show } from "./dom.js";
+import { LOCAL_ZONE, h, show } from "./dom.js";
 import { renderLive } from "./live.js";
-import { renderOverview } from "./overview.js";
+import { renderOverview, shardTitle } from "./overview.js";
 import { renderSchedules } from "./schedules.js";
 import { renderTask, renderTasks } from "./tasks.js";
 import { renderWorkers } from "./workers.js";
@@ -18,8 +18,10 @@ const VIEWS = {
 
 const main = document.getElementById("main");
 const standby = document.getElementById("standby");
+const serverLabel = document.getElementById("server");
 const tokenForm = document.getElementById("token-form");
 const signOut = document.getElementById("sign-out");
+document.getElementById("zone").textContent = LOCAL_ZONE; // the zone a time shown on hover is in
 
 function parseHash() {
   const raw = location.hash.replace(/^#\/?/, "");
@@ -36,12 +38,16 @@ let stopLive = null; // ends the live view's stream when another view is drawn
 async function showRole() {
   try {
     const info = await serverInfo();
+    const role = info.role === "ROLE_STANDBY" ? "standby" : "leader";
+    const term = Number(info.term) ? ` · term ${info.term}` : ""; // 0 on SQLite: nothing to tell
+    serverLabel.textContent = `${shardTitle(info.shard, info.shard_number)} · ${role}${term}`;
     standby.hidden = info.role !== "ROLE_STANDBY";
     const of = info.shard_number ? ` of shard ${info.shard}` : "";
     standby.textContent = standby.hidden ? "" : `This server is a standby${of}: `
       + `its pages are read from its leader (${info.leader || "not known yet"}); `
-      + "changes (Cancel, Pause, Resume, Delete) and the Live view need the leader's own dashboard.";
+      + "changes (Retry, Cancel, Delete, Pause, Resume) and the Live view need the leader's own dashboard.";
   } catch {
+    serverLabel.textContent = "";
     standby.hidden = true; // a missing token is asked for by the view
   }
 }

@@ -38,10 +38,51 @@ export function show(el, ...children) {
   append(el, children);
 }
 
-/** A timestamp (RFC 3339, as the API sends them) shown as "YYYY-MM-DD HH:MM:SS" UTC, or "" when absent. */
+/** The browser's own time zone (an IANA name such as "Europe/Paris"). */
+export const LOCAL_ZONE = Intl.DateTimeFormat().resolvedOptions().timeZone || "local";
+
+const formats = new Map(); // one Intl.DateTimeFormat per zone
+
+/** A timestamp as "YYYY-MM-DD HH:MM:SS" in an IANA time zone. */
+export function inZone(ts, zone) {
+  if (!formats.has(zone)) {
+    formats.set(zone, new Intl.DateTimeFormat("en-CA", {
+      timeZone: zone, hourCycle: "h23", year: "numeric", month: "2-digit", day: "2-digit",
+      hour: "2-digit", minute: "2-digit", second: "2-digit",
+    }));
+  }
+  const parts = Object.fromEntries(formats.get(zone).formatToParts(new Date(ts)).map((p) => [p.type, p.value]));
+  return `${parts.year}-${parts.month}-${parts.day} ${parts.hour}:${parts.minute}:${parts.second}`;
+}
+
+/** A timestamp (RFC 3339, as the API sends them) shown in UTC and labelled so, with the time in
+ * the browser's zone (named) as its title; "" when absent. */
 export function when(ts) {
   if (!ts) return "";
-  return h("time", { datetime: ts, title: ts }, ts.replace("T", " ").replace(/\.\d+Z$|Z$/, ""));
+  return h("time", { datetime: ts, title: `${inZone(ts, LOCAL_ZONE)} ${LOCAL_ZONE} (your zone)` }, `${utc(ts)} UTC`);
+}
+
+/** A timestamp in UTC and, on a second line, in `zone` (a schedule's, or the browser's), both named. */
+export function whenBoth(ts, zone = LOCAL_ZONE) {
+  if (!ts) return "";
+  const local = zone === LOCAL_ZONE ? `${LOCAL_ZONE} (your zone)` : zone;
+  return h("time", { datetime: ts, class: "both" },
+    zone === "UTC" || zone === "Etc/UTC" ? `${utc(ts)} UTC` : [`${inZone(ts, zone)} ${local}`, h("br"), h("small", null, `${utc(ts)} UTC`)]);
+}
+
+function utc(ts) {
+  return ts.replace("T", " ").replace(/\.\d+Z$|Z$/, "");
+}
+
+/** A duration in milliseconds as "850 ms", "12.3 s", "4 min 5 s" or "2 h 3 min". */
+export function duration(ms) {
+  if (ms === null || ms === undefined || Number.isNaN(ms)) return "";
+  const n = Math.max(0, Math.round(Number(ms)));
+  if (n < 1000) return `${n} ms`;
+  if (n < 60_000) return `${(n / 1000).toFixed(1)} s`;
+  const s = Math.round(n / 1000);
+  if (s < 3600) return `${Math.floor(s / 60)} min ${s % 60} s`;
+  return `${Math.floor(s / 3600)} h ${Math.round((s % 3600) / 60)} min`;
 }
 
 /** How long ago a timestamp was ("4 s ago"), with the full time as its title. */

@@ -3,9 +3,9 @@
 // last event's cursor (or, before any event, the cursor the stream started at: the
 // cronoq-watch-cursor header), so no event in between is lost or shown twice. Above
 // MAX_EVENTS_PER_S it pauses itself; Resume then goes on live, skipping what came meanwhile.
-import { ApiError, readEvents } from "./api.js";
+import { ApiError, readEvents, workerNames } from "./api.js";
 import { h, table, when } from "./dom.js";
-import { stateBadge } from "./tasks.js";
+import { stateBadge, workerLabel } from "./tasks.js";
 
 const KEEP = 200; // rows shown, newest first
 const RETRY_MS = [500, 1000, 2000, 5000];
@@ -13,7 +13,9 @@ const RETRY_MS = [500, 1000, 2000, 5000];
 // page left open does not cost the server the conversion of every event of a busy queue.
 export const MAX_EVENTS_PER_S = 200;
 
-function row(event) {
+const NAMES_EVERY_MS = 10_000; // a worker not known yet: the names are asked again, at most this often
+
+function row(event, names) {
   const task = event.task || {};
   return h("tr", { "data-task": task.id || "" },
     h("td", null, when(event.time)),
@@ -23,7 +25,7 @@ function row(event) {
     h("td", null, task.key || ""),
     h("td", null, stateBadge(task.state)),
     h("td", null, String(task.attempt ?? 0)),
-    h("td", null, task.worker_id || ""),
+    h("td", null, workerLabel(task.worker_id, names)),
     h("td", null, task.error || ""));
 }
 
@@ -33,6 +35,14 @@ export function renderLive(params) {
   const status = h("span", { class: "live-status", role: "status" }, "connecting…");
   const list = table(["time", "shard", "task", "pool", "key", "state", "attempt", "worker", "error"], [], { class: "live" });
   const body = list.querySelector("tbody");
+  const waiting = h("p", { class: "muted waiting" }, "Waiting for events… (a task submitted, started or ended in these pools shows here)");
+  let names = new Map();
+  let namesAsked = 0;
+  const askNames = () => {
+    namesAsked = performance.now();
+    workerNames().then((known) => { names = known; });
+  };
+  askNames();
   let controller = new AbortController();
   let cursor = "";
   const seen = new Set(); // cursors shown: a replay after a reconnect repeats none
@@ -83,7 +93,11 @@ export function renderLive(params) {
               seen.add(event.id);
               cursor = event.id;
             }
-            body.prepend(row(JSON.parse(event.data)));
+            const parsed = JSON.parse(event.data);
+            const worker = (parsed.task || {}).worker_id;
+            if (worker && !names.has(worker) && now - namesAsked > NAMES_EVERY_MS) askNames();
+            waiting.hidden = true;
+            body.prepend(row(parsed, names));
             while (body.children.length > KEEP) body.lastElementChild.remove();
             if (seen.size > KEEP * 10) seen.clear();
           },
@@ -133,6 +147,7 @@ export function renderLive(params) {
     h("h1", null, "Live"),
     h("p", { class: "muted" }, pool ? `Events of pool ${pool}.` : "Events of every pool you may read, newest first."),
     h("p", null, status, " ", pause),
+    waiting,
     list);
   return { view, stop: () => controller.abort() };
 }

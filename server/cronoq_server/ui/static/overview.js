@@ -1,17 +1,41 @@
-// Overview: every shard of GET /v1/snapshot (name, number, leader, standbys, term), its per-pool
-// counts by state, resources and workers, and charts of the pools' recent activity; shards the
-// server could not reach are named as unavailable. The snapshot holds only the pools the
-// viewer may read.
-import { call } from "./api.js";
+// Overview: every shard of GET /v1/snapshot (name, number, leader, standbys, term; "Single
+// server" when unsharded), its per-pool counts by state with a Paused badge and Pause / Resume
+// (POST /v1/pools/{pool}/pause|resume) for a viewer with admin on the pool, resources and
+// workers, and charts of the pools' recent activity; shards the server could not reach are
+// named as unavailable. The snapshot holds only the pools the viewer may read.
+import { call, caller, may, notePools } from "./api.js";
 import { lineChart } from "./chart.js";
 import { ago, h, table } from "./dom.js";
 
 export const STATES = ["pending", "blocked", "running", "succeeded", "failed", "cancelled"];
 
-function poolRows(shard) {
+let refused = ""; // the last refused Pause / Resume, kept across the page's refreshes until the next success
+
+/** Pause or Resume for a pool, for a viewer with admin on it; a refusal is shown in `status`. */
+function pauseButton(pool, status) {
+  const verb = pool.paused ? "Resume" : "Pause";
+  return h("button", {
+    type: "button",
+    class: pool.paused ? "resume-pool" : "pause-pool",
+    onclick: async () => {
+      try {
+        await call("POST", `/v1/pools/${encodeURIComponent(pool.pool)}/${verb.toLowerCase()}`, {});
+        refused = "";
+        window.dispatchEvent(new HashChangeEvent("hashchange")); // drawn again, with its badge
+      } catch (err) {
+        refused = `${verb} ${pool.pool} refused: ${err.message}`;
+        status.textContent = refused;
+      }
+    },
+  }, verb);
+}
+
+function poolRows(shard, who, status) {
   return (shard.pools || []).map((pool) => [
-    h("a", { href: `#/tasks?pool=${encodeURIComponent(pool.pool)}` }, pool.pool),
+    [h("a", { href: `#/tasks?pool=${encodeURIComponent(pool.pool)}` }, pool.pool),
+      pool.paused ? [" ", h("span", { class: "badge paused", title: "nothing is leased from this pool" }, "Paused")] : null],
     ...STATES.map((state) => h("span", { class: `num state-${state}`, "data-count": state }, String(pool[state] ?? 0))),
+    may(who, "admin", pool.pool) ? pauseButton(pool, status) : "",
   ]);
 }
 
@@ -33,13 +57,19 @@ function workerRows(shard) {
   ]);
 }
 
-function shardCard(shard) {
+/** The shard's title: "Single server" when the deployment is not sharded, else its name and number. */
+export function shardTitle(name, number) {
+  return name === "unsharded" ? "Single server" : `Shard ${name} #${number ?? 0}`;
+}
+
+function shardCard(shard, who, status) {
   const standbys = (shard.standbys || []).length ? shard.standbys.join(", ") : "none seen";
+  const term = Number(shard.term) ? ` · term ${shard.term}` : ""; // 0 on SQLite: nothing to tell
   return h("section", { class: "shard", "data-shard": shard.shard },
-    h("h2", null, `Shard ${shard.shard} `,
-      h("small", null, `#${shard.number} · term ${shard.term ?? 0} · leader ${shard.leader || "?"} · standbys ${standbys}`)),
+    h("h2", null, `${shardTitle(shard.shard, shard.number)} `,
+      h("small", null, `leader ${shard.leader || "?"}${term} · standbys ${standbys}`)),
     (shard.pools || []).length
-      ? table(["pool", ...STATES], poolRows(shard), { class: "counts" })
+      ? table(["pool", ...STATES, ""], poolRows(shard, who, status), { class: "counts" })
       : h("p", { class: "muted" }, "No pools."),
     (shard.resources || []).length
       ? [h("h3", null, "Resources"), table(["resource", "in use / capacity", "rate"], resourceRows(shard))]
@@ -118,13 +148,16 @@ function charts(shards) {
 }
 
 export async function renderOverview() {
-  const snapshot = await call("GET", "/v1/snapshot");
+  const [snapshot, who] = await Promise.all([call("GET", "/v1/snapshot"), caller()]);
+  notePools(who, snapshot);
   const shards = snapshot.shards || [];
   const unavailable = snapshot.unavailable_shards || [];
+  const status = h("p", { class: "status error", role: "alert" }, refused);
   return h("div", { class: "overview" },
     h("h1", null, "Overview"),
+    status,
     charts(shards),
-    shards.map(shardCard),
+    shards.map((shard) => shardCard(shard, who, status)),
     unavailable.map((name) => h("section", { class: "shard unavailable", "data-shard": name },
       h("h2", null, `Shard ${name} `, h("small", null, "unavailable")),
       h("p", null, "This shard did not answer; its pools are not counted above."))));

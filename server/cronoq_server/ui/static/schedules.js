@@ -1,7 +1,8 @@
-// Schedules: GET /v1/schedules across shards, with the next and last fire; Pause, Resume and
+// Schedules: GET /v1/schedules across shards, with the next fire in the schedule's zone and in
+// UTC, and the last fire; Pause, Resume and
 // Delete (PUT / DELETE /v1/pools/{pool}/schedules/{name}) for a viewer with `schedule` on the pool.
 import { EXACT_NUMBERS, call, caller, may, parseExact } from "./api.js";
-import { h, table, when } from "./dom.js";
+import { h, table, when, whenBoth } from "./dom.js";
 
 // The fields a PUT sends back: the schedule as listed, without its times (the server keeps them).
 // The listing is parsed with parseExact, so each number goes back as the server wrote it.
@@ -51,7 +52,7 @@ export async function renderSchedules() {
   const status = h("p", { class: "status" });
   const rows = schedules.map((s) => [
     s.pool, s.name || "", h("code", null, s.cron || ""), s.timezone || "UTC", s.paused ? "paused" : "active",
-    when(s.next_fire_at), when(s.last_fire_at),
+    whenBoth(s.next_fire_at, s.timezone || "UTC"), when(s.last_fire_at),
     may(who, "schedule", s.pool) ? actions(s, status) : "",
   ]);
   return h("div", { class: "schedules-view" },

@@ -1,0 +1,261 @@
+package cronoq
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	cronoqv1 "github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1"
+)
+
+// opsServer answers the day-2 calls and records each request; unavailable makes the first
+// that many calls fail UNAVAILABLE.
+type opsServer struct {
+	cronoqv1.UnimplementedTaskServiceServer
+	cronoqv1.UnimplementedAdminServiceServer
+	mu          sync.Mutex
+	requests    []proto.Message
+	unavailable int
+}
+
+func (s *opsServer) record(req proto.Message) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.requests = append(s.requests, req)
+	if s.unavailable > 0 {
+		s.unavailable--
+		return status.Error(codes.Unavailable, "scripted outage")
+	}
+	return nil
+}
+
+func (s *opsServer) last() proto.Message {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.requests[len(s.requests)-1]
+}
+
+func (s *opsServer) GetTask(_ context.Context, req *cronoqv1.GetTaskRequest) (*cronoqv1.GetTaskResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	resp := &cronoqv1.GetTaskResponse{Task: &cronoqv1.Task{Id: 7, State: TaskStateFailed}}
+	if req.GetIncludeAttempts() {
+		resp.Attempts = []*cronoqv1.Attempt{
+			{Attempt: 1, Outcome: AttemptOutcomeFailed, Error: "boom"},
+			{Attempt: 2, Outcome: AttemptOutcomeRunning},
+		}
+	}
+	return resp, nil
+}
+
+func (s *opsServer) RetryTask(_ context.Context, req *cronoqv1.RetryTaskRequest) (*cronoqv1.RetryTaskResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	if req.GetTask().GetKey() == "missing" {
+		return nil, status.Error(codes.NotFound, "no task with key missing")
+	}
+	return &cronoqv1.RetryTaskResponse{Task: &cronoqv1.Task{Id: 7, State: TaskStatePending}, DependentsRestored: 2}, nil
+}
+
+func (s *opsServer) DeleteTask(_ context.Context, req *cronoqv1.DeleteTaskRequest) (*cronoqv1.DeleteTaskResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	return &cronoqv1.DeleteTaskResponse{Id: uint64(1)<<63 | 9}, nil
+}
+
+var opsShards = []*cronoqv1.BulkShardResult{{Shard: "cpu", Matched: 2, Changed: 1, Incomplete: true}, {Shard: "gpu", Matched: 1, Changed: 1}}
+
+func (s *opsServer) CancelTasks(_ context.Context, req *cronoqv1.CancelTasksRequest) (*cronoqv1.CancelTasksResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	return &cronoqv1.CancelTasksResponse{Matched: 3, Changed: 2, Shards: opsShards, UnavailableShards: []string{"tpu"}, Incomplete: true}, nil
+}
+
+func (s *opsServer) RetryTasks(_ context.Context, req *cronoqv1.RetryTasksRequest) (*cronoqv1.RetryTasksResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	return &cronoqv1.RetryTasksResponse{Matched: 3, Changed: 2, Shards: opsShards, UnavailableShards: []string{"tpu"}, Incomplete: true}, nil
+}
+
+func (s *opsServer) DeleteTasks(_ context.Context, req *cronoqv1.DeleteTasksRequest) (*cronoqv1.DeleteTasksResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	return &cronoqv1.DeleteTasksResponse{Matched: 3, Changed: 2, Shards: opsShards, UnavailableShards: []string{"tpu"}, Incomplete: true}, nil
+}
+
+func (s *opsServer) PausePool(_ context.Context, req *cronoqv1.PausePoolRequest) (*cronoqv1.PausePoolResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	return &cronoqv1.PausePoolResponse{Pause: &cronoqv1.PoolPause{
+		Pool: req.GetPool(), Paused: true, PausedAt: timestamppb.New(time.Unix(1700000000, 0)), PausedBy: "token:ops",
+	}}, nil
+}
+
+func (s *opsServer) ResumePool(_ context.Context, req *cronoqv1.ResumePoolRequest) (*cronoqv1.ResumePoolResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	return &cronoqv1.ResumePoolResponse{Pause: &cronoqv1.PoolPause{Pool: req.GetPool()}}, nil
+}
+
+func opsClient(t *testing.T, srv *opsServer) *Client {
+	t.Helper()
+	addr := serve(t, func(s *grpc.Server) {
+		cronoqv1.RegisterTaskServiceServer(s, srv)
+		cronoqv1.RegisterAdminServiceServer(s, srv)
+	})
+	client, err := NewClient(Options{Endpoint: "http://" + addr, Retry: fastRetry(), Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = client.Close() })
+	return client
+}
+
+func wantRequest(t *testing.T, got, want proto.Message) {
+	t.Helper()
+	if !proto.Equal(got, want) {
+		t.Errorf("request %v, want %v", got, want)
+	}
+}
+
+func TestRetrySendsRunAtAndExtraAttemptsAndIsRetriedOnUnavailable(t *testing.T) {
+	srv := &opsServer{unavailable: 1} // as Cancel: UNAVAILABLE is retried
+	client := opsClient(t, srv)
+	runAt := time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)
+	retried, err := client.Retry(context.Background(), ByKey("op-fail"), RetryOptions{RunAt: runAt, ExtraAttempts: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if retried.Task.GetState() != TaskStatePending || retried.DependentsRestored != 2 || len(srv.requests) != 2 {
+		t.Errorf("%v after %d calls", retried, len(srv.requests))
+	}
+	wantRequest(t, srv.last(), &cronoqv1.RetryTaskRequest{
+		Task: &cronoqv1.TaskRef{Ref: &cronoqv1.TaskRef_Key{Key: "op-fail"}}, RunAt: timestamppb.New(runAt), ExtraAttempts: 3,
+	})
+
+	// No options: now, and the server's default of extra attempts.
+	if _, err := client.Retry(context.Background(), ByID(7), RetryOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.RetryTaskRequest{Task: &cronoqv1.TaskRef{Ref: &cronoqv1.TaskRef_Id{Id: 7}}})
+
+	// Delay: not before now + Delay.
+	before := time.Now()
+	if _, err := client.Retry(context.Background(), ByID(7), RetryOptions{Delay: time.Hour}); err != nil {
+		t.Fatal(err)
+	}
+	if at := srv.last().(*cronoqv1.RetryTaskRequest).GetRunAt().AsTime(); at.Before(before.Add(time.Hour)) || at.After(time.Now().Add(time.Hour)) {
+		t.Errorf("run_at %v, want an hour from %v", at, before)
+	}
+
+	if _, err := client.Retry(context.Background(), ByKey("missing"), RetryOptions{}); !errors.Is(err, ErrNotFound) {
+		t.Errorf("a missing key: %v, want ErrNotFound", err)
+	}
+	if _, err := client.Retry(context.Background(), TaskRef{}, RetryOptions{}); !errors.Is(err, ErrInvalidArgument) {
+		t.Errorf("no ref: %v, want ErrInvalidArgument", err)
+	}
+}
+
+func TestDeleteReturnsTheIDDeleted(t *testing.T) {
+	srv := &opsServer{}
+	client := opsClient(t, srv)
+	id, err := client.Delete(context.Background(), ByKey("op-done"))
+	if err != nil || id != uint64(1)<<63|9 {
+		t.Fatalf("id %d, err %v", id, err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.DeleteTaskRequest{Task: &cronoqv1.TaskRef{Ref: &cronoqv1.TaskRef_Key{Key: "op-done"}}})
+}
+
+func TestGetWithAttempts(t *testing.T) {
+	srv := &opsServer{}
+	client := opsClient(t, srv)
+	got, err := client.GetWithAttempts(context.Background(), ByID(7))
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.GetTaskRequest{Task: &cronoqv1.TaskRef{Ref: &cronoqv1.TaskRef_Id{Id: 7}}, IncludeAttempts: true})
+	if got.Task.GetId() != 7 || len(got.Attempts) != 2 || got.Attempts[0].GetError() != "boom" ||
+		got.Attempts[1].GetOutcome() != AttemptOutcomeRunning {
+		t.Errorf("%v", got)
+	}
+	// Get asks for no attempts.
+	if _, err := client.Get(context.Background(), ByID(7)); err != nil {
+		t.Fatal(err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.GetTaskRequest{Task: &cronoqv1.TaskRef{Ref: &cronoqv1.TaskRef_Id{Id: 7}}})
+}
+
+func TestBulkActionsSendTheFilterAndReadEveryShard(t *testing.T) {
+	srv := &opsServer{}
+	client := opsClient(t, srv)
+	ctx := context.Background()
+	t0 := time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)
+	filter := TaskFilter{
+		Pool: "llm", States: []TaskState{TaskStateFailed}, CreatedAfter: t0, CreatedBefore: t0.Add(time.Hour),
+		FinishedAfter: t0.Add(2 * time.Hour), FinishedBefore: t0.Add(3 * time.Hour),
+		KeyPrefix: "op-", ErrorContains: "boom", IDs: []uint64{uint64(1)<<63 | 1, 2},
+	}
+	wantFilter := &cronoqv1.TaskFilter{
+		Pool: "llm", States: []TaskState{TaskStateFailed}, CreatedAfter: timestamppb.New(t0), CreatedBefore: timestamppb.New(t0.Add(time.Hour)),
+		FinishedAfter: timestamppb.New(t0.Add(2 * time.Hour)), FinishedBefore: timestamppb.New(t0.Add(3 * time.Hour)),
+		KeyPrefix: "op-", ErrorContains: "boom", Ids: []uint64{uint64(1)<<63 | 1, 2},
+	}
+	check := func(what string, res *BulkResult, err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		if res.Matched != 3 || res.Changed != 2 || !res.Incomplete || len(res.Shards) != 2 || !res.Shards[0].GetIncomplete() || res.Shards[1].GetShard() != "gpu" ||
+			len(res.UnavailableShards) != 1 || res.UnavailableShards[0] != "tpu" {
+			t.Errorf("%s: %+v", what, res)
+		}
+	}
+
+	res, err := client.CancelTasks(ctx, filter, BulkOptions{DryRun: true})
+	check("cancel", res, err)
+	wantRequest(t, srv.last(), &cronoqv1.CancelTasksRequest{Filter: wantFilter, DryRun: true})
+
+	runAt := t0.Add(24 * time.Hour)
+	res, err = client.RetryTasks(ctx, filter, BulkRetryOptions{RetryOptions: RetryOptions{RunAt: runAt, ExtraAttempts: 2}})
+	check("retry", res, err)
+	wantRequest(t, srv.last(), &cronoqv1.RetryTasksRequest{Filter: wantFilter, RunAt: timestamppb.New(runAt), ExtraAttempts: 2})
+
+	res, err = client.DeleteTasks(ctx, TaskFilter{KeyPrefix: "op-"}, BulkOptions{})
+	check("delete", res, err)
+	wantRequest(t, srv.last(), &cronoqv1.DeleteTasksRequest{Filter: &cronoqv1.TaskFilter{KeyPrefix: "op-"}})
+}
+
+func TestPauseAndResumePool(t *testing.T) {
+	srv := &opsServer{unavailable: 1}
+	client := opsClient(t, srv)
+	pause, err := client.PausePool(context.Background(), "llm")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pause.GetPool() != "llm" || !pause.GetPaused() || pause.GetPausedBy() != "token:ops" ||
+		!pause.GetPausedAt().AsTime().Equal(time.Unix(1700000000, 0)) || len(srv.requests) != 2 {
+		t.Errorf("%v after %d calls", pause, len(srv.requests))
+	}
+	wantRequest(t, srv.last(), &cronoqv1.PausePoolRequest{Pool: "llm"})
+	pause, err = client.ResumePool(context.Background(), "llm")
+	if err != nil || pause.GetPool() != "llm" || pause.GetPaused() || pause.GetPausedAt() != nil {
+		t.Errorf("%v, %v", pause, err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.ResumePoolRequest{Pool: "llm"})
+}

@@ -1,0 +1,211 @@
+// The client's day-2 calls (retry, delete, attempts, bulk actions, pause/resume) against an
+// in-process grpc-js server that plays cronoq's task and admin services and records requests.
+import { after, test } from "node:test";
+import assert from "node:assert/strict";
+import {
+  Metadata,
+  Server,
+  status as Status,
+  type sendUnaryData,
+  type ServerUnaryCall,
+  type UntypedServiceImplementation,
+} from "@grpc/grpc-js";
+import { CancelTasksResponse, GetTaskResponse, RetryTaskResponse, TaskServiceService } from "../src/gen/cronoq/v1/task_service.js";
+import { AdminServiceService } from "../src/gen/cronoq/v1/admin_service.js";
+import { Attempt, AttemptOutcome, Task, TaskState } from "../src/gen/cronoq/v1/task.js";
+import { Client, FailedPreconditionError, NotFoundError, type BulkResult } from "../src/index.js";
+import { listenLocal, silent, statusDetailsBin, TOP_BIT_ID } from "./helpers.js";
+
+/** What a call of the fake answers: a response, or a gRPC error. */
+type Answer = object | { code: number; details: string; reason?: string };
+
+/** Plays every unary day-2 RPC: records each request by method, answers from `answers` (in order; the last repeats). */
+class OpsShard {
+  readonly server = new Server();
+  url = "";
+  readonly requests: Record<string, unknown[]> = {};
+  readonly tokens: string[] = [];
+
+  constructor(private readonly answers: Record<string, Answer[]>) {
+    const handler = (method: string) => (call: ServerUnaryCall<unknown, unknown>, cb: sendUnaryData<unknown>) => {
+      (this.requests[method] ??= []).push(call.request);
+      this.tokens.push(String(call.metadata.get("authorization")[0] ?? ""));
+      const queue = this.answers[method] ?? [{ code: Status.UNIMPLEMENTED, details: `${method} not played` }];
+      const answer = queue.length > 1 ? queue.shift()! : queue[0]!;
+      if ("code" in answer) {
+        const md = new Metadata();
+        if (answer.reason) md.set("grpc-status-details-bin", statusDetailsBin(answer.reason, {}));
+        cb({ code: answer.code, details: answer.details, metadata: md });
+      } else {
+        cb(null, answer);
+      }
+    };
+    const task: UntypedServiceImplementation = {};
+    for (const method of ["getTask", "retryTask", "deleteTask", "cancelTasks", "retryTasks", "deleteTasks"]) task[method] = handler(method);
+    this.server.addService(TaskServiceService, task);
+    this.server.addService(AdminServiceService, { pausePool: handler("pausePool"), resumePool: handler("resumePool") });
+  }
+
+  async start(): Promise<this> {
+    running.push(this);
+    this.url = await listenLocal(this.server);
+    return this;
+  }
+
+  stop(): void {
+    this.server.forceShutdown();
+  }
+}
+
+const running: OpsShard[] = [];
+after(() => running.forEach((s) => s.stop()));
+
+async function withClient(answers: Record<string, Answer[]>, body: (client: Client, shard: OpsShard) => Promise<void>): Promise<void> {
+  const shard = await new OpsShard(answers).start();
+  const client = new Client({ endpoint: shard.url, token: "t", logger: silent, retry: { initialBackoffMs: 5, maxBackoffMs: 20 } });
+  try {
+    await body(client, shard);
+  } finally {
+    client.close();
+    shard.stop();
+  }
+}
+
+const failed = Task.fromPartial({ id: TOP_BIT_ID, key: "job-1", state: TaskState.TASK_STATE_PENDING, attempt: 3, maxAttempts: 4 });
+
+test("retry by key sends run_at and extra_attempts and answers the task", async () => {
+  await withClient({ retryTask: [RetryTaskResponse.fromPartial({ task: failed, dependentsRestored: 2n })] }, async (client, shard) => {
+    const task = await client.retry({ key: "job-1" }, { runAt: new Date(1_700_000_000_250), extraAttempts: 3 });
+    assert.equal(task.id, TOP_BIT_ID);
+    assert.equal(task.state, TaskState.TASK_STATE_PENDING);
+    assert.deepEqual(shard.requests["retryTask"], [{
+      task: { key: "job-1", id: undefined },
+      runAt: { seconds: 1_700_000_000n, nanos: 250_000_000 },
+      extraAttempts: 3,
+    }]);
+    assert.deepEqual(shard.tokens, ["Bearer t"]);
+  });
+});
+
+test("retry by id without options leaves run_at unset and extra_attempts 0 (the server's defaults)", async () => {
+  await withClient({ retryTask: [RetryTaskResponse.fromPartial({ task: failed })] }, async (client, shard) => {
+    await client.retry(TOP_BIT_ID);
+    assert.deepEqual(shard.requests["retryTask"], [{ task: { id: TOP_BIT_ID, key: undefined }, runAt: undefined, extraAttempts: 0 }]);
+  });
+});
+
+test("retry and delete are retried on UNAVAILABLE as cancel is; a refusal is raised with its reason, not retried", async () => {
+  const unavailable = { code: Status.UNAVAILABLE, details: "restarting" };
+  await withClient({
+    retryTask: [unavailable, { code: Status.FAILED_PRECONDITION, details: "task 5 is RUNNING", reason: "TASK_NOT_RETRYABLE" }],
+    deleteTask: [unavailable, { id: 5n }],
+  }, async (client, shard) => {
+    await assert.rejects(client.retry(5n), (err: unknown) =>
+      err instanceof FailedPreconditionError && err.message === "task 5 is RUNNING" && err.reason === "TASK_NOT_RETRYABLE");
+    assert.equal(shard.requests["retryTask"]!.length, 2);
+    assert.equal(await client.delete(5n), 5n);
+    assert.equal(shard.requests["deleteTask"]!.length, 2);
+  });
+});
+
+test("delete answers the id deleted, whole; a missing key is a NotFoundError", async () => {
+  await withClient({
+    deleteTask: [{ id: TOP_BIT_ID }, { code: Status.NOT_FOUND, details: "no task with key gone", reason: "TASK_NOT_FOUND" }],
+  }, async (client, shard) => {
+    assert.equal(await client.delete({ id: TOP_BIT_ID }), TOP_BIT_ID);
+    await assert.rejects(client.delete({ key: "gone" }), (err: unknown) => err instanceof NotFoundError && err.reason === "TASK_NOT_FOUND");
+    assert.deepEqual(shard.requests["deleteTask"], [{ task: { id: TOP_BIT_ID, key: undefined } }, { task: { key: "gone", id: undefined } }]);
+  });
+});
+
+test("getWithAttempts asks for the attempts and answers the task with them, oldest first", async () => {
+  const attempts = [
+    Attempt.fromPartial({ attempt: 1, workerName: "w-1", outcome: AttemptOutcome.ATTEMPT_OUTCOME_FAILED, error: "boom", durationMs: 12n }),
+    Attempt.fromPartial({ attempt: 2, workerName: "w-2", outcome: AttemptOutcome.ATTEMPT_OUTCOME_RUNNING }),
+  ];
+  await withClient({ getTask: [GetTaskResponse.fromPartial({ task: failed, attempts })] }, async (client, shard) => {
+    const got = await client.getWithAttempts({ key: "job-1" });
+    assert.equal(got.task.id, TOP_BIT_ID);
+    assert.deepEqual(got.attempts.map((a) => [a.attempt, a.outcome, a.error]), [
+      [1, AttemptOutcome.ATTEMPT_OUTCOME_FAILED, "boom"],
+      [2, AttemptOutcome.ATTEMPT_OUTCOME_RUNNING, ""],
+    ]);
+    const req = shard.requests["getTask"]![0] as { includeAttempts: boolean; includeDependents: boolean };
+    assert.equal(req.includeAttempts, true);
+    assert.equal(req.includeDependents, false);
+  });
+});
+
+// The three bulk responses have the same fields.
+const bulkAnswer = CancelTasksResponse.fromPartial({
+  matched: 7n,
+  changed: 5n,
+  shards: [{ shard: "cpu", matched: 4n, changed: 4n }, { shard: "gpu", matched: 3n, changed: 1n }],
+  unavailableShards: ["tpu"],
+});
+
+test("a bulk retry sends the whole filter, dry_run, run_at and extra_attempts, and answers the counts per shard", async () => {
+  await withClient({ retryTasks: [bulkAnswer] }, async (client, shard) => {
+    const result = await client.retryTasks({
+      pool: "llm",
+      states: [TaskState.TASK_STATE_FAILED],
+      createdAfter: 1_700_000_000_000,
+      createdBefore: new Date(1_700_000_001_500),
+      finishedAfter: 1_700_000_002_000,
+      finishedBefore: 1_700_000_003_000,
+      keyPrefix: "op-",
+      errorContains: "timeout",
+      ids: [TOP_BIT_ID, 3n],
+    }, { dryRun: true, runAt: 1_800_000_000_000, extraAttempts: 2 });
+    assert.deepEqual(result, bulkAnswer);
+    assert.deepEqual(shard.requests["retryTasks"], [{
+      filter: {
+        pool: "llm",
+        states: [TaskState.TASK_STATE_FAILED],
+        createdAfter: { seconds: 1_700_000_000n, nanos: 0 },
+        createdBefore: { seconds: 1_700_000_001n, nanos: 500_000_000 },
+        finishedAfter: { seconds: 1_700_000_002n, nanos: 0 },
+        finishedBefore: { seconds: 1_700_000_003n, nanos: 0 },
+        keyPrefix: "op-",
+        errorContains: "timeout",
+        ids: [TOP_BIT_ID, 3n],
+      },
+      dryRun: true,
+      runAt: { seconds: 1_800_000_000n, nanos: 0 },
+      extraAttempts: 2,
+    }]);
+  });
+});
+
+test("a bulk answer says when a shard stopped at its time bound (incomplete: call again)", async () => {
+  const partial = CancelTasksResponse.fromPartial({ matched: 9n, changed: 2n, shards: [{ shard: "cpu", matched: 9n, changed: 2n, incomplete: true }], incomplete: true });
+  await withClient({ deleteTasks: [partial] }, async (client) => {
+    const result: BulkResult = await client.deleteTasks({ pool: "default" });
+    assert.equal(result.incomplete, true);
+    assert.equal(result.shards[0]!.incomplete, true);
+  });
+});
+
+test("a bulk cancel and a bulk delete send their filter and dry_run (false when absent)", async () => {
+  const empty = { pool: "", states: [], createdAfter: undefined, createdBefore: undefined, finishedAfter: undefined,
+    finishedBefore: undefined, keyPrefix: "", errorContains: "", ids: [] };
+  await withClient({ cancelTasks: [bulkAnswer], deleteTasks: [bulkAnswer] }, async (client, shard) => {
+    assert.deepEqual(await client.cancelTasks({ keyPrefix: "op-" }), bulkAnswer);
+    assert.deepEqual(await client.deleteTasks({ pool: "llm" }, { dryRun: true }), bulkAnswer);
+    assert.deepEqual(shard.requests["cancelTasks"], [{ filter: { ...empty, keyPrefix: "op-" }, dryRun: false }]);
+    assert.deepEqual(shard.requests["deleteTasks"], [{ filter: { ...empty, pool: "llm" }, dryRun: true }]);
+  });
+});
+
+test("pausePool and resumePool name the pool and answer its pause: since when and by whom", async () => {
+  const pausedAt = { seconds: 1_700_000_000n, nanos: 0 };
+  await withClient({
+    pausePool: [{ pause: { pool: "llm", paused: true, pausedAt, pausedBy: "token:ops" } }],
+    resumePool: [{ pause: { pool: "llm", paused: false, pausedAt: undefined, pausedBy: "" } }],
+  }, async (client, shard) => {
+    assert.deepEqual(await client.pausePool("llm"), { pool: "llm", paused: true, pausedAt, pausedBy: "token:ops" });
+    assert.deepEqual(await client.resumePool("llm"), { pool: "llm", paused: false, pausedAt: undefined, pausedBy: "" });
+    assert.deepEqual(shard.requests["pausePool"], [{ pool: "llm" }]);
+    assert.deepEqual(shard.requests["resumePool"], [{ pool: "llm" }]);
+  });
+});
