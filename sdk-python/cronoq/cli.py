@@ -1,17 +1,20 @@
-"""`cronoq`: submit, get, wait, cancel, list and watch tasks; list workers; manage
-schedules; show a snapshot of the cluster."""
+"""`cronoq`: submit, get, wait, cancel, retry, delete, list and watch tasks (cancel, retry and
+delete also every task that matches a filter); list workers; manage schedules; list, pause and
+resume pools; show a snapshot of the cluster."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import copy
 import datetime as dt
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from google.protobuf.message import Message
 
@@ -20,14 +23,63 @@ from google.protobuf.message import Message
 # own: NONE silences them unless the user set GRPC_VERBOSITY. grpc reads it once, on import.
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from . import __version__
+from . import __version__, errors
 from ._transport import RetryConfig, TlsConfig
-from .client import Client, Schedule, Task, TaskEvent, payload_of, result_of
+from .client import (
+    TERMINAL_STATES,
+    Client,
+    Schedule,
+    Task,
+    TaskEvent,
+    TaskFilter,
+    payload_of,
+    result_of,
+    task_filter,
+)
 from .errors import CronoqError
 from .jsonform import task_dict, to_dict
 from .v1 import admin_service_pb2, schedule_service_pb2, task_pb2, task_service_pb2, worker_service_pb2
 
 STATE_NAMES = {v: k.removeprefix("TASK_STATE_").lower() for k, v in task_pb2.TaskState.items()}
+
+# Exit codes, one per kind of failure a script may act on; shown by `cronoq --help`.
+EXIT_ERROR = 1
+EXIT_BAD_INPUT = 2
+EXIT_WAIT_TIMEOUT = 3
+EXIT_NOT_FOUND = 4
+EXIT_PERMISSION = 5
+EXIT_UNAVAILABLE = 6
+EXIT_FAILED_PRECONDITION = 7
+EXIT_INTERRUPTED = 130
+EXIT_FOR_ERROR: dict[type[CronoqError], int] = {
+    errors.InvalidArgument: EXIT_BAD_INPUT,
+    errors.OutOfRange: EXIT_BAD_INPUT,
+    errors.NotFound: EXIT_NOT_FOUND,
+    errors.Unauthenticated: EXIT_PERMISSION,
+    errors.PermissionDenied: EXIT_PERMISSION,
+    # UNAVAILABLE to gRPC, but the credentials are at fault: no retry helps.
+    errors.TlsError: EXIT_PERMISSION,
+    errors.Unavailable: EXIT_UNAVAILABLE,
+    errors.DeadlineExceeded: EXIT_UNAVAILABLE,
+    errors.FailedPrecondition: EXIT_FAILED_PRECONDITION,
+}
+EXIT_CODES_HELP = f"""exit codes:
+  0    done
+  {EXIT_ERROR}    any other failure (INTERNAL, UNIMPLEMENTED, a file that cannot be read, ...)
+  {EXIT_BAD_INPUT}    usage error or bad input: a bad option or value, INVALID_ARGUMENT, OUT_OF_RANGE
+  {EXIT_WAIT_TIMEOUT}    wait, submit --wait: the task had not ended when the timeout passed
+  {EXIT_NOT_FOUND}    NOT_FOUND: no such task, schedule or pool (or one you may not read)
+  {EXIT_PERMISSION}    UNAUTHENTICATED or PERMISSION_DENIED: no, or not enough, credentials; or a
+       TLS handshake that failed (a certificate not trusted, or refused)
+  {EXIT_UNAVAILABLE}    UNAVAILABLE or DEADLINE_EXCEEDED: no server (or shard) answered in time
+  {EXIT_FAILED_PRECONDITION}    FAILED_PRECONDITION: the task's state does not allow it (cancel of a
+       SUCCEEDED or FAILED task, retry of a PENDING one, ...)
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
+Errors are one line on stderr: `cronoq COMMAND: CODE: message`."""
+
+
+class BadInput(Exception):
+    """A value the CLI refuses before calling the server (exit 2, one line)."""
 
 
 MAX_TASK_ID = 2**64 - 1
@@ -39,8 +91,21 @@ def _ref(text: str, force_key: bool) -> int | str:
         return text
     task_id = int(text)
     if task_id > MAX_TASK_ID:
-        raise SystemExit(f"cronoq: {text} is too large for a task id (ids fit in 64 bits)")
+        raise BadInput(f"{text} is too large for a task id (ids fit in 64 bits)")
     return task_id
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h|d)?")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+DURATION_HELP = "DURATION: a number with a unit (500ms, 30s, 5m, 2h, 1d); a bare number is seconds"
+
+
+def duration_arg(text: str) -> float:
+    """Seconds from "500ms", "30s", "5m", "2h", "1d" or a bare number of seconds."""
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 30s, 500ms, 5m, 2h or 1d")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
 def _ts(msg: Message, field: str, timespec: str = "milliseconds") -> str:
@@ -91,7 +156,7 @@ def _title(args: argparse.Namespace) -> str:
 
 def _client(args: argparse.Namespace, retry_for: float = 10.0) -> Client:
     if bool(args.cert) != bool(args.key_file):
-        raise SystemExit(f"cronoq {_title(args)}: give --cert and --key-file together (env CRONOQ_CERT and CRONOQ_KEY)")
+        raise BadInput("give --cert and --key-file together (env CRONOQ_CERT and CRONOQ_KEY)")
     tls = TlsConfig(args.ca or None, args.cert or None, args.key_file or None) if (args.ca or args.cert) else None
     return Client(args.endpoint, token=args.token or None, tls=tls, retry=RetryConfig(max_elapsed=retry_for))
 
@@ -134,30 +199,30 @@ def age(msg: Message, field: str, now: dt.datetime) -> str:
     return f"{seconds // 86400}d{seconds % 86400 // 3600}h ago"
 
 
-def _payload(command: str, json_flag: str, json_text: str | None, text: str | None) -> Any:
+def _payload(json_flag: str, json_text: str | None, text: str | None) -> Any:
     """A JSON value from json_text, else text's bytes, else None."""
     if json_text is not None:
         try:
             return json.loads(json_text)
         except ValueError as err:
             shown = json_text if len(json_text) <= 60 else json_text[:57] + "..."
-            raise SystemExit(f"cronoq {command}: {json_flag} {shown!r} is not valid JSON: {err}") from None
+            raise BadInput(f"{json_flag} {shown!r} is not valid JSON: {err}") from None
     return text.encode() if text is not None else None
 
 
-def _resources(command: str, given: list[tuple[str, int]]) -> dict[str, int]:
+def _resources(given: list[tuple[str, int]]) -> dict[str, int]:
     resources: dict[str, int] = {}
     for name, amount in given:
         if name in resources:
-            raise SystemExit(f"cronoq {command}: --resource {name!r} given twice")
+            raise BadInput(f"--resource {name!r} given twice")
         resources[name] = amount
     return resources
 
 
 async def cmd_submit(args: argparse.Namespace) -> int:
     if sum(x is not None for x in (args.json_payload, args.data, args.file)) > 1:
-        raise SystemExit("cronoq submit: give at most one of --json, --data, --file")
-    payload = _payload("submit", "--payload-json", args.json_payload, args.data)
+        raise BadInput("give at most one of --payload-json, --data, --file")
+    payload = _payload("--payload-json", args.json_payload, args.data)
     if args.file is not None:
         payload = sys.stdin.buffer.read() if args.file == "-" else open(args.file, "rb").read()
     async with _client(args) as client:
@@ -169,19 +234,55 @@ async def cmd_submit(args: argparse.Namespace) -> int:
             max_attempts=args.max_attempts,
             delay=args.delay,
             depends_on=[_ref(d, False) for d in args.depends_on],
-            resources=_resources("submit", args.resource),
+            resources=_resources(args.resource),
             timeout=args.timeout,
         )
-        task = sub.task
+        task, done = sub.task, True
         if args.wait is not None:
-            task = (await client.wait(task.id, args.wait)).task
+            waited = await client.wait(task.id, args.wait)
+            task, done = waited.task, waited.done
     print_task(task, args.json, deduplicated=sub.deduplicated)
-    return 0
+    return 0 if done else EXIT_WAIT_TIMEOUT
+
+
+OUTCOME_NAMES = {v: k.removeprefix("ATTEMPT_OUTCOME_").lower() for k, v in task_pb2.AttemptOutcome.items()}
+
+
+def _duration_text(ms: int) -> str:
+    return (
+        f"{ms}ms" if ms < 1000 else f"{ms / 1000:.3f}s" if ms < 60_000 else f"{ms // 60_000}m{ms % 60_000 / 1000:.0f}s"
+    )
+
+
+def format_attempts(attempts: Sequence[task_pb2.Attempt]) -> list[str]:
+    """The attempt history under a task: one row per attempt, oldest first."""
+    rows = [
+        (
+            a.attempt,
+            a.worker_name or a.worker_id or "-",
+            _ts(a, "started_at"),
+            _ts(a, "ended_at"),
+            _duration_text(a.duration_ms),
+            OUTCOME_NAMES[a.outcome],
+            a.error or "-",
+        )
+        for a in attempts
+    ]
+    return format_table(("ATTEMPT", "WORKER", "STARTED", "ENDED", "DURATION", "OUTCOME", "ERROR"), rows, "  ")
 
 
 async def cmd_get(args: argparse.Namespace) -> int:
+    ref = _ref(args.task, args.key)
     async with _client(args) as client:
-        print_task(await client.get(_ref(args.task, args.key)), args.json)
+        if not args.attempts:
+            print_task(await client.get(ref), args.json)
+            return 0
+        resp = await client.get(ref, include_attempts=True)
+    if args.json:
+        print(json.dumps({**_wrap(resp.task), "attempts": [to_dict(a) for a in resp.attempts]}))
+        return 0
+    print_task(resp.task, False)
+    print("\n".join(format_attempts(resp.attempts)) if resp.attempts else "  no attempts yet")
     return 0
 
 
@@ -189,48 +290,272 @@ async def cmd_wait(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         res = await client.wait(_ref(args.task, args.key), args.timeout)
     print_task(res.task, args.json, done=res.done)
-    return 0 if res.done else 3
+    return 0 if res.done else EXIT_WAIT_TIMEOUT
 
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancels the task; one that had already ended is left as it is, and said so."""
+    _single_or_bulk(args)
+    if args.all_matching:
+        return await run_bulk(args, "cancel")
+    ref = _ref(args.task, args.key)
     async with _client(args) as client:
-        print_task(await client.cancel(_ref(args.task, args.key)), args.json)
+        before = await client.get(ref)
+        # By the ref as given: the server decides what a key names (and needs) as for any cancel.
+        task = before if before.state in TERMINAL_STATES else await client.cancel(ref)
+    print_task(task, args.json)
+    # Ended before this call: already so when read, or it finished between the read and the cancel.
+    if before.state in TERMINAL_STATES or task.state in (task_pb2.TASK_STATE_SUCCEEDED, task_pb2.TASK_STATE_FAILED):
+        state = task_pb2.TaskState.Name(task.state).removeprefix("TASK_STATE_")
+        print(f"cronoq cancel: task {task.id} already {state}; nothing to cancel", file=sys.stderr)
+        return 0 if task.state == task_pb2.TASK_STATE_CANCELLED else EXIT_FAILED_PRECONDITION
     return 0
 
 
-async def cmd_tasks(args: argparse.Namespace) -> int:
-    state = 0
-    if args.state:
-        name = "TASK_STATE_" + args.state.upper()
-        if name not in task_pb2.TaskState.keys():
-            raise SystemExit(
-                f"cronoq tasks: --state {args.state!r} is not one of "
-                + ", ".join(STATE_NAMES[v] for v in STATE_NAMES if v)
-            )
-        state = task_pb2.TaskState.Value(name)
-    shown, token, unavailable = 0, "", set[str]()
+# -- retry, delete, and the bulk form of cancel, retry and delete -----------------------------
+
+# The flags of a bulk action's filter: (flag, their dest: task_filter's argument).
+FILTER_FLAGS = (
+    ("--pool", "pool"),
+    ("--state", "states"),
+    ("--created-after", "created_after"),
+    ("--created-before", "created_before"),
+    ("--finished-after", "finished_after"),
+    ("--finished-before", "finished_before"),
+    ("--key-prefix", "key_prefix"),
+    ("--error-contains", "error_contains"),
+)
+# Past tense of each action, for its summary line.
+DONE = {"cancel": "cancelled", "retry": "retried", "delete": "deleted"}
+
+
+def time_arg(text: str) -> dt.datetime:
+    """An ISO 8601 time (no zone: UTC), or a DURATION meaning that long ago ("2h")."""
+    if _DURATION.fullmatch(text.strip()):
+        return dt.datetime.now(dt.UTC) - dt.timedelta(seconds=duration_arg(text))
+    try:
+        when = dt.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a time such as 2026-12-01T09:30:00Z nor a DURATION ago such as 2h"
+        ) from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
+
+
+def states_arg(text: str) -> list[int]:
+    """One state, or several separated by commas."""
+    return [state_arg(part) for part in text.split(",")]
+
+
+def _given_filter_flags(args: argparse.Namespace) -> list[str]:
+    return [flag for flag, dest in FILTER_FLAGS if getattr(args, dest) not in (None, [])]
+
+
+def _single_or_bulk(args: argparse.Namespace) -> None:
+    """ID|KEY, or --all-matching with filter flags: one or the other."""
+    flags = _given_filter_flags(args)
+    if args.all_matching:
+        if args.task is not None:
+            raise BadInput(f"give ID|KEY or --all-matching, not both (got {args.task!r})")
+        return
+    if args.task is None:
+        raise BadInput("give the task's ID|KEY, or --all-matching with filter flags")
+    bulk_only = flags + [flag for flag in ("--dry-run", "--yes") if getattr(args, flag[2:].replace("-", "_"))]
+    if bulk_only:
+        raise BadInput(f"{', '.join(bulk_only)}: only with --all-matching (for every task that matches)")
+
+
+def filter_of(args: argparse.Namespace) -> TaskFilter:
+    return task_filter(**{dest: getattr(args, dest) for _, dest in FILTER_FLAGS})
+
+
+def _describe(args: argparse.Namespace) -> str:
+    """The filter as typed, for the confirmation prompt."""
+    parts = []
+    for flag, dest in FILTER_FLAGS:
+        value = getattr(args, dest)
+        if value in (None, []):
+            continue
+        if dest == "states":
+            value = ",".join(STATE_NAMES[v] for v in value)
+        elif isinstance(value, dt.datetime):
+            value = value.isoformat(timespec="seconds")
+        parts.append(f"{flag} {value}")
+    return " ".join(parts) or "(no filter)"
+
+
+BulkResponse = (
+    task_service_pb2.CancelTasksResponse | task_service_pb2.RetryTasksResponse | task_service_pb2.DeleteTasksResponse
+)
+
+
+def add_bulk(total: BulkResponse, more: BulkResponse) -> BulkResponse:
+    """Two answers of the same bulk call as one: counts summed per shard; the shards not
+    reached by either; incomplete as the later says."""
+    merged = copy.deepcopy(total)
+    merged.matched += more.matched
+    merged.changed += more.changed
+    by_shard = {r.shard: r for r in merged.shards}
+    for result in more.shards:
+        if result.shard in by_shard:
+            by_shard[result.shard].matched += result.matched
+            by_shard[result.shard].changed += result.changed
+        else:
+            merged.shards.add().CopyFrom(result)
+    merged.unavailable_shards.extend(s for s in more.unavailable_shards if s not in merged.unavailable_shards)
+    merged.incomplete = more.incomplete
+    return merged
+
+
+def format_bulk(action: str, resp: BulkResponse, dry_run: bool) -> list[str]:
+    """Per shard what matched (and changed), then one line of totals."""
+    if dry_run:
+        rows: list[tuple[Any, ...]] = [(r.shard or "-", r.matched) for r in resp.shards]
+        lines = format_table(("SHARD", "MATCHED"), rows)
+        if resp.incomplete:
+            return [*lines, f"dry run: at least {resp.matched} task(s) match (the count stopped at the server's "
+                            "time bound); nothing changed"]  # fmt: skip
+        return [*lines, f"dry run: {resp.matched} task(s) match; nothing changed"]
+    rows = [(r.shard or "-", r.matched, r.changed) for r in resp.shards]
+    lines = format_table(("SHARD", "MATCHED", "CHANGED"), rows)
+    return [*lines, f"{DONE[action]} {resp.changed} of {resp.matched} matching task(s)"]
+
+
+def _confirm(question: str) -> bool:
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
+
+
+async def run_bulk(args: argparse.Namespace, action: str) -> int:
+    """The bulk form: a dry run answers the counts; a real one asks first on a terminal, then
+    calls again while the server answers incomplete (it stops at a time bound, and a repeated
+    call goes on with what is left)."""
+    filt = filter_of(args)
+    progress = sys.stderr.isatty()
     async with _client(args) as client:
-        while shown < args.limit:
-            page = await client.list(args.pool, state, min(500, args.limit - shown), token)
+
+        async def call(dry_run: bool) -> BulkResponse:
+            if action == "cancel":
+                return await client.cancel_tasks(filt, dry_run=dry_run)
+            if action == "delete":
+                return await client.delete_tasks(filt, dry_run=dry_run)
+            return await client.retry_tasks(
+                filt, dry_run=dry_run, run_at=_run_at(args), extra_attempts=args.extra_attempts
+            )
+
+        if not args.dry_run and not args.yes:
+            if not sys.stdin.isatty():
+                raise BadInput("--all-matching changes every task that matches: give --yes (or --dry-run to count)")
+            preview = await call(True)
+            if not preview.matched:
+                print(f"cronoq {_title(args)}: no task matches {_describe(args)}; nothing to do", file=sys.stderr)
+                _warn_unavailable(args, preview.unavailable_shards)
+                return EXIT_UNAVAILABLE if preview.unavailable_shards else 0
+            count = f"at least {preview.matched}" if preview.incomplete else str(preview.matched)
+            question = f"{action} {count} task(s) that match {_describe(args)}"
+            if preview.unavailable_shards:
+                question += f" (shards not reached: {', '.join(preview.unavailable_shards)})"
+            if not _confirm(question + "?"):
+                print(f"cronoq {_title(args)}: not confirmed; nothing changed", file=sys.stderr)
+                return EXIT_ERROR
+        resp = await call(args.dry_run)
+        while not args.dry_run and resp.incomplete:
+            if progress:
+                print(f"\r{DONE[action]} {resp.changed} task(s) so far...", end="", file=sys.stderr, flush=True)
+            resp = add_bulk(resp, await call(False))
+    if progress and not args.dry_run and resp.changed:
+        print("\r\033[K", end="", file=sys.stderr)  # the progress line, erased
+    print(json.dumps(to_dict(resp)) if args.json else "\n".join(format_bulk(action, resp, args.dry_run)))
+    if resp.unavailable_shards:  # a partial action: said, and told by the exit code
+        print(
+            f"cronoq {_title(args)}: shards not reached (their tasks are not counted): "
+            f"{', '.join(resp.unavailable_shards)}; run it again once they are back",
+            file=sys.stderr,
+        )
+        return EXIT_UNAVAILABLE
+    return 0
+
+
+def _run_at(args: argparse.Namespace) -> dt.datetime | None:
+    if args.delay is not None:
+        return dt.datetime.now(dt.UTC) + dt.timedelta(seconds=args.delay)
+    return args.run_at  # type: ignore[no-any-return]
+
+
+async def cmd_retry(args: argparse.Namespace) -> int:
+    _single_or_bulk(args)
+    if args.all_matching:
+        return await run_bulk(args, "retry")
+    async with _client(args) as client:
+        retried = await client.retry(
+            _ref(args.task, args.key), run_at=_run_at(args), extra_attempts=args.extra_attempts
+        )
+    # As in proto JSON: an int64 is a string.
+    print_task(retried.task, args.json, dependents_restored=str(retried.dependents_restored))
+    return 0
+
+
+async def cmd_delete(args: argparse.Namespace) -> int:
+    _single_or_bulk(args)
+    if args.all_matching:
+        return await run_bulk(args, "delete")
+    async with _client(args) as client:
+        task_id = await client.delete(_ref(args.task, args.key))
+    print(json.dumps({"id": str(task_id)}) if args.json else f"deleted task {task_id}")
+    return 0
+
+
+TASK_COLUMNS = ("ID", "POOL", "STATE", "ATTEMPT", "KEY")
+
+
+def task_row(task: Task) -> str:
+    """One row of `cronoq tasks`: fixed widths, so that pages print as they come."""
+    return (
+        f"{task.id:>20}  {task.pool:<12} {STATE_NAMES[task.state]:<10} "
+        f"{f'{task.attempt}/{task.max_attempts}':>7}  {task.key or '-'}"
+    )
+
+
+def task_header() -> str:
+    id_, pool, state, attempt, key = TASK_COLUMNS
+    return f"{id_:>20}  {pool:<12} {state:<10} {attempt:>7}  {key}"
+
+
+def state_arg(text: str) -> int:
+    """A task state by its lower-case name (pending, ..., cancelled)."""
+    name = "TASK_STATE_" + text.strip().upper()
+    if text.strip().lower() == "unspecified" or name not in task_pb2.TaskState.keys():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not one of " + ", ".join(STATE_NAMES[v] for v in STATE_NAMES if v)
+        )
+    return task_pb2.TaskState.Value(name)
+
+
+async def cmd_tasks(args: argparse.Namespace) -> int:
+    limit = None if args.all else args.limit
+    shown, token, unavailable = 0, args.page_token, set[str]()
+    progress = sys.stderr.isatty() and (limit is None or limit > 500)
+    if not args.json:
+        print(task_header())
+    async with _client(args) as client:
+        while limit is None or shown < limit:
+            size = 500 if limit is None else min(500, limit - shown)
+            page = await client.list(args.pool, args.state or 0, size, token, newest_first=args.newest_first)
             unavailable.update(page.unavailable_shards)
             for task in page.tasks:
-                if args.json:
-                    print(json.dumps(_wrap(task)))
-                else:
-                    print(
-                        f"{task.id:>20}  {task.pool:<12} {STATE_NAMES[task.state]:<10} "
-                        f"{task.attempt:>3}  {task.key or '-'}"
-                    )
+                print(json.dumps(_wrap(task)) if args.json else task_row(task))
             shown += len(page.tasks)
             token = page.next_page_token
-            if args.limit > 500 and sys.stderr.isatty():
+            if progress:
                 print(f"\rlisted {shown} task(s)...", end="", file=sys.stderr)
             if not token:
                 break
-    if args.limit > 500 and sys.stderr.isatty():
+    if progress:
         print(file=sys.stderr)
     if not args.json:
-        print(f"{shown} task(s)" + ("; more remain (raise --limit)" if token else ""), file=sys.stderr)
+        print(f"{shown} task(s)", file=sys.stderr)
+    if token:
+        print(f"more: run with --page-token {token}", file=sys.stderr)
     _warn_unavailable(args, sorted(unavailable))
     return 0
 
@@ -317,8 +642,8 @@ def resource_arg(text: str) -> tuple[str, int]:
 
 
 async def cmd_schedules_put(args: argparse.Namespace) -> int:
-    payload = _payload("schedules put", "--payload-json", args.payload_json, args.payload)
-    resources = _resources("schedules put", args.resource)
+    payload = _payload("--payload-json", args.payload_json, args.payload)
+    resources = _resources(args.resource)
     async with _client(args) as client:
         schedule = await client.put_schedule(
             args.pool,
@@ -329,7 +654,7 @@ async def cmd_schedules_put(args: argparse.Namespace) -> int:
             priority=args.priority,
             max_attempts=args.max_attempts,
             resources=resources,
-            timeout_ms=args.timeout_ms,
+            timeout_ms=args.timeout_ms if args.timeout_ms is not None else round((args.timeout or 0) * 1000),
             paused=args.paused,
             fire_all_missed=args.fire_all_missed,
         )
@@ -388,6 +713,46 @@ def format_snapshot(snap: admin_service_pb2.GetSnapshotResponse) -> list[str]:
     return lines
 
 
+def pool_rows(snap: admin_service_pb2.GetSnapshotResponse) -> list[tuple[str, admin_service_pb2.PoolCounts]]:
+    """(shard, counts) of every pool, by pool name."""
+    return sorted(((shard.shard, p) for shard in snap.shards for p in shard.pools), key=lambda r: (r[1].pool, r[0]))
+
+
+def format_pools(snap: admin_service_pb2.GetSnapshotResponse) -> list[str]:
+    rows = [
+        (p.pool, shard or "-", "yes" if p.paused else "no", *(getattr(p, state) for state in POOL_STATES))
+        for shard, p in pool_rows(snap)
+    ]
+    return format_table(("POOL", "SHARD", "PAUSED", *(state.upper() for state in POOL_STATES)), rows)
+
+
+async def cmd_pools_list(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        snap = await client.snapshot()
+    if args.json:
+        for shard, counts in pool_rows(snap):
+            print(json.dumps({**to_dict(counts), "shard": shard}))
+    else:
+        print("\n".join(format_pools(snap)))
+    _warn_unavailable(args, snap.unavailable_shards)
+    return 0
+
+
+async def cmd_pools_pause(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        if args.pools_command == "pause":
+            pause = await client.pause_pool(args.pool)
+        else:
+            pause = await client.resume_pool(args.pool)
+    if args.json:
+        print(json.dumps(to_dict(pause)))
+    elif pause.paused:
+        print(f"pool {pause.pool} paused since {_ts(pause, 'paused_at', 'seconds')} by {pause.paused_by or '-'}")
+    else:
+        print(f"pool {pause.pool} not paused: its tasks are leased")
+    return 0
+
+
 async def cmd_snapshot(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         snap = await client.snapshot()
@@ -396,40 +761,126 @@ async def cmd_snapshot(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
+class HelpFormatter(argparse.HelpFormatter):
+    """Wraps each paragraph of a description or epilog on its own; keeps a paragraph with
+    indented lines (a table) as it is."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = []
+        for paragraph in text.split("\n\n"):
+            lines = paragraph.splitlines()
+            if any(line.startswith("  ") for line in lines):
+                paragraphs.append("\n".join(indent + line for line in lines))
+            else:
+                paragraphs.append(super()._fill_text(paragraph, width, indent))
+        return "\n\n".join(paragraphs)
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors as one line naming the command, with exit code 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def add_global_flags(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """--endpoint, --token, the TLS files and --json. On the top parser (defaults: from the
+    environment) they go before the command; on each command's (defaults SUPPRESSed, so a value
+    given before the command stands) after it: `cronoq --endpoint X get 1` = `cronoq get 1 --endpoint X`."""
+
+    def default(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
+    group = parser.add_argument_group("global options (before or after the command)")
+    group.add_argument(
         "--endpoint",
-        default=os.environ.get("CRONOQ_ENDPOINT", "http://127.0.0.1:7070"),
-        help="http://host:port, or https://host:port for TLS (env CRONOQ_ENDPOINT)",
+        default=default(os.environ.get("CRONOQ_ENDPOINT", "http://127.0.0.1:7070")),
+        help="http://host:port, or https://host:port for TLS; several, separated by commas (env CRONOQ_ENDPOINT)",
     )
-    common.add_argument("--token", default=os.environ.get("CRONOQ_TOKEN"), help="bearer token (env CRONOQ_TOKEN)")
-    common.add_argument(
+    group.add_argument(
+        "--token", default=default(os.environ.get("CRONOQ_TOKEN")), help="bearer token (env CRONOQ_TOKEN)"
+    )
+    group.add_argument(
         "--ca",
-        default=os.environ.get("CRONOQ_CA"),
+        default=default(os.environ.get("CRONOQ_CA")),
         help="CA bundle (PEM) the server's certificate must chain to, for https:// endpoints; "
         "default: the system's roots (env CRONOQ_CA)",
     )
-    common.add_argument(
+    group.add_argument(
         "--cert",
-        default=os.environ.get("CRONOQ_CERT"),
+        default=default(os.environ.get("CRONOQ_CERT")),
         help="client certificate (PEM), for servers that require one (env CRONOQ_CERT)",
     )
-    common.add_argument(
+    group.add_argument(
         "--key-file",
         dest="key_file",  # not "key": submit's --key (a task key) and get's --key (by key) have that dest
-        default=os.environ.get("CRONOQ_KEY"),
+        default=default(os.environ.get("CRONOQ_KEY")),
         help="the client certificate's private key (PEM, unencrypted) (env CRONOQ_KEY)",
     )
-    common.add_argument("--json", action="store_true", help="print JSON (proto field names, ids as strings)")
+    group.add_argument(
+        "--json", action="store_true", default=default(False), help="print JSON (proto field names, ids as strings)"
+    )
 
-    parser = argparse.ArgumentParser(
-        prog="cronoq", description="Submit, inspect and watch cronoq tasks; list workers; manage schedules."
+
+BULK_HELP = f"""With --all-matching, the filter flags choose the tasks: those that match every flag given.
+--dry-run counts them per shard and changes nothing. Otherwise, on a terminal, the count is
+shown and the action asked for first (--yes: do not ask; not on a terminal, --yes is needed).
+A shard that cannot be reached is named on stderr, and the exit code is then {EXIT_UNAVAILABLE}: run it again
+once the shard is back (a repeated action changes only what it has not changed yet).
+
+TIME: an ISO 8601 time (2026-12-01T09:30:00Z; no zone: UTC), or a DURATION ago (2h).
+
+{DURATION_HELP}."""
+
+
+def add_task_or_filter(parser: argparse.ArgumentParser, action: str) -> None:
+    """ID|KEY for one task, or --all-matching and the filter flags for a bulk action."""
+    parser.add_argument("task", metavar="ID|KEY", nargs="?", help="a decimal id, or else a key")
+    parser.add_argument("--key", action="store_true", help="treat ID|KEY as a key even if it is all digits")
+    bulk = parser.add_argument_group("every task that matches (instead of ID|KEY)")
+    bulk.add_argument("--all-matching", action="store_true", help=f"{action} every task that matches the flags below")
+    bulk.add_argument("--pool", help="of this pool (default: every pool you may act on)")
+    bulk.add_argument(
+        "--state",
+        dest="states",
+        type=states_arg,
+        action="extend",
+        default=[],
+        metavar="STATE",
+        help="in this state (repeatable, or comma-separated; default: every state the action applies to)",
+    )
+    for flag, what in (("created", "created"), ("finished", "ended")):
+        bulk.add_argument(f"--{flag}-after", type=time_arg, metavar="TIME", help=f"{what} after TIME")
+        bulk.add_argument(f"--{flag}-before", type=time_arg, metavar="TIME", help=f"{what} before TIME")
+    bulk.add_argument("--key-prefix", metavar="PREFIX", help="whose key starts with PREFIX")
+    bulk.add_argument("--error-contains", metavar="TEXT", help="whose error contains TEXT (case-sensitive)")
+    bulk.add_argument("--dry-run", action="store_true", help="count the tasks that match, per shard; change nothing")
+    bulk.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = Parser(add_help=False)
+    add_global_flags(common, defaults=False)
+
+    parser = Parser(
+        prog="cronoq",
+        description="Submit, inspect, watch, cancel, retry and delete cronoq tasks (one, or every task that "
+        "matches a filter); list workers; manage schedules; list, pause and resume pools.",
+        epilog=f"{DURATION_HELP}.\n\n{EXIT_CODES_HELP}",
     )
     parser.add_argument("--version", action="version", version=f"cronoq {__version__}")
+    add_global_flags(parser, defaults=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("submit", parents=[common], help="submit a task", description="Submit one task.")
+    def command(name: str, text: str, description: str, parents: Sequence[argparse.ArgumentParser] = (common,),
+                subparsers: Any = sub, **options: Any) -> argparse.ArgumentParser:  # fmt: skip
+        return subparsers.add_parser(name, parents=list(parents), help=text, description=description, **options)
+
+    p = command("submit", "submit a task", "Submit one task.", epilog=DURATION_HELP)
     p.add_argument("--pool", default="default")
     p.add_argument("--key", help="deduplication key (unique within a shard)")
     p.add_argument("--json-payload", "--payload-json", dest="json_payload", metavar="JSON", help="a JSON payload")
@@ -437,7 +888,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file", help="payload bytes from a file ('-' for stdin)")
     p.add_argument("--priority", type=int, default=0, help="higher runs first")
     p.add_argument("--max-attempts", type=int, default=0, help="0 takes the pool's default")
-    p.add_argument("--delay", type=float, help="seconds before the task may start")
+    p.add_argument("--delay", type=duration_arg, metavar="DURATION", help="how long before the task may start")
     p.add_argument("--depends-on", action="append", default=[], metavar="ID|KEY", help="repeatable")
     p.add_argument(
         "--resource",
@@ -447,74 +898,140 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=AMOUNT",
         help="a resource the task needs while it runs (repeatable)",
     )
-    p.add_argument("--timeout", type=float, metavar="SECONDS", help="each attempt's timeout (capped by the pool's)")
-    p.add_argument("--wait", type=float, metavar="SECONDS", help="wait for the task to end")
+    p.add_argument(
+        "--timeout", type=duration_arg, metavar="DURATION", help="each attempt's timeout (capped by the pool's)"
+    )
+    p.add_argument(
+        "--wait",
+        type=duration_arg,
+        metavar="DURATION",
+        help="wait that long for the task to end (exit 3 if it has not)",
+    )
     p.set_defaults(run=cmd_submit)
 
-    for name, fn, text in (("get", cmd_get, "show a task"), ("cancel", cmd_cancel, "cancel a task")):
-        p = sub.add_parser(name, parents=[common], help=text, description=f"{text.capitalize()} by id or key.")
-        p.add_argument("task", metavar="ID|KEY", help="a decimal id, or else a key")
-        p.add_argument("--key", action="store_true", help="treat ID|KEY as a key even if it is all digits")
-        p.set_defaults(run=fn)
+    p = command("get", "show a task", "Show a task by id or key.")
+    p.add_argument("task", metavar="ID|KEY", help="a decimal id, or else a key")
+    p.add_argument("--key", action="store_true", help="treat ID|KEY as a key even if it is all digits")
+    p.add_argument(
+        "--attempts",
+        action="store_true",
+        help="and its attempts, oldest first: worker, start, end, duration, outcome, error (--json: attempts)",
+    )
+    p.set_defaults(run=cmd_get)
 
-    p = sub.add_parser(
+    p = command(
+        "cancel",
+        "cancel a task, or every task that matches",
+        "Cancel a task by id or key: a PENDING or BLOCKED task ends CANCELLED, a RUNNING one is asked to stop. "
+        "A task that had already ended is left as it is, said so on stderr: exit 0 if it was CANCELLED, "
+        f"{EXIT_FAILED_PRECONDITION} if it SUCCEEDED or FAILED. With --all-matching: every unfinished task "
+        "that matches the filter flags, on every shard.",
+        epilog=BULK_HELP,
+    )
+    add_task_or_filter(p, "cancel")
+    p.set_defaults(run=cmd_cancel)
+
+    p = command(
+        "retry",
+        "run a FAILED or CANCELLED task again, or every one that matches",
+        "Put a FAILED or CANCELLED task back to PENDING, due now (or --run-at, --delay), keeping its attempts "
+        "and their history; a task that used all its attempts gets --extra-attempts more (default 1). A task in "
+        f"another state is refused (FAILED_PRECONDITION, exit {EXIT_FAILED_PRECONDITION}). With --all-matching: "
+        "every FAILED and CANCELLED task that matches the filter flags, on every shard.",
+        epilog=BULK_HELP,
+    )
+    add_task_or_filter(p, "retry")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--run-at", type=time_arg, metavar="TIME", help="when it may run again (default: now)")
+    when.add_argument("--delay", type=duration_arg, metavar="DURATION", help="how long from now it may run again")
+    p.add_argument(
+        "--extra-attempts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="attempts given to a task that used all of its own (default 0: one more)",
+    )
+    p.set_defaults(run=cmd_retry)
+
+    p = command(
+        "delete",
+        "delete an ended task, or every one that matches",
+        "Delete a SUCCEEDED, FAILED or CANCELLED task with its attempts and events (another state is refused: "
+        f"exit {EXIT_FAILED_PRECONDITION}). With --all-matching: every ended task that matches the filter "
+        "flags, on every shard.",
+        epilog=BULK_HELP,
+    )
+    add_task_or_filter(p, "delete")
+    p.set_defaults(run=cmd_delete)
+
+    p = command(
         "wait",
-        parents=[common],
-        help="wait for a task to end",
-        description="Wait until the task ends or the timeout passes (exit 3 on timeout).",
+        "wait for a task to end",
+        "Wait until the task ends or the timeout passes (exit 3 on timeout).",
+        epilog=DURATION_HELP,
     )
     p.add_argument("task", metavar="ID|KEY")
     p.add_argument("--key", action="store_true", help="treat ID|KEY as a key even if it is all digits")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")
+    p.add_argument("--timeout", type=duration_arg, default=30.0, metavar="DURATION", help="default 30s")
     p.set_defaults(run=cmd_wait)
 
-    p = sub.add_parser("tasks", parents=[common], help="list tasks", description="List tasks in id order.")
+    p = command(
+        "tasks",
+        "list tasks",
+        "List tasks in id order (--newest-first: descending), a row each under a header (--json: one object "
+        "per line). When more remain than --limit, stderr says the --page-token to go on from; --all lists every "
+        "page.",
+    )
     p.add_argument("--pool", default="")
-    p.add_argument("--state", help="pending, blocked, running, succeeded, failed or cancelled")
-    p.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    p.add_argument("--state", type=state_arg, help="pending, blocked, running, succeeded, failed or cancelled")
+    pages = p.add_mutually_exclusive_group()
+    pages.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    pages.add_argument("--all", action="store_true", help="every task, page after page (progress on stderr)")
+    p.add_argument("--page-token", default="", metavar="TOKEN", help="go on from where a listing stopped")
+    p.add_argument("--newest-first", action="store_true", help="in descending id order (then --page-token: older)")
     p.set_defaults(run=cmd_tasks)
 
-    p = sub.add_parser(
+    p = command(
         "watch",
-        parents=[common],
-        help="print task events as they happen",
-        description="Print one line per task event as it happens (--json: one object per line, with the cursor "
+        "print task events as they happen",
+        "Print one line per task event as it happens (--json: one object per line, with the cursor "
         "to resume from) until Ctrl-C (exit 130). When the stream breaks (a server restart, a new leader) it "
         "reconnects, saying so on stderr, from the last event's cursor: the events in between are printed, "
         "none twice.",
+        epilog=DURATION_HELP,
     )
     p.add_argument("--pool", default="", help="one pool (default: every pool you may read)")
     p.add_argument("--cursor", help="start after this event's cursor (from --json output) instead of live")
     p.add_argument("--include-payloads", action="store_true", help="events carry payloads and results")
     p.add_argument(
         "--retry-for",
-        type=float,
+        type=duration_arg,
         default=60.0,
-        metavar="SECONDS",
-        help="give up when no server answers for this long after the stream breaks (default 60)",
+        metavar="DURATION",
+        help="give up when no server answers for this long after the stream breaks (default 60s)",
     )
     p.set_defaults(run=cmd_watch)
 
-    p = sub.add_parser(
+    p = command(
         "workers",
-        parents=[common],
-        help="list workers",
-        description="List registered workers: id, name, pools, concurrency, tasks running, last heartbeat.",
+        "list workers",
+        "List registered workers: id, name, pools, concurrency, tasks running, last heartbeat.",
     )
     p.add_argument("--pool", default="", help="only workers of this pool")
     p.set_defaults(run=cmd_workers)
 
-    p = sub.add_parser(
+    p = command(
         "schedules",
-        help="put, delete and list schedules",
-        description="Cron schedules that create tasks in a pool, named by (pool, name).",
+        "put, delete and list schedules",
+        "Cron schedules that create tasks in a pool, named by (pool, name).",
     )
     schedules = p.add_subparsers(dest="schedules_command", required=True, metavar="SUBCOMMAND")
-    p = schedules.add_parser(
+    p = command(
         "put",
-        parents=[common],
-        help="create or replace a schedule",
-        description="Create or replace the schedule NAME of POOL; prints it with its next fire time.",
+        "create or replace a schedule",
+        "Create or replace the schedule NAME of POOL; prints it with its next fire time.",
+        subparsers=schedules,
+        epilog=DURATION_HELP,
     )
     p.add_argument("pool", metavar="POOL")
     p.add_argument("name", metavar="NAME")
@@ -538,34 +1055,52 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=AMOUNT",
         help="a resource each fired task needs (repeatable)",
     )
-    p.add_argument("--timeout-ms", type=int, default=0, help="each fired task's timeout; 0 takes the pool's")
+    timeout = p.add_mutually_exclusive_group()
+    timeout.add_argument(
+        "--timeout", type=duration_arg, metavar="DURATION", help="each fired task's timeout (default: the pool's)"
+    )
+    timeout.add_argument("--timeout-ms", type=int, help=argparse.SUPPRESS)  # deprecated: --timeout 1500ms
     p.add_argument("--paused", action="store_true", help="keep it, but fire nothing until put again without this")
     p.add_argument(
         "--fire-all-missed", action="store_true", help="after downtime, fire every missed slot (not only the latest)"
     )
     p.set_defaults(run=cmd_schedules_put, title="schedules put")
 
-    p = schedules.add_parser(
-        "delete", parents=[common], help="delete a schedule", description="Delete the schedule NAME of POOL."
-    )
+    p = command("delete", "delete a schedule", "Delete the schedule NAME of POOL.", subparsers=schedules)
     p.add_argument("pool", metavar="POOL")
     p.add_argument("name", metavar="NAME")
     p.set_defaults(run=cmd_schedules_delete, title="schedules delete")
 
-    p = schedules.add_parser(
+    p = command(
         "list",
-        parents=[common],
-        help="list schedules",
-        description="List schedules: pool, name, cron, timezone, paused, next and last fire (UTC).",
+        "list schedules",
+        "List schedules: pool, name, cron, timezone, paused, next and last fire (UTC).",
+        subparsers=schedules,
     )
     p.add_argument("--pool", default="", help="only schedules of this pool")
     p.set_defaults(run=cmd_schedules_list, title="schedules list")
 
-    p = sub.add_parser(
+    p = command(
+        "pools",
+        "list pools (with task counts and paused), pause or resume one",
+        "Without a subcommand (or with list): every pool, its shard, whether it is paused and its tasks by "
+        "state. pause POOL: lease none of its tasks (stored; submissions and schedule fires are still taken, "
+        "running tasks finish); resume POOL: lease them again.",
+    )
+    p.set_defaults(run=cmd_pools_list, title="pools")
+    pools = p.add_subparsers(dest="pools_command", metavar="SUBCOMMAND")
+    p = command("list", "list pools", "Every pool: shard, paused, tasks by state.", subparsers=pools)
+    p.set_defaults(run=cmd_pools_list, title="pools list")
+    for name, text in (("pause", "stop leasing a pool's tasks"), ("resume", "lease a paused pool's tasks again")):
+        p = command(name, text, f"{text[0].upper()}{text[1:]}; prints whether it is paused, since when, by whom.",
+                    subparsers=pools)  # fmt: skip
+        p.add_argument("pool", metavar="POOL")
+        p.set_defaults(run=cmd_pools_pause, title=f"pools {name}")
+
+    p = command(
         "snapshot",
-        parents=[common],
-        help="show the state of every shard",
-        description="Per shard: its leader and term, task counts by pool and state, resources in use, workers.",
+        "show the state of every shard",
+        "Per shard: its leader and term, task counts by pool and state, resources in use, workers.",
     )
     p.set_defaults(run=cmd_snapshot)
     return parser
@@ -577,16 +1112,19 @@ def main(argv: list[str] | None = None) -> None:
         code = asyncio.run(args.run(args))
     except CronoqError as err:
         print(f"cronoq {_title(args)}: {err}", file=sys.stderr)
-        code = 1
+        code = next((code for kind, code in EXIT_FOR_ERROR.items() if isinstance(err, kind)), EXIT_ERROR)
+    except BadInput as err:
+        print(f"cronoq {_title(args)}: {err}", file=sys.stderr)
+        code = EXIT_BAD_INPUT
     except KeyboardInterrupt:  # Ctrl-C: how `watch` is meant to end; any command, no traceback
-        code = 130
+        code = EXIT_INTERRUPTED
     except BrokenPipeError:  # stdout closed by the reader (`cronoq watch | head`): quiet, as if by SIGPIPE
         with contextlib.suppress(OSError):  # the exit's flush of stdout must not fail again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 141
     except OSError as err:
         print(f"cronoq {_title(args)}: {err}", file=sys.stderr)
-        code = 1
+        code = EXIT_ERROR
     sys.exit(code)
 
 

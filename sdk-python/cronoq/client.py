@@ -1,5 +1,6 @@
-"""The async Client: tasks (submit, submit_batch, get, wait, cancel, list, watch), workers,
-schedules and the cluster's snapshot.
+"""The async Client: tasks (submit, submit_batch, get, wait, cancel, retry, delete, list, watch),
+bulk actions by filter (cancel_tasks, retry_tasks, delete_tasks), workers, schedules, pools
+(pause_pool, resume_pool) and the cluster's snapshot.
 
 async with Client("http://127.0.0.1:7070") as client:
     sub = await client.submit("default", {"n": 1}, key="invoice-42")
@@ -18,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import grpc
 
@@ -43,7 +44,13 @@ Task = task_pb2.Task
 TaskState = task_pb2.TaskState
 TaskEvent = task_pb2.TaskEvent
 Schedule = schedule_service_pb2.Schedule
+Attempt = task_pb2.Attempt
+AttemptOutcome = task_pb2.AttemptOutcome
+TaskFilter = pb.TaskFilter
+PoolPause = admin_service_pb2.PoolPause
 TERMINAL_STATES = frozenset({task_pb2.TASK_STATE_SUCCEEDED, task_pb2.TASK_STATE_FAILED, task_pb2.TASK_STATE_CANCELLED})
+# A bulk action goes through its matches in bounded batches on every shard: it may take minutes.
+BULK_TIMEOUT = 300.0
 
 TaskRefLike = int | str
 
@@ -114,6 +121,45 @@ def task_spec(
     return req
 
 
+def _set_time(msg: Any, field: str, when: dt.datetime | None) -> None:
+    if when is None:
+        return
+    if when.tzinfo is None:
+        raise ValueError(f"{field}: give a timezone-aware datetime")
+    getattr(msg, field).FromDatetime(when)
+
+
+def task_filter(
+    pool: str | None = None,
+    *,
+    states: Sequence[int] = (),
+    created_after: dt.datetime | None = None,
+    created_before: dt.datetime | None = None,
+    finished_after: dt.datetime | None = None,
+    finished_before: dt.datetime | None = None,
+    key_prefix: str | None = None,
+    error_contains: str | None = None,
+    ids: Sequence[int] = (),
+) -> pb.TaskFilter:
+    """Which tasks a bulk action applies to: those that match every part given (times are
+    timezone-aware datetimes). No states: every state the action applies to."""
+    req = pb.TaskFilter(
+        pool=pool or "",
+        states=list(states),  # type: ignore[arg-type]
+        key_prefix=key_prefix or "",
+        error_contains=error_contains or "",
+        ids=list(ids),
+    )
+    for field, when in (
+        ("created_after", created_after),
+        ("created_before", created_before),
+        ("finished_after", finished_after),
+        ("finished_before", finished_before),
+    ):
+        _set_time(req, field, when)
+    return req
+
+
 def new_request_id() -> str:
     """A fresh request id: the server answers a repeated one with what the first call created."""
     return uuid.uuid4().hex
@@ -163,6 +209,13 @@ class Submitted:
 class WaitResult:
     task: Task
     done: bool
+
+
+@dataclass(frozen=True)
+class Retried:
+    task: Task
+    # Its dependents that had ended because it ended, and wait for it again (BLOCKED).
+    dependents_restored: int
 
 
 class Client:
@@ -225,8 +278,17 @@ class Client:
             spec.ClearField("request_id")
         return await self._call("SubmitBatch", req)
 
-    async def get(self, ref: TaskRefLike) -> Task:
-        return (await self._call("GetTask", pb.GetTaskRequest(task=task_ref(ref)))).task
+    @overload
+    async def get(self, ref: TaskRefLike, *, include_attempts: Literal[False] = False) -> Task: ...
+
+    @overload
+    async def get(self, ref: TaskRefLike, *, include_attempts: Literal[True]) -> pb.GetTaskResponse: ...
+
+    async def get(self, ref: TaskRefLike, *, include_attempts: bool = False) -> Task | pb.GetTaskResponse:
+        """The task; with include_attempts, the whole GetTaskResponse: .task and .attempts
+        (every attempt, oldest first, with its worker, times, outcome and error)."""
+        resp = await self._call("GetTask", pb.GetTaskRequest(task=task_ref(ref), include_attempts=include_attempts))
+        return resp if include_attempts else resp.task
 
     async def wait(self, ref: TaskRefLike, timeout: float = 30.0) -> WaitResult:
         """Blocks until the task is terminal or timeout seconds pass."""
@@ -237,17 +299,66 @@ class Client:
     async def cancel(self, ref: TaskRefLike) -> Task:
         return (await self._call("CancelTask", pb.CancelTaskRequest(task=task_ref(ref)))).task
 
+    async def retry(self, ref: TaskRefLike, *, run_at: dt.datetime | None = None, extra_attempts: int = 0) -> Retried:
+        """A FAILED or CANCELLED task back to PENDING, due at run_at (default: now), keeping its
+        attempts; one that used all of them gets extra_attempts more (0: 1). Another state is
+        refused with FailedPrecondition."""
+        req = pb.RetryTaskRequest(task=task_ref(ref), extra_attempts=extra_attempts)
+        _set_time(req, "run_at", run_at)
+        resp = await self._call("RetryTask", req)
+        return Retried(resp.task, resp.dependents_restored)
+
+    async def delete(self, ref: TaskRefLike) -> int:
+        """Deletes an ended task with its attempts and events; returns its id."""
+        return int((await self._call("DeleteTask", pb.DeleteTaskRequest(task=task_ref(ref)))).id)
+
+    async def cancel_tasks(
+        self, filter: pb.TaskFilter, *, dry_run: bool = False, timeout: float = BULK_TIMEOUT
+    ) -> pb.CancelTasksResponse:
+        """Cancels the unfinished tasks that match filter (see task_filter) on every shard; the
+        answer counts them (matched, changed) per shard and names the shards not reached.
+        dry_run: count only. Safe to repeat."""
+        return await self._call("CancelTasks", pb.CancelTasksRequest(filter=filter, dry_run=dry_run), timeout)
+
+    async def retry_tasks(
+        self,
+        filter: pb.TaskFilter,
+        *,
+        dry_run: bool = False,
+        run_at: dt.datetime | None = None,
+        extra_attempts: int = 0,
+        timeout: float = BULK_TIMEOUT,
+    ) -> pb.RetryTasksResponse:
+        """Retries the FAILED and CANCELLED tasks that match filter, as retry does, on every shard."""
+        req = pb.RetryTasksRequest(filter=filter, dry_run=dry_run, extra_attempts=extra_attempts)
+        _set_time(req, "run_at", run_at)
+        return await self._call("RetryTasks", req, timeout)
+
+    async def delete_tasks(
+        self, filter: pb.TaskFilter, *, dry_run: bool = False, timeout: float = BULK_TIMEOUT
+    ) -> pb.DeleteTasksResponse:
+        """Deletes the ended tasks that match filter, as delete does, on every shard."""
+        return await self._call("DeleteTasks", pb.DeleteTasksRequest(filter=filter, dry_run=dry_run), timeout)
+
     async def list(
-        self, pool: str = "", state: int = 0, page_size: int = 100, page_token: str = ""
+        self, pool: str = "", state: int = 0, page_size: int = 100, page_token: str = "", *, newest_first: bool = False
     ) -> pb.ListTasksResponse:
-        """One page of tasks in id order; pass next_page_token for the next."""
-        req = pb.ListTasksRequest(pool=pool, state=state, page_size=page_size, page_token=page_token)  # type: ignore[arg-type]
+        """One page of tasks in id order (newest_first: descending); pass next_page_token for the next."""
+        req = pb.ListTasksRequest(
+            pool=pool,
+            state=state,  # type: ignore[arg-type]
+            page_size=page_size,
+            page_token=page_token,
+            newest_first=newest_first,
+        )
         return await self._call("ListTasks", req)
 
-    async def iter_tasks(self, pool: str = "", state: int = 0, page_size: int = 500) -> AsyncIterator[Task]:
+    async def iter_tasks(
+        self, pool: str = "", state: int = 0, page_size: int = 500, *, newest_first: bool = False
+    ) -> AsyncIterator[Task]:
         token = ""
         while True:
-            page = await self.list(pool, state, page_size, token)
+            page = await self.list(pool, state, page_size, token, newest_first=newest_first)
             for task in page.tasks:
                 yield task
             token = page.next_page_token
@@ -381,6 +492,14 @@ class Client:
     async def list_schedules(self, pool: str | None = None) -> schedule_service_pb2.ListSchedulesResponse:
         """Schedules of one pool, or of every pool the caller may read."""
         return await self._call("ListSchedules", schedule_service_pb2.ListSchedulesRequest(pool=pool or ""))
+
+    async def pause_pool(self, pool: str) -> PoolPause:
+        """Stops leasing the pool's tasks (stored: it holds across restarts); submissions and
+        schedule fires are still taken, running tasks finish."""
+        return (await self._call("PausePool", admin_service_pb2.PausePoolRequest(pool=pool))).pause
+
+    async def resume_pool(self, pool: str) -> PoolPause:
+        return (await self._call("ResumePool", admin_service_pb2.ResumePoolRequest(pool=pool))).pause
 
     async def snapshot(self) -> admin_service_pb2.GetSnapshotResponse:
         """Per shard: its leader and term, task counts by pool and state, resources, workers."""

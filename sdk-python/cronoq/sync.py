@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
-from .client import Client, Schedule, Submitted, Task, TaskEvent, TaskRefLike, WaitResult
+from .client import (
+    BULK_TIMEOUT,
+    Client,
+    PoolPause,
+    Retried,
+    Schedule,
+    Submitted,
+    Task,
+    TaskEvent,
+    TaskRefLike,
+    WaitResult,
+)
 from .v1 import admin_service_pb2, schedule_service_pb2, worker_service_pb2
 from .v1 import task_service_pb2 as pb
 
@@ -40,8 +52,14 @@ class SyncClient:
     ) -> pb.SubmitBatchResponse:
         return self._run(self._client.submit_batch(specs, request_id=request_id))
 
-    def get(self, ref: TaskRefLike) -> Task:
-        return self._run(self._client.get(ref))
+    @overload
+    def get(self, ref: TaskRefLike, *, include_attempts: Literal[False] = False) -> Task: ...
+
+    @overload
+    def get(self, ref: TaskRefLike, *, include_attempts: Literal[True]) -> pb.GetTaskResponse: ...
+
+    def get(self, ref: TaskRefLike, *, include_attempts: bool = False) -> Task | pb.GetTaskResponse:
+        return self._run(self._client.get(ref, include_attempts=include_attempts))  # type: ignore[call-overload]
 
     def wait(self, ref: TaskRefLike, timeout: float = 30.0) -> WaitResult:
         return self._run(self._client.wait(ref, timeout))
@@ -49,8 +67,30 @@ class SyncClient:
     def cancel(self, ref: TaskRefLike) -> Task:
         return self._run(self._client.cancel(ref))
 
-    def list(self, pool: str = "", state: int = 0, page_size: int = 100, page_token: str = "") -> pb.ListTasksResponse:
-        return self._run(self._client.list(pool, state, page_size, page_token))
+    def retry(self, ref: TaskRefLike, *, run_at: dt.datetime | None = None, extra_attempts: int = 0) -> Retried:
+        return self._run(self._client.retry(ref, run_at=run_at, extra_attempts=extra_attempts))
+
+    def delete(self, ref: TaskRefLike) -> int:
+        return self._run(self._client.delete(ref))
+
+    def cancel_tasks(
+        self, filter: pb.TaskFilter, *, dry_run: bool = False, timeout: float = BULK_TIMEOUT
+    ) -> pb.CancelTasksResponse:
+        return self._run(self._client.cancel_tasks(filter, dry_run=dry_run, timeout=timeout))
+
+    def retry_tasks(self, filter: pb.TaskFilter, **options: Any) -> pb.RetryTasksResponse:
+        """Client.retry_tasks (same options: dry_run, run_at, extra_attempts, timeout)."""
+        return self._run(self._client.retry_tasks(filter, **options))
+
+    def delete_tasks(
+        self, filter: pb.TaskFilter, *, dry_run: bool = False, timeout: float = BULK_TIMEOUT
+    ) -> pb.DeleteTasksResponse:
+        return self._run(self._client.delete_tasks(filter, dry_run=dry_run, timeout=timeout))
+
+    def list(
+        self, pool: str = "", state: int = 0, page_size: int = 100, page_token: str = "", *, newest_first: bool = False
+    ) -> pb.ListTasksResponse:
+        return self._run(self._client.list(pool, state, page_size, page_token, newest_first=newest_first))
 
     def watch(self, pool: str | None = None, **options: Any) -> Iterator[TaskEvent]:
         """Client.watch as a generator (same options); close it, or break out, to stop."""
@@ -76,6 +116,12 @@ class SyncClient:
 
     def list_schedules(self, pool: str | None = None) -> schedule_service_pb2.ListSchedulesResponse:
         return self._run(self._client.list_schedules(pool))
+
+    def pause_pool(self, pool: str) -> PoolPause:
+        return self._run(self._client.pause_pool(pool))
+
+    def resume_pool(self, pool: str) -> PoolPause:
+        return self._run(self._client.resume_pool(pool))
 
     def snapshot(self) -> admin_service_pb2.GetSnapshotResponse:
         return self._run(self._client.snapshot())

@@ -6,7 +6,10 @@ test_cli_server_features.py.
 
 from __future__ import annotations
 
+import datetime as dt
+import hashlib
 import json
+import re
 import subprocess
 import sys
 
@@ -15,19 +18,35 @@ from _helpers import Api, Watcher, cli
 
 from cronoq.v1 import worker_service_pb2 as wpb
 
+EXIT_BAD_INPUT, EXIT_NOT_FOUND, EXIT_PERMISSION, EXIT_UNAVAILABLE, EXIT_FAILED_PRECONDITION = 2, 4, 5, 6, 7
+
 COMMANDS = [
     "submit",
     "get",
     "wait",
     "cancel",
+    "retry",
+    "delete",
     "tasks",
     "watch",
     "workers",
     "schedules put",
     "schedules delete",
     "schedules list",
+    "pools",
+    "pools list",
+    "pools pause",
+    "pools resume",
     "snapshot",
 ]
+
+
+def sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def cronoq(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cronoq.cli", *argv], capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -66,11 +85,141 @@ def test_submit_get_wait_cancel_tasks_with_json(server):
 
 def test_errors_are_one_line_with_the_code(server):
     out = cli(server, "get", "999", check=False)
-    assert out.returncode == 1
+    assert out.returncode == EXIT_NOT_FOUND
     assert out.stderr.strip() == "cronoq get: NOT_FOUND: task 999 not found"
     out = cli(server, "submit", "--pool", "nope", check=False)
-    assert out.returncode == 1 and "INVALID_ARGUMENT" in out.stderr and "'nope'" in out.stderr
+    assert out.returncode == EXIT_BAD_INPUT and "INVALID_ARGUMENT" in out.stderr and "'nope'" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_exit_codes_tell_failures_apart(start_server):
+    """0 ok, 1 other, 2 usage or bad input, 4 not found, 5 permission, 6 unavailable, 7 failed
+    precondition (3 stays `wait`'s timeout): the server's refusals and the CLI's own."""
+    srv = start_server(
+        {
+            "pools": [{"name": "default"}],
+            "tokens": [
+                {
+                    "name": "full",
+                    "sha256": sha256("full-secret"),
+                    "pools": ["*"],
+                    "permissions": ["submit", "read", "cancel", "work"],
+                },
+                {"name": "reader", "sha256": sha256("read-secret"), "pools": ["*"], "permissions": ["read"]},
+            ],
+        }
+    )
+    full = ("--token", "full-secret")
+    task = json.loads(cli(srv, "submit", *full, "--json").stdout)
+
+    def code(*argv: str) -> tuple[int, str]:
+        out = cli(srv, *argv, check=False)
+        assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) <= 1, out.stderr
+        return out.returncode, out.stderr.strip()
+
+    assert code("get", task["id"], *full)[0] == 0
+    assert code("get", "999", *full) == (EXIT_NOT_FOUND, "cronoq get: NOT_FOUND: task 999 not found")
+    assert code("submit", "--pool", "nope", *full)[0] == EXIT_BAD_INPUT  # INVALID_ARGUMENT
+    assert code("submit", "--payload-json", "{", *full)[0] == EXIT_BAD_INPUT  # refused before any call
+    assert code("get", "1" * 30, *full)[0] == EXIT_BAD_INPUT
+    assert code("get", *full)[0] == EXIT_BAD_INPUT  # usage: no ID
+    status, line = code("get", task["id"])  # no token
+    assert status == EXIT_PERMISSION and line.startswith("cronoq get: UNAUTHENTICATED: ")
+    status, line = code("submit", "--token", "read-secret")
+    assert status == EXIT_PERMISSION and line.startswith("cronoq submit: PERMISSION_DENIED: ")
+
+
+def test_help_lists_the_exit_codes():
+    out = subprocess.run([sys.executable, "-m", "cronoq.cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    epilog = out.stdout[out.stdout.index("exit codes:") :]
+    for code, word in (
+        (2, "usage"),
+        (3, "wait"),
+        (4, "NOT_FOUND"),
+        (5, "PERMISSION_DENIED"),
+        (6, "UNAVAILABLE"),
+        (7, "FAILED_PRECONDITION"),
+    ):
+        assert re.search(rf"^  {code} .*{word}", epilog, flags=re.M), (code, epilog)
+
+
+def test_global_flags_go_before_or_after_the_command(server):
+    task = Api(server.grpc_target).submit(key="global")
+    before = cronoq("--endpoint", server.endpoint, "--json", "get", str(task.id))
+    after = cronoq("get", str(task.id), "--endpoint", server.endpoint, "--json")
+    assert before.returncode == after.returncode == 0, before.stderr + after.stderr
+    assert json.loads(before.stdout) == json.loads(after.stdout)
+    assert json.loads(before.stdout)["key"] == "global"
+    # After the command wins over before it; a nested command takes them before either word.
+    both = cronoq("--endpoint", "http://127.0.0.1:1", "get", "global", "--endpoint", server.endpoint)
+    assert both.returncode == 0 and f"task {task.id}" in both.stdout, both.stderr
+    nested = cronoq("--endpoint", server.endpoint, "--json", "schedules", "list")
+    assert nested.returncode == 0 and nested.stdout == "", nested.stderr
+    for flag in ("--endpoint", "--token", "--ca", "--cert", "--key-file", "--json"):
+        assert flag in cronoq("--help").stdout
+
+
+def test_tasks_prints_a_header_and_pages(server):
+    api = Api(server.grpc_target)
+    ids = [api.submit(key=f"page-{i}").id for i in range(5)]
+    first = cli(server, "tasks", "--limit", "2")
+    lines = first.stdout.splitlines()
+    assert lines[0].split() == ["ID", "POOL", "STATE", "ATTEMPT", "KEY"]
+    assert [int(line.split()[0]) for line in lines[1:]] == ids[:2]
+    assert lines[1].split()[1:] == ["default", "pending", "0/3", "page-0"]
+    token = re.search(r"^more: run with --page-token (\S+)$", first.stderr, flags=re.M)
+    assert token, first.stderr
+    second = cli(server, "tasks", "--limit", "2", "--page-token", token.group(1), "--json")
+    assert [int(json.loads(line)["id"]) for line in second.stdout.splitlines()] == ids[2:4]
+    assert "more: run with --page-token " in second.stderr
+    every = cli(server, "tasks", "--all", "--json")
+    assert [int(json.loads(line)["id"]) for line in every.stdout.splitlines()] == ids
+    assert "more:" not in every.stderr
+    last = cli(server, "tasks", "--limit", "10")
+    assert len(last.stdout.splitlines()) == 6 and "more:" not in last.stderr and "5 task(s)" in last.stderr
+    assert cli(server, "tasks", "--all", "--limit", "3", check=False).returncode == EXIT_BAD_INPUT
+    newest = cli(server, "tasks", "--newest-first", "--limit", "3", "--json")
+    assert [int(json.loads(line)["id"]) for line in newest.stdout.splitlines()] == ids[:-4:-1]
+    token = re.search(r"--page-token (\S+)", newest.stderr)
+    assert token, newest.stderr
+    older = cli(server, "tasks", "--newest-first", "--page-token", token.group(1), "--json")
+    assert [int(json.loads(line)["id"]) for line in older.stdout.splitlines()] == ids[1::-1]
+
+
+def test_durations_take_a_unit_and_bare_numbers_are_seconds(server):
+    task = json.loads(cli(server, "submit", "--timeout", "2500ms", "--delay", "1m", "--json").stdout)
+    assert task["timeout_ms"] == "2500"
+    run_at = dt.datetime.fromisoformat(task["run_at"].replace("Z", "+00:00"))
+    created = dt.datetime.fromisoformat(task["created_at"].replace("Z", "+00:00"))
+    assert 55 <= (run_at - created).total_seconds() <= 65
+    assert json.loads(cli(server, "submit", "--timeout", "2.5", "--json").stdout)["timeout_ms"] == "2500"
+    waited = cli(server, "wait", task["id"], "--timeout", "200ms", "--json", check=False)
+    assert waited.returncode == 3 and json.loads(waited.stdout)["done"] is False
+    bad = cli(server, "submit", "--timeout", "5x", check=False)
+    assert bad.returncode == EXIT_BAD_INPUT and "'5x'" in bad.stderr and "30s" in bad.stderr
+    assert cli(server, "wait", task["id"], "--timeout", "-1s", check=False).returncode == EXIT_BAD_INPUT
+    for command in ("submit", "wait", "watch", "schedules put"):
+        help_text = cronoq(*command.split(), "--help").stdout
+        assert "DURATION" in help_text and "SECONDS" not in help_text and "--timeout-ms" not in help_text, command
+
+
+def test_cancel_of_an_ended_task_says_so(server):
+    api = Api(server.grpc_target)
+    done = api.submit(key="done")
+    worker = api.register()
+    (leased,) = api.lease(worker, n=1)
+    api.succeed(worker, leased)
+    out = cli(server, "cancel", "done", check=False)
+    assert out.returncode == EXIT_FAILED_PRECONDITION
+    assert out.stderr.strip() == f"cronoq cancel: task {done.id} already SUCCEEDED; nothing to cancel"
+    assert "state=succeeded" in out.stdout
+    pending = api.submit(key="pending")
+    cancelled = cli(server, "cancel", str(pending.id))
+    assert cancelled.returncode == 0 and cancelled.stderr == "" and "state=cancelled" in cancelled.stdout
+    again = cli(server, "cancel", str(pending.id), "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["state"] == "TASK_STATE_CANCELLED"
+    assert again.stderr.strip() == f"cronoq cancel: task {pending.id} already CANCELLED; nothing to cancel"
 
 
 def test_workers_table_and_json(server):
@@ -90,24 +239,25 @@ def test_workers_table_and_json(server):
 
 def test_snapshot_counts_tasks_by_pool_and_state(server):
     api = Api(server.grpc_target)
-    ids = [api.submit(key=f"snap-{i}").id for i in range(4)]
-    api.submit("other")
+    # In "other" (lease_ttl 30s): the task leased stays RUNNING however slow the machine.
+    ids = [api.submit("other", key=f"snap-{i}").id for i in range(4)]
+    api.submit("default")
     cli(server, "cancel", str(ids[0]))
-    worker = api.register()
+    worker = api.register(pools=("other",))
     leased = api.lease(worker, n=2)
     api.succeed(worker, leased[0])
     snap = json.loads(cli(server, "snapshot", "--json").stdout)
     assert snap["unavailable_shards"] == [] and len(snap["shards"]) == 1
     shard = snap["shards"][0]
     pools = {p["pool"]: p for p in shard["pools"]}
-    counts = {state: int(pools["default"][state]) for state in ("pending", "running", "succeeded", "cancelled")}
+    counts = {state: int(pools["other"][state]) for state in ("pending", "running", "succeeded", "cancelled")}
     assert counts == {"pending": 1, "running": 1, "succeeded": 1, "cancelled": 1}
-    assert int(pools["other"]["pending"]) == 1 and [w["id"] for w in shard["workers"]] == [worker]
+    assert int(pools["default"]["pending"]) == 1 and [w["id"] for w in shard["workers"]] == [worker]
 
     lines = cli(server, "snapshot").stdout.splitlines()
     assert lines[0].startswith(f"shard {shard['shard']} (#{shard['number']})  leader {shard['leader']}  term ")
     assert lines[1].split() == ["POOL", "PENDING", "BLOCKED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
-    assert next(line for line in lines if line.split()[0] == "default").split()[1:] == ["1", "0", "1", "1", "0", "1"]
+    assert next(line for line in lines if line.split()[0] == "other").split()[1:] == ["1", "0", "1", "1", "0", "1"]
     assert lines[-1].startswith("  workers: 1, running ")  # running: 1 once the server counts it
 
 
@@ -162,7 +312,7 @@ def test_watch_without_a_server_gives_up_with_one_line(tmp_path):
         text=True,
         timeout=30,
     )
-    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.returncode == EXIT_UNAVAILABLE and "Traceback" not in out.stderr
     assert out.stderr.splitlines()[-1].startswith("cronoq watch: UNAVAILABLE: ")
 
 

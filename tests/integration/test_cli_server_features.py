@@ -53,7 +53,7 @@ def test_schedules_put_options_are_stored(server):
     put = cli(
         server,
         *("schedules", "put", "other", "nightly", "--cron", "0 3 * * *", "--timezone", "Europe/Paris"),
-        *("--payload", "hello", "--max-attempts", "2", "--timeout-ms", "1500", "--paused", "--fire-all-missed"),
+        *("--payload", "hello", "--max-attempts", "2", "--timeout", "1.5s", "--paused", "--fire-all-missed"),
         "--json",
     )
     schedule = json.loads(put.stdout)
@@ -63,11 +63,14 @@ def test_schedules_put_options_are_stored(server):
     (listed,) = [json.loads(line) for line in cli(server, "schedules", "list", "--json").stdout.splitlines()]
     assert listed["name"] == "nightly" and listed["paused"] is True
     assert "yes" in cli(server, "schedules", "list").stdout.splitlines()[1].split()  # PAUSED column
+    # --timeout-ms: the deprecated spelling, still taken.
+    put = cli(server, "schedules", "put", "other", "nightly", "--cron", "0 3 * * *", "--timeout-ms", "2000", "--json")
+    assert json.loads(put.stdout)["timeout_ms"] == "2000"
 
 
 def test_a_bad_cron_is_one_line_with_the_code(server):
     out = cli(server, "schedules", "put", "default", "bad", "--cron", "every day at noon", check=False)
-    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "Traceback" not in out.stderr  # bad input
     assert out.stderr.startswith("cronoq schedules put: INVALID_ARGUMENT: ") and len(out.stderr.splitlines()) == 1
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from cronoq import cli
 from cronoq.cli import _ref, build_parser, format_table
-from cronoq.v1 import admin_service_pb2, schedule_service_pb2, task_pb2, worker_service_pb2
+from cronoq.v1 import admin_service_pb2, schedule_service_pb2, task_pb2, task_service_pb2, worker_service_pb2
 
 
 @pytest.mark.parametrize(
@@ -37,7 +37,7 @@ def test_key_flag_always_names_a_key(text: str) -> None:
 
 
 def test_an_id_past_64_bits_is_a_clear_error() -> None:
-    with pytest.raises(SystemExit, match="too large for a task id"):
+    with pytest.raises(cli.BadInput, match="too large for a task id"):
         _ref("18446744073709551616", False)
 
 
@@ -75,7 +75,10 @@ def test_schedules_put_parses_every_option() -> None:
 def test_bad_arguments_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(argv)
-    assert exit_.value.code == 2 and "usage: cronoq" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    command = "cronoq " + " ".join(argv[:2] if len(argv) > 1 else argv[:1])
+    assert err.startswith(f"{command}: ") and err.endswith(f" (see {command} --help)\n"), err
 
 
 def test_watch_workers_snapshot_and_schedule_listing_parse() -> None:
@@ -194,15 +197,168 @@ def test_ctrl_c_and_a_closed_pipe_end_without_a_traceback(
 
 
 @pytest.mark.parametrize("flag", ["--payload-json", "--json-payload"])
-def test_submit_with_bad_payload_json_names_the_flag_and_the_value(flag: str) -> None:
+def test_submit_with_bad_payload_json_names_the_flag_and_the_value(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_:
         cli.main(["submit", "--pool", "p", flag, "{n: 1}"])
-    message = str(exit_.value.code)
+    message = capsys.readouterr().err
+    assert exit_.value.code == 2
     assert message.startswith("cronoq submit: --payload-json '{n: 1}' is not valid JSON: "), message
     assert "property name enclosed in double quotes" in message  # the value's problem, as json says it
     assert "--json " not in message
 
 
-def test_schedules_put_with_bad_payload_json_names_the_value() -> None:
-    with pytest.raises(SystemExit, match=r"^cronoq schedules put: --payload-json '\[1,' is not valid JSON: "):
+def test_schedules_put_with_bad_payload_json_names_the_value(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
         cli.main(["schedules", "put", "p", "n", "--cron", "* * * * *", "--payload-json", "[1,"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith("cronoq schedules put: --payload-json '[1,' is not valid JSON: ")
+
+
+# -- durations, times, global flags, and the day-2 commands' output -------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("30", 30.0), ("2.5", 2.5), ("500ms", 0.5), ("30s", 30.0), ("5m", 300.0), ("2h", 7200.0), ("1d", 86400.0),
+     (".5s", 0.5), ("0", 0.0)],
+)  # fmt: skip
+def test_durations_take_a_unit(text: str, seconds: float) -> None:
+    assert cli.duration_arg(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "5x", "-1s", "1h30m", "s", "1e3", "inf", "nan"])
+def test_a_bad_duration_says_what_one_looks_like(text: str) -> None:
+    with pytest.raises(cli.argparse.ArgumentTypeError, match=r"is not a duration such as 30s"):
+        cli.duration_arg(text)
+
+
+def test_times_are_iso_8601_or_a_duration_ago() -> None:
+    assert cli.time_arg("2026-11-01T00:00:00Z") == dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+    assert cli.time_arg("2026-11-01 02:00") == dt.datetime(2026, 11, 1, 2, tzinfo=dt.UTC)  # no zone: UTC
+    paris = cli.time_arg("2026-11-01T01:00:00+01:00")
+    assert paris == dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+    ago = dt.datetime.now(dt.UTC) - cli.time_arg("2h")
+    assert 7199 <= ago.total_seconds() <= 7260
+    with pytest.raises(cli.argparse.ArgumentTypeError, match="'yesterday' is neither a time"):
+        cli.time_arg("yesterday")
+
+
+def test_global_flags_parse_before_and_after_the_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CRONOQ_ENDPOINT", "http://from-env:1")
+    parse = build_parser().parse_args
+    assert parse(["get", "1"]).endpoint == "http://from-env:1" and parse(["get", "1"]).json is False
+    before = parse(["--endpoint", "http://a:1", "--token", "t", "--json", "get", "1"])
+    after = parse(["get", "1", "--endpoint", "http://a:1", "--token", "t", "--json"])
+    assert (before.endpoint, before.token, before.json) == (after.endpoint, after.token, after.json)
+    assert (before.endpoint, before.token, before.json) == ("http://a:1", "t", True)
+    assert parse(["--endpoint", "http://a:1", "get", "1", "--endpoint", "http://b:1"]).endpoint == "http://b:1"
+    nested = parse(["--json", "schedules", "--token", "t", "list", "--ca", "ca.pem"])
+    assert (nested.json, nested.token, nested.ca, nested.endpoint) == (True, "t", "ca.pem", "http://from-env:1")
+    pools = parse(["--json", "pools", "pause", "default"])
+    assert pools.json and pools.run is cli.cmd_pools_pause and pools.pool == "default"
+    assert parse(["pools"]).run is cli.cmd_pools_list and parse(["pools", "list"]).run is cli.cmd_pools_list
+
+
+def test_bulk_flags_build_the_filter() -> None:
+    args = build_parser().parse_args(
+        [
+            *("retry", "--all-matching", "--pool", "default", "--state", "failed,cancelled", "--state", "failed"),
+            *("--created-after", "2026-11-01T00:00:00Z", "--finished-before", "2026-11-02"),
+            *("--key-prefix", "import-", "--error-contains", "timeout", "--extra-attempts", "2", "--dry-run"),
+        ]
+    )
+    filt = cli.filter_of(args)
+    assert filt.pool == "default" and filt.key_prefix == "import-" and filt.error_contains == "timeout"
+    assert list(filt.states) == [task_pb2.TASK_STATE_FAILED, task_pb2.TASK_STATE_CANCELLED, task_pb2.TASK_STATE_FAILED]
+    assert filt.created_after.ToDatetime(dt.UTC) == dt.datetime(2026, 11, 1, tzinfo=dt.UTC)
+    assert filt.finished_before.ToDatetime(dt.UTC) == dt.datetime(2026, 11, 2, tzinfo=dt.UTC)
+    assert not filt.HasField("created_before") and not filt.HasField("finished_after")
+    assert args.extra_attempts == 2 and args.dry_run and args.task is None
+    assert cli._describe(args) == (
+        "--pool default --state failed,cancelled,failed --created-after 2026-11-01T00:00:00+00:00 "
+        "--finished-before 2026-11-02T00:00:00+00:00 --key-prefix import- --error-contains timeout"
+    )
+
+
+def test_bulk_output_per_shard() -> None:
+    resp = task_service_pb2.RetryTasksResponse(
+        matched=40_012,
+        changed=40_000,
+        shards=[
+            task_service_pb2.BulkShardResult(shard="cpu", matched=40_000, changed=40_000),
+            task_service_pb2.BulkShardResult(shard="gpu", matched=12, changed=0),
+        ],
+    )
+    assert cli.format_bulk("retry", resp, dry_run=False) == [
+        "SHARD  MATCHED  CHANGED",
+        "cpu      40000    40000",
+        "gpu         12        0",
+        "retried 40000 of 40012 matching task(s)",
+    ]
+    assert cli.format_bulk("delete", resp, dry_run=True) == [
+        "SHARD  MATCHED",
+        "cpu      40000",
+        "gpu         12",
+        "dry run: 40012 task(s) match; nothing changed",
+    ]
+    resp.incomplete = True
+    assert cli.format_bulk("delete", resp, dry_run=True)[-1] == (
+        "dry run: at least 40012 task(s) match (the count stopped at the server's time bound); nothing changed"
+    )
+
+
+def test_attempts_table() -> None:
+    first = task_pb2.Attempt(
+        attempt=1, worker_id="w-1", worker_name="host-1", outcome=task_pb2.ATTEMPT_OUTCOME_FAILED, error="boom",
+        duration_ms=1500,
+    )  # fmt: skip
+    first.started_at.FromDatetime(NOW)
+    first.ended_at.FromDatetime(NOW + dt.timedelta(milliseconds=1500))
+    running = task_pb2.Attempt(attempt=2, worker_id="w-2", outcome=task_pb2.ATTEMPT_OUTCOME_RUNNING, duration_ms=80)
+    running.started_at.FromDatetime(NOW + dt.timedelta(seconds=2))
+    assert cli.format_attempts([first, running]) == [
+        "  ATTEMPT  WORKER  STARTED                        ENDED                          DURATION  OUTCOME  ERROR",
+        "        1  host-1  2025-01-01T12:00:00.000+00:00  2025-01-01T12:00:01.500+00:00  1.500s    failed   boom",
+        "        2  w-2     2025-01-01T12:00:02.000+00:00  -                              80ms      running  -",
+    ]
+
+
+def test_pools_table_across_shards() -> None:
+    snap = admin_service_pb2.GetSnapshotResponse(
+        shards=[
+            admin_service_pb2.ShardSnapshot(
+                shard="gpu", pools=[admin_service_pb2.PoolCounts(pool="llm", pending=3, paused=True)]
+            ),
+            admin_service_pb2.ShardSnapshot(
+                shard="cpu", pools=[admin_service_pb2.PoolCounts(pool="default", running=2, failed=1)]
+            ),
+        ]
+    )
+    assert cli.format_pools(snap) == [
+        "POOL     SHARD  PAUSED  PENDING  BLOCKED  RUNNING  SUCCEEDED  FAILED  CANCELLED",
+        "default  cpu    no            0        0        2          0       1          0",
+        "llm      gpu    yes           3        0        0          0       0          0",
+    ]
+
+
+def test_answers_of_a_repeated_bulk_call_add_up() -> None:
+    shard = task_service_pb2.BulkShardResult
+    first = task_service_pb2.CancelTasksResponse(
+        matched=300,
+        changed=290,
+        shards=[shard(shard="cpu", matched=300, changed=290, incomplete=True)],
+        unavailable_shards=["gpu"],
+        incomplete=True,
+    )
+    second = task_service_pb2.CancelTasksResponse(
+        matched=15,
+        changed=15,
+        shards=[shard(shard="cpu", matched=10, changed=10), shard(shard="gpu", matched=5, changed=5)],
+    )
+    total = cli.add_bulk(first, second)
+    assert (total.matched, total.changed, list(total.unavailable_shards)) == (315, 305, ["gpu"])
+    assert not total.incomplete  # as the later answer says
+    assert [(r.shard, r.matched, r.changed) for r in total.shards] == [("cpu", 310, 300), ("gpu", 5, 5)]
+    assert first.matched == 300 and len(first.shards) == 1  # the answers themselves are left as they were

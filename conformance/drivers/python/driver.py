@@ -8,6 +8,8 @@ import json
 import sys
 from typing import Any
 
+from google.protobuf import json_format
+
 import cronoq
 from cronoq.errors import RedirectRefused, TlsError, TooManyRedirects
 
@@ -119,21 +121,60 @@ async def run_worker(case: dict[str, Any], step: dict[str, Any]) -> dict[str, An
     }
 
 
+def task_of(step: dict[str, Any]) -> int | str:
+    """The task a step names: "id" (a decimal string) or "key"."""
+    return int(step["id"]) if "id" in step else str(step["key"])
+
+
+async def bulk_step(client: cronoq.Client, step: dict[str, Any]) -> dict[str, Any]:
+    filt = json_format.ParseDict(step.get("filter", {}), cronoq.TaskFilter())
+    dry_run = step.get("dry_run", False)
+    if step["op"] == "bulk_cancel":
+        resp: Any = await client.cancel_tasks(filt, dry_run=dry_run)
+    elif step["op"] == "bulk_retry":
+        resp = await client.retry_tasks(filt, dry_run=dry_run)
+    else:
+        resp = await client.delete_tasks(filt, dry_run=dry_run)
+    return {
+        "matched": resp.matched,
+        "changed": resp.changed,
+        "unavailable_shards": list(resp.unavailable_shards),
+        "error": None,
+    }
+
+
+def attempt_of(attempt: cronoq.Attempt) -> dict[str, Any]:
+    return {"attempt": attempt.attempt, "outcome": cronoq.AttemptOutcome.Name(attempt.outcome), "error": attempt.error}
+
+
 async def run_client_step(client: cronoq.Client, step: dict[str, Any]) -> dict[str, Any]:
     op = step["op"]
+    extra: dict[str, Any] = {}
     try:
         if op == "submit":
-            submitted = await client.submit(step["pool"], step.get("payload"))
+            submitted = await client.submit(step["pool"], step.get("payload"), key=step.get("key"))
             return {"id": str(submitted.task.id), "error": None}
-        if op == "get":
-            task = await client.get(int(step["id"]))
+        if op in ("bulk_cancel", "bulk_retry", "bulk_delete"):
+            return await bulk_step(client, step)
+        if op in ("pause_pool", "resume_pool"):
+            pause = await (client.pause_pool if op == "pause_pool" else client.resume_pool)(step["pool"])
+            return {"pool": pause.pool, "paused": pause.paused, "error": None}
+        if op == "delete":
+            return {"id": str(await client.delete(task_of(step))), "error": None}
+        if op == "get" and step.get("include_attempts"):
+            got = await client.get(task_of(step), include_attempts=True)
+            task, extra = got.task, {"attempts": [attempt_of(a) for a in got.attempts]}
+        elif op == "get":
+            task = await client.get(task_of(step))
         elif op == "cancel":
-            task = await client.cancel(int(step["id"]))
+            task = await client.cancel(task_of(step))
+        elif op == "retry":
+            task = (await client.retry(task_of(step))).task
         elif op == "wait":
-            task = (await client.wait(int(step["id"]), timeout=step.get("timeout_ms", 10000) / 1000)).task
+            task = (await client.wait(task_of(step), timeout=step.get("timeout_ms", 10000) / 1000)).task
         else:
             return {"error": {"code": "", "kind": "unsupported", "message": f"unknown op {op!r}"}}
-        return {"id": str(task.id), "state": cronoq.TaskState.Name(task.state), "error": None}
+        return {"id": str(task.id), "state": cronoq.TaskState.Name(task.state), **extra, "error": None}
     except Exception as err:
         return {"error": error_of(err)}
 
