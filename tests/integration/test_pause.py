@@ -88,7 +88,8 @@ def test_a_paused_pool_accepts_leases_nothing_and_stays_paused(
         assert len(api.lease(other, wait_ms=5000)) == 1  # another pool is leased as before
         # The running task finishes normally; the queued one waits.
         eventually(lambda: any(t == running.id for t, _, _ in log_lines(log, "done")), what="the running one ends")
-        assert api.get(running.id).state == task_pb2.TASK_STATE_SUCCEEDED
+        # The worker sends its outcome just after its handler returns.
+        eventually(lambda: api.get(running.id).state == task_pb2.TASK_STATE_SUCCEEDED, what="its outcome is stored")
         assert not started(log, queued.id)
         assert paused_in_snapshot(admin) == {"default": True, "other": False}
         assert paused_gauge(srv) == {"default": 1.0, "other": 0.0}

@@ -399,7 +399,7 @@ async def test_the_sdk_and_cli_check_the_server_certificate(certs: Certs, tmp_pa
         assert time.monotonic() - started < 5
         assert str(err.value) == expected
         out = cli("get", "1", "--endpoint", srv.endpoint, "--ca", certs.pki.ca_path, env={})
-        assert (out.returncode, out.stderr.strip()) == (1, f"cronoq get: {expected}")
+        assert (out.returncode, out.stderr.strip()) == (5, f"cronoq get: {expected}")  # 5: credentials
     finally:
         srv.kill()
 
@@ -454,14 +454,14 @@ def test_cli_takes_ca_cert_and_key_from_the_environment(mtls: TlsServer, certs: 
     flags = cli("get", task_id, "--cert", certs.a.cert, "--key-file", certs.a.key, "--json", env=env)
     assert flags.returncode == 0 and json.loads(flags.stdout)["id"] == task_id
     no_cert = cli("get", task_id, env=env)
-    assert no_cert.returncode == 1
+    assert no_cert.returncode == 5
     assert no_cert.stderr.startswith(f"cronoq get: {mtls.endpoint}: TLS handshake failed: the server requires a client")
     assert len(no_cert.stderr.strip().splitlines()) == 1
     wrong_ca = cli(
         "get", task_id, env={**env, "CRONOQ_CA": certs.other.ca_path, "CRONOQ_CERT": certs.a.cert,
                              "CRONOQ_KEY": certs.a.key},
     )  # fmt: skip
-    assert wrong_ca.returncode == 1 and "certificate verify failed: unknown CA" in wrong_ca.stderr
+    assert wrong_ca.returncode == 5 and "certificate verify failed: unknown CA" in wrong_ca.stderr
     half = cli("get", task_id, "--cert", certs.a.cert, env=env)
     assert half.returncode != 0 and "--key-file" in half.stderr
     token = cli("get", task_id, "--token", READER_TOKEN, env={**env, "CRONOQ_CERT": certs.stranger.cert,
