@@ -10,6 +10,7 @@ meanwhile is matched, not changed; a repeated call matches what is left and chan
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -24,12 +25,14 @@ from .events import EventBus
 from .limits import RETRY_EXTRA_ATTEMPTS, check_range, check_text
 from .tasks import Tasks, now_us, timestamp_us
 
-# Tasks matched and changed per transaction: sized as it goes so that a batch takes about the
-# store's bulk_batch_s (a caller queued behind one waits no longer), then BATCH_YIELD times as
-# long is left to other callers before the next one.
+# Tasks matched and changed per transaction: sized as it goes so that changing a batch takes
+# about the store's bulk_batch_s (a caller queued behind one waits no longer; matching is read
+# aside), from a moving average of the time a task took (COST_WEIGHT: the newest batch's part),
+# then BATCH_YIELD times as long is left to other callers before the next one.
 BATCH_FIRST = 100
 BATCH_MIN, BATCH_MAX = 10, 2000
-BATCH_YIELD = 2.0
+BATCH_YIELD = 1.0
+COST_WEIGHT = 0.3
 MAX_IDS = 1000
 MAX_KEY_PREFIX_BYTES = 256
 MAX_ERROR_CONTAINS_BYTES = 1024
@@ -178,21 +181,24 @@ class Bulk:
         """Matches in batches after the last seq seen, applying each (unless dry_run), until no
         task is left or the time budget is spent (incomplete)."""
         result = pb.BulkShardResult(shard=self._shard_name)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._budget_s
-        after, size = 0, BATCH_FIRST
+        deadline = time.perf_counter() + self._budget_s
+        after, size, per_task = 0, BATCH_FIRST, 0.0
         while match is not None:
-            started = loop.time()
             batch = await self._store.match_tasks(match, after, size)
             result.matched += len(batch)
+            took = 0.0
             if batch and not dry_run:
+                started = time.perf_counter()
                 result.changed += await apply([seq for seq, _, _ in batch])
+                took = time.perf_counter() - started
             if len(batch) < size:
                 break
             after = batch[-1][0]
-            took = loop.time() - started
-            size = max(BATCH_MIN, min(BATCH_MAX, int(size * self._store.bulk_batch_s / max(took, 1e-4))))
-            if loop.time() + took * (BATCH_YIELD + 1) > deadline:
+            if took:
+                cost = took / len(batch)
+                per_task = cost if not per_task else (1 - COST_WEIGHT) * per_task + COST_WEIGHT * cost
+                size = max(BATCH_MIN, min(BATCH_MAX, int(self._store.bulk_batch_s / per_task)))
+            if time.perf_counter() + took * (BATCH_YIELD + 1) > deadline:
                 result.incomplete = True
                 break
             await asyncio.sleep(took * BATCH_YIELD)  # the store is other callers' meanwhile

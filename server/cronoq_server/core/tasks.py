@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator, Mapping
 from typing import Protocol
 
@@ -308,8 +309,8 @@ class Tasks:
         restored). For callers that checked the request and the caller's permissions."""
         rows, restored, changes = await self._store.retry_tasks(seqs, now_us(), run_at, extra_attempts)
         await self._events.publish(changes, rows)
-        for r in rows:
-            TASK_RETRIES.labels(pool=r.pool, reason="manual").inc()
+        for pool, count in Counter(r.pool for r in rows).items():
+            TASK_RETRIES.labels(pool=pool, reason="manual").inc(count)
         return rows, restored
 
     async def _not_retried(self, row: TaskRow) -> None:

@@ -308,9 +308,11 @@ class PostgresStore:
     # Two steps of a Work stream at once, each leasing half the worker's slots: the database
     # works on one while the worker runs the tasks of the other.
     work_steps = 2
-    # Other calls run beside a batch (it locks only its own rows), and a batch costs round trips
-    # whatever its size (30 ms for 100 tasks, 42 ms for 1,000 on the 2-core machine).
-    bulk_batch_s = 0.1
+    # Other calls run beside a bulk action's batch, but one that records events waits for the
+    # batch's commit (the event log's row): 30 ms batches keep another caller's p99 at 2.0-2.5x
+    # its quiet value during a retry of 50,000 tasks, 100 ms ones at 1.5-3.3x, 10 ms ones are
+    # no better and three times slower (bench/bulk.py).
+    bulk_batch_s = 0.03
 
     def __init__(self, url: str, schema: str, settings: StoreSettings, pool_size: int = 8):
         self.url = url

@@ -267,9 +267,10 @@ class SqliteStore:
     # the worker's free slots commits more per transaction (burn-down 18.1-18.4k tasks/s
     # against 15.0-15.5k with two steps of half each).
     work_steps = 1
-    # A caller queued behind a batch waits for it: 5 ms keeps another caller's p99 within 3× its
-    # quiet value during a retry of 50,000 tasks (bench/bulk.py).
-    bulk_batch_s = 0.005
+    # A caller queued behind a bulk action's batch waits for it: 2 ms batches keep another
+    # caller's p99 at 1.1-1.9x its quiet value during a retry of 50,000 tasks, 5 ms ones at
+    # 1.8-3.3x (bench/bulk.py).
+    bulk_batch_s = 0.002
 
     def __init__(self, path: str, settings: StoreSettings, synchronous: str = "full"):
         self.path = path
