@@ -106,6 +106,16 @@ class TwoShards:
             standby.wait_ready(leader=False)
         self.stubs = {"cpu": Stubs(self.cpu), "gpu": Stubs(self.gpu)}
 
+    @classmethod
+    def on_store_of(cls, request: pytest.FixtureRequest, tmp_path: Path, start_server: Any, **kw: Any) -> TwoShards:
+        """For a fixture with params ["sqlite", "postgres"]: on a SQLite file per shard, or on a
+        schema per shard of one PostgreSQL."""
+        store = None
+        if request.param == "postgres":
+            store = store_table("postgres", request)
+            store["schema"] += "_{shard}"
+        return cls(tmp_path, start_server, store, **kw)
+
     def kill(self, shard: str) -> None:
         """Every server of the shard: SIGKILL."""
         for srv in self.servers[shard]:
@@ -116,11 +126,7 @@ class TwoShards:
 def shards(request: pytest.FixtureRequest, tmp_path: Path, start_server: Any) -> TwoShards:
     """The page's deployment, each shard with a standby: on a SQLite file per shard, or on a
     schema per shard of one PostgreSQL."""
-    store = None
-    if request.param == "postgres":
-        store = store_table("postgres", request)
-        store["schema"] += "_{shard}"
-    return TwoShards(tmp_path, start_server, store, replicas=2)
+    return TwoShards.on_store_of(request, tmp_path, start_server, replicas=2)
 
 
 def submit(stubs: Stubs, pool: str, token: str = "full", forwarded: bool = False, **kw: Any) -> tpb.SubmitTaskResponse:
