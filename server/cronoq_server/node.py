@@ -25,7 +25,7 @@ from .core.events import EVENT_RETENTION_EVERY_S, SEQUENCE_EVERY_S, EventBus
 from .core.leases import NUDGE_EVERY_S, Leases
 from .core.maintenance import Periodic, Services
 from .core.pools import PoolPauses
-from .core.resources import ResourceGate
+from .core.resources import Held, ResourceGate
 from .core.retry import make_retry_at
 from .core.schedules import Schedules
 from .core.tasks import Tasks, now_us
@@ -74,7 +74,8 @@ class Node:
             self.leadership = FileLeadership(self._store_path(), self.advertise, self.server_id)
         self.tasks = Tasks(config, self.store, self.events, self.shard_name, self.shard_number, self.pools)
         self.pauses = PoolPauses(self.store, self.events, self.pools)
-        self.gate = ResourceGate(r for r in config.resources if r.shard in (None, self.shard_name))
+        caps = {p: cap for p in self.pools if (cap := config.pool(p).max_running_per_group)}  # type: ignore[union-attr]
+        self.gate = ResourceGate((r for r in config.resources if r.shard in (None, self.shard_name)), group_caps=caps)
         self.leases = Leases(
             config,
             self.store,
@@ -216,7 +217,8 @@ class Node:
             self.store.on_fenced = self.leadership.mark_lost
         if self.gate.enabled:
             # Slots held by tasks that were running under the previous leader stay held.
-            self.gate.rebuild(await self._retrying("resources not rebuilt", self.store.running_resources))
+            running = await self._retrying("resources not rebuilt", self.store.running_resources)
+            self.gate.rebuild((worker, Held(seq, attempt, resources)) for seq, attempt, worker, resources in running)
         await self._retrying("paused pools not read", self.pauses.load)
         self.events.lead()
         self.is_leader = True

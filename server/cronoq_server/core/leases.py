@@ -51,7 +51,7 @@ from .limits import (
     check_range,
     check_text,
 )
-from .resources import ResourceGate
+from .resources import Held, ResourceGate
 from .tasks import now_us
 
 log = logging.getLogger("cronoq.leases")
@@ -255,7 +255,7 @@ class Leases:
             return await self._store.lease(worker_id, pools, limit, now, max_bytes)
         async with self._resource_lease:
             rows, next_due = await self._store.lease(worker_id, pools, limit, now, max_bytes, self._gate.available())
-            self._gate.take(worker_id, ((r.seq, r.attempt, r.resources) for r in rows if r.resources))
+            self._gate.take(worker_id, (Held(r.seq, r.attempt, r.resources or {}, r.pool) for r in rows))
         return rows, next_due
 
     def _unpaused(self, pools: list[str]) -> list[str]:
