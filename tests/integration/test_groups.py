@@ -45,7 +45,7 @@ def test_group_key_is_stored_returned_watched_and_fired(srv: Any) -> None:
             ]
         )
     )
-    assert [r.task.group_key for r in batch.results] == ["tenant-b", "tenant-b", ""]
+    assert [t.group_key for t in batch.tasks] == ["tenant-b", "tenant-b", ""]
     assert api.get(one.id).group_key == "tenant-a"
     listed = api.tasks.ListTasks(tpb.ListTasksRequest(pool="default")).tasks
     assert [t.group_key for t in listed] == ["tenant-a", "tenant-b", "tenant-b", ""]
