@@ -128,8 +128,9 @@ def print_task(task: Task, as_json: bool, **extra: Any) -> None:
     if as_json:
         print(json.dumps({**_wrap(task), **extra}))
         return
+    group = f"  group={task.group_key}" if task.group_key else ""
     print(
-        f"task {task.id}  pool={task.pool}  key={task.key or '-'}  state={STATE_NAMES[task.state]}  "
+        f"task {task.id}  pool={task.pool}  key={task.key or '-'}{group}  state={STATE_NAMES[task.state]}  "
         f"attempt={task.attempt}/{task.max_attempts}"
     )
     print(

@@ -293,10 +293,15 @@ def test_overview_shows_both_shards_and_a_stopped_one_as_unavailable(
 
 def test_cancel_from_the_task_page(start_server: Any, browser_page: Any, tmp_path: Path) -> None:
     srv = start_server({"pools": [{"name": "default"}]})
-    task = submit(srv, {"pool": "default", "key": "to-cancel", "payload_json": 1})
+    task = submit(srv, {"pool": "default", "key": "to-cancel", "payload_json": 1, "group_key": "tenant <b>1</b>"})
+    ungrouped = submit(srv, {"pool": "default"})
     page = browser_page
-    page.goto(srv.http_url + f"/ui/#/task/{task['id']}")
+    page.goto(srv.http_url + f"/ui/#/task/{ungrouped['id']}")
     loaded_ms(page, "task")
+    assert page.locator("dt:text-is('group')").count() == 0  # shown only when a task has one
+    page.goto(srv.http_url + f"/ui/#/task/{task['id']}")
+    page.wait_for_selector(f"h1:text-is('Task {task['id']}')", timeout=10_000)
+    assert page.locator("dt:text-is('group') + dd").inner_text() == "tenant <b>1</b>"  # text, not markup
     page.click("button.danger")
     page.wait_for_selector("dd:text-is('CANCELLED')", timeout=10_000)
     assert page.locator("button.danger").count() == 0  # no Cancel on a finished task
@@ -609,7 +614,8 @@ def test_pause_and_resume_leave_a_schedules_payload_as_it_was(start_server: Any,
 
     srv = start_server({"pools": [{"name": "default"}]})
     payload = {"big": 12345678901234567890123, "text": "1.0", "one": 1.0, "tiny": 1e-7, "list": [0.1, 1e22, -0.0]}
-    status, made = srv.http("PUT", "/v1/pools/default/schedules/exact", {"cron": "0 3 * * *", "payload_json": payload})
+    body = {"cron": "0 3 * * *", "payload_json": payload, "group_key": "tenant-1"}
+    status, made = srv.http("PUT", "/v1/pools/default/schedules/exact", body)
     assert status == 200, made
 
     def stored() -> spb.Schedule:
@@ -620,6 +626,7 @@ def test_pause_and_resume_leave_a_schedules_payload_as_it_was(start_server: Any,
 
     before = stored()
     assert b"12345678901234567890123" in before.payload and b"1.0" in before.payload
+    assert before.group_key == "tenant-1"
     page = browser_page
     page.goto(srv.http_url + "/ui/#/schedules")
     loaded_ms(page, "schedules")

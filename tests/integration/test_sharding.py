@@ -177,8 +177,8 @@ def http(
 
 def test_calls_for_another_shard_are_forwarded_and_ids_name_their_shard(shards: TwoShards) -> None:
     cpu, gpu = shards.stubs["cpu"], shards.stubs["gpu"]
-    llm = submit(cpu, "llm", payload=b"x").task
-    assert llm.id >> 56 == 2 and llm.pool == "llm"
+    llm = submit(cpu, "llm", payload=b"x", group_key="tenant-1").task
+    assert llm.id >> 56 == 2 and llm.pool == "llm" and llm.group_key == "tenant-1"
     dflt = submit(gpu, "default").task
     assert dflt.id >> 56 == 1
     assert submit(Stubs(shards.servers["gpu"][1]), "default").task.id >> 56 == 1  # a standby forwards too
@@ -188,7 +188,9 @@ def test_calls_for_another_shard_are_forwarded_and_ids_name_their_shard(shards: 
             got = stubs.tasks.GetTask(
                 tpb.GetTaskRequest(task=task_pb2.TaskRef(id=task.id)), metadata=bearer("full"), timeout=TIMEOUT
             ).task
-            assert (got.id, got.pool, got.state) == (task.id, task.pool, task_pb2.TASK_STATE_PENDING)
+            assert (got.id, got.pool, got.state, got.group_key) == (
+                task.id, task.pool, task_pb2.TASK_STATE_PENDING, task.group_key
+            )  # fmt: skip
     waited = cpu.tasks.WaitTask(
         tpb.WaitTaskRequest(task=task_pb2.TaskRef(id=llm.id), timeout_ms=100), metadata=bearer("full"), timeout=TIMEOUT
     )

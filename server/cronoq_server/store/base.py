@@ -32,7 +32,7 @@ LEASE_EXPIRED = "lease expired"
 TASK_COLUMNS = (
     "seq, pool, key, payload, content_type, priority, run_at, max_attempts, depends_on, resources, "
     "state, attempt, worker_id, result, result_content_type, error, created_at, started_at, "
-    "finished_at, cancel_requested, lease_expires_at, timeout_ms"
+    "finished_at, cancel_requested, lease_expires_at, timeout_ms, group_key"
 )
 
 
@@ -60,6 +60,7 @@ class TaskRow:
     cancel_requested: bool
     lease_expires_at: int | None
     timeout_ms: int = 0  # each attempt's execution timeout; 0: none
+    group_key: str = ""  # SubmitTaskRequest.group_key; "": none
 
 
 @dataclass(slots=True)
@@ -75,6 +76,7 @@ class NewTask:
     max_attempts: int
     resources: dict[str, int] = field(default_factory=dict)
     timeout_ms: int = 0
+    group_key: str = ""
     dep_seqs: list[int] = field(default_factory=list)
     dep_keys: list[str] = field(default_factory=list)
     # Indices of earlier tasks of the same batch (their keys, resolved by the core).
@@ -177,6 +179,7 @@ class ScheduleRow:
     last_fire_at: int | None = None
     created_at: int = 0
     updated_at: int = 0
+    group_key: str = ""  # of each fired task
 
 
 @dataclass(frozen=True, slots=True)

@@ -236,6 +236,11 @@ MIGRATIONS: dict[int, list[str]] = {
             paused_at bigint,
             paused_by text NOT NULL DEFAULT '')""",
     ],
+    9: [
+        # A task's group (SubmitTaskRequest.group_key), and the one a schedule gives its fired tasks.
+        """ALTER TABLE {s}.tasks ADD COLUMN group_key text NOT NULL DEFAULT ''""",
+        """ALTER TABLE {s}.schedules ADD COLUMN group_key text NOT NULL DEFAULT ''""",
+    ],
 }
 WORKER_COLUMNS = "id, name, pools, concurrency, labels, registered_at, last_seen_at, principal"
 
@@ -633,17 +638,17 @@ class PostgresStore:
             "WITH ids AS MATERIALIZED (SELECT n, nextval(pg_get_serial_sequence('{s}.tasks', 'seq')) AS seq"
             " FROM generate_series(1, $10::int) AS n),"
             " u AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int[], $5::bigint[], $6::int[],"
-            " $7::text[], $12::bigint[], $13::int[], $8::bigint[]) WITH ORDINALITY AS u(pool, payload, content_type,"
-            " priority, run_at, max_attempts, resources, timeout_ms, op, now, n)),"
+            " $7::text[], $12::bigint[], $15::text[], $13::int[], $8::bigint[]) WITH ORDINALITY AS u(pool, payload,"
+            " content_type, priority, run_at, max_attempts, resources, timeout_ms, group_key, op, now, n)),"
             " ops AS (SELECT * FROM unnest($11::text[], $14::bigint[]) WITH ORDINALITY AS o(rid, now, op)),"
             " req AS (INSERT INTO {s}.requests (id, created, created_at)"
             " SELECT o.rid, (SELECT json_agg(json_build_array(ids.seq, false) ORDER BY ids.n) FROM u"
             " JOIN ids ON ids.n = u.n WHERE u.op = o.op)::text, o.now FROM ops o WHERE o.rid IS NOT NULL AND {fence}"
             " ON CONFLICT (id) DO NOTHING RETURNING id),"
             " ins AS (INSERT INTO {s}.tasks (seq, pool, payload, content_type, priority, run_at, max_attempts,"
-            " resources, state, created_at, timeout_ms)"
+            " resources, state, created_at, timeout_ms, group_key)"
             " SELECT ids.seq, u.pool, u.payload, u.content_type, u.priority, u.run_at, u.max_attempts,"
-            " u.resources, 1, u.now, u.timeout_ms"
+            " u.resources, 1, u.now, u.timeout_ms, u.group_key"
             " FROM u JOIN ids ON ids.n = u.n JOIN ops ON ops.op = u.op"
             " WHERE {fence} AND (ops.rid IS NULL OR ops.rid IN (SELECT id FROM req))"
             f" RETURNING seq, pool, created_at, {EVENT_TASK_COLUMNS}),"
@@ -666,6 +671,7 @@ class PostgresStore:
             [t.timeout_ms for _, _, t in tasks],
             [i for i, _, _ in tasks],
             [op.now for op in ops],
+            [t.group_key for _, _, t in tasks],
         )
         if conn is None:
             rows = await self._fenced_fetch(sql, *args)
@@ -687,6 +693,7 @@ class PostgresStore:
                         depends_on=[], resources=t.resources, state=State.PENDING, attempt=0, worker_id=None,
                         result=None, result_content_type="", error="", created_at=op.now, started_at=None,
                         finished_at=None, cancel_requested=False, lease_expires_at=None, timeout_ms=t.timeout_ms,
+                        group_key=t.group_key,
                     ),
                     False,
                 )
@@ -759,12 +766,12 @@ class PostgresStore:
                 max_attempts=task.max_attempts, depends_on=dep_list, resources=task.resources, state=state,
                 attempt=0, worker_id=None, result=None, result_content_type="", error=error, created_at=now,
                 started_at=None, finished_at=now if state in TERMINAL else None, cancel_requested=False,
-                lease_expires_at=None, timeout_ms=task.timeout_ms,
+                lease_expires_at=None, timeout_ms=task.timeout_ms, group_key=task.group_key,
             )  # fmt: skip
             inserts.append((
                 seq, row.pool, row.key, row.payload, row.content_type, row.priority, row.run_at, row.max_attempts,
                 json.dumps(dep_list) if dep_list else None, json.dumps(row.resources) if row.resources else None,
-                int(state), error, now, row.finished_at, blocked_on, task.timeout_ms,
+                int(state), error, now, row.finished_at, blocked_on, task.timeout_ms, task.group_key,
             ))  # fmt: skip
             dep_rows += [(seq, d) for d in dep_list]
             dep_state[seq] = state  # later tasks of this call may name it by id or key
@@ -778,11 +785,12 @@ class PostgresStore:
                 self._sql(
                     "WITH ins AS (INSERT INTO {s}.tasks (seq, pool, key, payload, content_type, priority, run_at,"
                     " max_attempts, depends_on, resources, state, error, created_at, finished_at, blocked_on,"
-                    " timeout_ms)"
+                    " timeout_ms, group_key)"
                     " SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::int[],"
                     " $7::bigint[], $8::int[], $9::text[], $10::text[], $11::smallint[], $12::text[], $13::bigint[],"
-                    f" $14::bigint[], $15::int[], $16::bigint[]) RETURNING seq, pool, state, {EVENT_TASK_COLUMNS})"
-                    f" {INSERT_EVENTS} SELECT seq, state, 0, $17, pool, 0, {EVENT_TASK_COLUMNS} FROM ins ORDER BY seq"
+                    f" $14::bigint[], $15::int[], $16::bigint[], $17::text[]) RETURNING seq, pool, state,"
+                    f" {EVENT_TASK_COLUMNS}) {INSERT_EVENTS} SELECT seq, state, 0, $18, pool, 0, {EVENT_TASK_COLUMNS}"
+                    " FROM ins ORDER BY seq"
                 ),
                 *[list(c) for c in columns],
                 now,
@@ -1464,11 +1472,9 @@ class PostgresStore:
     # -- schedules ------------------------------------------------------------
 
     async def put_schedule(self, schedule: ScheduleRow, now: int) -> ScheduleRow:
-        sql = self._sql(
-            f"INSERT INTO {{s}}.schedules ({SCHEDULE_COLUMNS})"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)" + SCHEDULE_UPSERT
-        )
         values = schedule_values(schedule, now)
+        marks = ", ".join(f"${n}" for n in range(1, len(values) + 1))
+        sql = self._sql(f"INSERT INTO {{s}}.schedules ({SCHEDULE_COLUMNS}) VALUES ({marks})" + SCHEDULE_UPSERT)
         return schedule_row(await self._tx(lambda c: c.fetchrow(sql, *values)))
 
     async def delete_schedule(self, pool: str, name: str) -> bool:

@@ -204,6 +204,11 @@ MIGRATIONS: dict[int, str] = {
         paused_by TEXT NOT NULL DEFAULT ''
     );
     """,
+    # A task's group (SubmitTaskRequest.group_key), and the one a schedule gives its fired tasks.
+    8: """
+    ALTER TABLE tasks ADD COLUMN group_key TEXT NOT NULL DEFAULT '';
+    ALTER TABLE schedules ADD COLUMN group_key TEXT NOT NULL DEFAULT '';
+    """,
 }
 
 # Release 0.1.0 wrote its own schema version (5) whenever it opened a store, also one a newer
@@ -516,8 +521,8 @@ class SqliteStore:
             dep_list = [s for s, _ in deps]
             cur = db.execute(
                 "INSERT INTO tasks (pool, key, payload, content_type, priority, run_at, max_attempts, depends_on,"
-                " resources, state, error, created_at, finished_at, blocked_on, timeout_ms)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " resources, state, error, created_at, finished_at, blocked_on, timeout_ms, group_key)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     task.pool,
                     task.key,
@@ -534,6 +539,7 @@ class SqliteStore:
                     finished_at,
                     blocked_on,
                     task.timeout_ms,
+                    task.group_key,
                 ),
             )
             seq = cur.lastrowid
@@ -1054,8 +1060,8 @@ class SqliteStore:
     # -- schedules ------------------------------------------------------------
 
     async def put_schedule(self, schedule: ScheduleRow, now: int) -> ScheduleRow:
-        sql = f"INSERT INTO schedules ({SCHEDULE_COLUMNS}) VALUES ({_marks(16)})" + SCHEDULE_UPSERT
         values = schedule_values(schedule, now)
+        sql = f"INSERT INTO schedules ({SCHEDULE_COLUMNS}) VALUES ({_marks(len(values))})" + SCHEDULE_UPSERT
         return await self._tx(lambda db: schedule_row(db.execute(sql, values).fetchone()))
 
     async def delete_schedule(self, pool: str, name: str) -> bool:
