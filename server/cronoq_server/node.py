@@ -25,7 +25,7 @@ from .core.events import EVENT_RETENTION_EVERY_S, SEQUENCE_EVERY_S, EventBus
 from .core.leases import NUDGE_EVERY_S, Leases
 from .core.maintenance import Periodic, Services
 from .core.pools import PoolPauses
-from .core.resources import Held, ResourceGate
+from .core.resources import ResourceGate
 from .core.retry import make_retry_at
 from .core.schedules import Schedules
 from .core.tasks import Tasks, now_us
@@ -74,8 +74,8 @@ class Node:
             self.leadership = FileLeadership(self._store_path(), self.advertise, self.server_id)
         self.tasks = Tasks(config, self.store, self.events, self.shard_name, self.shard_number, self.pools)
         self.pauses = PoolPauses(self.store, self.events, self.pools)
-        caps = {p: cap for p in self.pools if (cap := config.pool(p).max_running_per_group)}  # type: ignore[union-attr]
-        self.gate = ResourceGate((r for r in config.resources if r.shard in (None, self.shard_name)), group_caps=caps)
+        resources = (r for r in config.resources if r.shard in (None, self.shard_name))
+        self.gate = ResourceGate(resources, group_caps=self._group_caps())
         self.leases = Leases(
             config,
             self.store,
@@ -148,6 +148,11 @@ class Node:
         if unhandled:
             raise RegistryError(f"RPCs without a handler: {', '.join(unhandled)}")
 
+    def _group_caps(self) -> dict[str, int]:
+        """max_running_per_group of this shard's pools that set it."""
+        pools = (p for p in self.config.pools if p.name in self.pools)
+        return {p.name: p.max_running_per_group for p in pools if p.max_running_per_group}
+
     def _store_path(self) -> str:
         return self.config.store.path.replace("{shard}", self.shard_name)
 
@@ -160,6 +165,7 @@ class Node:
             retry_at=make_retry_at({p.name: p for p in self.config.pools}),
             max_pending_total=self.config.limits.max_pending_total,
             max_pending_per_pool=self.config.limits.max_pending_per_pool,
+            group_pools=frozenset(self._group_caps()),
         )
         store = self.config.store
         if store.kind == "sqlite":
@@ -217,8 +223,8 @@ class Node:
             self.store.on_fenced = self.leadership.mark_lost
         if self.gate.enabled:
             # Slots held by tasks that were running under the previous leader stay held.
-            running = await self._retrying("resources not rebuilt", self.store.running_resources)
-            self.gate.rebuild((worker, Held(seq, attempt, resources)) for seq, attempt, worker, resources in running)
+            self.gate.rebuild(await self._retrying("resources not rebuilt", self.store.running_resources))
+            await self._retrying("ranks not rebuilt", self.store.load_ranks)
         await self._retrying("paused pools not read", self.pauses.load)
         self.events.lead()
         self.is_leader = True

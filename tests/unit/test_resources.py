@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from cronoq_server.config import ResourceConfig
-from cronoq_server.core.resources import Held, ResourceGate
+from cronoq_server.core.resources import ResourceGate
+from cronoq_server.store.base import Held
 
 
 class Clock:

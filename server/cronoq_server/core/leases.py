@@ -23,6 +23,7 @@ from ..ids import make_task_id, seq_of, shard_of
 from ..metrics import START_LATENCY, TASKS_LEASED, WORK_STREAMS
 from ..store.base import (
     Changes,
+    Held,
     Outcome,
     OutcomeKind,
     OutcomeResult,
@@ -51,7 +52,7 @@ from .limits import (
     check_range,
     check_text,
 )
-from .resources import Held, ResourceGate
+from .resources import ResourceGate
 from .tasks import now_us
 
 log = logging.getLogger("cronoq.leases")
@@ -254,8 +255,9 @@ class Leases:
         if not self._gate.enabled:
             return await self._store.lease(worker_id, pools, limit, now, max_bytes)
         async with self._resource_lease:
-            rows, next_due = await self._store.lease(worker_id, pools, limit, now, max_bytes, self._gate.available())
-            self._gate.take(worker_id, (Held(r.seq, r.attempt, r.resources or {}, r.pool) for r in rows))
+            free, groups = self._gate.available(), self._gate.group_room(pools)
+            rows, next_due = await self._store.lease(worker_id, pools, limit, now, max_bytes, free, groups)
+            self._gate.take(worker_id, (Held(r.seq, r.attempt, r.resources or {}, r.pool, r.group_key) for r in rows))
         return rows, next_due
 
     def _unpaused(self, pools: list[str]) -> list[str]:

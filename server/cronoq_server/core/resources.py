@@ -15,10 +15,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from ..config import ResourceConfig
 from ..metrics import RESOURCE_CAPACITY, RESOURCE_IN_USE
+from ..store.base import Held
 
 
 @dataclass(slots=True)
@@ -39,17 +39,6 @@ class _Bucket:
     def refill(self, now: float) -> None:
         self.tokens = min(self.ceiling, self.tokens + (now - self.at) * self.rate)
         self.at = now
-
-
-class Held(NamedTuple):
-    """What a leased attempt holds while it runs: its resources, and a place of its group when
-    its pool caps groups."""
-
-    seq: int
-    attempt: int
-    resources: dict[str, int]
-    pool: str = ""
-    group_key: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,14 +12,20 @@ live in the leader's memory, rebuilt from the store when a server takes over.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from .base import TaskRow
 
 # A lease reads this many due tasks more than it may take (a task that does not fit beside
 # those before it is skipped), and as many again for each group at its cap (whose tasks come
 # once a round in rank order): at most FAIR_WINDOW_MAX.
 FAIR_WINDOW_SLACK = 16
 FAIR_WINDOW_MAX = 10_000
+# Due tasks ranked per lease at most (the rest on the next).
+RANK_BATCH = 1000
+_POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,3 +114,38 @@ class GroupRanks:
         self._round[pool] = round_
         self._last[pool] = {g: r for g, r in last.items() if r > round_}
         self._kept[pool] = len(self._last[pool])
+
+
+def first_rank(ranks: GroupRanks, pool: str, group_key: str, pending: bool, run_at: int, now: int) -> int | None:
+    """The group_rank a task is stored with: none outside pools that cap their groups; its
+    rank when it is due now; else 0, ranked when it becomes due (see RANK_RESET)."""
+    if pool not in ranks.pools:
+        return None
+    return ranks.rank(pool, group_key) if pending and run_at <= now else 0
+
+
+def row_bytes(row: TaskRow, overhead: int) -> int:
+    """What a leased task counts against a lease's max_bytes (as the plain lease's SQL counts)."""
+    return len(row.payload) + len(row.key or "") + len(row.content_type) + overhead
+
+
+def _pool_names(pools: Iterable[str]) -> str:
+    names = sorted(pools)
+    # Pool names are checked by the config (letters, digits, "_", ".", "-"): safe as literals.
+    assert all(_POOL_NAME.fullmatch(p) for p in names), names
+    return ", ".join(f"'{p}'" for p in names)
+
+
+def rank_reset(pools: Iterable[str]) -> str:
+    """The SET clause of a change that makes a task PENDING again later (a retry, a dependency
+    done): in a pool that caps its groups it is ranked again when due (0), elsewhere it has none."""
+    names = _pool_names(pools)
+    return f"group_rank = CASE WHEN pool IN ({names}) THEN 0 END" if names else "group_rank = NULL"
+
+
+def rank_keep(pools: Iterable[str]) -> str:
+    """The SET clause of a release (PENDING again, due now): it keeps its turn."""
+    names = _pool_names(pools)
+    if not names:
+        return "group_rank = NULL"
+    return f"group_rank = CASE WHEN pool IN ({names}) THEN coalesce(group_rank, 0) END"
