@@ -9,7 +9,7 @@ from typing import Any
 
 from test_store import SEC, T0, failure, finish_ok, new, success
 
-from cronoq_server.store.base import NewTask, Store
+from cronoq_server.store.base import NewTask, Outcome, OutcomeKind, Store
 
 FAIR = frozenset({"default"})
 
@@ -18,7 +18,9 @@ def grouped(group: str, **kw: Any) -> NewTask:
     return dataclasses.replace(new(**kw), group_key=group)
 
 
-async def lease(store: Store, n: int, now: int = T0, running: dict[str, int] | None = None, cap: int = 100) -> list[Any]:
+async def lease(
+    store: Store, n: int, now: int = T0, running: dict[str, int] | None = None, cap: int = 100
+) -> list[Any]:
     rows, _ = await store.lease("w1", ["default"], n, now, 0, {}, {"default": (cap, running or {})})
     return rows
 
@@ -57,7 +59,10 @@ async def test_a_task_due_later_is_ranked_when_due_and_takes_its_turn(open_store
     await store.submit([grouped("a") for _ in range(20)], T0)
     (later,), _ = await store.submit([grouped("b", run_at=T0 + 5 * SEC)], T0)
     rows, next_due = await store.lease("w1", ["default"], 5, T0, 0, {}, {"default": (100, {})})
-    assert all(r.group_key == "a" for r in rows) and len(rows) == 5
+    assert all(r.group_key == "a" for r in rows) and len(rows) == 5 and next_due is None
+    assert len(await lease(store, 100)) == 15
+    rows, next_due = await store.lease("w1", ["default"], 100, T0, 0, {}, {"default": (100, {})})
+    assert rows == [] and next_due == T0 + 5 * SEC  # b's, not yet due: the lease looks again then
     rows = await lease(store, 2, now=T0 + 5 * SEC)
     assert later.row.seq in [r.seq for r in rows]
 
@@ -68,8 +73,6 @@ async def test_a_retried_task_is_ranked_again_when_due_and_a_released_one_keeps_
     first, second, _ = sorted(await lease(store, 3), key=lambda r: r.seq)
     await store.submit([grouped("a") for _ in range(5)], T0)
     await finish_ok(store, failure(first, retry_after_ms=2000), T0)
-    from cronoq_server.store.base import Outcome, OutcomeKind
-
     results, _ = await store.finish("w1", [Outcome(second.seq, second.attempt, OutcomeKind.RELEASED)], T0)
     assert results[0].accepted
     rows = await lease(store, 1)
