@@ -629,16 +629,15 @@ class SqliteStore:
             if max_bytes > 0 and rows:
                 max_bytes = max(max_bytes - sum(row_bytes(r, self.settings.lease_overhead_bytes) for r in rows), 1)
         if pools and limit > 0:
-            plain, _ = self._lease_plain(db, worker_id, pools, limit, now, max_bytes, free)
-            rows += plain
+            rows += self._lease_plain(db, worker_id, pools, limit, now, max_bytes, free)
         if rows:
             rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
             return rows, None
         # When a lease may find more: the next task due; in pools that cap their groups, the next
         # not yet ranked (those ranked wait for their group's place: a release tells).
-        plain = f"SELECT min(run_at) FROM tasks WHERE state = 1 AND pool IN ({_marks(len(pools))})"
+        due_sql = f"SELECT min(run_at) FROM tasks WHERE state = 1 AND pool IN ({_marks(len(pools))})"
         unranked = f"SELECT min(run_at) FROM tasks WHERE state = 1 AND group_rank = 0 AND pool IN ({_marks(len(fair))})"
-        due = [db.execute(sql, ps).fetchone()[0] for sql, ps in ((plain, pools), (unranked, fair)) if ps]
+        due = [db.execute(sql, ps).fetchone()[0] for sql, ps in ((due_sql, pools), (unranked, fair)) if ps]
         return [], min((d for d in due if d is not None), default=None)
 
     def _lease_fair(
@@ -694,7 +693,7 @@ class SqliteStore:
         now: int,
         max_bytes: int,
         free: Mapping[str, int] | None,
-    ) -> tuple[list[TaskRow], None]:
+    ) -> list[TaskRow]:
         overhead = int(self.settings.lease_overhead_bytes)
         size = f"length(payload) + length(coalesce(key, '')) + length(content_type) + {overhead}"
         due = f"state = 1 AND pool IN ({_marks(len(pools))}) AND run_at <= ?"
@@ -729,7 +728,7 @@ class SqliteStore:
             f"SELECT seq FROM (SELECT seq, row_number() OVER w AS n, sum(size) OVER w AS upto FROM ({ok})"
             f" WINDOW w AS (ORDER BY {order})) WHERE n = 1 OR ? <= 0 OR upto <= ?"
         )
-        return self._take(db, worker_id, pools, now, chosen, (*params, max_bytes, max_bytes)), None
+        return self._take(db, worker_id, pools, now, chosen, (*params, max_bytes, max_bytes))
 
     def _take(
         self, db: sqlite3.Connection, worker_id: str, pools: list[str], now: int, chosen: str, params: tuple[Any, ...]
