@@ -1,0 +1,98 @@
+"""Fair share inside a pool (max_running_per_group): real servers, real worker processes, on
+SQLite and PostgreSQL. What runs is sampled from the workers' side (their logs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _helpers import Api, eventually, log_lines, max_overlap, run_intervals, runs_by_task, start_worker, store_table
+
+from cronoq.v1 import task_pb2
+
+SUCCEEDED = task_pb2.TASK_STATE_SUCCEEDED
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_kind(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return store_table(request.param, request)
+
+
+def config(store: dict[str, Any], cap: int, **pool: Any) -> dict[str, Any]:
+    return {
+        "store": store,
+        "pools": [{"name": "default", "lease_ttl": "2s", "max_running_per_group": cap, **pool}],
+    }
+
+
+def submit(api: Api, n: int, group: str, job: dict[str, Any] | None = None) -> list[int]:
+    payload = json.dumps(job or {}).encode()
+    return [api.submit(payload=payload, content_type="application/json", group_key=group).id for _ in range(n)]
+
+
+def all_succeed(api: Api, ids: list[int], timeout: float = 45.0) -> None:
+    eventually(
+        lambda: all(api.get(i).state == SUCCEEDED for i in ids), timeout=timeout, what=f"{len(ids)} tasks succeed"
+    )
+
+
+def test_a_group_never_runs_more_than_its_cap_while_other_groups_run_beside_it(
+    start_server: Any, store_kind: dict[str, Any], tmp_path: Path
+) -> None:
+    srv = start_server(config(store_kind, cap=2))
+    api = Api(srv.grpc_target)
+    groups = {"a": submit(api, 12, "a", {"sleep": 0.3}), "b": submit(api, 6, "b", {"sleep": 0.3})}
+    groups[""] = submit(api, 4, "", {"sleep": 0.3})  # tasks without a group are one group
+    logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
+    workers = [start_worker(srv.endpoint, "default", log, concurrency=16) for log in logs]
+    try:
+        all_succeed(api, [i for ids in groups.values() for i in ids])
+        runs = {task: iv for log in logs for task, iv in runs_by_task(log).items()}
+        for group, ids in groups.items():
+            assert max_overlap([iv for i in ids for iv in runs[i]]) <= 2, group
+        assert max_overlap([iv for log in logs for iv in run_intervals(log)]) >= 5  # groups beside each other
+    finally:
+        for w in workers:
+            w.kill()
+
+
+def test_a_group_that_comes_late_runs_before_the_backlog_of_another(
+    start_server: Any, store_kind: dict[str, Any], tmp_path: Path
+) -> None:
+    srv = start_server(config(store_kind, cap=100))
+    api = Api(srv.grpc_target)
+    backlog = submit(api, 60, "a", {"sleep": 0.02})
+    late = submit(api, 3, "b", {"sleep": 0.02})
+    log = tmp_path / "w.log"
+    worker = start_worker(srv.endpoint, "default", log, concurrency=1)
+    try:
+        all_succeed(api, backlog + late)
+        order = [task for task, _, _ in log_lines(log, "start")]
+        assert max(order.index(i) for i in late) < 10, order[:12]  # in turn with a's, not after its 60
+    finally:
+        worker.kill()
+
+
+def test_a_leader_failover_never_lets_a_group_past_its_cap(
+    start_server: Any, store_kind: dict[str, Any], tmp_path: Path
+) -> None:
+    cfg = config(store_kind, cap=2, lease_ttl="10s")
+    leader = start_server(cfg, name="replica0")
+    standby = start_server(cfg, name="replica1", wait_ready=False)
+    standby.wait_ready(leader=False)
+    api = Api(leader.grpc_target)
+    ids = submit(api, 10, "a", {"sleep": 1.0})
+    endpoints = f"{leader.endpoint},{standby.endpoint}"
+    logs = [tmp_path / f"w{i}.log" for i in range(2)]
+    workers = [start_worker(endpoints, "default", log, concurrency=8) for log in logs]
+    try:
+        eventually(lambda: sum(len(log_lines(log, "start")) for log in logs) >= 2, what="tasks run")
+        leader.kill()  # two tasks of the group run under the old leader
+        standby.wait_ready()
+        all_succeed(Api(standby.grpc_target), ids, timeout=60)
+        assert max_overlap([iv for log in logs for iv in run_intervals(log)]) <= 2
+    finally:
+        for w in workers:
+            w.kill()
