@@ -44,6 +44,8 @@ T = TypeVar("T")
 # often (never for a scrape); tasks by pool and state are kept from the events (core/counts.py).
 WORKER_GAUGES_EVERY_S = 5.0
 PENDING_AGE_EVERY_S = 5.0
+# The groups a pool that caps them shows in GetSnapshot (most tasks pending and running first).
+TOP_GROUPS = 10
 
 
 class Node:
@@ -395,6 +397,16 @@ class Node:
             ),
         )
 
+    async def _top_groups(self, pool: str) -> list[admin_pb.GroupCounts]:
+        """The groups of a pool that caps them with the most tasks pending and running."""
+        running = {g.group_key: g.running for g in self.gate.group_usage(pool, TOP_GROUPS)}
+        pending = await self.store.pending_by_group(pool, TOP_GROUPS, sorted(running))
+        totals = sorted(set(running) | set(pending), key=lambda g: (-(running.get(g, 0) + pending.get(g, 0)), g))
+        return [
+            admin_pb.GroupCounts(group_key=g, pending=pending.get(g, 0), running=running.get(g, 0))
+            for g in totals[:TOP_GROUPS]
+        ]
+
     async def get_snapshot(self, req: admin_pb.GetSnapshotRequest, caller: Principal) -> admin_pb.GetSnapshotResponse:
         """The pools the caller may read or administer, the workers that serve them, and (with
         admin) the shard's resources; nothing of a shard where it may read or administer no pool."""
@@ -405,10 +417,14 @@ class Node:
         snap = admin_pb.ShardSnapshot(
             shard=self.shard_name, number=self.shard_number, leader=self.advertise, term=self.leadership.term
         )
+        caps = self._group_caps()
         for pool in shown:
             pc = admin_pb.PoolCounts(pool=pool, paused=pool in self.pauses.paused)
             for state in State:
                 setattr(pc, state.name.lower(), counts.get((pool, state), 0))
+            if pool in caps:
+                pc.max_running_per_group = caps[pool]
+                pc.groups.extend(await self._top_groups(pool))
             snap.pools.append(pc)
         for series in self.events.activity.series(shown, now_us()):
             snap.activity.append(

@@ -4,6 +4,7 @@ SQLite and PostgreSQL. What runs is sampled from the workers' side (their logs).
 from __future__ import annotations
 
 import json
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +97,36 @@ def test_a_leader_failover_never_lets_a_group_past_its_cap(
     finally:
         for w in workers:
             w.kill()
+
+
+def test_the_snapshot_shows_the_cap_and_the_groups_with_the_most_tasks(
+    start_server: Any, store_kind: dict[str, Any], tmp_path: Path
+) -> None:
+    srv = start_server(config(store_kind, cap=1))
+    api = Api(srv.grpc_target)
+    submit(api, 3, "a", {"sleep": 30})
+    submit(api, 2, "b", {"sleep": 30})
+    submit(api, 1, "c", {"sleep": 30})
+    log = tmp_path / "w.log"
+    worker = start_worker(srv.endpoint, "default", log, concurrency=8)
+    try:
+        eventually(lambda: len(log_lines(log, "start")) == 3, what="one task of each group runs")
+
+        def pool() -> dict[str, Any]:
+            status, body = srv.http("GET", "/v1/snapshot")
+            assert status == 200, body
+            return next(p for p in body["shards"][0]["pools"] if p["pool"] == "default")
+
+        shown = eventually(lambda: (p := pool()) and p.get("groups") and p, what="groups in the snapshot")
+        assert shown["max_running_per_group"] == 1
+        with urllib.request.urlopen(srv.http_url + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        assert 'cronoq_groups_running{pool="default"} 3.0' in metrics
+        assert 'cronoq_groups_at_cap{pool="default"} 3.0' in metrics
+        assert [(g["group_key"], int(g.get("pending", 0)), int(g.get("running", 0))) for g in shown["groups"]] == [
+            ("a", 2, 1),
+            ("b", 1, 1),
+            ("c", 0, 1),
+        ]
+    finally:
+        worker.kill()

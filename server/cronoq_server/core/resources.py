@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from ..config import ResourceConfig
-from ..metrics import RESOURCE_CAPACITY, RESOURCE_IN_USE
+from ..metrics import GROUPS_AT_CAP, GROUPS_RUNNING, RESOURCE_CAPACITY, RESOURCE_IN_USE
 from ..store.base import Held
 
 
@@ -85,6 +85,9 @@ class ResourceGate:
             RESOURCE_CAPACITY.labels(resource=name).set(capacity)
         for name, bucket in self._buckets.items():
             RESOURCE_CAPACITY.labels(resource=name).set(bucket.capacity)
+        for pool in self._group_caps:
+            GROUPS_RUNNING.labels(pool=pool).set(0)
+            GROUPS_AT_CAP.labels(pool=pool).set(0)
 
     @property
     def enabled(self) -> bool:
@@ -186,6 +189,9 @@ class ResourceGate:
     def _export(self) -> None:
         for name, n in self._in_use.items():
             RESOURCE_IN_USE.labels(resource=name).set(n)
+        for pool, running in self._group_running.items():
+            GROUPS_RUNNING.labels(pool=pool).set(len(running))
+            GROUPS_AT_CAP.labels(pool=pool).set(sum(1 for n in running.values() if n >= self._group_caps[pool]))
 
     # -- reads ----------------------------------------------------------------
 

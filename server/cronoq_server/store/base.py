@@ -453,6 +453,10 @@ class Store(Protocol):
 
     async def count_by_pool_and_state(self) -> dict[tuple[str, State], int]: ...
 
+    async def pending_by_group(self, pool: str, most: int, also: list[str]) -> dict[str, int]:
+        """PENDING tasks per group of a pool: the `most` groups with the most, and those named
+        in `also` that have any."""
+
     async def oldest_due_pending(self, pools: list[str], now: int) -> dict[str, int]:
         """For each of these pools with a PENDING task due by now: max(run_at, created_at) of
         its earliest-due one (one indexed read per pool)."""

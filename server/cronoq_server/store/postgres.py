@@ -519,6 +519,15 @@ class PostgresStore:
         rows = await self._read(lambda c: c.fetch(sql))
         return {(r[0], State(r[1])): r[2] for r in rows}
 
+    async def pending_by_group(self, pool: str, most: int, also: list[str]) -> dict[str, int]:
+        pending = "SELECT group_key, count(*) AS n FROM {s}.tasks WHERE state = 1 AND pool = $1"
+        sql = self._sql(
+            f"(SELECT * FROM ({pending} GROUP BY group_key ORDER BY n DESC, group_key LIMIT $2) AS top)"
+            f" UNION (SELECT * FROM ({pending} AND group_key = ANY($3::text[]) GROUP BY group_key) AS named)"
+        )
+        rows = await self._read(lambda c: c.fetch(sql, pool, most, also))
+        return {r[0]: r[1] for r in rows}
+
     def _nothing_blocked(self) -> bool:
         return self._blocking_submits == 0 and self._no_blocked_since == self._blocked_generation
 

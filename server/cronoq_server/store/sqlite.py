@@ -498,6 +498,15 @@ class SqliteStore:
         sql = "SELECT pool, state, COUNT(*) FROM tasks GROUP BY pool, state"
         return await self._read_aside(lambda db: {(p, State(s)): n for p, s, n in db.execute(sql)})
 
+    async def pending_by_group(self, pool: str, most: int, also: list[str]) -> dict[str, int]:
+        pending = "SELECT group_key, count(*) AS n FROM tasks WHERE state = 1 AND pool = ?"
+        sql = (
+            f"SELECT * FROM ({pending} GROUP BY group_key ORDER BY n DESC, group_key LIMIT ?)"
+            f" UNION SELECT * FROM ({pending} AND group_key IN (SELECT value FROM json_each(?)) GROUP BY group_key)"
+        )
+        params = (pool, most, pool, json.dumps(also))
+        return await self._read_aside(lambda db: dict(db.execute(sql, params).fetchall()))
+
     # -- submit ---------------------------------------------------------------
 
     async def submit(
