@@ -42,7 +42,9 @@ class FakeTaskStub:
         tasks = [task_pb2.Task(id=10 + i, pool=t.pool) for i, t in enumerate(req.tasks)]
         return self._answer(req, pb.SubmitBatchResponse(tasks=tasks))
 
-    def PutSchedule(self, req: schedule_service_pb2.PutScheduleRequest, metadata: Any = None, timeout: Any = None) -> Any:
+    def PutSchedule(
+        self, req: schedule_service_pb2.PutScheduleRequest, metadata: Any = None, timeout: Any = None
+    ) -> Any:
         return self._answer(req, schedule_service_pb2.PutScheduleResponse(schedule=req.schedule))
 
 
