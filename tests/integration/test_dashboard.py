@@ -944,7 +944,10 @@ def test_a_capped_pool_shows_its_cap_and_its_groups_with_hostile_keys_as_text(
     start_server: Any, browser_page: Any, tmp_path: Path
 ) -> None:
     srv = start_server(
-        {"pools": [{"name": "default", "lease_ttl": "2s", "max_running_per_group": 1}, {"name": "other"}]}
+        {
+            "pools": [{"name": "default", "lease_ttl": "2s", "max_running_per_group": 1}, {"name": "other"}],
+            "resources": [{"name": "gpu", "concurrency": 2}],
+        }
     )
     hold = {"sleep": 30}
     for _ in range(3):
@@ -981,6 +984,8 @@ def test_a_capped_pool_shows_its_cap_and_its_groups_with_hostile_keys_as_text(
             "later": (1, 0, ""),
         }
         assert page.locator('section.groups[data-pool="other"]').count() == 0
+        # No keyed resource: the resources table is as before, with no keys column.
+        assert page.locator("table.resources thead th").all_inner_texts() == ["resource", "in use / capacity", "rate"]
         page.screenshot(path=str(screenshots_dir(tmp_path) / "groups.png"), full_page=True)
         assert page.locator("main img").count() == 0 and page.locator("main script").count() == 0
         assert page.dialogs == [] and page.console_errors == []
