@@ -48,7 +48,7 @@ function groupsOf(pool) {
   const rows = (pool.groups || []).map((g) => {
     const running = Number(g.running ?? 0);
     return [
-      g.group_key ? g.group_key : h("span", { class: "muted" }, "(no group)"),
+      g.group_key ? g.group_key : h("span", { class: "muted", title: "tasks without a group key" }, "(no group)"),
       h("span", { class: "num" }, String(g.pending ?? 0)),
       h("span", { class: "num" }, String(running)),
       running >= cap ? h("span", { class: "badge at-cap", title: "no more of this group starts until one ends" }, "at cap") : "",
@@ -67,7 +67,7 @@ const KEYS_SHOWN = 10; // the snapshot lists at most this many keys at their lim
 function keyedCell(r) {
   if (!r.per_key) return "";
   const atLimit = (r.keys_at_limit || []).slice(0, KEYS_SHOWN);
-  return h("span", { class: "keyed" }, `per key · ${r.keys ?? 0} in use`,
+  return h("span", { class: "keyed" }, `per key · ${r.keys ?? 0} keys in use`,
     atLimit.length ? [" · at limit: ", atLimit.map((key, i) => [i ? ", " : "", h("code", null, key)])] : null);
 }
 
@@ -77,8 +77,9 @@ function resourceTable(shard) {
   const keyed = resources.some((r) => r.per_key);
   return table(["resource", "in use / capacity", "rate", ...(keyed ? ["keys"] : [])], resources.map((r) => [
     r.name,
-    Number(r.capacity) > 0 ? `${r.in_use} / ${r.capacity}` : "",
-    r.rate ? `${r.rate}/s, burst ${r.burst}` : "",
+    // A keyed resource's in_use is summed over its keys; its sizes are each key's.
+    Number(r.capacity) > 0 ? (r.per_key ? `${r.in_use ?? 0} (${r.capacity} per key)` : `${r.in_use} / ${r.capacity}`) : "",
+    r.rate ? `${r.rate}/s, burst ${r.burst}${r.per_key ? " per key" : ""}` : "",
     ...(keyed ? [keyedCell(r)] : []),
   ]), { class: "resources" });
 }
