@@ -110,3 +110,12 @@ async def test_running_resources_name_the_running_tasks_of_capped_pools(open_sto
     await store.lease("w2", ["other"], 10, T0)
     held = await store.running_resources()
     assert [(w, h.pool, h.group_key) for w, h in held] == [("w1", "default", "a")]
+
+
+async def test_a_lease_of_a_capped_pool_and_a_plain_one_takes_from_both(open_store: Any) -> None:
+    store = await open_store(group_pools=FAIR)
+    await store.submit([grouped("a") for _ in range(3)] + [grouped("a", pool="other") for _ in range(3)], T0)
+    rows, _ = await store.lease("w1", ["default", "other"], 10, T0, 0, {}, {"default": (2, {})})
+    assert sorted(r.pool for r in rows) == ["default", "default", "other", "other", "other"]
+    rows, next_due = await store.lease("w1", ["default", "other"], 10, T0, 0, {}, {"default": (2, {"a": 2})})
+    assert rows == [] and next_due is None  # default's one left waits for its group's place
