@@ -1103,12 +1103,17 @@ class PostgresStore:
         limit: int,
         now: int,
         max_bytes: int = 0,
+        free: Mapping[str, int] | None = None,
+        groups: Mapping[str, tuple[int, Mapping[str, int]]] | None = None,
     ) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
         """finish, then lease: one statement (one round trip, one commit) when the outcomes take
-        the fast path, else one call after the other."""
-        if not outcomes or limit < 1 or not self._fast_finish(outcomes):
+        the fast path and the lease checks no resources and no groups, else one call after the
+        other."""
+        fair = any(p in self.settings.group_pools for p in pools)
+        if not outcomes or limit < 1 or free or fair or not self._fast_finish(outcomes):
             results, changes = await self.finish(worker_id, outcomes, now) if outcomes else ([], [])
-            rows, due = await self.lease(worker_id, pools, limit, now, max_bytes) if limit > 0 else ([], None)
+            lease = (worker_id, pools, limit, now, max_bytes, free, groups)
+            rows, due = await self.lease(*lease) if limit > 0 else ([], None)
             return results, changes, rows, due
         generation = self._blocked_generation
         ctes, args = self._lease_ctes(worker_id, pools, limit, now, max_bytes, None)

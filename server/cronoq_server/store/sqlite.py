@@ -794,10 +794,13 @@ class SqliteStore:
         limit: int,
         now: int,
         max_bytes: int = 0,
+        free: Mapping[str, int] | None = None,
+        groups: Mapping[str, tuple[int, Mapping[str, int]]] | None = None,
     ) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
         def both(db: sqlite3.Connection) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
             results, changes = self._finish(db, worker_id, outcomes, now) if outcomes else ([], [])
-            rows, due = self._lease(db, worker_id, pools, limit, now, max_bytes, None) if limit > 0 else ([], None)
+            lease = (worker_id, pools, limit, now, max_bytes, free, groups)
+            rows, due = self._lease(db, *lease) if limit > 0 else ([], None)
             return results, changes, rows, due
 
         return await self._tx(both)
