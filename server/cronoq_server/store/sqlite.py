@@ -676,6 +676,7 @@ class SqliteStore:
         size = f"length(payload) + length(coalesce(key, '')) + length(content_type) + {overhead}"
         head = " UNION ALL ".join(
             f"SELECT * FROM (SELECT seq, pool, group_key, {size}, resources, priority, group_rank FROM tasks"
+            " INDEXED BY tasks_fair"
             " WHERE state = 1 AND group_rank > 0 AND pool = ? AND run_at <= ?"
             " ORDER BY priority DESC, group_rank, seq LIMIT ?)"
             for _ in pools
@@ -709,7 +710,12 @@ class SqliteStore:
         order = "priority DESC, run_at, seq"
         # Tasks that name no resources, and those that do, are in indexes of their own: the
         # first never wait behind the second.
-        plain = f"SELECT seq, priority, run_at, {size} AS size FROM tasks WHERE {due} AND resources IS NULL"
+        # INDEXED BY: the planner would rather range over tasks_due (pool, run_at) and sort every
+        # due task (a lease of 64 among 60,000 pending cost 30% of the burn-down).
+        plain = (
+            f"SELECT seq, priority, run_at, {size} AS size FROM tasks INDEXED BY tasks_lease"
+            f" WHERE {due} AND resources IS NULL"
+        )
         ok = f"{plain} ORDER BY {order} LIMIT ?"
         params: tuple[Any, ...] = (*pools, now, limit)
         if free:
@@ -718,7 +724,8 @@ class SqliteStore:
             # totals per resource).
             ok = (
                 f"WITH free AS (SELECT key AS name, value AS amount FROM json_each(?)),"
-                f" head AS (SELECT seq, priority, run_at, resources, {size} AS size FROM tasks WHERE {due}"
+                f" head AS (SELECT seq, priority, run_at, resources, {size} AS size FROM tasks"
+                f" INDEXED BY tasks_lease_resources WHERE {due}"
                 f" AND resources IS NOT NULL ORDER BY {order} LIMIT {LEASE_RESOURCE_WINDOW}),"
                 # In head's order, checked only until enough are found (no sort of the window).
                 f" cand AS (SELECT * FROM head WHERE NOT EXISTS (SELECT 1 FROM json_each(head.resources) r"
