@@ -80,6 +80,9 @@ type TaskSpec struct {
 	Resources map[string]int64
 	// Timeout of each attempt (capped by the pool's); 0: the pool's.
 	Timeout time.Duration
+	// GroupKey is the task's group (a tenant, a user; "": none): in a pool with
+	// max_running_per_group, at most that many tasks of one group run at once.
+	GroupKey string
 }
 
 func (s TaskSpec) proto() (*cronoqv1.SubmitTaskRequest, error) {
@@ -95,6 +98,7 @@ func (s TaskSpec) proto() (*cronoqv1.SubmitTaskRequest, error) {
 		Priority:    s.Priority,
 		MaxAttempts: s.MaxAttempts,
 		Resources:   s.Resources,
+		GroupKey:    s.GroupKey,
 	}
 	if s.Timeout > 0 {
 		req.TimeoutMs = max(s.Timeout.Milliseconds(), 1)

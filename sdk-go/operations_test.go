@@ -57,6 +57,24 @@ func (s *opsServer) GetTask(_ context.Context, req *cronoqv1.GetTaskRequest) (*c
 	return resp, nil
 }
 
+func (s *opsServer) SubmitTask(_ context.Context, req *cronoqv1.SubmitTaskRequest) (*cronoqv1.SubmitTaskResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	return &cronoqv1.SubmitTaskResponse{Task: &cronoqv1.Task{Id: 7, Pool: req.GetPool(), GroupKey: req.GetGroupKey()}}, nil
+}
+
+func (s *opsServer) SubmitBatch(_ context.Context, req *cronoqv1.SubmitBatchRequest) (*cronoqv1.SubmitBatchResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	resp := &cronoqv1.SubmitBatchResponse{}
+	for i, task := range req.GetTasks() {
+		resp.Tasks = append(resp.Tasks, &cronoqv1.Task{Id: uint64(10 + i), Pool: task.GetPool(), GroupKey: task.GetGroupKey()})
+	}
+	return resp, nil
+}
+
 func (s *opsServer) RetryTask(_ context.Context, req *cronoqv1.RetryTaskRequest) (*cronoqv1.RetryTaskResponse, error) {
 	if err := s.record(req); err != nil {
 		return nil, err
@@ -258,4 +276,32 @@ func TestPauseAndResumePool(t *testing.T) {
 		t.Errorf("%v, %v", pause, err)
 	}
 	wantRequest(t, srv.last(), &cronoqv1.ResumePoolRequest{Pool: "llm"})
+}
+
+func TestSubmitAndSubmitBatchSendTheGroupKey(t *testing.T) {
+	srv := &opsServer{}
+	client := opsClient(t, srv)
+	ctx := context.Background()
+
+	sub, err := client.Submit(ctx, TaskSpec{Pool: "default", GroupKey: "tenant-a"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := srv.last().(*cronoqv1.SubmitTaskRequest).GetGroupKey(); got != "tenant-a" {
+		t.Errorf("SubmitTask group_key %q, want tenant-a", got)
+	}
+	if sub.Task.GetGroupKey() != "tenant-a" {
+		t.Errorf("submitted task's group_key %q, want tenant-a", sub.Task.GetGroupKey())
+	}
+
+	if _, err := client.SubmitBatch(ctx, []TaskSpec{{Pool: "default", GroupKey: "tenant-b"}, {Pool: "default"}}); err != nil {
+		t.Fatal(err)
+	}
+	var keys []string
+	for _, task := range srv.last().(*cronoqv1.SubmitBatchRequest).GetTasks() {
+		keys = append(keys, task.GetGroupKey())
+	}
+	if len(keys) != 2 || keys[0] != "tenant-b" || keys[1] != "" { // none given: no group
+		t.Errorf("SubmitBatch group_keys %q, want [tenant-b \"\"]", keys)
+	}
 }

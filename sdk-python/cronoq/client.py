@@ -97,9 +97,12 @@ def task_spec(
     depends_on: Sequence[TaskRefLike] = (),
     resources: Mapping[str, int] | None = None,
     timeout: float | None = None,
+    group_key: str | None = None,
 ) -> pb.SubmitTaskRequest:
     """One task to submit. payload: bytes, or any JSON value. delay: seconds from now.
-    timeout: seconds each attempt may run (capped by the pool's); the worker cancels it then."""
+    timeout: seconds each attempt may run (capped by the pool's); the worker cancels it then.
+    group_key: the task's group (a tenant, a user); in a pool with max_running_per_group, at
+    most that many tasks of one group run at once."""
     data, content_type = encode_payload(payload)
     req = pb.SubmitTaskRequest(
         pool=pool,
@@ -111,6 +114,7 @@ def task_spec(
         depends_on=[task_ref(r) for r in depends_on],
         resources=dict(resources or {}),
         timeout_ms=max(int(timeout * 1000), 1) if timeout is not None else 0,
+        group_key=group_key or "",
     )
     if delay is not None:
         run_at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay)
@@ -459,6 +463,7 @@ class Client:
         max_attempts: int = 0,
         resources: Mapping[str, int] | None = None,
         timeout_ms: int = 0,
+        group_key: str | None = None,
         paused: bool = False,
         fire_all_missed: bool = False,
     ) -> Schedule:
@@ -480,6 +485,7 @@ class Client:
             max_attempts=max_attempts,
             resources=dict(resources or {}),
             timeout_ms=timeout_ms,
+            group_key=group_key or "",
             paused=paused,
             fire_all_missed=fire_all_missed,
         )

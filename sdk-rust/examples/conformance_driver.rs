@@ -62,6 +62,8 @@ struct Step {
     #[serde(default)]
     key: String,
     #[serde(default)]
+    group_key: String,
+    #[serde(default)]
     include_attempts: bool,
     #[serde(default)]
     filter: serde_json::Map<String, Value>,
@@ -166,8 +168,10 @@ async fn client_op(client: &Client, step: &Step) -> Result<Value, Failed> {
         "submit" => {
             let spec = TaskSpec::new(&step.pool)
                 .json(&step.payload)?
-                .key(&step.key);
-            json!({"id": client.submit(spec).await?.task.id.to_string(), "error": null})
+                .key(&step.key)
+                .group_key(&step.group_key);
+            let task = client.submit(spec).await?.task;
+            json!({"id": task.id.to_string(), "group_key": task.group_key, "error": null})
         }
         "get" if step.include_attempts => {
             let got = client.get_with_attempts(task_ref(step)?).await?;

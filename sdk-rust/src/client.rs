@@ -84,6 +84,9 @@ pub struct TaskSpec {
     pub resources: HashMap<String, i64>,
     /// The timeout of each attempt (capped by the pool's); None: the pool's.
     pub timeout: Option<Duration>,
+    /// The task's group (a tenant, a user; empty: none): in a pool with
+    /// max_running_per_group, at most that many tasks of one group run at once.
+    pub group_key: String,
 }
 
 impl TaskSpec {
@@ -150,6 +153,13 @@ impl TaskSpec {
         self
     }
 
+    /// The task's group (a tenant, a user): in a pool with max_running_per_group, at most
+    /// that many tasks of one group run at once.
+    pub fn group_key(mut self, group_key: impl Into<String>) -> TaskSpec {
+        self.group_key = group_key.into();
+        self
+    }
+
     fn proto(&self) -> proto::SubmitTaskRequest {
         proto::SubmitTaskRequest {
             pool: self.pool.clone(),
@@ -163,6 +173,7 @@ impl TaskSpec {
             resources: self.resources.clone(),
             request_id: String::new(),
             timeout_ms: self.timeout.map_or(0, |t| t.as_millis().max(1) as i64),
+            group_key: self.group_key.clone(),
         }
     }
 }

@@ -17,6 +17,8 @@ use crate::{
 /// A request of the calls that read or change existing tasks and pools, as the fake got it.
 #[derive(Debug, Clone, PartialEq)]
 enum Call {
+    Submit(proto::SubmitTaskRequest),
+    SubmitBatch(proto::SubmitBatchRequest),
     Get(proto::GetTaskRequest),
     Retry(proto::RetryTaskRequest),
     Delete(proto::DeleteTaskRequest),
@@ -28,8 +30,8 @@ enum Call {
 }
 
 /// Refuses the first `unavailable` submissions and retries (RetryTask) with UNAVAILABLE, then
-/// accepts; records the submissions' request ids and authorization headers, and the other
-/// calls' requests. Task 1 does not exist.
+/// accepts; records the submissions' request ids and authorization headers, and every call's
+/// request. Task 1 does not exist.
 #[derive(Clone, Default)]
 struct Fake {
     unavailable: Arc<Mutex<usize>>,
@@ -97,11 +99,13 @@ impl TaskService for Fake {
             .lock()
             .unwrap()
             .push((req.request_id.clone(), auth));
+        self.record(Call::Submit(req.clone()));
         self.refuse()?;
         Ok(Response::new(proto::SubmitTaskResponse {
             task: Some(proto::Task {
                 id: u64::MAX - 1,
                 pool: req.pool,
+                group_key: req.group_key,
                 ..Default::default()
             }),
             deduplicated: false,
@@ -110,9 +114,22 @@ impl TaskService for Fake {
 
     async fn submit_batch(
         &self,
-        _: Request<proto::SubmitBatchRequest>,
+        request: Request<proto::SubmitBatchRequest>,
     ) -> Result<Response<proto::SubmitBatchResponse>, Status> {
-        Err(Status::unimplemented("fake"))
+        let req = request.into_inner();
+        self.record(Call::SubmitBatch(req.clone()));
+        let tasks = (req.tasks.iter().zip(10..))
+            .map(|(t, id)| proto::Task {
+                id,
+                pool: t.pool.clone(),
+                group_key: t.group_key.clone(),
+                ..Default::default()
+            })
+            .collect();
+        Ok(Response::new(proto::SubmitBatchResponse {
+            tasks,
+            ..Default::default()
+        }))
     }
 
     async fn get_task(
@@ -348,6 +365,29 @@ async fn submit_retries_unavailable_with_the_same_request_id_and_the_token() {
             .all(|(id, auth)| id == &seen[0].0 && auth == "Bearer secret")
     );
     assert_eq!(seen[0].0.len(), 32);
+}
+
+#[tokio::test]
+async fn submit_and_submit_batch_send_each_tasks_group_key() {
+    let (endpoint, fake) = serve(0).await;
+    let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
+    let submitted = client
+        .submit(TaskSpec::new("default").group_key("tenant-a"))
+        .await
+        .unwrap();
+    assert_eq!(submitted.task.group_key, "tenant-a");
+    let specs = [
+        TaskSpec::new("default").group_key("tenant-b"),
+        TaskSpec::new("default"),
+    ];
+    client.submit_batch(&specs).await.unwrap();
+    let calls = fake.calls();
+    let [Call::Submit(one), Call::SubmitBatch(batch)] = calls.as_slice() else {
+        panic!("calls {calls:?}");
+    };
+    assert_eq!(one.group_key, "tenant-a");
+    let keys: Vec<&str> = batch.tasks.iter().map(|t| t.group_key.as_str()).collect();
+    assert_eq!(keys, ["tenant-b", ""], "none given: no group");
 }
 
 #[tokio::test]

@@ -41,6 +41,7 @@ interface Step {
   payload?: unknown;
   id?: string;
   key?: string;
+  group_key?: string;
   include_attempts?: boolean;
   filter?: Record<string, unknown>;
   dry_run?: boolean;
@@ -136,8 +137,8 @@ function taskResult(task: Task): Result {
 async function clientStep(client: Client, step: Step): Promise<Result> {
   switch (step.op) {
     case "submit": {
-      const submitted = await client.submit({ pool: step.pool ?? "", payload: step.payload, key: step.key });
-      return { id: submitted.task.id.toString(), error: null };
+      const submitted = await client.submit({ pool: step.pool ?? "", payload: step.payload, key: step.key, groupKey: step.group_key });
+      return { id: submitted.task.id.toString(), group_key: submitted.task.groupKey, error: null };
     }
     case "get": {
       if (!step.include_attempts) return taskResult(await client.get(refOf(step)));

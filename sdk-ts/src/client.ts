@@ -58,6 +58,8 @@ export interface TaskSpec {
   resources?: Record<string, bigint | number>;
   /** Each attempt's timeout (capped by the pool's); absent: the pool's. */
   timeoutMs?: number;
+  /** The task's group (a tenant, a user; absent: none): in a pool with max_running_per_group, at most that many tasks of one group run at once. */
+  groupKey?: string;
 }
 
 function timestamp(ms: number): Timestamp {
@@ -86,6 +88,7 @@ function specProto(spec: TaskSpec): SubmitTaskRequest {
     dependsOn: (spec.dependsOn ?? []).map(refProto),
     resources,
     timeoutMs: spec.timeoutMs && spec.timeoutMs > 0 ? BigInt(Math.max(Math.round(spec.timeoutMs), 1)) : 0n,
+    groupKey: spec.groupKey ?? "",
   });
 }
 

@@ -1,5 +1,6 @@
-// The client's day-2 calls (retry, delete, attempts, bulk actions, pause/resume) against an
-// in-process grpc-js server that plays cronoq's task and admin services and records requests.
+// The client's submissions and day-2 calls (retry, delete, attempts, bulk actions,
+// pause/resume) against an in-process grpc-js server that plays cronoq's task and admin
+// services and records requests.
 import { after, test } from "node:test";
 import assert from "node:assert/strict";
 import {
@@ -10,7 +11,16 @@ import {
   type ServerUnaryCall,
   type UntypedServiceImplementation,
 } from "@grpc/grpc-js";
-import { CancelTasksResponse, GetTaskResponse, RetryTaskResponse, TaskServiceService } from "../src/gen/cronoq/v1/task_service.js";
+import {
+  CancelTasksResponse,
+  GetTaskResponse,
+  RetryTaskResponse,
+  SubmitBatchResponse,
+  SubmitTaskResponse,
+  TaskServiceService,
+  type SubmitBatchRequest,
+  type SubmitTaskRequest,
+} from "../src/gen/cronoq/v1/task_service.js";
 import { AdminServiceService } from "../src/gen/cronoq/v1/admin_service.js";
 import { Attempt, AttemptOutcome, Task, TaskState } from "../src/gen/cronoq/v1/task.js";
 import { Client, FailedPreconditionError, NotFoundError, type BulkResult } from "../src/index.js";
@@ -41,7 +51,7 @@ class OpsShard {
       }
     };
     const task: UntypedServiceImplementation = {};
-    for (const method of ["getTask", "retryTask", "deleteTask", "cancelTasks", "retryTasks", "deleteTasks"]) task[method] = handler(method);
+    for (const method of ["submitTask", "submitBatch", "getTask", "retryTask", "deleteTask", "cancelTasks", "retryTasks", "deleteTasks"]) task[method] = handler(method);
     this.server.addService(TaskServiceService, task);
     this.server.addService(AdminServiceService, { pausePool: handler("pausePool"), resumePool: handler("resumePool") });
   }
@@ -207,5 +217,21 @@ test("pausePool and resumePool name the pool and answer its pause: since when an
     assert.deepEqual(await client.resumePool("llm"), { pool: "llm", paused: false, pausedAt: undefined, pausedBy: "" });
     assert.deepEqual(shard.requests["pausePool"], [{ pool: "llm" }]);
     assert.deepEqual(shard.requests["resumePool"], [{ pool: "llm" }]);
+  });
+});
+
+test("submit and submitBatch send each task's groupKey (none given: empty), and the task answered has it", async () => {
+  const grouped = Task.fromPartial({ id: TOP_BIT_ID, pool: "default", groupKey: "tenant-a" });
+  const answers = {
+    submitTask: [SubmitTaskResponse.fromPartial({ task: grouped })],
+    submitBatch: [SubmitBatchResponse.fromPartial({ tasks: [grouped, grouped] })],
+  };
+  await withClient(answers, async (client, shard) => {
+    const { task } = await client.submit({ pool: "default", groupKey: "tenant-a" });
+    assert.equal(task.groupKey, "tenant-a");
+    assert.equal((shard.requests["submitTask"]![0] as SubmitTaskRequest).groupKey, "tenant-a");
+    await client.submitBatch([{ pool: "default", groupKey: "tenant-b" }, { pool: "default" }]);
+    const batch = shard.requests["submitBatch"]![0] as SubmitBatchRequest;
+    assert.deepEqual(batch.tasks.map((t) => t.groupKey), ["tenant-b", ""]);
   });
 });

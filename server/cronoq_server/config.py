@@ -265,6 +265,9 @@ class PoolConfig(_Strict):
     retention: Retention = 7 * 86400.0
     # Execution timeout of each attempt (none when unset); a task's timeout_ms is capped by it.
     timeout: Timeout | None = None
+    # At most this many tasks of one group_key run at once, and leases take the groups with due
+    # tasks in turn (none when unset: the pool is one queue by priority, then due time).
+    max_running_per_group: int | None = Field(default=None, ge=1, le=MAX_SLOTS)
 
 
 class ResourceConfig(_Strict):

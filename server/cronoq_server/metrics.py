@@ -54,6 +54,11 @@ RESOURCE_IN_USE = Gauge("cronoq_resource_in_use", "Concurrency slots held by run
 RESOURCE_CAPACITY = Gauge(
     "cronoq_resource_capacity", "A resource's capacity: concurrency slots, or a rate's burst.", ["resource"]
 )
+# Per pool that caps its groups (max_running_per_group): never a series per group.
+GROUPS_RUNNING = Gauge("cronoq_groups_running", "Groups of the pool with a task running.", ["pool"])
+GROUPS_AT_CAP = Gauge(
+    "cronoq_groups_at_cap", "Groups of the pool running as many tasks as max_running_per_group allows.", ["pool"]
+)
 SCHEDULE_FIRES = Counter(
     "cronoq_schedule_fires_total",
     "Tasks created by schedules (also counted in cronoq_tasks_submitted_total).",

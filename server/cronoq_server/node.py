@@ -44,6 +44,8 @@ T = TypeVar("T")
 # often (never for a scrape); tasks by pool and state are kept from the events (core/counts.py).
 WORKER_GAUGES_EVERY_S = 5.0
 PENDING_AGE_EVERY_S = 5.0
+# The groups a pool that caps them shows in GetSnapshot (most tasks pending and running first).
+TOP_GROUPS = 10
 
 
 class Node:
@@ -74,7 +76,8 @@ class Node:
             self.leadership = FileLeadership(self._store_path(), self.advertise, self.server_id)
         self.tasks = Tasks(config, self.store, self.events, self.shard_name, self.shard_number, self.pools)
         self.pauses = PoolPauses(self.store, self.events, self.pools)
-        self.gate = ResourceGate(r for r in config.resources if r.shard in (None, self.shard_name))
+        resources = (r for r in config.resources if r.shard in (None, self.shard_name))
+        self.gate = ResourceGate(resources, group_caps=self._group_caps())
         self.leases = Leases(
             config,
             self.store,
@@ -147,6 +150,11 @@ class Node:
         if unhandled:
             raise RegistryError(f"RPCs without a handler: {', '.join(unhandled)}")
 
+    def _group_caps(self) -> dict[str, int]:
+        """max_running_per_group of this shard's pools that set it."""
+        pools = (p for p in self.config.pools if p.name in self.pools)
+        return {p.name: p.max_running_per_group for p in pools if p.max_running_per_group}
+
     def _store_path(self) -> str:
         return self.config.store.path.replace("{shard}", self.shard_name)
 
@@ -159,6 +167,7 @@ class Node:
             retry_at=make_retry_at({p.name: p for p in self.config.pools}),
             max_pending_total=self.config.limits.max_pending_total,
             max_pending_per_pool=self.config.limits.max_pending_per_pool,
+            group_pools=frozenset(self._group_caps()),
         )
         store = self.config.store
         if store.kind == "sqlite":
@@ -217,6 +226,7 @@ class Node:
         if self.gate.enabled:
             # Slots held by tasks that were running under the previous leader stay held.
             self.gate.rebuild(await self._retrying("resources not rebuilt", self.store.running_resources))
+            await self._retrying("ranks not rebuilt", self.store.load_ranks)
         await self._retrying("paused pools not read", self.pauses.load)
         self.events.lead()
         self.is_leader = True
@@ -387,6 +397,16 @@ class Node:
             ),
         )
 
+    async def _top_groups(self, pool: str) -> list[admin_pb.GroupCounts]:
+        """The groups of a pool that caps them with the most tasks pending and running."""
+        running = {g.group_key: g.running for g in self.gate.group_usage(pool, TOP_GROUPS)}
+        pending = await self.store.pending_by_group(pool, TOP_GROUPS, sorted(running))
+        totals = sorted(set(running) | set(pending), key=lambda g: (-(running.get(g, 0) + pending.get(g, 0)), g))
+        return [
+            admin_pb.GroupCounts(group_key=g, pending=pending.get(g, 0), running=running.get(g, 0))
+            for g in totals[:TOP_GROUPS]
+        ]
+
     async def get_snapshot(self, req: admin_pb.GetSnapshotRequest, caller: Principal) -> admin_pb.GetSnapshotResponse:
         """The pools the caller may read or administer, the workers that serve them, and (with
         admin) the shard's resources; nothing of a shard where it may read or administer no pool."""
@@ -397,10 +417,14 @@ class Node:
         snap = admin_pb.ShardSnapshot(
             shard=self.shard_name, number=self.shard_number, leader=self.advertise, term=self.leadership.term
         )
+        caps = self._group_caps()
         for pool in shown:
             pc = admin_pb.PoolCounts(pool=pool, paused=pool in self.pauses.paused)
             for state in State:
                 setattr(pc, state.name.lower(), counts.get((pool, state), 0))
+            if pool in caps:
+                pc.max_running_per_group = caps[pool]
+                pc.groups.extend(await self._top_groups(pool))
             snap.pools.append(pc)
         for series in self.events.activity.series(shown, now_us()):
             snap.activity.append(

@@ -70,9 +70,12 @@ def store_table(kind: str, request: Any, path: Path | None = None) -> dict[str, 
     return {"path": str(path)} if path is not None else {}
 
 
-def start_worker(endpoint: str, pool: str, logfile: Path, concurrency: int = 8) -> subprocess.Popen[bytes]:
+def start_worker(
+    endpoint: str, pool: str, logfile: Path, concurrency: int = 8, token: str | None = None
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, str(WORKER), endpoint, pool, str(logfile), "--concurrency", str(concurrency)],
+        [sys.executable, str(WORKER), endpoint, pool, str(logfile), "--concurrency", str(concurrency)]
+        + (["--token", token] if token else []),
         stdout=subprocess.DEVNULL,
         stderr=open(str(logfile) + ".stderr", "ab"),
     )
@@ -100,10 +103,10 @@ def log_lines(logfile: Path, kind: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def run_intervals(logfile: Path) -> list[tuple[float, float]]:
-    """(start, end) unix times of every execution that finished, from worker_proc's log."""
+def runs_by_task(logfile: Path) -> dict[int, list[tuple[float, float]]]:
+    """Each task's executions that finished, (start, end) unix times, from worker_proc's log."""
     starts: dict[tuple[int, int], float] = {}
-    out = []
+    out: dict[int, list[tuple[float, float]]] = {}
     for line in logfile.read_text().splitlines() if logfile.exists() else []:
         parts = line.split()
         if len(parts) == 5 and parts[0] in ("start", "done"):
@@ -111,8 +114,13 @@ def run_intervals(logfile: Path) -> list[tuple[float, float]]:
             if parts[0] == "start":
                 starts[attempt] = float(parts[4])
             elif attempt in starts:
-                out.append((starts[attempt], float(parts[4])))
+                out.setdefault(attempt[0], []).append((starts[attempt], float(parts[4])))
     return out
+
+
+def run_intervals(logfile: Path) -> list[tuple[float, float]]:
+    """(start, end) unix times of every execution that finished, from worker_proc's log."""
+    return [iv for runs in runs_by_task(logfile).values() for iv in runs]
 
 
 def max_overlap(intervals: list[tuple[float, float]]) -> int:

@@ -326,3 +326,13 @@ def test_submit_with_resources_and_a_timeout(start_server):
     assert capped["timeout_ms"] == "5000"  # the pool's timeout caps it
     out = cli(srv, "submit", "--resource", "gpu=3", check=False)
     assert out.returncode != 0 and "gpu" in out.stderr and "capacity" in out.stderr
+
+
+def test_get_shows_a_tasks_group(server):
+    api = Api(server.grpc_target)
+    grouped, plain = api.submit(group_key="tenant-1"), api.submit()
+    assert json.loads(cli(server, "get", str(grouped.id), "--json").stdout)["group_key"] == "tenant-1"
+    assert "group=tenant-1" in cli(server, "get", str(grouped.id)).stdout.splitlines()[0]
+    assert "group=" not in cli(server, "get", str(plain.id)).stdout  # shown only when a task has one
+    submitted = json.loads(cli(server, "submit", "--group-key", "tenant-2", "--json").stdout)
+    assert api.get(int(submitted["id"])).group_key == "tenant-2"

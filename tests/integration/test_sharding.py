@@ -40,11 +40,18 @@ def bearer(name: str) -> list[tuple[str, str]]:
 
 
 def sharded_config(
-    tmp_path: Path, cpu_listen: str, gpu_endpoint: str, *, cpu_endpoint: str | None = None, **server: Any
+    tmp_path: Path,
+    cpu_listen: str,
+    gpu_endpoint: str,
+    *,
+    cpu_endpoint: str | None = None,
+    llm: dict[str, Any] | None = None,
+    **server: Any,
 ) -> dict[str, Any]:
+    """llm: more settings of the pool llm (gpu's)."""
     return {
         "server": server,
-        "pools": [{"name": "default"}, {"name": "llm"}],
+        "pools": [{"name": "default"}, {"name": "llm", **(llm or {})}],
         "shards": [
             {"name": "cpu", "number": 1, "pools": ["default"], "endpoint": cpu_endpoint or f"http://{cpu_listen}"},
             {"name": "gpu", "number": 2, "pools": ["llm"], "endpoint": gpu_endpoint},
@@ -89,10 +96,16 @@ class TwoShards:
     [store] table whose names contain {shard}; default: a SQLite file per shard)."""
 
     def __init__(
-        self, tmp_path: Path, start_server: Any, store: dict[str, Any] | None = None, replicas: int = 1, **server: Any
+        self,
+        tmp_path: Path,
+        start_server: Any,
+        store: dict[str, Any] | None = None,
+        replicas: int = 1,
+        llm: dict[str, Any] | None = None,
+        **server: Any,
     ):
         cpu_listen, gpu_listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-        self.config = sharded_config(tmp_path, cpu_listen, f"http://{gpu_listen}", **server)
+        self.config = sharded_config(tmp_path, cpu_listen, f"http://{gpu_listen}", llm=llm, **server)
         if store is not None:
             self.config["store"] = store
         self.cpu = start_server({**self.config, "server": {**server, "listen": cpu_listen}}, shard="cpu", name="cpu")
@@ -106,6 +119,16 @@ class TwoShards:
             standby.wait_ready(leader=False)
         self.stubs = {"cpu": Stubs(self.cpu), "gpu": Stubs(self.gpu)}
 
+    @classmethod
+    def on_store_of(cls, request: pytest.FixtureRequest, tmp_path: Path, start_server: Any, **kw: Any) -> TwoShards:
+        """For a fixture with params ["sqlite", "postgres"]: on a SQLite file per shard, or on a
+        schema per shard of one PostgreSQL."""
+        store = None
+        if request.param == "postgres":
+            store = store_table("postgres", request)
+            store["schema"] += "_{shard}"
+        return cls(tmp_path, start_server, store, **kw)
+
     def kill(self, shard: str) -> None:
         """Every server of the shard: SIGKILL."""
         for srv in self.servers[shard]:
@@ -116,11 +139,7 @@ class TwoShards:
 def shards(request: pytest.FixtureRequest, tmp_path: Path, start_server: Any) -> TwoShards:
     """The page's deployment, each shard with a standby: on a SQLite file per shard, or on a
     schema per shard of one PostgreSQL."""
-    store = None
-    if request.param == "postgres":
-        store = store_table("postgres", request)
-        store["schema"] += "_{shard}"
-    return TwoShards(tmp_path, start_server, store, replicas=2)
+    return TwoShards.on_store_of(request, tmp_path, start_server, replicas=2)
 
 
 def submit(stubs: Stubs, pool: str, token: str = "full", forwarded: bool = False, **kw: Any) -> tpb.SubmitTaskResponse:
@@ -171,8 +190,8 @@ def http(
 
 def test_calls_for_another_shard_are_forwarded_and_ids_name_their_shard(shards: TwoShards) -> None:
     cpu, gpu = shards.stubs["cpu"], shards.stubs["gpu"]
-    llm = submit(cpu, "llm", payload=b"x").task
-    assert llm.id >> 56 == 2 and llm.pool == "llm"
+    llm = submit(cpu, "llm", payload=b"x", group_key="tenant-1").task
+    assert llm.id >> 56 == 2 and llm.pool == "llm" and llm.group_key == "tenant-1"
     dflt = submit(gpu, "default").task
     assert dflt.id >> 56 == 1
     assert submit(Stubs(shards.servers["gpu"][1]), "default").task.id >> 56 == 1  # a standby forwards too
@@ -182,7 +201,9 @@ def test_calls_for_another_shard_are_forwarded_and_ids_name_their_shard(shards: 
             got = stubs.tasks.GetTask(
                 tpb.GetTaskRequest(task=task_pb2.TaskRef(id=task.id)), metadata=bearer("full"), timeout=TIMEOUT
             ).task
-            assert (got.id, got.pool, got.state) == (task.id, task.pool, task_pb2.TASK_STATE_PENDING)
+            assert (got.id, got.pool, got.state, got.group_key) == (
+                task.id, task.pool, task_pb2.TASK_STATE_PENDING, task.group_key
+            )  # fmt: skip
     waited = cpu.tasks.WaitTask(
         tpb.WaitTaskRequest(task=task_pb2.TaskRef(id=llm.id), timeout_ms=100), metadata=bearer("full"), timeout=TIMEOUT
     )

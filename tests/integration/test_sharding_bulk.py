@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _helpers import store_table  # type: ignore[import-not-found]
 from test_sharding import Stubs, TwoShards, bearer, http, submit  # type: ignore[import-not-found]
 
 from cronoq.v1 import task_pb2, worker_service_pb2_grpc
@@ -20,11 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def shards(request: pytest.FixtureRequest, tmp_path: Path, start_server: Any) -> TwoShards:
-    store = None
-    if request.param == "postgres":
-        store = store_table("postgres", request)
-        store["schema"] += "_{shard}"
-    return TwoShards(tmp_path, start_server, store, replicas=2)
+    return TwoShards.on_store_of(request, tmp_path, start_server, replicas=2)
 
 
 def per_shard(response: Any) -> list[tuple[str, int, int]]:

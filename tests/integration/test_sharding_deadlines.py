@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
-from _helpers import store_table  # type: ignore[import-not-found]
 from conftest import ServerProcess, free_port  # type: ignore[import-not-found]
 from test_sharding import TOKENS, Stubs, TwoShards, bearer, sharded_config, submit
 
@@ -133,11 +132,7 @@ def assert_forwarding_is_bounded(cpu: ServerProcess) -> None:
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def shards(request: pytest.FixtureRequest, tmp_path: Path, start_server: Any) -> TwoShards:
-    store = None
-    if request.param == "postgres":
-        store = store_table("postgres", request)
-        store["schema"] += "_{shard}"
-    return TwoShards(tmp_path, start_server, store, forward_timeout=FORWARD_TIMEOUT)
+    return TwoShards.on_store_of(request, tmp_path, start_server, forward_timeout=FORWARD_TIMEOUT)
 
 
 def test_a_forwarded_wait_gets_its_own_wait_on_top_of_the_forward_timeout(shards: TwoShards) -> None:

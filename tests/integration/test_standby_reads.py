@@ -13,7 +13,6 @@ from typing import Any
 
 import grpc
 import pytest
-from _helpers import store_table  # type: ignore[import-not-found]
 from test_sharding import TIMEOUT, Stubs, TwoShards, bearer, refusal, submit, trailers
 
 from cronoq.v1 import admin_service_pb2 as apb
@@ -24,11 +23,7 @@ from cronoq.v1 import task_service_pb2 as tpb
 @pytest.fixture(params=["sqlite", "postgres"])
 def shards(request: pytest.FixtureRequest, tmp_path: Path, start_server: Any) -> TwoShards:
     """cpu and gpu, each a leader and a standby."""
-    store = None
-    if request.param == "postgres":
-        store = store_table("postgres", request)
-        store["schema"] += "_{shard}"
-    return TwoShards(tmp_path, start_server, store, replicas=2)
+    return TwoShards.on_store_of(request, tmp_path, start_server, replicas=2)
 
 
 def test_a_standby_reads_its_shard_from_its_leader_and_refuses_changes(shards: TwoShards) -> None:

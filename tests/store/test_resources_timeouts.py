@@ -6,7 +6,7 @@ import dataclasses
 
 from test_store import SEC, T0, failure, finish_ok, new
 
-from cronoq_server.store.base import Store, StoreSettings
+from cronoq_server.store.base import Held, Store, StoreSettings
 
 
 def with_resources(resources: dict[str, int], **kw) -> object:
@@ -62,7 +62,7 @@ async def test_running_resources_lists_running_tasks_that_name_resources(store: 
     subs, _ = await store.submit([with_resources({"gpu": 2}), new(), with_resources({"api": 1})], T0)  # type: ignore[list-item]
     rows, _ = await store.lease("w1", ["default"], 2, T0, free={"gpu": 2, "api": 1})
     assert len(rows) == 2
-    assert await store.running_resources() == [(subs[0].row.seq, 1, "w1", {"gpu": 2})]
+    assert await store.running_resources() == [("w1", Held(subs[0].row.seq, 1, {"gpu": 2}, "default", ""))]
 
 
 async def test_expiry_reports_the_attempts_it_ended(store: Store, settings: StoreSettings) -> None:

@@ -5,12 +5,13 @@ recorded version."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sqlite3
 from typing import Any
 
 import asyncpg
 import pytest
-from test_store import T0, submit_one
+from test_store import T0, new, submit_one
 from test_store_events import events
 
 from cronoq_server.store import postgres, sqlite
@@ -89,3 +90,35 @@ async def test_a_store_of_the_version_before_migrates_and_keeps_its_events(
     await after.close()
     again: Store = await open_store()
     assert await recorded_version(again) == newest
+
+
+async def test_tasks_and_schedules_of_the_store_before_groups_read_back_without_a_group(
+    open_store: Any, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store as the code before group_key left it (its last migration not applied), with a task
+    and a schedule: migrated on open, both read back with no group, and new ones keep theirs."""
+    newest = max(migrations(backend))
+    assert "group_key" in str(migrations(backend)[newest])
+    with monkeypatch.context() as patch:
+        patch.delitem(migrations(backend), newest)
+        before: Store = await open_store()
+    empty = "X''" if backend == "sqlite" else "''::bytea"
+    await run_sql(
+        before,
+        "INSERT INTO {s}.tasks (pool, payload, run_at, max_attempts, state, created_at)"
+        f" VALUES ('default', {empty}, 1, 3, 1, 1)",
+    )
+    await run_sql(
+        before,
+        "INSERT INTO {s}.schedules (pool, name, cron, payload, created_at, updated_at)"
+        f" VALUES ('default', 'old', '* * * * *', {empty}, 1, 1)",
+    )
+    await before.close()
+
+    after: Store = await open_store()
+    assert await recorded_version(after) == newest
+    old = await after.get(1)
+    assert old is not None and old.group_key == ""
+    assert [(s.name, s.group_key) for s in await after.list_schedules(None)] == [("old", "")]
+    (sub,), _ = await after.submit([dataclasses.replace(new(), group_key="g")], T0)
+    assert (await after.get(sub.row.seq)).group_key == "g"  # type: ignore[union-attr]

@@ -28,6 +28,7 @@ def random_event(rng: random.Random) -> task_pb2.TaskEvent:
         cancel_requested=rng.random() < 0.5,
         result_content_type=rng.choice(["", "application/json"]),
         timeout_ms=rng.choice([0, 1500, 2**40]),
+        group_key=rng.choice(["", "tenant-1", "gr\u00fcppe </b>"]),
     )
     task.payload = rng.choice([b"", b'{"a": [1, 2]}', b"\xff\x00 not json", b"null"])
     task.result = rng.choice([b"", b'"done"', b"\x00\x01", b"{bad"])

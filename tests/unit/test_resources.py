@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cronoq_server.config import ResourceConfig
 from cronoq_server.core.resources import ResourceGate
+from cronoq_server.store.base import Held
 
 
 class Clock:
@@ -23,7 +24,7 @@ def gate(clock: Clock | None = None) -> ResourceGate:
 def test_concurrency_slots_are_held_until_the_attempt_ends() -> None:
     g = gate()
     assert g.available() == {"gpu": 2, "api": 1}
-    g.take("w", [(1, 1, {"gpu": 1}), (2, 1, {"gpu": 1})])
+    g.take("w", [Held(1, 1, {"gpu": 1}), Held(2, 1, {"gpu": 1})])
     assert "gpu" not in g.available()
     assert not g.release([(1, 2)])  # another attempt of task 1: not the one holding the slot
     assert g.release([(1, 1)])
@@ -34,12 +35,12 @@ def test_concurrency_slots_are_held_until_the_attempt_ends() -> None:
 def test_rate_is_a_token_bucket() -> None:
     clock = Clock()
     g = gate(clock)
-    g.take("w", [(1, 1, {"api": 1})])  # the burst
+    g.take("w", [Held(1, 1, {"api": 1})])  # the burst
     assert "api" not in g.available()
     assert abs((g.next_token_in() or 0) - 0.2) < 1e-9
     clock.now += 0.2
     assert g.available()["api"] == 1
-    g.take("w", [(2, 1, {"api": 1})])
+    g.take("w", [Held(2, 1, {"api": 1})])
     clock.now += 10  # idle time refills up to the burst (and a quarter token) only
     assert g.available()["api"] == 1
     assert not g.release([(2, 1)])  # tokens are spent, not held
@@ -54,7 +55,7 @@ def test_a_late_start_does_not_lower_the_rate() -> None:
         wait = g.next_token_in() or 0.0
         clock.now += wait + 0.030
         assert "api" in g.available()
-        g.take("w", [(len(starts), 1, {"api": 1})])
+        g.take("w", [Held(len(starts), 1, {"api": 1})])
         starts.append(clock.now - t)
     assert starts[-1] < 6.0  # 30 starts within 6 s at 5/s, despite the lateness
     for i, s in enumerate(starts):  # and never more than rate + burst in any second
@@ -63,7 +64,7 @@ def test_a_late_start_does_not_lower_the_rate() -> None:
 
 def test_rebuild_counts_running_tasks_of_the_previous_leader() -> None:
     g = gate()
-    g.rebuild([(7, 3, "w", {"gpu": 2}), (8, 1, "w", {"api": 1})])
+    g.rebuild([("w", Held(7, 3, {"gpu": 2})), ("w", Held(8, 1, {"api": 1}))])
     assert "gpu" not in g.available()
     assert g.release([(7, 3)])
     assert g.available()["gpu"] == 2
@@ -71,8 +72,8 @@ def test_rebuild_counts_running_tasks_of_the_previous_leader() -> None:
 
 def test_a_re_leased_task_frees_its_earlier_attempts_slots() -> None:
     g = gate()
-    g.take("w", [(1, 1, {"gpu": 1})])
-    g.take("w", [(1, 2, {"gpu": 1})])  # attempt 1 ended without its end being seen yet
+    g.take("w", [Held(1, 1, {"gpu": 1})])
+    g.take("w", [Held(1, 2, {"gpu": 1})])  # attempt 1 ended without its end being seen yet
     assert g.available()["gpu"] == 1
     assert not g.release([(1, 1)])  # the late news of attempt 1 frees nothing more
     assert g.release([(1, 2)])
@@ -81,8 +82,62 @@ def test_a_re_leased_task_frees_its_earlier_attempts_slots() -> None:
 
 def test_a_worker_frees_only_its_own_returned_attempts() -> None:
     g = gate()
-    g.take("w1", [(1, 1, {"gpu": 1})])
-    g.take("w2", [(2, 1, {"gpu": 1})])
+    g.take("w1", [Held(1, 1, {"gpu": 1})])
+    g.take("w2", [Held(2, 1, {"gpu": 1})])
     assert not g.release([(2, 1)], "w1")  # w1 cannot free w2's slot
     assert g.release([(1, 1)], "w1")
     assert g.available()["gpu"] == 1
+
+
+def group_gate() -> ResourceGate:
+    return ResourceGate([], Clock(), group_caps={"tenants": 2})
+
+
+def test_a_group_holds_at_most_its_cap_until_its_attempts_end() -> None:
+    g = group_gate()
+    assert g.enabled and g.group_room(["tenants", "other"]) == {"tenants": (2, {})}
+    g.take("w", [Held(1, 1, {}, "tenants", "a"), Held(2, 1, {}, "tenants", "a"), Held(3, 1, {}, "tenants", "b")])
+    assert g.group_room(["tenants"]) == {"tenants": (2, {"a": 2, "b": 1})}
+    assert not g.release([(1, 1)], worker_id="someone else")
+    assert g.release([(1, 1)])
+    assert g.release([(3, 1)])  # a group with nothing running is forgotten
+    assert g.group_room(["tenants"]) == {"tenants": (2, {"a": 1})}
+    assert [(u.pool, u.group_key, u.running) for u in g.group_usage("tenants")] == [("tenants", "a", 1)]
+
+
+def test_a_pool_without_a_cap_holds_no_group_place() -> None:
+    g = group_gate()
+    g.take("w", [Held(1, 1, {}, "other", "a")])
+    assert g.group_room(["other"]) == {} and not g.release([(1, 1)])
+
+
+def test_groups_are_rebuilt_from_the_running_tasks_on_takeover() -> None:
+    g = ResourceGate([ResourceConfig(name="gpu", concurrency=2)], Clock(), group_caps={"tenants": 3})
+    g.take("w", [Held(9, 1, {"gpu": 1}, "tenants", "old")])
+    g.rebuild(
+        [
+            ("w", Held(1, 2, {"gpu": 1}, "tenants", "a")),
+            ("w", Held(2, 1, {}, "tenants", "a")),
+            ("w", Held(3, 1, {}, "x")),
+        ]
+    )
+    assert g.group_room(["tenants"]) == {"tenants": (3, {"a": 2})}
+    assert g.available() == {"gpu": 1}
+    assert g.release([(1, 2)]) and g.group_room(["tenants"]) == {"tenants": (3, {"a": 1})}
+
+
+def test_a_new_attempt_of_a_task_frees_what_its_earlier_one_held() -> None:
+    g = group_gate()
+    g.take("w", [Held(1, 1, {}, "tenants", "a")])
+    g.take("v", [Held(1, 2, {}, "tenants", "a")])  # attempt 1 ended unannounced (its lease expired)
+    assert g.group_room(["tenants"]) == {"tenants": (2, {"a": 1})}
+
+
+def test_room_after_counts_what_the_attempts_reported_free() -> None:
+    g = ResourceGate([ResourceConfig(name="gpu", concurrency=2)], Clock(), group_caps={"tenants": 1})
+    g.take("w", [Held(1, 1, {"gpu": 1}, "tenants", "a"), Held(2, 1, {"gpu": 1}, "tenants", "b")])
+    assert g.room_after([], "w", ["tenants"]) == ({}, {"tenants": (1, {"a": 1, "b": 1})})
+    # Only this worker's current attempts count: attempt 2 of task 2, or another worker's, free nothing.
+    assert g.room_after([(1, 1), (2, 2)], "w", ["tenants"]) == ({"gpu": 1}, {"tenants": (1, {"b": 1})})
+    assert g.room_after([(1, 1)], "v", ["tenants"]) == ({}, {"tenants": (1, {"a": 1, "b": 1})})
+    assert g.group_room(["tenants"]) == {"tenants": (1, {"a": 1, "b": 1})}  # nothing released by asking

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 import cronoq
-from cronoq.v1 import task_pb2
+from cronoq.v1 import schedule_service_pb2, task_pb2
 from cronoq.v1 import task_service_pb2 as pb
 
 FAST = cronoq.RetryConfig(initial_backoff=0.001, max_backoff=0.01, max_elapsed=5)
@@ -41,6 +41,11 @@ class FakeTaskStub:
     def SubmitBatch(self, req: pb.SubmitBatchRequest, metadata: Any = None, timeout: Any = None) -> Any:
         tasks = [task_pb2.Task(id=10 + i, pool=t.pool) for i, t in enumerate(req.tasks)]
         return self._answer(req, pb.SubmitBatchResponse(tasks=tasks))
+
+    def PutSchedule(
+        self, req: schedule_service_pb2.PutScheduleRequest, metadata: Any = None, timeout: Any = None
+    ) -> Any:
+        return self._answer(req, schedule_service_pb2.PutScheduleResponse(schedule=req.schedule))
 
 
 def client_with(stub: FakeTaskStub) -> cronoq.Client:
@@ -116,3 +121,15 @@ async def test_a_call_a_closing_server_cancelled_is_retried_with_the_same_reques
     sub = await client_with(stub).submit("default", {"n": 1})
     assert sub.task.id == 7
     assert len({r.request_id for r in stub.requests}) == 1 and len(stub.requests) == 3
+
+
+async def test_group_key_reaches_the_server_on_submit_batch_and_schedule() -> None:
+    stub = FakeTaskStub(failures=0)
+    client = client_with(stub)
+    await client.submit("default", {"n": 1}, group_key="tenant-a")
+    await client.submit_batch([cronoq.task_spec("default", group_key="tenant-b"), cronoq.task_spec("default")])
+    schedule = await client.put_schedule("default", "nightly", "0 2 * * *", group_key="tenant-c")
+    one, batch, put = stub.requests
+    assert one.group_key == "tenant-a"
+    assert [t.group_key for t in batch.tasks] == ["tenant-b", ""]  # none given: no group
+    assert put.schedule.group_key == "tenant-c" and schedule.group_key == "tenant-c"

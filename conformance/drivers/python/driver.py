@@ -152,8 +152,10 @@ async def run_client_step(client: cronoq.Client, step: dict[str, Any]) -> dict[s
     extra: dict[str, Any] = {}
     try:
         if op == "submit":
-            submitted = await client.submit(step["pool"], step.get("payload"), key=step.get("key"))
-            return {"id": str(submitted.task.id), "error": None}
+            submitted = await client.submit(
+                step["pool"], step.get("payload"), key=step.get("key"), group_key=step.get("group_key")
+            )
+            return {"id": str(submitted.task.id), "group_key": submitted.task.group_key, "error": None}
         if op in ("bulk_cancel", "bulk_retry", "bulk_delete"):
             return await bulk_step(client, step)
         if op in ("pause_pool", "resume_pool"):

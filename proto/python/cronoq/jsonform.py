@@ -96,6 +96,7 @@ def task_to_dict(task: task_pb2.Task, include_payloads: bool = True) -> dict[str
         "cancel_requested": task.cancel_requested,
         "result_content_type": task.result_content_type,
         "timeout_ms": str(task.timeout_ms),
+        "group_key": task.group_key,
     }
     for name in _TIMESTAMPS:
         if task.HasField(name):  # type: ignore[arg-type]

@@ -56,6 +56,7 @@ type step struct {
 	Payload          json.RawMessage `json:"payload"`
 	ID               string          `json:"id"`
 	Key              string          `json:"key"`
+	GroupKey         string          `json:"group_key"`
 	IncludeAttempts  bool            `json:"include_attempts"`
 	Filter           json.RawMessage `json:"filter"`
 	DryRun           bool            `json:"dry_run"`
@@ -161,11 +162,11 @@ func clientStep(client *cronoq.Client, in *input, s step) result {
 	ctx := context.Background()
 	switch s.Op {
 	case "submit":
-		sub, err := client.Submit(ctx, cronoq.TaskSpec{Pool: s.Pool, Key: s.Key, Payload: s.Payload})
+		sub, err := client.Submit(ctx, cronoq.TaskSpec{Pool: s.Pool, Key: s.Key, GroupKey: s.GroupKey, Payload: s.Payload})
 		if err != nil {
 			return result{"error": errorOf(err)}
 		}
-		return result{"id": strconv.FormatUint(sub.Task.GetId(), 10), "error": nil}
+		return result{"id": strconv.FormatUint(sub.Task.GetId(), 10), "group_key": sub.Task.GetGroupKey(), "error": nil}
 	case "pause_pool", "resume_pool":
 		change := client.PausePool
 		if s.Op == "resume_pool" {

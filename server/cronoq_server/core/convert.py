@@ -27,6 +27,7 @@ def to_task(row: TaskRow, shard_number: int) -> task_pb2.Task:
         error=row.error,
         cancel_requested=row.cancel_requested,
         timeout_ms=row.timeout_ms,
+        group_key=row.group_key,
     )
     task.run_at.FromMicroseconds(row.run_at)
     task.created_at.FromMicroseconds(row.created_at)
@@ -85,6 +86,7 @@ def to_schedule(row: ScheduleRow) -> schedule_service_pb2.Schedule:
         paused=row.paused,
         timeout_ms=row.timeout_ms,
         fire_all_missed=row.fire_all_missed,
+        group_key=row.group_key,
     )
     if row.next_fire_at is not None:
         schedule.next_fire_at.FromMicroseconds(row.next_fire_at)

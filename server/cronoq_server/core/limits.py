@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..errors import invalid
 
 MAX_KEY_LENGTH = 256
+MAX_GROUP_KEY_BYTES = 256  # UTF-8
 MAX_CONTENT_TYPE = 256
 MAX_REQUEST_ID = 128
 # What a worker states about itself.
@@ -33,10 +34,12 @@ STORE_CHUNK = 1_000
 TRUNCATED = "… [truncated {n} bytes]"
 
 
-def check_text(field: str, value: str, limit: int) -> None:
-    """A caller-chosen name or label: bounded, and free of control characters (they forge log lines)."""
-    if len(value) > limit:
-        raise invalid(f"{field}: {len(value)} characters, more than {limit}")
+def check_text(field: str, value: str, limit: int, in_bytes: bool = False) -> None:
+    """A caller-chosen name or label: bounded (in characters, or in UTF-8 bytes), and free of
+    control characters (they forge log lines)."""
+    size, unit = (len(value.encode()), "bytes") if in_bytes else (len(value), "characters")
+    if size > limit:
+        raise invalid(f"{field}: {size} {unit}, more than {limit}: {value[:64]!r}{'…' if len(value) > 64 else ''}")
     bad = next((c for c in value if ord(c) < 32 or 127 <= ord(c) < 160), None)
     if bad is not None:
         raise invalid(f"{field}: control character {bad!r} in {value[:64]!r}")

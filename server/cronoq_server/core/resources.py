@@ -1,22 +1,24 @@
-"""The leader's resource accounting: concurrency slots held while tasks run, and token
-buckets for rates. Enforced at lease time; rebuilt from the store's RUNNING tasks when a
-server takes over, so a failover never lets more run than the capacity.
+"""The leader's resource accounting: concurrency slots held while tasks run, token buckets
+for rates, and the places of a pool's groups (max_running_per_group). Enforced at lease time;
+rebuilt from the store's RUNNING tasks when a server takes over, so a failover never lets more
+run than the capacity or a group's cap.
 
 A lease asks the gate what is available, has the store lease only tasks that fit in it (one
 statement), and then takes what the leased tasks name. Leases that name resources run one
 at a time (Leases holds a lock), so what was available is still there when they take it. A
-slot is released when its attempt ends: finished, failed, cancelled, released, or its lease
-expired.
+slot (or a group's place) is released when its attempt ends: finished, failed, cancelled,
+released, or its lease expired.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from ..config import ResourceConfig
-from ..metrics import RESOURCE_CAPACITY, RESOURCE_IN_USE
+from ..metrics import GROUPS_AT_CAP, GROUPS_RUNNING, RESOURCE_CAPACITY, RESOURCE_IN_USE
+from ..store.base import Held
 
 
 @dataclass(slots=True)
@@ -40,6 +42,13 @@ class _Bucket:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupUsage:
+    pool: str
+    group_key: str
+    running: int
+
+
+@dataclass(frozen=True, slots=True)
 class Usage:
     name: str
     in_use: int  # concurrency: slots held
@@ -49,8 +58,17 @@ class Usage:
 
 
 class ResourceGate:
-    def __init__(self, resources: Iterable[ResourceConfig], clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        resources: Iterable[ResourceConfig],
+        clock: Callable[[], float] = time.monotonic,
+        group_caps: Mapping[str, int] | None = None,
+    ):
+        """group_caps: pool -> max_running_per_group, of the pools that cap their groups."""
         self._clock = clock
+        self._group_caps = dict(group_caps or {})
+        # pool -> group -> attempts running (groups with none are dropped)
+        self._group_running: dict[str, dict[str, int]] = {p: {} for p in self._group_caps}
         self._capacity: dict[str, int] = {}
         self._buckets: dict[str, _Bucket] = {}
         for r in resources:
@@ -60,26 +78,31 @@ class ResourceGate:
                 burst = float(r.burst or 1)
                 self._buckets[r.name] = _Bucket(r.rate, burst, burst, clock())
         self._in_use: dict[str, int] = dict.fromkeys(self._capacity, 0)
-        # seq -> (attempt, worker id, concurrency amounts) of each running attempt holding slots
-        self._holders: dict[int, tuple[int, str, dict[str, int]]] = {}
+        # seq -> (attempt, worker id, concurrency amounts, (pool, group) or None) of each running
+        # attempt holding slots or a group's place
+        self._holders: dict[int, tuple[int, str, dict[str, int], tuple[str, str] | None]] = {}
         for name, capacity in self._capacity.items():
             RESOURCE_CAPACITY.labels(resource=name).set(capacity)
         for name, bucket in self._buckets.items():
             RESOURCE_CAPACITY.labels(resource=name).set(bucket.capacity)
+        for pool in self._group_caps:
+            GROUPS_RUNNING.labels(pool=pool).set(0)
+            GROUPS_AT_CAP.labels(pool=pool).set(0)
 
     @property
     def enabled(self) -> bool:
-        return bool(self._capacity or self._buckets)
+        return bool(self._capacity or self._buckets or self._group_caps)
 
     # -- takeover -------------------------------------------------------------
 
-    def rebuild(self, running: Iterable[tuple[int, int, str, dict[str, int]]]) -> None:
-        """Slots held by the store's RUNNING tasks (seq, attempt, worker id, resources); buckets
-        start full."""
+    def rebuild(self, running: Iterable[tuple[str, Held]]) -> None:
+        """Slots and places held by the store's RUNNING tasks (worker id, what the attempt
+        holds); buckets start full."""
         self._in_use = dict.fromkeys(self._capacity, 0)
+        self._group_running = {p: {} for p in self._group_caps}
         self._holders.clear()
-        for seq, attempt, worker_id, resources in running:
-            self._hold(seq, attempt, worker_id, resources)
+        for worker_id, held in running:
+            self._hold(worker_id, held)
         now = self._clock()
         for bucket in self._buckets.values():
             bucket.tokens, bucket.at = bucket.capacity, now
@@ -98,17 +121,42 @@ class ResourceGate:
                 free[name] = int(bucket.tokens)
         return free
 
-    def take(self, worker_id: str, leased: Iterable[tuple[int, int, dict[str, int]]]) -> None:
-        """The attempts (seq, attempt, resources) leased to worker_id take what they name:
-        slots held until the attempt ends, tokens spent."""
-        for seq, attempt, resources in leased:
-            previous = self._holders.pop(seq, None)
+    def group_room(self, pools: Iterable[str]) -> dict[str, tuple[int, dict[str, int]]]:
+        """Of these pools, those that cap their groups: pool -> (the cap, what runs per group;
+        a group not named runs nothing)."""
+        return {p: (self._group_caps[p], dict(self._group_running[p])) for p in pools if p in self._group_caps}
+
+    def room_after(
+        self, ended: Iterable[tuple[int, int]], worker_id: str, pools: Iterable[str]
+    ) -> tuple[dict[str, int], dict[str, tuple[int, dict[str, int]]]]:
+        """available() and group_room(pools) once these attempts (seq, attempt) of worker_id end:
+        for a lease in the transaction that reports them. Only what the gate holds for exactly
+        that attempt of that worker counts; the store refuses no such outcome."""
+        free, groups = self.available(), self.group_room(pools)
+        for seq, attempt in ended:
+            holder = self._holders.get(seq)
+            if holder is None or holder[:2] != (attempt, worker_id):
+                continue
+            for name, amount in holder[2].items():
+                free[name] = free.get(name, 0) + amount
+            if holder[3] is not None and holder[3][0] in groups:
+                running = groups[holder[3][0]][1]
+                left = running.pop(holder[3][1], 0) - 1
+                if left > 0:
+                    running[holder[3][1]] = left
+        return free, groups
+
+    def take(self, worker_id: str, leased: Iterable[Held]) -> None:
+        """The attempts leased to worker_id take what they hold: slots and group places until
+        the attempt ends, tokens spent."""
+        for held in leased:
+            previous = self._holders.pop(held.seq, None)
             if previous is not None:  # an earlier attempt of it ended unannounced: its slots are free
-                self._free(previous[2])
-            for name, amount in resources.items():
+                self._free(previous)
+            for name, amount in held.resources.items():
                 if name in self._buckets:
                     self._buckets[name].tokens -= amount
-            self._hold(seq, attempt, worker_id, resources)
+            self._hold(worker_id, held)
         self._export()
 
     def next_token_in(self) -> float | None:
@@ -131,28 +179,47 @@ class ResourceGate:
             holder = self._holders.get(seq)
             if holder is not None and holder[0] == attempt and worker_id in (None, holder[1]):
                 del self._holders[seq]
-                self._free(holder[2])
+                self._free(holder)
                 freed = True
         if freed:
             self._export()
         return freed
 
-    def _hold(self, seq: int, attempt: int, worker_id: str, resources: dict[str, int]) -> None:
-        slots = {n: a for n, a in resources.items() if n in self._capacity}
-        if slots:
-            self._holders[seq] = (attempt, worker_id, slots)
+    def _hold(self, worker_id: str, held: Held) -> None:
+        slots = {n: a for n, a in held.resources.items() if n in self._capacity}
+        group = (held.pool, held.group_key) if held.pool in self._group_caps else None
+        if slots or group:
+            self._holders[held.seq] = (held.attempt, worker_id, slots, group)
             for name, amount in slots.items():
                 self._in_use[name] += amount
+        if group:
+            running = self._group_running[group[0]]
+            running[group[1]] = running.get(group[1], 0) + 1
 
-    def _free(self, slots: dict[str, int]) -> None:
+    def _free(self, holder: tuple[int, str, dict[str, int], tuple[str, str] | None]) -> None:
+        _, _, slots, group = holder
         for name, amount in slots.items():
             self._in_use[name] = max(self._in_use[name] - amount, 0)
+        if group:
+            running = self._group_running[group[0]]
+            left = running.pop(group[1], 0) - 1
+            if left > 0:
+                running[group[1]] = left
 
     def _export(self) -> None:
         for name, n in self._in_use.items():
             RESOURCE_IN_USE.labels(resource=name).set(n)
+        for pool, running in self._group_running.items():
+            GROUPS_RUNNING.labels(pool=pool).set(len(running))
+            GROUPS_AT_CAP.labels(pool=pool).set(sum(1 for n in running.values() if n >= self._group_caps[pool]))
 
     # -- reads ----------------------------------------------------------------
+
+    def group_usage(self, pool: str, most: int = 10) -> list[GroupUsage]:
+        """The groups of a pool with the most attempts running, most first (then by key)."""
+        running = self._group_running.get(pool, {})
+        top = sorted(running.items(), key=lambda kv: (-kv[1], kv[0]))[:most]
+        return [GroupUsage(pool, key, n) for key, n in top]
 
     def usage(self) -> list[Usage]:
         out = [Usage(n, self._in_use[n], cap, 0.0, 0) for n, cap in sorted(self._capacity.items())]

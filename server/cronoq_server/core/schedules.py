@@ -104,6 +104,7 @@ class Schedules:
             paused=s.paused,
             fire_all_missed=s.fire_all_missed,
             next_fire_at=next_fire_at,
+            group_key=s.group_key,
         )
         stored = await self._store.put_schedule(row, now)
         self.wake()
@@ -168,6 +169,7 @@ class Schedules:
                 max_attempts=max_attempts,
                 resources=dict(schedule.resources),
                 timeout_ms=timeout_ms,
+                group_key=schedule.group_key,
             )
             for slot in slots
         ]

@@ -25,6 +25,7 @@ from .convert import to_attempt, to_task
 from .events import EventBus, Watcher, parse_cursor
 from .limits import (
     MAX_CONTENT_TYPE,
+    MAX_GROUP_KEY_BYTES,
     MAX_KEY_LENGTH,
     MAX_REQUEST_ID,
     MAX_TIMEOUT_MS,
@@ -59,6 +60,8 @@ class TaskTemplate(Protocol):
     def resources(self) -> Mapping[str, int]: ...
     @property
     def timeout_ms(self) -> int: ...
+    @property
+    def group_key(self) -> str: ...
 
 
 def now_us() -> int:
@@ -119,6 +122,7 @@ class Tasks:
             max_attempts=req.max_attempts or pool.max_attempts,
             resources=dict(req.resources),
             timeout_ms=_timeout_ms(req.timeout_ms, pool.timeout),
+            group_key=req.group_key,
         )
         for i, ref in enumerate(req.depends_on):
             kind = ref.WhichOneof("ref")
@@ -142,6 +146,7 @@ class Tasks:
         """What a task carries beyond its pool, key, run_at and dependencies, checked alike for a
         submission and for a schedule's template (each field named with `where` before it)."""
         check_text(f"{where}content_type", req.content_type, MAX_CONTENT_TYPE)
+        check_text(f"{where}group_key", req.group_key, MAX_GROUP_KEY_BYTES, in_bytes=True)
         limit = self._config.limits.max_payload_bytes
         if len(req.payload) > limit:
             raise invalid(f"{where}payload: {len(req.payload)} bytes exceeds limits.max_payload_bytes {limit}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 class State(enum.IntEnum):
@@ -32,7 +32,7 @@ LEASE_EXPIRED = "lease expired"
 TASK_COLUMNS = (
     "seq, pool, key, payload, content_type, priority, run_at, max_attempts, depends_on, resources, "
     "state, attempt, worker_id, result, result_content_type, error, created_at, started_at, "
-    "finished_at, cancel_requested, lease_expires_at, timeout_ms"
+    "finished_at, cancel_requested, lease_expires_at, timeout_ms, group_key"
 )
 
 
@@ -60,6 +60,7 @@ class TaskRow:
     cancel_requested: bool
     lease_expires_at: int | None
     timeout_ms: int = 0  # each attempt's execution timeout; 0: none
+    group_key: str = ""  # SubmitTaskRequest.group_key; "": none
 
 
 @dataclass(slots=True)
@@ -75,6 +76,7 @@ class NewTask:
     max_attempts: int
     resources: dict[str, int] = field(default_factory=dict)
     timeout_ms: int = 0
+    group_key: str = ""
     dep_seqs: list[int] = field(default_factory=list)
     dep_keys: list[str] = field(default_factory=list)
     # Indices of earlier tasks of the same batch (their keys, resolved by the core).
@@ -177,6 +179,7 @@ class ScheduleRow:
     last_fire_at: int | None = None
     created_at: int = 0
     updated_at: int = 0
+    group_key: str = ""  # of each fired task
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +253,17 @@ EVENT_COLUMNS = f"task_seq, state, attempt, at, pool, prev_state, {EVENT_TASK_CO
 RetryAt = Callable[[str, int, int, int], int]
 
 
+class Held(NamedTuple):
+    """What a RUNNING attempt holds until it ends: its resources, and a place of its group
+    when its pool caps groups (core/resources.py)."""
+
+    seq: int
+    attempt: int
+    resources: dict[str, int]
+    pool: str = ""
+    group_key: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class StoreSettings:
     shard_name: str
@@ -261,6 +275,8 @@ class StoreSettings:
     max_pending_per_pool: int | None = None
     # Tasks' overhead in a lease reply beyond payload, key and content type (an estimate).
     lease_overhead_bytes: int = 256
+    # The pools that cap their groups (max_running_per_group): leased round robin across groups.
+    group_pools: frozenset[str] = frozenset()
 
 
 class StoreRefused(Exception):
@@ -343,9 +359,14 @@ class Store(Protocol):
         now: int,
         max_bytes: int = 0,
         free: Mapping[str, int] | None = None,
+        groups: Mapping[str, tuple[int, Mapping[str, int]]] | None = None,
     ) -> tuple[list[TaskRow], int | None]:
         """Leases up to limit PENDING tasks (priority, then run_at, then seq), and while
         max_bytes > 0, only as many as fit in max_bytes (the first one always).
+
+        groups: of the pools that cap their groups (settings.group_pools, each given), the cap
+        and what runs per group: their tasks are taken by (priority, rank, seq), round robin
+        across groups, none of a group at its cap (store/fair.py).
 
         free: when given, what of each resource these tasks may take together; a task naming
         a resource not in it, or more than is left of it, is skipped (the tasks behind it are
@@ -354,8 +375,13 @@ class Store(Protocol):
         Returns the leased rows, and when none is due, the earliest future run_at.
         """
 
-    async def running_resources(self) -> list[tuple[int, int, str, dict[str, int]]]:
-        """(seq, attempt, worker id, resources) of every RUNNING task that names resources."""
+    async def running_resources(self) -> list[tuple[str, Held]]:
+        """(worker id, what it holds) of every RUNNING task that names resources or is of a pool
+        that caps its groups."""
+
+    async def load_ranks(self) -> None:
+        """Rebuilds the ranks of the pools that cap their groups (store/fair.py) from the
+        stored tasks: when a server takes over, before it leases."""
 
     async def heartbeat(self, worker_id: str, attempts: list[tuple[int, int]], now: int) -> tuple[list[int], list[int]]:
         """Extends the leases held; returns (cancel-requested seqs, lost seqs)."""
@@ -371,8 +397,10 @@ class Store(Protocol):
         limit: int,
         now: int,
         max_bytes: int = 0,
+        free: Mapping[str, int] | None = None,
+        groups: Mapping[str, tuple[int, Mapping[str, int]]] | None = None,
     ) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
-        """finish, then (limit > 0) lease without resources: as one transaction where the store can."""
+        """finish, then (limit > 0) lease as `lease` does: as one transaction where the store can."""
 
     async def expire_leases(self, now: int) -> tuple[Changes, list[tuple[int, int]]]:
         """Ends every lease past its expiry; returns the changes and the (seq, attempt) ended."""
@@ -426,6 +454,10 @@ class Store(Protocol):
         """Removes workers last seen before seen_before (µs); returns their ids."""
 
     async def count_by_pool_and_state(self) -> dict[tuple[str, State], int]: ...
+
+    async def pending_by_group(self, pool: str, most: int, also: list[str]) -> dict[str, int]:
+        """PENDING tasks per group of a pool: the `most` groups with the most, and those named
+        in `also` that have any."""
 
     async def oldest_due_pending(self, pools: list[str], now: int) -> dict[str, int]:
         """For each of these pools with a PENDING task due by now: max(run_at, created_at) of

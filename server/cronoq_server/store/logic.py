@@ -66,6 +66,7 @@ def task_row(r: Any) -> TaskRow:
         cancel_requested=bool(r[19]),
         lease_expires_at=r[20],
         timeout_ms=r[21],
+        group_key=r[22],
     )
 
 
@@ -405,14 +406,14 @@ def pool_pause(r: Any) -> PoolPause:
 
 SCHEDULE_COLUMNS = (
     "pool, name, cron, timezone, payload, content_type, priority, max_attempts, resources, timeout_ms, "
-    "paused, fire_all_missed, next_fire_at, last_fire_at, created_at, updated_at"
+    "paused, fire_all_missed, next_fire_at, last_fire_at, created_at, updated_at, group_key"
 )
 # What a Put of an existing schedule replaces (its last_fire_at and created_at are kept).
 SCHEDULE_UPSERT = (
     " ON CONFLICT (pool, name) DO UPDATE SET cron = excluded.cron, timezone = excluded.timezone,"
     " payload = excluded.payload, content_type = excluded.content_type, priority = excluded.priority,"
     " max_attempts = excluded.max_attempts, resources = excluded.resources, timeout_ms = excluded.timeout_ms,"
-    " paused = excluded.paused, fire_all_missed = excluded.fire_all_missed,"
+    " paused = excluded.paused, fire_all_missed = excluded.fire_all_missed, group_key = excluded.group_key,"
     " next_fire_at = excluded.next_fire_at, updated_at = excluded.updated_at"
     f" RETURNING {SCHEDULE_COLUMNS}"
 )
@@ -437,6 +438,7 @@ def schedule_row(r: Any) -> ScheduleRow:
         last_fire_at=r[13],
         created_at=r[14],
         updated_at=r[15],
+        group_key=r[16],
     )
 
 
@@ -445,7 +447,7 @@ def schedule_values(s: ScheduleRow, now: int) -> tuple[Any, ...]:
     resources = json.dumps(s.resources) if s.resources else None
     return (
         s.pool, s.name, s.cron, s.timezone, s.payload, s.content_type, s.priority, s.max_attempts, resources,
-        s.timeout_ms, s.paused, s.fire_all_missed, s.next_fire_at, None, now, now,
+        s.timeout_ms, s.paused, s.fire_all_missed, s.next_fire_at, None, now, now, s.group_key,
     )  # fmt: skip
 
 

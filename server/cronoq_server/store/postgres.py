@@ -33,6 +33,7 @@ from .base import (
     Changes,
     EventRow,
     Fenced,
+    Held,
     NewTask,
     Outcome,
     OutcomeKind,
@@ -49,6 +50,7 @@ from .base import (
     WorkerRow,
     schema_too_new,
 )
+from .fair import RANK_BATCH, Candidate, GroupRanks, choose, fair_window, first_rank, rank_keep, rank_reset, row_bytes
 from .logic import (
     HEARTBEAT_COLUMNS,
     LEASE_RESOURCE_WINDOW,
@@ -236,6 +238,16 @@ MIGRATIONS: dict[int, list[str]] = {
             paused_at bigint,
             paused_by text NOT NULL DEFAULT '')""",
     ],
+    9: [
+        # A task's group (SubmitTaskRequest.group_key), and the one a schedule gives its fired tasks;
+        # its rank in a pool that caps its groups (store/fair.py: NULL elsewhere, 0 until due).
+        """ALTER TABLE {s}.tasks ADD COLUMN group_key text NOT NULL DEFAULT ''""",
+        """ALTER TABLE {s}.schedules ADD COLUMN group_key text NOT NULL DEFAULT ''""",
+        """ALTER TABLE {s}.tasks ADD COLUMN group_rank bigint""",
+        """CREATE INDEX tasks_fair ON {s}.tasks (pool, priority DESC, group_rank, seq)
+            WHERE state = 1 AND group_rank > 0""",
+        """CREATE INDEX tasks_unranked ON {s}.tasks (pool, run_at) WHERE state = 1 AND group_rank = 0""",
+    ],
 }
 WORKER_COLUMNS = "id, name, pools, concurrency, labels, registered_at, last_seen_at, principal"
 
@@ -337,6 +349,10 @@ class PostgresStore:
         self._submits: deque[_SubmitOp] = deque()
         self._committer: asyncio.Task[None] | None = None
         self._cols = ", ".join(f"t.{c.strip()}" for c in TASK_COLUMNS.split(","))
+        # The leader's, used on its event loop (store/fair.py).
+        self._ranks = GroupRanks(settings.group_pools)
+        self._rank_reset = rank_reset(settings.group_pools)
+        self._rank_keep = rank_keep(settings.group_pools)
 
     def _full_id(self, seq: int) -> int:
         return make_task_id(self.settings.shard_number, seq)
@@ -503,6 +519,15 @@ class PostgresStore:
         rows = await self._read(lambda c: c.fetch(sql))
         return {(r[0], State(r[1])): r[2] for r in rows}
 
+    async def pending_by_group(self, pool: str, most: int, also: list[str]) -> dict[str, int]:
+        pending = "SELECT group_key, count(*) AS n FROM {s}.tasks WHERE state = 1 AND pool = $1"
+        sql = self._sql(
+            f"(SELECT * FROM ({pending} GROUP BY group_key ORDER BY n DESC, group_key LIMIT $2) AS top)"
+            f" UNION (SELECT * FROM ({pending} AND group_key = ANY($3::text[]) GROUP BY group_key) AS named)"
+        )
+        rows = await self._read(lambda c: c.fetch(sql, pool, most, also))
+        return {r[0]: r[1] for r in rows}
+
     def _nothing_blocked(self) -> bool:
         return self._blocking_submits == 0 and self._no_blocked_since == self._blocked_generation
 
@@ -633,17 +658,18 @@ class PostgresStore:
             "WITH ids AS MATERIALIZED (SELECT n, nextval(pg_get_serial_sequence('{s}.tasks', 'seq')) AS seq"
             " FROM generate_series(1, $10::int) AS n),"
             " u AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int[], $5::bigint[], $6::int[],"
-            " $7::text[], $12::bigint[], $13::int[], $8::bigint[]) WITH ORDINALITY AS u(pool, payload, content_type,"
-            " priority, run_at, max_attempts, resources, timeout_ms, op, now, n)),"
+            " $7::text[], $12::bigint[], $15::text[], $16::bigint[], $13::int[], $8::bigint[]) WITH ORDINALITY"
+            " AS u(pool, payload, content_type, priority, run_at, max_attempts, resources, timeout_ms, group_key,"
+            " group_rank, op, now, n)),"
             " ops AS (SELECT * FROM unnest($11::text[], $14::bigint[]) WITH ORDINALITY AS o(rid, now, op)),"
             " req AS (INSERT INTO {s}.requests (id, created, created_at)"
             " SELECT o.rid, (SELECT json_agg(json_build_array(ids.seq, false) ORDER BY ids.n) FROM u"
             " JOIN ids ON ids.n = u.n WHERE u.op = o.op)::text, o.now FROM ops o WHERE o.rid IS NOT NULL AND {fence}"
             " ON CONFLICT (id) DO NOTHING RETURNING id),"
             " ins AS (INSERT INTO {s}.tasks (seq, pool, payload, content_type, priority, run_at, max_attempts,"
-            " resources, state, created_at, timeout_ms)"
+            " resources, state, created_at, timeout_ms, group_key, group_rank)"
             " SELECT ids.seq, u.pool, u.payload, u.content_type, u.priority, u.run_at, u.max_attempts,"
-            " u.resources, 1, u.now, u.timeout_ms"
+            " u.resources, 1, u.now, u.timeout_ms, u.group_key, u.group_rank"
             " FROM u JOIN ids ON ids.n = u.n JOIN ops ON ops.op = u.op"
             " WHERE {fence} AND (ops.rid IS NULL OR ops.rid IN (SELECT id FROM req))"
             f" RETURNING seq, pool, created_at, {EVENT_TASK_COLUMNS}),"
@@ -666,6 +692,11 @@ class PostgresStore:
             [t.timeout_ms for _, _, t in tasks],
             [i for i, _, _ in tasks],
             [op.now for op in ops],
+            [t.group_key for _, _, t in tasks],
+            [
+                first_rank(self._ranks, t.pool, t.group_key, True, at, op.now)
+                for (_, op, t), at in zip(tasks, run_at, strict=True)
+            ],
         )
         if conn is None:
             rows = await self._fenced_fetch(sql, *args)
@@ -687,6 +718,7 @@ class PostgresStore:
                         depends_on=[], resources=t.resources, state=State.PENDING, attempt=0, worker_id=None,
                         result=None, result_content_type="", error="", created_at=op.now, started_at=None,
                         finished_at=None, cancel_requested=False, lease_expires_at=None, timeout_ms=t.timeout_ms,
+                        group_key=t.group_key,
                     ),
                     False,
                 )
@@ -759,12 +791,13 @@ class PostgresStore:
                 max_attempts=task.max_attempts, depends_on=dep_list, resources=task.resources, state=state,
                 attempt=0, worker_id=None, result=None, result_content_type="", error=error, created_at=now,
                 started_at=None, finished_at=now if state in TERMINAL else None, cancel_requested=False,
-                lease_expires_at=None, timeout_ms=task.timeout_ms,
+                lease_expires_at=None, timeout_ms=task.timeout_ms, group_key=task.group_key,
             )  # fmt: skip
             inserts.append((
                 seq, row.pool, row.key, row.payload, row.content_type, row.priority, row.run_at, row.max_attempts,
                 json.dumps(dep_list) if dep_list else None, json.dumps(row.resources) if row.resources else None,
-                int(state), error, now, row.finished_at, blocked_on, task.timeout_ms,
+                int(state), error, now, row.finished_at, blocked_on, task.timeout_ms, task.group_key,
+                first_rank(self._ranks, row.pool, row.group_key, state == State.PENDING, row.run_at, now),
             ))  # fmt: skip
             dep_rows += [(seq, d) for d in dep_list]
             dep_state[seq] = state  # later tasks of this call may name it by id or key
@@ -778,11 +811,13 @@ class PostgresStore:
                 self._sql(
                     "WITH ins AS (INSERT INTO {s}.tasks (seq, pool, key, payload, content_type, priority, run_at,"
                     " max_attempts, depends_on, resources, state, error, created_at, finished_at, blocked_on,"
-                    " timeout_ms)"
+                    " timeout_ms, group_key, group_rank)"
                     " SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::int[],"
                     " $7::bigint[], $8::int[], $9::text[], $10::text[], $11::smallint[], $12::text[], $13::bigint[],"
-                    f" $14::bigint[], $15::int[], $16::bigint[]) RETURNING seq, pool, state, {EVENT_TASK_COLUMNS})"
-                    f" {INSERT_EVENTS} SELECT seq, state, 0, $17, pool, 0, {EVENT_TASK_COLUMNS} FROM ins ORDER BY seq"
+                    " $14::bigint[], $15::int[], $16::bigint[], $17::text[], $18::bigint[])"
+                    f" RETURNING seq, pool, state, {EVENT_TASK_COLUMNS})"
+                    f" {INSERT_EVENTS} SELECT seq, state, 0, $19, pool, 0, {EVENT_TASK_COLUMNS}"
+                    " FROM ins ORDER BY seq"
                 ),
                 *[list(c) for c in columns],
                 now,
@@ -819,18 +854,98 @@ class PostgresStore:
         now: int,
         max_bytes: int = 0,
         free: Mapping[str, int] | None = None,
+        groups: Mapping[str, tuple[int, Mapping[str, int]]] | None = None,
     ) -> tuple[list[TaskRow], int | None]:
-        ctes, args = self._lease_ctes(worker_id, pools, limit, now, max_bytes, free)
-        rows = [task_row(r) for r in await self._fenced_fetch(self._sql(f"WITH {ctes} SELECT * FROM leased"), *args)]
-        return await self._leased(rows, pools)
+        fair = [p for p in pools if p in self.settings.group_pools]
+        rows: list[TaskRow] = []
+        if fair:
+            assert groups is not None and set(fair) <= set(groups), "a lease of a pool that caps groups needs its room"
+            room = {p: groups[p] for p in fair}
+            rows = await self._tx(lambda c: self._lease_fair(c, worker_id, fair, limit, now, max_bytes, free, room))
+            pools = [p for p in pools if p not in self.settings.group_pools]
+            limit -= len(rows)
+            if max_bytes > 0 and rows:
+                max_bytes = max(max_bytes - sum(row_bytes(r, self.settings.lease_overhead_bytes) for r in rows), 1)
+        if pools and limit > 0:
+            ctes, args = self._lease_ctes(worker_id, pools, limit, now, max_bytes, free)
+            sql = self._sql(f"WITH {ctes} SELECT * FROM leased")
+            rows += [task_row(r) for r in await self._fenced_fetch(sql, *args)]
+        return await self._leased(rows, pools, fair)
 
-    async def _leased(self, rows: list[TaskRow], pools: list[str]) -> tuple[list[TaskRow], int | None]:
-        """The rows a lease took in order; none: when the next pending task of the pools is due."""
+    async def _leased(
+        self, rows: list[TaskRow], pools: list[str], fair: Sequence[str] = ()
+    ) -> tuple[list[TaskRow], int | None]:
+        """The rows a lease took in order; none: when the next pending task of the pools is due
+        (of fair ones, that pool's next not yet ranked: those ranked wait for their group's place,
+        and a release tells)."""
         if rows:
             rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
             return rows, None
-        due_sql = self._sql("SELECT min(run_at) FROM {s}.tasks WHERE state = 1 AND pool = ANY($1::text[])")
-        return [], await self._read(lambda c: c.fetchval(due_sql, pools))
+        due_sql = self._sql(
+            "SELECT least((SELECT min(run_at) FROM {s}.tasks WHERE state = 1 AND pool = ANY($1::text[])),"
+            " (SELECT min(run_at) FROM {s}.tasks WHERE state = 1 AND group_rank = 0 AND pool = ANY($2::text[])))"
+        )
+        return [], await self._read(lambda c: c.fetchval(due_sql, pools, list(fair)))
+
+    async def _lease_fair(
+        self,
+        conn: asyncpg.Connection,
+        worker_id: str,
+        pools: list[str],
+        limit: int,
+        now: int,
+        max_bytes: int,
+        free: Mapping[str, int] | None,
+        room: Mapping[str, tuple[int, Mapping[str, int]]],
+    ) -> list[TaskRow]:
+        """Ranks the tasks of these pools that became due, then takes by (priority, rank, seq)
+        those store/fair.py chooses, in conn's (fenced) transaction: the rows read are locked
+        (SKIP LOCKED) until it ends."""
+        due = await conn.fetch(
+            self._sql(
+                "SELECT seq, pool, group_key FROM {s}.tasks WHERE state = 1 AND group_rank = 0"
+                f" AND pool = ANY($1::text[]) AND run_at <= $2 ORDER BY run_at, seq LIMIT {RANK_BATCH}"
+                " FOR UPDATE SKIP LOCKED"
+            ),
+            pools,
+            now,
+        )
+        if due:
+            await conn.execute(
+                self._sql(
+                    "UPDATE {s}.tasks t SET group_rank = u.rank FROM unnest($1::bigint[], $2::bigint[]) AS u(seq, rank)"
+                    " WHERE t.seq = u.seq"
+                ),
+                [r[0] for r in due],
+                [self._ranks.rank(r[1], r[2]) for r in due],
+            )
+        found = await conn.fetch(
+            self._sql(
+                f"SELECT x.seq, x.pool, x.group_key, x.size + $4, x.resources, x.priority, x.group_rank"
+                " FROM unnest($1::text[]) AS p(pool), LATERAL (SELECT t.seq, t.pool, t.group_key,"
+                f" {LEASE_SIZE} AS size, t.resources, t.priority, t.group_rank FROM {{s}}.tasks t"
+                " WHERE t.state = 1 AND t.group_rank > 0 AND t.pool = p.pool AND t.run_at <= $2"
+                " ORDER BY t.priority DESC, t.group_rank, t.seq LIMIT $3 FOR UPDATE SKIP LOCKED) AS x"
+                " ORDER BY x.priority DESC, x.group_rank, x.seq"
+            ),
+            pools,
+            now,
+            fair_window(limit, room),
+            self.settings.lease_overhead_bytes,
+        )
+        ranks = {r[0]: (r[1], r[6]) for r in found}
+        candidates = (Candidate(r[0], r[1], r[2], r[3], json.loads(r[4]) if r[4] else None) for r in found)
+        chosen = choose(candidates, room, limit, max_bytes, free)
+        if not chosen:
+            return []
+        ttl = self.settings.lease_ttl_us
+        sql = self._sql(
+            "WITH chosen AS (SELECT unnest($5::bigint[]) AS seq), " + self._take_ctes() + " SELECT * FROM leased"
+        )
+        rows = [task_row(r) for r in await conn.fetch(sql, now, worker_id, pools, [ttl[p] for p in pools], chosen)]
+        for r in rows:
+            self._ranks.served(*ranks[r.seq])
+        return rows
 
     def _lease_ctes(
         self,
@@ -887,8 +1002,19 @@ class PostgresStore:
             " AS upto FROM picked p JOIN {s}.tasks t ON t.seq = p.seq"
             " WINDOW w AS (ORDER BY p.priority DESC, p.run_at, p.seq)),"
             " chosen AS (SELECT seq FROM sized WHERE n = 1 OR $6::bigint <= 0 OR upto <= $6::bigint),"
-            " ttl AS (SELECT * FROM unnest($4::text[], $5::bigint[]) AS x(pool, ttl)),"
-            " leased AS (UPDATE {s}.tasks t SET state = 3, attempt = t.attempt + 1, worker_id = $3, started_at = $1,"
+            + self._take_ctes(worker="$3", pools="$4", ttls="$5")
+        )
+        overhead = self.settings.lease_overhead_bytes
+        return ctes, (now, limit, worker_id, pools, [ttl[p] for p in pools], max_bytes, overhead, *args)
+
+    def _take_ctes(self, worker: str = "$2", pools: str = "$3", ttls: str = "$4") -> str:
+        """The CTEs that lease the tasks `chosen` names (now is $1; the worker id, the pools and
+        their lease TTLs at these parameters): `leased` returns them in TASK_COLUMNS order, and
+        their events are inserted."""
+        return (
+            f" ttl AS (SELECT * FROM unnest({pools}::text[], {ttls}::bigint[]) AS x(pool, ttl)),"
+            " leased AS (UPDATE {s}.tasks t SET state = 3, attempt = t.attempt + 1,"
+            f" worker_id = {worker}, started_at = $1,"
             # Never past the attempt's deadline (started_at + timeout_ms); a timeout stored before the
             # API bounded it is taken at that bound, so its product fits a bigint.
             " lease_expires_at = $1 + CASE WHEN t.timeout_ms > 0"
@@ -897,13 +1023,31 @@ class PostgresStore:
             f" RETURNING {self._cols}),"
             f" lease_ev AS ({INSERT_EVENTS} SELECT seq, 3, attempt, $1, pool, 1, {EVENT_TASK_COLUMNS} FROM leased)"
         )
-        overhead = self.settings.lease_overhead_bytes
-        return ctes, (now, limit, worker_id, pools, [ttl[p] for p in pools], max_bytes, overhead, *args)
 
-    async def running_resources(self) -> list[tuple[int, int, str, dict[str, int]]]:
-        sql = "SELECT seq, attempt, worker_id, resources FROM {s}.tasks WHERE state = 3 AND resources IS NOT NULL"
-        rows = await self._read(lambda c: c.fetch(self._sql(sql)))
-        return [(r[0], r[1], r[2], json.loads(r[3])) for r in rows]
+    async def running_resources(self) -> list[tuple[str, Held]]:
+        sql = (
+            "SELECT worker_id, seq, attempt, resources, pool, group_key FROM {s}.tasks WHERE state = 3"
+            " AND (resources IS NOT NULL OR pool = ANY($1::text[]))"
+        )
+        rows = await self._read(lambda c: c.fetch(self._sql(sql), sorted(self.settings.group_pools)))
+        return [(r[0], Held(r[1], r[2], json.loads(r[3]) if r[3] else {}, r[4], r[5])) for r in rows]
+
+    async def load_ranks(self) -> None:
+        async def load(conn: asyncpg.Connection) -> None:
+            for pool in sorted(self.settings.group_pools):
+                # PENDING tasks stored before the pool capped its groups: ranked when due.
+                sql = "UPDATE {s}.tasks SET group_rank = 0 WHERE state = 1 AND pool = $1 AND group_rank IS NULL"
+                await conn.execute(self._sql(sql), pool)
+                sql = "SELECT min(group_rank) FROM {s}.tasks WHERE state = 1 AND group_rank > 0 AND pool = $1"
+                lowest = await conn.fetchval(self._sql(sql), pool)
+                sql = (
+                    "SELECT group_key, max(group_rank) FROM {s}.tasks WHERE state = 1 AND group_rank > 0"
+                    " AND pool = $1 GROUP BY group_key"
+                )
+                last = {r[0]: r[1] for r in await conn.fetch(self._sql(sql), pool)}
+                self._ranks.rebuild(pool, (lowest or 1) - 1, last)
+
+        await self._tx(load)
 
     async def heartbeat(self, worker_id: str, attempts: list[tuple[int, int]], now: int) -> tuple[list[int], list[int]]:
         async def beat(conn: asyncpg.Connection) -> tuple[list[int], list[int]]:
@@ -959,12 +1103,17 @@ class PostgresStore:
         limit: int,
         now: int,
         max_bytes: int = 0,
+        free: Mapping[str, int] | None = None,
+        groups: Mapping[str, tuple[int, Mapping[str, int]]] | None = None,
     ) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
         """finish, then lease: one statement (one round trip, one commit) when the outcomes take
-        the fast path, else one call after the other."""
-        if not outcomes or limit < 1 or not self._fast_finish(outcomes):
+        the fast path and the lease checks no resources and no groups, else one call after the
+        other."""
+        fair = any(p in self.settings.group_pools for p in pools)
+        if not outcomes or limit < 1 or free or fair or not self._fast_finish(outcomes):
             results, changes = await self.finish(worker_id, outcomes, now) if outcomes else ([], [])
-            rows, due = await self.lease(worker_id, pools, limit, now, max_bytes) if limit > 0 else ([], None)
+            lease = (worker_id, pools, limit, now, max_bytes, free, groups)
+            rows, due = await self.lease(*lease) if limit > 0 else ([], None)
             return results, changes, rows, due
         generation = self._blocked_generation
         ctes, args = self._lease_ctes(worker_id, pools, limit, now, max_bytes, None)
@@ -1024,7 +1173,7 @@ class PostgresStore:
         """
         rows = await conn.fetch(
             self._sql(
-                "WITH changed AS (UPDATE {s}.tasks t SET state = 1, blocked_on = 0"
+                f"WITH changed AS (UPDATE {{s}}.tasks t SET state = 1, blocked_on = 0, {self._rank_reset}"
                 " WHERE t.state = 2 AND t.seq IN (SELECT task_seq FROM {s}.deps WHERE dep_seq = ANY($1::bigint[]))"
                 " AND NOT EXISTS (SELECT 1 FROM {s}.deps d JOIN {s}.tasks x ON x.seq = d.dep_seq"
                 " WHERE d.task_seq = t.seq AND x.state <> 4)"
@@ -1066,7 +1215,7 @@ class PostgresStore:
             await conn.execute(
                 self._sql(
                     "UPDATE {s}.tasks t SET state = 1, run_at = u.run_at, error = u.error, worker_id = NULL,"
-                    " lease_expires_at = NULL FROM unnest($1::bigint[], $2::text[], $3::bigint[])"
+                    f" lease_expires_at = NULL, {self._rank_reset} FROM unnest($1::bigint[], $2::text[], $3::bigint[])"
                     " AS u(run_at, error, seq) WHERE t.seq = u.seq"
                 ),
                 *[list(c) for c in cols],
@@ -1075,7 +1224,7 @@ class PostgresStore:
             await conn.execute(
                 self._sql(
                     "UPDATE {s}.tasks SET state = 1, attempt = attempt - 1, worker_id = NULL, started_at = NULL,"
-                    " lease_expires_at = NULL WHERE seq = ANY($1::bigint[])"
+                    f" lease_expires_at = NULL, {self._rank_keep} WHERE seq = ANY($1::bigint[])"
                 ),
                 d.released,
             )
@@ -1250,8 +1399,9 @@ class PostgresStore:
                     "UPDATE {s}.tasks t SET state = u.state, run_at = u.run_at, max_attempts = u.max_attempts,"
                     " blocked_on = u.blocked_on, error = '', result = NULL, result_content_type = '',"
                     " finished_at = NULL, worker_id = NULL, started_at = NULL, lease_expires_at = NULL,"
-                    " cancel_requested = false FROM unnest($1::smallint[], $2::bigint[], $3::int[], $4::int[],"
-                    " $5::bigint[]) AS u(state, run_at, max_attempts, blocked_on, seq) WHERE t.seq = u.seq"
+                    f" cancel_requested = false, {self._rank_reset} FROM unnest($1::smallint[], $2::bigint[],"
+                    " $3::int[], $4::int[], $5::bigint[]) AS u(state, run_at, max_attempts, blocked_on, seq)"
+                    " WHERE t.seq = u.seq"
                 ),
                 *[list(c) for c in zip(*plan.retried, strict=True)],
             )
@@ -1464,11 +1614,9 @@ class PostgresStore:
     # -- schedules ------------------------------------------------------------
 
     async def put_schedule(self, schedule: ScheduleRow, now: int) -> ScheduleRow:
-        sql = self._sql(
-            f"INSERT INTO {{s}}.schedules ({SCHEDULE_COLUMNS})"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)" + SCHEDULE_UPSERT
-        )
         values = schedule_values(schedule, now)
+        marks = ", ".join(f"${n}" for n in range(1, len(values) + 1))
+        sql = self._sql(f"INSERT INTO {{s}}.schedules ({SCHEDULE_COLUMNS}) VALUES ({marks})" + SCHEDULE_UPSERT)
         return schedule_row(await self._tx(lambda c: c.fetchrow(sql, *values)))
 
     async def delete_schedule(self, pool: str, name: str) -> bool:

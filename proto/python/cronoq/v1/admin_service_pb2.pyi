@@ -50,6 +50,8 @@ class PoolCounts(_message.Message):
     FAILED_FIELD_NUMBER: _builtins.int
     CANCELLED_FIELD_NUMBER: _builtins.int
     PAUSED_FIELD_NUMBER: _builtins.int
+    MAX_RUNNING_PER_GROUP_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     pending: _builtins.int
     blocked: _builtins.int
@@ -59,6 +61,14 @@ class PoolCounts(_message.Message):
     cancelled: _builtins.int
     paused: _builtins.bool
     """Paused (PausePool): nothing is leased."""
+    max_running_per_group: _builtins.int
+    """The pool's max_running_per_group (0: the pool has no per-group cap)."""
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupCounts]:
+        """In a pool with max_running_per_group: the groups with the most tasks pending and running
+        (at most 10, most first).
+        """
+
     def __init__(
         self,
         *,
@@ -70,14 +80,43 @@ class PoolCounts(_message.Message):
         failed: _builtins.int = ...,
         cancelled: _builtins.int = ...,
         paused: _builtins.bool = ...,
+        max_running_per_group: _builtins.int = ...,
+        groups: _abc.Iterable[Global___GroupCounts] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked", b"blocked", "cancelled", b"cancelled", "failed", b"failed", "paused", b"paused", "pending", b"pending", "pool", b"pool", "running", b"running", "succeeded", b"succeeded"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked", b"blocked", "cancelled", b"cancelled", "failed", b"failed", "groups", b"groups", "max_running_per_group", b"max_running_per_group", "paused", b"paused", "pending", b"pending", "pool", b"pool", "running", b"running", "succeeded", b"succeeded"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PoolCounts: _TypeAlias = PoolCounts  # noqa: Y015
+
+@_typing.final
+class GroupCounts(_message.Message):
+    """One group of a pool (SubmitTaskRequest.group_key; "" is the tasks without one)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_KEY_FIELD_NUMBER: _builtins.int
+    PENDING_FIELD_NUMBER: _builtins.int
+    RUNNING_FIELD_NUMBER: _builtins.int
+    group_key: _builtins.str
+    pending: _builtins.int
+    running: _builtins.int
+    def __init__(
+        self,
+        *,
+        group_key: _builtins.str = ...,
+        pending: _builtins.int = ...,
+        running: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_key", b"group_key", "pending", b"pending", "running", b"running"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupCounts: _TypeAlias = GroupCounts  # noqa: Y015
 
 @_typing.final
 class ResourceUsage(_message.Message):
@@ -88,6 +127,9 @@ class ResourceUsage(_message.Message):
     CAPACITY_FIELD_NUMBER: _builtins.int
     RATE_FIELD_NUMBER: _builtins.int
     BURST_FIELD_NUMBER: _builtins.int
+    PER_KEY_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    KEYS_AT_LIMIT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     in_use: _builtins.int
     """Concurrency resources: slots held and capacity."""
@@ -95,6 +137,16 @@ class ResourceUsage(_message.Message):
     rate: _builtins.float
     """Rate resources: starts per second and burst."""
     burst: _builtins.int
+    per_key: _builtins.bool
+    """A keyed resource (per_key = true): each key ("name:key" in a task's resources) has its
+    own slots or bucket of the sizes above; in_use is then the sum over the keys.
+    """
+    keys: _builtins.int
+    """Keyed: the keys that hold slots or have spent tokens now."""
+    @_builtins.property
+    def keys_at_limit(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Keyed: the keys at their limit (no slot free, or no token), at most 10."""
+
     def __init__(
         self,
         *,
@@ -103,10 +155,13 @@ class ResourceUsage(_message.Message):
         capacity: _builtins.int = ...,
         rate: _builtins.float = ...,
         burst: _builtins.int = ...,
+        per_key: _builtins.bool = ...,
+        keys: _builtins.int = ...,
+        keys_at_limit: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["burst", b"burst", "capacity", b"capacity", "in_use", b"in_use", "name", b"name", "rate", b"rate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["burst", b"burst", "capacity", b"capacity", "in_use", b"in_use", "keys", b"keys", "keys_at_limit", b"keys_at_limit", "name", b"name", "per_key", b"per_key", "rate", b"rate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

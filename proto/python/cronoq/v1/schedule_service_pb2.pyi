@@ -59,6 +59,7 @@ class Schedule(_message.Message):
     LAST_FIRE_AT_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     FIRE_ALL_MISSED_FIELD_NUMBER: _builtins.int
+    GROUP_KEY_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     name: _builtins.str
     cron: _builtins.str
@@ -77,6 +78,8 @@ class Schedule(_message.Message):
     """The timeout of each fired task (0: the pool's)."""
     fire_all_missed: _builtins.bool
     """After downtime, fire every missed slot rather than only the latest."""
+    group_key: _builtins.str
+    """The group_key of each fired task (SubmitTaskRequest.group_key)."""
     @_builtins.property
     def resources(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     @_builtins.property
@@ -100,10 +103,11 @@ class Schedule(_message.Message):
         last_fire_at: _timestamp_pb2.Timestamp | None = ...,
         timeout_ms: _builtins.int = ...,
         fire_all_missed: _builtins.bool = ...,
+        group_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_fire_at", b"last_fire_at", "next_fire_at", b"next_fire_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "cron", b"cron", "fire_all_missed", b"fire_all_missed", "last_fire_at", b"last_fire_at", "max_attempts", b"max_attempts", "name", b"name", "next_fire_at", b"next_fire_at", "paused", b"paused", "payload", b"payload", "pool", b"pool", "priority", b"priority", "resources", b"resources", "timeout_ms", b"timeout_ms", "timezone", b"timezone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "cron", b"cron", "fire_all_missed", b"fire_all_missed", "group_key", b"group_key", "last_fire_at", b"last_fire_at", "max_attempts", b"max_attempts", "name", b"name", "next_fire_at", b"next_fire_at", "paused", b"paused", "payload", b"payload", "pool", b"pool", "priority", b"priority", "resources", b"resources", "timeout_ms", b"timeout_ms", "timezone", b"timezone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

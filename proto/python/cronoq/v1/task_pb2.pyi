@@ -150,6 +150,7 @@ class Task(_message.Message):
     LEASE_EXPIRES_AT_FIELD_NUMBER: _builtins.int
     RESULT_CONTENT_TYPE_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    GROUP_KEY_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Top 8 bits: shard number (0 unsharded); low 56 bits: per-shard sequence."""
     pool: _builtins.str
@@ -170,6 +171,8 @@ class Task(_message.Message):
     """The execution timeout of each attempt, in milliseconds (0: none): the worker cancels the
     handler past it, and the lease is never extended past started_at + timeout_ms.
     """
+    group_key: _builtins.str
+    """The task's group (SubmitTaskRequest.group_key)."""
     @_builtins.property
     def run_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -211,10 +214,11 @@ class Task(_message.Message):
         lease_expires_at: _timestamp_pb2.Timestamp | None = ...,
         result_content_type: _builtins.str = ...,
         timeout_ms: _builtins.int = ...,
+        group_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "finished_at", b"finished_at", "lease_expires_at", b"lease_expires_at", "run_at", b"run_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel_requested", b"cancel_requested", "content_type", b"content_type", "created_at", b"created_at", "depends_on", b"depends_on", "error", b"error", "finished_at", b"finished_at", "id", b"id", "key", b"key", "lease_expires_at", b"lease_expires_at", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "resources", b"resources", "result", b"result", "result_content_type", b"result_content_type", "run_at", b"run_at", "started_at", b"started_at", "state", b"state", "timeout_ms", b"timeout_ms", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel_requested", b"cancel_requested", "content_type", b"content_type", "created_at", b"created_at", "depends_on", b"depends_on", "error", b"error", "finished_at", b"finished_at", "group_key", b"group_key", "id", b"id", "key", b"key", "lease_expires_at", b"lease_expires_at", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "resources", b"resources", "result", b"result", "result_content_type", b"result_content_type", "run_at", b"run_at", "started_at", b"started_at", "state", b"state", "timeout_ms", b"timeout_ms", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

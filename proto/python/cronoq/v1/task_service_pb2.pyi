@@ -55,6 +55,7 @@ class SubmitTaskRequest(_message.Message):
     RESOURCES_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    GROUP_KEY_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     key: _builtins.str
     """Deduplicates within a shard."""
@@ -71,6 +72,12 @@ class SubmitTaskRequest(_message.Message):
     timeout_ms: _builtins.int
     """The execution timeout of each attempt (0: the pool's `timeout`, if any); capped by the pool's.
     0 to 604800000 (7 days).
+    """
+    group_key: _builtins.str
+    """The task's group (empty: none; at most 256 bytes, printable). In a pool with
+    max_running_per_group, at most that many tasks of one group run at once and leases take
+    the groups with due tasks in turn; tasks without a group are one group. Elsewhere it is
+    only stored.
     """
     @_builtins.property
     def run_at(self) -> _timestamp_pb2.Timestamp:
@@ -98,10 +105,11 @@ class SubmitTaskRequest(_message.Message):
         resources: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         request_id: _builtins.str = ...,
         timeout_ms: _builtins.int = ...,
+        group_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["run_at", b"run_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "depends_on", b"depends_on", "key", b"key", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "request_id", b"request_id", "resources", b"resources", "run_at", b"run_at", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "depends_on", b"depends_on", "group_key", b"group_key", "key", b"key", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "request_id", b"request_id", "resources", b"resources", "run_at", b"run_at", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -81,7 +81,12 @@ type PoolCounts struct {
 	Failed    int64                  `protobuf:"varint,6,opt,name=failed,proto3" json:"failed,omitempty"`
 	Cancelled int64                  `protobuf:"varint,7,opt,name=cancelled,proto3" json:"cancelled,omitempty"`
 	// Paused (PausePool): nothing is leased.
-	Paused        bool `protobuf:"varint,8,opt,name=paused,proto3" json:"paused,omitempty"`
+	Paused bool `protobuf:"varint,8,opt,name=paused,proto3" json:"paused,omitempty"`
+	// The pool's max_running_per_group (0: the pool has no per-group cap).
+	MaxRunningPerGroup int32 `protobuf:"varint,9,opt,name=max_running_per_group,json=maxRunningPerGroup,proto3" json:"max_running_per_group,omitempty"`
+	// In a pool with max_running_per_group: the groups with the most tasks pending and running
+	// (at most 10, most first).
+	Groups        []*GroupCounts `protobuf:"bytes,10,rep,name=groups,proto3" json:"groups,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -172,6 +177,81 @@ func (x *PoolCounts) GetPaused() bool {
 	return false
 }
 
+func (x *PoolCounts) GetMaxRunningPerGroup() int32 {
+	if x != nil {
+		return x.MaxRunningPerGroup
+	}
+	return 0
+}
+
+func (x *PoolCounts) GetGroups() []*GroupCounts {
+	if x != nil {
+		return x.Groups
+	}
+	return nil
+}
+
+// One group of a pool (SubmitTaskRequest.group_key; "" is the tasks without one).
+type GroupCounts struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	GroupKey      string                 `protobuf:"bytes,1,opt,name=group_key,json=groupKey,proto3" json:"group_key,omitempty"`
+	Pending       int64                  `protobuf:"varint,2,opt,name=pending,proto3" json:"pending,omitempty"`
+	Running       int64                  `protobuf:"varint,3,opt,name=running,proto3" json:"running,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GroupCounts) Reset() {
+	*x = GroupCounts{}
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GroupCounts) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GroupCounts) ProtoMessage() {}
+
+func (x *GroupCounts) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GroupCounts.ProtoReflect.Descriptor instead.
+func (*GroupCounts) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *GroupCounts) GetGroupKey() string {
+	if x != nil {
+		return x.GroupKey
+	}
+	return ""
+}
+
+func (x *GroupCounts) GetPending() int64 {
+	if x != nil {
+		return x.Pending
+	}
+	return 0
+}
+
+func (x *GroupCounts) GetRunning() int64 {
+	if x != nil {
+		return x.Running
+	}
+	return 0
+}
+
 type ResourceUsage struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
@@ -179,15 +259,22 @@ type ResourceUsage struct {
 	InUse    int64 `protobuf:"varint,2,opt,name=in_use,json=inUse,proto3" json:"in_use,omitempty"`
 	Capacity int64 `protobuf:"varint,3,opt,name=capacity,proto3" json:"capacity,omitempty"`
 	// Rate resources: starts per second and burst.
-	Rate          float64 `protobuf:"fixed64,4,opt,name=rate,proto3" json:"rate,omitempty"`
-	Burst         int64   `protobuf:"varint,5,opt,name=burst,proto3" json:"burst,omitempty"`
+	Rate  float64 `protobuf:"fixed64,4,opt,name=rate,proto3" json:"rate,omitempty"`
+	Burst int64   `protobuf:"varint,5,opt,name=burst,proto3" json:"burst,omitempty"`
+	// A keyed resource (per_key = true): each key ("name:key" in a task's resources) has its
+	// own slots or bucket of the sizes above; in_use is then the sum over the keys.
+	PerKey bool `protobuf:"varint,6,opt,name=per_key,json=perKey,proto3" json:"per_key,omitempty"`
+	// Keyed: the keys that hold slots or have spent tokens now.
+	Keys int64 `protobuf:"varint,7,opt,name=keys,proto3" json:"keys,omitempty"`
+	// Keyed: the keys at their limit (no slot free, or no token), at most 10.
+	KeysAtLimit   []string `protobuf:"bytes,8,rep,name=keys_at_limit,json=keysAtLimit,proto3" json:"keys_at_limit,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ResourceUsage) Reset() {
 	*x = ResourceUsage{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[1]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -199,7 +286,7 @@ func (x *ResourceUsage) String() string {
 func (*ResourceUsage) ProtoMessage() {}
 
 func (x *ResourceUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[1]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -212,7 +299,7 @@ func (x *ResourceUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResourceUsage.ProtoReflect.Descriptor instead.
 func (*ResourceUsage) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{1}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *ResourceUsage) GetName() string {
@@ -250,6 +337,27 @@ func (x *ResourceUsage) GetBurst() int64 {
 	return 0
 }
 
+func (x *ResourceUsage) GetPerKey() bool {
+	if x != nil {
+		return x.PerKey
+	}
+	return false
+}
+
+func (x *ResourceUsage) GetKeys() int64 {
+	if x != nil {
+		return x.Keys
+	}
+	return 0
+}
+
+func (x *ResourceUsage) GetKeysAtLimit() []string {
+	if x != nil {
+		return x.KeysAtLimit
+	}
+	return nil
+}
+
 type ShardSnapshot struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Shard  string                 `protobuf:"bytes,1,opt,name=shard,proto3" json:"shard,omitempty"`
@@ -272,7 +380,7 @@ type ShardSnapshot struct {
 
 func (x *ShardSnapshot) Reset() {
 	*x = ShardSnapshot{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[2]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -284,7 +392,7 @@ func (x *ShardSnapshot) String() string {
 func (*ShardSnapshot) ProtoMessage() {}
 
 func (x *ShardSnapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[2]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -297,7 +405,7 @@ func (x *ShardSnapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ShardSnapshot.ProtoReflect.Descriptor instead.
 func (*ShardSnapshot) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{2}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *ShardSnapshot) GetShard() string {
@@ -384,7 +492,7 @@ type PoolActivity struct {
 
 func (x *PoolActivity) Reset() {
 	*x = PoolActivity{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[3]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -396,7 +504,7 @@ func (x *PoolActivity) String() string {
 func (*PoolActivity) ProtoMessage() {}
 
 func (x *PoolActivity) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[3]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -409,7 +517,7 @@ func (x *PoolActivity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolActivity.ProtoReflect.Descriptor instead.
 func (*PoolActivity) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{3}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *PoolActivity) GetPool() string {
@@ -484,7 +592,7 @@ type PausePoolRequest struct {
 
 func (x *PausePoolRequest) Reset() {
 	*x = PausePoolRequest{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[4]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -496,7 +604,7 @@ func (x *PausePoolRequest) String() string {
 func (*PausePoolRequest) ProtoMessage() {}
 
 func (x *PausePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[4]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -509,7 +617,7 @@ func (x *PausePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PausePoolRequest.ProtoReflect.Descriptor instead.
 func (*PausePoolRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{4}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *PausePoolRequest) GetPool() string {
@@ -528,7 +636,7 @@ type PausePoolResponse struct {
 
 func (x *PausePoolResponse) Reset() {
 	*x = PausePoolResponse{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[5]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -540,7 +648,7 @@ func (x *PausePoolResponse) String() string {
 func (*PausePoolResponse) ProtoMessage() {}
 
 func (x *PausePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[5]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -553,7 +661,7 @@ func (x *PausePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PausePoolResponse.ProtoReflect.Descriptor instead.
 func (*PausePoolResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{5}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *PausePoolResponse) GetPause() *PoolPause {
@@ -572,7 +680,7 @@ type ResumePoolRequest struct {
 
 func (x *ResumePoolRequest) Reset() {
 	*x = ResumePoolRequest{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[6]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -584,7 +692,7 @@ func (x *ResumePoolRequest) String() string {
 func (*ResumePoolRequest) ProtoMessage() {}
 
 func (x *ResumePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[6]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -597,7 +705,7 @@ func (x *ResumePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumePoolRequest.ProtoReflect.Descriptor instead.
 func (*ResumePoolRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{6}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ResumePoolRequest) GetPool() string {
@@ -616,7 +724,7 @@ type ResumePoolResponse struct {
 
 func (x *ResumePoolResponse) Reset() {
 	*x = ResumePoolResponse{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[7]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -628,7 +736,7 @@ func (x *ResumePoolResponse) String() string {
 func (*ResumePoolResponse) ProtoMessage() {}
 
 func (x *ResumePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[7]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -641,7 +749,7 @@ func (x *ResumePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumePoolResponse.ProtoReflect.Descriptor instead.
 func (*ResumePoolResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{7}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *ResumePoolResponse) GetPause() *PoolPause {
@@ -666,7 +774,7 @@ type PoolPause struct {
 
 func (x *PoolPause) Reset() {
 	*x = PoolPause{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[8]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -678,7 +786,7 @@ func (x *PoolPause) String() string {
 func (*PoolPause) ProtoMessage() {}
 
 func (x *PoolPause) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[8]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -691,7 +799,7 @@ func (x *PoolPause) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolPause.ProtoReflect.Descriptor instead.
 func (*PoolPause) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{8}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *PoolPause) GetPool() string {
@@ -730,7 +838,7 @@ type GetSnapshotRequest struct {
 
 func (x *GetSnapshotRequest) Reset() {
 	*x = GetSnapshotRequest{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[9]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -742,7 +850,7 @@ func (x *GetSnapshotRequest) String() string {
 func (*GetSnapshotRequest) ProtoMessage() {}
 
 func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[9]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -755,7 +863,7 @@ func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*GetSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{9}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{10}
 }
 
 type GetSnapshotResponse struct {
@@ -768,7 +876,7 @@ type GetSnapshotResponse struct {
 
 func (x *GetSnapshotResponse) Reset() {
 	*x = GetSnapshotResponse{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[10]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -780,7 +888,7 @@ func (x *GetSnapshotResponse) String() string {
 func (*GetSnapshotResponse) ProtoMessage() {}
 
 func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[10]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -793,7 +901,7 @@ func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*GetSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{10}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *GetSnapshotResponse) GetShards() []*ShardSnapshot {
@@ -818,7 +926,7 @@ type GetServerInfoRequest struct {
 
 func (x *GetServerInfoRequest) Reset() {
 	*x = GetServerInfoRequest{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[11]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -830,7 +938,7 @@ func (x *GetServerInfoRequest) String() string {
 func (*GetServerInfoRequest) ProtoMessage() {}
 
 func (x *GetServerInfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[11]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -843,7 +951,7 @@ func (x *GetServerInfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetServerInfoRequest.ProtoReflect.Descriptor instead.
 func (*GetServerInfoRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{11}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{12}
 }
 
 type GetServerInfoResponse struct {
@@ -867,7 +975,7 @@ type GetServerInfoResponse struct {
 
 func (x *GetServerInfoResponse) Reset() {
 	*x = GetServerInfoResponse{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[12]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -879,7 +987,7 @@ func (x *GetServerInfoResponse) String() string {
 func (*GetServerInfoResponse) ProtoMessage() {}
 
 func (x *GetServerInfoResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[12]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -892,7 +1000,7 @@ func (x *GetServerInfoResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetServerInfoResponse.ProtoReflect.Descriptor instead.
 func (*GetServerInfoResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{12}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *GetServerInfoResponse) GetVersion() string {
@@ -972,7 +1080,7 @@ type Caller struct {
 
 func (x *Caller) Reset() {
 	*x = Caller{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[13]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -984,7 +1092,7 @@ func (x *Caller) String() string {
 func (*Caller) ProtoMessage() {}
 
 func (x *Caller) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[13]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -997,7 +1105,7 @@ func (x *Caller) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Caller.ProtoReflect.Descriptor instead.
 func (*Caller) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{13}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Caller) GetName() string {
@@ -1032,7 +1140,7 @@ var File_cronoq_v1_admin_service_proto protoreflect.FileDescriptor
 
 const file_cronoq_v1_admin_service_proto_rawDesc = "" +
 	"\n" +
-	"\x1dcronoq/v1/admin_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x1ecronoq/v1/worker_service.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xda\x01\n" +
+	"\x1dcronoq/v1/admin_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x1ecronoq/v1/worker_service.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xbd\x02\n" +
 	"\n" +
 	"PoolCounts\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x18\n" +
@@ -1042,13 +1150,23 @@ const file_cronoq_v1_admin_service_proto_rawDesc = "" +
 	"\tsucceeded\x18\x05 \x01(\x03R\tsucceeded\x12\x16\n" +
 	"\x06failed\x18\x06 \x01(\x03R\x06failed\x12\x1c\n" +
 	"\tcancelled\x18\a \x01(\x03R\tcancelled\x12\x16\n" +
-	"\x06paused\x18\b \x01(\bR\x06paused\"\x80\x01\n" +
+	"\x06paused\x18\b \x01(\bR\x06paused\x121\n" +
+	"\x15max_running_per_group\x18\t \x01(\x05R\x12maxRunningPerGroup\x12.\n" +
+	"\x06groups\x18\n" +
+	" \x03(\v2\x16.cronoq.v1.GroupCountsR\x06groups\"^\n" +
+	"\vGroupCounts\x12\x1b\n" +
+	"\tgroup_key\x18\x01 \x01(\tR\bgroupKey\x12\x18\n" +
+	"\apending\x18\x02 \x01(\x03R\apending\x12\x18\n" +
+	"\arunning\x18\x03 \x01(\x03R\arunning\"\xd1\x01\n" +
 	"\rResourceUsage\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x15\n" +
 	"\x06in_use\x18\x02 \x01(\x03R\x05inUse\x12\x1a\n" +
 	"\bcapacity\x18\x03 \x01(\x03R\bcapacity\x12\x12\n" +
 	"\x04rate\x18\x04 \x01(\x01R\x04rate\x12\x14\n" +
-	"\x05burst\x18\x05 \x01(\x03R\x05burst\"\xcc\x02\n" +
+	"\x05burst\x18\x05 \x01(\x03R\x05burst\x12\x17\n" +
+	"\aper_key\x18\x06 \x01(\bR\x06perKey\x12\x12\n" +
+	"\x04keys\x18\a \x01(\x03R\x04keys\x12\"\n" +
+	"\rkeys_at_limit\x18\b \x03(\tR\vkeysAtLimit\"\xcc\x02\n" +
 	"\rShardSnapshot\x12\x14\n" +
 	"\x05shard\x18\x01 \x01(\tR\x05shard\x12\x16\n" +
 	"\x06number\x18\x02 \x01(\rR\x06number\x12\x16\n" +
@@ -1130,50 +1248,52 @@ func file_cronoq_v1_admin_service_proto_rawDescGZIP() []byte {
 }
 
 var file_cronoq_v1_admin_service_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_cronoq_v1_admin_service_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_cronoq_v1_admin_service_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
 var file_cronoq_v1_admin_service_proto_goTypes = []any{
 	(Role)(0),                     // 0: cronoq.v1.Role
 	(*PoolCounts)(nil),            // 1: cronoq.v1.PoolCounts
-	(*ResourceUsage)(nil),         // 2: cronoq.v1.ResourceUsage
-	(*ShardSnapshot)(nil),         // 3: cronoq.v1.ShardSnapshot
-	(*PoolActivity)(nil),          // 4: cronoq.v1.PoolActivity
-	(*PausePoolRequest)(nil),      // 5: cronoq.v1.PausePoolRequest
-	(*PausePoolResponse)(nil),     // 6: cronoq.v1.PausePoolResponse
-	(*ResumePoolRequest)(nil),     // 7: cronoq.v1.ResumePoolRequest
-	(*ResumePoolResponse)(nil),    // 8: cronoq.v1.ResumePoolResponse
-	(*PoolPause)(nil),             // 9: cronoq.v1.PoolPause
-	(*GetSnapshotRequest)(nil),    // 10: cronoq.v1.GetSnapshotRequest
-	(*GetSnapshotResponse)(nil),   // 11: cronoq.v1.GetSnapshotResponse
-	(*GetServerInfoRequest)(nil),  // 12: cronoq.v1.GetServerInfoRequest
-	(*GetServerInfoResponse)(nil), // 13: cronoq.v1.GetServerInfoResponse
-	(*Caller)(nil),                // 14: cronoq.v1.Caller
-	(*Worker)(nil),                // 15: cronoq.v1.Worker
-	(*timestamppb.Timestamp)(nil), // 16: google.protobuf.Timestamp
+	(*GroupCounts)(nil),           // 2: cronoq.v1.GroupCounts
+	(*ResourceUsage)(nil),         // 3: cronoq.v1.ResourceUsage
+	(*ShardSnapshot)(nil),         // 4: cronoq.v1.ShardSnapshot
+	(*PoolActivity)(nil),          // 5: cronoq.v1.PoolActivity
+	(*PausePoolRequest)(nil),      // 6: cronoq.v1.PausePoolRequest
+	(*PausePoolResponse)(nil),     // 7: cronoq.v1.PausePoolResponse
+	(*ResumePoolRequest)(nil),     // 8: cronoq.v1.ResumePoolRequest
+	(*ResumePoolResponse)(nil),    // 9: cronoq.v1.ResumePoolResponse
+	(*PoolPause)(nil),             // 10: cronoq.v1.PoolPause
+	(*GetSnapshotRequest)(nil),    // 11: cronoq.v1.GetSnapshotRequest
+	(*GetSnapshotResponse)(nil),   // 12: cronoq.v1.GetSnapshotResponse
+	(*GetServerInfoRequest)(nil),  // 13: cronoq.v1.GetServerInfoRequest
+	(*GetServerInfoResponse)(nil), // 14: cronoq.v1.GetServerInfoResponse
+	(*Caller)(nil),                // 15: cronoq.v1.Caller
+	(*Worker)(nil),                // 16: cronoq.v1.Worker
+	(*timestamppb.Timestamp)(nil), // 17: google.protobuf.Timestamp
 }
 var file_cronoq_v1_admin_service_proto_depIdxs = []int32{
-	1,  // 0: cronoq.v1.ShardSnapshot.pools:type_name -> cronoq.v1.PoolCounts
-	2,  // 1: cronoq.v1.ShardSnapshot.resources:type_name -> cronoq.v1.ResourceUsage
-	15, // 2: cronoq.v1.ShardSnapshot.workers:type_name -> cronoq.v1.Worker
-	4,  // 3: cronoq.v1.ShardSnapshot.activity:type_name -> cronoq.v1.PoolActivity
-	9,  // 4: cronoq.v1.PausePoolResponse.pause:type_name -> cronoq.v1.PoolPause
-	9,  // 5: cronoq.v1.ResumePoolResponse.pause:type_name -> cronoq.v1.PoolPause
-	16, // 6: cronoq.v1.PoolPause.paused_at:type_name -> google.protobuf.Timestamp
-	3,  // 7: cronoq.v1.GetSnapshotResponse.shards:type_name -> cronoq.v1.ShardSnapshot
-	0,  // 8: cronoq.v1.GetServerInfoResponse.role:type_name -> cronoq.v1.Role
-	14, // 9: cronoq.v1.GetServerInfoResponse.caller:type_name -> cronoq.v1.Caller
-	10, // 10: cronoq.v1.AdminService.GetSnapshot:input_type -> cronoq.v1.GetSnapshotRequest
-	5,  // 11: cronoq.v1.AdminService.PausePool:input_type -> cronoq.v1.PausePoolRequest
-	7,  // 12: cronoq.v1.AdminService.ResumePool:input_type -> cronoq.v1.ResumePoolRequest
-	12, // 13: cronoq.v1.AdminService.GetServerInfo:input_type -> cronoq.v1.GetServerInfoRequest
-	11, // 14: cronoq.v1.AdminService.GetSnapshot:output_type -> cronoq.v1.GetSnapshotResponse
-	6,  // 15: cronoq.v1.AdminService.PausePool:output_type -> cronoq.v1.PausePoolResponse
-	8,  // 16: cronoq.v1.AdminService.ResumePool:output_type -> cronoq.v1.ResumePoolResponse
-	13, // 17: cronoq.v1.AdminService.GetServerInfo:output_type -> cronoq.v1.GetServerInfoResponse
-	14, // [14:18] is the sub-list for method output_type
-	10, // [10:14] is the sub-list for method input_type
-	10, // [10:10] is the sub-list for extension type_name
-	10, // [10:10] is the sub-list for extension extendee
-	0,  // [0:10] is the sub-list for field type_name
+	2,  // 0: cronoq.v1.PoolCounts.groups:type_name -> cronoq.v1.GroupCounts
+	1,  // 1: cronoq.v1.ShardSnapshot.pools:type_name -> cronoq.v1.PoolCounts
+	3,  // 2: cronoq.v1.ShardSnapshot.resources:type_name -> cronoq.v1.ResourceUsage
+	16, // 3: cronoq.v1.ShardSnapshot.workers:type_name -> cronoq.v1.Worker
+	5,  // 4: cronoq.v1.ShardSnapshot.activity:type_name -> cronoq.v1.PoolActivity
+	10, // 5: cronoq.v1.PausePoolResponse.pause:type_name -> cronoq.v1.PoolPause
+	10, // 6: cronoq.v1.ResumePoolResponse.pause:type_name -> cronoq.v1.PoolPause
+	17, // 7: cronoq.v1.PoolPause.paused_at:type_name -> google.protobuf.Timestamp
+	4,  // 8: cronoq.v1.GetSnapshotResponse.shards:type_name -> cronoq.v1.ShardSnapshot
+	0,  // 9: cronoq.v1.GetServerInfoResponse.role:type_name -> cronoq.v1.Role
+	15, // 10: cronoq.v1.GetServerInfoResponse.caller:type_name -> cronoq.v1.Caller
+	11, // 11: cronoq.v1.AdminService.GetSnapshot:input_type -> cronoq.v1.GetSnapshotRequest
+	6,  // 12: cronoq.v1.AdminService.PausePool:input_type -> cronoq.v1.PausePoolRequest
+	8,  // 13: cronoq.v1.AdminService.ResumePool:input_type -> cronoq.v1.ResumePoolRequest
+	13, // 14: cronoq.v1.AdminService.GetServerInfo:input_type -> cronoq.v1.GetServerInfoRequest
+	12, // 15: cronoq.v1.AdminService.GetSnapshot:output_type -> cronoq.v1.GetSnapshotResponse
+	7,  // 16: cronoq.v1.AdminService.PausePool:output_type -> cronoq.v1.PausePoolResponse
+	9,  // 17: cronoq.v1.AdminService.ResumePool:output_type -> cronoq.v1.ResumePoolResponse
+	14, // 18: cronoq.v1.AdminService.GetServerInfo:output_type -> cronoq.v1.GetServerInfoResponse
+	15, // [15:19] is the sub-list for method output_type
+	11, // [11:15] is the sub-list for method input_type
+	11, // [11:11] is the sub-list for extension type_name
+	11, // [11:11] is the sub-list for extension extendee
+	0,  // [0:11] is the sub-list for field type_name
 }
 
 func init() { file_cronoq_v1_admin_service_proto_init() }
@@ -1189,7 +1309,7 @@ func file_cronoq_v1_admin_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cronoq_v1_admin_service_proto_rawDesc), len(file_cronoq_v1_admin_service_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   14,
+			NumMessages:   15,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

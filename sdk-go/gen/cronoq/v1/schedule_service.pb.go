@@ -45,6 +45,8 @@ type Schedule struct {
 	TimeoutMs int64 `protobuf:"varint,13,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
 	// After downtime, fire every missed slot rather than only the latest.
 	FireAllMissed bool `protobuf:"varint,14,opt,name=fire_all_missed,json=fireAllMissed,proto3" json:"fire_all_missed,omitempty"`
+	// The group_key of each fired task (SubmitTaskRequest.group_key).
+	GroupKey      string `protobuf:"bytes,15,opt,name=group_key,json=groupKey,proto3" json:"group_key,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -175,6 +177,13 @@ func (x *Schedule) GetFireAllMissed() bool {
 		return x.FireAllMissed
 	}
 	return false
+}
+
+func (x *Schedule) GetGroupKey() string {
+	if x != nil {
+		return x.GroupKey
+	}
+	return ""
 }
 
 type PutScheduleRequest struct {
@@ -453,7 +462,7 @@ var File_cronoq_v1_schedule_service_proto protoreflect.FileDescriptor
 
 const file_cronoq_v1_schedule_service_proto_rawDesc = "" +
 	"\n" +
-	" cronoq/v1/schedule_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb9\x04\n" +
+	" cronoq/v1/schedule_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd6\x04\n" +
 	"\bSchedule\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x12\n" +
@@ -472,7 +481,8 @@ const file_cronoq_v1_schedule_service_proto_rawDesc = "" +
 	"lastFireAt\x12\x1d\n" +
 	"\n" +
 	"timeout_ms\x18\r \x01(\x03R\ttimeoutMs\x12&\n" +
-	"\x0ffire_all_missed\x18\x0e \x01(\bR\rfireAllMissed\x1a<\n" +
+	"\x0ffire_all_missed\x18\x0e \x01(\bR\rfireAllMissed\x12\x1b\n" +
+	"\tgroup_key\x18\x0f \x01(\tR\bgroupKey\x1a<\n" +
 	"\x0eResourcesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"E\n" +

@@ -258,7 +258,9 @@ type Task struct {
 	ResultContentType string                 `protobuf:"bytes,21,opt,name=result_content_type,json=resultContentType,proto3" json:"result_content_type,omitempty"`
 	// The execution timeout of each attempt, in milliseconds (0: none): the worker cancels the
 	// handler past it, and the lease is never extended past started_at + timeout_ms.
-	TimeoutMs     int64 `protobuf:"varint,22,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
+	TimeoutMs int64 `protobuf:"varint,22,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
+	// The task's group (SubmitTaskRequest.group_key).
+	GroupKey      string `protobuf:"bytes,23,opt,name=group_key,json=groupKey,proto3" json:"group_key,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -445,6 +447,13 @@ func (x *Task) GetTimeoutMs() int64 {
 		return x.TimeoutMs
 	}
 	return 0
+}
+
+func (x *Task) GetGroupKey() string {
+	if x != nil {
+		return x.GroupKey
+	}
+	return ""
 }
 
 // One change of a task, as streamed by Watch.
@@ -649,7 +658,7 @@ const file_cronoq_v1_task_proto_rawDesc = "" +
 	"\aTaskRef\x12\x10\n" +
 	"\x02id\x18\x01 \x01(\x04H\x00R\x02id\x12\x12\n" +
 	"\x03key\x18\x02 \x01(\tH\x00R\x03keyB\x05\n" +
-	"\x03ref\"\x8a\a\n" +
+	"\x03ref\"\xa7\a\n" +
 	"\x04Task\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x12\n" +
 	"\x04pool\x18\x02 \x01(\tR\x04pool\x12\x10\n" +
@@ -678,7 +687,8 @@ const file_cronoq_v1_task_proto_rawDesc = "" +
 	"\x10lease_expires_at\x18\x14 \x01(\v2\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt\x12.\n" +
 	"\x13result_content_type\x18\x15 \x01(\tR\x11resultContentType\x12\x1d\n" +
 	"\n" +
-	"timeout_ms\x18\x16 \x01(\x03R\ttimeoutMs\x1a<\n" +
+	"timeout_ms\x18\x16 \x01(\x03R\ttimeoutMs\x12\x1b\n" +
+	"\tgroup_key\x18\x17 \x01(\tR\bgroupKey\x1a<\n" +
 	"\x0eResourcesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\xa0\x01\n" +

@@ -44,7 +44,12 @@ type SubmitTaskRequest struct {
 	RequestId string `protobuf:"bytes,10,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	// The execution timeout of each attempt (0: the pool's `timeout`, if any); capped by the pool's.
 	// 0 to 604800000 (7 days).
-	TimeoutMs     int64 `protobuf:"varint,11,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
+	TimeoutMs int64 `protobuf:"varint,11,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
+	// The task's group (empty: none; at most 256 bytes, printable). In a pool with
+	// max_running_per_group, at most that many tasks of one group run at once and leases take
+	// the groups with due tasks in turn; tasks without a group are one group. Elsewhere it is
+	// only stored.
+	GroupKey      string `protobuf:"bytes,12,opt,name=group_key,json=groupKey,proto3" json:"group_key,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -154,6 +159,13 @@ func (x *SubmitTaskRequest) GetTimeoutMs() int64 {
 		return x.TimeoutMs
 	}
 	return 0
+}
+
+func (x *SubmitTaskRequest) GetGroupKey() string {
+	if x != nil {
+		return x.GroupKey
+	}
+	return ""
 }
 
 type SubmitTaskResponse struct {
@@ -1714,7 +1726,7 @@ var File_cronoq_v1_task_service_proto protoreflect.FileDescriptor
 
 const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"\n" +
-	"\x1ccronoq/v1/task_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x14cronoq/v1/task.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xe2\x03\n" +
+	"\x1ccronoq/v1/task_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x14cronoq/v1/task.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xff\x03\n" +
 	"\x11SubmitTaskRequest\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x10\n" +
 	"\x03key\x18\x02 \x01(\tR\x03key\x12\x18\n" +
@@ -1730,7 +1742,8 @@ const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"request_id\x18\n" +
 	" \x01(\tR\trequestId\x12\x1d\n" +
 	"\n" +
-	"timeout_ms\x18\v \x01(\x03R\ttimeoutMs\x1a<\n" +
+	"timeout_ms\x18\v \x01(\x03R\ttimeoutMs\x12\x1b\n" +
+	"\tgroup_key\x18\f \x01(\tR\bgroupKey\x1a<\n" +
 	"\x0eResourcesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"]\n" +

@@ -6,7 +6,7 @@ import { h, table, when, whenBoth } from "./dom.js";
 
 // The fields a PUT sends back: the schedule as listed, without its times (the server keeps them).
 // The listing is parsed with parseExact, so each number goes back as the server wrote it.
-const KEPT = ["cron", "timezone", "payload", "payload_json", "content_type", "priority", "max_attempts", "resources", "timeout_ms", "fire_all_missed"];
+const KEPT = ["cron", "timezone", "payload", "payload_json", "content_type", "priority", "max_attempts", "resources", "timeout_ms", "fire_all_missed", "group_key"];
 
 function path(s) {
   return `/v1/pools/${encodeURIComponent(s.pool)}/schedules/${encodeURIComponent(s.name)}`;

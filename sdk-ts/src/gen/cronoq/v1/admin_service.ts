@@ -74,6 +74,20 @@ export interface PoolCounts {
   cancelled: bigint;
   /** Paused (PausePool): nothing is leased. */
   paused: boolean;
+  /** The pool's max_running_per_group (0: the pool has no per-group cap). */
+  maxRunningPerGroup: number;
+  /**
+   * In a pool with max_running_per_group: the groups with the most tasks pending and running
+   * (at most 10, most first).
+   */
+  groups: GroupCounts[];
+}
+
+/** One group of a pool (SubmitTaskRequest.group_key; "" is the tasks without one). */
+export interface GroupCounts {
+  groupKey: string;
+  pending: bigint;
+  running: bigint;
 }
 
 export interface ResourceUsage {
@@ -84,6 +98,15 @@ export interface ResourceUsage {
   /** Rate resources: starts per second and burst. */
   rate: number;
   burst: bigint;
+  /**
+   * A keyed resource (per_key = true): each key ("name:key" in a task's resources) has its
+   * own slots or bucket of the sizes above; in_use is then the sum over the keys.
+   */
+  perKey: boolean;
+  /** Keyed: the keys that hold slots or have spent tokens now. */
+  keys: bigint;
+  /** Keyed: the keys at their limit (no slot free, or no token), at most 10. */
+  keysAtLimit: string[];
 }
 
 export interface ShardSnapshot {
@@ -192,7 +215,18 @@ export interface Caller {
 }
 
 function createBasePoolCounts(): PoolCounts {
-  return { pool: "", pending: 0n, blocked: 0n, running: 0n, succeeded: 0n, failed: 0n, cancelled: 0n, paused: false };
+  return {
+    pool: "",
+    pending: 0n,
+    blocked: 0n,
+    running: 0n,
+    succeeded: 0n,
+    failed: 0n,
+    cancelled: 0n,
+    paused: false,
+    maxRunningPerGroup: 0,
+    groups: [],
+  };
 }
 
 export const PoolCounts: MessageFns<PoolCounts> = {
@@ -238,6 +272,12 @@ export const PoolCounts: MessageFns<PoolCounts> = {
     }
     if (message.paused !== false) {
       writer.uint32(64).bool(message.paused);
+    }
+    if (message.maxRunningPerGroup !== 0) {
+      writer.uint32(72).int32(message.maxRunningPerGroup);
+    }
+    for (const v of message.groups) {
+      GroupCounts.encode(v!, writer.uint32(82).fork()).join();
     }
     return writer;
   },
@@ -319,6 +359,22 @@ export const PoolCounts: MessageFns<PoolCounts> = {
             message.paused = reader.bool();
             continue;
           }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.maxRunningPerGroup = reader.int32();
+            continue;
+          }
+          case 10: {
+            if (tag !== 82) {
+              break;
+            }
+
+            message.groups.push(GroupCounts.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -341,6 +397,12 @@ export const PoolCounts: MessageFns<PoolCounts> = {
       failed: isSet(object.failed) ? BigInt(object.failed) : 0n,
       cancelled: isSet(object.cancelled) ? BigInt(object.cancelled) : 0n,
       paused: isSet(object.paused) ? globalThis.Boolean(object.paused) : false,
+      maxRunningPerGroup: isSet(object.maxRunningPerGroup)
+        ? globalThis.Number(object.maxRunningPerGroup)
+        : isSet(object.max_running_per_group)
+        ? globalThis.Number(object.max_running_per_group)
+        : 0,
+      groups: globalThis.Array.isArray(object?.groups) ? object.groups.map((e: any) => GroupCounts.fromJSON(e)) : [],
     };
   },
 
@@ -370,6 +432,12 @@ export const PoolCounts: MessageFns<PoolCounts> = {
     if (message.paused !== false) {
       obj.paused = message.paused;
     }
+    if (message.maxRunningPerGroup !== 0) {
+      obj.maxRunningPerGroup = Math.round(message.maxRunningPerGroup);
+    }
+    if (message.groups?.length) {
+      obj.groups = message.groups.map((e) => GroupCounts.toJSON(e));
+    }
     return obj;
   },
 
@@ -386,12 +454,125 @@ export const PoolCounts: MessageFns<PoolCounts> = {
     message.failed = (object.failed !== undefined && object.failed !== null) ? BigInt(object.failed) : 0n;
     message.cancelled = (object.cancelled !== undefined && object.cancelled !== null) ? BigInt(object.cancelled) : 0n;
     message.paused = object.paused ?? false;
+    message.maxRunningPerGroup = object.maxRunningPerGroup ?? 0;
+    message.groups = object.groups?.map((e) => GroupCounts.fromPartial(e)) || [];
+    return message;
+  },
+};
+
+function createBaseGroupCounts(): GroupCounts {
+  return { groupKey: "", pending: 0n, running: 0n };
+}
+
+export const GroupCounts: MessageFns<GroupCounts> = {
+  encode(message: GroupCounts, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.groupKey !== "") {
+      writer.uint32(10).string(message.groupKey);
+    }
+    if (message.pending !== 0n) {
+      if (BigInt.asIntN(64, message.pending) !== message.pending) {
+        throw new globalThis.Error("value provided for field message.pending of type int64 too large");
+      }
+      writer.uint32(16).int64(message.pending);
+    }
+    if (message.running !== 0n) {
+      if (BigInt.asIntN(64, message.running) !== message.running) {
+        throw new globalThis.Error("value provided for field message.running of type int64 too large");
+      }
+      writer.uint32(24).int64(message.running);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): GroupCounts {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseGroupCounts();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.groupKey = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.pending = reader.int64() as bigint;
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.running = reader.int64() as bigint;
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): GroupCounts {
+    return {
+      groupKey: isSet(object.groupKey)
+        ? globalThis.String(object.groupKey)
+        : isSet(object.group_key)
+        ? globalThis.String(object.group_key)
+        : "",
+      pending: isSet(object.pending) ? BigInt(object.pending) : 0n,
+      running: isSet(object.running) ? BigInt(object.running) : 0n,
+    };
+  },
+
+  toJSON(message: GroupCounts): unknown {
+    const obj: any = {};
+    if (message.groupKey !== "") {
+      obj.groupKey = message.groupKey;
+    }
+    if (message.pending !== 0n) {
+      obj.pending = message.pending.toString();
+    }
+    if (message.running !== 0n) {
+      obj.running = message.running.toString();
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<GroupCounts>, I>>(base?: I): GroupCounts {
+    return GroupCounts.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<GroupCounts>, I>>(object: I): GroupCounts {
+    const message = createBaseGroupCounts();
+    message.groupKey = object.groupKey ?? "";
+    message.pending = (object.pending !== undefined && object.pending !== null) ? BigInt(object.pending) : 0n;
+    message.running = (object.running !== undefined && object.running !== null) ? BigInt(object.running) : 0n;
     return message;
   },
 };
 
 function createBaseResourceUsage(): ResourceUsage {
-  return { name: "", inUse: 0n, capacity: 0n, rate: 0, burst: 0n };
+  return { name: "", inUse: 0n, capacity: 0n, rate: 0, burst: 0n, perKey: false, keys: 0n, keysAtLimit: [] };
 }
 
 export const ResourceUsage: MessageFns<ResourceUsage> = {
@@ -419,6 +600,18 @@ export const ResourceUsage: MessageFns<ResourceUsage> = {
         throw new globalThis.Error("value provided for field message.burst of type int64 too large");
       }
       writer.uint32(40).int64(message.burst);
+    }
+    if (message.perKey !== false) {
+      writer.uint32(48).bool(message.perKey);
+    }
+    if (message.keys !== 0n) {
+      if (BigInt.asIntN(64, message.keys) !== message.keys) {
+        throw new globalThis.Error("value provided for field message.keys of type int64 too large");
+      }
+      writer.uint32(56).int64(message.keys);
+    }
+    for (const v of message.keysAtLimit) {
+      writer.uint32(66).string(v!);
     }
     return writer;
   },
@@ -476,6 +669,30 @@ export const ResourceUsage: MessageFns<ResourceUsage> = {
             message.burst = reader.int64() as bigint;
             continue;
           }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.perKey = reader.bool();
+            continue;
+          }
+          case 7: {
+            if (tag !== 56) {
+              break;
+            }
+
+            message.keys = reader.int64() as bigint;
+            continue;
+          }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.keysAtLimit.push(reader.string());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -495,6 +712,17 @@ export const ResourceUsage: MessageFns<ResourceUsage> = {
       capacity: isSet(object.capacity) ? BigInt(object.capacity) : 0n,
       rate: isSet(object.rate) ? globalThis.Number(object.rate) : 0,
       burst: isSet(object.burst) ? BigInt(object.burst) : 0n,
+      perKey: isSet(object.perKey)
+        ? globalThis.Boolean(object.perKey)
+        : isSet(object.per_key)
+        ? globalThis.Boolean(object.per_key)
+        : false,
+      keys: isSet(object.keys) ? BigInt(object.keys) : 0n,
+      keysAtLimit: globalThis.Array.isArray(object?.keysAtLimit)
+        ? object.keysAtLimit.map((e: any) => globalThis.String(e))
+        : globalThis.Array.isArray(object?.keys_at_limit)
+        ? object.keys_at_limit.map((e: any) => globalThis.String(e))
+        : [],
     };
   },
 
@@ -515,6 +743,15 @@ export const ResourceUsage: MessageFns<ResourceUsage> = {
     if (message.burst !== 0n) {
       obj.burst = message.burst.toString();
     }
+    if (message.perKey !== false) {
+      obj.perKey = message.perKey;
+    }
+    if (message.keys !== 0n) {
+      obj.keys = message.keys.toString();
+    }
+    if (message.keysAtLimit?.length) {
+      obj.keysAtLimit = message.keysAtLimit;
+    }
     return obj;
   },
 
@@ -528,6 +765,9 @@ export const ResourceUsage: MessageFns<ResourceUsage> = {
     message.capacity = (object.capacity !== undefined && object.capacity !== null) ? BigInt(object.capacity) : 0n;
     message.rate = object.rate ?? 0;
     message.burst = (object.burst !== undefined && object.burst !== null) ? BigInt(object.burst) : 0n;
+    message.perKey = object.perKey ?? false;
+    message.keys = (object.keys !== undefined && object.keys !== null) ? BigInt(object.keys) : 0n;
+    message.keysAtLimit = object.keysAtLimit?.map((e) => e) || [];
     return message;
   },
 };

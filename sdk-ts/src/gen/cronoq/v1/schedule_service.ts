@@ -50,6 +50,8 @@ export interface Schedule {
   timeoutMs: bigint;
   /** After downtime, fire every missed slot rather than only the latest. */
   fireAllMissed: boolean;
+  /** The group_key of each fired task (SubmitTaskRequest.group_key). */
+  groupKey: string;
 }
 
 export interface Schedule_ResourcesEntry {
@@ -98,6 +100,7 @@ function createBaseSchedule(): Schedule {
     lastFireAt: undefined,
     timeoutMs: 0n,
     fireAllMissed: false,
+    groupKey: "",
   };
 }
 
@@ -147,6 +150,9 @@ export const Schedule: MessageFns<Schedule> = {
     }
     if (message.fireAllMissed !== false) {
       writer.uint32(112).bool(message.fireAllMissed);
+    }
+    if (message.groupKey !== "") {
+      writer.uint32(122).string(message.groupKey);
     }
     return writer;
   },
@@ -279,6 +285,14 @@ export const Schedule: MessageFns<Schedule> = {
             message.fireAllMissed = reader.bool();
             continue;
           }
+          case 15: {
+            if (tag !== 122) {
+              break;
+            }
+
+            message.groupKey = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -344,6 +358,11 @@ export const Schedule: MessageFns<Schedule> = {
         : isSet(object.fire_all_missed)
         ? globalThis.Boolean(object.fire_all_missed)
         : false,
+      groupKey: isSet(object.groupKey)
+        ? globalThis.String(object.groupKey)
+        : isSet(object.group_key)
+        ? globalThis.String(object.group_key)
+        : "",
     };
   },
 
@@ -397,6 +416,9 @@ export const Schedule: MessageFns<Schedule> = {
     if (message.fireAllMissed !== false) {
       obj.fireAllMissed = message.fireAllMissed;
     }
+    if (message.groupKey !== "") {
+      obj.groupKey = message.groupKey;
+    }
     return obj;
   },
 
@@ -431,6 +453,7 @@ export const Schedule: MessageFns<Schedule> = {
       : undefined;
     message.timeoutMs = (object.timeoutMs !== undefined && object.timeoutMs !== null) ? BigInt(object.timeoutMs) : 0n;
     message.fireAllMissed = object.fireAllMissed ?? false;
+    message.groupKey = object.groupKey ?? "";
     return message;
   },
 };

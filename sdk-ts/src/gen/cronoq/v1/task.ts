@@ -174,6 +174,8 @@ export interface Task {
    * handler past it, and the lease is never extended past started_at + timeout_ms.
    */
   timeoutMs: bigint;
+  /** The task's group (SubmitTaskRequest.group_key). */
+  groupKey: string;
 }
 
 export interface Task_ResourcesEntry {
@@ -334,6 +336,7 @@ function createBaseTask(): Task {
     leaseExpiresAt: undefined,
     resultContentType: "",
     timeoutMs: 0n,
+    groupKey: "",
   };
 }
 
@@ -417,6 +420,9 @@ export const Task: MessageFns<Task> = {
         throw new globalThis.Error("value provided for field message.timeoutMs of type int64 too large");
       }
       writer.uint32(176).int64(message.timeoutMs);
+    }
+    if (message.groupKey !== "") {
+      writer.uint32(186).string(message.groupKey);
     }
     return writer;
   },
@@ -623,6 +629,14 @@ export const Task: MessageFns<Task> = {
             message.timeoutMs = reader.int64() as bigint;
             continue;
           }
+          case 23: {
+            if (tag !== 186) {
+              break;
+            }
+
+            message.groupKey = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -720,6 +734,11 @@ export const Task: MessageFns<Task> = {
         : isSet(object.timeout_ms)
         ? BigInt(object.timeout_ms)
         : 0n,
+      groupKey: isSet(object.groupKey)
+        ? globalThis.String(object.groupKey)
+        : isSet(object.group_key)
+        ? globalThis.String(object.group_key)
+        : "",
     };
   },
 
@@ -797,6 +816,9 @@ export const Task: MessageFns<Task> = {
     if (message.timeoutMs !== 0n) {
       obj.timeoutMs = message.timeoutMs.toString();
     }
+    if (message.groupKey !== "") {
+      obj.groupKey = message.groupKey;
+    }
     return obj;
   },
 
@@ -845,6 +867,7 @@ export const Task: MessageFns<Task> = {
       : undefined;
     message.resultContentType = object.resultContentType ?? "";
     message.timeoutMs = (object.timeoutMs !== undefined && object.timeoutMs !== null) ? BigInt(object.timeoutMs) : 0n;
+    message.groupKey = object.groupKey ?? "";
     return message;
   },
 };

@@ -55,6 +55,13 @@ export interface SubmitTaskRequest {
    * 0 to 604800000 (7 days).
    */
   timeoutMs: bigint;
+  /**
+   * The task's group (empty: none; at most 256 bytes, printable). In a pool with
+   * max_running_per_group, at most that many tasks of one group run at once and leases take
+   * the groups with due tasks in turn; tasks without a group are one group. Elsewhere it is
+   * only stored.
+   */
+  groupKey: string;
 }
 
 export interface SubmitTaskRequest_ResourcesEntry {
@@ -306,6 +313,7 @@ function createBaseSubmitTaskRequest(): SubmitTaskRequest {
     resources: {},
     requestId: "",
     timeoutMs: 0n,
+    groupKey: "",
   };
 }
 
@@ -346,6 +354,9 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
         throw new globalThis.Error("value provided for field message.timeoutMs of type int64 too large");
       }
       writer.uint32(88).int64(message.timeoutMs);
+    }
+    if (message.groupKey !== "") {
+      writer.uint32(98).string(message.groupKey);
     }
     return writer;
   },
@@ -454,6 +465,14 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
             message.timeoutMs = reader.int64() as bigint;
             continue;
           }
+          case 12: {
+            if (tag !== 98) {
+              break;
+            }
+
+            message.groupKey = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -516,6 +535,11 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
         : isSet(object.timeout_ms)
         ? BigInt(object.timeout_ms)
         : 0n,
+      groupKey: isSet(object.groupKey)
+        ? globalThis.String(object.groupKey)
+        : isSet(object.group_key)
+        ? globalThis.String(object.group_key)
+        : "",
     };
   },
 
@@ -560,6 +584,9 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
     if (message.timeoutMs !== 0n) {
       obj.timeoutMs = message.timeoutMs.toString();
     }
+    if (message.groupKey !== "") {
+      obj.groupKey = message.groupKey;
+    }
     return obj;
   },
 
@@ -589,6 +616,7 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
     );
     message.requestId = object.requestId ?? "";
     message.timeoutMs = (object.timeoutMs !== undefined && object.timeoutMs !== null) ? BigInt(object.timeoutMs) : 0n;
+    message.groupKey = object.groupKey ?? "";
     return message;
   },
 };

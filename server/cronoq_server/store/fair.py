@@ -1,0 +1,151 @@
+"""Fair share inside a pool that caps its groups (max_running_per_group): the rank that orders
+its tasks round robin across groups, and the choice of what a lease takes.
+
+A task's rank is given when it becomes due to run: one more than the higher of the pool's
+round (the highest rank leased so far) and its group's last rank. A group with 100,000 tasks
+due holds ranks round+1 ... round+100,000; a group whose tasks come later starts again just
+past the round, so leases, which take tasks by (priority, rank, seq), alternate between the
+groups with due tasks: round robin within a priority level, whatever the number of groups.
+Ranks only order: the cap is the leader's accounting (core/resources.py), not theirs. Both
+live in the leader's memory, rebuilt from the store when a server takes over.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from .base import TaskRow
+
+# A lease reads this many due tasks more than it may take (a task that does not fit beside
+# those before it is skipped), and as many again for each group at its cap (whose tasks come
+# once a round in rank order): at most FAIR_WINDOW_MAX.
+FAIR_WINDOW_SLACK = 16
+FAIR_WINDOW_MAX = 10_000
+# Due tasks ranked per lease at most (the rest on the next).
+RANK_BATCH = 1000
+_POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A due task of a pool that caps its groups, in lease order."""
+
+    seq: int
+    pool: str
+    group_key: str
+    size: int  # bytes counted against the lease's max_bytes
+    resources: Mapping[str, int] | None
+
+
+def fair_window(limit: int, room: Mapping[str, tuple[int, Mapping[str, int]]]) -> int:
+    """How many due tasks a lease of limit reads from pools with these groups' room."""
+    full = sum(1 for cap, running in room.values() for n in running.values() if n >= cap)
+    return min((limit + FAIR_WINDOW_SLACK) * (1 + full), FAIR_WINDOW_MAX)
+
+
+def choose(
+    candidates: Iterable[Candidate],
+    room: Mapping[str, tuple[int, Mapping[str, int]]],
+    limit: int,
+    max_bytes: int = 0,
+    free: Mapping[str, int] | None = None,
+) -> list[int]:
+    """The seqs a lease takes of these candidates (in lease order): each while its group is
+    under the cap with what this lease took before it, its resources fit in what is free beside
+    those before it, and (past the first) the bytes fit in max_bytes (0: no bound)."""
+    taken: dict[tuple[str, str], int] = {}
+    spent: dict[str, int] = {}
+    chosen: list[int] = []
+    size = 0
+    for c in candidates:
+        if len(chosen) >= limit:
+            break
+        cap, running = room.get(c.pool, (0, {}))
+        group = (c.pool, c.group_key)
+        if cap and running.get(c.group_key, 0) + taken.get(group, 0) >= cap:
+            continue
+        if c.resources and any(spent.get(n, 0) + a > (free or {}).get(n, 0) for n, a in c.resources.items()):
+            continue
+        if chosen and max_bytes > 0 and size + c.size > max_bytes:
+            break  # as the plain lease: the first always, then as many as fit
+        chosen.append(c.seq)
+        size += c.size
+        taken[group] = taken.get(group, 0) + 1
+        for n, a in (c.resources or {}).items():
+            spent[n] = spent.get(n, 0) + a
+    return chosen
+
+
+class GroupRanks:
+    """The leader's ranks of the pools that cap their groups: each pool's round, and each
+    group's last rank while it is past the round (a group at or behind the round starts again
+    just past it, so it is forgotten now and then: memory follows the groups with due tasks)."""
+
+    def __init__(self, pools: Iterable[str]):
+        self._round: dict[str, int] = dict.fromkeys(pools, 0)
+        self._last: dict[str, dict[str, int]] = {p: {} for p in self._round}
+        self._kept: dict[str, int] = dict.fromkeys(self._round, 0)  # groups kept at the last forgetting
+
+    @property
+    def pools(self) -> frozenset[str]:
+        return frozenset(self._round)
+
+    def rank(self, pool: str, group_key: str) -> int:
+        """The rank of a task of this group that becomes due now."""
+        last = self._last[pool]
+        rank = max(self._round[pool], last.get(group_key, 0)) + 1
+        last[group_key] = rank
+        return rank
+
+    def served(self, pool: str, rank: int) -> None:
+        """A lease took a task of this rank: the round is at least there."""
+        if rank <= self._round[pool]:
+            return
+        self._round[pool] = rank
+        if len(self._last[pool]) > max(1024, 2 * self._kept[pool]):
+            self._last[pool] = {g: r for g, r in self._last[pool].items() if r > rank}
+            self._kept[pool] = len(self._last[pool])
+
+    def rebuild(self, pool: str, round_: int, last: Mapping[str, int]) -> None:
+        """From the store: the pool's round (the lowest rank due, less one) and each group's
+        highest rank not yet leased."""
+        self._round[pool] = round_
+        self._last[pool] = {g: r for g, r in last.items() if r > round_}
+        self._kept[pool] = len(self._last[pool])
+
+
+def first_rank(ranks: GroupRanks, pool: str, group_key: str, pending: bool, run_at: int, now: int) -> int | None:
+    """The group_rank a task is stored with: none outside pools that cap their groups; its
+    rank when it is due now; else 0, ranked when it becomes due (see RANK_RESET)."""
+    if pool not in ranks.pools:
+        return None
+    return ranks.rank(pool, group_key) if pending and run_at <= now else 0
+
+
+def row_bytes(row: TaskRow, overhead: int) -> int:
+    """What a leased task counts against a lease's max_bytes (as the plain lease's SQL counts)."""
+    return len(row.payload) + len(row.key or "") + len(row.content_type) + overhead
+
+
+def _pool_names(pools: Iterable[str]) -> str:
+    names = sorted(pools)
+    # Pool names are checked by the config (letters, digits, "_", ".", "-"): safe as literals.
+    assert all(_POOL_NAME.fullmatch(p) for p in names), names
+    return ", ".join(f"'{p}'" for p in names)
+
+
+def rank_reset(pools: Iterable[str]) -> str:
+    """The SET clause of a change that makes a task PENDING again later (a retry, a dependency
+    done): in a pool that caps its groups it is ranked again when due (0), elsewhere it has none."""
+    names = _pool_names(pools)
+    return f"group_rank = CASE WHEN pool IN ({names}) THEN 0 END" if names else "group_rank = NULL"
+
+
+def rank_keep(pools: Iterable[str]) -> str:
+    """The SET clause of a release (PENDING again, due now): it keeps its turn."""
+    names = _pool_names(pools)
+    if not names:
+        return "group_rank = NULL"
+    return f"group_rank = CASE WHEN pool IN ({names}) THEN coalesce(group_rank, 0) END"

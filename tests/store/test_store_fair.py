@@ -1,0 +1,131 @@
+"""Leases of a pool that caps its groups (settings.group_pools), on every backend: round robin
+across groups within a priority, never past a group's cap, tasks that become due later ranked
+then, ranks rebuilt when a server takes over."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from test_store import SEC, T0, failure, finish_ok, new, success
+
+from cronoq_server.store.base import NewTask, Outcome, OutcomeKind, Store
+
+FAIR = frozenset({"default"})
+
+
+def grouped(group: str, **kw: Any) -> NewTask:
+    return dataclasses.replace(new(**kw), group_key=group)
+
+
+async def lease(
+    store: Store, n: int, now: int = T0, running: dict[str, int] | None = None, cap: int = 100
+) -> list[Any]:
+    rows, _ = await store.lease("w1", ["default"], n, now, 0, {}, {"default": (cap, running or {})})
+    return rows
+
+
+async def test_a_group_with_few_tasks_is_served_in_turn_with_one_that_has_many(open_store: Any) -> None:
+    store = await open_store(group_pools=FAIR)
+    await store.submit([grouped("a") for _ in range(50)], T0)
+    await store.submit([grouped("b") for _ in range(3)] + [grouped("") for _ in range(2)], T0)
+    rows = await lease(store, 8)
+    assert [r.group_key for r in sorted(rows, key=lambda r: r.seq)][:2] == ["a", "a"]
+    got = sorted(r.group_key for r in rows)
+    assert got.count("b") == 3 and got.count("") == 2 and got.count("a") == 3, got
+
+
+async def test_priority_goes_first_then_groups_in_turn(open_store: Any) -> None:
+    store = await open_store(group_pools=FAIR)
+    await store.submit([grouped("a") for _ in range(10)], T0)
+    (urgent,), _ = await store.submit([grouped("a", priority=5)], T0)
+    await store.submit([grouped("b")], T0)
+    rows = await lease(store, 3)  # the urgent one, then a's first and b's first (tied ranks: by seq)
+    assert urgent.row.seq in [r.seq for r in rows] and sorted(r.group_key for r in rows) == ["a", "a", "b"]
+
+
+async def test_a_lease_never_takes_a_group_past_its_cap(open_store: Any) -> None:
+    store = await open_store(group_pools=FAIR)
+    await store.submit([grouped("a") for _ in range(10)] + [grouped("b") for _ in range(10)], T0)
+    rows = await lease(store, 10, running={"a": 1}, cap=2)
+    assert sorted(r.group_key for r in rows) == ["a", "b", "b"]
+    assert await lease(store, 10, running={"a": 2, "b": 2}, cap=2) == []
+    rows, next_due = await store.lease("w1", ["default"], 10, T0, 0, {}, {"default": (2, {"a": 2, "b": 2})})
+    assert rows == [] and next_due is None  # nothing becomes due later: a release tells
+
+
+async def test_a_task_due_later_is_ranked_when_due_and_takes_its_turn(open_store: Any) -> None:
+    store = await open_store(group_pools=FAIR)
+    await store.submit([grouped("a") for _ in range(20)], T0)
+    (later,), _ = await store.submit([grouped("b", run_at=T0 + 5 * SEC)], T0)
+    rows, next_due = await store.lease("w1", ["default"], 5, T0, 0, {}, {"default": (100, {})})
+    assert all(r.group_key == "a" for r in rows) and len(rows) == 5 and next_due is None
+    assert len(await lease(store, 100)) == 15
+    rows, next_due = await store.lease("w1", ["default"], 100, T0, 0, {}, {"default": (100, {})})
+    assert rows == [] and next_due == T0 + 5 * SEC  # b's, not yet due: the lease looks again then
+    rows = await lease(store, 2, now=T0 + 5 * SEC)
+    assert later.row.seq in [r.seq for r in rows]
+
+
+async def test_a_retried_task_is_ranked_again_when_due_and_a_released_one_keeps_its_turn(open_store: Any) -> None:
+    store = await open_store(group_pools=FAIR)
+    await store.submit([grouped("a") for _ in range(3)], T0)
+    first, second, _ = sorted(await lease(store, 3), key=lambda r: r.seq)
+    await store.submit([grouped("a") for _ in range(5)], T0)
+    await finish_ok(store, failure(first, retry_after_ms=2000), T0)
+    results, _ = await store.finish("w1", [Outcome(second.seq, second.attempt, OutcomeKind.RELEASED)], T0)
+    assert results[0].accepted
+    rows = await lease(store, 1)
+    assert [r.seq for r in rows] == [second.seq]  # released: its turn kept
+    rows = await lease(store, 10, now=T0 + 3 * SEC)
+    assert first.seq in [r.seq for r in rows]  # due again: ranked, then leased
+
+
+async def test_ranks_are_rebuilt_by_a_server_that_takes_over(open_store: Any) -> None:
+    store = await open_store(group_pools=FAIR)
+    await store.submit([grouped("a") for _ in range(30)], T0)
+    for r in await lease(store, 10):
+        await finish_ok(store, success(r), T0)
+    await store.close()
+    store = await open_store(group_pools=FAIR)
+    await store.load_ranks()
+    await store.submit([grouped("b")], T0)  # after the round, not behind a's 20 left
+    rows = await lease(store, 2)
+    assert sorted(r.group_key for r in rows) == ["a", "b"]
+
+
+async def test_a_pool_that_caps_its_groups_from_now_on_takes_the_tasks_stored_before(open_store: Any) -> None:
+    store = await open_store()
+    await store.submit([grouped("a") for _ in range(3)], T0)
+    await store.close()
+    store = await open_store(group_pools=FAIR)
+    await store.load_ranks()
+    assert len(await lease(store, 10)) == 3
+
+
+async def test_running_resources_name_the_running_tasks_of_capped_pools(open_store: Any) -> None:
+    store = await open_store(group_pools=FAIR)
+    await store.submit([grouped("a"), grouped("b", pool="other")], T0)
+    await lease(store, 10)
+    await store.lease("w2", ["other"], 10, T0)
+    held = await store.running_resources()
+    assert [(w, h.pool, h.group_key) for w, h in held] == [("w1", "default", "a")]
+
+
+async def test_a_lease_of_a_capped_pool_and_a_plain_one_takes_from_both(open_store: Any) -> None:
+    store = await open_store(group_pools=FAIR)
+    await store.submit([grouped("a") for _ in range(3)] + [grouped("a", pool="other") for _ in range(3)], T0)
+    rows, _ = await store.lease("w1", ["default", "other"], 10, T0, 0, {}, {"default": (2, {})})
+    assert sorted(r.pool for r in rows) == ["default", "default", "other", "other", "other"]
+    rows, next_due = await store.lease("w1", ["default", "other"], 10, T0, 0, {}, {"default": (2, {"a": 2})})
+    assert rows == [] and next_due is None  # default's one left waits for its group's place
+
+
+async def test_finish_and_lease_takes_the_place_the_outcome_frees(open_store: Any) -> None:
+    store = await open_store(group_pools=FAIR)
+    await store.submit([grouped("a") for _ in range(2)], T0)
+    (first,) = await lease(store, 10, cap=1)
+    results, _, rows, _ = await store.finish_and_lease(
+        "w1", [success(first)], ["default"], 10, T0, 0, {}, {"default": (1, {})}
+    )
+    assert results[0].accepted and [r.group_key for r in rows] == ["a"]
