@@ -129,6 +129,16 @@ def row_bytes(row: TaskRow, overhead: int) -> int:
     return len(row.payload) + len(row.key or "") + len(row.content_type) + overhead
 
 
+def after_fair(
+    pools: list[str], group_pools: frozenset[str], limit: int, max_bytes: int, taken: list[TaskRow], overhead: int
+) -> tuple[list[str], int, int]:
+    """What a lease of these pools leaves to the plain lease once the pools that cap their groups
+    took these tasks: the other pools, and the limit and max_bytes left."""
+    if max_bytes > 0 and taken:
+        max_bytes = max(max_bytes - sum(row_bytes(r, overhead) for r in taken), 1)
+    return [p for p in pools if p not in group_pools], limit - len(taken), max_bytes
+
+
 def _pool_names(pools: Iterable[str]) -> str:
     names = sorted(pools)
     # Pool names are checked by the config (letters, digits, "_", ".", "-"): safe as literals.
