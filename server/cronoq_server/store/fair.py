@@ -85,12 +85,9 @@ class GroupRanks:
 
     def __init__(self, pools: Iterable[str]):
         self._round: dict[str, int] = dict.fromkeys(pools, 0)
+        self.pools = frozenset(self._round)  # read for every task submitted: built once
         self._last: dict[str, dict[str, int]] = {p: {} for p in self._round}
         self._kept: dict[str, int] = dict.fromkeys(self._round, 0)  # groups kept at the last forgetting
-
-    @property
-    def pools(self) -> frozenset[str]:
-        return frozenset(self._round)
 
     def rank(self, pool: str, group_key: str) -> int:
         """The rank of a task of this group that becomes due now."""
