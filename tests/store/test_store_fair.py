@@ -7,9 +7,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pytest
 from test_store import SEC, T0, failure, finish_ok, new, success
 
-from cronoq_server.store.base import NewTask, Outcome, OutcomeKind, Store
+from cronoq_server.store.base import NewTask, Outcome, OutcomeKind, State, Store
 
 FAIR = frozenset({"default"})
 
@@ -129,3 +130,32 @@ async def test_finish_and_lease_takes_the_place_the_outcome_frees(open_store: An
         "w1", [success(first)], ["default"], 10, T0, 0, {}, {"default": (1, {})}
     )
     assert results[0].accepted and [r.group_key for r in rows] == ["a"]
+
+
+@pytest.mark.parametrize("backend", ["postgres"])  # SQLite reads and takes in one transaction
+@pytest.mark.parametrize("with_finish", [False, True])
+async def test_a_task_cancelled_while_the_lease_chooses_is_not_taken(
+    open_store: Any, monkeypatch: pytest.MonkeyPatch, with_finish: bool
+) -> None:
+    store = await open_store(group_pools=FAIR)
+    (done,), _ = await store.submit([grouped("a")], T0)
+    (running,) = await lease(store, 1)
+    (first, second), _ = await store.submit([grouped("a"), grouped("b")], T0)
+    fair_take = store._fair_take  # type: ignore[attr-defined]
+
+    async def cancelled_meanwhile(*args: Any) -> Any:
+        take = await fair_take(*args)
+        await store.cancel(first.row.seq, T0)
+        return take
+
+    monkeypatch.setattr(store, "_fair_take", cancelled_meanwhile)
+    if with_finish:
+        outcome = Outcome(running.seq, running.attempt, OutcomeKind.SUCCESS, b"")
+        _, _, rows, _ = await store.finish_and_lease(
+            "w1", [outcome], ["default"], 10, T0, 0, {}, {"default": (100, {})}
+        )
+        assert (await store.get(done.row.seq)).state == State.SUCCEEDED  # type: ignore[union-attr]
+    else:
+        rows = await lease(store, 10)
+    assert [r.seq for r in rows] == [second.row.seq]
+    assert (await store.get(first.row.seq)).state == State.CANCELLED  # type: ignore[union-attr]

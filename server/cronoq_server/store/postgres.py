@@ -299,6 +299,22 @@ class _SubmitOp:
     fut: asyncio.Future[SubmitResult | None]
 
 
+@dataclass(frozen=True, slots=True)
+class _FairTake:
+    """What a lease of pools that cap their groups writes (see PostgresStore._fair_take)."""
+
+    ctes: str
+    args: tuple[Any, ...]
+    ranks: dict[int, tuple[str, int]]  # of each task chosen: its pool and rank
+    group_ranks: GroupRanks
+
+    def served(self, rows: list[TaskRow]) -> list[TaskRow]:
+        """The rows leased, once their pools' rounds have moved past them."""
+        for r in rows:
+            self.group_ranks.served(*self.ranks[r.seq])
+        return rows
+
+
 def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
     if fut.done():  # its caller was cancelled
         return
@@ -859,9 +875,10 @@ class PostgresStore:
         fair = [p for p in pools if p in self.settings.group_pools]
         rows: list[TaskRow] = []
         if fair:
-            assert groups is not None and set(fair) <= set(groups), "a lease of a pool that caps groups needs its room"
-            room = {p: groups[p] for p in fair}
-            rows = await self._tx(lambda c: self._lease_fair(c, worker_id, fair, limit, now, max_bytes, free, room))
+            take = await self._fair_take(worker_id, fair, limit, now, max_bytes, free, groups)
+            if take is not None:
+                sql = self._sql(f"WITH {take.ctes} SELECT * FROM leased")
+                rows = take.served([task_row(r) for r in await self._fenced_fetch(sql, *take.args)])
             overhead = self.settings.lease_overhead_bytes
             pools, limit, max_bytes = after_fair(pools, self.settings.group_pools, limit, max_bytes, rows, overhead)
         if pools and limit > 0:
@@ -885,65 +902,74 @@ class PostgresStore:
         )
         return [], await self._read(lambda c: c.fetchval(due_sql, pools, list(fair)))
 
-    async def _lease_fair(
+    async def _fair_take(
         self,
-        conn: asyncpg.Connection,
         worker_id: str,
         pools: list[str],
         limit: int,
         now: int,
         max_bytes: int,
         free: Mapping[str, int] | None,
-        room: Mapping[str, tuple[int, Mapping[str, int]]],
-    ) -> list[TaskRow]:
-        """Ranks the tasks of these pools that became due, then takes by (priority, rank, seq)
-        those store/fair.py chooses, in conn's (fenced) transaction: the rows read are locked
-        (SKIP LOCKED) until it ends."""
-        due = await conn.fetch(
-            self._sql(
-                "SELECT seq, pool, group_key FROM {s}.tasks WHERE state = 1 AND group_rank = 0"
-                f" AND pool = ANY($1::text[]) AND run_at <= $2 ORDER BY run_at, seq LIMIT {RANK_BATCH}"
-                " FOR UPDATE SKIP LOCKED"
-            ),
-            pools,
-            now,
-        )
-        if due:
-            await conn.execute(
-                self._sql(
-                    "UPDATE {s}.tasks t SET group_rank = u.rank FROM unnest($1::bigint[], $2::bigint[]) AS u(seq, rank)"
-                    " WHERE t.seq = u.seq"
-                ),
-                [r[0] for r in due],
-                [self._ranks.rank(r[1], r[2]) for r in due],
-            )
-        found = await conn.fetch(
-            self._sql(
-                f"SELECT x.seq, x.pool, x.group_key, x.size + $4, x.resources, x.priority, x.group_rank"
-                " FROM unnest($1::text[]) AS p(pool), LATERAL (SELECT t.seq, t.pool, t.group_key,"
-                f" {LEASE_SIZE} AS size, t.resources, t.priority, t.group_rank FROM {{s}}.tasks t"
-                " WHERE t.state = 1 AND t.group_rank > 0 AND t.pool = p.pool AND t.run_at <= $2"
-                " ORDER BY t.priority DESC, t.group_rank, t.seq LIMIT $3 FOR UPDATE SKIP LOCKED) AS x"
-                " ORDER BY x.priority DESC, x.group_rank, x.seq"
-            ),
-            pools,
-            now,
-            fair_window(limit, room),
-            self.settings.lease_overhead_bytes,
-        )
-        ranks = {r[0]: (r[1], r[6]) for r in found}
-        candidates = (Candidate(r[0], r[1], r[2], r[3], json.loads(r[4]) if r[4] else None) for r in found)
-        chosen = choose(candidates, room, limit, max_bytes, free)
-        if not chosen:
-            return []
-        ttl = self.settings.lease_ttl_us
+        groups: Mapping[str, tuple[int, Mapping[str, int]]] | None,
+    ) -> _FairTake | None:
+        """A lease of pools that cap their groups, in two round trips: one read (unlocked) of the
+        tasks that became due, ranked here, and the first by (priority, rank, seq); store/fair.py
+        chooses; the CTEs returned store the new ranks and take the chosen ($1 to $8), each
+        only while still PENDING (the leader's leases of these pools go one at a time, so only
+        a cancel or a delete meanwhile takes one away). None: nothing to write."""
+        assert groups is not None and set(pools) <= set(groups), "a lease of a pool that caps groups needs its room"
+        room = {p: groups[p] for p in pools}
+        window = fair_window(limit, room)
         sql = self._sql(
-            "WITH chosen AS (SELECT unnest($5::bigint[]) AS seq), " + self._take_ctes() + " SELECT * FROM leased"
+            f"(SELECT seq, pool, group_key, {LEASE_SIZE} + $3, resources, priority, 0::bigint FROM {{s}}.tasks t"
+            " WHERE state = 1 AND group_rank = 0 AND pool = ANY($1::text[]) AND run_at <= $2"
+            f" ORDER BY run_at, seq LIMIT {RANK_BATCH})"
+            " UNION ALL (SELECT x.* FROM unnest($1::text[]) AS p(pool), LATERAL (SELECT t.seq, t.pool, t.group_key,"
+            f" {LEASE_SIZE} + $3, t.resources, t.priority, t.group_rank FROM {{s}}.tasks t"
+            " WHERE t.state = 1 AND t.group_rank > 0 AND t.pool = p.pool AND t.run_at <= $2"
+            " ORDER BY t.priority DESC, t.group_rank, t.seq LIMIT $4) AS x)"
         )
-        rows = [task_row(r) for r in await conn.fetch(sql, now, worker_id, pools, [ttl[p] for p in pools], chosen)]
-        for r in rows:
-            self._ranks.served(*ranks[r.seq])
-        return rows
+        found = await self._read(lambda c: c.fetch(sql, pools, now, self.settings.lease_overhead_bytes, window))
+        fresh = [r for r in found if r[6] == 0]
+        new_ranks = {r[0]: self._ranks.rank(r[1], r[2]) for r in fresh}  # in the order they became due
+        ranked = [r for r in found if r[6] > 0]
+        # A task ranked now goes into this lease only before the end of its pool's window (those
+        # past it may come after tasks this read did not reach).
+        last: dict[str, tuple[int, int, int]] = {}
+        for r in ranked:
+            last[r[1]] = (-r[5], r[6], r[0])
+        ends = {p: k for p, k in last.items() if sum(1 for r in ranked if r[1] == p) >= window}
+        order: list[tuple[tuple[int, int, int], Any, int]] = [((-r[5], r[6], r[0]), r, r[6]) for r in ranked]
+        for r in fresh:
+            key = (-r[5], new_ranks[r[0]], r[0])
+            if r[1] not in ends or key < ends[r[1]]:
+                order.append((key, r, new_ranks[r[0]]))
+        order.sort(key=lambda o: o[0])
+        candidates = (Candidate(r[0], r[1], r[2], r[3], json.loads(r[4]) if r[4] else None) for _, r, _ in order)
+        chosen = choose(candidates, room, limit, max_bytes, free)
+        if not chosen and not new_ranks:
+            return None
+        rank_of = {r[0]: (r[1], rank) for _, r, rank in order}
+        taken = set(chosen)
+        stored = [(seq, rank) for seq, rank in new_ranks.items() if seq not in taken]
+        ttl = self.settings.lease_ttl_us
+        ctes = (
+            "ranked AS (UPDATE {s}.tasks t SET group_rank = u.rank FROM unnest($7::bigint[], $8::bigint[])"
+            " AS u(seq, rank) WHERE t.seq = u.seq AND t.state = 1 AND t.group_rank = 0 AND {fence}),"
+            " chosen AS (SELECT c.seq, c.rank FROM unnest($5::bigint[], $6::bigint[]) AS c(seq, rank) WHERE {fence}),"
+            + self._take_ctes(rank="chosen.rank")
+        )
+        args = (
+            now,
+            worker_id,
+            pools,
+            [ttl[p] for p in pools],
+            chosen,
+            [rank_of[seq][1] for seq in chosen],
+            [seq for seq, _ in stored],
+            [rank for _, rank in stored],
+        )
+        return _FairTake(ctes, args, {seq: rank_of[seq] for seq in chosen}, self._ranks)
 
     def _lease_ctes(
         self,
@@ -1005,19 +1031,24 @@ class PostgresStore:
         overhead = self.settings.lease_overhead_bytes
         return ctes, (now, limit, worker_id, pools, [ttl[p] for p in pools], max_bytes, overhead, *args)
 
-    def _take_ctes(self, worker: str = "$2", pools: str = "$3", ttls: str = "$4") -> str:
+    def _take_ctes(self, worker: str = "$2", pools: str = "$3", ttls: str = "$4", rank: str = "") -> str:
         """The CTEs that lease the tasks `chosen` names (now is $1; the worker id, the pools and
-        their lease TTLs at these parameters): `leased` returns them in TASK_COLUMNS order, and
-        their events are inserted."""
+        their lease TTLs at these parameters; rank: the group_rank they keep, of tasks chosen
+        from an unlocked read): `leased` returns them in TASK_COLUMNS order, and their events
+        are inserted."""
+        keep_rank = f" group_rank = {rank}," if rank else ""
+        # Tasks read without a lock (the fair lease) are taken only while still PENDING; written as
+        # an expression, so that no partial index on state = 1 applies and the join stays by seq.
+        pending = " AND t.state::int = 1" if rank else ""
         return (
             f" ttl AS (SELECT * FROM unnest({pools}::text[], {ttls}::bigint[]) AS x(pool, ttl)),"
             " leased AS (UPDATE {s}.tasks t SET state = 3, attempt = t.attempt + 1,"
-            f" worker_id = {worker}, started_at = $1,"
+            f" worker_id = {worker}, started_at = $1,{keep_rank}"
             # Never past the attempt's deadline (started_at + timeout_ms); a timeout stored before the
             # API bounded it is taken at that bound, so its product fits a bigint.
             " lease_expires_at = $1 + CASE WHEN t.timeout_ms > 0"
             f" THEN least(ttl.ttl, least(t.timeout_ms, {MAX_TIMEOUT_MS}) * 1000)"
-            " ELSE ttl.ttl END FROM chosen, ttl WHERE t.seq = chosen.seq AND ttl.pool = t.pool"
+            f" ELSE ttl.ttl END FROM chosen, ttl WHERE t.seq = chosen.seq AND ttl.pool = t.pool{pending}"
             f" RETURNING {self._cols}),"
             f" lease_ev AS ({INSERT_EVENTS} SELECT seq, 3, attempt, $1, pool, 1, {EVENT_TASK_COLUMNS} FROM leased)"
         )
@@ -1105,27 +1136,52 @@ class PostgresStore:
         groups: Mapping[str, tuple[int, Mapping[str, int]]] | None = None,
     ) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
         """finish, then lease: one statement (one round trip, one commit) when the outcomes take
-        the fast path and the lease checks no resources and no groups, else one call after the
-        other."""
-        fair = any(p in self.settings.group_pools for p in pools)
-        if not outcomes or limit < 1 or free or fair or not self._fast_finish(outcomes):
-            results, changes = await self.finish(worker_id, outcomes, now) if outcomes else ([], [])
-            lease = (worker_id, pools, limit, now, max_bytes, free, groups)
-            rows, due = await self.lease(*lease) if limit > 0 else ([], None)
-            return results, changes, rows, due
-        generation = self._blocked_generation
-        ctes, args = self._lease_ctes(worker_id, pools, limit, now, max_bytes, None)
+        the fast path and the lease is of plain pools without resources, or only of pools that
+        cap their groups (then after one read: see _fair_take); else one call after the other."""
+        fair = [p for p in pools if p in self.settings.group_pools]
+        together = outcomes and limit > 0 and self._fast_finish(outcomes)
+        generation = self._blocked_generation  # read with the fast path's check, before any await
+        if together and not fair and not free:
+            ctes, args = self._lease_ctes(worker_id, pools, limit, now, max_bytes, None)
+            return await self._finish_with(ctes, args, "$3", worker_id, outcomes, generation, now, pools)
+        if together and len(fair) == len(pools):
+            take = await self._fair_take(worker_id, fair, limit, now, max_bytes, free, groups)
+            if take is not None:
+                finish = (worker_id, outcomes, generation, now, pools, fair)
+                finished = await self._finish_with(take.ctes, take.args, "$2", *finish)
+                results, changes, rows, due = finished
+                return results, changes, take.served(rows), due
+            results, changes = await self.finish(worker_id, outcomes, now)
+            return results, changes, *await self._leased([], pools, fair)
+        results, changes = await self.finish(worker_id, outcomes, now) if outcomes else ([], [])
+        rows, due = await self.lease(worker_id, pools, limit, now, max_bytes, free, groups) if limit > 0 else ([], None)
+        return results, changes, rows, due
+
+    async def _finish_with(
+        self,
+        ctes: str,
+        args: tuple[Any, ...],
+        worker: str,
+        worker_id: str,
+        outcomes: list[Outcome],
+        generation: int,
+        now: int,
+        pools: list[str],
+        fair: Sequence[str] = (),
+    ) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
+        """These successes (of the fast path, checked at generation) ended in the statement of a
+        lease's CTEs (now at $1, the worker id at the parameter named): one round trip, one commit."""
         # One row per leased task, or one without a task when none was: the ended tasks ride
         # along as two arrays (none ended and none leased: no row, and the term is checked).
         sql = self._sql(
-            f"WITH {ctes}, {self._success_ctes(len(args) + 1, '$1', '$3')}"
+            f"WITH {ctes}, {self._success_ctes(len(args) + 1, '$1', worker)}"
             " SELECT l.*, e.seqs, e.states FROM (SELECT array_agg(seq) AS seqs, array_agg(state) AS states"
             " FROM ended) AS e LEFT JOIN leased l ON true WHERE e.seqs IS NOT NULL OR l.seq IS NOT NULL"
         )
         fetched = await self._fenced_fetch(sql, *args, *_success_args(outcomes))
         ended = dict(zip(fetched[0][-2] or (), map(State, fetched[0][-1] or ()), strict=True)) if fetched else {}
         results, changes = await self._successes(worker_id, outcomes, ended, generation, now)
-        rows, due = await self._leased([task_row(r) for r in fetched if r[0] is not None], pools)
+        rows, due = await self._leased([task_row(r) for r in fetched if r[0] is not None], pools, fair)
         return results, changes, rows, due
 
     def _success_ctes(self, first: int, now: str, worker: str) -> str:
