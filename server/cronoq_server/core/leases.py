@@ -4,7 +4,6 @@ and the leader's lease-expiry and retention steps (run by core.maintenance)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import uuid
@@ -548,22 +547,70 @@ class Leases:
             # With resources or groups capped, leases go one at a time (see _lease), and this
             # one may take what the outcomes it reports free.
             split = max(len(outcomes) - STORE_CHUNK, 0)
-            async with self._resource_lease if self._gate.enabled else contextlib.nullcontext():
-                free, groups = None, None
-                if self._gate.enabled:
-                    ended = [(o.seq, o.attempt) for o in outcomes]
-                    free, groups = self._gate.room_after(ended, worker.id, pools)
+            if self._gate.enabled:
+                finished, rows, next_due = await self._gated_step(
+                    worker.id, outcomes, split, pools, limit, now, max_bytes
+                )
+            else:
                 finished = await self._finish(worker.id, outcomes[:split], now)
                 results, changes, rows, next_due = await self._store.finish_and_lease(
-                    worker.id, outcomes[split:], pools, limit, now, max_bytes, free, groups
+                    worker.id, outcomes[split:], pools, limit, now, max_bytes
                 )
                 finished += await self._finished(outcomes[split:], results, changes)
-                if self._gate.enabled:
-                    self._gate.take(worker.id, _held(rows))
             answer.tasks.extend(await self._leased(rows, now))
         applied = iter(finished)
         answer.results.extend(refused[i] if i in refused else next(applied) for i in range(len(reported)))
         return answer, self._recheck_in(next_due, now)
+
+    async def _gated_step(
+        self,
+        worker_id: str,
+        outcomes: list[Outcome],
+        split: int,
+        pools: list[str],
+        limit: int,
+        now: int,
+        max_bytes: int,
+    ) -> tuple[list[pb.FinishTaskResult], list[TaskRow], int | None]:
+        """A Work step's finish and lease with resources or group caps: the lease may take what
+        the outcomes free, and leases go one at a time from what is available to what is held.
+        When the store tells what it chose before it writes (the gate then holds it), the next
+        lease may begin while this one writes."""
+        reserved: list[Held] = []
+        handed_on = False  # the lock, once the store chose
+        lock = self._resource_lease
+        await lock.acquire()
+        try:
+            ended = [(o.seq, o.attempt) for o in outcomes]
+            free, groups = self._gate.room_after(ended, worker_id, pools)
+
+            def chosen(held: list[Held]) -> None:
+                # The next lease counts what this one took, and not what the worker said ended
+                # (its handlers have returned; the statement under way records them).
+                nonlocal handed_on
+                self._ended(ended, worker_id)
+                self._gate.take(worker_id, held)
+                reserved.extend(held)
+                handed_on = True
+                lock.release()
+
+            finished = await self._finish(worker_id, outcomes[:split], now)
+            results, changes, rows, next_due = await self._store.finish_and_lease(
+                worker_id, outcomes[split:], pools, limit, now, max_bytes, free, groups, chosen
+            )
+            if not handed_on:
+                self._gate.take(worker_id, _held(rows))
+        except BaseException:
+            self._gate.release([(h.seq, h.attempt) for h in reserved], worker_id)
+            raise
+        finally:
+            if not handed_on:
+                lock.release()
+        # Of the tasks chosen, those another call took meanwhile (a cancel) hold nothing.
+        leased = {(r.seq, r.attempt) for r in rows}
+        self._gate.release([(h.seq, h.attempt) for h in reserved if (h.seq, h.attempt) not in leased], worker_id)
+        finished += await self._finished(outcomes[split:], results, changes)
+        return finished, rows, next_due
 
     # -- the leader's services -----------------------------------------------
 

@@ -399,8 +399,14 @@ class Store(Protocol):
         max_bytes: int = 0,
         free: Mapping[str, int] | None = None,
         groups: Mapping[str, tuple[int, Mapping[str, int]]] | None = None,
+        chosen: Callable[[list[Held]], None] | None = None,
     ) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
-        """finish, then (limit > 0) lease as `lease` does: as one transaction where the store can."""
+        """finish, then (limit > 0) lease as `lease` does: as one transaction where the store can.
+
+        A store that chooses the tasks of pools that cap their groups before it takes them may
+        call chosen with what they will hold, once, before it writes: the caller's accounting
+        then holds them (the caller's next lease may run meanwhile, and this one never takes a
+        task another lease chose and has not yet taken). The rows returned are those taken."""
 
     async def expire_leases(self, now: int) -> tuple[Changes, list[tuple[int, int]]]:
         """Ends every lease past its expiry; returns the changes and the (seq, attempt) ended."""

@@ -50,7 +50,18 @@ from .base import (
     WorkerRow,
     schema_too_new,
 )
-from .fair import RANK_BATCH, Candidate, GroupRanks, after_fair, choose, fair_window, first_rank, rank_keep, rank_reset
+from .fair import (
+    FAIR_WINDOW_MAX,
+    RANK_BATCH,
+    Candidate,
+    GroupRanks,
+    after_fair,
+    choose,
+    fair_window,
+    first_rank,
+    rank_keep,
+    rank_reset,
+)
 from .logic import (
     HEARTBEAT_COLUMNS,
     LEASE_RESOURCE_WINDOW,
@@ -307,6 +318,8 @@ class _FairTake:
     args: tuple[Any, ...]
     ranks: dict[int, tuple[str, int]]  # of each task chosen: its pool and rank
     group_ranks: GroupRanks
+    held: list[Held]  # what the tasks chosen hold once taken
+    seqs: frozenset[int]  # the tasks it chose or ranked: no other lease reads them until it is written
 
     def served(self, rows: list[TaskRow]) -> list[TaskRow]:
         """The rows leased, once their pools' rounds have moved past them."""
@@ -368,6 +381,7 @@ class PostgresStore:
         # The leader's, used on its event loop (store/fair.py).
         self._ranks = GroupRanks(settings.group_pools)
         self._rank_reset = rank_reset(settings.group_pools)
+        self._taking: set[int] = set()  # of fair leases chosen and not yet written (_FairTake.seqs)
         self._rank_keep = rank_keep(settings.group_pools)
 
     def _full_id(self, seq: int) -> int:
@@ -878,7 +892,10 @@ class PostgresStore:
             take = await self._fair_take(worker_id, fair, limit, now, max_bytes, free, groups)
             if take is not None:
                 sql = self._sql(f"WITH {take.ctes} SELECT * FROM leased")
-                rows = take.served([task_row(r) for r in await self._fenced_fetch(sql, *take.args)])
+                try:
+                    rows = take.served([task_row(r) for r in await self._fenced_fetch(sql, *take.args)])
+                finally:
+                    self._taking -= take.seqs
             overhead = self.settings.lease_overhead_bytes
             pools, limit, max_bytes = after_fair(pools, self.settings.group_pools, limit, max_bytes, rows, overhead)
         if pools and limit > 0:
@@ -914,22 +931,23 @@ class PostgresStore:
     ) -> _FairTake | None:
         """A lease of pools that cap their groups, in two round trips: one read (unlocked) of the
         tasks that became due, ranked here, and the first by (priority, rank, seq); store/fair.py
-        chooses; the CTEs returned store the new ranks and take the chosen ($1 to $8), each
+        chooses; the CTEs returned store the new ranks and take the chosen ($1 to $7), each
         only while still PENDING (the leader's leases of these pools go one at a time, so only
         a cancel or a delete meanwhile takes one away). None: nothing to write."""
         assert groups is not None and set(pools) <= set(groups), "a lease of a pool that caps groups needs its room"
         room = {p: groups[p] for p in pools}
-        window = fair_window(limit, room)
+        window = min(fair_window(limit, room) + len(self._taking), FAIR_WINDOW_MAX)
         sql = self._sql(
-            f"(SELECT seq, pool, group_key, {LEASE_SIZE} + $3, resources, priority, 0::bigint FROM {{s}}.tasks t"
-            " WHERE state = 1 AND group_rank = 0 AND pool = ANY($1::text[]) AND run_at <= $2"
+            f"(SELECT seq, pool, group_key, {LEASE_SIZE} + $3, resources, priority, 0::bigint, attempt"
+            " FROM {s}.tasks t WHERE state = 1 AND group_rank = 0 AND pool = ANY($1::text[]) AND run_at <= $2"
             f" ORDER BY run_at, seq LIMIT {RANK_BATCH})"
             " UNION ALL (SELECT x.* FROM unnest($1::text[]) AS p(pool), LATERAL (SELECT t.seq, t.pool, t.group_key,"
-            f" {LEASE_SIZE} + $3, t.resources, t.priority, t.group_rank FROM {{s}}.tasks t"
+            f" {LEASE_SIZE} + $3, t.resources, t.priority, t.group_rank, t.attempt FROM {{s}}.tasks t"
             " WHERE t.state = 1 AND t.group_rank > 0 AND t.pool = p.pool AND t.run_at <= $2"
             " ORDER BY t.priority DESC, t.group_rank, t.seq LIMIT $4) AS x)"
         )
         found = await self._read(lambda c: c.fetch(sql, pools, now, self.settings.lease_overhead_bytes, window))
+        found = [r for r in found if r[0] not in self._taking]  # another lease is taking or ranking them
         fresh = [r for r in found if r[6] == 0]
         new_ranks = {r[0]: self._ranks.rank(r[1], r[2]) for r in fresh}  # in the order they became due
         ranked = [r for r in found if r[6] > 0]
@@ -950,26 +968,36 @@ class PostgresStore:
         if not chosen and not new_ranks:
             return None
         rank_of = {r[0]: (r[1], rank) for _, r, rank in order}
+        row_of = {r[0]: r for _, r, _ in order}
         taken = set(chosen)
         stored = [(seq, rank) for seq, rank in new_ranks.items() if seq not in taken]
         ttl = self.settings.lease_ttl_us
+        # Taken only while still PENDING (they were read without a lock): the state written as an
+        # expression, so that no partial index on state = 1 applies, and the seqs named again as
+        # an index condition: the tasks are looked up by seq, whatever the table's statistics.
+        take = "FROM chosen WHERE t.seq = chosen.seq AND t.seq = ANY($3::bigint[]) AND t.state::int = 1"
         ctes = (
-            "ranked AS (UPDATE {s}.tasks t SET group_rank = u.rank FROM unnest($7::bigint[], $8::bigint[])"
+            "ranked AS (UPDATE {s}.tasks t SET group_rank = u.rank FROM unnest($6::bigint[], $7::bigint[])"
             " AS u(seq, rank) WHERE t.seq = u.seq AND t.state = 1 AND t.group_rank = 0 AND {fence}),"
-            " chosen AS (SELECT c.seq, c.rank FROM unnest($5::bigint[], $6::bigint[]) AS c(seq, rank) WHERE {fence}),"
-            + self._take_ctes(rank="chosen.rank")
+            " chosen AS (SELECT * FROM unnest($3::bigint[], $4::bigint[], $5::bigint[]) AS c(seq, rank, ttl)"
+            " WHERE {fence})," + self._leased_cte("$2", "chosen.ttl", take, rank="chosen.rank")
         )
         args = (
             now,
             worker_id,
-            pools,
-            [ttl[p] for p in pools],
             chosen,
             [rank_of[seq][1] for seq in chosen],
+            [ttl[rank_of[seq][0]] for seq in chosen],
             [seq for seq, _ in stored],
             [rank for _, rank in stored],
         )
-        return _FairTake(ctes, args, {seq: rank_of[seq] for seq in chosen}, self._ranks)
+        held = [
+            Held(seq, row_of[seq][7] + 1, json.loads(row_of[seq][4]) if row_of[seq][4] else {}, *row_of[seq][1:3])
+            for seq in chosen
+        ]
+        seqs = frozenset(chosen) | frozenset(new_ranks)
+        self._taking |= seqs
+        return _FairTake(ctes, args, {seq: rank_of[seq] for seq in chosen}, self._ranks, held, seqs)
 
     def _lease_ctes(
         self,
@@ -1031,24 +1059,25 @@ class PostgresStore:
         overhead = self.settings.lease_overhead_bytes
         return ctes, (now, limit, worker_id, pools, [ttl[p] for p in pools], max_bytes, overhead, *args)
 
-    def _take_ctes(self, worker: str = "$2", pools: str = "$3", ttls: str = "$4", rank: str = "") -> str:
+    def _take_ctes(self, worker: str = "$2", pools: str = "$3", ttls: str = "$4") -> str:
         """The CTEs that lease the tasks `chosen` names (now is $1; the worker id, the pools and
-        their lease TTLs at these parameters; rank: the group_rank they keep, of tasks chosen
-        from an unlocked read): `leased` returns them in TASK_COLUMNS order, and their events
-        are inserted."""
+        their lease TTLs at these parameters): `leased` returns them in TASK_COLUMNS order, and
+        their events are inserted."""
+        return f" ttl AS (SELECT * FROM unnest({pools}::text[], {ttls}::bigint[]) AS x(pool, ttl))," + self._leased_cte(
+            worker, "ttl.ttl", "FROM chosen, ttl WHERE t.seq = chosen.seq AND ttl.pool = t.pool"
+        )
+
+    def _leased_cte(self, worker: str, ttl: str, source: str, rank: str = "") -> str:
+        """`leased`, that leases the tasks of source (now is $1) for their TTL, and `lease_ev`."""
         keep_rank = f" group_rank = {rank}," if rank else ""
-        # Tasks read without a lock (the fair lease) are taken only while still PENDING; written as
-        # an expression, so that no partial index on state = 1 applies and the join stays by seq.
-        pending = " AND t.state::int = 1" if rank else ""
         return (
-            f" ttl AS (SELECT * FROM unnest({pools}::text[], {ttls}::bigint[]) AS x(pool, ttl)),"
             " leased AS (UPDATE {s}.tasks t SET state = 3, attempt = t.attempt + 1,"
             f" worker_id = {worker}, started_at = $1,{keep_rank}"
             # Never past the attempt's deadline (started_at + timeout_ms); a timeout stored before the
             # API bounded it is taken at that bound, so its product fits a bigint.
             " lease_expires_at = $1 + CASE WHEN t.timeout_ms > 0"
-            f" THEN least(ttl.ttl, least(t.timeout_ms, {MAX_TIMEOUT_MS}) * 1000)"
-            f" ELSE ttl.ttl END FROM chosen, ttl WHERE t.seq = chosen.seq AND ttl.pool = t.pool{pending}"
+            f" THEN least({ttl}, least(t.timeout_ms, {MAX_TIMEOUT_MS}) * 1000)"
+            f" ELSE {ttl} END {source}"
             f" RETURNING {self._cols}),"
             f" lease_ev AS ({INSERT_EVENTS} SELECT seq, 3, attempt, $1, pool, 1, {EVENT_TASK_COLUMNS} FROM leased)"
         )
@@ -1134,10 +1163,12 @@ class PostgresStore:
         max_bytes: int = 0,
         free: Mapping[str, int] | None = None,
         groups: Mapping[str, tuple[int, Mapping[str, int]]] | None = None,
+        chosen: Callable[[list[Held]], None] | None = None,
     ) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
         """finish, then lease: one statement (one round trip, one commit) when the outcomes take
         the fast path and the lease is of plain pools without resources, or only of pools that
-        cap their groups (then after one read: see _fair_take); else one call after the other."""
+        cap their groups (then after one read, and chosen is told: see _fair_take); else one
+        call after the other."""
         fair = [p for p in pools if p in self.settings.group_pools]
         together = outcomes and limit > 0 and self._fast_finish(outcomes)
         generation = self._blocked_generation  # read with the fast path's check, before any await
@@ -1148,7 +1179,12 @@ class PostgresStore:
             take = await self._fair_take(worker_id, fair, limit, now, max_bytes, free, groups)
             if take is not None:
                 finish = (worker_id, outcomes, generation, now, pools, fair)
-                finished = await self._finish_with(take.ctes, take.args, "$2", *finish)
+                try:
+                    if chosen is not None:
+                        chosen(take.held)
+                    finished = await self._finish_with(take.ctes, take.args, "$2", *finish)
+                finally:
+                    self._taking -= take.seqs
                 results, changes, rows, due = finished
                 return results, changes, take.served(rows), due
             results, changes = await self.finish(worker_id, outcomes, now)

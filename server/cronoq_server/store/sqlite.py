@@ -801,7 +801,9 @@ class SqliteStore:
         max_bytes: int = 0,
         free: Mapping[str, int] | None = None,
         groups: Mapping[str, tuple[int, Mapping[str, int]]] | None = None,
+        chosen: Callable[[list[Held]], None] | None = None,
     ) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
+        # One transaction on the store's thread: chosen is not called.
         def both(db: sqlite3.Connection) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
             results, changes = self._finish(db, worker_id, outcomes, now) if outcomes else ([], [])
             lease = (worker_id, pools, limit, now, max_bytes, free, groups)
