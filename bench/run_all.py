@@ -88,8 +88,8 @@ def sharding_rows(store: str, r: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def fair_share_rows(store: str, quick: bool, extra: list[str]) -> list[tuple[str, str]]:
-    """Fair share inside a pool: the burn-down over 1 to 100,000 groups (the same tasks, a pool
-    with max_running_per_group), and the noisy neighbour (bench/fair.py)."""
+    """Fair share inside a pool: the burn-down and a lease's cost over 1 to 100,000 groups (the
+    same tasks, a pool with max_running_per_group), and the noisy neighbour (bench/fair.py)."""
     total = 20_000 if quick else 100_000
     drains: dict[int, int] = {}
     for wanted in (1, 100, 10_000, 100_000):
@@ -99,6 +99,9 @@ def fair_share_rows(store: str, quick: bool, extra: list[str]) -> list[tuple[str
         drains[groups] = burn["drain_tasks_per_s"]
     one = drains[1]
     scale = ", ".join(f"{g:,}: {d:,} ({d / one:.2f}×)" for g, d in drains.items())
+    print(f"== cronoq on {store}: a lease's cost over 1 to 100,000 groups", file=sys.stderr, flush=True)
+    cost = run("lease_cost.py", "--tasks", str(total), "--leases", "100" if quick else "300", *extra)
+    counts = [k for k in cost if k.isdigit()]
     print(f"== cronoq on {store}: noisy neighbour", file=sys.stderr, flush=True)
     fair = run("fair.py", "--tasks", "5000" if quick else "20000", *extra)
     plain, grouped = fair["plain"], fair["groups"]
@@ -107,6 +110,12 @@ def fair_share_rows(store: str, quick: bool, extra: list[str]) -> list[tuple[str
             f"cronoq {store}: burn-down of {total:,} tasks over N groups (max_running_per_group 1000), tasks/s "
             "(× the one-group case)",
             scale,
+        ),
+        (
+            f"cronoq {store}: a lease of {cost['batch']} from {total:,} tasks over N groups, p50 / p99 ms "
+            "(worst p50 × the one-group case)",
+            ", ".join(f"{int(k):,}: {cost[k]['p50_ms']} / {cost[k]['p99_ms']}" for k in counts)
+            + f" ({cost['worst_vs_one_group']}×); plain pool {cost['plain']['p50_ms']} / {cost['plain']['p99_ms']}",
         ),
         (
             f"cronoq {store}: noisy neighbour, B's {fair['late']} tasks behind A's {fair['tasks']:,}, start p50 / p99",
