@@ -308,6 +308,12 @@ def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
         fut.set_exception(value)
 
 
+def _free_for(entry: str) -> str:
+    """SQL: what the lease's `free` ($8) has for a resources entry, as fair.free_for: its own,
+    else its keyed resource's full size ("name:"), else 0."""
+    return f"coalesce($8::jsonb ->> {entry}, $8::jsonb ->> left({entry}, strpos({entry}, ':')), '0')::bigint"
+
+
 def quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
@@ -975,7 +981,6 @@ class PostgresStore:
             # alone; of those, the ones that still fit beside the tasks before them (running
             # totals per resource).
             picked = (
-                "free AS (SELECT key AS name, value::bigint AS amount FROM jsonb_each_text($8::jsonb)),"
                 # Per pool, the first due tasks that name resources in index order (locked as
                 # they are read), checked only until enough fit.
                 " cand AS (SELECT x.seq, x.priority, x.run_at, x.resources FROM unnest($4::text[]) AS p(pool),"
@@ -983,14 +988,14 @@ class PostgresStore:
                 " WHERE state = 1 AND pool = p.pool AND run_at <= $1 AND resources IS NOT NULL"
                 f" ORDER BY priority DESC, run_at, seq LIMIT {LEASE_RESOURCE_WINDOW} FOR UPDATE SKIP LOCKED) AS h"
                 " WHERE NOT EXISTS (SELECT 1 FROM jsonb_each_text(h.resources::jsonb) r"
-                " WHERE coalesce(($8::jsonb ->> r.key)::bigint, 0) < r.value::bigint)"
+                f" WHERE {_free_for('r.key')} < r.value::bigint)"
                 " LIMIT $9) AS x WHERE {fence} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $9),"
                 " need AS (SELECT c.seq, r.key AS name, sum(r.value::bigint) OVER (PARTITION BY r.key"
                 " ORDER BY c.priority DESC, c.run_at, c.seq) AS upto"
                 " FROM cand c, jsonb_each_text(c.resources::jsonb) r),"
                 f" picked AS (SELECT * FROM ({plain}) AS plain"
-                " UNION ALL SELECT seq, priority, run_at FROM cand WHERE seq NOT IN (SELECT need.seq FROM need"
-                " JOIN free ON free.name = need.name WHERE need.upto > free.amount)"
+                " UNION ALL SELECT seq, priority, run_at FROM cand WHERE seq NOT IN (SELECT seq FROM need"
+                f" WHERE upto > {_free_for('need.name')})"
                 " ORDER BY priority DESC, run_at, seq LIMIT $2)"
             )
             args = (json.dumps(dict(free)), lease_scan(limit))

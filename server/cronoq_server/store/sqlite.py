@@ -263,6 +263,14 @@ def _chunks(items: list[T], size: int = MAX_VARS) -> Iterable[list[T]]:
         yield items[i : i + size]
 
 
+def _free_for(entry: str) -> str:
+    """SQL: what the lease's `free` has for a resources entry, as fair.free_for: its own, else
+    its keyed resource's full size ("name:"), else 0."""
+    own = f"(SELECT amount FROM free WHERE name = {entry})"
+    default = f"(SELECT amount FROM free WHERE name = substr({entry}, 1, instr({entry}, ':')))"
+    return f"coalesce({own}, {default}, 0)"
+
+
 def _marks(n: int) -> str:
     return ",".join("?" * n)
 
@@ -722,13 +730,12 @@ class SqliteStore:
                 f" AND resources IS NOT NULL ORDER BY {order} LIMIT {LEASE_RESOURCE_WINDOW}),"
                 # In head's order, checked only until enough are found (no sort of the window).
                 f" cand AS (SELECT * FROM head WHERE NOT EXISTS (SELECT 1 FROM json_each(head.resources) r"
-                f" LEFT JOIN free ON free.name = r.key WHERE free.amount IS NULL OR r.value > free.amount)"
-                f" LIMIT ?),"
+                f" WHERE r.value > {_free_for('r.key')}) LIMIT ?),"
                 f" need AS (SELECT c.seq, r.key AS name, sum(r.value) OVER (PARTITION BY r.key"
                 f" ORDER BY c.priority DESC, c.run_at, c.seq) AS upto FROM cand c, json_each(c.resources) r)"
                 f" SELECT * FROM (SELECT * FROM ({ok})"
                 f" UNION ALL SELECT seq, priority, run_at, size FROM cand WHERE seq NOT IN"
-                f" (SELECT need.seq FROM need JOIN free ON free.name = need.name WHERE need.upto > free.amount))"
+                f" (SELECT seq FROM need WHERE upto > {_free_for('need.name')}))"
                 f" ORDER BY {order} LIMIT ?"
             )
             params = (json.dumps(dict(free)), *pools, now, lease_scan(limit), *params, limit)
