@@ -134,13 +134,11 @@ def test_a_new_attempt_of_a_task_frees_what_its_earlier_one_held() -> None:
 
 
 def keyed(clock: Clock) -> ResourceGate:
-    return ResourceGate(
-        [
-            ResourceConfig(name="conn", concurrency=2, per_key=True),
-            ResourceConfig(name="quota", rate=2.0, burst=2, per_key=True),
-        ],
-        clock,
-    )
+    resources = [
+        ResourceConfig(name="conn", concurrency=2, per_key=True),
+        ResourceConfig(name="quota", rate=2.0, burst=2, per_key=True),
+    ]
+    return ResourceGate(iter(resources), clock)  # as the node gives them: read once
 
 
 def test_each_key_has_its_own_slots_dropped_when_none_are_held() -> None:

@@ -84,6 +84,7 @@ class ResourceGate:
         self._group_running: dict[str, dict[str, int]] = {p: {} for p in self._group_caps}
         self._capacity: dict[str, int] = {}  # resource -> slots
         self._rates: dict[str, tuple[float, float]] = {}  # resource -> (rate, burst)
+        resources = list(resources)
         self._per_key = frozenset(r.name for r in resources if r.per_key)
         for r in resources:
             if r.concurrency is not None:
