@@ -3,12 +3,13 @@ real servers, real worker processes, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from _helpers import Api, max_overlap, runs_by_task, start_worker
+from _helpers import Api, eventually, log_lines, max_overlap, runs_by_task, start_worker
 from test_resources import all_succeed, config, submit
 from test_resources import store_kind as store_kind  # noqa: F401 (the fixture)
 
@@ -72,3 +73,27 @@ def test_a_keyed_rate_is_held_per_key_over_every_second(
             in_window = sum(1 for s in starts[i:] if s < t + 1.0)
             assert in_window <= 4 + 1, f"key {key}: {in_window} starts in the second after {t - starts[0]:.3f}s"
         assert starts[-1] - starts[0] < 12 / 4 + 1.5, f"key {key} ran at its rate"
+
+
+def test_the_snapshot_and_metrics_show_the_keys_at_their_limit(
+    start_server: Any, store_kind: dict[str, Any], tmp_path: Path  # noqa: F811
+) -> None:
+    srv = start_server(config(store_kind, [{"name": "conn", "concurrency": 2, "per_key": True}]))
+    api = Api(srv.grpc_target)
+    submit(api, 2, {"sleep": 30}, resources={"conn:a": 1})
+    submit(api, 1, {"sleep": 30}, resources={"conn:b": 1})
+    log = tmp_path / "w.log"
+    worker = start_worker(srv.endpoint, "default", log, concurrency=8)
+    try:
+        eventually(lambda: len(log_lines(log, "start")) == 3, what="the three tasks run")
+        status, body = srv.http("GET", "/v1/snapshot")
+        assert status == 200, body
+        [conn] = body["shards"][0]["resources"]
+        assert conn["per_key"] and int(conn["keys"]) == 2 and int(conn["in_use"]) == 3
+        assert conn["keys_at_limit"] == ["a"]
+        with urllib.request.urlopen(srv.http_url + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        assert 'cronoq_resource_keys_at_limit{resource="conn"} 1.0' in metrics
+        assert 'cronoq_resource_in_use{resource="conn"} 3.0' in metrics
+    finally:
+        worker.kill()
