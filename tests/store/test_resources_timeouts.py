@@ -135,3 +135,12 @@ async def test_a_keyed_lease_looks_up_the_key_then_the_full_size(store: Store) -
     assert [r.seq for r in rows] == [seqs[1], seqs[3], seqs[5]]
     rows, _ = await store.lease("w1", ["default"], 10, T0, free={"conn:": 2, "conn:a": 1, "conn:b": 0})
     assert [r.seq for r in rows] == [seqs[0]]
+
+
+async def test_a_key_at_its_limit_never_blocks_another_key_however_many_tasks_it_has(store: Store) -> None:
+    from cronoq_server.store.logic import LEASE_RESOURCE_WINDOW
+
+    await store.submit([with_resources({"conn:a": 1}) for _ in range(LEASE_RESOURCE_WINDOW + 10)], T0)  # type: ignore[misc]
+    (other,), _ = await store.submit([with_resources({"conn:b": 1})], T0)  # type: ignore[list-item]
+    rows, _ = await store.lease("w1", ["default"], 10, T0, free={"conn:": 2, "conn:a": 0})
+    assert [r.seq for r in rows] == [other.row.seq]

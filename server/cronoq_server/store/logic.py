@@ -366,9 +366,10 @@ def limits_apply(settings: StoreSettings) -> bool:
     return settings.max_pending_total is not None or settings.max_pending_per_pool is not None
 
 
-# A lease looks at most at this many of the first due tasks that name resources: those of a
-# resource that is used up are skipped, and past this many of them, the tasks behind wait for
-# a later lease. Tasks that name no resources are never behind them (an index of their own).
+# A lease considers at most this many of the first due tasks that name resources and fit in
+# what is free alone (those of a resource or a key used up are passed over in the index scan,
+# so they never hold back the tasks behind). Tasks that name no resources are never behind
+# them (an index of their own).
 LEASE_RESOURCE_WINDOW = 1000
 
 

@@ -984,12 +984,12 @@ class PostgresStore:
                 # Per pool, the first due tasks that name resources in index order (locked as
                 # they are read), checked only until enough fit.
                 " cand AS (SELECT x.seq, x.priority, x.run_at, x.resources FROM unnest($4::text[]) AS p(pool),"
-                " LATERAL (SELECT h.* FROM (SELECT seq, priority, run_at, resources FROM {s}.tasks"
+                " LATERAL (SELECT seq, priority, run_at, resources FROM {s}.tasks"
                 " WHERE state = 1 AND pool = p.pool AND run_at <= $1 AND resources IS NOT NULL"
-                f" ORDER BY priority DESC, run_at, seq LIMIT {LEASE_RESOURCE_WINDOW} FOR UPDATE SKIP LOCKED) AS h"
-                " WHERE NOT EXISTS (SELECT 1 FROM jsonb_each_text(h.resources::jsonb) r"
+                " AND NOT EXISTS (SELECT 1 FROM jsonb_each_text(resources::jsonb) r"
                 f" WHERE {_free_for('r.key')} < r.value::bigint)"
-                " LIMIT $9) AS x WHERE {fence} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $9),"
+                f" ORDER BY priority DESC, run_at, seq LIMIT least($9, {LEASE_RESOURCE_WINDOW}) FOR UPDATE SKIP LOCKED)"
+                " AS x WHERE {fence} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $9),"
                 " need AS (SELECT c.seq, r.key AS name, sum(r.value::bigint) OVER (PARTITION BY r.key"
                 " ORDER BY c.priority DESC, c.run_at, c.seq) AS upto"
                 " FROM cand c, jsonb_each_text(c.resources::jsonb) r),"

@@ -721,16 +721,15 @@ class SqliteStore:
         ok = f"{plain} ORDER BY {order} LIMIT ?"
         params: tuple[Any, ...] = (*pools, now, limit)
         if free:
-            # Of the first due tasks that name resources, those whose every amount is available
-            # alone; of those, the ones that still fit beside the tasks before them (running
-            # totals per resource).
+            # Of the due tasks that name resources, the first whose every amount is available
+            # alone (in index order, checked only until enough are found: those of a key or a
+            # resource used up never fill the window); of those, the ones that still fit beside
+            # the tasks before them (running totals per resource).
             ok = (
-                f"WITH free AS (SELECT key AS name, value AS amount FROM json_each(?)),"
-                f" head AS (SELECT seq, priority, run_at, resources, {size} AS size FROM tasks WHERE {due}"
-                f" AND resources IS NOT NULL ORDER BY {order} LIMIT {LEASE_RESOURCE_WINDOW}),"
-                # In head's order, checked only until enough are found (no sort of the window).
-                f" cand AS (SELECT * FROM head WHERE NOT EXISTS (SELECT 1 FROM json_each(head.resources) r"
-                f" WHERE r.value > {_free_for('r.key')}) LIMIT ?),"
+                f"WITH free AS MATERIALIZED (SELECT key AS name, value AS amount FROM json_each(?)),"
+                f" cand AS (SELECT seq, priority, run_at, resources, {size} AS size FROM tasks WHERE {due}"
+                f" AND resources IS NOT NULL AND NOT EXISTS (SELECT 1 FROM json_each(tasks.resources) r"
+                f" WHERE r.value > {_free_for('r.key')}) ORDER BY {order} LIMIT min(?, {LEASE_RESOURCE_WINDOW})),"
                 f" need AS (SELECT c.seq, r.key AS name, sum(r.value) OVER (PARTITION BY r.key"
                 f" ORDER BY c.priority DESC, c.run_at, c.seq) AS upto FROM cand c, json_each(c.resources) r)"
                 f" SELECT * FROM (SELECT * FROM ({ok})"
