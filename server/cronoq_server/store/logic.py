@@ -373,13 +373,6 @@ def limits_apply(settings: StoreSettings) -> bool:
 LEASE_RESOURCE_WINDOW = 1000
 
 
-def lease_scan(limit: int) -> int:
-    """How many due tasks a lease that checks resources looks at for limit of them: tasks
-    whose resources are used up are not among them, but a task that fits alone may not fit
-    beside those before it, and is then skipped."""
-    return limit + 16
-
-
 # -- paused pools ---------------------------------------------------------------
 
 POOL_PAUSE_COLUMNS = "name, paused, paused_at, paused_by"

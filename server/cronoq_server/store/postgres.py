@@ -74,7 +74,6 @@ from .logic import (
     initial_state,
     key_in_another_pool,
     key_of_another_pool,
-    lease_scan,
     limits_apply,
     match_sql,
     not_leased,
@@ -962,7 +961,7 @@ class PostgresStore:
         max_bytes: int,
         free: Mapping[str, int] | None,
     ) -> tuple[str, tuple[Any, ...]]:
-        """The CTEs of a lease ($1 to $7, $8 and $9 with resources): `leased` returns the tasks
+        """The CTEs of a lease ($1 to $7, and $8 with resources): `leased` returns the tasks
         it took in TASK_COLUMNS order, and their events are inserted."""
         ttl = self.settings.lease_ttl_us
         # One index-ordered scan per pool ("pool = ANY" would sort every pending row).
@@ -977,19 +976,19 @@ class PostgresStore:
         picked = f"picked AS ({plain} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $2)"
         args: tuple[Any, ...] = ()
         if free:
-            # Of the first due tasks that name resources, those whose every amount is available
-            # alone; of those, the ones that still fit beside the tasks before them (running
-            # totals per resource).
+            # Of the due tasks that name resources, the first whose every amount is available
+            # alone (those of a key or a resource used up are passed over in the index scan, so
+            # they never hold back the tasks behind); of those, the ones that still fit beside
+            # the tasks before them (running totals per resource).
             picked = (
-                # Per pool, the first due tasks that name resources in index order (locked as
-                # they are read), checked only until enough fit.
+                # Per pool, in index order, locked as they are read.
                 " cand AS (SELECT x.seq, x.priority, x.run_at, x.resources FROM unnest($4::text[]) AS p(pool),"
                 " LATERAL (SELECT seq, priority, run_at, resources FROM {s}.tasks"
                 " WHERE state = 1 AND pool = p.pool AND run_at <= $1 AND resources IS NOT NULL"
                 " AND NOT EXISTS (SELECT 1 FROM jsonb_each_text(resources::jsonb) r"
                 f" WHERE {_free_for('r.key')} < r.value::bigint)"
-                f" ORDER BY priority DESC, run_at, seq LIMIT least($9, {LEASE_RESOURCE_WINDOW}) FOR UPDATE SKIP LOCKED)"
-                " AS x WHERE {fence} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $9),"
+                f" ORDER BY priority DESC, run_at, seq LIMIT {LEASE_RESOURCE_WINDOW} FOR UPDATE SKIP LOCKED)"
+                " AS x WHERE {fence}),"
                 " need AS (SELECT c.seq, r.key AS name, sum(r.value::bigint) OVER (PARTITION BY r.key"
                 " ORDER BY c.priority DESC, c.run_at, c.seq) AS upto"
                 " FROM cand c, jsonb_each_text(c.resources::jsonb) r),"
@@ -998,7 +997,7 @@ class PostgresStore:
                 f" WHERE upto > {_free_for('need.name')})"
                 " ORDER BY priority DESC, run_at, seq LIMIT $2)"
             )
-            args = (json.dumps(dict(free)), lease_scan(limit))
+            args = (json.dumps(dict(free)),)
         # Of the rows picked, the first always and then as many as fit in max_bytes (octet_length
         # reads a stored value's size without decompressing it).
         ctes = (
