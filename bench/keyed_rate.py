@@ -75,7 +75,9 @@ def main() -> None:
             server.stop()
     t0 = min(s[0] for s in starts.values()) + 1.0
     per_second = [
-        bisect.bisect_left(s, t0 + i + 1) - bisect.bisect_left(s, t0 + i) for s in starts.values() for i in range(args.seconds)
+        bisect.bisect_left(s, t0 + i + 1) - bisect.bisect_left(s, t0 + i)
+        for s in starts.values()
+        for i in range(args.seconds)
     ]
     result: dict[str, Any] = {
         "store": args.store,

@@ -141,7 +141,9 @@ def main() -> None:
             )
             step(f"cronoq on {store}: 50 keys of a keyed rate resource, each limited to 20/s")
             keyed = run("keyed_rate.py", *extra)
-            rows.append((f"cronoq {store}: 50 keys each limited to 20/s, starts per key over 10 s", keyed_rate_text(keyed)))
+            rows.append(
+                (f"cronoq {store}: 50 keys each limited to 20/s, starts per key over 10 s", keyed_rate_text(keyed))
+            )
             lat = {}
             for batch in ("10", "1"):
                 step(f"cronoq on {store}: latency, calls of {batch}")

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from _helpers import Api, eventually, log_lines, max_overlap, runs_by_task, start_worker
 from test_resources import all_succeed, config, submit
-from test_resources import store_kind as store_kind  # noqa: F401 (the fixture)
+from test_resources import store_kind as store_kind
 
 
 def test_bad_keys_are_refused_naming_the_resource(start_server: Any, tmp_path: Path) -> None:
@@ -32,7 +32,7 @@ def test_bad_keys_are_refused_naming_the_resource(start_server: Any, tmp_path: P
 
 
 def test_a_keyed_limit_holds_per_key_and_never_blocks_other_keys(
-    start_server: Any, store_kind: dict[str, Any], tmp_path: Path  # noqa: F811
+    start_server: Any, store_kind: dict[str, Any], tmp_path: Path
 ) -> None:
     srv = start_server(config(store_kind, [{"name": "conn", "concurrency": 2, "per_key": True}]))
     api = Api(srv.grpc_target)
@@ -57,7 +57,7 @@ def test_a_keyed_limit_holds_per_key_and_never_blocks_other_keys(
 
 
 def test_a_keyed_rate_is_held_per_key_over_every_second(
-    start_server: Any, store_kind: dict[str, Any], tmp_path: Path  # noqa: F811
+    start_server: Any, store_kind: dict[str, Any], tmp_path: Path
 ) -> None:
     srv = start_server(config(store_kind, [{"name": "quota", "rate": 4, "burst": 1, "per_key": True}]))
     api = Api(srv.grpc_target)
@@ -76,7 +76,7 @@ def test_a_keyed_rate_is_held_per_key_over_every_second(
 
 
 def test_the_snapshot_and_metrics_show_the_keys_at_their_limit(
-    start_server: Any, store_kind: dict[str, Any], tmp_path: Path  # noqa: F811
+    start_server: Any, store_kind: dict[str, Any], tmp_path: Path
 ) -> None:
     srv = start_server(config(store_kind, [{"name": "conn", "concurrency": 2, "per_key": True}]))
     api = Api(srv.grpc_target)
