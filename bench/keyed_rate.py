@@ -1,5 +1,6 @@
 """Per-key rate: 50 keys of one keyed rate resource (per_key), each limited to 20 starts a second.
 
+The tasks are submitted in turns across the keys (--by-key: all of one key, then the next).
 Every key has enough tasks to stay at its limit for more than 12 s; one worker process drains
 them (concurrency 64, no-op handler). From the tasks' start times (the server's, as leased), per
 key: the starts in each whole second of the 10 s after the first second (the first holds the
@@ -25,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _servers import BenchServer, add_store_arguments, bench_store
-from burndown import run_worker, submit_all, wait_all_done
+from burndown import run_worker, wait_all_done
 
 import cronoq
 
@@ -44,9 +45,19 @@ def most_in_a_second(starts: list[float]) -> int:
     return max(bisect.bisect_left(starts, s + 1.0) - i for i, s in enumerate(starts))
 
 
-async def submit_keys(endpoint: str, keys: int, per_key: int) -> None:
-    for k in range(keys):
-        await submit_all(endpoint, per_key, per_key, {}, {f"quota:customer-{k}": 1})
+async def submit_keys(endpoint: str, keys: int, per_key: int, by_key: bool) -> None:
+    """per_key tasks of each key: all of one key, then the next (by_key), or in turns."""
+    async with cronoq.Client(endpoint) as client:
+        if by_key:
+            for k in range(keys):
+                await client.submit_batch([spec(k) for _ in range(per_key)])
+        else:
+            for _ in range(per_key):
+                await client.submit_batch([spec(k) for k in range(keys)])
+
+
+def spec(key: int) -> Any:
+    return cronoq.task_spec("default", b"", resources={f"quota:customer-{key}": 1})
 
 
 def main() -> None:
@@ -54,6 +65,7 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=50)
     ap.add_argument("--rate", type=int, default=20)
     ap.add_argument("--seconds", type=int, default=10)
+    ap.add_argument("--by-key", action="store_true", help="submit every task of one key, then the next")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     add_store_arguments(ap)
     args = ap.parse_args()
@@ -63,7 +75,7 @@ def main() -> None:
     with bench_store(args.store, args.url) as url, tempfile.TemporaryDirectory() as tmp:
         server = BenchServer(Path(tmp), url, extra_config=extra)
         try:
-            asyncio.run(submit_keys(server.endpoint, args.keys, per_key))
+            asyncio.run(submit_keys(server.endpoint, args.keys, per_key, args.by_key))
             spawn = mp.get_context("spawn")  # not a fork: see burndown.py
             started_at, done_at = spawn.Value("d", 0.0), spawn.Value("d", 0.0)
             proc = spawn.Process(target=run_worker, args=(server.endpoint, 64, total, started_at, done_at, {}))
@@ -81,6 +93,7 @@ def main() -> None:
     ]
     result: dict[str, Any] = {
         "store": args.store,
+        "order": "by key" if args.by_key else "in turns",
         "keys": len(starts),
         "rate": args.rate,
         "seconds": args.seconds,
@@ -98,8 +111,9 @@ def main() -> None:
 
 def keyed_rate_text(r: dict[str, Any]) -> str:
     return (
-        f"{r['keys']} keys at {r['rate']}/s: per key and whole second {r['per_second_min']}–{r['per_second_max']} "
-        f"starts ({r['within_1']}/{r['key_seconds']} within ±1); the most in any 1 s window "
+        f"{r['keys']} keys at {r['rate']}/s, submitted {r['order']}: per key and whole second "
+        f"{r['per_second_min']}–{r['per_second_max']} starts ({r['within_1']}/{r['key_seconds']} within ±1); "
+        "the most in any 1 s window "
         f"{r['most_in_any_second']} (rate + burst {r['rate'] + 1})"
     )
 
