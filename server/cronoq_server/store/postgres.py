@@ -53,7 +53,6 @@ from .base import (
 from .fair import RANK_BATCH, Candidate, GroupRanks, choose, fair_window, first_rank, rank_keep, rank_reset, row_bytes
 from .logic import (
     HEARTBEAT_COLUMNS,
-    LEASE_RESOURCE_WINDOW,
     OUTCOME_COLUMNS,
     POOL_PAUSE_COLUMNS,
     POOL_PAUSE_UPSERT,
@@ -74,6 +73,7 @@ from .logic import (
     initial_state,
     key_in_another_pool,
     key_of_another_pool,
+    lease_scan,
     limits_apply,
     match_sql,
     not_leased,
@@ -961,7 +961,7 @@ class PostgresStore:
         max_bytes: int,
         free: Mapping[str, int] | None,
     ) -> tuple[str, tuple[Any, ...]]:
-        """The CTEs of a lease ($1 to $7, and $8 with resources): `leased` returns the tasks
+        """The CTEs of a lease ($1 to $7, $8 and $9 with resources): `leased` returns the tasks
         it took in TASK_COLUMNS order, and their events are inserted."""
         ttl = self.settings.lease_ttl_us
         # One index-ordered scan per pool ("pool = ANY" would sort every pending row).
@@ -987,8 +987,8 @@ class PostgresStore:
                 " WHERE state = 1 AND pool = p.pool AND run_at <= $1 AND resources IS NOT NULL"
                 " AND NOT EXISTS (SELECT 1 FROM jsonb_each_text(resources::jsonb) r"
                 f" WHERE {_free_for('r.key')} < r.value::bigint)"
-                f" ORDER BY priority DESC, run_at, seq LIMIT {LEASE_RESOURCE_WINDOW} FOR UPDATE SKIP LOCKED)"
-                " AS x WHERE {fence}),"
+                f" ORDER BY priority DESC, run_at, seq LIMIT $9 FOR UPDATE SKIP LOCKED)"
+                " AS x WHERE {fence} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $9),"
                 " need AS (SELECT c.seq, r.key AS name, sum(r.value::bigint) OVER (PARTITION BY r.key"
                 " ORDER BY c.priority DESC, c.run_at, c.seq) AS upto"
                 " FROM cand c, jsonb_each_text(c.resources::jsonb) r),"
@@ -997,7 +997,7 @@ class PostgresStore:
                 f" WHERE upto > {_free_for('need.name')})"
                 " ORDER BY priority DESC, run_at, seq LIMIT $2)"
             )
-            args = (json.dumps(dict(free)),)
+            args = (json.dumps(dict(free)), lease_scan(limit, free))
         # Of the rows picked, the first always and then as many as fit in max_bytes (octet_length
         # reads a stored value's size without decompressing it).
         ctes = (

@@ -45,7 +45,6 @@ from .base import (
 from .fair import RANK_BATCH, Candidate, GroupRanks, choose, fair_window, first_rank, rank_keep, rank_reset, row_bytes
 from .logic import (
     HEARTBEAT_COLUMNS,
-    LEASE_RESOURCE_WINDOW,
     OUTCOME_COLUMNS,
     POOL_PAUSE_COLUMNS,
     POOL_PAUSE_UPSERT,
@@ -67,6 +66,7 @@ from .logic import (
     initial_state,
     key_in_another_pool,
     key_of_another_pool,
+    lease_scan,
     limits_apply,
     match_sql,
     pool_pause,
@@ -728,7 +728,7 @@ class SqliteStore:
                 f"WITH free AS MATERIALIZED (SELECT key AS name, value AS amount FROM json_each(?)),"
                 f" cand AS (SELECT seq, priority, run_at, resources, {size} AS size FROM tasks WHERE {due}"
                 f" AND resources IS NOT NULL AND NOT EXISTS (SELECT 1 FROM json_each(tasks.resources) r"
-                f" WHERE r.value > {_free_for('r.key')}) ORDER BY {order} LIMIT {LEASE_RESOURCE_WINDOW}),"
+                f" WHERE r.value > {_free_for('r.key')}) ORDER BY {order} LIMIT ?),"
                 f" need AS (SELECT c.seq, r.key AS name, sum(r.value) OVER (PARTITION BY r.key"
                 f" ORDER BY c.priority DESC, c.run_at, c.seq) AS upto FROM cand c, json_each(c.resources) r)"
                 f" SELECT * FROM (SELECT * FROM ({ok})"
@@ -736,7 +736,7 @@ class SqliteStore:
                 f" (SELECT seq FROM need WHERE upto > {_free_for('need.name')}))"
                 f" ORDER BY {order} LIMIT ?"
             )
-            params = (json.dumps(dict(free)), *pools, now, *params, limit)
+            params = (json.dumps(dict(free)), *pools, now, lease_scan(limit, free), *params, limit)
         # Of those, the first always, then as many as fit in max_bytes.
         chosen = (
             f"SELECT seq FROM (SELECT seq, row_number() OVER w AS n, sum(size) OVER w AS upto FROM ({ok})"
