@@ -44,7 +44,7 @@ class BenchServer:
     then connect with `client_options`. extra_config: TOML appended to the config file.
     shard: the shard this server serves (--shard), when extra_config has [[shards]]; its store
     is then the shard's own (a file, or a schema, named with {shard}), and `ports` (gRPC, HTTP)
-    are those its [[shards]] endpoint names.
+    are those its [[shards]] endpoint names. default_pool: TOML lines of the pool "default".
     """
 
     def __init__(
@@ -57,6 +57,7 @@ class BenchServer:
         shard: str | None = None,
         ports: tuple[int, int] | None = None,
         synchronous: str = SYNCHRONOUS,
+        default_pool: str = "",
     ):
         self.grpc_port, self.http_port = ports or (free_port(), free_port())
         self.secure = secure
@@ -89,7 +90,7 @@ class BenchServer:
         self.config.write_text(
             f'[server]\nlisten = "127.0.0.1:{self.grpc_port}"\nhttp_listen = "127.0.0.1:{self.http_port}"\n'
             f"[store]\n{store}\n"
-            '[limits]\nmax_batch_size = 1000\n[[pools]]\nname = "default"\n'
+            f'[limits]\nmax_batch_size = 1000\n[[pools]]\nname = "default"\n{default_pool}'
             + "".join(f'[[pools]]\nname = "{name}"\n' for name in extra_pools)
             + security
             + extra_config

@@ -4,6 +4,8 @@ python bench/burndown.py [--tasks 20000] [--concurrency 64] [--batch 500] [--res
                          [--dashboard overview|live]
 
 With --resource-capacity, every task asks for one slot of a concurrency resource of that capacity.
+With --groups N, the pool caps its groups (max_running_per_group --group-cap, 1000 by default)
+and the tasks are spread over N group keys in turn.
 With --worker go, ts or rust, the worker is the Go SDK's (bench/go-worker, built with the `go` on
 PATH), the TypeScript SDK's (bench/ts-worker, run with the `node` on PATH) or the Rust SDK's
 (sdk-rust's example bench_drain, built with the `cargo` on PATH).
@@ -100,13 +102,23 @@ def run_sdk_worker(sdk: str, endpoint: str, concurrency: int, total: int) -> tup
 
 
 async def submit_all(
-    endpoint: str, total: int, batch: int, options: dict[str, Any], resources: dict[str, int], pool: str = "default"
+    endpoint: str,
+    total: int,
+    batch: int,
+    options: dict[str, Any],
+    resources: dict[str, int],
+    pool: str = "default",
+    groups: int = 0,
 ) -> float:
     started = time.perf_counter()
     async with cronoq.Client(endpoint, **options) as client:
         for i in range(0, total, batch):
             n = min(batch, total - i)
-            await client.submit_batch([cronoq.task_spec(pool, b"", resources=resources) for _ in range(n)])
+            specs = [
+                cronoq.task_spec(pool, b"", resources=resources, group_key=f"g{(i + j) % groups}" if groups else "")
+                for j in range(n)
+            ]
+            await client.submit_batch(specs)
             print(f"\rsubmitted {i + n}/{total} ({pool})", end="", file=sys.stderr)
     print(file=sys.stderr)
     return time.perf_counter() - started
@@ -148,6 +160,8 @@ def main() -> None:
         "--worker", choices=("python", "go", "ts", "rust"), default="python", help="the SDK whose worker drains"
     )
     ap.add_argument("--dashboard", choices=("overview", "live"), help="a dashboard page open meanwhile")
+    ap.add_argument("--groups", type=int, default=0, help="spread the tasks over this many group keys")
+    ap.add_argument("--group-cap", type=int, default=1000, help="the pool's max_running_per_group with --groups")
     add_store_arguments(ap)
     args = ap.parse_args()
     if args.worker != "python" and args.secure:
@@ -158,13 +172,16 @@ def main() -> None:
         resources = {"slots": 1}
         extra = f'[[resources]]\nname = "slots"\nconcurrency = {args.resource_capacity}\n'
     with bench_store(args.store, args.url) as url, tempfile.TemporaryDirectory() as tmp:
-        server = BenchServer(Path(tmp), url, secure=args.secure, extra_config=extra)
+        pool = f"max_running_per_group = {args.group_cap}\n" if args.groups else ""
+        server = BenchServer(Path(tmp), url, secure=args.secure, extra_config=extra, default_pool=pool)
         options = server.client_options
         page = None
         try:
             if args.dashboard:
                 page = open_page(server.http_url, args.dashboard)
-            submit_s = asyncio.run(submit_all(server.endpoint, args.tasks, args.batch, options, resources))
+            submit_s = asyncio.run(
+                submit_all(server.endpoint, args.tasks, args.batch, options, resources, groups=args.groups)
+            )
             if args.worker != "python":
                 drain_s, from_spawn = run_sdk_worker(args.worker, server.endpoint, args.concurrency, args.tasks)
             else:
@@ -192,6 +209,7 @@ def main() -> None:
         "worker": args.worker,
         "secure": args.secure,
         "resource_capacity": args.resource_capacity,
+        "groups": args.groups,
         "tasks": args.tasks,
         "submit_tasks_per_s": round(args.tasks / submit_s),
         "drain_tasks_per_s": round(args.tasks / drain_s),

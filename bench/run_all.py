@@ -1,7 +1,8 @@
 """`./dev bench`: every benchmark in one run, and a summary table.
 
 cronoq on SQLite and on PostgreSQL (burn-down, submit→start and submit→Watch event latency, another
-caller's latency during a bulk retry of 50,000 FAILED tasks, the rate per key of a keyed rate
+caller's latency during a bulk retry of 50,000 FAILED tasks, fair share inside a pool (the
+burn-down over 1 to 100,000 groups, the noisy neighbour), the rate per key of a keyed rate
 resource, and two shards: forwarded calls,
 ListTasks across shards, burn-down across shards), then the anchors PgQueuer and procrastinate
 on the same PostgreSQL server and the same workloads, and River's burn-down there too (built
@@ -88,6 +89,36 @@ def sharding_rows(store: str, r: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def fair_share_rows(store: str, quick: bool, extra: list[str]) -> list[tuple[str, str]]:
+    """Fair share inside a pool: the burn-down over 1 to 100,000 groups (the same tasks, a pool
+    with max_running_per_group), and the noisy neighbour (bench/fair.py)."""
+    total = 20_000 if quick else 100_000
+    drains: dict[int, int] = {}
+    for wanted in (1, 100, 10_000, 100_000):
+        groups = min(wanted, total)
+        print(f"== cronoq on {store}: burn-down of {total:,} tasks over {groups:,} group(s)", file=sys.stderr)
+        burn = run("burndown.py", "--tasks", str(total), "--groups", str(groups), *extra)
+        drains[groups] = burn["drain_tasks_per_s"]
+    one = drains[1]
+    scale = ", ".join(f"{g:,}: {d:,} ({d / one:.2f}×)" for g, d in drains.items())
+    print(f"== cronoq on {store}: noisy neighbour", file=sys.stderr, flush=True)
+    fair = run("fair.py", "--tasks", "5000" if quick else "20000", *extra)
+    plain, grouped = fair["plain"], fair["groups"]
+    return [
+        (
+            f"cronoq {store}: burn-down of {total:,} tasks over N groups (max_running_per_group 1000), tasks/s "
+            "(× the one-group case)",
+            scale,
+        ),
+        (
+            f"cronoq {store}: noisy neighbour, B's {fair['late']} tasks behind A's {fair['tasks']:,}, start p50 / p99",
+            f"plain pool {plain['b_start_p50_ms']:,} / {plain['b_start_p99_ms']:,} ms; group keys "
+            f"(max_running_per_group {fair['cap']}) {grouped['b_start_p50_ms']:,} / {grouped['b_start_p99_ms']:,} ms; "
+            f"drain {plain['drain_tasks_per_s']:,} → {grouped['drain_tasks_per_s']:,} tasks/s ({fair['drain_ratio']}×)",
+        ),
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="5,000 tasks and 3 s latency runs")
@@ -167,6 +198,7 @@ def main() -> None:
                         ),
                     )
                 )
+            rows += fair_share_rows(store, args.quick, extra)
             step(f"cronoq on {store}: a bulk retry of FAILED tasks while another caller works")
             bulk = run("bulk.py", "--tasks", "10000" if args.quick else "50000", *extra)
             rows.append((f"cronoq {store}: RetryTasks of {bulk['tasks']:,} FAILED tasks", bulk_text(bulk)))

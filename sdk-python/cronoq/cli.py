@@ -237,6 +237,7 @@ async def cmd_submit(args: argparse.Namespace) -> int:
             depends_on=[_ref(d, False) for d in args.depends_on],
             resources=_resources(args.resource),
             timeout=args.timeout,
+            group_key=args.group_key,
         )
         task, done = sub.task, True
         if args.wait is not None:
@@ -245,6 +246,8 @@ async def cmd_submit(args: argparse.Namespace) -> int:
     print_task(task, args.json, deduplicated=sub.deduplicated)
     return 0 if done else EXIT_WAIT_TIMEOUT
 
+
+GROUP_KEY_HELP = "the task's group: a pool with max_running_per_group runs its groups in turn, each up to the cap"
 
 OUTCOME_NAMES = {v: k.removeprefix("ATTEMPT_OUTCOME_").lower() for k, v in task_pb2.AttemptOutcome.items()}
 
@@ -658,6 +661,7 @@ async def cmd_schedules_put(args: argparse.Namespace) -> int:
             timeout_ms=args.timeout_ms if args.timeout_ms is not None else round((args.timeout or 0) * 1000),
             paused=args.paused,
             fire_all_missed=args.fire_all_missed,
+            group_key=args.group_key,
         )
     print(json.dumps(schedule_json(schedule)) if args.json else "\n".join(format_schedules([schedule])))
     return 0
@@ -888,6 +892,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="a text payload, stored as bytes")
     p.add_argument("--file", help="payload bytes from a file ('-' for stdin)")
     p.add_argument("--priority", type=int, default=0, help="higher runs first")
+    p.add_argument("--group-key", default="", metavar="KEY", help=GROUP_KEY_HELP)
     p.add_argument("--max-attempts", type=int, default=0, help="0 takes the pool's default")
     p.add_argument("--delay", type=duration_arg, metavar="DURATION", help="how long before the task may start")
     p.add_argument("--depends-on", action="append", default=[], metavar="ID|KEY", help="repeatable")
@@ -1047,6 +1052,7 @@ def build_parser() -> argparse.ArgumentParser:
     payload.add_argument("--payload-json", metavar="JSON", help="a JSON payload for every task it fires")
     payload.add_argument("--payload", metavar="TEXT", help="a text payload, stored as bytes")
     p.add_argument("--priority", type=int, default=0, help="of the tasks it fires; higher runs first")
+    p.add_argument("--group-key", default="", metavar="KEY", help=f"of the tasks it fires: {GROUP_KEY_HELP}")
     p.add_argument("--max-attempts", type=int, default=0, help="of the tasks it fires; 0 takes the pool's default")
     p.add_argument(
         "--resource",

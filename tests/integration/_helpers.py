@@ -70,9 +70,12 @@ def store_table(kind: str, request: Any, path: Path | None = None) -> dict[str, 
     return {"path": str(path)} if path is not None else {}
 
 
-def start_worker(endpoint: str, pool: str, logfile: Path, concurrency: int = 8) -> subprocess.Popen[bytes]:
+def start_worker(
+    endpoint: str, pool: str, logfile: Path, concurrency: int = 8, token: str | None = None
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, str(WORKER), endpoint, pool, str(logfile), "--concurrency", str(concurrency)],
+        [sys.executable, str(WORKER), endpoint, pool, str(logfile), "--concurrency", str(concurrency)]
+        + (["--token", token] if token else []),
         stdout=subprocess.DEVNULL,
         stderr=open(str(logfile) + ".stderr", "ab"),
     )

@@ -334,3 +334,5 @@ def test_get_shows_a_tasks_group(server):
     assert json.loads(cli(server, "get", str(grouped.id), "--json").stdout)["group_key"] == "tenant-1"
     assert "group=tenant-1" in cli(server, "get", str(grouped.id)).stdout.splitlines()[0]
     assert "group=" not in cli(server, "get", str(plain.id)).stdout  # shown only when a task has one
+    submitted = json.loads(cli(server, "submit", "--group-key", "tenant-2", "--json").stdout)
+    assert api.get(int(submitted["id"])).group_key == "tenant-2"

@@ -23,7 +23,7 @@ def test_schedules_put_list_delete_round_trip_and_firing(server):
     put = cli(
         server,
         *("schedules", "put", "default", "every-second", "--cron", "* * * * * *"),
-        *("--payload-json", '{"from": "schedule"}', "--priority", "3", "--json"),
+        *("--payload-json", '{"from": "schedule"}', "--priority", "3", "--group-key", "nightly", "--json"),
         check=False,
     )
     assert put.returncode == 0, put.stderr
@@ -42,6 +42,7 @@ def test_schedules_put_list_delete_round_trip_and_firing(server):
     api = Api(server.grpc_target)
     fired = eventually(lambda: scheduled_tasks(api, "default"), timeout=10, what="a task fired by the schedule")
     assert json.loads(fired[0].payload) == {"from": "schedule"} and fired[0].priority == 3
+    assert fired[0].group_key == "nightly"
 
     deleted = cli(server, "schedules", "delete", "default", "every-second", "--json")
     assert json.loads(deleted.stdout) == {"pool": "default", "name": "every-second"}

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _helpers import Api
+from _helpers import Api, eventually, log_lines, start_worker
 from ports import free_port
 from preconditions import missing
 
@@ -938,3 +938,57 @@ def test_pause_and_resume_a_pool_from_the_overview(start_server: Any, browser_pa
     page.wait_for_selector("table.counts tbody tr:has-text('default') button.pause-pool", timeout=10_000)
     assert row.locator(".badge.paused").count() == 0 and paused() == {"default": False, "other": False}
     assert page.dialogs == [] and page.console_errors == []
+
+
+def test_a_capped_pool_shows_its_cap_and_its_groups_with_hostile_keys_as_text(
+    start_server: Any, browser_page: Any, tmp_path: Path
+) -> None:
+    srv = start_server(
+        {
+            "pools": [{"name": "default", "lease_ttl": "2s", "max_running_per_group": 1}, {"name": "other"}],
+            "resources": [{"name": "gpu", "concurrency": 2}],
+        }
+    )
+    hold = {"sleep": 30}
+    for _ in range(3):
+        submit(srv, {"pool": "default", "group_key": "a", "payload_json": hold})
+    for _ in range(2):
+        submit(srv, {"pool": "default", "group_key": XSS, "payload_json": hold})
+    submit(srv, {"pool": "default", "payload_json": hold})
+    submit(srv, {"pool": "default", "group_key": "later", "payload_json": hold, "run_at": "2099-01-01T00:00:00Z"})
+    submit(srv, {"pool": "other", "payload_json": 1})
+    log = tmp_path / "w.log"
+    worker = start_worker(srv.endpoint, "default", log, concurrency=8)
+    try:
+        eventually(lambda: len(log_lines(log, "start")) == 3, what="one task of each due group runs")
+        page = browser_page
+        page.goto(srv.http_url + "/ui/")
+        loaded_ms(page, "overview")
+        groups = 'section.groups[data-pool="default"]'
+        assert "at most 1 running per group" in page.inner_text(groups)
+        table = f"{groups} table"
+        shown = {
+            group: (int(pending), int(running), mark)
+            for group, pending, running, mark in zip(
+                column(page, "group", table),
+                column(page, "pending", table),
+                column(page, "running", table),
+                column(page, "", table),
+                strict=True,
+            )
+        }
+        assert shown == {
+            "a": (2, 1, "at cap"),
+            XSS: (1, 1, "at cap"),
+            "(no group)": (0, 1, "at cap"),
+            "later": (1, 0, ""),
+        }
+        assert page.locator('section.groups[data-pool="other"]').count() == 0
+        # No keyed resource: the resources table is as before, with no keys column.
+        assert page.locator("table.resources thead th").all_inner_texts() == ["resource", "in use / capacity", "rate"]
+        page.screenshot(path=str(screenshots_dir(tmp_path) / "groups.png"), full_page=True)
+        assert page.locator("main img").count() == 0 and page.locator("main script").count() == 0
+        assert page.dialogs == [] and page.console_errors == []
+    finally:
+        worker.kill()
+        worker.wait(10)

@@ -10,8 +10,11 @@ from typing import Any
 
 import pytest
 from _helpers import Api, eventually, log_lines, max_overlap, run_intervals, runs_by_task, start_worker, store_table
+from test_sharding import TOKENS, TwoShards, bearer  # type: ignore[import-not-found]
+from test_sharding import submit as sharded_submit
 
 from cronoq.v1 import task_pb2
+from cronoq.v1 import task_service_pb2 as tpb
 
 SUCCEEDED = task_pb2.TASK_STATE_SUCCEEDED
 
@@ -28,9 +31,9 @@ def config(store: dict[str, Any], cap: int, **pool: Any) -> dict[str, Any]:
     }
 
 
-def submit(api: Api, n: int, group: str, job: dict[str, Any] | None = None) -> list[int]:
+def submit(api: Api, n: int, group: str, job: dict[str, Any] | None = None, pool: str = "default") -> list[int]:
     payload = json.dumps(job or {}).encode()
-    return [api.submit(payload=payload, content_type="application/json", group_key=group).id for _ in range(n)]
+    return [api.submit(pool, payload=payload, content_type="application/json", group_key=group).id for _ in range(n)]
 
 
 def all_succeed(api: Api, ids: list[int], timeout: float = 45.0) -> None:
@@ -128,5 +131,39 @@ def test_the_snapshot_shows_the_cap_and_the_groups_with_the_most_tasks(
             ("b", 1, 1),
             ("c", 0, 1),
         ]
+    finally:
+        worker.kill()
+
+
+def test_a_pools_groups_live_in_its_shard(start_server: Any, tmp_path: Path) -> None:
+    """Tasks of gpu's pool submitted through cpu, and a worker given cpu's endpoint: gpu caps
+    the groups."""
+    shards = TwoShards(tmp_path, start_server, llm={"max_running_per_group": 1})
+    stubs = shards.stubs["cpu"]
+    payload = json.dumps({"sleep": 0.3}).encode()
+    groups = {
+        g: [
+            sharded_submit(stubs, "llm", payload=payload, content_type="application/json", group_key=g).task.id
+            for _ in range(3)
+        ]
+        for g in ("a", "b")
+    }
+    log = tmp_path / "w.log"
+    worker = start_worker(shards.cpu.endpoint, "llm", log, concurrency=8, token=TOKENS["full"])
+    try:
+        ids = [i for group in groups.values() for i in group]
+
+        def done() -> bool:
+            got = [
+                stubs.tasks.GetTask(tpb.GetTaskRequest(task=task_pb2.TaskRef(id=i)), metadata=bearer("full"))
+                for i in ids
+            ]
+            return all(g.task.state == SUCCEEDED for g in got)
+
+        eventually(done, timeout=45, what="every task succeeds")
+        runs = runs_by_task(log)
+        for group, ids in groups.items():
+            assert max_overlap([iv for i in ids for iv in runs[i]]) == 1, group
+        assert max_overlap(run_intervals(log)) == 2  # the two groups beside each other
     finally:
         worker.kill()

@@ -40,11 +40,18 @@ def bearer(name: str) -> list[tuple[str, str]]:
 
 
 def sharded_config(
-    tmp_path: Path, cpu_listen: str, gpu_endpoint: str, *, cpu_endpoint: str | None = None, **server: Any
+    tmp_path: Path,
+    cpu_listen: str,
+    gpu_endpoint: str,
+    *,
+    cpu_endpoint: str | None = None,
+    llm: dict[str, Any] | None = None,
+    **server: Any,
 ) -> dict[str, Any]:
+    """llm: more settings of the pool llm (gpu's)."""
     return {
         "server": server,
-        "pools": [{"name": "default"}, {"name": "llm"}],
+        "pools": [{"name": "default"}, {"name": "llm", **(llm or {})}],
         "shards": [
             {"name": "cpu", "number": 1, "pools": ["default"], "endpoint": cpu_endpoint or f"http://{cpu_listen}"},
             {"name": "gpu", "number": 2, "pools": ["llm"], "endpoint": gpu_endpoint},
@@ -89,10 +96,16 @@ class TwoShards:
     [store] table whose names contain {shard}; default: a SQLite file per shard)."""
 
     def __init__(
-        self, tmp_path: Path, start_server: Any, store: dict[str, Any] | None = None, replicas: int = 1, **server: Any
+        self,
+        tmp_path: Path,
+        start_server: Any,
+        store: dict[str, Any] | None = None,
+        replicas: int = 1,
+        llm: dict[str, Any] | None = None,
+        **server: Any,
     ):
         cpu_listen, gpu_listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-        self.config = sharded_config(tmp_path, cpu_listen, f"http://{gpu_listen}", **server)
+        self.config = sharded_config(tmp_path, cpu_listen, f"http://{gpu_listen}", llm=llm, **server)
         if store is not None:
             self.config["store"] = store
         self.cpu = start_server({**self.config, "server": {**server, "listen": cpu_listen}}, shard="cpu", name="cpu")

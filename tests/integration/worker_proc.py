@@ -1,6 +1,6 @@
 """A real worker process for the integration tests.
 
-    python worker_proc.py ENDPOINT POOL LOGFILE [--concurrency N]
+    python worker_proc.py ENDPOINT POOL LOGFILE [--concurrency N] [--token T]
 
 Each execution appends "start|done task_id attempt pid unix_time" to LOGFILE. A payload
 {"sleep": s} sleeps first, {"sleep_first": s} only on attempt 1; {"fail_until": n} fails attempts below n. SIGTERM stops it
@@ -22,6 +22,7 @@ async def main() -> None:
     ap.add_argument("pool")
     ap.add_argument("logfile")
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--token")
     args = ap.parse_args()
     log = open(args.logfile, "a", buffering=1)
 
@@ -37,7 +38,7 @@ async def main() -> None:
         log.write(f"done {task.id} {task.attempt} {os.getpid()} {time.time():.6f}\n")
         return {"pid": os.getpid(), "attempt": task.attempt}
 
-    worker = cronoq.Worker(args.endpoint, args.pool, handle, concurrency=args.concurrency)
+    worker = cronoq.Worker(args.endpoint, args.pool, handle, concurrency=args.concurrency, token=args.token)
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.stop)
     await worker.run()
     log.write(f"stopped {os.getpid()}\n")

@@ -125,3 +125,22 @@ async def test_a_fair_lease_looks_up_a_keyed_resource_by_key_then_its_full_size(
     )
     rows, _ = await store.lease("w1", ["default"], 10, T0, 0, {"conn:": 2, "conn:x": 0}, {"default": (100, {})})
     assert sorted(r.seq for r in rows) == [subs[1].row.seq, subs[3].row.seq]
+
+
+async def test_a_lease_of_a_capped_pool_and_a_plain_one_takes_from_both(open_store: Any) -> None:
+    store = await open_store(group_pools=FAIR)
+    await store.submit([grouped("a") for _ in range(3)] + [grouped("a", pool="other") for _ in range(3)], T0)
+    rows, _ = await store.lease("w1", ["default", "other"], 10, T0, 0, {}, {"default": (2, {})})
+    assert sorted(r.pool for r in rows) == ["default", "default", "other", "other", "other"]
+    rows, next_due = await store.lease("w1", ["default", "other"], 10, T0, 0, {}, {"default": (2, {"a": 2})})
+    assert rows == [] and next_due is None  # default's one left waits for its group's place
+
+
+async def test_finish_and_lease_takes_the_place_the_outcome_frees(open_store: Any) -> None:
+    store = await open_store(group_pools=FAIR)
+    await store.submit([grouped("a") for _ in range(2)], T0)
+    (first,) = await lease(store, 10, cap=1)
+    results, _, rows, _ = await store.finish_and_lease(
+        "w1", [success(first)], ["default"], 10, T0, 0, {}, {"default": (1, {})}
+    )
+    assert results[0].accepted and [r.group_key for r in rows] == ["a"]

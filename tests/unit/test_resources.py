@@ -194,3 +194,13 @@ def test_keyed_slots_are_rebuilt_from_the_running_tasks() -> None:
     assert g.available() == {"conn:": 2, "conn:a": 0, "conn:b": 1, "quota:": 2}  # buckets start full
     assert g.release([(1, 1)])
     assert g.available() == {"conn:": 2, "conn:b": 1, "quota:": 2}
+
+
+def test_room_after_counts_what_the_attempts_reported_free() -> None:
+    g = ResourceGate([ResourceConfig(name="gpu", concurrency=2)], Clock(), group_caps={"tenants": 1})
+    g.take("w", [Held(1, 1, {"gpu": 1}, "tenants", "a"), Held(2, 1, {"gpu": 1}, "tenants", "b")])
+    assert g.room_after([], "w", ["tenants"]) == ({}, {"tenants": (1, {"a": 1, "b": 1})})
+    # Only this worker's current attempts count: attempt 2 of task 2, or another worker's, free nothing.
+    assert g.room_after([(1, 1), (2, 2)], "w", ["tenants"]) == ({"gpu": 1}, {"tenants": (1, {"b": 1})})
+    assert g.room_after([(1, 1)], "v", ["tenants"]) == ({}, {"tenants": (1, {"a": 1, "b": 1})})
+    assert g.group_room(["tenants"]) == {"tenants": (1, {"a": 1, "b": 1})}  # nothing released by asking

@@ -4,6 +4,7 @@ and the leader's lease-expiry and retention steps (run by core.maintenance)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import uuid
@@ -257,7 +258,7 @@ class Leases:
         async with self._resource_lease:
             free, groups = self._gate.available(), self._gate.group_room(pools)
             rows, next_due = await self._store.lease(worker_id, pools, limit, now, max_bytes, free, groups)
-            self._gate.take(worker_id, (Held(r.seq, r.attempt, r.resources or {}, r.pool, r.group_key) for r in rows))
+            self._gate.take(worker_id, _held(rows))
         return rows, next_due
 
     def _unpaused(self, pools: list[str]) -> list[str]:
@@ -543,17 +544,22 @@ class Leases:
                 answer.results.extend(refused.values())
                 return answer, float("inf")
             now = now_us()
-            if self._gate.enabled:  # leases that take resources go one at a time (see _lease),
-                # after the outcomes free their slots
-                finished = await self._finish(worker.id, outcomes, now)
-                rows, next_due = await self._lease(worker.id, pools, limit, now, max_bytes) if limit else ([], None)
-            else:  # the last STORE_CHUNK outcomes in the lease's transaction, any before in their own
-                split = max(len(outcomes) - STORE_CHUNK, 0)
+            # The last STORE_CHUNK outcomes in the lease's transaction, any before in their own.
+            # With resources or groups capped, leases go one at a time (see _lease), and this
+            # one may take what the outcomes it reports free.
+            split = max(len(outcomes) - STORE_CHUNK, 0)
+            async with self._resource_lease if self._gate.enabled else contextlib.nullcontext():
+                free, groups = None, None
+                if self._gate.enabled:
+                    ended = [(o.seq, o.attempt) for o in outcomes]
+                    free, groups = self._gate.room_after(ended, worker.id, pools)
                 finished = await self._finish(worker.id, outcomes[:split], now)
                 results, changes, rows, next_due = await self._store.finish_and_lease(
-                    worker.id, outcomes[split:], pools, limit, now, max_bytes
+                    worker.id, outcomes[split:], pools, limit, now, max_bytes, free, groups
                 )
                 finished += await self._finished(outcomes[split:], results, changes)
+                if self._gate.enabled:
+                    self._gate.take(worker.id, _held(rows))
             answer.tasks.extend(await self._leased(rows, now))
         applied = iter(finished)
         answer.results.extend(refused[i] if i in refused else next(applied) for i in range(len(reported)))
@@ -626,6 +632,11 @@ class _WorkStream:
             self.running -= mine
             self.silent = True
         return bool(mine)
+
+
+def _held(rows: list[TaskRow]) -> list[Held]:
+    """What the leased tasks hold while they run (ResourceGate)."""
+    return [Held(r.seq, r.attempt, r.resources or {}, r.pool, r.group_key) for r in rows]
 
 
 def _cut_by_bytes(answer: pb.WorkResponse, max_bytes: int) -> bool:

@@ -160,6 +160,26 @@ class ResourceGate:
         a group not named runs nothing)."""
         return {p: (self._group_caps[p], dict(self._group_running[p])) for p in pools if p in self._group_caps}
 
+    def room_after(
+        self, ended: Iterable[tuple[int, int]], worker_id: str, pools: Iterable[str]
+    ) -> tuple[dict[str, int], dict[str, tuple[int, dict[str, int]]]]:
+        """available() and group_room(pools) once these attempts (seq, attempt) of worker_id end:
+        for a lease in the transaction that reports them. Only what the gate holds for exactly
+        that attempt of that worker counts; the store refuses no such outcome."""
+        free, groups = self.available(), self.group_room(pools)
+        for seq, attempt in ended:
+            holder = self._holders.get(seq)
+            if holder is None or holder[:2] != (attempt, worker_id):
+                continue
+            for name, amount in holder[2].items():
+                free[name] = free.get(name, 0) + amount
+            if holder[3] is not None and holder[3][0] in groups:
+                running = groups[holder[3][0]][1]
+                left = running.pop(holder[3][1], 0) - 1
+                if left > 0:
+                    running[holder[3][1]] = left
+        return free, groups
+
     def take(self, worker_id: str, leased: Iterable[Held]) -> None:
         """The attempts leased to worker_id take what they hold: slots and group places until
         the attempt ends, tokens spent."""

@@ -397,8 +397,10 @@ class Store(Protocol):
         limit: int,
         now: int,
         max_bytes: int = 0,
+        free: Mapping[str, int] | None = None,
+        groups: Mapping[str, tuple[int, Mapping[str, int]]] | None = None,
     ) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
-        """finish, then (limit > 0) lease without resources: as one transaction where the store can."""
+        """finish, then (limit > 0) lease as `lease` does: as one transaction where the store can."""
 
     async def expire_leases(self, now: int) -> tuple[Changes, list[tuple[int, int]]]:
         """Ends every lease past its expiry; returns the changes and the (seq, attempt) ended."""

@@ -93,12 +93,9 @@ class GroupRanks:
 
     def __init__(self, pools: Iterable[str]):
         self._round: dict[str, int] = dict.fromkeys(pools, 0)
+        self.pools = frozenset(self._round)  # read for every task submitted: built once
         self._last: dict[str, dict[str, int]] = {p: {} for p in self._round}
         self._kept: dict[str, int] = dict.fromkeys(self._round, 0)  # groups kept at the last forgetting
-
-    @property
-    def pools(self) -> frozenset[str]:
-        return frozenset(self._round)
 
     def rank(self, pool: str, group_key: str) -> int:
         """The rank of a task of this group that becomes due now."""
@@ -135,6 +132,16 @@ def first_rank(ranks: GroupRanks, pool: str, group_key: str, pending: bool, run_
 def row_bytes(row: TaskRow, overhead: int) -> int:
     """What a leased task counts against a lease's max_bytes (as the plain lease's SQL counts)."""
     return len(row.payload) + len(row.key or "") + len(row.content_type) + overhead
+
+
+def after_fair(
+    pools: list[str], group_pools: frozenset[str], limit: int, max_bytes: int, taken: list[TaskRow], overhead: int
+) -> tuple[list[str], int, int]:
+    """What a lease of these pools leaves to the plain lease once the pools that cap their groups
+    took these tasks: the other pools, and the limit and max_bytes left."""
+    if max_bytes > 0 and taken:
+        max_bytes = max(max_bytes - sum(row_bytes(r, overhead) for r in taken), 1)
+    return [p for p in pools if p not in group_pools], limit - len(taken), max_bytes
 
 
 def _pool_names(pools: Iterable[str]) -> str:

@@ -50,7 +50,7 @@ from .base import (
     WorkerRow,
     schema_too_new,
 )
-from .fair import RANK_BATCH, Candidate, GroupRanks, choose, fair_window, first_rank, rank_keep, rank_reset, row_bytes
+from .fair import RANK_BATCH, Candidate, GroupRanks, after_fair, choose, fair_window, first_rank, rank_keep, rank_reset
 from .logic import (
     HEARTBEAT_COLUMNS,
     OUTCOME_COLUMNS,
@@ -867,10 +867,8 @@ class PostgresStore:
             assert groups is not None and set(fair) <= set(groups), "a lease of a pool that caps groups needs its room"
             room = {p: groups[p] for p in fair}
             rows = await self._tx(lambda c: self._lease_fair(c, worker_id, fair, limit, now, max_bytes, free, room))
-            pools = [p for p in pools if p not in self.settings.group_pools]
-            limit -= len(rows)
-            if max_bytes > 0 and rows:
-                max_bytes = max(max_bytes - sum(row_bytes(r, self.settings.lease_overhead_bytes) for r in rows), 1)
+            overhead = self.settings.lease_overhead_bytes
+            pools, limit, max_bytes = after_fair(pools, self.settings.group_pools, limit, max_bytes, rows, overhead)
         if pools and limit > 0:
             ctes, args = self._lease_ctes(worker_id, pools, limit, now, max_bytes, free)
             sql = self._sql(f"WITH {ctes} SELECT * FROM leased")
@@ -1107,12 +1105,17 @@ class PostgresStore:
         limit: int,
         now: int,
         max_bytes: int = 0,
+        free: Mapping[str, int] | None = None,
+        groups: Mapping[str, tuple[int, Mapping[str, int]]] | None = None,
     ) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
         """finish, then lease: one statement (one round trip, one commit) when the outcomes take
-        the fast path, else one call after the other."""
-        if not outcomes or limit < 1 or not self._fast_finish(outcomes):
+        the fast path and the lease checks no resources and no groups, else one call after the
+        other."""
+        fair = any(p in self.settings.group_pools for p in pools)
+        if not outcomes or limit < 1 or free or fair or not self._fast_finish(outcomes):
             results, changes = await self.finish(worker_id, outcomes, now) if outcomes else ([], [])
-            rows, due = await self.lease(worker_id, pools, limit, now, max_bytes) if limit > 0 else ([], None)
+            lease = (worker_id, pools, limit, now, max_bytes, free, groups)
+            rows, due = await self.lease(*lease) if limit > 0 else ([], None)
             return results, changes, rows, due
         generation = self._blocked_generation
         ctes, args = self._lease_ctes(worker_id, pools, limit, now, max_bytes, None)

@@ -1,6 +1,7 @@
 // Overview: every shard of GET /v1/snapshot (name, number, leader, standbys, term; "Single
 // server" when unsharded), its per-pool counts by state with a Paused badge and Pause / Resume
-// (POST /v1/pools/{pool}/pause|resume) for a viewer with admin on the pool, resources and
+// (POST /v1/pools/{pool}/pause|resume) for a viewer with admin on the pool, a capped pool's
+// groups with the most tasks, resources (a keyed one's keys at their limit) and
 // workers, and charts of the pools' recent activity; shards the server could not reach are
 // named as unavailable. The snapshot holds only the pools the viewer may read.
 import { call, caller, may, notePools } from "./api.js";
@@ -39,12 +40,48 @@ function poolRows(shard, who, status) {
   ]);
 }
 
-function resourceRows(shard) {
-  return (shard.resources || []).map((r) => [
+/** A pool with max_running_per_group: its cap and the groups the snapshot lists (those with the
+ * most tasks pending and running), each marked when it runs as many as the cap allows. */
+function groupsOf(pool) {
+  const cap = Number(pool.max_running_per_group || 0);
+  if (cap <= 0) return null;
+  const rows = (pool.groups || []).map((g) => {
+    const running = Number(g.running ?? 0);
+    return [
+      g.group_key ? g.group_key : h("span", { class: "muted", title: "tasks without a group key" }, "(no group)"),
+      h("span", { class: "num" }, String(g.pending ?? 0)),
+      h("span", { class: "num" }, String(running)),
+      running >= cap ? h("span", { class: "badge at-cap", title: "no more of this group starts until one ends" }, "at cap") : "",
+    ];
+  });
+  return h("section", { class: "groups", "data-pool": pool.pool },
+    h("h3", null, `Groups in ${pool.pool} `, h("small", null, `at most ${cap} running per group`)),
+    rows.length
+      ? table(["group", "pending", "running", ""], rows)
+      : h("p", { class: "muted" }, "No group has tasks pending or running."));
+}
+
+const KEYS_SHOWN = 10; // the snapshot lists at most this many keys at their limit
+
+/** A keyed resource (per_key): "per key", the keys in use and those at their limit. */
+function keyedCell(r) {
+  if (!r.per_key) return "";
+  const atLimit = (r.keys_at_limit || []).slice(0, KEYS_SHOWN);
+  return h("span", { class: "keyed" }, `per key · ${r.keys ?? 0} keys in use`,
+    atLimit.length ? [" · at limit: ", atLimit.map((key, i) => [i ? ", " : "", h("code", null, key)])] : null);
+}
+
+/** The shard's resources; the keys column only when one of them is keyed. */
+function resourceTable(shard) {
+  const resources = shard.resources || [];
+  const keyed = resources.some((r) => r.per_key);
+  return table(["resource", "in use / capacity", "rate", ...(keyed ? ["keys"] : [])], resources.map((r) => [
     r.name,
-    Number(r.capacity) > 0 ? `${r.in_use} / ${r.capacity}` : "",
-    r.rate ? `${r.rate}/s, burst ${r.burst}` : "",
-  ]);
+    // A keyed resource's in_use is summed over its keys; its sizes are each key's.
+    Number(r.capacity) > 0 ? (r.per_key ? `${r.in_use ?? 0} (${r.capacity} per key)` : `${r.in_use} / ${r.capacity}`) : "",
+    r.rate ? `${r.rate}/s, burst ${r.burst}${r.per_key ? " per key" : ""}` : "",
+    ...(keyed ? [keyedCell(r)] : []),
+  ]), { class: "resources" });
 }
 
 function workerRows(shard) {
@@ -71,8 +108,9 @@ function shardCard(shard, who, status) {
     (shard.pools || []).length
       ? table(["pool", ...STATES, ""], poolRows(shard, who, status), { class: "counts" })
       : h("p", { class: "muted" }, "No pools."),
+    (shard.pools || []).map(groupsOf),
     (shard.resources || []).length
-      ? [h("h3", null, "Resources"), table(["resource", "in use / capacity", "rate"], resourceRows(shard))]
+      ? [h("h3", null, "Resources"), resourceTable(shard)]
       : null,
     h("h3", null, "Workers"),
     (shard.workers || []).length
