@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from cronoq_server.config import ResourceConfig
 from cronoq_server.core.resources import ResourceGate
 from cronoq_server.store.base import Held
@@ -46,16 +48,18 @@ def test_rate_is_a_token_bucket() -> None:
     assert not g.release([(2, 1)])  # tokens are spent, not held
 
 
-def test_a_late_start_does_not_lower_the_rate() -> None:
+@pytest.mark.parametrize("entry", ["api", "api:k"])
+def test_a_late_start_does_not_lower_the_rate(entry: str) -> None:
     clock = Clock()
-    g = gate(clock)
+    per_key = entry != "api"  # a key's bucket banks a late start as the plain one does
+    g = ResourceGate([ResourceConfig(name="api", rate=5.0, burst=1, per_key=per_key)], clock)
     starts = []
     t = clock.now
     for _ in range(30):  # every start comes 30 ms after its token is due
         wait = g.next_token_in() or 0.0
         clock.now += wait + 0.030
-        assert "api" in g.available()
-        g.take("w", [Held(len(starts), 1, {"api": 1})])
+        assert g.available().get(entry, g.available().get("api:", 0)) == 1
+        g.take("w", [Held(len(starts), 1, {entry: 1})])
         starts.append(clock.now - t)
     assert starts[-1] < 6.0  # 30 starts within 6 s at 5/s, despite the lateness
     for i, s in enumerate(starts):  # and never more than rate + burst in any second
@@ -166,7 +170,9 @@ def test_each_key_has_its_own_bucket_dropped_when_full_again() -> None:
     [u] = [u for u in g.usage() if u.name == "quota"]
     assert (u.per_key, u.keys, u.keys_at_limit) == (True, 2, ("a",))
     clock.now += 0.5
-    assert g.available()["quota:a"] == 1 and "quota:b" not in g.available()  # b is full again: dropped
+    assert g.available()["quota:a"] == 1 and g.available()["quota:b"] == 2
+    clock.now += 0.125  # b is full again, to its ceiling (burst and a quarter token): dropped
+    assert g.available()["quota:a"] == 1 and "quota:b" not in g.available()
     clock.now += 10
     assert g.available() == {"conn:": 2, "quota:": 2}
 

@@ -147,11 +147,12 @@ class ResourceGate:
         return free
 
     def _refilled(self) -> dict[str, _Bucket]:
-        """The buckets refilled to now; a key's bucket full again is dropped."""
+        """The buckets refilled to now; a key's bucket full again (to its ceiling: until then it
+        keeps what a late start banked) is dropped."""
         now = self._clock()
         for entry, bucket in list(self._buckets.items()):
             bucket.refill(now)
-            if bucket.tokens >= bucket.capacity and entry not in self._rates:
+            if bucket.tokens >= bucket.ceiling and entry not in self._rates:
                 del self._buckets[entry]
         return self._buckets
 
