@@ -2,7 +2,8 @@
 
 cronoq on SQLite and on PostgreSQL (burn-down, submit→start and submit→Watch event latency, another
 caller's latency during a bulk retry of 50,000 FAILED tasks, fair share inside a pool (the
-burn-down over 1 to 100,000 groups, the noisy neighbour), and two shards: forwarded calls,
+burn-down over 1 to 100,000 groups, the noisy neighbour), the rate per key of a keyed rate
+resource, and two shards: forwarded calls,
 ListTasks across shards, burn-down across shards), then the anchors PgQueuer and procrastinate
 on the same PostgreSQL server and the same workloads, and River's burn-down there too (built
 with `go`; skipped when Go is missing), and cronoq's ratio to each; then submit latency under
@@ -24,6 +25,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 from _servers import bench_store  # noqa: E402
+from keyed_rate import keyed_rate_text  # noqa: E402
 
 
 def run(script: str, *args: str) -> dict[str, Any]:
@@ -176,6 +178,11 @@ def main() -> None:
                     f"{slots['drain_tasks_per_s']:,} tasks/s "
                     f"({slots['drain_tasks_per_s'] / burn['drain_tasks_per_s']:.2f}× without)",
                 )
+            )
+            step(f"cronoq on {store}: 50 keys of a keyed rate resource, each limited to 20/s")
+            keyed = run("keyed_rate.py", *extra)
+            rows.append(
+                (f"cronoq {store}: 50 keys each limited to 20/s, starts per key over 10 s", keyed_rate_text(keyed))
             )
             lat = {}
             for batch in ("10", "1"):

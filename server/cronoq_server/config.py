@@ -276,6 +276,8 @@ class ResourceConfig(_Strict):
     concurrency: int | None = Field(default=None, ge=1, le=MAX_SLOTS)
     rate: float | None = Field(default=None, gt=0, le=MAX_SLOTS, allow_inf_nan=False)
     burst: int | None = Field(default=None, ge=1, le=MAX_SLOTS)
+    # Each key ("name:key" in a task's resources) has its own slots or bucket of these sizes.
+    per_key: bool = False
 
     @model_validator(mode="after")
     def _one_kind(self) -> ResourceConfig:

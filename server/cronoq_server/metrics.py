@@ -54,6 +54,10 @@ RESOURCE_IN_USE = Gauge("cronoq_resource_in_use", "Concurrency slots held by run
 RESOURCE_CAPACITY = Gauge(
     "cronoq_resource_capacity", "A resource's capacity: concurrency slots, or a rate's burst.", ["resource"]
 )
+# Per keyed resource (per_key): never a series per key.
+RESOURCE_KEYS_AT_LIMIT = Gauge(
+    "cronoq_resource_keys_at_limit", "Keys of a keyed resource with no slot or token left.", ["resource"]
+)
 # Per pool that caps its groups (max_running_per_group): never a series per group.
 GROUPS_RUNNING = Gauge("cronoq_groups_running", "Groups of the pool with a task running.", ["pool"])
 GROUPS_AT_CAP = Gauge(

@@ -441,6 +441,9 @@ class Node:
                         capacity=usage.capacity,
                         rate=usage.rate,
                         burst=usage.burst,
+                        per_key=usage.per_key,
+                        keys=usage.keys,
+                        keys_at_limit=usage.keys_at_limit,
                     )
                 )
         workers = await self.leases.list_workers(worker_service_pb2.ListWorkersRequest(), caller)

@@ -115,3 +115,32 @@ async def test_a_stored_timeout_near_int64_max_does_not_fail_the_pools_leases(
     assert sorted(r.seq for r in rows) == sorted(s.row.seq for s in subs)
     assert {r.lease_expires_at for r in rows} == {T0 + ttl}
     assert await store.heartbeat("w1", [(r.seq, r.attempt) for r in rows], T0 + SEC) == ([], [])
+
+
+async def test_a_keyed_lease_looks_up_the_key_then_the_full_size(store: Store) -> None:
+    subs, _ = await store.submit(
+        [
+            with_resources({"conn:a": 1}, priority=9),  # key a is at its limit: skipped
+            with_resources({"conn:b": 2}, priority=8),  # a fresh key: the full size
+            with_resources({"conn:b": 1}, priority=7),  # b would then be over: skipped
+            with_resources({"conn:c": 1, "gpu": 1}, priority=6),
+            with_resources({"conn:d": 3}, priority=5),  # more than the full size
+            new(priority=1),
+        ],  # type: ignore[list-item]
+        T0,
+    )
+    seqs = [s.row.seq for s in subs]
+    free = {"conn:": 2, "conn:a": 0, "gpu": 1}
+    rows, _ = await store.lease("w1", ["default"], 10, T0, free=free)
+    assert [r.seq for r in rows] == [seqs[1], seqs[3], seqs[5]]
+    rows, _ = await store.lease("w1", ["default"], 10, T0, free={"conn:": 2, "conn:a": 1, "conn:b": 0})
+    assert [r.seq for r in rows] == [seqs[0]]
+
+
+async def test_a_key_at_its_limit_never_blocks_another_key_however_many_tasks_it_has(store: Store) -> None:
+    from cronoq_server.store.logic import LEASE_RESOURCE_WINDOW
+
+    await store.submit([with_resources({"conn:a": 1}) for _ in range(LEASE_RESOURCE_WINDOW + 10)], T0)  # type: ignore[misc]
+    (other,), _ = await store.submit([with_resources({"conn:b": 1})], T0)  # type: ignore[list-item]
+    rows, _ = await store.lease("w1", ["default"], 10, T0, free={"conn:": 2, "conn:a": 0})
+    assert [r.seq for r in rows] == [other.row.seq]

@@ -113,6 +113,21 @@ async def test_running_resources_name_the_running_tasks_of_capped_pools(open_sto
     assert [(w, h.pool, h.group_key) for w, h in held] == [("w1", "default", "a")]
 
 
+async def test_a_fair_lease_looks_up_a_keyed_resource_by_key_then_its_full_size(open_store: Any) -> None:
+    store = await open_store(group_pools=FAIR)
+    subs, _ = await store.submit(
+        [
+            dataclasses.replace(grouped("a"), resources={"conn:x": 1}),  # key x at its limit
+            dataclasses.replace(grouped("b"), resources={"conn:y": 2}),  # a fresh key
+            dataclasses.replace(grouped("c"), resources={"conn:y": 1}),  # y then over
+            grouped("d"),
+        ],
+        T0,
+    )
+    rows, _ = await store.lease("w1", ["default"], 10, T0, 0, {"conn:": 2, "conn:x": 0}, {"default": (100, {})})
+    assert sorted(r.seq for r in rows) == [subs[1].row.seq, subs[3].row.seq]
+
+
 async def test_a_lease_of_a_capped_pool_and_a_plain_one_takes_from_both(open_store: Any) -> None:
     store = await open_store(group_pools=FAIR)
     await store.submit([grouped("a") for _ in range(3)] + [grouped("a", pool="other") for _ in range(3)], T0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from cronoq_server.config import ResourceConfig
 from cronoq_server.core.resources import ResourceGate
 from cronoq_server.store.base import Held
@@ -46,16 +48,18 @@ def test_rate_is_a_token_bucket() -> None:
     assert not g.release([(2, 1)])  # tokens are spent, not held
 
 
-def test_a_late_start_does_not_lower_the_rate() -> None:
+@pytest.mark.parametrize("entry", ["api", "api:k"])
+def test_a_late_start_does_not_lower_the_rate(entry: str) -> None:
     clock = Clock()
-    g = gate(clock)
+    per_key = entry != "api"  # a key's bucket banks a late start as the plain one does
+    g = ResourceGate([ResourceConfig(name="api", rate=5.0, burst=1, per_key=per_key)], clock)
     starts = []
     t = clock.now
     for _ in range(30):  # every start comes 30 ms after its token is due
         wait = g.next_token_in() or 0.0
         clock.now += wait + 0.030
-        assert "api" in g.available()
-        g.take("w", [Held(len(starts), 1, {"api": 1})])
+        assert g.available().get(entry, g.available().get("api:", 0)) == 1
+        g.take("w", [Held(len(starts), 1, {entry: 1})])
         starts.append(clock.now - t)
     assert starts[-1] < 6.0  # 30 starts within 6 s at 5/s, despite the lateness
     for i, s in enumerate(starts):  # and never more than rate + burst in any second
@@ -131,6 +135,71 @@ def test_a_new_attempt_of_a_task_frees_what_its_earlier_one_held() -> None:
     g.take("w", [Held(1, 1, {}, "tenants", "a")])
     g.take("v", [Held(1, 2, {}, "tenants", "a")])  # attempt 1 ended unannounced (its lease expired)
     assert g.group_room(["tenants"]) == {"tenants": (2, {"a": 1})}
+
+
+def keyed(clock: Clock) -> ResourceGate:
+    resources = [
+        ResourceConfig(name="conn", concurrency=2, per_key=True),
+        ResourceConfig(name="quota", rate=2.0, burst=2, per_key=True),
+    ]
+    return ResourceGate(iter(resources), clock)  # as the node gives them: read once
+
+
+def test_each_key_has_its_own_slots_dropped_when_none_are_held() -> None:
+    g = keyed(Clock())
+    assert g.available() == {"conn:": 2, "quota:": 2}  # a key with no state: the full size
+    g.take("w", [Held(1, 1, {"conn:a": 1}), Held(2, 1, {"conn:a": 1}), Held(3, 1, {"conn:b": 1})])
+    free = g.available()
+    assert free["conn:a"] == 0 and free["conn:b"] == 1 and free["conn:"] == 2
+    [u] = [u for u in g.usage() if u.name == "conn"]
+    assert (u.per_key, u.in_use, u.keys, u.keys_at_limit) == (True, 3, 2, ("a",))
+    assert g.release([(1, 1), (3, 1)])
+    assert "conn:b" not in g.available()  # idle: dropped
+    assert g.available()["conn:a"] == 1
+    assert g.release([(2, 1)])
+    assert g.available() == {"conn:": 2, "quota:": 2}
+
+
+def test_each_key_has_its_own_bucket_dropped_when_full_again() -> None:
+    clock = Clock()
+    g = keyed(clock)
+    g.take("w", [Held(1, 1, {"quota:a": 1}), Held(2, 1, {"quota:a": 1}), Held(3, 1, {"quota:b": 1})])
+    free = g.available()
+    assert free["quota:a"] == 0 and free["quota:b"] == 1 and free["quota:"] == 2
+    assert abs((g.next_token_in() or 0) - 0.5) < 1e-9
+    [u] = [u for u in g.usage() if u.name == "quota"]
+    assert (u.per_key, u.keys, u.keys_at_limit) == (True, 2, ("a",))
+    clock.now += 0.5
+    assert g.available()["quota:a"] == 1 and g.available()["quota:b"] == 2
+    clock.now += 0.125  # b is full again, to its ceiling (burst and a quarter token): dropped
+    assert g.available()["quota:a"] == 1 and "quota:b" not in g.available()
+    clock.now += 10
+    assert g.available() == {"conn:": 2, "quota:": 2}
+
+
+def test_a_key_never_starts_more_than_rate_plus_burst_in_a_second() -> None:
+    clock = Clock()
+    g = keyed(clock)
+    starts: list[float] = []
+    for seq in range(40):  # two keys, each started as soon as it has a token, 30 ms late
+        clock.now += (g.next_token_in() or 0.0) + 0.030
+        free = g.available()
+        for key in ("a", "b"):
+            if free.get(f"quota:{key}", free["quota:"]) >= 1:
+                g.take("w", [Held(seq * 2 + (key == "b"), 1, {f"quota:{key}": 1})])
+                if key == "a":
+                    starts.append(clock.now)
+    for t in starts:
+        assert sum(1 for s in starts if t <= s < t + 1) <= 2 + 2
+
+
+def test_keyed_slots_are_rebuilt_from_the_running_tasks() -> None:
+    g = keyed(Clock())
+    g.take("w", [Held(9, 1, {"quota:a": 2})])
+    g.rebuild([("w", Held(1, 1, {"conn:a": 2})), ("w", Held(2, 1, {"conn:b": 1}))])
+    assert g.available() == {"conn:": 2, "conn:a": 0, "conn:b": 1, "quota:": 2}  # buckets start full
+    assert g.release([(1, 1)])
+    assert g.available() == {"conn:": 2, "conn:b": 1, "quota:": 2}
 
 
 def test_room_after_counts_what_the_attempts_reported_free() -> None:

@@ -8,6 +8,11 @@ statement), and then takes what the leased tasks name. Leases that name resource
 at a time (Leases holds a lock), so what was available is still there when they take it. A
 slot (or a group's place) is released when its attempt ends: finished, failed, cancelled,
 released, or its lease expired.
+
+A keyed resource (per_key) gives each key its own slots or bucket, kept under "name:key" only
+while the key uses them (slots held, or a bucket not full again): memory follows the keys in
+use. available() gives such a key what it has left, and every other key the full size under
+"name:" (an empty key, which a task cannot name).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from ..config import ResourceConfig
-from ..metrics import GROUPS_AT_CAP, GROUPS_RUNNING, RESOURCE_CAPACITY, RESOURCE_IN_USE
+from ..metrics import GROUPS_AT_CAP, GROUPS_RUNNING, RESOURCE_CAPACITY, RESOURCE_IN_USE, RESOURCE_KEYS_AT_LIMIT
 from ..store.base import Held
 
 
@@ -55,6 +60,14 @@ class Usage:
     capacity: int
     rate: float  # rate: starts per second
     burst: int
+    per_key: bool = False
+    keys: int = 0  # keyed: keys holding slots or with tokens spent
+    keys_at_limit: tuple[str, ...] = ()  # keyed: at most 10, by key
+
+
+def resource_of(entry: str) -> str:
+    """The resource a task's resources entry names ("name" or "name:key")."""
+    return entry.partition(":")[0]
 
 
 class ResourceGate:
@@ -69,57 +82,79 @@ class ResourceGate:
         self._group_caps = dict(group_caps or {})
         # pool -> group -> attempts running (groups with none are dropped)
         self._group_running: dict[str, dict[str, int]] = {p: {} for p in self._group_caps}
-        self._capacity: dict[str, int] = {}
-        self._buckets: dict[str, _Bucket] = {}
+        self._capacity: dict[str, int] = {}  # resource -> slots
+        self._rates: dict[str, tuple[float, float]] = {}  # resource -> (rate, burst)
+        resources = list(resources)
+        self._per_key = frozenset(r.name for r in resources if r.per_key)
         for r in resources:
             if r.concurrency is not None:
                 self._capacity[r.name] = r.concurrency
             elif r.rate is not None:
-                burst = float(r.burst or 1)
-                self._buckets[r.name] = _Bucket(r.rate, burst, burst, clock())
-        self._in_use: dict[str, int] = dict.fromkeys(self._capacity, 0)
+                self._rates[r.name] = (r.rate, float(r.burst or 1))
+        # Slots held and buckets, by resource or "resource:key" (keys only while in use).
+        self._in_use: dict[str, int] = {}
+        self._buckets: dict[str, _Bucket] = {}
+        self._reset(clock())
         # seq -> (attempt, worker id, concurrency amounts, (pool, group) or None) of each running
         # attempt holding slots or a group's place
         self._holders: dict[int, tuple[int, str, dict[str, int], tuple[str, str] | None]] = {}
         for name, capacity in self._capacity.items():
             RESOURCE_CAPACITY.labels(resource=name).set(capacity)
-        for name, bucket in self._buckets.items():
-            RESOURCE_CAPACITY.labels(resource=name).set(bucket.capacity)
+        for name, (_, burst) in self._rates.items():
+            RESOURCE_CAPACITY.labels(resource=name).set(burst)
         for pool in self._group_caps:
             GROUPS_RUNNING.labels(pool=pool).set(0)
             GROUPS_AT_CAP.labels(pool=pool).set(0)
 
     @property
     def enabled(self) -> bool:
-        return bool(self._capacity or self._buckets or self._group_caps)
+        return bool(self._capacity or self._rates or self._group_caps)
 
     # -- takeover -------------------------------------------------------------
 
     def rebuild(self, running: Iterable[tuple[str, Held]]) -> None:
         """Slots and places held by the store's RUNNING tasks (worker id, what the attempt
         holds); buckets start full."""
-        self._in_use = dict.fromkeys(self._capacity, 0)
+        self._reset(self._clock())
         self._group_running = {p: {} for p in self._group_caps}
         self._holders.clear()
         for worker_id, held in running:
             self._hold(worker_id, held)
-        now = self._clock()
-        for bucket in self._buckets.values():
-            bucket.tokens, bucket.at = bucket.capacity, now
         self._export()
+
+    def _reset(self, now: float) -> None:
+        """No slot held, every bucket full (a keyed resource's keys: none)."""
+        self._in_use = {n: 0 for n in self._capacity if n not in self._per_key}
+        self._buckets = {
+            n: _Bucket(rate, burst, burst, now) for n, (rate, burst) in self._rates.items() if n not in self._per_key
+        }
 
     # -- leases ---------------------------------------------------------------
 
     def available(self) -> dict[str, int]:
         """What a lease may take now: free slots, and whole tokens; resources with none left
-        are left out (tasks naming them are not looked at)."""
-        now = self._clock()
-        free = {n: cap - self._in_use[n] for n, cap in self._capacity.items() if self._in_use[n] < cap}
-        for name, bucket in self._buckets.items():
-            bucket.refill(now)
-            if bucket.tokens >= 1:
-                free[name] = int(bucket.tokens)
+        are left out (tasks naming them are not looked at). A keyed resource: each key in use
+        with what it has left (0 too), and "name:" with the full size for every other key."""
+        free = {f"{n}:": cap for n, cap in self._capacity.items() if n in self._per_key}
+        free.update({f"{n}:": int(burst) for n, (_, burst) in self._rates.items() if n in self._per_key})
+        for entry, held in self._in_use.items():
+            left = self._capacity[resource_of(entry)] - held
+            if left > 0 or entry not in self._capacity:
+                free[entry] = max(left, 0)
+        for entry, bucket in self._refilled().items():
+            if bucket.tokens >= 1 or entry not in self._rates:
+                free[entry] = max(int(bucket.tokens), 0)
         return free
+
+    def _refilled(self) -> dict[str, _Bucket]:
+        """The buckets refilled to now; a key's bucket full again (to its ceiling: until then it
+        keeps what a late start banked) is dropped."""
+        now = self._clock()
+        for entry, bucket in list(self._buckets.items()):
+            bucket.refill(now)
+            if bucket.tokens >= bucket.ceiling and entry not in self._rates:
+                del self._buckets[entry]
+        return self._buckets
 
     def group_room(self, pools: Iterable[str]) -> dict[str, tuple[int, dict[str, int]]]:
         """Of these pools, those that cap their groups: pool -> (the cap, what runs per group;
@@ -153,18 +188,21 @@ class ResourceGate:
             previous = self._holders.pop(held.seq, None)
             if previous is not None:  # an earlier attempt of it ended unannounced: its slots are free
                 self._free(previous)
-            for name, amount in held.resources.items():
-                if name in self._buckets:
-                    self._buckets[name].tokens -= amount
+            for entry, amount in held.resources.items():
+                rate = self._rates.get(resource_of(entry))
+                if rate is None:
+                    continue
+                bucket = self._buckets.get(entry)
+                if bucket is None:  # a key's first use: a full bucket of its own
+                    bucket = self._buckets[entry] = _Bucket(rate[0], rate[1], rate[1], self._clock())
+                bucket.tokens -= amount
             self._hold(worker_id, held)
         self._export()
 
     def next_token_in(self) -> float | None:
         """Seconds until an exhausted rate resource has a token again (None: none is exhausted)."""
-        now = self._clock()
         waits = []
-        for bucket in self._buckets.values():
-            bucket.refill(now)
+        for bucket in self._refilled().values():
             if bucket.tokens < 1:
                 waits.append((1 - bucket.tokens) / bucket.rate)
         return min(waits) if waits else None
@@ -186,20 +224,24 @@ class ResourceGate:
         return freed
 
     def _hold(self, worker_id: str, held: Held) -> None:
-        slots = {n: a for n, a in held.resources.items() if n in self._capacity}
+        slots = {n: a for n, a in held.resources.items() if resource_of(n) in self._capacity}
         group = (held.pool, held.group_key) if held.pool in self._group_caps else None
         if slots or group:
             self._holders[held.seq] = (held.attempt, worker_id, slots, group)
-            for name, amount in slots.items():
-                self._in_use[name] += amount
+            for entry, amount in slots.items():
+                self._in_use[entry] = self._in_use.get(entry, 0) + amount
         if group:
             running = self._group_running[group[0]]
             running[group[1]] = running.get(group[1], 0) + 1
 
     def _free(self, holder: tuple[int, str, dict[str, int], tuple[str, str] | None]) -> None:
         _, _, slots, group = holder
-        for name, amount in slots.items():
-            self._in_use[name] = max(self._in_use[name] - amount, 0)
+        for entry, amount in slots.items():
+            left = max(self._in_use.get(entry, 0) - amount, 0)
+            if left or entry in self._capacity:
+                self._in_use[entry] = left
+            else:  # a key holding no slot: dropped
+                self._in_use.pop(entry, None)
         if group:
             running = self._group_running[group[0]]
             left = running.pop(group[1], 0) - 1
@@ -207,8 +249,13 @@ class ResourceGate:
                 running[group[1]] = left
 
     def _export(self) -> None:
-        for name, n in self._in_use.items():
-            RESOURCE_IN_USE.labels(resource=name).set(n)
+        for name in self._capacity:
+            in_use, _, at_limit = self._keys(name)
+            RESOURCE_IN_USE.labels(resource=name).set(in_use)
+            if name in self._per_key:
+                RESOURCE_KEYS_AT_LIMIT.labels(resource=name).set(len(at_limit))
+        for name in self._per_key & self._rates.keys():
+            RESOURCE_KEYS_AT_LIMIT.labels(resource=name).set(len(self._keys(name)[2]))
         for pool, running in self._group_running.items():
             GROUPS_RUNNING.labels(pool=pool).set(len(running))
             GROUPS_AT_CAP.labels(pool=pool).set(sum(1 for n in running.values() if n >= self._group_caps[pool]))
@@ -221,7 +268,36 @@ class ResourceGate:
         top = sorted(running.items(), key=lambda kv: (-kv[1], kv[0]))[:most]
         return [GroupUsage(pool, key, n) for key, n in top]
 
-    def usage(self) -> list[Usage]:
-        out = [Usage(n, self._in_use[n], cap, 0.0, 0) for n, cap in sorted(self._capacity.items())]
-        out += [Usage(n, 0, 0, b.rate, int(b.capacity)) for n, b in sorted(self._buckets.items())]
+    def _keys(self, name: str) -> tuple[int, int, list[str]]:
+        """A resource's slots held (summed over its keys), its keys in use, and those at their
+        limit (no slot or no whole token left)."""
+        if name not in self._per_key:
+            return self._in_use.get(name, 0), 0, []
+        prefix = f"{name}:"
+        if name in self._capacity:
+            held = {e[len(prefix) :]: n for e, n in self._in_use.items() if e.startswith(prefix)}
+            cap = self._capacity[name]
+            return sum(held.values()), len(held), [k for k, n in held.items() if n >= cap]
+        spent = {e[len(prefix) :]: b.tokens for e, b in self._buckets.items() if e.startswith(prefix)}
+        return 0, len(spent), [k for k, t in spent.items() if t < 1]
+
+    def usage(self, most: int = 10) -> list[Usage]:
+        """Each resource's use; of a keyed one, the first `most` keys at their limit (by key)."""
+        self._refilled()
+        out = []
+        for name in sorted(self._capacity.keys() | self._rates.keys()):
+            in_use, keys, at_limit = self._keys(name)
+            rate, burst = self._rates.get(name, (0.0, 0))
+            out.append(
+                Usage(
+                    name,
+                    in_use,
+                    self._capacity.get(name, 0),
+                    rate,
+                    int(burst),
+                    per_key=name in self._per_key,
+                    keys=keys,
+                    keys_at_limit=tuple(sorted(at_limit)[:most]),
+                )
+            )
         return out

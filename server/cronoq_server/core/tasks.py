@@ -82,6 +82,10 @@ def _timeout_ms(asked_ms: int, pool_timeout_s: float | None) -> int:
     return min(asked_ms or pool_ms, MAX_TIMEOUT_MS)
 
 
+# A keyed resource's key ("name:key" in a task's resources), in UTF-8 bytes.
+MAX_RESOURCE_KEY_BYTES = 128
+
+
 class Tasks:
     def __init__(
         self, config: Config, store: Store, events: EventBus, shard_name: str, shard_number: int, pools: list[str]
@@ -153,9 +157,16 @@ class Tasks:
         for field, allowed in TASK_RANGES.items():
             check_range(f"{where}{field}", getattr(req, field), allowed)
         for name, amount in req.resources.items():
-            res = self._resources.get(name)
+            base, colon, key = name.partition(":")
+            res = self._resources.get(base)
             if res is None:
-                raise invalid(f"{where}resources: unknown resource {name!r} in shard {self._shard_name!r}")
+                raise invalid(f"{where}resources: unknown resource {base!r} in shard {self._shard_name!r}")
+            if res.per_key and not key:
+                raise invalid(f"{where}resources: {name!r}: resource {base!r} is per key: name it as '{base}:<key>'")
+            if colon and not res.per_key:
+                raise invalid(f"{where}resources: {name!r}: resource {base!r} is not per key: name it alone")
+            if key:
+                check_text(f"{where}resources[{base!r}] key", key, MAX_RESOURCE_KEY_BYTES, in_bytes=True)
             # A rate resource's capacity is its burst: a task needing more tokens could never start.
             capacity = res.concurrency if res.concurrency is not None else (res.burst or 1)
             if not 1 <= amount <= capacity:

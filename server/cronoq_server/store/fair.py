@@ -45,6 +45,14 @@ def fair_window(limit: int, room: Mapping[str, tuple[int, Mapping[str, int]]]) -
     return min((limit + FAIR_WINDOW_SLACK) * (1 + full), FAIR_WINDOW_MAX)
 
 
+def free_for(free: Mapping[str, int], entry: str) -> int:
+    """What is free for a task's resources entry: its own amount, else (a key of a keyed
+    resource that has no state) the resource's full size under "name:"; else none. The stores'
+    SQL looks it up alike."""
+    own = free.get(entry)
+    return own if own is not None else free.get(entry[: entry.find(":") + 1], 0)
+
+
 def choose(
     candidates: Iterable[Candidate],
     room: Mapping[str, tuple[int, Mapping[str, int]]],
@@ -66,7 +74,7 @@ def choose(
         group = (c.pool, c.group_key)
         if cap and running.get(c.group_key, 0) + taken.get(group, 0) >= cap:
             continue
-        if c.resources and any(spent.get(n, 0) + a > (free or {}).get(n, 0) for n, a in c.resources.items()):
+        if c.resources and any(spent.get(n, 0) + a > free_for(free or {}, n) for n, a in c.resources.items()):
             continue
         if chosen and max_bytes > 0 and size + c.size > max_bytes:
             break  # as the plain lease: the first always, then as many as fit

@@ -366,17 +366,19 @@ def limits_apply(settings: StoreSettings) -> bool:
     return settings.max_pending_total is not None or settings.max_pending_per_pool is not None
 
 
-# A lease looks at most at this many of the first due tasks that name resources: those of a
-# resource that is used up are skipped, and past this many of them, the tasks behind wait for
-# a later lease. Tasks that name no resources are never behind them (an index of their own).
+# A lease considers at most this many of the first due tasks that name resources and fit in
+# what is free alone (see lease_scan): those of a resource or a key used up are passed over in
+# the index scan, so they never hold back the tasks behind. Tasks that name no resources are
+# never behind them (an index of their own).
 LEASE_RESOURCE_WINDOW = 1000
 
 
-def lease_scan(limit: int) -> int:
-    """How many due tasks a lease that checks resources looks at for limit of them: tasks
-    whose resources are used up are not among them, but a task that fits alone may not fit
-    beside those before it, and is then skipped."""
-    return limit + 16
+def lease_scan(limit: int, free: Mapping[str, int]) -> int:
+    """How many due tasks that fit alone a lease that checks resources looks at for limit of
+    them: a task that fits alone may not fit beside those before it, and is then skipped. With
+    a keyed resource ("name:" in free), the whole window: one key's backlog fills the first
+    ones, and the lease should still reach the other keys."""
+    return LEASE_RESOURCE_WINDOW if any(n.endswith(":") for n in free) else limit + 16
 
 
 # -- paused pools ---------------------------------------------------------------

@@ -64,7 +64,6 @@ from .fair import (
 )
 from .logic import (
     HEARTBEAT_COLUMNS,
-    LEASE_RESOURCE_WINDOW,
     OUTCOME_COLUMNS,
     POOL_PAUSE_COLUMNS,
     POOL_PAUSE_UPSERT,
@@ -335,6 +334,12 @@ def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
         fut.set_result(value)
     else:
         fut.set_exception(value)
+
+
+def _free_for(entry: str) -> str:
+    """SQL: what the lease's `free` ($8) has for a resources entry, as fair.free_for: its own,
+    else its keyed resource's full size ("name:"), else 0."""
+    return f"coalesce($8::jsonb ->> {entry}, $8::jsonb ->> left({entry}, strpos({entry}, ':')), '0')::bigint"
 
 
 def quote_ident(name: str) -> str:
@@ -1008,7 +1013,7 @@ class PostgresStore:
         max_bytes: int,
         free: Mapping[str, int] | None,
     ) -> tuple[str, tuple[Any, ...]]:
-        """The CTEs of a lease ($1 to $7, $8 and $9 with resources): `leased` returns the tasks
+        """The CTEs of a lease ($1 to $7, $8 to $10 with resources): `leased` returns the tasks
         it took in TASK_COLUMNS order, and their events are inserted."""
         ttl = self.settings.lease_ttl_us
         # One index-ordered scan per pool ("pool = ANY" would sort every pending row).
@@ -1023,29 +1028,31 @@ class PostgresStore:
         picked = f"picked AS ({plain} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $2)"
         args: tuple[Any, ...] = ()
         if free:
-            # Of the first due tasks that name resources, those whose every amount is available
-            # alone; of those, the ones that still fit beside the tasks before them (running
-            # totals per resource).
+            # Of the due tasks that name resources, the first whose every amount is available
+            # alone (those of a key or a resource used up are passed over in the index scan, so
+            # they never hold back the tasks behind); of those, the ones that still fit beside
+            # the tasks before them (running totals per resource).
             picked = (
-                "free AS (SELECT key AS name, value::bigint AS amount FROM jsonb_each_text($8::jsonb)),"
-                # Per pool, the first due tasks that name resources in index order (locked as
-                # they are read), checked only until enough fit.
+                # Per pool, in index order, locked as they are read.
                 " cand AS (SELECT x.seq, x.priority, x.run_at, x.resources FROM unnest($4::text[]) AS p(pool),"
-                " LATERAL (SELECT h.* FROM (SELECT seq, priority, run_at, resources FROM {s}.tasks"
+                " LATERAL (SELECT seq, priority, run_at, resources FROM {s}.tasks"
                 " WHERE state = 1 AND pool = p.pool AND run_at <= $1 AND resources IS NOT NULL"
-                f" ORDER BY priority DESC, run_at, seq LIMIT {LEASE_RESOURCE_WINDOW} FOR UPDATE SKIP LOCKED) AS h"
-                " WHERE NOT EXISTS (SELECT 1 FROM jsonb_each_text(h.resources::jsonb) r"
-                " WHERE coalesce(($8::jsonb ->> r.key)::bigint, 0) < r.value::bigint)"
-                " LIMIT $9) AS x WHERE {fence} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $9),"
+                # A task naming an entry with nothing free ($10) is passed over by one look-up,
+                # not a row per entry: a key's backlog at its limit costs half as much to skip.
+                " AND NOT resources::jsonb ?| $10::text[]"
+                " AND NOT EXISTS (SELECT 1 FROM jsonb_each_text(resources::jsonb) r"
+                f" WHERE {_free_for('r.key')} < r.value::bigint)"
+                f" ORDER BY priority DESC, run_at, seq LIMIT $9 FOR UPDATE SKIP LOCKED)"
+                " AS x WHERE {fence} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $9),"
                 " need AS (SELECT c.seq, r.key AS name, sum(r.value::bigint) OVER (PARTITION BY r.key"
                 " ORDER BY c.priority DESC, c.run_at, c.seq) AS upto"
                 " FROM cand c, jsonb_each_text(c.resources::jsonb) r),"
                 f" picked AS (SELECT * FROM ({plain}) AS plain"
-                " UNION ALL SELECT seq, priority, run_at FROM cand WHERE seq NOT IN (SELECT need.seq FROM need"
-                " JOIN free ON free.name = need.name WHERE need.upto > free.amount)"
+                " UNION ALL SELECT seq, priority, run_at FROM cand WHERE seq NOT IN (SELECT seq FROM need"
+                f" WHERE upto > {_free_for('need.name')})"
                 " ORDER BY priority DESC, run_at, seq LIMIT $2)"
             )
-            args = (json.dumps(dict(free)), lease_scan(limit))
+            args = (json.dumps(dict(free)), lease_scan(limit, free), [n for n, a in free.items() if a <= 0])
         # Of the rows picked, the first always and then as many as fit in max_bytes (octet_length
         # reads a stored value's size without decompressing it).
         ctes = (

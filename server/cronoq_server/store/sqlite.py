@@ -45,7 +45,6 @@ from .base import (
 from .fair import RANK_BATCH, Candidate, GroupRanks, after_fair, choose, fair_window, first_rank, rank_keep, rank_reset
 from .logic import (
     HEARTBEAT_COLUMNS,
-    LEASE_RESOURCE_WINDOW,
     OUTCOME_COLUMNS,
     POOL_PAUSE_COLUMNS,
     POOL_PAUSE_UPSERT,
@@ -261,6 +260,14 @@ def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
 def _chunks(items: list[T], size: int = MAX_VARS) -> Iterable[list[T]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
+
+
+def _free_for(entry: str) -> str:
+    """SQL: what the lease's `free` has for a resources entry, as fair.free_for: its own, else
+    its keyed resource's full size ("name:"), else 0."""
+    own = f"(SELECT amount FROM free WHERE name = {entry})"
+    default = f"(SELECT amount FROM free WHERE name = substr({entry}, 1, instr({entry}, ':')))"
+    return f"coalesce({own}, {default}, 0)"
 
 
 def _marks(n: int) -> str:
@@ -717,26 +724,24 @@ class SqliteStore:
         ok = f"{plain} ORDER BY {order} LIMIT ?"
         params: tuple[Any, ...] = (*pools, now, limit)
         if free:
-            # Of the first due tasks that name resources, those whose every amount is available
-            # alone; of those, the ones that still fit beside the tasks before them (running
-            # totals per resource).
+            # Of the due tasks that name resources, the first whose every amount is available
+            # alone (in index order, checked only until enough are found: those of a key or a
+            # resource used up never fill the window); of those, the ones that still fit beside
+            # the tasks before them (running totals per resource).
             ok = (
-                f"WITH free AS (SELECT key AS name, value AS amount FROM json_each(?)),"
-                f" head AS (SELECT seq, priority, run_at, resources, {size} AS size FROM tasks"
+                f"WITH free AS MATERIALIZED (SELECT key AS name, value AS amount FROM json_each(?)),"
+                f" cand AS (SELECT seq, priority, run_at, resources, {size} AS size FROM tasks"
                 f" INDEXED BY tasks_lease_resources WHERE {due}"
-                f" AND resources IS NOT NULL ORDER BY {order} LIMIT {LEASE_RESOURCE_WINDOW}),"
-                # In head's order, checked only until enough are found (no sort of the window).
-                f" cand AS (SELECT * FROM head WHERE NOT EXISTS (SELECT 1 FROM json_each(head.resources) r"
-                f" LEFT JOIN free ON free.name = r.key WHERE free.amount IS NULL OR r.value > free.amount)"
-                f" LIMIT ?),"
+                f" AND resources IS NOT NULL AND NOT EXISTS (SELECT 1 FROM json_each(tasks.resources) r"
+                f" WHERE r.value > {_free_for('r.key')}) ORDER BY {order} LIMIT ?),"
                 f" need AS (SELECT c.seq, r.key AS name, sum(r.value) OVER (PARTITION BY r.key"
                 f" ORDER BY c.priority DESC, c.run_at, c.seq) AS upto FROM cand c, json_each(c.resources) r)"
                 f" SELECT * FROM (SELECT * FROM ({ok})"
                 f" UNION ALL SELECT seq, priority, run_at, size FROM cand WHERE seq NOT IN"
-                f" (SELECT need.seq FROM need JOIN free ON free.name = need.name WHERE need.upto > free.amount))"
+                f" (SELECT seq FROM need WHERE upto > {_free_for('need.name')}))"
                 f" ORDER BY {order} LIMIT ?"
             )
-            params = (json.dumps(dict(free)), *pools, now, lease_scan(limit), *params, limit)
+            params = (json.dumps(dict(free)), *pools, now, lease_scan(limit, free), *params, limit)
         # Of those, the first always, then as many as fit in max_bytes.
         chosen = (
             f"SELECT seq FROM (SELECT seq, row_number() OVER w AS n, sum(size) OVER w AS upto FROM ({ok})"
