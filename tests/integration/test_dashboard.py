@@ -992,3 +992,34 @@ def test_a_capped_pool_shows_its_cap_and_its_groups_with_hostile_keys_as_text(
     finally:
         worker.kill()
         worker.wait(10)
+
+
+def test_a_keyed_resource_shows_its_keys_in_use_and_those_at_their_limit_as_text(
+    start_server: Any, browser_page: Any, tmp_path: Path
+) -> None:
+    srv = start_server(
+        {
+            "pools": [{"name": "default", "lease_ttl": "2s"}],
+            "resources": [{"name": "conn", "concurrency": 1, "per_key": True}, {"name": "gpu", "concurrency": 2}],
+        }
+    )
+    for key in (XSS, XSS, "b", "b"):
+        submit(srv, {"pool": "default", "payload_json": {"sleep": 30}, "resources": {f"conn:{key}": 1}})
+    log = tmp_path / "w.log"
+    worker = start_worker(srv.endpoint, "default", log, concurrency=8)
+    try:
+        eventually(lambda: len(log_lines(log, "start")) == 2, what="one task of each key runs")
+        page = browser_page
+        page.goto(srv.http_url + "/ui/")
+        loaded_ms(page, "overview")
+        assert column(page, "resource", "table.resources") == ["conn", "gpu"]
+        assert column(page, "in use / capacity", "table.resources") == ["2 (1 per key)", "0 / 2"]
+        keyed, plain = column(page, "keys", "table.resources")
+        assert keyed.startswith("per key · 2 keys in use · at limit: ") and plain == ""
+        assert sorted(page.locator("table.resources .keyed code").all_inner_texts()) == sorted([XSS, "b"])
+        page.screenshot(path=str(screenshots_dir(tmp_path) / "keyed-resources.png"), full_page=True)
+        assert page.locator("main img").count() == 0 and page.locator("main script").count() == 0
+        assert page.dialogs == [] and page.console_errors == []
+    finally:
+        worker.kill()
+        worker.wait(10)
