@@ -4,6 +4,7 @@ then, ranks rebuilt when a server takes over."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 from test_store import SEC, T0, failure, finish_ok, new, success
 
 from cronoq_server.store.base import NewTask, Outcome, OutcomeKind, State, Store
+from cronoq_server.store.postgres import ANALYZE_AFTER_ROWS
 
 FAIR = frozenset({"default"})
 
@@ -174,3 +176,18 @@ async def test_a_task_cancelled_while_the_lease_chooses_is_not_taken(
         rows = await lease(store, 10)
     assert [r.seq for r in rows] == [second.row.seq]
     assert (await store.get(first.row.seq)).state == State.CANCELLED  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("backend", ["postgres"])  # SQLite's leases name their indexes
+async def test_a_burst_of_submissions_gets_the_tasks_table_analyzed(open_store: Any) -> None:
+    """Else leases are planned from the statistics of a far smaller table until autovacuum
+    comes (up to a minute): a sort of every PENDING task instead of an index range."""
+    store = await open_store(group_pools=FAIR)
+    rows = "SELECT reltuples FROM pg_class WHERE oid = to_regclass($1)"
+    table = store._sql("{s}.tasks")  # type: ignore[attr-defined]
+    await store.submit([grouped("a") for _ in range(ANALYZE_AFTER_ROWS)], T0)
+    for _ in range(100):
+        if await store._read(lambda c: c.fetchval(rows, table)) >= ANALYZE_AFTER_ROWS:  # type: ignore[attr-defined]
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("the tasks table was not analyzed after a burst of submissions")
