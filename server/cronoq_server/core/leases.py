@@ -606,9 +606,13 @@ class Leases:
         finally:
             if not handed_on:
                 lock.release()
-        # Of the tasks chosen, those another call took meanwhile (a cancel) hold nothing.
-        leased = {(r.seq, r.attempt) for r in rows}
-        self._gate.release([(h.seq, h.attempt) for h in reserved if (h.seq, h.attempt) not in leased], worker_id)
+        if reserved:
+            # Of the tasks chosen, those another call changed meanwhile (a cancel) hold nothing;
+            # a task taken at another attempt than chosen (cancelled and retried meanwhile) holds
+            # what it was taken at.
+            leased, held = {(r.seq, r.attempt) for r in rows}, {(h.seq, h.attempt) for h in reserved}
+            self._gate.release([a for a in held if a not in leased], worker_id)
+            self._gate.take(worker_id, [h for h in _held(rows) if (h.seq, h.attempt) not in held])
         finished += await self._finished(outcomes[split:], results, changes)
         return finished, rows, next_due
 

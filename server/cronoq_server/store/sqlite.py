@@ -222,6 +222,8 @@ MIGRATIONS: dict[int, str] = {
 _ADD_COLUMN = re.compile(r"^\s*ALTER TABLE (\w+) ADD COLUMN (\w+)", re.IGNORECASE)
 
 _INSERT_ATTEMPT = f"INSERT INTO attempts ({ATTEMPT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
+# What a leased task counts against a lease's max_bytes, before the per-task overhead.
+LEASE_SIZE = "length(payload) + length(coalesce(key, '')) + length(content_type)"
 _INSERT_EVENT = f"INSERT INTO events ({EVENT_COLUMNS}) VALUES ({', '.join('?' * 13)})"
 _RECORD_EVENT = (
     f"INSERT INTO events ({EVENT_COLUMNS})"
@@ -677,8 +679,7 @@ class SqliteStore:
         ranked = [(self._ranks.rank(pool, group), seq) for seq, pool, group in due]
         db.executemany("UPDATE tasks SET group_rank = ? WHERE seq = ?", ranked)
         room = {p: groups[p] for p in pools}
-        overhead = int(self.settings.lease_overhead_bytes)
-        size = f"length(payload) + length(coalesce(key, '')) + length(content_type) + {overhead}"
+        size = f"{LEASE_SIZE} + {int(self.settings.lease_overhead_bytes)}"
         head = " UNION ALL ".join(
             f"SELECT * FROM (SELECT seq, pool, group_key, {size}, resources, priority, group_rank FROM tasks"
             " INDEXED BY tasks_fair"
@@ -709,8 +710,7 @@ class SqliteStore:
         max_bytes: int,
         free: Mapping[str, int] | None,
     ) -> list[TaskRow]:
-        overhead = int(self.settings.lease_overhead_bytes)
-        size = f"length(payload) + length(coalesce(key, '')) + length(content_type) + {overhead}"
+        size = f"{LEASE_SIZE} + {int(self.settings.lease_overhead_bytes)}"
         due = f"state = 1 AND pool IN ({_marks(len(pools))}) AND run_at <= ?"
         order = "priority DESC, run_at, seq"
         # Tasks that name no resources, and those that do, are in indexes of their own: the
