@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -984,17 +984,16 @@ class PostgresStore:
             " WHERE t.state = 1 AND t.group_rank > 0 AND t.pool = p.pool AND t.run_at <= $2"
             " ORDER BY t.priority DESC, t.group_rank, t.seq LIMIT $4) AS x)"
         )
-        found = await self._read(lambda c: c.fetch(sql, pools, now, self.settings.lease_overhead_bytes, window))
-        found = [r for r in found if r[0] not in self._taking]  # another lease is taking or ranking them
+        read = await self._read(lambda c: c.fetch(sql, pools, now, self.settings.lease_overhead_bytes, window))
+        # A task ranked now goes into this lease only before the end of its pool's window, if the
+        # window was full (those past it may come after tasks this read did not reach).
+        heads = [r for r in read if r[6] > 0]
+        read_per_pool = Counter(r[1] for r in heads)
+        ends = {r[1]: (-r[5], r[6], r[0]) for r in heads if read_per_pool[r[1]] >= window}  # each pool's last
+        found = [r for r in read if r[0] not in self._taking]  # another lease is taking or ranking them
         fresh = [r for r in found if r[6] == 0]
         new_ranks = {r[0]: self._ranks.rank(r[1], r[2]) for r in fresh}  # in the order they became due
         ranked = [r for r in found if r[6] > 0]
-        # A task ranked now goes into this lease only before the end of its pool's window (those
-        # past it may come after tasks this read did not reach).
-        last: dict[str, tuple[int, int, int]] = {}
-        for r in ranked:
-            last[r[1]] = (-r[5], r[6], r[0])
-        ends = {p: k for p, k in last.items() if sum(1 for r in ranked if r[1] == p) >= window}
         order: list[tuple[tuple[int, int, int], Any, int]] = [((-r[5], r[6], r[0]), r, r[6]) for r in ranked]
         for r in fresh:
             key = (-r[5], new_ranks[r[0]], r[0])
@@ -1094,18 +1093,18 @@ class PostgresStore:
             " AS upto FROM picked p JOIN {s}.tasks t ON t.seq = p.seq"
             " WINDOW w AS (ORDER BY p.priority DESC, p.run_at, p.seq)),"
             " chosen AS (SELECT seq FROM sized WHERE n = 1 OR $6::bigint <= 0 OR upto <= $6::bigint),"
-            + self._take_ctes(worker="$3", pools="$4", ttls="$5")
+            + self._take_ctes()
         )
         overhead = self.settings.lease_overhead_bytes
         return ctes, (now, limit, worker_id, pools, [ttl[p] for p in pools], max_bytes, overhead, *args)
 
-    def _take_ctes(self, worker: str = "$2", pools: str = "$3", ttls: str = "$4") -> str:
-        """The CTEs that lease the tasks `chosen` names (now is $1; the worker id, the pools and
-        their lease TTLs at these parameters): `leased` returns them in TASK_COLUMNS order, and
-        their events are inserted."""
-        return f" ttl AS (SELECT * FROM unnest({pools}::text[], {ttls}::bigint[]) AS x(pool, ttl))," + self._leased_cte(
-            worker, "ttl.ttl", "FROM chosen, ttl WHERE t.seq = chosen.seq AND ttl.pool = t.pool"
-        )
+    def _take_ctes(self) -> str:
+        """The CTEs that lease the tasks `chosen` names (now is $1; the worker id $3, the pools $4
+        and their lease TTLs $5): `leased` returns them in TASK_COLUMNS order, and their events
+        are inserted."""
+        ttl = " ttl AS (SELECT * FROM unnest($4::text[], $5::bigint[]) AS x(pool, ttl)),"
+        source = "FROM chosen, ttl WHERE t.seq = chosen.seq AND ttl.pool = t.pool"
+        return ttl + self._leased_cte("$3", "ttl.ttl", source)
 
     def _leased_cte(self, worker: str, ttl: str, source: str, rank: str = "") -> str:
         """`leased`, that leases the tasks of source (now is $1) for their TTL, and `lease_ev`."""
