@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -91,6 +92,33 @@ def test_a_task_waiting_for_a_resource_does_not_block_the_tasks_behind_it(
         all_succeed(api, [busy, waiting], timeout=15)
     finally:
         worker.kill()
+
+
+def test_a_long_poll_while_every_due_task_waits_for_a_resource_waits_to_be_told(
+    start_server: Any, store_kind: dict[str, Any]
+) -> None:
+    """The due tasks wait for a slot: a long poll looks at the store again when one is freed (or a
+    task becomes due), not every millisecond. Measured as the server's CPU time over the poll
+    (looking again every millisecond took a fifth of a core or more)."""
+    srv = start_server(config(store_kind, [{"name": "gpu", "concurrency": 1}], lease_ttl="60s"))
+    api = Api(srv.grpc_target)
+    submit(api, 20, resources={"gpu": 1})
+    holder, poller = api.register(), api.register()
+    (held,) = api.lease(holder, n=1)
+    cpu = process_cpu_seconds(srv.proc.pid)
+    started = time.monotonic()
+    assert api.lease(poller, n=1, wait_ms=3000) == []  # the slot stays held for the whole poll
+    waited = time.monotonic() - started
+    busy = process_cpu_seconds(srv.proc.pid) - cpu
+    assert waited >= 2.9 and busy < 0.1 * waited, f"{busy:.2f} s of CPU over a {waited:.2f} s long poll"
+    api.succeed(holder, held)
+    assert len(api.lease(poller, n=5, wait_ms=3000)) == 1  # told: the slot is free again
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """A process's user and system CPU time so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_rate_is_held_over_every_second(start_server: Any, store_kind: dict[str, Any], tmp_path: Path) -> None:

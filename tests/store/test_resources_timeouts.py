@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
+import pytest
 from test_store import SEC, T0, failure, finish_ok, new
 
 from cronoq_server.store.base import Held, Store, StoreSettings
@@ -138,9 +140,40 @@ async def test_a_keyed_lease_looks_up_the_key_then_the_full_size(store: Store) -
 
 
 async def test_a_key_at_its_limit_never_blocks_another_key_however_many_tasks_it_has(store: Store) -> None:
-    from cronoq_server.store.logic import LEASE_RESOURCE_WINDOW
-
-    await store.submit([with_resources({"conn:a": 1}) for _ in range(LEASE_RESOURCE_WINDOW + 10)], T0)  # type: ignore[misc]
+    await store.submit([with_resources({"conn:a": 1}) for _ in range(1010)], T0)  # type: ignore[misc]
     (other,), _ = await store.submit([with_resources({"conn:b": 1})], T0)  # type: ignore[list-item]
     rows, _ = await store.lease("w1", ["default"], 10, T0, free={"conn:": 2, "conn:a": 0})
     assert [r.seq for r in rows] == [other.row.seq]
+
+
+async def test_a_lease_that_visits_fewer_keys_than_have_tasks_visits_them_in_turns(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With more keys than a lease visits (KEY_SCAN), each lease starts after the last key the one
+    before it visited, and wraps around: every key is served within a turn."""
+    monkeypatch.setattr(sys.modules[type(store).__module__], "KEY_SCAN", 2)
+    subs, _ = await store.submit([with_resources({f"conn:k{i}": 1}) for i in range(5) for _ in range(2)], T0)  # type: ignore[misc]
+    key_of = {s.row.seq: next(iter(s.row.resources)) for s in subs}
+    served = []
+    for _ in range(3):
+        rows, _ = await store.lease("w1", ["default"], 10, T0, free={"conn:": 1})
+        served.append(sorted(key_of[r.seq] for r in rows))
+    assert served == [["conn:k0", "conn:k1"], ["conn:k2", "conn:k3"], ["conn:k0", "conn:k4"]]
+    rows, _ = await store.lease("w1", ["default"], 10, T0, free={"conn:": 1})
+    assert sorted(key_of[r.seq] for r in rows) == ["conn:k1", "conn:k2"]  # after k0, where the last ended
+
+
+async def test_keyed_tasks_are_leased_in_the_pools_order_across_keys_and_beside_other_tasks(store: Store) -> None:
+    subs, _ = await store.submit(
+        [
+            with_resources({"conn:a": 1}, priority=1),
+            with_resources({"conn:a": 1}, priority=5),
+            with_resources({"conn:b": 1}, priority=3),
+            with_resources({"gpu": 1}, priority=4),
+            new(priority=2),
+        ],  # type: ignore[list-item]
+        T0,
+    )
+    seqs = [s.row.seq for s in subs]
+    rows, _ = await store.lease("w1", ["default"], 3, T0, free={"conn:": 1, "gpu": 1})
+    assert [r.seq for r in rows] == [seqs[1], seqs[3], seqs[2]]  # a's first by priority, then by priority

@@ -92,26 +92,41 @@ async def test_a_store_of_the_version_before_migrates_and_keeps_its_events(
     assert await recorded_version(again) == newest
 
 
+# A PENDING task as any earlier schema stores it (pool, payload, run_at, max_attempts, state,
+# created_at, resources).
+OLD_TASK = "INSERT INTO {s}.tasks (pool, payload, run_at, max_attempts, state, created_at, resources)"
+
+
+def empty(backend: str) -> str:
+    """SQL: an empty payload."""
+    return "X''" if backend == "sqlite" else "''::bytea"
+
+
+async def store_before(
+    open_store: Any, backend: str, monkeypatch: pytest.MonkeyPatch, column: str
+) -> tuple[Store, int]:
+    """A store as the code before the migration that adds column left it (that migration and
+    those after it not applied), and the newest version."""
+    newest = max(migrations(backend))
+    first = min(v for v, m in migrations(backend).items() if column in str(m))
+    with monkeypatch.context() as patch:
+        for version in range(first, newest + 1):
+            patch.delitem(migrations(backend), version)
+        before: Store = await open_store()
+    return before, newest
+
+
 async def test_tasks_and_schedules_of_the_store_before_groups_read_back_without_a_group(
     open_store: Any, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A store as the code before group_key left it (its last migration not applied), with a task
     and a schedule: migrated on open, both read back with no group, and new ones keep theirs."""
-    newest = max(migrations(backend))
-    assert "group_key" in str(migrations(backend)[newest])
-    with monkeypatch.context() as patch:
-        patch.delitem(migrations(backend), newest)
-        before: Store = await open_store()
-    empty = "X''" if backend == "sqlite" else "''::bytea"
-    await run_sql(
-        before,
-        "INSERT INTO {s}.tasks (pool, payload, run_at, max_attempts, state, created_at)"
-        f" VALUES ('default', {empty}, 1, 3, 1, 1)",
-    )
+    before, newest = await store_before(open_store, backend, monkeypatch, "group_key")
+    await run_sql(before, f"{OLD_TASK} VALUES ('default', {empty(backend)}, 1, 3, 1, 1, NULL)")
     await run_sql(
         before,
         "INSERT INTO {s}.schedules (pool, name, cron, payload, created_at, updated_at)"
-        f" VALUES ('default', 'old', '* * * * *', {empty}, 1, 1)",
+        f" VALUES ('default', 'old', '* * * * *', {empty(backend)}, 1, 1)",
     )
     await before.close()
 
@@ -122,3 +137,26 @@ async def test_tasks_and_schedules_of_the_store_before_groups_read_back_without_
     assert [(s.name, s.group_key) for s in await after.list_schedules(None)] == [("old", "")]
     (sub,), _ = await after.submit([dataclasses.replace(new(), group_key="g")], T0)
     assert (await after.get(sub.row.seq)).group_key == "g"  # type: ignore[union-attr]
+
+
+async def test_pending_tasks_of_the_store_before_keyed_leases_are_leased_by_their_key(
+    open_store: Any, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store as the code before res_key left it, with PENDING tasks naming a keyed entry (and a
+    plain one), a plain resource, and none: migrated on open, each is leased (the keyed ones by
+    their key, which the migration stored)."""
+    before, newest = await store_before(open_store, backend, monkeypatch, "res_key")
+    for resources in ('{"gpu": 1, "conn:b": 1}', '{"gpu": 1}', '{"conn:a": 1}'):
+        await run_sql(before, f"{OLD_TASK} VALUES ('default', {empty(backend)}, 1, 3, 1, 1, '{resources}')")
+    await before.close()
+
+    after: Store = await open_store()
+    assert await recorded_version(after) == newest
+    assert sorted(r[0] for r in await run_sql(after, "SELECT res_key FROM {s}.tasks WHERE res_key IS NOT NULL")) == [
+        "conn:a",
+        "conn:b",
+    ]
+    rows, _ = await after.lease("w1", ["default"], 10, T0, free={"conn:": 1, "gpu": 1})
+    assert sorted(r.seq for r in rows) == [1, 3]  # the two naming gpu: one at a time
+    rows, _ = await after.lease("w1", ["default"], 10, T0, free={"conn:": 1, "gpu": 1})
+    assert [r.seq for r in rows] == [2]

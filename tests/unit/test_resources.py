@@ -171,7 +171,7 @@ def test_each_key_has_its_own_bucket_dropped_when_full_again() -> None:
     assert (u.per_key, u.keys, u.keys_at_limit) == (True, 2, ("a",))
     clock.now += 0.5
     assert g.available()["quota:a"] == 1 and g.available()["quota:b"] == 2
-    clock.now += 0.125  # b is full again, to its ceiling (burst and a quarter token): dropped
+    clock.now += 0.25  # b is full again, to its ceiling (burst and half a token): dropped
     assert g.available()["quota:a"] == 1 and "quota:b" not in g.available()
     clock.now += 10
     assert g.available() == {"conn:": 2, "quota:": 2}

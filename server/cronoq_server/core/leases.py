@@ -256,9 +256,11 @@ class Leases:
             return await self._store.lease(worker_id, pools, limit, now, max_bytes)
         async with self._resource_lease:
             free, groups = self._gate.available(), self._gate.group_room(pools)
+            token_due = self._token_due()
             rows, next_due = await self._store.lease(worker_id, pools, limit, now, max_bytes, free, groups)
             self._gate.take(worker_id, _held(rows))
-        return rows, next_due
+            token_due = _sooner(token_due, self._token_due())
+        return rows, _sooner(next_due, token_due)
 
     def _unpaused(self, pools: list[str]) -> list[str]:
         paused = self._paused()
@@ -267,13 +269,14 @@ class Leases:
     def _recheck_in(self, next_due: int | None, now: int) -> float:
         """Seconds until a lease that found nothing may find something without being told: the
         next task due, or a rate resource's next token (inf: only when told)."""
-        timeout = float("inf")
-        if next_due is not None:
-            timeout = max((next_due - now) / 1e6, 0.001)
+        return float("inf") if next_due is None else max((next_due - now) / 1e6, 0.001)
+
+    def _token_due(self) -> int | None:
+        """When (µs) a rate resource (or key) with no whole token has one again; None: none.
+        A lease asks as it looks and once it took: a bucket it saw empty may refill while it
+        runs, and the tasks behind it are not leased until a lease looks again."""
         token_in = self._gate.next_token_in()
-        if token_in is not None:  # a rate resource refills: its tasks may run then
-            timeout = min(timeout, max(token_in, 0.001))
-        return timeout
+        return None if token_in is None else now_us() + int(token_in * 1e6)
 
     def _ended(self, attempts: list[tuple[int, int]], worker_id: str | None = None) -> None:
         """These attempts ended (of worker_id, when given): their resource slots are free, and
@@ -583,13 +586,15 @@ class Leases:
         try:
             ended = [(o.seq, o.attempt) for o in outcomes]
             free, groups = self._gate.room_after(ended, worker_id, pools)
+            token_due = self._token_due()
 
             def chosen(held: list[Held]) -> None:
                 # The next lease counts what this one took, and not what the worker said ended
                 # (its handlers have returned; the statement under way records them).
-                nonlocal handed_on
+                nonlocal handed_on, token_due
                 self._ended(ended, worker_id)
                 self._gate.take(worker_id, held)
+                token_due = _sooner(token_due, self._token_due())
                 reserved.extend(held)
                 handed_on = True
                 lock.release()
@@ -600,6 +605,7 @@ class Leases:
             )
             if not handed_on:
                 self._gate.take(worker_id, _held(rows))
+                token_due = _sooner(token_due, self._token_due())
         except BaseException:
             self._gate.release([(h.seq, h.attempt) for h in reserved], worker_id)
             raise
@@ -614,7 +620,7 @@ class Leases:
             self._gate.release([a for a in held if a not in leased], worker_id)
             self._gate.take(worker_id, [h for h in _held(rows) if (h.seq, h.attempt) not in held])
         finished += await self._finished(outcomes[split:], results, changes)
-        return finished, rows, next_due
+        return finished, rows, _sooner(next_due, token_due)
 
     # -- the leader's services -----------------------------------------------
 
@@ -683,6 +689,11 @@ class _WorkStream:
             self.running -= mine
             self.silent = True
         return bool(mine)
+
+
+def _sooner(a: int | None, b: int | None) -> int | None:
+    """The earlier of two times, either None (never)."""
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _held(rows: list[TaskRow]) -> list[Held]:

@@ -36,10 +36,11 @@ class _Bucket:
     @property
     def ceiling(self) -> float:
         """What the bucket may hold while a start is late: a little over the burst, so a start
-        that comes late by up to a quarter of a token's interval (a busy event loop, a slow
-        lease) does not lower the rate; never enough for one more start in any second than
-        rate + burst allow (floor(burst + rate + slack) = floor(burst + rate))."""
-        return self.capacity + min(0.25, (1 - (self.rate % 1)) / 2)
+        that comes late by up to half a token's interval (a busy event loop, a slow lease, the
+        lease before it taking its batch's fill) does not lower the rate; never enough for one
+        more start in any second than rate + burst allow (floor(burst + rate + slack) =
+        floor(burst + rate))."""
+        return self.capacity + (1 - (self.rate % 1)) / 2
 
     def refill(self, now: float) -> None:
         self.tokens = min(self.ceiling, self.tokens + (now - self.at) * self.rate)

@@ -366,19 +366,31 @@ def limits_apply(settings: StoreSettings) -> bool:
     return settings.max_pending_total is not None or settings.max_pending_per_pool is not None
 
 
-# A lease considers at most this many of the first due tasks that name resources and fit in
-# what is free alone (see lease_scan): those of a resource or a key used up are passed over in
-# the index scan, so they never hold back the tasks behind. Tasks that name no resources are
-# never behind them (an index of their own).
-LEASE_RESOURCE_WINDOW = 1000
+# A lease looks for the tasks of a keyed resource key by key (an index of their own, by key):
+# the tasks of a key without room are never read, wherever they stand in the pool's order. It
+# visits at most this many keys of a pool with PENDING tasks, after those the lease before it
+# visited (then from the first again): with fewer, every key, and the lease takes tasks in the
+# pool's order exactly; with more, the keys in turns.
+KEY_SCAN = 1000
 
 
-def lease_scan(limit: int, free: Mapping[str, int]) -> int:
+def keyed_entry(resources: Mapping[str, int] | None) -> str | None:
+    """The keyed entry ("name:key") a task is leased by: the first of those it names, by name
+    (None: it names none). Its other entries are checked as any resource is."""
+    return min((e for e in resources or () if ":" in e), default=None)
+
+
+def has_keyed(free: Mapping[str, int]) -> bool:
+    """Whether a lease's free names a keyed resource ("name:", the full size of every key)."""
+    return any(n.endswith(":") for n in free)
+
+
+def lease_scan(limit: int) -> int:
     """How many due tasks that fit alone a lease that checks resources looks at for limit of
-    them: a task that fits alone may not fit beside those before it, and is then skipped. With
-    a keyed resource ("name:" in free), the whole window: one key's backlog fills the first
-    ones, and the lease should still reach the other keys."""
-    return LEASE_RESOURCE_WINDOW if any(n.endswith(":") for n in free) else limit + 16
+    them: one that fits alone may not fit beside those before it, and is then skipped. (Those
+    of a resource used up are passed over in the index scan; a keyed resource's key without
+    room is not read at all.)"""
+    return limit + 16
 
 
 # -- paused pools ---------------------------------------------------------------

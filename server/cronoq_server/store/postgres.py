@@ -64,6 +64,7 @@ from .fair import (
 )
 from .logic import (
     HEARTBEAT_COLUMNS,
+    KEY_SCAN,
     OUTCOME_COLUMNS,
     POOL_PAUSE_COLUMNS,
     POOL_PAUSE_UPSERT,
@@ -81,9 +82,11 @@ from .logic import (
     encode_request,
     event_row,
     expired_outcome,
+    has_keyed,
     initial_state,
     key_in_another_pool,
     key_of_another_pool,
+    keyed_entry,
     lease_scan,
     limits_apply,
     match_sql,
@@ -258,6 +261,19 @@ MIGRATIONS: dict[int, list[str]] = {
             WHERE state = 1 AND group_rank > 0""",
         """CREATE INDEX tasks_unranked ON {s}.tasks (pool, run_at) WHERE state = 1 AND group_rank = 0""",
     ],
+    10: [
+        # The keyed entry a task is leased by (logic.keyed_entry: NULL when it names none; "C":
+        # by code point, as Python's min), and its index by key: a lease reads the tasks of the
+        # keys with room only. The index of tasks that name resources keeps the others.
+        """ALTER TABLE {s}.tasks ADD COLUMN res_key text""",
+        """UPDATE {s}.tasks SET res_key = (SELECT min(k COLLATE "C") FROM jsonb_object_keys(resources::jsonb) k
+            WHERE strpos(k, ':') > 0) WHERE resources IS NOT NULL""",
+        """DROP INDEX {s}.tasks_lease_resources""",
+        """CREATE INDEX tasks_lease_resources ON {s}.tasks (pool, priority DESC, run_at, seq)
+            WHERE state = 1 AND resources IS NOT NULL AND res_key IS NULL""",
+        """CREATE INDEX tasks_keyed ON {s}.tasks (pool, res_key, priority DESC, run_at, seq)
+            WHERE state = 1 AND res_key IS NOT NULL""",
+    ],
 }
 WORKER_COLUMNS = "id, name, pools, concurrency, labels, registered_at, last_seen_at, principal"
 
@@ -350,6 +366,46 @@ def _free_for(entry: str) -> str:
     return f"coalesce($8::jsonb ->> {entry}, $8::jsonb ->> left({entry}, strpos({entry}, ':')), '0')::bigint"
 
 
+# A due task (of tasks, unaliased) fits alone: every amount it names is free ($8).
+_FITS_ALONE = (
+    f"NOT EXISTS (SELECT 1 FROM jsonb_each_text(resources::jsonb) r WHERE {_free_for('r.key')} < r.value::bigint)"
+)
+
+
+def _next_key(pool: str, after: str) -> str:
+    """SQL: the key of a pool's PENDING tasks after the one given (one step of tasks_keyed)."""
+    return (
+        "(SELECT res_key FROM {s}.tasks WHERE state = 1 AND pool = "
+        f"{pool} AND res_key > {after} ORDER BY res_key LIMIT 1)"
+    )
+
+
+# The keyed part of a lease's CTEs (the pools $4, each one's key to start after $11, KEY_SCAN
+# $12): `keys`, the keys of each pool's PENDING tasks it visits in order (n) — those after
+# the one given, then from the first again up to it — and `keyed`, of each key with room,
+# its first due tasks that fit alone, as many as it has room for. A key without room costs
+# one index step; its tasks are never read. (OFFSET 0: each step's look-up runs once, not
+# once per use.)
+_KEYED = (
+    " keys AS (WITH RECURSIVE k(pool, after, key, n, wrapped) AS ("
+    " SELECT p.pool, p.after, coalesce(s.nx, CASE WHEN p.after <> '' THEN "
+    + _next_key("p.pool", "''")
+    + " END), 1, s.nx IS NULL FROM unnest($4::text[], $11::text[]) AS p(pool, after),"
+    " LATERAL (SELECT " + _next_key("p.pool", "p.after") + " AS nx OFFSET 0) AS s"
+    " UNION ALL SELECT k.pool, k.after, coalesce(s.nx, CASE WHEN NOT k.wrapped AND k.after <> '' THEN "
+    + _next_key("k.pool", "''")
+    + " END), k.n + 1, k.wrapped OR s.nx IS NULL FROM k, LATERAL (SELECT "
+    + _next_key("k.pool", "k.key")
+    + " AS nx OFFSET 0) AS s WHERE k.key IS NOT NULL AND k.n < $12 AND NOT (k.wrapped AND k.key > k.after))"
+    " SELECT pool, key, n FROM k WHERE key IS NOT NULL AND NOT (wrapped AND key > after)),"
+    " keyed AS (SELECT x.* FROM keys, LATERAL (SELECT seq, priority, run_at, resources FROM {s}.tasks"
+    " WHERE state = 1 AND pool = keys.pool AND res_key = keys.key AND run_at <= $1 AND "
+    + _FITS_ALONE
+    + f" ORDER BY priority DESC, run_at, seq LIMIT least({_free_for('keys.key')}, $2) FOR UPDATE SKIP LOCKED)"
+    f" AS x WHERE {_free_for('keys.key')} > 0 AND {{fence}})"
+)
+
+
 def quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
@@ -396,6 +452,7 @@ class PostgresStore:
         self._cols = ", ".join(f"t.{c.strip()}" for c in TASK_COLUMNS.split(","))
         # The leader's, used on its event loop (store/fair.py).
         self._ranks = GroupRanks(settings.group_pools)
+        self._key_after: dict[str, str] = {}  # pool -> the last key a lease visited (_KEYED)
         self._rank_reset = rank_reset(settings.group_pools)
         self._taking: set[int] = set()  # of fair leases chosen and not yet written (_FairTake.seqs)
         self._rank_keep = rank_keep(settings.group_pools)
@@ -726,18 +783,18 @@ class PostgresStore:
             "WITH ids AS MATERIALIZED (SELECT n, nextval(pg_get_serial_sequence('{s}.tasks', 'seq')) AS seq"
             " FROM generate_series(1, $10::int) AS n),"
             " u AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int[], $5::bigint[], $6::int[],"
-            " $7::text[], $12::bigint[], $15::text[], $16::bigint[], $13::int[], $8::bigint[]) WITH ORDINALITY"
-            " AS u(pool, payload, content_type, priority, run_at, max_attempts, resources, timeout_ms, group_key,"
-            " group_rank, op, now, n)),"
+            " $7::text[], $12::bigint[], $15::text[], $16::bigint[], $13::int[], $8::bigint[], $17::text[])"
+            " WITH ORDINALITY AS u(pool, payload, content_type, priority, run_at, max_attempts, resources, timeout_ms,"
+            " group_key, group_rank, op, now, res_key, n)),"
             " ops AS (SELECT * FROM unnest($11::text[], $14::bigint[]) WITH ORDINALITY AS o(rid, now, op)),"
             " req AS (INSERT INTO {s}.requests (id, created, created_at)"
             " SELECT o.rid, (SELECT json_agg(json_build_array(ids.seq, false) ORDER BY ids.n) FROM u"
             " JOIN ids ON ids.n = u.n WHERE u.op = o.op)::text, o.now FROM ops o WHERE o.rid IS NOT NULL AND {fence}"
             " ON CONFLICT (id) DO NOTHING RETURNING id),"
             " ins AS (INSERT INTO {s}.tasks (seq, pool, payload, content_type, priority, run_at, max_attempts,"
-            " resources, state, created_at, timeout_ms, group_key, group_rank)"
+            " resources, state, created_at, timeout_ms, group_key, group_rank, res_key)"
             " SELECT ids.seq, u.pool, u.payload, u.content_type, u.priority, u.run_at, u.max_attempts,"
-            " u.resources, 1, u.now, u.timeout_ms, u.group_key, u.group_rank"
+            " u.resources, 1, u.now, u.timeout_ms, u.group_key, u.group_rank, u.res_key"
             " FROM u JOIN ids ON ids.n = u.n JOIN ops ON ops.op = u.op"
             " WHERE {fence} AND (ops.rid IS NULL OR ops.rid IN (SELECT id FROM req))"
             f" RETURNING seq, pool, created_at, {EVENT_TASK_COLUMNS}),"
@@ -765,6 +822,7 @@ class PostgresStore:
                 first_rank(self._ranks, t.pool, t.group_key, True, at, op.now)
                 for (_, op, t), at in zip(tasks, run_at, strict=True)
             ],
+            [keyed_entry(t.resources) for _, _, t in tasks],
         )
         if conn is None:
             rows = await self._fenced_fetch(sql, *args)
@@ -866,6 +924,7 @@ class PostgresStore:
                 json.dumps(dep_list) if dep_list else None, json.dumps(row.resources) if row.resources else None,
                 int(state), error, now, row.finished_at, blocked_on, task.timeout_ms, task.group_key,
                 first_rank(self._ranks, row.pool, row.group_key, state == State.PENDING, row.run_at, now),
+                keyed_entry(row.resources),
             ))  # fmt: skip
             dep_rows += [(seq, d) for d in dep_list]
             dep_state[seq] = state  # later tasks of this call may name it by id or key
@@ -879,12 +938,12 @@ class PostgresStore:
                 self._sql(
                     "WITH ins AS (INSERT INTO {s}.tasks (seq, pool, key, payload, content_type, priority, run_at,"
                     " max_attempts, depends_on, resources, state, error, created_at, finished_at, blocked_on,"
-                    " timeout_ms, group_key, group_rank)"
+                    " timeout_ms, group_key, group_rank, res_key)"
                     " SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::int[],"
                     " $7::bigint[], $8::int[], $9::text[], $10::text[], $11::smallint[], $12::text[], $13::bigint[],"
-                    " $14::bigint[], $15::int[], $16::bigint[], $17::text[], $18::bigint[])"
+                    " $14::bigint[], $15::int[], $16::bigint[], $17::text[], $18::bigint[], $19::text[])"
                     f" RETURNING seq, pool, state, {EVENT_TASK_COLUMNS})"
-                    f" {INSERT_EVENTS} SELECT seq, state, 0, $19, pool, 0, {EVENT_TASK_COLUMNS}"
+                    f" {INSERT_EVENTS} SELECT seq, state, 0, $20, pool, 0, {EVENT_TASK_COLUMNS}"
                     " FROM ins ORDER BY seq"
                 ),
                 *[list(c) for c in columns],
@@ -938,24 +997,46 @@ class PostgresStore:
             pools, limit, max_bytes = after_fair(pools, self.settings.group_pools, limit, max_bytes, rows, overhead)
         if pools and limit > 0:
             ctes, args = self._lease_ctes(worker_id, pools, limit, now, max_bytes, free)
-            sql = self._sql(f"WITH {ctes} SELECT * FROM leased")
-            rows += [task_row(r) for r in await self._fenced_fetch(sql, *args)]
-        return await self._leased(rows, pools, fair)
+            if free and has_keyed(free):
+                # The leased tasks, and the key each pool's visit ended at when it visited
+                # KEY_SCAN keys (the next lease starts after it); a row without a task when
+                # none was leased (none leased and no such key: no row, and the term is checked).
+                sql = self._sql(
+                    f"WITH {ctes} SELECT l.*, e.pools, e.keys FROM (SELECT array_agg(pool) AS pools,"
+                    " array_agg(key) AS keys FROM keys WHERE n = $12 AND {fence}) AS e LEFT JOIN leased l ON true"
+                    " WHERE l.seq IS NOT NULL OR e.pools IS NOT NULL"
+                )
+                fetched = await self._fenced_fetch(sql, *args)
+                for pool in pools:
+                    self._key_after.pop(pool, None)
+                if fetched:
+                    self._key_after.update(zip(fetched[0][-2] or (), fetched[0][-1] or (), strict=True))
+                rows += [task_row(r) for r in fetched if r[0] is not None]
+            else:
+                sql = self._sql(f"WITH {ctes} SELECT * FROM leased")
+                rows += [task_row(r) for r in await self._fenced_fetch(sql, *args)]
+        return await self._leased(rows, pools, now, fair)
 
     async def _leased(
-        self, rows: list[TaskRow], pools: list[str], fair: Sequence[str] = ()
+        self, rows: list[TaskRow], pools: list[str], now: int, fair: Sequence[str] = ()
     ) -> tuple[list[TaskRow], int | None]:
-        """The rows a lease took in order; none: when the next pending task of the pools is due
-        (of fair ones, that pool's next not yet ranked: those ranked wait for their group's place,
-        and a release tells)."""
+        """The rows a lease took in order; none: when the next pending task of the pools becomes
+        due (those due already wait for what they need: a release, a token, or their group's
+        place, and the leader tells or knows when), or, in pools that cap their groups, when the
+        next not yet ranked is due (now: the lease visited KEY_SCAN keys of a pool, and the
+        next visits the others)."""
         if rows:
             rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
             return rows, None
+        if any(p in self._key_after for p in pools):
+            return [], now
+        # One index step per pool (tasks_due; "pool = ANY" would read every PENDING task).
         due_sql = self._sql(
-            "SELECT least((SELECT min(run_at) FROM {s}.tasks WHERE state = 1 AND pool = ANY($1::text[])),"
+            "SELECT least((SELECT min(x.run_at) FROM unnest($1::text[]) AS p(pool), LATERAL (SELECT run_at"
+            " FROM {s}.tasks WHERE state = 1 AND pool = p.pool AND run_at > $3 ORDER BY run_at LIMIT 1) AS x),"
             " (SELECT min(run_at) FROM {s}.tasks WHERE state = 1 AND group_rank = 0 AND pool = ANY($2::text[])))"
         )
-        return [], await self._read(lambda c: c.fetchval(due_sql, pools, list(fair)))
+        return [], await self._read(lambda c: c.fetchval(due_sql, pools, list(fair), now))
 
     async def _fair_take(
         self,
@@ -1061,21 +1142,22 @@ class PostgresStore:
         args: tuple[Any, ...] = ()
         if free:
             # Of the due tasks that name resources, the first whose every amount is available
-            # alone (those of a key or a resource used up are passed over in the index scan, so
-            # they never hold back the tasks behind); of those, the ones that still fit beside
-            # the tasks before them (running totals per resource).
+            # alone (those of a resource used up are passed over in the index scan, so they
+            # never hold back the tasks behind), and those of the keys with room a keyed
+            # resource names (_KEYED); of those, the ones that still fit beside the tasks before
+            # them (running totals per resource).
+            keyed = has_keyed(free)
             picked = (
                 # Per pool, in index order, locked as they are read.
-                " cand AS (SELECT x.seq, x.priority, x.run_at, x.resources FROM unnest($4::text[]) AS p(pool),"
-                " LATERAL (SELECT seq, priority, run_at, resources FROM {s}.tasks"
-                " WHERE state = 1 AND pool = p.pool AND run_at <= $1 AND resources IS NOT NULL"
+                " cand AS (SELECT * FROM (SELECT x.seq, x.priority, x.run_at, x.resources"
+                " FROM unnest($4::text[]) AS p(pool), LATERAL (SELECT seq, priority, run_at, resources FROM {s}.tasks"
+                " WHERE state = 1 AND pool = p.pool AND run_at <= $1 AND resources IS NOT NULL AND res_key IS NULL"
                 # A task naming an entry with nothing free ($10) is passed over by one look-up,
-                # not a row per entry: a key's backlog at its limit costs half as much to skip.
-                " AND NOT resources::jsonb ?| $10::text[]"
-                " AND NOT EXISTS (SELECT 1 FROM jsonb_each_text(resources::jsonb) r"
-                f" WHERE {_free_for('r.key')} < r.value::bigint)"
-                f" ORDER BY priority DESC, run_at, seq LIMIT $9 FOR UPDATE SKIP LOCKED)"
-                " AS x WHERE {fence} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $9),"
+                # not a row per entry.
+                f" AND NOT resources::jsonb ?| $10::text[] AND {_FITS_ALONE}"
+                " ORDER BY priority DESC, run_at, seq LIMIT $9 FOR UPDATE SKIP LOCKED) AS x WHERE {fence}"
+                + (" UNION ALL SELECT * FROM keyed" if keyed else "")
+                + ") AS c ORDER BY priority DESC, run_at, seq LIMIT $9),"
                 " need AS (SELECT c.seq, r.key AS name, sum(r.value::bigint) OVER (PARTITION BY r.key"
                 " ORDER BY c.priority DESC, c.run_at, c.seq) AS upto"
                 " FROM cand c, jsonb_each_text(c.resources::jsonb) r),"
@@ -1084,7 +1166,10 @@ class PostgresStore:
                 f" WHERE upto > {_free_for('need.name')})"
                 " ORDER BY priority DESC, run_at, seq LIMIT $2)"
             )
-            args = (json.dumps(dict(free)), lease_scan(limit, free), [n for n, a in free.items() if a <= 0])
+            args = (json.dumps(dict(free)), lease_scan(limit), [n for n, a in free.items() if a <= 0])
+            if keyed:
+                picked = _KEYED + "," + picked
+                args += ([self._key_after.get(p, "") for p in pools], KEY_SCAN)
         # Of the rows picked, the first always and then as many as fit in max_bytes (octet_length
         # reads a stored value's size without decompressing it).
         ctes = (
@@ -1227,7 +1312,7 @@ class PostgresStore:
                 results, changes, rows, due = finished
                 return results, changes, take.served(rows), due
             results, changes = await self.finish(worker_id, outcomes, now)
-            return results, changes, *await self._leased([], pools, fair)
+            return results, changes, *await self._leased([], pools, now, fair)
         results, changes = await self.finish(worker_id, outcomes, now) if outcomes else ([], [])
         rows, due = await self.lease(worker_id, pools, limit, now, max_bytes, free, groups) if limit > 0 else ([], None)
         return results, changes, rows, due
@@ -1256,7 +1341,7 @@ class PostgresStore:
         fetched = await self._fenced_fetch(sql, *args, *_success_args(outcomes))
         ended = dict(zip(fetched[0][-2] or (), map(State, fetched[0][-1] or ()), strict=True)) if fetched else {}
         results, changes = await self._successes(worker_id, outcomes, ended, generation, now)
-        rows, due = await self._leased([task_row(r) for r in fetched if r[0] is not None], pools, fair)
+        rows, due = await self._leased([task_row(r) for r in fetched if r[0] is not None], pools, now, fair)
         return results, changes, rows, due
 
     def _success_ctes(self, first: int, now: str, worker: str) -> str:

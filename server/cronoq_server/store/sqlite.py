@@ -42,9 +42,21 @@ from .base import (
     WorkerRow,
     schema_too_new,
 )
-from .fair import RANK_BATCH, Candidate, GroupRanks, after_fair, choose, fair_window, first_rank, rank_keep, rank_reset
+from .fair import (
+    RANK_BATCH,
+    Candidate,
+    GroupRanks,
+    after_fair,
+    choose,
+    fair_window,
+    first_rank,
+    free_for,
+    rank_keep,
+    rank_reset,
+)
 from .logic import (
     HEARTBEAT_COLUMNS,
+    KEY_SCAN,
     OUTCOME_COLUMNS,
     POOL_PAUSE_COLUMNS,
     POOL_PAUSE_UPSERT,
@@ -63,9 +75,11 @@ from .logic import (
     event_row,
     event_task_values,
     expired_outcome,
+    has_keyed,
     initial_state,
     key_in_another_pool,
     key_of_another_pool,
+    keyed_entry,
     lease_scan,
     limits_apply,
     match_sql,
@@ -215,6 +229,19 @@ MIGRATIONS: dict[int, str] = {
         WHERE state = 1 AND group_rank > 0;
     CREATE INDEX IF NOT EXISTS tasks_unranked ON tasks (pool, run_at) WHERE state = 1 AND group_rank = 0;
     """,
+    # The keyed entry a task is leased by (logic.keyed_entry: NULL when it names none), and its
+    # index by key: a lease reads the tasks of the keys with room only. The index of tasks that
+    # name resources keeps the others.
+    9: """
+    ALTER TABLE tasks ADD COLUMN res_key TEXT;
+    UPDATE tasks SET res_key = (SELECT min(key) FROM json_each(tasks.resources) WHERE instr(key, ':') > 0)
+        WHERE resources IS NOT NULL;
+    DROP INDEX IF EXISTS tasks_lease_resources;
+    CREATE INDEX tasks_lease_resources ON tasks (pool, priority DESC, run_at, seq)
+        WHERE state = 1 AND resources IS NOT NULL AND res_key IS NULL;
+    CREATE INDEX IF NOT EXISTS tasks_keyed ON tasks (pool, res_key, priority DESC, run_at, seq)
+        WHERE state = 1 AND res_key IS NOT NULL;
+    """,
 }
 
 # Release 0.1.0 wrote its own schema version (5) whenever it opened a store, also one a newer
@@ -272,6 +299,23 @@ def _free_for(entry: str) -> str:
     return f"coalesce({own}, {default}, 0)"
 
 
+# A due task fits alone: every amount it names is free (in the lease's `free` table).
+_FITS_ALONE = f"NOT EXISTS (SELECT 1 FROM json_each(tasks.resources) r WHERE r.value > {_free_for('r.key')})"
+# When a pool's next PENDING task not yet due becomes due (pool, now): one step of tasks_due.
+_NEXT_DUE = "SELECT min(run_at) FROM tasks INDEXED BY tasks_due WHERE state = 1 AND pool = ? AND run_at > ?"
+# The key of a pool's PENDING tasks after the one given (logic.KEY_SCAN).
+_NEXT_KEY = (
+    "SELECT res_key FROM tasks INDEXED BY tasks_keyed WHERE state = 1 AND pool = ? AND res_key > ?"
+    " ORDER BY res_key LIMIT 1"
+)
+# A key's first due tasks (pool, key, now, how many) that fit alone in free (JSON, the first).
+_KEY_HEAD = (
+    "WITH free AS MATERIALIZED (SELECT key AS name, value AS amount FROM json_each(?))"
+    " SELECT seq FROM tasks INDEXED BY tasks_keyed WHERE state = 1 AND pool = ? AND res_key = ? AND run_at <= ?"
+    f" AND {_FITS_ALONE} ORDER BY priority DESC, run_at, seq LIMIT ?"
+)
+
+
 def _marks(n: int) -> str:
     return ",".join("?" * n)
 
@@ -301,6 +345,7 @@ class SqliteStore:
         self._ops: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
         # Used on the store's thread only, as are the writes that rank.
         self._ranks = GroupRanks(settings.group_pools)
+        self._key_after: dict[str, str] = {}  # pool -> the last key a lease visited (_keys)
         self._rank_reset = rank_reset(settings.group_pools)
         self._rank_keep = rank_keep(settings.group_pools)
         self._thread: threading.Thread | None = None
@@ -551,8 +596,8 @@ class SqliteStore:
             dep_list = [s for s, _ in deps]
             cur = db.execute(
                 "INSERT INTO tasks (pool, key, payload, content_type, priority, run_at, max_attempts, depends_on,"
-                " resources, state, error, created_at, finished_at, blocked_on, timeout_ms, group_key, group_rank)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " resources, state, error, created_at, finished_at, blocked_on, timeout_ms, group_key, group_rank,"
+                " res_key) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     task.pool,
                     task.key,
@@ -571,6 +616,7 @@ class SqliteStore:
                     task.timeout_ms,
                     task.group_key,
                     first_rank(self._ranks, task.pool, task.group_key, state == State.PENDING, run_at, now),
+                    keyed_entry(task.resources),
                 ),
             )
             seq = cur.lastrowid
@@ -649,11 +695,18 @@ class SqliteStore:
         if rows:
             rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
             return rows, None
-        # When a lease may find more: the next task due; in pools that cap their groups, the next
-        # not yet ranked (those ranked wait for their group's place: a release tells).
-        due_sql = f"SELECT min(run_at) FROM tasks WHERE state = 1 AND pool IN ({_marks(len(pools))})"
-        unranked = f"SELECT min(run_at) FROM tasks WHERE state = 1 AND group_rank = 0 AND pool IN ({_marks(len(fair))})"
-        due = [db.execute(sql, ps).fetchone()[0] for sql, ps in ((due_sql, pools), (unranked, fair)) if ps]
+        # When a lease may find more: when the next task becomes due (those due already wait for
+        # what they need: a release, a token, or their group's place, and the leader tells or
+        # knows when); in pools that cap their groups, the next not yet ranked; now, when it
+        # visited KEY_SCAN keys of a pool (the next lease visits the others).
+        if any(p in self._key_after for p in pools):
+            return [], now
+        due = [db.execute(_NEXT_DUE, (p, now)).fetchone()[0] for p in pools]
+        if fair:
+            unranked = (
+                f"SELECT min(run_at) FROM tasks WHERE state = 1 AND group_rank = 0 AND pool IN ({_marks(len(fair))})"
+            )
+            due.append(db.execute(unranked, fair).fetchone()[0])
         return [], min((d for d in due if d is not None), default=None)
 
     def _lease_fair(
@@ -725,15 +778,18 @@ class SqliteStore:
         params: tuple[Any, ...] = (*pools, now, limit)
         if free:
             # Of the due tasks that name resources, the first whose every amount is available
-            # alone (in index order, checked only until enough are found: those of a key or a
-            # resource used up never fill the window); of those, the ones that still fit beside
-            # the tasks before them (running totals per resource).
+            # alone (in index order, checked only until enough are found: those of a resource
+            # used up never fill the window), and those of the keys with room a keyed resource
+            # names (_keyed); of those, the ones that still fit beside the tasks before them
+            # (running totals per resource).
+            keyed = self._keyed(db, pools, now, limit, free) if has_keyed(free) else []
             ok = (
                 f"WITH free AS MATERIALIZED (SELECT key AS name, value AS amount FROM json_each(?)),"
-                f" cand AS (SELECT seq, priority, run_at, resources, {size} AS size FROM tasks"
-                f" INDEXED BY tasks_lease_resources WHERE {due}"
-                f" AND resources IS NOT NULL AND NOT EXISTS (SELECT 1 FROM json_each(tasks.resources) r"
-                f" WHERE r.value > {_free_for('r.key')}) ORDER BY {order} LIMIT ?),"
+                f" cand AS (SELECT * FROM (SELECT seq, priority, run_at, resources, {size} AS size FROM tasks"
+                f" INDEXED BY tasks_lease_resources WHERE {due} AND resources IS NOT NULL AND res_key IS NULL"
+                f" AND {_FITS_ALONE} ORDER BY {order} LIMIT ?)"
+                f" UNION ALL SELECT seq, priority, run_at, resources, {size} FROM tasks"
+                f" WHERE seq IN (SELECT value FROM json_each(?)) ORDER BY {order} LIMIT ?),"
                 f" need AS (SELECT c.seq, r.key AS name, sum(r.value) OVER (PARTITION BY r.key"
                 f" ORDER BY c.priority DESC, c.run_at, c.seq) AS upto FROM cand c, json_each(c.resources) r)"
                 f" SELECT * FROM (SELECT * FROM ({ok})"
@@ -741,13 +797,50 @@ class SqliteStore:
                 f" (SELECT seq FROM need WHERE upto > {_free_for('need.name')}))"
                 f" ORDER BY {order} LIMIT ?"
             )
-            params = (json.dumps(dict(free)), *pools, now, lease_scan(limit, free), *params, limit)
+            scan = lease_scan(limit)
+            params = (json.dumps(dict(free)), *pools, now, scan, json.dumps(keyed), scan, *params, limit)
         # Of those, the first always, then as many as fit in max_bytes.
         chosen = (
             f"SELECT seq FROM (SELECT seq, row_number() OVER w AS n, sum(size) OVER w AS upto FROM ({ok})"
             f" WINDOW w AS (ORDER BY {order})) WHERE n = 1 OR ? <= 0 OR upto <= ?"
         )
         return self._take(db, worker_id, pools, now, chosen, (*params, max_bytes, max_bytes))
+
+    def _keyed(
+        self, db: sqlite3.Connection, pools: list[str], now: int, limit: int, free: Mapping[str, int]
+    ) -> list[int]:
+        """Of the keys of these pools' PENDING tasks (_keys), those with room: each one's first
+        due tasks that fit alone, as many as it has room for (at most limit). A key without room
+        costs one index step; its tasks are never read."""
+        free_json = json.dumps(dict(free))
+        seqs: list[int] = []
+        for pool in pools:
+            for key in self._keys(db, pool):
+                room = min(free_for(free, key), limit)
+                if room > 0:
+                    seqs += [r[0] for r in db.execute(_KEY_HEAD, (free_json, pool, key, now, room))]
+        return seqs
+
+    def _keys(self, db: sqlite3.Connection, pool: str) -> list[str]:
+        """The keys of the pool's PENDING tasks a lease visits (logic.KEY_SCAN): after those
+        the last lease visited, then from the first again up to there."""
+        after = self._key_after.pop(pool, "")
+        keys: list[str] = []
+        key, wrapped = after, False
+        while len(keys) < KEY_SCAN:
+            row = db.execute(_NEXT_KEY, (pool, key)).fetchone()
+            if row is None:
+                if wrapped or not after:
+                    break
+                key, wrapped = "", True
+                continue
+            key = row[0]
+            if wrapped and key > after:
+                break
+            keys.append(key)
+        if len(keys) == KEY_SCAN:
+            self._key_after[pool] = keys[-1]
+        return keys
 
     def _take(
         self, db: sqlite3.Connection, worker_id: str, pools: list[str], now: int, chosen: str, params: tuple[Any, ...]
