@@ -25,6 +25,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 from _servers import bench_store  # noqa: E402
+from keyed_lease_cost import keyed_lease_text  # noqa: E402
 from keyed_rate import keyed_rate_text  # noqa: E402
 
 
@@ -185,6 +186,16 @@ def main() -> None:
             rows.append(
                 (f"cronoq {store}: 50 keys each limited to 20/s, starts per key over 10 s", keyed_rate_text(keyed))
             )
+            keyed = run("keyed_rate.py", "--by-key", *extra)
+            rows.append(
+                (
+                    f"cronoq {store}: the same, every task of one key submitted before the next key's",
+                    keyed_rate_text(keyed),
+                )
+            )
+            step(f"cronoq on {store}: a lease's cost over 50 to 10,000 keys of a keyed resource")
+            cost = run("keyed_lease_cost.py", "--leases", "30" if args.quick else "100", *extra)
+            rows.append((f"cronoq {store}: a lease over N keys of a keyed resource", keyed_lease_text(cost)))
             lat = {}
             for batch in ("10", "1"):
                 step(f"cronoq on {store}: latency, calls of {batch}")

@@ -12,7 +12,7 @@ import pytest
 from test_store import SEC, T0, failure, finish_ok, new, success
 
 from cronoq_server.store.base import NewTask, Outcome, OutcomeKind, State, Store
-from cronoq_server.store.postgres import ANALYZE_AFTER_ROWS
+from cronoq_server.store.postgres import ANALYZE_AFTER_ROWS, ANALYZE_FIRST_ROWS
 
 FAIR = frozenset({"default"})
 
@@ -179,15 +179,21 @@ async def test_a_task_cancelled_while_the_lease_chooses_is_not_taken(
 
 
 @pytest.mark.parametrize("backend", ["postgres"])  # SQLite's leases name their indexes
-async def test_a_burst_of_submissions_gets_the_tasks_table_analyzed(open_store: Any) -> None:
-    """Else leases are planned from the statistics of a far smaller table until autovacuum
-    comes (up to a minute): a sort of every PENDING task instead of an index range."""
+async def test_the_tasks_table_is_analyzed_after_its_first_submissions_and_after_a_burst(open_store: Any) -> None:
+    """Else leases are planned without statistics (a keyed lease's step from one key to the next
+    read every PENDING task of the pool, however few), or from those of a far smaller table until
+    autovacuum comes (up to a minute): a sort of every PENDING task instead of an index range."""
     store = await open_store(group_pools=FAIR)
     rows = "SELECT reltuples FROM pg_class WHERE oid = to_regclass($1)"
     table = store._sql("{s}.tasks")  # type: ignore[attr-defined]
-    await store.submit([grouped("a") for _ in range(ANALYZE_AFTER_ROWS)], T0)
-    for _ in range(100):
-        if await store._read(lambda c: c.fetchval(rows, table)) >= ANALYZE_AFTER_ROWS:  # type: ignore[attr-defined]
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("the tasks table was not analyzed after a burst of submissions")
+    for burst, size in (
+        (ANALYZE_FIRST_ROWS, ANALYZE_FIRST_ROWS),
+        (ANALYZE_AFTER_ROWS, ANALYZE_FIRST_ROWS + ANALYZE_AFTER_ROWS),
+    ):
+        await store.submit([grouped("a") for _ in range(burst)], T0)
+        for _ in range(100):
+            if await store._read(lambda c: c.fetchval(rows, table)) >= size:  # type: ignore[attr-defined]
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"the tasks table was not analyzed after {burst} submissions")

@@ -371,7 +371,7 @@ def limits_apply(settings: StoreSettings) -> bool:
 # visits at most this many keys of a pool with PENDING tasks, after those the lease before it
 # visited (then from the first again): with fewer, every key, and the lease takes tasks in the
 # pool's order exactly; with more, the keys in turns.
-KEY_SCAN = 1000
+KEY_SCAN = 256
 
 
 def keyed_entry(resources: Mapping[str, int] | None) -> str | None:

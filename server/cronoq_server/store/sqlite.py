@@ -308,11 +308,12 @@ _NEXT_KEY = (
     "SELECT res_key FROM tasks INDEXED BY tasks_keyed WHERE state = 1 AND pool = ? AND res_key > ?"
     " ORDER BY res_key LIMIT 1"
 )
+# What a lease's `free` has (JSON, its parameter), for _free_for.
+_FREE = "WITH free AS MATERIALIZED (SELECT key AS name, value AS amount FROM json_each(?))"
 # A key's first due tasks (pool, key, now, how many) that fit alone in free (JSON, the first).
 _KEY_HEAD = (
-    "WITH free AS MATERIALIZED (SELECT key AS name, value AS amount FROM json_each(?))"
-    " SELECT seq FROM tasks INDEXED BY tasks_keyed WHERE state = 1 AND pool = ? AND res_key = ? AND run_at <= ?"
-    f" AND {_FITS_ALONE} ORDER BY priority DESC, run_at, seq LIMIT ?"
+    f"{_FREE} SELECT seq FROM tasks INDEXED BY tasks_keyed WHERE state = 1 AND pool = ? AND res_key = ?"
+    f" AND run_at <= ? AND {_FITS_ALONE} ORDER BY priority DESC, run_at, seq LIMIT ?"
 )
 
 
@@ -784,8 +785,7 @@ class SqliteStore:
             # (running totals per resource).
             keyed = self._keyed(db, pools, now, limit, free) if has_keyed(free) else []
             ok = (
-                f"WITH free AS MATERIALIZED (SELECT key AS name, value AS amount FROM json_each(?)),"
-                f" cand AS (SELECT * FROM (SELECT seq, priority, run_at, resources, {size} AS size FROM tasks"
+                f"{_FREE}, cand AS (SELECT * FROM (SELECT seq, priority, run_at, resources, {size} AS size FROM tasks"
                 f" INDEXED BY tasks_lease_resources WHERE {due} AND resources IS NOT NULL AND res_key IS NULL"
                 f" AND {_FITS_ALONE} ORDER BY {order} LIMIT ?)"
                 f" UNION ALL SELECT seq, priority, run_at, resources, {size} FROM tasks"
@@ -817,7 +817,7 @@ class SqliteStore:
         for pool in pools:
             for key in self._keys(db, pool):
                 room = min(free_for(free, key), limit)
-                if room > 0:
+                if room > 0:  # one prepared statement a key (a compound of them is slower to prepare)
                     seqs += [r[0] for r in db.execute(_KEY_HEAD, (free_json, pool, key, now, room))]
         return seqs
 
