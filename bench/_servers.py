@@ -23,6 +23,45 @@ import cronoq
 SYNCHRONOUS = os.environ.get("CRONOQ_BENCH_SYNCHRONOUS", "full")
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int, reaped_children: bool = False) -> float:
+    """A process's user + system CPU seconds (/proc/PID/stat), with those of the children it
+    has reaped when asked."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])
+    if reaped_children:
+        ticks += int(fields[13]) + int(fields[14])
+    return ticks / CLOCK_TICKS
+
+
+def postgres_cpu_seconds(url: str) -> float | None:
+    """The CPU seconds of the local PostgreSQL server listening on url's port: its postmaster,
+    the backends it reaped and those alive; None when no such server runs here."""
+    port = url.rsplit(":", 1)[1].split("/", 1)[0]
+    procs = [p for p in Path("/proc").iterdir() if p.name.isdigit()]
+    postmaster = None
+    for proc in procs:
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if args and args[0].endswith(b"postgres") and b"-p" in args and port.encode() in args:
+            postmaster = int(proc.name)
+            break
+    if postmaster is None:
+        return None
+    total = cpu_seconds(postmaster, reaped_children=True)
+    for proc in procs:
+        try:
+            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == postmaster:
+                total += cpu_seconds(int(proc.name))
+        except OSError:
+            continue  # it ended meanwhile: counted in the postmaster's reaped children
+    return total
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

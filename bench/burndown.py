@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import resource
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _servers import BenchServer, add_store_arguments, bench_store
+from _servers import BenchServer, add_store_arguments, bench_store, cpu_seconds, postgres_cpu_seconds
 
 import cronoq
 
@@ -41,10 +42,12 @@ def run_worker(
     started_at: mp.Value,  # type: ignore[type-arg]
     done_at: mp.Value,  # type: ignore[type-arg]
     options: dict[str, Any],
+    spent: Any = None,  # mp.Array("d", 2): the CPU seconds of the drain, the peak RSS in KiB
 ) -> None:
     async def main() -> None:
         # The process is up and about to connect: where the anchors' workers start their clock.
         started_at.value = time.time()
+        cpu_start = time.process_time()
         count = 0
 
         async def noop(task: cronoq.TaskContext) -> None:
@@ -52,6 +55,9 @@ def run_worker(
             count += 1
             if count >= total:
                 done_at.value = time.time()
+                if spent is not None:
+                    spent[0] = time.process_time() - cpu_start
+                    spent[1] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 worker.stop()
 
         worker = cronoq.Worker(endpoint, "default", noop, concurrency=concurrency, **options)
@@ -182,6 +188,8 @@ def main() -> None:
             submit_s = asyncio.run(
                 submit_all(server.endpoint, args.tasks, args.batch, options, resources, groups=args.groups)
             )
+            cpu_us: dict[str, float] = {}
+            worker_rss_mib = 0.0
             if args.worker != "python":
                 drain_s, from_spawn = run_sdk_worker(args.worker, server.endpoint, args.concurrency, args.tasks)
             else:
@@ -189,14 +197,24 @@ def main() -> None:
                 # hang creating its channel (it did, once in a few runs).
                 spawn = mp.get_context("spawn")
                 started_at, done_at = spawn.Value("d", 0.0), spawn.Value("d", 0.0)
+                spent = spawn.Array("d", 2)
                 proc = spawn.Process(
                     target=run_worker,
-                    args=(server.endpoint, args.concurrency, args.tasks, started_at, done_at, options),
+                    args=(server.endpoint, args.concurrency, args.tasks, started_at, done_at, options, spent),
                 )
+                before = cpu_seconds(server.proc.pid), postgres_cpu_seconds(url) if url else None
                 spawned_at = time.time()
                 proc.start()
                 proc.join(600)
                 drain_s, from_spawn = done_at.value - started_at.value, done_at.value - spawned_at
+                after = cpu_seconds(server.proc.pid), postgres_cpu_seconds(url) if url else None
+                # CPU µs per task during the drain (from the worker's spawn to its end): what
+                # the server, PostgreSQL and the worker each spent.
+                per_task = {"server": (after[0] - before[0]) / args.tasks * 1e6, "worker": spent[0] / args.tasks * 1e6}
+                if before[1] is not None and after[1] is not None:
+                    per_task["postgres"] = (after[1] - before[1]) / args.tasks * 1e6
+                cpu_us = {k: round(v, 1) for k, v in per_task.items()}
+                worker_rss_mib = round(spent[1] / 1024, 1)
             succeeded = asyncio.run(wait_all_done(server.endpoint, args.tasks, options))
         finally:
             if page is not None:
@@ -216,6 +234,9 @@ def main() -> None:
         "drain_s": round(drain_s, 2),
         "drain_s_from_spawn": round(from_spawn, 2),
         "succeeded": succeeded,
+        "concurrency": args.concurrency,
+        "cpu_us_per_task": cpu_us,
+        "worker_rss_mib": worker_rss_mib,
     }
     if args.json:
         print(json.dumps(result))
@@ -229,6 +250,10 @@ def main() -> None:
         f"(one worker process, concurrency {args.concurrency}, from the process's start as the anchors time it;"
         f" {from_spawn:.2f}s from the spawn; the {args.worker} SDK's worker); succeeded={succeeded}"
     )
+    if cpu_us:
+        spent_text = ", ".join(f"{k} {v} µs" for k, v in cpu_us.items())
+        print(f"{args.store} burn-down: CPU per task during the drain: {spent_text}")
+        print(f"{args.store} burn-down: the worker's peak RSS: {worker_rss_mib} MiB")
 
 
 if __name__ == "__main__":

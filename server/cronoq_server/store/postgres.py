@@ -283,6 +283,16 @@ INSERT_EVENTS = f"INSERT INTO {{s}}.events ({EVENT_COLUMNS})"
 INSERT_ATTEMPTS = f"INSERT INTO {{s}}.attempts ({ATTEMPT_COLUMNS})"
 T_EVENT_TASK_COLUMNS = ", ".join(f"t.{c}" for c in EVENT_TASK_COLUMNS.split(", "))
 
+# Two arrays a statement returns beside the rows it leased go in its first row only: in every
+# row, a step of n outcomes and n tasks would send and decode n² elements.
+_ONCE = "CASE WHEN row_number() OVER () = 1 THEN {} END"
+
+
+def _carried(fetched: Sequence[asyncpg.Record]) -> tuple[Sequence[Any], Sequence[Any]]:
+    """The two arrays (_ONCE) that end the first row, if any."""
+    return (fetched[0][-2] or (), fetched[0][-1] or ()) if fetched else ((), ())
+
+
 # What a task (alias t) weighs in a lease reply.
 LEASE_SIZE = "octet_length(t.payload) + octet_length(coalesce(t.key, '')) + octet_length(t.content_type)"
 
@@ -401,7 +411,8 @@ _KEYED = (
     + _next_key("k.pool", "k.key")
     + " AS nx OFFSET 0) AS s WHERE k.key IS NOT NULL AND k.n < $12 AND NOT (k.wrapped AND k.key > k.after))"
     " SELECT pool, key, n FROM k WHERE key IS NOT NULL AND NOT (wrapped AND key > after)),"
-    " keyed AS (SELECT x.* FROM keys, LATERAL (SELECT seq, priority, run_at, resources FROM {s}.tasks"
+    f" keyed AS (SELECT x.* FROM keys, LATERAL (SELECT seq, priority, run_at, {LEASE_SIZE} AS size, resources"
+    " FROM {s}.tasks t"
     " WHERE state = 1 AND pool = keys.pool AND res_key = keys.key AND run_at <= $1 AND "
     + _FITS_ALONE
     + f" ORDER BY priority DESC, run_at, seq LIMIT least({_free_for('keys.key')}, $2) FOR UPDATE SKIP LOCKED)"
@@ -1006,15 +1017,14 @@ class PostgresStore:
                 # KEY_SCAN keys (the next lease starts after it); a row without a task when
                 # none was leased (none leased and no such key: no row, and the term is checked).
                 sql = self._sql(
-                    f"WITH {ctes} SELECT l.*, e.pools, e.keys FROM (SELECT array_agg(pool) AS pools,"
-                    " array_agg(key) AS keys FROM keys WHERE n = $12 AND {fence}) AS e LEFT JOIN leased l ON true"
-                    " WHERE l.seq IS NOT NULL OR e.pools IS NOT NULL"
+                    f"WITH {ctes} SELECT l.*, {_ONCE.format('e.pools')}, {_ONCE.format('e.keys')}"
+                    " FROM (SELECT array_agg(pool) AS pools, array_agg(key) AS keys FROM keys WHERE n = $12"
+                    " AND {fence}) AS e LEFT JOIN leased l ON true WHERE l.seq IS NOT NULL OR e.pools IS NOT NULL"
                 )
                 fetched = await self._fenced_fetch(sql, *args)
                 for pool in pools:
                     self._key_after.pop(pool, None)
-                if fetched:
-                    self._key_after.update(zip(fetched[0][-2] or (), fetched[0][-1] or (), strict=True))
+                self._key_after.update(zip(*_carried(fetched), strict=True))
                 rows += [task_row(r) for r in fetched if r[0] is not None]
             else:
                 sql = self._sql(f"WITH {ctes} SELECT * FROM leased")
@@ -1137,8 +1147,9 @@ class PostgresStore:
         # Tasks that name no resources, and those that do, are in indexes of their own: the
         # first never wait behind the second.
         plain = (
-            "SELECT x.seq, x.priority, x.run_at FROM unnest($4::text[]) AS p(pool), LATERAL"
-            " (SELECT seq, priority, run_at FROM {s}.tasks WHERE state = 1 AND pool = p.pool AND run_at <= $1"
+            f"SELECT x.seq, x.priority, x.run_at, x.size FROM unnest($4::text[]) AS p(pool), LATERAL"
+            f" (SELECT seq, priority, run_at, {LEASE_SIZE} AS size FROM {{s}}.tasks t"
+            " WHERE state = 1 AND pool = p.pool AND run_at <= $1"
             " AND resources IS NULL ORDER BY priority DESC, run_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED) AS x"
             " WHERE {fence}"
         )
@@ -1153,8 +1164,9 @@ class PostgresStore:
             keyed = has_keyed(free)
             picked = (
                 # Per pool, in index order, locked as they are read.
-                " cand AS (SELECT * FROM (SELECT x.seq, x.priority, x.run_at, x.resources"
-                " FROM unnest($4::text[]) AS p(pool), LATERAL (SELECT seq, priority, run_at, resources FROM {s}.tasks"
+                " cand AS (SELECT * FROM (SELECT x.seq, x.priority, x.run_at, x.size, x.resources"
+                " FROM unnest($4::text[]) AS p(pool), LATERAL (SELECT seq, priority, run_at,"
+                f" {LEASE_SIZE} AS size, resources FROM {{s}}.tasks t"
                 " WHERE state = 1 AND pool = p.pool AND run_at <= $1 AND resources IS NOT NULL AND res_key IS NULL"
                 # A task naming an entry with nothing free ($10) is passed over by one look-up,
                 # not a row per entry.
@@ -1166,7 +1178,7 @@ class PostgresStore:
                 " ORDER BY c.priority DESC, c.run_at, c.seq) AS upto"
                 " FROM cand c, jsonb_each_text(c.resources::jsonb) r),"
                 f" picked AS (SELECT * FROM ({plain}) AS plain"
-                " UNION ALL SELECT seq, priority, run_at FROM cand WHERE seq NOT IN (SELECT seq FROM need"
+                " UNION ALL SELECT seq, priority, run_at, size FROM cand WHERE seq NOT IN (SELECT seq FROM need"
                 f" WHERE upto > {_free_for('need.name')})"
                 " ORDER BY priority DESC, run_at, seq LIMIT $2)"
             )
@@ -1174,12 +1186,13 @@ class PostgresStore:
             if keyed:
                 picked = _KEYED + "," + picked
                 args += ([self._key_after.get(p, "") for p in pools], KEY_SCAN)
-        # Of the rows picked, the first always and then as many as fit in max_bytes (octet_length
-        # reads a stored value's size without decompressing it).
+        # Of the rows picked, the first always and then as many as fit in max_bytes (each row's
+        # size is read as it is picked: octet_length reads a stored value's size without
+        # decompressing it).
         ctes = (
             f"{picked},"
-            f" sized AS (SELECT p.seq, row_number() OVER w AS n, sum({LEASE_SIZE} + $7) OVER w"
-            " AS upto FROM picked p JOIN {s}.tasks t ON t.seq = p.seq"
+            f" sized AS (SELECT p.seq, row_number() OVER w AS n, sum(p.size + $7) OVER w"
+            " AS upto FROM picked p"
             " WINDOW w AS (ORDER BY p.priority DESC, p.run_at, p.seq)),"
             " chosen AS (SELECT seq FROM sized WHERE n = 1 OR $6::bigint <= 0 OR upto <= $6::bigint),"
             + self._take_ctes()
@@ -1339,11 +1352,13 @@ class PostgresStore:
         # along as two arrays (none ended and none leased: no row, and the term is checked).
         sql = self._sql(
             f"WITH {ctes}, {self._success_ctes(len(args) + 1, '$1', worker)}"
-            " SELECT l.*, e.seqs, e.states FROM (SELECT array_agg(seq) AS seqs, array_agg(state) AS states"
-            " FROM ended) AS e LEFT JOIN leased l ON true WHERE e.seqs IS NOT NULL OR l.seq IS NOT NULL"
+            f" SELECT l.*, {_ONCE.format('e.seqs')}, {_ONCE.format('e.states')} FROM (SELECT array_agg(seq) AS seqs,"
+            " array_agg(state) AS states FROM ended) AS e LEFT JOIN leased l ON true"
+            " WHERE e.seqs IS NOT NULL OR l.seq IS NOT NULL"
         )
         fetched = await self._fenced_fetch(sql, *args, *_success_args(outcomes))
-        ended = dict(zip(fetched[0][-2] or (), map(State, fetched[0][-1] or ()), strict=True)) if fetched else {}
+        seqs, states = _carried(fetched)
+        ended = dict(zip(seqs, map(State, states), strict=True))
         results, changes = await self._successes(worker_id, outcomes, ended, generation, now)
         rows, due = await self._leased([task_row(r) for r in fetched if r[0] is not None], pools, now, fair)
         return results, changes, rows, due
