@@ -20,7 +20,7 @@ from ..auth import Principal
 from ..config import Config
 from ..errors import ApiError, invalid
 from ..ids import make_task_id, seq_of, shard_of
-from ..metrics import START_LATENCY, TASKS_LEASED, WORK_STREAMS
+from ..metrics import START_LATENCY, TASKS_LEASED, WORK_STREAMS, observe_all
 from ..store.base import (
     Changes,
     Held,
@@ -203,11 +203,14 @@ class Leases:
         """Counts, announces and converts the tasks a lease took."""
         if not rows:
             return []
+        latencies: dict[str, list[int]] = {}
         for r in rows:
-            TASKS_LEASED.labels(pool=r.pool).inc()
             latency = max(now - max(r.run_at, r.created_at), 0)
-            START_LATENCY.labels(pool=r.pool).observe(latency / 1e6)
+            latencies.setdefault(r.pool, []).append(latency)
             self._events.activity.record_start(r.pool, now, latency)
+        for pool, waited in latencies.items():
+            TASKS_LEASED.labels(pool).inc(len(waited))
+            observe_all(START_LATENCY.labels(pool), (us / 1e6 for us in waited))
         await self._events.publish([(r.seq, r.state) for r in rows], rows)
         return [to_task(r, self._shard) for r in rows]
 

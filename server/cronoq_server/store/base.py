@@ -24,6 +24,8 @@ class State(enum.IntEnum):
 
 
 TERMINAL = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
+# A stored state's member by number: a dict look-up, where State(n) costs a call (rows convert many).
+STATES: dict[int, State] = {int(s): s for s in State}
 
 # The error of an attempt whose lease expired (its worker went silent): a lost attempt.
 LEASE_EXPIRED = "lease expired"

@@ -18,6 +18,7 @@ from ..errors import ApiError
 from ..ids import seq_of
 from .base import (
     LEASE_EXPIRED,
+    STATES,
     TERMINAL,
     AttemptOutcome,
     AttemptRow,
@@ -54,7 +55,7 @@ def task_row(r: Any) -> TaskRow:
         max_attempts=r[7],
         depends_on=json.loads(r[8]) if r[8] else [],
         resources=json.loads(r[9]) if r[9] else {},
-        state=State(r[10]),
+        state=STATES[r[10]],
         attempt=r[11],
         worker_id=r[12],
         result=r[13],
@@ -79,7 +80,7 @@ def event_row(r: Any) -> EventRow:
     """An EventRow from its seq and then a row read in EVENT_COLUMNS order."""
     cancel_requested = None if r[13] is None else bool(r[13])
     return EventRow(
-        r[0], r[1], State(r[2]), r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12], cancel_requested
+        r[0], r[1], STATES[r[2]], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12], cancel_requested
     )
 
 
