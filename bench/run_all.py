@@ -8,7 +8,9 @@ ListTasks across shards, burn-down across shards), then the anchors PgQueuer and
 on the same PostgreSQL server and the same workloads, and River's burn-down there too (built
 with `go`; skipped when Go is missing), and cronoq's ratio to each; then submit latency under
 idle load. Each run is its own process with its own
-servers and workers. `--quick` runs smaller sizes; `--no-anchors` skips the anchors.
+servers and workers. `--quick` runs smaller sizes; `--no-anchors` skips the anchors;
+`--throughput` runs the burn-downs only (cronoq's at concurrency 64 and 1000 with each SDK's
+worker and the CPU each task costs, PgQueuer's, River's at both settings) and the ratios.
 """
 
 from __future__ import annotations
@@ -145,10 +147,87 @@ def fair_share_rows(store: str, quick: bool, extra: list[str]) -> list[tuple[str
     ]
 
 
+def detail_rows(
+    store: str, args: argparse.Namespace, extra: list[str], burn: dict[str, Any], step: Any
+) -> tuple[list[tuple[str, str]], dict[str, dict[str, Any]]]:
+    """Every row of a store after its burn-downs (TLS, resources, keyed rates, latency, the
+    dashboard, fair share, a bulk retry, two shards), and its latency runs by batch size."""
+    tasks = "5000" if args.quick else "20000"
+    seconds = "3" if args.quick else "5"
+    rows: list[tuple[str, str]] = []
+    lat: dict[str, dict[str, Any]] = {}
+    step(f"cronoq on {store}: burn-down over TLS with a bearer token")
+    secure = run("burndown.py", "--tasks", tasks, "--secure", *extra)
+    rows.append(
+        (
+            f"cronoq {store}: the same burn-down over TLS (both sides) with a token",
+            f"{secure['drain_tasks_per_s']:,} tasks/s "
+            f"({secure['drain_tasks_per_s'] / burn['drain_tasks_per_s']:.2f}× plain)",
+        )
+    )
+    step(f"cronoq on {store}: burn-down with a concurrency resource (capacity 64) on every task")
+    slots = run("burndown.py", "--tasks", tasks, "--resource-capacity", "64", *extra)
+    rows.append(
+        (
+            f"cronoq {store}: the same burn-down, every task holding a slot of a resource of capacity 64",
+            f"{slots['drain_tasks_per_s']:,} tasks/s "
+            f"({slots['drain_tasks_per_s'] / burn['drain_tasks_per_s']:.2f}× without)",
+        )
+    )
+    step(f"cronoq on {store}: 50 keys of a keyed rate resource, each limited to 20/s")
+    keyed = run("keyed_rate.py", *extra)
+    rows.append((f"cronoq {store}: 50 keys each limited to 20/s, starts per key over 10 s", keyed_rate_text(keyed)))
+    keyed = run("keyed_rate.py", "--by-key", *extra)
+    rows.append(
+        (
+            f"cronoq {store}: the same, every task of one key submitted before the next key's",
+            keyed_rate_text(keyed),
+        )
+    )
+    step(f"cronoq on {store}: a lease's cost over 50 to 10,000 keys of a keyed resource")
+    cost = run("keyed_lease_cost.py", "--leases", "30" if args.quick else "100", *extra)
+    rows.append((f"cronoq {store}: a lease over N keys of a keyed resource", keyed_lease_text(cost)))
+    for batch in ("10", "1"):
+        step(f"cronoq on {store}: latency, calls of {batch}")
+        lat[batch] = run("latency.py", "--seconds", seconds, "--batch", batch, *extra)
+        how = "100 calls/s of 10 tasks" if batch == "10" else "one SubmitTask per task"
+        rows.append((f"cronoq {store}: submit→start at 1,000 tasks/s, {how}", latency_text(lat[batch])))
+    step(f"cronoq on {store}: Watch delivery latency")
+    watch = run("watch_latency.py", "--seconds", seconds, *extra)
+    title = f"cronoq {store}: submit→Watch event at 500 tasks/s, one SubmitTask per task"
+    rows.append((title, latency_text(watch)))
+    title = f"cronoq {store}: the burn-down with a dashboard page open in headless Chromium"
+    if not Path("/usr/bin/chromium").exists():
+        rows.append((title, "skipped: no /usr/bin/chromium (apt-get install chromium)"))
+    else:
+        step(f"cronoq on {store}: the burn-down with a dashboard page open (none / overview / live)")
+        rows.append(
+            (
+                title,
+                dashboard_cost_text(
+                    run("dashboard_cost.py", "--tasks", tasks, "--rounds", "1" if args.quick else "3", *extra)
+                ),
+            )
+        )
+    rows += fair_share_rows(store, args.quick, extra)
+    step(f"cronoq on {store}: a bulk retry of FAILED tasks while another caller works")
+    bulk = run("bulk.py", "--tasks", "10000" if args.quick else "50000", *extra)
+    rows.append((f"cronoq {store}: RetryTasks of {bulk['tasks']:,} FAILED tasks", bulk_text(bulk)))
+    step(f"cronoq on {store}: two shards (forwarding, ListTasks across shards, burn-down across shards)")
+    small = ["--calls", "300", "--rounds", "1"] if args.quick else []
+    rows += sharding_rows(store, run("sharding.py", "--tasks", tasks, *small, *extra))
+    return rows, lat
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="5,000 tasks and 3 s latency runs")
     ap.add_argument("--no-anchors", action="store_true")
+    ap.add_argument(
+        "--throughput",
+        action="store_true",
+        help="the burn-downs only: cronoq's (concurrency 64 and 1000, each SDK's worker), PgQueuer's, River's",
+    )
     args = ap.parse_args()
     tasks = "5000" if args.quick else "20000"
     seconds = "3" if args.quick else "5"
@@ -202,75 +281,17 @@ def main() -> None:
                         f"({ratio:.2f}× / {ratio_wide:.2f}× the Python worker)",
                     )
                 )
-            step(f"cronoq on {store}: burn-down over TLS with a bearer token")
-            secure = run("burndown.py", "--tasks", tasks, "--secure", *extra)
-            rows.append(
-                (
-                    f"cronoq {store}: the same burn-down over TLS (both sides) with a token",
-                    f"{secure['drain_tasks_per_s']:,} tasks/s "
-                    f"({secure['drain_tasks_per_s'] / burn['drain_tasks_per_s']:.2f}× plain)",
-                )
-            )
-            step(f"cronoq on {store}: burn-down with a concurrency resource (capacity 64) on every task")
-            slots = run("burndown.py", "--tasks", tasks, "--resource-capacity", "64", *extra)
-            rows.append(
-                (
-                    f"cronoq {store}: the same burn-down, every task holding a slot of a resource of capacity 64",
-                    f"{slots['drain_tasks_per_s']:,} tasks/s "
-                    f"({slots['drain_tasks_per_s'] / burn['drain_tasks_per_s']:.2f}× without)",
-                )
-            )
-            step(f"cronoq on {store}: 50 keys of a keyed rate resource, each limited to 20/s")
-            keyed = run("keyed_rate.py", *extra)
-            rows.append(
-                (f"cronoq {store}: 50 keys each limited to 20/s, starts per key over 10 s", keyed_rate_text(keyed))
-            )
-            keyed = run("keyed_rate.py", "--by-key", *extra)
-            rows.append(
-                (
-                    f"cronoq {store}: the same, every task of one key submitted before the next key's",
-                    keyed_rate_text(keyed),
-                )
-            )
-            step(f"cronoq on {store}: a lease's cost over 50 to 10,000 keys of a keyed resource")
-            cost = run("keyed_lease_cost.py", "--leases", "30" if args.quick else "100", *extra)
-            rows.append((f"cronoq {store}: a lease over N keys of a keyed resource", keyed_lease_text(cost)))
-            lat = {}
-            for batch in ("10", "1"):
-                step(f"cronoq on {store}: latency, calls of {batch}")
-                lat[batch] = run("latency.py", "--seconds", seconds, "--batch", batch, *extra)
-                how = "100 calls/s of 10 tasks" if batch == "10" else "one SubmitTask per task"
-                rows.append((f"cronoq {store}: submit→start at 1,000 tasks/s, {how}", latency_text(lat[batch])))
-            step(f"cronoq on {store}: Watch delivery latency")
-            watch = run("watch_latency.py", "--seconds", seconds, *extra)
-            title = f"cronoq {store}: submit→Watch event at 500 tasks/s, one SubmitTask per task"
-            rows.append((title, latency_text(watch)))
-            title = f"cronoq {store}: the burn-down with a dashboard page open in headless Chromium"
-            if not Path("/usr/bin/chromium").exists():
-                rows.append((title, "skipped: no /usr/bin/chromium (apt-get install chromium)"))
-            else:
-                step(f"cronoq on {store}: the burn-down with a dashboard page open (none / overview / live)")
-                rows.append(
-                    (
-                        title,
-                        dashboard_cost_text(
-                            run("dashboard_cost.py", "--tasks", tasks, "--rounds", "1" if args.quick else "3", *extra)
-                        ),
-                    )
-                )
-            rows += fair_share_rows(store, args.quick, extra)
-            step(f"cronoq on {store}: a bulk retry of FAILED tasks while another caller works")
-            bulk = run("bulk.py", "--tasks", "10000" if args.quick else "50000", *extra)
-            rows.append((f"cronoq {store}: RetryTasks of {bulk['tasks']:,} FAILED tasks", bulk_text(bulk)))
-            step(f"cronoq on {store}: two shards (forwarding, ListTasks across shards, burn-down across shards)")
-            small = ["--calls", "300", "--rounds", "1"] if args.quick else []
-            rows += sharding_rows(store, run("sharding.py", "--tasks", tasks, *small, *extra))
+            lat: dict[str, dict[str, Any]] = {}
+            if not args.throughput:
+                more, lat = detail_rows(store, args, extra, burn, step)
+                rows += more
             if store == "postgres" and not args.no_anchors:
                 import anchors  # the anchors' own virtualenv; never a product dependency
 
                 assert url is not None  # bench_store("postgres") yields a server's URL
 
-                for name in anchors.SYSTEMS:
+                # --throughput: PgQueuer's burn-down only (procrastinate's is far behind).
+                for name in ["pgqueuer"] if args.throughput else anchors.SYSTEMS:
                     step(f"{name} on the same PostgreSQL: burn-down")
                     a_burn = anchors.run_anchor(name, "burndown", url, tasks=int(tasks))
                     rows.append(
@@ -279,12 +300,14 @@ def main() -> None:
                             f"{a_burn['drain_per_s']:,.0f} jobs/s",
                         )
                     )
-                    step(f"{name} on the same PostgreSQL: latency")
-                    a_lat = anchors.run_anchor(name, "latency", url, rate=1000, seconds=float(seconds), batch=10)
-                    rows.append((f"{name}: submit→start at 1,000 jobs/s, 100 calls/s of 10 jobs", latency_text(a_lat)))
                     ratios.append(
                         (f"cronoq / {name}, burn-down", f"{burn['drain_tasks_per_s'] / a_burn['drain_per_s']:.2f}×")
                     )
+                    if args.throughput:
+                        continue
+                    step(f"{name} on the same PostgreSQL: latency")
+                    a_lat = anchors.run_anchor(name, "latency", url, rate=1000, seconds=float(seconds), batch=10)
+                    rows.append((f"{name}: submit→start at 1,000 jobs/s, 100 calls/s of 10 jobs", latency_text(a_lat)))
                     ratios.append(
                         (
                             f"{name} p50 / cronoq p50, latency (higher: cronoq faster)",
@@ -311,8 +334,18 @@ def main() -> None:
                         ours = max(burn["drain_tasks_per_s"], wide["drain_tasks_per_s"])
                         title = f"cronoq / River, burn-down, each at its best (River MaxWorkers {max_workers})"
                     ratios.append((title, f"{ours / river['jobs_per_s']:.2f}×"))
+    if not args.throughput:
+        rows += contention_rows(args.quick, step)
+    print("\n| run | result |\n|---|---|")
+    for title, text in rows + ratios:
+        print(f"| {title} | {text} |")
+
+
+def contention_rows(quick: bool, step: Any) -> list[tuple[str, str]]:
+    """Single-SubmitTask latency on SQLite while the server carries idle load."""
+    rows: list[tuple[str, str]] = []
     step("cronoq on sqlite: submit latency under idle load (long polls, stalled watchers, scrapes)")
-    busy = run("contention.py", "--tasks", "50000" if args.quick else "300000")
+    busy = run("contention.py", "--tasks", "50000" if quick else "300000")
     quiet = busy["quiet_p50_ms"]
     for title, key in (
         ("quiet", "quiet_p50_ms"),
@@ -324,9 +357,7 @@ def main() -> None:
         rows.append(
             (f"cronoq sqlite: single SubmitTask p50, {title}", f"{busy[key]} ms ({busy[key] / quiet:.2f}× quiet)")
         )
-    print("\n| run | result |\n|---|---|")
-    for title, text in rows + ratios:
-        print(f"| {title} | {text} |")
+    return rows
 
 
 if __name__ == "__main__":
