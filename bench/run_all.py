@@ -148,12 +148,10 @@ def fair_share_rows(store: str, quick: bool, extra: list[str]) -> list[tuple[str
 
 
 def detail_rows(
-    store: str, args: argparse.Namespace, extra: list[str], burn: dict[str, Any], step: Any
+    store: str, args: argparse.Namespace, tasks: str, seconds: str, extra: list[str], burn: dict[str, Any], step: Any
 ) -> tuple[list[tuple[str, str]], dict[str, dict[str, Any]]]:
     """Every row of a store after its burn-downs (TLS, resources, keyed rates, latency, the
     dashboard, fair share, a bulk retry, two shards), and its latency runs by batch size."""
-    tasks = "5000" if args.quick else "20000"
-    seconds = "3" if args.quick else "5"
     rows: list[tuple[str, str]] = []
     lat: dict[str, dict[str, Any]] = {}
     step(f"cronoq on {store}: burn-down over TLS with a bearer token")
@@ -283,7 +281,7 @@ def main() -> None:
                 )
             lat: dict[str, dict[str, Any]] = {}
             if not args.throughput:
-                more, lat = detail_rows(store, args, extra, burn, step)
+                more, lat = detail_rows(store, args, tasks, seconds, extra, burn, step)
                 rows += more
             if store == "postgres" and not args.no_anchors:
                 import anchors  # the anchors' own virtualenv; never a product dependency
