@@ -101,7 +101,7 @@ def load_cases() -> list[dict[str, Any]]:
 
 
 def substitute(value: Any, urls: dict[str, str]) -> Any:
-    """Every "{role}" in the case's strings becomes that role's URL."""
+    """Every "{role}" in the case's strings becomes that role's URL ("{role.port}": its port)."""
     if isinstance(value, str):
         for name, url in urls.items():
             value = value.replace("{" + name + "}", url)
@@ -347,6 +347,7 @@ def run_case(case: dict[str, Any], sdk: str, pkis: Pkis, netns: NetNs | None, ve
             scheme = role.get("scheme", "https" if role.get("tls") else "http")
             urls[name] = f"{scheme}://{host}:{port}"
             urls[name + "|https"] = f"https://{host}:{port}"
+            urls[name + ".port"] = str(port)
         scripted = Scripted(workdir)
         plans: dict[str, list[dict[str, Any]]] = {"host": [], "netns": []}
         for name, role in roles.items():
@@ -385,7 +386,7 @@ def run_case(case: dict[str, Any], sdk: str, pkis: Pkis, netns: NetNs | None, ve
                 tls_opts.update(cert=pkis.client.cert, key=pkis.client.key)
             driver_input = {
                 "case": case["name"],
-                "endpoints": [urls[e] for e in sdk_opts.get("endpoints", [])],
+                "endpoints": [urls.get(e) or substitute(e, urls) for e in sdk_opts.get("endpoints", [])],
                 "token": token,
                 "tls": tls_opts or None,
                 "insecure_redirect_http": sdk_opts.get("insecure_redirect_http", False),
