@@ -7,13 +7,13 @@ import datetime as dt
 import ipaddress
 import logging
 import random
+import re
 import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import grpc
 
@@ -84,22 +84,65 @@ class KeepaliveConfig:
 PROBE_TIMEOUT_S = 3.0
 
 
+# The endpoint grammar (the same in every SDK): [scheme "://"] host [":" port] ["/"].
+_ENDPOINT = re.compile(r"(?:(?P<scheme>[A-Za-z]+)://)?(?P<host>\[[^\]]*\]|[^:/\[\]]*)(?::(?P<port>[^/]*))?/?")
+_LABEL = re.compile(r"[A-Za-z0-9_-]{1,63}")
+_DEC = re.compile(r"0|[1-9][0-9]{0,2}")
+_PORT = re.compile(r"[1-9][0-9]{0,4}")
+
+
+def _host(text: str) -> str | None:
+    """The host (a name or an IPv6 address in lower case), or None
+    when text is not one: a name, dotted-decimal IPv4 with four parts, or [IPv6] without a zone."""
+    if text.startswith("["):
+        inner = text[1:-1]
+        try:
+            ipaddress.IPv6Address(inner)
+        except ValueError:
+            return None
+        return None if "%" in inner else inner.lower()  # a zone names this host's interface
+    labels = text.split(".")
+    if labels[-1].isdigit():  # ends in a number: dotted decimal, nothing looser
+        if len(labels) != 4 or not all(_DEC.fullmatch(part) and int(part) <= 255 for part in labels):
+            return None
+        return text
+    if not all(_LABEL.fullmatch(label) for label in labels):
+        return None
+    return text.lower()
+
+
 @dataclass(frozen=True)
 class Endpoint:
+    """One server: http://host:port or https://host:port."""
+
     scheme: str
     host: str
     port: int
 
     @classmethod
     def parse(cls, text: str) -> Endpoint:
-        parts = urlsplit(text if "://" in text else f"http://{text}")
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-            raise InvalidArgument(f"endpoint: {text!r} is not http://host:port or https://host:port")
-        try:
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-        except ValueError:
-            raise InvalidArgument(f"endpoint: {text!r} has a bad port") from None
-        return cls(parts.scheme, parts.hostname, port)
+        """Reads an endpoint by the one grammar every SDK shares, or raises InvalidArgument
+        naming it. Spaces and tabs around it are ignored; nothing is repaired: user info, a
+        path, a query, a fragment, percent-encoding, an IPv4 form other than four dotted
+        decimals, a port with a leading zero are refused, whatever a URL parser would read."""
+        bad = InvalidArgument(
+            f"endpoint: {text!r} is not an endpoint (http://host:port or https://host:port; "
+            "IPv4 as four dotted decimals, IPv6 in brackets)"
+        )
+        m = _ENDPOINT.fullmatch(text.strip(" \t"))
+        if m is None:
+            raise bad
+        scheme = (m["scheme"] or "http").lower()
+        host = _host(m["host"])
+        if scheme not in ("http", "https") or host is None:
+            raise bad
+        if m["port"] is None:
+            port = 443 if scheme == "https" else 80
+        elif _PORT.fullmatch(m["port"]) and int(m["port"]) <= 65535:
+            port = int(m["port"])
+        else:
+            raise bad
+        return cls(scheme, host, port)
 
     @property
     def secure(self) -> bool:
@@ -112,15 +155,27 @@ class Endpoint:
 
     @property
     def is_loopback(self) -> bool:
+        """localhost, 127.0.0.0/8 or ::1, and nothing else (not ::ffff:127.0.0.1)."""
         if self.host == "localhost":
             return True
         try:
-            return ipaddress.ip_address(self.host).is_loopback
+            address = ipaddress.ip_address(self.host)
         except ValueError:
             return False
+        return address.is_loopback and (address.version == 4 or address == ipaddress.IPv6Address("::1"))
 
     def __str__(self) -> str:
         return f"{self.scheme}://{self.target}"
+
+
+def parse_target(target: str) -> Endpoint:
+    """A redirect's or a leader hint's endpoint; one that is not an endpoint is a refused redirect."""
+    try:
+        return Endpoint.parse(target)
+    except InvalidArgument:
+        raise RedirectRefused(
+            f"redirect to {target!r} refused: not an endpoint (http://host:port or https://host:port)"
+        ) from None
 
 
 def check_redirect(current: Endpoint, target: Endpoint, token: str | None, insecure_redirect_http: bool) -> None:
@@ -398,7 +453,7 @@ async def with_retries(
 
 def parse_endpoints(text: str) -> list[Endpoint]:
     """One endpoint, or several separated by commas (servers of one deployment)."""
-    endpoints = [Endpoint.parse(part.strip()) for part in text.split(",") if part.strip()]
+    endpoints = [Endpoint.parse(part) for part in text.split(",") if part.strip(" \t")]
     if not endpoints:
         raise InvalidArgument(f"endpoint: {text!r} names no endpoint")
     return endpoints
@@ -454,14 +509,14 @@ class Connection:
 
     def follow(self, target: str) -> None:
         """Moves to target (a redirect or the leader) if the connection rules allow it."""
-        dest = Endpoint.parse(target)
+        dest = parse_target(target)
         check_redirect(self.current, dest, self._token, self._insecure_redirect_http)
         self.switch(dest)
 
     def on_unavailable(self, err: CronoqError) -> None:
         if err.leader:
             try:
-                if Endpoint.parse(err.leader) != self.current:
+                if parse_target(err.leader) != self.current:
                     self.follow(err.leader)
                     return
             except CronoqError as refused:

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from cronoq import errors
-from cronoq._transport import Endpoint, check_redirect
+from cronoq._transport import Endpoint, check_redirect, parse_target
 from cronoq.jsonform import to_dict
 from cronoq.v1 import task_pb2, task_service_pb2
 
@@ -30,6 +30,11 @@ TOP_BIT_ID = 2**63 + 5
         ("https://[2001:db8::1]:9000/", "https", "2001:db8::1", 9000, "[2001:db8::1]:9000"),
         ("localhost:7070", "http", "localhost", 7070, "localhost:7070"),
         ("HTTP://Example.COM:1", "http", "example.com", 1, "example.com:1"),
+        ("http://LOCALHOST:7070", "http", "localhost", 7070, "localhost:7070"),
+        (" \thttp://127.0.0.1:7070 ", "http", "127.0.0.1", 7070, "127.0.0.1:7070"),
+        ("http://my_service:8", "http", "my_service", 8, "my_service:8"),
+        ("http://[::FFFF:127.0.0.1]:1", "http", "::ffff:127.0.0.1", 1, "[::ffff:127.0.0.1]:1"),
+        ("http://0.0.0.0:65535", "http", "0.0.0.0", 65535, "0.0.0.0:65535"),
     ],
 )
 def test_endpoint_parse(text: str, scheme: str, host: str, port: int, target: str) -> None:
@@ -51,6 +56,26 @@ def test_endpoint_parse(text: str, scheme: str, host: str, port: int, target: st
         "http://host:port",
         "http://host:1/path",
         "https://:7070",
+        # Forms a URL parser repairs or reads as another host: the grammar refuses them all.
+        "http://2130706433:1",
+        "http://0177.0.0.1:1",
+        "http://0x7f.0.0.1:1",
+        "http://127.1:1",
+        "http://1.2.3.4.5:1",
+        "http://256.0.0.1:1",
+        "http://127.0.0.1:1?x=y",
+        "http://127.0.0.1:1#top",
+        "http://user@127.0.0.1:1",
+        "http://127.0.0.1@evil.example:1",
+        "http://127.0.0.%31:1",
+        "http://127.0.0.1:01",
+        "http://127.0.0.1:0",
+        "http://127.0.0.1:",
+        "http://localhost.:1",
+        "http://a b:1",
+        "http:\\\\127.0.0.1:1",
+        "http://[fe80::1%25eth0]:1",
+        "http://[::1:1",
     ],
 )
 def test_endpoint_parse_rejects(text: str) -> None:
@@ -69,10 +94,22 @@ def test_endpoint_parse_rejects(text: str) -> None:
         ("http://10.0.0.1:1", False),
         ("http://example.com:1", False),
         ("http://[2001:db8::1]:1", False),
+        ("http://LocalHost:1", True),
+        ("http://127.255.255.254:1", True),
+        ("http://[::ffff:127.0.0.1]:1", False),
+        ("http://localhost.example:1", False),
+        ("http://127.0.0.1.nip.io:1", False),
     ],
 )
 def test_loopback(text: str, loopback: bool) -> None:
     assert Endpoint.parse(text).is_loopback is loopback
+
+
+def test_a_target_that_is_not_an_endpoint_is_a_refused_redirect() -> None:
+    with pytest.raises(errors.RedirectRefused) as err:
+        parse_target("http://2130706433:1")
+    assert "'http://2130706433:1'" in err.value.message and "not an endpoint" in err.value.message
+    assert parse_target("http://LOCALHOST:1") == Endpoint("http", "localhost", 1)
 
 
 # -- check_redirect ---------------------------------------------------------------

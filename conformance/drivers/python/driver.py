@@ -184,9 +184,14 @@ async def run_client_step(client: cronoq.Client, step: dict[str, Any]) -> dict[s
 async def main() -> None:
     case = json.load(sys.stdin)
     results: list[dict[str, Any]] = []
-    async with cronoq.Client(
-        ",".join(case["endpoints"]), timeout=case.get("timeout_ms", 5000) / 1000, **options(case)
-    ) as client:
+    try:
+        client = cronoq.Client(
+            ",".join(case["endpoints"]), timeout=case.get("timeout_ms", 5000) / 1000, **options(case)
+        )
+    except cronoq.CronoqError as err:  # e.g. an endpoint that is not one: each step fails with it
+        json.dump({"steps": [{"op": step["op"], "error": error_of(err)} for step in case["steps"]]}, sys.stdout)
+        return
+    async with client:
         for step in case["steps"]:
             if step["op"] == "worker":
                 result = await run_worker(case, step)
