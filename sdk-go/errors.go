@@ -108,7 +108,9 @@ var (
 	// (code FAILED_PRECONDITION; the message names the chain).
 	ErrTooManyRedirects error = &sentinel{kind: kindTooManyRedirects, name: "too many redirects"}
 	// ErrRedirectRefused: a redirect the connection rules forbid, https:// to http://, or a
-	// token over plain http:// to a non-loopback host (code FAILED_PRECONDITION).
+	// token over plain http:// to a non-loopback host, or one whose target is not an
+	// endpoint (see ParseEndpoint; the message names the target). Code FAILED_PRECONDITION,
+	// the shard redirect's (a leader hint refused is logged, and the retries go on).
 	ErrRedirectRefused error = &sentinel{kind: kindRedirectRefused, name: "redirect refused"}
 	// ErrTLS: a TLS handshake failed (code UNAVAILABLE, never retried); the message is
 	// "https://host:port: TLS handshake failed: <reason>".

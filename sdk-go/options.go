@@ -7,8 +7,9 @@ import (
 
 // Options configure a Client, and the connection of a Worker.
 type Options struct {
-	// Endpoint: "http://host:port" or "https://host:port", or several separated by commas
-	// (servers of one deployment, tried in turn). http://127.0.0.1:7070 when empty.
+	// Endpoint: "http://host:port" or "https://host:port" (the grammar: ParseEndpoint), or
+	// several separated by commas (servers of one deployment, tried in turn).
+	// http://127.0.0.1:7070 when empty.
 	Endpoint string
 	// Token is sent as "authorization: Bearer <token>" with every call; empty: none.
 	Token string

@@ -9,7 +9,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net"
-	"net/url"
+	"net/netip"
 	"os"
 	"strconv"
 	"strings"
@@ -182,45 +182,38 @@ func (t *TLSConfig) load() (*tls.Config, error) {
 	return cfg, nil
 }
 
-// Endpoint is one server: http://host:port or https://host:port.
+// Endpoint is one server, as parsed: Scheme "http" or "https", Host a name in lower case,
+// an IPv4 address or an IPv6 address (without brackets), and Port.
 type Endpoint struct {
 	Scheme string
 	Host   string
 	Port   int
 }
 
-// ParseEndpoint reads "http://host:port" or "https://host:port" ("host:port" is http://;
-// the port defaults to 80 or 443).
+// ParseEndpoint reads one endpoint: [scheme "://"] host [":" port] ["/"], the grammar every
+// cronoq SDK shares (the Endpoints section of conformance/README.md). The scheme is http or
+// https in any case (http when absent); the host a name (labels of letters, digits, "-" and
+// "_", the last not all digits), an IPv4 address in dotted decimal with four parts and no
+// leading zeros, or an IPv6 address in brackets; the port 1-65535 without a leading zero
+// (80 or 443 when absent). Spaces and tabs around the text are ignored. Anything else (user
+// info, a path, a query, a fragment, percent-encoding, a trailing dot, another IPv4 form) is
+// refused, never repaired, with INVALID_ARGUMENT naming the text: what a text means must
+// not depend on which parser reads it.
 func ParseEndpoint(text string) (Endpoint, error) {
-	raw := strings.TrimSpace(text)
-	if !strings.Contains(raw, "://") {
-		raw = "http://" + raw
+	ep, err := parseEndpoint(text)
+	if err != nil {
+		return Endpoint{}, newError(codes.InvalidArgument, kindCode, "endpoint: %q is not an endpoint: %v", text, err)
 	}
-	bad := newError(codes.InvalidArgument, kindCode, "endpoint: %q is not http://host:port or https://host:port", text)
-	u, err := url.Parse(raw)
-	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Hostname() == "" ||
-		(u.Path != "" && u.Path != "/") || u.RawQuery != "" || u.User != nil {
-		return Endpoint{}, bad
-	}
-	port := 80
-	if u.Scheme == "https" {
-		port = 443
-	}
-	if p := u.Port(); p != "" {
-		n, err := strconv.Atoi(p)
-		if err != nil || n < 1 || n > 65535 {
-			return Endpoint{}, newError(codes.InvalidArgument, kindCode, "endpoint: %q has a bad port", text)
-		}
-		port = n
-	}
-	return Endpoint{Scheme: u.Scheme, Host: u.Hostname(), Port: port}, nil
+	return ep, nil
 }
 
-// ParseEndpoints reads one endpoint, or several separated by commas (servers of one deployment).
+// ParseEndpoints reads one endpoint, or several separated by commas (servers of one
+// deployment); spaces and tabs around each are ignored, and so is an empty item (a
+// trailing comma).
 func ParseEndpoints(text string) ([]Endpoint, error) {
 	var out []Endpoint
 	for _, part := range strings.Split(text, ",") {
-		if strings.TrimSpace(part) == "" {
+		if strings.Trim(part, " \t") == "" {
 			continue
 		}
 		ep, err := ParseEndpoint(part)
@@ -235,21 +228,174 @@ func ParseEndpoints(text string) ([]Endpoint, error) {
 	return out, nil
 }
 
+// Characters no endpoint has, with what they would mean to a URL parser: named, so the
+// refusal says why.
+var notInEndpoint = []struct{ char, meaning string }{
+	{"@", "user info (@)"},
+	{"?", "a query (?)"},
+	{"#", "a fragment (#)"},
+	{"%", "percent-encoding or an IPv6 zone (%)"},
+	{`\`, `a backslash (\)`},
+	{" ", "a space inside"},
+	{"\t", "a tab inside"},
+}
+
+// parseEndpoint is the one parser of endpoints: the configured ones (ParseEndpoint) and
+// the targets of redirects and leader hints (connection.follow). Its error says why text
+// is not an endpoint.
+func parseEndpoint(text string) (Endpoint, error) {
+	rest := strings.Trim(text, " \t")
+	for _, c := range notInEndpoint {
+		if strings.Contains(rest, c.char) {
+			return Endpoint{}, fmt.Errorf("it has %s", c.meaning)
+		}
+	}
+	ep := Endpoint{Scheme: "http"}
+	if scheme, after, found := strings.Cut(rest, "://"); found {
+		ep.Scheme = strings.ToLower(scheme)
+		if ep.Scheme != "http" && ep.Scheme != "https" {
+			return Endpoint{}, errors.New("the scheme is not http:// or https://")
+		}
+		rest = after
+	}
+	rest = strings.TrimSuffix(rest, "/")
+	if strings.Contains(rest, "/") {
+		return Endpoint{}, errors.New("it has a path (only one / may end it)")
+	}
+	var port string
+	var hasPort bool
+	if strings.HasPrefix(rest, "[") {
+		end := strings.Index(rest, "]")
+		if end < 0 {
+			return Endpoint{}, errors.New("the [ of an IPv6 address has no ]")
+		}
+		host := rest[1:end]
+		ip, err := netip.ParseAddr(host)
+		if err != nil || !ip.Is6() {
+			return Endpoint{}, fmt.Errorf("[%s] is not an IPv6 address", host)
+		}
+		ep.Host = ip.String()
+		switch after := rest[end+1:]; {
+		case after == "":
+		case strings.HasPrefix(after, ":"):
+			port, hasPort = after[1:], true
+		default:
+			return Endpoint{}, fmt.Errorf("%q follows the IPv6 address", after)
+		}
+	} else {
+		var host string
+		host, port, hasPort = strings.Cut(rest, ":")
+		h, err := parseHost(host)
+		if err != nil {
+			return Endpoint{}, err
+		}
+		ep.Host = h
+	}
+	ep.Port = 80
+	if ep.Secure() {
+		ep.Port = 443
+	}
+	if hasPort {
+		n, err := parsePort(port)
+		if err != nil {
+			return Endpoint{}, err
+		}
+		ep.Port = n
+	}
+	return ep, nil
+}
+
+// maxLabel is the longest label of a host name, as DNS allows.
+const maxLabel = 63
+
+// parseHost reads a host that is not in brackets: an IPv4 address when its last label is
+// all digits (then it must be the canonical dotted decimal form, so that no parser reads
+// 2130706433, 0177.0.0.1 or 127.1 as an address another would not), else a name, returned
+// in lower case.
+func parseHost(host string) (string, error) {
+	if host == "" {
+		return "", errors.New("it has no host")
+	}
+	labels := strings.Split(host, ".")
+	for _, label := range labels {
+		if label == "" {
+			return "", fmt.Errorf("the host %q has an empty label (a trailing dot, or two dots in a row)", host)
+		}
+		if len(label) > maxLabel {
+			return "", fmt.Errorf("the host %q has a label longer than %d characters", host, maxLabel)
+		}
+		for _, r := range label {
+			if !isLabelChar(r) {
+				return "", fmt.Errorf("the host %q has %q (a name has letters, digits, - and _)", host, r)
+			}
+		}
+	}
+	if !allDigits(labels[len(labels)-1]) {
+		return strings.ToLower(host), nil
+	}
+	if len(labels) != 4 {
+		return "", fmt.Errorf("the host %q ends in a number but is not an IPv4 address of four parts", host)
+	}
+	for _, part := range labels {
+		if !allDigits(part) || (len(part) > 1 && part[0] == '0') || len(part) > 3 || atoi(part) > 255 {
+			return "", fmt.Errorf("the host %q ends in a number but is not an IPv4 address of four decimal parts 0-255 without leading zeros", host)
+		}
+	}
+	return host, nil
+}
+
+// parsePort reads a port: 1-65535 in decimal, no leading zero.
+func parsePort(port string) (int, error) {
+	if !allDigits(port) || port[0] == '0' || len(port) > 5 || atoi(port) > 65535 {
+		return 0, fmt.Errorf("the port %q is not 1-65535 in decimal without a leading zero", port)
+	}
+	return atoi(port), nil
+}
+
+func isLabelChar(r rune) bool {
+	return r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_'
+}
+
+// allDigits reports whether s is one or more ASCII digits.
+func allDigits(s string) bool {
+	for _, r := range s {
+		if r < '0' || r > '9' {
+			return false
+		}
+	}
+	return s != ""
+}
+
+// atoi reads a string of at most 5 ASCII digits (allDigits checked).
+func atoi(s string) int {
+	n, _ := strconv.Atoi(s)
+	return n
+}
+
 // Secure reports whether the endpoint is https://.
 func (e Endpoint) Secure() bool { return e.Scheme == "https" }
 
 // Target is host:port as gRPC dials it.
 func (e Endpoint) Target() string { return net.JoinHostPort(e.Host, strconv.Itoa(e.Port)) }
 
+// String is how an endpoint is reported: scheme://host:port, an IPv6 address in brackets.
 func (e Endpoint) String() string { return e.Scheme + "://" + e.Target() }
 
-// Loopback reports whether the host is localhost or a loopback address.
+// Loopback reports whether the host is loopback: exactly localhost (any case), an address
+// of 127.0.0.0/8, or ::1. Not an IPv4-mapped ::ffff:127.0.0.1, not localhost. nor any
+// name that resolves to loopback: a token goes over plain http:// only to these.
 func (e Endpoint) Loopback() bool {
-	if e.Host == "localhost" {
+	if strings.EqualFold(e.Host, "localhost") {
 		return true
 	}
-	ip := net.ParseIP(e.Host)
-	return ip != nil && ip.IsLoopback()
+	ip, err := netip.ParseAddr(e.Host)
+	if err != nil {
+		return false
+	}
+	if ip.Is4() {
+		return ip.As4()[0] == 127
+	}
+	return ip == netip.IPv6Loopback()
 }
 
 // CheckRedirect applies the connection rules to following a redirect (or a standby's
@@ -360,19 +506,22 @@ func (c *connection) channel() (*grpc.ClientConn, Endpoint, error) {
 	return cc, ep, nil
 }
 
-// follow moves to target (a redirect or the leader) if the connection rules allow it.
-func (c *connection) follow(target string) error {
-	dest, err := ParseEndpoint(target)
+// follow moves to target, a redirect's or a leader hint's, if it is an endpoint and the
+// connection rules allow it, and reports whether that changed the endpoint. code is the
+// gRPC code of the answer that named target: a refusal keeps it.
+func (c *connection) follow(target string, code codes.Code) (bool, error) {
+	dest, err := parseEndpoint(target)
 	if err != nil {
-		return err
+		return false, newError(code, kindRedirectRefused, "redirect to %q refused: not an endpoint: %v", target, err)
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if err := CheckRedirect(c.current, dest, c.token != "", c.insecure); err != nil {
-		return err
+		return false, err
 	}
+	moved := dest != c.current
 	c.current = dest
-	return nil
+	return moved, nil
 }
 
 // onUnavailable moves after an UNAVAILABLE: to the leader it names, else (with several
@@ -380,11 +529,11 @@ func (c *connection) follow(target string) error {
 func (c *connection) onUnavailable(err error) {
 	var e *Error
 	if asError(err, &e) && e.Leader != "" {
-		if leader, perr := ParseEndpoint(e.Leader); perr == nil && leader != c.endpoint() {
-			ferr := c.follow(e.Leader)
-			if ferr == nil {
-				return
-			}
+		moved, ferr := c.follow(e.Leader, e.Code)
+		if moved {
+			return
+		}
+		if ferr != nil {
 			c.log.Warn("cronoq: not following the leader", "leader", e.Leader, "error", ferr)
 		}
 	}

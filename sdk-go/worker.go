@@ -318,7 +318,7 @@ func (w *Worker) register(calls context.Context) error {
 			}
 			w.log.Info("cronoq: reconnecting to the shard of the worker's pools",
 				"shard", e.Shard, "endpoint", e.ShardEndpoint, "pools", w.opts.Pools)
-			if err := w.conn.follow(e.ShardEndpoint); err != nil {
+			if _, err := w.conn.follow(e.ShardEndpoint, e.Code); err != nil {
 				return err
 			}
 		case errors.Is(err, ErrUnavailable):
