@@ -78,7 +78,11 @@ export class UnauthenticatedError extends CronoqError {}
 
 /** A worker was sent to another shard more than 3 times in a row; the message names the chain. */
 export class TooManyRedirectsError extends FailedPreconditionError {}
-/** A redirect the connection rules forbid: https:// to http://, or a token over plain http:// to a non-loopback host. */
+/**
+ * A redirect (or leader hint) the connection rules forbid: https:// to http://, a token over
+ * plain http:// to a non-loopback host, or a target that is not an endpoint (then with the code
+ * of the answer that named it).
+ */
 export class RedirectRefusedError extends FailedPreconditionError {}
 /** A TLS handshake failed (code UNAVAILABLE, never retried: no retry can fix it). */
 export class TlsError extends CronoqError {}
@@ -110,8 +114,10 @@ export function errorForCode(code: number, message: string, fields: ErrorFields 
   return new cls(code, message, fields);
 }
 
-/** What google.rpc.Status's details say (ErrorInfo, RetryInfo). */
+/** What google.rpc.Status says: its message, and its details (ErrorInfo, RetryInfo). */
 export interface StatusDetails {
+  /** The server's message, byte for byte (grpc-message may not survive: see fromGrpcError). */
+  message: string;
   reason: string;
   metadata: Record<string, string>;
   retryDelayMs: number;
@@ -120,12 +126,16 @@ export interface StatusDetails {
 const ERROR_INFO = "type.googleapis.com/google.rpc.ErrorInfo";
 const RETRY_INFO = "type.googleapis.com/google.rpc.RetryInfo";
 
-/** Decodes a serialized google.rpc.Status (grpc-status-details-bin): its ErrorInfo and RetryInfo. */
+/** Decodes a serialized google.rpc.Status (grpc-status-details-bin): its message, ErrorInfo and RetryInfo. */
 export function decodeStatusDetails(bytes: Uint8Array): StatusDetails {
-  const out: StatusDetails = { reason: "", metadata: {}, retryDelayMs: 0 };
+  const out: StatusDetails = { message: "", reason: "", metadata: {}, retryDelayMs: 0 };
   const status = new BinaryReader(bytes);
   while (status.pos < status.len) {
     const [field, wire] = status.tag();
+    if (field === 2) {
+      out.message = status.string();
+      continue;
+    }
     if (field !== 3) {
       status.skip(wire);
       continue;
@@ -190,7 +200,6 @@ function decodeRetryDelayMs(bytes: Uint8Array): number {
 export interface GrpcServiceError {
   code: number;
   details?: string;
-  message?: string;
   metadata?: Metadata;
 }
 
@@ -203,7 +212,7 @@ export function fromGrpcError(err: unknown): Error {
   if (err instanceof CronoqError) return err;
   if (!isGrpcError(err)) return err instanceof Error ? err : new Error(String(err));
   const metadata: Record<string, string> = {};
-  let details: StatusDetails = { reason: "", metadata: {}, retryDelayMs: 0 };
+  let details: StatusDetails = { message: "", reason: "", metadata: {}, retryDelayMs: 0 };
   if (err.metadata) {
     for (const [key, values] of Object.entries(err.metadata.getMap())) {
       if (key === "grpc-status-details-bin") {
@@ -218,7 +227,10 @@ export function fromGrpcError(err: unknown): Error {
     }
   }
   const pick = (trailer: string, info: string): string => metadata[trailer] || details.metadata[info] || "";
-  const message = err.details || err.message || codeName(err.code);
+  // grpc-message verbatim (grpc-js's details), else the structured error's message: Node's
+  // HTTP/2 drops a grpc-message that begins or ends in a space (RFC 9113 forbids it), which
+  // leaves grpc-js's details empty and its own message only "9 FAILED_PRECONDITION: ".
+  const message = err.details || details.message || codeName(err.code);
   return errorForCode(err.code, message, {
     reason: details.reason,
     shard: pick("cronoq-shard", "shard"),

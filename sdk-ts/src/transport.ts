@@ -18,7 +18,7 @@ import {
 import { AdminServiceClient } from "./gen/cronoq/v1/admin_service.js";
 import { TaskServiceClient } from "./gen/cronoq/v1/task_service.js";
 import { WorkerServiceClient } from "./gen/cronoq/v1/worker_service.js";
-import { checkRedirect, Endpoint } from "./endpoint.js";
+import { checkRedirect, Endpoint, parseTarget } from "./endpoint.js";
 import { VERSION } from "./version.js";
 import { CronoqError, fromGrpcError, InvalidArgumentError, isRetryable, TlsError, UnavailableError } from "./errors.js";
 
@@ -83,7 +83,7 @@ export const consoleLogger: Logger = {
 
 /** What a client and a worker are configured with. */
 export interface ConnectionOptions {
-  /** "http://host:port" or "https://host:port"; several (comma-separated, or a list) are tried in turn. */
+  /** "http://host:port" or "https://host:port" (read by readEndpoint: the scheme defaults to http://, the port to 80 or 443); several (comma-separated, or a list) are tried in turn. */
   endpoint: string | string[];
   /** A bearer token sent with every call. */
   token?: string;
@@ -278,9 +278,12 @@ export class Connection {
     return { clients, endpoint: ep };
   }
 
-  /** Moves to target (a redirect or the leader) if the connection rules allow it; throws RedirectRefusedError. */
-  follow(target: string): void {
-    const dest = Endpoint.parse(target);
+  /**
+   * Moves to target (a redirect's or the leader's) if it is an endpoint and the connection rules
+   * allow it; code is the gRPC code of the answer that named it. Throws RedirectRefusedError.
+   */
+  follow(target: string, code: number): void {
+    const dest = parseTarget(target, code);
     checkRedirect(this.current, dest, this.token !== "", this.insecureRedirectHttp);
     this.current = dest;
   }
@@ -289,8 +292,8 @@ export class Connection {
   onUnavailable(err: unknown): void {
     if (err instanceof CronoqError && err.leader) {
       try {
-        if (!Endpoint.parse(err.leader).equals(this.current)) {
-          this.follow(err.leader);
+        if (!parseTarget(err.leader, err.code).equals(this.current)) {
+          this.follow(err.leader, err.code);
           return;
         }
       } catch (ferr) {

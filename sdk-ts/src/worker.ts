@@ -322,7 +322,7 @@ export class Worker {
               `${chain.join(" -> ")}: check the [[shards]] endpoints`, { shard: err.shard, shardEndpoint: err.shardEndpoint });
           }
           this.conn.log.info("cronoq: reconnecting to the shard of the worker's pools", { shard: err.shard, endpoint: err.shardEndpoint });
-          this.conn.follow(err.shardEndpoint);
+          this.conn.follow(err.shardEndpoint, err.code);
           continue;
         }
         if (err instanceof UnavailableError) {

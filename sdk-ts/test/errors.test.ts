@@ -1,6 +1,9 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
+import http2 from "node:http2";
+import type { AddressInfo } from "node:net";
 import { Metadata, status as Status } from "@grpc/grpc-js";
+import { Client } from "../src/client.js";
 import {
   codeName,
   CronoqError,
@@ -12,7 +15,7 @@ import {
   TlsError,
   UnavailableError,
 } from "../src/errors.js";
-import { statusDetailsBin } from "./helpers.js";
+import { silent, statusDetailsBin } from "./helpers.js";
 
 test("decodeStatusDetails reads ErrorInfo's reason and metadata and RetryInfo's delay", () => {
   const details = decodeStatusDetails(statusDetailsBin("WRONG_SHARD", { shard: "gpu", shard_endpoint: "https://gpu:7070" }, 1500));
@@ -44,6 +47,37 @@ test("fromGrpcError: the cronoq-* trailers win over the structured error", () =>
   assert.equal(e.leader, "http://127.0.0.1:2");
   assert.equal(e.reason, "NOT_LEADER");
   assert.equal(e.metadata["cronoq-leader"], "http://127.0.0.1:2");
+});
+
+const ENDS_IN_SPACE = "scripted refusal of task 5 that ends in a space ";
+
+test("fromGrpcError: without grpc-message, the structured error's message verbatim, not the code's name", () => {
+  const md = new Metadata();
+  md.set("grpc-status-details-bin", statusDetailsBin("SCRIPTED", {}, 0, ENDS_IN_SPACE));
+  const e = fromGrpcError({ code: Status.FAILED_PRECONDITION, details: "", metadata: md });
+  assert.equal(e.message, ENDS_IN_SPACE);
+  assert.equal(fromGrpcError({ code: Status.FAILED_PRECONDITION, details: "" }).message, "FAILED_PRECONDITION");
+});
+
+test("a server message that ends in a space reaches the caller (Node's HTTP/2 drops such a grpc-message)", async () => {
+  // A trailers-only gRPC answer whose grpc-message is not percent-encoded, as grpc-core sends it.
+  const server = http2.createServer();
+  server.on("stream", (stream) => stream.respond({
+    ":status": 200,
+    "content-type": "application/grpc",
+    "grpc-status": String(Status.FAILED_PRECONDITION),
+    "grpc-message": ENDS_IN_SPACE,
+    "grpc-status-details-bin": statusDetailsBin("SCRIPTED", {}, 0, ENDS_IN_SPACE).toString("base64"),
+  }, { endStream: true }));
+  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+  const client = new Client({ endpoint: `http://127.0.0.1:${(server.address() as AddressInfo).port}`, logger: silent });
+  try {
+    await assert.rejects(client.get(5n), (err: unknown) =>
+      err instanceof FailedPreconditionError && err.message === ENDS_IN_SPACE && err.reason === "SCRIPTED");
+  } finally {
+    client.close();
+    server.close();
+  }
 });
 
 test("retryable: UNAVAILABLE and CANCELLED, never a TLS failure", () => {
