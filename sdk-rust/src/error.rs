@@ -17,8 +17,9 @@ pub enum Error {
     /// FAILED_PRECONDITION); the message names the chain of shards.
     #[error("{0}")]
     TooManyRedirects(String),
-    /// A redirect the connection rules forbid: https:// to http://, or the token over plain
-    /// http:// to a host that is not loopback (code FAILED_PRECONDITION).
+    /// A redirect the connection rules forbid: https:// to http://, the token over plain
+    /// http:// to a host that is not loopback, or a target that is not an endpoint (code
+    /// FAILED_PRECONDITION). Nothing was dialed.
     #[error("{0}")]
     RedirectRefused(String),
     /// A TLS handshake failed (code UNAVAILABLE, never retried): the message says why and

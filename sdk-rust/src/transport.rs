@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv6Addr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -180,7 +180,8 @@ impl Default for Options {
 
 impl Options {
     /// `endpoint`: "http://host:port" or "https://host:port", or several separated by
-    /// commas (servers of one deployment, tried in turn).
+    /// commas (servers of one deployment, tried in turn); the grammar is
+    /// [`Endpoint::parse`]'s, checked when the client or worker is built.
     pub fn new(endpoint: impl Into<String>) -> Options {
         Options {
             endpoint: endpoint.into(),
@@ -250,65 +251,44 @@ impl Options {
 pub struct Endpoint {
     /// `http` or `https`.
     pub scheme: String,
-    /// A host name or an IP address (IPv6 without brackets).
+    /// A host name in lower case, a dotted-decimal IPv4 address, or an IPv6 address in lower
+    /// case (without brackets).
     pub host: String,
     /// The TCP port.
     pub port: u16,
 }
 
 impl Endpoint {
-    /// Reads "http://host:port" or "https://host:port" ("host:port" is http://; the port
-    /// defaults to 80 or 443).
+    /// Reads one endpoint: `[scheme "://"] host [":" port] ["/"]`, the grammar every cronoq
+    /// SDK shares. The scheme is http or https (any case; http when absent), the host a name,
+    /// dotted-decimal IPv4 with four parts or `[IPv6]`, the port 1-65535 (80 or 443 when
+    /// absent). Spaces and tabs around the text are ignored. Anything else (user info, a path,
+    /// a query, percent-encoding, another IPv4 form...) is an [`Error::InvalidArgument`]
+    /// naming the text: it is refused, never repaired into something else.
     pub fn parse(text: &str) -> Result<Endpoint, Error> {
-        let bad = || {
+        Endpoint::read(text).ok_or_else(|| {
             Error::InvalidArgument(format!(
-                "endpoint: {text:?} is not http://host:port or https://host:port"
+                "endpoint: {text:?} is not an endpoint (http://host:port or https://host:port)"
             ))
-        };
-        let raw = text.trim();
-        let (scheme, rest) = match raw.split_once("://") {
-            Some((s, r)) => (s.to_ascii_lowercase(), r),
-            None => ("http".to_string(), raw),
-        };
-        if scheme != "http" && scheme != "https" {
-            return Err(bad());
-        }
-        let rest = rest.strip_suffix('/').unwrap_or(rest);
-        if rest.is_empty() || rest.contains(['/', '?', '@', '#']) {
-            return Err(bad());
-        }
-        let (host, port) = if let Some(after) = rest.strip_prefix('[') {
-            let (h, tail) = after.split_once(']').ok_or_else(bad)?;
-            (h.to_string(), tail.strip_prefix(':'))
-        } else {
-            match rest.rsplit_once(':') {
-                Some((h, p)) => (h.to_string(), Some(p)),
-                None => (rest.to_string(), None),
-            }
-        };
-        if host.is_empty() {
-            return Err(bad());
-        }
-        let port = match port {
-            None => {
-                if scheme == "https" {
-                    443
-                } else {
-                    80
-                }
-            }
-            Some(p) => p.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(|| {
-                Error::InvalidArgument(format!("endpoint: {text:?} has a bad port"))
-            })?,
-        };
-        Ok(Endpoint { scheme, host, port })
+        })
     }
 
-    /// One endpoint, or several separated by commas.
+    /// Reads a redirect's or a standby's leader target with the same grammar as
+    /// [`Endpoint::parse`]; one that does not match is a refused redirect, so a server can
+    /// never send the SDK (and its token) to something a URL parser would guess at.
+    pub(crate) fn parse_target(target: &str) -> Result<Endpoint, Error> {
+        Endpoint::read(target).ok_or_else(|| {
+            Error::RedirectRefused(format!(
+                "redirect to {target:?} refused: not an endpoint (http://host:port or https://host:port)"
+            ))
+        })
+    }
+
+    /// One endpoint, or several separated by commas (spaces and tabs around each ignored).
     pub fn parse_list(text: &str) -> Result<Vec<Endpoint>, Error> {
         let out = text
             .split(',')
-            .filter(|p| !p.trim().is_empty())
+            .filter(|p| !p.trim_matches(BLANKS).is_empty())
             .map(Endpoint::parse)
             .collect::<Result<Vec<_>, _>>()?;
         if out.is_empty() {
@@ -319,14 +299,50 @@ impl Endpoint {
         Ok(out)
     }
 
+    /// The grammar itself, shared by every caller; None when `text` is not an endpoint.
+    fn read(text: &str) -> Option<Endpoint> {
+        let text = text.trim_matches(BLANKS);
+        let (scheme, rest) = match text.split_once("://") {
+            Some((scheme, rest)) => (scheme.to_ascii_lowercase(), rest),
+            None => ("http".to_string(), text),
+        };
+        let default_port = match scheme.as_str() {
+            "http" => 80,
+            "https" => 443,
+            _ => return None,
+        };
+        let rest = rest.strip_suffix('/').unwrap_or(rest);
+        let (host, after_host) = match rest.strip_prefix('[') {
+            Some(bracketed) => {
+                let (address, after) = bracketed.split_once(']')?;
+                (read_ipv6(address)?, after)
+            }
+            None => {
+                let end = rest.find(':').unwrap_or(rest.len());
+                (read_name_or_ipv4(&rest[..end])?, &rest[end..])
+            }
+        };
+        let port = match after_host {
+            "" => default_port,
+            _ => read_port(after_host.strip_prefix(':')?)?,
+        };
+        Some(Endpoint { scheme, host, port })
+    }
+
     /// Whether the endpoint is https://.
     pub fn secure(&self) -> bool {
         self.scheme == "https"
     }
 
-    /// Whether the host is localhost or a loopback address.
+    /// Whether the host is loopback: exactly `localhost`, 127.0.0.0/8 or ::1. Not an
+    /// IPv4-mapped address nor a name that merely resolves there: a token goes over plain
+    /// http:// to these only.
     pub fn loopback(&self) -> bool {
-        self.host == "localhost" || self.host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+        match self.host.parse::<IpAddr>() {
+            Ok(IpAddr::V4(ip)) => ip.is_loopback(),
+            Ok(IpAddr::V6(ip)) => ip == Ipv6Addr::LOCALHOST,
+            Err(_) => self.host.eq_ignore_ascii_case("localhost"),
+        }
     }
 
     fn authority(&self) -> String {
@@ -336,6 +352,59 @@ impl Endpoint {
             format!("{}:{}", self.host, self.port)
         }
     }
+}
+
+/// What is ignored around an endpoint: spaces and tabs (anywhere else they are refused).
+const BLANKS: [char; 2] = [' ', '\t'];
+
+/// An IPv6 address in its RFC 4291 text form (no zone), in lower case.
+fn read_ipv6(text: &str) -> Option<String> {
+    text.parse::<Ipv6Addr>().ok()?;
+    Some(text.to_ascii_lowercase())
+}
+
+/// A name (labels of letters, digits, `-` and `_`), in lower case, or an IPv4 address. A host
+/// whose last label is a number must be four dotted decimals: the looser forms other parsers
+/// read (`127.1`, `0177.0.0.1`, `2130706433`) could name a different host than it seems.
+fn read_name_or_ipv4(text: &str) -> Option<String> {
+    let labels: Vec<&str> = text.split('.').collect();
+    let ends_in_number = labels
+        .last()
+        .is_some_and(|last| !last.is_empty() && last.bytes().all(|b| b.is_ascii_digit()));
+    if ends_in_number {
+        let canonical = labels.len() == 4 && labels.iter().all(|part| is_ipv4_part(part));
+        return canonical.then(|| text.to_string());
+    }
+    let is_label = |label: &&str| {
+        (1..=63).contains(&label.len())
+            && label
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    };
+    labels
+        .iter()
+        .all(is_label)
+        .then(|| text.to_ascii_lowercase())
+}
+
+/// 0-255 in decimal without a leading zero.
+fn is_ipv4_part(text: &str) -> bool {
+    is_decimal(text) && text.parse::<u8>().is_ok()
+}
+
+/// A port: 1-65535 in decimal without a leading zero.
+fn read_port(text: &str) -> Option<u16> {
+    if !is_decimal(text) {
+        return None;
+    }
+    text.parse::<u16>().ok().filter(|port| *port > 0)
+}
+
+/// Digits only, and no leading zero ("0" itself is one).
+fn is_decimal(text: &str) -> bool {
+    !text.is_empty()
+        && text.bytes().all(|b| b.is_ascii_digit())
+        && (text == "0" || !text.starts_with('0'))
 }
 
 impl fmt::Display for Endpoint {
@@ -533,9 +602,13 @@ impl Connection {
         Ok((ch, ep))
     }
 
-    /// Moves to `target` (a redirect or the leader) if the connection rules allow it.
+    /// Moves to `target` (a redirect or the leader) if it is an endpoint and the connection
+    /// rules allow it; otherwise it stays where it is, nothing dialed.
     pub(crate) fn follow(&self, target: &str) -> Result<(), Error> {
-        let dest = Endpoint::parse(target)?;
+        self.move_to(Endpoint::parse_target(target)?)
+    }
+
+    fn move_to(&self, dest: Endpoint) -> Result<(), Error> {
         let mut st = self.state.lock().unwrap();
         check_redirect(&st.current, &dest, self.token.is_some(), self.insecure)?;
         st.current = dest;
@@ -546,12 +619,16 @@ impl Connection {
     /// from a redirect target) to the next configured endpoint.
     pub(crate) fn on_unavailable(&self, err: &Error) {
         let leader = err.leader();
-        if !leader.is_empty()
-            && let Ok(dest) = Endpoint::parse(leader)
-            && dest != self.endpoint()
-        {
-            match self.follow(leader) {
-                Ok(()) => return,
+        if !leader.is_empty() {
+            let followed = match Endpoint::parse_target(leader) {
+                // A standby naming the server already called: pass it over like any other.
+                Ok(dest) if dest == self.endpoint() => Ok(false),
+                Ok(dest) => self.move_to(dest).map(|()| true),
+                Err(e) => Err(e),
+            };
+            match followed {
+                Ok(true) => return,
+                Ok(false) => {}
                 Err(e) => tracing::warn!(leader, error = %e, "cronoq: not following the leader"),
             }
         }
@@ -822,15 +899,250 @@ mod tests {
         Endpoint::parse(s).unwrap()
     }
 
+    /// Every form the grammar accepts, and how it is reported.
     #[test]
-    fn parses_endpoints() {
-        assert_eq!(ep("127.0.0.1:7070").to_string(), "http://127.0.0.1:7070");
-        assert_eq!(ep("https://example.com").port, 443);
-        assert_eq!(ep("http://[::1]:80").to_string(), "http://[::1]:80");
-        assert!(ep("http://[::1]:80").loopback());
-        assert!(Endpoint::parse("ftp://x:1").is_err());
-        assert!(Endpoint::parse("http://x:0").is_err());
-        assert_eq!(Endpoint::parse_list("a:1, b:2").unwrap().len(), 2);
+    fn accepts_every_form_of_the_grammar() {
+        let longest_label = format!("http://{}.example:1", "a".repeat(63));
+        let cases = [
+            // scheme: http or https in any case, http when absent; port: 80 or 443 by default
+            ("127.0.0.1:7070", "http://127.0.0.1:7070"),
+            ("http://example.com", "http://example.com:80"),
+            ("https://example.com", "https://example.com:443"),
+            ("HTTP://example.com:1", "http://example.com:1"),
+            ("HttpS://example.com:1", "https://example.com:1"),
+            // one trailing slash; spaces and tabs around the text
+            ("http://example.com:1/", "http://example.com:1"),
+            ("example.com/", "http://example.com:80"),
+            (" \thttp://example.com:1\t ", "http://example.com:1"),
+            // names: any case, read in lower case; letters, digits, "-" and "_"
+            ("http://Example.COM:1", "http://example.com:1"),
+            ("http://my_host-1.internal:1", "http://my_host-1.internal:1"),
+            ("http://a1.b2.3c:1", "http://a1.b2.3c:1"),
+            (longest_label.as_str(), longest_label.as_str()),
+            ("http://localhost:1", "http://localhost:1"),
+            ("http://LOCALHOST:1", "http://localhost:1"),
+            ("http://LocalHost:1", "http://localhost:1"),
+            ("http://localhost.example:1", "http://localhost.example:1"),
+            ("http://127.0.0.1.nip.io:1", "http://127.0.0.1.nip.io:1"),
+            // IPv4: four dotted decimals 0-255
+            ("http://0.0.0.0:1", "http://0.0.0.0:1"),
+            ("http://10.0.0.1:1", "http://10.0.0.1:1"),
+            ("http://127.0.0.2:1", "http://127.0.0.2:1"),
+            ("http://127.255.255.255:1", "http://127.255.255.255:1"),
+            ("http://128.0.0.1:1", "http://128.0.0.1:1"),
+            ("http://255.255.255.255:1", "http://255.255.255.255:1"),
+            // IPv6 in brackets, reported in lower case
+            ("http://[::1]:80", "http://[::1]:80"),
+            ("[::1]", "http://[::1]:80"),
+            ("https://[2001:DB8::1]/", "https://[2001:db8::1]:443"),
+            ("http://[::ffff:127.0.0.1]:1", "http://[::ffff:127.0.0.1]:1"),
+            ("http://[::]:1", "http://[::]:1"),
+            // ports: 1-65535
+            ("http://example.com:1", "http://example.com:1"),
+            ("http://example.com:65535", "http://example.com:65535"),
+        ];
+        for (text, reported) in cases {
+            let parsed = Endpoint::parse(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+            assert_eq!(parsed.to_string(), reported, "{text:?}");
+        }
+    }
+
+    /// Every form the grammar refuses: each is INVALID_ARGUMENT naming the text when
+    /// configured, and a refused redirect saying "not an endpoint" as a redirect target.
+    #[test]
+    fn refuses_what_is_not_an_endpoint() {
+        let long_label = "a".repeat(64);
+        let cases = [
+            // nothing, or no host
+            "",
+            " \t ",
+            "http://",
+            "http:///",
+            "http://:1",
+            "//example.com:1",
+            // schemes
+            "ftp://example.com:1",
+            "://example.com:1",
+            "http:/example.com:1",
+            "http//example.com:1",
+            // user info, paths, queries, fragments, percent-encoding, backslashes
+            "http://user@example.com:1",
+            "http://127.0.0.1@127.0.0.1:1",
+            "http://example.com:1/api",
+            "http://example.com:1//",
+            "http://example.com/api",
+            "http://example.com:1?x=y",
+            "http://example.com:1/?x=y",
+            "http://example.com:1#top",
+            "http://127.0.0.%31:1",
+            "http://exa%6dple.com:1",
+            "http://example.com\\x:1",
+            // spaces and other blanks inside, or other than spaces and tabs around
+            "http://exa mple.com:1",
+            "http://example.com :1",
+            "http://example.com: 1",
+            "http:// example.com:1",
+            "http://example.com:1\n",
+            // names: empty labels, a trailing dot, too long, other characters
+            "http://localhost.:1",
+            "http://.example.com:1",
+            "http://example..com:1",
+            &format!("http://{long_label}.example:1"),
+            "http://exämple.com:1",
+            "http://example*.com:1",
+            // a host that ends in a number is four dotted decimals, nothing looser
+            "http://2130706433:1",
+            "http://0177.0.0.1:1",
+            "http://0x7f.0.0.1:1",
+            "http://127.1:1",
+            "http://127.0.1:1",
+            "http://1.2.3.4.5:1",
+            "http://256.0.0.1:1",
+            "http://127.0.0.01:1",
+            "http://00.0.0.0:1",
+            "http://-1.0.0.0:1",
+            "http://+1.0.0.0:1",
+            "http://example.123:1",
+            "http://1.2.3.4.:1",
+            // IPv6: brackets, the RFC 4291 form, no zone
+            "http://::1:1",
+            "http://[::1:1",
+            "http://::1]:1",
+            "http://[]:1",
+            "http://[127.0.0.1]:1",
+            "http://[example.com]:1",
+            "http://[::1%eth0]:1",
+            "http://[fe80::1%25eth0]:1",
+            "http://[::1]x:1",
+            "http://[::1]:",
+            "http://[1:2:3:4:5:6:7:8:9]:1",
+            // ports: 1-65535 in decimal without a leading zero, not empty
+            "http://example.com:",
+            "http://example.com:0",
+            "http://example.com:07070",
+            "http://example.com:65536",
+            "http://example.com:100000",
+            "http://example.com:+1",
+            "http://example.com:-1",
+            "http://example.com:0x50",
+            "http://example.com:1:2",
+        ];
+        for text in cases {
+            match Endpoint::parse(text) {
+                Err(Error::InvalidArgument(m)) => {
+                    assert!(m.contains(&format!("{text:?}")), "{text:?}: {m}");
+                }
+                other => panic!("{text:?} configured: {other:?}"),
+            }
+            match Endpoint::parse_target(text) {
+                Err(e @ Error::RedirectRefused(_)) => {
+                    assert_eq!(e.code(), Code::FailedPrecondition);
+                    assert!(e.message().contains("not an endpoint"), "{text:?}: {e}");
+                    assert!(e.message().contains(&format!("{text:?}")), "{text:?}: {e}");
+                }
+                other => panic!("{text:?} as a target: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn parsed_loopback_hosts() {
+        for text in [
+            "http://localhost:1",
+            "HTTP://LocalHost:1/",
+            " localhost\t",
+            "http://127.0.0.1:1",
+            "http://127.0.0.2:1",
+            "http://127.255.255.255:1",
+            "http://[::1]:1",
+            "https://[0:0:0:0:0:0:0:1]:1",
+        ] {
+            assert!(ep(text).loopback(), "{text:?}");
+        }
+        for text in [
+            "http://localhost.example:1",
+            "http://localhost-1:1",
+            "http://127.0.0.1.nip.io:1",
+            "http://[::ffff:127.0.0.1]:1",
+            "http://[::127.0.0.1]:1",
+            "http://[::]:1",
+            "http://0.0.0.0:1",
+            "http://126.255.255.255:1",
+            "http://128.0.0.1:1",
+            "http://10.0.0.1:1",
+        ] {
+            assert!(!ep(text).loopback(), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn loopback_is_localhost_127_8_and_ipv6_1_only() {
+        let endpoint = |host: &str| Endpoint {
+            scheme: "http".into(),
+            host: host.into(),
+            port: 1,
+        };
+        for host in ["localhost", "LOCALHOST", "127.0.0.1", "127.1.2.3", "::1"] {
+            assert!(endpoint(host).loopback(), "{host}");
+        }
+        for host in [
+            "localhost.",
+            "localhost.localdomain",
+            "127.0.0.1.nip.io",
+            "::ffff:127.0.0.1",
+            "::127.0.0.1",
+            "0.0.0.0",
+            "::",
+            "128.0.0.1",
+            "example.com",
+        ] {
+            assert!(!endpoint(host).loopback(), "{host}");
+        }
+    }
+
+    #[test]
+    fn parses_lists_of_endpoints() {
+        let list = Endpoint::parse_list(" a:1 ,\tHTTPS://B:2/\t,, c").unwrap();
+        let reported: Vec<String> = list.iter().map(ToString::to_string).collect();
+        assert_eq!(reported, ["http://a:1", "https://b:2", "http://c:80"]);
+        assert!(matches!(
+            Endpoint::parse_list("a:1, 127.1:2"),
+            Err(Error::InvalidArgument(m)) if m.contains("127.1:2")
+        ));
+        assert!(Endpoint::parse_list(" , \t").is_err());
+    }
+
+    fn connection(endpoint: &str) -> Connection {
+        Connection::new(&Options::new(endpoint).token("secret")).unwrap()
+    }
+
+    #[test]
+    fn a_malformed_redirect_target_is_refused_and_not_followed() {
+        let conn = connection("http://127.0.0.1:1");
+        let err = conn.follow("http://0177.0.0.1:2").unwrap_err();
+        assert!(matches!(err, Error::RedirectRefused(_)), "{err:?}");
+        assert!(err.message().contains("0177.0.0.1") && err.message().contains("not an endpoint"));
+        assert_eq!(conn.endpoint().to_string(), "http://127.0.0.1:1");
+        conn.follow("http://LocalHost:2").unwrap();
+        assert_eq!(conn.endpoint().to_string(), "http://localhost:2");
+    }
+
+    #[test]
+    fn a_malformed_leader_is_not_followed() {
+        let unavailable = |leader: &str| {
+            let mut trailers = tonic::metadata::MetadataMap::new();
+            trailers.insert("cronoq-leader", leader.parse().unwrap());
+            Error::from(tonic::Status::with_metadata(
+                Code::Unavailable,
+                "standby",
+                trailers,
+            ))
+        };
+        let conn = connection("http://127.0.0.1:1,http://127.0.0.1:2");
+        conn.on_unavailable(&unavailable("http://127.0.0.1:3/api"));
+        assert_eq!(conn.endpoint().to_string(), "http://127.0.0.1:2");
+        conn.on_unavailable(&unavailable("http://LOCALHOST:3"));
+        assert_eq!(conn.endpoint().to_string(), "http://localhost:3");
     }
 
     #[test]
