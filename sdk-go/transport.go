@@ -193,7 +193,7 @@ type Endpoint struct {
 // ParseEndpoint reads one endpoint: [scheme "://"] host [":" port] ["/"], the grammar every
 // cronoq SDK shares (the Endpoints section of conformance/README.md). The scheme is http or
 // https in any case (http when absent); the host a name (labels of letters, digits, "-" and
-// "_", the last not all digits), an IPv4 address in dotted decimal with four parts and no
+// "_", the last not a number), an IPv4 address in dotted decimal with four parts and no
 // leading zeros, or an IPv6 address in brackets; the port 1-65535 without a leading zero
 // (80 or 443 when absent). Spaces and tabs around the text are ignored. Anything else (user
 // info, a path, a query, a fragment, percent-encoding, a trailing dot, another IPv4 form) is
@@ -309,7 +309,7 @@ func parseEndpoint(text string) (Endpoint, error) {
 const maxLabel = 63
 
 // parseHost reads a host that is not in brackets: an IPv4 address when its last label is
-// all digits (then it must be the canonical dotted decimal form, so that no parser reads
+// a number, decimal or 0x hex (then it must be the canonical dotted decimal form, so that no parser reads
 // 2130706433, 0177.0.0.1 or 127.1 as an address another would not), else a name, returned
 // in lower case.
 func parseHost(host string) (string, error) {
@@ -330,7 +330,7 @@ func parseHost(host string) (string, error) {
 			}
 		}
 	}
-	if !allDigits(labels[len(labels)-1]) {
+	if !isNumber(labels[len(labels)-1]) {
 		return strings.ToLower(host), nil
 	}
 	if len(labels) != 4 {
@@ -354,6 +354,15 @@ func parsePort(port string) (int, error) {
 
 func isLabelChar(r rune) bool {
 	return r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_'
+}
+
+// isNumber reports whether an address parser reads label as a number: decimal digits, or
+// 0x and hex digits (inet_aton reads 0x7f000001 as 127.0.0.1).
+func isNumber(label string) bool {
+	if hex, ok := strings.CutPrefix(strings.ToLower(label), "0x"); ok {
+		return strings.Trim(hex, "0123456789abcdef") == ""
+	}
+	return allDigits(label)
 }
 
 // allDigits reports whether s is one or more ASCII digits.

@@ -98,6 +98,8 @@ func TestParseEndpointRefuses(t *testing.T) {
 		{"http://1.2.3.04:1", "leading zeros"},
 		{"http://00.0.0.1:1", "leading zeros"},
 		{"http://0x7f.0.0.1:1", "four decimal parts"},
+		{"http://0x7f000001:1", "four parts"},
+		{"http://a.0X1F:1", "four parts"},
 		{"http://256.0.0.1:1", "0-255"},
 		{"http://1.2.3.1000:1", "0-255"},
 		{"http://::1:7070", "no host"},

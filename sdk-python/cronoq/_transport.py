@@ -89,6 +89,8 @@ _ENDPOINT = re.compile(r"(?:(?P<scheme>[A-Za-z]+)://)?(?P<host>\[[^\]]*\]|[^:/\[
 _LABEL = re.compile(r"[A-Za-z0-9_-]{1,63}")
 _DEC = re.compile(r"0|[1-9][0-9]{0,2}")
 _PORT = re.compile(r"[1-9][0-9]{0,4}")
+# What an address parser reads as a number: decimal, or hex after 0x.
+_NUMBER = re.compile(r"[0-9]+|0[xX][0-9A-Fa-f]*")
 
 
 def _host(text: str) -> str | None:
@@ -102,7 +104,7 @@ def _host(text: str) -> str | None:
             return None
         return None if "%" in inner else inner.lower()  # a zone names this host's interface
     labels = text.split(".")
-    if labels[-1].isdigit():  # ends in a number: dotted decimal, nothing looser
+    if _NUMBER.fullmatch(labels[-1]):  # ends in a number: dotted decimal, nothing looser
         if len(labels) != 4 or not all(_DEC.fullmatch(part) and int(part) <= 255 for part in labels):
             return None
         return text

@@ -368,9 +368,7 @@ fn read_ipv6(text: &str) -> Option<String> {
 /// read (`127.1`, `0177.0.0.1`, `2130706433`) could name a different host than it seems.
 fn read_name_or_ipv4(text: &str) -> Option<String> {
     let labels: Vec<&str> = text.split('.').collect();
-    let ends_in_number = labels
-        .last()
-        .is_some_and(|last| !last.is_empty() && last.bytes().all(|b| b.is_ascii_digit()));
+    let ends_in_number = labels.last().is_some_and(|last| is_number(last));
     if ends_in_number {
         let canonical = labels.len() == 4 && labels.iter().all(|part| is_ipv4_part(part));
         return canonical.then(|| text.to_string());
@@ -385,6 +383,18 @@ fn read_name_or_ipv4(text: &str) -> Option<String> {
         .iter()
         .all(is_label)
         .then(|| text.to_ascii_lowercase())
+}
+
+/// Whether an address parser reads label as a number: decimal digits, or `0x` and hex digits
+/// (inet_aton reads `0x7f000001` as 127.0.0.1).
+fn is_number(label: &str) -> bool {
+    match label
+        .strip_prefix("0x")
+        .or_else(|| label.strip_prefix("0X"))
+    {
+        Some(hex) => hex.bytes().all(|b| b.is_ascii_hexdigit()),
+        None => !label.is_empty() && label.bytes().all(|b| b.is_ascii_digit()),
+    }
 }
 
 /// 0-255 in decimal without a leading zero.
@@ -994,6 +1004,8 @@ mod tests {
             "http://2130706433:1",
             "http://0177.0.0.1:1",
             "http://0x7f.0.0.1:1",
+            "http://0x7f000001:1",
+            "http://a.0X1F:1",
             "http://127.1:1",
             "http://127.0.1:1",
             "http://1.2.3.4.5:1",

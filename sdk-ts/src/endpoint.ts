@@ -18,7 +18,8 @@ const NOT_IN_ENDPOINT: [string, string][] = [
 ];
 
 const LABEL = /^[A-Za-z0-9_-]{1,63}$/;
-const DIGITS = /^[0-9]+$/;
+/** What an address parser reads as a number: decimal, or hex after 0x (0x7f000001 is 127.0.0.1 to inet_aton). */
+const NUMBER = /^(?:[0-9]+|0[xX][0-9A-Fa-f]*)$/;
 const HEX_GROUP = /^[0-9A-Fa-f]{1,4}$/;
 const PORT = /^[1-9][0-9]*$/;
 
@@ -69,7 +70,7 @@ function nameOrIpv4Problem(host: string): string {
   if (!labels.every((l) => LABEL.test(l))) {
     return `"${host}" is not a name (labels of 1-63 letters, digits, - and _) nor an IPv4 address`;
   }
-  if (DIGITS.test(labels[labels.length - 1]!) && !ipv4Octets(host)) {
+  if (NUMBER.test(labels[labels.length - 1]!) && !ipv4Octets(host)) {
     return `"${host}" ends in a number but is not an IPv4 address in dotted decimal (four numbers 0-255, no leading zero)`;
   }
   return "";

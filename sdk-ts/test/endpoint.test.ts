@@ -54,7 +54,7 @@ const REFUSED: string[] = [
   "http://q .example:1", "http://q.example: 1", "http://q.example:1\t/", // a space or tab inside
   "http://localhost.:1", "http://q..example:1", "http://.q.example:1", // an empty label, a trailing dot
   `http://${"a".repeat(64)}.example:1`, "http://q!.example:1", "http://ĥost:1", // not a label
-  "http://2130706433:1", "http://0177.0.0.1:1", "http://0x7f.0.0.1:1", "http://127.1:1", // an address parser's other forms
+  "http://2130706433:1", "http://0177.0.0.1:1", "http://0x7f.0.0.1:1", "http://127.1:1", "http://0x7f000001:1", "http://a.0X1F:1", // an address parser's other forms
   "http://127.0.0.256:1", "http://1.2.3.4.5:1", "http://00.0.0.1:1", "http://q.example.1:1", // ends in a number, not IPv4
   "http://q.example:0", "http://q.example:01", "http://q.example:65536", "http://q.example:+1", "http://q.example:1e3", // the port
   "http://q.example:1:2",

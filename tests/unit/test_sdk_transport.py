@@ -60,6 +60,8 @@ def test_endpoint_parse(text: str, scheme: str, host: str, port: int, target: st
         "http://2130706433:1",
         "http://0177.0.0.1:1",
         "http://0x7f.0.0.1:1",
+        "http://0x7f000001:1",
+        "http://a.0X1F:1",
         "http://127.1:1",
         "http://1.2.3.4.5:1",
         "http://256.0.0.1:1",
