@@ -1,6 +1,6 @@
 """The async Worker: register, then one Work stream to the server: credits for its free
-slots (so it never holds more tasks than its concurrency), tasks down in answers bounded in
-bytes, outcomes batched and split by size, heartbeats; the stream opened again after a
+slots (so it never holds more tasks than its concurrency, plus its prefetch), tasks down in
+answers bounded in bytes, outcomes batched and split by size, heartbeats; the stream opened again after a
 failure; and a graceful shutdown that gives unfinished tasks back to the server.
 
     async def handle(task: cronoq.TaskContext) -> dict:
@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import socket
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -55,6 +56,8 @@ MAX_REDIRECTS = 3
 # Failures of a worker's own calls that say nothing about the request: they are retried.
 TRANSIENT = (Unavailable, Cancelled, DeadlineExceeded, Internal, Unknown)
 MAX_FINISH_BATCH = 1000
+# The most tasks a worker holds (concurrency + prefetch): the credits a Work stream may carry.
+MAX_HELD = 100_000
 MiB = 1 << 20
 # What a server that does not say otherwise (RegisterWorkerResponse fields left 0) allows.
 DEFAULT_MAX_RESULT_BYTES = 4 * MiB
@@ -133,6 +136,7 @@ class Worker:
         handler: Handler,
         *,
         concurrency: int = 16,
+        prefetch: int = 0,
         name: str | None = None,
         token: str | None = None,
         tls: TlsConfig | None = None,
@@ -145,6 +149,8 @@ class Worker:
     ):
         if concurrency < 1:
             raise ValueError(f"concurrency: {concurrency} must be at least 1")
+        if prefetch < 0 or concurrency + prefetch > MAX_HELD:
+            raise ValueError(f"prefetch: {prefetch} must be at least 0, and concurrency + prefetch at most {MAX_HELD}")
         self._conn = Connection(
             endpoint,
             worker_service_pb2_grpc.WorkerServiceStub,
@@ -156,6 +162,7 @@ class Worker:
         self.pools = [pools] if isinstance(pools, str) else list(pools)
         self.handler = handler
         self.concurrency = concurrency
+        self.prefetch = prefetch
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self._retry = retry
         self._labels = labels or {}
@@ -168,6 +175,8 @@ class Worker:
         self._max_lease_bytes = DEFAULT_MAX_LEASE_BYTES
         self.lease_bytes = DEFAULT_MAX_LEASE_BYTES  # LeaseTasksRequest.max_bytes now
         self._running: dict[int, tuple[asyncio.Task[None], TaskContext]] = {}
+        # Prefetched: leased to this worker, waiting for a slot, with the loop time each came.
+        self._held: OrderedDict[int, tuple[TaskContext, float]] = OrderedDict()
         self._unacked: dict[int, pb.TaskOutcome] = {}  # by task id: reported, not yet answered
         self._outcomes: list[pb.TaskOutcome] = []  # not yet sent on the current stream
         self._freed = 0  # slots freed and not yet given to the server as credits
@@ -274,6 +283,11 @@ class Worker:
         seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._shutdown_grace + STOP_EXTRA_S
+        if self._held:
+            log.info("worker %s: releasing %d prefetched task(s)", self.worker_id, len(self._held))
+        while self._held:
+            task_id, (ctx, _) = self._held.popitem(last=False)
+            self._report(pb.TaskOutcome(task_id=task_id, attempt=ctx.attempt, released=_released()))
         if self._running:
             log.info("worker %s: waiting for %d running task(s)", self.worker_id, len(self._running))
             tasks = [t for t, _ in self._running.values()]
@@ -320,7 +334,7 @@ class Worker:
     @property
     def _finished(self) -> bool:
         """Stopping, and nothing left to run or to report."""
-        return self._stopping.is_set() and not self._running and not self._unacked
+        return self._stopping.is_set() and not self._running and not self._held and not self._unacked
 
     async def _work_loop(self) -> None:
         """Work streams one after the other until the worker stops: a stream that fails is
@@ -369,7 +383,8 @@ class Worker:
         self._outcomes = list(self._unacked.values())  # what an earlier stream did not answer
         self._freed = 0
         self._closed = False
-        free = 0 if self._stopping.is_set() else self.concurrency - len(self._running)
+        held = len(self._running) + len(self._held)
+        free = 0 if self._stopping.is_set() else self.concurrency + self.prefetch - held
         first = pb.WorkRequest(worker_id=self.worker_id, credits=free, max_bytes=self.lease_bytes)
         if self._outcomes:
             self._wake.set()  # sent right after the first message
@@ -427,6 +442,7 @@ class Worker:
             if self._beat_due:
                 self._beat_due = False
                 attempts = [pb.TaskAttempt(task_id=i, attempt=c.attempt) for i, (_, c) in self._running.items()]
+                attempts += [pb.TaskAttempt(task_id=i, attempt=c.attempt) for i, (c, _) in self._held.items()]
                 attempts += [pb.TaskAttempt(task_id=i, attempt=o.attempt) for i, o in self._unacked.items()]
                 message.heartbeat.tasks.extend(attempts)
             if self._outcomes:
@@ -452,19 +468,36 @@ class Worker:
                 self._freed += 1
                 self._report(pb.TaskOutcome(task_id=task.id, attempt=task.attempt, released=_released()))
                 continue
-            self._running[task.id] = (asyncio.create_task(self._execute(ctx)), ctx)
+            if len(self._running) < self.concurrency:
+                self._start(ctx, asyncio.get_running_loop().time())
+            else:  # prefetched: it starts as a handler ends
+                self._held[task.id] = (ctx, asyncio.get_running_loop().time())
         if answer.HasField("heartbeat"):
             self._heartbeat_answered(answer.heartbeat)
         if self._finished:
             self._wake.set()
 
-    async def _execute(self, ctx: TaskContext) -> None:
+    def _start(self, ctx: TaskContext, received: float) -> None:
+        self._running[ctx.id] = (asyncio.create_task(self._execute(ctx, received)), ctx)
+
+    def _start_held(self) -> None:
+        """A slot is free: the oldest prefetched task starts in it (none once stopping: they
+        are released)."""
+        if self._held and not self._stopping.is_set() and len(self._running) < self.concurrency:
+            _, (ctx, received) = self._held.popitem(last=False)
+            self._start(ctx, received)
+
+    async def _execute(self, ctx: TaskContext, received: float) -> None:
         outcome = pb.TaskOutcome(task_id=ctx.id, attempt=ctx.attempt)
         timeout_ms = ctx.task.timeout_ms
-        # The server never extends the lease past the attempt's deadline: the handler is cancelled there.
-        deadline = asyncio.timeout(timeout_ms / 1000 if timeout_ms > 0 else None)
+        # The server never extends the lease past the attempt's deadline, which counts from the
+        # lease: the handler is cancelled there (a prefetched task's wait counts too).
+        left = timeout_ms / 1000 - (asyncio.get_running_loop().time() - received)
+        deadline = asyncio.timeout(left if timeout_ms > 0 else None)
         try:
             try:
+                if timeout_ms > 0 and left <= 0:  # prefetched, and its time ran out before a slot freed
+                    raise TaskError(f"timed out after {timeout_ms} ms, before it could start", retryable=True)
                 async with deadline:
                     result = await self.handler(ctx)
             except TimeoutError:
@@ -500,6 +533,7 @@ class Worker:
             if self._running.pop(ctx.id, None) is not None:
                 self._freed += 1
                 self._wake.set()
+                self._start_held()
         if ctx._lost:  # no longer ours (or released already at shutdown)
             return
         self._report(outcome)
@@ -533,11 +567,21 @@ class Worker:
 
     def _heartbeat_answered(self, resp: pb.HeartbeatResponse) -> None:
         for task_id in resp.cancelled_task_ids:
+            if task_id in self._held:  # never started: it ends CANCELLED without its handler
+                ctx, _ = self._held.pop(task_id)
+                self._freed += 1
+                self._report(
+                    pb.TaskOutcome(task_id=task_id, attempt=ctx.attempt, cancelled=pb.TaskCancelled(reason="cancelled"))
+                )
             if task_id in self._running:
                 handle, ctx = self._running[task_id]
                 ctx.cancel_requested.set()
                 handle.cancel()
         for task_id in resp.lost_task_ids:
+            if self._held.pop(task_id, None) is not None:
+                self._freed += 1
+                self._wake.set()
+                log.warning("task %d lost its lease before it started", task_id)
             if task_id in self._running:
                 handle, ctx = self._running[task_id]
                 ctx._lost = True

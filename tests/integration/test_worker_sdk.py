@@ -9,6 +9,8 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import pytest
+
 import cronoq
 
 S = cronoq.TaskState
@@ -181,3 +183,55 @@ async def test_a_repeated_request_id_returns_the_first_submission(server):
 
         listed = (await client.list("default")).tasks
     assert sorted(t.id for t in listed) == sorted([first.task.id, other.task.id, *(t.id for t in batch.tasks)])
+
+
+async def test_prefetch_runs_every_task_once_and_at_most_concurrency_at_once(start_server):
+    server = start_server({"pools": [{"name": "pf"}]})
+    calls: Counter[int] = Counter()
+    running_now = most = 0
+
+    async def handle(task: cronoq.TaskContext) -> None:
+        nonlocal running_now, most
+        calls[task.id] += 1
+        running_now += 1
+        most = max(most, running_now)
+        await asyncio.sleep(0.005)
+        running_now -= 1
+
+    async with cronoq.Client(server.endpoint) as client:
+        batch = await client.submit_batch([cronoq.task_spec("pf", {"n": i}) for i in range(200)])
+        ids = [t.id for t in batch.tasks]
+        async with running(worker(server, "pf", handle, concurrency=4, prefetch=12)) as run:
+            await until(lambda: len(calls) == len(ids), run, 30, "every task handled")
+        tasks = [await client.get(i) for i in ids]
+    assert calls == Counter(ids)  # each once
+    assert most == 4
+    assert {(S.Name(t.state), t.attempt) for t in tasks} == {("TASK_STATE_SUCCEEDED", 1)}
+
+
+async def test_a_prefetched_task_whose_timeout_runs_out_while_held_fails_without_running(start_server):
+    server = start_server({"pools": [{"name": "held", "lease_ttl": "30s", "max_attempts": 1}]})
+    seen: list[int] = []
+
+    async def handle(task: cronoq.TaskContext) -> str:
+        seen.append(task.id)
+        await asyncio.sleep(0.8)
+        return "ok"
+
+    async with cronoq.Client(server.endpoint) as client:
+        first = (await client.submit("held", {"n": 1})).task.id
+        second = (await client.submit("held", {"n": 2}, timeout=0.3)).task.id
+        async with running(worker(server, "held", handle, concurrency=1, prefetch=1)):
+            done = await client.wait(second, timeout=10)
+            assert (await client.wait(first, timeout=10)).task.state == S.Value("TASK_STATE_SUCCEEDED")
+    # Its deadline counts from its lease: the server ends it there ("lease expired"), or the
+    # worker's report as it would start does. Either way FAILED, and its handler never ran.
+    assert done.task.state == S.Value("TASK_STATE_FAILED"), S.Name(done.task.state)
+    assert done.task.error in ("lease expired", "timed out after 300 ms, before it could start"), done.task.error
+    assert seen == [first]
+
+
+def test_prefetch_is_checked():
+    for concurrency, prefetch in ((1, -1), (99_999, 2)):
+        with pytest.raises(ValueError, match="prefetch"):
+            cronoq.Worker("http://127.0.0.1:1", "p", lambda t: None, concurrency=concurrency, prefetch=prefetch)
