@@ -1,8 +1,9 @@
 """Burn-down: N no-op tasks submitted in batches, then drained by one worker process.
 
-python bench/burndown.py [--tasks 20000] [--concurrency 64] [--batch 500] [--resource-capacity N] [--worker go]
-                         [--dashboard overview|live]
+python bench/burndown.py [--tasks 20000] [--concurrency 64] [--prefetch 0] [--batch 500] [--resource-capacity N]
+                         [--worker go] [--dashboard overview|live]
 
+With --prefetch N, the worker holds up to N leased tasks beyond its concurrency (every SDK's worker).
 With --resource-capacity, every task asks for one slot of a concurrency resource of that capacity.
 With --groups N, the pool caps its groups (max_running_per_group --group-cap, 1000 by default)
 and the tasks are spread over N group keys in turn.
@@ -38,6 +39,7 @@ import cronoq
 def run_worker(
     endpoint: str,
     concurrency: int,
+    prefetch: int,
     total: int,
     started_at: mp.Value,  # type: ignore[type-arg]
     done_at: mp.Value,  # type: ignore[type-arg]
@@ -60,7 +62,7 @@ def run_worker(
                     spent[1] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 worker.stop()
 
-        worker = cronoq.Worker(endpoint, "default", noop, concurrency=concurrency, **options)
+        worker = cronoq.Worker(endpoint, "default", noop, concurrency=concurrency, prefetch=prefetch, **options)
         await worker.run()
 
     try:
@@ -77,10 +79,10 @@ GO_WORKER = Path(__file__).parent / "go-worker"
 ROOT = Path(__file__).parent.parent
 
 
-def run_sdk_worker(sdk: str, endpoint: str, concurrency: int, total: int) -> tuple[float, float]:
+def run_sdk_worker(sdk: str, endpoint: str, concurrency: int, prefetch: int, total: int) -> tuple[float, float]:
     """Another SDK's worker drains the tasks (bench/go-worker, bench/ts-worker, sdk-rust's
     example bench_drain): (seconds from its start, from the spawn)."""
-    flags = {"endpoint": endpoint, "tasks": str(total), "concurrency": str(concurrency)}
+    flags = {"endpoint": endpoint, "tasks": str(total), "concurrency": str(concurrency), "prefetch": str(prefetch)}
     if sdk == "rust":
         manifest = ROOT / "sdk-rust" / "Cargo.toml"
         build = [
@@ -156,6 +158,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tasks", type=int, default=20_000)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--prefetch", type=int, default=0, help="tasks the worker holds beyond its concurrency")
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--secure", action="store_true", help="TLS on both sides and a bearer token")
@@ -191,7 +194,9 @@ def main() -> None:
             cpu_us: dict[str, float] = {}
             worker_rss_mib = 0.0
             if args.worker != "python":
-                drain_s, from_spawn = run_sdk_worker(args.worker, server.endpoint, args.concurrency, args.tasks)
+                drain_s, from_spawn = run_sdk_worker(
+                    args.worker, server.endpoint, args.concurrency, args.prefetch, args.tasks
+                )
             else:
                 # A spawned process, not a fork: a child forked after this process used gRPC can
                 # hang creating its channel (it did, once in a few runs).
@@ -200,7 +205,16 @@ def main() -> None:
                 spent = spawn.Array("d", 2)
                 proc = spawn.Process(
                     target=run_worker,
-                    args=(server.endpoint, args.concurrency, args.tasks, started_at, done_at, options, spent),
+                    args=(
+                        server.endpoint,
+                        args.concurrency,
+                        args.prefetch,
+                        args.tasks,
+                        started_at,
+                        done_at,
+                        options,
+                        spent,
+                    ),
                 )
                 before = cpu_seconds(server.proc.pid), postgres_cpu_seconds(url) if url else None
                 spawned_at = time.time()
@@ -235,6 +249,7 @@ def main() -> None:
         "drain_s_from_spawn": round(from_spawn, 2),
         "succeeded": succeeded,
         "concurrency": args.concurrency,
+        "prefetch": args.prefetch,
         "cpu_us_per_task": cpu_us,
         "worker_rss_mib": worker_rss_mib,
     }
@@ -247,7 +262,8 @@ def main() -> None:
     )
     print(
         f"{args.store} burn-down: drained {args.tasks} in {drain_s:.2f}s = {args.tasks / drain_s:,.0f} tasks/s "
-        f"(one worker process, concurrency {args.concurrency}, from the process's start as the anchors time it;"
+        f"(one worker process, concurrency {args.concurrency},"
+        f" prefetch {args.prefetch}, from the process's start as the anchors time it;"
         f" {from_spawn:.2f}s from the spawn; the {args.worker} SDK's worker); succeeded={succeeded}"
     )
     if cpu_us:
