@@ -48,6 +48,7 @@ interface Step {
   timeout_ms?: number;
   pools?: string[];
   concurrency?: number;
+  prefetch?: number;
   until_handled?: number;
   stop_after_started?: number;
   shutdown_grace_ms?: number;
@@ -230,6 +231,7 @@ async function runWorker(opts: ConnectionOptions, step: Step): Promise<Result> {
       ...opts,
       pools: step.pools ?? [],
       concurrency: step.concurrency && step.concurrency > 0 ? step.concurrency : 4,
+      prefetch: step.prefetch ?? 0,
       shutdownGraceMs: step.shutdown_grace_ms ?? 5000,
     }, handler);
   } catch (err) {

@@ -1,7 +1,8 @@
 // The worker: registers with the shard of its pools (following redirects by the connection
-// rules) and runs their tasks over one Work stream: credits for its free slots, outcomes
-// batched, heartbeats naming the attempts it holds, the stream opened again after a failure
-// with unanswered outcomes sent again, and a graceful stop that gives unfinished tasks back.
+// rules) and runs their tasks over one Work stream: credits for its free slots (and its
+// prefetch: leased tasks held until a slot frees), outcomes batched, heartbeats naming the
+// attempts it holds, the stream opened again after a failure with unanswered outcomes sent
+// again, and a graceful stop that gives unfinished tasks back.
 import { hostname } from "node:os";
 import { status as Status, type ClientDuplexStream } from "@grpc/grpc-js";
 import type { Task } from "./gen/cronoq/v1/task.js";
@@ -101,6 +102,12 @@ export interface WorkerOptions extends ConnectionOptions {
   pools: string[];
   /** The most handlers running at once; 16 when absent. */
   concurrency?: number;
+  /**
+   * How many leased tasks the worker holds beyond those its handlers run, so a slot that frees
+   * starts the next task at once instead of after a round trip to the server; 0 when absent.
+   * A held task's lease and timeout run while it waits.
+   */
+  prefetch?: number;
   /** Shown by ListWorkers; hostname-pid when absent. */
   name?: string;
   labels?: Record<string, string>;
@@ -112,6 +119,8 @@ export interface WorkerOptions extends ConnectionOptions {
 
 const MAX_REDIRECTS = 3;
 const MAX_FINISH_BATCH = 1000;
+// The most tasks a worker holds (concurrency + prefetch): the credits a Work stream may carry.
+const MAX_HELD = 100_000;
 const MIB = 1 << 20;
 const DEFAULT_MAX_RESULT_BYTES = 4 * MIB;
 const DEFAULT_MAX_LEASE_BYTES = 16 * MIB;
@@ -132,6 +141,12 @@ interface RunningTask {
   cancelRequested: boolean; // the server asked: report it cancelled
   releasing: boolean; // aborted at shutdown: give it back
   lost: boolean; // no longer ours: report nothing
+}
+
+/** A prefetched task: leased to this worker, waiting for a slot. */
+interface HeldTask {
+  task: Task;
+  received: number; // performance.now() when it came: its timeout counts from its lease
 }
 
 /** A wake-up flag with one waiter: notify() before wait() is not lost. */
@@ -196,6 +211,7 @@ export class Worker {
   private readonly conn: Connection;
   private readonly pools: string[];
   private readonly concurrency: number;
+  private readonly prefetch: number;
   private readonly name: string;
   private readonly labels: Record<string, string>;
   private readonly shutdownGraceMs: number;
@@ -211,9 +227,10 @@ export class Worker {
   private leaseBytes = DEFAULT_MAX_LEASE_BYTES;
   private maxLeaseBytes = DEFAULT_MAX_LEASE_BYTES;
   private readonly running = new Map<bigint, RunningTask>();
+  private readonly held = new Map<bigint, HeldTask>(); // prefetched, in arrival order
   private readonly unacked = new Map<bigint, TaskOutcome>(); // reported, not yet answered
   private outcomes: TaskOutcome[] = []; // not yet sent on the current stream
-  private freed = 0; // slots freed, not yet given as credits
+  private freed = 0; // tasks that left the worker's hands, not yet given back as credits
   private beatDue = false;
   private stopping = false;
   private closed = false; // the current stream's side is closed: nothing more can be reported
@@ -228,12 +245,18 @@ export class Worker {
     if (!Number.isInteger(concurrency) || concurrency < 1) {
       throw new InvalidArgumentError(Status.INVALID_ARGUMENT, `concurrency: ${concurrency} must be an integer of at least 1`);
     }
+    const prefetch = opts.prefetch ?? 0;
+    if (!Number.isInteger(prefetch) || prefetch < 0 || concurrency + prefetch > MAX_HELD) {
+      throw new InvalidArgumentError(Status.INVALID_ARGUMENT,
+        `prefetch: ${prefetch} must be an integer of at least 0, and concurrency + prefetch at most ${MAX_HELD}`);
+    }
     if (typeof handler !== "function") {
       throw new InvalidArgumentError(Status.INVALID_ARGUMENT, "handler: give a function (task, signal) => result");
     }
     this.conn = new Connection(opts);
     this.pools = [...opts.pools];
     this.concurrency = concurrency;
+    this.prefetch = prefetch;
     this.name = opts.name || `${hostname()}-${process.pid}`;
     this.labels = { ...(opts.labels ?? {}) };
     this.shutdownGraceMs = opts.shutdownGraceMs && opts.shutdownGraceMs > 0 ? opts.shutdownGraceMs : 30_000;
@@ -360,12 +383,19 @@ export class Worker {
 
   /** Stopping, and nothing left to run or to report. */
   private finished(): boolean {
-    return this.stopping && this.running.size === 0 && this.unacked.size === 0;
+    return this.stopping && this.running.size === 0 && this.held.size === 0 && this.unacked.size === 0;
   }
 
-  /** The graceful stop: running tasks finish within the grace, the others are aborted and released; then every outcome is reported, for at most STOP_EXTRA_MS more. */
+  /** The graceful stop: held tasks are released at once, running tasks finish within the grace, the others are aborted and released; then every outcome is reported, for at most STOP_EXTRA_MS more. */
   private async finishRunning(workDone: Promise<void>): Promise<void> {
     const deadline = Date.now() + this.shutdownGraceMs + STOP_EXTRA_MS;
+    if (this.held.size > 0) {
+      this.conn.log.info("cronoq: releasing prefetched tasks", { worker_id: this.workerId, tasks: this.held.size });
+      for (const [id, { task }] of this.held) {
+        this.queue(TaskOutcome.fromPartial({ taskId: id, attempt: task.attempt, released: { reason: RELEASE_REASON } }));
+      }
+      this.held.clear();
+    }
     const running = [...this.running.entries()];
     if (running.length > 0) {
       this.conn.log.info("cronoq: waiting for running tasks", { worker_id: this.workerId, running: running.length });
@@ -432,7 +462,7 @@ export class Worker {
     }
   }
 
-  /** One Work stream: the first message gives the free slots; the sender sends outcomes, freed slots and heartbeats; answers are read until the server ends it. */
+  /** One Work stream: the first message gives the room left (slots and prefetch); the sender sends outcomes, freed slots and heartbeats; answers are read until the server ends it. */
   private async workStream(): Promise<Error | undefined> {
     const { clients, endpoint } = this.conn.clients();
     const call = clients.worker.work(this.conn.metadata());
@@ -442,7 +472,7 @@ export class Worker {
     this.outcomes = [...this.unacked.values()]; // what an earlier stream did not answer
     this.freed = 0;
     this.closed = false;
-    const free = this.stopping ? 0 : this.concurrency - this.running.size;
+    const free = this.stopping ? 0 : this.concurrency + this.prefetch - this.running.size - this.held.size;
     const first = WorkRequest.fromPartial({ workerId: this.workerId, credits: Math.max(free, 0), maxBytes: BigInt(this.leaseBytes) });
     if (this.outcomes.length > 0) this.wake.notify(); // sent right after the first message
 
@@ -528,8 +558,9 @@ export class Worker {
     if (this.beatDue) {
       this.beatDue = false;
       const tasks = [...this.running.entries()].map(([taskId, rt]) => ({ taskId, attempt: rt.attempt }));
+      for (const [taskId, { task }] of this.held) tasks.push({ taskId, attempt: task.attempt });
       for (const [taskId, o] of this.unacked) {
-        if (!this.running.has(taskId)) tasks.push({ taskId, attempt: o.attempt });
+        if (!this.running.has(taskId) && !this.held.has(taskId)) tasks.push({ taskId, attempt: o.attempt });
       }
       heartbeat = { tasks };
     }
@@ -568,10 +599,18 @@ export class Worker {
         this.queue(TaskOutcome.fromPartial({ taskId: task.id, attempt: task.attempt, released: { reason: RELEASE_REASON } }));
         continue;
       }
-      this.start(task);
+      if (this.running.size < this.concurrency) this.start(task, performance.now());
+      else this.held.set(task.id, { task, received: performance.now() }); // starts as a handler ends
     }
     if (answer.heartbeat) {
       for (const id of answer.heartbeat.cancelledTaskIds) {
+        const held = this.held.get(id);
+        if (held) { // never started: it ends CANCELLED without its handler
+          this.held.delete(id);
+          this.freed++;
+          this.queue(TaskOutcome.fromPartial({ taskId: id, attempt: held.task.attempt, cancelled: { reason: "cancelled" } }));
+          continue;
+        }
         const rt = this.running.get(id);
         if (rt) {
           rt.cancelRequested = true;
@@ -579,6 +618,11 @@ export class Worker {
         }
       }
       for (const id of answer.heartbeat.lostTaskIds) {
+        if (this.held.delete(id)) { // never started: dropped, nothing reported
+          this.conn.log.warn("cronoq: task lost its lease before it started", { task_id: id.toString() });
+          this.freed++;
+          continue;
+        }
         const rt = this.running.get(id);
         if (rt) {
           this.conn.log.warn("cronoq: task lost its lease; its outcome will not be reported", { task_id: id.toString() });
@@ -590,26 +634,49 @@ export class Worker {
     this.wake.notify();
   }
 
-  private start(task: Task): void {
+  /** Runs the task's handler in a free slot; received: when the task came (its timeout counts from then). */
+  private start(task: Task, received: number): void {
     const rt: RunningTask = {
       attempt: task.attempt, abort: new AbortController(), done: Promise.resolve(), finished: false,
       cancelRequested: false, releasing: false, lost: false,
     };
     this.running.set(task.id, rt);
-    rt.done = this.execute(task, rt)
+    rt.done = this.execute(task, rt, received)
       .catch((err: unknown) => this.conn.log.error("cronoq: reporting a task's outcome failed", { task_id: task.id.toString(), error: String(err) }))
       .finally(() => {
         rt.finished = true;
       });
   }
 
-  private async execute(task: Task, rt: RunningTask): Promise<void> {
+  /**
+   * A slot is free: the oldest held task starts in it. One whose timeout ran out while it was
+   * held fails as timed out without running (the server ends its lease there). None start once
+   * stopping: they are released.
+   */
+  private startHeld(): void {
+    for (const [id, { task, received }] of this.held) {
+      if (this.stopping || this.running.size >= this.concurrency) return;
+      this.held.delete(id);
+      if (task.timeoutMs > 0n && performance.now() - received >= Number(task.timeoutMs)) {
+        this.freed++;
+        this.queue(TaskOutcome.fromPartial({
+          taskId: id, attempt: task.attempt,
+          failure: { error: `timed out after ${task.timeoutMs} ms, before it could start`, retryable: true, retryAfterMs: 0 },
+        }));
+        continue;
+      }
+      this.start(task, received);
+    }
+  }
+
+  private async execute(task: Task, rt: RunningTask, received: number): Promise<void> {
     let timedOut = false;
+    // The attempt's timeout counts from its lease: a held task's handler gets what is left.
     const timer = task.timeoutMs > 0n
       ? setTimeout(() => {
         timedOut = true;
         rt.abort.abort(new TaskTimeoutError(task.timeoutMs));
-      }, Number(task.timeoutMs))
+      }, Number(task.timeoutMs) - (performance.now() - received))
       : undefined;
     let ok = false;
     let result: unknown;
@@ -626,6 +693,7 @@ export class Worker {
     if (this.running.get(task.id) === rt) {
       this.running.delete(task.id);
       this.freed++;
+      this.startHeld();
     }
     if (rt.lost) { // no longer ours (or released already at shutdown)
       this.wake.notify();

@@ -27,7 +27,7 @@ import {
   type WorkResponse,
 } from "../src/gen/cronoq/v1/worker_service.js";
 import { Task, TaskState, type TaskEvent } from "../src/gen/cronoq/v1/task.js";
-import { Client, NotFoundError, TaskCancelledError, TooManyRedirectsError, Worker } from "../src/index.js";
+import { Client, InvalidArgumentError, NotFoundError, TaskCancelledError, TooManyRedirectsError, Worker } from "../src/index.js";
 import { listenLocal, silent, statusDetailsBin, TOP_BIT_ID } from "./helpers.js";
 
 // Whatever a failed test leaves running is stopped, so that the run ends.
@@ -56,11 +56,12 @@ interface FakeOptions {
   refuseStreams?: boolean;
 }
 
-/** A server that registers workers (or redirects them), hands out its tasks as credits allow, and records outcomes. */
+/** A server that registers workers (or redirects them), hands out each of its tasks once as credits allow, and records outcomes. */
 class FakeShard {
   readonly server = new Server();
   url = "";
   readonly outcomes: TaskOutcome[] = [];
+  readonly firstCredits: number[] = []; // each stream's first message's credits
   readonly messagesWithOutcomes: number[] = [];
   readonly heartbeats: bigint[][] = [];
   registers = 0;
@@ -70,6 +71,7 @@ class FakeShard {
   readonly watchCursors: string[] = [];
 
   constructor(private readonly opts: FakeOptions = {}) {
+    const queue = [...(opts.tasks ?? [])]; // a task leased stays leased: never sent twice
     const impl: UntypedServiceImplementation = {
       registerWorker: (call: ServerUnaryCall<RegisterWorkerRequest, RegisterWorkerResponse>, cb: sendUnaryData<RegisterWorkerResponse>) => {
         this.registers++;
@@ -88,14 +90,16 @@ class FakeShard {
         cb(null, {});
       },
       work: (call: ServerDuplexStream<WorkRequest, WorkResponse>) => {
-        const queue = [...(opts.tasks ?? [])].filter((t) => !this.outcomes.some((o) => o.taskId === t.id));
         const stream = ++this.streams;
         let credits = 0;
+        let first = true;
         call.on("data", (req: WorkRequest) => {
           if (opts.refuseStreams) {
             call.emit("error", { code: Status.UNAVAILABLE, details: "going away" });
             return;
           }
+          if (first) this.firstCredits.push(req.credits);
+          first = false;
           credits += req.credits;
           if (opts.failFirstStream && stream === 1 && req.outcomes.length > 0) {
             this.outcomes.push(...req.outcomes);
@@ -269,6 +273,121 @@ test("a graceful stop lets a task finish within the grace and releases one that 
   const byId = new Map(shard.outcomes.map((o) => [o.taskId, o]));
   assert.ok(byId.get(1n)?.success !== undefined);
   assert.ok(byId.get(2n)?.released !== undefined);
+});
+
+/** A handler that sleeps the payload's ms (until its signal aborts), recording what starts and how many run at once. */
+function sleeper() {
+  const seen = { started: [] as bigint[], running: 0, most: 0 };
+  const handler = async (task: Task, signal: AbortSignal) => {
+    seen.started.push(task.id);
+    seen.running++;
+    seen.most = Math.max(seen.most, seen.running);
+    try {
+      const { ms } = JSON.parse(task.payload.toString()) as { ms: number };
+      await new Promise((resolve, reject) => {
+        const timer = setTimeout(resolve, ms);
+        signal.addEventListener("abort", () => {
+          clearTimeout(timer);
+          reject(signal.reason);
+        });
+      });
+      return "done";
+    } finally {
+      seen.running--;
+    }
+  };
+  return { seen, handler };
+}
+
+test("with prefetch a worker gives concurrency + prefetch credits, runs at most concurrency at once and heartbeats held tasks", async () => {
+  const shard = await new FakeShard({ tasks: [1n, 2n, 3n].map((id) => jsonTask(id, { ms: 150 })) }).start();
+  const { seen, handler } = sleeper();
+  let beatsBefore3 = -1;
+  const worker = tracked(new Worker({ endpoint: shard.url, pools: ["default"], concurrency: 1, prefetch: 2, logger: silent }, (task, signal) => {
+    if (task.id === 3n) beatsBefore3 = shard.heartbeats.length;
+    return handler(task, signal);
+  }));
+  const run = worker.run();
+  await until(() => shard.outcomes.length === 3);
+  worker.stop();
+  await run;
+  shard.stop();
+  assert.deepEqual(shard.firstCredits, [3]);
+  assert.deepEqual(seen.started, [1n, 2n, 3n]);
+  assert.equal(seen.most, 1);
+  assert.ok(shard.outcomes.every((o) => o.success !== undefined));
+  assert.ok(shard.heartbeats.slice(0, beatsBefore3).some((ids) => ids.includes(3n)), "task 3 heartbeated while held");
+});
+
+test("an invalid prefetch is refused", () => {
+  for (const [concurrency, prefetch] of [[1, -1], [1, 1.5], [50_000, 50_001]] as const) {
+    assert.throws(() => new Worker({ endpoint: "http://127.0.0.1:1", pools: ["default"], concurrency, prefetch }, () => null),
+      (err: unknown) => err instanceof InvalidArgumentError && err.message.includes(`prefetch: ${prefetch}`));
+  }
+  new Worker({ endpoint: "http://127.0.0.1:1", pools: ["default"], concurrency: 50_000, prefetch: 50_000 }, () => null);
+});
+
+test("a held task the server cancels is reported cancelled without running", async () => {
+  const shard = await new FakeShard({ tasks: [jsonTask(1n, { ms: 400 }), jsonTask(2n, { ms: 0 })], cancel: [2n] }).start();
+  const { seen, handler } = sleeper();
+  const worker = tracked(new Worker({ endpoint: shard.url, pools: ["default"], concurrency: 1, prefetch: 1, logger: silent }, handler));
+  const run = worker.run();
+  await until(() => shard.outcomes.length === 2);
+  worker.stop();
+  await run;
+  shard.stop();
+  const byId = new Map(shard.outcomes.map((o) => [o.taskId, o]));
+  assert.ok(byId.get(1n)?.success !== undefined);
+  assert.ok(byId.get(2n)?.cancelled !== undefined);
+  assert.deepEqual(seen.started, [1n]);
+});
+
+test("a graceful stop releases held tasks at once and lets the running one finish", async () => {
+  const shard = await new FakeShard({ tasks: [1n, 2n, 3n].map((id) => jsonTask(id, { ms: 300 })) }).start();
+  const { seen, handler } = sleeper();
+  const worker = tracked(new Worker({ endpoint: shard.url, pools: ["default"], concurrency: 1, prefetch: 2, logger: silent }, handler));
+  const run = worker.run();
+  await until(() => seen.started.length === 1 && shard.firstCredits.length === 1);
+  await new Promise((r) => setTimeout(r, 20)); // tasks 2 and 3 arrive, held
+  worker.stop();
+  await until(() => shard.outcomes.length === 2);
+  assert.deepEqual(shard.outcomes.map((o) => [o.taskId, o.released !== undefined]), [[2n, true], [3n, true]]);
+  await run;
+  shard.stop();
+  assert.ok(shard.outcomes[2]?.taskId === 1n && shard.outcomes[2].success !== undefined);
+  assert.deepEqual(seen.started, [1n]);
+});
+
+test("a held task whose timeout passed while it waited fails as timed out without running", async () => {
+  const late = Task.fromPartial({ ...jsonTask(2n, { ms: 0 }), timeoutMs: 50n });
+  const shard = await new FakeShard({ tasks: [jsonTask(1n, { ms: 150 }), late, jsonTask(3n, { ms: 0 })] }).start();
+  const { seen, handler } = sleeper();
+  const worker = tracked(new Worker({ endpoint: shard.url, pools: ["default"], concurrency: 1, prefetch: 2, logger: silent }, handler));
+  const run = worker.run();
+  await until(() => shard.outcomes.length === 3);
+  worker.stop();
+  await run;
+  shard.stop();
+  const byId = new Map(shard.outcomes.map((o) => [o.taskId, o]));
+  assert.equal(byId.get(2n)?.failure?.retryable, true);
+  assert.match(byId.get(2n)?.failure?.error ?? "", /timed out after 50 ms/);
+  assert.deepEqual(seen.started, [1n, 3n]);
+});
+
+test("a broken stream keeps held tasks: the next stream's first credits subtract them", async () => {
+  const tasks = [jsonTask(1n, { ms: 10 }), jsonTask(2n, { ms: 400 }), jsonTask(3n, { ms: 400 })];
+  const shard = await new FakeShard({ tasks, failFirstStream: true }).start();
+  const { seen, handler } = sleeper();
+  const worker = tracked(new Worker({ endpoint: shard.url, pools: ["default"], concurrency: 1, prefetch: 2, logger: silent,
+    retry: { initialBackoffMs: 5 } }, handler));
+  const run = worker.run();
+  await until(() => new Set(shard.outcomes.map((o) => o.taskId)).size === 3);
+  worker.stop();
+  await run;
+  shard.stop();
+  assert.deepEqual(shard.firstCredits, [3, 1]); // 2 running, 3 held as the second stream opened
+  assert.deepEqual(seen.started, [1n, 2n, 3n]);
+  assert.ok(shard.outcomes.every((o) => o.success !== undefined));
 });
 
 test("a worker follows 3 redirects in a row and refuses the 4th, naming the chain", async () => {
