@@ -2,7 +2,7 @@
 // bench/burndown.py --worker ts submitted, and prints one JSON line. Timed from the worker's
 // start to the last task's start, as the Python worker and the anchors time it.
 //
-//   node --import tsx bench/ts-worker/main.ts --endpoint URL [--tasks 20000] [--concurrency 64]
+//   node --import tsx bench/ts-worker/main.ts --endpoint URL [--tasks 20000] [--concurrency 64] [--prefetch 0]
 //
 // (from sdk-ts, after `npm ci` there: tsx is one of its dev dependencies)
 import { parseArgs } from "node:util";
@@ -16,6 +16,7 @@ async function main(): Promise<void> {
       endpoint: { type: "string", default: "" },
       tasks: { type: "string", default: "20000" },
       concurrency: { type: "string", default: "64" },
+      prefetch: { type: "string", default: "0" },
     },
   });
   if (!values.endpoint) throw new Error("--endpoint is required");
@@ -26,7 +27,13 @@ async function main(): Promise<void> {
     allHandled = resolve;
   });
   const worker = new Worker(
-    { endpoint: values.endpoint, logger: quiet, pools: ["default"], concurrency: Number(values.concurrency) },
+    {
+      endpoint: values.endpoint,
+      logger: quiet,
+      pools: ["default"],
+      concurrency: Number(values.concurrency),
+      prefetch: Number(values.prefetch),
+    },
     () => {
       if (++handled === total) allHandled();
       return undefined;
