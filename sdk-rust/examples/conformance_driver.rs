@@ -76,6 +76,8 @@ struct Step {
     #[serde(default)]
     concurrency: usize,
     #[serde(default)]
+    prefetch: usize,
+    #[serde(default)]
     until_handled: usize,
     #[serde(default)]
     stop_after_started: usize,
@@ -350,6 +352,7 @@ async fn worker_step(input: &Input, step: &Step) -> Value {
     };
     let opts = WorkerOptions::new(options(input), step.pools.clone())
         .concurrency(concurrency)
+        .prefetch(step.prefetch)
         .shutdown_grace(ms(step.shutdown_grace_ms.unwrap_or(5000)));
     let worker = match Worker::new(opts, handler) {
         Ok(w) => w,

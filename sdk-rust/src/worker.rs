@@ -1,7 +1,7 @@
 //! The worker: registers with the shard of its pools and runs their tasks over one
 //! bidirectional `WorkerService.Work` stream.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -27,6 +27,8 @@ use crate::transport::{
 };
 
 const MAX_FINISH_BATCH: usize = 1000;
+/// The most tasks a worker holds (concurrency + prefetch): the credits a Work stream may carry.
+const MAX_HELD: usize = 100_000;
 const MIB: u64 = 1 << 20;
 const DEFAULT_MAX_RESULT_BYTES: u64 = 4 * MIB;
 const DEFAULT_MAX_LEASE_BYTES: u64 = 16 * MIB;
@@ -150,6 +152,7 @@ pub struct WorkerOptions {
     options: Options,
     pools: Vec<String>,
     concurrency: usize,
+    prefetch: usize,
     name: String,
     labels: HashMap<String, String>,
     shutdown_grace: Duration,
@@ -168,6 +171,7 @@ impl WorkerOptions {
             options,
             pools: pools.into_iter().map(Into::into).collect(),
             concurrency: 16,
+            prefetch: 0,
             name: format!("{host}-{}", std::process::id()),
             labels: HashMap::new(),
             shutdown_grace: Duration::from_secs(30),
@@ -178,6 +182,15 @@ impl WorkerOptions {
     /// The most handlers running at once: 16 by default.
     pub fn concurrency(mut self, n: usize) -> WorkerOptions {
         self.concurrency = n;
+        self
+    }
+
+    /// How many leased tasks the worker may hold beyond the ones its handlers run, so a slot
+    /// that frees starts the next task at once instead of after a round trip to the server:
+    /// 0 by default. A held task waits behind this worker's running ones, and its lease and
+    /// timeout run from its lease, not from its start.
+    pub fn prefetch(mut self, n: usize) -> WorkerOptions {
+        self.prefetch = n;
         self
     }
 
@@ -220,17 +233,36 @@ struct Running {
     lost: bool,
 }
 
+/// A task received while every slot was taken (prefetched): it starts when a handler ends.
+struct Held {
+    task: Task,
+    /// Its timeout counts from its lease, so from here rather than from its start.
+    received: Instant,
+}
+
+/// A task to start once the state's lock is released.
+struct Start {
+    task: Task,
+    token: CancellationToken,
+    seq: u64,
+    /// When its handler is cancelled as timed out.
+    deadline: Option<Instant>,
+}
+
 struct State {
     worker_id: String,
     heartbeat: Duration,
     max_result_bytes: u64,
     lease_bytes: u64,
     running: HashMap<u64, Running>,
+    /// Received, not started: oldest first. Never empty while a slot is free (unless stopping).
+    held: VecDeque<Held>,
     /// Reported, not yet answered.
     unacked: HashMap<u64, proto::TaskOutcome>,
     /// Not yet sent on the current stream.
     outcomes: Vec<proto::TaskOutcome>,
-    /// Slots freed, not yet given as credits.
+    /// Tasks that left the worker's hands (handler ended, held task dropped), not yet given
+    /// back as credits.
     freed: u32,
     beat_due: bool,
     stopping: bool,
@@ -242,12 +274,57 @@ struct State {
 impl State {
     /// Stopping, and nothing left to run or to report.
     fn finished(&self) -> bool {
-        self.stopping && self.running.is_empty() && self.unacked.is_empty()
+        self.stopping && self.running.is_empty() && self.held.is_empty() && self.unacked.is_empty()
     }
 
     fn report(&mut self, outcome: proto::TaskOutcome) {
         self.unacked.insert(outcome.task_id, outcome.clone());
         self.outcomes.push(outcome);
+    }
+
+    /// Drops the held tasks the server cancelled (reported CANCELLED) or says are lost
+    /// (reported nothing): their handlers never run, and their credits are given back.
+    fn drop_held(&mut self, cancelled: &[u64], lost: &[u64]) {
+        if self.held.is_empty() || (cancelled.is_empty() && lost.is_empty()) {
+            return;
+        }
+        let cancelled: HashSet<u64> = cancelled.iter().copied().collect();
+        let lost: HashSet<u64> = lost.iter().copied().collect();
+        let (dropped, kept): (VecDeque<Held>, VecDeque<Held>) = std::mem::take(&mut self.held)
+            .into_iter()
+            .partition(|h| cancelled.contains(&h.task.id) || lost.contains(&h.task.id));
+        self.held = kept;
+        for h in dropped {
+            self.freed += 1;
+            if lost.contains(&h.task.id) {
+                tracing::warn!(
+                    task_id = h.task.id,
+                    "cronoq: held task lost its lease before it started; it is not run"
+                );
+                continue;
+            }
+            self.report(proto::TaskOutcome {
+                task_id: h.task.id,
+                attempt: h.task.attempt,
+                outcome: Some(Outcome::Cancelled(proto::TaskCancelled {
+                    reason: "cancelled".to_string(),
+                })),
+            });
+        }
+    }
+
+    /// The graceful stop gives the held tasks back at once: none of them has started.
+    fn release_held(&mut self) {
+        if !self.held.is_empty() {
+            tracing::info!(
+                tasks = self.held.len(),
+                "cronoq: releasing held tasks that have not started"
+            );
+        }
+        while let Some(h) = self.held.pop_front() {
+            self.freed += 1;
+            self.report(released(h.task.id, h.task.attempt));
+        }
     }
 }
 
@@ -263,8 +340,9 @@ struct Shared {
     st: Mutex<State>,
 }
 
-/// Runs tasks of its pools over one Work stream: credits for its free slots (never more
-/// tasks than its concurrency), outcomes batched, heartbeats naming the attempts it holds,
+/// Runs tasks of its pools over one Work stream: credits for its free slots and its
+/// prefetch (never more tasks than concurrency + prefetch, never more handlers running than
+/// its concurrency), outcomes batched, heartbeats naming the attempts it holds,
 /// the stream opened again after a failure, and a graceful stop that gives unfinished tasks
 /// back. Cheap to clone: clones are the same worker (call [`Worker::stop`] from one while
 /// another runs).
@@ -318,6 +396,16 @@ impl Worker {
                 "concurrency: 0 must be at least 1".into(),
             ));
         }
+        if opts
+            .concurrency
+            .checked_add(opts.prefetch)
+            .is_none_or(|held| held > MAX_HELD)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "prefetch: {} with concurrency {}: concurrency + prefetch must be at most {MAX_HELD}",
+                opts.prefetch, opts.concurrency
+            )));
+        }
         let conn = Connection::new(&opts.options)?;
         let handler: Handler = Arc::new(move |task, token| {
             let fut = handler(task, token);
@@ -338,6 +426,7 @@ impl Worker {
                     max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
                     lease_bytes: DEFAULT_MAX_LEASE_BYTES,
                     running: HashMap::new(),
+                    held: VecDeque::new(),
                     unacked: HashMap::new(),
                     outcomes: Vec::new(),
                     freed: 0,
@@ -396,8 +485,13 @@ impl Worker {
             r = &mut work => Some(r),
             _ = w.stop.cancelled() => None,
         };
-        // Also when the stream failed for good: unfinished tasks are released.
-        w.st.lock().unwrap().stopping = true;
+        // Also when the stream failed for good: unfinished tasks are released, held ones
+        // at once, running ones after the grace.
+        {
+            let mut st = w.st.lock().unwrap();
+            st.stopping = true;
+            st.release_held();
+        }
         w.wake.notify_one();
         let deadline = Instant::now() + w.opts.shutdown_grace + STOP_EXTRA_TIME;
         w.finish_running().await;
@@ -700,7 +794,8 @@ impl Shared {
             let free = if st.stopping {
                 0
             } else {
-                self.opts.concurrency.saturating_sub(st.running.len())
+                (self.opts.concurrency + self.opts.prefetch)
+                    .saturating_sub(st.running.len() + st.held.len())
             };
             let first = proto::WorkRequest {
                 worker_id: st.worker_id.clone(),
@@ -827,6 +922,13 @@ impl Shared {
                     attempt: r.attempt,
                 });
             }
+            // Held tasks too: their leases must not expire while they wait.
+            for h in &st.held {
+                beat.tasks.push(proto::TaskAttempt {
+                    task_id: h.task.id,
+                    attempt: h.task.attempt,
+                });
+            }
             for (id, o) in &st.unacked {
                 if !st.running.contains_key(id) {
                     beat.tasks.push(proto::TaskAttempt {
@@ -848,7 +950,7 @@ impl Shared {
 
     /// Handles what the server sent: tasks to run, the results of outcomes, a heartbeat's answer.
     fn answered(self: &Arc<Self>, answer: proto::WorkResponse) {
-        let mut to_start = Vec::new();
+        let to_start;
         {
             let mut st = self.st.lock().unwrap();
             for r in &answer.results {
@@ -874,21 +976,12 @@ impl Shared {
                     st.report(released(task.id, task.attempt));
                     continue;
                 }
-                let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-                let token = CancellationToken::new();
-                st.running.insert(
-                    task.id,
-                    Running {
-                        seq,
-                        attempt: task.attempt,
-                        token: token.clone(),
-                        cancel_requested: false,
-                        releasing: false,
-                        lost: false,
-                    },
-                );
-                to_start.push((task, token, seq));
+                st.held.push_back(Held {
+                    task,
+                    received: Instant::now(),
+                });
             }
+            to_start = self.fill_slots(&mut st);
             if let Some(beat) = &answer.heartbeat {
                 for id in &beat.cancelled_task_ids {
                     if let Some(r) = st.running.get_mut(id) {
@@ -906,24 +999,87 @@ impl Shared {
                         r.token.cancel();
                     }
                 }
+                st.drop_held(&beat.cancelled_task_ids, &beat.lost_task_ids);
             }
         }
-        for (task, token, seq) in to_start {
-            tokio::spawn(self.clone().execute(task, token, seq));
-        }
+        self.start(to_start);
         self.wake.notify_one();
     }
 
-    /// Runs one attempt and reports its outcome.
-    async fn execute(self: Arc<Self>, task: Task, token: CancellationToken, seq: u64) {
+    /// Starts the oldest held tasks in the free slots (none once stopping: they are
+    /// released). A task whose timeout ran out while it was held is not started: it fails as
+    /// timed out, and its credit is given back. What to start once the lock is released.
+    fn fill_slots(&self, st: &mut State) -> Vec<Start> {
+        let mut to_start = Vec::new();
+        while !st.stopping && st.running.len() < self.opts.concurrency {
+            let Some(Held { task, received }) = st.held.pop_front() else {
+                break;
+            };
+            let timeout_ms = task.timeout_ms;
+            let deadline = if timeout_ms > 0 {
+                received.checked_add(Duration::from_millis(timeout_ms as u64))
+            } else {
+                None
+            };
+            if deadline.is_some_and(|d| d <= Instant::now()) {
+                st.freed += 1;
+                st.report(proto::TaskOutcome {
+                    task_id: task.id,
+                    attempt: task.attempt,
+                    outcome: Some(failure(
+                        format!("timed out after {timeout_ms} ms, before it could start"),
+                        true,
+                        None,
+                    )),
+                });
+                continue;
+            }
+            let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+            let token = CancellationToken::new();
+            st.running.insert(
+                task.id,
+                Running {
+                    seq,
+                    attempt: task.attempt,
+                    token: token.clone(),
+                    cancel_requested: false,
+                    releasing: false,
+                    lost: false,
+                },
+            );
+            to_start.push(Start {
+                task,
+                token,
+                seq,
+                deadline,
+            });
+        }
+        to_start
+    }
+
+    fn start(self: &Arc<Self>, tasks: Vec<Start>) {
+        for s in tasks {
+            tokio::spawn(self.clone().execute(s));
+        }
+    }
+
+    /// Runs one attempt and reports its outcome; the oldest held task takes its slot.
+    async fn execute(self: Arc<Self>, start: Start) {
+        let Start {
+            task,
+            token,
+            seq,
+            deadline,
+        } = start;
         let (id, attempt, timeout_ms) = (task.id, task.attempt, task.timeout_ms);
         let mut handle = tokio::spawn((self.handler)(task, token.clone()));
         let mut timed_out = false;
-        let joined = if timeout_ms > 0 {
-            // The server never extends the lease past the attempt's deadline: cancel it there.
+        let joined = if let Some(deadline) = deadline {
+            // The server never extends the lease past the attempt's deadline, which counts
+            // from the lease (a held task's wait included): cancel it there.
             tokio::select! {
                 r = &mut handle => r,
-                _ = tokio::time::sleep(Duration::from_millis(timeout_ms as u64)) => {
+                _ = tokio::time::sleep_until(deadline.into()) => {
                     timed_out = true;
                     token.cancel();
                     handle.await
@@ -932,7 +1088,7 @@ impl Shared {
         } else {
             handle.await
         };
-        let (running, max_result) = {
+        let (running, max_result, to_start) = {
             let mut st = self.st.lock().unwrap();
             let running = match st.running.get(&id) {
                 Some(r) if r.seq == seq => st.running.remove(&id),
@@ -941,18 +1097,15 @@ impl Shared {
             if running.is_some() {
                 st.freed += 1;
             }
-            (running, st.max_result_bytes)
+            // In the same lock as the slot frees: a task arriving now is held or started,
+            // never both, and never beyond concurrency.
+            let to_start = self.fill_slots(&mut st);
+            (running, st.max_result_bytes, to_start)
         };
+        self.start(to_start);
         let Some(running) = running.filter(|r| !r.lost) else {
             self.wake.notify_one(); // no longer ours (or released already at shutdown)
             return;
-        };
-        let failure = |message: String, retryable: bool, after: Option<Duration>| {
-            Outcome::Failure(proto::TaskFailure {
-                error: message,
-                retryable,
-                retry_after_ms: after.map_or(0, |d| d.as_millis().clamp(1, 1 << 31) as u32),
-            })
         };
         let outcome = match joined {
             Ok(Ok(result)) if result.data.len() as u64 > max_result => failure(
@@ -1002,6 +1155,15 @@ impl Shared {
             }
         }
     }
+}
+
+/// A failed attempt: retried while attempts remain if `retryable`, no sooner than `after`.
+fn failure(message: String, retryable: bool, after: Option<Duration>) -> Outcome {
+    Outcome::Failure(proto::TaskFailure {
+        error: message,
+        retryable,
+        retry_after_ms: after.map_or(0, |d| d.as_millis().clamp(1, 1 << 31) as u32),
+    })
 }
 
 /// The oldest outcomes that fit one message: at most MAX_FINISH_BATCH and

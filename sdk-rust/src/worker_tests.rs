@@ -23,7 +23,8 @@ struct Recorded {
     deregistered: bool,
 }
 
-/// Hands out `tasks` as credits allow; the first stream ends with UNAVAILABLE, unanswered,
+/// Hands out `tasks` as credits allow, answering heartbeats that name an id of `cancel` or
+/// `lose` with it cancelled or lost; the first stream ends with UNAVAILABLE, unanswered,
 /// once it has received `break_first_after_outcomes` outcomes (0: never). With
 /// `refuse_streams`, every stream is answered UNAVAILABLE on its first message; with
 /// `redirect_to`, RegisterWorker is refused with that shard endpoint.
@@ -31,6 +32,7 @@ struct Recorded {
 struct FakeShard {
     tasks: Mutex<Vec<Task>>,
     cancel: Vec<u64>,
+    lose: Vec<u64>,
     break_first_after_outcomes: usize,
     refuse_streams: bool,
     redirect_to: Option<String>,
@@ -101,6 +103,7 @@ impl WorkerService for FakeShard {
         let recorded = self.recorded.clone();
         let pending: Vec<Task> = std::mem::take(&mut *self.tasks.lock().unwrap());
         let cancel = self.cancel.clone();
+        let lose = self.lose.clone();
         if self.refuse_streams {
             let _ = incoming.next().await;
             return Err(Status::unavailable("going away"));
@@ -143,7 +146,12 @@ impl WorkerService for FakeShard {
                             .map(|t| t.task_id)
                             .filter(|id| cancel.contains(id))
                             .collect(),
-                        lost_task_ids: Vec::new(),
+                        lost_task_ids: beat
+                            .tasks
+                            .iter()
+                            .map(|t| t.task_id)
+                            .filter(|id| lose.contains(id))
+                            .collect(),
                     });
                 }
                 if tx.send(Ok(answer)).await.is_err() {
@@ -419,4 +427,268 @@ async fn a_worker_follows_three_redirects_in_a_row_and_refuses_the_fourth() {
         .map(|r| r.lock().unwrap().registrations)
         .collect();
     assert_eq!(calls, vec![1, 1, 1, 1], "each of a, b, c, d asked once");
+}
+
+/// What the handlers of [`tracking`] did.
+#[derive(Default)]
+struct Seen {
+    started: Vec<u64>,
+    running: usize,
+    most: usize,
+}
+
+type BoxedResult = Pin<Box<dyn std::future::Future<Output = Result<TaskResult, TaskError>> + Send>>;
+
+/// `sleeper`, recording which tasks started and the most handlers running at once.
+fn tracking(
+    seen: Arc<Mutex<Seen>>,
+) -> impl Fn(Task, CancellationToken) -> BoxedResult + Send + Sync + 'static {
+    move |task, cancelled| {
+        let seen = seen.clone();
+        Box::pin(async move {
+            {
+                let mut s = seen.lock().unwrap();
+                s.started.push(task.id);
+                s.running += 1;
+                s.most = s.most.max(s.running);
+            }
+            let result = sleeper(task, cancelled).await;
+            seen.lock().unwrap().running -= 1;
+            result
+        })
+    }
+}
+
+/// Each task's outcome, in the order reported: "success", "failure", "cancelled" or "released".
+fn outcome_kinds(rec: &Recorded) -> Vec<(u64, &'static str)> {
+    use proto::task_outcome::Outcome;
+    outcomes(rec)
+        .iter()
+        .map(|o| {
+            let kind = match o.outcome {
+                Some(Outcome::Success(_)) => "success",
+                Some(Outcome::Failure(_)) => "failure",
+                Some(Outcome::Cancelled(_)) => "cancelled",
+                Some(Outcome::Released(_)) => "released",
+                None => "none",
+            };
+            (o.task_id, kind)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn prefetch_gives_concurrency_plus_prefetch_credits_and_runs_at_most_concurrency() {
+    let recorded = Arc::new(Mutex::new(Recorded::default()));
+    let endpoint = serve(FakeShard {
+        tasks: Mutex::new((1..=6).map(|id| task(id, 300)).collect()),
+        recorded: recorded.clone(),
+        ..Default::default()
+    })
+    .await;
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let opts = WorkerOptions::new(options(&endpoint), ["default"])
+        .concurrency(2)
+        .prefetch(3);
+    let worker = Worker::new(opts, tracking(seen.clone())).unwrap();
+    let rec = run_until(worker, recorded, |r| outcomes(r).len() >= 6).await;
+    let rec = rec.lock().unwrap();
+    assert_eq!(rec.streams[0][0].credits, 5, "concurrency + prefetch");
+    let credits: u32 = rec.streams[0].iter().map(|m| m.credits).sum();
+    assert!(credits <= 5 + 6, "a credit back per task done: {credits}");
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.most, 2, "at most concurrency handlers at once");
+    assert_eq!(
+        seen.started,
+        vec![1, 2, 3, 4, 5, 6],
+        "held tasks start in arrival order"
+    );
+    assert!(outcome_kinds(&rec).iter().all(|(_, k)| *k == "success"));
+    let first_beat = rec.streams[0]
+        .iter()
+        .find_map(|m| m.heartbeat.as_ref())
+        .expect("a heartbeat");
+    let mut named: Vec<u64> = first_beat.tasks.iter().map(|t| t.task_id).collect();
+    named.sort();
+    assert_eq!(
+        named,
+        vec![1, 2, 3, 4, 5],
+        "at 100 ms: tasks 1 and 2 running, 3 to 5 held, all named"
+    );
+}
+
+#[tokio::test]
+async fn an_invalid_prefetch_is_refused() {
+    let opts = |concurrency, prefetch| {
+        WorkerOptions::new(options("http://127.0.0.1:1"), ["default"])
+            .concurrency(concurrency)
+            .prefetch(prefetch)
+    };
+    for (concurrency, prefetch) in [(1, 100_000), (100_001, 0), (2, usize::MAX)] {
+        let err = Worker::new(opts(concurrency, prefetch), sleeper)
+            .err()
+            .expect("refused");
+        assert!(matches!(err, crate::Error::InvalidArgument(_)), "{err:?}");
+        assert!(
+            err.to_string().contains(&format!("prefetch: {prefetch}")),
+            "{err}"
+        );
+    }
+    assert!(Worker::new(opts(1, 99_999), sleeper).is_ok());
+}
+
+#[tokio::test]
+async fn a_held_task_cancelled_is_reported_cancelled_and_never_runs() {
+    let recorded = Arc::new(Mutex::new(Recorded::default()));
+    let endpoint = serve(FakeShard {
+        tasks: Mutex::new(vec![task(1, 500), task(2, 0)]),
+        cancel: vec![2],
+        recorded: recorded.clone(),
+        ..Default::default()
+    })
+    .await;
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let opts = WorkerOptions::new(options(&endpoint), ["default"])
+        .concurrency(1)
+        .prefetch(1);
+    let worker = Worker::new(opts, tracking(seen.clone())).unwrap();
+    let rec = run_until(worker, recorded, |r| outcomes(r).len() >= 2).await;
+    let rec = rec.lock().unwrap();
+    assert_eq!(outcome_kinds(&rec), vec![(2, "cancelled"), (1, "success")]);
+    assert_eq!(seen.lock().unwrap().started, vec![1]);
+}
+
+#[tokio::test]
+async fn a_graceful_stop_releases_held_tasks_at_once() {
+    let recorded = Arc::new(Mutex::new(Recorded::default()));
+    let endpoint = serve(FakeShard {
+        tasks: Mutex::new(vec![task(1, 300), task(2, 300), task(3, 300)]),
+        recorded: recorded.clone(),
+        ..Default::default()
+    })
+    .await;
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let opts = WorkerOptions::new(options(&endpoint), ["default"])
+        .concurrency(1)
+        .prefetch(2);
+    let worker = Worker::new(opts, tracking(seen.clone())).unwrap();
+    let started = seen.clone();
+    let rec = run_until(worker, recorded, move |_| {
+        !started.lock().unwrap().started.is_empty()
+    })
+    .await;
+    let rec = rec.lock().unwrap();
+    assert_eq!(
+        outcome_kinds(&rec),
+        vec![(2, "released"), (3, "released"), (1, "success")],
+        "released before the running one ends"
+    );
+    assert_eq!(seen.lock().unwrap().started, vec![1]);
+}
+
+#[tokio::test]
+async fn a_held_task_whose_timeout_ran_out_fails_without_starting() {
+    let recorded = Arc::new(Mutex::new(Recorded::default()));
+    let short = Task {
+        timeout_ms: 100,
+        ..task(2, 0)
+    };
+    let endpoint = serve(FakeShard {
+        tasks: Mutex::new(vec![task(1, 300), short]),
+        recorded: recorded.clone(),
+        ..Default::default()
+    })
+    .await;
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let opts = WorkerOptions::new(options(&endpoint), ["default"])
+        .concurrency(1)
+        .prefetch(1);
+    let worker = Worker::new(opts, tracking(seen.clone())).unwrap();
+    let rec = run_until(worker, recorded, |r| outcomes(r).len() >= 2).await;
+    let rec = rec.lock().unwrap();
+    let mut kinds = outcome_kinds(&rec);
+    kinds.sort();
+    assert_eq!(kinds, vec![(1, "success"), (2, "failure")]);
+    let done = outcomes(&rec);
+    let Some(proto::task_outcome::Outcome::Failure(f)) =
+        &done.iter().find(|o| o.task_id == 2).unwrap().outcome
+    else {
+        unreachable!()
+    };
+    assert!(
+        f.retryable && f.error.contains("timed out after 100 ms"),
+        "{f:?}"
+    );
+    assert_eq!(seen.lock().unwrap().started, vec![1]);
+}
+
+#[tokio::test]
+async fn a_broken_stream_keeps_held_tasks_and_subtracts_them_from_its_credits() {
+    let recorded = Arc::new(Mutex::new(Recorded::default()));
+    let endpoint = serve(FakeShard {
+        tasks: Mutex::new(vec![task(1, 0), task(2, 300), task(3, 300)]),
+        break_first_after_outcomes: 1,
+        recorded: recorded.clone(),
+        ..Default::default()
+    })
+    .await;
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let opts = WorkerOptions::new(options(&endpoint), ["default"])
+        .concurrency(1)
+        .prefetch(2);
+    let worker = Worker::new(opts, tracking(seen.clone())).unwrap();
+    let rec = run_until(worker, recorded, |r| {
+        r.streams.len() >= 2
+            && r.streams[1]
+                .iter()
+                .flat_map(|m| &m.outcomes)
+                .any(|o| o.task_id == 3)
+    })
+    .await;
+    let rec = rec.lock().unwrap();
+    assert_eq!(
+        rec.streams[1][0].credits, 1,
+        "task 2 running and task 3 held: one credit of three"
+    );
+    assert_eq!(seen.lock().unwrap().started, vec![1, 2, 3], "each once");
+    let on_second: Vec<_> = rec.streams[1]
+        .iter()
+        .flat_map(|m| m.outcomes.iter().map(|o| o.task_id))
+        .collect();
+    assert_eq!(
+        on_second,
+        vec![1, 2, 3],
+        "1 sent again, 2 and 3 as they end"
+    );
+}
+
+#[tokio::test]
+async fn a_held_task_lost_is_dropped_unreported_and_its_credit_given_back() {
+    let recorded = Arc::new(Mutex::new(Recorded::default()));
+    let endpoint = serve(FakeShard {
+        tasks: Mutex::new(vec![task(1, 400), task(2, 0)]),
+        lose: vec![2],
+        recorded: recorded.clone(),
+        ..Default::default()
+    })
+    .await;
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let opts = WorkerOptions::new(options(&endpoint), ["default"])
+        .concurrency(1)
+        .prefetch(1);
+    let worker = Worker::new(opts, tracking(seen.clone())).unwrap();
+    let rec = run_until(worker, recorded, |r| !outcomes(r).is_empty()).await;
+    let rec = rec.lock().unwrap();
+    assert_eq!(outcome_kinds(&rec), vec![(1, "success")]);
+    assert_eq!(seen.lock().unwrap().started, vec![1]);
+    let credits: Vec<u32> = rec.streams[0]
+        .iter()
+        .map(|m| m.credits)
+        .filter(|c| *c > 0)
+        .collect();
+    assert_eq!(
+        credits,
+        vec![2, 1, 1],
+        "2 at first, then one for 2 lost, one for 1 done"
+    );
 }
