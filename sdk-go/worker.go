@@ -65,6 +65,10 @@ type WorkerOptions struct {
 	Pools []string
 	// Concurrency: the most handlers running at once; 16 when 0.
 	Concurrency int
+	// Prefetch: how many leased tasks the worker may hold, not yet started, beyond the ones
+	// its handlers run, so a handler that ends starts the next task without a round trip to
+	// the server. A held task's lease and timeout run while it waits. 0 (none) by default.
+	Prefetch int
 	// Name shown by ListWorkers; hostname-pid when empty.
 	Name   string
 	Labels map[string]string
@@ -85,6 +89,8 @@ const (
 	maxRequestBytes = MaxMessageBytes - mib
 	minLeaseBytes   = mib
 	releaseReason   = "worker shut down"
+	// The most tasks a worker holds (Concurrency + Prefetch): the credits a Work stream may carry.
+	maxHeld = 100_000
 	// After the shutdown grace: how long cancelled handlers get to return, and the time left
 	// (from the end of the grace) for them and for the last reports.
 	unwindTime        = time.Second
@@ -93,9 +99,10 @@ const (
 )
 
 // Worker registers with the shard of its pools and runs their tasks over one Work stream:
-// credits for its free slots (never more tasks than its concurrency), outcomes batched,
-// heartbeats naming the attempts it holds, the stream opened again after a failure, and a
-// graceful stop that gives unfinished tasks back. Create it with NewWorker; Run it once.
+// credits for its free slots (never more tasks than its concurrency plus its prefetch, never
+// more handlers running than its concurrency), outcomes batched, heartbeats naming the
+// attempts it holds, the stream opened again after a failure, and a graceful stop that gives
+// unfinished tasks back. Create it with NewWorker; Run it once.
 type Worker struct {
 	opts    WorkerOptions
 	handler Handler
@@ -103,6 +110,7 @@ type Worker struct {
 	log     *slog.Logger
 
 	started  atomic.Bool
+	tasks    context.Context // the handlers' parent: Run's context, without its cancellation
 	stopOnce sync.Once
 	stopCh   chan struct{}
 	wake     chan struct{} // the sender has something to send
@@ -114,9 +122,10 @@ type Worker struct {
 	maxLeaseBytes  uint64
 	leaseBytes     uint64
 	running        map[uint64]*runningTask
+	held           []heldTask                       // prefetched, not yet started: oldest first
 	unacked        map[uint64]*cronoqv1.TaskOutcome // reported, not yet answered
 	outcomes       []*cronoqv1.TaskOutcome          // not yet sent on the current stream
-	freed          uint32                           // slots freed, not yet given as credits
+	freed          uint32                           // tasks that left the worker, not yet given back as credits
 	beatDue        bool
 	stopping       bool
 	closed         bool // the current stream's side is closed: nothing more can be reported
@@ -132,6 +141,12 @@ type runningTask struct {
 	lost            bool // no longer ours: report nothing
 }
 
+// heldTask is a prefetched task waiting for a handler slot.
+type heldTask struct {
+	task     *Task
+	received time.Time // its timeout counts from here
+}
+
 // NewWorker checks the options and returns a worker that runs handler.
 func NewWorker(opts WorkerOptions, handler Handler) (*Worker, error) {
 	opts.Options = opts.Options.withDefaults()
@@ -143,6 +158,10 @@ func NewWorker(opts WorkerOptions, handler Handler) (*Worker, error) {
 	}
 	if opts.Concurrency == 0 {
 		opts.Concurrency = 16
+	}
+	if opts.Prefetch < 0 || opts.Concurrency+opts.Prefetch > maxHeld {
+		return nil, newError(codes.InvalidArgument, kindCode, "prefetch: %d must be at least 0, and concurrency (%d) + prefetch at most %d",
+			opts.Prefetch, opts.Concurrency, maxHeld)
 	}
 	if handler == nil {
 		return nil, newError(codes.InvalidArgument, kindCode, "handler: give a Handler")
@@ -240,12 +259,12 @@ func (w *Worker) Run(ctx context.Context) error {
 	defer stopHeartbeats()
 	go w.heartbeatLoop(heartbeats)
 
-	tasks := context.WithoutCancel(ctx)
+	w.tasks = context.WithoutCancel(ctx)
 	var workErr error
 	workDone := make(chan struct{})
 	go func() {
 		defer close(workDone)
-		workErr = w.workLoop(calls, tasks)
+		workErr = w.workLoop(calls)
 	}()
 	select {
 	case <-workDone:
@@ -253,6 +272,7 @@ func (w *Worker) Run(ctx context.Context) error {
 	}
 	w.mu.Lock()
 	w.stopping = true // also when the stream failed for good: unfinished tasks are released
+	w.releaseHeld()
 	w.mu.Unlock()
 	w.notify()
 	w.finishRunning(workDone, cancelCalls)
@@ -480,11 +500,11 @@ func transientStream(err error) bool {
 // with the failures in a row and starts over after a healthy stream (one that delivered a
 // message or stayed open healthyStream); the outcomes it did not answer are sent again on the
 // next (fenced by attempt: safe).
-func (w *Worker) workLoop(calls, tasks context.Context) error {
+func (w *Worker) workLoop(calls context.Context) error {
 	row := failureRow{retry: w.conn.retry, log: w.log, what: "work stream"}
 	for !w.isFinished() {
 		opened := time.Now()
-		answered, err := w.workStream(calls, tasks)
+		answered, err := w.workStream(calls)
 		if calls.Err() != nil {
 			return nil // the graceful stop's time is up
 		}
@@ -522,10 +542,11 @@ func (w *Worker) workLoop(calls, tasks context.Context) error {
 	return nil
 }
 
-// workStream is one Work stream: the first message gives the free slots; the sender sends
-// outcomes, freed slots and heartbeats; answers are read here until the server ends it.
+// workStream is one Work stream: the first message gives the free slots (held tasks, still
+// leased to this worker, count as taken); the sender sends outcomes, freed slots and
+// heartbeats; answers are read here until the server ends it.
 // answered: the server sent a message on it.
-func (w *Worker) workStream(calls, tasks context.Context) (answered bool, err error) {
+func (w *Worker) workStream(calls context.Context) (answered bool, err error) {
 	cc, ep, err := w.conn.channel()
 	if err != nil {
 		return false, err
@@ -545,7 +566,7 @@ func (w *Worker) workStream(calls, tasks context.Context) (answered bool, err er
 	w.closed = false
 	free := 0
 	if !w.stopping {
-		free = w.opts.Concurrency - len(w.running)
+		free = w.opts.Concurrency + w.opts.Prefetch - len(w.running) - len(w.held)
 	}
 	first := &cronoqv1.WorkRequest{WorkerId: w.workerID, Credits: uint32(max(free, 0)), MaxBytes: w.leaseBytes}
 	resend := len(w.outcomes) > 0
@@ -571,7 +592,7 @@ func (w *Worker) workStream(calls, tasks context.Context) (answered bool, err er
 			return answered, w.conn.diagnose(ep, fromGRPC(err, stream.Trailer()))
 		}
 		answered = true
-		w.answered(tasks, answer)
+		w.answered(answer)
 	}
 }
 
@@ -645,8 +666,13 @@ func (w *Worker) nextMessage() *cronoqv1.WorkRequest {
 		for id, rt := range w.running {
 			beat.Tasks = append(beat.Tasks, &cronoqv1.TaskAttempt{TaskId: id, Attempt: rt.attempt})
 		}
+		heldIDs := make(map[uint64]bool, len(w.held))
+		for _, h := range w.held { // their leases must not expire while they wait
+			heldIDs[h.task.GetId()] = true
+			beat.Tasks = append(beat.Tasks, &cronoqv1.TaskAttempt{TaskId: h.task.GetId(), Attempt: h.task.GetAttempt()})
+		}
 		for id, o := range w.unacked {
-			if _, ok := w.running[id]; !ok {
+			if _, ok := w.running[id]; !ok && !heldIDs[id] {
 				beat.Tasks = append(beat.Tasks, &cronoqv1.TaskAttempt{TaskId: id, Attempt: o.GetAttempt()})
 			}
 		}
@@ -681,9 +707,9 @@ func (w *Worker) nextBatch() []*cronoqv1.TaskOutcome {
 	return batch
 }
 
-// answered handles what the server sent: tasks to run, the results of outcomes, a
-// heartbeat's answer.
-func (w *Worker) answered(tasks context.Context, answer *cronoqv1.WorkResponse) {
+// answered handles what the server sent: tasks to run (or hold, when every slot is taken),
+// the results of outcomes, a heartbeat's answer.
+func (w *Worker) answered(answer *cronoqv1.WorkResponse) {
 	w.mu.Lock()
 	defer w.notify()
 	defer w.mu.Unlock()
@@ -703,11 +729,17 @@ func (w *Worker) answered(tasks context.Context, answer *cronoqv1.WorkResponse) 
 		}
 		if w.stopping { // sent for slots given before the stop: give it back
 			w.freed++
-			w.reportLocked(&cronoqv1.TaskOutcome{TaskId: task.GetId(), Attempt: task.GetAttempt(),
-				Outcome: &cronoqv1.TaskOutcome_Released{Released: &cronoqv1.TaskReleased{Reason: releaseReason}}})
+			w.reportLocked(releasedOutcome(task))
 			continue
 		}
-		w.start(tasks, task)
+		// A free slot means none is held (a slot that frees takes the oldest held task): the
+		// task starts at once; otherwise it is held, behind those already held.
+		received := time.Now()
+		if len(w.running) < w.opts.Concurrency {
+			w.start(task, received)
+		} else {
+			w.held = append(w.held, heldTask{task: task, received: received})
+		}
 	}
 	if beat := answer.GetHeartbeat(); beat != nil {
 		for _, id := range beat.GetCancelledTaskIds() {
@@ -723,27 +755,84 @@ func (w *Worker) answered(tasks context.Context, answer *cronoqv1.WorkResponse) 
 				rt.cancel(ErrLeaseLost)
 			}
 		}
+		w.dropHeld(beat)
 	}
 }
 
-// start runs a task's handler in its own goroutine. Call with mu held.
-func (w *Worker) start(tasks context.Context, task *Task) {
-	ctx, cancel := context.WithCancelCause(tasks)
+// dropHeld takes the held tasks a heartbeat's answer names out of the hold, each giving its
+// credit back: a cancelled one is reported CANCELLED (its handler never runs), a lost one is
+// dropped unreported. Call with mu held.
+func (w *Worker) dropHeld(beat *cronoqv1.HeartbeatResponse) {
+	if len(w.held) == 0 {
+		return
+	}
+	cancelled := make(map[uint64]bool, len(beat.GetCancelledTaskIds()))
+	for _, id := range beat.GetCancelledTaskIds() {
+		cancelled[id] = true
+	}
+	lost := make(map[uint64]bool, len(beat.GetLostTaskIds()))
+	for _, id := range beat.GetLostTaskIds() {
+		lost[id] = true
+	}
+	kept := w.held[:0]
+	for _, h := range w.held {
+		id := h.task.GetId()
+		switch {
+		case lost[id]:
+			w.log.Warn("cronoq: held task lost its lease before it started; it is dropped", "task_id", id)
+			w.freed++
+		case cancelled[id]:
+			w.freed++
+			w.reportLocked(&cronoqv1.TaskOutcome{TaskId: id, Attempt: h.task.GetAttempt(),
+				Outcome: &cronoqv1.TaskOutcome_Cancelled{Cancelled: &cronoqv1.TaskCancelled{Reason: "cancelled"}}})
+		default:
+			kept = append(kept, h)
+		}
+	}
+	clear(w.held[len(kept):]) // no reference kept to the tasks dropped
+	w.held = kept
+}
+
+// releaseHeld gives every held task back to the server at the stop, before running
+// handlers are waited for. Call with mu held, then notify.
+func (w *Worker) releaseHeld() {
+	if len(w.held) > 0 {
+		w.log.Info("cronoq: releasing held tasks", "worker_id", w.workerID, "tasks", len(w.held))
+	}
+	for _, h := range w.held {
+		w.freed++
+		w.reportLocked(releasedOutcome(h.task))
+	}
+	w.held = nil
+}
+
+// releasedOutcome gives a task back unfinished: the server makes it PENDING at once, the
+// attempt not counted.
+func releasedOutcome(task *Task) *cronoqv1.TaskOutcome {
+	return &cronoqv1.TaskOutcome{TaskId: task.GetId(), Attempt: task.GetAttempt(),
+		Outcome: &cronoqv1.TaskOutcome_Released{Released: &cronoqv1.TaskReleased{Reason: releaseReason}}}
+}
+
+// start runs a task's handler in its own goroutine; received is when the worker got the
+// task. Call with mu held.
+func (w *Worker) start(task *Task, received time.Time) {
+	ctx, cancel := context.WithCancelCause(w.tasks)
 	rt := &runningTask{attempt: task.GetAttempt(), cancel: cancel, done: make(chan struct{})}
 	w.running[task.GetId()] = rt
 	go func() {
 		defer close(rt.done)
 		defer cancel(nil)
-		w.execute(ctx, rt, task)
+		w.execute(ctx, rt, task, received)
 	}()
 }
 
-func (w *Worker) execute(ctx context.Context, rt *runningTask, task *Task) {
+func (w *Worker) execute(ctx context.Context, rt *runningTask, task *Task, received time.Time) {
 	hctx := ctx
 	if ms := task.GetTimeoutMs(); ms > 0 {
-		// The server never extends the lease past the attempt's deadline: cancel it there.
+		// The timeout counts from the lease (a held task's wait counts too), and the server
+		// never extends the lease past the attempt's deadline: cancel it there.
 		var stop context.CancelFunc
-		hctx, stop = context.WithTimeoutCause(ctx, time.Duration(ms)*time.Millisecond, ErrTaskTimeout)
+		hctx, stop = context.WithDeadlineCause(ctx, received.Add(time.Duration(ms)*time.Millisecond), ErrTaskTimeout)
 		defer stop()
 	}
 	result, err := w.callHandler(hctx, task)
@@ -754,6 +843,7 @@ func (w *Worker) execute(ctx context.Context, rt *runningTask, task *Task) {
 	if w.running[task.GetId()] == rt {
 		delete(w.running, task.GetId())
 		w.freed++
+		w.startHeld()
 	}
 	lost, cancelRequested, releasing, maxResult := rt.lost, rt.cancelRequested, rt.releasing, w.maxResultBytes
 	w.mu.Unlock()
@@ -792,6 +882,27 @@ func (w *Worker) execute(ctx context.Context, rt *runningTask, task *Task) {
 		failure(err.Error(), true, 0)
 	}
 	w.report(outcome)
+}
+
+// startHeld starts the oldest held task in the slot a handler freed (none once stopping:
+// they were released). One whose timeout passed while it was held is not started: it fails,
+// retryable, as a handler that timed out does, and the next one is tried. Call with mu
+// held, then notify.
+func (w *Worker) startHeld() {
+	for len(w.held) > 0 && !w.stopping && len(w.running) < w.opts.Concurrency {
+		next := w.held[0]
+		w.held[0] = heldTask{}
+		w.held = w.held[1:]
+		ms := next.task.GetTimeoutMs()
+		if ms > 0 && !time.Now().Before(next.received.Add(time.Duration(ms)*time.Millisecond)) {
+			w.freed++
+			w.reportLocked(&cronoqv1.TaskOutcome{TaskId: next.task.GetId(), Attempt: next.task.GetAttempt(),
+				Outcome: &cronoqv1.TaskOutcome_Failure{Failure: &cronoqv1.TaskFailure{
+					Error: fmt.Sprintf("timed out after %d ms, held before it could start", ms), Retryable: true}}})
+			continue
+		}
+		w.start(next.task, next.received)
+	}
 }
 
 // callHandler runs the handler; a panic fails the attempt (retryable) with its stack logged.

@@ -30,7 +30,11 @@ type workServer struct {
 	beats        map[uint64]int
 	cancel       map[uint64]bool
 	deregistered bool
-	unused       int // credits given and not used, on the current stream
+	unused       int      // credits given and not used, on the current stream
+	firstCredits []uint32 // the credits of each stream's first message
+	leased       int      // tasks sent and not yet reported
+	mostLeased   int
+	breakFirst   bool // end the first stream UNAVAILABLE once it has sent tasks
 }
 
 func newWorkServer(tasks ...*cronoqv1.Task) *workServer {
@@ -52,7 +56,7 @@ func (s *workServer) Work(stream grpc.BidiStreamingServer[cronoqv1.WorkRequest, 
 	s.mu.Lock()
 	s.unused = 0
 	s.mu.Unlock()
-	for {
+	for first := true; ; first = false {
 		req, err := stream.Recv()
 		if err == io.EOF {
 			return nil
@@ -60,9 +64,21 @@ func (s *workServer) Work(stream grpc.BidiStreamingServer[cronoqv1.WorkRequest, 
 		if err != nil {
 			return err
 		}
+		s.mu.Lock()
+		if first {
+			s.firstCredits = append(s.firstCredits, req.GetCredits())
+		}
+		s.mu.Unlock()
 		resp := s.step(req)
 		if err := stream.Send(resp); err != nil {
 			return err
+		}
+		s.mu.Lock()
+		broken := s.breakFirst && len(resp.Tasks) > 0
+		s.breakFirst = s.breakFirst && !broken
+		s.mu.Unlock()
+		if broken {
+			return status.Error(codes.Unavailable, "the server went away")
 		}
 	}
 }
@@ -72,6 +88,9 @@ func (s *workServer) step(req *cronoqv1.WorkRequest) *cronoqv1.WorkResponse {
 	defer s.mu.Unlock()
 	resp := &cronoqv1.WorkResponse{}
 	for _, o := range req.GetOutcomes() {
+		if _, ok := s.outcomes[o.GetTaskId()]; !ok {
+			s.leased--
+		}
 		s.outcomes[o.GetTaskId()] = o
 		resp.Results = append(resp.Results, &cronoqv1.FinishTaskResult{TaskId: o.GetTaskId(), Accepted: true})
 	}
@@ -89,7 +108,9 @@ func (s *workServer) step(req *cronoqv1.WorkRequest) *cronoqv1.WorkResponse {
 		resp.Tasks = append(resp.Tasks, s.tasks[0])
 		s.tasks = s.tasks[1:]
 		s.unused--
+		s.leased++
 	}
+	s.mostLeased = max(s.mostLeased, s.leased)
 	return resp
 }
 
@@ -244,6 +265,17 @@ func TestWorkerOptionsAreChecked(t *testing.T) {
 	}
 	if _, err := NewWorker(WorkerOptions{Pools: []string{"p"}, Concurrency: -1}, handler); !errors.Is(err, ErrInvalidArgument) {
 		t.Errorf("negative concurrency: %v", err)
+	}
+	if _, err := NewWorker(WorkerOptions{Pools: []string{"p"}, Prefetch: -1}, handler); !errors.Is(err, ErrInvalidArgument) ||
+		!strings.Contains(err.Error(), "prefetch: -1") {
+		t.Errorf("negative prefetch: %v", err)
+	}
+	if _, err := NewWorker(WorkerOptions{Pools: []string{"p"}, Prefetch: 99_985}, handler); !errors.Is(err, ErrInvalidArgument) ||
+		!strings.Contains(err.Error(), "prefetch: 99985") {
+		t.Errorf("concurrency 16 + prefetch 99,985: %v", err)
+	}
+	if _, err := NewWorker(WorkerOptions{Pools: []string{"p"}, Prefetch: 99_984}, handler); err != nil {
+		t.Errorf("concurrency 16 + prefetch 99,984: %v", err)
 	}
 	if _, err := NewWorker(WorkerOptions{Pools: []string{"p"}}, nil); !errors.Is(err, ErrInvalidArgument) {
 		t.Errorf("no handler: %v", err)
@@ -401,5 +433,145 @@ func TestWorkerReopensARefusedStreamWithBackoffAndOneWarning(t *testing.T) {
 	defer logs.mu.Unlock()
 	if logs.levels[slog.LevelWarn] != 1 || logs.levels[slog.LevelError] != 0 {
 		t.Errorf("log records by level: %v, want one warning", logs.levels)
+	}
+}
+
+// sleepHandler sleeps for the task's "sleep_ms" (or until cancelled), recording the most
+// handlers that ran at once and the order they started in.
+type sleepHandler struct {
+	mu      sync.Mutex
+	running int
+	most    int
+	started []uint64
+}
+
+func (h *sleepHandler) handle(ctx context.Context, task *Task) (any, error) {
+	var in struct {
+		SleepMs int64 `json:"sleep_ms"`
+	}
+	_ = DecodePayload(task, &in)
+	h.mu.Lock()
+	h.running++
+	h.most = max(h.most, h.running)
+	h.started = append(h.started, task.GetId())
+	h.mu.Unlock()
+	defer func() {
+		h.mu.Lock()
+		h.running--
+		h.mu.Unlock()
+	}()
+	select {
+	case <-time.After(time.Duration(in.SleepMs) * time.Millisecond):
+		return "done", nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+func (h *sleepHandler) startedIDs() []uint64 {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return append([]uint64(nil), h.started...)
+}
+
+func TestWorkerPrefetchHoldsBeyondItsConcurrency(t *testing.T) {
+	srv := newWorkServer()
+	for id := uint64(1); id <= 12; id++ {
+		srv.tasks = append(srv.tasks, jsonTask(id, `{"sleep_ms": 40}`))
+	}
+	h := &sleepHandler{}
+	w, done := startWorker(t, srv, WorkerOptions{Concurrency: 2, Prefetch: 3}, h.handle)
+	waitFor(t, "12 outcomes", func() bool { return w.Processed() == 12 })
+	w.Stop()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	srv.mu.Lock()
+	defer srv.mu.Unlock()
+	if len(srv.firstCredits) != 1 || srv.firstCredits[0] != 5 {
+		t.Errorf("first credits %v, want [5] (concurrency 2 + prefetch 3)", srv.firstCredits)
+	}
+	if srv.mostLeased != 5 {
+		t.Errorf("the worker held %d tasks at most, want 5", srv.mostLeased)
+	}
+	if h.most != 2 {
+		t.Errorf("%d handlers ran at once, concurrency 2", h.most)
+	}
+	for id := uint64(1); id <= 12; id++ {
+		if srv.outcomes[id].GetSuccess() == nil {
+			t.Errorf("task %d: %v", id, srv.outcomes[id])
+		}
+	}
+	if len(h.started) != 12 {
+		t.Errorf("started %v: each task once", h.started)
+	}
+	if srv.beats[12] == 0 {
+		t.Error("task 12, held while others ran, was in no heartbeat")
+	}
+}
+
+func TestWorkerPrefetchCancelsAndReleasesHeldTasks(t *testing.T) {
+	srv := newWorkServer(jsonTask(1, `{"sleep_ms": 1000}`), jsonTask(2, `{}`), jsonTask(3, `{}`))
+	srv.cancel[2] = true
+	h := &sleepHandler{}
+	w, done := startWorker(t, srv, WorkerOptions{Concurrency: 1, Prefetch: 2}, h.handle)
+	waitFor(t, "the held task's cancelled outcome", func() bool { return srv.outcome(2) != nil })
+	stopped := time.Now()
+	w.Stop()
+	waitFor(t, "the held task released", func() bool { return srv.outcome(3) != nil })
+	if srv.outcome(1) != nil {
+		t.Error("the held task was released only after the running one ended")
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(stopped); took > 2*time.Second {
+		t.Errorf("stop took %v", took)
+	}
+	if srv.outcome(1).GetSuccess() == nil || srv.outcome(2).GetCancelled() == nil || srv.outcome(3).GetReleased() == nil {
+		t.Errorf("outcomes: 1 %v, 2 %v, 3 %v; want success, cancelled, released", srv.outcome(1), srv.outcome(2), srv.outcome(3))
+	}
+	if started := h.startedIDs(); len(started) != 1 || started[0] != 1 {
+		t.Errorf("started %v, want only 1", started)
+	}
+}
+
+func TestWorkerPrefetchedTaskTimesOutFromItsLease(t *testing.T) {
+	expires := jsonTask(2, `{}`)
+	expires.TimeoutMs = 50
+	srv := newWorkServer(jsonTask(1, `{"sleep_ms": 200}`), expires)
+	h := &sleepHandler{}
+	w, done := startWorker(t, srv, WorkerOptions{Concurrency: 1, Prefetch: 1}, h.handle)
+	waitFor(t, "2 outcomes", func() bool { return w.Processed() == 2 })
+	w.Stop()
+	<-done
+	if f := srv.outcome(2).GetFailure(); f == nil || !f.GetRetryable() || !strings.Contains(f.GetError(), "timed out after 50 ms") {
+		t.Errorf("the task held past its timeout: %v, want a retryable timeout", srv.outcome(2))
+	}
+	if started := h.startedIDs(); len(started) != 1 {
+		t.Errorf("started %v: the expired task must not start", started)
+	}
+}
+
+func TestWorkerPrefetchKeepsHeldTasksAcrossABrokenStream(t *testing.T) {
+	srv := newWorkServer(jsonTask(1, `{"sleep_ms": 300}`), jsonTask(2, `{"sleep_ms": 10}`), jsonTask(3, `{"sleep_ms": 10}`))
+	srv.breakFirst = true
+	h := &sleepHandler{}
+	w, done := startWorker(t, srv, WorkerOptions{Concurrency: 1, Prefetch: 2}, h.handle)
+	waitFor(t, "3 outcomes", func() bool { return w.Processed() == 3 })
+	w.Stop()
+	<-done
+	srv.mu.Lock()
+	defer srv.mu.Unlock()
+	if len(srv.firstCredits) < 2 || srv.firstCredits[0] != 3 || srv.firstCredits[1] != 0 {
+		t.Errorf("first credits per stream %v, want 3 then 0 (one running, two held)", srv.firstCredits)
+	}
+	if started := h.startedIDs(); len(started) != 3 || started[0] != 1 || started[1] != 2 || started[2] != 3 {
+		t.Errorf("started %v, want each once, in arrival order", started)
+	}
+	for id := uint64(1); id <= 3; id++ {
+		if srv.outcomes[id].GetSuccess() == nil {
+			t.Errorf("task %d: %v", id, srv.outcomes[id])
+		}
 	}
 }

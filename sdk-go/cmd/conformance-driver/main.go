@@ -63,6 +63,7 @@ type step struct {
 	TimeoutMs        int64           `json:"timeout_ms"`
 	Pools            []string        `json:"pools"`
 	Concurrency      int             `json:"concurrency"`
+	Prefetch         int             `json:"prefetch"`
 	UntilHandled     int             `json:"until_handled"`
 	StopAfterStarted int             `json:"stop_after_started"`
 	ShutdownGraceMs  *int64          `json:"shutdown_grace_ms"`
@@ -352,6 +353,7 @@ func runWorker(in *input, s step, opts cronoq.Options) result {
 		Options:       opts,
 		Pools:         s.Pools,
 		Concurrency:   concurrency,
+		Prefetch:      s.Prefetch,
 		ShutdownGrace: ms(grace),
 	}, handler)
 	if err != nil {
