@@ -2,7 +2,7 @@
 // bench/burndown.py --worker go submitted, and prints one JSON line. Timed from the
 // worker's start to the last task's start, as the Python worker and the anchors time it.
 //
-//	go -C bench/go-worker build -o go-worker . && bench/go-worker/go-worker -endpoint URL [-tasks 20000] [-concurrency 64]
+//	go -C bench/go-worker build -o go-worker . && bench/go-worker/go-worker -endpoint URL [-tasks 20000] [-concurrency 64] [-prefetch 0]
 package main
 
 import (
@@ -24,21 +24,22 @@ func main() {
 	endpoint := flag.String("endpoint", "", "the server whose pool default holds the tasks (required)")
 	tasks := flag.Int("tasks", 20000, "tasks to drain")
 	concurrency := flag.Int("concurrency", 64, "the worker's concurrency")
+	prefetch := flag.Int("prefetch", 0, "the tasks the worker holds beyond its concurrency")
 	flag.Parse()
-	if err := drain(*endpoint, *tasks, *concurrency); err != nil {
+	if err := drain(*endpoint, *tasks, *concurrency, *prefetch); err != nil {
 		fmt.Fprintln(os.Stderr, "go-worker bench:", err)
 		os.Exit(1)
 	}
 }
 
-func drain(endpoint string, total, concurrency int) error {
+func drain(endpoint string, total, concurrency, prefetch int) error {
 	if endpoint == "" {
 		return errors.New("-endpoint is required")
 	}
 	opts := cronoq.Options{Endpoint: endpoint, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
 	var handled atomic.Int64
 	done := make(chan struct{})
-	worker, err := cronoq.NewWorker(cronoq.WorkerOptions{Options: opts, Pools: []string{"default"}, Concurrency: concurrency},
+	worker, err := cronoq.NewWorker(cronoq.WorkerOptions{Options: opts, Pools: []string{"default"}, Concurrency: concurrency, Prefetch: prefetch},
 		func(context.Context, *cronoq.Task) (any, error) {
 			if handled.Add(1) == int64(total) {
 				close(done)

@@ -2,7 +2,7 @@
 //! `bench/burndown.py --worker rust` submitted, and prints one JSON line. Timed from the
 //! worker's start to the last task's start, as the Python worker and the anchors time it.
 //!
-//!     cargo run --release --example bench_drain -- ENDPOINT [TASKS] [CONCURRENCY]
+//!     cargo run --release --example bench_drain -- ENDPOINT [TASKS] [CONCURRENCY] [PREFETCH]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,15 +16,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let endpoint = args
         .next()
-        .ok_or("usage: bench_drain ENDPOINT [TASKS] [CONCURRENCY]")?;
+        .ok_or("usage: bench_drain ENDPOINT [TASKS] [CONCURRENCY] [PREFETCH]")?;
     let total: u64 = args.next().map_or(Ok(20_000), |a| a.parse())?;
     let concurrency: usize = args.next().map_or(Ok(64), |a| a.parse())?;
+    let prefetch: usize = args.next().map_or(Ok(0), |a| a.parse())?;
     let handled = Arc::new(AtomicU64::new(0));
     let done = Arc::new(Notify::new());
     let worker = {
         let (handled, done) = (handled.clone(), done.clone());
         Worker::new(
-            WorkerOptions::new(Options::new(endpoint), ["default"]).concurrency(concurrency),
+            WorkerOptions::new(Options::new(endpoint), ["default"])
+                .concurrency(concurrency)
+                .prefetch(prefetch),
             move |_task, _cancelled| {
                 if handled.fetch_add(1, Ordering::SeqCst) + 1 == total {
                     done.notify_one();
