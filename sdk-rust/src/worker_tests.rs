@@ -477,20 +477,33 @@ fn outcome_kinds(rec: &Recorded) -> Vec<(u64, &'static str)> {
         .collect()
 }
 
+/// A worker of this concurrency and prefetch against the fake shard, and what its handlers saw.
+async fn prefetching(
+    shard: FakeShard,
+    concurrency: usize,
+    prefetch: usize,
+) -> (Worker, Arc<Mutex<Seen>>) {
+    let endpoint = serve(shard).await;
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let opts = WorkerOptions::new(options(&endpoint), ["default"])
+        .concurrency(concurrency)
+        .prefetch(prefetch);
+    (Worker::new(opts, tracking(seen.clone())).unwrap(), seen)
+}
+
 #[tokio::test]
 async fn prefetch_gives_concurrency_plus_prefetch_credits_and_runs_at_most_concurrency() {
     let recorded = Arc::new(Mutex::new(Recorded::default()));
-    let endpoint = serve(FakeShard {
-        tasks: Mutex::new((1..=6).map(|id| task(id, 300)).collect()),
-        recorded: recorded.clone(),
-        ..Default::default()
-    })
+    let (worker, seen) = prefetching(
+        FakeShard {
+            tasks: Mutex::new((1..=6).map(|id| task(id, 300)).collect()),
+            recorded: recorded.clone(),
+            ..Default::default()
+        },
+        2,
+        3,
+    )
     .await;
-    let seen = Arc::new(Mutex::new(Seen::default()));
-    let opts = WorkerOptions::new(options(&endpoint), ["default"])
-        .concurrency(2)
-        .prefetch(3);
-    let worker = Worker::new(opts, tracking(seen.clone())).unwrap();
     let rec = run_until(worker, recorded, |r| outcomes(r).len() >= 6).await;
     let rec = rec.lock().unwrap();
     assert_eq!(rec.streams[0][0].credits, 5, "concurrency + prefetch");
@@ -540,18 +553,17 @@ async fn an_invalid_prefetch_is_refused() {
 #[tokio::test]
 async fn a_held_task_cancelled_is_reported_cancelled_and_never_runs() {
     let recorded = Arc::new(Mutex::new(Recorded::default()));
-    let endpoint = serve(FakeShard {
-        tasks: Mutex::new(vec![task(1, 500), task(2, 0)]),
-        cancel: vec![2],
-        recorded: recorded.clone(),
-        ..Default::default()
-    })
+    let (worker, seen) = prefetching(
+        FakeShard {
+            tasks: Mutex::new(vec![task(1, 500), task(2, 0)]),
+            cancel: vec![2],
+            recorded: recorded.clone(),
+            ..Default::default()
+        },
+        1,
+        1,
+    )
     .await;
-    let seen = Arc::new(Mutex::new(Seen::default()));
-    let opts = WorkerOptions::new(options(&endpoint), ["default"])
-        .concurrency(1)
-        .prefetch(1);
-    let worker = Worker::new(opts, tracking(seen.clone())).unwrap();
     let rec = run_until(worker, recorded, |r| outcomes(r).len() >= 2).await;
     let rec = rec.lock().unwrap();
     assert_eq!(outcome_kinds(&rec), vec![(2, "cancelled"), (1, "success")]);
@@ -561,17 +573,16 @@ async fn a_held_task_cancelled_is_reported_cancelled_and_never_runs() {
 #[tokio::test]
 async fn a_graceful_stop_releases_held_tasks_at_once() {
     let recorded = Arc::new(Mutex::new(Recorded::default()));
-    let endpoint = serve(FakeShard {
-        tasks: Mutex::new(vec![task(1, 300), task(2, 300), task(3, 300)]),
-        recorded: recorded.clone(),
-        ..Default::default()
-    })
+    let (worker, seen) = prefetching(
+        FakeShard {
+            tasks: Mutex::new(vec![task(1, 300), task(2, 300), task(3, 300)]),
+            recorded: recorded.clone(),
+            ..Default::default()
+        },
+        1,
+        2,
+    )
     .await;
-    let seen = Arc::new(Mutex::new(Seen::default()));
-    let opts = WorkerOptions::new(options(&endpoint), ["default"])
-        .concurrency(1)
-        .prefetch(2);
-    let worker = Worker::new(opts, tracking(seen.clone())).unwrap();
     let started = seen.clone();
     let rec = run_until(worker, recorded, move |_| {
         !started.lock().unwrap().started.is_empty()
@@ -593,17 +604,16 @@ async fn a_held_task_whose_timeout_ran_out_fails_without_starting() {
         timeout_ms: 100,
         ..task(2, 0)
     };
-    let endpoint = serve(FakeShard {
-        tasks: Mutex::new(vec![task(1, 300), short]),
-        recorded: recorded.clone(),
-        ..Default::default()
-    })
+    let (worker, seen) = prefetching(
+        FakeShard {
+            tasks: Mutex::new(vec![task(1, 300), short]),
+            recorded: recorded.clone(),
+            ..Default::default()
+        },
+        1,
+        1,
+    )
     .await;
-    let seen = Arc::new(Mutex::new(Seen::default()));
-    let opts = WorkerOptions::new(options(&endpoint), ["default"])
-        .concurrency(1)
-        .prefetch(1);
-    let worker = Worker::new(opts, tracking(seen.clone())).unwrap();
     let rec = run_until(worker, recorded, |r| outcomes(r).len() >= 2).await;
     let rec = rec.lock().unwrap();
     let mut kinds = outcome_kinds(&rec);
@@ -625,18 +635,17 @@ async fn a_held_task_whose_timeout_ran_out_fails_without_starting() {
 #[tokio::test]
 async fn a_broken_stream_keeps_held_tasks_and_subtracts_them_from_its_credits() {
     let recorded = Arc::new(Mutex::new(Recorded::default()));
-    let endpoint = serve(FakeShard {
-        tasks: Mutex::new(vec![task(1, 0), task(2, 300), task(3, 300)]),
-        break_first_after_outcomes: 1,
-        recorded: recorded.clone(),
-        ..Default::default()
-    })
+    let (worker, seen) = prefetching(
+        FakeShard {
+            tasks: Mutex::new(vec![task(1, 0), task(2, 300), task(3, 300)]),
+            break_first_after_outcomes: 1,
+            recorded: recorded.clone(),
+            ..Default::default()
+        },
+        1,
+        2,
+    )
     .await;
-    let seen = Arc::new(Mutex::new(Seen::default()));
-    let opts = WorkerOptions::new(options(&endpoint), ["default"])
-        .concurrency(1)
-        .prefetch(2);
-    let worker = Worker::new(opts, tracking(seen.clone())).unwrap();
     let rec = run_until(worker, recorded, |r| {
         r.streams.len() >= 2
             && r.streams[1]
@@ -665,18 +674,17 @@ async fn a_broken_stream_keeps_held_tasks_and_subtracts_them_from_its_credits() 
 #[tokio::test]
 async fn a_held_task_lost_is_dropped_unreported_and_its_credit_given_back() {
     let recorded = Arc::new(Mutex::new(Recorded::default()));
-    let endpoint = serve(FakeShard {
-        tasks: Mutex::new(vec![task(1, 400), task(2, 0)]),
-        lose: vec![2],
-        recorded: recorded.clone(),
-        ..Default::default()
-    })
+    let (worker, seen) = prefetching(
+        FakeShard {
+            tasks: Mutex::new(vec![task(1, 400), task(2, 0)]),
+            lose: vec![2],
+            recorded: recorded.clone(),
+            ..Default::default()
+        },
+        1,
+        1,
+    )
     .await;
-    let seen = Arc::new(Mutex::new(Seen::default()));
-    let opts = WorkerOptions::new(options(&endpoint), ["default"])
-        .concurrency(1)
-        .prefetch(1);
-    let worker = Worker::new(opts, tracking(seen.clone())).unwrap();
     let rec = run_until(worker, recorded, |r| !outcomes(r).is_empty()).await;
     let rec = rec.lock().unwrap();
     assert_eq!(outcome_kinds(&rec), vec![(1, "success")]);
