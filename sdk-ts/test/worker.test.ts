@@ -255,14 +255,7 @@ test("a graceful stop lets a task finish within the grace and releases one that 
   const worker = tracked(new Worker({ endpoint: shard.url, pools: ["default"], concurrency: 2, shutdownGraceMs: 300, logger: silent },
     async (task, signal) => {
       started++;
-      const { ms } = JSON.parse(task.payload.toString()) as { ms: number };
-      await new Promise((resolve, reject) => {
-        const timer = setTimeout(resolve, ms);
-        signal.addEventListener("abort", () => {
-          clearTimeout(timer);
-          reject(signal.reason);
-        });
-      });
+      await sleepPayloadMs(task, signal);
       return "done";
     }));
   const run = worker.run();
@@ -275,6 +268,18 @@ test("a graceful stop lets a task finish within the grace and releases one that 
   assert.ok(byId.get(2n)?.released !== undefined);
 });
 
+/** Sleeps the ms a task's JSON payload names; rejects with the signal's reason when it aborts. */
+function sleepPayloadMs(task: Task, signal: AbortSignal): Promise<unknown> {
+  const { ms } = JSON.parse(task.payload.toString()) as { ms: number };
+  return new Promise((resolve, reject) => {
+    const timer = setTimeout(resolve, ms);
+    signal.addEventListener("abort", () => {
+      clearTimeout(timer);
+      reject(signal.reason);
+    });
+  });
+}
+
 /** A handler that sleeps the payload's ms (until its signal aborts), recording what starts and how many run at once. */
 function sleeper() {
   const seen = { started: [] as bigint[], running: 0, most: 0 };
@@ -283,14 +288,7 @@ function sleeper() {
     seen.running++;
     seen.most = Math.max(seen.most, seen.running);
     try {
-      const { ms } = JSON.parse(task.payload.toString()) as { ms: number };
-      await new Promise((resolve, reject) => {
-        const timer = setTimeout(resolve, ms);
-        signal.addEventListener("abort", () => {
-          clearTimeout(timer);
-          reject(signal.reason);
-        });
-      });
+      await sleepPayloadMs(task, signal);
       return "done";
     } finally {
       seen.running--;
