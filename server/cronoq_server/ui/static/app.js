@@ -66,7 +66,10 @@ async function render(refresh = false) {
   }
   signOut.hidden = !token();
   tokenForm.hidden = true;
-  if (!refresh) show(main, h("p", { class: "muted" }, "Loading…"));
+  if (!refresh) {
+    show(main, h("p", { class: "muted" }, "Loading…"));
+    delete main.dataset.view; // names the view drawn, so not the last one while this one loads
+  }
   const started = performance.now();
   try {
     let content;
