@@ -237,6 +237,35 @@ def lookup(obj: Any, dotted: str) -> Any:
     return obj
 
 
+def check_reports(task_id: str, want: dict[str, Any], calls: list[dict[str, Any]]) -> list[str]:
+    """A task's reports (TaskReport), in heartbeats and with outcomes, as expected: the last
+    progress and checkpoint sent (a checkpoint as UTF-8 text), and whether a heartbeat carried one."""
+    last: dict[str, Any] = {}
+    in_heartbeat = False
+    for c in calls:
+        request = c["request"] or {}
+        beats = (request.get("heartbeat") or {}).get("reports", []) + (
+            request.get("reports", []) if c["method"] == "Heartbeat" else []
+        )
+        with_outcomes = [o["report"] for o in request.get("outcomes", []) if "report" in o]
+        for report in beats + with_outcomes:
+            if report.get("task_id") != task_id:
+                continue
+            in_heartbeat |= report in beats
+            if "progress" in report:
+                p = report["progress"]
+                last["progress"] = {"value": p.get("value", 0), "message": p.get("message", "")}
+            if "checkpoint" in report:
+                last["checkpoint"] = base64.b64decode(report["checkpoint"]).decode()
+    problems = []
+    for name in ("progress", "checkpoint"):
+        if name in want and last.get(name) != want[name]:
+            problems.append(f"task {task_id}: last {name} reported {last.get(name)!r}, expected {want[name]!r}")
+    if want.get("in_heartbeat") and not in_heartbeat:
+        problems.append(f"task {task_id}: no heartbeat carried its report (only its outcome did, or nothing)")
+    return problems
+
+
 def check_servers(expect: dict[str, Any], log: list[dict[str, Any]], token: str | None, sdk: str) -> list[str]:
     """The case's expectations of what the scripted servers recorded."""
     calls = [e for e in log if e["event"] == "call"]
@@ -288,6 +317,8 @@ def check_servers(expect: dict[str, Any], log: list[dict[str, Any]], token: str 
         )
         if beats < least:
             problems.append(f"task {task_id}: named in {beats} heartbeat(s), expected at least {least}")
+    for task_id, want in expect.get("reports", {}).items():
+        problems += check_reports(task_id, want, calls)
     for role, least in expect.get("streams", {}).items():
         opened = sum(1 for e in log if e["role"] == role and e["event"] == "stream")
         if opened < least:

@@ -13,7 +13,7 @@ from cryptography import x509
 from cryptography.x509.oid import NameOID, ObjectIdentifier
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from .core.limits import MAX_ATTEMPTS, MAX_TIMEOUT_MS
+from .core.limits import DEFAULT_MAX_SNOOZES, MAX_ATTEMPTS, MAX_TIMEOUT_MS
 
 UNSHARDED = "unsharded"
 PERMISSIONS = ("submit", "read", "cancel", "work", "schedule", "admin")
@@ -268,6 +268,9 @@ class PoolConfig(_Strict):
     # At most this many tasks of one group_key run at once, and leases take the groups with due
     # tasks in turn (none when unset: the pool is one queue by priority, then due time).
     max_running_per_group: int | None = Field(default=None, ge=1, le=MAX_SLOTS)
+    # The snoozes a task of the pool may take (TaskSnoozed): one more is taken as a retryable
+    # failure, which counts, so a handler that always snoozes ends the task FAILED.
+    max_snoozes: int = Field(default=DEFAULT_MAX_SNOOZES, ge=0, le=1_000_000)
 
 
 class ResourceConfig(_Strict):

@@ -168,6 +168,7 @@ class Node:
             max_pending_total=self.config.limits.max_pending_total,
             max_pending_per_pool=self.config.limits.max_pending_per_pool,
             group_pools=frozenset(self._group_caps()),
+            max_snoozes={p.name: p.max_snoozes for p in self.config.pools if p.name in self.pools},
         )
         store = self.config.store
         if store.kind == "sqlite":

@@ -8,7 +8,7 @@ import random
 from cronoq.jsonform import task_event_to_dict, to_dict
 from cronoq.v1 import task_pb2, task_service_pb2
 
-PAYLOAD_FIELDS = ("payload", "payload_json", "result", "result_json")
+PAYLOAD_FIELDS = ("payload", "payload_json", "result", "result_json", "checkpoint")
 
 
 def random_event(rng: random.Random) -> task_pb2.TaskEvent:
@@ -29,7 +29,18 @@ def random_event(rng: random.Random) -> task_pb2.TaskEvent:
         result_content_type=rng.choice(["", "application/json"]),
         timeout_ms=rng.choice([0, 1500, 2**40]),
         group_key=rng.choice(["", "tenant-1", "gr\u00fcppe </b>"]),
+        snoozes=rng.choice([0, 3]),
+        checkpoint=rng.choice([b"", b"page-3", b"\xff\x00"]),
     )
+    if rng.random() < 0.5:
+        task.progress.value = rng.choice([0.0, 0.5, 1e300, -2.25, 1 / 3])
+        task.progress.message = rng.choice(["", "page 3 of 4 \u2603"])
+        if rng.random() < 0.7:
+            task.progress.updated_at.FromNanoseconds(1_764_000_000_123_000_000)
+    if rng.random() < 0.3:
+        task.trace.traceparent = rng.choice(["", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"])
+        task.trace.tracestate = rng.choice(["", "k=v"])
+        task.trace.link = rng.random() < 0.5
     task.payload = rng.choice([b"", b'{"a": [1, 2]}', b"\xff\x00 not json", b"null"])
     task.result = rng.choice([b"", b'"done"', b"\x00\x01", b"{bad"])
     for name in ("run_at", "created_at", "started_at", "finished_at", "lease_expires_at"):
@@ -48,7 +59,10 @@ def random_event(rng: random.Random) -> task_pb2.TaskEvent:
                 )
             )
     event = task_pb2.TaskEvent(
-        shard=rng.choice(["", "cpu"]), seq=rng.choice([0, 7, 2**62]), cursor=rng.choice(["", "1:7"])
+        shard=rng.choice(["", "cpu"]),
+        seq=rng.choice([0, 7, 2**62]),
+        cursor=rng.choice(["", "1:7"]),
+        progress=rng.random() < 0.5,
     )
     if rng.random() < 0.9:
         event.task.CopyFrom(task)

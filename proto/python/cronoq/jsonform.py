@@ -97,20 +97,35 @@ def task_to_dict(task: task_pb2.Task, include_payloads: bool = True) -> dict[str
         "result_content_type": task.result_content_type,
         "timeout_ms": str(task.timeout_ms),
         "group_key": task.group_key,
+        "snoozes": task.snoozes,
     }
     for name in _TIMESTAMPS:
         if task.HasField(name):  # type: ignore[arg-type]
             out[name] = _timestamp(getattr(task, name))
+    if task.HasField("progress"):
+        p = task.progress
+        out["progress"] = {"value": p.value, "message": p.message}
+        if p.HasField("updated_at"):
+            out["progress"]["updated_at"] = _timestamp(p.updated_at)
+    if task.HasField("trace"):
+        t = task.trace
+        out["trace"] = {"traceparent": t.traceparent, "tracestate": t.tracestate, "link": t.link}
     if include_payloads:
         out["payload"] = base64.b64encode(task.payload).decode()
         out["result"] = base64.b64encode(task.result).decode()
+        out["checkpoint"] = base64.b64encode(task.checkpoint).decode()
         task_dict(out)
     return out
 
 
 def task_event_to_dict(event: task_pb2.TaskEvent, include_payloads: bool = True) -> dict[str, Any]:
     """to_dict of a TaskEvent, by task_to_dict."""
-    out: dict[str, Any] = {"shard": event.shard, "seq": str(event.seq), "cursor": event.cursor}
+    out: dict[str, Any] = {
+        "shard": event.shard,
+        "seq": str(event.seq),
+        "cursor": event.cursor,
+        "progress": event.progress,
+    }
     if event.HasField("task"):
         out["task"] = task_to_dict(event.task, include_payloads)
     if event.HasField("time"):

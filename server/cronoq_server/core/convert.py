@@ -5,7 +5,7 @@ from __future__ import annotations
 from cronoq.v1 import schedule_service_pb2, task_pb2, worker_service_pb2
 
 from ..ids import make_task_id
-from ..store.base import AttemptRow, ScheduleRow, TaskRow, WorkerRow
+from ..store.base import AttemptRow, ScheduleRow, TaskRow, Trace, WorkerRow
 
 
 def to_task(row: TaskRow, shard_number: int) -> task_pb2.Task:
@@ -37,7 +37,20 @@ def to_task(row: TaskRow, shard_number: int) -> task_pb2.Task:
         task.finished_at.FromMicroseconds(row.finished_at)
     if row.lease_expires_at is not None:
         task.lease_expires_at.FromMicroseconds(row.lease_expires_at)
+    task.snoozes = row.snoozes
+    if row.progress is not None:
+        task.progress.value = row.progress.value
+        task.progress.message = row.progress.message
+        task.progress.updated_at.FromMicroseconds(row.progress.at)
+    if row.checkpoint:
+        task.checkpoint = row.checkpoint
+    if row.trace is not None:
+        set_trace(task.trace, row.trace)
     return task
+
+
+def set_trace(msg: task_pb2.TraceContext, trace: Trace) -> None:
+    msg.traceparent, msg.tracestate, msg.link = trace.traceparent, trace.tracestate, trace.link
 
 
 def to_attempt(row: AttemptRow, worker_name: str, now: int) -> task_pb2.Attempt:
@@ -88,6 +101,8 @@ def to_schedule(row: ScheduleRow) -> schedule_service_pb2.Schedule:
         fire_all_missed=row.fire_all_missed,
         group_key=row.group_key,
     )
+    if row.trace is not None:
+        set_trace(schedule.trace, row.trace)
     if row.next_fire_at is not None:
         schedule.next_fire_at.FromMicroseconds(row.next_fire_at)
     if row.last_fire_at is not None:

@@ -476,8 +476,14 @@ class EventBus:
         if not include_payloads:
             task.ClearField("payload")
             task.ClearField("result")
+            task.ClearField("checkpoint")
         event = task_pb2.TaskEvent(
-            task=task, shard=self._shard_name, seq=ev.seq, cursor=make_cursor(self._shard_number, ev.seq)
+            task=task,
+            shard=self._shard_name,
+            seq=ev.seq,
+            cursor=make_cursor(self._shard_number, ev.seq),
+            # RUNNING to RUNNING: only a handler's progress (store.heartbeat) changes nothing else
+            progress=ev.prev_state == State.RUNNING and ev.state == State.RUNNING,
         )
         event.time.FromMicroseconds(ev.at)
         return event, event.ByteSize()

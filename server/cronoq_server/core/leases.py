@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractContextManager
@@ -27,6 +28,8 @@ from ..store.base import (
     Outcome,
     OutcomeKind,
     OutcomeResult,
+    Progress,
+    Report,
     Store,
     StoreUnavailable,
     TaskRow,
@@ -35,6 +38,7 @@ from ..store.base import (
 from .convert import to_task, to_worker
 from .events import EventBus, LeaseWaiter
 from .limits import (
+    MAX_CHECKPOINT_BYTES,
     MAX_CONTENT_TYPE,
     MAX_DONE,
     MAX_HEARTBEAT_TASKS,
@@ -42,6 +46,7 @@ from .limits import (
     MAX_LABEL_VALUE,
     MAX_LABELS,
     MAX_OUTCOMES,
+    MAX_PROGRESS_MESSAGE_BYTES,
     MAX_WORK_CREDITS,
     MAX_WORKER_NAME,
     MAX_WORKER_POOLS,
@@ -135,6 +140,7 @@ class Leases:
             shard=self._shard_name,
             max_result_bytes=self._config.limits.max_result_bytes,
             max_lease_bytes=MAX_LEASE_BYTES,
+            max_checkpoint_bytes=MAX_CHECKPOINT_BYTES,
         )
 
     def _remember(self, worker: WorkerRow) -> None:
@@ -290,17 +296,23 @@ class Leases:
     async def heartbeat(self, req: pb.HeartbeatRequest, caller: Principal) -> pb.HeartbeatResponse:
         await self._worker(req.worker_id, caller)
         check_count("tasks", len(req.tasks), MAX_HEARTBEAT_TASKS, "attempts")
-        return await self._beat(req.worker_id, req.tasks)
+        check_reports("reports", req.reports)
+        return await self._beat(req.worker_id, req.tasks, req.reports)
 
-    async def _beat(self, worker_id: str, tasks: Sequence[pb.TaskAttempt]) -> pb.HeartbeatResponse:
-        """Extends the leases of these attempts held by the worker (STORE_CHUNK a transaction);
-        the cancelled and lost among them."""
+    async def _beat(
+        self, worker_id: str, tasks: Sequence[pb.TaskAttempt], reports: Sequence[pb.TaskReport]
+    ) -> pb.HeartbeatResponse:
+        """Extends the leases of these attempts held by the worker (STORE_CHUNK a transaction),
+        keeping the reports (checked) of those still current; the cancelled and lost among them."""
         mine = [(seq_of(t.task_id), t.attempt) for t in tasks if shard_of(t.task_id) == self._shard]
         foreign = [t.task_id for t in tasks if shard_of(t.task_id) != self._shard]
+        # The last report of each task of this shard (one of another shard: the task is lost)
+        kept = list({r.seq: r for r in (self._report(r) for r in reports) if r is not None}.values())
         cancelled: list[int] = []
         lost: list[int] = []
-        for start in range(0, max(len(mine), 1), STORE_CHUNK):  # one call with none: the worker was seen
-            part = await self._store.heartbeat(worker_id, mine[start : start + STORE_CHUNK], now_us())
+        for start in range(0, max(len(mine), len(kept), 1), STORE_CHUNK):  # one call with none: the worker was seen
+            end = start + STORE_CHUNK
+            part = await self._store.heartbeat(worker_id, mine[start:end], now_us(), kept[start:end])
             cancelled += part[0]
             lost += part[1]
         return pb.HeartbeatResponse(
@@ -323,11 +335,27 @@ class Leases:
             finished += await self._finished(part, results, changes)
         return finished
 
+    def _report(self, r: pb.TaskReport) -> Report | None:
+        """The store's Report of a checked one (check_reports); None for another shard's task."""
+        if shard_of(r.task_id) != self._shard:
+            return None
+        progress = Progress(r.progress.value, r.progress.message, 0) if r.HasField("progress") else None
+        return Report(seq_of(r.task_id), r.attempt, progress, r.checkpoint if r.HasField("checkpoint") else None)
+
     def _outcome(self, field: str, o: pb.TaskOutcome) -> Outcome:
-        """The store's Outcome of a reported one; raises INVALID_ARGUMENT naming field."""
+        """The store's Outcome of a reported one, with its report; raises INVALID_ARGUMENT naming field."""
+        outcome = self._bare_outcome(field, o)
+        if o.HasField("report"):
+            check_report(f"{field}.report", o.report)
+            report = o.report
+            report.task_id, report.attempt = o.task_id, o.attempt  # the outcome's attempt
+            outcome.report = self._report(report)
+        return outcome
+
+    def _bare_outcome(self, field: str, o: pb.TaskOutcome) -> Outcome:
         kind = o.WhichOneof("outcome")
         if kind is None:
-            raise invalid(f"{field}: give success, failure, cancelled or released")
+            raise invalid(f"{field}: give success, failure, cancelled, released or snoozed")
         if shard_of(o.task_id) != self._shard:
             raise invalid(f"{field}.task_id: task {o.task_id} belongs to another shard")
         seq = seq_of(o.task_id)
@@ -351,6 +379,9 @@ class Leases:
             )
         if kind == "cancelled":
             return Outcome(seq, o.attempt, OutcomeKind.CANCELLED, error=cap_error(o.cancelled.reason or "cancelled"))
+        if kind == "snoozed":
+            s = o.snoozed
+            return Outcome(seq, o.attempt, OutcomeKind.SNOOZED, error=cap_error(s.reason), retry_after_ms=s.snooze_ms)
         return Outcome(seq, o.attempt, OutcomeKind.RELEASED)
 
     async def _finished(
@@ -544,7 +575,8 @@ class Leases:
             limit = 0
         with in_flight():
             if beats:
-                answer.heartbeat.CopyFrom(await self._beat(worker.id, [t for b in beats for t in b.tasks]))
+                tasks = [t for b in beats for t in b.tasks]
+                answer.heartbeat.CopyFrom(await self._beat(worker.id, tasks, [r for b in beats for r in b.reports]))
             if not outcomes and limit < 1:
                 answer.results.extend(refused.values())
                 return answer, float("inf")
@@ -713,11 +745,30 @@ def _check_counts(req: pb.WorkRequest) -> None:
     """A message of a Work stream carries no more than the unary calls may."""
     check_count("outcomes", len(req.outcomes), MAX_OUTCOMES, "outcomes")
     check_count("heartbeat.tasks", len(req.heartbeat.tasks), MAX_HEARTBEAT_TASKS, "attempts")
+    check_reports("heartbeat.reports", req.heartbeat.reports)
+
+
+def check_reports(field: str, reports: Sequence[pb.TaskReport]) -> None:
+    """A heartbeat's reports: as many as its attempts may be, each as check_report."""
+    check_count(field, len(reports), MAX_HEARTBEAT_TASKS, "reports")
+    for r in reports:
+        check_report(f"{field} (task {r.task_id})", r)
+
+
+def check_report(field: str, r: pb.TaskReport) -> None:
+    """A handler's report: a finite progress with a short message, a bounded checkpoint;
+    INVALID_ARGUMENT naming the field and value else."""
+    if r.HasField("progress"):
+        if not math.isfinite(r.progress.value):
+            raise invalid(f"{field}.progress.value: {r.progress.value}, not a finite number")
+        check_text(f"{field}.progress.message", r.progress.message, MAX_PROGRESS_MESSAGE_BYTES, in_bytes=True)
+    if len(r.checkpoint) > MAX_CHECKPOINT_BYTES:
+        raise invalid(f"{field}.checkpoint: {len(r.checkpoint)} bytes, more than {MAX_CHECKPOINT_BYTES}")
 
 
 def _entries(req: pb.WorkRequest) -> int:
     """What answering a Work stream's message takes, in entries (see WORK_STEP_ENTRIES)."""
-    return 1 + len(req.outcomes) + len(req.heartbeat.tasks)
+    return 1 + len(req.outcomes) + len(req.heartbeat.tasks) + len(req.heartbeat.reports)
 
 
 class _WorkInbox:

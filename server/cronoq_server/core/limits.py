@@ -17,6 +17,13 @@ MAX_LABEL_KEY = 128
 MAX_LABEL_VALUE = 1024
 # An error text longer than this is cut, with a marker saying how much was dropped.
 MAX_ERROR_BYTES = 16 << 10
+# A handler's report (TaskReport): its progress message, and its checkpoint.
+MAX_PROGRESS_MESSAGE_BYTES = 1024
+MAX_CHECKPOINT_BYTES = 256 << 10
+# A task's W3C tracestate (the W3C spec's own bound is 32 members; 512 bytes is what SDKs send).
+MAX_TRACESTATE_BYTES = 512
+# A pool's max_snoozes when its config does not set one.
+DEFAULT_MAX_SNOOZES = 100
 # What one worker call carries (FinishTasks, Heartbeat, LeaseTasks, RegisterWorker, a message of
 # a Work stream): a list longer than its cap is refused whole, before any of it is worked on.
 # The SDKs send at most 1,000 outcomes a message.

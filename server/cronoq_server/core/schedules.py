@@ -24,7 +24,7 @@ from .convert import to_schedule
 from .cron import Cron, CronError, latest_at_or_before, next_after, parse, zone
 from .events import EventBus
 from .limits import SCHEDULE_KEY_PREFIX
-from .tasks import Tasks, now_us
+from .tasks import Tasks, now_us, trace_of
 
 log = logging.getLogger("cronoq.schedules")
 
@@ -105,6 +105,7 @@ class Schedules:
             fire_all_missed=s.fire_all_missed,
             next_fire_at=next_fire_at,
             group_key=s.group_key,
+            trace=trace_of(s, link=True),
         )
         stored = await self._store.put_schedule(row, now)
         self.wake()
@@ -170,6 +171,7 @@ class Schedules:
                 resources=dict(schedule.resources),
                 timeout_ms=timeout_ms,
                 group_key=schedule.group_key,
+                trace=schedule.trace,
             )
             for slot in slots
         ]

@@ -4,6 +4,7 @@ list, watch."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Mapping
@@ -19,7 +20,7 @@ from ..config import Config
 from ..errors import failed_precondition, invalid, not_found
 from ..ids import MAX_ID, make_task_id, seq_of, shard_of
 from ..metrics import TASK_RETRIES
-from ..store.base import TERMINAL, AttemptOutcome, AttemptRow, NewTask, State, Store, Submitted, TaskRow
+from ..store.base import TERMINAL, AttemptOutcome, AttemptRow, NewTask, State, Store, Submitted, TaskRow, Trace
 from ..store.logic import ENDED_UNSUCCESSFULLY
 from .convert import to_attempt, to_task
 from .events import EventBus, Watcher, parse_cursor
@@ -29,6 +30,7 @@ from .limits import (
     MAX_KEY_LENGTH,
     MAX_REQUEST_ID,
     MAX_TIMEOUT_MS,
+    MAX_TRACESTATE_BYTES,
     RETRY_EXTRA_ATTEMPTS,
     SCHEDULE_KEY_PREFIX,
     TASK_RANGES,
@@ -62,10 +64,34 @@ class TaskTemplate(Protocol):
     def timeout_ms(self) -> int: ...
     @property
     def group_key(self) -> str: ...
+    @property
+    def trace(self) -> task_pb2.TraceContext: ...
 
 
 def now_us() -> int:
     return time.time_ns() // 1000
+
+
+# W3C trace context: version, trace id, parent id, flags (lowercase hex).
+TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def check_trace(field: str, t: task_pb2.TraceContext) -> None:
+    """A trace context given with a task: unset, or a W3C traceparent (version 00's form; not
+    version ff, not all-zero ids) with a tracestate of at most MAX_TRACESTATE_BYTES."""
+    if not t.traceparent:
+        return
+    version, trace_id, parent_id, _ = t.traceparent.split("-") if TRACEPARENT.fullmatch(t.traceparent) else [""] * 4
+    if not version or version == "ff" or trace_id == "0" * 32 or parent_id == "0" * 16:
+        shown = t.traceparent[:80]
+        raise invalid(f"{field}.traceparent: {shown!r} is not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)")
+    check_text(f"{field}.tracestate", t.tracestate, MAX_TRACESTATE_BYTES, in_bytes=True)
+
+
+def trace_of(req: TaskTemplate, link: bool = False) -> Trace | None:
+    """The trace context a submission or a schedule carries (checked), None when unset."""
+    t = req.trace
+    return Trace(t.traceparent, t.tracestate, link) if t.traceparent else None
 
 
 def wait_ms(asked_ms: int) -> int:
@@ -127,6 +153,7 @@ class Tasks:
             resources=dict(req.resources),
             timeout_ms=_timeout_ms(req.timeout_ms, pool.timeout),
             group_key=req.group_key,
+            trace=trace_of(req),
         )
         for i, ref in enumerate(req.depends_on):
             kind = ref.WhichOneof("ref")
@@ -151,6 +178,7 @@ class Tasks:
         submission and for a schedule's template (each field named with `where` before it)."""
         check_text(f"{where}content_type", req.content_type, MAX_CONTENT_TYPE)
         check_text(f"{where}group_key", req.group_key, MAX_GROUP_KEY_BYTES, in_bytes=True)
+        check_trace(f"{where}trace", req.trace)
         limit = self._config.limits.max_payload_bytes
         if len(req.payload) > limit:
             raise invalid(f"{where}payload: {len(req.payload)} bytes exceeds limits.max_payload_bytes {limit}")

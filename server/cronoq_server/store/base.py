@@ -7,7 +7,7 @@ Unix epoch (UTC); tasks are named inside a store by their per-shard sequence.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -34,7 +34,8 @@ LEASE_EXPIRED = "lease expired"
 TASK_COLUMNS = (
     "seq, pool, key, payload, content_type, priority, run_at, max_attempts, depends_on, resources, "
     "state, attempt, worker_id, result, result_content_type, error, created_at, started_at, "
-    "finished_at, cancel_requested, lease_expires_at, timeout_ms, group_key"
+    "finished_at, cancel_requested, lease_expires_at, timeout_ms, group_key, snoozes, progress, checkpoint, "
+    "trace"
 )
 
 
@@ -63,6 +64,39 @@ class TaskRow:
     lease_expires_at: int | None
     timeout_ms: int = 0  # each attempt's execution timeout; 0: none
     group_key: str = ""  # SubmitTaskRequest.group_key; "": none
+    snoozes: int = 0  # times a handler snoozed it (not attempts)
+    progress: Progress | None = None  # the last a handler reported
+    checkpoint: bytes | None = None  # the last a handler saved; given to the next attempt
+    trace: Trace | None = None  # the W3C trace context it was submitted in
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """A W3C trace context (cronoq.v1.TraceContext), as the store keeps it (JSON text)."""
+
+    traceparent: str
+    tracestate: str = ""
+    link: bool = False  # a fired task's: the schedule's context, linked to rather than continued
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A handler's progress, as the store keeps it (JSON text [value, message, at])."""
+
+    value: float
+    message: str
+    at: int  # µs, when the server received it
+
+
+@dataclass(slots=True)
+class Report:
+    """What a running handler reported (cronoq.v1.TaskReport), validated: kept with its task
+    when the attempt is still the task's."""
+
+    seq: int
+    attempt: int
+    progress: Progress | None = None
+    checkpoint: bytes | None = None  # None: unchanged; b"": cleared
 
 
 @dataclass(slots=True)
@@ -79,6 +113,7 @@ class NewTask:
     resources: dict[str, int] = field(default_factory=dict)
     timeout_ms: int = 0
     group_key: str = ""
+    trace: Trace | None = None
     dep_seqs: list[int] = field(default_factory=list)
     dep_keys: list[str] = field(default_factory=list)
     # Indices of earlier tasks of the same batch (their keys, resolved by the core).
@@ -96,6 +131,7 @@ class OutcomeKind(enum.Enum):
     FAILURE = "failure"
     CANCELLED = "cancelled"
     RELEASED = "released"  # given back unfinished: PENDING again, the attempt not counted
+    SNOOZED = "snoozed"  # not now: PENDING again, due in snooze_ms, the attempt not counted
 
 
 @dataclass(slots=True)
@@ -107,8 +143,9 @@ class Outcome:
     result_content_type: str = ""
     error: str = ""
     retryable: bool = True
-    retry_after_ms: int = 0
+    retry_after_ms: int = 0  # a snooze's snooze_ms too
     lost: bool = False  # the lease expired: no word from the worker (a failed attempt, recorded LOST)
+    report: Report | None = None  # the handler's last report, kept before the outcome is applied
 
 
 @dataclass(slots=True)
@@ -127,6 +164,7 @@ class AttemptOutcome(enum.IntEnum):
     FAILED = 3
     CANCELLED = 4
     LOST = 5
+    SNOOZED = 6
 
 
 # Column order of every attempt row a store writes and returns.
@@ -182,6 +220,7 @@ class ScheduleRow:
     created_at: int = 0
     updated_at: int = 0
     group_key: str = ""  # of each fired task
+    trace: Trace | None = None  # of the call that put it; each fired task links to it
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +318,8 @@ class StoreSettings:
     lease_overhead_bytes: int = 256
     # The pools that cap their groups (max_running_per_group): leased round robin across groups.
     group_pools: frozenset[str] = frozenset()
+    # Per pool: the snoozes a task may take; one more is taken as a retryable failure.
+    max_snoozes: dict[str, int] = field(default_factory=dict)
 
 
 class StoreRefused(Exception):
@@ -385,7 +426,9 @@ class Store(Protocol):
         """Rebuilds the ranks of the pools that cap their groups (store/fair.py) from the
         stored tasks: when a server takes over, before it leases."""
 
-    async def heartbeat(self, worker_id: str, attempts: list[tuple[int, int]], now: int) -> tuple[list[int], list[int]]:
+    async def heartbeat(
+        self, worker_id: str, attempts: list[tuple[int, int]], now: int, reports: Sequence[Report] = ()
+    ) -> tuple[list[int], list[int]]:
         """Extends the leases held; returns (cancel-requested seqs, lost seqs)."""
 
     async def finish(self, worker_id: str, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from ..core.limits import DEFAULT_MAX_SNOOZES
 from ..errors import ApiError
 from ..ids import seq_of
 from .base import (
@@ -28,6 +29,8 @@ from .base import (
     OutcomeKind,
     OutcomeResult,
     PoolPause,
+    Progress,
+    Report,
     RetryAt,
     ScheduleRow,
     State,
@@ -35,10 +38,11 @@ from .base import (
     Submitted,
     TaskFilter,
     TaskRow,
+    Trace,
 )
 
 # What an outcome decision reads of a task, in this order.
-OUTCOME_COLUMNS = "seq, state, attempt, pool, max_attempts, cancel_requested, worker_id, started_at"
+OUTCOME_COLUMNS = "seq, state, attempt, pool, max_attempts, cancel_requested, worker_id, started_at, snoozes"
 HEARTBEAT_COLUMNS = "seq, state, attempt, worker_id, cancel_requested, pool, started_at, timeout_ms"
 
 
@@ -68,7 +72,60 @@ def task_row(r: Any) -> TaskRow:
         lease_expires_at=r[20],
         timeout_ms=r[21],
         group_key=r[22],
+        snoozes=r[23],
+        progress=progress_of(r[24]),
+        checkpoint=r[25],
+        trace=trace_of(r[26]),
     )
+
+
+def trace_of(text: str | None) -> Trace | None:
+    """A Trace from its column (JSON text [traceparent, tracestate, link]; NULL: none)."""
+    if not text:
+        return None
+    traceparent, tracestate, link = json.loads(text)
+    return Trace(traceparent, tracestate, link)
+
+
+def trace_text(t: Trace | None) -> str | None:
+    return json.dumps([t.traceparent, t.tracestate, t.link]) if t is not None else None
+
+
+def progress_of(text: str | None) -> Progress | None:
+    """A Progress from its column (JSON text [value, message, at]; NULL: none)."""
+    if not text:
+        return None
+    value, message, at = json.loads(text)
+    return Progress(value, message, at)
+
+
+def progress_text(p: Progress) -> str:
+    return json.dumps([p.value, p.message, p.at])
+
+
+def report_columns(
+    reports: Sequence[Report], now: int
+) -> tuple[list[int], list[str | None], list[bool], list[bytes | None]]:
+    """Reports as the columns one UPDATE applies: seq, progress text (None: unchanged), whether
+    the checkpoint is set, and the checkpoint. A report's progress is stamped with now."""
+    return (
+        [r.seq for r in reports],
+        [progress_text(Progress(r.progress.value, r.progress.message, now)) if r.progress else None for r in reports],
+        [r.checkpoint is not None for r in reports],
+        [r.checkpoint for r in reports],
+    )
+
+
+def current_reports(reports: Sequence[Report], current: Mapping[int, tuple[Any, ...]], worker_id: str) -> list[Report]:
+    """The reports whose attempt is still the task's, running on worker_id (HEARTBEAT_COLUMNS rows)."""
+    return [
+        r
+        for r in reports
+        if (row := current.get(r.seq)) is not None
+        and row[1] == State.RUNNING
+        and row[2] == r.attempt
+        and row[3] == worker_id
+    ]
 
 
 def attempt_row(r: Any) -> AttemptRow:
@@ -146,6 +203,8 @@ class Decisions:
     retries: list[tuple[int, str, int]] = field(default_factory=list)
     # seqs given back unfinished: PENDING again at the same run_at, attempt not counted
     released: list[int] = field(default_factory=list)
+    # (run_at, seq) snoozed: PENDING again at run_at, attempt not counted, snoozes + 1
+    snoozed: list[tuple[int, int]] = field(default_factory=list)
     succeeded: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
     cancelled: list[int] = field(default_factory=list)
@@ -154,8 +213,11 @@ class Decisions:
     attempts: list[tuple[int, int, str | None, int | None, int, int, str]] = field(default_factory=list)
 
 
-def decide_outcomes(accepted: list[tuple[Outcome, tuple[Any, ...]]], now: int, retry_at: RetryAt) -> Decisions:
-    """Ends or retries RUNNING tasks: cancel wins, then success, then retry while attempts remain."""
+def decide_outcomes(
+    accepted: list[tuple[Outcome, tuple[Any, ...]]], now: int, retry_at: RetryAt, max_snoozes: Mapping[str, int]
+) -> Decisions:
+    """Ends or retries RUNNING tasks: cancel wins, then success, then snooze while the pool allows
+    (past max_snoozes, a snooze is a retryable failure), then retry while attempts remain."""
     d = Decisions()
     for o, r in accepted:
         seq, attempt, pool, max_attempts, cancel_requested = r[0], r[2], r[3], r[4], r[5]
@@ -163,6 +225,18 @@ def decide_outcomes(accepted: list[tuple[Outcome, tuple[Any, ...]]], now: int, r
             d.released.append(seq)
             d.changes.append((seq, State.PENDING))
             continue
+        if o.kind is OutcomeKind.SNOOZED and not cancel_requested:
+            limit = max_snoozes.get(pool, DEFAULT_MAX_SNOOZES)
+            if r[8] < limit:
+                d.snoozed.append((now + o.retry_after_ms * 1000, seq))
+                reason = f"snoozed for {o.retry_after_ms} ms" + (f": {o.error}" if o.error else "")
+                d.attempts.append((seq, attempt, r[6], r[7], now, int(AttemptOutcome.SNOOZED), reason))
+                d.changes.append((seq, State.PENDING))
+                continue
+            o = Outcome(
+                o.seq, o.attempt, OutcomeKind.FAILURE, error=f"snoozed {limit} times, the pool's max_snoozes",
+                retry_after_ms=o.retry_after_ms,
+            )  # fmt: skip
         if o.kind in (OutcomeKind.CANCELLED, OutcomeKind.RELEASED) or cancel_requested:
             state, error, outcome = State.CANCELLED, o.error or "cancelled", AttemptOutcome.CANCELLED
             d.cancelled.append(seq)
@@ -421,7 +495,7 @@ def pool_pause(r: Any) -> PoolPause:
 
 SCHEDULE_COLUMNS = (
     "pool, name, cron, timezone, payload, content_type, priority, max_attempts, resources, timeout_ms, "
-    "paused, fire_all_missed, next_fire_at, last_fire_at, created_at, updated_at, group_key"
+    "paused, fire_all_missed, next_fire_at, last_fire_at, created_at, updated_at, group_key, trace"
 )
 # What a Put of an existing schedule replaces (its last_fire_at and created_at are kept).
 SCHEDULE_UPSERT = (
@@ -429,7 +503,7 @@ SCHEDULE_UPSERT = (
     " payload = excluded.payload, content_type = excluded.content_type, priority = excluded.priority,"
     " max_attempts = excluded.max_attempts, resources = excluded.resources, timeout_ms = excluded.timeout_ms,"
     " paused = excluded.paused, fire_all_missed = excluded.fire_all_missed, group_key = excluded.group_key,"
-    " next_fire_at = excluded.next_fire_at, updated_at = excluded.updated_at"
+    " trace = excluded.trace, next_fire_at = excluded.next_fire_at, updated_at = excluded.updated_at"
     f" RETURNING {SCHEDULE_COLUMNS}"
 )
 
@@ -454,6 +528,7 @@ def schedule_row(r: Any) -> ScheduleRow:
         created_at=r[14],
         updated_at=r[15],
         group_key=r[16],
+        trace=trace_of(r[17]),
     )
 
 
@@ -462,7 +537,7 @@ def schedule_values(s: ScheduleRow, now: int) -> tuple[Any, ...]:
     resources = json.dumps(s.resources) if s.resources else None
     return (
         s.pool, s.name, s.cron, s.timezone, s.payload, s.content_type, s.priority, s.max_attempts, resources,
-        s.timeout_ms, s.paused, s.fire_all_missed, s.next_fire_at, None, now, now, s.group_key,
+        s.timeout_ms, s.paused, s.fire_all_missed, s.next_fire_at, None, now, now, s.group_key, trace_text(s.trace),
     )  # fmt: skip
 
 

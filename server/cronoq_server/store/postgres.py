@@ -39,6 +39,7 @@ from .base import (
     OutcomeKind,
     OutcomeResult,
     PoolPause,
+    Report,
     ScheduleRow,
     State,
     StoreOwnedElsewhere,
@@ -74,6 +75,7 @@ from .logic import (
     attempt_row,
     check_outcomes,
     check_pending_limits,
+    current_reports,
     decide_heartbeat,
     decide_outcomes,
     decide_restore,
@@ -94,11 +96,13 @@ from .logic import (
     pool_pause,
     pool_pause_values,
     replay_request,
+    report_columns,
     request_retention,
     request_seqs,
     schedule_row,
     schedule_values,
     task_row,
+    trace_text,
 )
 
 log = logging.getLogger("cronoq.store.postgres")
@@ -273,6 +277,16 @@ MIGRATIONS: dict[int, list[str]] = {
             WHERE state = 1 AND resources IS NOT NULL AND res_key IS NULL""",
         """CREATE INDEX tasks_keyed ON {s}.tasks (pool, res_key, priority DESC, run_at, seq)
             WHERE state = 1 AND res_key IS NOT NULL""",
+    ],
+    11: [
+        # Handlers' snoozes (not attempts), last progress (JSON text [value, message, at]) and
+        # last checkpoint (given to the next attempt).
+        """ALTER TABLE {s}.tasks ADD COLUMN snoozes int NOT NULL DEFAULT 0, ADD COLUMN progress text,
+            ADD COLUMN checkpoint bytea""",
+        # The W3C trace context a task was submitted in, and the one a schedule was put in (JSON
+        # text [traceparent, tracestate, link]).
+        """ALTER TABLE {s}.tasks ADD COLUMN trace text""",
+        """ALTER TABLE {s}.schedules ADD COLUMN trace text""",
     ],
 }
 WORKER_COLUMNS = "id, name, pools, concurrency, labels, registered_at, last_seen_at, principal"
@@ -798,18 +812,19 @@ class PostgresStore:
             "WITH ids AS MATERIALIZED (SELECT n, nextval(pg_get_serial_sequence('{s}.tasks', 'seq')) AS seq"
             " FROM generate_series(1, $10::int) AS n),"
             " u AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int[], $5::bigint[], $6::int[],"
-            " $7::text[], $12::bigint[], $15::text[], $16::bigint[], $13::int[], $8::bigint[], $17::text[])"
+            " $7::text[], $12::bigint[], $15::text[], $16::bigint[], $13::int[], $8::bigint[], $17::text[],"
+            " $18::text[])"
             " WITH ORDINALITY AS u(pool, payload, content_type, priority, run_at, max_attempts, resources, timeout_ms,"
-            " group_key, group_rank, op, now, res_key, n)),"
+            " group_key, group_rank, op, now, res_key, trace, n)),"
             " ops AS (SELECT * FROM unnest($11::text[], $14::bigint[]) WITH ORDINALITY AS o(rid, now, op)),"
             " req AS (INSERT INTO {s}.requests (id, created, created_at)"
             " SELECT o.rid, (SELECT json_agg(json_build_array(ids.seq, false) ORDER BY ids.n) FROM u"
             " JOIN ids ON ids.n = u.n WHERE u.op = o.op)::text, o.now FROM ops o WHERE o.rid IS NOT NULL AND {fence}"
             " ON CONFLICT (id) DO NOTHING RETURNING id),"
             " ins AS (INSERT INTO {s}.tasks (seq, pool, payload, content_type, priority, run_at, max_attempts,"
-            " resources, state, created_at, timeout_ms, group_key, group_rank, res_key)"
+            " resources, state, created_at, timeout_ms, group_key, group_rank, res_key, trace)"
             " SELECT ids.seq, u.pool, u.payload, u.content_type, u.priority, u.run_at, u.max_attempts,"
-            " u.resources, 1, u.now, u.timeout_ms, u.group_key, u.group_rank, u.res_key"
+            " u.resources, 1, u.now, u.timeout_ms, u.group_key, u.group_rank, u.res_key, u.trace"
             " FROM u JOIN ids ON ids.n = u.n JOIN ops ON ops.op = u.op"
             " WHERE {fence} AND (ops.rid IS NULL OR ops.rid IN (SELECT id FROM req))"
             f" RETURNING seq, pool, created_at, {EVENT_TASK_COLUMNS}),"
@@ -838,6 +853,7 @@ class PostgresStore:
                 for (_, op, t), at in zip(tasks, run_at, strict=True)
             ],
             [keyed_entry(t.resources) for _, _, t in tasks],
+            [trace_text(t.trace) for _, _, t in tasks],
         )
         if conn is None:
             rows = await self._fenced_fetch(sql, *args)
@@ -859,7 +875,7 @@ class PostgresStore:
                         depends_on=[], resources=t.resources, state=State.PENDING, attempt=0, worker_id=None,
                         result=None, result_content_type="", error="", created_at=op.now, started_at=None,
                         finished_at=None, cancel_requested=False, lease_expires_at=None, timeout_ms=t.timeout_ms,
-                        group_key=t.group_key,
+                        group_key=t.group_key, trace=t.trace,
                     ),
                     False,
                 )
@@ -932,14 +948,14 @@ class PostgresStore:
                 max_attempts=task.max_attempts, depends_on=dep_list, resources=task.resources, state=state,
                 attempt=0, worker_id=None, result=None, result_content_type="", error=error, created_at=now,
                 started_at=None, finished_at=now if state in TERMINAL else None, cancel_requested=False,
-                lease_expires_at=None, timeout_ms=task.timeout_ms, group_key=task.group_key,
+                lease_expires_at=None, timeout_ms=task.timeout_ms, group_key=task.group_key, trace=task.trace,
             )  # fmt: skip
             inserts.append((
                 seq, row.pool, row.key, row.payload, row.content_type, row.priority, row.run_at, row.max_attempts,
                 json.dumps(dep_list) if dep_list else None, json.dumps(row.resources) if row.resources else None,
                 int(state), error, now, row.finished_at, blocked_on, task.timeout_ms, task.group_key,
                 first_rank(self._ranks, row.pool, row.group_key, state == State.PENDING, row.run_at, now),
-                keyed_entry(row.resources),
+                keyed_entry(row.resources), trace_text(task.trace),
             ))  # fmt: skip
             dep_rows += [(seq, d) for d in dep_list]
             dep_state[seq] = state  # later tasks of this call may name it by id or key
@@ -953,12 +969,12 @@ class PostgresStore:
                 self._sql(
                     "WITH ins AS (INSERT INTO {s}.tasks (seq, pool, key, payload, content_type, priority, run_at,"
                     " max_attempts, depends_on, resources, state, error, created_at, finished_at, blocked_on,"
-                    " timeout_ms, group_key, group_rank, res_key)"
+                    " timeout_ms, group_key, group_rank, res_key, trace)"
                     " SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::int[],"
                     " $7::bigint[], $8::int[], $9::text[], $10::text[], $11::smallint[], $12::text[], $13::bigint[],"
-                    " $14::bigint[], $15::int[], $16::bigint[], $17::text[], $18::bigint[], $19::text[])"
+                    " $14::bigint[], $15::int[], $16::bigint[], $17::text[], $18::bigint[], $19::text[], $20::text[])"
                     f" RETURNING seq, pool, state, {EVENT_TASK_COLUMNS})"
-                    f" {INSERT_EVENTS} SELECT seq, state, 0, $20, pool, 0, {EVENT_TASK_COLUMNS}"
+                    f" {INSERT_EVENTS} SELECT seq, state, 0, $21, pool, 0, {EVENT_TASK_COLUMNS}"
                     " FROM ins ORDER BY seq"
                 ),
                 *[list(c) for c in columns],
@@ -1248,11 +1264,15 @@ class PostgresStore:
 
         await self._tx(load)
 
-    async def heartbeat(self, worker_id: str, attempts: list[tuple[int, int]], now: int) -> tuple[list[int], list[int]]:
+    async def heartbeat(
+        self, worker_id: str, attempts: list[tuple[int, int]], now: int, reports: Sequence[Report] = ()
+    ) -> tuple[list[int], list[int]]:
         async def beat(conn: asyncpg.Connection) -> tuple[list[int], list[int]]:
             await conn.execute(self._sql("UPDATE {s}.workers SET last_seen_at = $1 WHERE id = $2"), now, worker_id)
             sql = self._sql(f"SELECT {HEARTBEAT_COLUMNS} FROM {{s}}.tasks WHERE seq = ANY($1::bigint[])")
-            current = {r[0]: tuple(r) for r in await conn.fetch(sql, [s for s, _ in attempts])}
+            seqs = [s for s, _ in attempts] + [r.seq for r in reports]
+            current = {r[0]: tuple(r) for r in await conn.fetch(sql, seqs)}
+            await self._keep_reports(conn, current_reports(reports, current, worker_id), now)
             cancelled, lost, extend = decide_heartbeat(worker_id, attempts, current, now, self.settings.lease_ttl_us)
             if extend:
                 await conn.execute(
@@ -1267,6 +1287,22 @@ class PostgresStore:
 
         return await self._tx(beat)
 
+    async def _keep_reports(self, conn: asyncpg.Connection, reports: Sequence[Report], now: int) -> None:
+        """Keeps the reports of current attempts with their tasks; a progress is an event."""
+        if not reports:
+            return
+        await conn.execute(
+            self._sql(
+                "UPDATE {s}.tasks t SET progress = coalesce(u.progress, t.progress),"
+                " checkpoint = CASE WHEN u.has_checkpoint THEN u.checkpoint ELSE t.checkpoint END"
+                " FROM unnest($1::bigint[], $2::text[], $3::boolean[], $4::bytea[])"
+                " AS u(seq, progress, has_checkpoint, checkpoint) WHERE t.seq = u.seq"
+            ),
+            *report_columns(reports, now),
+        )
+        progressed: Changes = [(r.seq, State.RUNNING) for r in reports if r.progress is not None]
+        await self._record_events(conn, progressed, [State.RUNNING] * len(progressed), now)
+
     # -- outcomes -------------------------------------------------------------
 
     def _fast_finish(self, outcomes: list[Outcome]) -> bool:
@@ -1275,7 +1311,7 @@ class PostgresStore:
         seqs = {o.seq for o in outcomes}
         return (
             self._nothing_blocked()
-            and all(o.kind is OutcomeKind.SUCCESS for o in outcomes)
+            and all(o.kind is OutcomeKind.SUCCESS and o.report is None for o in outcomes)
             and len(seqs) == len(outcomes)
         )
 
@@ -1423,7 +1459,8 @@ class PostgresStore:
         return [(r[0], State.PENDING) for r in rows]
 
     async def _apply_outcomes(self, conn: asyncpg.Connection, accepted: list[tuple[Outcome, Any]], now: int) -> Changes:
-        d = decide_outcomes(accepted, now, self.settings.retry_at)
+        await self._keep_reports(conn, [o.report for o, _ in accepted if o.report is not None], now)
+        d = decide_outcomes(accepted, now, self.settings.retry_at, self.settings.max_snoozes)
         if d.attempts:
             await conn.execute(
                 self._sql(
@@ -1460,6 +1497,15 @@ class PostgresStore:
                     f" lease_expires_at = NULL, {self._rank_keep} WHERE seq = ANY($1::bigint[])"
                 ),
                 d.released,
+            )
+        if d.snoozed:
+            await conn.execute(
+                self._sql(
+                    "UPDATE {s}.tasks t SET state = 1, run_at = u.run_at, attempt = t.attempt - 1,"
+                    " snoozes = t.snoozes + 1, worker_id = NULL, started_at = NULL, lease_expires_at = NULL,"
+                    f" {self._rank_reset} FROM unnest($1::bigint[], $2::bigint[]) AS u(run_at, seq) WHERE t.seq = u.seq"
+                ),
+                *[list(c) for c in zip(*d.snoozed, strict=True)],
             )
         changes = d.changes
         ended = len(changes)  # RUNNING before; the dependents after them were BLOCKED

@@ -32,6 +32,7 @@ from .base import (
     Outcome,
     OutcomeResult,
     PoolPause,
+    Report,
     ScheduleRow,
     State,
     StoreOwnedElsewhere,
@@ -66,6 +67,7 @@ from .logic import (
     attempt_row,
     check_outcomes,
     check_pending_limits,
+    current_reports,
     decide_heartbeat,
     decide_outcomes,
     decide_restore,
@@ -86,11 +88,13 @@ from .logic import (
     pool_pause,
     pool_pause_values,
     replay_request,
+    report_columns,
     request_retention,
     request_seqs,
     schedule_row,
     schedule_values,
     task_row,
+    trace_text,
 )
 
 T = TypeVar("T")
@@ -241,6 +245,16 @@ MIGRATIONS: dict[int, str] = {
         WHERE state = 1 AND resources IS NOT NULL AND res_key IS NULL;
     CREATE INDEX IF NOT EXISTS tasks_keyed ON tasks (pool, res_key, priority DESC, run_at, seq)
         WHERE state = 1 AND res_key IS NOT NULL;
+    """,
+    # Handlers' snoozes (not attempts), last progress (JSON text [value, message, at]) and last
+    # checkpoint (given to the next attempt); the W3C trace context a task was submitted in, and
+    # the one a schedule was put in (JSON text [traceparent, tracestate, link]).
+    10: """
+    ALTER TABLE tasks ADD COLUMN snoozes INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE tasks ADD COLUMN progress TEXT;
+    ALTER TABLE tasks ADD COLUMN checkpoint BLOB;
+    ALTER TABLE tasks ADD COLUMN trace TEXT;
+    ALTER TABLE schedules ADD COLUMN trace TEXT;
     """,
 }
 
@@ -598,7 +612,7 @@ class SqliteStore:
             cur = db.execute(
                 "INSERT INTO tasks (pool, key, payload, content_type, priority, run_at, max_attempts, depends_on,"
                 " resources, state, error, created_at, finished_at, blocked_on, timeout_ms, group_key, group_rank,"
-                " res_key) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " res_key, trace) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     task.pool,
                     task.key,
@@ -618,6 +632,7 @@ class SqliteStore:
                     task.group_key,
                     first_rank(self._ranks, task.pool, task.group_key, state == State.PENDING, run_at, now),
                     keyed_entry(task.resources),
+                    trace_text(task.trace),
                 ),
             )
             seq = cur.lastrowid
@@ -867,22 +882,41 @@ class SqliteStore:
         db.executemany(_INSERT_EVENT, events)
         return rows
 
-    async def heartbeat(self, worker_id: str, attempts: list[tuple[int, int]], now: int) -> tuple[list[int], list[int]]:
-        return await self._tx(self._heartbeat, worker_id, attempts, now)
+    async def heartbeat(
+        self, worker_id: str, attempts: list[tuple[int, int]], now: int, reports: Sequence[Report] = ()
+    ) -> tuple[list[int], list[int]]:
+        return await self._tx(self._heartbeat, worker_id, attempts, now, reports)
 
     def _heartbeat(
-        self, db: sqlite3.Connection, worker_id: str, attempts: list[tuple[int, int]], now: int
+        self,
+        db: sqlite3.Connection,
+        worker_id: str,
+        attempts: list[tuple[int, int]],
+        now: int,
+        reports: Sequence[Report],
     ) -> tuple[list[int], list[int]]:
         db.execute("UPDATE workers SET last_seen_at = ? WHERE id = ?", (now, worker_id))
         current: dict[int, tuple[Any, ...]] = {}
-        seqs = [s for s, _ in attempts]
+        seqs = [s for s, _ in attempts] + [r.seq for r in reports]
         for chunk in _chunks(seqs):
             sql = f"SELECT {HEARTBEAT_COLUMNS} FROM tasks WHERE seq IN ({_marks(len(chunk))})"
             for r in db.execute(sql, chunk):
                 current[r[0]] = r
+        self._keep_reports(db, current_reports(reports, current, worker_id), now)
         cancelled, lost, extend = decide_heartbeat(worker_id, attempts, current, now, self.settings.lease_ttl_us)
         db.executemany("UPDATE tasks SET lease_expires_at = ? WHERE seq = ?", extend)
         return cancelled, lost
+
+    def _keep_reports(self, db: sqlite3.Connection, reports: Sequence[Report], now: int) -> None:
+        """Keeps the reports of current attempts with their tasks; a progress is an event."""
+        seqs, progress, has_checkpoint, checkpoint = report_columns(reports, now)
+        db.executemany(
+            "UPDATE tasks SET progress = coalesce(?, progress), checkpoint = CASE WHEN ? THEN ? ELSE checkpoint END"
+            " WHERE seq = ?",
+            zip(progress, has_checkpoint, checkpoint, seqs, strict=True),
+        )
+        progressed: Changes = [(r.seq, State.RUNNING) for r in reports if r.progress is not None]
+        self._record_events(db, progressed, [State.RUNNING] * len(progressed), now)
 
     # -- outcomes -------------------------------------------------------------
 
@@ -925,7 +959,8 @@ class SqliteStore:
     def _apply_outcomes(
         self, db: sqlite3.Connection, accepted: list[tuple[Outcome, tuple[Any, ...]]], now: int
     ) -> Changes:
-        d = decide_outcomes(accepted, now, self.settings.retry_at)
+        self._keep_reports(db, [o.report for o, _ in accepted if o.report is not None], now)
+        d = decide_outcomes(accepted, now, self.settings.retry_at, self.settings.max_snoozes)
         db.executemany(_INSERT_ATTEMPT, d.attempts)
         db.executemany(
             "UPDATE tasks SET state = ?, result = ?, result_content_type = ?, error = ?, finished_at = ?,"
@@ -941,6 +976,11 @@ class SqliteStore:
             "UPDATE tasks SET state = 1, attempt = attempt - 1, worker_id = NULL, started_at = NULL,"
             f" lease_expires_at = NULL, {self._rank_keep} WHERE seq = ?",
             [(seq,) for seq in d.released],
+        )
+        db.executemany(
+            "UPDATE tasks SET state = 1, run_at = ?, attempt = attempt - 1, snoozes = snoozes + 1, worker_id = NULL,"
+            f" started_at = NULL, lease_expires_at = NULL, {self._rank_reset} WHERE seq = ?",
+            d.snoozed,
         )
         changes = d.changes
         ended = len(changes)  # RUNNING before; the dependents after them were BLOCKED

@@ -23,10 +23,11 @@ _sym_db = _symbol_database.Default()
 
 
 from cronoq.v1 import options_pb2 as cronoq_dot_v1_dot_options__pb2
+from cronoq.v1 import task_pb2 as cronoq_dot_v1_dot_task__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n cronoq/v1/schedule_service.proto\x12\tcronoq.v1\x1a\x17\x63ronoq/v1/options.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb2\x03\n\x08Schedule\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04\x63ron\x18\x03 \x01(\t\x12\x10\n\x08timezone\x18\x04 \x01(\t\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\x12\x14\n\x0c\x63ontent_type\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x14\n\x0cmax_attempts\x18\x08 \x01(\x05\x12\x35\n\tresources\x18\t \x03(\x0b\x32\".cronoq.v1.Schedule.ResourcesEntry\x12\x0e\n\x06paused\x18\n \x01(\x08\x12\x30\n\x0cnext_fire_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0clast_fire_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\ntimeout_ms\x18\r \x01(\x03\x12\x17\n\x0f\x66ire_all_missed\x18\x0e \x01(\x08\x12\x11\n\tgroup_key\x18\x0f \x01(\t\x1a\x30\n\x0eResourcesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\";\n\x12PutScheduleRequest\x12%\n\x08schedule\x18\x01 \x01(\x0b\x32\x13.cronoq.v1.Schedule\"<\n\x13PutScheduleResponse\x12%\n\x08schedule\x18\x01 \x01(\x0b\x32\x13.cronoq.v1.Schedule\"3\n\x15\x44\x65leteScheduleRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\x18\n\x16\x44\x65leteScheduleResponse\"$\n\x14ListSchedulesRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"[\n\x15ListSchedulesResponse\x12&\n\tschedules\x18\x01 \x03(\x0b\x32\x13.cronoq.v1.Schedule\x12\x1a\n\x12unavailable_shards\x18\x02 \x03(\t2\xb3\x03\n\x0fScheduleService\x12\x9c\x01\n\x0bPutSchedule\x12\x1d.cronoq.v1.PutScheduleRequest\x1a\x1e.cronoq.v1.PutScheduleResponse\"N\xea\xe0\x18J\x08\x05\x18\x02\"D\n\x03PUT\x12\x33/v1/pools/{schedule.pool}/schedules/{schedule.name}\"\x08schedule\x12\x8c\x01\n\x0e\x44\x65leteSchedule\x12 .cronoq.v1.DeleteScheduleRequest\x1a!.cronoq.v1.DeleteScheduleResponse\"5\xea\xe0\x18\x31\x08\x05\x18\x02\"+\n\x06\x44\x45LETE\x12!/v1/pools/{pool}/schedules/{name}\x12r\n\rListSchedules\x12\x1f.cronoq.v1.ListSchedulesRequest\x1a .cronoq.v1.ListSchedulesResponse\"\x1e\xea\xe0\x18\x1a\x08\x02\x18\x04\"\x14\n\x03GET\x12\r/v1/schedulesB8Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n cronoq/v1/schedule_service.proto\x12\tcronoq.v1\x1a\x17\x63ronoq/v1/options.proto\x1a\x14\x63ronoq/v1/task.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xda\x03\n\x08Schedule\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04\x63ron\x18\x03 \x01(\t\x12\x10\n\x08timezone\x18\x04 \x01(\t\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\x12\x14\n\x0c\x63ontent_type\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x14\n\x0cmax_attempts\x18\x08 \x01(\x05\x12\x35\n\tresources\x18\t \x03(\x0b\x32\".cronoq.v1.Schedule.ResourcesEntry\x12\x0e\n\x06paused\x18\n \x01(\x08\x12\x30\n\x0cnext_fire_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0clast_fire_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\ntimeout_ms\x18\r \x01(\x03\x12\x17\n\x0f\x66ire_all_missed\x18\x0e \x01(\x08\x12\x11\n\tgroup_key\x18\x0f \x01(\t\x12&\n\x05trace\x18\x10 \x01(\x0b\x32\x17.cronoq.v1.TraceContext\x1a\x30\n\x0eResourcesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\";\n\x12PutScheduleRequest\x12%\n\x08schedule\x18\x01 \x01(\x0b\x32\x13.cronoq.v1.Schedule\"<\n\x13PutScheduleResponse\x12%\n\x08schedule\x18\x01 \x01(\x0b\x32\x13.cronoq.v1.Schedule\"3\n\x15\x44\x65leteScheduleRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\x18\n\x16\x44\x65leteScheduleResponse\"$\n\x14ListSchedulesRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"[\n\x15ListSchedulesResponse\x12&\n\tschedules\x18\x01 \x03(\x0b\x32\x13.cronoq.v1.Schedule\x12\x1a\n\x12unavailable_shards\x18\x02 \x03(\t2\xb3\x03\n\x0fScheduleService\x12\x9c\x01\n\x0bPutSchedule\x12\x1d.cronoq.v1.PutScheduleRequest\x1a\x1e.cronoq.v1.PutScheduleResponse\"N\xea\xe0\x18J\x08\x05\x18\x02\"D\n\x03PUT\x12\x33/v1/pools/{schedule.pool}/schedules/{schedule.name}\"\x08schedule\x12\x8c\x01\n\x0e\x44\x65leteSchedule\x12 .cronoq.v1.DeleteScheduleRequest\x1a!.cronoq.v1.DeleteScheduleResponse\"5\xea\xe0\x18\x31\x08\x05\x18\x02\"+\n\x06\x44\x45LETE\x12!/v1/pools/{pool}/schedules/{name}\x12r\n\rListSchedules\x12\x1f.cronoq.v1.ListSchedulesRequest\x1a .cronoq.v1.ListSchedulesResponse\"\x1e\xea\xe0\x18\x1a\x08\x02\x18\x04\"\x14\n\x03GET\x12\r/v1/schedulesB8Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,22 +43,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULESERVICE'].methods_by_name['DeleteSchedule']._serialized_options = b'\352\340\0301\010\005\030\002\"+\n\006DELETE\022!/v1/pools/{pool}/schedules/{name}'
   _globals['_SCHEDULESERVICE'].methods_by_name['ListSchedules']._loaded_options = None
   _globals['_SCHEDULESERVICE'].methods_by_name['ListSchedules']._serialized_options = b'\352\340\030\032\010\002\030\004\"\024\n\003GET\022\r/v1/schedules'
-  _globals['_SCHEDULE']._serialized_start=106
-  _globals['_SCHEDULE']._serialized_end=540
-  _globals['_SCHEDULE_RESOURCESENTRY']._serialized_start=492
-  _globals['_SCHEDULE_RESOURCESENTRY']._serialized_end=540
-  _globals['_PUTSCHEDULEREQUEST']._serialized_start=542
-  _globals['_PUTSCHEDULEREQUEST']._serialized_end=601
-  _globals['_PUTSCHEDULERESPONSE']._serialized_start=603
-  _globals['_PUTSCHEDULERESPONSE']._serialized_end=663
-  _globals['_DELETESCHEDULEREQUEST']._serialized_start=665
-  _globals['_DELETESCHEDULEREQUEST']._serialized_end=716
-  _globals['_DELETESCHEDULERESPONSE']._serialized_start=718
-  _globals['_DELETESCHEDULERESPONSE']._serialized_end=742
-  _globals['_LISTSCHEDULESREQUEST']._serialized_start=744
-  _globals['_LISTSCHEDULESREQUEST']._serialized_end=780
-  _globals['_LISTSCHEDULESRESPONSE']._serialized_start=782
-  _globals['_LISTSCHEDULESRESPONSE']._serialized_end=873
-  _globals['_SCHEDULESERVICE']._serialized_start=876
-  _globals['_SCHEDULESERVICE']._serialized_end=1311
+  _globals['_SCHEDULE']._serialized_start=128
+  _globals['_SCHEDULE']._serialized_end=602
+  _globals['_SCHEDULE_RESOURCESENTRY']._serialized_start=554
+  _globals['_SCHEDULE_RESOURCESENTRY']._serialized_end=602
+  _globals['_PUTSCHEDULEREQUEST']._serialized_start=604
+  _globals['_PUTSCHEDULEREQUEST']._serialized_end=663
+  _globals['_PUTSCHEDULERESPONSE']._serialized_start=665
+  _globals['_PUTSCHEDULERESPONSE']._serialized_end=725
+  _globals['_DELETESCHEDULEREQUEST']._serialized_start=727
+  _globals['_DELETESCHEDULEREQUEST']._serialized_end=778
+  _globals['_DELETESCHEDULERESPONSE']._serialized_start=780
+  _globals['_DELETESCHEDULERESPONSE']._serialized_end=804
+  _globals['_LISTSCHEDULESREQUEST']._serialized_start=806
+  _globals['_LISTSCHEDULESREQUEST']._serialized_end=842
+  _globals['_LISTSCHEDULESRESPONSE']._serialized_start=844
+  _globals['_LISTSCHEDULESRESPONSE']._serialized_end=935
+  _globals['_SCHEDULESERVICE']._serialized_start=938
+  _globals['_SCHEDULESERVICE']._serialized_end=1373
 # @@protoc_insertion_point(module_scope)

@@ -4,6 +4,7 @@ isort:skip_file
 """
 
 from collections import abc as _abc
+from cronoq.v1 import task_pb2 as _task_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
@@ -60,6 +61,7 @@ class Schedule(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     FIRE_ALL_MISSED_FIELD_NUMBER: _builtins.int
     GROUP_KEY_FIELD_NUMBER: _builtins.int
+    TRACE_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     name: _builtins.str
     cron: _builtins.str
@@ -86,6 +88,12 @@ class Schedule(_message.Message):
     def next_fire_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def last_fire_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def trace(self) -> _task_pb2.TraceContext:
+        """The trace context of the call that put the schedule (SDKs take it from the current span):
+        each fired task carries it with link set.
+        """
+
     def __init__(
         self,
         *,
@@ -104,10 +112,11 @@ class Schedule(_message.Message):
         timeout_ms: _builtins.int = ...,
         fire_all_missed: _builtins.bool = ...,
         group_key: _builtins.str = ...,
+        trace: _task_pb2.TraceContext | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["last_fire_at", b"last_fire_at", "next_fire_at", b"next_fire_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_fire_at", b"last_fire_at", "next_fire_at", b"next_fire_at", "trace", b"trace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "cron", b"cron", "fire_all_missed", b"fire_all_missed", "group_key", b"group_key", "last_fire_at", b"last_fire_at", "max_attempts", b"max_attempts", "name", b"name", "next_fire_at", b"next_fire_at", "paused", b"paused", "payload", b"payload", "pool", b"pool", "priority", b"priority", "resources", b"resources", "timeout_ms", b"timeout_ms", "timezone", b"timezone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "cron", b"cron", "fire_all_missed", b"fire_all_missed", "group_key", b"group_key", "last_fire_at", b"last_fire_at", "max_attempts", b"max_attempts", "name", b"name", "next_fire_at", b"next_fire_at", "paused", b"paused", "payload", b"payload", "pool", b"pool", "priority", b"priority", "resources", b"resources", "timeout_ms", b"timeout_ms", "timezone", b"timezone", "trace", b"trace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

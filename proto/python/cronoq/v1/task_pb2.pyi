@@ -61,6 +61,8 @@ class _AttemptOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Attemp
     ATTEMPT_OUTCOME_CANCELLED: _AttemptOutcome.ValueType  # 4
     ATTEMPT_OUTCOME_LOST: _AttemptOutcome.ValueType  # 5
     """The lease expired: the worker stopped heartbeating (crashed, or cut off)."""
+    ATTEMPT_OUTCOME_SNOOZED: _AttemptOutcome.ValueType  # 6
+    """The handler snoozed the task (TaskSnoozed): not counted, the next attempt has this number."""
 
 class AttemptOutcome(_AttemptOutcome, metaclass=_AttemptOutcomeEnumTypeWrapper):
     """How an attempt ended."""
@@ -74,6 +76,8 @@ ATTEMPT_OUTCOME_FAILED: AttemptOutcome.ValueType  # 3
 ATTEMPT_OUTCOME_CANCELLED: AttemptOutcome.ValueType  # 4
 ATTEMPT_OUTCOME_LOST: AttemptOutcome.ValueType  # 5
 """The lease expired: the worker stopped heartbeating (crashed, or cut off)."""
+ATTEMPT_OUTCOME_SNOOZED: AttemptOutcome.ValueType  # 6
+"""The handler snoozed the task (TaskSnoozed): not counted, the next attempt has this number."""
 Global___AttemptOutcome: _TypeAlias = AttemptOutcome  # noqa: Y015
 
 @_typing.final
@@ -151,6 +155,10 @@ class Task(_message.Message):
     RESULT_CONTENT_TYPE_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     GROUP_KEY_FIELD_NUMBER: _builtins.int
+    SNOOZES_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    TRACE_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Top 8 bits: shard number (0 unsharded); low 56 bits: per-shard sequence."""
     pool: _builtins.str
@@ -173,6 +181,13 @@ class Task(_message.Message):
     """
     group_key: _builtins.str
     """The task's group (SubmitTaskRequest.group_key)."""
+    snoozes: _builtins.int
+    """How many times a handler snoozed the task (TaskSnoozed): snoozes are not attempts."""
+    checkpoint: _builtins.bytes
+    """The last checkpoint a handler of the task saved (at most
+    RegisterWorkerResponse.max_checkpoint_bytes). A leased task carries it, so the next attempt
+    resumes where the last one left off.
+    """
     @_builtins.property
     def run_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -189,6 +204,16 @@ class Task(_message.Message):
     def finished_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def lease_expires_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def progress(self) -> Global___TaskProgress:
+        """The last progress a handler of the task reported (heartbeats carry it), kept after the
+        attempt ends; unset while none has reported any.
+        """
+
+    @_builtins.property
+    def trace(self) -> Global___TraceContext:
+        """The W3C trace context the task was submitted in (unset: none)."""
+
     def __init__(
         self,
         *,
@@ -215,14 +240,82 @@ class Task(_message.Message):
         result_content_type: _builtins.str = ...,
         timeout_ms: _builtins.int = ...,
         group_key: _builtins.str = ...,
+        snoozes: _builtins.int = ...,
+        progress: Global___TaskProgress | None = ...,
+        checkpoint: _builtins.bytes = ...,
+        trace: Global___TraceContext | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "finished_at", b"finished_at", "lease_expires_at", b"lease_expires_at", "run_at", b"run_at", "started_at", b"started_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "finished_at", b"finished_at", "lease_expires_at", b"lease_expires_at", "progress", b"progress", "run_at", b"run_at", "started_at", b"started_at", "trace", b"trace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel_requested", b"cancel_requested", "content_type", b"content_type", "created_at", b"created_at", "depends_on", b"depends_on", "error", b"error", "finished_at", b"finished_at", "group_key", b"group_key", "id", b"id", "key", b"key", "lease_expires_at", b"lease_expires_at", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "resources", b"resources", "result", b"result", "result_content_type", b"result_content_type", "run_at", b"run_at", "started_at", b"started_at", "state", b"state", "timeout_ms", b"timeout_ms", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel_requested", b"cancel_requested", "checkpoint", b"checkpoint", "content_type", b"content_type", "created_at", b"created_at", "depends_on", b"depends_on", "error", b"error", "finished_at", b"finished_at", "group_key", b"group_key", "id", b"id", "key", b"key", "lease_expires_at", b"lease_expires_at", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "progress", b"progress", "resources", b"resources", "result", b"result", "result_content_type", b"result_content_type", "run_at", b"run_at", "snoozes", b"snoozes", "started_at", b"started_at", "state", b"state", "timeout_ms", b"timeout_ms", "trace", b"trace", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Task: _TypeAlias = Task  # noqa: Y015
+
+@_typing.final
+class TaskProgress(_message.Message):
+    """A running handler's progress: a number (commonly a fraction from 0 to 1) and a short message."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VALUE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    UPDATED_AT_FIELD_NUMBER: _builtins.int
+    value: _builtins.float
+    """Any finite number."""
+    message: _builtins.str
+    """At most 1,024 bytes."""
+    @_builtins.property
+    def updated_at(self) -> _timestamp_pb2.Timestamp:
+        """When the server received it (set by the server)."""
+
+    def __init__(
+        self,
+        *,
+        value: _builtins.float = ...,
+        message: _builtins.str = ...,
+        updated_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["updated_at", b"updated_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "updated_at", b"updated_at", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskProgress: _TypeAlias = TaskProgress  # noqa: Y015
+
+@_typing.final
+class TraceContext(_message.Message):
+    """W3C trace context (https://www.w3.org/TR/trace-context/), as the HTTP headers carry it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    TRACESTATE_FIELD_NUMBER: _builtins.int
+    LINK_FIELD_NUMBER: _builtins.int
+    traceparent: _builtins.str
+    """"00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>" (lowercase; ids not all zero)."""
+    tracestate: _builtins.str
+    """At most 512 bytes; kept only with a traceparent."""
+    link: _builtins.bool
+    """Set on the tasks a schedule fires: the context is the schedule's, taken when it was put, so
+    a handler links its span to it rather than continuing that trace.
+    """
+    def __init__(
+        self,
+        *,
+        traceparent: _builtins.str = ...,
+        tracestate: _builtins.str = ...,
+        link: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["link", b"link", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TraceContext: _TypeAlias = TraceContext  # noqa: Y015
 
 @_typing.final
 class TaskEvent(_message.Message):
@@ -235,12 +328,17 @@ class TaskEvent(_message.Message):
     SHARD_FIELD_NUMBER: _builtins.int
     SEQ_FIELD_NUMBER: _builtins.int
     CURSOR_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
     shard: _builtins.str
     """The shard that produced the event."""
     seq: _builtins.int
     """The event's per-shard sequence number: increasing, in the order the changes committed."""
     cursor: _builtins.str
     """Where a Watch resumes after this event (WatchRequest.cursor, the SSE id). Opaque."""
+    progress: _builtins.bool
+    """The event reports the running task's new progress (Task.progress, as sent); its state did
+    not change. At most one such event per task per heartbeat of its worker.
+    """
     @_builtins.property
     def task(self) -> Global___Task:
         """The task as this change left it, whenever the event is sent (live or replayed from a
@@ -266,10 +364,11 @@ class TaskEvent(_message.Message):
         shard: _builtins.str = ...,
         seq: _builtins.int = ...,
         cursor: _builtins.str = ...,
+        progress: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "seq", b"seq", "shard", b"shard", "task", b"task", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "progress", b"progress", "seq", b"seq", "shard", b"shard", "task", b"task", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

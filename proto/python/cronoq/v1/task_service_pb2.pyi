@@ -56,6 +56,7 @@ class SubmitTaskRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     GROUP_KEY_FIELD_NUMBER: _builtins.int
+    TRACE_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     key: _builtins.str
     """Deduplicates within a shard."""
@@ -91,6 +92,12 @@ class SubmitTaskRequest(_message.Message):
     def resources(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Amounts, each from 1 to the resource's concurrency (a rate resource: its burst)."""
 
+    @_builtins.property
+    def trace(self) -> _task_pb2.TraceContext:
+        """The caller's trace context (SDKs take it from the current span): stored with the task, kept
+        by its retries and given to its handler with the leased task. link is ignored.
+        """
+
     def __init__(
         self,
         *,
@@ -106,10 +113,11 @@ class SubmitTaskRequest(_message.Message):
         request_id: _builtins.str = ...,
         timeout_ms: _builtins.int = ...,
         group_key: _builtins.str = ...,
+        trace: _task_pb2.TraceContext | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["run_at", b"run_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run_at", b"run_at", "trace", b"trace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "depends_on", b"depends_on", "group_key", b"group_key", "key", b"key", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "request_id", b"request_id", "resources", b"resources", "run_at", b"run_at", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "depends_on", b"depends_on", "group_key", b"group_key", "key", b"key", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "request_id", b"request_id", "resources", b"resources", "run_at", b"run_at", "timeout_ms", b"timeout_ms", "trace", b"trace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

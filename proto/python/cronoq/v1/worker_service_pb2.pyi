@@ -150,6 +150,7 @@ class RegisterWorkerResponse(_message.Message):
     SHARD_FIELD_NUMBER: _builtins.int
     MAX_RESULT_BYTES_FIELD_NUMBER: _builtins.int
     MAX_LEASE_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_CHECKPOINT_BYTES_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     heartbeat_interval_ms: _builtins.int
     """How often the worker should heartbeat to keep its leases."""
@@ -158,6 +159,8 @@ class RegisterWorkerResponse(_message.Message):
     """Results larger than this are refused: report a failure instead."""
     max_lease_bytes: _builtins.int
     """The server caps a LeaseTasks reply at this many bytes of tasks."""
+    max_checkpoint_bytes: _builtins.int
+    """A checkpoint larger than this is refused (TaskReport.checkpoint)."""
     def __init__(
         self,
         *,
@@ -166,10 +169,11 @@ class RegisterWorkerResponse(_message.Message):
         shard: _builtins.str = ...,
         max_result_bytes: _builtins.int = ...,
         max_lease_bytes: _builtins.int = ...,
+        max_checkpoint_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_ms", b"heartbeat_interval_ms", "max_lease_bytes", b"max_lease_bytes", "max_result_bytes", b"max_result_bytes", "shard", b"shard", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_ms", b"heartbeat_interval_ms", "max_checkpoint_bytes", b"max_checkpoint_bytes", "max_lease_bytes", b"max_lease_bytes", "max_result_bytes", b"max_result_bytes", "shard", b"shard", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -273,24 +277,70 @@ class HeartbeatRequest(_message.Message):
 
     WORKER_ID_FIELD_NUMBER: _builtins.int
     TASKS_FIELD_NUMBER: _builtins.int
+    REPORTS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAttempt]:
         """At most 100,000 (more: INVALID_ARGUMENT), as many as the credits a Work stream may hold."""
+
+    @_builtins.property
+    def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskReport]:
+        """Progress and checkpoints of running attempts (see TaskReport). At most one per task."""
 
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
         tasks: _abc.Iterable[Global___TaskAttempt] | None = ...,
+        reports: _abc.Iterable[Global___TaskReport] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["tasks", b"tasks", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reports", b"reports", "tasks", b"tasks", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class TaskReport(_message.Message):
+    """What a running handler reported since its worker's last heartbeat, kept with the task when
+    the attempt is still the task's (else ignored: the heartbeat reports it lost). A report with
+    a bad field (a progress that is not finite or a message over 1,024 bytes, a checkpoint over
+    max_checkpoint_bytes) is refused with INVALID_ARGUMENT and nothing of the heartbeat applied.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.int
+    attempt: _builtins.int
+    checkpoint: _builtins.bytes
+    """Set: replaces the task's checkpoint (empty bytes clear it)."""
+    @_builtins.property
+    def progress(self) -> _task_pb2.TaskProgress:
+        """Set: the handler's progress now (updated_at is the server's)."""
+
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.int = ...,
+        attempt: _builtins.int = ...,
+        progress: _task_pb2.TaskProgress | None = ...,
+        checkpoint: _builtins.bytes | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_checkpoint", b"_checkpoint", "checkpoint", b"checkpoint", "progress", b"progress"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checkpoint", b"_checkpoint", "attempt", b"attempt", "checkpoint", b"checkpoint", "progress", b"progress", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__checkpoint: _TypeAlias = _typing.Literal["checkpoint"]  # noqa: Y015
+    _WhichOneofArgType__checkpoint: _TypeAlias = _typing.Literal["_checkpoint", b"_checkpoint"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__checkpoint) -> _WhichOneofReturnType__checkpoint | None: ...
+
+Global___TaskReport: _TypeAlias = TaskReport  # noqa: Y015
 
 @_typing.final
 class HeartbeatResponse(_message.Message):
@@ -412,6 +462,35 @@ class TaskReleased(_message.Message):
 Global___TaskReleased: _TypeAlias = TaskReleased  # noqa: Y015
 
 @_typing.final
+class TaskSnoozed(_message.Message):
+    """Not now: the task is PENDING again, due in snooze_ms; the attempt is not counted (the task's
+    history records it SNOOZED) and Task.snoozes grows by one. A task snoozed as often as its
+    pool's max_snoozes (default 100) has this snooze taken as a retryable failure instead, which
+    counts: a handler that snoozes forever runs out of attempts and the task ends FAILED.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNOOZE_MS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    snooze_ms: _builtins.int
+    """Any uint32 (up to about 49.7 days); 0: due at once."""
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        snooze_ms: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "snooze_ms", b"snooze_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskSnoozed: _TypeAlias = TaskSnoozed  # noqa: Y015
+
+@_typing.final
 class TaskOutcome(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -421,6 +500,8 @@ class TaskOutcome(_message.Message):
     FAILURE_FIELD_NUMBER: _builtins.int
     CANCELLED_FIELD_NUMBER: _builtins.int
     RELEASED_FIELD_NUMBER: _builtins.int
+    SNOOZED_FIELD_NUMBER: _builtins.int
+    REPORT_FIELD_NUMBER: _builtins.int
     task_id: _builtins.int
     attempt: _builtins.int
     @_builtins.property
@@ -431,6 +512,14 @@ class TaskOutcome(_message.Message):
     def cancelled(self) -> Global___TaskCancelled: ...
     @_builtins.property
     def released(self) -> Global___TaskReleased: ...
+    @_builtins.property
+    def snoozed(self) -> Global___TaskSnoozed: ...
+    @_builtins.property
+    def report(self) -> Global___TaskReport:
+        """The handler's last report not yet sent in a heartbeat (task_id and attempt are the
+        outcome's): kept with the task as a heartbeat's, before the outcome, when it is accepted.
+        """
+
     def __init__(
         self,
         *,
@@ -440,12 +529,14 @@ class TaskOutcome(_message.Message):
         failure: Global___TaskFailure | None = ...,
         cancelled: Global___TaskCancelled | None = ...,
         released: Global___TaskReleased | None = ...,
+        snoozed: Global___TaskSnoozed | None = ...,
+        report: Global___TaskReport | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "failure", b"failure", "outcome", b"outcome", "released", b"released", "success", b"success"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "failure", b"failure", "outcome", b"outcome", "released", b"released", "report", b"report", "snoozed", b"snoozed", "success", b"success"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancelled", b"cancelled", "failure", b"failure", "outcome", b"outcome", "released", b"released", "success", b"success", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancelled", b"cancelled", "failure", b"failure", "outcome", b"outcome", "released", b"released", "report", b"report", "snoozed", b"snoozed", "success", b"success", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["success", "failure", "cancelled", "released"]  # noqa: Y015
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["success", "failure", "cancelled", "released", "snoozed"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 
@@ -598,18 +689,24 @@ class WorkHeartbeat(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TASKS_FIELD_NUMBER: _builtins.int
+    REPORTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskAttempt]:
         """At most 100,000 (more ends the stream with INVALID_ARGUMENT)."""
+
+    @_builtins.property
+    def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskReport]:
+        """As HeartbeatRequest.reports (a bad one ends the stream with INVALID_ARGUMENT)."""
 
     def __init__(
         self,
         *,
         tasks: _abc.Iterable[Global___TaskAttempt] | None = ...,
+        reports: _abc.Iterable[Global___TaskReport] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reports", b"reports", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

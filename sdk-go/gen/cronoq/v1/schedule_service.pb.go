@@ -46,7 +46,10 @@ type Schedule struct {
 	// After downtime, fire every missed slot rather than only the latest.
 	FireAllMissed bool `protobuf:"varint,14,opt,name=fire_all_missed,json=fireAllMissed,proto3" json:"fire_all_missed,omitempty"`
 	// The group_key of each fired task (SubmitTaskRequest.group_key).
-	GroupKey      string `protobuf:"bytes,15,opt,name=group_key,json=groupKey,proto3" json:"group_key,omitempty"`
+	GroupKey string `protobuf:"bytes,15,opt,name=group_key,json=groupKey,proto3" json:"group_key,omitempty"`
+	// The trace context of the call that put the schedule (SDKs take it from the current span):
+	// each fired task carries it with link set.
+	Trace         *TraceContext `protobuf:"bytes,16,opt,name=trace,proto3" json:"trace,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -184,6 +187,13 @@ func (x *Schedule) GetGroupKey() string {
 		return x.GroupKey
 	}
 	return ""
+}
+
+func (x *Schedule) GetTrace() *TraceContext {
+	if x != nil {
+		return x.Trace
+	}
+	return nil
 }
 
 type PutScheduleRequest struct {
@@ -462,7 +472,7 @@ var File_cronoq_v1_schedule_service_proto protoreflect.FileDescriptor
 
 const file_cronoq_v1_schedule_service_proto_rawDesc = "" +
 	"\n" +
-	" cronoq/v1/schedule_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd6\x04\n" +
+	" cronoq/v1/schedule_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x14cronoq/v1/task.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x85\x05\n" +
 	"\bSchedule\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x12\n" +
@@ -482,7 +492,8 @@ const file_cronoq_v1_schedule_service_proto_rawDesc = "" +
 	"\n" +
 	"timeout_ms\x18\r \x01(\x03R\ttimeoutMs\x12&\n" +
 	"\x0ffire_all_missed\x18\x0e \x01(\bR\rfireAllMissed\x12\x1b\n" +
-	"\tgroup_key\x18\x0f \x01(\tR\bgroupKey\x1a<\n" +
+	"\tgroup_key\x18\x0f \x01(\tR\bgroupKey\x12-\n" +
+	"\x05trace\x18\x10 \x01(\v2\x17.cronoq.v1.TraceContextR\x05trace\x1a<\n" +
 	"\x0eResourcesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"E\n" +
@@ -530,25 +541,27 @@ var file_cronoq_v1_schedule_service_proto_goTypes = []any{
 	(*ListSchedulesResponse)(nil),  // 6: cronoq.v1.ListSchedulesResponse
 	nil,                            // 7: cronoq.v1.Schedule.ResourcesEntry
 	(*timestamppb.Timestamp)(nil),  // 8: google.protobuf.Timestamp
+	(*TraceContext)(nil),           // 9: cronoq.v1.TraceContext
 }
 var file_cronoq_v1_schedule_service_proto_depIdxs = []int32{
-	7, // 0: cronoq.v1.Schedule.resources:type_name -> cronoq.v1.Schedule.ResourcesEntry
-	8, // 1: cronoq.v1.Schedule.next_fire_at:type_name -> google.protobuf.Timestamp
-	8, // 2: cronoq.v1.Schedule.last_fire_at:type_name -> google.protobuf.Timestamp
-	0, // 3: cronoq.v1.PutScheduleRequest.schedule:type_name -> cronoq.v1.Schedule
-	0, // 4: cronoq.v1.PutScheduleResponse.schedule:type_name -> cronoq.v1.Schedule
-	0, // 5: cronoq.v1.ListSchedulesResponse.schedules:type_name -> cronoq.v1.Schedule
-	1, // 6: cronoq.v1.ScheduleService.PutSchedule:input_type -> cronoq.v1.PutScheduleRequest
-	3, // 7: cronoq.v1.ScheduleService.DeleteSchedule:input_type -> cronoq.v1.DeleteScheduleRequest
-	5, // 8: cronoq.v1.ScheduleService.ListSchedules:input_type -> cronoq.v1.ListSchedulesRequest
-	2, // 9: cronoq.v1.ScheduleService.PutSchedule:output_type -> cronoq.v1.PutScheduleResponse
-	4, // 10: cronoq.v1.ScheduleService.DeleteSchedule:output_type -> cronoq.v1.DeleteScheduleResponse
-	6, // 11: cronoq.v1.ScheduleService.ListSchedules:output_type -> cronoq.v1.ListSchedulesResponse
-	9, // [9:12] is the sub-list for method output_type
-	6, // [6:9] is the sub-list for method input_type
-	6, // [6:6] is the sub-list for extension type_name
-	6, // [6:6] is the sub-list for extension extendee
-	0, // [0:6] is the sub-list for field type_name
+	7,  // 0: cronoq.v1.Schedule.resources:type_name -> cronoq.v1.Schedule.ResourcesEntry
+	8,  // 1: cronoq.v1.Schedule.next_fire_at:type_name -> google.protobuf.Timestamp
+	8,  // 2: cronoq.v1.Schedule.last_fire_at:type_name -> google.protobuf.Timestamp
+	9,  // 3: cronoq.v1.Schedule.trace:type_name -> cronoq.v1.TraceContext
+	0,  // 4: cronoq.v1.PutScheduleRequest.schedule:type_name -> cronoq.v1.Schedule
+	0,  // 5: cronoq.v1.PutScheduleResponse.schedule:type_name -> cronoq.v1.Schedule
+	0,  // 6: cronoq.v1.ListSchedulesResponse.schedules:type_name -> cronoq.v1.Schedule
+	1,  // 7: cronoq.v1.ScheduleService.PutSchedule:input_type -> cronoq.v1.PutScheduleRequest
+	3,  // 8: cronoq.v1.ScheduleService.DeleteSchedule:input_type -> cronoq.v1.DeleteScheduleRequest
+	5,  // 9: cronoq.v1.ScheduleService.ListSchedules:input_type -> cronoq.v1.ListSchedulesRequest
+	2,  // 10: cronoq.v1.ScheduleService.PutSchedule:output_type -> cronoq.v1.PutScheduleResponse
+	4,  // 11: cronoq.v1.ScheduleService.DeleteSchedule:output_type -> cronoq.v1.DeleteScheduleResponse
+	6,  // 12: cronoq.v1.ScheduleService.ListSchedules:output_type -> cronoq.v1.ListSchedulesResponse
+	10, // [10:13] is the sub-list for method output_type
+	7,  // [7:10] is the sub-list for method input_type
+	7,  // [7:7] is the sub-list for extension type_name
+	7,  // [7:7] is the sub-list for extension extendee
+	0,  // [0:7] is the sub-list for field type_name
 }
 
 func init() { file_cronoq_v1_schedule_service_proto_init() }
@@ -557,6 +570,7 @@ func file_cronoq_v1_schedule_service_proto_init() {
 		return
 	}
 	file_cronoq_v1_options_proto_init()
+	file_cronoq_v1_task_proto_init()
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{

@@ -97,6 +97,8 @@ const (
 	AttemptOutcome_ATTEMPT_OUTCOME_CANCELLED AttemptOutcome = 4
 	// The lease expired: the worker stopped heartbeating (crashed, or cut off).
 	AttemptOutcome_ATTEMPT_OUTCOME_LOST AttemptOutcome = 5
+	// The handler snoozed the task (TaskSnoozed): not counted, the next attempt has this number.
+	AttemptOutcome_ATTEMPT_OUTCOME_SNOOZED AttemptOutcome = 6
 )
 
 // Enum value maps for AttemptOutcome.
@@ -108,6 +110,7 @@ var (
 		3: "ATTEMPT_OUTCOME_FAILED",
 		4: "ATTEMPT_OUTCOME_CANCELLED",
 		5: "ATTEMPT_OUTCOME_LOST",
+		6: "ATTEMPT_OUTCOME_SNOOZED",
 	}
 	AttemptOutcome_value = map[string]int32{
 		"ATTEMPT_OUTCOME_UNSPECIFIED": 0,
@@ -116,6 +119,7 @@ var (
 		"ATTEMPT_OUTCOME_FAILED":      3,
 		"ATTEMPT_OUTCOME_CANCELLED":   4,
 		"ATTEMPT_OUTCOME_LOST":        5,
+		"ATTEMPT_OUTCOME_SNOOZED":     6,
 	}
 )
 
@@ -260,7 +264,18 @@ type Task struct {
 	// handler past it, and the lease is never extended past started_at + timeout_ms.
 	TimeoutMs int64 `protobuf:"varint,22,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
 	// The task's group (SubmitTaskRequest.group_key).
-	GroupKey      string `protobuf:"bytes,23,opt,name=group_key,json=groupKey,proto3" json:"group_key,omitempty"`
+	GroupKey string `protobuf:"bytes,23,opt,name=group_key,json=groupKey,proto3" json:"group_key,omitempty"`
+	// How many times a handler snoozed the task (TaskSnoozed): snoozes are not attempts.
+	Snoozes int32 `protobuf:"varint,24,opt,name=snoozes,proto3" json:"snoozes,omitempty"`
+	// The last progress a handler of the task reported (heartbeats carry it), kept after the
+	// attempt ends; unset while none has reported any.
+	Progress *TaskProgress `protobuf:"bytes,25,opt,name=progress,proto3" json:"progress,omitempty"`
+	// The last checkpoint a handler of the task saved (at most
+	// RegisterWorkerResponse.max_checkpoint_bytes). A leased task carries it, so the next attempt
+	// resumes where the last one left off.
+	Checkpoint []byte `protobuf:"bytes,26,opt,name=checkpoint,proto3" json:"checkpoint,omitempty"`
+	// The W3C trace context the task was submitted in (unset: none).
+	Trace         *TraceContext `protobuf:"bytes,27,opt,name=trace,proto3" json:"trace,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -456,6 +471,163 @@ func (x *Task) GetGroupKey() string {
 	return ""
 }
 
+func (x *Task) GetSnoozes() int32 {
+	if x != nil {
+		return x.Snoozes
+	}
+	return 0
+}
+
+func (x *Task) GetProgress() *TaskProgress {
+	if x != nil {
+		return x.Progress
+	}
+	return nil
+}
+
+func (x *Task) GetCheckpoint() []byte {
+	if x != nil {
+		return x.Checkpoint
+	}
+	return nil
+}
+
+func (x *Task) GetTrace() *TraceContext {
+	if x != nil {
+		return x.Trace
+	}
+	return nil
+}
+
+// A running handler's progress: a number (commonly a fraction from 0 to 1) and a short message.
+type TaskProgress struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Any finite number.
+	Value float64 `protobuf:"fixed64,1,opt,name=value,proto3" json:"value,omitempty"`
+	// At most 1,024 bytes.
+	Message string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	// When the server received it (set by the server).
+	UpdatedAt     *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=updated_at,json=updatedAt,proto3" json:"updated_at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TaskProgress) Reset() {
+	*x = TaskProgress{}
+	mi := &file_cronoq_v1_task_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TaskProgress) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TaskProgress) ProtoMessage() {}
+
+func (x *TaskProgress) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_task_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TaskProgress.ProtoReflect.Descriptor instead.
+func (*TaskProgress) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *TaskProgress) GetValue() float64 {
+	if x != nil {
+		return x.Value
+	}
+	return 0
+}
+
+func (x *TaskProgress) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
+func (x *TaskProgress) GetUpdatedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.UpdatedAt
+	}
+	return nil
+}
+
+// W3C trace context (https://www.w3.org/TR/trace-context/), as the HTTP headers carry it.
+type TraceContext struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>" (lowercase; ids not all zero).
+	Traceparent string `protobuf:"bytes,1,opt,name=traceparent,proto3" json:"traceparent,omitempty"`
+	// At most 512 bytes; kept only with a traceparent.
+	Tracestate string `protobuf:"bytes,2,opt,name=tracestate,proto3" json:"tracestate,omitempty"`
+	// Set on the tasks a schedule fires: the context is the schedule's, taken when it was put, so
+	// a handler links its span to it rather than continuing that trace.
+	Link          bool `protobuf:"varint,3,opt,name=link,proto3" json:"link,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TraceContext) Reset() {
+	*x = TraceContext{}
+	mi := &file_cronoq_v1_task_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TraceContext) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TraceContext) ProtoMessage() {}
+
+func (x *TraceContext) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_task_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TraceContext.ProtoReflect.Descriptor instead.
+func (*TraceContext) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *TraceContext) GetTraceparent() string {
+	if x != nil {
+		return x.Traceparent
+	}
+	return ""
+}
+
+func (x *TraceContext) GetTracestate() string {
+	if x != nil {
+		return x.Tracestate
+	}
+	return ""
+}
+
+func (x *TraceContext) GetLink() bool {
+	if x != nil {
+		return x.Link
+	}
+	return false
+}
+
 // One change of a task, as streamed by Watch.
 type TaskEvent struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -477,14 +649,17 @@ type TaskEvent struct {
 	// The event's per-shard sequence number: increasing, in the order the changes committed.
 	Seq uint64 `protobuf:"varint,4,opt,name=seq,proto3" json:"seq,omitempty"`
 	// Where a Watch resumes after this event (WatchRequest.cursor, the SSE id). Opaque.
-	Cursor        string `protobuf:"bytes,5,opt,name=cursor,proto3" json:"cursor,omitempty"`
+	Cursor string `protobuf:"bytes,5,opt,name=cursor,proto3" json:"cursor,omitempty"`
+	// The event reports the running task's new progress (Task.progress, as sent); its state did
+	// not change. At most one such event per task per heartbeat of its worker.
+	Progress      bool `protobuf:"varint,6,opt,name=progress,proto3" json:"progress,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *TaskEvent) Reset() {
 	*x = TaskEvent{}
-	mi := &file_cronoq_v1_task_proto_msgTypes[2]
+	mi := &file_cronoq_v1_task_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -496,7 +671,7 @@ func (x *TaskEvent) String() string {
 func (*TaskEvent) ProtoMessage() {}
 
 func (x *TaskEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_task_proto_msgTypes[2]
+	mi := &file_cronoq_v1_task_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -509,7 +684,7 @@ func (x *TaskEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TaskEvent.ProtoReflect.Descriptor instead.
 func (*TaskEvent) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{2}
+	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *TaskEvent) GetTask() *Task {
@@ -547,6 +722,13 @@ func (x *TaskEvent) GetCursor() string {
 	return ""
 }
 
+func (x *TaskEvent) GetProgress() bool {
+	if x != nil {
+		return x.Progress
+	}
+	return false
+}
+
 // One attempt of a task, kept with it until the task is deleted or purged.
 type Attempt struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
@@ -566,7 +748,7 @@ type Attempt struct {
 
 func (x *Attempt) Reset() {
 	*x = Attempt{}
-	mi := &file_cronoq_v1_task_proto_msgTypes[3]
+	mi := &file_cronoq_v1_task_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -578,7 +760,7 @@ func (x *Attempt) String() string {
 func (*Attempt) ProtoMessage() {}
 
 func (x *Attempt) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_task_proto_msgTypes[3]
+	mi := &file_cronoq_v1_task_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -591,7 +773,7 @@ func (x *Attempt) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Attempt.ProtoReflect.Descriptor instead.
 func (*Attempt) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{3}
+	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *Attempt) GetAttempt() int32 {
@@ -658,7 +840,7 @@ const file_cronoq_v1_task_proto_rawDesc = "" +
 	"\aTaskRef\x12\x10\n" +
 	"\x02id\x18\x01 \x01(\x04H\x00R\x02id\x12\x12\n" +
 	"\x03key\x18\x02 \x01(\tH\x00R\x03keyB\x05\n" +
-	"\x03ref\"\xa7\a\n" +
+	"\x03ref\"\xc5\b\n" +
 	"\x04Task\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x12\n" +
 	"\x04pool\x18\x02 \x01(\tR\x04pool\x12\x10\n" +
@@ -688,16 +870,34 @@ const file_cronoq_v1_task_proto_rawDesc = "" +
 	"\x13result_content_type\x18\x15 \x01(\tR\x11resultContentType\x12\x1d\n" +
 	"\n" +
 	"timeout_ms\x18\x16 \x01(\x03R\ttimeoutMs\x12\x1b\n" +
-	"\tgroup_key\x18\x17 \x01(\tR\bgroupKey\x1a<\n" +
+	"\tgroup_key\x18\x17 \x01(\tR\bgroupKey\x12\x18\n" +
+	"\asnoozes\x18\x18 \x01(\x05R\asnoozes\x123\n" +
+	"\bprogress\x18\x19 \x01(\v2\x17.cronoq.v1.TaskProgressR\bprogress\x12\x1e\n" +
+	"\n" +
+	"checkpoint\x18\x1a \x01(\fR\n" +
+	"checkpoint\x12-\n" +
+	"\x05trace\x18\x1b \x01(\v2\x17.cronoq.v1.TraceContextR\x05trace\x1a<\n" +
 	"\x0eResourcesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\xa0\x01\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"y\n" +
+	"\fTaskProgress\x12\x14\n" +
+	"\x05value\x18\x01 \x01(\x01R\x05value\x12\x18\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\x129\n" +
+	"\n" +
+	"updated_at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\tupdatedAt\"d\n" +
+	"\fTraceContext\x12 \n" +
+	"\vtraceparent\x18\x01 \x01(\tR\vtraceparent\x12\x1e\n" +
+	"\n" +
+	"tracestate\x18\x02 \x01(\tR\n" +
+	"tracestate\x12\x12\n" +
+	"\x04link\x18\x03 \x01(\bR\x04link\"\xbc\x01\n" +
 	"\tTaskEvent\x12#\n" +
 	"\x04task\x18\x01 \x01(\v2\x0f.cronoq.v1.TaskR\x04task\x12.\n" +
 	"\x04time\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x04time\x12\x14\n" +
 	"\x05shard\x18\x03 \x01(\tR\x05shard\x12\x10\n" +
 	"\x03seq\x18\x04 \x01(\x04R\x03seq\x12\x16\n" +
-	"\x06cursor\x18\x05 \x01(\tR\x06cursor\"\xbf\x02\n" +
+	"\x06cursor\x18\x05 \x01(\tR\x06cursor\x12\x1a\n" +
+	"\bprogress\x18\x06 \x01(\bR\bprogress\"\xbf\x02\n" +
 	"\aAttempt\x12\x18\n" +
 	"\aattempt\x18\x01 \x01(\x05R\aattempt\x12\x1b\n" +
 	"\tworker_id\x18\x02 \x01(\tR\bworkerId\x12\x1f\n" +
@@ -717,14 +917,15 @@ const file_cronoq_v1_task_proto_rawDesc = "" +
 	"\x12TASK_STATE_RUNNING\x10\x03\x12\x18\n" +
 	"\x14TASK_STATE_SUCCEEDED\x10\x04\x12\x15\n" +
 	"\x11TASK_STATE_FAILED\x10\x05\x12\x18\n" +
-	"\x14TASK_STATE_CANCELLED\x10\x06*\xc2\x01\n" +
+	"\x14TASK_STATE_CANCELLED\x10\x06*\xdf\x01\n" +
 	"\x0eAttemptOutcome\x12\x1f\n" +
 	"\x1bATTEMPT_OUTCOME_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17ATTEMPT_OUTCOME_RUNNING\x10\x01\x12\x1d\n" +
 	"\x19ATTEMPT_OUTCOME_SUCCEEDED\x10\x02\x12\x1a\n" +
 	"\x16ATTEMPT_OUTCOME_FAILED\x10\x03\x12\x1d\n" +
 	"\x19ATTEMPT_OUTCOME_CANCELLED\x10\x04\x12\x18\n" +
-	"\x14ATTEMPT_OUTCOME_LOST\x10\x05B8Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3"
+	"\x14ATTEMPT_OUTCOME_LOST\x10\x05\x12\x1b\n" +
+	"\x17ATTEMPT_OUTCOME_SNOOZED\x10\x06B8Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3"
 
 var (
 	file_cronoq_v1_task_proto_rawDescOnce sync.Once
@@ -739,35 +940,40 @@ func file_cronoq_v1_task_proto_rawDescGZIP() []byte {
 }
 
 var file_cronoq_v1_task_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_cronoq_v1_task_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
+var file_cronoq_v1_task_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
 var file_cronoq_v1_task_proto_goTypes = []any{
 	(TaskState)(0),                // 0: cronoq.v1.TaskState
 	(AttemptOutcome)(0),           // 1: cronoq.v1.AttemptOutcome
 	(*TaskRef)(nil),               // 2: cronoq.v1.TaskRef
 	(*Task)(nil),                  // 3: cronoq.v1.Task
-	(*TaskEvent)(nil),             // 4: cronoq.v1.TaskEvent
-	(*Attempt)(nil),               // 5: cronoq.v1.Attempt
-	nil,                           // 6: cronoq.v1.Task.ResourcesEntry
-	(*timestamppb.Timestamp)(nil), // 7: google.protobuf.Timestamp
+	(*TaskProgress)(nil),          // 4: cronoq.v1.TaskProgress
+	(*TraceContext)(nil),          // 5: cronoq.v1.TraceContext
+	(*TaskEvent)(nil),             // 6: cronoq.v1.TaskEvent
+	(*Attempt)(nil),               // 7: cronoq.v1.Attempt
+	nil,                           // 8: cronoq.v1.Task.ResourcesEntry
+	(*timestamppb.Timestamp)(nil), // 9: google.protobuf.Timestamp
 }
 var file_cronoq_v1_task_proto_depIdxs = []int32{
-	7,  // 0: cronoq.v1.Task.run_at:type_name -> google.protobuf.Timestamp
-	6,  // 1: cronoq.v1.Task.resources:type_name -> cronoq.v1.Task.ResourcesEntry
+	9,  // 0: cronoq.v1.Task.run_at:type_name -> google.protobuf.Timestamp
+	8,  // 1: cronoq.v1.Task.resources:type_name -> cronoq.v1.Task.ResourcesEntry
 	0,  // 2: cronoq.v1.Task.state:type_name -> cronoq.v1.TaskState
-	7,  // 3: cronoq.v1.Task.created_at:type_name -> google.protobuf.Timestamp
-	7,  // 4: cronoq.v1.Task.started_at:type_name -> google.protobuf.Timestamp
-	7,  // 5: cronoq.v1.Task.finished_at:type_name -> google.protobuf.Timestamp
-	7,  // 6: cronoq.v1.Task.lease_expires_at:type_name -> google.protobuf.Timestamp
-	3,  // 7: cronoq.v1.TaskEvent.task:type_name -> cronoq.v1.Task
-	7,  // 8: cronoq.v1.TaskEvent.time:type_name -> google.protobuf.Timestamp
-	7,  // 9: cronoq.v1.Attempt.started_at:type_name -> google.protobuf.Timestamp
-	7,  // 10: cronoq.v1.Attempt.ended_at:type_name -> google.protobuf.Timestamp
-	1,  // 11: cronoq.v1.Attempt.outcome:type_name -> cronoq.v1.AttemptOutcome
-	12, // [12:12] is the sub-list for method output_type
-	12, // [12:12] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	9,  // 3: cronoq.v1.Task.created_at:type_name -> google.protobuf.Timestamp
+	9,  // 4: cronoq.v1.Task.started_at:type_name -> google.protobuf.Timestamp
+	9,  // 5: cronoq.v1.Task.finished_at:type_name -> google.protobuf.Timestamp
+	9,  // 6: cronoq.v1.Task.lease_expires_at:type_name -> google.protobuf.Timestamp
+	4,  // 7: cronoq.v1.Task.progress:type_name -> cronoq.v1.TaskProgress
+	5,  // 8: cronoq.v1.Task.trace:type_name -> cronoq.v1.TraceContext
+	9,  // 9: cronoq.v1.TaskProgress.updated_at:type_name -> google.protobuf.Timestamp
+	3,  // 10: cronoq.v1.TaskEvent.task:type_name -> cronoq.v1.Task
+	9,  // 11: cronoq.v1.TaskEvent.time:type_name -> google.protobuf.Timestamp
+	9,  // 12: cronoq.v1.Attempt.started_at:type_name -> google.protobuf.Timestamp
+	9,  // 13: cronoq.v1.Attempt.ended_at:type_name -> google.protobuf.Timestamp
+	1,  // 14: cronoq.v1.Attempt.outcome:type_name -> cronoq.v1.AttemptOutcome
+	15, // [15:15] is the sub-list for method output_type
+	15, // [15:15] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_cronoq_v1_task_proto_init() }
@@ -785,7 +991,7 @@ func file_cronoq_v1_task_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cronoq_v1_task_proto_rawDesc), len(file_cronoq_v1_task_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   5,
+			NumMessages:   7,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

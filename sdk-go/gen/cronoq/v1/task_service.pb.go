@@ -49,7 +49,10 @@ type SubmitTaskRequest struct {
 	// max_running_per_group, at most that many tasks of one group run at once and leases take
 	// the groups with due tasks in turn; tasks without a group are one group. Elsewhere it is
 	// only stored.
-	GroupKey      string `protobuf:"bytes,12,opt,name=group_key,json=groupKey,proto3" json:"group_key,omitempty"`
+	GroupKey string `protobuf:"bytes,12,opt,name=group_key,json=groupKey,proto3" json:"group_key,omitempty"`
+	// The caller's trace context (SDKs take it from the current span): stored with the task, kept
+	// by its retries and given to its handler with the leased task. link is ignored.
+	Trace         *TraceContext `protobuf:"bytes,13,opt,name=trace,proto3" json:"trace,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -166,6 +169,13 @@ func (x *SubmitTaskRequest) GetGroupKey() string {
 		return x.GroupKey
 	}
 	return ""
+}
+
+func (x *SubmitTaskRequest) GetTrace() *TraceContext {
+	if x != nil {
+		return x.Trace
+	}
+	return nil
 }
 
 type SubmitTaskResponse struct {
@@ -1726,7 +1736,7 @@ var File_cronoq_v1_task_service_proto protoreflect.FileDescriptor
 
 const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"\n" +
-	"\x1ccronoq/v1/task_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x14cronoq/v1/task.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xff\x03\n" +
+	"\x1ccronoq/v1/task_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x14cronoq/v1/task.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xae\x04\n" +
 	"\x11SubmitTaskRequest\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x10\n" +
 	"\x03key\x18\x02 \x01(\tR\x03key\x12\x18\n" +
@@ -1743,7 +1753,8 @@ const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	" \x01(\tR\trequestId\x12\x1d\n" +
 	"\n" +
 	"timeout_ms\x18\v \x01(\x03R\ttimeoutMs\x12\x1b\n" +
-	"\tgroup_key\x18\f \x01(\tR\bgroupKey\x1a<\n" +
+	"\tgroup_key\x18\f \x01(\tR\bgroupKey\x12-\n" +
+	"\x05trace\x18\r \x01(\v2\x17.cronoq.v1.TraceContextR\x05trace\x1a<\n" +
 	"\x0eResourcesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"]\n" +
@@ -1941,73 +1952,75 @@ var file_cronoq_v1_task_service_proto_goTypes = []any{
 	nil,                           // 26: cronoq.v1.SubmitTaskRequest.ResourcesEntry
 	(*timestamppb.Timestamp)(nil), // 27: google.protobuf.Timestamp
 	(*TaskRef)(nil),               // 28: cronoq.v1.TaskRef
-	(*Task)(nil),                  // 29: cronoq.v1.Task
-	(*Attempt)(nil),               // 30: cronoq.v1.Attempt
-	(TaskState)(0),                // 31: cronoq.v1.TaskState
-	(*TaskEvent)(nil),             // 32: cronoq.v1.TaskEvent
+	(*TraceContext)(nil),          // 29: cronoq.v1.TraceContext
+	(*Task)(nil),                  // 30: cronoq.v1.Task
+	(*Attempt)(nil),               // 31: cronoq.v1.Attempt
+	(TaskState)(0),                // 32: cronoq.v1.TaskState
+	(*TaskEvent)(nil),             // 33: cronoq.v1.TaskEvent
 }
 var file_cronoq_v1_task_service_proto_depIdxs = []int32{
 	27, // 0: cronoq.v1.SubmitTaskRequest.run_at:type_name -> google.protobuf.Timestamp
 	28, // 1: cronoq.v1.SubmitTaskRequest.depends_on:type_name -> cronoq.v1.TaskRef
 	26, // 2: cronoq.v1.SubmitTaskRequest.resources:type_name -> cronoq.v1.SubmitTaskRequest.ResourcesEntry
-	29, // 3: cronoq.v1.SubmitTaskResponse.task:type_name -> cronoq.v1.Task
-	0,  // 4: cronoq.v1.SubmitBatchRequest.tasks:type_name -> cronoq.v1.SubmitTaskRequest
-	29, // 5: cronoq.v1.SubmitBatchResponse.tasks:type_name -> cronoq.v1.Task
-	28, // 6: cronoq.v1.GetTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	29, // 7: cronoq.v1.GetTaskResponse.task:type_name -> cronoq.v1.Task
-	30, // 8: cronoq.v1.GetTaskResponse.attempts:type_name -> cronoq.v1.Attempt
-	28, // 9: cronoq.v1.WaitTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	29, // 10: cronoq.v1.WaitTaskResponse.task:type_name -> cronoq.v1.Task
-	28, // 11: cronoq.v1.CancelTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	29, // 12: cronoq.v1.CancelTaskResponse.task:type_name -> cronoq.v1.Task
-	28, // 13: cronoq.v1.RetryTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	27, // 14: cronoq.v1.RetryTaskRequest.run_at:type_name -> google.protobuf.Timestamp
-	29, // 15: cronoq.v1.RetryTaskResponse.task:type_name -> cronoq.v1.Task
-	28, // 16: cronoq.v1.DeleteTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	31, // 17: cronoq.v1.TaskFilter.states:type_name -> cronoq.v1.TaskState
-	27, // 18: cronoq.v1.TaskFilter.created_after:type_name -> google.protobuf.Timestamp
-	27, // 19: cronoq.v1.TaskFilter.created_before:type_name -> google.protobuf.Timestamp
-	27, // 20: cronoq.v1.TaskFilter.finished_after:type_name -> google.protobuf.Timestamp
-	27, // 21: cronoq.v1.TaskFilter.finished_before:type_name -> google.protobuf.Timestamp
-	14, // 22: cronoq.v1.CancelTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
-	15, // 23: cronoq.v1.CancelTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
-	14, // 24: cronoq.v1.RetryTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
-	27, // 25: cronoq.v1.RetryTasksRequest.run_at:type_name -> google.protobuf.Timestamp
-	15, // 26: cronoq.v1.RetryTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
-	14, // 27: cronoq.v1.DeleteTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
-	15, // 28: cronoq.v1.DeleteTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
-	31, // 29: cronoq.v1.ListTasksRequest.state:type_name -> cronoq.v1.TaskState
-	29, // 30: cronoq.v1.ListTasksResponse.tasks:type_name -> cronoq.v1.Task
-	32, // 31: cronoq.v1.WatchResponse.event:type_name -> cronoq.v1.TaskEvent
-	0,  // 32: cronoq.v1.TaskService.SubmitTask:input_type -> cronoq.v1.SubmitTaskRequest
-	2,  // 33: cronoq.v1.TaskService.SubmitBatch:input_type -> cronoq.v1.SubmitBatchRequest
-	4,  // 34: cronoq.v1.TaskService.GetTask:input_type -> cronoq.v1.GetTaskRequest
-	6,  // 35: cronoq.v1.TaskService.WaitTask:input_type -> cronoq.v1.WaitTaskRequest
-	8,  // 36: cronoq.v1.TaskService.CancelTask:input_type -> cronoq.v1.CancelTaskRequest
-	10, // 37: cronoq.v1.TaskService.RetryTask:input_type -> cronoq.v1.RetryTaskRequest
-	12, // 38: cronoq.v1.TaskService.DeleteTask:input_type -> cronoq.v1.DeleteTaskRequest
-	16, // 39: cronoq.v1.TaskService.CancelTasks:input_type -> cronoq.v1.CancelTasksRequest
-	18, // 40: cronoq.v1.TaskService.RetryTasks:input_type -> cronoq.v1.RetryTasksRequest
-	20, // 41: cronoq.v1.TaskService.DeleteTasks:input_type -> cronoq.v1.DeleteTasksRequest
-	22, // 42: cronoq.v1.TaskService.ListTasks:input_type -> cronoq.v1.ListTasksRequest
-	24, // 43: cronoq.v1.TaskService.Watch:input_type -> cronoq.v1.WatchRequest
-	1,  // 44: cronoq.v1.TaskService.SubmitTask:output_type -> cronoq.v1.SubmitTaskResponse
-	3,  // 45: cronoq.v1.TaskService.SubmitBatch:output_type -> cronoq.v1.SubmitBatchResponse
-	5,  // 46: cronoq.v1.TaskService.GetTask:output_type -> cronoq.v1.GetTaskResponse
-	7,  // 47: cronoq.v1.TaskService.WaitTask:output_type -> cronoq.v1.WaitTaskResponse
-	9,  // 48: cronoq.v1.TaskService.CancelTask:output_type -> cronoq.v1.CancelTaskResponse
-	11, // 49: cronoq.v1.TaskService.RetryTask:output_type -> cronoq.v1.RetryTaskResponse
-	13, // 50: cronoq.v1.TaskService.DeleteTask:output_type -> cronoq.v1.DeleteTaskResponse
-	17, // 51: cronoq.v1.TaskService.CancelTasks:output_type -> cronoq.v1.CancelTasksResponse
-	19, // 52: cronoq.v1.TaskService.RetryTasks:output_type -> cronoq.v1.RetryTasksResponse
-	21, // 53: cronoq.v1.TaskService.DeleteTasks:output_type -> cronoq.v1.DeleteTasksResponse
-	23, // 54: cronoq.v1.TaskService.ListTasks:output_type -> cronoq.v1.ListTasksResponse
-	25, // 55: cronoq.v1.TaskService.Watch:output_type -> cronoq.v1.WatchResponse
-	44, // [44:56] is the sub-list for method output_type
-	32, // [32:44] is the sub-list for method input_type
-	32, // [32:32] is the sub-list for extension type_name
-	32, // [32:32] is the sub-list for extension extendee
-	0,  // [0:32] is the sub-list for field type_name
+	29, // 3: cronoq.v1.SubmitTaskRequest.trace:type_name -> cronoq.v1.TraceContext
+	30, // 4: cronoq.v1.SubmitTaskResponse.task:type_name -> cronoq.v1.Task
+	0,  // 5: cronoq.v1.SubmitBatchRequest.tasks:type_name -> cronoq.v1.SubmitTaskRequest
+	30, // 6: cronoq.v1.SubmitBatchResponse.tasks:type_name -> cronoq.v1.Task
+	28, // 7: cronoq.v1.GetTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	30, // 8: cronoq.v1.GetTaskResponse.task:type_name -> cronoq.v1.Task
+	31, // 9: cronoq.v1.GetTaskResponse.attempts:type_name -> cronoq.v1.Attempt
+	28, // 10: cronoq.v1.WaitTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	30, // 11: cronoq.v1.WaitTaskResponse.task:type_name -> cronoq.v1.Task
+	28, // 12: cronoq.v1.CancelTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	30, // 13: cronoq.v1.CancelTaskResponse.task:type_name -> cronoq.v1.Task
+	28, // 14: cronoq.v1.RetryTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	27, // 15: cronoq.v1.RetryTaskRequest.run_at:type_name -> google.protobuf.Timestamp
+	30, // 16: cronoq.v1.RetryTaskResponse.task:type_name -> cronoq.v1.Task
+	28, // 17: cronoq.v1.DeleteTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	32, // 18: cronoq.v1.TaskFilter.states:type_name -> cronoq.v1.TaskState
+	27, // 19: cronoq.v1.TaskFilter.created_after:type_name -> google.protobuf.Timestamp
+	27, // 20: cronoq.v1.TaskFilter.created_before:type_name -> google.protobuf.Timestamp
+	27, // 21: cronoq.v1.TaskFilter.finished_after:type_name -> google.protobuf.Timestamp
+	27, // 22: cronoq.v1.TaskFilter.finished_before:type_name -> google.protobuf.Timestamp
+	14, // 23: cronoq.v1.CancelTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
+	15, // 24: cronoq.v1.CancelTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
+	14, // 25: cronoq.v1.RetryTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
+	27, // 26: cronoq.v1.RetryTasksRequest.run_at:type_name -> google.protobuf.Timestamp
+	15, // 27: cronoq.v1.RetryTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
+	14, // 28: cronoq.v1.DeleteTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
+	15, // 29: cronoq.v1.DeleteTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
+	32, // 30: cronoq.v1.ListTasksRequest.state:type_name -> cronoq.v1.TaskState
+	30, // 31: cronoq.v1.ListTasksResponse.tasks:type_name -> cronoq.v1.Task
+	33, // 32: cronoq.v1.WatchResponse.event:type_name -> cronoq.v1.TaskEvent
+	0,  // 33: cronoq.v1.TaskService.SubmitTask:input_type -> cronoq.v1.SubmitTaskRequest
+	2,  // 34: cronoq.v1.TaskService.SubmitBatch:input_type -> cronoq.v1.SubmitBatchRequest
+	4,  // 35: cronoq.v1.TaskService.GetTask:input_type -> cronoq.v1.GetTaskRequest
+	6,  // 36: cronoq.v1.TaskService.WaitTask:input_type -> cronoq.v1.WaitTaskRequest
+	8,  // 37: cronoq.v1.TaskService.CancelTask:input_type -> cronoq.v1.CancelTaskRequest
+	10, // 38: cronoq.v1.TaskService.RetryTask:input_type -> cronoq.v1.RetryTaskRequest
+	12, // 39: cronoq.v1.TaskService.DeleteTask:input_type -> cronoq.v1.DeleteTaskRequest
+	16, // 40: cronoq.v1.TaskService.CancelTasks:input_type -> cronoq.v1.CancelTasksRequest
+	18, // 41: cronoq.v1.TaskService.RetryTasks:input_type -> cronoq.v1.RetryTasksRequest
+	20, // 42: cronoq.v1.TaskService.DeleteTasks:input_type -> cronoq.v1.DeleteTasksRequest
+	22, // 43: cronoq.v1.TaskService.ListTasks:input_type -> cronoq.v1.ListTasksRequest
+	24, // 44: cronoq.v1.TaskService.Watch:input_type -> cronoq.v1.WatchRequest
+	1,  // 45: cronoq.v1.TaskService.SubmitTask:output_type -> cronoq.v1.SubmitTaskResponse
+	3,  // 46: cronoq.v1.TaskService.SubmitBatch:output_type -> cronoq.v1.SubmitBatchResponse
+	5,  // 47: cronoq.v1.TaskService.GetTask:output_type -> cronoq.v1.GetTaskResponse
+	7,  // 48: cronoq.v1.TaskService.WaitTask:output_type -> cronoq.v1.WaitTaskResponse
+	9,  // 49: cronoq.v1.TaskService.CancelTask:output_type -> cronoq.v1.CancelTaskResponse
+	11, // 50: cronoq.v1.TaskService.RetryTask:output_type -> cronoq.v1.RetryTaskResponse
+	13, // 51: cronoq.v1.TaskService.DeleteTask:output_type -> cronoq.v1.DeleteTaskResponse
+	17, // 52: cronoq.v1.TaskService.CancelTasks:output_type -> cronoq.v1.CancelTasksResponse
+	19, // 53: cronoq.v1.TaskService.RetryTasks:output_type -> cronoq.v1.RetryTasksResponse
+	21, // 54: cronoq.v1.TaskService.DeleteTasks:output_type -> cronoq.v1.DeleteTasksResponse
+	23, // 55: cronoq.v1.TaskService.ListTasks:output_type -> cronoq.v1.ListTasksResponse
+	25, // 56: cronoq.v1.TaskService.Watch:output_type -> cronoq.v1.WatchResponse
+	45, // [45:57] is the sub-list for method output_type
+	33, // [33:45] is the sub-list for method input_type
+	33, // [33:33] is the sub-list for extension type_name
+	33, // [33:33] is the sub-list for extension extendee
+	0,  // [0:33] is the sub-list for field type_name
 }
 
 func init() { file_cronoq_v1_task_service_proto_init() }

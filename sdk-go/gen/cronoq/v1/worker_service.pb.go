@@ -211,8 +211,10 @@ type RegisterWorkerResponse struct {
 	MaxResultBytes uint64 `protobuf:"varint,4,opt,name=max_result_bytes,json=maxResultBytes,proto3" json:"max_result_bytes,omitempty"`
 	// The server caps a LeaseTasks reply at this many bytes of tasks.
 	MaxLeaseBytes uint64 `protobuf:"varint,5,opt,name=max_lease_bytes,json=maxLeaseBytes,proto3" json:"max_lease_bytes,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// A checkpoint larger than this is refused (TaskReport.checkpoint).
+	MaxCheckpointBytes uint64 `protobuf:"varint,6,opt,name=max_checkpoint_bytes,json=maxCheckpointBytes,proto3" json:"max_checkpoint_bytes,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *RegisterWorkerResponse) Reset() {
@@ -276,6 +278,13 @@ func (x *RegisterWorkerResponse) GetMaxResultBytes() uint64 {
 func (x *RegisterWorkerResponse) GetMaxLeaseBytes() uint64 {
 	if x != nil {
 		return x.MaxLeaseBytes
+	}
+	return 0
+}
+
+func (x *RegisterWorkerResponse) GetMaxCheckpointBytes() uint64 {
+	if x != nil {
+		return x.MaxCheckpointBytes
 	}
 	return 0
 }
@@ -473,7 +482,9 @@ type HeartbeatRequest struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	WorkerId string                 `protobuf:"bytes,1,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
 	// At most 100,000 (more: INVALID_ARGUMENT), as many as the credits a Work stream may hold.
-	Tasks         []*TaskAttempt `protobuf:"bytes,2,rep,name=tasks,proto3" json:"tasks,omitempty"`
+	Tasks []*TaskAttempt `protobuf:"bytes,2,rep,name=tasks,proto3" json:"tasks,omitempty"`
+	// Progress and checkpoints of running attempts (see TaskReport). At most one per task.
+	Reports       []*TaskReport `protobuf:"bytes,3,rep,name=reports,proto3" json:"reports,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -522,6 +533,87 @@ func (x *HeartbeatRequest) GetTasks() []*TaskAttempt {
 	return nil
 }
 
+func (x *HeartbeatRequest) GetReports() []*TaskReport {
+	if x != nil {
+		return x.Reports
+	}
+	return nil
+}
+
+// What a running handler reported since its worker's last heartbeat, kept with the task when
+// the attempt is still the task's (else ignored: the heartbeat reports it lost). A report with
+// a bad field (a progress that is not finite or a message over 1,024 bytes, a checkpoint over
+// max_checkpoint_bytes) is refused with INVALID_ARGUMENT and nothing of the heartbeat applied.
+type TaskReport struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	TaskId  uint64                 `protobuf:"varint,1,opt,name=task_id,json=taskId,proto3" json:"task_id,omitempty"`
+	Attempt int32                  `protobuf:"varint,2,opt,name=attempt,proto3" json:"attempt,omitempty"`
+	// Set: the handler's progress now (updated_at is the server's).
+	Progress *TaskProgress `protobuf:"bytes,3,opt,name=progress,proto3" json:"progress,omitempty"`
+	// Set: replaces the task's checkpoint (empty bytes clear it).
+	Checkpoint    []byte `protobuf:"bytes,4,opt,name=checkpoint,proto3,oneof" json:"checkpoint,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TaskReport) Reset() {
+	*x = TaskReport{}
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TaskReport) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TaskReport) ProtoMessage() {}
+
+func (x *TaskReport) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TaskReport.ProtoReflect.Descriptor instead.
+func (*TaskReport) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *TaskReport) GetTaskId() uint64 {
+	if x != nil {
+		return x.TaskId
+	}
+	return 0
+}
+
+func (x *TaskReport) GetAttempt() int32 {
+	if x != nil {
+		return x.Attempt
+	}
+	return 0
+}
+
+func (x *TaskReport) GetProgress() *TaskProgress {
+	if x != nil {
+		return x.Progress
+	}
+	return nil
+}
+
+func (x *TaskReport) GetCheckpoint() []byte {
+	if x != nil {
+		return x.Checkpoint
+	}
+	return nil
+}
+
 type HeartbeatResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Cancellation was requested: stop and report them cancelled.
@@ -534,7 +626,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[7]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -546,7 +638,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[7]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -559,7 +651,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{7}
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *HeartbeatResponse) GetCancelledTaskIds() []uint64 {
@@ -586,7 +678,7 @@ type TaskSuccess struct {
 
 func (x *TaskSuccess) Reset() {
 	*x = TaskSuccess{}
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[8]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -598,7 +690,7 @@ func (x *TaskSuccess) String() string {
 func (*TaskSuccess) ProtoMessage() {}
 
 func (x *TaskSuccess) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[8]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -611,7 +703,7 @@ func (x *TaskSuccess) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TaskSuccess.ProtoReflect.Descriptor instead.
 func (*TaskSuccess) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{8}
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *TaskSuccess) GetResult() []byte {
@@ -641,7 +733,7 @@ type TaskFailure struct {
 
 func (x *TaskFailure) Reset() {
 	*x = TaskFailure{}
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[9]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -653,7 +745,7 @@ func (x *TaskFailure) String() string {
 func (*TaskFailure) ProtoMessage() {}
 
 func (x *TaskFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[9]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -666,7 +758,7 @@ func (x *TaskFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TaskFailure.ProtoReflect.Descriptor instead.
 func (*TaskFailure) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{9}
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *TaskFailure) GetError() string {
@@ -699,7 +791,7 @@ type TaskCancelled struct {
 
 func (x *TaskCancelled) Reset() {
 	*x = TaskCancelled{}
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[10]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -711,7 +803,7 @@ func (x *TaskCancelled) String() string {
 func (*TaskCancelled) ProtoMessage() {}
 
 func (x *TaskCancelled) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[10]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -724,7 +816,7 @@ func (x *TaskCancelled) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TaskCancelled.ProtoReflect.Descriptor instead.
 func (*TaskCancelled) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{10}
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *TaskCancelled) GetReason() string {
@@ -745,7 +837,7 @@ type TaskReleased struct {
 
 func (x *TaskReleased) Reset() {
 	*x = TaskReleased{}
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[11]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -757,7 +849,7 @@ func (x *TaskReleased) String() string {
 func (*TaskReleased) ProtoMessage() {}
 
 func (x *TaskReleased) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[11]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -770,10 +862,67 @@ func (x *TaskReleased) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TaskReleased.ProtoReflect.Descriptor instead.
 func (*TaskReleased) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{11}
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *TaskReleased) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+// Not now: the task is PENDING again, due in snooze_ms; the attempt is not counted (the task's
+// history records it SNOOZED) and Task.snoozes grows by one. A task snoozed as often as its
+// pool's max_snoozes (default 100) has this snooze taken as a retryable failure instead, which
+// counts: a handler that snoozes forever runs out of attempts and the task ends FAILED.
+type TaskSnoozed struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Any uint32 (up to about 49.7 days); 0: due at once.
+	SnoozeMs      uint32 `protobuf:"varint,1,opt,name=snooze_ms,json=snoozeMs,proto3" json:"snooze_ms,omitempty"`
+	Reason        string `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TaskSnoozed) Reset() {
+	*x = TaskSnoozed{}
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TaskSnoozed) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TaskSnoozed) ProtoMessage() {}
+
+func (x *TaskSnoozed) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TaskSnoozed.ProtoReflect.Descriptor instead.
+func (*TaskSnoozed) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *TaskSnoozed) GetSnoozeMs() uint32 {
+	if x != nil {
+		return x.SnoozeMs
+	}
+	return 0
+}
+
+func (x *TaskSnoozed) GetReason() string {
 	if x != nil {
 		return x.Reason
 	}
@@ -790,14 +939,18 @@ type TaskOutcome struct {
 	//	*TaskOutcome_Failure
 	//	*TaskOutcome_Cancelled
 	//	*TaskOutcome_Released
-	Outcome       isTaskOutcome_Outcome `protobuf_oneof:"outcome"`
+	//	*TaskOutcome_Snoozed
+	Outcome isTaskOutcome_Outcome `protobuf_oneof:"outcome"`
+	// The handler's last report not yet sent in a heartbeat (task_id and attempt are the
+	// outcome's): kept with the task as a heartbeat's, before the outcome, when it is accepted.
+	Report        *TaskReport `protobuf:"bytes,8,opt,name=report,proto3" json:"report,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *TaskOutcome) Reset() {
 	*x = TaskOutcome{}
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[12]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -809,7 +962,7 @@ func (x *TaskOutcome) String() string {
 func (*TaskOutcome) ProtoMessage() {}
 
 func (x *TaskOutcome) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[12]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -822,7 +975,7 @@ func (x *TaskOutcome) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TaskOutcome.ProtoReflect.Descriptor instead.
 func (*TaskOutcome) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{12}
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *TaskOutcome) GetTaskId() uint64 {
@@ -882,6 +1035,22 @@ func (x *TaskOutcome) GetReleased() *TaskReleased {
 	return nil
 }
 
+func (x *TaskOutcome) GetSnoozed() *TaskSnoozed {
+	if x != nil {
+		if x, ok := x.Outcome.(*TaskOutcome_Snoozed); ok {
+			return x.Snoozed
+		}
+	}
+	return nil
+}
+
+func (x *TaskOutcome) GetReport() *TaskReport {
+	if x != nil {
+		return x.Report
+	}
+	return nil
+}
+
 type isTaskOutcome_Outcome interface {
 	isTaskOutcome_Outcome()
 }
@@ -902,6 +1071,10 @@ type TaskOutcome_Released struct {
 	Released *TaskReleased `protobuf:"bytes,6,opt,name=released,proto3,oneof"`
 }
 
+type TaskOutcome_Snoozed struct {
+	Snoozed *TaskSnoozed `protobuf:"bytes,7,opt,name=snoozed,proto3,oneof"`
+}
+
 func (*TaskOutcome_Success) isTaskOutcome_Outcome() {}
 
 func (*TaskOutcome_Failure) isTaskOutcome_Outcome() {}
@@ -909,6 +1082,8 @@ func (*TaskOutcome_Failure) isTaskOutcome_Outcome() {}
 func (*TaskOutcome_Cancelled) isTaskOutcome_Outcome() {}
 
 func (*TaskOutcome_Released) isTaskOutcome_Outcome() {}
+
+func (*TaskOutcome_Snoozed) isTaskOutcome_Outcome() {}
 
 type FinishTasksRequest struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
@@ -921,7 +1096,7 @@ type FinishTasksRequest struct {
 
 func (x *FinishTasksRequest) Reset() {
 	*x = FinishTasksRequest{}
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[13]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -933,7 +1108,7 @@ func (x *FinishTasksRequest) String() string {
 func (*FinishTasksRequest) ProtoMessage() {}
 
 func (x *FinishTasksRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[13]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -946,7 +1121,7 @@ func (x *FinishTasksRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FinishTasksRequest.ProtoReflect.Descriptor instead.
 func (*FinishTasksRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{13}
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *FinishTasksRequest) GetWorkerId() string {
@@ -977,7 +1152,7 @@ type FinishTaskResult struct {
 
 func (x *FinishTaskResult) Reset() {
 	*x = FinishTaskResult{}
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[14]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -989,7 +1164,7 @@ func (x *FinishTaskResult) String() string {
 func (*FinishTaskResult) ProtoMessage() {}
 
 func (x *FinishTaskResult) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[14]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1002,7 +1177,7 @@ func (x *FinishTaskResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FinishTaskResult.ProtoReflect.Descriptor instead.
 func (*FinishTaskResult) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{14}
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *FinishTaskResult) GetTaskId() uint64 {
@@ -1042,7 +1217,7 @@ type FinishTasksResponse struct {
 
 func (x *FinishTasksResponse) Reset() {
 	*x = FinishTasksResponse{}
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[15]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1054,7 +1229,7 @@ func (x *FinishTasksResponse) String() string {
 func (*FinishTasksResponse) ProtoMessage() {}
 
 func (x *FinishTasksResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[15]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1067,7 +1242,7 @@ func (x *FinishTasksResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FinishTasksResponse.ProtoReflect.Descriptor instead.
 func (*FinishTasksResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{15}
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *FinishTasksResponse) GetResults() []*FinishTaskResult {
@@ -1109,7 +1284,7 @@ type WorkRequest struct {
 
 func (x *WorkRequest) Reset() {
 	*x = WorkRequest{}
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[16]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1121,7 +1296,7 @@ func (x *WorkRequest) String() string {
 func (*WorkRequest) ProtoMessage() {}
 
 func (x *WorkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[16]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1134,7 +1309,7 @@ func (x *WorkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WorkRequest.ProtoReflect.Descriptor instead.
 func (*WorkRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{16}
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *WorkRequest) GetWorkerId() string {
@@ -1189,14 +1364,16 @@ func (x *WorkRequest) GetClosing() bool {
 type WorkHeartbeat struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// At most 100,000 (more ends the stream with INVALID_ARGUMENT).
-	Tasks         []*TaskAttempt `protobuf:"bytes,1,rep,name=tasks,proto3" json:"tasks,omitempty"`
+	Tasks []*TaskAttempt `protobuf:"bytes,1,rep,name=tasks,proto3" json:"tasks,omitempty"`
+	// As HeartbeatRequest.reports (a bad one ends the stream with INVALID_ARGUMENT).
+	Reports       []*TaskReport `protobuf:"bytes,2,rep,name=reports,proto3" json:"reports,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *WorkHeartbeat) Reset() {
 	*x = WorkHeartbeat{}
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[17]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1208,7 +1385,7 @@ func (x *WorkHeartbeat) String() string {
 func (*WorkHeartbeat) ProtoMessage() {}
 
 func (x *WorkHeartbeat) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[17]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1221,12 +1398,19 @@ func (x *WorkHeartbeat) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WorkHeartbeat.ProtoReflect.Descriptor instead.
 func (*WorkHeartbeat) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{17}
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *WorkHeartbeat) GetTasks() []*TaskAttempt {
 	if x != nil {
 		return x.Tasks
+	}
+	return nil
+}
+
+func (x *WorkHeartbeat) GetReports() []*TaskReport {
+	if x != nil {
+		return x.Reports
 	}
 	return nil
 }
@@ -1247,7 +1431,7 @@ type WorkResponse struct {
 
 func (x *WorkResponse) Reset() {
 	*x = WorkResponse{}
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[18]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1259,7 +1443,7 @@ func (x *WorkResponse) String() string {
 func (*WorkResponse) ProtoMessage() {}
 
 func (x *WorkResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[18]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1272,7 +1456,7 @@ func (x *WorkResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WorkResponse.ProtoReflect.Descriptor instead.
 func (*WorkResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{18}
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *WorkResponse) GetTasks() []*Task {
@@ -1305,7 +1489,7 @@ type DeregisterWorkerRequest struct {
 
 func (x *DeregisterWorkerRequest) Reset() {
 	*x = DeregisterWorkerRequest{}
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[19]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1317,7 +1501,7 @@ func (x *DeregisterWorkerRequest) String() string {
 func (*DeregisterWorkerRequest) ProtoMessage() {}
 
 func (x *DeregisterWorkerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[19]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1330,7 +1514,7 @@ func (x *DeregisterWorkerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterWorkerRequest.ProtoReflect.Descriptor instead.
 func (*DeregisterWorkerRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{19}
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *DeregisterWorkerRequest) GetWorkerId() string {
@@ -1348,7 +1532,7 @@ type DeregisterWorkerResponse struct {
 
 func (x *DeregisterWorkerResponse) Reset() {
 	*x = DeregisterWorkerResponse{}
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[20]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1360,7 +1544,7 @@ func (x *DeregisterWorkerResponse) String() string {
 func (*DeregisterWorkerResponse) ProtoMessage() {}
 
 func (x *DeregisterWorkerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[20]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1373,7 +1557,7 @@ func (x *DeregisterWorkerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterWorkerResponse.ProtoReflect.Descriptor instead.
 func (*DeregisterWorkerResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{20}
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{22}
 }
 
 type ListWorkersRequest struct {
@@ -1385,7 +1569,7 @@ type ListWorkersRequest struct {
 
 func (x *ListWorkersRequest) Reset() {
 	*x = ListWorkersRequest{}
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[21]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1397,7 +1581,7 @@ func (x *ListWorkersRequest) String() string {
 func (*ListWorkersRequest) ProtoMessage() {}
 
 func (x *ListWorkersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[21]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1410,7 +1594,7 @@ func (x *ListWorkersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListWorkersRequest.ProtoReflect.Descriptor instead.
 func (*ListWorkersRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{21}
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ListWorkersRequest) GetPool() string {
@@ -1430,7 +1614,7 @@ type ListWorkersResponse struct {
 
 func (x *ListWorkersResponse) Reset() {
 	*x = ListWorkersResponse{}
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[22]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1442,7 +1626,7 @@ func (x *ListWorkersResponse) String() string {
 func (*ListWorkersResponse) ProtoMessage() {}
 
 func (x *ListWorkersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_worker_service_proto_msgTypes[22]
+	mi := &file_cronoq_v1_worker_service_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1455,7 +1639,7 @@ func (x *ListWorkersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListWorkersResponse.ProtoReflect.Descriptor instead.
 func (*ListWorkersResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{22}
+	return file_cronoq_v1_worker_service_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ListWorkersResponse) GetWorkers() []*Worker {
@@ -1498,13 +1682,14 @@ const file_cronoq_v1_worker_service_proto_rawDesc = "" +
 	"\x06labels\x18\x04 \x03(\v2,.cronoq.v1.RegisterWorkerRequest.LabelsEntryR\x06labels\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xd1\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x83\x02\n" +
 	"\x16RegisterWorkerResponse\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x122\n" +
 	"\x15heartbeat_interval_ms\x18\x02 \x01(\rR\x13heartbeatIntervalMs\x12\x14\n" +
 	"\x05shard\x18\x03 \x01(\tR\x05shard\x12(\n" +
 	"\x10max_result_bytes\x18\x04 \x01(\x04R\x0emaxResultBytes\x12&\n" +
-	"\x0fmax_lease_bytes\x18\x05 \x01(\x04R\rmaxLeaseBytes\"\xc5\x01\n" +
+	"\x0fmax_lease_bytes\x18\x05 \x01(\x04R\rmaxLeaseBytes\x120\n" +
+	"\x14max_checkpoint_bytes\x18\x06 \x01(\x04R\x12maxCheckpointBytes\"\xc5\x01\n" +
 	"\x11LeaseTasksRequest\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12\x1b\n" +
 	"\tmax_tasks\x18\x02 \x01(\x05R\bmaxTasks\x12\x17\n" +
@@ -1516,10 +1701,20 @@ const file_cronoq_v1_worker_service_proto_rawDesc = "" +
 	"\x05tasks\x18\x01 \x03(\v2\x0f.cronoq.v1.TaskR\x05tasks\"@\n" +
 	"\vTaskAttempt\x12\x17\n" +
 	"\atask_id\x18\x01 \x01(\x04R\x06taskId\x12\x18\n" +
-	"\aattempt\x18\x02 \x01(\x05R\aattempt\"]\n" +
+	"\aattempt\x18\x02 \x01(\x05R\aattempt\"\x8e\x01\n" +
 	"\x10HeartbeatRequest\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12,\n" +
-	"\x05tasks\x18\x02 \x03(\v2\x16.cronoq.v1.TaskAttemptR\x05tasks\"e\n" +
+	"\x05tasks\x18\x02 \x03(\v2\x16.cronoq.v1.TaskAttemptR\x05tasks\x12/\n" +
+	"\areports\x18\x03 \x03(\v2\x15.cronoq.v1.TaskReportR\areports\"\xa8\x01\n" +
+	"\n" +
+	"TaskReport\x12\x17\n" +
+	"\atask_id\x18\x01 \x01(\x04R\x06taskId\x12\x18\n" +
+	"\aattempt\x18\x02 \x01(\x05R\aattempt\x123\n" +
+	"\bprogress\x18\x03 \x01(\v2\x17.cronoq.v1.TaskProgressR\bprogress\x12#\n" +
+	"\n" +
+	"checkpoint\x18\x04 \x01(\fH\x00R\n" +
+	"checkpoint\x88\x01\x01B\r\n" +
+	"\v_checkpoint\"e\n" +
 	"\x11HeartbeatResponse\x12,\n" +
 	"\x12cancelled_task_ids\x18\x01 \x03(\x04R\x10cancelledTaskIds\x12\"\n" +
 	"\rlost_task_ids\x18\x02 \x03(\x04R\vlostTaskIds\"H\n" +
@@ -1533,14 +1728,19 @@ const file_cronoq_v1_worker_service_proto_rawDesc = "" +
 	"\rTaskCancelled\x12\x16\n" +
 	"\x06reason\x18\x01 \x01(\tR\x06reason\"&\n" +
 	"\fTaskReleased\x12\x16\n" +
-	"\x06reason\x18\x01 \x01(\tR\x06reason\"\xa4\x02\n" +
+	"\x06reason\x18\x01 \x01(\tR\x06reason\"B\n" +
+	"\vTaskSnoozed\x12\x1b\n" +
+	"\tsnooze_ms\x18\x01 \x01(\rR\bsnoozeMs\x12\x16\n" +
+	"\x06reason\x18\x02 \x01(\tR\x06reason\"\x87\x03\n" +
 	"\vTaskOutcome\x12\x17\n" +
 	"\atask_id\x18\x01 \x01(\x04R\x06taskId\x12\x18\n" +
 	"\aattempt\x18\x02 \x01(\x05R\aattempt\x122\n" +
 	"\asuccess\x18\x03 \x01(\v2\x16.cronoq.v1.TaskSuccessH\x00R\asuccess\x122\n" +
 	"\afailure\x18\x04 \x01(\v2\x16.cronoq.v1.TaskFailureH\x00R\afailure\x128\n" +
 	"\tcancelled\x18\x05 \x01(\v2\x18.cronoq.v1.TaskCancelledH\x00R\tcancelled\x125\n" +
-	"\breleased\x18\x06 \x01(\v2\x17.cronoq.v1.TaskReleasedH\x00R\breleasedB\t\n" +
+	"\breleased\x18\x06 \x01(\v2\x17.cronoq.v1.TaskReleasedH\x00R\breleased\x122\n" +
+	"\asnoozed\x18\a \x01(\v2\x16.cronoq.v1.TaskSnoozedH\x00R\asnoozed\x12-\n" +
+	"\x06report\x18\b \x01(\v2\x15.cronoq.v1.TaskReportR\x06reportB\t\n" +
 	"\aoutcome\"e\n" +
 	"\x12FinishTasksRequest\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x122\n" +
@@ -1559,9 +1759,10 @@ const file_cronoq_v1_worker_service_proto_rawDesc = "" +
 	"\theartbeat\x18\x04 \x01(\v2\x18.cronoq.v1.WorkHeartbeatR\theartbeat\x12\x14\n" +
 	"\x05pools\x18\x05 \x03(\tR\x05pools\x12\x1b\n" +
 	"\tmax_bytes\x18\x06 \x01(\x04R\bmaxBytes\x12\x18\n" +
-	"\aclosing\x18\a \x01(\bR\aclosing\"=\n" +
+	"\aclosing\x18\a \x01(\bR\aclosing\"n\n" +
 	"\rWorkHeartbeat\x12,\n" +
-	"\x05tasks\x18\x01 \x03(\v2\x16.cronoq.v1.TaskAttemptR\x05tasks\"\xa8\x01\n" +
+	"\x05tasks\x18\x01 \x03(\v2\x16.cronoq.v1.TaskAttemptR\x05tasks\x12/\n" +
+	"\areports\x18\x02 \x03(\v2\x15.cronoq.v1.TaskReportR\areports\"\xa8\x01\n" +
 	"\fWorkResponse\x12%\n" +
 	"\x05tasks\x18\x01 \x03(\v2\x0f.cronoq.v1.TaskR\x05tasks\x125\n" +
 	"\aresults\x18\x02 \x03(\v2\x1b.cronoq.v1.FinishTaskResultR\aresults\x12:\n" +
@@ -1597,7 +1798,7 @@ func file_cronoq_v1_worker_service_proto_rawDescGZIP() []byte {
 	return file_cronoq_v1_worker_service_proto_rawDescData
 }
 
-var file_cronoq_v1_worker_service_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
+var file_cronoq_v1_worker_service_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_cronoq_v1_worker_service_proto_goTypes = []any{
 	(*Worker)(nil),                   // 0: cronoq.v1.Worker
 	(*RegisterWorkerRequest)(nil),    // 1: cronoq.v1.RegisterWorkerRequest
@@ -1606,67 +1807,75 @@ var file_cronoq_v1_worker_service_proto_goTypes = []any{
 	(*LeaseTasksResponse)(nil),       // 4: cronoq.v1.LeaseTasksResponse
 	(*TaskAttempt)(nil),              // 5: cronoq.v1.TaskAttempt
 	(*HeartbeatRequest)(nil),         // 6: cronoq.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),        // 7: cronoq.v1.HeartbeatResponse
-	(*TaskSuccess)(nil),              // 8: cronoq.v1.TaskSuccess
-	(*TaskFailure)(nil),              // 9: cronoq.v1.TaskFailure
-	(*TaskCancelled)(nil),            // 10: cronoq.v1.TaskCancelled
-	(*TaskReleased)(nil),             // 11: cronoq.v1.TaskReleased
-	(*TaskOutcome)(nil),              // 12: cronoq.v1.TaskOutcome
-	(*FinishTasksRequest)(nil),       // 13: cronoq.v1.FinishTasksRequest
-	(*FinishTaskResult)(nil),         // 14: cronoq.v1.FinishTaskResult
-	(*FinishTasksResponse)(nil),      // 15: cronoq.v1.FinishTasksResponse
-	(*WorkRequest)(nil),              // 16: cronoq.v1.WorkRequest
-	(*WorkHeartbeat)(nil),            // 17: cronoq.v1.WorkHeartbeat
-	(*WorkResponse)(nil),             // 18: cronoq.v1.WorkResponse
-	(*DeregisterWorkerRequest)(nil),  // 19: cronoq.v1.DeregisterWorkerRequest
-	(*DeregisterWorkerResponse)(nil), // 20: cronoq.v1.DeregisterWorkerResponse
-	(*ListWorkersRequest)(nil),       // 21: cronoq.v1.ListWorkersRequest
-	(*ListWorkersResponse)(nil),      // 22: cronoq.v1.ListWorkersResponse
-	nil,                              // 23: cronoq.v1.Worker.LabelsEntry
-	nil,                              // 24: cronoq.v1.RegisterWorkerRequest.LabelsEntry
-	(*timestamppb.Timestamp)(nil),    // 25: google.protobuf.Timestamp
-	(*Task)(nil),                     // 26: cronoq.v1.Task
+	(*TaskReport)(nil),               // 7: cronoq.v1.TaskReport
+	(*HeartbeatResponse)(nil),        // 8: cronoq.v1.HeartbeatResponse
+	(*TaskSuccess)(nil),              // 9: cronoq.v1.TaskSuccess
+	(*TaskFailure)(nil),              // 10: cronoq.v1.TaskFailure
+	(*TaskCancelled)(nil),            // 11: cronoq.v1.TaskCancelled
+	(*TaskReleased)(nil),             // 12: cronoq.v1.TaskReleased
+	(*TaskSnoozed)(nil),              // 13: cronoq.v1.TaskSnoozed
+	(*TaskOutcome)(nil),              // 14: cronoq.v1.TaskOutcome
+	(*FinishTasksRequest)(nil),       // 15: cronoq.v1.FinishTasksRequest
+	(*FinishTaskResult)(nil),         // 16: cronoq.v1.FinishTaskResult
+	(*FinishTasksResponse)(nil),      // 17: cronoq.v1.FinishTasksResponse
+	(*WorkRequest)(nil),              // 18: cronoq.v1.WorkRequest
+	(*WorkHeartbeat)(nil),            // 19: cronoq.v1.WorkHeartbeat
+	(*WorkResponse)(nil),             // 20: cronoq.v1.WorkResponse
+	(*DeregisterWorkerRequest)(nil),  // 21: cronoq.v1.DeregisterWorkerRequest
+	(*DeregisterWorkerResponse)(nil), // 22: cronoq.v1.DeregisterWorkerResponse
+	(*ListWorkersRequest)(nil),       // 23: cronoq.v1.ListWorkersRequest
+	(*ListWorkersResponse)(nil),      // 24: cronoq.v1.ListWorkersResponse
+	nil,                              // 25: cronoq.v1.Worker.LabelsEntry
+	nil,                              // 26: cronoq.v1.RegisterWorkerRequest.LabelsEntry
+	(*timestamppb.Timestamp)(nil),    // 27: google.protobuf.Timestamp
+	(*Task)(nil),                     // 28: cronoq.v1.Task
+	(*TaskProgress)(nil),             // 29: cronoq.v1.TaskProgress
 }
 var file_cronoq_v1_worker_service_proto_depIdxs = []int32{
-	25, // 0: cronoq.v1.Worker.registered_at:type_name -> google.protobuf.Timestamp
-	25, // 1: cronoq.v1.Worker.last_seen_at:type_name -> google.protobuf.Timestamp
-	23, // 2: cronoq.v1.Worker.labels:type_name -> cronoq.v1.Worker.LabelsEntry
-	24, // 3: cronoq.v1.RegisterWorkerRequest.labels:type_name -> cronoq.v1.RegisterWorkerRequest.LabelsEntry
+	27, // 0: cronoq.v1.Worker.registered_at:type_name -> google.protobuf.Timestamp
+	27, // 1: cronoq.v1.Worker.last_seen_at:type_name -> google.protobuf.Timestamp
+	25, // 2: cronoq.v1.Worker.labels:type_name -> cronoq.v1.Worker.LabelsEntry
+	26, // 3: cronoq.v1.RegisterWorkerRequest.labels:type_name -> cronoq.v1.RegisterWorkerRequest.LabelsEntry
 	5,  // 4: cronoq.v1.LeaseTasksRequest.done:type_name -> cronoq.v1.TaskAttempt
-	26, // 5: cronoq.v1.LeaseTasksResponse.tasks:type_name -> cronoq.v1.Task
+	28, // 5: cronoq.v1.LeaseTasksResponse.tasks:type_name -> cronoq.v1.Task
 	5,  // 6: cronoq.v1.HeartbeatRequest.tasks:type_name -> cronoq.v1.TaskAttempt
-	8,  // 7: cronoq.v1.TaskOutcome.success:type_name -> cronoq.v1.TaskSuccess
-	9,  // 8: cronoq.v1.TaskOutcome.failure:type_name -> cronoq.v1.TaskFailure
-	10, // 9: cronoq.v1.TaskOutcome.cancelled:type_name -> cronoq.v1.TaskCancelled
-	11, // 10: cronoq.v1.TaskOutcome.released:type_name -> cronoq.v1.TaskReleased
-	12, // 11: cronoq.v1.FinishTasksRequest.outcomes:type_name -> cronoq.v1.TaskOutcome
-	14, // 12: cronoq.v1.FinishTasksResponse.results:type_name -> cronoq.v1.FinishTaskResult
-	12, // 13: cronoq.v1.WorkRequest.outcomes:type_name -> cronoq.v1.TaskOutcome
-	17, // 14: cronoq.v1.WorkRequest.heartbeat:type_name -> cronoq.v1.WorkHeartbeat
-	5,  // 15: cronoq.v1.WorkHeartbeat.tasks:type_name -> cronoq.v1.TaskAttempt
-	26, // 16: cronoq.v1.WorkResponse.tasks:type_name -> cronoq.v1.Task
-	14, // 17: cronoq.v1.WorkResponse.results:type_name -> cronoq.v1.FinishTaskResult
-	7,  // 18: cronoq.v1.WorkResponse.heartbeat:type_name -> cronoq.v1.HeartbeatResponse
-	0,  // 19: cronoq.v1.ListWorkersResponse.workers:type_name -> cronoq.v1.Worker
-	1,  // 20: cronoq.v1.WorkerService.RegisterWorker:input_type -> cronoq.v1.RegisterWorkerRequest
-	3,  // 21: cronoq.v1.WorkerService.LeaseTasks:input_type -> cronoq.v1.LeaseTasksRequest
-	6,  // 22: cronoq.v1.WorkerService.Heartbeat:input_type -> cronoq.v1.HeartbeatRequest
-	13, // 23: cronoq.v1.WorkerService.FinishTasks:input_type -> cronoq.v1.FinishTasksRequest
-	16, // 24: cronoq.v1.WorkerService.Work:input_type -> cronoq.v1.WorkRequest
-	19, // 25: cronoq.v1.WorkerService.DeregisterWorker:input_type -> cronoq.v1.DeregisterWorkerRequest
-	21, // 26: cronoq.v1.WorkerService.ListWorkers:input_type -> cronoq.v1.ListWorkersRequest
-	2,  // 27: cronoq.v1.WorkerService.RegisterWorker:output_type -> cronoq.v1.RegisterWorkerResponse
-	4,  // 28: cronoq.v1.WorkerService.LeaseTasks:output_type -> cronoq.v1.LeaseTasksResponse
-	7,  // 29: cronoq.v1.WorkerService.Heartbeat:output_type -> cronoq.v1.HeartbeatResponse
-	15, // 30: cronoq.v1.WorkerService.FinishTasks:output_type -> cronoq.v1.FinishTasksResponse
-	18, // 31: cronoq.v1.WorkerService.Work:output_type -> cronoq.v1.WorkResponse
-	20, // 32: cronoq.v1.WorkerService.DeregisterWorker:output_type -> cronoq.v1.DeregisterWorkerResponse
-	22, // 33: cronoq.v1.WorkerService.ListWorkers:output_type -> cronoq.v1.ListWorkersResponse
-	27, // [27:34] is the sub-list for method output_type
-	20, // [20:27] is the sub-list for method input_type
-	20, // [20:20] is the sub-list for extension type_name
-	20, // [20:20] is the sub-list for extension extendee
-	0,  // [0:20] is the sub-list for field type_name
+	7,  // 7: cronoq.v1.HeartbeatRequest.reports:type_name -> cronoq.v1.TaskReport
+	29, // 8: cronoq.v1.TaskReport.progress:type_name -> cronoq.v1.TaskProgress
+	9,  // 9: cronoq.v1.TaskOutcome.success:type_name -> cronoq.v1.TaskSuccess
+	10, // 10: cronoq.v1.TaskOutcome.failure:type_name -> cronoq.v1.TaskFailure
+	11, // 11: cronoq.v1.TaskOutcome.cancelled:type_name -> cronoq.v1.TaskCancelled
+	12, // 12: cronoq.v1.TaskOutcome.released:type_name -> cronoq.v1.TaskReleased
+	13, // 13: cronoq.v1.TaskOutcome.snoozed:type_name -> cronoq.v1.TaskSnoozed
+	7,  // 14: cronoq.v1.TaskOutcome.report:type_name -> cronoq.v1.TaskReport
+	14, // 15: cronoq.v1.FinishTasksRequest.outcomes:type_name -> cronoq.v1.TaskOutcome
+	16, // 16: cronoq.v1.FinishTasksResponse.results:type_name -> cronoq.v1.FinishTaskResult
+	14, // 17: cronoq.v1.WorkRequest.outcomes:type_name -> cronoq.v1.TaskOutcome
+	19, // 18: cronoq.v1.WorkRequest.heartbeat:type_name -> cronoq.v1.WorkHeartbeat
+	5,  // 19: cronoq.v1.WorkHeartbeat.tasks:type_name -> cronoq.v1.TaskAttempt
+	7,  // 20: cronoq.v1.WorkHeartbeat.reports:type_name -> cronoq.v1.TaskReport
+	28, // 21: cronoq.v1.WorkResponse.tasks:type_name -> cronoq.v1.Task
+	16, // 22: cronoq.v1.WorkResponse.results:type_name -> cronoq.v1.FinishTaskResult
+	8,  // 23: cronoq.v1.WorkResponse.heartbeat:type_name -> cronoq.v1.HeartbeatResponse
+	0,  // 24: cronoq.v1.ListWorkersResponse.workers:type_name -> cronoq.v1.Worker
+	1,  // 25: cronoq.v1.WorkerService.RegisterWorker:input_type -> cronoq.v1.RegisterWorkerRequest
+	3,  // 26: cronoq.v1.WorkerService.LeaseTasks:input_type -> cronoq.v1.LeaseTasksRequest
+	6,  // 27: cronoq.v1.WorkerService.Heartbeat:input_type -> cronoq.v1.HeartbeatRequest
+	15, // 28: cronoq.v1.WorkerService.FinishTasks:input_type -> cronoq.v1.FinishTasksRequest
+	18, // 29: cronoq.v1.WorkerService.Work:input_type -> cronoq.v1.WorkRequest
+	21, // 30: cronoq.v1.WorkerService.DeregisterWorker:input_type -> cronoq.v1.DeregisterWorkerRequest
+	23, // 31: cronoq.v1.WorkerService.ListWorkers:input_type -> cronoq.v1.ListWorkersRequest
+	2,  // 32: cronoq.v1.WorkerService.RegisterWorker:output_type -> cronoq.v1.RegisterWorkerResponse
+	4,  // 33: cronoq.v1.WorkerService.LeaseTasks:output_type -> cronoq.v1.LeaseTasksResponse
+	8,  // 34: cronoq.v1.WorkerService.Heartbeat:output_type -> cronoq.v1.HeartbeatResponse
+	17, // 35: cronoq.v1.WorkerService.FinishTasks:output_type -> cronoq.v1.FinishTasksResponse
+	20, // 36: cronoq.v1.WorkerService.Work:output_type -> cronoq.v1.WorkResponse
+	22, // 37: cronoq.v1.WorkerService.DeregisterWorker:output_type -> cronoq.v1.DeregisterWorkerResponse
+	24, // 38: cronoq.v1.WorkerService.ListWorkers:output_type -> cronoq.v1.ListWorkersResponse
+	32, // [32:39] is the sub-list for method output_type
+	25, // [25:32] is the sub-list for method input_type
+	25, // [25:25] is the sub-list for extension type_name
+	25, // [25:25] is the sub-list for extension extendee
+	0,  // [0:25] is the sub-list for field type_name
 }
 
 func init() { file_cronoq_v1_worker_service_proto_init() }
@@ -1676,11 +1885,13 @@ func file_cronoq_v1_worker_service_proto_init() {
 	}
 	file_cronoq_v1_options_proto_init()
 	file_cronoq_v1_task_proto_init()
-	file_cronoq_v1_worker_service_proto_msgTypes[12].OneofWrappers = []any{
+	file_cronoq_v1_worker_service_proto_msgTypes[7].OneofWrappers = []any{}
+	file_cronoq_v1_worker_service_proto_msgTypes[14].OneofWrappers = []any{
 		(*TaskOutcome_Success)(nil),
 		(*TaskOutcome_Failure)(nil),
 		(*TaskOutcome_Cancelled)(nil),
 		(*TaskOutcome_Released)(nil),
+		(*TaskOutcome_Snoozed)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1688,7 +1899,7 @@ func file_cronoq_v1_worker_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cronoq_v1_worker_service_proto_rawDesc), len(file_cronoq_v1_worker_service_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   25,
+			NumMessages:   27,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -369,6 +369,17 @@ function taskActions(task, who, status) {
   return retry || cancel || remove ? h("p", { class: "actions" }, retry, cancel, remove) : null;
 }
 
+/** A handler's last progress: a bar when it is a fraction, the number else; its message; when. */
+function progressCell(progress) {
+  const value = Number(progress.value ?? 0);
+  const fraction = value >= 0 && value <= 1;
+  return h("span", { class: "progress" },
+    fraction ? h("progress", { max: "1", value: String(value) }) : null,
+    ` ${fraction ? `${Math.round(value * 100)}%` : String(value)}`,
+    progress.message ? ` — ${progress.message}` : "",
+    progress.updated_at ? h("span", { class: "muted" }, " (", when(progress.updated_at), ")") : null);
+}
+
 async function renderTaskById(id) {
   const [got, who, names] = await Promise.all([
     call("GET", `/v1/tasks/${id}${query({ include_dependents: true, include_attempts: true })}`), caller(), workerNames(),
@@ -388,6 +399,9 @@ async function renderTaskById(id) {
       field("lease expires", when(task.lease_expires_at)),
       field("timeout", Number(task.timeout_ms) ? `${task.timeout_ms} ms` : "none"),
       field("cancel requested", task.cancel_requested ? "yes" : "no"),
+      Number(task.snoozes) ? field("snoozed", `${task.snoozes} time${Number(task.snoozes) === 1 ? "" : "s"}`) : null,
+      task.progress ? field("progress", progressCell(task.progress)) : null,
+      task.checkpoint ? field("checkpoint", `${atob(task.checkpoint).length} bytes, given to the next attempt`) : null,
       field("depends on", links(task.depends_on)),
       field("dependents", links(got.dependents))),
     taskActions(task, who, status), status,

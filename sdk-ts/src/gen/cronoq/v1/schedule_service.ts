@@ -19,6 +19,7 @@ import {
   type UntypedServiceImplementation,
 } from "@grpc/grpc-js";
 import { Timestamp } from "../../google/protobuf/timestamp.js";
+import { TraceContext } from "./task.js";
 
 export const protobufPackage = "cronoq.v1";
 
@@ -52,6 +53,11 @@ export interface Schedule {
   fireAllMissed: boolean;
   /** The group_key of each fired task (SubmitTaskRequest.group_key). */
   groupKey: string;
+  /**
+   * The trace context of the call that put the schedule (SDKs take it from the current span):
+   * each fired task carries it with link set.
+   */
+  trace: TraceContext | undefined;
 }
 
 export interface Schedule_ResourcesEntry {
@@ -101,6 +107,7 @@ function createBaseSchedule(): Schedule {
     timeoutMs: 0n,
     fireAllMissed: false,
     groupKey: "",
+    trace: undefined,
   };
 }
 
@@ -153,6 +160,9 @@ export const Schedule: MessageFns<Schedule> = {
     }
     if (message.groupKey !== "") {
       writer.uint32(122).string(message.groupKey);
+    }
+    if (message.trace !== undefined) {
+      TraceContext.encode(message.trace, writer.uint32(130).fork()).join();
     }
     return writer;
   },
@@ -293,6 +303,14 @@ export const Schedule: MessageFns<Schedule> = {
             message.groupKey = reader.string();
             continue;
           }
+          case 16: {
+            if (tag !== 130) {
+              break;
+            }
+
+            message.trace = TraceContext.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -363,6 +381,7 @@ export const Schedule: MessageFns<Schedule> = {
         : isSet(object.group_key)
         ? globalThis.String(object.group_key)
         : "",
+      trace: isSet(object.trace) ? TraceContext.fromJSON(object.trace) : undefined,
     };
   },
 
@@ -419,6 +438,9 @@ export const Schedule: MessageFns<Schedule> = {
     if (message.groupKey !== "") {
       obj.groupKey = message.groupKey;
     }
+    if (message.trace !== undefined) {
+      obj.trace = TraceContext.toJSON(message.trace);
+    }
     return obj;
   },
 
@@ -454,6 +476,9 @@ export const Schedule: MessageFns<Schedule> = {
     message.timeoutMs = (object.timeoutMs !== undefined && object.timeoutMs !== null) ? BigInt(object.timeoutMs) : 0n;
     message.fireAllMissed = object.fireAllMissed ?? false;
     message.groupKey = object.groupKey ?? "";
+    message.trace = (object.trace !== undefined && object.trace !== null)
+      ? TraceContext.fromPartial(object.trace)
+      : undefined;
     return message;
   },
 };

@@ -87,6 +87,8 @@ export enum AttemptOutcome {
   ATTEMPT_OUTCOME_CANCELLED = 4,
   /** ATTEMPT_OUTCOME_LOST - The lease expired: the worker stopped heartbeating (crashed, or cut off). */
   ATTEMPT_OUTCOME_LOST = 5,
+  /** ATTEMPT_OUTCOME_SNOOZED - The handler snoozed the task (TaskSnoozed): not counted, the next attempt has this number. */
+  ATTEMPT_OUTCOME_SNOOZED = 6,
   UNRECOGNIZED = -1,
 }
 
@@ -110,6 +112,9 @@ export function attemptOutcomeFromJSON(object: any): AttemptOutcome {
     case 5:
     case "ATTEMPT_OUTCOME_LOST":
       return AttemptOutcome.ATTEMPT_OUTCOME_LOST;
+    case 6:
+    case "ATTEMPT_OUTCOME_SNOOZED":
+      return AttemptOutcome.ATTEMPT_OUTCOME_SNOOZED;
     case -1:
     case "UNRECOGNIZED":
     default:
@@ -131,6 +136,8 @@ export function attemptOutcomeToJSON(object: AttemptOutcome): string {
       return "ATTEMPT_OUTCOME_CANCELLED";
     case AttemptOutcome.ATTEMPT_OUTCOME_LOST:
       return "ATTEMPT_OUTCOME_LOST";
+    case AttemptOutcome.ATTEMPT_OUTCOME_SNOOZED:
+      return "ATTEMPT_OUTCOME_SNOOZED";
     case AttemptOutcome.UNRECOGNIZED:
     default:
       return "UNRECOGNIZED";
@@ -176,11 +183,51 @@ export interface Task {
   timeoutMs: bigint;
   /** The task's group (SubmitTaskRequest.group_key). */
   groupKey: string;
+  /** How many times a handler snoozed the task (TaskSnoozed): snoozes are not attempts. */
+  snoozes: number;
+  /**
+   * The last progress a handler of the task reported (heartbeats carry it), kept after the
+   * attempt ends; unset while none has reported any.
+   */
+  progress:
+    | TaskProgress
+    | undefined;
+  /**
+   * The last checkpoint a handler of the task saved (at most
+   * RegisterWorkerResponse.max_checkpoint_bytes). A leased task carries it, so the next attempt
+   * resumes where the last one left off.
+   */
+  checkpoint: Buffer;
+  /** The W3C trace context the task was submitted in (unset: none). */
+  trace: TraceContext | undefined;
 }
 
 export interface Task_ResourcesEntry {
   key: string;
   value: bigint;
+}
+
+/** A running handler's progress: a number (commonly a fraction from 0 to 1) and a short message. */
+export interface TaskProgress {
+  /** Any finite number. */
+  value: number;
+  /** At most 1,024 bytes. */
+  message: string;
+  /** When the server received it (set by the server). */
+  updatedAt: Timestamp | undefined;
+}
+
+/** W3C trace context (https://www.w3.org/TR/trace-context/), as the HTTP headers carry it. */
+export interface TraceContext {
+  /** "00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>" (lowercase; ids not all zero). */
+  traceparent: string;
+  /** At most 512 bytes; kept only with a traceparent. */
+  tracestate: string;
+  /**
+   * Set on the tasks a schedule fires: the context is the schedule's, taken when it was put, so
+   * a handler links its span to it rather than continuing that trace.
+   */
+  link: boolean;
 }
 
 /** One change of a task, as streamed by Watch. */
@@ -208,6 +255,11 @@ export interface TaskEvent {
   seq: bigint;
   /** Where a Watch resumes after this event (WatchRequest.cursor, the SSE id). Opaque. */
   cursor: string;
+  /**
+   * The event reports the running task's new progress (Task.progress, as sent); its state did
+   * not change. At most one such event per task per heartbeat of its worker.
+   */
+  progress: boolean;
 }
 
 /** One attempt of a task, kept with it until the task is deleted or purged. */
@@ -337,6 +389,10 @@ function createBaseTask(): Task {
     resultContentType: "",
     timeoutMs: 0n,
     groupKey: "",
+    snoozes: 0,
+    progress: undefined,
+    checkpoint: Buffer.alloc(0),
+    trace: undefined,
   };
 }
 
@@ -423,6 +479,18 @@ export const Task: MessageFns<Task> = {
     }
     if (message.groupKey !== "") {
       writer.uint32(186).string(message.groupKey);
+    }
+    if (message.snoozes !== 0) {
+      writer.uint32(192).int32(message.snoozes);
+    }
+    if (message.progress !== undefined) {
+      TaskProgress.encode(message.progress, writer.uint32(202).fork()).join();
+    }
+    if (message.checkpoint.length !== 0) {
+      writer.uint32(210).bytes(message.checkpoint);
+    }
+    if (message.trace !== undefined) {
+      TraceContext.encode(message.trace, writer.uint32(218).fork()).join();
     }
     return writer;
   },
@@ -637,6 +705,38 @@ export const Task: MessageFns<Task> = {
             message.groupKey = reader.string();
             continue;
           }
+          case 24: {
+            if (tag !== 192) {
+              break;
+            }
+
+            message.snoozes = reader.int32();
+            continue;
+          }
+          case 25: {
+            if (tag !== 202) {
+              break;
+            }
+
+            message.progress = TaskProgress.decode(reader, reader.uint32());
+            continue;
+          }
+          case 26: {
+            if (tag !== 210) {
+              break;
+            }
+
+            message.checkpoint = Buffer.from(reader.bytes());
+            continue;
+          }
+          case 27: {
+            if (tag !== 218) {
+              break;
+            }
+
+            message.trace = TraceContext.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -739,6 +839,10 @@ export const Task: MessageFns<Task> = {
         : isSet(object.group_key)
         ? globalThis.String(object.group_key)
         : "",
+      snoozes: isSet(object.snoozes) ? globalThis.Number(object.snoozes) : 0,
+      progress: isSet(object.progress) ? TaskProgress.fromJSON(object.progress) : undefined,
+      checkpoint: isSet(object.checkpoint) ? Buffer.from(bytesFromBase64(object.checkpoint)) : Buffer.alloc(0),
+      trace: isSet(object.trace) ? TraceContext.fromJSON(object.trace) : undefined,
     };
   },
 
@@ -819,6 +923,18 @@ export const Task: MessageFns<Task> = {
     if (message.groupKey !== "") {
       obj.groupKey = message.groupKey;
     }
+    if (message.snoozes !== 0) {
+      obj.snoozes = Math.round(message.snoozes);
+    }
+    if (message.progress !== undefined) {
+      obj.progress = TaskProgress.toJSON(message.progress);
+    }
+    if (message.checkpoint.length !== 0) {
+      obj.checkpoint = base64FromBytes(message.checkpoint);
+    }
+    if (message.trace !== undefined) {
+      obj.trace = TraceContext.toJSON(message.trace);
+    }
     return obj;
   },
 
@@ -868,6 +984,14 @@ export const Task: MessageFns<Task> = {
     message.resultContentType = object.resultContentType ?? "";
     message.timeoutMs = (object.timeoutMs !== undefined && object.timeoutMs !== null) ? BigInt(object.timeoutMs) : 0n;
     message.groupKey = object.groupKey ?? "";
+    message.snoozes = object.snoozes ?? 0;
+    message.progress = (object.progress !== undefined && object.progress !== null)
+      ? TaskProgress.fromPartial(object.progress)
+      : undefined;
+    message.checkpoint = object.checkpoint ?? Buffer.alloc(0);
+    message.trace = (object.trace !== undefined && object.trace !== null)
+      ? TraceContext.fromPartial(object.trace)
+      : undefined;
     return message;
   },
 };
@@ -960,8 +1084,216 @@ export const Task_ResourcesEntry: MessageFns<Task_ResourcesEntry> = {
   },
 };
 
+function createBaseTaskProgress(): TaskProgress {
+  return { value: 0, message: "", updatedAt: undefined };
+}
+
+export const TaskProgress: MessageFns<TaskProgress> = {
+  encode(message: TaskProgress, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.value !== 0) {
+      writer.uint32(9).double(message.value);
+    }
+    if (message.message !== "") {
+      writer.uint32(18).string(message.message);
+    }
+    if (message.updatedAt !== undefined) {
+      Timestamp.encode(message.updatedAt, writer.uint32(26).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): TaskProgress {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseTaskProgress();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 9) {
+              break;
+            }
+
+            message.value = reader.double();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.message = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.updatedAt = Timestamp.decode(reader, reader.uint32());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): TaskProgress {
+    return {
+      value: isSet(object.value) ? globalThis.Number(object.value) : 0,
+      message: isSet(object.message) ? globalThis.String(object.message) : "",
+      updatedAt: isSet(object.updatedAt)
+        ? fromJsonTimestamp(object.updatedAt)
+        : isSet(object.updated_at)
+        ? fromJsonTimestamp(object.updated_at)
+        : undefined,
+    };
+  },
+
+  toJSON(message: TaskProgress): unknown {
+    const obj: any = {};
+    if (message.value !== 0) {
+      obj.value = floatToJson(message.value);
+    }
+    if (message.message !== "") {
+      obj.message = message.message;
+    }
+    if (message.updatedAt !== undefined) {
+      obj.updatedAt = fromTimestamp(message.updatedAt).toISOString();
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<TaskProgress>, I>>(base?: I): TaskProgress {
+    return TaskProgress.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<TaskProgress>, I>>(object: I): TaskProgress {
+    const message = createBaseTaskProgress();
+    message.value = object.value ?? 0;
+    message.message = object.message ?? "";
+    message.updatedAt = (object.updatedAt !== undefined && object.updatedAt !== null)
+      ? Timestamp.fromPartial(object.updatedAt)
+      : undefined;
+    return message;
+  },
+};
+
+function createBaseTraceContext(): TraceContext {
+  return { traceparent: "", tracestate: "", link: false };
+}
+
+export const TraceContext: MessageFns<TraceContext> = {
+  encode(message: TraceContext, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.traceparent !== "") {
+      writer.uint32(10).string(message.traceparent);
+    }
+    if (message.tracestate !== "") {
+      writer.uint32(18).string(message.tracestate);
+    }
+    if (message.link !== false) {
+      writer.uint32(24).bool(message.link);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): TraceContext {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseTraceContext();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.traceparent = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.tracestate = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.link = reader.bool();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): TraceContext {
+    return {
+      traceparent: isSet(object.traceparent) ? globalThis.String(object.traceparent) : "",
+      tracestate: isSet(object.tracestate) ? globalThis.String(object.tracestate) : "",
+      link: isSet(object.link) ? globalThis.Boolean(object.link) : false,
+    };
+  },
+
+  toJSON(message: TraceContext): unknown {
+    const obj: any = {};
+    if (message.traceparent !== "") {
+      obj.traceparent = message.traceparent;
+    }
+    if (message.tracestate !== "") {
+      obj.tracestate = message.tracestate;
+    }
+    if (message.link !== false) {
+      obj.link = message.link;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<TraceContext>, I>>(base?: I): TraceContext {
+    return TraceContext.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<TraceContext>, I>>(object: I): TraceContext {
+    const message = createBaseTraceContext();
+    message.traceparent = object.traceparent ?? "";
+    message.tracestate = object.tracestate ?? "";
+    message.link = object.link ?? false;
+    return message;
+  },
+};
+
 function createBaseTaskEvent(): TaskEvent {
-  return { task: undefined, time: undefined, shard: "", seq: 0n, cursor: "" };
+  return { task: undefined, time: undefined, shard: "", seq: 0n, cursor: "", progress: false };
 }
 
 export const TaskEvent: MessageFns<TaskEvent> = {
@@ -983,6 +1315,9 @@ export const TaskEvent: MessageFns<TaskEvent> = {
     }
     if (message.cursor !== "") {
       writer.uint32(42).string(message.cursor);
+    }
+    if (message.progress !== false) {
+      writer.uint32(48).bool(message.progress);
     }
     return writer;
   },
@@ -1040,6 +1375,14 @@ export const TaskEvent: MessageFns<TaskEvent> = {
             message.cursor = reader.string();
             continue;
           }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.progress = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1059,6 +1402,7 @@ export const TaskEvent: MessageFns<TaskEvent> = {
       shard: isSet(object.shard) ? globalThis.String(object.shard) : "",
       seq: isSet(object.seq) ? BigInt(object.seq) : 0n,
       cursor: isSet(object.cursor) ? globalThis.String(object.cursor) : "",
+      progress: isSet(object.progress) ? globalThis.Boolean(object.progress) : false,
     };
   },
 
@@ -1079,6 +1423,9 @@ export const TaskEvent: MessageFns<TaskEvent> = {
     if (message.cursor !== "") {
       obj.cursor = message.cursor;
     }
+    if (message.progress !== false) {
+      obj.progress = message.progress;
+    }
     return obj;
   },
 
@@ -1092,6 +1439,7 @@ export const TaskEvent: MessageFns<TaskEvent> = {
     message.shard = object.shard ?? "";
     message.seq = (object.seq !== undefined && object.seq !== null) ? BigInt(object.seq) : 0n;
     message.cursor = object.cursor ?? "";
+    message.progress = object.progress ?? false;
     return message;
   },
 };
@@ -1321,6 +1669,10 @@ function bytesFromBase64(b64: string): Uint8Array {
 
 function base64FromBytes(arr: Uint8Array): string {
   return globalThis.Buffer.from(arr).toString("base64");
+}
+
+function floatToJson(value: number | null | undefined): number | string | null | undefined {
+  return typeof value === "number" && !globalThis.Number.isFinite(value) ? globalThis.String(value) : value;
 }
 
 type Builtin = Date | Function | Uint8Array | string | number | boolean | bigint | undefined;

@@ -21,7 +21,16 @@ import {
   type UntypedServiceImplementation,
 } from "@grpc/grpc-js";
 import { Timestamp } from "../../google/protobuf/timestamp.js";
-import { Attempt, Task, TaskEvent, TaskRef, TaskState, taskStateFromJSON, taskStateToJSON } from "./task.js";
+import {
+  Attempt,
+  Task,
+  TaskEvent,
+  TaskRef,
+  TaskState,
+  taskStateFromJSON,
+  taskStateToJSON,
+  TraceContext,
+} from "./task.js";
 
 export const protobufPackage = "cronoq.v1";
 
@@ -62,6 +71,11 @@ export interface SubmitTaskRequest {
    * only stored.
    */
   groupKey: string;
+  /**
+   * The caller's trace context (SDKs take it from the current span): stored with the task, kept
+   * by its retries and given to its handler with the leased task. link is ignored.
+   */
+  trace: TraceContext | undefined;
 }
 
 export interface SubmitTaskRequest_ResourcesEntry {
@@ -314,6 +328,7 @@ function createBaseSubmitTaskRequest(): SubmitTaskRequest {
     requestId: "",
     timeoutMs: 0n,
     groupKey: "",
+    trace: undefined,
   };
 }
 
@@ -357,6 +372,9 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
     }
     if (message.groupKey !== "") {
       writer.uint32(98).string(message.groupKey);
+    }
+    if (message.trace !== undefined) {
+      TraceContext.encode(message.trace, writer.uint32(106).fork()).join();
     }
     return writer;
   },
@@ -473,6 +491,14 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
             message.groupKey = reader.string();
             continue;
           }
+          case 13: {
+            if (tag !== 106) {
+              break;
+            }
+
+            message.trace = TraceContext.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -540,6 +566,7 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
         : isSet(object.group_key)
         ? globalThis.String(object.group_key)
         : "",
+      trace: isSet(object.trace) ? TraceContext.fromJSON(object.trace) : undefined,
     };
   },
 
@@ -587,6 +614,9 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
     if (message.groupKey !== "") {
       obj.groupKey = message.groupKey;
     }
+    if (message.trace !== undefined) {
+      obj.trace = TraceContext.toJSON(message.trace);
+    }
     return obj;
   },
 
@@ -617,6 +647,9 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
     message.requestId = object.requestId ?? "";
     message.timeoutMs = (object.timeoutMs !== undefined && object.timeoutMs !== null) ? BigInt(object.timeoutMs) : 0n;
     message.groupKey = object.groupKey ?? "";
+    message.trace = (object.trace !== undefined && object.trace !== null)
+      ? TraceContext.fromPartial(object.trace)
+      : undefined;
     return message;
   },
 };

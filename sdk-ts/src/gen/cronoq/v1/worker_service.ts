@@ -21,7 +21,7 @@ import {
   type UntypedServiceImplementation,
 } from "@grpc/grpc-js";
 import { Timestamp } from "../../google/protobuf/timestamp.js";
-import { Task } from "./task.js";
+import { Task, TaskProgress } from "./task.js";
 
 export const protobufPackage = "cronoq.v1";
 
@@ -68,6 +68,8 @@ export interface RegisterWorkerResponse {
   maxResultBytes: bigint;
   /** The server caps a LeaseTasks reply at this many bytes of tasks. */
   maxLeaseBytes: bigint;
+  /** A checkpoint larger than this is refused (TaskReport.checkpoint). */
+  maxCheckpointBytes: bigint;
 }
 
 export interface LeaseTasksRequest {
@@ -105,6 +107,25 @@ export interface HeartbeatRequest {
   workerId: string;
   /** At most 100,000 (more: INVALID_ARGUMENT), as many as the credits a Work stream may hold. */
   tasks: TaskAttempt[];
+  /** Progress and checkpoints of running attempts (see TaskReport). At most one per task. */
+  reports: TaskReport[];
+}
+
+/**
+ * What a running handler reported since its worker's last heartbeat, kept with the task when
+ * the attempt is still the task's (else ignored: the heartbeat reports it lost). A report with
+ * a bad field (a progress that is not finite or a message over 1,024 bytes, a checkpoint over
+ * max_checkpoint_bytes) is refused with INVALID_ARGUMENT and nothing of the heartbeat applied.
+ */
+export interface TaskReport {
+  taskId: bigint;
+  attempt: number;
+  /** Set: the handler's progress now (updated_at is the server's). */
+  progress:
+    | TaskProgress
+    | undefined;
+  /** Set: replaces the task's checkpoint (empty bytes clear it). */
+  checkpoint?: Buffer | undefined;
 }
 
 export interface HeartbeatResponse {
@@ -139,6 +160,18 @@ export interface TaskReleased {
   reason: string;
 }
 
+/**
+ * Not now: the task is PENDING again, due in snooze_ms; the attempt is not counted (the task's
+ * history records it SNOOZED) and Task.snoozes grows by one. A task snoozed as often as its
+ * pool's max_snoozes (default 100) has this snooze taken as a retryable failure instead, which
+ * counts: a handler that snoozes forever runs out of attempts and the task ends FAILED.
+ */
+export interface TaskSnoozed {
+  /** Any uint32 (up to about 49.7 days); 0: due at once. */
+  snoozeMs: number;
+  reason: string;
+}
+
 export interface TaskOutcome {
   taskId: bigint;
   attempt: number;
@@ -146,6 +179,14 @@ export interface TaskOutcome {
   failure?: TaskFailure | undefined;
   cancelled?: TaskCancelled | undefined;
   released?: TaskReleased | undefined;
+  snoozed?:
+    | TaskSnoozed
+    | undefined;
+  /**
+   * The handler's last report not yet sent in a heartbeat (task_id and attempt are the
+   * outcome's): kept with the task as a heartbeat's, before the outcome, when it is accepted.
+   */
+  report: TaskReport | undefined;
 }
 
 export interface FinishTasksRequest {
@@ -209,6 +250,8 @@ export interface WorkRequest {
 export interface WorkHeartbeat {
   /** At most 100,000 (more ends the stream with INVALID_ARGUMENT). */
   tasks: TaskAttempt[];
+  /** As HeartbeatRequest.reports (a bad one ends the stream with INVALID_ARGUMENT). */
+  reports: TaskReport[];
 }
 
 /** One message of the server's side of a Work stream. */
@@ -811,7 +854,14 @@ export const RegisterWorkerRequest_LabelsEntry: MessageFns<RegisterWorkerRequest
 };
 
 function createBaseRegisterWorkerResponse(): RegisterWorkerResponse {
-  return { workerId: "", heartbeatIntervalMs: 0, shard: "", maxResultBytes: 0n, maxLeaseBytes: 0n };
+  return {
+    workerId: "",
+    heartbeatIntervalMs: 0,
+    shard: "",
+    maxResultBytes: 0n,
+    maxLeaseBytes: 0n,
+    maxCheckpointBytes: 0n,
+  };
 }
 
 export const RegisterWorkerResponse: MessageFns<RegisterWorkerResponse> = {
@@ -836,6 +886,12 @@ export const RegisterWorkerResponse: MessageFns<RegisterWorkerResponse> = {
         throw new globalThis.Error("value provided for field message.maxLeaseBytes of type uint64 too large");
       }
       writer.uint32(40).uint64(message.maxLeaseBytes);
+    }
+    if (message.maxCheckpointBytes !== 0n) {
+      if (BigInt.asUintN(64, message.maxCheckpointBytes) !== message.maxCheckpointBytes) {
+        throw new globalThis.Error("value provided for field message.maxCheckpointBytes of type uint64 too large");
+      }
+      writer.uint32(48).uint64(message.maxCheckpointBytes);
     }
     return writer;
   },
@@ -893,6 +949,14 @@ export const RegisterWorkerResponse: MessageFns<RegisterWorkerResponse> = {
             message.maxLeaseBytes = reader.uint64() as bigint;
             continue;
           }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.maxCheckpointBytes = reader.uint64() as bigint;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -928,6 +992,11 @@ export const RegisterWorkerResponse: MessageFns<RegisterWorkerResponse> = {
         : isSet(object.max_lease_bytes)
         ? BigInt(object.max_lease_bytes)
         : 0n,
+      maxCheckpointBytes: isSet(object.maxCheckpointBytes)
+        ? BigInt(object.maxCheckpointBytes)
+        : isSet(object.max_checkpoint_bytes)
+        ? BigInt(object.max_checkpoint_bytes)
+        : 0n,
     };
   },
 
@@ -948,6 +1017,9 @@ export const RegisterWorkerResponse: MessageFns<RegisterWorkerResponse> = {
     if (message.maxLeaseBytes !== 0n) {
       obj.maxLeaseBytes = message.maxLeaseBytes.toString();
     }
+    if (message.maxCheckpointBytes !== 0n) {
+      obj.maxCheckpointBytes = message.maxCheckpointBytes.toString();
+    }
     return obj;
   },
 
@@ -964,6 +1036,9 @@ export const RegisterWorkerResponse: MessageFns<RegisterWorkerResponse> = {
       : 0n;
     message.maxLeaseBytes = (object.maxLeaseBytes !== undefined && object.maxLeaseBytes !== null)
       ? BigInt(object.maxLeaseBytes)
+      : 0n;
+    message.maxCheckpointBytes = (object.maxCheckpointBytes !== undefined && object.maxCheckpointBytes !== null)
+      ? BigInt(object.maxCheckpointBytes)
       : 0n;
     return message;
   },
@@ -1295,7 +1370,7 @@ export const TaskAttempt: MessageFns<TaskAttempt> = {
 };
 
 function createBaseHeartbeatRequest(): HeartbeatRequest {
-  return { workerId: "", tasks: [] };
+  return { workerId: "", tasks: [], reports: [] };
 }
 
 export const HeartbeatRequest: MessageFns<HeartbeatRequest> = {
@@ -1305,6 +1380,9 @@ export const HeartbeatRequest: MessageFns<HeartbeatRequest> = {
     }
     for (const v of message.tasks) {
       TaskAttempt.encode(v!, writer.uint32(18).fork()).join();
+    }
+    for (const v of message.reports) {
+      TaskReport.encode(v!, writer.uint32(26).fork()).join();
     }
     return writer;
   },
@@ -1338,6 +1416,14 @@ export const HeartbeatRequest: MessageFns<HeartbeatRequest> = {
             message.tasks.push(TaskAttempt.decode(reader, reader.uint32()));
             continue;
           }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.reports.push(TaskReport.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1358,6 +1444,7 @@ export const HeartbeatRequest: MessageFns<HeartbeatRequest> = {
         ? globalThis.String(object.worker_id)
         : "",
       tasks: globalThis.Array.isArray(object?.tasks) ? object.tasks.map((e: any) => TaskAttempt.fromJSON(e)) : [],
+      reports: globalThis.Array.isArray(object?.reports) ? object.reports.map((e: any) => TaskReport.fromJSON(e)) : [],
     };
   },
 
@@ -1369,6 +1456,9 @@ export const HeartbeatRequest: MessageFns<HeartbeatRequest> = {
     if (message.tasks?.length) {
       obj.tasks = message.tasks.map((e) => TaskAttempt.toJSON(e));
     }
+    if (message.reports?.length) {
+      obj.reports = message.reports.map((e) => TaskReport.toJSON(e));
+    }
     return obj;
   },
 
@@ -1379,6 +1469,129 @@ export const HeartbeatRequest: MessageFns<HeartbeatRequest> = {
     const message = createBaseHeartbeatRequest();
     message.workerId = object.workerId ?? "";
     message.tasks = object.tasks?.map((e) => TaskAttempt.fromPartial(e)) || [];
+    message.reports = object.reports?.map((e) => TaskReport.fromPartial(e)) || [];
+    return message;
+  },
+};
+
+function createBaseTaskReport(): TaskReport {
+  return { taskId: 0n, attempt: 0, progress: undefined, checkpoint: undefined };
+}
+
+export const TaskReport: MessageFns<TaskReport> = {
+  encode(message: TaskReport, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.taskId !== 0n) {
+      if (BigInt.asUintN(64, message.taskId) !== message.taskId) {
+        throw new globalThis.Error("value provided for field message.taskId of type uint64 too large");
+      }
+      writer.uint32(8).uint64(message.taskId);
+    }
+    if (message.attempt !== 0) {
+      writer.uint32(16).int32(message.attempt);
+    }
+    if (message.progress !== undefined) {
+      TaskProgress.encode(message.progress, writer.uint32(26).fork()).join();
+    }
+    if (message.checkpoint !== undefined) {
+      writer.uint32(34).bytes(message.checkpoint);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): TaskReport {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseTaskReport();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.taskId = reader.uint64() as bigint;
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.attempt = reader.int32();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.progress = TaskProgress.decode(reader, reader.uint32());
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.checkpoint = Buffer.from(reader.bytes());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): TaskReport {
+    return {
+      taskId: isSet(object.taskId) ? BigInt(object.taskId) : isSet(object.task_id) ? BigInt(object.task_id) : 0n,
+      attempt: isSet(object.attempt) ? globalThis.Number(object.attempt) : 0,
+      progress: isSet(object.progress) ? TaskProgress.fromJSON(object.progress) : undefined,
+      checkpoint: isSet(object.checkpoint) ? Buffer.from(bytesFromBase64(object.checkpoint)) : undefined,
+    };
+  },
+
+  toJSON(message: TaskReport): unknown {
+    const obj: any = {};
+    if (message.taskId !== 0n) {
+      obj.taskId = message.taskId.toString();
+    }
+    if (message.attempt !== 0) {
+      obj.attempt = Math.round(message.attempt);
+    }
+    if (message.progress !== undefined) {
+      obj.progress = TaskProgress.toJSON(message.progress);
+    }
+    if (message.checkpoint !== undefined) {
+      obj.checkpoint = base64FromBytes(message.checkpoint);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<TaskReport>, I>>(base?: I): TaskReport {
+    return TaskReport.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<TaskReport>, I>>(object: I): TaskReport {
+    const message = createBaseTaskReport();
+    message.taskId = (object.taskId !== undefined && object.taskId !== null) ? BigInt(object.taskId) : 0n;
+    message.attempt = object.attempt ?? 0;
+    message.progress = (object.progress !== undefined && object.progress !== null)
+      ? TaskProgress.fromPartial(object.progress)
+      : undefined;
+    message.checkpoint = object.checkpoint ?? undefined;
     return message;
   },
 };
@@ -1838,8 +2051,106 @@ export const TaskReleased: MessageFns<TaskReleased> = {
   },
 };
 
+function createBaseTaskSnoozed(): TaskSnoozed {
+  return { snoozeMs: 0, reason: "" };
+}
+
+export const TaskSnoozed: MessageFns<TaskSnoozed> = {
+  encode(message: TaskSnoozed, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.snoozeMs !== 0) {
+      writer.uint32(8).uint32(message.snoozeMs);
+    }
+    if (message.reason !== "") {
+      writer.uint32(18).string(message.reason);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): TaskSnoozed {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseTaskSnoozed();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.snoozeMs = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.reason = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): TaskSnoozed {
+    return {
+      snoozeMs: isSet(object.snoozeMs)
+        ? globalThis.Number(object.snoozeMs)
+        : isSet(object.snooze_ms)
+        ? globalThis.Number(object.snooze_ms)
+        : 0,
+      reason: isSet(object.reason) ? globalThis.String(object.reason) : "",
+    };
+  },
+
+  toJSON(message: TaskSnoozed): unknown {
+    const obj: any = {};
+    if (message.snoozeMs !== 0) {
+      obj.snoozeMs = Math.round(message.snoozeMs);
+    }
+    if (message.reason !== "") {
+      obj.reason = message.reason;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<TaskSnoozed>, I>>(base?: I): TaskSnoozed {
+    return TaskSnoozed.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<TaskSnoozed>, I>>(object: I): TaskSnoozed {
+    const message = createBaseTaskSnoozed();
+    message.snoozeMs = object.snoozeMs ?? 0;
+    message.reason = object.reason ?? "";
+    return message;
+  },
+};
+
 function createBaseTaskOutcome(): TaskOutcome {
-  return { taskId: 0n, attempt: 0, success: undefined, failure: undefined, cancelled: undefined, released: undefined };
+  return {
+    taskId: 0n,
+    attempt: 0,
+    success: undefined,
+    failure: undefined,
+    cancelled: undefined,
+    released: undefined,
+    snoozed: undefined,
+    report: undefined,
+  };
 }
 
 export const TaskOutcome: MessageFns<TaskOutcome> = {
@@ -1864,6 +2175,12 @@ export const TaskOutcome: MessageFns<TaskOutcome> = {
     }
     if (message.released !== undefined) {
       TaskReleased.encode(message.released, writer.uint32(50).fork()).join();
+    }
+    if (message.snoozed !== undefined) {
+      TaskSnoozed.encode(message.snoozed, writer.uint32(58).fork()).join();
+    }
+    if (message.report !== undefined) {
+      TaskReport.encode(message.report, writer.uint32(66).fork()).join();
     }
     return writer;
   },
@@ -1929,6 +2246,22 @@ export const TaskOutcome: MessageFns<TaskOutcome> = {
             message.released = TaskReleased.decode(reader, reader.uint32());
             continue;
           }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.snoozed = TaskSnoozed.decode(reader, reader.uint32());
+            continue;
+          }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.report = TaskReport.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1949,6 +2282,8 @@ export const TaskOutcome: MessageFns<TaskOutcome> = {
       failure: isSet(object.failure) ? TaskFailure.fromJSON(object.failure) : undefined,
       cancelled: isSet(object.cancelled) ? TaskCancelled.fromJSON(object.cancelled) : undefined,
       released: isSet(object.released) ? TaskReleased.fromJSON(object.released) : undefined,
+      snoozed: isSet(object.snoozed) ? TaskSnoozed.fromJSON(object.snoozed) : undefined,
+      report: isSet(object.report) ? TaskReport.fromJSON(object.report) : undefined,
     };
   },
 
@@ -1972,6 +2307,12 @@ export const TaskOutcome: MessageFns<TaskOutcome> = {
     if (message.released !== undefined) {
       obj.released = TaskReleased.toJSON(message.released);
     }
+    if (message.snoozed !== undefined) {
+      obj.snoozed = TaskSnoozed.toJSON(message.snoozed);
+    }
+    if (message.report !== undefined) {
+      obj.report = TaskReport.toJSON(message.report);
+    }
     return obj;
   },
 
@@ -1993,6 +2334,12 @@ export const TaskOutcome: MessageFns<TaskOutcome> = {
       : undefined;
     message.released = (object.released !== undefined && object.released !== null)
       ? TaskReleased.fromPartial(object.released)
+      : undefined;
+    message.snoozed = (object.snoozed !== undefined && object.snoozed !== null)
+      ? TaskSnoozed.fromPartial(object.snoozed)
+      : undefined;
+    message.report = (object.report !== undefined && object.report !== null)
+      ? TaskReport.fromPartial(object.report)
       : undefined;
     return message;
   },
@@ -2461,13 +2808,16 @@ export const WorkRequest: MessageFns<WorkRequest> = {
 };
 
 function createBaseWorkHeartbeat(): WorkHeartbeat {
-  return { tasks: [] };
+  return { tasks: [], reports: [] };
 }
 
 export const WorkHeartbeat: MessageFns<WorkHeartbeat> = {
   encode(message: WorkHeartbeat, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
     for (const v of message.tasks) {
       TaskAttempt.encode(v!, writer.uint32(10).fork()).join();
+    }
+    for (const v of message.reports) {
+      TaskReport.encode(v!, writer.uint32(18).fork()).join();
     }
     return writer;
   },
@@ -2493,6 +2843,14 @@ export const WorkHeartbeat: MessageFns<WorkHeartbeat> = {
             message.tasks.push(TaskAttempt.decode(reader, reader.uint32()));
             continue;
           }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.reports.push(TaskReport.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2508,6 +2866,7 @@ export const WorkHeartbeat: MessageFns<WorkHeartbeat> = {
   fromJSON(object: any): WorkHeartbeat {
     return {
       tasks: globalThis.Array.isArray(object?.tasks) ? object.tasks.map((e: any) => TaskAttempt.fromJSON(e)) : [],
+      reports: globalThis.Array.isArray(object?.reports) ? object.reports.map((e: any) => TaskReport.fromJSON(e)) : [],
     };
   },
 
@@ -2515,6 +2874,9 @@ export const WorkHeartbeat: MessageFns<WorkHeartbeat> = {
     const obj: any = {};
     if (message.tasks?.length) {
       obj.tasks = message.tasks.map((e) => TaskAttempt.toJSON(e));
+    }
+    if (message.reports?.length) {
+      obj.reports = message.reports.map((e) => TaskReport.toJSON(e));
     }
     return obj;
   },
@@ -2525,6 +2887,7 @@ export const WorkHeartbeat: MessageFns<WorkHeartbeat> = {
   fromPartial<I extends Exact<DeepPartial<WorkHeartbeat>, I>>(object: I): WorkHeartbeat {
     const message = createBaseWorkHeartbeat();
     message.tasks = object.tasks?.map((e) => TaskAttempt.fromPartial(e)) || [];
+    message.reports = object.reports?.map((e) => TaskReport.fromPartial(e)) || [];
     return message;
   },
 };
