@@ -49,7 +49,7 @@ RUST_PROTO_FILES = [
     f"cronoq/v1/{name}.proto" for name in ("admin_service", "options", "task", "task_service", "worker_service")
 ]
 # cronoq-api first: the SDK and the server depend on it (uv takes it from here, not an index).
-PACKAGES = ["-e", "proto/python", "-e", "sdk-python", "-e", "server"]
+PACKAGES = ["-e", "proto/python", "-e", "sdk-python", "-e", "server[otel]"]
 TEST_DEPS = [
     "pytest>=8",
     "pytest-asyncio>=0.23",

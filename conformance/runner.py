@@ -232,8 +232,12 @@ def match(expected: Any, actual: Any, path: str) -> list[str]:
 
 
 def lookup(obj: Any, dotted: str) -> Any:
+    """The value at a dotted path of proto JSON: a number indexes a list (`outcomes.0.snoozed`)."""
     for part in dotted.split("."):
-        obj = obj.get(part) if isinstance(obj, dict) else None
+        if isinstance(obj, list) and part.isdigit():
+            obj = obj[int(part)] if int(part) < len(obj) else None
+        else:
+            obj = obj.get(part) if isinstance(obj, dict) else None
     return obj
 
 

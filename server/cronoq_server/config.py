@@ -81,6 +81,12 @@ def _check_path(value: str) -> str:
 FilePath = Annotated[str, AfterValidator(_check_path)]
 
 
+def _check_otlp_endpoint(value: str) -> str:
+    if not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", value):
+        raise ValueError(f"{value!r}: give an http:// or https:// URL, e.g. http://127.0.0.1:4318")
+    return value
+
+
 def _check_printable(value: str) -> str:
     """Text told to other servers and clients (in gRPC metadata and files): no control characters."""
     bad = next((c for c in value if ord(c) < 32 or ord(c) == 127), None)
@@ -241,6 +247,9 @@ class ServerConfig(_Strict):
     forward_timeout: ForwardTimeout = 30.0
     # "json": one JSON object per log line, for log shippers (the --log-format flag overrides it).
     log_format: Literal["text", "json"] = "text"
+    # Where this server sends a span per API call (OTLP/HTTP: POST {otlp_endpoint}/v1/traces);
+    # none when unset. Needs the `otel` extra (pip install 'cronoq-server[otel]').
+    otlp_endpoint: Annotated[str, AfterValidator(_check_otlp_endpoint)] | None = None
 
 
 class StoreConfig(_Strict):

@@ -29,6 +29,7 @@ from .node import Node
 from .sharding import ShardRouter
 from .store.base import StoreRefused
 from .tls_files import check_tls_files
+from .tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("cronoq.server")
 # A drain answers the calls in flight within this, then releases leadership.
@@ -86,6 +87,11 @@ def check_startup(config: Config, path: str, shard: str | None) -> None:
 
 async def serve(config: Config, shard: str | None) -> int:
     node = Node(config, shard)
+    try:
+        setup_tracing(config.server.otlp_endpoint, node.shard_name)
+    except RuntimeError as err:
+        print(f"cronoq-server: {err}", file=sys.stderr)
+        return 2
     router = ShardRouter(node)
     try:
         grpc_server, health = await start_grpc(node, config.server.listen, router)
@@ -144,6 +150,7 @@ async def serve(config: Config, shard: str | None) -> int:
     await grpc_server.stop(1.0)
     await http_runner.cleanup()
     await router.close()
+    shutdown_tracing()
     log.info("shard %s: stopped", node.shard_name)
     return code
 

@@ -298,3 +298,28 @@ def test_memory_bench_gives_the_sizing_figures() -> None:
     figures = json.loads(out.stdout.splitlines()[-1])
     assert figures["base_rss_mib"] > 10
     assert {"kib_per_connection", "kib_per_watch_stream"} <= set(figures)
+
+
+def test_json_log_lines_name_the_worker_and_the_task(tmp_path: Path) -> None:
+    """A worker's lines carry worker_id and a task's task_id (and attempt): a log pipeline joins
+    them with the workers' own lines, which the SDKs log with the same fields."""
+    config = {
+        "server": {"log_format": "json"},
+        "store": {"path": str(tmp_path / "cronoq.db")},
+        "pools": [{"name": "default", "lease_ttl": "300ms"}],
+    }
+    srv = ServerProcess(tmp_path, config).start()
+    try:
+        api = Api(srv.grpc_target)
+        worker = api.register()
+        task = api.submit()
+        assert [t.id for t in api.lease(worker, wait_ms=5000)] == [task.id]  # and no heartbeat
+        expired = eventually(
+            lambda: next((e for e in json_lines(srv) if e.get("task_id") == str(task.id)), None),
+            what="the expired lease logged",
+        )
+    finally:
+        assert srv.stop() == 0
+    assert expired["attempt"] == 1 and "lease of attempt 1 expired" in expired["message"]
+    registered = next(e for e in json_lines(srv) if "registered" in e["message"])
+    assert registered["worker_id"] == worker and registered["shard"] == "unsharded"

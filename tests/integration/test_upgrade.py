@@ -5,9 +5,11 @@ the release's plain pg_dump restored with psql into a fresh database."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -30,6 +32,13 @@ EXPECTED = json.loads((FIXTURES / "release-0.1.0.json").read_text())
 RELEASE_SCHEMA = "cronoq_release"  # the schema the release's dump holds
 RELEASE_COMMIT = "a5189c4"  # release 0.1.0, whose stores tests/fixtures keeps
 POOLS = [{"name": "default", "lease_ttl": "1d"}, {"name": "reports"}]
+# The release's RUNNING task holds a lease of a day from when the fixture was made: it is moved
+# a year past today, so what the test expects does not depend on the day it runs.
+RENEW_LEASES = "UPDATE {tasks} SET lease_expires_at = {until} WHERE state = 3"
+
+
+def renew_leases(run: Any, tasks: str) -> None:
+    run(RENEW_LEASES.format(tasks=tasks, until=int((time.time() + 365 * 86400) * 1e6)))
 
 
 def assert_serves_release_tasks(srv: Any, expected: dict[str, Any]) -> None:
@@ -53,6 +62,8 @@ def test_sqlite_store_of_the_last_release_is_migrated(start_server: Any, tmp_pat
     path = tmp_path / "cronoq.db"
     shutil.copy(FIXTURES / "release-0.1.0.db", path)
     assert sqlite_version(path) < SQLITE_LATEST
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        renew_leases(db.execute, "tasks")
     srv = start_server({"store": {"path": str(path)}, "pools": POOLS})
     assert_serves_release_tasks(srv, EXPECTED["sqlite"])
     assert srv.stop() == 0
@@ -70,6 +81,7 @@ def test_postgres_schema_of_the_last_release_is_migrated(start_server: Any, post
     )
     versions = [r[0] for r in pg_fetch(url, f"SELECT version FROM {RELEASE_SCHEMA}.migrations")]
     assert max(versions) < POSTGRES_LATEST
+    renew_leases(lambda sql: pg_fetch(url, sql), f"{RELEASE_SCHEMA}.tasks")
     srv = start_server({"store": {"kind": "postgres", "url": url, "schema": RELEASE_SCHEMA}, "pools": POOLS})
     assert_serves_release_tasks(srv, EXPECTED["postgres"])
     assert srv.stop() == 0

@@ -93,6 +93,8 @@ class _Handlers:
             self._caller(context),
             forwarded=bool(_metadata(context, FORWARDED_HEADER)),
             timeout=context.time_remaining(),
+            traceparent=next(iter(_metadata(context, "traceparent")), ""),
+            tracestate=next(iter(_metadata(context, "tracestate")), ""),
         )
 
     def unary(self, rpc: Rpc) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:

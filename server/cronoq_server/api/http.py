@@ -212,7 +212,12 @@ class HttpApi:
     def _call(self, request: web.Request) -> Call:
         """Credentials first: the caller is authenticated before anything is routed. An HTTP
         call has no deadline to pass on; a forwarded one is answered for this shard only."""
-        return Call(self._caller(request), forwarded=request.headers.get(FORWARDED_HEADER) is not None)
+        return Call(
+            self._caller(request),
+            forwarded=request.headers.get(FORWARDED_HEADER) is not None,
+            traceparent=request.headers.get("traceparent", ""),
+            tracestate=request.headers.get("tracestate", ""),
+        )
 
     def _handler(self, rpc: Rpc, route: HttpRoute) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handle(request: web.Request) -> web.StreamResponse:

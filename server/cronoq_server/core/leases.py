@@ -61,6 +61,8 @@ from .resources import ResourceGate
 from .tasks import now_us
 
 log = logging.getLogger("cronoq.leases")
+# The expired leases of one sweep logged one line each (with task_id), at most.
+LOGGED_EXPIRIES = 100
 
 
 MAX_LEASE_BATCH = 1000
@@ -133,7 +135,13 @@ class Leases:
         await self._store.register_worker(worker)
         self._remember(worker)
         ttl = min(self._config.pool(p).lease_ttl for p in req.pools)  # type: ignore[union-attr]
-        log.info("worker %s (%r) registered for %s", worker.id, worker.name, ",".join(worker.pools))
+        log.info(
+            "worker %s (%r) registered for %s",
+            worker.id,
+            worker.name,
+            ",".join(worker.pools),
+            extra={"worker_id": worker.id},
+        )
         return pb.RegisterWorkerResponse(
             worker_id=worker.id,
             heartbeat_interval_ms=max(int(ttl * 1000 / 3), 100),
@@ -544,10 +552,21 @@ class Leases:
             with in_flight():
                 results = await self._finish(worker_id, outcomes, now_us())
         except StoreUnavailable as err:  # e.g. no longer the leader: their leases expire instead
-            log.warning("worker %s closed its stream; %d task(s) left to expire: %s", worker_id, len(outcomes), err)
+            log.warning(
+                "worker %s closed its stream; %d task(s) left to expire: %s",
+                worker_id,
+                len(outcomes),
+                err,
+                extra={"worker_id": worker_id},
+            )
             return
         released = sum(r.accepted for r in results)
-        log.info("worker %s closed its stream; released %d task(s) it was sent and did not report", worker_id, released)
+        log.info(
+            "worker %s closed its stream; released %d task(s) it was sent and did not report",
+            worker_id,
+            released,
+            extra={"worker_id": worker_id},
+        )
 
     async def _work_step(
         self,
@@ -671,6 +690,14 @@ class Leases:
                     self._events.forget_leaser(stream.waiter)  # the wake goes to another worker
                     stream.waiter = None
         self._ended(ended)
+        for seq, attempt in ended[:LOGGED_EXPIRIES]:
+            task_id = make_task_id(self._shard, seq)
+            log.info(
+                "task %d: the lease of attempt %d expired (its worker went silent)",
+                task_id,
+                attempt,
+                extra={"task_id": str(task_id), "attempt": attempt},
+            )
         if changes:
             log.info("expired %d lease(s)", len(changes))
             await self._events.publish(changes)

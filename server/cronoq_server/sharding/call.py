@@ -16,6 +16,8 @@ class Call:
     caller: Principal
     forwarded: bool = False  # arrived with cronoq-forwarded: answered for this shard only
     timeout: float | None = None  # seconds left before the caller's deadline; None: no deadline
+    traceparent: str = ""  # the caller's W3C trace context (metadata or header), for this server's span
+    tracestate: str = ""
 
 
 def may_read(caller: Principal, shard: ShardConfig, permissions: Iterable[str | None] = ("read",)) -> bool:

@@ -21,6 +21,7 @@ from ..core.tasks import wait_ms
 from ..errors import ApiError
 from ..registry import Rpc
 from ..tls_files import peer_files
+from ..tracing import trace_metadata
 
 FORWARDED_HEADER = "cronoq-forwarded"
 UNAVAILABLE_HEADER = "cronoq-unavailable-shards"
@@ -79,11 +80,12 @@ def unreachable(shard: ShardConfig, endpoint: str, why: str) -> ApiError:
 
 
 def forward_metadata(caller: Principal) -> list[tuple[str, str]]:
-    """What a call forwarded for `caller` carries: the mark, and the caller's own token."""
+    """What a call forwarded for `caller` carries: the mark, the caller's own token, and the
+    context of this server's span of the call (when tracing)."""
     metadata = [(FORWARDED_HEADER, "1")]
     if caller.token is not None:
         metadata.append(("authorization", f"Bearer {caller.token}"))
-    return metadata
+    return metadata + trace_metadata()
 
 
 def peer_error(shard: ShardConfig, endpoint: str, err: grpc.aio.AioRpcError, allowed: float | None = None) -> ApiError:

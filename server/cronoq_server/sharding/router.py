@@ -74,6 +74,7 @@ from ..ids import shard_of
 from ..metrics import CALLS, FORWARDED
 from ..node import Node
 from ..registry import ROUTINGS, RegistryError, Rpc, registry
+from ..tracing import rpc_span
 from .call import Call, may_read
 from .pages import MERGES
 from .peers import (
@@ -155,8 +156,11 @@ class ShardRouter:
     async def call(self, method: str, request: Message, call: Call) -> Message:
         """The answer to one API call, whoever gives it (counted in cronoq_api_calls_total by
         its final code: a forwarded call is counted here and where it was answered)."""
-        with counted(method):
-            rpc = self.rpcs[method]
+        rpc = self.rpcs[method]
+        traceparent, tracestate = call.traceparent, call.tracestate
+        if not traceparent and method == "SubmitTask":  # the context the task is submitted in
+            traceparent, tracestate = request.trace.traceparent, request.trace.tracestate  # type: ignore[attr-defined]
+        with counted(method), rpc_span(rpc.service, method, traceparent, tracestate):
             if not self.sharded:
                 if self._read_at_leader(rpc, call):
                     self.admit(method, call)
