@@ -44,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     "CronoqError": "errors",
     "from_grpc_error": "errors",
     "SyncClient": "sync",
+    "Snooze": "worker",
     "TaskContext": "worker",
     "TaskError": "worker",
     "Worker": "worker",
@@ -60,6 +61,7 @@ __all__ = [
     "Retried",
     "RetryConfig",
     "Schedule",
+    "Snooze",
     "Submitted",
     "SyncClient",
     "Task",
@@ -101,7 +103,7 @@ if TYPE_CHECKING:
     )
     from .errors import CronoqError, from_grpc_error
     from .sync import SyncClient
-    from .worker import TaskContext, TaskError, Worker
+    from .worker import Snooze, TaskContext, TaskError, Worker
 
 
 def __getattr__(name: str) -> Any:

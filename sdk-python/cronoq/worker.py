@@ -1,7 +1,8 @@
 """The async Worker: register, then one Work stream to the server: credits for its free
 slots (so it never holds more tasks than its concurrency, plus its prefetch), tasks down in
 answers bounded in bytes, outcomes batched and split by size, heartbeats; the stream opened again after a
-failure; and a graceful shutdown that gives unfinished tasks back to the server.
+failure; what handlers report (progress, checkpoints) carried by heartbeats; and a graceful
+shutdown that gives unfinished tasks back to the server.
 
     async def handle(task: cronoq.TaskContext) -> dict:
         return {"doubled": task.payload["n"] * 2}
@@ -13,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
-from collections import OrderedDict
+import threading
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
+from decimal import Decimal
 from typing import Any
 
 import grpc
@@ -47,8 +51,8 @@ from .errors import (
     Unavailable,
     Unknown,
 )
+from .v1 import task_pb2, worker_service_pb2_grpc
 from .v1 import worker_service_pb2 as pb
-from .v1 import worker_service_pb2_grpc
 
 log = logging.getLogger("cronoq.worker")
 
@@ -62,13 +66,17 @@ MiB = 1 << 20
 # What a server that does not say otherwise (RegisterWorkerResponse fields left 0) allows.
 DEFAULT_MAX_RESULT_BYTES = 4 * MiB
 DEFAULT_MAX_LEASE_BYTES = 16 * MiB
+DEFAULT_MAX_CHECKPOINT_BYTES = 256 << 10
+# A progress message's bound, in UTF-8 bytes; and the longest snooze (TaskSnoozed.snooze_ms is a uint32).
+MAX_PROGRESS_MESSAGE_BYTES = 1024
+MAX_SNOOZE_MS = 0xFFFF_FFFF
 # Room left under MAX_MESSAGE_BYTES (the channel's send and receive limit) for what a
 # message carries besides its tasks or outcomes.
 MESSAGE_MARGIN_BYTES = 1 * MiB
 MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES - MESSAGE_MARGIN_BYTES
 # A LeaseTasks call that fails for good halves max_bytes, down to this.
 MIN_LEASE_BYTES = 1 * MiB
-# Bytes an outcome adds to a FinishTasksRequest besides its own: tag and length prefix.
+# Bytes an outcome or a report adds to a message besides its own: tag and length prefix.
 OUTCOME_FRAMING_BYTES = 16
 RELEASE_REASON = "worker shut down"
 # After the shutdown grace: how long cancelled handlers get to unwind, and the whole
@@ -91,13 +99,48 @@ class TaskError(Exception):
         self.retry_after = retry_after
 
 
-class TaskContext:
-    """What a handler gets: the task, its decoded payload, and its cancellation."""
+class Snooze(Exception):
+    """Raise from a handler to say "not now, try again in `seconds`": the task is PENDING
+    again, due then, and the attempt does not count (Task.snoozes counts snoozes).
 
-    def __init__(self, task: Task):
+    seconds is rounded down to whole ms (from the decimal the float prints as: 4.35 is
+    4350 ms); 0 makes it due at once. ValueError: seconds negative, not finite, or over
+    4294967.295 (TaskSnoozed.snooze_ms is a uint32).
+    """
+
+    def __init__(self, seconds: float, reason: str = ""):
+        finite = math.isfinite(seconds) and seconds >= 0
+        ms = int(Decimal(repr(float(seconds))) * 1000) if finite else -1
+        if not 0 <= ms <= MAX_SNOOZE_MS:
+            raise ValueError(f"snooze: {seconds} s, not from 0 to {MAX_SNOOZE_MS / 1000} s")
+        super().__init__(f"snoozed for {ms} ms" + (f": {reason}" if reason else ""))
+        self.seconds = seconds
+        self.snooze_ms = ms
+        self.reason = reason
+
+
+class TaskContext:
+    """What a handler gets: the task, its decoded payload, its cancellation, and the means to
+    report its progress and save a checkpoint.
+
+    Reports are kept until the worker's next heartbeat carries them: the last progress and the
+    last checkpoint, each pending until the heartbeat that carried it is answered (a stream that
+    breaks first: the next stream's heartbeat carries it again); what is still pending as the
+    handler ends goes with its outcome. The report methods may be called from any thread (e.g.
+    a function run with asyncio.to_thread).
+    """
+
+    def __init__(self, task: Task, max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES):
         self.task = task
         self.cancel_requested = asyncio.Event()
         self._lost = False
+        self._max_checkpoint_bytes = max_checkpoint_bytes
+        self._checkpoint = task.checkpoint  # as leased, then as saved
+        # Pending reports, each with the version it was made at (reports made so far: _version).
+        self._lock = threading.Lock()
+        self._version = 0
+        self._progress: tuple[int, task_pb2.TaskProgress] | None = None
+        self._saved: tuple[int, bytes] | None = None
 
     @property
     def id(self) -> int:
@@ -119,6 +162,77 @@ class TaskContext:
     def payload(self) -> Any:
         """The JSON value for JSON payloads, else the bytes."""
         return decode(self.task.payload, self.task.content_type)
+
+    @property
+    def snoozes(self) -> int:
+        """How many times handlers snoozed the task (snoozes are not attempts)."""
+        return self.task.snoozes
+
+    @property
+    def checkpoint(self) -> bytes | None:
+        """The task's checkpoint: the last one saved, by this handler or an earlier attempt's
+        (the next attempt gets it); None when there is none."""
+        return self._checkpoint or None
+
+    def report_progress(self, value: float, message: str = "") -> None:
+        """Reports the handler's progress: any finite number (commonly a fraction from 0 to 1)
+        and a message. ValueError, and nothing recorded: a value that is not finite, a message
+        over 1,024 bytes (UTF-8) or with control characters (the server refuses those)."""
+        progress = task_pb2.TaskProgress(value=value, message=message)
+        if not math.isfinite(progress.value):
+            raise ValueError(f"progress value: {value}, not a finite number")
+        size = len(progress.message.encode())
+        if size > MAX_PROGRESS_MESSAGE_BYTES:
+            raise ValueError(f"progress message: {size} bytes, more than {MAX_PROGRESS_MESSAGE_BYTES}")
+        bad = next((c for c in progress.message if ord(c) < 32 or 127 <= ord(c) < 160), None)
+        if bad is not None:
+            raise ValueError(f"progress message: control character {bad!r}")
+        with self._lock:
+            self._version += 1
+            self._progress = (self._version, progress)
+
+    def save_checkpoint(self, data: bytes) -> None:
+        """Saves the task's checkpoint (empty: none), which the next attempt's handler gets.
+        ValueError, and nothing recorded: more than the server's max_checkpoint_bytes (256 KiB)."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"checkpoint: bytes, not {type(data).__name__}")
+        data = bytes(data)
+        if len(data) > self._max_checkpoint_bytes:
+            raise ValueError(
+                f"checkpoint: {len(data)} bytes, more than max_checkpoint_bytes {self._max_checkpoint_bytes}"
+            )
+        with self._lock:
+            self._version += 1
+            self._checkpoint = data
+            self._saved = (self._version, data)
+
+    def _pending(self) -> tuple[pb.TaskReport | None, int]:
+        """What is pending, as a report (None: nothing), and the version it goes up to."""
+        with self._lock:
+            if self._progress is None and self._saved is None:
+                return None, self._version
+            report = pb.TaskReport(task_id=self.id, attempt=self.attempt)
+            if self._progress is not None:
+                report.progress.CopyFrom(self._progress[1])
+            if self._saved is not None:
+                report.checkpoint = self._saved[1]
+            return report, self._version
+
+    def _answered(self, version: int) -> None:
+        """A heartbeat that carried the reports up to version was answered: they are no longer
+        pending; one made since (which replaced it) is."""
+        with self._lock:
+            if self._progress is not None and self._progress[0] <= version:
+                self._progress = None
+            if self._saved is not None and self._saved[0] <= version:
+                self._saved = None
+
+    def _end(self, outcome: pb.TaskOutcome) -> None:
+        """The handler ended: what is still pending goes with its outcome, and is dropped."""
+        report, version = self._pending()
+        if report is not None:
+            outcome.report.CopyFrom(report)
+        self._answered(version)
 
 
 Handler = Callable[[TaskContext], Awaitable[Any]]
@@ -172,6 +286,7 @@ class Worker:
         self._heartbeat_s = 10.0
         # Set from the server's RegisterWorkerResponse (defaults for an older server).
         self.max_result_bytes = DEFAULT_MAX_RESULT_BYTES
+        self.max_checkpoint_bytes = DEFAULT_MAX_CHECKPOINT_BYTES
         self._max_lease_bytes = DEFAULT_MAX_LEASE_BYTES
         self.lease_bytes = DEFAULT_MAX_LEASE_BYTES  # LeaseTasksRequest.max_bytes now
         self._running: dict[int, tuple[asyncio.Task[None], TaskContext]] = {}
@@ -179,6 +294,9 @@ class Worker:
         self._held: OrderedDict[int, tuple[TaskContext, float]] = OrderedDict()
         self._unacked: dict[int, pb.TaskOutcome] = {}  # by task id: reported, not yet answered
         self._outcomes: list[pb.TaskOutcome] = []  # not yet sent on the current stream
+        # The heartbeats sent on the current stream and not yet answered, oldest first: the
+        # handlers whose reports each carried, with the version carried.
+        self._beats: deque[list[tuple[TaskContext, int]]] = deque()
         self._freed = 0  # slots freed and not yet given to the server as credits
         self._closed = False  # the current stream's side is closed: nothing more can be reported
         self._stream_answered = False  # the current stream delivered a message: it is healthy
@@ -237,8 +355,11 @@ class Worker:
             backoff.succeeded()
             self.worker_id = resp.worker_id
             self._heartbeat_s = max(resp.heartbeat_interval_ms / 1000, 0.1)
-            # A result must also fit one FinishTasks request on its own.
+            # A result, or a checkpoint, must also fit one message on its own.
             self.max_result_bytes = min(resp.max_result_bytes or DEFAULT_MAX_RESULT_BYTES, MAX_REQUEST_BYTES)
+            self.max_checkpoint_bytes = min(
+                resp.max_checkpoint_bytes or DEFAULT_MAX_CHECKPOINT_BYTES, MAX_REQUEST_BYTES
+            )
             # A reply must fit what this channel receives.
             self._max_lease_bytes = min(resp.max_lease_bytes or DEFAULT_MAX_LEASE_BYTES, MAX_REQUEST_BYTES)
             self.lease_bytes = self._max_lease_bytes
@@ -307,7 +428,9 @@ class Worker:
                         log.warning("task %d: handler ignores cancellation; releasing the task", task_id)
                         ctx._lost = True  # whatever it returns later is not reported
                         self._running.pop(task_id, None)
-                        self._report(pb.TaskOutcome(task_id=task_id, attempt=ctx.attempt, released=_released()))
+                        outcome = pb.TaskOutcome(task_id=task_id, attempt=ctx.attempt, released=_released())
+                        ctx._end(outcome)
+                        self._report(outcome)
         self._wake.set()  # the stream closes its side once every outcome is answered
         if not working.done():
             await asyncio.wait({working}, timeout=max(deadline - loop.time(), 0))
@@ -381,6 +504,7 @@ class Worker:
         freed slots and heartbeats; tasks and answers are read here until the server ends it."""
         call = self._conn.rpc("Work")(metadata=self._conn.metadata)
         self._outcomes = list(self._unacked.values())  # what an earlier stream did not answer
+        self._beats.clear()  # reports an earlier stream did not answer are still pending: sent again
         self._freed = 0
         self._closed = False
         held = len(self._running) + len(self._held)
@@ -407,8 +531,8 @@ class Worker:
 
     async def _send_loop(self, call: Any, first: pb.WorkRequest) -> None:
         """Sends the stream's messages: outcomes (lingering a moment while handlers run, so
-        more join), the slots handlers freed, heartbeats; closes its side once stopping and
-        every outcome is answered."""
+        more join), the slots handlers freed, heartbeats with the handlers' reports; closes its
+        side once stopping and every outcome is answered."""
         message: pb.WorkRequest | None = first
         while True:
             if message is not None:
@@ -445,10 +569,31 @@ class Worker:
                 attempts += [pb.TaskAttempt(task_id=i, attempt=c.attempt) for i, (c, _) in self._held.items()]
                 attempts += [pb.TaskAttempt(task_id=i, attempt=o.attempt) for i, o in self._unacked.items()]
                 message.heartbeat.tasks.extend(attempts)
+                self._beats.append(self._carry_reports(message))
             if self._outcomes:
                 self._wake.set()  # the rest in the next message
             if not (message.outcomes or message.credits or message.HasField("heartbeat")):
                 message = None
+
+    def _carry_reports(self, message: pb.WorkRequest) -> list[tuple[TaskContext, int]]:
+        """Puts the pending report of each running handler in the message's heartbeat, as many
+        as fit under MAX_REQUEST_BYTES (the others wait for the next heartbeat); returns what
+        it carried."""
+        carried: list[tuple[TaskContext, int]] = []
+        room: int | None = None  # what the message has room for, once a report is pending
+        for _, ctx in self._running.values():
+            report, version = ctx._pending()
+            if report is None:
+                continue
+            if room is None:
+                room = MAX_REQUEST_BYTES - message.ByteSize()
+            size = report.ByteSize() + OUTCOME_FRAMING_BYTES
+            if size > room:
+                continue
+            room -= size
+            message.heartbeat.reports.append(report)
+            carried.append((ctx, version))
+        return carried
 
     def _answered(self, answer: pb.WorkResponse) -> None:
         """What the server sent: tasks to run, the results of outcomes, a heartbeat's answer."""
@@ -460,7 +605,7 @@ class Worker:
             if not r.accepted:
                 log.warning("outcome of task %d refused: %s %s", r.task_id, r.code, r.message)
         for task in answer.tasks:
-            ctx = TaskContext(task)
+            ctx = TaskContext(task, self.max_checkpoint_bytes)
             if self._closed:  # sent as the stream closed: the server releases it, as nothing can be sent
                 log.debug("task %d arrived after the work stream closed; the server releases it", task.id)
                 continue
@@ -511,6 +656,8 @@ class Worker:
             else:
                 outcome.success.result = data
                 outcome.success.content_type = content_type
+        except Snooze as snooze:
+            outcome.snoozed.CopyFrom(pb.TaskSnoozed(snooze_ms=snooze.snooze_ms, reason=snooze.reason))
         except TaskError as err:
             outcome.failure.error = str(err)
             outcome.failure.retryable = err.retryable
@@ -536,6 +683,7 @@ class Worker:
                 self._start_held()
         if ctx._lost:  # no longer ours (or released already at shutdown)
             return
+        ctx._end(outcome)
         self._report(outcome)
 
     def _report(self, outcome: pb.TaskOutcome) -> None:
@@ -566,6 +714,12 @@ class Worker:
             self._wake.set()
 
     def _heartbeat_answered(self, resp: pb.HeartbeatResponse) -> None:
+        # Taken as the answer to the oldest heartbeat not yet answered, whose reports are then no
+        # longer pending: the server may answer several in one, or a later one first, and each
+        # later one carried the same reports or newer.
+        if self._beats:
+            for ctx, version in self._beats.popleft():
+                ctx._answered(version)
         for task_id in resp.cancelled_task_ids:
             if task_id in self._held:  # never started: it ends CANCELLED without its handler
                 ctx, _ = self._held.pop(task_id)

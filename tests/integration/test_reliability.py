@@ -34,6 +34,39 @@ def test_worker_killed_mid_task_is_retried_after_lease_expiry(server, tmp_path):
     assert log_lines(log_b, "done") == [(task.id, 2, b.pid)]
 
 
+def test_worker_killed_mid_task_resumes_from_its_checkpoint_on_another(server, tmp_path):
+    """A handler that saves a checkpoint per page is SIGKILLed; the next attempt, on another
+    worker, starts at the last checkpoint its heartbeats carried, and no page is skipped."""
+    log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
+    with cronoq.SyncClient(server.endpoint) as client:
+        task = client.submit("default", {"pages": 30, "page_s": 0.1}).task
+        a = start_worker(server.endpoint, "default", log_a)
+        try:
+            # Heartbeats (every third of the 2 s lease) carried a checkpoint past page 5.
+            kept = eventually(
+                lambda: int(client.get(task.id).checkpoint or b"0") >= 5 or None, what="a checkpoint at page 5"
+            )
+            assert kept
+        finally:
+            a.send_signal(signal.SIGKILL)
+            a.wait(10)
+        seen = client.get(task.id)
+        b = start_worker(server.endpoint, "default", log_b)
+        try:
+            done = client.wait(task.id, timeout=30)
+        finally:
+            b.terminate()
+            b.wait(20)
+    assert done.done and done.task.state == SUCCEEDED and done.task.attempt == 2
+    pages_a = [int(line.split()[2]) for line in log_a.read_text().splitlines() if line.startswith("page")]
+    pages_b = [int(line.split()[2]) for line in log_b.read_text().splitlines() if line.startswith("page")]
+    resumed = int(seen.checkpoint)  # the checkpoint as the lease expired: B's first page
+    assert 5 <= resumed <= max(pages_a) + 1
+    assert pages_b == list(range(resumed, 30))  # from the checkpoint, not from page 0
+    assert set(pages_a) | set(pages_b) == set(range(30))  # no page skipped
+    assert (done.task.progress.value, done.task.progress.message) == (1.0, "page 30 of 30")
+
+
 def test_server_killed_and_restarted_keeps_every_acknowledged_task(server, tmp_path):
     acknowledged: list[int] = []
 

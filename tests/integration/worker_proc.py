@@ -3,8 +3,10 @@
     python worker_proc.py ENDPOINT POOL LOGFILE [--concurrency N] [--token T]
 
 Each execution appends "start|done task_id attempt pid unix_time" to LOGFILE. A payload
-{"sleep": s} sleeps first, {"sleep_first": s} only on attempt 1; {"fail_until": n} fails attempts below n. SIGTERM stops it
-gracefully.
+{"sleep": s} sleeps first, {"sleep_first": s} only on attempt 1; {"fail_until": n} fails attempts below n.
+{"pages": n, "page_s": s} works through n pages of s seconds each from its checkpoint (the next
+page, as text), saving a checkpoint and reporting progress after each, and appends
+"page task_id page pid" per page. SIGTERM stops it gracefully.
 """
 
 import argparse
@@ -33,6 +35,13 @@ async def main() -> None:
             await asyncio.sleep(job["sleep"])
         if job.get("sleep_first") and task.attempt == 1:
             await asyncio.sleep(job["sleep_first"])
+        if job.get("pages"):
+            first = int(task.checkpoint or b"0")
+            for page in range(first, job["pages"]):
+                await asyncio.sleep(job["page_s"])
+                log.write(f"page {task.id} {page} {os.getpid()} {time.time():.6f}\n")
+                task.save_checkpoint(str(page + 1).encode())
+                task.report_progress((page + 1) / job["pages"], f"page {page + 1} of {job['pages']}")
         if task.attempt < job.get("fail_until", 0):
             raise cronoq.TaskError(f"planned failure on attempt {task.attempt}")
         log.write(f"done {task.id} {task.attempt} {os.getpid()} {time.time():.6f}\n")

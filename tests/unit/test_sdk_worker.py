@@ -1,13 +1,14 @@
 """The Worker against a fake WorkerService speaking the Work stream: credits that bound the
 tasks sent, answers bounded in bytes, outcomes batched by size and sent again after a stream
-fails, heartbeats on the stream, oversized results, and a shutdown that releases unfinished
-tasks within a bounded time."""
+fails, heartbeats on the stream, oversized results, a shutdown that releases unfinished
+tasks within a bounded time, and what handlers report: snoozes, progress and checkpoints."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -32,10 +33,15 @@ def rpc_error(code: grpc.StatusCode, details: str = "", trailing: Any = ()) -> g
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
 
 
-def task(task_id: int, payload: Any = None, attempt: int = 1) -> task_pb2.Task:
+def task(task_id: int, payload: Any = None, attempt: int = 1, **fields: Any) -> task_pb2.Task:
     data = json.dumps(payload).encode() if payload is not None else b""
     return task_pb2.Task(
-        id=task_id, pool="default", attempt=attempt, payload=data, content_type="application/json" if data else ""
+        id=task_id,
+        pool="default",
+        attempt=attempt,
+        payload=data,
+        content_type="application/json" if data else "",
+        **fields,
     )
 
 
@@ -52,6 +58,7 @@ class FakeStream:
         self.sent: list[int] = []  # ids of the tasks sent on this stream
         self.cancelled = False
         self.ended: Any = None  # the error or EOF that ended the stream
+        self.withheld = 0  # heartbeats received and not answered (service.hold_heartbeats)
         self._inbox: asyncio.Queue[Any] = asyncio.Queue()
         self._answers: asyncio.Queue[Any] = asyncio.Queue()
         self._serving = asyncio.create_task(self._serve())
@@ -83,6 +90,12 @@ class FakeStream:
         self.cancelled = True
         self._serving.cancel()
         return True
+
+    def answer_withheld(self) -> None:
+        """Answers the oldest heartbeat withheld."""
+        assert self.withheld, "no heartbeat withheld"
+        self.withheld -= 1
+        self._answers.put_nowait(pb.WorkResponse(heartbeat=pb.HeartbeatResponse()))
 
     def _end(self, end: Any) -> None:
         self.ended = end
@@ -146,6 +159,9 @@ class FakeStream:
             answer.results.extend(await self.service.finish(request))
         if request.HasField("heartbeat"):
             self.service.heartbeats.append([(t.task_id, t.attempt) for t in request.heartbeat.tasks])
+            if self.service.hold_heartbeats:
+                self.withheld += 1
+                return
             cancels, self.service.heartbeat_cancels = self.service.heartbeat_cancels, []
             losts, self.service.heartbeat_losts = self.service.heartbeat_losts, []
             answer.heartbeat.SetInParent()
@@ -172,6 +188,7 @@ class FakeWorkerService:
         self.heartbeats: list[list[tuple[int, int]]] = []  # the (task id, attempt) pairs of each
         self.heartbeat_cancels: list[int] = []  # for the next heartbeat answer
         self.heartbeat_losts: list[int] = []
+        self.hold_heartbeats = False  # heartbeats are not answered (FakeStream.answer_withheld)
         self.registrations = 0
         self.deregistered = False
         self.errors: list[BaseException] = []  # the fake's own failures
@@ -889,3 +906,279 @@ async def test_a_handlers_own_cancelled_error_is_a_retryable_failure():
     await until(lambda: fake.outcomes, what="an outcome", running=running)
     await stop(worker, running)
     assert fake.outcomes[1].failure.retryable is True
+
+
+# -- what handlers report: snoozes, progress, checkpoints ---------------------------
+
+
+def beat_reports(fake: FakeWorkerService, stream: int = 0) -> list[list[pb.TaskReport]]:
+    """The reports of each heartbeat a stream received, in order (none while it is not open)."""
+    requests = fake.streams[stream].requests if len(fake.streams) > stream else []
+    return [list(r.heartbeat.reports) for r in requests if r.HasField("heartbeat")]
+
+
+def progress(value: float, message: str) -> task_pb2.TaskProgress:
+    return task_pb2.TaskProgress(value=value, message=message)
+
+
+async def test_a_snooze_is_reported_with_its_ms_and_reason():
+    fake = FakeWorkerService()
+    fake.script = [[task(1, {"s": 1.5, "why": "rate limited"}), task(2, {"s": 0}), task(3, {"s": 4.35})]]
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        raise cronoq.Snooze(ctx.payload["s"], **({"reason": ctx.payload["why"]} if "why" in ctx.payload else {}))
+
+    worker = make_worker(fake, handle)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: len(fake.outcomes) == 3, what="three outcomes", running=running)
+    await stop(worker, running)
+    snoozed = {i: o.snoozed for i, o in fake.outcomes.items() if o.WhichOneof("outcome") == "snoozed"}
+    assert snoozed == {
+        1: pb.TaskSnoozed(snooze_ms=1500, reason="rate limited"),
+        2: pb.TaskSnoozed(snooze_ms=0),  # due at once, and still a snooze
+        3: pb.TaskSnoozed(snooze_ms=4350),  # as written, not 4349.999...
+    }
+    assert not any(o.HasField("report") for o in fake.outcomes.values())  # nothing was reported
+
+
+def test_a_snooze_is_whole_ms_from_0_to_the_uint32_max():
+    assert cronoq.Snooze(0.0019).snooze_ms == 1  # rounded down
+    assert cronoq.Snooze(4294967.295).snooze_ms == 4294967295
+    assert str(cronoq.Snooze(2, reason="later")) == "snoozed for 2000 ms: later"
+    for seconds in (-1, -0.0001, 4294967.296, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"snooze: .* s, not from 0 to 4294967\.295 s"):
+            cronoq.Snooze(seconds)
+
+
+async def test_a_bad_snooze_fails_the_attempt_saying_so():
+    fake = FakeWorkerService()
+    fake.script = [[task(1)]]
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        raise cronoq.Snooze(-1)
+
+    worker = make_worker(fake, handle)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: fake.outcomes, what="an outcome", running=running)
+    await stop(worker, running)
+    assert fake.outcomes[1].failure == pb.TaskFailure(
+        error="ValueError: snooze: -1 s, not from 0 to 4294967.295 s", retryable=True
+    )
+
+
+def test_bad_reports_are_refused_and_nothing_is_recorded():
+    ctx = cronoq.TaskContext(task(1, checkpoint=b"kept"), max_checkpoint_bytes=10)
+    for value in (float("nan"), float("inf"), float("-inf")):
+        with pytest.raises(ValueError, match=r"progress value: .*, not a finite number"):
+            ctx.report_progress(value)
+    for message in ("x" * 1025, "é" * 513):
+        with pytest.raises(ValueError, match=f"progress message: {len(message.encode())} bytes, more than 1024"):
+            ctx.report_progress(0.5, message)
+    with pytest.raises(ValueError, match=r"progress message: control character '\\n'"):
+        ctx.report_progress(0.5, "two\nlines")  # the server refuses control characters
+    with pytest.raises(ValueError, match="checkpoint: 11 bytes, more than max_checkpoint_bytes 10"):
+        ctx.save_checkpoint(b"x" * 11)
+    with pytest.raises(TypeError, match="checkpoint: bytes, not str"):
+        ctx.save_checkpoint("text")  # type: ignore[arg-type]
+    assert ctx.checkpoint == b"kept"
+    assert ctx._pending() == (None, 0)
+    ctx.report_progress(1, "x" * 1024)  # at the bounds
+    ctx.save_checkpoint(bytearray(b"y" * 10))
+    report, version = ctx._pending()
+    assert version == 2
+    assert report == pb.TaskReport(task_id=1, attempt=1, progress=progress(1, "x" * 1024), checkpoint=b"y" * 10)
+
+
+@pytest.mark.parametrize(("max_checkpoint", "allowed"), [(0, 256 << 10), (10, 10)])
+async def test_the_checkpoint_bound_comes_from_registration(max_checkpoint: int, allowed: int):
+    fake = FakeWorkerService(
+        pb.RegisterWorkerResponse(worker_id="w1", heartbeat_interval_ms=60_000, max_checkpoint_bytes=max_checkpoint)
+    )
+    fake.script = [[task(1)]]
+    refused: list[str] = []
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        try:
+            ctx.save_checkpoint(b"x" * (allowed + 1))
+        except ValueError as err:
+            refused.append(str(err))
+        ctx.save_checkpoint(b"x" * allowed)
+
+    worker = make_worker(fake, handle)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: fake.outcomes, what="an outcome", running=running)
+    await stop(worker, running)
+    assert refused == [f"checkpoint: {allowed + 1} bytes, more than max_checkpoint_bytes {allowed}"]
+    assert fake.outcomes[1].report.checkpoint == b"x" * allowed
+
+
+async def test_a_leased_tasks_checkpoint_and_snoozes_reach_its_handler():
+    fake = FakeWorkerService()
+    fake.script = [[task(1, attempt=2, snoozes=3, checkpoint=b"step-7"), task(2)]]
+    seen: dict[int, list[Any]] = {}
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        seen[ctx.id] = [ctx.snoozes, ctx.checkpoint]
+        ctx.save_checkpoint(b"step-8")
+        seen[ctx.id].append(ctx.checkpoint)  # the one saved
+        ctx.save_checkpoint(b"")
+        seen[ctx.id].append(ctx.checkpoint)  # cleared
+
+    worker = make_worker(fake, handle)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: len(fake.outcomes) == 2, what="two outcomes", running=running)
+    await stop(worker, running)
+    assert seen == {1: [3, b"step-7", b"step-8", None], 2: [0, None, b"step-8", None]}
+    assert fake.outcomes[1].report.HasField("checkpoint") and fake.outcomes[1].report.checkpoint == b""
+
+
+async def test_reports_are_coalesced_into_the_next_heartbeat_and_dropped_once_answered():
+    fake = FakeWorkerService(pb.RegisterWorkerResponse(worker_id="w1", heartbeat_interval_ms=50))
+    fake.script = [[task(1, attempt=2), task(2)]]
+    release = asyncio.Event()
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        if ctx.id == 1:
+            ctx.report_progress(0.25, "a quarter")
+            ctx.save_checkpoint(b"step-2")
+            other = threading.Thread(target=ctx.report_progress, args=(0.5, "half"))  # from another thread too
+            other.start()
+            other.join()
+        await release.wait()  # task 2 reports nothing
+
+    worker = make_worker(fake, handle)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: any(beat_reports(fake)), what="a heartbeat with a report", running=running)
+    carried = beat_reports(fake)
+    await until(lambda: len(beat_reports(fake)) >= len(carried) + 2, what="two more heartbeats")
+    release.set()
+    await until(lambda: len(fake.outcomes) == 2, what="two outcomes", running=running)
+    await stop(worker, running)
+    beats = beat_reports(fake)
+    first = next(i for i, b in enumerate(beats) if b)
+    # The first heartbeat after the reports carries the last of each, once; answered, they are
+    # no longer pending: no later heartbeat, nor the outcome, carries them again.
+    assert beats[first] == [pb.TaskReport(task_id=1, attempt=2, progress=progress(0.5, "half"), checkpoint=b"step-2")]
+    assert not any(beats[first + 1 :])
+    assert not any(o.HasField("report") for o in fake.outcomes.values())
+
+
+@pytest.mark.parametrize("end", ["success", "failure", "snoozed", "cancelled", "released"])
+async def test_a_report_not_yet_sent_rides_the_outcome(end: str):
+    fake = FakeWorkerService(pb.RegisterWorkerResponse(worker_id="w1", heartbeat_interval_ms=50))
+    fake.script = [[task(1, attempt=3)]]
+    started = asyncio.Event()
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        def report() -> None:  # just before the handler ends: no heartbeat comes in between
+            ctx.save_checkpoint(b"almost")
+            ctx.report_progress(0.9, "nearly")
+
+        if end in ("cancelled", "released"):
+            started.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                report()
+                raise
+        report()
+        if end == "failure":
+            raise cronoq.TaskError("crash")
+        if end == "snoozed":
+            raise cronoq.Snooze(1)
+
+    worker = make_worker(fake, handle, shutdown_grace=0.05)
+    running = asyncio.create_task(worker.run())
+    if end == "cancelled":
+        await until(started.is_set, what="the handler to start", running=running)
+        fake.heartbeat_cancels = [1]
+    if end == "released":
+        await until(started.is_set, what="the handler to start", running=running)
+        worker.stop()
+    await until(lambda: fake.outcomes, what="an outcome", running=running)
+    await stop(worker, running)
+    assert fake.outcomes[1].WhichOneof("outcome") == end
+    assert fake.outcomes[1].report == pb.TaskReport(
+        task_id=1, attempt=3, progress=progress(0.9, "nearly"), checkpoint=b"almost"
+    )
+    assert not any(beat_reports(fake))
+
+
+async def test_a_report_sent_and_not_answered_is_sent_again_on_the_next_stream():
+    fake = FakeWorkerService(pb.RegisterWorkerResponse(worker_id="w1", heartbeat_interval_ms=50))
+    fake.script = [[task(1)]]
+    fake.hold_heartbeats = True
+    release = asyncio.Event()
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        ctx.report_progress(0.5, "half")
+        await release.wait()
+
+    worker = make_worker(fake, handle)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: any(beat_reports(fake)), what="a heartbeat with the report", running=running)
+    fake.script.append(rpc_error(grpc.StatusCode.UNAVAILABLE, "connection reset"))  # before any answer
+    await until(lambda: any(beat_reports(fake, 1)), what="the next stream's heartbeat with the report")
+    fake.hold_heartbeats = False
+    fake.streams[1].answer_withheld()  # answered at last: no longer pending
+    carried = len(beat_reports(fake, 1))
+    await until(lambda: len(beat_reports(fake, 1)) >= carried + 2, what="two more heartbeats")
+    release.set()
+    await until(lambda: fake.outcomes, what="an outcome", running=running)
+    await stop(worker, running)
+    beats = beat_reports(fake, 1)
+    assert beats[0] == [pb.TaskReport(task_id=1, attempt=1, progress=progress(0.5, "half"))]
+    assert not any(beats[carried:])
+    assert not fake.outcomes[1].HasField("report")
+
+
+async def test_an_answer_drops_only_what_was_not_replaced_and_what_is_left_rides_the_outcome():
+    fake = FakeWorkerService(pb.RegisterWorkerResponse(worker_id="w1", heartbeat_interval_ms=50))
+    fake.script = [[task(1)]]
+    fake.hold_heartbeats = True
+    again, end = asyncio.Event(), asyncio.Event()
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        ctx.report_progress(0.25, "a quarter")
+        ctx.save_checkpoint(b"step-1")
+        await again.wait()
+        ctx.report_progress(0.5, "half")  # replaces the progress the first heartbeat carried
+        await end.wait()
+
+    worker = make_worker(fake, handle)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: any(beat_reports(fake)), what="a heartbeat with the reports", running=running)
+    again.set()
+    await until(lambda: beat_reports(fake)[-1][0].progress.message == "half", what="one with the new progress")
+    fake.streams[0].answer_withheld()  # the first heartbeat's answer: its checkpoint is no longer pending
+    await until(lambda: not beat_reports(fake)[-1][0].HasField("checkpoint"), what="one without the checkpoint")
+    end.set()
+    await until(lambda: fake.outcomes, what="an outcome", running=running)
+    await stop(worker, running)
+    first = next(b for b in beat_reports(fake) if b)
+    assert first == [pb.TaskReport(task_id=1, attempt=1, progress=progress(0.25, "a quarter"), checkpoint=b"step-1")]
+    # Sent and not answered: with the outcome.
+    assert fake.outcomes[1].report == pb.TaskReport(task_id=1, attempt=1, progress=progress(0.5, "half"))
+
+
+async def test_reports_that_do_not_fit_the_message_wait_for_the_next_heartbeat(monkeypatch):
+    monkeypatch.setattr(worker_mod, "MAX_REQUEST_BYTES", 3000)
+    fake = FakeWorkerService(pb.RegisterWorkerResponse(worker_id="w1", heartbeat_interval_ms=50))
+    fake.script = [[task(1), task(2)]]
+    release = asyncio.Event()
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        ctx.save_checkpoint(bytes([ctx.id]) * 2000)
+        await release.wait()
+
+    worker = make_worker(fake, handle)
+    running = asyncio.create_task(worker.run())
+    assert worker.max_checkpoint_bytes == 256 << 10  # not registered yet
+    await until(lambda: sum(map(len, beat_reports(fake))) >= 2, what="both reports", running=running)
+    release.set()
+    await until(lambda: len(fake.outcomes) == 2, what="two outcomes", running=running)
+    await stop(worker, running)
+    assert worker.max_checkpoint_bytes == 3000  # what one message can carry
+    carried = [[r.task_id for r in b] for b in beat_reports(fake) if b]
+    assert carried[:2] == [[1], [2]]  # one a heartbeat
+    assert all(r.ByteSize() < 3000 for r in fake.streams[0].requests)

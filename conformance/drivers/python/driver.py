@@ -32,6 +32,11 @@ def error_of(err: BaseException) -> dict[str, Any]:
     }
 
 
+def text_of(data: bytes | None) -> str | None:
+    """A checkpoint as the protocol gives it: UTF-8 text, or None when empty."""
+    return data.decode() if data else None
+
+
 def options(case: dict[str, Any]) -> dict[str, Any]:
     tls = case.get("tls")
     retry = case.get("retry", {})
@@ -70,10 +75,18 @@ async def run_worker(case: dict[str, Any], step: dict[str, Any]) -> dict[str, An
         if len(started) == step.get("stop_after_started", 0):
             enough.set()
         payload = ctx.payload if isinstance(ctx.payload, dict) else {}
+        checkpoint = text_of(ctx.checkpoint)  # as the handler got it
         end = "cancelled"
         try:
+            if "checkpoint" in payload:
+                ctx.save_checkpoint(payload["checkpoint"].encode())
+            for progress in payload.get("progress", []):
+                ctx.report_progress(progress["value"], progress["message"])
             if payload.get("sleep_ms"):
                 await asyncio.sleep(payload["sleep_ms"] / 1000)
+            if "snooze_ms" in payload and ctx.snoozes < payload.get("snooze_times", 1):
+                end = "snoozed"
+                raise cronoq.Snooze(payload["snooze_ms"] / 1000, reason="driver")
             if "fail" in payload:
                 end = "raised"
                 raise cronoq.TaskError(payload["fail"], retryable=payload.get("retryable", True))
@@ -81,7 +94,16 @@ async def run_worker(case: dict[str, Any], step: dict[str, Any]) -> dict[str, An
             return payload.get("result")
         finally:
             running -= 1
-            handled.append({"id": str(ctx.id), "attempt": ctx.attempt, "payload": ctx.payload, "end": end})
+            handled.append(
+                {
+                    "id": str(ctx.id),
+                    "attempt": ctx.attempt,
+                    "snoozes": ctx.snoozes,
+                    "checkpoint": checkpoint,
+                    "payload": ctx.payload,
+                    "end": end,
+                }
+            )
             if len(handled) == step.get("until_handled", 0):
                 enough.set()
 
@@ -177,6 +199,13 @@ async def run_client_step(client: cronoq.Client, step: dict[str, Any]) -> dict[s
             task = (await client.wait(task_of(step), timeout=step.get("timeout_ms", 10000) / 1000)).task
         else:
             return {"error": {"code": "", "kind": "unsupported", "message": f"unknown op {op!r}"}}
+        if op == "get":
+            progress = {"value": task.progress.value, "message": task.progress.message}
+            extra |= {
+                "snoozes": task.snoozes,
+                "progress": progress if task.HasField("progress") else None,
+                "checkpoint": text_of(task.checkpoint),
+            }
         return {"id": str(task.id), "state": cronoq.TaskState.Name(task.state), **extra, "error": None}
     except Exception as err:
         return {"error": error_of(err)}

@@ -482,7 +482,7 @@ class Leases:
                         unused_wake = ()
                     if limit and stream.waiter is None:
                         stream.waiter = self._events.lease_waiter(pools)
-                    work = self._work_step(worker, received, pools, limit, max_bytes, in_flight)
+                    work = self._work_step(worker, received, pools, limit, max_bytes, in_flight, stream.beating)
                     steps[asyncio.create_task(work)] = (stream.waiter, limit)
                     continue
                 if not steps and (not leading or (inbox.closed and not inbox.waiting)):
@@ -576,9 +576,12 @@ class Leases:
         limit: int,
         max_bytes: int,
         in_flight: Callable[[], AbstractContextManager[None]],
+        beating: asyncio.Lock,
     ) -> tuple[pb.WorkResponse, float]:
         """The answer to what a Work stream received, with up to limit tasks leased; and the
-        seconds until a lease that found fewer should look again."""
+        seconds until a lease that found fewer should look again. The stream's heartbeats are
+        applied one step at a time, in the order received (beating), so an older report never
+        replaces a newer one."""
         answer = pb.WorkResponse()
         outcomes: list[Outcome] = []
         refused: dict[int, pb.FinishTaskResult] = {}  # by position among the outcomes received
@@ -595,7 +598,9 @@ class Leases:
         with in_flight():
             if beats:
                 tasks = [t for b in beats for t in b.tasks]
-                answer.heartbeat.CopyFrom(await self._beat(worker.id, tasks, [r for b in beats for r in b.reports]))
+                async with beating:
+                    beat = await self._beat(worker.id, tasks, [r for b in beats for r in b.reports])
+                answer.heartbeat.CopyFrom(beat)
             if not outcomes and limit < 1:
                 answer.results.extend(refused.values())
                 return answer, float("inf")
@@ -726,12 +731,13 @@ class _WorkStream:
     """What the leader's lease expiry needs to know of a Work stream: the attempts it sent and
     has not heard of since, and whether its worker has gone silent (a lease of it expired)."""
 
-    __slots__ = ("running", "silent", "waiter")
+    __slots__ = ("beating", "running", "silent", "waiter")
 
     def __init__(self) -> None:
         self.running: set[tuple[int, int]] = set()  # (seq, attempt)
         self.silent = False
         self.waiter: LeaseWaiter | None = None  # registered before a lease, so no change is missed
+        self.beating = asyncio.Lock()  # held by the step applying a heartbeat (see _work_step)
 
     def leased(self, tasks: Sequence[Task]) -> None:
         self.running.update((seq_of(t.id), t.attempt) for t in tasks)
