@@ -1023,3 +1023,34 @@ def test_a_keyed_resource_shows_its_keys_in_use_and_those_at_their_limit_as_text
     finally:
         worker.kill()
         worker.wait(10)
+
+
+def test_the_task_page_shows_progress_snoozes_and_the_checkpoint_with_hostile_text_as_text(
+    start_server: Any, browser_page: Any
+) -> None:
+    from cronoq.v1 import worker_service_pb2 as wpb
+
+    srv = start_server({"pools": [{"name": "default"}]})
+    api, worker = register_worker(srv, "crawler", ["default"])
+    task = submit(srv, {"pool": "default", "payload_json": 1})
+    (taken,) = api.lease(worker, n=1)
+    api.workers.FinishTasks(
+        wpb.FinishTasksRequest(
+            worker_id=worker,
+            outcomes=[wpb.TaskOutcome(task_id=taken.id, attempt=1, snoozed=wpb.TaskSnoozed(snooze_ms=0))],
+        )
+    )
+    (taken,) = api.lease(worker, n=1, wait_ms=5000)
+    report = wpb.TaskReport(task_id=taken.id, attempt=1, checkpoint=b"page-3")
+    report.progress.value, report.progress.message = 0.75, f"page 3 of 4 {XSS}"
+    api.workers.Heartbeat(wpb.HeartbeatRequest(worker_id=worker, reports=[report]))
+    page = browser_page
+    page.goto(srv.http_url + f"/ui/#/task/{task['id']}")
+    loaded_ms(page, "task")
+    shown = page.locator("span.progress").inner_text().strip()
+    assert shown.startswith("75% — page 3 of 4 <img src=x onerror=alert(1)>") and "UTC" in shown, shown
+    assert page.locator("span.progress progress").get_attribute("value") == "0.75"
+    assert page.locator("dd", has_text="1 time").count() == 1  # snoozed
+    assert page.locator("dd", has_text="6 bytes, given to the next attempt").count() == 1
+    assert column(page, "outcome", "table.attempts") == ["SNOOZED", "RUNNING"]
+    assert page.dialogs == [] and page.console_errors == []
