@@ -141,13 +141,16 @@ type Submitted struct {
 }
 
 // Submit submits one task. Every transport retry of the call carries the same request id,
-// so a retry after UNAVAILABLE returns the task the first attempt created.
+// so a retry after UNAVAILABLE returns the task the first attempt created. When ctx has a
+// valid OpenTelemetry span context (its current span), the task carries it (W3C traceparent
+// and tracestate), and every attempt's handler runs in that trace (see the README's Tracing).
 func (c *Client) Submit(ctx context.Context, spec TaskSpec) (*Submitted, error) {
 	req, err := spec.proto()
 	if err != nil {
 		return nil, err
 	}
 	req.RequestId = NewRequestID()
+	req.Trace = traceContext(ctx)
 	var resp *cronoqv1.SubmitTaskResponse
 	err = c.conn.invoke(ctx, "SubmitTask", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
 		resp, err = cronoqv1.NewTaskServiceClient(cc).SubmitTask(ctx, req, opts...)
@@ -160,14 +163,17 @@ func (c *Client) Submit(ctx context.Context, spec TaskSpec) (*Submitted, error) 
 }
 
 // SubmitBatch admits every task or none; tasks may depend on the batch's own keys.
-// The answer lists the tasks in the order given, and the ids that already existed.
+// The answer lists the tasks in the order given, and the ids that already existed. Each task
+// carries ctx's trace context, as Submit's does.
 func (c *Client) SubmitBatch(ctx context.Context, specs []TaskSpec) (*cronoqv1.SubmitBatchResponse, error) {
 	req := &cronoqv1.SubmitBatchRequest{RequestId: NewRequestID()}
+	trace := traceContext(ctx)
 	for _, spec := range specs {
 		task, err := spec.proto()
 		if err != nil {
 			return nil, err
 		}
+		task.Trace = trace
 		req.Tasks = append(req.Tasks, task)
 	}
 	var resp *cronoqv1.SubmitBatchResponse

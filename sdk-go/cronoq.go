@@ -57,6 +57,8 @@ const (
 	AttemptOutcomeCancelled = cronoqv1.AttemptOutcome_ATTEMPT_OUTCOME_CANCELLED
 	// AttemptOutcomeLost: the lease expired (the worker stopped heartbeating).
 	AttemptOutcomeLost = cronoqv1.AttemptOutcome_ATTEMPT_OUTCOME_LOST
+	// AttemptOutcomeSnoozed: the handler snoozed the task (Snooze); the attempt is not counted.
+	AttemptOutcomeSnoozed = cronoqv1.AttemptOutcome_ATTEMPT_OUTCOME_SNOOZED
 )
 
 // PoolPause is whether a pool is paused, since when and by whom (the generated

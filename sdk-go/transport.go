@@ -84,7 +84,7 @@ const healthyStream = 5 * time.Second
 // and one when it ends, not one per attempt.
 type failureRow struct {
 	retry    RetryConfig
-	log      *slog.Logger
+	log      func() *slog.Logger // the logger of the moment (the worker's, with its id)
 	what     string
 	failures int
 }
@@ -93,10 +93,10 @@ type failureRow struct {
 func (f *failureRow) failed(err error, endpoint Endpoint) time.Duration {
 	delay := f.retry.Backoff(f.failures)
 	if f.failures == 0 {
-		f.log.Warn("cronoq: "+f.what+" failed; retrying with backoff", "error", err, "endpoint", endpoint.String(),
+		f.log().Warn("cronoq: "+f.what+" failed; retrying with backoff", "error", err, "endpoint", endpoint.String(),
 			"max_backoff", f.retry.withDefaults().MaxBackoff)
 	} else {
-		f.log.Debug("cronoq: "+f.what+" failed again", "error", err, "endpoint", endpoint.String(), "after", delay)
+		f.log().Debug("cronoq: "+f.what+" failed again", "error", err, "endpoint", endpoint.String(), "after", delay)
 	}
 	f.failures++
 	return delay
@@ -105,7 +105,7 @@ func (f *failureRow) failed(err error, endpoint Endpoint) time.Duration {
 // succeeded: the attempt worked (a stream: it was healthy); the next failure starts a new row.
 func (f *failureRow) succeeded() {
 	if f.failures > 0 {
-		f.log.Info("cronoq: "+f.what+" works again", "failed_attempts", f.failures)
+		f.log().Info("cronoq: "+f.what+" works again", "failed_attempts", f.failures)
 	}
 	f.failures = 0
 }

@@ -6,12 +6,15 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"os"
 	"runtime/debug"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -23,6 +26,8 @@ import (
 // Handler runs one attempt of a task. Its result is stored as EncodePayload stores a
 // payload ([]byte as it is, anything else as JSON). An error fails the attempt, retried
 // with backoff while attempts remain unless it is NonRetryable; RetryAfter sets the delay.
+// Snooze puts the task off without counting the attempt. TaskContextFrom(ctx) reports the
+// handler's progress and saves its checkpoint.
 //
 // ctx is cancelled when the task's cancellation is requested (context.Cause(ctx) is
 // ErrTaskCancelled: the task ends CANCELLED), when its timeout passes, when its lease is
@@ -58,6 +63,47 @@ func RetryAfter(err error, d time.Duration) error {
 	return &TaskError{Err: err, Retryable: true, RetryAfter: d}
 }
 
+// SnoozeError is a handler's error that snoozes the task: not now, again in Duration. The
+// task is PENDING again, due then, and the attempt is not counted (Task.snoozes grows by
+// one). Snooze returns one; errors.As finds it when wrapped.
+type SnoozeError struct {
+	// Duration: 0 (due at once) to 4,294,967,295 ms (about 49.7 days), rounded down to whole ms.
+	Duration time.Duration
+	// Reason is kept in the task's history.
+	Reason string
+}
+
+func (e *SnoozeError) Error() string {
+	if e.Reason == "" {
+		return fmt.Sprintf("snoozed for %v", e.Duration)
+	}
+	return fmt.Sprintf("snoozed for %v: %s", e.Duration, e.Reason)
+}
+
+// Snooze puts the task off for d (rounded down to whole ms): return it from the handler. A
+// task snoozed as often as its pool's max_snoozes (100 by default) has the snooze taken as a
+// retryable failure instead. A d that is negative or over 4,294,967,295 ms, or a reason that
+// is not UTF-8, gives an ErrInvalidArgument error instead, which fails the attempt.
+func Snooze(d time.Duration, reason string) error {
+	if _, err := snoozeMs(d, reason); err != nil {
+		return err
+	}
+	return &SnoozeError{Duration: d, Reason: reason}
+}
+
+// snoozeMs is a snooze's snooze_ms, or why it cannot be sent.
+func snoozeMs(d time.Duration, reason string) (uint32, error) {
+	switch {
+	case d < 0:
+		return 0, newError(codes.InvalidArgument, kindCode, "snooze: %v is negative", d)
+	case d.Milliseconds() > math.MaxUint32:
+		return 0, newError(codes.InvalidArgument, kindCode, "snooze: %v is more than %d ms", d, uint32(math.MaxUint32))
+	case !utf8.ValidString(reason):
+		return 0, newError(codes.InvalidArgument, kindCode, "snooze: the reason is not valid UTF-8")
+	}
+	return uint32(d.Milliseconds()), nil
+}
+
 // WorkerOptions configure a Worker.
 type WorkerOptions struct {
 	Options
@@ -85,9 +131,12 @@ const (
 	mib                   = 1 << 20
 	defaultMaxResultBytes = 4 * mib
 	defaultMaxLeaseBytes  = 16 * mib
+	// A checkpoint larger is refused (RegisterWorkerResponse.max_checkpoint_bytes, when 0).
+	defaultMaxCheckpointBytes = 256 << 10
 	// Room left under MaxMessageBytes for what a message carries besides tasks or outcomes.
 	maxRequestBytes = MaxMessageBytes - mib
 	minLeaseBytes   = mib
+	framing         = 16 // a message's tag and length prefix, and its parent's
 	releaseReason   = "worker shut down"
 	// The most tasks a worker holds (Concurrency + Prefetch): the credits a Work stream may carry.
 	maxHeld = 100_000
@@ -121,12 +170,16 @@ type Worker struct {
 	maxResultBytes int
 	maxLeaseBytes  uint64
 	leaseBytes     uint64
+	maxCheckpoint  int
 	running        map[uint64]*runningTask
-	held           []heldTask                       // prefetched, not yet started: oldest first
-	unacked        map[uint64]*cronoqv1.TaskOutcome // reported, not yet answered
-	outcomes       []*cronoqv1.TaskOutcome          // not yet sent on the current stream
-	freed          uint32                           // tasks that left the worker, not yet given back as credits
+	held           []heldTask              // prefetched, not yet started: oldest first
+	unacked        map[uint64]sentOutcome  // reported, not yet answered
+	outcomes       []*cronoqv1.TaskOutcome // not yet sent on the current stream
+	freed          uint32                  // tasks that left the worker, not yet given back as credits
 	beatDue        bool
+	reports        uint64 // the handlers' reports so far: each is a version
+	beatsSent      uint64 // heartbeats sent on the current stream
+	beatsAnswered  uint64 // and answered
 	stopping       bool
 	closed         bool // the current stream's side is closed: nothing more can be reported
 	processed      int64
@@ -134,11 +187,24 @@ type Worker struct {
 
 type runningTask struct {
 	attempt         int32
+	pool            string
 	cancel          context.CancelCauseFunc
 	done            chan struct{}
 	cancelRequested bool // the server asked: report it cancelled
 	releasing       bool // cancelled at shutdown: give it back
 	lost            bool // no longer ours: report nothing
+	// The task's checkpoint, as leased, then as the handler saved it (nil: none); and what
+	// the handler reported that the server has not acknowledged (a checkpoint saved empty
+	// clears the task's).
+	checkpoint []byte
+	progress   pending[*cronoqv1.TaskProgress]
+	saved      pending[[]byte]
+}
+
+// sentOutcome is an outcome reported and not yet answered, and its task's pool (for the logs).
+type sentOutcome struct {
+	outcome *cronoqv1.TaskOutcome
+	pool    string
 }
 
 // heldTask is a prefetched task waiting for a handler slot.
@@ -191,8 +257,9 @@ func NewWorker(opts WorkerOptions, handler Handler) (*Worker, error) {
 		maxResultBytes: defaultMaxResultBytes,
 		maxLeaseBytes:  defaultMaxLeaseBytes,
 		leaseBytes:     defaultMaxLeaseBytes,
+		maxCheckpoint:  defaultMaxCheckpointBytes,
 		running:        map[uint64]*runningTask{},
-		unacked:        map[uint64]*cronoqv1.TaskOutcome{},
+		unacked:        map[uint64]sentOutcome{},
 	}, nil
 }
 
@@ -253,7 +320,7 @@ func (w *Worker) Run(ctx context.Context) error {
 		w.deregister(context.WithoutCancel(ctx))
 		return nil
 	}
-	w.log.Info("cronoq: worker registered", "worker_id", w.ID(), "endpoint", w.Endpoint().String(), "pools", w.opts.Pools)
+	w.logFor(w.ID()).Info("cronoq: worker registered", "endpoint", w.Endpoint().String(), "pools", w.opts.Pools)
 
 	heartbeats, stopHeartbeats := context.WithCancel(calls)
 	defer stopHeartbeats()
@@ -304,7 +371,7 @@ func (w *Worker) register(calls context.Context) error {
 		}
 	}()
 	redirects := 0
-	row := failureRow{retry: w.conn.retry, log: w.log, what: "worker registration"}
+	row := failureRow{retry: w.conn.retry, log: w.logger, what: "worker registration"}
 	chain := []string{w.conn.endpoint().String()} // where it went, and where each server sent it
 	req := &cronoqv1.RegisterWorkerRequest{
 		Name: w.opts.Name, Pools: w.opts.Pools, Concurrency: int32(w.opts.Concurrency), Labels: w.opts.Labels,
@@ -336,7 +403,7 @@ func (w *Worker) register(calls context.Context) error {
 					"worker for %v was redirected more than %d times in a row: %s: check the [[shards]] endpoints",
 					w.opts.Pools, maxRedirects, strings.Join(chain, " -> "))
 			}
-			w.log.Info("cronoq: reconnecting to the shard of the worker's pools",
+			w.logger().Info("cronoq: reconnecting to the shard of the worker's pools",
 				"shard", e.Shard, "endpoint", e.ShardEndpoint, "pools", w.opts.Pools)
 			if _, err := w.conn.follow(e.ShardEndpoint, e.Code); err != nil {
 				return err
@@ -366,6 +433,7 @@ func (w *Worker) registered(resp *cronoqv1.RegisterWorkerResponse) {
 	w.maxResultBytes = int(min(orDefault(resp.GetMaxResultBytes(), defaultMaxResultBytes), maxRequestBytes))
 	w.maxLeaseBytes = min(orDefault(resp.GetMaxLeaseBytes(), defaultMaxLeaseBytes), maxRequestBytes)
 	w.leaseBytes = w.maxLeaseBytes
+	w.maxCheckpoint = int(min(orDefault(resp.GetMaxCheckpointBytes(), defaultMaxCheckpointBytes), maxRequestBytes))
 }
 
 func orDefault(v, def uint64) uint64 {
@@ -407,11 +475,11 @@ func (w *Worker) finishRunning(workDone chan struct{}, cancelCalls context.Cance
 	}
 	w.mu.Unlock()
 	if len(running) > 0 {
-		w.log.Info("cronoq: waiting for running tasks", "worker_id", w.ID(), "running", len(running))
+		w.logger().Info("cronoq: waiting for running tasks", "running", len(running))
 		pending := waitAll(running, w.opts.ShutdownGrace)
 		if len(pending) > 0 {
-			w.log.Warn("cronoq: releasing tasks still running after the shutdown grace",
-				"worker_id", w.ID(), "tasks", len(pending), "grace", w.opts.ShutdownGrace)
+			w.logger().Warn("cronoq: releasing tasks still running after the shutdown grace",
+				"tasks", len(pending), "grace", w.opts.ShutdownGrace)
 			w.mu.Lock()
 			for _, rt := range pending {
 				rt.releasing = true
@@ -423,11 +491,12 @@ func (w *Worker) finishRunning(workDone chan struct{}, cancelCalls context.Cance
 			stuck := waitAll(pending, unwindTime)
 			w.mu.Lock()
 			for id, rt := range stuck { // the handler ignores its context: release the task anyway
-				w.log.Warn("cronoq: handler ignores cancellation; releasing the task", "task_id", id)
+				w.logFor(w.workerID).Warn("cronoq: handler ignores cancellation; releasing the task", taskFields(id, rt.attempt, rt.pool)...)
 				rt.lost = true // whatever it returns later is not reported
 				delete(w.running, id)
 				w.reportLocked(&cronoqv1.TaskOutcome{TaskId: id, Attempt: rt.attempt,
-					Outcome: &cronoqv1.TaskOutcome_Released{Released: &cronoqv1.TaskReleased{Reason: releaseReason}}})
+					Outcome: &cronoqv1.TaskOutcome_Released{Released: &cronoqv1.TaskReleased{Reason: releaseReason}},
+					Report:  rt.takeReport(id)}, rt.pool)
 			}
 			w.mu.Unlock()
 		}
@@ -443,7 +512,7 @@ func (w *Worker) finishRunning(workDone chan struct{}, cancelCalls context.Cance
 	left := len(w.unacked)
 	w.mu.Unlock()
 	if left > 0 {
-		w.log.Warn("cronoq: outcomes not acknowledged at shutdown; their leases will expire", "worker_id", w.ID(), "outcomes", left)
+		w.logger().Warn("cronoq: outcomes not acknowledged at shutdown; their leases will expire", "outcomes", left)
 	}
 }
 
@@ -480,7 +549,7 @@ func (w *Worker) deregister(ctx context.Context) {
 		return err
 	})
 	if err != nil {
-		w.log.Debug("cronoq: deregister failed", "worker_id", id, "error", err)
+		w.logFor(id).Debug("cronoq: deregister failed", "error", err)
 	}
 }
 
@@ -501,7 +570,7 @@ func transientStream(err error) bool {
 // message or stayed open healthyStream); the outcomes it did not answer are sent again on the
 // next (fenced by attempt: safe).
 func (w *Worker) workLoop(calls context.Context) error {
-	row := failureRow{retry: w.conn.retry, log: w.log, what: "work stream"}
+	row := failureRow{retry: w.conn.retry, log: w.logger, what: "work stream"}
 	for !w.isFinished() {
 		opened := time.Now()
 		answered, err := w.workStream(calls)
@@ -529,11 +598,11 @@ func (w *Worker) workLoop(calls context.Context) error {
 			w.mu.Lock()
 			w.leaseBytes = max(w.leaseBytes/2, minLeaseBytes)
 			w.mu.Unlock()
-			w.log.Error("cronoq: work stream failed; opening it again with a smaller max_bytes", "error", err)
+			w.logger().Error("cronoq: work stream failed; opening it again with a smaller max_bytes", "error", err)
 		}
 		_ = sleep(calls, row.failed(err, w.conn.endpoint()))
 		if errors.Is(err, ErrNotFound) {
-			w.log.Warn("cronoq: worker unknown to the server; registering again", "worker_id", w.ID())
+			w.logger().Warn("cronoq: worker unknown to the server; registering again")
 			if err := w.register(calls); err != nil {
 				return err
 			}
@@ -560,10 +629,15 @@ func (w *Worker) workStream(calls context.Context) (answered bool, err error) {
 	w.mu.Lock()
 	w.outcomes = w.outcomes[:0]
 	for _, o := range w.unacked { // what an earlier stream did not answer
-		w.outcomes = append(w.outcomes, o)
+		w.outcomes = append(w.outcomes, o.outcome)
 	}
 	w.freed = 0
 	w.closed = false
+	w.beatsSent, w.beatsAnswered = 0, 0
+	for _, rt := range w.running { // what an earlier stream's heartbeats carried unanswered
+		rt.progress.unsent()
+		rt.saved.unsent()
+	}
 	free := 0
 	if !w.stopping {
 		free = w.opts.Concurrency + w.opts.Prefetch - len(w.running) - len(w.held)
@@ -652,7 +726,8 @@ func (w *Worker) linger(ctx context.Context) bool {
 	}
 }
 
-// nextMessage is the next message to send, or nil when there is nothing to say.
+// nextMessage is the next message to send, or nil when there is nothing to say: a heartbeat
+// carries the reports of running handlers that the server has not acknowledged.
 func (w *Worker) nextMessage() *cronoqv1.WorkRequest {
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -673,10 +748,11 @@ func (w *Worker) nextMessage() *cronoqv1.WorkRequest {
 		}
 		for id, o := range w.unacked {
 			if _, ok := w.running[id]; !ok && !heldIDs[id] {
-				beat.Tasks = append(beat.Tasks, &cronoqv1.TaskAttempt{TaskId: id, Attempt: o.GetAttempt()})
+				beat.Tasks = append(beat.Tasks, &cronoqv1.TaskAttempt{TaskId: id, Attempt: o.outcome.GetAttempt()})
 			}
 		}
 		m.Heartbeat = beat
+		w.beatReports(m, proto.Size(m))
 	}
 	if len(w.outcomes) > 0 {
 		w.notify() // the rest in the next message
@@ -690,7 +766,6 @@ func (w *Worker) nextMessage() *cronoqv1.WorkRequest {
 // nextBatch takes the oldest outcomes that fit one message: at most maxFinishBatch and
 // maxRequestBytes serialized (one always goes, alone if need be). Call with mu held.
 func (w *Worker) nextBatch() []*cronoqv1.TaskOutcome {
-	const framing = 16 // an outcome's tag and length prefix, and the message's
 	size, n := framing, 0
 	for _, o := range w.outcomes {
 		if n == maxFinishBatch {
@@ -714,22 +789,25 @@ func (w *Worker) answered(answer *cronoqv1.WorkResponse) {
 	defer w.notify()
 	defer w.mu.Unlock()
 	for _, r := range answer.GetResults() {
-		if _, ok := w.unacked[r.GetTaskId()]; ok {
+		sent, ok := w.unacked[r.GetTaskId()]
+		if ok {
 			delete(w.unacked, r.GetTaskId())
 			w.processed++
 		}
 		if !r.GetAccepted() {
-			w.log.Warn("cronoq: outcome refused", "task_id", r.GetTaskId(), "code", r.GetCode(), "message", r.GetMessage())
+			w.logFor(w.workerID).Warn("cronoq: outcome refused",
+				taskFields(r.GetTaskId(), sent.outcome.GetAttempt(), sent.pool, "code", r.GetCode(), "message", r.GetMessage())...)
 		}
 	}
 	for _, task := range answer.GetTasks() {
 		if w.closed { // sent as the stream closed: the server releases it, as nothing can be sent
-			w.log.Debug("cronoq: task arrived after the work stream closed; the server releases it", "task_id", task.GetId())
+			w.logFor(w.workerID).Debug("cronoq: task arrived after the work stream closed; the server releases it",
+				taskFields(task.GetId(), task.GetAttempt(), task.GetPool())...)
 			continue
 		}
 		if w.stopping { // sent for slots given before the stop: give it back
 			w.freed++
-			w.reportLocked(releasedOutcome(task))
+			w.reportLocked(releasedOutcome(task), task.GetPool())
 			continue
 		}
 		// A free slot means none is held (a slot that frees takes the oldest held task): the
@@ -742,6 +820,11 @@ func (w *Worker) answered(answer *cronoqv1.WorkResponse) {
 		}
 	}
 	if beat := answer.GetHeartbeat(); beat != nil {
+		w.beatsAnswered++
+		for _, rt := range w.running {
+			rt.progress.acknowledged(w.beatsAnswered)
+			rt.saved.acknowledged(w.beatsAnswered)
+		}
 		for _, id := range beat.GetCancelledTaskIds() {
 			if rt, ok := w.running[id]; ok {
 				rt.cancelRequested = true
@@ -750,7 +833,8 @@ func (w *Worker) answered(answer *cronoqv1.WorkResponse) {
 		}
 		for _, id := range beat.GetLostTaskIds() {
 			if rt, ok := w.running[id]; ok {
-				w.log.Warn("cronoq: task lost its lease; its outcome will not be reported", "task_id", id)
+				w.logFor(w.workerID).Warn("cronoq: task lost its lease; its outcome will not be reported",
+					taskFields(id, rt.attempt, rt.pool)...)
 				rt.lost = true
 				rt.cancel(ErrLeaseLost)
 			}
@@ -779,12 +863,13 @@ func (w *Worker) dropHeld(beat *cronoqv1.HeartbeatResponse) {
 		id := h.task.GetId()
 		switch {
 		case lost[id]:
-			w.log.Warn("cronoq: held task lost its lease before it started; it is dropped", "task_id", id)
+			w.logFor(w.workerID).Warn("cronoq: held task lost its lease before it started; it is dropped",
+				taskFields(id, h.task.GetAttempt(), h.task.GetPool())...)
 			w.freed++
 		case cancelled[id]:
 			w.freed++
 			w.reportLocked(&cronoqv1.TaskOutcome{TaskId: id, Attempt: h.task.GetAttempt(),
-				Outcome: &cronoqv1.TaskOutcome_Cancelled{Cancelled: &cronoqv1.TaskCancelled{Reason: "cancelled"}}})
+				Outcome: &cronoqv1.TaskOutcome_Cancelled{Cancelled: &cronoqv1.TaskCancelled{Reason: "cancelled"}}}, h.task.GetPool())
 		default:
 			kept = append(kept, h)
 		}
@@ -797,11 +882,11 @@ func (w *Worker) dropHeld(beat *cronoqv1.HeartbeatResponse) {
 // handlers are waited for. Call with mu held, then notify.
 func (w *Worker) releaseHeld() {
 	if len(w.held) > 0 {
-		w.log.Info("cronoq: releasing held tasks", "worker_id", w.workerID, "tasks", len(w.held))
+		w.logFor(w.workerID).Info("cronoq: releasing held tasks", "tasks", len(w.held))
 	}
 	for _, h := range w.held {
 		w.freed++
-		w.reportLocked(releasedOutcome(h.task))
+		w.reportLocked(releasedOutcome(h.task), h.task.GetPool())
 	}
 	w.held = nil
 }
@@ -817,7 +902,10 @@ func releasedOutcome(task *Task) *cronoqv1.TaskOutcome {
 // task. Call with mu held.
 func (w *Worker) start(task *Task, received time.Time) {
 	ctx, cancel := context.WithCancelCause(w.tasks)
-	rt := &runningTask{attempt: task.GetAttempt(), cancel: cancel, done: make(chan struct{})}
+	rt := &runningTask{attempt: task.GetAttempt(), pool: task.GetPool(), cancel: cancel, done: make(chan struct{})}
+	if c := task.GetCheckpoint(); len(c) > 0 {
+		rt.checkpoint = c
+	}
 	w.running[task.GetId()] = rt
 	go func() {
 		defer close(rt.done)
@@ -826,13 +914,16 @@ func (w *Worker) start(task *Task, received time.Time) {
 	}()
 }
 
+// execute runs a task's handler, in the task's span (startTaskSpan) with its TaskContext,
+// and reports its outcome.
 func (w *Worker) execute(ctx context.Context, rt *runningTask, task *Task, received time.Time) {
-	hctx := ctx
+	hctx, span := startTaskSpan(ctx, task)
+	hctx = context.WithValue(hctx, taskContextKey{}, &TaskContext{w: w, id: task.GetId(), rt: rt, snoozes: task.GetSnoozes()})
 	if ms := task.GetTimeoutMs(); ms > 0 {
 		// The timeout counts from the lease (a held task's wait counts too), and the server
 		// never extends the lease past the attempt's deadline: cancel it there.
 		var stop context.CancelFunc
-		hctx, stop = context.WithDeadlineCause(ctx, received.Add(time.Duration(ms)*time.Millisecond), ErrTaskTimeout)
+		hctx, stop = context.WithDeadlineCause(hctx, received.Add(time.Duration(ms)*time.Millisecond), ErrTaskTimeout)
 		defer stop()
 	}
 	result, err := w.callHandler(hctx, task)
@@ -842,12 +933,18 @@ func (w *Worker) execute(ctx context.Context, rt *runningTask, task *Task, recei
 	w.mu.Lock()
 	if w.running[task.GetId()] == rt {
 		delete(w.running, task.GetId())
+		outcome.Report = rt.takeReport(task.GetId()) // what no answered heartbeat carried
 		w.freed++
 		w.startHeld()
 	}
 	lost, cancelRequested, releasing, maxResult := rt.lost, rt.cancelRequested, rt.releasing, w.maxResultBytes
 	w.mu.Unlock()
 	if lost { // no longer ours (or released already at shutdown)
+		var reported *cronoqv1.TaskOutcome // none: the lease was lost
+		if releasing {
+			reported = releasedOutcome(task)
+		}
+		endTaskSpan(span, reported)
 		w.notify()
 		return
 	}
@@ -859,6 +956,7 @@ func (w *Worker) execute(ctx context.Context, rt *runningTask, task *Task, recei
 		outcome.Outcome = &cronoqv1.TaskOutcome_Failure{Failure: f}
 	}
 	var taskErr *TaskError
+	var snooze *SnoozeError
 	switch {
 	case err == nil:
 		data, contentType, encErr := EncodePayload(result)
@@ -876,12 +974,20 @@ func (w *Worker) execute(ctx context.Context, rt *runningTask, task *Task, recei
 		outcome.Outcome = &cronoqv1.TaskOutcome_Released{Released: &cronoqv1.TaskReleased{Reason: releaseReason}}
 	case timedOut:
 		failure(fmt.Sprintf("timed out after %d ms", task.GetTimeoutMs()), true, 0)
+	case errors.As(err, &snooze):
+		if ms, bad := snoozeMs(snooze.Duration, snooze.Reason); bad != nil { // a SnoozeError not from Snooze
+			failure(bad.Error(), true, 0)
+		} else {
+			outcome.Outcome = &cronoqv1.TaskOutcome_Snoozed{Snoozed: &cronoqv1.TaskSnoozed{SnoozeMs: ms, Reason: snooze.Reason}}
+		}
 	case errors.As(err, &taskErr):
 		failure(taskErr.Error(), taskErr.Retryable, taskErr.RetryAfter)
 	default:
 		failure(err.Error(), true, 0)
 	}
-	w.report(outcome)
+	validUTF8(outcome)
+	endTaskSpan(span, outcome)
+	w.report(outcome, task.GetPool())
 }
 
 // startHeld starts the oldest held task in the slot a handler freed (none once stopping:
@@ -898,7 +1004,8 @@ func (w *Worker) startHeld() {
 			w.freed++
 			w.reportLocked(&cronoqv1.TaskOutcome{TaskId: next.task.GetId(), Attempt: next.task.GetAttempt(),
 				Outcome: &cronoqv1.TaskOutcome_Failure{Failure: &cronoqv1.TaskFailure{
-					Error: fmt.Sprintf("timed out after %d ms, held before it could start", ms), Retryable: true}}})
+					Error: fmt.Sprintf("timed out after %d ms, held before it could start", ms), Retryable: true}}},
+				next.task.GetPool())
 			continue
 		}
 		w.start(next.task, next.received)
@@ -909,24 +1016,71 @@ func (w *Worker) startHeld() {
 func (w *Worker) callHandler(ctx context.Context, task *Task) (result any, err error) {
 	defer func() {
 		if p := recover(); p != nil {
-			w.log.Error("cronoq: handler panicked", "task_id", task.GetId(), "panic", p, "stack", string(debug.Stack()))
+			w.logFor(w.ID()).Error("cronoq: handler panicked",
+				taskFields(task.GetId(), task.GetAttempt(), task.GetPool(), "panic", p, "stack", string(debug.Stack()))...)
 			result, err = nil, fmt.Errorf("panic: %v", p)
 		}
 	}()
 	return w.handler(ctx, task)
 }
 
-func (w *Worker) report(outcome *cronoqv1.TaskOutcome) {
+func (w *Worker) report(outcome *cronoqv1.TaskOutcome, pool string) {
 	w.mu.Lock()
-	w.reportLocked(outcome)
+	w.reportLocked(outcome, pool)
 	w.mu.Unlock()
 	w.notify()
 }
 
-// reportLocked queues an outcome; call with mu held, then notify.
-func (w *Worker) reportLocked(outcome *cronoqv1.TaskOutcome) {
-	w.unacked[outcome.GetTaskId()] = outcome
+// reportLocked queues an outcome of a task of pool; call with mu held, then notify.
+func (w *Worker) reportLocked(outcome *cronoqv1.TaskOutcome, pool string) {
+	validUTF8(outcome)
+	w.unacked[outcome.GetTaskId()] = sentOutcome{outcome: outcome, pool: pool}
 	w.outcomes = append(w.outcomes, outcome)
+}
+
+// validUTF8 makes every string of an outcome valid UTF-8, each invalid byte sequence
+// replaced by U+FFFD: protobuf refuses to marshal a string that is not, and the message
+// that carries it (every outcome of the batch) could not be sent. A handler's error text
+// (TaskFailure.error) may be anything.
+func validUTF8(o *cronoqv1.TaskOutcome) {
+	valid := func(s *string) {
+		if !utf8.ValidString(*s) {
+			*s = strings.ToValidUTF8(*s, "\uFFFD")
+		}
+	}
+	switch v := o.GetOutcome().(type) {
+	case *cronoqv1.TaskOutcome_Success:
+		valid(&v.Success.ContentType)
+	case *cronoqv1.TaskOutcome_Failure:
+		valid(&v.Failure.Error)
+	case *cronoqv1.TaskOutcome_Snoozed:
+		valid(&v.Snoozed.Reason)
+	case *cronoqv1.TaskOutcome_Cancelled:
+		valid(&v.Cancelled.Reason)
+	case *cronoqv1.TaskOutcome_Released:
+		valid(&v.Released.Reason)
+	}
+	if p := o.GetReport().GetProgress(); p != nil {
+		valid(&p.Message)
+	}
+}
+
+// logger is the worker's logger with its id, as logFor; call without mu held.
+func (w *Worker) logger() *slog.Logger { return w.logFor(w.ID()) }
+
+// logFor is the worker's logger with the worker's id (workerID, once registered) as
+// worker_id, as the server's JSON logs name it.
+func (w *Worker) logFor(workerID string) *slog.Logger {
+	if workerID == "" {
+		return w.log
+	}
+	return w.log.With("worker_id", workerID)
+}
+
+// taskFields are the fields of a log line about one attempt of a task, named as the
+// server's JSON logs name them (task_id as a decimal string), then more.
+func taskFields(id uint64, attempt int32, pool string, more ...any) []any {
+	return append([]any{"task_id", strconv.FormatUint(id, 10), "attempt", attempt, "pool", pool}, more...)
 }
 
 // heartbeatLoop asks the sender for a heartbeat of the attempts held, every interval.

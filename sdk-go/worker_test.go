@@ -1,7 +1,9 @@
 package cronoq
 
 import (
+	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"io"
 	"log/slog"
@@ -12,11 +14,13 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	cronoqv1 "github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1"
 )
@@ -29,20 +33,38 @@ type workServer struct {
 	outcomes     map[uint64]*cronoqv1.TaskOutcome
 	beats        map[uint64]int
 	cancel       map[uint64]bool
+	refuse       map[uint64]bool // outcomes answered not accepted
 	deregistered bool
 	unused       int      // credits given and not used, on the current stream
 	firstCredits []uint32 // the credits of each stream's first message
 	leased       int      // tasks sent and not yet reported
 	mostLeased   int
 	breakFirst   bool // end the first stream UNAVAILABLE once it has sent tasks
+	// The heartbeat interval (50 ms when 0; the worker's floor is 100 ms); heartbeats left
+	// unanswered; the first stream ended UNAVAILABLE once a heartbeat carried a report; the
+	// streams opened, and the reports heartbeats carried.
+	beatMs        uint32
+	silentBeats   bool
+	breakOnReport bool
+	streams       int
+	beatReports   []streamReport
+}
+
+// streamReport is a report a heartbeat carried, on the stream-th Work stream.
+type streamReport struct {
+	stream int
+	report *cronoqv1.TaskReport
 }
 
 func newWorkServer(tasks ...*cronoqv1.Task) *workServer {
-	return &workServer{tasks: tasks, outcomes: map[uint64]*cronoqv1.TaskOutcome{}, beats: map[uint64]int{}, cancel: map[uint64]bool{}}
+	return &workServer{tasks: tasks, outcomes: map[uint64]*cronoqv1.TaskOutcome{}, beats: map[uint64]int{}, cancel: map[uint64]bool{},
+		refuse: map[uint64]bool{}}
 }
 
 func (s *workServer) RegisterWorker(context.Context, *cronoqv1.RegisterWorkerRequest) (*cronoqv1.RegisterWorkerResponse, error) {
-	return &cronoqv1.RegisterWorkerResponse{WorkerId: "w-1", HeartbeatIntervalMs: 50, Shard: "default"}, nil
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return &cronoqv1.RegisterWorkerResponse{WorkerId: "w-1", HeartbeatIntervalMs: cmp.Or(s.beatMs, 50), Shard: "default"}, nil
 }
 
 func (s *workServer) DeregisterWorker(context.Context, *cronoqv1.DeregisterWorkerRequest) (*cronoqv1.DeregisterWorkerResponse, error) {
@@ -55,6 +77,7 @@ func (s *workServer) DeregisterWorker(context.Context, *cronoqv1.DeregisterWorke
 func (s *workServer) Work(stream grpc.BidiStreamingServer[cronoqv1.WorkRequest, cronoqv1.WorkResponse]) error {
 	s.mu.Lock()
 	s.unused = 0
+	s.streams++
 	s.mu.Unlock()
 	for first := true; ; first = false {
 		req, err := stream.Recv()
@@ -76,6 +99,9 @@ func (s *workServer) Work(stream grpc.BidiStreamingServer[cronoqv1.WorkRequest, 
 		s.mu.Lock()
 		broken := s.breakFirst && len(resp.Tasks) > 0
 		s.breakFirst = s.breakFirst && !broken
+		if s.breakOnReport && len(req.GetHeartbeat().GetReports()) > 0 {
+			broken, s.breakOnReport = true, false
+		}
 		s.mu.Unlock()
 		if broken {
 			return status.Error(codes.Unavailable, "the server went away")
@@ -92,9 +118,13 @@ func (s *workServer) step(req *cronoqv1.WorkRequest) *cronoqv1.WorkResponse {
 			s.leased--
 		}
 		s.outcomes[o.GetTaskId()] = o
-		resp.Results = append(resp.Results, &cronoqv1.FinishTaskResult{TaskId: o.GetTaskId(), Accepted: true})
+		result := &cronoqv1.FinishTaskResult{TaskId: o.GetTaskId(), Accepted: true}
+		if s.refuse[o.GetTaskId()] {
+			result = &cronoqv1.FinishTaskResult{TaskId: o.GetTaskId(), Code: "FAILED_PRECONDITION", Message: "the attempt is not current"}
+		}
+		resp.Results = append(resp.Results, result)
 	}
-	if beat := req.GetHeartbeat(); beat != nil {
+	if beat := req.GetHeartbeat(); beat != nil && !s.silentBeats {
 		resp.Heartbeat = &cronoqv1.HeartbeatResponse{}
 		for _, a := range beat.GetTasks() {
 			s.beats[a.GetTaskId()]++
@@ -102,6 +132,9 @@ func (s *workServer) step(req *cronoqv1.WorkRequest) *cronoqv1.WorkResponse {
 				resp.Heartbeat.CancelledTaskIds = append(resp.Heartbeat.CancelledTaskIds, a.GetTaskId())
 			}
 		}
+	}
+	for _, r := range req.GetHeartbeat().GetReports() {
+		s.beatReports = append(s.beatReports, streamReport{stream: s.streams, report: r})
 	}
 	s.unused += int(req.GetCredits())
 	for s.unused > 0 && len(s.tasks) > 0 {
@@ -126,6 +159,12 @@ func jsonTask(id uint64, payload string) *cronoqv1.Task {
 
 func startWorker(t *testing.T, srv *workServer, opts WorkerOptions, handler Handler) (*Worker, chan error) {
 	t.Helper()
+	return startWorkerIn(t, context.Background(), srv, opts, handler)
+}
+
+// startWorkerIn starts a worker as startWorker does, its Run given ctx.
+func startWorkerIn(t *testing.T, ctx context.Context, srv *workServer, opts WorkerOptions, handler Handler) (*Worker, chan error) {
+	t.Helper()
 	addr := serve(t, func(s *grpc.Server) { cronoqv1.RegisterWorkerServiceServer(s, srv) })
 	opts.Endpoint, opts.Pools, opts.Logger = "http://"+addr, []string{"default"}, quietLogger()
 	opts.Retry = fastRetry()
@@ -134,7 +173,7 @@ func startWorker(t *testing.T, srv *workServer, opts WorkerOptions, handler Hand
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
-	go func() { done <- w.Run(context.Background()) }()
+	go func() { done <- w.Run(ctx) }()
 	return w, done
 }
 
@@ -572,6 +611,112 @@ func TestWorkerPrefetchKeepsHeldTasksAcrossABrokenStream(t *testing.T) {
 	for id := uint64(1); id <= 3; id++ {
 		if srv.outcomes[id].GetSuccess() == nil {
 			t.Errorf("task %d: %v", id, srv.outcomes[id])
+		}
+	}
+}
+
+// jsonLogs keeps the JSON log lines written to it.
+type jsonLogs struct {
+	mu    sync.Mutex
+	lines []map[string]any
+}
+
+func (l *jsonLogs) Write(p []byte) (int, error) {
+	var line map[string]any
+	if err := json.Unmarshal(p, &line); err != nil {
+		return 0, err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, line)
+	return len(p), nil
+}
+
+func (l *jsonLogs) find(msg string) map[string]any {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, line := range l.lines {
+		if line["msg"] == msg {
+			return line
+		}
+	}
+	return nil
+}
+
+func TestWorkerLogLinesNameTheWorkerAndTheTask(t *testing.T) {
+	task := jsonTask(1<<63|7, `{}`)
+	task.Attempt = 3
+	srv := newWorkServer(task)
+	srv.refuse[task.GetId()] = true
+	logs := &jsonLogs{}
+	addr := serve(t, func(s *grpc.Server) { cronoqv1.RegisterWorkerServiceServer(s, srv) })
+	w, err := NewWorker(WorkerOptions{
+		Options: Options{Endpoint: "http://" + addr, Retry: fastRetry(), Logger: slog.New(slog.NewJSONHandler(logs, nil))},
+		Pools:   []string{"default"},
+	}, func(context.Context, *Task) (any, error) { return nil, nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- w.Run(context.Background()) }()
+	waitFor(t, "the refused outcome's warning", func() bool { return logs.find("cronoq: outcome refused") != nil })
+	w.Stop()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	line := logs.find("cronoq: outcome refused")
+	want := map[string]any{"level": "WARN", "worker_id": "w-1", "task_id": "9223372036854775815", "attempt": 3.0, "pool": "default",
+		"code": "FAILED_PRECONDITION", "message": "the attempt is not current"}
+	for k, v := range want {
+		if line[k] != v {
+			t.Errorf("%s: %#v, want %#v (the line: %v)", k, line[k], v, line)
+		}
+	}
+	if line := logs.find("cronoq: worker registered"); line == nil || line["worker_id"] != "w-1" {
+		t.Errorf("the registration's line %v, want worker_id w-1", line)
+	}
+}
+
+func TestWorkerSendsAnErrorTextThatIsNotUTF8(t *testing.T) {
+	exporter := recordSpans(t)
+	srv := newWorkServer(jsonTask(1, `{}`), jsonTask(2, `{}`))
+	w, done := startWorker(t, srv, WorkerOptions{Concurrency: 1}, func(ctx context.Context, task *Task) (any, error) {
+		if task.GetId() == 1 {
+			return nil, errors.New("bad \xff\xfe input \xc3")
+		}
+		return nil, &SnoozeError{Duration: time.Second, Reason: "not \xff UTF-8"} // not from Snooze: not checked
+	})
+	waitFor(t, "both outcomes", func() bool { return w.Processed() == 2 })
+	w.Stop()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if f := srv.outcome(1).GetFailure(); f.GetError() != "bad \uFFFD input \uFFFD" || !f.GetRetryable() {
+		t.Errorf("the failure %v, want its text with U+FFFD for each invalid sequence", srv.outcome(1))
+	}
+	if f := srv.outcome(2).GetFailure(); !strings.HasSuffix(f.GetError(), "snooze: the reason is not valid UTF-8") {
+		t.Errorf("an invalid snooze: %v", srv.outcome(2))
+	}
+	for _, s := range taskSpans(exporter) {
+		if !utf8.ValidString(s.Status.Description) {
+			t.Errorf("span status %q is not UTF-8", s.Status.Description)
+		}
+	}
+	// Every string of an outcome: a release, a cancel, a snooze, a report's progress.
+	o := &cronoqv1.TaskOutcome{Outcome: &cronoqv1.TaskOutcome_Snoozed{Snoozed: &cronoqv1.TaskSnoozed{Reason: "\xff"}},
+		Report: &cronoqv1.TaskReport{Progress: &cronoqv1.TaskProgress{Message: "a\xffb"}}}
+	validUTF8(o)
+	if o.GetSnoozed().GetReason() != "\uFFFD" || o.GetReport().GetProgress().GetMessage() != "a\uFFFDb" {
+		t.Errorf("%v", o)
+	}
+	for _, o := range []*cronoqv1.TaskOutcome{
+		{Outcome: &cronoqv1.TaskOutcome_Released{Released: &cronoqv1.TaskReleased{Reason: "\xff"}}},
+		{Outcome: &cronoqv1.TaskOutcome_Cancelled{Cancelled: &cronoqv1.TaskCancelled{Reason: "\xff"}}},
+		{Outcome: &cronoqv1.TaskOutcome_Success{Success: &cronoqv1.TaskSuccess{ContentType: "\xff"}}},
+	} {
+		validUTF8(o)
+		if _, err := proto.Marshal(o); err != nil {
+			t.Errorf("%v: %v", o, err)
 		}
 	}
 }

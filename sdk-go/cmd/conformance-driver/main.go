@@ -16,6 +16,8 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -67,6 +69,8 @@ type step struct {
 	UntilHandled     int             `json:"until_handled"`
 	StopAfterStarted int             `json:"stop_after_started"`
 	ShutdownGraceMs  *int64          `json:"shutdown_grace_ms"`
+	Traceparent      string          `json:"traceparent"`
+	Tracestate       string          `json:"tracestate"`
 }
 
 type result map[string]any
@@ -163,6 +167,10 @@ func clientStep(client *cronoq.Client, in *input, s step) result {
 	ctx := context.Background()
 	switch s.Op {
 	case "submit":
+		if s.Traceparent != "" { // the submit runs in that (remote) span's context; no SDK is installed
+			carrier := propagation.MapCarrier{"traceparent": s.Traceparent, "tracestate": s.Tracestate}
+			ctx = propagation.TraceContext{}.Extract(ctx, carrier)
+		}
 		sub, err := client.Submit(ctx, cronoq.TaskSpec{Pool: s.Pool, Key: s.Key, GroupKey: s.GroupKey, Payload: s.Payload})
 		if err != nil {
 			return result{"error": errorOf(err)}
@@ -232,7 +240,23 @@ func clientStep(client *cronoq.Client, in *input, s step) result {
 	}
 	out["id"] = strconv.FormatUint(task.GetId(), 10)
 	out["state"] = task.GetState().String()
+	if s.Op == "get" {
+		out["snoozes"] = task.GetSnoozes()
+		out["progress"] = nil
+		if p := task.GetProgress(); p != nil {
+			out["progress"] = result{"value": p.GetValue(), "message": p.GetMessage()}
+		}
+		out["checkpoint"] = text(task.GetCheckpoint())
+	}
 	return out
+}
+
+// text is a checkpoint as UTF-8 text, nil when there is none.
+func text(checkpoint []byte) any {
+	if len(checkpoint) == 0 {
+		return nil
+	}
+	return string(checkpoint)
 }
 
 // taskRef is the task a step names: by "id" or by "key".
@@ -297,6 +321,12 @@ func runWorker(in *input, s step, opts cronoq.Options) result {
 	signal := func() { doneOnce.Do(func() { close(enough) }) }
 	handler := func(ctx context.Context, task *cronoq.Task) (any, error) {
 		id := strconv.FormatUint(task.GetId(), 10)
+		t := cronoq.TaskContextFrom(ctx)
+		snoozes, checkpoint := t.Snoozes(), text(t.Checkpoint())
+		var traceID any // the trace of the handler's current span, null when none
+		if sc := trace.SpanContextFromContext(ctx); sc.IsValid() {
+			traceID = sc.TraceID().String()
+		}
 		var payload map[string]any
 		var raw any
 		_ = cronoq.DecodePayload(task, &raw)
@@ -313,17 +343,44 @@ func runWorker(in *input, s step, opts cronoq.Options) result {
 		defer func() {
 			mu.Lock()
 			running--
-			handled = append(handled, result{"id": id, "attempt": task.GetAttempt(), "payload": raw, "end": end})
+			handled = append(handled, result{"id": id, "attempt": task.GetAttempt(), "snoozes": snoozes, "checkpoint": checkpoint,
+				"trace_id": traceID, "payload": raw, "end": end})
 			if len(handled) == s.UntilHandled {
 				signal()
 			}
 			mu.Unlock()
 		}()
+		if saved, ok := payload["checkpoint"].(string); ok {
+			if err := t.SaveCheckpoint([]byte(saved)); err != nil {
+				end = "raised"
+				return nil, err
+			}
+		}
+		progress, _ := payload["progress"].([]any)
+		for _, p := range progress {
+			p, _ := p.(map[string]any)
+			value, _ := p["value"].(float64)
+			message, _ := p["message"].(string)
+			if err := t.ReportProgress(value, message); err != nil {
+				end = "raised"
+				return nil, err
+			}
+		}
 		if n, ok := payload["sleep_ms"].(float64); ok && n > 0 {
 			select {
 			case <-time.After(ms(int64(n))):
 			case <-ctx.Done():
 				return nil, context.Cause(ctx)
+			}
+		}
+		if n, ok := payload["snooze_ms"].(float64); ok {
+			times := 1.0
+			if v, ok := payload["snooze_times"].(float64); ok {
+				times = v
+			}
+			if float64(snoozes) < times {
+				end = "snoozed"
+				return nil, cronoq.Snooze(ms(int64(n)), "driver")
 			}
 		}
 		if msg, ok := payload["fail"]; ok {
