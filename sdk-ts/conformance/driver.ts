@@ -1,6 +1,9 @@
 // The conformance driver of the TypeScript SDK: one case's input as JSON on stdin, one result
 // as JSON on stdout (the protocol: conformance/README.md in the cronoq repository). It uses
-// the SDK's public API only.
+// the SDK's public API only, and OpenTelemetry's API with no tracer provider (no SDK).
+import { context, defaultTextMapGetter, ROOT_CONTEXT, trace } from "@opentelemetry/api";
+import { AsyncLocalStorageContextManager } from "@opentelemetry/context-async-hooks";
+import { W3CTraceContextPropagator } from "@opentelemetry/core";
 import {
   attemptOutcomeToJSON,
   Client,
@@ -9,6 +12,7 @@ import {
   decodePayload,
   nonRetryable,
   RedirectRefusedError,
+  Snooze,
   TaskFailure,
   taskStateFromJSON,
   taskStateToJSON,
@@ -19,6 +23,7 @@ import {
   type BulkResult,
   type Logger,
   type Task,
+  type TaskContext,
   type TaskFilter,
   type TaskRef,
 } from "../src/index.js";
@@ -52,9 +57,15 @@ interface Step {
   until_handled?: number;
   stop_after_started?: number;
   shutdown_grace_ms?: number;
+  traceparent?: string;
+  tracestate?: string;
 }
 
 type Result = Record<string, unknown>;
+
+// Node's context manager, without which the API has no current context across awaits (a tracing
+// setup registers it); no tracer provider is installed.
+context.setGlobalContextManager(new AsyncLocalStorageContextManager().enable());
 
 const logger: Logger = {
   debug: (m, f) => process.stderr.write(`DEBUG ${m} ${JSON.stringify(f ?? {})}\n`),
@@ -135,17 +146,34 @@ function taskResult(task: Task): Result {
   return { id: task.id.toString(), state: taskStateToJSON(task.state), error: null };
 }
 
+/** A checkpoint as UTF-8 text, null when there is none. */
+function checkpointText(checkpoint: Uint8Array | null): string | null {
+  return checkpoint && checkpoint.length > 0 ? Buffer.from(checkpoint).toString("utf8") : null;
+}
+
+/** A get step's result: the task's state, snoozes, progress and checkpoint. */
+function gotResult(task: Task): Result {
+  const progress = task.progress ? { value: task.progress.value, message: task.progress.message } : null;
+  return { ...taskResult(task), snoozes: task.snoozes, progress, checkpoint: checkpointText(task.checkpoint) };
+}
+
 async function clientStep(client: Client, step: Step): Promise<Result> {
   switch (step.op) {
     case "submit": {
-      const submitted = await client.submit({ pool: step.pool ?? "", payload: step.payload, key: step.key, groupKey: step.group_key });
+      // In the remote span context the traceparent and tracestate give (as a server extracts them).
+      const carrier: Record<string, string> = {};
+      if (step.traceparent) carrier["traceparent"] = step.traceparent;
+      if (step.tracestate) carrier["tracestate"] = step.tracestate;
+      const ctx = new W3CTraceContextPropagator().extract(ROOT_CONTEXT, carrier, defaultTextMapGetter);
+      const submitted = await context.with(ctx, () =>
+        client.submit({ pool: step.pool ?? "", payload: step.payload, key: step.key, groupKey: step.group_key }));
       return { id: submitted.task.id.toString(), group_key: submitted.task.groupKey, error: null };
     }
     case "get": {
-      if (!step.include_attempts) return taskResult(await client.get(refOf(step)));
+      if (!step.include_attempts) return gotResult(await client.get(refOf(step)));
       const { task, attempts } = await client.getWithAttempts(refOf(step));
       const history = attempts.map((a) => ({ attempt: a.attempt, outcome: attemptOutcomeToJSON(a.outcome), error: a.error }));
-      return { ...taskResult(task), attempts: history };
+      return { ...gotResult(task), attempts: history };
     }
     case "cancel":
       return taskResult(await client.cancel(refOf(step)));
@@ -181,7 +209,7 @@ async function runWorker(opts: ConnectionOptions, step: Step): Promise<Result> {
   const enough = new Promise<"enough">((resolve) => {
     signalEnough = () => resolve("enough");
   });
-  const handler = async (task: Task, signal: AbortSignal): Promise<unknown> => {
+  const handler = async (task: Task, signal: AbortSignal, ctx: TaskContext): Promise<unknown> => {
     const id = task.id.toString();
     let raw: unknown = null;
     try {
@@ -194,8 +222,14 @@ async function runWorker(opts: ConnectionOptions, step: Step): Promise<Result> {
     running++;
     most = Math.max(most, running);
     if (started.length === step.stop_after_started) signalEnough();
-    let end = "cancelled";
+    const leased = checkpointText(ctx.checkpoint);
+    const current = trace.getSpanContext(context.active()); // the handler's span
+    const traceId = current && trace.isSpanContextValid(current) ? current.traceId : null;
+    let end: string | undefined; // set when it returns, snoozes or fails as the payload says
     try {
+      if (typeof payload["checkpoint"] === "string") ctx.saveCheckpoint(payload["checkpoint"]);
+      const progress = Array.isArray(payload["progress"]) ? payload["progress"] as Array<{ value: number; message?: string }> : [];
+      for (const p of progress) ctx.reportProgress(p.value, p.message ?? "");
       const sleepMs = payload["sleep_ms"];
       if (typeof sleepMs === "number" && sleepMs > 0) {
         await new Promise<void>((resolve, reject) => {
@@ -211,6 +245,12 @@ async function runWorker(opts: ConnectionOptions, step: Step): Promise<Result> {
           else signal.addEventListener("abort", onAbort, { once: true });
         });
       }
+      const snoozeMs = payload["snooze_ms"];
+      const snoozeTimes = typeof payload["snooze_times"] === "number" ? payload["snooze_times"] : 1;
+      if (typeof snoozeMs === "number" && ctx.snoozes < snoozeTimes) {
+        end = "snoozed";
+        throw new Snooze(snoozeMs, "driver");
+      }
       if ("fail" in payload) {
         end = "raised";
         const message = String(payload["fail"]);
@@ -221,7 +261,8 @@ async function runWorker(opts: ConnectionOptions, step: Step): Promise<Result> {
       return payload["result"];
     } finally {
       running--;
-      handled.push({ id, attempt: task.attempt, payload: raw, end });
+      end ??= signal.aborted ? "cancelled" : "raised"; // the SDK cancelled it, or an error (the SDK's too)
+      handled.push({ id, attempt: task.attempt, snoozes: ctx.snoozes, checkpoint: leased, payload: raw, end, trace_id: traceId });
       if (handled.length === step.until_handled) signalEnough();
     }
   };

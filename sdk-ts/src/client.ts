@@ -26,6 +26,7 @@ import {
 import type { PausePoolResponse, PoolPause, ResumePoolResponse } from "./gen/cronoq/v1/admin_service.js";
 import type { Timestamp } from "./gen/google/protobuf/timestamp.js";
 import { AbortedError, CancelledError, fromGrpcError, InternalError, InvalidArgumentError, UnavailableError } from "./errors.js";
+import { currentTrace, type W3CTrace } from "./otel.js";
 import { encodePayload } from "./payload.js";
 import { backoffMs, Connection, sleep, type ConnectionOptions } from "./transport.js";
 import type { Endpoint } from "./endpoint.js";
@@ -60,6 +61,19 @@ export interface TaskSpec {
   timeoutMs?: number;
   /** The task's group (a tenant, a user; absent: none): in a pool with max_running_per_group, at most that many tasks of one group run at once. */
   groupKey?: string;
+  /**
+   * The W3C trace context its handler runs in. Absent: the caller's current span's, when
+   * @opentelemetry/api is installed and a span is active (see Tracing in the README).
+   */
+  trace?: TaskTrace;
+}
+
+/** A W3C trace context (https://www.w3.org/TR/trace-context/), as its HTTP headers carry it. */
+export interface TaskTrace {
+  /** "00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>", lowercase. */
+  traceparent: string;
+  /** At most 512 bytes. */
+  tracestate?: string;
 }
 
 function timestamp(ms: number): Timestamp {
@@ -72,7 +86,8 @@ function optionalTimestamp(time: Date | number | undefined): Timestamp | undefin
   return time === undefined ? undefined : timestamp(Number(time));
 }
 
-function specProto(spec: TaskSpec): SubmitTaskRequest {
+/** A task to submit as its request; current: the caller's trace context, sent unless the spec gives one. */
+function specProto(spec: TaskSpec, current: W3CTrace | undefined): SubmitTaskRequest {
   const { data, contentType } = encodePayload(spec.payload);
   const runAtMs = spec.runAt !== undefined ? Number(spec.runAt) : spec.delayMs && spec.delayMs > 0 ? Date.now() + spec.delayMs : undefined;
   const resources: Record<string, bigint> = {};
@@ -89,6 +104,7 @@ function specProto(spec: TaskSpec): SubmitTaskRequest {
     resources,
     timeoutMs: spec.timeoutMs && spec.timeoutMs > 0 ? BigInt(Math.max(Math.round(spec.timeoutMs), 1)) : 0n,
     groupKey: spec.groupKey ?? "",
+    trace: spec.trace ? { traceparent: spec.trace.traceparent, tracestate: spec.trace.tracestate ?? "" } : current,
   });
 }
 
@@ -216,16 +232,20 @@ export class Client {
     this.conn.close();
   }
 
-  /** Submits one task (with a request id: a retry never creates a second one). */
+  /**
+   * Submits one task (with a request id: a retry never creates a second one), in the caller's
+   * trace: the current span's context goes with it (unless spec.trace is given).
+   */
   async submit(spec: TaskSpec, opts: CallOptions = {}): Promise<Submitted> {
-    const req = { ...specProto(spec), requestId: newRequestId() };
+    const req = { ...specProto(spec, currentTrace()), requestId: newRequestId() };
     const resp = await this.conn.invoke<SubmitTaskResponse>("SubmitTask", (c, md, o, cb) => c.task.submitTask(req, md, o, cb), this.conn.timeoutMs, opts.signal);
     return { task: resp.task!, deduplicated: resp.deduplicated };
   }
 
-  /** Submits tasks of one shard together: all or none. */
+  /** Submits tasks of one shard together: all or none; each in the caller's trace, as submit. */
   async submitBatch(specs: TaskSpec[], opts: CallOptions = {}): Promise<SubmitBatchResponse> {
-    const req = { tasks: specs.map(specProto), requestId: newRequestId() };
+    const current = currentTrace();
+    const req = { tasks: specs.map((spec) => specProto(spec, current)), requestId: newRequestId() };
     return this.conn.invoke<SubmitBatchResponse>("SubmitBatch", (c, md, o, cb) => c.task.submitBatch(req, md, o, cb), this.conn.timeoutMs, opts.signal);
   }
 

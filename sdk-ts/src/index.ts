@@ -11,6 +11,7 @@ export type {
   TaskFilter,
   TaskRef,
   TaskSpec,
+  TaskTrace,
   TaskWithAttempts,
   Waited,
   WatchOptions,
@@ -19,19 +20,20 @@ export {
   LeaseLostError,
   nonRetryable,
   retryAfter,
+  Snooze,
   TaskCancelledError,
   TaskFailure,
   TaskTimeoutError,
   Worker,
   WorkerStoppingError,
 } from "./worker.js";
-export type { Handler, WorkerOptions } from "./worker.js";
+export type { Handler, TaskContext, WorkerOptions } from "./worker.js";
 export { checkRedirect, Endpoint } from "./endpoint.js";
 export { backoffMs, consoleLogger, DEFAULT_KEEPALIVE, MAX_MESSAGE_BYTES, retryWithDefaults } from "./transport.js";
 export type { ConnectionOptions, KeepaliveConfig, Logger, Retry, RetryConfig, TlsOptions } from "./transport.js";
 export * from "./errors.js";
 export { decodePayload, decodeResult, encodePayload, JSON_CONTENT_TYPE } from "./payload.js";
 export { AttemptOutcome, attemptOutcomeToJSON, TaskState, taskStateFromJSON, taskStateToJSON } from "./gen/cronoq/v1/task.js";
-export type { Attempt, Task, TaskEvent } from "./gen/cronoq/v1/task.js";
+export type { Attempt, Task, TaskEvent, TaskProgress } from "./gen/cronoq/v1/task.js";
 export type { BulkShardResult } from "./gen/cronoq/v1/task_service.js";
 export type { PoolPause } from "./gen/cronoq/v1/admin_service.js";

@@ -1,16 +1,19 @@
 // The worker: registers with the shard of its pools (following redirects by the connection
 // rules) and runs their tasks over one Work stream: credits for its free slots (and its
 // prefetch: leased tasks held until a slot frees), outcomes batched, heartbeats naming the
-// attempts it holds, the stream opened again after a failure with unanswered outcomes sent
-// again, and a graceful stop that gives unfinished tasks back.
+// attempts it holds and carrying its handlers' reports (progress, checkpoints), the stream
+// opened again after a failure with unanswered outcomes and reports sent again, and a graceful
+// stop that gives unfinished tasks back. Each task runs in its span (OpenTelemetry, when
+// installed), and the worker's log lines name the worker and the task.
 import { hostname } from "node:os";
 import { status as Status, type ClientDuplexStream } from "@grpc/grpc-js";
-import type { Task } from "./gen/cronoq/v1/task.js";
+import type { Task, TaskProgress } from "./gen/cronoq/v1/task.js";
 import {
   TaskOutcome,
   WorkRequest,
   type DeregisterWorkerResponse,
   type RegisterWorkerResponse,
+  type TaskReport,
   type WorkResponse,
 } from "./gen/cronoq/v1/worker_service.js";
 import {
@@ -30,18 +33,122 @@ import {
   UnavailableError,
   UnknownError,
 } from "./errors.js";
+import { TaskSpan, type SpanOutcome } from "./otel.js";
 import { encodePayload } from "./payload.js";
-import { Connection, FailureRow, HEALTHY_STREAM_MS, MAX_MESSAGE_BYTES, sleep, type ConnectionOptions } from "./transport.js";
+import {
+  Connection,
+  consoleLogger,
+  FailureRow,
+  HEALTHY_STREAM_MS,
+  MAX_MESSAGE_BYTES,
+  sleep,
+  type ConnectionOptions,
+  type Logger,
+} from "./transport.js";
 import type { Endpoint } from "./endpoint.js";
 
 /**
  * Runs one attempt of a task. What it returns is the result (bytes as they are, anything else
  * as JSON). A thrown error fails the attempt, retried while attempts remain unless it is a
- * TaskFailure with retryable false. signal aborts when the task's cancellation is requested
- * (signal.reason: TaskCancelledError), its timeout passes, its lease is lost, or the worker
- * stops and the shutdown grace has passed (WorkerStoppingError: the task is given back).
+ * TaskFailure with retryable false; a thrown Snooze puts the task back, not counted. signal
+ * aborts when the task's cancellation is requested (signal.reason: TaskCancelledError), its
+ * timeout passes, its lease is lost, or the worker stops and the shutdown grace has passed
+ * (WorkerStoppingError: the task is given back). ctx reports progress and checkpoints. With
+ * @opentelemetry/api installed, it runs with the task's span as the active span.
  */
-export type Handler = (task: Task, signal: AbortSignal) => unknown;
+export type Handler = (task: Task, signal: AbortSignal, ctx: TaskContext) => unknown;
+
+/** The most a snooze lasts, in ms (TaskSnoozed.snooze_ms is a uint32). */
+const MAX_SNOOZE_MS = 4_294_967_295;
+/** The most bytes of UTF-8 a progress message has. */
+const MAX_PROGRESS_MESSAGE_BYTES = 1024;
+/** A control character (C0, DEL, C1): the server refuses them in a caller's text (they forge log lines). */
+const CONTROL_CHARACTER = /[\u0000-\u001f\u007f-\u009f]/;
+
+/**
+ * Thrown by a handler: not now, run the task again in ms (rounded down to whole ms; 0: at once).
+ * The task is PENDING again and the attempt is not counted. Throws RangeError when ms is not
+ * from 0 to 4294967295.
+ */
+export class Snooze extends Error {
+  /** How long the task waits, in whole ms. */
+  readonly ms: number;
+  readonly reason: string;
+
+  constructor(ms: number, reason = "") {
+    const whole = Math.floor(ms);
+    if (!(whole >= 0 && whole <= MAX_SNOOZE_MS)) { // NaN too
+      throw new RangeError(`cronoq: a snooze of ${ms} ms is not from 0 to ${MAX_SNOOZE_MS} ms`);
+    }
+    super(reason || `snoozed for ${whole} ms`);
+    this.name = "Snooze";
+    this.ms = whole;
+    this.reason = reason;
+  }
+}
+
+/** What a handler reported: the latest progress, the latest checkpoint. */
+interface ReportUpdate {
+  progress?: TaskProgress;
+  checkpoint?: Buffer;
+}
+
+/**
+ * A running attempt's handle on its task beyond the Task message: how often it was snoozed,
+ * its checkpoint, and its reports. Reports are coalesced (the latest progress and the latest
+ * checkpoint) and carried by the worker's next heartbeat, or with the attempt's outcome when it
+ * ends first; once the handler has returned, reports are dropped.
+ */
+export class TaskContext {
+  /** How many times a handler snoozed the task (Task.snoozes). */
+  readonly snoozes: number;
+  private current: Buffer;
+
+  /** Made by the worker for each attempt. */
+  constructor(task: Task, private readonly maxCheckpointBytes: number, private readonly record: (update: ReportUpdate) => void) {
+    this.snoozes = task.snoozes;
+    this.current = task.checkpoint;
+  }
+
+  /** The task's checkpoint: as leased (the last one saved by an earlier attempt), then the last one this attempt saved; null when none (empty). */
+  get checkpoint(): Uint8Array | null {
+    return this.current.length > 0 ? this.current : null;
+  }
+
+  /**
+   * Reports the handler's progress: value any finite number (commonly 0 to 1), message at most
+   * 1,024 bytes of UTF-8 without control characters (the server refuses those). Throws
+   * RangeError otherwise, and records nothing.
+   */
+  reportProgress(value: number, message = ""): void {
+    if (typeof value !== "number" || !Number.isFinite(value)) {
+      throw new RangeError(`cronoq: progress ${value} is not a finite number`);
+    }
+    const bytes = Buffer.byteLength(message, "utf8");
+    if (bytes > MAX_PROGRESS_MESSAGE_BYTES) {
+      throw new RangeError(`cronoq: a progress message of ${bytes} bytes is longer than ${MAX_PROGRESS_MESSAGE_BYTES}`);
+    }
+    const control = CONTROL_CHARACTER.exec(message);
+    if (control) {
+      throw new RangeError(`cronoq: control character ${JSON.stringify(control[0])} in the progress message`);
+    }
+    this.record({ progress: { value, message, updatedAt: undefined } });
+  }
+
+  /**
+   * Saves the task's checkpoint (a string: its UTF-8), which the next attempt gets if this one
+   * does not finish; empty clears it. At most max_checkpoint_bytes (RegisterWorker's; 256 KiB
+   * from an older server): throws RangeError when larger, and records nothing.
+   */
+  saveCheckpoint(data: Uint8Array | string): void {
+    const bytes = typeof data === "string" ? Buffer.from(data, "utf8") : Buffer.from(data);
+    if (bytes.length > this.maxCheckpointBytes) {
+      throw new RangeError(`cronoq: a checkpoint of ${bytes.length} bytes exceeds max_checkpoint_bytes ${this.maxCheckpointBytes}`);
+    }
+    this.current = bytes;
+    this.record({ checkpoint: bytes });
+  }
+}
 
 /** The task's cancellation was requested: it ends CANCELLED. */
 export class TaskCancelledError extends Error {
@@ -124,23 +231,41 @@ const MAX_HELD = 100_000;
 const MIB = 1 << 20;
 const DEFAULT_MAX_RESULT_BYTES = 4 * MIB;
 const DEFAULT_MAX_LEASE_BYTES = 16 * MIB;
+const DEFAULT_MAX_CHECKPOINT_BYTES = 256 * 1024;
 // Room left under MAX_MESSAGE_BYTES for what a message carries besides tasks or outcomes.
 const MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES - MIB;
 const MIN_LEASE_BYTES = MIB;
 const RELEASE_REASON = "worker shut down";
+// An outcome's or a report's tag and length prefix, and the message's.
+const FRAMING = 16;
 // After the shutdown grace: how long aborted handlers get to return, and the time left for the last reports.
 const UNWIND_MS = 1000;
 const STOP_EXTRA_MS = 3000;
 const DEREGISTER_TIMEOUT_MS = 2000;
 
 interface RunningTask {
+  task: Task;
   attempt: number;
+  span?: TaskSpan; // while its handler runs, when tracing
   abort: AbortController;
   done: Promise<void>;
   finished: boolean;
   cancelRequested: boolean; // the server asked: report it cancelled
   releasing: boolean; // aborted at shutdown: give it back
   lost: boolean; // no longer ours: report nothing
+}
+
+/** A running attempt's reports not yet answered: each the latest, with its version (what replaced it has a newer one). */
+interface PendingReport {
+  attempt: number;
+  progress?: { value: TaskProgress; version: number };
+  checkpoint?: { data: Buffer; version: number };
+}
+
+/** The versions of a task's report a heartbeat carried. */
+interface SentReport {
+  progress?: number;
+  checkpoint?: number;
 }
 
 /** A prefetched task: leased to this worker, waiting for a slot. */
@@ -186,6 +311,45 @@ class Wake {
   }
 }
 
+/**
+ * The worker's log lines: each with its worker_id once registered (first, unless the line gives
+ * one), and without the fields that are undefined.
+ */
+function workerLogger(log: Logger, workerId: () => string): Logger {
+  const fields = (given?: Record<string, unknown>): Record<string, unknown> | undefined => {
+    const id = workerId();
+    if (!id && given === undefined) return undefined;
+    const all: Record<string, unknown> = id ? { worker_id: id } : {};
+    for (const [k, v] of Object.entries(given ?? {})) if (v !== undefined) all[k] = v;
+    return all;
+  };
+  return {
+    debug: (message, given) => log.debug(message, fields(given)),
+    info: (message, given) => log.info(message, fields(given)),
+    warn: (message, given) => log.warn(message, fields(given)),
+    error: (message, given) => log.error(message, fields(given)),
+  };
+}
+
+/** A task's fields in a log line: task_id (decimal), attempt, pool. */
+function taskFields(task: Task, more: Record<string, unknown> = {}): Record<string, unknown> {
+  return { task_id: task.id.toString(), attempt: task.attempt, pool: task.pool, ...more };
+}
+
+/** What an outcome says, as the task's span's cronoq.task.outcome does. */
+function spanOutcome(outcome: TaskOutcome): SpanOutcome {
+  if (outcome.success) return "success";
+  if (outcome.snoozed) return "snoozed";
+  if (outcome.cancelled) return "cancelled";
+  if (outcome.released) return "released";
+  return "failure";
+}
+
+/** About how many bytes a report takes in a message. */
+function reportBytes(report: TaskReport): number {
+  return (report.checkpoint?.length ?? 0) + 3 * (report.progress?.message.length ?? 0) + FRAMING + 32;
+}
+
 /** Waits for promise, at most ms (the timer does not outlive the wait). */
 async function within(promise: Promise<unknown>, ms: number): Promise<void> {
   const timeout = new AbortController();
@@ -226,10 +390,17 @@ export class Worker {
   private maxResultBytes = DEFAULT_MAX_RESULT_BYTES;
   private leaseBytes = DEFAULT_MAX_LEASE_BYTES;
   private maxLeaseBytes = DEFAULT_MAX_LEASE_BYTES;
+  private maxCheckpointBytes = DEFAULT_MAX_CHECKPOINT_BYTES;
   private readonly running = new Map<bigint, RunningTask>();
   private readonly held = new Map<bigint, HeldTask>(); // prefetched, in arrival order
   private readonly unacked = new Map<bigint, TaskOutcome>(); // reported, not yet answered
+  private readonly unackedPools = new Map<bigint, string>(); // their tasks' pools (for the log)
   private outcomes: TaskOutcome[] = []; // not yet sent on the current stream
+  // Running attempts' reports not yet answered, in the order they became pending (so a report
+  // a full heartbeat left out goes first in the next).
+  private readonly reports = new Map<bigint, PendingReport>();
+  private reportVersion = 0;
+  private sentBeats: Array<Map<bigint, SentReport>> = []; // the current stream's heartbeats not yet answered, oldest first
   private freed = 0; // tasks that left the worker's hands, not yet given back as credits
   private beatDue = false;
   private stopping = false;
@@ -253,7 +424,8 @@ export class Worker {
     if (typeof handler !== "function") {
       throw new InvalidArgumentError(Status.INVALID_ARGUMENT, "handler: give a function (task, signal) => result");
     }
-    this.conn = new Connection(opts);
+    // Every line the worker logs names it (worker_id), once registered.
+    this.conn = new Connection({ ...opts, logger: workerLogger(opts.logger ?? consoleLogger, () => this.workerId) });
     this.pools = [...opts.pools];
     this.concurrency = concurrency;
     this.prefetch = prefetch;
@@ -296,7 +468,7 @@ export class Worker {
         await this.deregister();
         return;
       }
-      this.conn.log.info("cronoq: worker registered", { worker_id: this.workerId, endpoint: this.endpoint.toString(), pools: this.pools });
+      this.conn.log.info("cronoq: worker registered", { endpoint: this.endpoint.toString(), pools: this.pools });
       const heartbeats = setInterval(() => {
         this.beatDue = true;
         this.wake.notify();
@@ -367,6 +539,7 @@ export class Worker {
       this.maxResultBytes = Math.min(Number(resp.maxResultBytes) || DEFAULT_MAX_RESULT_BYTES, MAX_REQUEST_BYTES);
       this.maxLeaseBytes = Math.min(Number(resp.maxLeaseBytes) || DEFAULT_MAX_LEASE_BYTES, MAX_REQUEST_BYTES);
       this.leaseBytes = this.maxLeaseBytes;
+      this.maxCheckpointBytes = Math.min(Number(resp.maxCheckpointBytes) || DEFAULT_MAX_CHECKPOINT_BYTES, MAX_REQUEST_BYTES);
       return;
     }
   }
@@ -377,7 +550,7 @@ export class Worker {
     try {
       await this.conn.once<DeregisterWorkerResponse>((c, md, o, cb) => c.worker.deregisterWorker(req, md, o, cb), DEREGISTER_TIMEOUT_MS);
     } catch (err) {
-      this.conn.log.debug("cronoq: deregister failed", { worker_id: this.workerId, error: String(err) });
+      this.conn.log.debug("cronoq: deregister failed", { error: String(err) });
     }
   }
 
@@ -390,15 +563,15 @@ export class Worker {
   private async finishRunning(workDone: Promise<void>): Promise<void> {
     const deadline = Date.now() + this.shutdownGraceMs + STOP_EXTRA_MS;
     if (this.held.size > 0) {
-      this.conn.log.info("cronoq: releasing prefetched tasks", { worker_id: this.workerId, tasks: this.held.size });
+      this.conn.log.info("cronoq: releasing prefetched tasks", { tasks: this.held.size });
       for (const [id, { task }] of this.held) {
-        this.queue(TaskOutcome.fromPartial({ taskId: id, attempt: task.attempt, released: { reason: RELEASE_REASON } }));
+        this.queue(TaskOutcome.fromPartial({ taskId: id, attempt: task.attempt, released: { reason: RELEASE_REASON } }), task.pool);
       }
       this.held.clear();
     }
     const running = [...this.running.entries()];
     if (running.length > 0) {
-      this.conn.log.info("cronoq: waiting for running tasks", { worker_id: this.workerId, running: running.length });
+      this.conn.log.info("cronoq: waiting for running tasks", { running: running.length });
       const pending = await waitAll(running, this.shutdownGraceMs);
       if (pending.length > 0) {
         this.conn.log.warn("cronoq: releasing tasks still running after the shutdown grace", { tasks: pending.length });
@@ -408,10 +581,12 @@ export class Worker {
         }
         const stuck = await waitAll(pending, UNWIND_MS);
         for (const [id, rt] of stuck) { // the handler ignores its signal: release the task anyway
-          this.conn.log.warn("cronoq: handler ignores its abort signal; releasing the task", { task_id: id.toString() });
-          rt.lost = true; // whatever it returns later is not reported
+          this.conn.log.warn("cronoq: handler ignores its abort signal; releasing the task", taskFields(rt.task));
+          rt.lost = true; // whatever it returns or reports later is not reported
           this.running.delete(id);
-          this.queue(TaskOutcome.fromPartial({ taskId: id, attempt: rt.attempt, released: { reason: RELEASE_REASON } }));
+          const report = this.takeReport(id, rt.attempt);
+          this.queue(TaskOutcome.fromPartial({ taskId: id, attempt: rt.attempt, released: { reason: RELEASE_REASON }, report }), rt.task.pool);
+          rt.span?.end("released");
         }
       }
     }
@@ -456,7 +631,7 @@ export class Worker {
       }
       await sleep(row.failed(err, this.endpoint), calls);
       if (err instanceof NotFoundError) {
-        this.conn.log.warn("cronoq: worker unknown to the server; registering again", { worker_id: this.workerId });
+        this.conn.log.warn("cronoq: worker unknown to the server; registering again");
         await this.register();
       }
     }
@@ -470,6 +645,7 @@ export class Worker {
     const onCallsAbort = () => call.cancel();
     this.calls.signal.addEventListener("abort", onCallsAbort, { once: true });
     this.outcomes = [...this.unacked.values()]; // what an earlier stream did not answer
+    this.sentBeats = []; // their reports are still pending: the next heartbeat carries them
     this.freed = 0;
     this.closed = false;
     const free = this.stopping ? 0 : this.concurrency + this.prefetch - this.running.size - this.held.size;
@@ -548,7 +724,7 @@ export class Worker {
 
   /** The next message to send, or undefined when there is nothing to say. */
   private nextMessage(): WorkRequest | undefined {
-    const outcomes = this.nextBatch();
+    const [outcomes, size] = this.nextBatch();
     let credits = 0;
     if (!this.stopping) {
       credits = this.freed;
@@ -562,53 +738,118 @@ export class Worker {
       for (const [taskId, o] of this.unacked) {
         if (!this.running.has(taskId) && !this.held.has(taskId)) tasks.push({ taskId, attempt: o.attempt });
       }
-      heartbeat = { tasks };
+      heartbeat = { tasks, reports: this.nextReports(MAX_REQUEST_BYTES - size) };
     }
     if (this.outcomes.length > 0) this.wake.notify(); // the rest in the next message
     if (outcomes.length === 0 && credits === 0 && heartbeat === undefined) return undefined;
     return WorkRequest.fromPartial({ outcomes, credits, heartbeat });
   }
 
-  /** The oldest outcomes that fit one message: at most MAX_FINISH_BATCH and MAX_REQUEST_BYTES (one always goes). */
-  private nextBatch(): TaskOutcome[] {
-    const framing = 16; // an outcome's tag and length prefix, and the message's
-    let size = framing;
+  /** The oldest outcomes that fit one message: at most MAX_FINISH_BATCH and MAX_REQUEST_BYTES (one always goes); and about how many bytes they take. */
+  private nextBatch(): [TaskOutcome[], number] {
+    let size = FRAMING;
     let n = 0;
     for (const o of this.outcomes) {
       if (n === MAX_FINISH_BATCH) break;
-      size += (o.success?.result.length ?? 0) + 3 * (o.failure?.error.length ?? 0) + 3 * (o.cancelled?.reason.length ?? 0) + 3 * (o.released?.reason.length ?? 0) + framing + 32;
-      if (n > 0 && size > MAX_REQUEST_BYTES) break;
+      const next = size + (o.success?.result.length ?? 0) + 3 * (o.failure?.error.length ?? 0) + 3 * (o.cancelled?.reason.length ?? 0) +
+        3 * (o.released?.reason.length ?? 0) + 3 * (o.snoozed?.reason.length ?? 0) + (o.report ? reportBytes(o.report) : 0) + FRAMING + 32;
+      if (n > 0 && next > MAX_REQUEST_BYTES) break;
+      size = next;
       n++;
     }
-    return this.outcomes.splice(0, n);
+    return [this.outcomes.splice(0, n), size];
+  }
+
+  /**
+   * A heartbeat's reports: one per running attempt with something pending, those pending
+   * longest first, in at most room bytes (the others wait for the next heartbeat). Each stays
+   * pending until the heartbeat is answered; what the heartbeat carried is recorded for then.
+   */
+  private nextReports(room: number): TaskReport[] {
+    const reports: TaskReport[] = [];
+    const sent = new Map<bigint, SentReport>();
+    for (const [taskId, pending] of this.reports) {
+      const report: TaskReport = { taskId, attempt: pending.attempt, progress: pending.progress?.value, checkpoint: pending.checkpoint?.data };
+      const bytes = reportBytes(report);
+      if (bytes > room) continue;
+      room -= bytes;
+      reports.push(report);
+      sent.set(taskId, { progress: pending.progress?.version, checkpoint: pending.checkpoint?.version });
+    }
+    this.sentBeats.push(sent);
+    return reports;
+  }
+
+  /**
+   * A heartbeat was answered: what it carried of each report is no longer pending, unless a
+   * newer one replaced it since. The server may answer several heartbeats at once: the answer
+   * is taken as the oldest one's (a report of a later one stays pending, sent again, until the
+   * next answer).
+   */
+  private reportsAnswered(): void {
+    for (const [taskId, sent] of this.sentBeats.shift() ?? []) {
+      const pending = this.reports.get(taskId);
+      if (!pending) continue;
+      if (pending.progress && pending.progress.version === sent.progress) delete pending.progress;
+      if (pending.checkpoint && pending.checkpoint.version === sent.checkpoint) delete pending.checkpoint;
+      if (!pending.progress && !pending.checkpoint) this.reports.delete(taskId);
+    }
+  }
+
+  /** Records a running attempt's report (the latest replaces what was pending); nothing once the attempt has ended, been given back or lost. */
+  private record(taskId: bigint, rt: RunningTask, update: ReportUpdate): void {
+    if (rt.lost || this.running.get(taskId) !== rt) return;
+    let pending = this.reports.get(taskId);
+    if (!pending) {
+      pending = { attempt: rt.attempt };
+      this.reports.set(taskId, pending);
+    }
+    const version = ++this.reportVersion;
+    if (update.progress) pending.progress = { value: update.progress, version };
+    if (update.checkpoint) pending.checkpoint = { data: update.checkpoint, version };
+  }
+
+  /** What of the attempt's report is still pending, unsent or unanswered (for its outcome); it is no longer pending. */
+  private takeReport(taskId: bigint, attempt: number): TaskReport | undefined {
+    const pending = this.reports.get(taskId);
+    if (!pending || pending.attempt !== attempt) return undefined;
+    this.reports.delete(taskId);
+    return { taskId, attempt, progress: pending.progress?.value, checkpoint: pending.checkpoint?.data };
   }
 
   /** Handles what the server sent: tasks to run, the results of outcomes, a heartbeat's answer. */
   private answered(answer: WorkResponse): void {
     for (const r of answer.results) {
+      const outcome = this.unacked.get(r.taskId);
+      const pool = this.unackedPools.get(r.taskId);
       if (this.unacked.delete(r.taskId)) this.processedCount++;
-      if (!r.accepted) this.conn.log.warn("cronoq: outcome refused", { task_id: r.taskId.toString(), code: r.code, message: r.message });
+      this.unackedPools.delete(r.taskId);
+      if (!r.accepted) {
+        this.conn.log.warn("cronoq: outcome refused",
+          { task_id: r.taskId.toString(), attempt: outcome?.attempt, pool, code: r.code, message: r.message });
+      }
     }
     for (const task of answer.tasks) {
       if (this.closed) { // sent as the stream closed: the server releases it, as nothing can be sent
-        this.conn.log.debug("cronoq: task arrived after the work stream closed; the server releases it", { task_id: task.id.toString() });
+        this.conn.log.debug("cronoq: task arrived after the work stream closed; the server releases it", taskFields(task));
         continue;
       }
       if (this.stopping) { // sent for slots given before the stop: give it back
         this.freed++;
-        this.queue(TaskOutcome.fromPartial({ taskId: task.id, attempt: task.attempt, released: { reason: RELEASE_REASON } }));
+        this.queue(TaskOutcome.fromPartial({ taskId: task.id, attempt: task.attempt, released: { reason: RELEASE_REASON } }), task.pool);
         continue;
       }
       if (this.running.size < this.concurrency) this.start(task, performance.now());
       else this.held.set(task.id, { task, received: performance.now() }); // starts as a handler ends
     }
     if (answer.heartbeat) {
+      this.reportsAnswered();
       for (const id of answer.heartbeat.cancelledTaskIds) {
         const held = this.held.get(id);
         if (held) { // never started: it ends CANCELLED without its handler
           this.held.delete(id);
           this.freed++;
-          this.queue(TaskOutcome.fromPartial({ taskId: id, attempt: held.task.attempt, cancelled: { reason: "cancelled" } }));
+          this.queue(TaskOutcome.fromPartial({ taskId: id, attempt: held.task.attempt, cancelled: { reason: "cancelled" } }), held.task.pool);
           continue;
         }
         const rt = this.running.get(id);
@@ -618,15 +859,18 @@ export class Worker {
         }
       }
       for (const id of answer.heartbeat.lostTaskIds) {
-        if (this.held.delete(id)) { // never started: dropped, nothing reported
-          this.conn.log.warn("cronoq: task lost its lease before it started", { task_id: id.toString() });
+        const held = this.held.get(id);
+        if (held) { // never started: dropped, nothing reported
+          this.held.delete(id);
+          this.conn.log.warn("cronoq: task lost its lease before it started", taskFields(held.task));
           this.freed++;
           continue;
         }
         const rt = this.running.get(id);
         if (rt) {
-          this.conn.log.warn("cronoq: task lost its lease; its outcome will not be reported", { task_id: id.toString() });
+          this.conn.log.warn("cronoq: task lost its lease; its outcome will not be reported", taskFields(rt.task));
           rt.lost = true;
+          this.takeReport(id, rt.attempt); // the server would ignore it
           rt.abort.abort(new LeaseLostError());
         }
       }
@@ -637,12 +881,12 @@ export class Worker {
   /** Runs the task's handler in a free slot; received: when the task came (its timeout counts from then). */
   private start(task: Task, received: number): void {
     const rt: RunningTask = {
-      attempt: task.attempt, abort: new AbortController(), done: Promise.resolve(), finished: false,
+      task, attempt: task.attempt, abort: new AbortController(), done: Promise.resolve(), finished: false,
       cancelRequested: false, releasing: false, lost: false,
     };
     this.running.set(task.id, rt);
     rt.done = this.execute(task, rt, received)
-      .catch((err: unknown) => this.conn.log.error("cronoq: reporting a task's outcome failed", { task_id: task.id.toString(), error: String(err) }))
+      .catch((err: unknown) => this.conn.log.error("cronoq: reporting a task's outcome failed", taskFields(task, { error: String(err) })))
       .finally(() => {
         rt.finished = true;
       });
@@ -662,7 +906,7 @@ export class Worker {
         this.queue(TaskOutcome.fromPartial({
           taskId: id, attempt: task.attempt,
           failure: { error: `timed out after ${task.timeoutMs} ms, before it could start`, retryable: true, retryAfterMs: 0 },
-        }));
+        }), task.pool);
         continue;
       }
       this.start(task, received);
@@ -678,12 +922,17 @@ export class Worker {
         rt.abort.abort(new TaskTimeoutError(task.timeoutMs));
       }, Number(task.timeoutMs) - (performance.now() - received))
       : undefined;
+    const ctx = new TaskContext(task, this.maxCheckpointBytes, (update) => this.record(task.id, rt, update));
     let ok = false;
     let result: unknown;
     let error: unknown;
     try {
       await Promise.resolve(); // the handler runs after start() has recorded the task
-      result = await this.handler(task, rt.abort.signal);
+      // In the task's span: the child of its trace context's (so of the submitter's span), or a
+      // root linked to a schedule's, or a root.
+      rt.span = TaskSpan.start(task);
+      const handle = () => this.handler(task, rt.abort.signal, ctx);
+      result = await (rt.span ? rt.span.run(handle) : handle());
       ok = true;
     } catch (err) {
       error = err;
@@ -695,11 +944,13 @@ export class Worker {
       this.freed++;
       this.startHeld();
     }
-    if (rt.lost) { // no longer ours (or released already at shutdown)
+    if (rt.lost) { // no longer ours (or released already at shutdown: its span ended so)
+      rt.span?.end("lost");
       this.wake.notify();
       return;
     }
     const outcome = TaskOutcome.fromPartial({ taskId: task.id, attempt: task.attempt });
+    outcome.report = this.takeReport(task.id, task.attempt);
     const failure = (message: string, retryable: boolean, afterMs = 0) => {
       outcome.failure = { error: message, retryable, retryAfterMs: afterMs > 0 ? Math.min(Math.max(Math.round(afterMs), 1), 2 ** 31) : 0 };
     };
@@ -720,17 +971,21 @@ export class Worker {
       outcome.released = { reason: RELEASE_REASON };
     } else if (timedOut) {
       failure(`timed out after ${task.timeoutMs} ms`, true);
+    } else if (error instanceof Snooze) {
+      outcome.snoozed = { snoozeMs: error.ms, reason: error.reason };
     } else if (error instanceof TaskFailure) {
       failure(error.message, error.retryable, error.retryAfterMs);
     } else {
       failure(error instanceof Error ? error.message || error.name : String(error), true);
     }
-    this.queue(outcome);
+    rt.span?.end(spanOutcome(outcome), outcome.failure?.error);
+    this.queue(outcome, task.pool);
   }
 
-  /** Queues an outcome for the stream and wakes the sender. */
-  private queue(outcome: TaskOutcome): void {
+  /** Queues an outcome (of a task of pool) for the stream and wakes the sender. */
+  private queue(outcome: TaskOutcome, pool: string): void {
     this.unacked.set(outcome.taskId, outcome);
+    this.unackedPools.set(outcome.taskId, pool);
     this.outcomes.push(outcome);
     this.wake.notify();
   }

@@ -1,180 +1,22 @@
 // The worker and the client against in-process grpc-js servers that play cronoq's services.
-import { after, test } from "node:test";
+import { test } from "node:test";
 import assert from "node:assert/strict";
+import type { TaskReport } from "../src/gen/cronoq/v1/worker_service.js";
+import { Task, type TaskEvent } from "../src/gen/cronoq/v1/task.js";
 import {
-  Metadata,
-  Server,
-  status as Status,
-  type sendUnaryData,
-  type ServerDuplexStream,
-  type ServerUnaryCall,
-  type ServerWritableStream,
-  type UntypedServiceImplementation,
-} from "@grpc/grpc-js";
-import {
-  TaskServiceService,
-  GetTaskResponse,
-  type GetTaskRequest,
-  type WatchRequest,
-  type WatchResponse,
-} from "../src/gen/cronoq/v1/task_service.js";
-import {
-  WorkerServiceService,
-  type RegisterWorkerRequest,
-  type RegisterWorkerResponse,
-  type TaskOutcome,
-  type WorkRequest,
-  type WorkResponse,
-} from "../src/gen/cronoq/v1/worker_service.js";
-import { Task, TaskState, type TaskEvent } from "../src/gen/cronoq/v1/task.js";
-import { Client, InvalidArgumentError, NotFoundError, TaskCancelledError, TooManyRedirectsError, Worker } from "../src/index.js";
-import { listenLocal, silent, statusDetailsBin, TOP_BIT_ID } from "./helpers.js";
-
-// Whatever a failed test leaves running is stopped, so that the run ends.
-const started: Array<{ stop(): void }> = [];
-after(() => started.forEach((s) => s.stop()));
-function tracked<T extends { stop(): void }>(thing: T): T {
-  started.push(thing);
-  return thing;
-}
-
-/** One Watch call of a FakeShard: where it says it starts, its events, then a failure or a clean end. */
-interface WatchStep {
-  start?: string;
-  events: TaskEvent[];
-  fail?: boolean;
-}
-
-interface FakeOptions {
-  watch?: WatchStep[];
-  tasks?: Task[];
-  cancel?: bigint[];
-  redirectTo?: () => string;
-  /** The first stream fails with UNAVAILABLE on the first outcomes, without answering them. */
-  failFirstStream?: boolean;
-  /** Every stream is answered UNAVAILABLE on its first message. */
-  refuseStreams?: boolean;
-}
-
-/** A server that registers workers (or redirects them), hands out each of its tasks once as credits allow, and records outcomes. */
-class FakeShard {
-  readonly server = new Server();
-  url = "";
-  readonly outcomes: TaskOutcome[] = [];
-  readonly firstCredits: number[] = []; // each stream's first message's credits
-  readonly messagesWithOutcomes: number[] = [];
-  readonly heartbeats: bigint[][] = [];
-  registers = 0;
-  streams = 0;
-  deregistered = false;
-  tokens: string[] = [];
-  readonly watchCursors: string[] = [];
-
-  constructor(private readonly opts: FakeOptions = {}) {
-    const queue = [...(opts.tasks ?? [])]; // a task leased stays leased: never sent twice
-    const impl: UntypedServiceImplementation = {
-      registerWorker: (call: ServerUnaryCall<RegisterWorkerRequest, RegisterWorkerResponse>, cb: sendUnaryData<RegisterWorkerResponse>) => {
-        this.registers++;
-        this.tokens.push(String(call.metadata.get("authorization")[0] ?? ""));
-        if (opts.redirectTo) {
-          const md = new Metadata();
-          md.set("cronoq-shard-endpoint", opts.redirectTo());
-          md.set("cronoq-shard", "gpu");
-          cb({ code: Status.FAILED_PRECONDITION, details: "pool gpu is on shard gpu", metadata: md });
-          return;
-        }
-        cb(null, { workerId: "w1", heartbeatIntervalMs: 100, shard: "cpu", maxResultBytes: 0n, maxLeaseBytes: 0n });
-      },
-      deregisterWorker: (_call: unknown, cb: sendUnaryData<object>) => {
-        this.deregistered = true;
-        cb(null, {});
-      },
-      work: (call: ServerDuplexStream<WorkRequest, WorkResponse>) => {
-        const stream = ++this.streams;
-        let credits = 0;
-        let first = true;
-        call.on("data", (req: WorkRequest) => {
-          if (opts.refuseStreams) {
-            call.emit("error", { code: Status.UNAVAILABLE, details: "going away" });
-            return;
-          }
-          if (first) this.firstCredits.push(req.credits);
-          first = false;
-          credits += req.credits;
-          if (opts.failFirstStream && stream === 1 && req.outcomes.length > 0) {
-            this.outcomes.push(...req.outcomes);
-            call.emit("error", { code: Status.UNAVAILABLE, details: "draining" });
-            return;
-          }
-          const answer: WorkResponse = { tasks: [], results: [], heartbeat: undefined };
-          if (req.outcomes.length > 0) this.messagesWithOutcomes.push(req.outcomes.length);
-          for (const o of req.outcomes) {
-            this.outcomes.push(o);
-            answer.results.push({ taskId: o.taskId, accepted: true, code: "", message: "" });
-          }
-          if (req.heartbeat) {
-            const ids = req.heartbeat.tasks.map((t) => t.taskId);
-            this.heartbeats.push(ids);
-            answer.heartbeat = { cancelledTaskIds: ids.filter((id) => opts.cancel?.includes(id)), lostTaskIds: [] };
-          }
-          while (credits > 0 && queue.length > 0) {
-            answer.tasks.push(queue.shift()!);
-            credits--;
-          }
-          call.write(answer);
-        });
-        call.on("end", () => call.end());
-      },
-    };
-    this.server.addService(WorkerServiceService, impl);
-    this.server.addService(TaskServiceService, {
-      watch: (call: ServerWritableStream<WatchRequest, WatchResponse>) => {
-        this.watchCursors.push(call.request.cursor);
-        const step = opts.watch?.shift() ?? { events: [], fail: true };
-        const md = new Metadata();
-        if (step.start) {
-          md.set("cronoq-watch-cursor", step.start);
-          call.sendMetadata(md);
-        }
-        for (const event of step.events) call.write({ event });
-        if (step.fail) call.emit("error", { code: Status.UNAVAILABLE, details: "shutting down", metadata: md });
-        else call.end(md);
-      },
-      getTask: (call: ServerUnaryCall<GetTaskRequest, GetTaskResponse>, cb: sendUnaryData<GetTaskResponse>) => {
-        const id = call.request.task?.id;
-        if (id !== TOP_BIT_ID) {
-          const md = new Metadata();
-          md.set("grpc-status-details-bin", statusDetailsBin("TASK_NOT_FOUND", {}));
-          cb({ code: Status.NOT_FOUND, details: `no task ${id}`, metadata: md });
-          return;
-        }
-        cb(null, GetTaskResponse.fromPartial({ task: Task.fromPartial({ id, state: TaskState.TASK_STATE_RUNNING }) }));
-      },
-    });
-  }
-
-  async start(): Promise<this> {
-    tracked(this);
-    this.url = await listenLocal(this.server);
-    return this;
-  }
-
-  stop(): void {
-    this.server.forceShutdown();
-  }
-}
-
-function jsonTask(id: bigint, payload: unknown): Task {
-  return Task.fromPartial({ id, attempt: 1, pool: "default", payload: Buffer.from(JSON.stringify(payload)), contentType: "application/json" });
-}
-
-async function until(check: () => boolean, ms = 5000): Promise<void> {
-  const deadline = Date.now() + ms;
-  while (!check()) {
-    if (Date.now() > deadline) throw new Error("timed out waiting");
-    await new Promise((r) => setTimeout(r, 5));
-  }
-}
+  Client,
+  InvalidArgumentError,
+  NotFoundError,
+  Snooze,
+  TaskCancelledError,
+  TooManyRedirectsError,
+  Worker,
+  type Handler,
+  type WorkerOptions,
+} from "../src/index.js";
+import { TaskContext } from "../src/worker.js";
+import { FakeShard, jsonTask, tracked, until } from "./fake_shard.js";
+import { silent, TOP_BIT_ID } from "./helpers.js";
 
 test("a worker runs tasks, keeps a top-bit id whole, batches outcomes and deregisters on stop", async () => {
   const tasks = [jsonTask(TOP_BIT_ID, { r: 1 }), ...[1n, 2n, 3n, 4n, 5n].map((id) => jsonTask(id, { r: Number(id) }))];
@@ -388,6 +230,148 @@ test("a broken stream keeps held tasks: the next stream's first credits subtract
   assert.ok(shard.outcomes.every((o) => o.success !== undefined));
 });
 
+/** The reports of a task that heartbeats carried, with the stream each came on and whether it was answered. */
+function reportsOf(shard: FakeShard, id: bigint): Array<{ stream: number; report: TaskReport; answered: boolean }> {
+  return shard.beatReports.flatMap((beat) => beat.reports.filter((r) => r.taskId === id).map((report) => ({ ...beat, report })));
+}
+
+/** Runs a worker on shard until it has reported n outcomes, then stops it. */
+async function runUntilOutcomes(shard: FakeShard, n: number, handler: Handler, opts: Partial<WorkerOptions> = {}): Promise<void> {
+  const worker = tracked(new Worker({ endpoint: shard.url, pools: ["default"], logger: silent, retry: { initialBackoffMs: 5 }, ...opts }, handler));
+  const run = worker.run();
+  await until(() => shard.outcomes.length >= n);
+  worker.stop();
+  await run;
+  shard.stop();
+}
+
+test("a handler's Snooze is reported snoozed with its ms, rounded down, and its reason", async () => {
+  const shard = await new FakeShard({ tasks: [jsonTask(1n, { ms: 1500.9, reason: "busy" }), jsonTask(2n, { ms: 0 })] }).start();
+  await runUntilOutcomes(shard, 2, (task) => {
+    const { ms, reason } = JSON.parse(task.payload.toString()) as { ms: number; reason?: string };
+    throw new Snooze(ms, reason);
+  });
+  const byId = new Map(shard.outcomes.map((o) => [o.taskId, o]));
+  assert.deepEqual(byId.get(1n)?.snoozed, { snoozeMs: 1500, reason: "busy" });
+  assert.deepEqual(byId.get(2n)?.snoozed, { snoozeMs: 0, reason: "" });
+  assert.ok(shard.outcomes.every((o) => o.failure === undefined && o.success === undefined));
+});
+
+test("a snooze, a progress or a checkpoint out of bounds is a RangeError, and nothing is recorded", () => {
+  for (const ms of [-1, -0.5, 4_294_967_296, Number.NaN, Number.POSITIVE_INFINITY]) {
+    assert.throws(() => new Snooze(ms), RangeError, `snooze ${ms}`);
+  }
+  assert.equal(new Snooze(4_294_967_295.9).ms, 4_294_967_295);
+  const recorded: unknown[] = [];
+  const ctx = new TaskContext(jsonTask(1n, {}), 8, (update) => recorded.push(update));
+  for (const value of [Number.NaN, Number.POSITIVE_INFINITY, Number.NEGATIVE_INFINITY]) {
+    assert.throws(() => ctx.reportProgress(value), RangeError, `progress ${value}`);
+  }
+  assert.throws(() => ctx.reportProgress(0.5, "é".repeat(512) + "x"), RangeError); // 1,025 bytes
+  for (const message of ["line one\nline two", "\u0000", "tab\t", "\u007f", "c1 \u0085"]) {
+    assert.throws(() => ctx.reportProgress(0.5, message), /control character/, JSON.stringify(message));
+  }
+  assert.throws(() => ctx.saveCheckpoint(new Uint8Array(9)), RangeError);
+  assert.throws(() => ctx.saveCheckpoint("ninebytes"), RangeError);
+  assert.deepEqual(recorded, []);
+  assert.equal(ctx.checkpoint, null);
+  ctx.reportProgress(-2.5, "é".repeat(512)); // 1,024 bytes
+  ctx.reportProgress(1, "\u00a0 is not a control character");
+  ctx.saveCheckpoint("eight by");
+  assert.equal(recorded.length, 3);
+  assert.equal(Buffer.from(ctx.checkpoint!).toString(), "eight by");
+});
+
+test("a handler gets the leased task's snoozes and checkpoint, then the checkpoint it saved; max_checkpoint_bytes is the server's, else 256 KiB", async () => {
+  const resumed = Task.fromPartial({ ...jsonTask(1n, {}), snoozes: 3, checkpoint: Buffer.from("step-7") });
+  for (const [max, limit] of [[0n, 262_144], [100n, 100]] as const) {
+    const shard = await new FakeShard({ tasks: [resumed, jsonTask(2n, {})], maxCheckpointBytes: max }).start();
+    const seen: Array<[bigint, number, string | null, string | null, boolean, boolean]> = [];
+    await runUntilOutcomes(shard, 2, (task, _signal, ctx) => {
+      const leased = ctx.checkpoint && Buffer.from(ctx.checkpoint).toString();
+      const fits = (n: number) => {
+        try {
+          ctx.saveCheckpoint(new Uint8Array(n));
+          return true;
+        } catch (err) {
+          if (err instanceof RangeError) return false;
+          throw err;
+        }
+      };
+      const bounds = [fits(limit), fits(limit + 1)] as const;
+      ctx.saveCheckpoint(`after ${task.id}`);
+      seen.push([task.id, ctx.snoozes, leased, ctx.checkpoint && Buffer.from(ctx.checkpoint).toString(), ...bounds]);
+      return null;
+    }, { concurrency: 1 });
+    assert.deepEqual(seen, [[1n, 3, "step-7", "after 1", true, false], [2n, 0, null, "after 2", true, false]]);
+  }
+});
+
+test("progress reported twice between heartbeats goes as one report, the last; answered, it is not sent again", async () => {
+  const shard = await new FakeShard({ tasks: [jsonTask(1n, {})] }).start();
+  await runUntilOutcomes(shard, 1, async (_task, _signal, ctx) => {
+    ctx.reportProgress(0.25, "a quarter");
+    ctx.reportProgress(0.5, "half");
+    await until(() => reportsOf(shard, 1n).length > 0);
+    const beats = shard.heartbeats.length;
+    await until(() => shard.heartbeats.length >= beats + 2); // two more heartbeats, after the answer
+    return null;
+  });
+  assert.deepEqual(reportsOf(shard, 1n).map(({ report }) => [report.progress?.value, report.progress?.message, report.checkpoint]),
+    [[0.5, "half", undefined]]);
+  assert.equal(shard.outcomes[0]?.report, undefined);
+});
+
+test("a report still pending when the handler ends rides its outcome, whatever the outcome", async () => {
+  const shard = await new FakeShard({ tasks: [jsonTask(1n, {}), jsonTask(2n, {})], heartbeatIntervalMs: 60_000 }).start();
+  await runUntilOutcomes(shard, 2, (task, _signal, ctx) => {
+    ctx.saveCheckpoint(`page ${task.id}`);
+    ctx.reportProgress(0.9, "nearly");
+    if (task.id === 2n) throw new Snooze(10);
+    return null;
+  });
+  assert.deepEqual(shard.beatReports.flatMap((b) => b.reports), []);
+  for (const id of [1n, 2n]) {
+    const outcome = shard.outcomes.find((o) => o.taskId === id);
+    assert.equal(outcome?.report?.taskId, id);
+    assert.equal(outcome?.report?.attempt, 1);
+    assert.deepEqual(outcome?.report?.progress, { value: 0.9, message: "nearly", updatedAt: undefined });
+    assert.equal(outcome?.report?.checkpoint?.toString(), `page ${id}`);
+  }
+  assert.ok(shard.outcomes.find((o) => o.taskId === 2n)?.snoozed);
+});
+
+test("a report a broken stream did not answer is sent again on the next stream", async () => {
+  const shard = await new FakeShard({ tasks: [jsonTask(1n, {})], failFirstStreamOnReports: true }).start();
+  await runUntilOutcomes(shard, 1, async (_task, _signal, ctx) => {
+    ctx.saveCheckpoint("step-2");
+    await until(() => reportsOf(shard, 1n).some(({ stream }) => stream === 2));
+    const beats = shard.heartbeats.length;
+    await until(() => shard.heartbeats.length >= beats + 2);
+    return null;
+  });
+  const sent = reportsOf(shard, 1n);
+  assert.deepEqual(sent.map(({ stream, report }) => [stream, report.checkpoint?.toString()]), [[1, "step-2"], [2, "step-2"]]);
+  assert.equal(shard.outcomes[0]?.report, undefined);
+});
+
+// Timing-sensitive (generous margins): heartbeats every 100 ms, each answered 250 ms late.
+test("a report sent but not answered rides the outcome; one that replaced it stays pending when the older is answered", async () => {
+  const shard = await new FakeShard({ tasks: [jsonTask(1n, {}), jsonTask(2n, {})], heartbeatAnswerDelayMs: 250 }).start();
+  await runUntilOutcomes(shard, 2, async (task, _signal, ctx) => {
+    ctx.reportProgress(0.1, "first");
+    await until(() => reportsOf(shard, task.id).length > 0); // sent, answered in 250 ms
+    if (task.id === 1n) return null; // before the answer
+    ctx.reportProgress(0.2, "second"); // sent by the next heartbeat, answered after this returns
+    await until(() => reportsOf(shard, task.id)[0]!.answered);
+    await new Promise((r) => setTimeout(r, 30)); // the worker reads the answer: "first" is no longer pending, "second" is
+    return null;
+  }, { concurrency: 1 });
+  const byId = new Map(shard.outcomes.map((o) => [o.taskId, o]));
+  assert.equal(byId.get(1n)?.report?.progress?.message, "first");
+  assert.equal(byId.get(2n)?.report?.progress?.message, "second");
+});
+
 test("a worker follows 3 redirects in a row and refuses the 4th, naming the chain", async () => {
   const shards: FakeShard[] = [];
   for (let i = 0; i < 5; i++) shards.push(new FakeShard({ redirectTo: () => shards[i + 1]!.url }));
@@ -411,7 +395,7 @@ test("the client keeps a top-bit id whole and raises the code's error with the s
 });
 
 test("watch resumes from the start a sharded server states and skips events replayed after a reconnect", async () => {
-  const event = (seq: bigint): TaskEvent => ({ task: undefined, time: undefined, shard: "cpu", seq, cursor: `1:${seq},2:7` });
+  const event = (seq: bigint): TaskEvent => ({ task: undefined, time: undefined, shard: "cpu", seq, cursor: `1:${seq},2:7`, progress: false });
   const shard = await new FakeShard({
     watch: [
       { start: "1:5,2:7", events: [], fail: true }, // broke before any event: resume from its start
