@@ -49,13 +49,14 @@ RUST_PROTO_FILES = [
     f"cronoq/v1/{name}.proto" for name in ("admin_service", "options", "task", "task_service", "worker_service")
 ]
 # cronoq-api first: the SDK and the server depend on it (uv takes it from here, not an index).
-PACKAGES = ["-e", "proto/python", "-e", "sdk-python", "-e", "server[otel]"]
+PACKAGES = ["-e", "proto/python", "-e", "sdk-python[otel]", "-e", "server[otel]"]
 TEST_DEPS = [
     "pytest>=8",
     "pytest-asyncio>=0.23",
     "pytest-timeout>=2.3",
     "pytest-xdist>=3.5",
     "trustme>=1.1",
+    "opentelemetry-sdk>=1.27",  # the SDK's tracing tests: a tracer provider with an in-memory exporter
     "setuptools>=68",
     "playwright==1.65.2",  # drives Debian's chromium 156 (executable_path) in the browser tests: a known pair
 ]
@@ -226,7 +227,10 @@ def _rust_checks(session: nox.Session) -> None:
     """The Rust SDK (sdk-rust, its Cargo.lock): cargo test, clippy with warnings as errors, rustfmt."""
     manifest = ["--manifest-path", str(RUST_MANIFEST)]
     session.run("cargo", "test", "--locked", *manifest, external=True)
+    session.run("cargo", "test", "--locked", *manifest, "--features", "otel", external=True)
     session.run("cargo", "clippy", "--locked", *manifest, "--all-targets", "--", "-D", "warnings", external=True)
+    clippy_otel = ["--all-targets", "--features", "otel", "--", "-D", "warnings"]
+    session.run("cargo", "clippy", "--locked", *manifest, *clippy_otel, external=True)
     session.run("cargo", "fmt", *manifest, "--check", external=True)
 
 

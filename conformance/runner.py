@@ -59,6 +59,8 @@ BUILDS: dict[str, list[str]] = {
         "build",
         "--release",
         "--locked",
+        "--features",
+        "otel",  # the driver's submit step runs in a trace context
         "--manifest-path",
         "sdk-rust/Cargo.toml",
         "--example",

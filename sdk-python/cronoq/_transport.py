@@ -391,7 +391,9 @@ class Backoff:
     the next attempt (backoff_delay), and one log line when the row starts and one when it ends,
     not one per attempt."""
 
-    def __init__(self, retry: RetryConfig, what: str, logger: logging.Logger = log):
+    def __init__(
+        self, retry: RetryConfig, what: str, logger: logging.Logger | logging.LoggerAdapter[logging.Logger] = log
+    ):
         self.retry, self.what, self.log = retry, what, logger
         self.failures = 0
 

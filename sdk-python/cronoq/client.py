@@ -23,6 +23,7 @@ from typing import Any, Literal, overload
 
 import grpc
 
+from . import _tracing
 from ._transport import HEALTHY_STREAM_S, Connection, Endpoint, KeepaliveConfig, RetryConfig, TlsConfig, backoff_delay
 from .errors import Aborted, Cancelled, CronoqError, Internal, Unavailable, from_grpc_error
 from .jsonform import JSON_CONTENT_TYPE
@@ -47,6 +48,7 @@ Schedule = schedule_service_pb2.Schedule
 Attempt = task_pb2.Attempt
 AttemptOutcome = task_pb2.AttemptOutcome
 TaskFilter = pb.TaskFilter
+TraceContext = task_pb2.TraceContext
 PoolPause = admin_service_pb2.PoolPause
 TERMINAL_STATES = frozenset({task_pb2.TASK_STATE_SUCCEEDED, task_pb2.TASK_STATE_FAILED, task_pb2.TASK_STATE_CANCELLED})
 # A bulk action goes through its matches in bounded batches on every shard: it may take minutes.
@@ -98,11 +100,13 @@ def task_spec(
     resources: Mapping[str, int] | None = None,
     timeout: float | None = None,
     group_key: str | None = None,
+    trace: TraceContext | None = None,
 ) -> pb.SubmitTaskRequest:
     """One task to submit. payload: bytes, or any JSON value. delay: seconds from now.
     timeout: seconds each attempt may run (capped by the pool's); the worker cancels it then.
     group_key: the task's group (a tenant, a user); in a pool with max_running_per_group, at
-    most that many tasks of one group run at once."""
+    most that many tasks of one group run at once. trace: the W3C trace context the task is
+    submitted in (default: the current OpenTelemetry span's, taken when it is submitted)."""
     data, content_type = encode_payload(payload)
     req = pb.SubmitTaskRequest(
         pool=pool,
@@ -116,6 +120,9 @@ def task_spec(
         timeout_ms=max(int(timeout * 1000), 1) if timeout is not None else 0,
         group_key=group_key or "",
     )
+    if trace is not None:
+        req.trace.SetInParent()
+        req.trace.CopyFrom(trace)
     if delay is not None:
         run_at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay)
     if run_at is not None:
@@ -264,9 +271,11 @@ class Client:
 
         request_id (a fresh UUID unless given) is sent with every transport retry of this
         call, so a retry after UNAVAILABLE returns the task the first attempt created.
+        The task carries the current OpenTelemetry span context (trace=: a given one instead).
         """
         req = task_spec(pool, payload, **options)
         req.request_id = request_id or new_request_id()
+        _tracing.set_current_trace(req)
         resp = await self._call("SubmitTask", req)
         return Submitted(resp.task, resp.deduplicated)
 
@@ -275,11 +284,13 @@ class Client:
     ) -> pb.SubmitBatchResponse:
         """Admits every task or none; tasks may depend on the batch's own keys.
 
-        request_id works as in submit, for the whole batch (the specs' own are cleared).
+        request_id works as in submit, for the whole batch (the specs' own are cleared). Each
+        task without a trace of its own carries the current OpenTelemetry span context.
         """
         req = pb.SubmitBatchRequest(tasks=list(specs), request_id=request_id or new_request_id())
         for spec in req.tasks:  # copies: the caller's specs are untouched
             spec.ClearField("request_id")
+        _tracing.set_current_trace(*req.tasks)
         return await self._call("SubmitBatch", req)
 
     @overload
@@ -466,12 +477,15 @@ class Client:
         group_key: str | None = None,
         paused: bool = False,
         fire_all_missed: bool = False,
+        trace: TraceContext | None = None,
     ) -> Schedule:
         """Creates or replaces the schedule (pool, name); returns it with its next_fire_at.
 
         cron: five fields, or six with seconds first; timezone: an IANA name (UTC if None).
         payload: bytes, or any JSON value, given to every task it fires; the other options
-        are those of the tasks it fires (0: the pool's default).
+        are those of the tasks it fires (0: the pool's default). The schedule keeps the
+        current OpenTelemetry span context (trace=: a given one instead), and each task it fires
+        links to it.
         """
         data, content_type = encode_payload(payload)
         schedule = Schedule(
@@ -489,6 +503,10 @@ class Client:
             paused=paused,
             fire_all_missed=fire_all_missed,
         )
+        if trace is not None:
+            schedule.trace.SetInParent()
+            schedule.trace.CopyFrom(trace)
+        _tracing.set_current_trace(schedule)
         resp = await self._call("PutSchedule", schedule_service_pb2.PutScheduleRequest(schedule=schedule))
         return resp.schedule
 

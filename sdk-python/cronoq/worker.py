@@ -19,12 +19,13 @@ import os
 import socket
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from decimal import Decimal
 from typing import Any
 
 import grpc
 
+from . import _tracing
 from ._transport import (
     HEALTHY_STREAM_S,
     MAX_MESSAGE_BYTES,
@@ -86,6 +87,31 @@ STOP_EXTRA_S = 3.0
 DEREGISTER_TIMEOUT_S = 2.0
 
 
+def task_fields(task_id: int, attempt: int = 0, pool: str = "") -> dict[str, Any]:
+    """A log record's structured fields for one task (the names the server's JSON logs use):
+    task_id (a decimal string), and attempt and pool when known."""
+    fields: dict[str, Any] = {"task_id": str(task_id)}
+    if attempt:
+        fields["attempt"] = attempt
+    if pool:
+        fields["pool"] = pool
+    return fields
+
+
+class WorkerLog(logging.LoggerAdapter[logging.Logger]):
+    """The cronoq.worker logger as one worker uses it: each record carries the structured field
+    worker_id (once registered) and those a call gives in `extra` (task_fields)."""
+
+    def __init__(self, worker: Worker):
+        super().__init__(log)
+        self.worker = worker
+
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+        fields = {"worker_id": self.worker.worker_id} if self.worker.worker_id else {}
+        kwargs["extra"] = {**fields, **(kwargs.get("extra") or {})}
+        return msg, kwargs
+
+
 class TaskError(Exception):
     """Raise from a handler to fail the attempt.
 
@@ -134,6 +160,7 @@ class TaskContext:
         self.task = task
         self.cancel_requested = asyncio.Event()
         self._lost = False
+        self._released: pb.TaskOutcome | None = None  # released while its handler still ran (at a stop)
         self._max_checkpoint_bytes = max_checkpoint_bytes
         self._checkpoint = task.checkpoint  # as leased, then as saved
         # Pending reports, each with the version it was made at (reports made so far: _version).
@@ -157,6 +184,10 @@ class TaskContext:
     @property
     def key(self) -> str:
         return self.task.key
+
+    @property
+    def _fields(self) -> dict[str, Any]:
+        return task_fields(self.id, self.attempt, self.pool)
 
     @property
     def payload(self) -> Any:
@@ -283,6 +314,7 @@ class Worker:
         self._shutdown_grace = shutdown_grace
         self._finish_linger = finish_linger
         self.worker_id = ""
+        self._log = WorkerLog(self)
         self._heartbeat_s = 10.0
         # Set from the server's RegisterWorkerResponse (defaults for an older server).
         self.max_result_bytes = DEFAULT_MAX_RESULT_BYTES
@@ -293,6 +325,7 @@ class Worker:
         # Prefetched: leased to this worker, waiting for a slot, with the loop time each came.
         self._held: OrderedDict[int, tuple[TaskContext, float]] = OrderedDict()
         self._unacked: dict[int, pb.TaskOutcome] = {}  # by task id: reported, not yet answered
+        self._unacked_pools: dict[int, str] = {}  # their pools (for the logs)
         self._outcomes: list[pb.TaskOutcome] = []  # not yet sent on the current stream
         # The heartbeats sent on the current stream and not yet answered, oldest first: the
         # handlers whose reports each carried, with the version carried.
@@ -322,7 +355,7 @@ class Worker:
         req = pb.RegisterWorkerRequest(
             name=self.name, pools=self.pools, concurrency=self.concurrency, labels=self._labels
         )
-        backoff = Backoff(self._retry, f"worker registration for {self.pools}", log)
+        backoff = Backoff(self._retry, f"worker registration for {self.pools}", self._log)
         while True:
             try:
                 resp = await call_once(
@@ -339,7 +372,7 @@ class Worker:
                         f"worker for {self.pools} was redirected more than {MAX_REDIRECTS} times in a row: "
                         f"{' -> '.join(chain)}: check the [[shards]] endpoints"
                     ) from None
-                log.info("shard %s serves %s: reconnecting to %s", err.shard, self.pools, target)
+                self._log.info("shard %s serves %s: reconnecting to %s", err.shard, self.pools, target)
                 self._conn.follow(target)
                 continue
             except Unavailable as err:
@@ -363,7 +396,7 @@ class Worker:
             # A reply must fit what this channel receives.
             self._max_lease_bytes = min(resp.max_lease_bytes or DEFAULT_MAX_LEASE_BYTES, MAX_REQUEST_BYTES)
             self.lease_bytes = self._max_lease_bytes
-            log.info(
+            self._log.info(
                 "worker %s registered with shard %s at %s for %s", self.worker_id, resp.shard, self.endpoint, self.pools
             )
             return
@@ -405,16 +438,16 @@ class Worker:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._shutdown_grace + STOP_EXTRA_S
         if self._held:
-            log.info("worker %s: releasing %d prefetched task(s)", self.worker_id, len(self._held))
+            self._log.info("worker %s: releasing %d prefetched task(s)", self.worker_id, len(self._held))
         while self._held:
             task_id, (ctx, _) = self._held.popitem(last=False)
-            self._report(pb.TaskOutcome(task_id=task_id, attempt=ctx.attempt, released=_released()))
+            self._report(pb.TaskOutcome(task_id=task_id, attempt=ctx.attempt, released=_released()), ctx.pool)
         if self._running:
-            log.info("worker %s: waiting for %d running task(s)", self.worker_id, len(self._running))
+            self._log.info("worker %s: waiting for %d running task(s)", self.worker_id, len(self._running))
             tasks = [t for t, _ in self._running.values()]
             _, pending = await asyncio.wait(tasks, timeout=self._shutdown_grace)
             if pending:
-                log.warning(
+                self._log.warning(
                     "worker %s: releasing %d task(s) still running after the %gs shutdown grace",
                     self.worker_id,
                     len(pending),
@@ -425,19 +458,22 @@ class Worker:
                 _, stuck = await asyncio.wait(pending, timeout=UNWIND_S)
                 for task_id, (handle, ctx) in list(self._running.items()):
                     if handle in stuck:  # the handler ignores its cancellation: release it anyway
-                        log.warning("task %d: handler ignores cancellation; releasing the task", task_id)
+                        self._log.warning(
+                            "task %d: handler ignores cancellation; releasing the task", task_id, extra=ctx._fields
+                        )
                         ctx._lost = True  # whatever it returns later is not reported
                         self._running.pop(task_id, None)
                         outcome = pb.TaskOutcome(task_id=task_id, attempt=ctx.attempt, released=_released())
+                        ctx._released = outcome  # its span's outcome, when the handler returns
                         ctx._end(outcome)
-                        self._report(outcome)
+                        self._report(outcome, ctx.pool)
         self._wake.set()  # the stream closes its side once every outcome is answered
         if not working.done():
             await asyncio.wait({working}, timeout=max(deadline - loop.time(), 0))
         working.cancel()
         await asyncio.gather(working, return_exceptions=True)
         if self._unacked:
-            log.warning(
+            self._log.warning(
                 "worker %s: %d outcome(s) not acknowledged at shutdown; their leases will expire",
                 self.worker_id,
                 len(self._unacked),
@@ -452,7 +488,7 @@ class Worker:
                     timeout=DEREGISTER_TIMEOUT_S,
                 )
             except Exception as err:
-                log.debug("deregister failed: %s", err)
+                self._log.debug("deregister failed: %s", err)
 
     @property
     def _finished(self) -> bool:
@@ -465,7 +501,7 @@ class Worker:
         failures in a row and starts over after a healthy stream (one that delivered a message
         or stayed open HEALTHY_STREAM_S); outcomes it did not answer are sent again on the next
         (fenced by attempt, so that is safe)."""
-        backoff = Backoff(self._retry, f"worker {self.worker_id}: work stream", log)
+        backoff = Backoff(self._retry, f"worker {self.worker_id}: work stream", self._log)
         loop = asyncio.get_running_loop()
         while not self._finished:
             opened, self._stream_answered = loop.time(), False
@@ -493,10 +529,10 @@ class Worker:
                 self._conn.on_unavailable(error)  # to the leader a standby names, or the next endpoint
             elif not isinstance(error, (NotFound, *TRANSIENT)):  # e.g. RESOURCE_EXHAUSTED: an answer over the limit
                 self.lease_bytes = max(self.lease_bytes // 2, MIN_LEASE_BYTES)
-                log.error("work stream failed (%s); opening it again with max_bytes %d", error, self.lease_bytes)
+                self._log.error("work stream failed (%s); opening it again with max_bytes %d", error, self.lease_bytes)
             await asyncio.sleep(backoff.failed(error))
             if isinstance(error, NotFound):
-                log.warning("worker %s unknown to the server; registering again", self.worker_id)
+                self._log.warning("worker %s unknown to the server; registering again", self.worker_id)
                 await self._register()
 
     async def _work_stream(self) -> None:
@@ -598,20 +634,23 @@ class Worker:
     def _answered(self, answer: pb.WorkResponse) -> None:
         """What the server sent: tasks to run, the results of outcomes, a heartbeat's answer."""
         for r in answer.results:
-            outcome = self._unacked.get(r.task_id)
+            outcome = self._unacked.pop(r.task_id, None)
+            pool = self._unacked_pools.pop(r.task_id, "")
             if outcome is not None:
-                del self._unacked[r.task_id]
                 self.processed += 1
             if not r.accepted:
-                log.warning("outcome of task %d refused: %s %s", r.task_id, r.code, r.message)
+                fields = task_fields(r.task_id, outcome.attempt if outcome is not None else 0, pool)
+                self._log.warning("outcome of task %d refused: %s %s", r.task_id, r.code, r.message, extra=fields)
         for task in answer.tasks:
             ctx = TaskContext(task, self.max_checkpoint_bytes)
             if self._closed:  # sent as the stream closed: the server releases it, as nothing can be sent
-                log.debug("task %d arrived after the work stream closed; the server releases it", task.id)
+                self._log.debug(
+                    "task %d arrived after the work stream closed; the server releases it", task.id, extra=ctx._fields
+                )
                 continue
             if self._stopping.is_set():  # sent for slots given before stop(): give it back
                 self._freed += 1
-                self._report(pb.TaskOutcome(task_id=task.id, attempt=task.attempt, released=_released()))
+                self._report(pb.TaskOutcome(task_id=task.id, attempt=task.attempt, released=_released()), task.pool)
                 continue
             if len(self._running) < self.concurrency:
                 self._start(ctx, asyncio.get_running_loop().time())
@@ -633,6 +672,20 @@ class Worker:
             self._start(ctx, received)
 
     async def _execute(self, ctx: TaskContext, received: float) -> None:
+        """Runs the task's handler in the task's span (see _tracing) and reports its outcome."""
+        span = _tracing.start_task_span(ctx.task)
+        reported: pb.TaskOutcome | None = None
+        try:
+            outcome = await self._outcome_of(ctx, received, span)
+            if outcome is not None and not ctx._lost:  # lost: no longer ours (or released already at shutdown)
+                ctx._end(outcome)
+                self._report(outcome, ctx.pool)
+                reported = outcome
+        finally:
+            _tracing.end_task_span(span, reported or ctx._released)
+
+    async def _outcome_of(self, ctx: TaskContext, received: float, span: Any) -> pb.TaskOutcome | None:
+        """Runs the handler, with span current, and returns its outcome (None: the lease was lost)."""
         outcome = pb.TaskOutcome(task_id=ctx.id, attempt=ctx.attempt)
         timeout_ms = ctx.task.timeout_ms
         # The server never extends the lease past the attempt's deadline, which counts from the
@@ -644,7 +697,8 @@ class Worker:
                 if timeout_ms > 0 and left <= 0:  # prefetched, and its time ran out before a slot freed
                     raise TaskError(f"timed out after {timeout_ms} ms, before it could start", retryable=True)
                 async with deadline:
-                    result = await self.handler(ctx)
+                    with _tracing.active(span):
+                        result = await self.handler(ctx)
             except TimeoutError:
                 if not deadline.expired():
                     raise
@@ -665,7 +719,7 @@ class Worker:
                 outcome.failure.retry_after_ms = max(int(err.retry_after * 1000), 1)
         except asyncio.CancelledError:
             if ctx._lost:
-                return
+                return None
             if ctx.cancel_requested.is_set():  # the server asked: the task ends CANCELLED
                 outcome.cancelled.reason = "cancelled"
             elif self._stopping.is_set():  # shutdown: give it back unfinished
@@ -681,13 +735,11 @@ class Worker:
                 self._freed += 1
                 self._wake.set()
                 self._start_held()
-        if ctx._lost:  # no longer ours (or released already at shutdown)
-            return
-        ctx._end(outcome)
-        self._report(outcome)
+        return outcome
 
-    def _report(self, outcome: pb.TaskOutcome) -> None:
+    def _report(self, outcome: pb.TaskOutcome, pool: str) -> None:
         self._unacked[outcome.task_id] = outcome
+        self._unacked_pools[outcome.task_id] = pool
         self._outcomes.append(outcome)
         self._wake.set()
 
@@ -724,20 +776,22 @@ class Worker:
             if task_id in self._held:  # never started: it ends CANCELLED without its handler
                 ctx, _ = self._held.pop(task_id)
                 self._freed += 1
-                self._report(
-                    pb.TaskOutcome(task_id=task_id, attempt=ctx.attempt, cancelled=pb.TaskCancelled(reason="cancelled"))
-                )
+                cancelled = pb.TaskCancelled(reason="cancelled")
+                self._report(pb.TaskOutcome(task_id=task_id, attempt=ctx.attempt, cancelled=cancelled), ctx.pool)
             if task_id in self._running:
                 handle, ctx = self._running[task_id]
                 ctx.cancel_requested.set()
                 handle.cancel()
         for task_id in resp.lost_task_ids:
-            if self._held.pop(task_id, None) is not None:
+            held = self._held.pop(task_id, None)
+            if held is not None:
                 self._freed += 1
                 self._wake.set()
-                log.warning("task %d lost its lease before it started", task_id)
+                self._log.warning("task %d lost its lease before it started", task_id, extra=held[0]._fields)
             if task_id in self._running:
                 handle, ctx = self._running[task_id]
                 ctx._lost = True
                 handle.cancel()
-                log.warning("task %d lost its lease; its outcome will not be reported", task_id)
+                self._log.warning(
+                    "task %d lost its lease; its outcome will not be reported", task_id, extra=ctx._fields
+                )

@@ -1,15 +1,22 @@
 //! The conformance driver of the Rust SDK: one case's input as JSON on stdin, one result as
 //! JSON on stdout (the protocol: conformance/README.md in the cronoq repository). It uses
-//! the SDK's public API only.
+//! the SDK's public API only, and OpenTelemetry's API (built with `--features otel`; no
+//! tracer provider is installed).
 
+use std::collections::HashMap;
 use std::io::Read;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use cronoq::{
     BulkResult, Client, Error, KeepaliveConfig, Options, PoolPause, RetryConfig, RetryTaskOptions,
-    Task, TaskError, TaskFilter, TaskRef, TaskSpec, TaskState, Worker, WorkerOptions, code_name,
+    Task, TaskContext, TaskError, TaskFilter, TaskRef, TaskSpec, TaskState, Worker, WorkerOptions,
+    code_name,
 };
+use opentelemetry::context::FutureExt as _;
+use opentelemetry::propagation::TextMapPropagator as _;
+use opentelemetry::trace::TraceContextExt as _;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::Notify;
@@ -63,6 +70,8 @@ struct Step {
     key: String,
     #[serde(default)]
     group_key: String,
+    traceparent: Option<String>,
+    tracestate: Option<String>,
     #[serde(default)]
     include_attempts: bool,
     #[serde(default)]
@@ -172,7 +181,13 @@ async fn client_op(client: &Client, step: &Step) -> Result<Value, Failed> {
                 .json(&step.payload)?
                 .key(&step.key)
                 .group_key(&step.group_key);
-            let task = client.submit(spec).await?.task;
+            // In the context whose current span is the remote one the step gives (none: the
+            // driver's, outside any trace).
+            let task = client
+                .submit(spec)
+                .with_context(remote_context(step))
+                .await?
+                .task;
             json!({"id": task.id.to_string(), "group_key": task.group_key, "error": null})
         }
         "get" if step.include_attempts => {
@@ -217,6 +232,31 @@ async fn client_op(client: &Client, step: &Step) -> Result<Value, Failed> {
     })
 }
 
+/// The context the W3C propagator extracts from the step's traceparent and tracestate: its
+/// current span is the remote one they name (an empty context without them).
+fn remote_context(step: &Step) -> opentelemetry::Context {
+    let mut carrier = HashMap::new();
+    if let Some(traceparent) = &step.traceparent {
+        carrier.insert("traceparent".to_string(), traceparent.clone());
+    }
+    if let Some(tracestate) = &step.tracestate {
+        carrier.insert("tracestate".to_string(), tracestate.clone());
+    }
+    TraceContextPropagator::new().extract(&carrier)
+}
+
+/// The trace id of the span current here (32 hex digits), or null when there is none.
+fn current_trace_id() -> Value {
+    let cx = opentelemetry::Context::current();
+    let span = cx.span();
+    let sc = span.span_context();
+    if sc.is_valid() {
+        json!(sc.trace_id().to_string())
+    } else {
+        Value::Null
+    }
+}
+
 /// The task a step names: by "id" (a decimal string) or by "key".
 fn task_ref(step: &Step) -> Result<TaskRef, Failed> {
     if !step.key.is_empty() {
@@ -229,7 +269,26 @@ fn task_ref(step: &Step) -> Result<TaskRef, Failed> {
 }
 
 fn task_result(task: &Task) -> Value {
-    json!({"id": task.id.to_string(), "state": task.state().as_str_name(), "error": null})
+    let progress = task
+        .progress
+        .as_ref()
+        .map(|p| json!({"value": p.value, "message": p.message}));
+    json!({
+        "id": task.id.to_string(),
+        "state": task.state().as_str_name(),
+        "snoozes": task.snoozes,
+        "progress": progress,
+        "checkpoint": checkpoint_text(&task.checkpoint),
+        "error": null,
+    })
+}
+
+/// A checkpoint as the protocol shows it: UTF-8 text, or null when empty.
+fn checkpoint_text(checkpoint: &[u8]) -> Value {
+    if checkpoint.is_empty() {
+        return Value::Null;
+    }
+    json!(String::from_utf8_lossy(checkpoint))
 }
 
 fn pause_result(pause: &PoolPause) -> Value {
@@ -312,12 +371,14 @@ async fn worker_step(input: &Input, step: &Step) -> Value {
     let handler = {
         let seen = seen.clone();
         let enough = enough.clone();
-        move |task: cronoq::Task, cancelled: cronoq::CancellationToken| {
+        move |ctx: TaskContext, cancelled: cronoq::CancellationToken| {
             let seen = seen.clone();
             let enough = enough.clone();
             async move {
-                let id = task.id.to_string();
-                let raw: Value = cronoq::decode_payload(&task).unwrap_or(Value::Null);
+                let id = ctx.id.to_string();
+                let trace_id = current_trace_id();
+                let raw: Value = cronoq::decode_payload(&ctx).unwrap_or(Value::Null);
+                let checkpoint = checkpoint_text(&ctx.checkpoint().unwrap_or_default());
                 {
                     let mut s = seen.lock().unwrap();
                     s.started.push(id.clone());
@@ -327,12 +388,19 @@ async fn worker_step(input: &Input, step: &Step) -> Value {
                         enough.notify_one();
                     }
                 }
-                let mut end = "cancelled";
-                let result = run_handler(&raw, &cancelled, &mut end).await;
+                let mut end = "raised"; // unless run_handler says otherwise
+                let result = run_handler(&ctx, &raw, &cancelled, &mut end).await;
                 let mut s = seen.lock().unwrap();
                 s.running -= 1;
-                s.handled
-                    .push(json!({"id": id, "attempt": task.attempt, "payload": raw, "end": end}));
+                s.handled.push(json!({
+                    "id": id,
+                    "attempt": ctx.attempt,
+                    "snoozes": ctx.snoozes(),
+                    "checkpoint": checkpoint,
+                    "payload": raw,
+                    "trace_id": trace_id,
+                    "end": end,
+                }));
                 if s.handled.len() == until_handled {
                     enough.notify_one();
                 }
@@ -396,12 +464,23 @@ async fn worker_step(input: &Input, step: &Step) -> Value {
     })
 }
 
-/// The handler the protocol describes: sleep_ms (until cancelled), fail, or result.
+/// The handler the protocol describes: checkpoint, progress, sleep_ms (until cancelled),
+/// snooze_ms (while the task's snoozes are fewer than snooze_times), fail, or result.
 async fn run_handler(
+    ctx: &TaskContext,
     payload: &Value,
     cancelled: &cronoq::CancellationToken,
     end: &mut &'static str,
 ) -> Result<Value, TaskError> {
+    if let Some(text) = payload.get("checkpoint").and_then(Value::as_str) {
+        ctx.save_checkpoint(text)?;
+    }
+    let progress = payload.get("progress").and_then(Value::as_array);
+    for p in progress.into_iter().flatten() {
+        let value = p.get("value").and_then(Value::as_f64).unwrap_or(0.0);
+        let message = p.get("message").and_then(Value::as_str).unwrap_or("");
+        ctx.report_progress(value, message)?;
+    }
     if let Some(n) = payload
         .get("sleep_ms")
         .and_then(Value::as_u64)
@@ -409,11 +488,23 @@ async fn run_handler(
     {
         tokio::select! {
             _ = tokio::time::sleep(ms(n)) => {}
-            _ = cancelled.cancelled() => return Err(TaskError::retryable("cancelled")),
+            _ = cancelled.cancelled() => {
+                *end = "cancelled";
+                return Err(TaskError::retryable("cancelled"));
+            }
+        }
+    }
+    if let Some(n) = payload.get("snooze_ms").and_then(Value::as_u64) {
+        let times = payload
+            .get("snooze_times")
+            .and_then(Value::as_i64)
+            .unwrap_or(1);
+        if i64::from(ctx.snoozes()) < times {
+            *end = "snoozed";
+            return Err(TaskError::snooze(ms(n), "driver"));
         }
     }
     if let Some(message) = payload.get("fail") {
-        *end = "raised";
         let message = message
             .as_str()
             .map_or_else(|| message.to_string(), str::to_string);

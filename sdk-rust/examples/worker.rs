@@ -8,8 +8,8 @@
 use std::time::Duration;
 
 use cronoq::{
-    CancellationToken, Client, Options, Task, TaskError, TaskResult, TaskSpec, TaskState, Worker,
-    WorkerOptions,
+    CancellationToken, Client, Options, TaskContext, TaskError, TaskResult, TaskSpec, TaskState,
+    Worker, WorkerOptions,
 };
 use serde::{Deserialize, Serialize};
 
@@ -20,7 +20,7 @@ struct Job {
 }
 
 /// Doubles n; "broken" fails for good, "flaky" fails its first two attempts.
-async fn handle(task: Task, cancelled: CancellationToken) -> Result<TaskResult, TaskError> {
+async fn handle(task: TaskContext, cancelled: CancellationToken) -> Result<TaskResult, TaskError> {
     let job: Job = cronoq::decode_payload(&task).map_err(TaskError::non_retryable)?;
     match job.kind.as_str() {
         "broken" => return Err(TaskError::non_retryable("broken input: will not retry")),

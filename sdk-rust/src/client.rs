@@ -87,6 +87,10 @@ pub struct TaskSpec {
     /// The task's group (a tenant, a user; empty: none): in a pool with
     /// max_running_per_group, at most that many tasks of one group run at once.
     pub group_key: String,
+    /// The W3C trace context sent with the task (its handler's span continues that trace).
+    /// None: with the `otel` feature, the caller's current span context
+    /// (`opentelemetry::Context::current()`) when it is valid; without it, none.
+    pub trace: Option<proto::TraceContext>,
 }
 
 impl TaskSpec {
@@ -160,6 +164,23 @@ impl TaskSpec {
         self
     }
 
+    /// The W3C trace context to send with the task, whatever the caller's current context:
+    /// a `traceparent` (`00-{trace id}-{span id}-{flags}`, lowercase hex) and a
+    /// `tracestate` (empty: none; at most 512 bytes). The server refuses a malformed one
+    /// with INVALID_ARGUMENT.
+    pub fn trace(
+        mut self,
+        traceparent: impl Into<String>,
+        tracestate: impl Into<String>,
+    ) -> TaskSpec {
+        self.trace = Some(proto::TraceContext {
+            traceparent: traceparent.into(),
+            tracestate: tracestate.into(),
+            link: false,
+        });
+        self
+    }
+
     fn proto(&self) -> proto::SubmitTaskRequest {
         proto::SubmitTaskRequest {
             pool: self.pool.clone(),
@@ -174,6 +195,7 @@ impl TaskSpec {
             request_id: String::new(),
             timeout_ms: self.timeout.map_or(0, |t| t.as_millis().max(1) as i64),
             group_key: self.group_key.clone(),
+            trace: self.trace.clone().or_else(crate::otel::current_trace),
         }
     }
 }
@@ -403,7 +425,9 @@ impl Client {
     }
 
     /// Submits one task. Every transport retry carries the same request id, so a retry
-    /// after UNAVAILABLE returns the task the first attempt created.
+    /// after UNAVAILABLE returns the task the first attempt created. With the `otel`
+    /// feature, the task carries the caller's current trace context (unless its spec sets
+    /// one), which its handler's span continues.
     pub async fn submit(&self, spec: TaskSpec) -> Result<Submitted, Error> {
         let mut req = spec.proto();
         req.request_id = new_request_id();
@@ -422,7 +446,8 @@ impl Client {
     }
 
     /// Admits every task or none; tasks may depend on the batch's own keys. The answer
-    /// lists the tasks in the order given, and the ids that already existed.
+    /// lists the tasks in the order given, and the ids that already existed. Each task
+    /// carries the trace context as [`Client::submit`] says.
     pub async fn submit_batch(
         &self,
         specs: &[TaskSpec],

@@ -16,7 +16,7 @@ use crate::{
 
 /// A request of the calls that read or change existing tasks and pools, as the fake got it.
 #[derive(Debug, Clone, PartialEq)]
-enum Call {
+pub(crate) enum Call {
     Submit(proto::SubmitTaskRequest),
     SubmitBatch(proto::SubmitBatchRequest),
     Get(proto::GetTaskRequest),
@@ -33,7 +33,7 @@ enum Call {
 /// accepts; records the submissions' request ids and authorization headers, and every call's
 /// request. Task 1 does not exist.
 #[derive(Clone, Default)]
-struct Fake {
+pub(crate) struct Fake {
     unavailable: Arc<Mutex<usize>>,
     seen: Arc<Mutex<Vec<(String, String)>>>,
     calls: Arc<Mutex<Vec<Call>>>,
@@ -53,7 +53,7 @@ impl Fake {
         self.calls.lock().unwrap().push(call);
     }
 
-    fn calls(&self) -> Vec<Call> {
+    pub(crate) fn calls(&self) -> Vec<Call> {
         self.calls.lock().unwrap().clone()
     }
 }
@@ -328,7 +328,7 @@ impl AdminService for Fake {
 }
 
 /// The fake's TaskService and AdminService on loopback: its endpoint, and the fake.
-async fn serve(unavailable: usize) -> (String, Fake) {
+pub(crate) async fn serve(unavailable: usize) -> (String, Fake) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let fake = Fake {
@@ -344,7 +344,7 @@ async fn serve(unavailable: usize) -> (String, Fake) {
     (format!("http://{addr}"), fake)
 }
 
-fn options(endpoint: &str, max_elapsed: Duration) -> Options {
+pub(crate) fn options(endpoint: &str, max_elapsed: Duration) -> Options {
     Options::new(endpoint).token("secret").retry(RetryConfig {
         initial_backoff: Duration::from_millis(5),
         max_backoff: Duration::from_millis(20),
@@ -388,6 +388,43 @@ async fn submit_and_submit_batch_send_each_tasks_group_key() {
     assert_eq!(one.group_key, "tenant-a");
     let keys: Vec<&str> = batch.tasks.iter().map(|t| t.group_key.as_str()).collect();
     assert_eq!(keys, ["tenant-b", ""], "none given: no group");
+}
+
+#[tokio::test]
+async fn a_spec_s_trace_is_sent_and_none_outside_a_trace() {
+    let (endpoint, fake) = serve(0).await;
+    let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
+    let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    client
+        .submit(TaskSpec::new("default").trace(traceparent, "vendor=abc"))
+        .await
+        .unwrap();
+    let specs = [
+        TaskSpec::new("default"),
+        TaskSpec::new("default").trace(traceparent, ""),
+    ];
+    client.submit_batch(&specs).await.unwrap();
+    client.submit(TaskSpec::new("default")).await.unwrap();
+    let calls = fake.calls();
+    let [
+        Call::Submit(one),
+        Call::SubmitBatch(batch),
+        Call::Submit(untraced),
+    ] = calls.as_slice()
+    else {
+        panic!("calls {calls:?}");
+    };
+    let trace = |tracestate: &str| {
+        Some(proto::TraceContext {
+            traceparent: traceparent.into(),
+            tracestate: tracestate.into(),
+            link: false,
+        })
+    };
+    assert_eq!(one.trace, trace("vendor=abc"));
+    assert_eq!(batch.tasks[0].trace, None, "no current span: no trace");
+    assert_eq!(batch.tasks[1].trace, trace(""));
+    assert_eq!(untraced.trace, None);
 }
 
 #[tokio::test]

@@ -8,6 +8,9 @@ mod client;
 #[cfg(test)]
 mod client_tests;
 mod error;
+mod otel;
+#[cfg(all(test, feature = "otel"))]
+mod otel_tests;
 mod transport;
 mod worker;
 #[cfg(test)]
@@ -20,6 +23,7 @@ pub use client::{
     new_request_id,
 };
 pub use error::{Error, RpcError, code_name};
+pub use otel::TRACER_NAME;
 pub use tokio_util::sync::CancellationToken;
 pub use tonic::Code;
 pub use transport::{
@@ -32,4 +36,4 @@ pub mod proto {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("cronoq.v1");
 }
-pub use worker::{TaskError, TaskResult, Worker, WorkerOptions};
+pub use worker::{TaskContext, TaskError, TaskResult, Worker, WorkerOptions};

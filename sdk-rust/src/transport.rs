@@ -64,9 +64,10 @@ impl RetryConfig {
 /// new row of failures (the backoff from `initial_backoff` again; `max_elapsed` bounds a row).
 pub(crate) const HEALTHY_STREAM: Duration = Duration::from_secs(5);
 
-/// A row of failed attempts at one thing (a registration, a Work stream): the delay before the
-/// next attempt ([`RetryConfig::backoff`]), and one log line when the row starts and one when
-/// it ends, not one per attempt.
+/// A row of failed attempts at one thing of a worker (a registration, a Work stream): the
+/// delay before the next attempt ([`RetryConfig::backoff`]), and one log line when the row
+/// starts and one when it ends, not one per attempt (naming the worker's id, "" before its
+/// first registration).
 pub(crate) struct FailureRow {
     retry: RetryConfig,
     what: &'static str,
@@ -83,22 +84,23 @@ impl FailureRow {
     }
 
     /// Counts a failure; returns how long to wait before the next attempt.
-    pub(crate) fn failed(&mut self, err: &Error, endpoint: &Endpoint) -> Duration {
+    pub(crate) fn failed(&mut self, err: &Error, endpoint: &Endpoint, worker_id: &str) -> Duration {
         let delay = self.retry.backoff(self.failures);
         if self.failures == 0 {
-            tracing::warn!(error = %err, %endpoint, max_backoff = ?self.retry.max_backoff,
+            tracing::warn!(worker_id, error = %err, %endpoint, max_backoff = ?self.retry.max_backoff,
                 "cronoq: {} failed; retrying with backoff", self.what);
         } else {
-            tracing::debug!(error = %err, %endpoint, ?delay, "cronoq: {} failed again", self.what);
+            tracing::debug!(worker_id, error = %err, %endpoint, ?delay, "cronoq: {} failed again", self.what);
         }
         self.failures += 1;
         delay
     }
 
     /// The attempt worked (a stream: it was healthy): the next failure starts a new row.
-    pub(crate) fn succeeded(&mut self) {
+    pub(crate) fn succeeded(&mut self, worker_id: &str) {
         if self.failures > 0 {
             tracing::info!(
+                worker_id,
                 failed_attempts = self.failures,
                 "cronoq: {} works again",
                 self.what

@@ -4,6 +4,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::future::Future;
+use std::ops::Deref;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -19,6 +20,7 @@ use tonic::transport::Channel;
 
 use crate::client::{JSON_CONTENT_TYPE, Task};
 use crate::error::Error;
+use crate::otel::{Ended, TaskSpan};
 use crate::proto;
 use crate::proto::task_outcome::Outcome;
 use crate::proto::worker_service_client::WorkerServiceClient;
@@ -32,9 +34,14 @@ const MAX_HELD: usize = 100_000;
 const MIB: u64 = 1 << 20;
 const DEFAULT_MAX_RESULT_BYTES: u64 = 4 * MIB;
 const DEFAULT_MAX_LEASE_BYTES: u64 = 16 * MIB;
+/// An older server's (it sends no max_checkpoint_bytes).
+const DEFAULT_MAX_CHECKPOINT_BYTES: u64 = 256 * 1024;
+const MAX_PROGRESS_MESSAGE_BYTES: usize = 1024;
 /// Room left under the message limit for what a message carries besides tasks or outcomes.
 const MAX_REQUEST_BYTES: u64 = MAX_MESSAGE_BYTES as u64 - MIB;
 const MIN_LEASE_BYTES: u64 = MIB;
+/// An outcome's or a report's tag and length prefix, and the message's.
+const FRAMING: u64 = 16;
 const RELEASE_REASON: &str = "worker shut down";
 /// After the shutdown grace: how long cancelled handlers get to return.
 const UNWIND_TIME: Duration = Duration::from_secs(1);
@@ -93,15 +100,20 @@ impl From<()> for TaskResult {
 
 /// A handler's failure: the attempt fails, retried with backoff while attempts remain
 /// unless it is non-retryable. Any `std::error::Error` converts into a retryable one, so
-/// `?` works in handlers.
+/// `?` works in handlers. Or a snooze ([`TaskError::snooze`]): not now, the task runs again
+/// later, and the attempt does not count.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TaskError {
-    /// Stored as the task's error.
+    /// Stored as the task's error (a snooze's reason).
     pub message: String,
     /// False ends the task FAILED whatever attempts remain.
     pub retryable: bool,
     /// Overrides the pool's backoff before the next attempt.
     pub retry_after: Option<Duration>,
+    /// Set: the task is snoozed for this long (whole milliseconds, at most `u32::MAX`: a
+    /// longer one fails the attempt instead) rather than failed; `retryable` and
+    /// `retry_after` are not used.
+    pub snooze: Option<Duration>,
 }
 
 impl TaskError {
@@ -111,6 +123,7 @@ impl TaskError {
             message: message.to_string(),
             retryable: true,
             retry_after: None,
+            snooze: None,
         }
     }
 
@@ -129,6 +142,17 @@ impl TaskError {
             ..TaskError::retryable(message)
         }
     }
+
+    /// Not now: the task is PENDING again, due after `delay` (rounded down to whole
+    /// milliseconds; zero: at once), and the attempt does not count (the task's `snoozes`
+    /// grows by one). A delay over `u32::MAX` milliseconds (about 49.7 days) fails the
+    /// attempt instead, saying so.
+    pub fn snooze(delay: Duration, reason: impl fmt::Display) -> TaskError {
+        TaskError {
+            snooze: Some(delay),
+            ..TaskError::retryable(reason)
+        }
+    }
 }
 
 impl fmt::Display for TaskError {
@@ -143,8 +167,190 @@ impl<E: std::error::Error> From<E> for TaskError {
     }
 }
 
+/// What a handler gets: the task as leased (through `Deref`: `ctx.id`, `ctx.attempt`,
+/// `cronoq::decode_payload(&ctx)`), and the reports it makes while it runs: its progress and
+/// its checkpoint, which the worker's next heartbeat carries (the last of each; what no
+/// heartbeat got acknowledged goes with the outcome). Cheap to clone; usable from any thread
+/// or task while the handler runs (a report made after it returned is not sent).
+#[derive(Debug, Clone)]
+pub struct TaskContext {
+    task: Arc<Task>,
+    max_checkpoint_bytes: u64,
+    pending: Arc<Mutex<Pending>>,
+}
+
+impl TaskContext {
+    fn new(task: Task, max_checkpoint_bytes: u64) -> TaskContext {
+        TaskContext {
+            task: Arc::new(task),
+            max_checkpoint_bytes,
+            pending: Arc::default(),
+        }
+    }
+
+    /// The task as leased.
+    pub fn task(&self) -> &Task {
+        &self.task
+    }
+
+    /// How many times a handler snoozed the task ([`TaskError::snooze`]).
+    pub fn snoozes(&self) -> i32 {
+        self.task.snoozes
+    }
+
+    /// The task's checkpoint: the last one saved, by this handler or else by an earlier
+    /// attempt's (as leased); None when it has none (empty).
+    pub fn checkpoint(&self) -> Option<Vec<u8>> {
+        let pending = self.pending.lock().unwrap();
+        let current = pending.saved.as_ref().unwrap_or(&self.task.checkpoint);
+        (!current.is_empty()).then(|| current.clone())
+    }
+
+    /// Reports the handler's progress: a finite `value` (commonly a fraction from 0 to 1) and
+    /// a message of at most 1,024 bytes with no control character (one line), else
+    /// `Error::InvalidArgument` and nothing is recorded. Kept with the task (`Task.progress`) once a heartbeat carries it.
+    pub fn report_progress(&self, value: f64, message: &str) -> Result<(), Error> {
+        if !value.is_finite() {
+            return Err(Error::InvalidArgument(format!(
+                "progress: value {value} is not a finite number"
+            )));
+        }
+        if message.len() > MAX_PROGRESS_MESSAGE_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "progress: message of {} bytes, more than {MAX_PROGRESS_MESSAGE_BYTES}",
+                message.len()
+            )));
+        }
+        if let Some(bad) = message.chars().find(|c| c.is_control()) {
+            // The server refuses them (they forge log lines): refused here, where it is seen.
+            return Err(Error::InvalidArgument(format!(
+                "progress: control character {bad:?} in the message"
+            )));
+        }
+        let mut pending = self.pending.lock().unwrap();
+        pending.version += 1;
+        let progress = proto::TaskProgress {
+            value,
+            message: message.to_string(),
+            updated_at: None,
+        };
+        pending.progress = Some((progress, pending.version));
+        Ok(())
+    }
+
+    /// Saves the task's checkpoint (empty: none), which the next attempt gets if this one
+    /// does not end the task: at most the server's max_checkpoint_bytes (256 KiB by
+    /// default), else `Error::InvalidArgument` and nothing is recorded.
+    pub fn save_checkpoint(&self, data: impl Into<Vec<u8>>) -> Result<(), Error> {
+        let data = data.into();
+        if data.len() as u64 > self.max_checkpoint_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "checkpoint: {} bytes, more than max_checkpoint_bytes {}",
+                data.len(),
+                self.max_checkpoint_bytes
+            )));
+        }
+        let mut pending = self.pending.lock().unwrap();
+        pending.version += 1;
+        pending.saved = Some(data);
+        pending.saved_version = Some(pending.version);
+        Ok(())
+    }
+}
+
+/// A context outside a worker, as a handler's tests need: its reports go nowhere (the last
+/// checkpoint saved is still its `checkpoint()`), and a checkpoint may have up to 256 KiB.
+impl From<Task> for TaskContext {
+    fn from(task: Task) -> TaskContext {
+        TaskContext::new(task, DEFAULT_MAX_CHECKPOINT_BYTES)
+    }
+}
+
+impl Deref for TaskContext {
+    type Target = Task;
+
+    fn deref(&self) -> &Task {
+        &self.task
+    }
+}
+
+/// A running handler's reports the server has not acknowledged: the latest of each, with
+/// the version it was made at.
+#[derive(Debug, Default)]
+struct Pending {
+    /// Counts the reports: a heartbeat's answer drops what it carried only when no newer
+    /// report replaced it since.
+    version: u64,
+    progress: Option<(proto::TaskProgress, u64)>,
+    /// The checkpoint last saved (None: none saved, the one leased holds).
+    saved: Option<Vec<u8>>,
+    /// The version of `saved` while it is not acknowledged.
+    saved_version: Option<u64>,
+}
+
+impl Pending {
+    /// The report a heartbeat carries, and what it carried; None when nothing is pending.
+    fn to_send(
+        &self,
+        task_id: u64,
+        attempt: i32,
+        seq: u64,
+    ) -> Option<(proto::TaskReport, Carried)> {
+        if self.progress.is_none() && self.saved_version.is_none() {
+            return None;
+        }
+        let report = proto::TaskReport {
+            task_id,
+            attempt,
+            progress: self.progress.as_ref().map(|(p, _)| p.clone()),
+            checkpoint: self.saved_version.and(self.saved.clone()),
+        };
+        let carried = Carried {
+            task_id,
+            seq,
+            progress: self.progress.as_ref().map(|(_, v)| *v),
+            checkpoint: self.saved_version,
+        };
+        Some((report, carried))
+    }
+
+    /// A heartbeat that carried these versions was answered: they are the server's.
+    fn acknowledged(&mut self, carried: &Carried) {
+        if self.progress.as_ref().map(|(_, v)| *v) == carried.progress {
+            self.progress = None;
+        }
+        if self.saved_version == carried.checkpoint {
+            self.saved_version = None;
+        }
+    }
+
+    /// Everything pending, for the outcome (nothing is pending after).
+    fn take(&mut self, task_id: u64, attempt: i32) -> Option<proto::TaskReport> {
+        let progress = self.progress.take().map(|(p, _)| p);
+        let checkpoint = self.saved_version.take().and(self.saved.clone());
+        if progress.is_none() && checkpoint.is_none() {
+            return None;
+        }
+        Some(proto::TaskReport {
+            task_id,
+            attempt,
+            progress,
+            checkpoint,
+        })
+    }
+}
+
+/// The versions of one task's report a heartbeat carried.
+struct Carried {
+    task_id: u64,
+    /// The handler's (Running.seq).
+    seq: u64,
+    progress: Option<u64>,
+    checkpoint: Option<u64>,
+}
+
 type HandlerFuture = Pin<Box<dyn Future<Output = Result<TaskResult, TaskError>> + Send>>;
-type Handler = Arc<dyn Fn(Task, CancellationToken) -> HandlerFuture + Send + Sync>;
+type Handler = Arc<dyn Fn(TaskContext, CancellationToken) -> HandlerFuture + Send + Sync>;
 
 /// Configures a [`Worker`]: `WorkerOptions::new(options, ["pool"])` and the setters.
 #[derive(Debug, Clone)]
@@ -224,6 +430,7 @@ impl WorkerOptions {
 struct Running {
     seq: u64,
     attempt: i32,
+    pool: String,
     token: CancellationToken,
     /// The server asked: report it cancelled.
     cancel_requested: bool,
@@ -231,6 +438,8 @@ struct Running {
     releasing: bool,
     /// No longer ours: report nothing.
     lost: bool,
+    /// The handler's reports (its TaskContext's).
+    pending: Arc<Mutex<Pending>>,
 }
 
 /// A task received while every slot was taken (prefetched): it starts when a handler ends.
@@ -242,7 +451,7 @@ struct Held {
 
 /// A task to start once the state's lock is released.
 struct Start {
-    task: Task,
+    ctx: TaskContext,
     token: CancellationToken,
     seq: u64,
     /// When its handler is cancelled as timed out.
@@ -254,13 +463,16 @@ struct State {
     heartbeat: Duration,
     max_result_bytes: u64,
     lease_bytes: u64,
+    max_checkpoint_bytes: u64,
     running: HashMap<u64, Running>,
     /// Received, not started: oldest first. Never empty while a slot is free (unless stopping).
     held: VecDeque<Held>,
     /// Reported, not yet answered.
-    unacked: HashMap<u64, proto::TaskOutcome>,
+    unacked: HashMap<u64, Unacked>,
     /// Not yet sent on the current stream.
     outcomes: Vec<proto::TaskOutcome>,
+    /// The reports each heartbeat on the current stream carried, oldest first, until answered.
+    beats: VecDeque<Vec<Carried>>,
     /// Tasks that left the worker's hands (handler ended, held task dropped), not yet given
     /// back as credits.
     freed: u32,
@@ -271,14 +483,24 @@ struct State {
     processed: u64,
 }
 
+/// An outcome reported and not yet answered, and its task's pool (for the logs).
+struct Unacked {
+    outcome: proto::TaskOutcome,
+    pool: String,
+}
+
 impl State {
     /// Stopping, and nothing left to run or to report.
     fn finished(&self) -> bool {
         self.stopping && self.running.is_empty() && self.held.is_empty() && self.unacked.is_empty()
     }
 
-    fn report(&mut self, outcome: proto::TaskOutcome) {
-        self.unacked.insert(outcome.task_id, outcome.clone());
+    fn report(&mut self, outcome: proto::TaskOutcome, pool: &str) {
+        let unacked = Unacked {
+            outcome: outcome.clone(),
+            pool: pool.to_string(),
+        };
+        self.unacked.insert(outcome.task_id, unacked);
         self.outcomes.push(outcome);
     }
 
@@ -298,18 +520,25 @@ impl State {
             self.freed += 1;
             if lost.contains(&h.task.id) {
                 tracing::warn!(
-                    task_id = h.task.id,
+                    worker_id = %self.worker_id,
+                    task_id = %h.task.id,
+                    attempt = h.task.attempt,
+                    pool = %h.task.pool,
                     "cronoq: held task lost its lease before it started; it is not run"
                 );
                 continue;
             }
-            self.report(proto::TaskOutcome {
-                task_id: h.task.id,
-                attempt: h.task.attempt,
-                outcome: Some(Outcome::Cancelled(proto::TaskCancelled {
-                    reason: "cancelled".to_string(),
-                })),
-            });
+            self.report(
+                proto::TaskOutcome {
+                    task_id: h.task.id,
+                    attempt: h.task.attempt,
+                    outcome: Some(Outcome::Cancelled(proto::TaskCancelled {
+                        reason: "cancelled".to_string(),
+                    })),
+                    report: None,
+                },
+                &h.task.pool,
+            );
         }
     }
 
@@ -317,13 +546,14 @@ impl State {
     fn release_held(&mut self) {
         if !self.held.is_empty() {
             tracing::info!(
+                worker_id = %self.worker_id,
                 tasks = self.held.len(),
                 "cronoq: releasing held tasks that have not started"
             );
         }
         while let Some(h) = self.held.pop_front() {
             self.freed += 1;
-            self.report(released(h.task.id, h.task.attempt));
+            self.report(released(h.task.id, h.task.attempt), &h.task.pool);
         }
     }
 }
@@ -364,6 +594,7 @@ fn released(id: u64, attempt: i32) -> proto::TaskOutcome {
         outcome: Some(Outcome::Released(proto::TaskReleased {
             reason: RELEASE_REASON.to_string(),
         })),
+        report: None,
     }
 }
 
@@ -376,13 +607,14 @@ fn transient_stream(err: &Error) -> bool {
 }
 
 impl Worker {
-    /// Checks the options and returns a worker that runs `handler` for each task. The
-    /// handler's token is cancelled when the task's cancellation is requested (the task ends
-    /// CANCELLED), when its timeout passes, when its lease is lost, or when the worker stops
-    /// and the shutdown grace has passed (the task is given back to the server).
+    /// Checks the options and returns a worker that runs `handler` for each task, given as a
+    /// [`TaskContext`]. The handler's token is cancelled when the task's cancellation is
+    /// requested (the task ends CANCELLED), when its timeout passes, when its lease is lost,
+    /// or when the worker stops and the shutdown grace has passed (the task is given back to
+    /// the server).
     pub fn new<F, Fut, R>(opts: WorkerOptions, handler: F) -> Result<Worker, Error>
     where
-        F: Fn(Task, CancellationToken) -> Fut + Send + Sync + 'static,
+        F: Fn(TaskContext, CancellationToken) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<R, TaskError>> + Send + 'static,
         R: Into<TaskResult>,
     {
@@ -407,8 +639,8 @@ impl Worker {
             )));
         }
         let conn = Connection::new(&opts.options)?;
-        let handler: Handler = Arc::new(move |task, token| {
-            let fut = handler(task, token);
+        let handler: Handler = Arc::new(move |ctx, token| {
+            let fut = handler(ctx, token);
             Box::pin(async move { fut.await.map(Into::into) })
         });
         Ok(Worker {
@@ -425,10 +657,12 @@ impl Worker {
                     heartbeat: Duration::from_secs(10),
                     max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
                     lease_bytes: DEFAULT_MAX_LEASE_BYTES,
+                    max_checkpoint_bytes: DEFAULT_MAX_CHECKPOINT_BYTES,
                     running: HashMap::new(),
                     held: VecDeque::new(),
                     unacked: HashMap::new(),
                     outcomes: Vec::new(),
+                    beats: VecDeque::new(),
                     freed: 0,
                     beat_due: false,
                     stopping: false,
@@ -553,7 +787,7 @@ impl Shared {
             };
             match result {
                 Ok(resp) => {
-                    row.succeeded();
+                    row.succeeded(&self.id());
                     self.registered(resp);
                     return Ok(true);
                 }
@@ -575,7 +809,7 @@ impl Shared {
                             chain.join(" -> ")
                         )));
                     }
-                    tracing::info!(shard = err.shard(), endpoint = err.shard_endpoint(), pools = ?self.opts.pools,
+                    tracing::info!(worker_id = %self.id(), shard = err.shard(), endpoint = err.shard_endpoint(), pools = ?self.opts.pools,
                         "cronoq: reconnecting to the shard of the worker's pools");
                     self.conn.follow(err.shard_endpoint())?;
                 }
@@ -587,7 +821,7 @@ impl Shared {
                         redirects = 0;
                         chain = vec![self.conn.endpoint().to_string()];
                     }
-                    let delay = row.failed(&err, &self.conn.endpoint());
+                    let delay = row.failed(&err, &self.conn.endpoint(), &self.id());
                     tokio::select! {
                         _ = tokio::time::sleep(delay) => {}
                         _ = self.stop.cancelled() => return Ok(false),
@@ -608,6 +842,9 @@ impl Shared {
             or_default(resp.max_result_bytes, DEFAULT_MAX_RESULT_BYTES).min(MAX_REQUEST_BYTES);
         st.lease_bytes =
             or_default(resp.max_lease_bytes, DEFAULT_MAX_LEASE_BYTES).min(MAX_REQUEST_BYTES);
+        st.max_checkpoint_bytes =
+            or_default(resp.max_checkpoint_bytes, DEFAULT_MAX_CHECKPOINT_BYTES)
+                .min(MAX_REQUEST_BYTES);
     }
 
     async fn deregister(&self) {
@@ -678,10 +915,17 @@ impl Shared {
                     continue;
                 }
                 tracing::warn!(
-                    task_id = id,
+                    worker_id = %st.worker_id,
+                    task_id = %id,
+                    attempt = r.attempt,
+                    pool = %r.pool,
                     "cronoq: handler ignores cancellation; releasing the task"
                 );
-                st.report(released(id, r.attempt));
+                let outcome = proto::TaskOutcome {
+                    report: r.pending.lock().unwrap().take(id, r.attempt),
+                    ..released(id, r.attempt)
+                };
+                st.report(outcome, &r.pool);
             }
         }
     }
@@ -719,7 +963,7 @@ impl Shared {
                 return Ok(()); // the graceful stop's time is up
             }
             if answered || opened.elapsed() >= HEALTHY_STREAM {
-                row.succeeded();
+                row.succeeded(&self.id());
             }
             if self.is_finished() {
                 return Ok(());
@@ -757,11 +1001,11 @@ impl Shared {
                         let mut st = self.st.lock().unwrap();
                         st.lease_bytes = (st.lease_bytes / 2).max(MIN_LEASE_BYTES);
                     }
-                    tracing::error!(error = %err, "cronoq: work stream failed; opening it again with a smaller max_bytes");
+                    tracing::error!(worker_id = %self.id(), error = %err, "cronoq: work stream failed; opening it again with a smaller max_bytes");
                     err
                 }
             };
-            let pause = row.failed(&err, &self.conn.endpoint());
+            let pause = row.failed(&err, &self.conn.endpoint(), &self.id());
             tokio::select! {
                 _ = tokio::time::sleep(pause) => {}
                 _ = calls.cancelled() => return Ok(()),
@@ -787,8 +1031,9 @@ impl Shared {
         let mut answered = false;
         let (first, resend) = {
             let mut st = self.st.lock().unwrap();
-            let unanswered: Vec<_> = st.unacked.values().cloned().collect(); // what an earlier stream did not answer
+            let unanswered: Vec<_> = st.unacked.values().map(|u| u.outcome.clone()).collect(); // what an earlier stream did not answer
             st.outcomes = unanswered;
+            st.beats.clear(); // their reports are still pending: the next heartbeat carries them
             st.freed = 0;
             st.closed = false;
             let free = if st.stopping {
@@ -916,11 +1161,24 @@ impl Shared {
         }
         if std::mem::take(&mut st.beat_due) {
             let mut beat = proto::WorkHeartbeat::default();
+            let mut carried = Vec::new();
+            // The reports the message has room for; the others wait for the next heartbeat.
+            let mut room = MAX_REQUEST_BYTES.saturating_sub(m.encoded_len() as u64);
             for (id, r) in &st.running {
                 beat.tasks.push(proto::TaskAttempt {
                     task_id: *id,
                     attempt: r.attempt,
                 });
+                let Some((report, c)) = r.pending.lock().unwrap().to_send(*id, r.attempt, r.seq)
+                else {
+                    continue;
+                };
+                let size = report.encoded_len() as u64 + FRAMING;
+                if size <= room {
+                    room -= size;
+                    beat.reports.push(report);
+                    carried.push(c);
+                }
             }
             // Held tasks too: their leases must not expire while they wait.
             for h in &st.held {
@@ -929,14 +1187,15 @@ impl Shared {
                     attempt: h.task.attempt,
                 });
             }
-            for (id, o) in &st.unacked {
+            for (id, u) in &st.unacked {
                 if !st.running.contains_key(id) {
                     beat.tasks.push(proto::TaskAttempt {
                         task_id: *id,
-                        attempt: o.attempt,
+                        attempt: u.outcome.attempt,
                     });
                 }
             }
+            st.beats.push_back(carried);
             m.heartbeat = Some(beat);
         }
         if !st.outcomes.is_empty() {
@@ -954,18 +1213,33 @@ impl Shared {
         {
             let mut st = self.st.lock().unwrap();
             for r in &answer.results {
-                if st.unacked.remove(&r.task_id).is_some() {
+                let unacked = st.unacked.remove(&r.task_id);
+                if unacked.is_some() {
                     st.processed += 1;
                 }
                 if !r.accepted {
-                    tracing::warn!(task_id = r.task_id, code = %r.code, message = %r.message, "cronoq: outcome refused");
+                    let (attempt, pool) = unacked
+                        .as_ref()
+                        .map_or((None, None), |u| (Some(u.outcome.attempt), Some(&u.pool)));
+                    tracing::warn!(
+                        worker_id = %st.worker_id,
+                        task_id = %r.task_id,
+                        attempt,
+                        pool = pool.map(String::as_str),
+                        code = %r.code,
+                        error = %r.message,
+                        "cronoq: outcome refused"
+                    );
                 }
             }
             for task in answer.tasks {
                 if st.closed {
                     // Sent as the stream closed: the server releases it, as nothing can be sent.
                     tracing::debug!(
-                        task_id = task.id,
+                        worker_id = %st.worker_id,
+                        task_id = %task.id,
+                        attempt = task.attempt,
+                        pool = %task.pool,
                         "cronoq: task arrived after the work stream closed; the server releases it"
                     );
                     continue;
@@ -973,7 +1247,7 @@ impl Shared {
                 if st.stopping {
                     // Sent for slots given before the stop: give it back.
                     st.freed += 1;
-                    st.report(released(task.id, task.attempt));
+                    st.report(released(task.id, task.attempt), &task.pool);
                     continue;
                 }
                 st.held.push_back(Held {
@@ -983,16 +1257,29 @@ impl Shared {
             }
             to_start = self.fill_slots(&mut st);
             if let Some(beat) = &answer.heartbeat {
+                // It answers the oldest heartbeat unanswered, or a later one (the server may
+                // answer several at once), which carried the same reports or newer ones.
+                for c in st.beats.pop_front().unwrap_or_default() {
+                    if let Some(r) = st.running.get(&c.task_id).filter(|r| r.seq == c.seq) {
+                        r.pending.lock().unwrap().acknowledged(&c);
+                    }
+                }
                 for id in &beat.cancelled_task_ids {
                     if let Some(r) = st.running.get_mut(id) {
                         r.cancel_requested = true;
                         r.token.cancel();
                     }
                 }
+                let State {
+                    worker_id, running, ..
+                } = &mut *st;
                 for id in &beat.lost_task_ids {
-                    if let Some(r) = st.running.get_mut(id) {
+                    if let Some(r) = running.get_mut(id) {
                         tracing::warn!(
-                            task_id = id,
+                            worker_id = %worker_id,
+                            task_id = %id,
+                            attempt = r.attempt,
+                            pool = %r.pool,
                             "cronoq: task lost its lease; its outcome will not be reported"
                         );
                         r.lost = true;
@@ -1023,7 +1310,7 @@ impl Shared {
             };
             if deadline.is_some_and(|d| d <= Instant::now()) {
                 st.freed += 1;
-                st.report(proto::TaskOutcome {
+                let outcome = proto::TaskOutcome {
                     task_id: task.id,
                     attempt: task.attempt,
                     outcome: Some(failure(
@@ -1031,24 +1318,29 @@ impl Shared {
                         true,
                         None,
                     )),
-                });
+                    report: None,
+                };
+                st.report(outcome, &task.pool);
                 continue;
             }
             let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
             let token = CancellationToken::new();
+            let ctx = TaskContext::new(task, st.max_checkpoint_bytes);
             st.running.insert(
-                task.id,
+                ctx.id,
                 Running {
                     seq,
-                    attempt: task.attempt,
+                    attempt: ctx.attempt,
+                    pool: ctx.pool.clone(),
                     token: token.clone(),
                     cancel_requested: false,
                     releasing: false,
                     lost: false,
+                    pending: ctx.pending.clone(),
                 },
             );
             to_start.push(Start {
-                task,
+                ctx,
                 token,
                 seq,
                 deadline,
@@ -1066,13 +1358,17 @@ impl Shared {
     /// Runs one attempt and reports its outcome; the oldest held task takes its slot.
     async fn execute(self: Arc<Self>, start: Start) {
         let Start {
-            task,
+            ctx,
             token,
             seq,
             deadline,
         } = start;
-        let (id, attempt, timeout_ms) = (task.id, task.attempt, task.timeout_ms);
-        let mut handle = tokio::spawn((self.handler)(task, token.clone()));
+        let (id, attempt, timeout_ms) = (ctx.id, ctx.attempt, ctx.timeout_ms);
+        let pool = ctx.pool.clone();
+        // The handler runs with the task's span current (with the `otel` feature).
+        let span = TaskSpan::start(&ctx);
+        let handler = span.in_scope(|| (self.handler)(ctx, token.clone()));
+        let mut handle = tokio::spawn(span.instrument(handler));
         let mut timed_out = false;
         let joined = if let Some(deadline) = deadline {
             // The server never extends the lease past the attempt's deadline, which counts
@@ -1088,24 +1384,46 @@ impl Shared {
         } else {
             handle.await
         };
-        let (running, max_result, to_start) = {
+        let (running, report, max_result, to_start, worker_id, stopping) = {
             let mut st = self.st.lock().unwrap();
             let running = match st.running.get(&id) {
                 Some(r) if r.seq == seq => st.running.remove(&id),
                 _ => None,
             };
+            // What no heartbeat's answer acknowledged goes with the outcome.
+            let report = running
+                .as_ref()
+                .and_then(|r| r.pending.lock().unwrap().take(id, attempt));
             if running.is_some() {
                 st.freed += 1;
             }
             // In the same lock as the slot frees: a task arriving now is held or started,
             // never both, and never beyond concurrency.
             let to_start = self.fill_slots(&mut st);
-            (running, st.max_result_bytes, to_start)
+            let worker_id = st.worker_id.clone();
+            (
+                running,
+                report,
+                st.max_result_bytes,
+                to_start,
+                worker_id,
+                st.stopping,
+            )
         };
         self.start(to_start);
-        let Some(running) = running.filter(|r| !r.lost) else {
-            self.wake.notify_one(); // no longer ours (or released already at shutdown)
-            return;
+        let running = match running {
+            Some(r) if !r.lost => r,
+            lost => {
+                // No longer ours: its lease was lost, or the graceful stop released it already
+                // (its handler ignored the cancellation).
+                span.end(if lost.is_none() && stopping {
+                    Ended::Released
+                } else {
+                    Ended::Lost
+                });
+                self.wake.notify_one();
+                return;
+            }
         };
         let outcome = match joined {
             Ok(Ok(result)) if result.data.len() as u64 > max_result => failure(
@@ -1127,17 +1445,32 @@ impl Shared {
                 reason: RELEASE_REASON.to_string(),
             }),
             _ if timed_out => failure(format!("timed out after {timeout_ms} ms"), true, None),
+            Ok(Err(TaskError {
+                message,
+                snooze: Some(delay),
+                ..
+            })) => snoozed(delay, message),
             Ok(Err(e)) => failure(e.message, e.retryable, e.retry_after),
             Err(join) => {
-                tracing::error!(task_id = id, error = %join, "cronoq: handler panicked");
+                tracing::error!(worker_id = %worker_id, task_id = %id, attempt, pool = %pool, error = %join,
+                    "cronoq: handler panicked");
                 failure(format!("panic: {join}"), true, None)
             }
         };
-        self.st.lock().unwrap().report(proto::TaskOutcome {
+        span.end(match &outcome {
+            Outcome::Success(_) => Ended::Success,
+            Outcome::Failure(f) => Ended::Failure(&f.error),
+            Outcome::Snoozed(_) => Ended::Snoozed,
+            Outcome::Cancelled(_) => Ended::Cancelled,
+            Outcome::Released(_) => Ended::Released,
+        });
+        let outcome = proto::TaskOutcome {
             task_id: id,
             attempt,
             outcome: Some(outcome),
-        });
+            report,
+        };
+        self.st.lock().unwrap().report(outcome, &pool);
         self.wake.notify_one();
     }
 
@@ -1166,10 +1499,25 @@ fn failure(message: String, retryable: bool, after: Option<Duration>) -> Outcome
     })
 }
 
+/// A snoozed attempt: due again after `delay`, or failed when it is longer than a snooze may be.
+fn snoozed(delay: Duration, reason: String) -> Outcome {
+    match u32::try_from(delay.as_millis()) {
+        Ok(snooze_ms) => Outcome::Snoozed(proto::TaskSnoozed { snooze_ms, reason }),
+        Err(_) => failure(
+            format!(
+                "snooze of {} ms: at most {} ms ({reason})",
+                delay.as_millis(),
+                u32::MAX
+            ),
+            true,
+            None,
+        ),
+    }
+}
+
 /// The oldest outcomes that fit one message: at most MAX_FINISH_BATCH and
 /// MAX_REQUEST_BYTES serialized (one always goes, alone if need be).
 fn next_batch(outcomes: &mut Vec<proto::TaskOutcome>) -> Vec<proto::TaskOutcome> {
-    const FRAMING: u64 = 16; // an outcome's tag and length prefix, and the message's
     let mut size = FRAMING;
     let mut n = 0;
     for o in outcomes.iter() {

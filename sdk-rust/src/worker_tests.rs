@@ -12,31 +12,51 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::proto;
 use crate::proto::worker_service_server::{WorkerService, WorkerServiceServer};
 use crate::{
-    CancellationToken, Options, RetryConfig, Task, TaskError, TaskResult, Worker, WorkerOptions,
+    CancellationToken, Options, RetryConfig, Task, TaskContext, TaskError, TaskResult, Worker,
+    WorkerOptions,
 };
 
 #[derive(Default)]
-struct Recorded {
+pub(crate) struct Recorded {
     /// Every WorkRequest received, per stream.
     streams: Vec<Vec<proto::WorkRequest>>,
     registrations: usize,
     deregistered: bool,
+    /// The answers sent with `heartbeat` set.
+    beats_answered: usize,
 }
 
 /// Hands out `tasks` as credits allow, answering heartbeats that name an id of `cancel` or
-/// `lose` with it cancelled or lost; the first stream ends with UNAVAILABLE, unanswered,
-/// once it has received `break_first_after_outcomes` outcomes (0: never). With
-/// `refuse_streams`, every stream is answered UNAVAILABLE on its first message; with
-/// `redirect_to`, RegisterWorker is refused with that shard endpoint.
+/// `lose` with it cancelled or lost, and refusing the outcomes of the ids of `refuse`; the first stream ends with UNAVAILABLE, unanswered,
+/// once it has received `break_first_after_outcomes` outcomes (0: never), or with
+/// `break_first_on_report` a heartbeat carrying a report. With `refuse_streams`, every
+/// stream is answered UNAVAILABLE on its first message; with `redirect_to`, RegisterWorker
+/// is refused with that shard endpoint. A heartbeat is answered after `beat_delay`, or never
+/// with `silent_beats` (its message is answered without it).
 #[derive(Default)]
-struct FakeShard {
+pub(crate) struct FakeShard {
     tasks: Mutex<Vec<Task>>,
     cancel: Vec<u64>,
     lose: Vec<u64>,
+    refuse: Vec<u64>,
     break_first_after_outcomes: usize,
+    break_first_on_report: bool,
     refuse_streams: bool,
     redirect_to: Option<String>,
-    recorded: Arc<Mutex<Recorded>>,
+    max_checkpoint_bytes: u64,
+    beat_delay: Duration,
+    silent_beats: bool,
+    pub(crate) recorded: Arc<Mutex<Recorded>>,
+}
+
+impl FakeShard {
+    /// A shard that hands out these tasks and accepts everything.
+    pub(crate) fn with_tasks(tasks: Vec<Task>) -> FakeShard {
+        FakeShard {
+            tasks: Mutex::new(tasks),
+            ..Default::default()
+        }
+    }
 }
 
 type WorkStream = Pin<Box<dyn Stream<Item = Result<proto::WorkResponse, Status>> + Send>>;
@@ -62,6 +82,7 @@ impl WorkerService for FakeShard {
             worker_id: "w1".into(),
             heartbeat_interval_ms: 100,
             shard: "default".into(),
+            max_checkpoint_bytes: self.max_checkpoint_bytes,
             ..Default::default()
         }))
     }
@@ -104,22 +125,30 @@ impl WorkerService for FakeShard {
         let pending: Vec<Task> = std::mem::take(&mut *self.tasks.lock().unwrap());
         let cancel = self.cancel.clone();
         let lose = self.lose.clone();
+        let refuse = self.refuse.clone();
         if self.refuse_streams {
             let _ = incoming.next().await;
             return Err(Status::unavailable("going away"));
         }
-        let break_after = if stream_index == 0 {
-            self.break_first_after_outcomes
+        let (break_after, break_on_report) = if stream_index == 0 {
+            (self.break_first_after_outcomes, self.break_first_on_report)
         } else {
-            0
+            (0, false)
         };
+        let (beat_delay, silent_beats) = (self.beat_delay, self.silent_beats);
         tokio::spawn(async move {
             let mut pending = pending.into_iter();
             let mut outcomes_seen = 0;
             while let Some(Ok(msg)) = incoming.next().await {
                 recorded.lock().unwrap().streams[stream_index].push(msg.clone());
                 outcomes_seen += msg.outcomes.len();
-                if break_after > 0 && outcomes_seen >= break_after {
+                let reported = msg
+                    .heartbeat
+                    .as_ref()
+                    .is_some_and(|b| !b.reports.is_empty());
+                if (break_after > 0 && outcomes_seen >= break_after)
+                    || (break_on_report && reported)
+                {
                     let _ = tx
                         .send(Err(Status::unavailable("fake: stream broken")))
                         .await;
@@ -130,15 +159,20 @@ impl WorkerService for FakeShard {
                     results: msg
                         .outcomes
                         .iter()
-                        .map(|o| proto::FinishTaskResult {
-                            task_id: o.task_id,
-                            accepted: true,
-                            ..Default::default()
+                        .map(|o| {
+                            let refused = refuse.contains(&o.task_id);
+                            proto::FinishTaskResult {
+                                task_id: o.task_id,
+                                accepted: !refused,
+                                code: if refused { "FAILED_PRECONDITION" } else { "" }.into(),
+                                message: if refused { "fake: stale attempt" } else { "" }.into(),
+                            }
                         })
                         .collect(),
                     heartbeat: None,
                 };
-                if let Some(beat) = &msg.heartbeat {
+                if let Some(beat) = msg.heartbeat.as_ref().filter(|_| !silent_beats) {
+                    tokio::time::sleep(beat_delay).await;
                     answer.heartbeat = Some(proto::HeartbeatResponse {
                         cancelled_task_ids: beat
                             .tasks
@@ -154,8 +188,12 @@ impl WorkerService for FakeShard {
                             .collect(),
                     });
                 }
+                let beat_answered = answer.heartbeat.is_some();
                 if tx.send(Ok(answer)).await.is_err() {
                     return;
+                }
+                if beat_answered {
+                    recorded.lock().unwrap().beats_answered += 1;
                 }
             }
         });
@@ -178,7 +216,7 @@ impl WorkerService for FakeShard {
     }
 }
 
-fn task(id: u64, sleep_ms: u64) -> Task {
+pub(crate) fn task(id: u64, sleep_ms: u64) -> Task {
     Task {
         id,
         attempt: 1,
@@ -190,7 +228,7 @@ fn task(id: u64, sleep_ms: u64) -> Task {
 }
 
 /// Starts the fake on a free loopback port; its endpoint.
-async fn serve(shard: FakeShard) -> String {
+pub(crate) async fn serve(shard: FakeShard) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(
@@ -201,7 +239,7 @@ async fn serve(shard: FakeShard) -> String {
     format!("http://{addr}")
 }
 
-fn options(endpoint: &str) -> Options {
+pub(crate) fn options(endpoint: &str) -> Options {
     Options::new(endpoint).retry(RetryConfig {
         initial_backoff: Duration::from_millis(10),
         max_backoff: Duration::from_millis(50),
@@ -210,7 +248,7 @@ fn options(endpoint: &str) -> Options {
 }
 
 /// Sleeps the payload's milliseconds (stopping when cancelled), then returns it.
-async fn sleeper(task: Task, cancelled: CancellationToken) -> Result<TaskResult, TaskError> {
+async fn sleeper(task: TaskContext, cancelled: CancellationToken) -> Result<TaskResult, TaskError> {
     let ms: u64 = crate::decode_payload(&task).map_err(TaskError::non_retryable)?;
     tokio::select! {
         _ = tokio::time::sleep(Duration::from_millis(ms)) => TaskResult::json(&ms),
@@ -219,7 +257,7 @@ async fn sleeper(task: Task, cancelled: CancellationToken) -> Result<TaskResult,
 }
 
 /// Runs the worker until `done` says so (or 10 s), then stops it; what the fake recorded.
-async fn run_until(
+pub(crate) async fn run_until(
     worker: Worker,
     recorded: Arc<Mutex<Recorded>>,
     done: impl Fn(&Recorded) -> bool,
@@ -241,7 +279,7 @@ async fn run_until(
     recorded
 }
 
-fn outcomes(rec: &Recorded) -> Vec<proto::TaskOutcome> {
+pub(crate) fn outcomes(rec: &Recorded) -> Vec<proto::TaskOutcome> {
     rec.streams
         .iter()
         .flatten()
@@ -442,7 +480,7 @@ type BoxedResult = Pin<Box<dyn std::future::Future<Output = Result<TaskResult, T
 /// `sleeper`, recording which tasks started and the most handlers running at once.
 fn tracking(
     seen: Arc<Mutex<Seen>>,
-) -> impl Fn(Task, CancellationToken) -> BoxedResult + Send + Sync + 'static {
+) -> impl Fn(TaskContext, CancellationToken) -> BoxedResult + Send + Sync + 'static {
     move |task, cancelled| {
         let seen = seen.clone();
         Box::pin(async move {
@@ -470,6 +508,7 @@ fn outcome_kinds(rec: &Recorded) -> Vec<(u64, &'static str)> {
                 Some(Outcome::Failure(_)) => "failure",
                 Some(Outcome::Cancelled(_)) => "cancelled",
                 Some(Outcome::Released(_)) => "released",
+                Some(Outcome::Snoozed(_)) => "snoozed",
                 None => "none",
             };
             (o.task_id, kind)
@@ -699,4 +738,537 @@ async fn a_held_task_lost_is_dropped_unreported_and_its_credit_given_back() {
         vec![2, 1, 1],
         "2 at first, then one for 2 lost, one for 1 done"
     );
+}
+
+/// Runs `handler` for the shard's tasks until each has an outcome; what the fake recorded.
+async fn run_tasks<F, Fut>(shard: FakeShard, handler: F) -> Arc<Mutex<Recorded>>
+where
+    F: Fn(TaskContext, CancellationToken) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<TaskResult, TaskError>> + Send + 'static,
+{
+    let n = shard.tasks.lock().unwrap().len();
+    let recorded = shard.recorded.clone();
+    let endpoint = serve(shard).await;
+    let worker = Worker::new(WorkerOptions::new(options(&endpoint), ["default"]), handler).unwrap();
+    run_until(worker, recorded, move |r| {
+        let ids: std::collections::HashSet<u64> = outcomes(r).iter().map(|o| o.task_id).collect();
+        ids.len() >= n
+    })
+    .await
+}
+
+/// The last outcome reported for the task.
+fn outcome_of(rec: &Recorded, task_id: u64) -> proto::TaskOutcome {
+    outcomes(rec)
+        .into_iter()
+        .rfind(|o| o.task_id == task_id)
+        .expect("an outcome")
+}
+
+/// The task's reports the heartbeats of these streams carried, in the order sent.
+fn beat_reports<'a>(
+    streams: impl IntoIterator<Item = &'a Vec<proto::WorkRequest>>,
+    task_id: u64,
+) -> Vec<proto::TaskReport> {
+    streams
+        .into_iter()
+        .flatten()
+        .filter_map(|m| m.heartbeat.as_ref())
+        .flat_map(|b| b.reports.iter().filter(|r| r.task_id == task_id).cloned())
+        .collect()
+}
+
+fn progress(value: f64, message: &str) -> Option<proto::TaskProgress> {
+    Some(proto::TaskProgress {
+        value,
+        message: message.into(),
+        updated_at: None,
+    })
+}
+
+fn report(
+    task_id: u64,
+    progress: Option<proto::TaskProgress>,
+    checkpoint: Option<&[u8]>,
+) -> Option<proto::TaskReport> {
+    Some(proto::TaskReport {
+        task_id,
+        attempt: 1,
+        progress,
+        checkpoint: checkpoint.map(<[u8]>::to_vec),
+    })
+}
+
+#[tokio::test]
+async fn a_snooze_is_reported_with_its_whole_milliseconds_and_reason() {
+    use proto::task_outcome::Outcome;
+    let tasks = (1..=4).map(|id| task(id, 0)).collect();
+    let rec = run_tasks(
+        FakeShard {
+            tasks: Mutex::new(tasks),
+            ..Default::default()
+        },
+        |ctx: TaskContext, _| async move {
+            let delay = match ctx.id {
+                1 => Duration::from_micros(1_500_999),
+                2 => Duration::ZERO,
+                3 => Duration::from_millis(u64::from(u32::MAX)),
+                _ => Duration::from_millis(u64::from(u32::MAX) + 1),
+            };
+            Err(TaskError::snooze(delay, "later"))
+        },
+    )
+    .await;
+    let rec = rec.lock().unwrap();
+    let snoozed = |snooze_ms| {
+        Some(Outcome::Snoozed(proto::TaskSnoozed {
+            snooze_ms,
+            reason: "later".into(),
+        }))
+    };
+    assert_eq!(outcome_of(&rec, 1).outcome, snoozed(1500), "rounded down");
+    assert_eq!(outcome_of(&rec, 2).outcome, snoozed(0), "due at once");
+    assert_eq!(outcome_of(&rec, 3).outcome, snoozed(u32::MAX));
+    let Some(Outcome::Failure(f)) = outcome_of(&rec, 4).outcome else {
+        panic!("a snooze over u32::MAX ms fails the attempt");
+    };
+    assert!(
+        f.retryable
+            && f.error
+                .contains("snooze of 4294967296 ms: at most 4294967295 ms"),
+        "{f:?}"
+    );
+}
+
+#[tokio::test]
+async fn invalid_reports_are_refused_and_record_nothing() {
+    let tasks = vec![task(1, 0), task(2, 0)];
+    let rec = run_tasks(
+        FakeShard {
+            tasks: Mutex::new(tasks),
+            max_checkpoint_bytes: 8,
+            ..Default::default()
+        },
+        |ctx: TaskContext, _| async move {
+            if ctx.id == 2 {
+                ctx.report_progress(1.0, &"é".repeat(512))?; // 1,024 bytes: the most
+                ctx.save_checkpoint(*b"12345678")?; // max_checkpoint_bytes
+                return Ok(TaskResult::none());
+            }
+            ctx.report_progress(0.5, "half")?;
+            ctx.save_checkpoint("kept")?;
+            let mut refused = Vec::new();
+            for value in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+                refused.push(ctx.report_progress(value, "bad").unwrap_err());
+            }
+            refused.push(ctx.report_progress(1.0, &"x".repeat(1025)).unwrap_err());
+            refused.push(ctx.save_checkpoint(vec![0; 9]).unwrap_err());
+            for control in ["line one\nline two", "tab\t", "del\u{7f}", "c1\u{85}"] {
+                refused.push(ctx.report_progress(1.0, control).unwrap_err());
+            }
+            let messages: Vec<String> = refused.iter().map(ToString::to_string).collect();
+            assert!(
+                refused
+                    .iter()
+                    .all(|e| matches!(e, crate::Error::InvalidArgument(_))),
+                "{refused:?}"
+            );
+            assert!(messages[0].contains("value NaN is not a finite number"));
+            assert!(messages[1].contains("value inf is not"));
+            assert!(messages[3].contains("message of 1025 bytes, more than 1024"));
+            assert!(messages[4].contains("9 bytes, more than max_checkpoint_bytes 8"));
+            assert!(
+                messages[5].contains(r"progress: control character '\n' in the message"),
+                "{}",
+                messages[5]
+            );
+            assert_eq!(ctx.checkpoint().as_deref(), Some(&b"kept"[..]));
+            Ok(TaskResult::none())
+        },
+    )
+    .await;
+    let rec = rec.lock().unwrap();
+    assert_eq!(
+        outcome_kinds(&rec),
+        vec![(1, "success"), (2, "success")],
+        "no assertion failed in the handler"
+    );
+    assert_eq!(
+        outcome_of(&rec, 1).report,
+        report(1, progress(0.5, "half"), Some(b"kept")),
+        "the last valid reports, those refused not recorded"
+    );
+    assert_eq!(
+        outcome_of(&rec, 2).report,
+        report(2, progress(1.0, &"é".repeat(512)), Some(b"12345678"))
+    );
+}
+
+#[tokio::test]
+async fn an_older_server_s_checkpoint_limit_is_256_kib() {
+    let rec = run_tasks(
+        FakeShard {
+            tasks: Mutex::new(vec![task(1, 0)]),
+            max_checkpoint_bytes: 0,
+            ..Default::default()
+        },
+        |ctx: TaskContext, _| async move {
+            let err = ctx.save_checkpoint(vec![7; 262_145]).unwrap_err();
+            if !err.message().contains("max_checkpoint_bytes 262144") {
+                return Err(TaskError::non_retryable(err));
+            }
+            ctx.save_checkpoint(vec![7; 262_144])?;
+            Ok(TaskResult::none())
+        },
+    )
+    .await;
+    let rec = rec.lock().unwrap();
+    let done = outcome_of(&rec, 1);
+    assert_eq!(outcome_kinds(&rec), vec![(1, "success")], "{done:?}");
+    assert_eq!(done.report.unwrap().checkpoint.unwrap().len(), 262_144);
+}
+
+#[tokio::test]
+async fn a_leased_task_s_checkpoint_and_snoozes_reach_its_handler() {
+    let resumed = Task {
+        snoozes: 3,
+        checkpoint: b"step-7".to_vec(),
+        ..task(1, 0)
+    };
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let saw = seen.clone();
+    let rec = run_tasks(
+        FakeShard {
+            tasks: Mutex::new(vec![resumed, task(2, 0)]),
+            ..Default::default()
+        },
+        move |ctx: TaskContext, _| {
+            let saw = saw.clone();
+            async move {
+                let leased = ctx.checkpoint();
+                ctx.save_checkpoint("step-8")?;
+                let saved = ctx.checkpoint();
+                ctx.save_checkpoint("")?;
+                let cleared = ctx.checkpoint();
+                saw.lock()
+                    .unwrap()
+                    .push((ctx.id, ctx.snoozes(), leased, saved, cleared));
+                Ok(TaskResult::none())
+            }
+        },
+    )
+    .await;
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort();
+    let step = |s: &str| Some(s.as_bytes().to_vec());
+    assert_eq!(
+        seen,
+        vec![
+            (1, 3, step("step-7"), step("step-8"), None),
+            (2, 0, None, step("step-8"), None),
+        ]
+    );
+    let rec = rec.lock().unwrap();
+    assert_eq!(
+        outcome_of(&rec, 1).report,
+        report(1, None, Some(b"")),
+        "an empty checkpoint clears the task's"
+    );
+}
+
+#[tokio::test]
+async fn reports_between_heartbeats_coalesce_into_one_with_the_last_of_each() {
+    let rec = run_tasks(
+        FakeShard {
+            tasks: Mutex::new(vec![task(1, 0)]),
+            ..Default::default()
+        },
+        |ctx: TaskContext, _| async move {
+            ctx.report_progress(0.25, "a quarter")?;
+            ctx.save_checkpoint("step-1")?;
+            ctx.report_progress(0.5, "half")?;
+            ctx.save_checkpoint("step-2")?;
+            tokio::time::sleep(Duration::from_millis(350)).await; // 3 heartbeats
+            Ok(TaskResult::none())
+        },
+    )
+    .await;
+    let rec = rec.lock().unwrap();
+    let beats = rec.streams[0]
+        .iter()
+        .filter(|m| m.heartbeat.is_some())
+        .count();
+    assert!(beats >= 3, "{beats} heartbeats");
+    assert_eq!(
+        beat_reports(&rec.streams, 1),
+        vec![report(1, progress(0.5, "half"), Some(b"step-2")).unwrap()],
+        "one report, in one heartbeat: answered, it is not sent again"
+    );
+    assert_eq!(
+        outcome_of(&rec, 1).report,
+        None,
+        "nothing left for the outcome"
+    );
+}
+
+#[tokio::test]
+async fn a_report_pending_when_the_handler_ends_rides_its_outcome() {
+    use proto::task_outcome::Outcome;
+    let rec = run_tasks(
+        FakeShard {
+            tasks: Mutex::new(vec![task(1, 0), task(2, 0)]),
+            ..Default::default()
+        },
+        |ctx: TaskContext, _| async move {
+            // From another thread than the handler's.
+            let other = ctx.clone();
+            std::thread::spawn(move || other.report_progress(0.9, "nearly"))
+                .join()
+                .unwrap()?;
+            ctx.save_checkpoint("almost")?;
+            if ctx.id == 1 {
+                return Err(TaskError::retryable("crash"));
+            }
+            Err(TaskError::snooze(Duration::from_secs(1), "not now"))
+        },
+    )
+    .await;
+    let rec = rec.lock().unwrap();
+    assert!(beat_reports(&rec.streams, 1).is_empty() && beat_reports(&rec.streams, 2).is_empty());
+    for id in [1, 2] {
+        let done = outcome_of(&rec, id);
+        assert_eq!(
+            done.report,
+            report(id, progress(0.9, "nearly"), Some(b"almost"))
+        );
+        assert!(
+            matches!(
+                (id, done.outcome),
+                (1, Some(Outcome::Failure(_))) | (2, Some(Outcome::Snoozed(_)))
+            ),
+            "task {id}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_report_sent_and_not_answered_rides_the_outcome() {
+    let rec = run_tasks(
+        FakeShard {
+            tasks: Mutex::new(vec![task(1, 0)]),
+            silent_beats: true,
+            ..Default::default()
+        },
+        |ctx: TaskContext, _| async move {
+            ctx.report_progress(0.5, "half")?;
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            Ok(TaskResult::none())
+        },
+    )
+    .await;
+    let rec = rec.lock().unwrap();
+    let sent = beat_reports(&rec.streams, 1);
+    assert!(
+        sent.len() >= 2,
+        "every heartbeat carries it while unanswered: {sent:?}"
+    );
+    assert_eq!(
+        outcome_of(&rec, 1).report,
+        report(1, progress(0.5, "half"), None)
+    );
+}
+
+#[tokio::test]
+async fn a_report_a_broken_stream_did_not_answer_is_sent_again_on_the_next() {
+    let rec = run_tasks(
+        FakeShard {
+            tasks: Mutex::new(vec![task(1, 0)]),
+            break_first_on_report: true,
+            ..Default::default()
+        },
+        |ctx: TaskContext, _| async move {
+            ctx.save_checkpoint("step-3")?;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            Ok(TaskResult::none())
+        },
+    )
+    .await;
+    let rec = rec.lock().unwrap();
+    let checkpoint = report(1, None, Some(b"step-3")).unwrap();
+    assert_eq!(beat_reports(&rec.streams[..1], 1), vec![checkpoint.clone()]);
+    assert_eq!(
+        beat_reports(&rec.streams[1..], 1),
+        vec![checkpoint],
+        "sent again, once: answered"
+    );
+    assert_eq!(outcome_of(&rec, 1).report, None);
+}
+
+#[tokio::test]
+async fn a_report_made_after_a_heartbeat_was_sent_outlives_its_answer() {
+    let recorded = Arc::new(Mutex::new(Recorded::default()));
+    let watched = recorded.clone();
+    let rec = run_tasks(
+        FakeShard {
+            tasks: Mutex::new(vec![task(1, 0)]),
+            beat_delay: Duration::from_millis(150),
+            recorded,
+            ..Default::default()
+        },
+        move |ctx: TaskContext, _| {
+            let watched = watched.clone();
+            async move {
+                ctx.report_progress(0.25, "first")?;
+                // Until a heartbeat carried it (the n-th), then a newer one until it is answered.
+                let mut n = 0;
+                while n == 0 {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    let rec = watched.lock().unwrap();
+                    let mut beats = rec.streams[0].iter().filter_map(|m| m.heartbeat.as_ref());
+                    n = beats
+                        .position(|b| !b.reports.is_empty())
+                        .map_or(0, |i| i + 1);
+                }
+                ctx.report_progress(0.5, "second")?;
+                while watched.lock().unwrap().beats_answered < n {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(30)).await; // the worker reads the answer
+                Ok(TaskResult::none())
+            }
+        },
+    )
+    .await;
+    let rec = rec.lock().unwrap();
+    assert_eq!(
+        outcome_of(&rec, 1).report,
+        report(1, progress(0.5, "second"), None),
+        "the answer acknowledged the first, not the second (unanswered yet)"
+    );
+}
+
+#[tokio::test]
+async fn a_handler_runs_outside_a_worker_with_a_context_made_from_a_task() {
+    let ctx = TaskContext::from(Task {
+        checkpoint: b"step-1".to_vec(),
+        ..task(1, 0)
+    });
+    assert_eq!(ctx.id, 1);
+    assert_eq!(ctx.checkpoint(), Some(b"step-1".to_vec()));
+    ctx.save_checkpoint(vec![0; 262_144]).unwrap();
+    assert!(ctx.save_checkpoint(vec![0; 262_145]).is_err());
+    let result = sleeper(ctx, CancellationToken::new()).await.unwrap();
+    assert_eq!(result, TaskResult::json(&0).unwrap());
+}
+
+/// A field's value as a log record carried it: text (a string, or a value formatted with `%`
+/// or `?`) or a number.
+#[derive(Debug, Clone, PartialEq)]
+enum Field {
+    Text(String),
+    Int(i64),
+}
+
+/// Every event of the SDK's (its target is the crate's), with its fields (its message as
+/// "message").
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<std::collections::HashMap<String, Field>>>>);
+
+struct Fields<'a>(&'a mut std::collections::HashMap<String, Field>);
+
+impl tracing::field::Visit for Fields<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0
+            .insert(field.name().into(), Field::Text(format!("{value:?}")));
+    }
+
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.0
+            .insert(field.name().into(), Field::Text(value.into()));
+    }
+
+    fn record_i64(&mut self, field: &tracing::field::Field, value: i64) {
+        self.0.insert(field.name().into(), Field::Int(value));
+    }
+
+    fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+        self.0.insert(field.name().into(), Field::Int(value as i64));
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Captured {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        if !event.metadata().target().starts_with("cronoq") {
+            return;
+        }
+        let mut fields = std::collections::HashMap::new();
+        event.record(&mut Fields(&mut fields));
+        self.0.lock().unwrap().push(fields);
+    }
+}
+
+impl Captured {
+    /// The fields of the one event whose message is `message`.
+    fn line(&self, message: &str) -> std::collections::HashMap<String, Field> {
+        let events = self.0.lock().unwrap();
+        let found: Vec<_> = events
+            .iter()
+            .filter(|e| e.get("message") == Some(&Field::Text(message.into())))
+            .collect();
+        assert_eq!(found.len(), 1, "{message:?} in {events:?}");
+        found[0].clone()
+    }
+}
+
+#[tokio::test]
+async fn task_log_lines_name_the_worker_task_attempt_and_pool() {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    // This test's thread only: the runtime is current-thread, so the worker's tasks log here.
+    // A second dispatcher stays registered meanwhile: with one alone, tracing decides whether
+    // a log line is wanted by the default dispatcher of the thread that first reaches it, and
+    // the other tests' threads have none.
+    let _second = tracing::Dispatch::new(tracing_subscriber::registry());
+    let captured = Captured::default();
+    let _logs =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(captured.clone()));
+    let lost = Task {
+        attempt: 3,
+        ..task(7, 10_000)
+    };
+    let refused = Task {
+        pool: "default".into(),
+        ..task(8, 0)
+    };
+    let shard = FakeShard {
+        lose: vec![7],
+        refuse: vec![8],
+        ..FakeShard::with_tasks(vec![lost, refused])
+    };
+    let recorded = shard.recorded.clone();
+    let endpoint = serve(shard).await;
+    let worker = Worker::new(WorkerOptions::new(options(&endpoint), ["default"]), sleeper).unwrap();
+    run_until(worker, recorded, |r| {
+        outcomes(r).iter().any(|o| o.task_id == 8) && r.beats_answered > 0
+    })
+    .await;
+    let text = |s: &str| Field::Text(s.into());
+    let line = captured.line("cronoq: task lost its lease; its outcome will not be reported");
+    assert_eq!(line["worker_id"], text("w1"));
+    assert_eq!(line["task_id"], text("7"), "a decimal string");
+    assert_eq!(line["attempt"], Field::Int(3));
+    assert_eq!(line["pool"], text("default"));
+    let line = captured.line("cronoq: outcome refused");
+    assert_eq!(line["worker_id"], text("w1"));
+    assert_eq!(line["task_id"], text("8"));
+    assert_eq!(line["attempt"], Field::Int(1));
+    assert_eq!(line["pool"], text("default"));
+    assert_eq!(line["code"], text("FAILED_PRECONDITION"));
+    assert_eq!(
+        line["error"],
+        text("fake: stale attempt"),
+        "not the line's message"
+    );
+    assert_eq!(line["message"], text("cronoq: outcome refused"));
+    let line = captured.line("cronoq: worker registered");
+    assert_eq!(line["worker_id"], text("w1"));
 }

@@ -1182,3 +1182,45 @@ async def test_reports_that_do_not_fit_the_message_wait_for_the_next_heartbeat(m
     carried = [[r.task_id for r in b] for b in beat_reports(fake) if b]
     assert carried[:2] == [[1], [2]]  # one a heartbeat
     assert all(r.ByteSize() < 3000 for r in fake.streams[0].requests)
+
+
+# -- structured log fields ------------------------------------------------------------
+
+
+def record_fields(record: logging.LogRecord) -> dict[str, Any]:
+    return {k: getattr(record, k) for k in ("worker_id", "task_id", "attempt", "pool") if hasattr(record, k)}
+
+
+async def test_log_lines_about_a_task_carry_the_worker_task_attempt_and_pool_as_fields(caplog):
+    """The SDK's log records carry worker_id, task_id (a decimal string), attempt and pool as
+    structured fields (logging's extra): the names the server's JSON log lines use."""
+    caplog.set_level(logging.DEBUG, "cronoq.worker")
+    fake = FakeWorkerService(pb.RegisterWorkerResponse(worker_id="w-7", heartbeat_interval_ms=100))
+    big = (1 << 63) + 5  # a task id over 2**63: a decimal string, unchanged
+    fake.script = [[task(big, {"wait": False}, attempt=3), task(6, {"wait": True}, attempt=2)]]
+
+    async def refuse(req: pb.WorkRequest) -> list[pb.FinishTaskResult]:
+        return [
+            pb.FinishTaskResult(task_id=o.task_id, code="FAILED_PRECONDITION", message="fenced") for o in req.outcomes
+        ]
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        if ctx.payload["wait"]:
+            await asyncio.sleep(3600)
+        return "done"
+
+    fake.finish = refuse
+    worker = make_worker(fake, handle, concurrency=2)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: fake.reports and fake.heartbeats, what="the refused outcome and a heartbeat", running=running)
+    fake.heartbeat_losts = [6]
+    await until(lambda: any("lost its lease" in r.getMessage() for r in caplog.records), what="the lost lease")
+    await stop(worker, running)
+
+    refused = next(r for r in caplog.records if "refused" in r.getMessage())
+    assert refused.levelno == logging.WARNING and refused.name == "cronoq.worker"
+    assert record_fields(refused) == {"worker_id": "w-7", "task_id": str(big), "attempt": 3, "pool": "default"}
+    lost = next(r for r in caplog.records if "lost its lease" in r.getMessage())
+    assert record_fields(lost) == {"worker_id": "w-7", "task_id": "6", "attempt": 2, "pool": "default"}
+    registered = next(r for r in caplog.records if "registered with shard" in r.getMessage())
+    assert record_fields(registered) == {"worker_id": "w-7"}  # a line about the worker: no task's fields

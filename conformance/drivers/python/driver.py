@@ -9,6 +9,9 @@ import sys
 from typing import Any
 
 from google.protobuf import json_format
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 import cronoq
 from cronoq.errors import RedirectRefused, TlsError, TooManyRedirects
@@ -35,6 +38,12 @@ def error_of(err: BaseException) -> dict[str, Any]:
 def text_of(data: bytes | None) -> str | None:
     """A checkpoint as the protocol gives it: UTF-8 text, or None when empty."""
     return data.decode() if data else None
+
+
+def trace_id() -> str | None:
+    """The 32-hex trace id of the current span context, or None when it is not valid."""
+    context = trace.get_current_span().get_span_context()
+    return trace.format_trace_id(context.trace_id) if context.is_valid else None
 
 
 def options(case: dict[str, Any]) -> dict[str, Any]:
@@ -76,6 +85,7 @@ async def run_worker(case: dict[str, Any], step: dict[str, Any]) -> dict[str, An
             enough.set()
         payload = ctx.payload if isinstance(ctx.payload, dict) else {}
         checkpoint = text_of(ctx.checkpoint)  # as the handler got it
+        in_trace = trace_id()
         end = "cancelled"
         try:
             if "checkpoint" in payload:
@@ -85,13 +95,17 @@ async def run_worker(case: dict[str, Any], step: dict[str, Any]) -> dict[str, An
             if payload.get("sleep_ms"):
                 await asyncio.sleep(payload["sleep_ms"] / 1000)
             if "snooze_ms" in payload and ctx.snoozes < payload.get("snooze_times", 1):
-                end = "snoozed"
                 raise cronoq.Snooze(payload["snooze_ms"] / 1000, reason="driver")
             if "fail" in payload:
-                end = "raised"
                 raise cronoq.TaskError(payload["fail"], retryable=payload.get("retryable", True))
             end = "returned"
             return payload.get("result")
+        except cronoq.Snooze:
+            end = "snoozed"
+            raise
+        except Exception:  # a TaskError, or the SDK's error for a bad report
+            end = "raised"
+            raise
         finally:
             running -= 1
             handled.append(
@@ -102,6 +116,7 @@ async def run_worker(case: dict[str, Any], step: dict[str, Any]) -> dict[str, An
                     "checkpoint": checkpoint,
                     "payload": ctx.payload,
                     "end": end,
+                    "trace_id": in_trace,
                 }
             )
             if len(handled) == step.get("until_handled", 0):
@@ -175,9 +190,16 @@ async def run_client_step(client: cronoq.Client, step: dict[str, Any]) -> dict[s
     extra: dict[str, Any] = {}
     try:
         if op == "submit":
-            submitted = await client.submit(
-                step["pool"], step.get("payload"), key=step.get("key"), group_key=step.get("group_key")
-            )
+            # A traceparent: the submit runs in that remote span context (no tracer provider installed).
+            carrier = {k: step[k] for k in ("traceparent", "tracestate") if k in step}
+            token = otel_context.attach(TraceContextTextMapPropagator().extract(carrier)) if carrier else None
+            try:
+                submitted = await client.submit(
+                    step["pool"], step.get("payload"), key=step.get("key"), group_key=step.get("group_key")
+                )
+            finally:
+                if token is not None:
+                    otel_context.detach(token)
             return {"id": str(submitted.task.id), "group_key": submitted.task.group_key, "error": None}
         if op in ("bulk_cancel", "bulk_retry", "bulk_delete"):
             return await bulk_step(client, step)
