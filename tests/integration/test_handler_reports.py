@@ -1,7 +1,8 @@
 """What handlers report, on the wire (raw gRPC, no SDK), on both stores: a snooze is PENDING
 later and not an attempt; progress and checkpoints ride heartbeats (unary and on the Work
 stream) and outcomes, show in GetTask and in Watch (one event per report, marked progress),
-and reach the next attempt's lease; a bad report is refused naming its field, changing nothing."""
+and reach the next attempt's lease; a snooze frees its resource slot; a bad report is refused
+naming its field, changing nothing."""
 
 from __future__ import annotations
 
@@ -159,3 +160,21 @@ def test_a_bad_report_is_refused_naming_its_field_and_changes_nothing(
     assert f"outcomes[0].report.{field}" in err.value.details()
     got = api.get(task.id)
     assert (got.state, got.HasField("progress"), got.checkpoint) == (task_pb2.TASK_STATE_RUNNING, False, b"")
+
+
+def test_a_snooze_frees_the_resource_slot_at_once(start_server: Any, tmp_path: Path) -> None:
+    srv = start_server(
+        {
+            "store": {"path": str(tmp_path / "r.db")},
+            "pools": [{"name": "default"}],
+            "resources": [{"name": "gpu", "concurrency": 1}],
+        }
+    )
+    api = Api(srv.grpc_target)
+    worker = api.register()
+    first = api.submit(resources={"gpu": 1}, priority=1)
+    second = api.submit(resources={"gpu": 1})
+    (leased,) = api.lease(worker, wait_ms=5000)
+    assert leased.id == first.id and api.lease(worker) == []  # the one slot is held
+    assert api.finish(worker, leased, snoozed=wpb.TaskSnoozed(snooze_ms=60_000)).accepted
+    assert [t.id for t in api.lease(worker, wait_ms=5000)] == [second.id]  # freed by the snooze
