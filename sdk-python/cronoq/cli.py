@@ -142,6 +142,10 @@ def print_task(task: Task, as_json: bool, **extra: Any) -> None:
         print(f"  result  {_show(result_of(task))}")
     if task.error:
         print(f"  error   {task.error}")
+    if task.HasField("progress"):
+        print(f"  progress {task.progress.value:g}  {task.progress.message}".rstrip())
+    if task.snoozes or task.checkpoint:
+        print(f"  snoozed {task.snoozes} time(s)  checkpoint {len(task.checkpoint)} bytes")
     for name, value in extra.items():
         print(f"  {name} {value}")
 

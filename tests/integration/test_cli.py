@@ -336,3 +336,18 @@ def test_get_shows_a_tasks_group(server):
     assert "group=" not in cli(server, "get", str(plain.id)).stdout  # shown only when a task has one
     submitted = json.loads(cli(server, "submit", "--group-key", "tenant-2", "--json").stdout)
     assert api.get(int(submitted["id"])).group_key == "tenant-2"
+
+
+def test_get_shows_a_tasks_progress_snoozes_and_checkpoint(server):
+    api = Api(server.grpc_target)
+    worker = api.register()
+    task = api.submit()
+    (leased,) = api.lease(worker, wait_ms=5000)
+    report = wpb.TaskReport(task_id=leased.id, attempt=1, checkpoint=b"page-3")
+    report.progress.value, report.progress.message = 0.75, "page 3 of 4"
+    api.workers.Heartbeat(wpb.HeartbeatRequest(worker_id=worker, reports=[report]))
+    human = cli(server, "get", str(task.id)).stdout
+    assert "  progress 0.75  page 3 of 4\n" in human and "  snoozed 0 time(s)  checkpoint 6 bytes\n" in human
+    got = json.loads(cli(server, "get", str(task.id), "--json").stdout)
+    assert got["progress"]["message"] == "page 3 of 4" and got["checkpoint"] == "cGFnZS0z"
+    assert "progress" not in cli(server, "get", str(api.submit().id)).stdout  # shown only when reported
