@@ -812,7 +812,7 @@ class WatchRequest(_message.Message):
     pool: _builtins.str
     """Empty: every pool the caller may read."""
     include_payloads: _builtins.bool
-    """Events carry tasks' payloads and results only when this is set."""
+    """Events carry tasks' payloads, results and checkpoints only when this is set."""
     cursor: _builtins.str
     """Resume after this event's cursor (TaskEvent.cursor): the events missed are replayed first,
     then the stream goes live. Empty: live only. A cursor older than the server keeps events

@@ -638,7 +638,8 @@ type TaskEvent struct {
 	// task has run since, and each attempt's events carry that attempt's worker. The fields that
 	// never change (id, pool, key, payload, priority, ...) are the task's. result and
 	// result_content_type are set only on the event that ended the task (SUCCEEDED, FAILED,
-	// CANCELLED); payload and result only with WatchRequest.include_payloads. lease_expires_at
+	// CANCELLED); payload, result and checkpoint only with WatchRequest.include_payloads.
+	// snoozes, progress and checkpoint are the task's when the event is sent. lease_expires_at
 	// is the expiry the change set (heartbeats extend it without an event). Events recorded by a
 	// server older than schema version 6 (SQLite) or 7 (PostgreSQL), kept for one watch window
 	// after an upgrade, carry the task as it is when sent, with the event's state and attempt.

@@ -1627,7 +1627,7 @@ type WatchRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Empty: every pool the caller may read.
 	Pool string `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
-	// Events carry tasks' payloads and results only when this is set.
+	// Events carry tasks' payloads, results and checkpoints only when this is set.
 	IncludePayloads bool `protobuf:"varint,2,opt,name=include_payloads,json=includePayloads,proto3" json:"include_payloads,omitempty"`
 	// Resume after this event's cursor (TaskEvent.cursor): the events missed are replayed first,
 	// then the stream goes live. Empty: live only. A cursor older than the server keeps events

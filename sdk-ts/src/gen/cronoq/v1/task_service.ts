@@ -300,7 +300,7 @@ export interface ListTasksResponse {
 export interface WatchRequest {
   /** Empty: every pool the caller may read. */
   pool: string;
-  /** Events carry tasks' payloads and results only when this is set. */
+  /** Events carry tasks' payloads, results and checkpoints only when this is set. */
   includePayloads: boolean;
   /**
    * Resume after this event's cursor (TaskEvent.cursor): the events missed are replayed first,
