@@ -16,6 +16,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
@@ -931,21 +932,13 @@ func (w *Worker) execute(ctx context.Context, rt *runningTask, task *Task, recei
 
 	outcome := &cronoqv1.TaskOutcome{TaskId: task.GetId(), Attempt: task.GetAttempt()}
 	w.mu.Lock()
-	if w.running[task.GetId()] == rt {
-		delete(w.running, task.GetId())
-		outcome.Report = rt.takeReport(task.GetId()) // what no answered heartbeat carried
-		w.freed++
-		w.startHeld()
-	}
 	lost, cancelRequested, releasing, maxResult := rt.lost, rt.cancelRequested, rt.releasing, w.maxResultBytes
+	if lost {
+		w.endRunning(task, rt)
+	}
 	w.mu.Unlock()
 	if lost { // no longer ours (or released already at shutdown)
-		var reported *cronoqv1.TaskOutcome // none: the lease was lost
-		if releasing {
-			reported = releasedOutcome(task)
-		}
-		endTaskSpan(span, reported)
-		w.notify()
+		w.endLost(span, task, releasing)
 		return
 	}
 	failure := func(msg string, retryable bool, after time.Duration) {
@@ -986,8 +979,44 @@ func (w *Worker) execute(ctx context.Context, rt *runningTask, task *Task, recei
 		failure(err.Error(), true, 0)
 	}
 	validUTF8(outcome)
+	// The task leaves running and its outcome joins unacked at once: a stop in between would
+	// find nothing to run or report and close the stream before the outcome is sent.
+	w.mu.Lock()
+	lost, releasing = rt.lost, rt.releasing // lost (or released at shutdown) while the outcome was made
+	outcome.Report = w.endRunning(task, rt)
+	if !lost {
+		w.reportLocked(outcome, task.GetPool())
+	}
+	w.mu.Unlock()
+	if lost {
+		w.endLost(span, task, releasing)
+		return
+	}
 	endTaskSpan(span, outcome)
-	w.report(outcome, task.GetPool())
+	w.notify()
+}
+
+// endRunning takes the task out of running when it is still there (its slot is free, the
+// oldest held task starts in it) and returns what no answered heartbeat carried of its
+// reports. Call with mu held, then notify.
+func (w *Worker) endRunning(task *Task, rt *runningTask) *cronoqv1.TaskReport {
+	if w.running[task.GetId()] != rt {
+		return nil
+	}
+	delete(w.running, task.GetId())
+	w.freed++
+	w.startHeld()
+	return rt.takeReport(task.GetId())
+}
+
+// endLost ends the span of a task no longer ours: released at shutdown, or its lease lost.
+func (w *Worker) endLost(span trace.Span, task *Task, releasing bool) {
+	var reported *cronoqv1.TaskOutcome // none: the lease was lost
+	if releasing {
+		reported = releasedOutcome(task)
+	}
+	endTaskSpan(span, reported)
+	w.notify()
 }
 
 // startHeld starts the oldest held task in the slot a handler freed (none once stopping:
@@ -1022,13 +1051,6 @@ func (w *Worker) callHandler(ctx context.Context, task *Task) (result any, err e
 		}
 	}()
 	return w.handler(ctx, task)
-}
-
-func (w *Worker) report(outcome *cronoqv1.TaskOutcome, pool string) {
-	w.mu.Lock()
-	w.reportLocked(outcome, pool)
-	w.mu.Unlock()
-	w.notify()
 }
 
 // reportLocked queues an outcome of a task of pool; call with mu held, then notify.

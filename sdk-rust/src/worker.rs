@@ -469,6 +469,9 @@ struct State {
     held: VecDeque<Held>,
     /// Reported, not yet answered.
     unacked: HashMap<u64, Unacked>,
+    /// Handlers that ended and left `running`, their outcomes not yet reported: a stop must
+    /// not close the stream before they are (the server would release their tasks).
+    reporting: usize,
     /// Not yet sent on the current stream.
     outcomes: Vec<proto::TaskOutcome>,
     /// The reports each heartbeat on the current stream carried, oldest first, until answered.
@@ -492,7 +495,11 @@ struct Unacked {
 impl State {
     /// Stopping, and nothing left to run or to report.
     fn finished(&self) -> bool {
-        self.stopping && self.running.is_empty() && self.held.is_empty() && self.unacked.is_empty()
+        self.stopping
+            && self.running.is_empty()
+            && self.held.is_empty()
+            && self.reporting == 0
+            && self.unacked.is_empty()
     }
 
     fn report(&mut self, outcome: proto::TaskOutcome, pool: &str) {
@@ -661,6 +668,7 @@ impl Worker {
                     running: HashMap::new(),
                     held: VecDeque::new(),
                     unacked: HashMap::new(),
+                    reporting: 0,
                     outcomes: Vec::new(),
                     beats: VecDeque::new(),
                     freed: 0,
@@ -1394,8 +1402,11 @@ impl Shared {
             let report = running
                 .as_ref()
                 .and_then(|r| r.pending.lock().unwrap().take(id, attempt));
-            if running.is_some() {
+            if let Some(r) = &running {
                 st.freed += 1;
+                if !r.lost {
+                    st.reporting += 1; // reported below (report_ended)
+                }
             }
             // In the same lock as the slot frees: a task arriving now is held or started,
             // never both, and never beyond concurrency.
@@ -1470,7 +1481,11 @@ impl Shared {
             outcome: Some(outcome),
             report,
         };
-        self.st.lock().unwrap().report(outcome, &pool);
+        {
+            let mut st = self.st.lock().unwrap();
+            st.reporting -= 1;
+            st.report(outcome, &pool);
+        }
         self.wake.notify_one();
     }
 
