@@ -16,7 +16,7 @@ from test_store import SEC, T0, failure, finish_ok, lease_one, new, row, submit_
 
 from cronoq_server.core.counts import UNFINISHED, TaskCounts
 from cronoq_server.store.base import EventRow, NewTask, Outcome, OutcomeKind, State, Store, TaskRow
-from cronoq_server.store.postgres import PostgresStore
+from cronoq_server.store.postgres import PostgresStore, insert_events
 
 
 async def events(store: Store, after: int = 0) -> list[EventRow]:
@@ -129,7 +129,8 @@ async def test_read_events_pages_and_bounds_follow_the_sequence(store: Store) ->
 
 
 async def test_purge_by_window_keeps_the_sequence_going(store: Store) -> None:
-    await store.submit([new() for _ in range(5)], T0)
+    for _ in range(5):  # apart: PostgreSQL purges the events one statement recorded together
+        await submit_one(store, T0)
     await store.submit([new() for _ in range(3)], T0 + 10 * SEC)
     await store.sequence_events()
     assert await store.purge_events(T0 + 1, 2) == 2  # at most `limit`, oldest first
@@ -143,6 +144,31 @@ async def test_purge_by_window_keeps_the_sequence_going(store: Store) -> None:
     await submit_one(store, T0 + 12 * SEC)  # the sequence goes on after the last, never restarts
     assert [e.seq for e in await events(store)] == [9]
     assert await store.event_bounds() == (8, 9)
+
+
+async def test_a_task_deleted_from_a_statement_s_events_leaves_the_others_where_they_were(store: Store) -> None:
+    """The three tasks' submissions are one statement's events (one row on PostgreSQL): the
+    deleted task's counted event goes, the others keep their positions, a later one stays."""
+    first, middle, last = [s.row for s in (await store.submit([new() for _ in range(3)], T0))[0]]
+    await store.cancel(middle.seq, T0 + 1)
+    await store.sequence_events()
+    assert await store.delete_tasks([middle.seq], 3) == [middle.seq]
+    kept = [(e.seq, e.task_seq, e.state) for e in await store.read_events(0, 100)]
+    assert kept == [(1, first.seq, State.PENDING), (3, last.seq, State.PENDING), (4, middle.seq, State.CANCELLED)]
+    assert [e.seq for e in await store.read_events(1, 1)] == [3]
+
+
+async def test_a_read_passes_over_the_events_of_many_deleted_tasks(store: Store) -> None:
+    """More rows than one read takes (read_events reads rows a few at a time) hold only deleted
+    tasks' events: the read goes on past them to the next event."""
+    gone = [await submit_one(store, T0) for _ in range(150)]
+    for t in gone:
+        await store.cancel(t.seq, T0 + 1)
+    kept = await submit_one(store, T0 + 2)
+    await store.sequence_events()
+    assert await store.delete_tasks([t.seq for t in gone], 300) == [t.seq for t in gone]
+    assert [(e.seq, e.task_seq) for e in await store.read_events(0, 10)] == [(301, kept.seq)]
+    assert await store.read_events(301, 10) == []
 
 
 async def test_events_survive_reopening(open_store) -> None:
@@ -224,6 +250,10 @@ async def pg(postgres) -> PostgresStore:
     await store.close()
 
 
+# An event's EVENT_TASK_COLUMNS when the test does not care: NULL, of each column's type.
+NO_TASK_COLUMNS = "NULL::bigint, NULL::text, NULL::text, NULL::bigint, NULL::bigint, NULL::bigint, NULL::boolean"
+
+
 async def test_postgres_an_open_transaction_never_leaves_a_hole_below_a_reader(pg: PostgresStore) -> None:
     """A slow transaction's event is numbered after it commits, past what readers have read:
     nothing is ever numbered below a position already read, and nothing waits for it."""
@@ -234,10 +264,7 @@ async def test_postgres_an_open_transaction_never_leaves_a_hole_below_a_reader(p
         await slow.start()
         await conn.execute(pg._sql("UPDATE {s}.tasks SET cancel_requested = true WHERE seq = $1"), t.seq)
         await conn.execute(
-            pg._sql(
-                "INSERT INTO {s}.events (task_seq, pool, prev_state, state, attempt, at)"
-                " VALUES ($1, 'default', 1, 1, 0, $2)"
-            ),
+            pg._sql(insert_events(f"SELECT $1::bigint, 1, 0, $2::bigint, 'default', 1, {NO_TASK_COLUMNS}")),
             t.seq,
             T0 + 1,
         )
@@ -265,9 +292,10 @@ async def test_postgres_a_task_s_events_are_numbered_in_the_order_its_row_change
         await early.execute(
             pg._sql(
                 "WITH ended AS (UPDATE {s}.tasks SET state = 4, finished_at = $2 WHERE seq = $1 AND state = 3"
-                " RETURNING seq, pool, state, attempt)"
-                " INSERT INTO {s}.events (task_seq, pool, prev_state, state, attempt, at)"
-                " SELECT seq, pool, 3, state, attempt, $2 FROM ended"
+                " RETURNING seq, pool, state, attempt) "
+                + insert_events(
+                    f"SELECT seq, state, attempt, $2::bigint, pool, 3, {NO_TASK_COLUMNS} FROM ended"
+                )
             ),
             t.seq,
             T0 + 2,

@@ -541,7 +541,8 @@ class Store(Protocol):
         """(purged_through, last): events up to purged_through are gone; last is the last seq."""
 
     async def purge_events(self, before: int, limit: int) -> int:
-        """Deletes up to limit of the oldest numbered events recorded before `before`; returns how many."""
+        """Deletes up to limit of the oldest numbered events recorded before `before` (or, on
+        PostgreSQL, the events one statement recorded together, when they are more); returns how many."""
 
     # -- schedules --
 
