@@ -262,6 +262,9 @@ class StoreConfig(_Strict):
     synchronous: Literal["full", "normal"] = "full"
     # PostgreSQL: the most connections the leader's pool opens (besides its leadership connection).
     pool_size: int = Field(default=8, ge=1, le=1000)
+    # PostgreSQL: connections besides the pool for workers' plain lease and finish statements,
+    # which keep the generic plan there (planned once, not at every call); 0: none.
+    step_pool_size: int = Field(default=2, ge=0, le=100)
 
 
 class PoolConfig(_Strict):

@@ -178,7 +178,7 @@ class Node:
             raise ValueError(f"store.url_env: environment variable {store.url_env!r} is not set (or give store.url)")
         default_schema = "cronoq_{shard}" if self.config.sharded else "cronoq"
         schema = (store.schema_ or default_schema).replace("{shard}", self.shard_name)
-        return PostgresStore(url, schema, settings, store.pool_size)
+        return PostgresStore(url, schema, settings, store.pool_size, store.step_pool_size)
 
     def describe_store(self) -> str:
         if isinstance(self.store, PostgresStore):

@@ -317,6 +317,14 @@ def test_store_pool_size_is_a_count_within_its_range() -> None:
         assert "store.pool_size" in message and problem in message, message
 
 
+def test_store_step_pool_size_is_a_count_within_its_range() -> None:
+    assert parse_config({}).store.step_pool_size == 2
+    assert parse_config({"store": {"step_pool_size": 0}}).store.step_pool_size == 0
+    for value, problem in ((-1, "greater than or equal to 0"), (101, "less than or equal to 100"), ("2", "integer")):
+        message = refusal({"store": {"step_pool_size": value}})
+        assert "store.step_pool_size" in message and problem in message, message
+
+
 def test_log_format_is_text_or_json() -> None:
     assert parse_config({}).server.log_format == "text"
     assert parse_config({"server": {"log_format": "json"}}).server.log_format == "json"

@@ -343,6 +343,15 @@ T_EVENT_TASK_COLUMNS = ", ".join(f"t.{c}" for c in EVENT_TASK_COLUMNS.split(", "
 _ONCE = "CASE WHEN row_number() OVER () = 1 THEN {} END"
 
 
+# The step pool's connections keep the generic plan of the plain lease and finish statements:
+# planning one took about 0.9 ms, a third of its run at 32 tasks. Their shape makes that plan
+# right whatever it expects of the limit and the arrays: the tasks are found by their seqs (an
+# index condition), and with nested loops off the outcomes are hashed, never compared with every
+# task the worker runs (the only nested loops left are those nothing else can do: the lease's
+# per-pool scan, a cross join of one row). JIT off: the cost nested loops are given would start
+# it (0.7 s to compile a step), and such short statements never gain from it.
+STEP_SETTINGS = {"plan_cache_mode": "force_generic_plan", "enable_nestloop": "off", "jit": "off"}
+
 # How many rows of events or event_batches read_events reads at a time.
 READ_ROWS = 64
 
@@ -517,13 +526,19 @@ class PostgresStore:
     # no better and three times slower (bench/bulk.py).
     bulk_batch_s = 0.03
 
-    def __init__(self, url: str, schema: str, settings: StoreSettings, pool_size: int = 8):
+    def __init__(
+        self, url: str, schema: str, settings: StoreSettings, pool_size: int = 8, step_pool_size: int = 2
+    ):
         self.url = url
         self.schema = schema
         self.settings = settings
         self._s = quote_ident(schema)
         self._pool_size = pool_size
+        self._step_pool_size = step_pool_size
         self._pool: asyncpg.Pool | None = None
+        # Connections whose statements keep PostgreSQL's generic plan: the plain lease and finish
+        # (those of Work steps), planned once a connection instead of at every call (_planned_once).
+        self._step_pool: asyncpg.Pool | None = None
         self.term: int | None = None  # set by the leader: every write checks it
         self.on_fenced: Callable[[], None] | None = None
         # Finish reports skip the dependents query while no task is BLOCKED: the sweep
@@ -585,15 +600,20 @@ class PostgresStore:
             return "true"
         return self._sql(f"EXISTS (SELECT 1 FROM {{s}}.leader WHERE id = 1 AND term = ${param} FOR SHARE)")
 
-    async def _fenced_fetch(self, sql: str, *args: Any) -> list[Any]:
-        """One statement in its own transaction (one round trip), fenced by `{fence}` in sql.
+    async def _fenced_fetch(self, sql: str, *args: Any, planned_once: bool = False) -> list[Any]:
+        """One statement in its own transaction (one round trip), fenced by `{fence}` in sql; on
+        a connection of the step pool when planned_once and one is free (_planned_once).
 
         The statement does nothing when fenced; an empty result is then checked against the term.
         """
         fenced_sql = sql.replace("{fence}", self._fence(len(args) + 1))
         params = (*args, self.term) if self.term is not None else args
+        pool = self.pool
+        step = self._step_pool
+        if planned_once and step is not None and (step.get_idle_size() or step.get_size() < step.get_max_size()):
+            pool = step
         try:
-            async with self.pool.acquire() as conn:
+            async with pool.acquire() as conn:
                 rows = await conn.fetch(fenced_sql, *params)
                 if not rows and self.term is not None:
                     term = await conn.fetchval(self._sql("SELECT term FROM {s}.leader WHERE id = 1"))
@@ -619,6 +639,14 @@ class PostgresStore:
             self._pool = await asyncpg.create_pool(
                 self.url, min_size=1, max_size=self._pool_size, reset=_reset_if_in_transaction
             )
+            if self._step_pool_size:
+                self._step_pool = await asyncpg.create_pool(
+                    self.url,
+                    min_size=0,
+                    max_size=self._step_pool_size,
+                    reset=_reset_if_in_transaction,
+                    server_settings=STEP_SETTINGS,
+                )
         except CONNECTION_ERRORS as err:
             raise StoreUnavailable(f"store unreachable: {err}") from None
         await self._tx(self._migrate, fenced=False)
@@ -667,6 +695,9 @@ class PostgresStore:
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
+        if self._step_pool is not None:
+            await self._step_pool.close()
+            self._step_pool = None
 
     # -- reads ----------------------------------------------------------------
 
@@ -1107,7 +1138,7 @@ class PostgresStore:
                 rows += [task_row(r) for r in fetched if r[0] is not None]
             else:
                 sql = self._sql(f"WITH {ctes} SELECT * FROM leased")
-                rows += [task_row(r) for r in await self._fenced_fetch(sql, *args)]
+                rows += [task_row(r) for r in await self._fenced_fetch(sql, *args, planned_once=not free)]
         return await self._leased(rows, pools, now, fair)
 
     async def _leased(
@@ -1283,9 +1314,9 @@ class PostgresStore:
         """The CTEs that lease the tasks `chosen` names (now is $1; the worker id $3, the pools $4
         and their lease TTLs $5): `leased` returns them in TASK_COLUMNS order, and their events
         are inserted."""
-        ttl = " ttl AS (SELECT * FROM unnest($4::text[], $5::bigint[]) AS x(pool, ttl)),"
-        source = "FROM chosen, ttl WHERE t.seq = chosen.seq AND ttl.pool = t.pool"
-        return ttl + self._leased_cte("$3", "ttl.ttl", source)
+        # The tasks by their seqs (an index condition whatever the plan expects of `chosen`).
+        ttl = "($5::bigint[])[array_position($4::text[], t.pool)]"
+        return self._leased_cte("$3", ttl, "WHERE t.seq = ANY(ARRAY(SELECT seq FROM chosen))")
 
     def _leased_cte(self, worker: str, ttl: str, source: str, rank: str = "") -> str:
         """`leased`, that leases the tasks of source (now is $1) for their TTL, and `lease_ev`."""
@@ -1382,7 +1413,7 @@ class PostgresStore:
         if self._fast_finish(outcomes):
             generation = self._blocked_generation
             sql = self._sql(f"WITH {self._success_ctes(1, '$5', '$6')} SELECT seq, state FROM ended")
-            rows = await self._fenced_fetch(sql, *_success_args(outcomes), now, worker_id)
+            rows = await self._fenced_fetch(sql, *_success_args(outcomes), now, worker_id, planned_once=True)
             return await self._successes(worker_id, outcomes, {r[0]: State(r[1]) for r in rows}, generation, now)
 
         async def finish(conn: asyncpg.Connection) -> tuple[list[OutcomeResult], Changes]:
@@ -1455,7 +1486,7 @@ class PostgresStore:
             " array_agg(state) AS states FROM ended) AS e LEFT JOIN leased l ON true"
             " WHERE e.seqs IS NOT NULL OR l.seq IS NOT NULL"
         )
-        fetched = await self._fenced_fetch(sql, *args, *_success_args(outcomes))
+        fetched = await self._fenced_fetch(sql, *args, *_success_args(outcomes), planned_once=not fair)
         seqs, states = _carried(fetched)
         ended = dict(zip(seqs, map(State, states), strict=True))
         results, changes = await self._successes(worker_id, outcomes, ended, generation, now)
@@ -1474,7 +1505,8 @@ class PostgresStore:
             " error = CASE WHEN t.cancel_requested THEN 'cancelled' ELSE '' END,"
             f" finished_at = {now}, lease_expires_at = NULL"
             f" FROM unnest({a}::bigint[], {b}::int[], {c}::bytea[], {d}::text[]) AS u(seq, attempt, result, rct)"
-            f" WHERE t.seq = u.seq AND t.state = 3 AND t.attempt = u.attempt AND t.worker_id = {worker} AND {{fence}}"
+            f" WHERE t.seq = ANY({a}::bigint[]) AND t.seq = u.seq AND t.state = 3 AND t.attempt = u.attempt"
+            f" AND t.worker_id = {worker} AND {{fence}}"
             f" RETURNING t.seq, t.pool, t.state, t.attempt, {T_EVENT_TASK_COLUMNS}),"
             f" ended_ev AS ({events_of('state', 'attempt', f'{now}::bigint', '3', 'ended')}),"
             f" ended_attempts AS ({INSERT_ATTEMPTS} SELECT seq, attempt, worker_id, started_at, {now},"

@@ -1,0 +1,61 @@
+"""The statements of Work steps on PostgreSQL (the plain lease, the finish, both in one) run on
+the step pool's connections with the generic plan: planned once a connection, not per call."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from conftest import make_settings
+
+from cronoq_server.store.base import NewTask, Outcome, OutcomeKind
+from cronoq_server.store.postgres import PostgresStore
+
+T0 = 1_700_000_000_000_000
+
+# What pg_prepared_statements says of the step statements a connection prepared.
+PLANS = (
+    "SELECT coalesce(sum(generic_plans), 0), coalesce(sum(custom_plans), 0), count(*)"
+    " FROM pg_prepared_statements WHERE (statement LIKE '%leased AS%' OR statement LIKE '%ended AS%')"
+    " AND statement NOT LIKE '%pg_prepared_statements%'"
+)
+
+
+async def test_work_steps_keep_one_generic_plan_on_the_step_pool(postgres: Any) -> None:
+    store = PostgresStore(postgres.url, f"plans_{uuid.uuid4().hex[:10]}", make_settings(), 8, 1)
+    await store.open()
+    try:
+        await store.submit([NewTask("default", None, b"", "", 0, None, 3) for _ in range(40)], T0)
+        await store.expire_leases(T0)  # the sweep sees no BLOCKED task: successes take the fast path
+        held, _ = await store.lease("w1", ["default"], 2, T0)
+        for step in range(12):  # finish what is held and lease as many again, as a Work step does
+            outcomes = [Outcome(t.seq, t.attempt, OutcomeKind.SUCCESS) for t in held]
+            results, _, held, _ = await store.finish_and_lease("w1", outcomes, ["default"], 2, T0 + step + 1)
+            assert all(r.accepted for r in results) and len(held) == 2
+        await store.finish("w1", [Outcome(t.seq, t.attempt, OutcomeKind.SUCCESS) for t in held], T0 + 20)
+        assert store._step_pool is not None
+        async with store._step_pool.acquire() as conn:
+            generic, custom, statements = await conn.fetchrow(PLANS)
+        assert (statements, custom) == (3, 0)  # the lease, the step, the finish: none planned per call
+        assert generic == 14  # every execution ran the one generic plan
+        async with store.pool.acquire() as conn:
+            assert (await conn.fetchrow(PLANS))[2] == 0  # none ran on the other pool's connections
+    finally:
+        await store.close()
+
+
+async def test_without_a_step_pool_steps_run_on_the_pool(postgres: Any) -> None:
+    store = PostgresStore(postgres.url, f"plans_{uuid.uuid4().hex[:10]}", make_settings(), 1, 0)
+    await store.open()
+    try:
+        await store.submit([NewTask("default", None, b"", "", 0, None, 3)], T0)
+        await store.expire_leases(T0)
+        (task,), _ = await store.lease("w1", ["default"], 1, T0)
+        results, _, _, _ = await store.finish_and_lease(
+            "w1", [Outcome(task.seq, task.attempt, OutcomeKind.SUCCESS)], ["default"], 1, T0 + 1
+        )
+        assert results[0].accepted and store._step_pool is None
+        async with store.pool.acquire() as conn:
+            assert (await conn.fetchrow(PLANS))[2] == 2
+    finally:
+        await store.close()
