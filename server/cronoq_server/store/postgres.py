@@ -365,14 +365,12 @@ def unbatched(r: asyncpg.Record, after: int) -> list[EventRow]:
     return [event_row(e) for e in islice(rows, max(0, after + 1 - first), None) if e[1]]
 
 
-def _tombstoned(alias: str, value: str) -> str:
+def _tombstoned(column: str, value: str) -> str:
     """A column of a row of event_batches b, with value for the elements of deleted tasks (those in
     seqs.seqs, at pos $2 or before)."""
-    column = "task_seq" if alias == "x" else "error"
     return (
-        f"(SELECT array_agg(CASE WHEN b.task_seq[{alias}.i] = ANY(seqs.seqs)"
-        f" AND b.last_pos - b.n + {alias}.i <= $2 THEN {value} ELSE {alias}.v END ORDER BY {alias}.i)"
-        f" FROM unnest(b.{column}) WITH ORDINALITY AS {alias}(v, i))"
+        "(SELECT array_agg(CASE WHEN b.task_seq[x.i] = ANY(seqs.seqs) AND b.last_pos - b.n + x.i <= $2"
+        f" THEN {value} ELSE x.v END ORDER BY x.i) FROM unnest(b.{column}) WITH ORDINALITY AS x(v, i))"
     )
 
 
@@ -537,7 +535,7 @@ class PostgresStore:
         self._step_pool_size = step_pool_size
         self._pool: asyncpg.Pool | None = None
         # Connections whose statements keep PostgreSQL's generic plan: the plain lease and finish
-        # (those of Work steps), planned once a connection instead of at every call (_planned_once).
+        # (those of Work steps), planned once a connection instead of at every call (STEP_SETTINGS).
         self._step_pool: asyncpg.Pool | None = None
         self.term: int | None = None  # set by the leader: every write checks it
         self.on_fenced: Callable[[], None] | None = None
@@ -602,7 +600,7 @@ class PostgresStore:
 
     async def _fenced_fetch(self, sql: str, *args: Any, planned_once: bool = False) -> list[Any]:
         """One statement in its own transaction (one round trip), fenced by `{fence}` in sql; on
-        a connection of the step pool when planned_once and one is free (_planned_once).
+        a connection of the step pool when planned_once and one is free (STEP_SETTINGS).
 
         The statement does nothing when fenced; an empty result is then checked against the term.
         """
@@ -1836,7 +1834,7 @@ class PostgresStore:
             # and no error, and readers pass them over.
             " seqs AS (SELECT array_agg(seq) AS seqs FROM gone),"
             " batches AS (UPDATE {s}.event_batches b SET"
-            f" task_seq = {_tombstoned('x', '0')}, error = {_tombstoned('e', 'NULL')}"
+            f" task_seq = {_tombstoned('task_seq', '0')}, error = {_tombstoned('error', 'NULL')}"
             " FROM seqs WHERE b.task_seq && seqs.seqs AND b.last_pos - b.n < $2)"
             " SELECT seq FROM gone ORDER BY seq"
         )
