@@ -59,3 +59,33 @@ async def test_without_a_step_pool_steps_run_on_the_pool(postgres: Any) -> None:
             assert (await conn.fetchrow(PLANS))[2] == 2
     finally:
         await store.close()
+
+
+async def test_only_tasks_with_a_key_have_an_entry_in_the_unique_index_of_keys(postgres: Any) -> None:
+    """A task's row is inserted again into every index on each lease and end (never HOT: `state`
+    is in the partial indexes' predicates); the index of keys spares the tasks without one, and
+    is still what finds a key and refuses a second task with it."""
+    store = PostgresStore(postgres.url, f"plans_{uuid.uuid4().hex[:10]}", make_settings(), 2, 0)
+    await store.open()
+    try:
+        await store.submit([NewTask("default", None, b"", "", 0, None, 3) for _ in range(30)], T0)
+        (keyed,), _ = await store.submit([NewTask("default", "k-1", b"", "", 0, None, 3)], T0)
+        (again,), _ = await store.submit([NewTask("default", "k-1", b"", "", 0, None, 3)], T0)
+        assert again.deduplicated and again.row.seq == keyed.row.seq
+        async with store.pool.acquire() as conn:
+            await conn.execute(store._sql("ANALYZE {s}.tasks"))
+            definition = await conn.fetchval(
+                "SELECT indexdef FROM pg_indexes WHERE schemaname = $1 AND indexname = 'tasks_key'", store.schema
+            )
+            assert definition.endswith("WHERE (key IS NOT NULL)") and "UNIQUE" in definition
+            assert await conn.fetchval(
+                "SELECT reltuples FROM pg_class WHERE oid = $1::regclass", f'"{store.schema}".tasks_key'
+            ) == 1
+            await conn.execute("SET enable_seqscan = off")  # 31 rows: is the index usable at all
+            for lookup, arg in (("key = $1", "k-1"), ("key = ANY($1::text[])", ["k-1"])):
+                sql = store._sql(f"EXPLAIN SELECT seq FROM {{s}}.tasks WHERE {lookup} AND key IS NOT NULL")
+                plan = "\n".join(r[0] for r in await conn.fetch(sql, arg))
+                assert "tasks_key" in plan, plan
+        assert (await store.get_by_key("k-1")).seq == keyed.row.seq  # type: ignore[union-attr]
+    finally:
+        await store.close()
