@@ -10,7 +10,8 @@ with `go`; skipped when Go is missing), and cronoq's ratio to each; then submit 
 idle load. Each run is its own process with its own
 servers and workers. `--quick` runs smaller sizes; `--no-anchors` skips the anchors;
 `--throughput` runs the burn-downs only (cronoq's at concurrency 64 and 1000 with each SDK's
-worker, at 64 with prefetch 256, and the CPU each task costs, PgQueuer's, River's at both settings) and the ratios.
+worker, at 64 with prefetch 256, and the CPU each task costs, PostgreSQL's for the store's Work steps
+alone (bench/store_steps.py), PgQueuer's, River's at both settings) and the ratios.
 """
 
 from __future__ import annotations
@@ -295,6 +296,15 @@ def main() -> None:
             if not args.throughput:
                 more, lat = detail_rows(store, args, tasks, seconds, extra, burn, step)
                 rows += more
+            if store == "postgres" and url is not None:
+                step("cronoq on postgres: the store's Work steps alone (no server, no worker)")
+                alone = run("store_steps.py", "--tasks", tasks, "--url", url)
+                rows.append(
+                    (
+                        "cronoq postgres: the store's Work steps alone, 32 tasks a step (no server, no worker)",
+                        f"PostgreSQL {alone['postgres_cpu_us_per_task']} µs of CPU a task",
+                    )
+                )
             if store == "postgres" and not args.no_anchors:
                 import anchors  # the anchors' own virtualenv; never a product dependency
 
