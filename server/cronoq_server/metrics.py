@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter as Counter_
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from .store.base import LEASE_EXPIRED, TERMINAL, EventRow, State
+from .store.base import LEASE_EXPIRED, STATES, TERMINAL, EventColumns, State
 
 TASKS_SUBMITTED = Counter(
     "cronoq_tasks_submitted_total", "Tasks admitted (deduplicated submissions excluded).", ["pool"]
@@ -79,27 +79,29 @@ TASK_RETRIES = Counter(
 CALLS = Counter("cronoq_api_calls_total", "API calls by method and code.", ["method", "code"])
 
 
-def record_events(events: Iterable[EventRow]) -> None:
+def record_events(read: Sequence[EventColumns], moves: Mapping[tuple[str, int, int], int]) -> None:
     """Counts what the shard's events say ended: tasks, attempts and retries (each event once,
-    as the leader folds them). An attempt given back unfinished (started_at cleared) is none."""
-    finished: Counter_[tuple[str, str]] = Counter_()
+    as the leader folds them; moves: how many of them went from each (pool, state) to each
+    state). An attempt given back unfinished (started_at cleared) is none."""
+    for (pool, prev_state, state), n in moves.items():
+        if prev_state != state and state in TERMINAL:
+            TASKS_FINISHED.labels(pool, STATES[state].name.lower()).inc(n)
     retries: Counter_[tuple[str, str]] = Counter_()
     durations: dict[tuple[str, str], list[float]] = {}
-    for e in events:
-        if e.prev_state == e.state:
-            continue
-        if e.state in TERMINAL:
-            finished[e.pool, e.state.name.lower()] += 1
-        if e.prev_state != State.RUNNING or e.started_at is None:
-            continue
-        lost = e.error == LEASE_EXPIRED
-        if e.state == State.PENDING:
-            retries[e.pool, "lost" if lost else "failure"] += 1
-        outcome = "lost" if lost else "failed" if e.state == State.PENDING else e.state.name.lower()
-        durations.setdefault((e.pool, outcome), []).append(max(e.at - e.started_at, 0) / 1e6)
+    for c in read:
+        if State.RUNNING not in c.prev_state:
+            continue  # no attempt ended here
+        for pool, prev_state, state, at, started_at, error in zip(
+            c.pool, c.prev_state, c.state, c.at, c.started_at, c.error, strict=True
+        ):
+            if prev_state != State.RUNNING or state == State.RUNNING or started_at is None:
+                continue
+            lost = error == LEASE_EXPIRED
+            if state == State.PENDING:
+                retries[pool, "lost" if lost else "failure"] += 1
+            outcome = "lost" if lost else "failed" if state == State.PENDING else STATES[state].name.lower()
+            durations.setdefault((pool, outcome), []).append(max(at - started_at, 0) / 1e6)
     # A series' child looked up once per batch, not per event (labels() takes a lock and a dict).
-    for labels, n in finished.items():
-        TASKS_FINISHED.labels(*labels).inc(n)
     for labels, n in retries.items():
         TASK_RETRIES.labels(*labels).inc(n)
     for labels, seconds in durations.items():

@@ -15,7 +15,7 @@ import pytest
 from test_store import SEC, T0, failure, finish_ok, lease_one, new, row, submit_one, success
 
 from cronoq_server.core.counts import UNFINISHED, TaskCounts
-from cronoq_server.store.base import EventRow, NewTask, Outcome, OutcomeKind, State, Store, TaskRow
+from cronoq_server.store.base import EventColumns, EventRow, NewTask, Outcome, OutcomeKind, State, Store, TaskRow
 from cronoq_server.store.postgres import PostgresStore, insert_events
 
 
@@ -490,6 +490,43 @@ async def test_counts_at_a_position_plus_the_later_events_are_the_tasks_counts(s
     assert tracked.position == len(await events(store))
 
 
+def counted(read: list[EventColumns], after: int) -> list[tuple[Any, ...]]:
+    """The events read as columns after a position, as (pos, COUNTED_COLUMNS) each."""
+    fresh = [f for c in read if (f := c.after(after)) is not None]
+    return [e for f in fresh for e in zip(f.pos, f.task_seq, f.state, f.prev_state, f.pool, f.at, f.started_at, f.error)]
+
+
+async def test_events_read_as_columns_are_the_events_and_fold_alike(store: Store) -> None:
+    """What the leader counts from (read_event_columns): the same events as read_events, a
+    deleted task's passed over, from any position, and the same counts."""
+    a = await submit_one(store, key="a")
+    await submit_one(store, key="b", dep_keys=["a"], pool="other")
+    first, middle, _ = [s.row for s in (await store.submit([new() for _ in range(3)], T0))[0]]
+    await finish_ok(store, failure(await lease_one(store, a.seq, T0 + 1)), T0 + 2)
+    await store.cancel(middle.seq, T0 + 3)
+    leased = await lease_one(store, first.seq, T0 + 4)
+    await finish_ok(store, success(leased), T0 + 5)
+    assert await store.delete_tasks([middle.seq], 3) == [middle.seq]
+    evs = await events(store)
+    last = await store.sequence_events()
+    for after in range(last + 1):
+        expected = [
+            (e.seq, e.task_seq, e.state, e.prev_state, e.pool, e.at, e.started_at, e.error)
+            for e in evs
+            if e.seq > after
+        ]
+        assert counted(await store.read_event_columns(after, 10_000), after) == expected, after
+        pos, paged = after, []
+        while (read := await store.read_event_columns(pos, 2)) and counted(read, pos):
+            paged += counted(read, pos)
+            pos = paged[-1][0]
+        assert paged == expected, after
+    by_columns = TaskCounts()
+    by_columns.start(0, {})
+    assert by_columns.fold_columns(await store.read_event_columns(0, 10_000))
+    assert by_columns.nonzero() == fold_all(evs) == await unfinished(store)
+
+
 async def test_postgres_released_dependents_record_blocked_to_pending(pg: PostgresStore) -> None:
     """The release that follows a one-statement finish racing a blocking submission."""
     a = await submit_one(pg, T0, key="a")
@@ -528,7 +565,10 @@ async def test_postgres_counts_at_a_position_under_concurrent_changes(pg: Postgr
         await asyncio.gather(*workers)
     evs = await events(pg)
     for position, counts in starts:
-        tracked = TaskCounts()
+        tracked, by_columns = TaskCounts(), TaskCounts()
         tracked.start(position, counts)
         tracked.fold(evs)
         assert tracked.nonzero() == await unfinished(pg), position
+        by_columns.start(position, counts)  # rows read whole: the first may begin before the position
+        assert by_columns.fold_columns(await pg.read_event_columns(position, 100_000))
+        assert by_columns.nonzero() == await unfinished(pg), position

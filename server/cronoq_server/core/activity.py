@@ -8,12 +8,16 @@ their latency from the leases as they are handed out. Memory only: a new leader 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 
-from ..store.base import EventRow, State
+from ..store.base import EventColumns, State
 
 BUCKET_MS = 5_000
+BUCKET_US = BUCKET_MS * 1000
 WINDOW_BUCKETS = 120  # ten minutes
+# The outcomes a bucket counts.
+COUNTED = (State.SUCCEEDED, State.FAILED)
 
 
 class _Bucket:
@@ -44,7 +48,9 @@ class Activity:
         self._pools = {}
 
     def _bucket(self, pool: str, at_us: int) -> _Bucket:
-        index = at_us // (BUCKET_MS * 1000)
+        return self._bucket_at(pool, at_us // BUCKET_US)
+
+    def _bucket_at(self, pool: str, index: int) -> _Bucket:
         buckets = self._pools.setdefault(pool, {})
         bucket = buckets.get(index)
         if bucket is None:
@@ -53,17 +59,26 @@ class Activity:
                 del buckets[old]
         return bucket
 
-    def record_events(self, events: Iterable[EventRow]) -> None:
-        """Submissions (an event with no previous state) and outcomes, at their commit time."""
-        for e in events:
-            if e.prev_state == e.state:
-                continue
-            if e.prev_state == 0:
-                self._bucket(e.pool, e.at).submitted += 1
-            elif e.state == State.SUCCEEDED:
-                self._bucket(e.pool, e.at).succeeded += 1
-            elif e.state == State.FAILED:
-                self._bucket(e.pool, e.at).failed += 1
+    def record_events(self, read: Sequence[EventColumns], moves: Mapping[tuple[str, int, int], int]) -> None:
+        """Submissions (an event with no previous state) and outcomes, at their commit time
+        (moves: how many of the events went from each (pool, state) to each state)."""
+        if not any(prev != state and (prev == 0 or state in COUNTED) for _, prev, state in moves):
+            return
+        tally: Counter[tuple[str, int, int, int]] = Counter()
+        for c in read:
+            tally.update(
+                (pool, prev, state, at // BUCKET_US)
+                for pool, prev, state, at in zip(c.pool, c.prev_state, c.state, c.at, strict=True)
+                if prev != state and (prev == 0 or state in COUNTED)
+            )
+        for (pool, prev, state, index), n in tally.items():
+            bucket = self._bucket_at(pool, index)
+            if prev == 0:
+                bucket.submitted += n
+            elif state == State.SUCCEEDED:
+                bucket.succeeded += n
+            else:
+                bucket.failed += n
 
     def record_start(self, pool: str, now_us: int, latency_us: int) -> None:
         bucket = self._bucket(pool, now_us)

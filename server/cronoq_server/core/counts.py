@@ -7,10 +7,11 @@ Nothing recounts the tasks after that; a scrape only reads the gauge.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 
 from ..metrics import TASKS_BY_STATE, record_events
-from ..store.base import EventRow, State
+from ..store.base import STATES, EventColumns, EventRow, State, columns_of
 from .activity import Activity
 
 # The states the counts follow; terminal totals are counters (cronoq_tasks_finished_total).
@@ -49,30 +50,37 @@ class TaskCounts:
     def fold(self, events: list[EventRow]) -> bool:
         """Applies the events after `position`, in order; False when they do not follow it (an
         event after it is missing), in which case nothing is applied."""
+        return self.fold_columns([columns_of(events)])
+
+    def fold_columns(self, read: Sequence[EventColumns]) -> bool:
+        """fold, of events read as columns (the events of deleted tasks are passed over)."""
         if self.position is None:
             return False
-        fresh = [e for e in events if e.seq > self.position]
+        fresh = [f for c in read if (f := c.after(self.position)) is not None]
         if not fresh:
             return True
-        if fresh[0].seq != self.position + 1:
+        if fresh[0].pos[0] != self.position + 1:
             return False
+        moves: Counter[tuple[str, int, int]] = Counter()
+        for c in fresh:
+            moves.update(zip(c.pool, c.prev_state, c.state, strict=True))
         touched: set[tuple[str, State]] = set()
-        for e in fresh:
-            if e.prev_state == e.state:
+        for (pool, prev_state, state), n in moves.items():
+            if prev_state == state:
                 continue  # a change within a state (a cancel request)
-            if e.prev_state in UNFINISHED:
-                key = (e.pool, State(e.prev_state))
-                self._counts[key] = self._counts.get(key, 0) - 1
+            if prev_state in UNFINISHED:
+                key = (pool, STATES[prev_state])
+                self._counts[key] = self._counts.get(key, 0) - n
                 touched.add(key)
-            if e.state in UNFINISHED:
-                key = (e.pool, e.state)
-                self._counts[key] = self._counts.get(key, 0) + 1
+            if state in UNFINISHED:
+                key = (pool, STATES[state])
+                self._counts[key] = self._counts.get(key, 0) + n
                 touched.add(key)
-        self.position = fresh[-1].seq
+        self.position = fresh[-1].pos[-1]
         if self._activity is not None:
-            self._activity.record_events(fresh)
+            self._activity.record_events(fresh, moves)
         if self._gauge:
-            record_events(fresh)
+            record_events(fresh, moves)
             for pool, state in touched:
                 self._set_gauge(pool, state)
         return True

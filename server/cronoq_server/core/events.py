@@ -351,10 +351,10 @@ class EventBus:
     async def _count_to(self, last: int) -> None:
         """Folds the events up to `last` that the fan-out has not folded already."""
         while (pos := self.counts.position) is not None and pos < last:
-            events = await self._store.read_events(pos, COUNT_BATCH)
+            read = await self._store.read_event_columns(pos, COUNT_BATCH)
             if self.counts.position is None:
                 return  # stepped down meanwhile
-            if not self.counts.fold(events) or self.counts.position == pos:  # what follows pos is gone
+            if not self.counts.fold_columns(read) or self.counts.position == pos:  # what follows pos is gone
                 # Purged before they were counted (the store was out of reach that long): recount.
                 log.warning("task counts: events after %d are gone; counting the tasks again", pos)
                 self.counts.start(*await self._store.count_unfinished())

@@ -6,10 +6,11 @@ Unix epoch (UTC); tasks are named inside a store by their per-shard sequence.
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 
 class State(enum.IntEnum):
@@ -283,6 +284,58 @@ class EventRow:
     cancel_requested: bool | None = None
 
 
+# The event columns the leader's counts and metrics read (EventColumns), in this order after pos.
+COUNTED_COLUMNS = "task_seq, state, prev_state, pool, at, started_at, error"
+
+
+@dataclass(slots=True)
+class EventColumns:
+    """Numbered events as columns, for the leader's counts and metrics (read_event_columns):
+    pos increasing, and one value per event in each other field (those of EventRow's named
+    alike). The events of deleted tasks may be among them (task_seq 0), and events at or before
+    the position asked for: `after` leaves both out."""
+
+    pos: Sequence[int]
+    task_seq: Sequence[int]
+    state: Sequence[int]
+    prev_state: Sequence[int]
+    pool: Sequence[str]
+    at: Sequence[int]
+    started_at: Sequence[int | None]
+    error: Sequence[str | None]
+
+    def after(self, position: int) -> EventColumns | None:
+        """Those after `position` but deleted tasks', or None when there are none."""
+        start = bisect.bisect_right(self.pos, position)
+        if start == len(self.pos):
+            return None
+        if 0 not in self.task_seq:
+            if start == 0:
+                return self
+            return EventColumns(*(c[start:] for c in self._columns()))
+        keep = [i for i in range(start, len(self.pos)) if self.task_seq[i]]
+        if not keep:
+            return None
+        return EventColumns(*([c[i] for i in keep] for c in self._columns()))
+
+    def _columns(self) -> tuple[Sequence[Any], ...]:
+        return (self.pos, self.task_seq, self.state, self.prev_state, self.pool, self.at, self.started_at, self.error)
+
+
+def columns_of(events: Sequence[EventRow]) -> EventColumns:
+    """The events as one EventColumns."""
+    return EventColumns(
+        [e.seq for e in events],
+        [e.task_seq for e in events],
+        [e.state for e in events],
+        [e.prev_state for e in events],
+        [e.pool for e in events],
+        [e.at for e in events],
+        [e.started_at for e in events],
+        [e.error for e in events],
+    )
+
+
 # The task columns an event records besides its state and attempt: with those, every column
 # that changes over a task's life but its result (set only by the change that ends it).
 EVENT_TASK_COLUMNS = "run_at, worker_id, error, started_at, finished_at, lease_expires_at, cancel_requested"
@@ -531,6 +584,11 @@ class Store(Protocol):
 
     async def read_events(self, after: int, limit: int) -> list[EventRow]:
         """Numbered events after seq `after`, in seq order."""
+
+    async def read_event_columns(self, after: int, limit: int) -> list[EventColumns]:
+        """Numbered events after seq `after`, in seq order, as columns: about `limit` of them (a
+        store that records a statement's events together may return all of the last statement's,
+        and some at or before `after` of the first). Those of deleted tasks may be among them."""
 
     async def count_unfinished(self) -> tuple[int, dict[tuple[str, State], int]]:
         """Numbers committed events, then reads in one snapshot the last event seq and the

@@ -25,6 +25,7 @@ from ..errors import ApiError, not_found
 from ..ids import make_task_id
 from .base import (
     ATTEMPT_COLUMNS,
+    COUNTED_COLUMNS,
     EVENT_COLUMNS,
     EVENT_TASK_COLUMNS,
     TASK_COLUMNS,
@@ -32,6 +33,7 @@ from .base import (
     AttemptOutcome,
     AttemptRow,
     Changes,
+    EventColumns,
     EventRow,
     Fenced,
     Held,
@@ -364,13 +366,19 @@ STEP_SETTINGS = {"plan_cache_mode": "force_generic_plan", "enable_nestloop": "of
 READ_ROWS = 64
 
 
+def _row_columns(r: asyncpg.Record) -> tuple[range, list[Sequence[Any]]]:
+    """The positions of a row of _events_sql's (last pos, n, columns as arrays), and its columns
+    (one that is NULL: a None an event)."""
+    n = r[1]
+    return range(r[0] - n + 1, r[0] + 1), [c if c is not None else (None,) * n for c in r[2:]]
+
+
 def unbatched(r: asyncpg.Record, after: int, limit: int) -> list[EventRow]:
-    """The events after pos `after` of a row of read_events' (last pos, n, EVENT_COLUMNS as
-    arrays), but those of deleted tasks (task_seq 0); the first `limit` of them."""
-    first, n = r[0] - r[1] + 1, r[1]
-    columns = [c if c is not None else (None,) * n for c in r[2:]]
-    rows = zip(range(first, r[0] + 1), *columns, strict=True)  # (pos, EVENT_COLUMNS) of each
-    events = islice((e for e in islice(rows, max(0, after + 1 - first), None) if e[1]), limit)
+    """The events after pos `after` of a row of read_events' (EVENT_COLUMNS), but those of
+    deleted tasks (task_seq 0); the first `limit` of them."""
+    pos, columns = _row_columns(r)
+    rows = zip(pos, *columns, strict=True)  # (pos, EVENT_COLUMNS) of each
+    events = islice((e for e in islice(rows, max(0, after + 1 - pos.start), None) if e[1]), limit)
     return [event_row(e) for e in events]
 
 
@@ -1924,15 +1932,20 @@ class PostgresStore:
             if numbered < batch:
                 return last
 
-    async def read_events(self, after: int, limit: int) -> list[EventRow]:
-        # Rows of both tables in pos order, as ranges of events (one statement: one snapshot),
-        # a few at a time until limit events are read or none is left.
-        one = ", ".join(f"ARRAY[{c}]" for c in EVENT_COLUMNS.split(", "))
-        sql = self._sql(
+    def _events_sql(self, columns: str) -> str:
+        """Rows of both tables after pos $1 in pos order (at most $2), each a range of events:
+        its last pos, how many, and the columns as arrays."""
+        one = ", ".join(f"ARRAY[{c}]" for c in columns.split(", "))
+        return self._sql(
             f"(SELECT pos, 1, {one} FROM {{s}}.events WHERE pos > $1 ORDER BY pos LIMIT $2)"
-            f" UNION ALL (SELECT last_pos, n, {EVENT_COLUMNS} FROM {{s}}.event_batches"
+            f" UNION ALL (SELECT last_pos, n, {columns} FROM {{s}}.event_batches"
             " WHERE last_pos > $1 ORDER BY last_pos LIMIT $2) ORDER BY 1 LIMIT $2"
         )
+
+    async def read_events(self, after: int, limit: int) -> list[EventRow]:
+        # Rows of both tables (one statement: one snapshot), a few at a time until limit events
+        # are read or none is left.
+        sql = self._events_sql(EVENT_COLUMNS)
 
         async def read(conn: asyncpg.Connection) -> list[EventRow]:
             read: list[EventRow] = []
@@ -1944,6 +1957,26 @@ class PostgresStore:
                     if len(read) >= limit:
                         return read[:limit]
                     pos = r[0]
+                if len(rows) < READ_ROWS:
+                    break
+            return read
+
+        return await self._read(read)
+
+    async def read_event_columns(self, after: int, limit: int) -> list[EventColumns]:
+        # Whole rows, only the columns counted: no event is built, and most of what an event
+        # records is never read.
+        sql = self._events_sql(COUNTED_COLUMNS)
+
+        async def read(conn: asyncpg.Connection) -> list[EventColumns]:
+            read: list[EventColumns] = []
+            pos, n = after, 0
+            while n < limit:
+                rows = await conn.fetch(sql, pos, READ_ROWS)
+                for r in rows:
+                    positions, columns = _row_columns(r)
+                    read.append(EventColumns(positions, *columns))
+                    pos, n = r[0], n + r[1]
                 if len(rows) < READ_ROWS:
                     break
             return read

@@ -20,12 +20,14 @@ from ..errors import ApiError, not_found
 from ..ids import make_task_id
 from .base import (
     ATTEMPT_COLUMNS,
+    COUNTED_COLUMNS,
     EVENT_COLUMNS,
     EVENT_TASK_COLUMNS,
     TASK_COLUMNS,
     TERMINAL,
     AttemptRow,
     Changes,
+    EventColumns,
     EventRow,
     Held,
     NewTask,
@@ -1234,6 +1236,11 @@ class SqliteStore:
         sql = f"SELECT id, {EVENT_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?"
         rows = await self._run(lambda: self._conn.execute(sql, (after, limit)).fetchall())
         return [event_row(r) for r in rows]
+
+    async def read_event_columns(self, after: int, limit: int) -> list[EventColumns]:
+        sql = f"SELECT id, {COUNTED_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?"
+        rows = await self._run(lambda: self._conn.execute(sql, (after, limit)).fetchall())
+        return [EventColumns(*zip(*rows, strict=True))] if rows else []
 
     async def count_unfinished(self) -> tuple[int, dict[tuple[str, State], int]]:
         """Read in one read transaction on a connection of its own (WAL: one snapshot, and the
