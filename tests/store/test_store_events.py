@@ -293,9 +293,7 @@ async def test_postgres_a_task_s_events_are_numbered_in_the_order_its_row_change
             pg._sql(
                 "WITH ended AS (UPDATE {s}.tasks SET state = 4, finished_at = $2 WHERE seq = $1 AND state = 3"
                 " RETURNING seq, pool, state, attempt) "
-                + insert_events(
-                    f"SELECT seq, state, attempt, $2::bigint, pool, 3, {NO_TASK_COLUMNS} FROM ended"
-                )
+                + insert_events(f"SELECT seq, state, attempt, $2::bigint, pool, 3, {NO_TASK_COLUMNS} FROM ended")
             ),
             t.seq,
             T0 + 2,
@@ -493,7 +491,11 @@ async def test_counts_at_a_position_plus_the_later_events_are_the_tasks_counts(s
 def counted(read: list[EventColumns], after: int) -> list[tuple[Any, ...]]:
     """The events read as columns after a position, as (pos, COUNTED_COLUMNS) each."""
     fresh = [f for c in read if (f := c.after(after)) is not None]
-    return [e for f in fresh for e in zip(f.pos, f.task_seq, f.state, f.prev_state, f.pool, f.at, f.started_at, f.error)]
+    return [
+        e
+        for f in fresh
+        for e in zip(f.pos, f.task_seq, f.state, f.prev_state, f.pool, f.at, f.started_at, f.error, strict=True)
+    ]
 
 
 async def test_events_read_as_columns_are_the_events_and_fold_alike(store: Store) -> None:

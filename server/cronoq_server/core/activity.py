@@ -80,12 +80,12 @@ class Activity:
             else:
                 bucket.failed += n
 
-    def record_start(self, pool: str, now_us: int, latency_us: int) -> None:
+    def record_starts(self, pool: str, now_us: int, latencies_us: Sequence[int]) -> None:
+        """Tasks of a pool leased now, each after waiting its latency since it was due."""
         bucket = self._bucket(pool, now_us)
-        latency_ms = latency_us / 1000
-        bucket.started += 1
-        bucket.start_latency_sum_ms += latency_ms
-        bucket.start_latency_max_ms = max(bucket.start_latency_max_ms, latency_ms)
+        bucket.started += len(latencies_us)
+        bucket.start_latency_sum_ms += sum(latencies_us) / 1000
+        bucket.start_latency_max_ms = max(bucket.start_latency_max_ms, max(latencies_us) / 1000)
 
     def series(self, pools: Iterable[str], now_us: int) -> list[PoolSeries]:
         """The window that ends with the bucket holding now_us, for each of `pools`."""

@@ -2,51 +2,61 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
 from cronoq.v1 import schedule_service_pb2, task_pb2, worker_service_pb2
 
 from ..ids import make_task_id
 from ..store.base import AttemptRow, ScheduleRow, TaskRow, Trace, WorkerRow
 
+# The fields of a Task that are a TaskRow's of the same name, passed when set.
+_OPTIONAL_FIELDS = (
+    "key", "content_type", "resources", "worker_id", "result", "result_content_type", "error", "cancel_requested",
+    "timeout_ms", "group_key", "snoozes", "checkpoint",
+)  # fmt: skip
+
 
 def to_task(row: TaskRow, shard_number: int) -> task_pb2.Task:
-    task = task_pb2.Task(
-        id=make_task_id(shard_number, row.seq),
-        pool=row.pool,
-        key=row.key or "",
-        payload=row.payload,
-        content_type=row.content_type,
-        priority=row.priority,
-        max_attempts=row.max_attempts,
-        depends_on=[make_task_id(shard_number, s) for s in row.depends_on],
-        resources=row.resources,
-        state=int(row.state),  # type: ignore[arg-type]
-        attempt=row.attempt,
-        worker_id=row.worker_id or "",
-        result=row.result or b"",
-        result_content_type=row.result_content_type,
-        error=row.error,
-        cancel_requested=row.cancel_requested,
-        timeout_ms=row.timeout_ms,
-        group_key=row.group_key,
-    )
-    task.run_at.FromMicroseconds(row.run_at)
-    task.created_at.FromMicroseconds(row.created_at)
+    # Every leased task is converted (a Work step's answer): only the fields a row sets are
+    # passed, and times are set directly; half the cost of naming every field.
+    fields: dict[str, Any] = {
+        "id": make_task_id(shard_number, row.seq),
+        "pool": row.pool,
+        "payload": row.payload,
+        "priority": row.priority,
+        "max_attempts": row.max_attempts,
+        "state": int(row.state),
+        "attempt": row.attempt,
+    }
+    for name in _OPTIONAL_FIELDS:
+        if value := getattr(row, name):
+            fields[name] = value
+    if row.depends_on:
+        fields["depends_on"] = [make_task_id(shard_number, s) for s in row.depends_on]
+    task = task_pb2.Task(**fields)
+    set_time(task.run_at, row.run_at)
+    set_time(task.created_at, row.created_at)
     if row.started_at is not None:
-        task.started_at.FromMicroseconds(row.started_at)
+        set_time(task.started_at, row.started_at)
     if row.finished_at is not None:
-        task.finished_at.FromMicroseconds(row.finished_at)
+        set_time(task.finished_at, row.finished_at)
     if row.lease_expires_at is not None:
-        task.lease_expires_at.FromMicroseconds(row.lease_expires_at)
-    task.snoozes = row.snoozes
+        set_time(task.lease_expires_at, row.lease_expires_at)
     if row.progress is not None:
         task.progress.value = row.progress.value
         task.progress.message = row.progress.message
-        task.progress.updated_at.FromMicroseconds(row.progress.at)
-    if row.checkpoint:
-        task.checkpoint = row.checkpoint
+        set_time(task.progress.updated_at, row.progress.at)
     if row.trace is not None:
         set_trace(task.trace, row.trace)
     return task
+
+
+def set_time(msg: Timestamp, us: int) -> None:
+    """A Timestamp set to us microseconds since the epoch (Timestamp.FromMicroseconds, without its
+    Python-level checks)."""
+    msg.seconds, msg.nanos = us // 1_000_000, us % 1_000_000 * 1000
 
 
 def set_trace(msg: task_pb2.TraceContext, trace: Trace) -> None:

@@ -219,10 +219,9 @@ class Leases:
             return []
         latencies: dict[str, list[int]] = {}
         for r in rows:
-            latency = max(now - max(r.run_at, r.created_at), 0)
-            latencies.setdefault(r.pool, []).append(latency)
-            self._events.activity.record_start(r.pool, now, latency)
+            latencies.setdefault(r.pool, []).append(max(now - max(r.run_at, r.created_at), 0))
         for pool, waited in latencies.items():
+            self._events.activity.record_starts(pool, now, waited)
             TASKS_LEASED.labels(pool).inc(len(waited))
             observe_all(START_LATENCY.labels(pool), (us / 1e6 for us in waited))
         await self._events.publish([(r.seq, r.state) for r in rows], rows)
