@@ -1942,46 +1942,50 @@ class PostgresStore:
             " WHERE last_pos > $1 ORDER BY last_pos LIMIT $2) ORDER BY 1 LIMIT $2"
         )
 
-    async def read_events(self, after: int, limit: int) -> list[EventRow]:
-        # Rows of both tables (one statement: one snapshot), a few at a time until limit events
-        # are read or none is left.
-        sql = self._events_sql(EVENT_COLUMNS)
+    async def _read_event_rows(self, columns: str, after: int, take: Callable[[asyncpg.Record], bool]) -> None:
+        """Hands take each row of both tables after pos `after` (_events_sql's, of these
+        columns), in pos order, READ_ROWS at a time (each read one statement: one snapshot),
+        until take says it has enough or none is left."""
+        sql = self._events_sql(columns)
 
-        async def read(conn: asyncpg.Connection) -> list[EventRow]:
-            read: list[EventRow] = []
+        async def read(conn: asyncpg.Connection) -> None:
             pos = after
-            while len(read) < limit:
+            while True:
                 rows = await conn.fetch(sql, pos, READ_ROWS)
                 for r in rows:
-                    read += unbatched(r, pos, limit - len(read))
-                    if len(read) >= limit:
-                        return read[:limit]
+                    if take(r):
+                        return
                     pos = r[0]
                 if len(rows) < READ_ROWS:
-                    break
-            return read
+                    return
 
-        return await self._read(read)
+        await self._read(read)
+
+    async def read_events(self, after: int, limit: int) -> list[EventRow]:
+        read: list[EventRow] = []
+
+        def take(r: asyncpg.Record) -> bool:
+            read.extend(unbatched(r, after, limit - len(read)))
+            return len(read) >= limit
+
+        await self._read_event_rows(EVENT_COLUMNS, after, take)
+        return read
 
     async def read_event_columns(self, after: int, limit: int) -> list[EventColumns]:
         # Whole rows, only the columns counted: no event is built, and most of what an event
         # records is never read.
-        sql = self._events_sql(COUNTED_COLUMNS)
+        read: list[EventColumns] = []
+        count = 0
 
-        async def read(conn: asyncpg.Connection) -> list[EventColumns]:
-            read: list[EventColumns] = []
-            pos, n = after, 0
-            while n < limit:
-                rows = await conn.fetch(sql, pos, READ_ROWS)
-                for r in rows:
-                    positions, columns = _row_columns(r)
-                    read.append(EventColumns(positions, *columns))
-                    pos, n = r[0], n + r[1]
-                if len(rows) < READ_ROWS:
-                    break
-            return read
+        def take(r: asyncpg.Record) -> bool:
+            nonlocal count
+            positions, columns = _row_columns(r)
+            read.append(EventColumns(positions, *columns))
+            count += r[1]
+            return count >= limit
 
-        return await self._read(read)
+        await self._read_event_rows(COUNTED_COLUMNS, after, take)
+        return read
 
     async def count_unfinished(self) -> tuple[int, dict[tuple[str, State], int]]:
         """One REPEATABLE READ transaction: its snapshot holds the task changes of exactly the
