@@ -26,23 +26,39 @@ function label(value) {
   return String(+value.toFixed(value < 10 ? 2 : 0));
 }
 
+/** The y axis: linear from 0 to a nice top, or (log) powers of ten from `floor` up, so that one
+ * outlier does not flatten every other value; `at(v)` is the fraction of the height for v. */
+function axis(values, log, floor) {
+  const highest = Math.max(0, ...values);
+  if (!log) {
+    const top = niceTop(highest);
+    return { at: (v) => v / top, ticks: [0, top / 2, top] };
+  }
+  const low = Math.log10(floor);
+  const high = Math.max(low + 1, Math.ceil(Math.log10(Math.max(highest, floor))));
+  const ticks = [];
+  for (let p = low; p <= high; p += 1) ticks.push(10 ** p);
+  return { at: (v) => (Math.log10(Math.max(v, floor)) - low) / (high - low), ticks };
+}
+
 /**
  * A chart of `lines` ({label, cls, values, summary}: one value per bucket, null for none; the
  * legend shows `summary`, else the last value) over buckets of `bucketMs`, the last ending now;
- * `unit` labels the x axis; `note` follows the legend.
+ * `unit` labels the x axis; `note` follows the legend; `log` draws the y axis in powers of ten
+ * from `floor` (values below it drawn at it).
  */
-export function lineChart({ title, unit, bucketMs, lines, name, note }) {
+export function lineChart({ title, unit, bucketMs, lines, name, note, log = false, floor = 1 }) {
   const count = Math.max(0, ...lines.map((line) => line.values.length));
-  const top = niceTop(Math.max(0, ...lines.flatMap((line) => line.values.filter((v) => v !== null))));
+  const scale = axis(lines.flatMap((line) => line.values.filter((v) => v !== null)), log, floor);
   const plotW = WIDTH - PAD.left - PAD.right;
   const plotH = HEIGHT - PAD.top - PAD.bottom;
   const x = (i) => PAD.left + (count > 1 ? (i / (count - 1)) * plotW : plotW);
-  const y = (v) => PAD.top + plotH - (v / top) * plotH;
-  const svg = s("svg", { viewBox: `0 0 ${WIDTH} ${HEIGHT}`, class: "chart", role: "img", "aria-label": title });
-  for (const fraction of [0, 0.5, 1]) {
-    const at = y(top * fraction);
+  const y = (v) => PAD.top + plotH - scale.at(v) * plotH;
+  const svg = s("svg", { viewBox: `0 0 ${WIDTH} ${HEIGHT}`, class: "chart", role: "img", "aria-label": title, "data-scale": log ? "log" : "linear" });
+  for (const tick of scale.ticks) {
+    const at = y(tick);
     svg.appendChild(s("line", { x1: PAD.left, x2: WIDTH - PAD.right, y1: at, y2: at, class: "grid" }));
-    svg.appendChild(s("text", { x: PAD.left - 6, y: at + 4, class: "axis", "text-anchor": "end" }, label(top * fraction)));
+    svg.appendChild(s("text", { x: PAD.left - 6, y: at + 4, class: "axis", "text-anchor": "end" }, label(tick)));
   }
   const minutes = Math.round((count * bucketMs) / 60000);
   svg.appendChild(s("text", { x: PAD.left, y: HEIGHT - 6, class: "axis" }, `-${minutes} min`));

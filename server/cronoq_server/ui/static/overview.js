@@ -174,9 +174,10 @@ function charts(shards) {
     }),
     lineChart({
       name: "latency",
-      title: "Submit → start latency (ms)",
+      title: "Submit → start latency (ms, log scale)",
       unit: "from when a task was due to its start",
       bucketMs,
+      log: true, // one slow start must not flatten every other bucket
       note,
       lines: [
         { label: "mean", cls: "c-mean", values: mean, summary: started ? add(recent(sums.start_latency_sum_ms)) / started : null },

@@ -6,7 +6,7 @@
 // A key is looked up with GET /v1/tasks?key= on every shard: one that names tasks in two shards
 // lists both.
 import { call, caller, may, query, readablePools, workerNames } from "./api.js";
-import { duration, h, table, when } from "./dom.js";
+import { duration, h, show, table, when } from "./dom.js";
 
 const STATES = ["", "PENDING", "BLOCKED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"];
 const PAGE_SIZE = 50;
@@ -188,7 +188,7 @@ function bulkActions({ who, pool, state, list }) {
     const matched = Number(counted.matched || 0);
     const missing = counted.unavailable_shards || [];
     const close = () => { dialog.hidden = true; dialog.replaceChildren(); };
-    dialog.replaceChildren(
+    show(dialog,
       h("p", { class: "question" }, matched
         ? `${action.verb} ${matched} ${matched === 1 ? "task" : "tasks"} ${what()}?`
         : `No task ${what()} can be ${action.done}: nothing to do.`),
