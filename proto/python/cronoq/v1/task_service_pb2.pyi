@@ -742,8 +742,11 @@ class ListTasksRequest(_message.Message):
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     KEY_FIELD_NUMBER: _builtins.int
     NEWEST_FIRST_FIELD_NUMBER: _builtins.int
+    FILTER_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
+    """As filter.pool (give one, or both the same)."""
     state: _task_pb2.TaskState.ValueType
+    """As one of filter.states (give state or filter.states, not both)."""
     page_size: _builtins.int
     """Not negative; 0: 100; more than 1000 is taken as 1000."""
     page_token: _builtins.str
@@ -755,6 +758,14 @@ class ListTasksRequest(_message.Message):
     """Newest first: in descending id order (within a shard, the order of submission; across
     shards, the higher shard number first). page_token then continues with older tasks.
     """
+    @_builtins.property
+    def filter(self) -> Global___TaskFilter:
+        """Only the tasks that match every field set, as the bulk actions match them (the same
+        filter lists the tasks a bulk action's dry run counted); here any state may be named, and
+        an empty filter lists every task the caller may read. Over HTTP, each field is a query
+        parameter named by its path: filter.key_prefix=, filter.states= (repeatable), ...
+        """
+
     def __init__(
         self,
         *,
@@ -764,10 +775,11 @@ class ListTasksRequest(_message.Message):
         page_token: _builtins.str = ...,
         key: _builtins.str = ...,
         newest_first: _builtins.bool = ...,
+        filter: Global___TaskFilter | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "newest_first", b"newest_first", "page_size", b"page_size", "page_token", b"page_token", "pool", b"pool", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "key", b"key", "newest_first", b"newest_first", "page_size", b"page_size", "page_token", b"page_token", "pool", b"pool", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

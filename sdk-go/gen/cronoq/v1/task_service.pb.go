@@ -1475,8 +1475,10 @@ func (x *DeleteTasksResponse) GetIncomplete() bool {
 
 type ListTasksRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	Pool  string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
-	State TaskState              `protobuf:"varint,2,opt,name=state,proto3,enum=cronoq.v1.TaskState" json:"state,omitempty"`
+	// As filter.pool (give one, or both the same).
+	Pool string `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
+	// As one of filter.states (give state or filter.states, not both).
+	State TaskState `protobuf:"varint,2,opt,name=state,proto3,enum=cronoq.v1.TaskState" json:"state,omitempty"`
 	// Not negative; 0: 100; more than 1000 is taken as 1000.
 	PageSize  int32  `protobuf:"varint,3,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
 	PageToken string `protobuf:"bytes,4,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
@@ -1485,7 +1487,12 @@ type ListTasksRequest struct {
 	Key string `protobuf:"bytes,5,opt,name=key,proto3" json:"key,omitempty"`
 	// Newest first: in descending id order (within a shard, the order of submission; across
 	// shards, the higher shard number first). page_token then continues with older tasks.
-	NewestFirst   bool `protobuf:"varint,6,opt,name=newest_first,json=newestFirst,proto3" json:"newest_first,omitempty"`
+	NewestFirst bool `protobuf:"varint,6,opt,name=newest_first,json=newestFirst,proto3" json:"newest_first,omitempty"`
+	// Only the tasks that match every field set, as the bulk actions match them (the same
+	// filter lists the tasks a bulk action's dry run counted); here any state may be named, and
+	// an empty filter lists every task the caller may read. Over HTTP, each field is a query
+	// parameter named by its path: filter.key_prefix=, filter.states= (repeatable), ...
+	Filter        *TaskFilter `protobuf:"bytes,7,opt,name=filter,proto3" json:"filter,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1560,6 +1567,13 @@ func (x *ListTasksRequest) GetNewestFirst() bool {
 		return x.NewestFirst
 	}
 	return false
+}
+
+func (x *ListTasksRequest) GetFilter() *TaskFilter {
+	if x != nil {
+		return x.Filter
+	}
+	return nil
 }
 
 type ListTasksResponse struct {
@@ -1855,7 +1869,7 @@ const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"\x12unavailable_shards\x18\x04 \x03(\tR\x11unavailableShards\x12\x1e\n" +
 	"\n" +
 	"incomplete\x18\x05 \x01(\bR\n" +
-	"incomplete\"\xc3\x01\n" +
+	"incomplete\"\xf2\x01\n" +
 	"\x10ListTasksRequest\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12*\n" +
 	"\x05state\x18\x02 \x01(\x0e2\x14.cronoq.v1.TaskStateR\x05state\x12\x1b\n" +
@@ -1863,7 +1877,8 @@ const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"\n" +
 	"page_token\x18\x04 \x01(\tR\tpageToken\x12\x10\n" +
 	"\x03key\x18\x05 \x01(\tR\x03key\x12!\n" +
-	"\fnewest_first\x18\x06 \x01(\bR\vnewestFirst\"\x91\x01\n" +
+	"\fnewest_first\x18\x06 \x01(\bR\vnewestFirst\x12-\n" +
+	"\x06filter\x18\a \x01(\v2\x15.cronoq.v1.TaskFilterR\x06filter\"\x91\x01\n" +
 	"\x11ListTasksResponse\x12%\n" +
 	"\x05tasks\x18\x01 \x03(\v2\x0f.cronoq.v1.TaskR\x05tasks\x12&\n" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\x12-\n" +
@@ -1990,37 +2005,38 @@ var file_cronoq_v1_task_service_proto_depIdxs = []int32{
 	14, // 28: cronoq.v1.DeleteTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
 	15, // 29: cronoq.v1.DeleteTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
 	32, // 30: cronoq.v1.ListTasksRequest.state:type_name -> cronoq.v1.TaskState
-	30, // 31: cronoq.v1.ListTasksResponse.tasks:type_name -> cronoq.v1.Task
-	33, // 32: cronoq.v1.WatchResponse.event:type_name -> cronoq.v1.TaskEvent
-	0,  // 33: cronoq.v1.TaskService.SubmitTask:input_type -> cronoq.v1.SubmitTaskRequest
-	2,  // 34: cronoq.v1.TaskService.SubmitBatch:input_type -> cronoq.v1.SubmitBatchRequest
-	4,  // 35: cronoq.v1.TaskService.GetTask:input_type -> cronoq.v1.GetTaskRequest
-	6,  // 36: cronoq.v1.TaskService.WaitTask:input_type -> cronoq.v1.WaitTaskRequest
-	8,  // 37: cronoq.v1.TaskService.CancelTask:input_type -> cronoq.v1.CancelTaskRequest
-	10, // 38: cronoq.v1.TaskService.RetryTask:input_type -> cronoq.v1.RetryTaskRequest
-	12, // 39: cronoq.v1.TaskService.DeleteTask:input_type -> cronoq.v1.DeleteTaskRequest
-	16, // 40: cronoq.v1.TaskService.CancelTasks:input_type -> cronoq.v1.CancelTasksRequest
-	18, // 41: cronoq.v1.TaskService.RetryTasks:input_type -> cronoq.v1.RetryTasksRequest
-	20, // 42: cronoq.v1.TaskService.DeleteTasks:input_type -> cronoq.v1.DeleteTasksRequest
-	22, // 43: cronoq.v1.TaskService.ListTasks:input_type -> cronoq.v1.ListTasksRequest
-	24, // 44: cronoq.v1.TaskService.Watch:input_type -> cronoq.v1.WatchRequest
-	1,  // 45: cronoq.v1.TaskService.SubmitTask:output_type -> cronoq.v1.SubmitTaskResponse
-	3,  // 46: cronoq.v1.TaskService.SubmitBatch:output_type -> cronoq.v1.SubmitBatchResponse
-	5,  // 47: cronoq.v1.TaskService.GetTask:output_type -> cronoq.v1.GetTaskResponse
-	7,  // 48: cronoq.v1.TaskService.WaitTask:output_type -> cronoq.v1.WaitTaskResponse
-	9,  // 49: cronoq.v1.TaskService.CancelTask:output_type -> cronoq.v1.CancelTaskResponse
-	11, // 50: cronoq.v1.TaskService.RetryTask:output_type -> cronoq.v1.RetryTaskResponse
-	13, // 51: cronoq.v1.TaskService.DeleteTask:output_type -> cronoq.v1.DeleteTaskResponse
-	17, // 52: cronoq.v1.TaskService.CancelTasks:output_type -> cronoq.v1.CancelTasksResponse
-	19, // 53: cronoq.v1.TaskService.RetryTasks:output_type -> cronoq.v1.RetryTasksResponse
-	21, // 54: cronoq.v1.TaskService.DeleteTasks:output_type -> cronoq.v1.DeleteTasksResponse
-	23, // 55: cronoq.v1.TaskService.ListTasks:output_type -> cronoq.v1.ListTasksResponse
-	25, // 56: cronoq.v1.TaskService.Watch:output_type -> cronoq.v1.WatchResponse
-	45, // [45:57] is the sub-list for method output_type
-	33, // [33:45] is the sub-list for method input_type
-	33, // [33:33] is the sub-list for extension type_name
-	33, // [33:33] is the sub-list for extension extendee
-	0,  // [0:33] is the sub-list for field type_name
+	14, // 31: cronoq.v1.ListTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
+	30, // 32: cronoq.v1.ListTasksResponse.tasks:type_name -> cronoq.v1.Task
+	33, // 33: cronoq.v1.WatchResponse.event:type_name -> cronoq.v1.TaskEvent
+	0,  // 34: cronoq.v1.TaskService.SubmitTask:input_type -> cronoq.v1.SubmitTaskRequest
+	2,  // 35: cronoq.v1.TaskService.SubmitBatch:input_type -> cronoq.v1.SubmitBatchRequest
+	4,  // 36: cronoq.v1.TaskService.GetTask:input_type -> cronoq.v1.GetTaskRequest
+	6,  // 37: cronoq.v1.TaskService.WaitTask:input_type -> cronoq.v1.WaitTaskRequest
+	8,  // 38: cronoq.v1.TaskService.CancelTask:input_type -> cronoq.v1.CancelTaskRequest
+	10, // 39: cronoq.v1.TaskService.RetryTask:input_type -> cronoq.v1.RetryTaskRequest
+	12, // 40: cronoq.v1.TaskService.DeleteTask:input_type -> cronoq.v1.DeleteTaskRequest
+	16, // 41: cronoq.v1.TaskService.CancelTasks:input_type -> cronoq.v1.CancelTasksRequest
+	18, // 42: cronoq.v1.TaskService.RetryTasks:input_type -> cronoq.v1.RetryTasksRequest
+	20, // 43: cronoq.v1.TaskService.DeleteTasks:input_type -> cronoq.v1.DeleteTasksRequest
+	22, // 44: cronoq.v1.TaskService.ListTasks:input_type -> cronoq.v1.ListTasksRequest
+	24, // 45: cronoq.v1.TaskService.Watch:input_type -> cronoq.v1.WatchRequest
+	1,  // 46: cronoq.v1.TaskService.SubmitTask:output_type -> cronoq.v1.SubmitTaskResponse
+	3,  // 47: cronoq.v1.TaskService.SubmitBatch:output_type -> cronoq.v1.SubmitBatchResponse
+	5,  // 48: cronoq.v1.TaskService.GetTask:output_type -> cronoq.v1.GetTaskResponse
+	7,  // 49: cronoq.v1.TaskService.WaitTask:output_type -> cronoq.v1.WaitTaskResponse
+	9,  // 50: cronoq.v1.TaskService.CancelTask:output_type -> cronoq.v1.CancelTaskResponse
+	11, // 51: cronoq.v1.TaskService.RetryTask:output_type -> cronoq.v1.RetryTaskResponse
+	13, // 52: cronoq.v1.TaskService.DeleteTask:output_type -> cronoq.v1.DeleteTaskResponse
+	17, // 53: cronoq.v1.TaskService.CancelTasks:output_type -> cronoq.v1.CancelTasksResponse
+	19, // 54: cronoq.v1.TaskService.RetryTasks:output_type -> cronoq.v1.RetryTasksResponse
+	21, // 55: cronoq.v1.TaskService.DeleteTasks:output_type -> cronoq.v1.DeleteTasksResponse
+	23, // 56: cronoq.v1.TaskService.ListTasks:output_type -> cronoq.v1.ListTasksResponse
+	25, // 57: cronoq.v1.TaskService.Watch:output_type -> cronoq.v1.WatchResponse
+	46, // [46:58] is the sub-list for method output_type
+	34, // [34:46] is the sub-list for method input_type
+	34, // [34:34] is the sub-list for extension type_name
+	34, // [34:34] is the sub-list for extension extendee
+	0,  // [0:34] is the sub-list for field type_name
 }
 
 func init() { file_cronoq_v1_task_service_proto_init() }

@@ -273,7 +273,9 @@ export interface DeleteTasksResponse {
 }
 
 export interface ListTasksRequest {
+  /** As filter.pool (give one, or both the same). */
   pool: string;
+  /** As one of filter.states (give state or filter.states, not both). */
   state: TaskState;
   /** Not negative; 0: 100; more than 1000 is taken as 1000. */
   pageSize: number;
@@ -288,6 +290,13 @@ export interface ListTasksRequest {
    * shards, the higher shard number first). page_token then continues with older tasks.
    */
   newestFirst: boolean;
+  /**
+   * Only the tasks that match every field set, as the bulk actions match them (the same
+   * filter lists the tasks a bulk action's dry run counted); here any state may be named, and
+   * an empty filter lists every task the caller may read. Over HTTP, each field is a query
+   * parameter named by its path: filter.key_prefix=, filter.states= (repeatable), ...
+   */
+  filter: TaskFilter | undefined;
 }
 
 export interface ListTasksResponse {
@@ -3089,7 +3098,7 @@ export const DeleteTasksResponse: MessageFns<DeleteTasksResponse> = {
 };
 
 function createBaseListTasksRequest(): ListTasksRequest {
-  return { pool: "", state: 0, pageSize: 0, pageToken: "", key: "", newestFirst: false };
+  return { pool: "", state: 0, pageSize: 0, pageToken: "", key: "", newestFirst: false, filter: undefined };
 }
 
 export const ListTasksRequest: MessageFns<ListTasksRequest> = {
@@ -3111,6 +3120,9 @@ export const ListTasksRequest: MessageFns<ListTasksRequest> = {
     }
     if (message.newestFirst !== false) {
       writer.uint32(48).bool(message.newestFirst);
+    }
+    if (message.filter !== undefined) {
+      TaskFilter.encode(message.filter, writer.uint32(58).fork()).join();
     }
     return writer;
   },
@@ -3176,6 +3188,14 @@ export const ListTasksRequest: MessageFns<ListTasksRequest> = {
             message.newestFirst = reader.bool();
             continue;
           }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.filter = TaskFilter.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -3208,6 +3228,7 @@ export const ListTasksRequest: MessageFns<ListTasksRequest> = {
         : isSet(object.newest_first)
         ? globalThis.Boolean(object.newest_first)
         : false,
+      filter: isSet(object.filter) ? TaskFilter.fromJSON(object.filter) : undefined,
     };
   },
 
@@ -3231,6 +3252,9 @@ export const ListTasksRequest: MessageFns<ListTasksRequest> = {
     if (message.newestFirst !== false) {
       obj.newestFirst = message.newestFirst;
     }
+    if (message.filter !== undefined) {
+      obj.filter = TaskFilter.toJSON(message.filter);
+    }
     return obj;
   },
 
@@ -3245,6 +3269,9 @@ export const ListTasksRequest: MessageFns<ListTasksRequest> = {
     message.pageToken = object.pageToken ?? "";
     message.key = object.key ?? "";
     message.newestFirst = object.newestFirst ?? false;
+    message.filter = (object.filter !== undefined && object.filter !== null)
+      ? TaskFilter.fromPartial(object.filter)
+      : undefined;
     return message;
   },
 };
