@@ -152,6 +152,31 @@ async def test_a_dependent_still_waiting_for_another_ended_task_stays_ended(stor
     assert await states(store, x.seq) == [P]
 
 
+async def test_only_dependents_of_restorable_pools_wait_again(store: Store) -> None:
+    """restorable: the pools whose dependents a retry brings back; the others stay ended, as
+    they were, and so do the tasks they ended."""
+    a = await submit_one(store, key="a")
+    elsewhere = await submit_one(store, key="elsewhere", pool="other", dep_keys=["a"])
+    behind = await submit_one(store, key="behind", dep_keys=["elsewhere"])
+    near = await submit_one(store, key="near", dep_keys=["a"])
+    await fail(store, a.seq)
+    ended = {s: await row(store, s) for s in (elsewhere.seq, behind.seq)}
+    assert [r.state for r in ended.values()] == [F, F]
+    rows, restored, changes = await store.retry_tasks([a.seq], NOW, None, 0, restorable=frozenset({"default"}))
+    assert ([r.seq for r in rows], restored) == ([a.seq], 1)
+    assert sorted(changes) == sorted([(a.seq, P), (near.seq, B)])
+    for seq, before in ended.items():
+        assert await row(store, seq) == before
+    await check_counts_follow_the_events(store)
+    # With both pools restorable, the next retry brings them back.
+    await fail(store, a.seq, NOW)
+    _, restored, changes = await store.retry_tasks(
+        [a.seq], NOW + 1, None, 0, restorable=frozenset({"default", "other"})
+    )
+    assert restored == 3 and {(elsewhere.seq, B), (behind.seq, B), (near.seq, B)} <= set(changes)
+    await check_counts_follow_the_events(store)
+
+
 async def test_a_task_ended_by_its_dependency_waits_for_it_when_both_are_retried(store: Store) -> None:
     a = await submit_one(store, key="a")
     b = await submit_one(store, key="b", dep_keys=["a"])

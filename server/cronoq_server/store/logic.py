@@ -380,16 +380,20 @@ def decide_retry(
 
 def decide_restore(
     plan: Retry,
-    candidates: Iterable[tuple[int, State, str]],
+    candidates: Iterable[tuple[int, State, str, str]],
     frontier: Iterable[int],
     deps: DepStates,
     full_id: Callable[[int], int],
+    restorable: frozenset[str] | None,
 ) -> list[int]:
-    """Of the dependents (seq, state, error) of the tasks that wait again (frontier) ended at
-    attempt 0, those ended by one of them wait again too; returns their seqs (the next frontier)."""
+    """Of the dependents (seq, state, error, pool) of the tasks that wait again (frontier) ended
+    at attempt 0, those of the pools in restorable (None: every pool) ended by one of them wait
+    again too; returns their seqs (the next frontier)."""
     frontier = set(frontier)
     restored: set[int] = set()
-    for seq, state, error in sorted(candidates):
+    for seq, state, error, pool in sorted(candidates):
+        if restorable is not None and pool not in restorable:
+            continue  # not the retrying caller's to bring back: it stays as it is
         task_deps = deps.get(seq, ())
         named = {
             dependency_error(dep_state, full_id(dep))

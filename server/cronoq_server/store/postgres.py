@@ -1758,19 +1758,30 @@ class PostgresStore:
     # until this commits, so none is miscounted) before the task (FOR UPDATE).
 
     async def retry_tasks(
-        self, seqs: list[int], now: int, run_at: int | None, extra_attempts: int
+        self,
+        seqs: list[int],
+        now: int,
+        run_at: int | None,
+        extra_attempts: int,
+        restorable: frozenset[str] | None = None,
     ) -> tuple[list[TaskRow], int, Changes]:
         # May create BLOCKED tasks: the fast finish path is off meanwhile, as for a submission.
         self._blocking_submits += 1
         self._blocked_generation += 1
         try:
-            return await self._tx(lambda c: self._retry_tasks(c, seqs, now, run_at, extra_attempts))
+            return await self._tx(lambda c: self._retry_tasks(c, seqs, now, run_at, extra_attempts, restorable))
         finally:
             self._blocking_submits -= 1
             self._blocked_generation += 1
 
     async def _retry_tasks(
-        self, conn: asyncpg.Connection, seqs: list[int], now: int, run_at: int | None, extra_attempts: int
+        self,
+        conn: asyncpg.Connection,
+        seqs: list[int],
+        now: int,
+        run_at: int | None,
+        extra_attempts: int,
+        restorable: frozenset[str] | None,
     ) -> tuple[list[TaskRow], int, Changes]:
         deps = await self._dep_states(conn, seqs)
         sql = self._sql(
@@ -1803,11 +1814,11 @@ class PostgresStore:
             found = [r[0] for r in await conn.fetch(sql, frontier)]
             deps = await self._dep_states(conn, found)
             sql = self._sql(
-                "SELECT seq, state, error FROM {s}.tasks WHERE seq = ANY($1::bigint[]) AND state IN (5, 6)"
+                "SELECT seq, state, error, pool FROM {s}.tasks WHERE seq = ANY($1::bigint[]) AND state IN (5, 6)"
                 " AND attempt = 0 ORDER BY seq FOR UPDATE"
             )
-            candidates = [(r[0], State(r[1]), r[2]) for r in await conn.fetch(sql, found)]
-            frontier = decide_restore(plan, candidates, frontier, deps, self._full_id)
+            candidates = [(r[0], State(r[1]), r[2], r[3]) for r in await conn.fetch(sql, found)]
+            frontier = decide_restore(plan, candidates, frontier, deps, self._full_id, restorable)
             if plan.restored[restored:]:
                 await conn.execute(
                     self._sql(

@@ -1138,12 +1138,23 @@ class SqliteStore:
     # -- an operator's actions on ended tasks ----------------------------------
 
     async def retry_tasks(
-        self, seqs: list[int], now: int, run_at: int | None, extra_attempts: int
+        self,
+        seqs: list[int],
+        now: int,
+        run_at: int | None,
+        extra_attempts: int,
+        restorable: frozenset[str] | None = None,
     ) -> tuple[list[TaskRow], int, Changes]:
-        return await self._tx(self._retry_tasks, seqs, now, run_at, extra_attempts)
+        return await self._tx(self._retry_tasks, seqs, now, run_at, extra_attempts, restorable)
 
     def _retry_tasks(
-        self, db: sqlite3.Connection, seqs: list[int], now: int, run_at: int | None, extra_attempts: int
+        self,
+        db: sqlite3.Connection,
+        seqs: list[int],
+        now: int,
+        run_at: int | None,
+        extra_attempts: int,
+        restorable: frozenset[str] | None,
     ) -> tuple[list[TaskRow], int, Changes]:
         rows: list[tuple[int, State, int, int]] = []
         for chunk in _chunks(seqs):
@@ -1164,15 +1175,15 @@ class SqliteStore:
         retried = frontier = [r[-1] for r in plan.retried]
         while frontier:
             recorded, restored, renamed = len(plan.changes), len(plan.restored), len(plan.renamed)
-            candidates: dict[int, tuple[int, State, str]] = {}
+            candidates: dict[int, tuple[int, State, str, str]] = {}
             for chunk in _chunks(frontier):
                 sql = (
-                    "SELECT t.seq, t.state, t.error FROM deps d JOIN tasks t ON t.seq = d.task_seq"
+                    "SELECT t.seq, t.state, t.error, t.pool FROM deps d JOIN tasks t ON t.seq = d.task_seq"
                     f" WHERE d.dep_seq IN ({_marks(len(chunk))}) AND t.state IN (5, 6) AND t.attempt = 0"
                 )
-                candidates |= {r[0]: (r[0], State(r[1]), r[2]) for r in db.execute(sql, chunk)}
+                candidates |= {r[0]: (r[0], State(r[1]), r[2], r[3]) for r in db.execute(sql, chunk)}
             deps = self._dep_states(db, list(candidates))
-            frontier = decide_restore(plan, candidates.values(), frontier, deps, self._full_id)
+            frontier = decide_restore(plan, candidates.values(), frontier, deps, self._full_id, restorable)
             db.executemany(
                 "UPDATE tasks SET state = 2, blocked_on = ?, error = '', finished_at = NULL WHERE seq = ?",
                 plan.restored[restored:],
