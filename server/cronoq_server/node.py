@@ -453,9 +453,9 @@ class Node:
         return admin_pb.GetSnapshotResponse(shards=[snap])
 
     async def _set_worker_gauges(self) -> None:
-        """Workers by pool: the workers table is small (one row a worker process)."""
+        """Workers by pool, as listed: the workers table is small (one row a worker process)."""
         per_pool: dict[str, int] = {p: 0 for p in self.pools}
-        for w in await self.store.list_workers():
+        for w in await self.leases.present_workers():
             for p in w.pools:
                 per_pool[p] = per_pool.get(p, 0) + 1
         for pool, n in per_pool.items():

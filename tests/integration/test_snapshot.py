@@ -163,3 +163,31 @@ def test_get_task_lists_its_dependents_when_asked(start_server: Any) -> None:
     assert list(by_key.dependents) == [second.id, third.id]
     with urllib.request.urlopen(f"{srv.http_url}/v1/tasks/{first.id}?include_dependents=true", timeout=5) as r:
         assert json.loads(r.read())["dependents"] == [str(second.id), str(third.id)]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_a_worker_silent_past_its_leases_is_not_listed_until_it_heartbeats_again(
+    start_server: Any, kind: str, request: pytest.FixtureRequest
+) -> None:
+    # As after a shard restart: the old process's worker id must not stay listed beside the new one
+    # for the whole of worker_reap_after (10 minutes by default).
+    srv = start_server({"store": store_table(kind, request), "pools": [{"name": "default", "lease_ttl": "1s"}]})
+    api = Api(srv.grpc_target)
+    silent = api.register()
+    lively = api.register()
+
+    def listed() -> list[str]:
+        return sorted(w.id for w in api.workers.ListWorkers(wpb.ListWorkersRequest()).workers)
+
+    assert listed() == sorted([silent, lively])
+
+    def only_the_lively_one_is_listed() -> bool:
+        api.workers.Heartbeat(wpb.HeartbeatRequest(worker_id=lively))
+        return listed() == [lively]
+
+    eventually(only_the_lively_one_is_listed, timeout=10, interval=0.2, what="the silent worker leaves the list")
+    admin = admin_service_pb2_grpc.AdminServiceStub(api.channel)
+    snapshot_workers = [w.id for w in admin.GetSnapshot(apb.GetSnapshotRequest()).shards[0].workers]
+    assert snapshot_workers == [lively]
+    api.workers.Heartbeat(wpb.HeartbeatRequest(worker_id=silent))  # not reaped: it comes back as it was
+    assert listed() == sorted([silent, lively])

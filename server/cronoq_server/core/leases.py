@@ -18,7 +18,7 @@ from cronoq.v1 import worker_service_pb2 as pb
 from cronoq.v1.task_pb2 import Task
 
 from ..auth import Principal
-from ..config import Config
+from ..config import Config, PoolConfig
 from ..errors import ApiError, invalid
 from ..ids import make_task_id, seq_of, shard_of
 from ..metrics import START_LATENCY, TASKS_LEASED, WORK_STREAMS, observe_all
@@ -192,7 +192,7 @@ class Leases:
         """Workers as far as the caller may read: a worker of mixed pools shows only readable ones."""
         if req.pool:
             caller.require("read", req.pool)
-        rows = await self._store.list_workers()
+        rows = await self.present_workers()
         running = await self._store.running_by_worker()
         visible = []
         for w in rows:
@@ -201,6 +201,18 @@ class Leases:
                 worker = dataclasses.replace(w, pools=pools)
                 visible.append(to_worker(worker, self._shard_name, running.get(w.id, 0)))
         return pb.ListWorkersResponse(workers=visible)
+
+    async def present_workers(self) -> list[WorkerRow]:
+        """The workers heard from within twice their leases' time to live (six missed
+        heartbeats): one silent for longer lost its tasks, and is likely gone with a restarted
+        shard; it stays registered until reaped (server.worker_reap_after) and is listed again
+        at its next heartbeat."""
+        now = now_us()
+        return [w for w in await self._store.list_workers() if now - w.last_seen_at <= 2 * self._lease_ttl_us(w)]
+
+    def _lease_ttl_us(self, worker: WorkerRow) -> int:
+        ttls = [pool.lease_ttl for pool in map(self._config.pool, worker.pools) if pool is not None]
+        return int(min(ttls, default=PoolConfig.model_fields["lease_ttl"].default) * 1e6)  # its pools were removed
 
     # -- leases ---------------------------------------------------------------
 
