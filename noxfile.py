@@ -305,6 +305,7 @@ def release(session: nox.Session) -> None:
     hand (release/README.md)."""
     args = session.posargs
     if args[:1] == ["--dry-run"]:
+        _npm_ci_ts(session)  # npm pack builds the TypeScript SDK with its own tsc (prepack)
         session.run("python", "release/dry_run.py", *args[1:], env={"PYTHONDONTWRITEBYTECODE": "1"})
     elif args[:1] == ["--set-version"] and len(args) == 2:
         session.run("python", "release/versions.py", "--set", args[1])
