@@ -12,6 +12,7 @@ imported and a span costs one attribute read.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,6 +23,16 @@ log = logging.getLogger("cronoq.tracing")
 
 # The span processor's delay between exports (ms): short, so a span shows within a second.
 EXPORT_DELAY_MS = 500
+# One export gives up after this (the SDK's default is 10 s), so a collector that accepts and
+# never answers holds no export, and no shutdown, longer.
+EXPORT_TIMEOUT_S = 2.0
+# Spans waiting to be sent: while the collector is slow or away the oldest are dropped, so
+# memory stays bounded (the SDK's default holds 2048).
+MAX_QUEUED_SPANS = 512
+MAX_EXPORT_BATCH = 256
+# At shutdown the spans still held are sent within this, or dropped: a stop must end well
+# within the systemd unit's TimeoutStopSec (30 s).
+FINAL_FLUSH_S = 2.0
 
 
 class _Tracing:
@@ -36,9 +47,17 @@ class _Tracing:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         resource = Resource.create({"service.name": "cronoq-server", "cronoq.shard": shard})
-        self.provider = TracerProvider(resource=resource)
-        exporter = OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces")
-        self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=EXPORT_DELAY_MS))
+        # No exit hook of the SDK's own: shutdown_tracing bounds the final flush.
+        self.provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        exporter = OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces", timeout=EXPORT_TIMEOUT_S)
+        processor = BatchSpanProcessor(
+            exporter,
+            max_queue_size=MAX_QUEUED_SPANS,
+            schedule_delay_millis=EXPORT_DELAY_MS,
+            max_export_batch_size=MAX_EXPORT_BATCH,
+        )
+        self.provider.add_span_processor(processor)
+        self.endpoint = endpoint
         self.tracer = self.provider.get_tracer("cronoq-server")
         self.propagator = TraceContextTextMapPropagator()
         self.shard = shard
@@ -69,9 +88,20 @@ def setup_tracing(endpoint: str | None, shard: str) -> None:
 
 
 def shutdown_tracing() -> None:
-    """Sends the spans still held (on shutdown)."""
-    if _tracing is not None:
-        _tracing.provider.shutdown()
+    """Sends the spans still held (on shutdown), within FINAL_FLUSH_S: the SDK's own shutdown
+    waits up to 30 s for a collector that does not answer, so it runs on a daemon thread that
+    the exit does not wait for beyond that."""
+    if _tracing is None:
+        return
+    flush = threading.Thread(target=_tracing.provider.shutdown, name="cronoq-tracing-flush", daemon=True)
+    flush.start()
+    flush.join(FINAL_FLUSH_S)
+    if flush.is_alive():
+        log.warning(
+            "tracing: spans not sent within %gs of stopping are dropped (%s/v1/traces did not answer)",
+            FINAL_FLUSH_S,
+            _tracing.endpoint.rstrip("/"),
+        )
 
 
 @contextmanager

@@ -6,6 +6,7 @@ gRPC code; a call forwarded to another shard is a child span there, in the same 
 from __future__ import annotations
 
 import http.server
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -116,3 +117,55 @@ def test_a_server_without_the_setting_sends_nothing(start_server: Any, collector
     api.tasks.SubmitTask(tpb.SubmitTaskRequest(pool="default"), metadata=[("traceparent", PARENT)], timeout=10)
     time.sleep(1.0)
     assert collector.spans == []
+
+
+class SilentCollector:
+    """A loopback listener that accepts connections and never answers (a hung collector)."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self.held.append(self.listener.accept()[0])
+            except OSError:  # closed
+                return
+
+    def close(self) -> None:
+        self.listener.close()
+        for conn in self.held:
+            conn.close()
+
+
+def _calls_then_stop_seconds(srv: Any, calls: int = 300) -> float:
+    """Makes calls (each a span) for about as long as an export waits, then SIGTERM: the
+    seconds to the server's exit (0 expected)."""
+    api = Api(srv.grpc_target)
+    for i in range(calls):
+        api.tasks.SubmitTask(tpb.SubmitTaskRequest(pool="default", key=f"k{i}"), timeout=10)
+    time.sleep(0.7)  # past the export delay: an export to the collector is in flight
+    started = time.monotonic()
+    assert srv.stop(timeout=60) == 0
+    return time.monotonic() - started
+
+
+def test_a_collector_that_never_answers_delays_no_shutdown(start_server: Any, tmp_path: Path) -> None:
+    silent = SilentCollector()
+    try:
+        config: dict[str, Any] = {"pools": [{"name": "default"}]}
+        plain = start_server({**config, "store": {"path": str(tmp_path / "plain.db")}}, name="plain")
+        baseline = _calls_then_stop_seconds(plain)
+        traced = start_server(
+            {**config, "store": {"path": str(tmp_path / "traced.db")}, "server": {"otlp_endpoint": silent.url}},
+            name="traced",
+        )
+        elapsed = _calls_then_stop_seconds(traced)
+        assert silent.held, "the server never connected to the collector"
+        # The final flush is bounded (2 s), far from the 30 s the SDK waits by default.
+        assert elapsed < baseline + 5.0, (baseline, elapsed, traced.log()[-2000:])
+    finally:
+        silent.close()
