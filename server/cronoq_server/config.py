@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import tomllib
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from cryptography import x509
 from cryptography.x509.oid import NameOID, ObjectIdentifier
@@ -383,6 +384,25 @@ def _unique_tokens(tokens: list[TokenConfig]) -> None:
         seen[attr, value] = i
 
 
+def _check_shard_endpoint(i: int, shard: ShardConfig) -> None:
+    """scheme://host[:port] and nothing else, refused at start rather than when a call is first
+    forwarded there."""
+    url = urlsplit(shard.endpoint)
+    where = f"shards[{i}].endpoint: shard {shard.name!r}"
+    try:
+        port = url.port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"{where}: the port must be from 1 to 65535, got {shard.endpoint!r}")
+    if "@" in url.netloc:
+        raise ValueError(f"{where}: no user info (the endpoint is told to clients and workers), got {shard.endpoint!r}")
+    if not url.hostname:
+        raise ValueError(f"{where}: no host, got {shard.endpoint!r}")
+    if "?" in shard.endpoint or "#" in shard.endpoint:
+        raise ValueError(f"{where}: give scheme://host:port only, got {shard.endpoint!r}")
+
+
 def _check_cross_references(cfg: Config) -> None:
     if not cfg.pools:
         raise ValueError("pools: at least one [[pools]] entry is needed")
@@ -403,6 +423,7 @@ def _check_cross_references(cfg: Config) -> None:
     if cfg.shards:
         owner: dict[str, str] = {}
         for i, shard in enumerate(cfg.shards):
+            _check_shard_endpoint(i, shard)
             for pool in shard.pools:
                 if pool not in pool_names:
                     raise ValueError(f"shards[{i}].pools: unknown pool {pool!r}")
