@@ -1,6 +1,8 @@
 """`./dev release --dry-run`: builds every artifact of a release from this checkout into dist/
 and proves each installs the way its ecosystem installs, outside the repository:
 
+- names: every name the release publishes (PyPI, npm, crates.io, the Go module path) is free in
+  its registry or already ours (release/names.py); one another project holds fails the run;
 - python: the three wheels (`pip wheel --no-deps`), installed by pip into a fresh virtualenv;
   `cronoq-server` and `cronoq` from there say VERSION; that server (free loopback ports, a
   temporary SQLite store) serves every example below;
@@ -14,7 +16,7 @@ and proves each installs the way its ecosystem installs, outside the repository:
 Each example submits three tasks (one succeeds, one after two failures, one fails for good),
 works them with the SDK's worker and prints how each ended; the step checks those lines.
 
-    python release/dry_run.py [--only python,go] [--keep]
+    python release/dry_run.py [--only npm,go] [--keep]
 
 Exits 1 naming the step that failed; the scratch directory is kept then (and with --keep).
 """
@@ -40,6 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from names import check as check_names
+from names import published
 from versions import ROOT, release_version, rust_crate_name
 
 DIST = ROOT / "dist"
@@ -95,6 +99,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# -- names --------------------------------------------------------------------------
+
+
+def step_names(ctx: Context, stack: list[Callable[[], None]]) -> None:
+    taken = check_names(published())
+    if taken:
+        raise StepFailed("\n".join(taken))
+
+
 # -- python -------------------------------------------------------------------------
 
 
@@ -107,7 +120,7 @@ def step_python(ctx: Context, stack: list[Callable[[], None]]) -> None:
     built = sorted(wheels.glob("*.whl"))
     names = [w.name for w in built]
     print(f"    built {', '.join(names)}", flush=True)
-    for dist in ("cronoq_api", "cronoq", "cronoq_server"):
+    for dist in ("cronoq_api", "cronoq_sdk", "cronoq_server"):
         if f"{dist}-{ctx.version}-py3-none-any.whl" not in names:
             raise StepFailed(f"no wheel {dist}-{ctx.version}-py3-none-any.whl among {names}")
     run([*pip, "install", "--quiet", *(str(w) for w in built)], cwd=ctx.scratch)
@@ -301,7 +314,8 @@ def step_go(ctx: Context, stack: list[Callable[[], None]]) -> None:
 
 
 STEPS: dict[str, Callable[[Context, list[Callable[[], None]]], None]] = {
-    "python": step_python,  # first: it starts the server the others use
+    "names": step_names,  # first: a taken name fails the release before anything is built
+    "python": step_python,  # it starts the server the others use
     "npm": step_npm,
     "rust": step_rust,
     "go": step_go,
@@ -310,10 +324,13 @@ STEPS: dict[str, Callable[[Context, list[Callable[[], None]]], None]] = {
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", help=f"comma-separated steps of {','.join(STEPS)} (python always runs: the server)")
+    ap.add_argument(
+        "--only", help=f"comma-separated steps of {','.join(STEPS)} (names and python always run: the server)"
+    )
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     args = ap.parse_args(argv)
-    wanted = ["python", *[s for s in (args.only or ",".join(STEPS)).split(",") if s and s != "python"]]
+    always = ["names", "python"]
+    wanted = [*always, *[s for s in (args.only or ",".join(STEPS)).split(",") if s and s not in always]]
     unknown = [s for s in wanted if s not in STEPS]
     if unknown:
         ap.error(f"--only: no step {unknown} (steps: {', '.join(STEPS)})")

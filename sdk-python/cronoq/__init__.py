@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 __path__ = pkgutil.extend_path(__path__, __name__)
 
-__version__ = importlib.metadata.version("cronoq")  # the installed distribution's (VERSION at release)
+__version__ = importlib.metadata.version("cronoq-sdk")  # the installed distribution's (VERSION at release)
 
 # public name -> the submodule that defines it
 _EXPORTS: dict[str, str] = {

@@ -1,4 +1,4 @@
-"""OpenTelemetry trace context, with the OpenTelemetry API (`pip install 'cronoq[otel]'`) only.
+"""OpenTelemetry trace context, with the OpenTelemetry API (`pip install 'cronoq-sdk[otel]'`) only.
 
 The client sends the caller's current span context with what it submits (SubmitTaskRequest.trace,
 Schedule.trace), as the W3C TraceContext propagator writes it; it starts no span of its own. The

@@ -130,12 +130,12 @@ def _sdk_in_site_packages() -> bool:
 def test_server_depends_on_the_api_not_on_the_sdk() -> None:
     deps = _pyproject_dependencies(SERVER_DIR)
     assert "cronoq-api" in deps
-    assert "cronoq" not in deps, "the server must not depend on the SDK (distribution 'cronoq')"
+    assert "cronoq-sdk" not in deps, "the server must not depend on the SDK (distribution 'cronoq-sdk')"
 
 
 def test_installed_server_metadata_names_the_api_not_the_sdk() -> None:
     deps = _requirement_names(importlib.metadata.requires("cronoq-server") or [])
-    assert "cronoq-api" in deps and "cronoq" not in deps
+    assert "cronoq-api" in deps and "cronoq-sdk" not in deps
 
 
 def test_sdk_depends_on_the_api_and_the_api_on_protobuf_and_grpcio_only() -> None:
@@ -254,7 +254,7 @@ def test_installed_wheel_api_without_sdk_is_a_namespace(wheels: dict[str, Path],
 
 # -- the wheels' metadata and files ----------------------------------------------------
 
-DISTRIBUTIONS = {"api": ("cronoq-api", API_DIR), "sdk": ("cronoq", SDK_DIR), "server": ("cronoq-server", SERVER_DIR)}
+DISTRIBUTIONS = {"api": ("cronoq-api", API_DIR), "sdk": ("cronoq-sdk", SDK_DIR), "server": ("cronoq-server", SERVER_DIR)}
 
 
 def _wheel_file(wheel: Path, suffix: str) -> bytes:
@@ -406,7 +406,7 @@ def test_installed_packages_are_the_wheels_typed_and_licensed(user_venv: Path) -
         out = {
             "files": [cronoq.__file__, cronoq.v1.__file__, cronoq_server.__file__],
             "typed": [str(pathlib.Path(p.__file__).parent / "py.typed") for p in (cronoq, cronoq_server)],
-            "licenses": {d: importlib.metadata.metadata(d)["License-Expression"] for d in ("cronoq", "cronoq-api", "cronoq-server")},
+            "licenses": {d: importlib.metadata.metadata(d)["License-Expression"] for d in ("cronoq-sdk", "cronoq-api", "cronoq-server")},
         }
         print(json.dumps(out))
         """
@@ -414,7 +414,7 @@ def test_installed_packages_are_the_wheels_typed_and_licensed(user_venv: Path) -
     out = json.loads(_run(user_venv, "python", "-c", code))
     for path in out["files"] + out["typed"]:
         assert Path(path).is_relative_to(user_venv) and Path(path).exists(), path
-    assert out["licenses"] == dict.fromkeys(("cronoq", "cronoq-api", "cronoq-server"), "Apache-2.0")
+    assert out["licenses"] == dict.fromkeys(("cronoq-sdk", "cronoq-api", "cronoq-server"), "Apache-2.0")
 
 
 def test_installed_server_and_cli_work_together(user_venv: Path, tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ def test_installed_python_distributions_report_the_release_version() -> None:
     import cronoq_server
 
     want = versions.release_version()
-    for dist in ("cronoq-api", "cronoq", "cronoq-server"):
+    for dist in ("cronoq-api", "cronoq-sdk", "cronoq-server"):
         assert importlib.metadata.version(dist) == want, dist
     assert cronoq.__version__ == want
     assert cronoq_server.__version__ == want
