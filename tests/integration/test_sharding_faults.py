@@ -581,3 +581,49 @@ def test_with_a_shard_down_a_caller_that_may_read_none_of_it_learns_nothing_of_i
         assert err.code() == grpc.StatusCode.NOT_FOUND and err.details() == message, err  # type: ignore[attr-defined]
     status, headers, body = http(srv, "GET", f"/v1/tasks/{gpu_id}", token="default-only")
     assert status == 404 and "gpu" not in body["message"] and "cronoq-unavailable-shards" not in headers, body
+
+
+# -- a peer that is not a cronoq server -------------------------------------------------
+
+
+@pytest.fixture
+def foreign_peer() -> Iterator[str]:
+    """A real gRPC server on loopback that serves no cronoq service: it answers every call
+    UNIMPLEMENTED, as an older or a foreign server does. Yields its endpoint."""
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop(None)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_a_shard_answering_unimplemented_is_named_unavailable_in_fan_out_reads(
+    tmp_path: Path, start_server: Any, request: Any, kind: str, foreign_peer: str
+) -> None:
+    cpu_listen = f"127.0.0.1:{free_port()}"
+    config = sharded_config(tmp_path, cpu_listen, foreign_peer)
+    config["store"] = shard_store(kind, tmp_path, request)
+    srv = start_server({**config, "server": {"listen": cpu_listen}}, shard="cpu", name="cpu")
+    cpu = Stubs(srv)
+    held = submit(cpu, "default", key="held-by-cpu").task
+    tasks = cpu.tasks.ListTasks(tpb.ListTasksRequest(), metadata=full_md(), timeout=TIMEOUT)
+    assert list(tasks.unavailable_shards) == ["gpu"] and [t.id for t in tasks.tasks] == [held.id]
+    newest = cpu.tasks.ListTasks(tpb.ListTasksRequest(newest_first=True), metadata=full_md(), timeout=TIMEOUT)
+    assert list(newest.unavailable_shards) == ["gpu"] and [t.id for t in newest.tasks] == [held.id]
+    workers = worker_service_pb2_grpc.WorkerServiceStub(cpu.channel).ListWorkers(
+        wpb.ListWorkersRequest(), metadata=full_md(), timeout=TIMEOUT
+    )
+    assert list(workers.unavailable_shards) == ["gpu"]
+    for path in ("/v1/tasks", "/v1/tasks?newest_first=true", "/v1/schedules", "/v1/snapshot"):
+        status, _, body = http(srv, "GET", path)
+        assert status == 200 and body["unavailable_shards"] == ["gpu"], (path, body)
+    got = get_task(cpu, task_pb2.TaskRef(key="held-by-cpu"))
+    assert got.task.id == held.id and list(got.unavailable_shards) == ["gpu"]
+    # A call for that shard alone still says what it answered, naming it.
+    err = refusal(lambda: submit(cpu, "llm"))
+    assert err.code() == grpc.StatusCode.UNIMPLEMENTED and "'gpu'" in err.details(), err  # type: ignore[attr-defined]
+    status, _, body = http(srv, "POST", "/v1/tasks", {"pool": "llm"})
+    assert status == 501 and "'gpu'" in body["message"], body

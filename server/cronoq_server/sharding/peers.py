@@ -17,6 +17,7 @@ from cronoq.status import decode_details
 
 from ..auth import Principal
 from ..config import Config, ShardConfig
+from ..core.limits import largest_request
 from ..core.tasks import wait_ms
 from ..errors import ApiError
 from ..registry import Rpc
@@ -43,8 +44,9 @@ def is_loopback_host(host: str) -> bool:
 
 def is_missing(err: ApiError) -> bool:
     """Whether a shard's refusal means it could not be asked (unreachable, no leader, too slow,
-    or not to be sent this caller's call): it is then named in unavailable_shards."""
-    return err.code in _UNAVAILABLE or err.reason == "NOT_FORWARDED"
+    not serving the call, or not to be sent this caller's call): it is then named in
+    unavailable_shards."""
+    return err.code in _UNAVAILABLE or err.reason in ("NOT_FORWARDED", "SHARD_UNAVAILABLE")
 
 
 def trailer(trailers: Iterable[tuple[str, Any]], name: str) -> str | None:
@@ -106,7 +108,15 @@ def peer_error(shard: ShardConfig, endpoint: str, err: grpc.aio.AioRpcError, all
                 {UNAVAILABLE_HEADER: shard.name},
                 reason="SHARD_UNAVAILABLE",
             )
-        return ApiError(code, f"shard {shard.name!r} at {endpoint}: {err.details()}")
+    if details is None or code == grpc.StatusCode.UNIMPLEMENTED:
+        # No cronoq answer (gRPC's own status), or a call the peer's build does not serve (an
+        # older or a foreign server): the shard cannot answer it, and is named like one down.
+        return ApiError(
+            code,
+            f"shard {shard.name!r} at {endpoint} cannot answer this call: {code.name}: {err.details()}",
+            {UNAVAILABLE_HEADER: shard.name},
+            reason="SHARD_UNAVAILABLE",
+        )
     metadata = {
         key: value
         for key, value in trailers
@@ -175,7 +185,8 @@ class PeerChannels:
         if channel is None:
             url = urlsplit(endpoint)
             options = [
-                ("grpc.max_receive_message_length", max(self._config.limits.max_payload_bytes * 2, 64 << 20)),
+                # As this server's own receive limit: a peer's answer to a forwarded call fits it.
+                ("grpc.max_receive_message_length", largest_request(self._config.limits)),
                 ("grpc.max_reconnect_backoff_ms", PEER_RECONNECT_MAX_MS),
                 ("grpc.keepalive_time_ms", 60_000),
             ]
