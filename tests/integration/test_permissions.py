@@ -249,12 +249,14 @@ def future_ts() -> Timestamp:
 
 @dataclass
 class Target:
-    """What a call acts on: a task (id, key, pool) and/or a worker."""
+    """What a call acts on: a task (id, key, pool) and/or a worker; dependent_id: a task of
+    another pool that the task's end ended."""
 
     task_id: int = 0
     key: str = ""
     pool: str = "a"
     worker_id: str = ""
+    dependent_id: int = 0
 
 
 @dataclass
@@ -858,6 +860,80 @@ def _http_base(kind: str, t: Target) -> str:
     return f"/v1/tasks/{t.task_id}" if kind == "id" else f"/v1/keys/{t.key}"
 
 
+def _cancelled_with_dependent(env: Env, tok: Tok | None) -> Target:
+    """A CANCELLED task of pool a, and its pool-b dependent that the cancel ended."""
+    target = env.fresh_task("a")
+    spec = env.spec("b", env.new_key("b"), depends_on=[task_pb2.TaskRef(id=target.task_id)])
+    md = env.as_("admin-all")
+    target.dependent_id = env.stubs().tasks.SubmitTask(spec, metadata=md, timeout=TIMEOUT).task.id
+    req = tpb.CancelTaskRequest(task=task_pb2.TaskRef(id=target.task_id))
+    env.stubs().tasks.CancelTask(req, metadata=md, timeout=TIMEOUT)
+    return target
+
+
+def check_dependent_restored(bulk: bool) -> CheckFn:
+    """A retry brings back (and RetryTask counts) the pool-b dependent only for a caller who may
+    submit to b: one who could retry it itself."""
+
+    def check(env: Env, tok: Tok, target: Target, out: Outcome) -> list[str]:
+        req = tpb.GetTaskRequest(task=task_pb2.TaskRef(id=target.dependent_id))
+        dependent = env.stubs().tasks.GetTask(req, metadata=env.as_("admin-all"), timeout=TIMEOUT).task
+        state = task_pb2.TaskState.Name(dependent.state)
+        restorable = tok.may("submit", "b")
+        want = "TASK_STATE_BLOCKED" if restorable else "TASK_STATE_CANCELLED"
+        problems = [] if state == want else [f"pool-b dependent {state}, want {want}"]
+        body = out.body or {}
+        if bulk:
+            counted = int(body.get("changed", 0))
+            if counted != 1:
+                problems.append(f"changed {counted}, want 1 (the task, not its dependent)")
+        else:
+            counted = int(body.get("dependents_restored", 0))
+            if counted != int(restorable):
+                problems.append(f"dependents_restored {counted}, want {int(restorable)}")
+        return problems
+
+    return check
+
+
+def retry_with_dependents_rows() -> list[Call]:
+    """RetryTask and RetryTasks of a pool-a task whose end ended a pool-b dependent: the
+    dependent waits again only for a caller who may submit to b (else it stays ended and
+    RetryTask's dependents_restored does not count it)."""
+    return [
+        Call(
+            "RetryTask by id (pool-a cancelled task with a pool-b dependent)",
+            "submit",
+            hidden_unless_readable("submit", "a"),
+            lambda env, t, md: env.tasks.RetryTask(
+                tpb.RetryTaskRequest(task=_ref("id", t), run_at=future_ts()), metadata=md, timeout=TIMEOUT
+            ),
+            lambda env, t: ("POST", f"{_http_base('id', t)}/retry", {"run_at": future_ts().ToJsonString()}),
+            prepare=_cancelled_with_dependent,
+            missing=_missing("id"),
+            ref=_ref_text("id"),
+            check_ok=check_dependent_restored(bulk=False),
+        ),
+        Call(
+            "RetryTasks, pool a (a cancelled task with a pool-b dependent)",
+            "submit",
+            lambda tok: OK if tok.may("submit", "a") and tok.may("read", "a") else DENIED,
+            lambda env, t, md: env.tasks.RetryTasks(
+                tpb.RetryTasksRequest(filter=tpb.TaskFilter(pool="a", ids=[t.task_id]), run_at=future_ts()),
+                metadata=md,
+                timeout=TIMEOUT,
+            ),
+            lambda env, t: (
+                "POST",
+                "/v1/tasks/bulk-retry",
+                {"filter": {"pool": "a", "ids": [str(t.task_id)]}, "run_at": future_ts().ToJsonString()},
+            ),
+            prepare=_cancelled_with_dependent,
+            check_ok=check_dependent_restored(bulk=True),
+        ),
+    ]
+
+
 def check_deleted(env: Env, tok: Tok, target: Target, out: Outcome) -> list[str]:
     problems = []
     if str((out.body or {}).get("id")) != str(target.task_id):
@@ -1369,7 +1445,7 @@ def pause_rows() -> list[Call]:
 MATRIX_GROUPS: dict[str, Callable[[], list[Call]]] = {
     "submit": submit_rows,
     "lookup": lookup_rows,
-    "retry-delete": retry_and_delete_rows,
+    "retry-delete": lambda: retry_and_delete_rows() + retry_with_dependents_rows(),
     "lists": list_and_watch_rows,
     "workers": worker_rows,
     "admin": admin_rows,

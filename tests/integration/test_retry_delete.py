@@ -249,6 +249,52 @@ def test_dependents_ended_by_a_task_wait_for_it_again_then_run(c: Client) -> Non
     assert c.get(cc.id).task.state == S.TASK_STATE_SUCCEEDED
 
 
+def test_a_retry_restores_only_the_dependents_the_caller_may_retry(c: Client, srv: Any) -> None:
+    """A caller who may not submit to a dependent's pool does not bring it back, nor count it
+    (RetryTask and RetryTasks); a cancel ends it all the same, and its answer shows none of it."""
+    worker = c.register("alpha")
+    mine = Client(srv, "default-only")
+    dep = c.submit(key="dep")
+    other = c.submit(pool="other", key="other", depends_on=["dep"])
+
+    def fail_dep() -> None:
+        c.fail(worker, c.lease_one(worker, dep.id))
+
+    def bulk_retry(client: Client) -> tpb.RetryTasksResponse:
+        req = tpb.RetryTasksRequest(filter=tpb.TaskFilter(ids=[dep.id]))
+        return client.tasks.RetryTasks(req, metadata=client.md, timeout=TIMEOUT)
+
+    def state() -> int:
+        return c.get(other.id).task.state
+
+    fail_dep()
+    ended = c.get(other.id).task
+    assert ended.state == S.TASK_STATE_FAILED
+    assert list(mine.get(dep.id, include_dependents=True).dependents) == []
+    got = mine.retry(dep.id)
+    assert (got.task.state, got.dependents_restored) == (S.TASK_STATE_PENDING, 0)
+    assert c.get(other.id).task == ended
+    fail_dep()
+    assert (bulk_retry(mine).changed, c.get(other.id).task) == (1, ended)
+    fail_dep()
+    status, body = mine.http("POST", f"/v1/tasks/{dep.id}/retry", {})
+    assert status == 200 and int(body.get("dependents_restored", 0)) == 0, body
+    assert c.get(other.id).task == ended
+    # Who may submit to both pools brings it back.
+    fail_dep()
+    assert c.retry(dep.id).dependents_restored == 1 and state() == S.TASK_STATE_BLOCKED
+    fail_dep()
+    assert state() == S.TASK_STATE_FAILED
+    assert bulk_retry(c).changed == 1 and state() == S.TASK_STATE_BLOCKED
+    # A cancel ends the dependents of every pool (what a dependency means); the answer names only its task.
+    cancelled = mine.cancel(dep.id)
+    assert (cancelled.id, cancelled.state, state()) == (dep.id, S.TASK_STATE_CANCELLED, S.TASK_STATE_CANCELLED)
+    assert c.retry(dep.id).dependents_restored == 1 and state() == S.TASK_STATE_BLOCKED
+    req = tpb.CancelTasksRequest(filter=tpb.TaskFilter(ids=[dep.id]))
+    answer = mine.tasks.CancelTasks(req, metadata=mine.md, timeout=TIMEOUT)
+    assert (answer.matched, answer.changed, state()) == (1, 1, S.TASK_STATE_CANCELLED)
+
+
 # -- DeleteTask -----------------------------------------------------------------------
 
 

@@ -97,7 +97,7 @@ class Bulk:
         check_range("extra_attempts", req.extra_attempts, RETRY_EXTRA_ATTEMPTS)
 
         async def retry(seqs: list[int]) -> int:
-            rows, _ = await self._tasks.retry_seqs(seqs, run_at, req.extra_attempts)
+            rows, _ = await self._tasks.retry_seqs(seqs, run_at, req.extra_attempts, caller)
             return len(rows)
 
         return _answer(pb.RetryTasksResponse(), await self.run(match, req.dry_run, retry))

@@ -218,9 +218,13 @@ class Tasks:
 
     def _visible(self, caller: Principal) -> frozenset[str] | None:
         """The pools whose tasks the caller may name as dependencies (None: every pool)."""
-        if caller.pools is None and "read" in caller.permissions:
+        return self._pools_where(caller, "read")
+
+    def _pools_where(self, caller: Principal, permission: str) -> frozenset[str] | None:
+        """The pools where the caller holds the permission (None: every pool)."""
+        if caller.pools is None and permission in caller.permissions:
             return None
-        return frozenset(p for p in self._pools if caller.may("read", p))
+        return frozenset(p for p in self._pools if caller.may(permission, p))
 
     def _submitted(self, sub: Submitted, caller: Principal) -> task_pb2.Task:
         """A deduplicated submission shows the existing task whole only to a caller who may read it."""
@@ -342,16 +346,23 @@ class Tasks:
         run_at = timestamp_us("run_at", req.run_at) if req.HasField("run_at") else None
         check_range("extra_attempts", req.extra_attempts, RETRY_EXTRA_ATTEMPTS)
         row = await self.find(req.task, caller, "submit")
-        rows, restored = await self.retry_seqs([row.seq], run_at, req.extra_attempts) if _retryable(row) else ([], 0)
+        rows, restored = (
+            await self.retry_seqs([row.seq], run_at, req.extra_attempts, caller) if _retryable(row) else ([], 0)
+        )
         if not rows:
             await self._not_retried(row)
         return pb.RetryTaskResponse(task=self._task(rows[0]), dependents_restored=restored)
 
-    async def retry_seqs(self, seqs: list[int], run_at: int | None, extra_attempts: int) -> tuple[list[TaskRow], int]:
+    async def retry_seqs(
+        self, seqs: list[int], run_at: int | None, extra_attempts: int, caller: Principal
+    ) -> tuple[list[TaskRow], int]:
         """Retries the FAILED and CANCELLED tasks among these (one transaction; see
         Store.retry_tasks), tells whoever waits, and counts them; (rows retried, dependents
-        restored). For callers that checked the request and the caller's permissions."""
-        rows, restored, changes = await self._store.retry_tasks(seqs, now_us(), run_at, extra_attempts)
+        restored). The dependents brought back are those the caller could retry itself (it may
+        submit to their pool); the others stay ended. For callers that checked the request and
+        the caller's permissions on the tasks among seqs."""
+        restorable = self._pools_where(caller, "submit")
+        rows, restored, changes = await self._store.retry_tasks(seqs, now_us(), run_at, extra_attempts, restorable)
         await self._events.publish(changes, rows)
         for pool, count in Counter(r.pool for r in rows).items():
             TASK_RETRIES.labels(pool=pool, reason="manual").inc(count)
