@@ -5,8 +5,9 @@
 
 The Python distributions' modules read their version from their installed metadata
 (cronoq.__version__, cronoq_server.__version__), the Rust crate from Cargo (CARGO_PKG_VERSION),
-so only manifests, lock files and the Go and TypeScript constants hold it. Go modules have no
-version in go.mod: their version is the tag (sdk-go/vX.Y.Z), which must equal VERSION too.
+so only manifests, lock files, the Go and TypeScript constants and the SDKs' install lines in
+their READMEs hold it. Go modules have no version in go.mod: their version is the tag
+(sdk-go/vX.Y.Z), which must equal VERSION too.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def rust_crate_name(root: Path = ROOT) -> str:
 
 @dataclass(frozen=True)
 class Place:
-    """One version in one file: the first match of `pattern`, whose group 1 is the version."""
+    """Versions in one file: every match of `pattern`, whose group 1 is the version."""
 
     path: str
     pattern: str
@@ -41,17 +42,18 @@ class Place:
     def regex(self, root: Path) -> re.Pattern[str]:
         return re.compile(self.pattern.replace("{crate}", re.escape(rust_crate_name(root))), re.MULTILINE)
 
-    def read(self, root: Path) -> str | None:
-        match = self.regex(root).search((root / self.path).read_text())
-        return match.group(1) if match else None
+    def read(self, root: Path) -> list[str]:
+        return [match.group(1) for match in self.regex(root).finditer((root / self.path).read_text())]
 
     def write(self, root: Path, version: str) -> None:
         path = root / self.path
         text = path.read_text()
-        match = self.regex(root).search(text)
-        if match is None:
+        matches = list(self.regex(root).finditer(text))
+        if not matches:
             raise SystemExit(f"{self.path}: no version where /{self.pattern}/ expects one")
-        path.write_text(text[: match.start(1)] + version + text[match.end(1) :])
+        for match in reversed(matches):  # from the end: earlier offsets stay valid
+            text = text[: match.start(1)] + version + text[match.end(1) :]
+        path.write_text(text)
 
 
 PLACES = [
@@ -67,6 +69,11 @@ PLACES = [
     Place("sdk-rust/Cargo.toml", r'^version = "([^"]*)"'),
     Place("sdk-rust/Cargo.lock", r'^name = "{crate}"\nversion = "([^"]*)"'),
     Place("sdk-go/version.go", r'^const Version = "([^"]*)"'),
+    # What the READMEs tell users to install.
+    Place("sdk-rust/README.md", r'^{crate} = "([^"]*)"'),
+    Place("sdk-rust/README.md", r'^{crate} = \{ version = "([^"]*)"'),
+    Place("sdk-go/README.md", r"(?:@|sdk-go/)v(\d+\.\d+\.\d+)"),
+    Place("sdk-ts/README.md", r"cronoq-(\d+\.\d+\.\d+)\.tgz"),
 ]
 
 
@@ -90,8 +97,8 @@ def mismatches(root: Path = ROOT) -> list[str]:
     problems = [] if VERSION_RE.fullmatch(want) else [f"{VERSION_FILE}: {want!r} is not X.Y.Z"]
     for place in PLACES:
         found = place.read(root)
-        if found != want:
-            problems.append(f"{place.path}: found {found!r} (/{place.pattern}/), {VERSION_FILE} says {want!r}")
+        for wrong in [v for v in found if v != want] if found else [None]:
+            problems.append(f"{place.path}: found {wrong!r} (/{place.pattern}/), {VERSION_FILE} says {want!r}")
     return problems
 
 

@@ -58,6 +58,15 @@ def test_set_version_writes_every_place(tmp_path: Path) -> None:
     crate = versions.rust_crate_name(root)
     locked = [p for p in tomllib.loads((root / "sdk-rust/Cargo.lock").read_text())["package"] if p["name"] == crate]
     assert [p["version"] for p in locked] == ["12.34.56"]
+    # The READMEs' install lines, as a user copies them: none still names the old version.
+    rust_readme = (root / "sdk-rust/README.md").read_text()
+    assert '\ncronoq-sdk = "12.34.56"\n' in rust_readme
+    assert 'cronoq-sdk = { version = "12.34.56", features = ["otel"] }' in rust_readme
+    assert "sdk-go@v12.34.56" in (root / "sdk-go/README.md").read_text()
+    assert "cronoq-12.34.56.tgz" in (root / "sdk-ts/README.md").read_text()
+    old = versions.release_version()
+    for readme in ("sdk-rust/README.md", "sdk-go/README.md", "sdk-ts/README.md"):
+        assert old not in (root / readme).read_text(), readme
     # Nothing else changed: the dependencies' versions in the lock files are untouched.
     before = json.loads((REPO / "sdk-ts/package-lock.json").read_text())["packages"]
     after = lock["packages"]
@@ -69,6 +78,14 @@ def test_a_mismatch_names_the_file(tmp_path: Path) -> None:
     (root / "sdk-go/version.go").write_text((root / "sdk-go/version.go").read_text().replace('"', '"9', 1))
     problems = versions.mismatches(root)
     assert len(problems) == 1 and problems[0].startswith("sdk-go/version.go: found '9"), problems
+
+
+def test_a_readme_install_line_that_names_another_version_is_a_mismatch(tmp_path: Path) -> None:
+    root = _copy_places(tmp_path)
+    readme = root / "sdk-rust/README.md"
+    readme.write_text(readme.read_text().replace(f'cronoq-sdk = "{versions.release_version()}"', 'cronoq-sdk = "0.1"'))
+    problems = versions.mismatches(root)
+    assert len(problems) == 1 and problems[0].startswith("sdk-rust/README.md: found '0.1'"), problems
 
 
 @pytest.mark.parametrize("bad", ["1.2", "v1.2.3", "1.2.3-rc.1", "1.2.3\n4"])

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ..backup import settle_restored
 from ..errors import ApiError, not_found
 from ..ids import make_task_id
 from .base import (
@@ -476,6 +477,7 @@ class SqliteStore:
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(v),))
         db.execute("INSERT OR IGNORE INTO meta VALUES ('shard_name', ?)", (self.settings.shard_name,))
         db.execute("INSERT OR IGNORE INTO meta VALUES ('shard_number', ?)", (str(self.settings.shard_number),))
+        settle_restored(db)  # a backup put in place by hand: no id the replaced store gave is given again
 
     def _check_version(self, version: int) -> None:
         if version > max(MIGRATIONS):
