@@ -447,6 +447,11 @@ class Store(Protocol):
         """Tasks of those pools (None: all) in seq order after after_seq; newest_first: in
         descending seq order before after_seq (0: from the newest)."""
 
+    async def list_matching(
+        self, match: TaskFilter, after_seq: int, limit: int, newest_first: bool = False
+    ) -> list[TaskRow]:
+        """As list_tasks, the tasks that match (as match_tasks matches them)."""
+
     async def lease(
         self,
         worker_id: str,

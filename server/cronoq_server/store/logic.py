@@ -41,6 +41,8 @@ from .base import (
     Trace,
 )
 
+ALL_STATES = frozenset(State)
+
 # What an outcome decision reads of a task, in this order.
 OUTCOME_COLUMNS = "seq, state, attempt, pool, max_attempts, cancel_requested, worker_id, started_at, snoozes"
 HEARTBEAT_COLUMNS = "seq, state, attempt, worker_id, cancel_requested, pool, started_at, timeout_ms"
@@ -560,15 +562,24 @@ class Dialect:
     contains: str  # "{0} contains {1}", case-sensitive, no pattern characters
 
 
-def match_sql(match: TaskFilter, after_seq: int, limit: int, dialect: Dialect) -> tuple[str, list[Any]]:
-    """The WHERE clause (with ORDER BY and LIMIT) of match_tasks, and its parameters."""
+def match_sql(
+    match: TaskFilter, after_seq: int, limit: int, dialect: Dialect, newest_first: bool = False
+) -> tuple[str, list[Any]]:
+    """The WHERE clause (with ORDER BY and LIMIT) of match_tasks and list_matching, and its
+    parameters; newest_first: in descending seq order, before after_seq (0: from the newest)."""
     params: list[Any] = []
 
     def p(value: Any) -> str:
         params.append(value)
         return dialect.mark(len(params))
 
-    where = [f"seq > {p(after_seq)}", f"state IN ({', '.join(str(int(s)) for s in sorted(match.states))})"]
+    where: list[str] = []
+    if newest_first:
+        where += [f"seq < {p(after_seq)}"] if after_seq else []
+    else:
+        where.append(f"seq > {p(after_seq)}")
+    if match.states != ALL_STATES:  # every state: no condition, as a plain listing has none
+        where.append(f"state IN ({', '.join(str(int(s)) for s in sorted(match.states))})")
     if match.pools is not None:
         pools = match.pools
         # One pool: an equality, so the (pool, seq) index serves it in seq order.
@@ -589,4 +600,10 @@ def match_sql(match: TaskFilter, after_seq: int, limit: int, dialect: Dialect) -
         where.append(f"substr(key, 1, {p(len(match.key_prefix))}) = {p(match.key_prefix)}")
     if match.error_contains:
         where.append(dialect.contains.format("error", p(match.error_contains)))
-    return " AND ".join(where) + f" ORDER BY seq LIMIT {p(limit)}", params
+    order = "seq DESC" if newest_first else "seq"
+    return " AND ".join(where or ["1 = 1"]) + f" ORDER BY {order} LIMIT {p(limit)}", params
+
+
+def list_filter(pools: list[str] | None, state: State | None) -> TaskFilter:
+    """list_tasks' arguments as the filter list_matching takes."""
+    return TaskFilter(states=frozenset({state}) if state is not None else ALL_STATES, pools=pools)

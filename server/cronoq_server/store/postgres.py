@@ -94,6 +94,7 @@ from .logic import (
     keyed_entry,
     lease_scan,
     limits_apply,
+    list_filter,
     match_sql,
     not_leased,
     pool_pause,
@@ -742,11 +743,13 @@ class PostgresStore:
     async def list_tasks(
         self, pools: list[str] | None, state: State | None, after_seq: int, limit: int, newest_first: bool = False
     ) -> list[TaskRow]:
-        bound = "($1 = 0 OR seq < $1)" if newest_first else "seq > $1"
-        where = f"{bound} AND ($2::text[] IS NULL OR pool = ANY($2)) AND ($3::smallint IS NULL OR state = $3)"
-        where += f" ORDER BY seq {'DESC' if newest_first else ''} LIMIT $4"
-        st = int(state) if state is not None else None
-        return await self._read(lambda c: self._select(c, where, after_seq, pools, st, limit))
+        return await self.list_matching(list_filter(pools, state), after_seq, limit, newest_first)
+
+    async def list_matching(
+        self, match: TaskFilter, after_seq: int, limit: int, newest_first: bool = False
+    ) -> list[TaskRow]:
+        where, params = match_sql(match, after_seq, limit, _DIALECT, newest_first)
+        return await self._read(lambda c: self._select(c, where, *params))
 
     async def oldest_due_pending(self, pools: list[str], now: int) -> dict[str, int]:
         sql = self._sql(

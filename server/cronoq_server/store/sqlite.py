@@ -87,6 +87,7 @@ from .logic import (
     keyed_entry,
     lease_scan,
     limits_apply,
+    list_filter,
     match_sql,
     pool_pause,
     pool_pause_values,
@@ -527,19 +528,16 @@ class SqliteStore:
     async def list_tasks(
         self, pools: list[str] | None, state: State | None, after_seq: int, limit: int, newest_first: bool = False
     ) -> list[TaskRow]:
-        if newest_first:
-            where, params = ("seq < ?", list[Any]([after_seq])) if after_seq else ("1 = 1", list[Any]())
-        else:
-            where, params = "seq > ?", list[Any]([after_seq])
-        if pools is not None:
-            where += f" AND pool IN ({_marks(len(pools))})"
-            params += pools
-        if state is not None:
-            where += " AND state = ?"
-            params.append(int(state))
-        where += f" ORDER BY seq {'DESC' if newest_first else ''} LIMIT ?"
-        params.append(limit)
-        return await self._run(lambda: self._select(self._conn, where, params))
+        return await self.list_matching(list_filter(pools, state), after_seq, limit, newest_first)
+
+    async def list_matching(
+        self, match: TaskFilter, after_seq: int, limit: int, newest_first: bool = False
+    ) -> list[TaskRow]:
+        where, params = match_sql(match, after_seq, limit, _DIALECT, newest_first)
+        if match == list_filter(match.pools, None):  # pools alone: an index walk, on the store's thread
+            return await self._run(lambda: self._select(self._conn, where, params))
+        # Aside, as match_tasks: a filter few tasks match scans far, and other calls would wait behind it.
+        return await self._read_aside(lambda db: self._select(db, where, params))
 
     async def oldest_due_pending(self, pools: list[str], now: int) -> dict[str, int]:
         sql = (
