@@ -458,6 +458,19 @@ def _format_error(path: str, err: ValidationError) -> str:
     return f"{path}: {loc}: {msg}" if loc else f"{path}: {msg}"
 
 
+def with_listeners(config: Config, listen: str | None, http_listen: str | None) -> Config:
+    """config with the listen addresses of the command line (--listen, --http-listen) in place
+    of [server]'s; None keeps the file's. Raises ConfigError naming the flag and the value."""
+    update: dict[str, str] = {}
+    for flag, key, value in (("--listen", "listen", listen), ("--http-listen", "http_listen", http_listen)):
+        if value is not None:
+            try:
+                update[key] = _check_listen(value)
+            except ValueError as err:
+                raise ConfigError(f"{flag}: {err}") from None
+    return config.model_copy(update={"server": config.server.model_copy(update=update)}) if update else config
+
+
 def parse_config(data: dict[str, Any], path: str = "<config>") -> Config:
     try:
         return Config.model_validate(data)

@@ -13,6 +13,7 @@ import re
 import signal
 import sys
 from typing import TextIO
+from urllib.parse import urlsplit
 
 from grpc_health.v1 import health_pb2
 
@@ -23,7 +24,7 @@ from .api.listen import ListenError
 from .api.tls import describe
 from .auth import MAX_TOKEN_CHARS
 from .backup import run_backup
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, load_config, with_listeners
 from .logformat import setup_logging
 from .node import Node
 from .sharding import ShardRouter
@@ -85,6 +86,25 @@ def check_startup(config: Config, path: str, shard: str | None) -> None:
     check_tls_files(config, path)
 
 
+def endpoint_port_mismatch(config: Config, shard: str | None) -> str | None:
+    """Why this server's gRPC port is not its shard's endpoint port (None: it is, or unsharded):
+    other shards forward to the endpoint, so a server there must listen on it, unless a load
+    balancer or port mapping sits between (then the warning is expected)."""
+    own = next((s for s in config.shards if s.name == shard), None)
+    if own is None:
+        return None
+    url = urlsplit(own.endpoint)
+    endpoint_port = url.port or (443 if url.scheme == "https" else 80)
+    listen_port = int(config.server.listen.rpartition(":")[2])
+    if listen_port == endpoint_port:
+        return None
+    return (
+        f"shard {own.name}: gRPC listens on port {listen_port} ({config.server.listen}) but the shard's "
+        f"[[shards]] endpoint is {own.endpoint} (port {endpoint_port}): other shards forward there, so "
+        "it must reach this shard's servers (a load balancer, or --listen with that port)"
+    )
+
+
 async def serve(config: Config, shard: str | None) -> int:
     node = Node(config, shard)
     try:
@@ -115,6 +135,9 @@ async def serve(config: Config, shard: str | None) -> int:
         describe(config.server.tls),
         node.describe_store(),
     )
+    mismatch = endpoint_port_mismatch(config, shard)
+    if mismatch:
+        log.warning("%s", mismatch)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -185,6 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--config", metavar="FILE", help="TOML config file (see docs/configuration.md)")
     parser.add_argument("--shard", metavar="NAME", help="the shard to serve; required with [[shards]]")
+    # Servers on one host read the same file and differ in these (replicas, or shards).
+    parser.add_argument("--listen", metavar="HOST:PORT", help="the gRPC address, in place of server.listen")
+    parser.add_argument("--http-listen", metavar="HOST:PORT", help="the HTTP address, in place of server.http_listen")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument(
         "--log-format",
@@ -227,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(run_backup(config, args.config or "<defaults>", args.shard, args.to, args.force))
     setup_logging(args.log_level, args.log_format or "text", args.shard)
     try:
-        config = load_config(args.config)
+        config = with_listeners(load_config(args.config), args.listen, args.http_listen)
         check_startup(config, args.config or "<defaults>", args.shard)
     except ConfigError as err:
         print(f"cronoq-server: {err}", file=sys.stderr)

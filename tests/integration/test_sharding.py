@@ -721,3 +721,53 @@ def test_what_cannot_span_shards_is_refused(shards: TwoShards) -> None:
         assert "'gpu_slots'" in err.details() and "'cpu'" in err.details()  # type: ignore[attr-defined]
     assert submit(cpu, "llm", resources={"gpu_slots": 1}).task.resources == {"gpu_slots": 1}
     assert submit(gpu, "default", depends_on=[task_pb2.TaskRef(key="first")]).task.state == task_pb2.TASK_STATE_BLOCKED
+
+
+def test_shards_and_a_replica_on_one_host_read_one_file(tmp_path: Path) -> None:
+    """As the README runs them: one file, no listen addresses in it, each server given its own
+    with --listen and --http-listen. A server whose port is not its shard's endpoint port (a
+    standby here) says so in one warning line."""
+    import subprocess
+    import sys
+
+    from conftest import to_toml  # type: ignore[import-not-found]
+
+    ports = {name: (free_port(), free_port()) for name in ("cpu", "gpu", "gpu-standby")}
+    config = sharded_config(tmp_path, f"127.0.0.1:{ports['cpu'][0]}", f"http://127.0.0.1:{ports['gpu'][0]}")
+    del config["server"]
+    path = tmp_path / "cronoq.toml"
+    path.write_text(to_toml(config))
+    servers: dict[str, ServerProcess] = {}
+    try:
+        for name, (grpc_port, http_port) in ports.items():
+            listen = {"listen": f"127.0.0.1:{grpc_port}", "http_listen": f"127.0.0.1:{http_port}"}
+            srv = ServerProcess(tmp_path, {**config, "server": listen}, name.split("-")[0], name)
+            srv.config_path = path  # the one file, not the one ServerProcess wrote
+            args = ["--listen", listen["listen"], "--http-listen", listen["http_listen"]]
+            servers[name] = srv.start(wait_ready=name != "gpu-standby", extra_args=args)
+        servers["gpu-standby"].wait_ready(leader=False)
+        cpu, gpu = Stubs(servers["cpu"]), Stubs(servers["gpu"])
+        to_gpu = submit(cpu, "llm").task  # forwarded cpu -> gpu
+        to_cpu = submit(gpu, "default").task  # forwarded gpu -> cpu
+        assert (to_gpu.id >> 56, to_cpu.id >> 56) == (2, 1)
+        assert get_via(gpu, to_cpu.id).pool == "default" and get_via(cpu, to_gpu.id).pool == "llm"
+        warnings = {name: [ln for ln in srv.log().splitlines() if " WARNING " in ln] for name, srv in servers.items()}
+        assert warnings["cpu"] == warnings["gpu"] == [], warnings
+        (line,) = warnings["gpu-standby"]
+        assert f"port {ports['gpu-standby'][0]}" in line and f"http://127.0.0.1:{ports['gpu'][0]}" in line, line
+    finally:
+        for srv in servers.values():
+            srv.kill()
+    bad = subprocess.run(
+        [sys.executable, "-m", "cronoq_server.main", "--config", str(path), "--shard", "cpu", "--listen", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "--listen" in bad.stderr and "'nope'" in bad.stderr, bad.stderr
+
+
+def get_via(stubs: Stubs, task_id: int) -> task_pb2.Task:
+    ref = task_pb2.TaskRef(id=task_id)
+    return stubs.tasks.GetTask(tpb.GetTaskRequest(task=ref), metadata=bearer("full"), timeout=TIMEOUT).task
