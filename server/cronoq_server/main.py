@@ -23,7 +23,7 @@ from .api.http import start_http
 from .api.listen import ListenError
 from .api.tls import describe
 from .auth import MAX_TOKEN_CHARS
-from .backup import run_backup
+from .backup import run_backup, run_restore
 from .config import Config, ConfigError, load_config, with_listeners
 from .logformat import setup_logging
 from .node import Node
@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> None:
         "backup",
         help="copy the SQLite store of --config (and --shard) to a file, while the server runs",
         description="A consistent copy of a live SQLite store (SQLite's online backup API: the store as of "
-        "one commit; the leader goes on writing). To restore, stop the servers of the shard and put the copy "
-        "in the store's place. PostgreSQL: use pg_dump (docs/operations.md).",
+        "one commit; the leader goes on writing), written as mode 0600; never a file the store or its leadership "
+        "uses. To restore: cronoq-server restore. PostgreSQL: use pg_dump (docs/operations.md).",
     )
     # Also after the command; SUPPRESS keeps a value given before it.
     backup.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="the server's config file")
@@ -241,15 +241,29 @@ def main(argv: list[str] | None = None) -> None:
     )
     backup.add_argument("--to", metavar="PATH", required=True, help="the file to write")
     backup.add_argument("--force", action="store_true", help="replace --to if it exists")
+    restore = commands.add_parser(
+        "restore",
+        help="put a backup in the place of the SQLite store of --config (and --shard), every server stopped",
+        description="Copies a file made by `cronoq-server backup` into the store's place, the store moved "
+        "aside to STORE.replaced-TIME. Refused while a server of the shard runs. Task ids continue past every "
+        "id the replaced store could have given (docs/operations.md). PostgreSQL: use pg_restore.",
+    )
+    restore.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="the server's config file")
+    restore.add_argument(
+        "--shard", metavar="NAME", default=argparse.SUPPRESS, help="the shard; required with [[shards]]"
+    )
+    restore.add_argument("--from", dest="source", metavar="PATH", required=True, help="the backup to restore")
     args = parser.parse_args(argv)
     if args.command == "hash-token":
         sys.exit(hash_token(sys.stdin))
-    if args.command == "backup":
+    if args.command in ("backup", "restore"):
         try:
             config = load_config(args.config)
         except ConfigError as err:
-            print(f"cronoq-server backup: {err}", file=sys.stderr)
+            print(f"cronoq-server {args.command}: {err}", file=sys.stderr)
             sys.exit(2)
+        if args.command == "restore":
+            sys.exit(run_restore(config, args.config or "<defaults>", args.shard, args.source))
         sys.exit(run_backup(config, args.config or "<defaults>", args.shard, args.to, args.force))
     setup_logging(args.log_level, args.log_format or "text", args.shard)
     try:
