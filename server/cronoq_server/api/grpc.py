@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -11,14 +14,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from ..auth import Principal, one_authorization
-from ..errors import ApiError
+from ..core.limits import largest_request, request_limits, small_request_limit
+from ..errors import ApiError, invalid
 from ..node import Node
 from ..registry import Rpc, registry
 from ..sharding import FORWARDED_HEADER, Call, ShardRouter, unavailable_metadata
 from .listen import ListenError, precheck_bind, probe_bind
 from .reflection import enable_reflection
 from .tls import grpc_cert_subject, grpc_server_credentials
-from .wire import MALFORMED, parse
+from .wire import MALFORMED, TOO_LARGE, check_unparsed, parse
 
 log = logging.getLogger("cronoq.grpc")
 
@@ -65,24 +69,82 @@ async def _fail(context: grpc.aio.ServicerContext, rpc: Rpc, err: Exception) -> 
 
 
 async def _refuse(context: grpc.aio.ServicerContext, rpc: Rpc, err: ApiError) -> None:
-    """Ends a call with the ApiError; one log line for a request that does not decode, and for a
-    Work stream refused as malformed (no SDK's worker sends either)."""
-    if err.reason == MALFORMED or (rpc.client_streaming and err.code == grpc.StatusCode.INVALID_ARGUMENT):
-        log.warning("%s from %s: refused a malformed request: %s", rpc.name, context.peer(), err.message)
+    """Ends a call with the ApiError; one log line for a request that does not decode or is over
+    its limit, and for a Work stream refused as malformed (no SDK's worker sends any of these)."""
+    if err.reason in (MALFORMED, TOO_LARGE) or (rpc.client_streaming and err.code == grpc.StatusCode.INVALID_ARGUMENT):
+        log.warning("%s from %s: refused a malformed or oversized request: %s", rpc.name, context.peer(), err.message)
+    if err.reason in (MALFORMED, TOO_LARGE) or err.code == grpc.StatusCode.UNAUTHENTICATED:
+        _trim.soon()
     await _abort(context, err)
 
 
-async def _parsed(rpc: Rpc, requests: AsyncIterator[bytes]) -> AsyncIterator[Any]:
-    async for data in requests:
-        yield parse(rpc.request, data)
+class _Trim:
+    """Gives the heap's free memory back to the system after a burst of refused calls (a second
+    after the last, at most five after the first): glibc keeps the freed buffers of their
+    messages otherwise, and a burst of them would leave the server at its peak for good."""
+
+    QUIET_S = 1.0
+    LATEST_S = 5.0
+
+    def __init__(self) -> None:
+        self._libc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
+        self._handle: asyncio.TimerHandle | None = None
+        self._first = 0.0
+
+    def soon(self) -> None:
+        if self._libc_trim is None:
+            return
+        loop = asyncio.get_running_loop()
+        if self._handle is None:
+            self._first = loop.time()
+        elif loop.time() + self.QUIET_S < self._first + self.LATEST_S:
+            self._handle.cancel()
+        else:
+            return
+        self._handle = loop.call_later(self.QUIET_S, self._run)
+
+    def _run(self) -> None:
+        self._handle = None
+        started = time.monotonic()
+        self._libc_trim(0)
+        log.debug("malloc_trim after refused calls took %.3fs", time.monotonic() - started)
+
+
+_trim = _Trim()
 
 
 class _Handlers:
-    """The gRPC handler of every RPC in the registry, each a thin call into the shard router."""
+    """The gRPC handler of every RPC in the registry, each a thin call into the shard router.
+
+    Every handler is registered as reading a stream of requests, so that gRPC reads no message
+    before the handler asks for it: the caller is authenticated first (a caller without valid
+    credentials is refused unread), and each message is checked against its RPC's limit before
+    it is parsed (check_unparsed)."""
 
     def __init__(self, router: ShardRouter):
         self._node = router.node
         self._router = router
+        self._limits = request_limits(router.node.config.limits)
+
+    def _parse(self, rpc: Rpc, data: bytes) -> Any:
+        check_unparsed(rpc.name, rpc.request, data, self._limits.get(rpc.name) or small_request_limit())
+        return parse(rpc.request, data)
+
+    async def _request(
+        self, rpc: Rpc, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> tuple[Call, Any]:
+        """The call, and the request of a call of one message."""
+        call = self._call(context)  # credentials first: a caller without them is refused unread
+        return call, await self._one(rpc, requests)
+
+    async def _one(self, rpc: Rpc, requests: AsyncIterator[bytes]) -> Any:
+        async for data in requests:
+            return self._parse(rpc, data)
+        raise invalid(f"{rpc.name}: the call ended before its request message")
+
+    async def _each(self, rpc: Rpc, requests: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+        async for data in requests:
+            yield self._parse(rpc, data)
 
     def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
         return self._node.authenticate(one_authorization(_metadata(context, "authorization")), _cert_subject(context))
@@ -97,11 +159,11 @@ class _Handlers:
             tracestate=next(iter(_metadata(context, "tracestate")), ""),
         )
 
-    def unary(self, rpc: Rpc) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-        async def handle(data: bytes, context: grpc.aio.ServicerContext) -> Any:
+    def unary(self, rpc: Rpc) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], Awaitable[Any]]:
+        async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
             try:
-                call = self._call(context)  # credentials first
-                response = await self._router.call(rpc.name, parse(rpc.request, data), call)
+                call, request = await self._request(rpc, requests, context)
+                response = await self._router.call(rpc.name, request, call)
                 missing = unavailable_metadata(response)
                 if missing:
                     context.set_trailing_metadata(tuple(missing.items()))
@@ -111,12 +173,12 @@ class _Handlers:
 
         return handle
 
-    def stream(self, rpc: Rpc) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
-        async def handle(data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    def stream(self, rpc: Rpc) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], AsyncIterator[Any]]:
+        async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                call = self._call(context)
+                call, request = await self._request(rpc, requests, context)
                 self._router.admit(rpc.name, call)
-                stream = await self._router.watch(parse(rpc.request, data), call)
+                stream = await self._router.watch(request, call)
             except ApiError as err:
                 await _refuse(context, rpc, err)
                 return
@@ -140,7 +202,8 @@ class _Handlers:
     def bidi(self, rpc: Rpc) -> Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], AsyncIterator[Any]]:
         async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                async for answer in self._router.work(_parsed(rpc, requests), self._call(context)):
+                call = self._call(context)  # credentials first, before any message is read
+                async for answer in self._router.work(self._each(rpc, requests), call):
                     yield answer
             except Exception as err:
                 await _fail(context, rpc, err)
@@ -150,13 +213,14 @@ class _Handlers:
     def generic(self) -> list[grpc.GenericRpcHandler]:
         by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
         for rpc in registry().values():
+            # Read as streams of raw bytes (see the class): clients see no difference on the wire.
             if rpc.client_streaming:  # the Work stream, the one bidirectional RPC
                 handler = grpc.stream_stream_rpc_method_handler(self.bidi(rpc), None, rpc.response.SerializeToString)
             elif rpc.server_streaming:
-                handler = grpc.unary_stream_rpc_method_handler(self.stream(rpc), None, rpc.response.SerializeToString)
+                handler = grpc.stream_stream_rpc_method_handler(self.stream(rpc), None, rpc.response.SerializeToString)
             else:
-                handler = grpc.unary_unary_rpc_method_handler(self.unary(rpc), None, rpc.response.SerializeToString)
-            by_service.setdefault(rpc.service, {})[rpc.name] = handler  # requests parsed by the handler (wire.parse)
+                handler = grpc.stream_unary_rpc_method_handler(self.unary(rpc), None, rpc.response.SerializeToString)
+            by_service.setdefault(rpc.service, {})[rpc.name] = handler
         return [grpc.method_handlers_generic_handler(name, methods) for name, methods in by_service.items()]
 
 
@@ -166,7 +230,8 @@ def _server_credentials(node: Node) -> grpc.ServerCredentials | None:
 
 def server_options(node: Node) -> list[tuple[str, int]]:
     return [
-        ("grpc.max_receive_message_length", max(node.config.limits.max_payload_bytes * 2, 64 << 20)),
+        # The largest request of any RPC; each RPC's own limit is checked by its handler (check_unparsed).
+        ("grpc.max_receive_message_length", largest_request(node.config.limits)),
         ("grpc.so_reuseport", 0),
         *KEEPALIVE_OPTIONS,
     ]

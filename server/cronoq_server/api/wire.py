@@ -10,9 +10,11 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from ..core.limits import ListCap, RequestLimit
 from ..errors import ApiError
 
 MALFORMED = "MALFORMED_MESSAGE"  # the ErrorInfo reason of a request that does not decode
+TOO_LARGE = "REQUEST_TOO_LARGE"  # the ErrorInfo reason of a request over its method's limit
 
 
 def parse(message: type[Message], data: bytes) -> Message:
@@ -25,6 +27,93 @@ def parse(message: type[Message], data: bytes) -> Message:
         where = broken_field(message.DESCRIPTOR, data) or message.DESCRIPTOR.name
         text = f"{where}: {why} (a malformed {message.DESCRIPTOR.full_name} of {len(data)} bytes)"
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, text, reason=MALFORMED) from None
+
+
+def check_unparsed(rpc_name: str, message: type[Message], data: bytes, limit: RequestLimit) -> None:
+    """Refuses, before data is parsed, a request over its method's limit: larger than its bytes
+    (RESOURCE_EXHAUSTED), or with a list longer than its cap (INVALID_ARGUMENT, counted on the wire)."""
+    if len(data) > limit.max_bytes:
+        raise ApiError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{rpc_name}: a request of {len(data)} bytes, more than the {limit.max_bytes} bytes "
+            f"this server reads for {rpc_name} ({limit.basis})",
+            reason=TOO_LARGE,
+        )
+    over = _over_cap(message.DESCRIPTOR, [memoryview(data)], limit.lists) if limit.lists else None
+    if over is not None:
+        raise ApiError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{over.field}: more than {over.limit} {over.what} in one message",
+            reason=TOO_LARGE,
+        )
+
+
+def _over_cap(descriptor: Any, parts: list[memoryview], caps: tuple[ListCap, ...]) -> ListCap | None:
+    """The first cap whose list the message of these parts (occurrences merged, as a parse
+    merges them) holds more entries of. A list fits without a walk in bytes too few to hold
+    one entry more than its cap (2 bytes an entry); a walk stops once it has seen more entries
+    than a message within its caps holds, so it costs at most the caps, whatever the size."""
+    size = sum(len(p) for p in parts)
+    level = [c for c in caps if size > 2 * c.limit]
+    if not level:
+        return None
+    fields = {c.field: descriptor.fields_by_name[c.field.partition(".")[0]] for c in level}
+    nested = {f.number for name, f in fields.items() if "." in name}
+    # Each list's entries, and each other field once.
+    budget = allowed = sum(c.limit for c in level if "." not in c.field) + len(descriptor.fields) + 1
+    counts: dict[int, int] = {}
+    inner: dict[int, list[memoryview]] = {}
+    for part in parts:
+        budget = _count(part, counts, nested, inner, budget)
+        if budget < 0:
+            break
+    for cap in level:
+        field = fields[cap.field]
+        rest = cap.field.partition(".")[2]
+        if not rest and counts.get(field.number, 0) > cap.limit:
+            return cap
+        if rest and _over_cap(field.message_type, inner.get(field.number, []), (ListCap(rest, cap.limit, cap.what),)):
+            return cap
+    return ListCap(descriptor.name, allowed, "fields") if budget < 0 else None
+
+
+def _count(
+    data: memoryview, counts: dict[int, int], nested: set[int], inner: dict[int, list[memoryview]], budget: int
+) -> int:
+    """Adds the entries of data's top level to counts by field number, and the bytes of the
+    `nested` ones to inner; returns the budget left (negative: there were more entries). Bytes
+    that do not decode end the count: the parse that follows names where."""
+    pos, end = 0, len(data)
+    while pos < end:
+        budget -= 1
+        if budget < 0:
+            return budget
+        key = data[pos]  # one-byte varints inline: a walk is over many small entries
+        pos += 1
+        if key >= 0x80:
+            key, pos = _varint(data, pos - 1)
+            if key is None:
+                return budget
+        number, wire = key >> 3, key & 7
+        if wire == 2:
+            length = data[pos] if pos < end else 0x80
+            if length < 0x80:
+                start = pos + 1
+            else:
+                length, start = _varint(data, pos)
+                if length is None:
+                    return budget
+            pos = start + length
+            if number in nested and pos <= end:
+                inner.setdefault(number, []).append(data[start:pos])
+        elif wire == 0:
+            _, pos = _varint(data, pos)
+        elif wire == 1 or wire == 5:
+            pos += 8 if wire == 1 else 4
+        else:
+            return budget
+        counts[number] = counts.get(number, 0) + 1
+    return budget
 
 
 def broken_field(descriptor: Any, data: bytes, prefix: str = "") -> str | None:

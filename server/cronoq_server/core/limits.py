@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..errors import invalid
 
@@ -41,13 +42,25 @@ STORE_CHUNK = 1_000
 TRUNCATED = "… [truncated {n} bytes]"
 
 
+# Line separators and bidirectional controls: refused as C0, DEL and C1 are (they break a line
+# where a reader sees none, or show a text in another order than it is stored).
+LINE_AND_BIDI_CONTROLS = frozenset(
+    "\u061c\u200e\u200f\u2028\u2029\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
+)
+
+
+def is_control(c: str) -> bool:
+    """A character no caller-chosen text may hold: C0, DEL, C1, a line separator or a bidi control."""
+    return ord(c) < 32 or 127 <= ord(c) < 160 or c in LINE_AND_BIDI_CONTROLS
+
+
 def check_text(field: str, value: str, limit: int, in_bytes: bool = False) -> None:
     """A caller-chosen name or label: bounded (in characters, or in UTF-8 bytes), and free of
-    control characters (they forge log lines)."""
+    control characters (is_control: they forge log lines)."""
     size, unit = (len(value.encode()), "bytes") if in_bytes else (len(value), "characters")
     if size > limit:
         raise invalid(f"{field}: {size} {unit}, more than {limit}: {value[:64]!r}{'…' if len(value) > 64 else ''}")
-    bad = next((c for c in value if ord(c) < 32 or 127 <= ord(c) < 160), None)
+    bad = next((c for c in value if is_control(c)), None)
     if bad is not None:
         raise invalid(f"{field}: control character {bad!r} in {value[:64]!r}")
 
@@ -107,3 +120,99 @@ def check_range(field: str, value: int, allowed: Range) -> None:
     """Refuses a value outside its range, naming the field, the value and the range."""
     if not allowed.low <= value <= allowed.high:
         raise invalid(f"{field}: {value} is not between {allowed.low} and {allowed.high} ({allowed.meaning})")
+
+
+# -- what one gRPC request message may hold ---------------------------------------
+# Checked on the message's bytes before it is parsed: parsing a message of many small entries
+# takes several times its size in memory, so a limit checked only after parsing protects nothing.
+# The SDKs' channels send at most this much in one message, and pack outcomes and reports up to it.
+MESSAGE_CEILING = 64 << 20
+# A request of names, ids, filters and cursors.
+SMALL_REQUEST_BYTES = 64 << 10
+# RegisterWorker and LeaseTasks: up to MAX_WORKER_POOLS pool names, MAX_LABELS labels and
+# MAX_DONE attempts.
+WORKER_REQUEST_BYTES = 1 << 20
+# Everything of a submission besides its payload: key, dependencies, resources, trace context.
+TASK_FIELDS_BYTES = 256 << 10
+# Everything of an outcome besides its result: the error kept (longer is cut), and its report.
+OUTCOME_FIELDS_BYTES = MAX_ERROR_BYTES + MAX_CHECKPOINT_BYTES + (4 << 10)
+
+
+class SizedLimits(Protocol):
+    """The [limits] a request's size derives from (config.LimitsConfig)."""
+
+    max_payload_bytes: int
+    max_result_bytes: int
+    max_batch_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class ListCap:
+    """A list of a request counted on the wire before the message is parsed."""
+
+    field: str  # its path: "outcomes", "heartbeat.tasks"
+    limit: int
+    what: str  # what its entries are, as check_count says it
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimit:
+    """What one request message of an RPC may hold: bytes (and what they derive from), and lists."""
+
+    max_bytes: int
+    basis: str
+    lists: tuple[ListCap, ...] = ()
+
+
+_OUTCOMES = ListCap("outcomes", MAX_OUTCOMES, "outcomes")
+_POOLS = ListCap("pools", MAX_WORKER_POOLS, "pools")
+_HEARTBEAT = (ListCap("tasks", MAX_HEARTBEAT_TASKS, "attempts"), ListCap("reports", MAX_HEARTBEAT_TASKS, "reports"))
+# A report of a running handler: its checkpoint and progress.
+REPORT_BYTES = MAX_CHECKPOINT_BYTES + MAX_PROGRESS_MESSAGE_BYTES + 64
+
+
+def request_limits(limits: SizedLimits) -> dict[str, RequestLimit]:
+    """The limit of each RPC's request message by RPC name, from [limits]; an RPC not named
+    takes small_request_limit()."""
+    task = limits.max_payload_bytes + TASK_FIELDS_BYTES
+    outcome = limits.max_result_bytes + OUTCOME_FIELDS_BYTES
+    task_basis = "limits.max_payload_bytes + 256 KiB for a task's other fields"
+    sdk = "up to the 64 MiB an SDK sends"
+
+    def packed(one: int, many: int) -> int:
+        """A list of entries of up to `one` byte each: as many as fit under the SDKs' ceiling."""
+        return max(one, min(many, MESSAGE_CEILING))
+
+    worker = RequestLimit(WORKER_REQUEST_BYTES, "1 MiB for a worker's pools, labels and attempts")
+    outcomes_basis = f"outcomes of up to limits.max_result_bytes + {OUTCOME_FIELDS_BYTES >> 10} KiB each, {sdk}"
+    return {
+        "SubmitTask": RequestLimit(task, task_basis),
+        "PutSchedule": RequestLimit(task, task_basis),
+        "SubmitBatch": RequestLimit(
+            packed(task, limits.max_batch_size * task),
+            f"limits.max_batch_size tasks of {task_basis}, {sdk}",
+            (ListCap("tasks", limits.max_batch_size, "tasks"),),
+        ),
+        "RegisterWorker": worker,
+        "LeaseTasks": worker,
+        "FinishTasks": RequestLimit(packed(outcome, MAX_OUTCOMES * outcome), outcomes_basis, (_OUTCOMES,)),
+        "Heartbeat": RequestLimit(
+            packed(REPORT_BYTES, MAX_HEARTBEAT_TASKS * REPORT_BYTES),
+            f"reports of up to {REPORT_BYTES >> 10} KiB each, {sdk}",
+            _HEARTBEAT,
+        ),
+        "Work": RequestLimit(
+            packed(outcome + REPORT_BYTES, MAX_OUTCOMES * outcome + MAX_HEARTBEAT_TASKS * REPORT_BYTES),
+            f"{outcomes_basis}, and a heartbeat",
+            (_OUTCOMES, _POOLS, *(ListCap(f"heartbeat.{c.field}", c.limit, c.what) for c in _HEARTBEAT)),
+        ),
+    }
+
+
+def small_request_limit() -> RequestLimit:
+    return RequestLimit(SMALL_REQUEST_BYTES, "64 KiB for a request of names, ids and filters")
+
+
+def largest_request(limits: SizedLimits) -> int:
+    """The most bytes any request may hold: the receive limit of the server and of its peer channels."""
+    return max(SMALL_REQUEST_BYTES, *(r.max_bytes for r in request_limits(limits).values()))
