@@ -1,6 +1,6 @@
 """A real worker process for the integration tests.
 
-    python worker_proc.py ENDPOINT POOL LOGFILE [--concurrency N] [--token T]
+    python worker_proc.py ENDPOINT POOL[,POOL...] LOGFILE [--concurrency N] [--token T]
 
 Each execution appends "start|done task_id attempt pid unix_time" to LOGFILE. A payload
 {"sleep": s} sleeps first, {"sleep_first": s} only on attempt 1; {"fail_until": n} fails attempts below n.
@@ -47,7 +47,7 @@ async def main() -> None:
         log.write(f"done {task.id} {task.attempt} {os.getpid()} {time.time():.6f}\n")
         return {"pid": os.getpid(), "attempt": task.attempt}
 
-    worker = cronoq.Worker(args.endpoint, args.pool, handle, concurrency=args.concurrency, token=args.token)
+    worker = cronoq.Worker(args.endpoint, args.pool.split(","), handle, concurrency=args.concurrency, token=args.token)
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.stop)
     await worker.run()
     log.write(f"stopped {os.getpid()}\n")

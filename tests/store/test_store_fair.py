@@ -158,14 +158,14 @@ async def test_a_task_cancelled_while_the_lease_chooses_is_not_taken(
     (done,), _ = await store.submit([grouped("a")], T0)
     (running,) = await lease(store, 1)
     (first, second), _ = await store.submit([grouped("a"), grouped("b")], T0)
-    fair_take = store._fair_take  # type: ignore[attr-defined]
+    fair_read = store._fair_read  # type: ignore[attr-defined]
 
     async def cancelled_meanwhile(*args: Any) -> Any:
-        take = await fair_take(*args)
+        read = await fair_read(*args)
         await store.cancel(first.row.seq, T0)
-        return take
+        return read
 
-    monkeypatch.setattr(store, "_fair_take", cancelled_meanwhile)
+    monkeypatch.setattr(store, "_fair_read", cancelled_meanwhile)
     if with_finish:
         outcome = Outcome(running.seq, running.attempt, OutcomeKind.SUCCESS, b"")
         _, _, rows, _ = await store.finish_and_lease(

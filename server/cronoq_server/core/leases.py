@@ -106,6 +106,8 @@ class Leases:
         self._shard = shard_number
         self._pools = set(pools)
         self._workers: dict[str, WorkerRow] = {}
+        # Of each worker of several pools, its leases so far: the pool it starts with (_in_turn).
+        self._turns: dict[str, int] = {}
         self.draining = False
         # Set (and replaced) when this server stops leading or drains: Work streams end.
         self._streams_end = asyncio.Event()
@@ -277,7 +279,7 @@ class Leases:
         """The store's lease, of the pools not paused; with resources configured, only tasks that
         fit in what is available (one such lease at a time, so what was available is still there
         when it is taken)."""
-        pools = self._unpaused(pools)
+        pools = self._in_turn(worker_id, self._unpaused(pools))
         if not pools:
             return [], None
         if not self._gate.enabled:
@@ -293,6 +295,18 @@ class Leases:
     def _unpaused(self, pools: list[str]) -> list[str]:
         paused = self._paused()
         return [p for p in pools if p not in paused] if paused else pools
+
+    def _in_turn(self, worker_id: str, pools: list[str]) -> list[str]:
+        """The pools of a worker's lease in the order the store deals its slots to them (round
+        robin, the first given first): each lease of the worker starts one pool further on."""
+        if len(pools) < 2:
+            return pools
+        turn = self._turns.pop(worker_id, 0)
+        self._turns[worker_id] = turn + 1  # the most recent last: the oldest goes past the bound
+        if len(self._turns) > MAX_CACHED_WORKERS:
+            del self._turns[next(iter(self._turns))]
+        start = turn % len(pools)
+        return pools[start:] + pools[:start]
 
     def _recheck_in(self, next_due: int | None, now: int) -> float:
         """Seconds until a lease that found nothing may find something without being told: the
@@ -603,7 +617,7 @@ class Leases:
             except ApiError as err:  # a malformed outcome is refused alone
                 refused[i] = pb.FinishTaskResult(task_id=o.task_id, code=err.code.name, message=err.message)
         beats = [r.heartbeat for r in received if r.HasField("heartbeat")]
-        pools = self._unpaused(pools)
+        pools = self._in_turn(worker.id, self._unpaused(pools))
         if not pools:  # a resume wakes the stream's waiter
             limit = 0
         with in_flight():

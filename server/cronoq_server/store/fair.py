@@ -13,7 +13,7 @@ live in the leader's memory, rebuilt from the store when a server takes over.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .base import TaskRow
@@ -59,31 +59,58 @@ def choose(
     limit: int,
     max_bytes: int = 0,
     free: Mapping[str, int] | None = None,
+    pools: Sequence[str] = (),
 ) -> list[int]:
-    """The seqs a lease takes of these candidates (in lease order): each while its group is
-    under the cap with what this lease took before it, its resources fit in what is free beside
-    those before it, and (past the first) the bytes fit in max_bytes (0: no bound)."""
+    """The seqs a lease takes of these candidates (in lease order within each pool): one of each
+    pool in turn (pools, in turn order; none given: one line), each the pool's next while its
+    group is under the cap with what this lease took before it, its resources fit in what is
+    free beside those before it, and (past the first) the bytes fit in max_bytes (0: no bound)."""
     taken: dict[tuple[str, str], int] = {}
     spent: dict[str, int] = {}
     chosen: list[int] = []
     size = 0
-    for c in candidates:
-        if len(chosen) >= limit:
-            break
+
+    def fits(c: Candidate) -> bool:
         cap, running = room.get(c.pool, (0, {}))
-        group = (c.pool, c.group_key)
-        if cap and running.get(c.group_key, 0) + taken.get(group, 0) >= cap:
-            continue
-        if c.resources and any(spent.get(n, 0) + a > free_for(free or {}, n) for n, a in c.resources.items()):
-            continue
-        if chosen and max_bytes > 0 and size + c.size > max_bytes:
-            break  # as the plain lease: the first always, then as many as fit
-        chosen.append(c.seq)
-        size += c.size
-        taken[group] = taken.get(group, 0) + 1
-        for n, a in (c.resources or {}).items():
-            spent[n] = spent.get(n, 0) + a
+        if cap and running.get(c.group_key, 0) + taken.get((c.pool, c.group_key), 0) >= cap:
+            return False
+        return not c.resources or all(spent.get(n, 0) + a <= free_for(free or {}, n) for n, a in c.resources.items())
+
+    # What does not fit now never fits later in this lease: a line passes it over for good.
+    lines = [iter(line) for line in _by_pool(candidates, pools)]
+    while lines and len(chosen) < limit:
+        for line in list(lines):
+            c = next((c for c in line if fits(c)), None)
+            if c is None:
+                lines.remove(line)
+                continue
+            if chosen and max_bytes > 0 and size + c.size > max_bytes:
+                return chosen  # as the plain lease: the first always, then as many as fit
+            chosen.append(c.seq)
+            size += c.size
+            taken[(c.pool, c.group_key)] = taken.get((c.pool, c.group_key), 0) + 1
+            for n, a in (c.resources or {}).items():
+                spent[n] = spent.get(n, 0) + a
+            if len(chosen) >= limit:
+                break
     return chosen
+
+
+def _by_pool(candidates: Iterable[Candidate], pools: Sequence[str]) -> list[list[Candidate]]:
+    """The candidates of each pool, in turn order (pools; none given: all in one line)."""
+    if len(pools) < 2:
+        return [list(candidates)]
+    lines: dict[str, list[Candidate]] = {p: [] for p in pools}
+    for c in candidates:
+        lines[c.pool].append(c)
+    return list(lines.values())
+
+
+def turn_share(pools: Sequence[str], some: Collection[str], limit: int) -> int:
+    """Of limit slots dealt one at a time across pools in turn (from the first), those that go
+    to the pools in some."""
+    n = len(pools)
+    return sum(limit // n + (i < limit % n) for i, p in enumerate(pools) if p in some)
 
 
 class GroupRanks:
@@ -134,14 +161,21 @@ def row_bytes(row: TaskRow, overhead: int) -> int:
     return len(row.payload) + len(row.key or "") + len(row.content_type) + overhead
 
 
-def after_fair(
-    pools: list[str], group_pools: frozenset[str], limit: int, max_bytes: int, taken: list[TaskRow], overhead: int
-) -> tuple[list[str], int, int]:
-    """What a lease of these pools leaves to the plain lease once the pools that cap their groups
-    took these tasks: the other pools, and the limit and max_bytes left."""
+def left_after(
+    limit: int, max_bytes: int, free: Mapping[str, int] | None, taken: Sequence[tuple[int, Mapping[str, int] | None]]
+) -> tuple[int, int, Mapping[str, int] | None]:
+    """What a lease of limit, max_bytes and free leaves to the rest of its pools once part of
+    it took tasks of these (bytes, resources): the limit, the bytes (at least 1: the rest's first
+    task is taken whatever its size, as any lease's) and what is free."""
     if max_bytes > 0 and taken:
-        max_bytes = max(max_bytes - sum(row_bytes(r, overhead) for r in taken), 1)
-    return [p for p in pools if p not in group_pools], limit - len(taken), max_bytes
+        max_bytes = max(max_bytes - sum(size for size, _ in taken), 1)
+    if free is not None and any(resources for _, resources in taken):
+        left = dict(free)
+        for _, resources in taken:
+            for n, a in (resources or {}).items():
+                left[n] = free_for(left, n) - a
+        free = left
+    return limit - len(taken), max_bytes, free
 
 
 def _pool_names(pools: Iterable[str]) -> str:

@@ -59,12 +59,14 @@ from .fair import (
     RANK_BATCH,
     Candidate,
     GroupRanks,
-    after_fair,
     choose,
     fair_window,
     first_rank,
+    left_after,
     rank_keep,
     rank_reset,
+    row_bytes,
+    turn_share,
 )
 from .logic import (
     HEARTBEAT_COLUMNS,
@@ -451,6 +453,18 @@ class _SubmitOp:
 
 
 @dataclass(frozen=True, slots=True)
+class _FairRead:
+    """What a lease of pools that cap their groups read (see PostgresStore._fair_read)."""
+
+    pools: list[str]
+    room: dict[str, tuple[int, Mapping[str, int]]]
+    candidates: list[Candidate]  # in lease order
+    new_ranks: dict[int, int]  # of the tasks ranked now: their rank
+    rank_of: dict[int, tuple[str, int]]  # of each candidate: its pool and rank
+    row_of: dict[int, Any]  # of each candidate: the row read
+
+
+@dataclass(frozen=True, slots=True)
 class _FairTake:
     """What a lease of pools that cap their groups writes (see PostgresStore._fair_take)."""
 
@@ -502,7 +516,7 @@ def _next_key(pool: str, after: str) -> str:
 # the one given, then from the first again up to it — and `keyed`, of each key with room,
 # its first due tasks that fit alone, as many as it has room for. A key without room costs
 # one index step; its tasks are never read. (OFFSET 0: each step's look-up runs once, not
-# once per use.)
+# once per use.) {place}: what a lease of several pools adds to each row (_lease_ctes).
 _KEYED = (
     " keys AS (WITH RECURSIVE k(pool, after, key, n, wrapped) AS ("
     " SELECT p.pool, p.after, coalesce(s.nx, CASE WHEN p.after <> '' THEN "
@@ -515,13 +529,22 @@ _KEYED = (
     + _next_key("k.pool", "k.key")
     + " AS nx OFFSET 0) AS s WHERE k.key IS NOT NULL AND k.n < $12 AND NOT (k.wrapped AND k.key > k.after))"
     " SELECT pool, key, n FROM k WHERE key IS NOT NULL AND NOT (wrapped AND key > after)),"
-    f" keyed AS (SELECT x.* FROM keys, LATERAL (SELECT seq, priority, run_at, {LEASE_SIZE} AS size, resources"
+    f" keyed AS (SELECT x.*{{place}} FROM keys, LATERAL (SELECT seq, priority, run_at, {LEASE_SIZE} AS size, resources"
     " FROM {s}.tasks t"
     " WHERE state = 1 AND pool = keys.pool AND res_key = keys.key AND run_at <= $1 AND "
     + _FITS_ALONE
     + f" ORDER BY priority DESC, run_at, seq LIMIT least({_free_for('keys.key')}, $2) FOR UPDATE SKIP LOCKED)"
     f" AS x WHERE {_free_for('keys.key')} > 0 AND {{fence}})"
 )
+
+
+def _in_turns(rows: str, limit: str) -> str:
+    """SQL: of these rows of several pools, each with its pool's place in turn order, the first
+    limit dealt round robin: each pool's first in lease order (turn 1), then each one's second..."""
+    return (
+        "SELECT *, row_number() OVER (PARTITION BY place ORDER BY priority DESC, run_at, seq) AS turn"
+        f" FROM ({rows}) AS d ORDER BY turn, place LIMIT {limit}"
+    )
 
 
 def quote_ident(name: str) -> str:
@@ -1125,38 +1148,65 @@ class PostgresStore:
         free: Mapping[str, int] | None = None,
         groups: Mapping[str, tuple[int, Mapping[str, int]]] | None = None,
     ) -> tuple[list[TaskRow], int | None]:
+        """Deals limit across the pools in turn (the first given first), the pools that cap their
+        groups (store/fair.py chooses) and the rest (one statement) each taking what the other
+        leaves: their read, the rest's statement, then their write."""
         fair = [p for p in pools if p in self.settings.group_pools]
+        others = [p for p in pools if p not in self.settings.group_pools]
         rows: list[TaskRow] = []
+        chosen: list[int] = []
         if fair:
-            take = await self._fair_take(worker_id, fair, limit, now, max_bytes, free, groups)
+            read = await self._fair_read(fair, limit, now, groups)
+            share = turn_share(pools, fair, limit)
+            chosen = choose(read.candidates, read.room, share, max_bytes, free, fair)
+        if others:
+            left = (limit, max_bytes, free)
+            if fair:
+                by_seq = {c.seq: c for c in read.candidates}
+                left = left_after(limit, max_bytes, free, [(by_seq[s].size, by_seq[s].resources) for s in chosen])
+            if left[0] > 0:
+                rows = await self._lease_others(worker_id, others, left[0], now, left[1], left[2])
+            if fair and len(chosen) == share and len(rows) < left[0]:  # the others left slots: more of these
+                overhead = self.settings.lease_overhead_bytes
+                plain = [(row_bytes(r, overhead), r.resources) for r in rows]
+                chosen = choose(read.candidates, read.room, *left_after(limit, max_bytes, free, plain), fair)
+        if fair:
+            take = self._fair_write(worker_id, read, chosen, now)
             if take is not None:
                 sql = self._sql(f"WITH {take.ctes} SELECT * FROM leased")
                 try:
-                    rows = take.served([task_row(r) for r in await self._fenced_fetch(sql, *take.args)])
+                    rows += take.served([task_row(r) for r in await self._fenced_fetch(sql, *take.args)])
                 finally:
                     self._taking -= take.seqs
-            overhead = self.settings.lease_overhead_bytes
-            pools, limit, max_bytes = after_fair(pools, self.settings.group_pools, limit, max_bytes, rows, overhead)
-        if pools and limit > 0:
-            ctes, args = self._lease_ctes(worker_id, pools, limit, now, max_bytes, free)
-            if free and has_keyed(free):
-                # The leased tasks, and the key each pool's visit ended at when it visited
-                # KEY_SCAN keys (the next lease starts after it); a row without a task when
-                # none was leased (none leased and no such key: no row, and the term is checked).
-                sql = self._sql(
-                    f"WITH {ctes} SELECT l.*, {_ONCE.format('e.pools')}, {_ONCE.format('e.keys')}"
-                    " FROM (SELECT array_agg(pool) AS pools, array_agg(key) AS keys FROM keys WHERE n = $12"
-                    " AND {fence}) AS e LEFT JOIN leased l ON true WHERE l.seq IS NOT NULL OR e.pools IS NOT NULL"
-                )
-                fetched = await self._fenced_fetch(sql, *args)
-                for pool in pools:
-                    self._key_after.pop(pool, None)
-                self._key_after.update(zip(*_carried(fetched), strict=True))
-                rows += [task_row(r) for r in fetched if r[0] is not None]
-            else:
-                sql = self._sql(f"WITH {ctes} SELECT * FROM leased")
-                rows += [task_row(r) for r in await self._fenced_fetch(sql, *args, planned_once=not free)]
-        return await self._leased(rows, pools, now, fair)
+        return await self._leased(rows, others, now, fair)
+
+    async def _lease_others(
+        self,
+        worker_id: str,
+        pools: list[str],
+        limit: int,
+        now: int,
+        max_bytes: int,
+        free: Mapping[str, int] | None,
+    ) -> list[TaskRow]:
+        """A lease of pools that do not cap their groups: one statement."""
+        ctes, args = self._lease_ctes(worker_id, pools, limit, now, max_bytes, free)
+        if free and has_keyed(free):
+            # The leased tasks, and the key each pool's visit ended at when it visited
+            # KEY_SCAN keys (the next lease starts after it); a row without a task when
+            # none was leased (none leased and no such key: no row, and the term is checked).
+            sql = self._sql(
+                f"WITH {ctes} SELECT l.*, {_ONCE.format('e.pools')}, {_ONCE.format('e.keys')}"
+                " FROM (SELECT array_agg(pool) AS pools, array_agg(key) AS keys FROM keys WHERE n = $12"
+                " AND {fence}) AS e LEFT JOIN leased l ON true WHERE l.seq IS NOT NULL OR e.pools IS NOT NULL"
+            )
+            fetched = await self._fenced_fetch(sql, *args)
+            for pool in pools:
+                self._key_after.pop(pool, None)
+            self._key_after.update(zip(*_carried(fetched), strict=True))
+            return [task_row(r) for r in fetched if r[0] is not None]
+        sql = self._sql(f"WITH {ctes} SELECT * FROM leased")
+        return [task_row(r) for r in await self._fenced_fetch(sql, *args, planned_once=not free)]
 
     async def _leased(
         self, rows: list[TaskRow], pools: list[str], now: int, fair: Sequence[str] = ()
@@ -1189,11 +1239,21 @@ class PostgresStore:
         free: Mapping[str, int] | None,
         groups: Mapping[str, tuple[int, Mapping[str, int]]] | None,
     ) -> _FairTake | None:
-        """A lease of pools that cap their groups, in two round trips: one read (unlocked) of the
-        tasks that became due, ranked here, and the first by (priority, rank, seq); store/fair.py
-        chooses; the CTEs returned store the new ranks and take the chosen ($1 to $7), each
-        only while still PENDING (the leader's leases of these pools go one at a time, so only
-        a cancel or a delete meanwhile takes one away). None: nothing to write."""
+        """A lease of pools that cap their groups only, in two round trips (_fair_read, then
+        what _fair_write returns). None: nothing to write."""
+        read = await self._fair_read(pools, limit, now, groups)
+        return self._fair_write(worker_id, read, choose(read.candidates, read.room, limit, max_bytes, free, pools), now)
+
+    async def _fair_read(
+        self,
+        pools: list[str],
+        limit: int,
+        now: int,
+        groups: Mapping[str, tuple[int, Mapping[str, int]]] | None,
+    ) -> _FairRead:
+        """One read (unlocked) of the tasks of these pools (that cap their groups) that became
+        due, ranked here, and the first by (priority, rank, seq): the candidates store/fair.py
+        chooses among."""
         assert groups is not None and set(pools) <= set(groups), "a lease of a pool that caps groups needs its room"
         room = {p: groups[p] for p in pools}
         window = min(fair_window(limit, room) + len(self._taking), FAIR_WINDOW_MAX)
@@ -1222,14 +1282,20 @@ class PostgresStore:
             if r[1] not in ends or key < ends[r[1]]:
                 order.append((key, r, new_ranks[r[0]]))
         order.sort(key=lambda o: o[0])
-        candidates = (Candidate(r[0], r[1], r[2], r[3], json.loads(r[4]) if r[4] else None) for _, r, _ in order)
-        chosen = choose(candidates, room, limit, max_bytes, free)
-        if not chosen and not new_ranks:
-            return None
+        candidates = [Candidate(r[0], r[1], r[2], r[3], json.loads(r[4]) if r[4] else None) for _, r, _ in order]
         rank_of = {r[0]: (r[1], rank) for _, r, rank in order}
         row_of = {r[0]: r for _, r, _ in order}
+        return _FairRead(pools, room, candidates, new_ranks, rank_of, row_of)
+
+    def _fair_write(self, worker_id: str, read: _FairRead, chosen: list[int], now: int) -> _FairTake | None:
+        """The CTEs that store the new ranks of what read found and take the chosen ($1 to $7),
+        each only while still PENDING (the leader's leases of these pools go one at a time, so
+        only a cancel or a delete meanwhile takes one away). None: nothing to write."""
+        if not chosen and not read.new_ranks:
+            return None
+        rank_of, row_of = read.rank_of, read.row_of
         taken = set(chosen)
-        stored = [(seq, rank) for seq, rank in new_ranks.items() if seq not in taken]
+        stored = [(seq, rank) for seq, rank in read.new_ranks.items() if seq not in taken]
         ttl = self.settings.lease_ttl_us
         # Taken only while still PENDING (they were read without a lock): the state written as an
         # expression, so that no partial index on state = 1 applies, and the seqs named again as
@@ -1254,7 +1320,7 @@ class PostgresStore:
             Held(seq, row_of[seq][7] + 1, json.loads(row_of[seq][4]) if row_of[seq][4] else {}, *row_of[seq][1:3])
             for seq in chosen
         ]
-        seqs = frozenset(chosen) | frozenset(new_ranks)
+        seqs = frozenset(chosen) | frozenset(read.new_ranks)
         self._taking |= seqs
         return _FairTake(ctes, args, {seq: rank_of[seq] for seq in chosen}, self._ranks, held, seqs)
 
@@ -1270,17 +1336,26 @@ class PostgresStore:
         """The CTEs of a lease ($1 to $7, $8 to $10 with resources): `leased` returns the tasks
         it took in TASK_COLUMNS order, and their events are inserted."""
         ttl = self.settings.lease_ttl_us
+        # Several pools are dealt round robin (in the order given): each task carries its pool's
+        # place, and those picked are each pool's first in lease order, then each one's second...
+        multi = len(pools) > 1
+        place, unnest = ", p.place", "unnest($4::text[]) WITH ORDINALITY AS p(pool, place)"
+        if not multi:
+            place, unnest = "", "unnest($4::text[]) AS p(pool)"
         # One index-ordered scan per pool ("pool = ANY" would sort every pending row).
         # Tasks that name no resources, and those that do, are in indexes of their own: the
         # first never wait behind the second.
         plain = (
-            f"SELECT x.seq, x.priority, x.run_at, x.size FROM unnest($4::text[]) AS p(pool), LATERAL"
+            f"SELECT x.seq, x.priority, x.run_at, x.size{place} FROM {unnest}, LATERAL"
             f" (SELECT seq, priority, run_at, {LEASE_SIZE} AS size FROM {{s}}.tasks t"
             " WHERE state = 1 AND pool = p.pool AND run_at <= $1"
             " AND resources IS NULL ORDER BY priority DESC, run_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED) AS x"
             " WHERE {fence}"
         )
-        picked = f"picked AS ({plain} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $2)"
+        if multi:
+            picked = f"picked AS ({_in_turns(plain, '$2')})"
+        else:
+            picked = f"picked AS ({plain} ORDER BY x.priority DESC, x.run_at, x.seq LIMIT $2)"
         args: tuple[Any, ...] = ()
         if free:
             # Of the due tasks that name resources, the first whose every amount is available
@@ -1289,10 +1364,10 @@ class PostgresStore:
             # resource names (_KEYED); of those, the ones that still fit beside the tasks before
             # them (running totals per resource).
             keyed = has_keyed(free)
-            picked = (
-                # Per pool, in index order, locked as they are read.
-                " cand AS (SELECT * FROM (SELECT x.seq, x.priority, x.run_at, x.size, x.resources"
-                " FROM unnest($4::text[]) AS p(pool), LATERAL (SELECT seq, priority, run_at,"
+            # Per pool, in index order, locked as they are read.
+            cand = (
+                f"SELECT x.seq, x.priority, x.run_at, x.size, x.resources{place}"
+                f" FROM {unnest}, LATERAL (SELECT seq, priority, run_at,"
                 f" {LEASE_SIZE} AS size, resources FROM {{s}}.tasks t"
                 " WHERE state = 1 AND pool = p.pool AND run_at <= $1 AND resources IS NOT NULL AND res_key IS NULL"
                 # A task naming an entry with nothing free ($10) is passed over by one look-up,
@@ -1300,18 +1375,31 @@ class PostgresStore:
                 f" AND NOT resources::jsonb ?| $10::text[] AND {_FITS_ALONE}"
                 " ORDER BY priority DESC, run_at, seq LIMIT $9 FOR UPDATE SKIP LOCKED) AS x WHERE {fence}"
                 + (" UNION ALL SELECT * FROM keyed" if keyed else "")
-                + ") AS c ORDER BY priority DESC, run_at, seq LIMIT $9),"
+            )
+            need = (
                 " need AS (SELECT c.seq, r.key AS name, sum(r.value::bigint) OVER (PARTITION BY r.key"
                 " ORDER BY c.priority DESC, c.run_at, c.seq) AS upto"
                 " FROM cand c, jsonb_each_text(c.resources::jsonb) r),"
-                f" picked AS (SELECT * FROM ({plain}) AS plain"
-                " UNION ALL SELECT seq, priority, run_at, size FROM cand WHERE seq NOT IN (SELECT seq FROM need"
-                f" WHERE upto > {_free_for('need.name')})"
-                " ORDER BY priority DESC, run_at, seq LIMIT $2)"
             )
+            fits = (
+                f"SELECT seq, priority, run_at, size{', place' if multi else ''} FROM cand WHERE seq NOT IN"
+                f" (SELECT seq FROM need WHERE upto > {_free_for('need.name')})"
+            )
+            if multi:
+                picked = (
+                    f" cand AS ({_in_turns(cand, '$9')}),{need}"
+                    f" picked AS ({_in_turns(f'SELECT * FROM ({plain}) AS plain UNION ALL {fits}', '$2')})"
+                )
+            else:
+                picked = (
+                    f" cand AS (SELECT * FROM ({cand}) AS c ORDER BY priority DESC, run_at, seq LIMIT $9),{need}"
+                    f" picked AS (SELECT * FROM ({plain}) AS plain UNION ALL {fits}"
+                    " ORDER BY priority DESC, run_at, seq LIMIT $2)"
+                )
             args = (json.dumps(dict(free)), lease_scan(limit), [n for n, a in free.items() if a <= 0])
             if keyed:
-                picked = _KEYED + "," + picked
+                by_place = ", array_position($4::text[], keys.pool) AS place" if multi else ""
+                picked = _KEYED.replace("{place}", by_place) + "," + picked
                 args += ([self._key_after.get(p, "") for p in pools], KEY_SCAN)
         # Of the rows picked, the first always and then as many as fit in max_bytes (each row's
         # size is read as it is picked: octet_length reads a stored value's size without
@@ -1320,7 +1408,7 @@ class PostgresStore:
             f"{picked},"
             f" sized AS (SELECT p.seq, row_number() OVER w AS n, sum(p.size + $7) OVER w"
             " AS upto FROM picked p"
-            " WINDOW w AS (ORDER BY p.priority DESC, p.run_at, p.seq)),"
+            f" WINDOW w AS (ORDER BY {'p.turn, p.place' if multi else 'p.priority DESC, p.run_at, p.seq'})),"
             " chosen AS (SELECT seq FROM sized WHERE n = 1 OR $6::bigint <= 0 OR upto <= $6::bigint),"
             + self._take_ctes()
         )

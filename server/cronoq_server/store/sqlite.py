@@ -50,13 +50,15 @@ from .fair import (
     RANK_BATCH,
     Candidate,
     GroupRanks,
-    after_fair,
     choose,
     fair_window,
     first_rank,
     free_for,
+    left_after,
     rank_keep,
     rank_reset,
+    row_bytes,
+    turn_share,
 )
 from .logic import (
     HEARTBEAT_COLUMNS,
@@ -333,6 +335,35 @@ _KEY_HEAD = (
     f"{_FREE} SELECT seq FROM tasks INDEXED BY tasks_keyed WHERE state = 1 AND pool = ? AND res_key = ?"
     f" AND run_at <= ? AND {_FITS_ALONE} ORDER BY priority DESC, run_at, seq LIMIT ?"
 )
+
+
+# A lease's order within a pool.
+_ORDER = "priority DESC, run_at, seq"
+# Of a lease's candidates that name resources (cand), the running total of each resource they
+# name, in lease order (need); those that fit beside the ones before them.
+_NEED = (
+    "need AS (SELECT c.seq, r.key AS name, sum(r.value) OVER (PARTITION BY r.key"
+    " ORDER BY c.priority DESC, c.run_at, c.seq) AS upto FROM cand c, json_each(c.resources) r)"
+)
+_FITS_BESIDE = f"seq NOT IN (SELECT seq FROM need WHERE upto > {_free_for('need.name')})"
+
+
+def _within_bytes(picked: str, order: str) -> str:
+    """SQL: the seqs of the tasks picked (with their size), the first always, then as many as
+    fit in max_bytes (the two parameters that follow picked's; <= 0: all) in this order."""
+    return (
+        f"SELECT seq FROM (SELECT seq, row_number() OVER w AS n, sum(size) OVER w AS upto FROM ({picked})"
+        f" WINDOW w AS (ORDER BY {order})) WHERE n = 1 OR ? <= 0 OR upto <= ?"
+    )
+
+
+def _in_turns(picked: str) -> str:
+    """SQL: the tasks picked (a table, or a query in parentheses) of several pools, each with its
+    pool's place in turn order, dealt round robin: each pool's first in lease order (turn 1),
+    then each one's second, ..."""
+    return (
+        f"SELECT *, row_number() OVER (PARTITION BY place ORDER BY {_ORDER}) AS turn FROM {picked} ORDER BY turn, place"
+    )
 
 
 def _marks(n: int) -> str:
@@ -701,15 +732,35 @@ class SqliteStore:
         free: Mapping[str, int] | None,
         groups: Mapping[str, tuple[int, Mapping[str, int]]] | None = None,
     ) -> tuple[list[TaskRow], int | None]:
+        """Deals limit across the pools in turn (the first given first), the pools that cap their
+        groups (store/fair.py chooses) and the rest (one statement) each taking what the other
+        leaves."""
         fair = [p for p in pools if p in self.settings.group_pools]
+        others = [p for p in pools if p not in self.settings.group_pools]
         rows: list[TaskRow] = []
+        chosen: list[int] = []
         if fair:
             assert groups is not None and set(fair) <= set(groups), "a lease of a pool that caps groups needs its room"
-            rows = self._lease_fair(db, worker_id, fair, limit, now, max_bytes, free, groups)
-            overhead = self.settings.lease_overhead_bytes
-            pools, limit, max_bytes = after_fair(pools, self.settings.group_pools, limit, max_bytes, rows, overhead)
-        if pools and limit > 0:
-            rows += self._lease_plain(db, worker_id, pools, limit, now, max_bytes, free)
+            room = {p: groups[p] for p in fair}
+            candidates, ranks = self._fair_candidates(db, fair, limit, now, room)
+            share = turn_share(pools, fair, limit)
+            chosen = choose(candidates, room, share, max_bytes, free, fair)
+        if others:
+            left = (limit, max_bytes, free)
+            if fair:
+                by_seq = {c.seq: c for c in candidates}
+                left = left_after(limit, max_bytes, free, [(by_seq[s].size, by_seq[s].resources) for s in chosen])
+            if left[0] > 0:
+                rows = self._lease_plain(db, worker_id, others, left[0], now, left[1], left[2])
+            if fair and len(chosen) == share and len(rows) < left[0]:  # the others left slots: more of these
+                overhead = self.settings.lease_overhead_bytes
+                plain = [(row_bytes(r, overhead), r.resources) for r in rows]
+                chosen = choose(candidates, room, *left_after(limit, max_bytes, free, plain), fair)
+        if chosen:
+            taken = self._take(db, worker_id, fair, now, f"{_marks(len(chosen))}", tuple(chosen))
+            for r in taken:
+                self._ranks.served(*ranks[r.seq])
+            rows += taken
         if rows:
             rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
             return rows, None
@@ -717,9 +768,9 @@ class SqliteStore:
         # what they need: a release, a token, or their group's place, and the leader tells or
         # knows when); in pools that cap their groups, the next not yet ranked; now, when it
         # visited KEY_SCAN keys of a pool (the next lease visits the others).
-        if any(p in self._key_after for p in pools):
+        if any(p in self._key_after for p in others):
             return [], now
-        due = [db.execute(_NEXT_DUE, (p, now)).fetchone()[0] for p in pools]
+        due = [db.execute(_NEXT_DUE, (p, now)).fetchone()[0] for p in others]
         if fair:
             unranked = (
                 f"SELECT min(run_at) FROM tasks WHERE state = 1 AND group_rank = 0 AND pool IN ({_marks(len(fair))})"
@@ -727,20 +778,18 @@ class SqliteStore:
             due.append(db.execute(unranked, fair).fetchone()[0])
         return [], min((d for d in due if d is not None), default=None)
 
-    def _lease_fair(
+    def _fair_candidates(
         self,
         db: sqlite3.Connection,
-        worker_id: str,
         pools: list[str],
         limit: int,
         now: int,
-        max_bytes: int,
-        free: Mapping[str, int] | None,
-        groups: Mapping[str, tuple[int, Mapping[str, int]]],
-    ) -> list[TaskRow]:
-        """Ranks the tasks of these pools that became due, then takes by (priority, rank, seq)
-        those store/fair.py chooses (one statement more than a plain lease: the choice is made
-        here, between the read and the update)."""
+        room: Mapping[str, tuple[int, Mapping[str, int]]],
+    ) -> tuple[list[Candidate], dict[int, tuple[str, int]]]:
+        """Ranks the tasks of these pools (that cap their groups) that became due, then reads
+        the first by (priority, rank, seq): store/fair.py chooses among them (one statement more
+        than a plain lease: the choice is made between the read and the update). With each
+        one's pool and rank."""
         marks = _marks(len(pools))
         sql = (
             f"SELECT seq, pool, group_key FROM tasks WHERE state = 1 AND group_rank = 0 AND pool IN ({marks})"
@@ -749,7 +798,6 @@ class SqliteStore:
         due = db.execute(sql, (*pools, now)).fetchall()
         ranked = [(self._ranks.rank(pool, group), seq) for seq, pool, group in due]
         db.executemany("UPDATE tasks SET group_rank = ? WHERE seq = ?", ranked)
-        room = {p: groups[p] for p in pools}
         size = f"{LEASE_SIZE} + {int(self.settings.lease_overhead_bytes)}"
         head = " UNION ALL ".join(
             f"SELECT * FROM (SELECT seq, pool, group_key, {size}, resources, priority, group_rank FROM tasks"
@@ -762,14 +810,7 @@ class SqliteStore:
         found = db.execute(head, [v for p in pools for v in (p, now, window)]).fetchall()
         found.sort(key=lambda r: (-r[5], r[6], r[0]))
         ranks = {r[0]: (r[1], r[6]) for r in found}
-        candidates = (Candidate(r[0], r[1], r[2], r[3], json.loads(r[4]) if r[4] else None) for r in found)
-        chosen = choose(candidates, room, limit, max_bytes, free)
-        if not chosen:
-            return []
-        rows = self._take(db, worker_id, pools, now, f"{_marks(len(chosen))}", tuple(chosen))
-        for r in rows:
-            self._ranks.served(*ranks[r.seq])
-        return rows
+        return [Candidate(r[0], r[1], r[2], r[3], json.loads(r[4]) if r[4] else None) for r in found], ranks
 
     def _lease_plain(
         self,
@@ -781,9 +822,11 @@ class SqliteStore:
         max_bytes: int,
         free: Mapping[str, int] | None,
     ) -> list[TaskRow]:
+        if len(pools) > 1:
+            return self._lease_in_turns(db, worker_id, pools, limit, now, max_bytes, free)
         size = f"{LEASE_SIZE} + {int(self.settings.lease_overhead_bytes)}"
         due = f"state = 1 AND pool IN ({_marks(len(pools))}) AND run_at <= ?"
-        order = "priority DESC, run_at, seq"
+        order = _ORDER
         # Tasks that name no resources, and those that do, are in indexes of their own: the
         # first never wait behind the second.
         # INDEXED BY: the planner would rather range over tasks_due (pool, run_at) and sort every
@@ -807,21 +850,62 @@ class SqliteStore:
                 f" AND {_FITS_ALONE} ORDER BY {order} LIMIT ?)"
                 f" UNION ALL SELECT seq, priority, run_at, resources, {size} FROM tasks"
                 f" WHERE seq IN (SELECT value FROM json_each(?)) ORDER BY {order} LIMIT ?),"
-                f" need AS (SELECT c.seq, r.key AS name, sum(r.value) OVER (PARTITION BY r.key"
-                f" ORDER BY c.priority DESC, c.run_at, c.seq) AS upto FROM cand c, json_each(c.resources) r)"
-                f" SELECT * FROM (SELECT * FROM ({ok})"
-                f" UNION ALL SELECT seq, priority, run_at, size FROM cand WHERE seq NOT IN"
-                f" (SELECT seq FROM need WHERE upto > {_free_for('need.name')}))"
+                f" {_NEED} SELECT * FROM (SELECT * FROM ({ok})"
+                f" UNION ALL SELECT seq, priority, run_at, size FROM cand WHERE {_FITS_BESIDE})"
                 f" ORDER BY {order} LIMIT ?"
             )
             scan = lease_scan(limit)
             params = (json.dumps(dict(free)), *pools, now, scan, json.dumps(keyed), scan, *params, limit)
-        # Of those, the first always, then as many as fit in max_bytes.
-        chosen = (
-            f"SELECT seq FROM (SELECT seq, row_number() OVER w AS n, sum(size) OVER w AS upto FROM ({ok})"
-            f" WINDOW w AS (ORDER BY {order})) WHERE n = 1 OR ? <= 0 OR upto <= ?"
+        return self._take(db, worker_id, pools, now, _within_bytes(ok, order), (*params, max_bytes, max_bytes))
+
+    def _lease_in_turns(
+        self,
+        db: sqlite3.Connection,
+        worker_id: str,
+        pools: list[str],
+        limit: int,
+        now: int,
+        max_bytes: int,
+        free: Mapping[str, int] | None,
+    ) -> list[TaskRow]:
+        """_lease_plain of several pools, dealt round robin (in the order given): the first due
+        tasks of each pool (its place), then each pool's first of those, its second, and so on."""
+        size = f"{LEASE_SIZE} + {int(self.settings.lease_overhead_bytes)}"
+
+        def each(columns: str, index: str, where: str, count: int) -> tuple[str, list[Any]]:
+            sql = " UNION ALL ".join(
+                f"SELECT * FROM (SELECT {columns}, {place} AS place FROM tasks INDEXED BY {index}"
+                f" WHERE state = 1 AND pool = ? AND run_at <= ? AND {where} ORDER BY {_ORDER} LIMIT ?)"
+                for place in range(len(pools))
+            )
+            return sql, [v for p in pools for v in (p, now, count)]
+
+        ok, params = each(f"seq, priority, run_at, {size} AS size", "tasks_lease", "resources IS NULL", limit)
+        if free:
+            # As _lease_plain's, each pool's own (those of a keyed resource by key: _keyed).
+            scan = lease_scan(limit)
+            where = f"resources IS NOT NULL AND res_key IS NULL AND {_FITS_ALONE}"
+            cand, cand_params = each(
+                f"seq, priority, run_at, resources, {size} AS size", "tasks_lease_resources", where, scan
+            )
+            if has_keyed(free):
+                for place, pool in enumerate(pools):
+                    cand += (
+                        f" UNION ALL SELECT seq, priority, run_at, resources, {size}, {place} FROM tasks"
+                        " WHERE seq IN (SELECT value FROM json_each(?))"
+                    )
+                    cand_params.append(json.dumps(self._keyed(db, [pool], now, limit, free)))
+            ok = (
+                f"{_FREE}, cand AS ({_in_turns(f'({cand})')} LIMIT ?), {_NEED},"
+                f" picked AS ({ok} UNION ALL SELECT seq, priority, run_at, size, place FROM cand WHERE {_FITS_BESIDE})"
+                f" {_in_turns('picked')} LIMIT ?"
+            )
+            params = [json.dumps(dict(free)), *cand_params, scan, *params]
+        else:
+            ok = f"{_in_turns(f'({ok})')} LIMIT ?"
+        return self._take(
+            db, worker_id, pools, now, _within_bytes(ok, "turn, place"), (*params, limit, max_bytes, max_bytes)
         )
-        return self._take(db, worker_id, pools, now, chosen, (*params, max_bytes, max_bytes))
 
     def _keyed(
         self, db: sqlite3.Connection, pools: list[str], now: int, limit: int, free: Mapping[str, int]
