@@ -1,8 +1,8 @@
 """`./dev release --dry-run` on a fresh clone of the repository (its committed files only, nothing
 installed or built there before), as on a new machine: the release session installs what its
-steps need itself. The npm step (with the Python step, which always runs: it starts the server)
-is the one that depends on an install (sdk-ts's tsc, for `npm pack`); the Rust and Go steps are
-left out here for time: cargo and go fetch what they need by themselves."""
+steps need itself. The npm step (with the names and Python steps, which always run; the Python
+one starts the server) is the one that depends on an install (sdk-ts's tsc, for `npm pack`); the
+Rust and Go steps are left out here for time: cargo and go fetch what they need by themselves."""
 
 from __future__ import annotations
 
