@@ -5,6 +5,7 @@ restore hands out no task id the replaced store could have given (docs/operation
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import sqlite3
@@ -35,6 +36,7 @@ def test_backup_never_replaces_a_file_the_store_or_its_leadership_uses(start_ser
     wal, lock = f"{store}-wal", f"{store}.leader"
     (tmp_path / "sub").mkdir()
     os.symlink(wal, tmp_path / "link-to-wal")
+    os.symlink(f"{store}-journal", tmp_path / "link-to-journal")  # dangling: there is no journal now
     os.symlink(tmp_path, tmp_path / "folder-link")
     os.link(lock, tmp_path / "hard-link-to-lock")
     what = {
@@ -50,14 +52,15 @@ def test_backup_never_replaces_a_file_the_store_or_its_leadership_uses(start_ser
         lock: what["lock"],
         f"{lock}.standby-x": f"a standby's file of the store's leadership {lock}.standby-x",
         str(tmp_path / "link-to-wal"): what["wal"],
+        str(tmp_path / "link-to-journal"): f"the store's rollback journal {store}-journal",
         str(tmp_path / "sub" / ".." / "c.db-wal"): what["wal"],
         str(tmp_path / "folder-link" / "c.db.leader"): what["lock"],
         str(tmp_path / "hard-link-to-lock"): what["lock"],
     }
     inodes = {p: os.stat(p).st_ino for p in (store, wal, lock)}
-    for target, named, *force in [(wal, what["wal"]), *((t, n, "--force") for t, n in refused.items())]:
-        out = cli_backup(srv, "--to", target, *force)
-        assert (out.returncode, out.stderr) == (2, f"cronoq-server backup: --to {target}: is {named} {REFUSAL}\n")
+    cases = [(wal, what["wal"], []), *((t, n, ["--force"]) for t, n in refused.items())]
+    outcomes = backups_in_one_process(srv, [["--to", target, *force] for target, _, force in cases])
+    assert outcomes == [[2, f"cronoq-server backup: --to {t}: is {named} {REFUSAL}\n"] for t, named, _ in cases]
     assert {p: os.stat(p).st_ino for p in (store, wal, lock)} == inodes
     assert sorted(p.name for p in tmp_path.iterdir() if "partial" in p.name) == []
     acknowledged |= {api.submit(payload=b"y" * 100).id for _ in range(60)}
@@ -71,6 +74,24 @@ def test_backup_never_replaces_a_file_the_store_or_its_leadership_uses(start_ser
     second.wait_ready(timeout=30)
     assert acknowledged <= set(list_all(Api(second.grpc_target)))
     assert second.stop() == 0
+
+
+def backups_in_one_process(srv: Any, runs: list[list[str]]) -> list[list[Any]]:
+    """`cronoq-server backup --config ... ARGS` for each ARGS, through the CLI's main in one process
+    (one interpreter start, not one a run): [exit code, stderr] of each."""
+    script = """import contextlib, io, json, sys
+from cronoq_server.main import main
+for args in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            main(["backup", "--config", sys.argv[2], *args])
+        except SystemExit as exit:
+            print(json.dumps([exit.code, err.getvalue()]))
+"""
+    cmd = [sys.executable, "-c", script, json.dumps(runs), str(srv.config_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    return [json.loads(line) for line in out.stdout.splitlines()]
 
 
 def test_backup_refuses_another_shards_store(tmp_path: Path) -> None:
