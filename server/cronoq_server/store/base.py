@@ -462,8 +462,10 @@ class Store(Protocol):
         free: Mapping[str, int] | None = None,
         groups: Mapping[str, tuple[int, Mapping[str, int]]] | None = None,
     ) -> tuple[list[TaskRow], int | None]:
-        """Leases up to limit PENDING tasks (priority, then run_at, then seq), and while
-        max_bytes > 0, only as many as fit in max_bytes (the first one always).
+        """Leases up to limit PENDING tasks (priority, then run_at, then seq within a pool), and
+        while max_bytes > 0, only as many as fit in max_bytes (the first one always). Several
+        pools are dealt round robin in the order given, the first first: each pool's first task,
+        then each one's second...; a pool with fewer leaves its turns to the others.
 
         groups: of the pools that cap their groups (settings.group_pools, each given), the cap
         and what runs per group: their tasks are taken by (priority, rank, seq), round robin
