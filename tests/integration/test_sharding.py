@@ -523,11 +523,11 @@ def test_listings_page_across_shards_in_id_order(shards: TwoShards) -> None:
     assert [t.id for t in page.tasks] == expected[:6]
     err = refusal(lambda: gpu.tasks.ListTasks(tpb.ListTasksRequest(page_token="x1"), metadata=bearer("full")))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "page_token" in err.details()  # type: ignore[attr-defined]
-    # Newest first: descending ids, the higher shard first, pages across the shards' border.
-    newest = expected[::-1]
+    # Newest first: by creation time (the order submitted here) whatever the shard, pages mixing shards.
+    newest = ids[::-1]
     for stubs in (cpu, gpu):
         assert list_all(stubs, 3, newest_first=True) == [newest[0:3], newest[3:6], newest[6:9], newest[9:]]
-        assert list_all(stubs, 100, newest_first=True, pool="default") == [newest[4:]]
+        assert list_all(stubs, 100, newest_first=True, pool="default") == [[i for i in newest if i >> 56 == 1]]
     status, _, body = http(shards.cpu, "GET", "/v1/tasks?page_size=5&newest_first=true")
     assert status == 200 and [int(t["id"]) for t in body["tasks"]] == newest[:5], body
     err = refusal(lambda: cpu.tasks.ListTasks(tpb.ListTasksRequest(pool="llm"), metadata=bearer("default-only")))
@@ -771,3 +771,61 @@ def test_shards_and_a_replica_on_one_host_read_one_file(tmp_path: Path) -> None:
 def get_via(stubs: Stubs, task_id: int) -> task_pb2.Task:
     ref = task_pb2.TaskRef(id=task_id)
     return stubs.tasks.GetTask(tpb.GetTaskRequest(task=ref), metadata=bearer("full"), timeout=TIMEOUT).task
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def two_shards(request: pytest.FixtureRequest, tmp_path: Path, start_server: Any) -> TwoShards:
+    """The page's deployment, one server a shard."""
+    return TwoShards.on_store_of(request, tmp_path, start_server)
+
+
+def test_newest_first_across_shards_is_by_creation_time(two_shards: TwoShards) -> None:
+    """Tasks submitted to both shards in turn: newest first lists them newest to oldest whatever
+    their shard, page after page, and tasks submitted between pages are neither shown (they are
+    newer than the first page) nor make a task show twice or not at all."""
+    import json
+    import subprocess
+    import sys
+
+    cpu, gpu = two_shards.stubs["cpu"], two_shards.stubs["gpu"]
+    submitted = [submit(cpu if i % 2 else gpu, "default" if i % 4 < 2 else "llm").task for i in range(240)]
+    assert {t.id >> 56 for t in submitted} == {1, 2}
+    newest = [t.id for t in submitted[::-1]]  # submitted one after another: creation order
+    assert [t.id for t in submitted] != sorted(t.id for t in submitted)  # not id order across shards
+    listed, later, token = [], [], ""
+    for page_number in range(100):
+        page = cpu.tasks.ListTasks(
+            tpb.ListTasksRequest(page_size=50, page_token=token, newest_first=True),
+            metadata=bearer("full"),
+            timeout=TIMEOUT,
+        )
+        assert list(page.unavailable_shards) == [] and len(page.tasks) <= 50
+        listed += [t.id for t in page.tasks]
+        token = page.next_page_token
+        if not token:
+            break
+        later.append(submit(cpu, "llm" if page_number % 2 else "default").task.id)  # newer than all listed
+    assert listed == newest
+    now_newest = later[::-1] + newest
+    for token in (str(newest[0]), "n1", f"n{newest[0]}.{newest[0]}"):  # an id-order token, no shard's, twice one
+        request = tpb.ListTasksRequest(newest_first=True, page_token=token)
+        err = refusal(lambda: cpu.tasks.ListTasks(request, metadata=bearer("full"), timeout=TIMEOUT))  # noqa: B023
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "page_token" in err.details(), token  # type: ignore[attr-defined]
+    assert list_all(gpu, 7, newest_first=True, pool="llm") == chunks([i for i in now_newest if i >> 56 == 2], 7)
+    status, _, body = http(two_shards.gpu, "GET", "/v1/tasks?newest_first=true&page_size=50")
+    assert status == 200 and [int(t["id"]) for t in body["tasks"]] == list_all(cpu, 500, newest_first=True)[0][:50]
+    first = [int(t["id"]) for t in body["tasks"]]
+    assert {i >> 56 for i in first} == {1, 2}, first
+    cli = ["tasks", "--newest-first", "--json", "--limit", "50", "--endpoint", two_shards.cpu.endpoint]
+    shown = subprocess.run(
+        [sys.executable, "-m", "cronoq.cli", *cli, "--token", TOKENS["full"]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert [int(json.loads(line)["id"]) for line in shown.stdout.splitlines()] == first, shown.stdout
+
+
+def chunks(ids: list[int], size: int) -> list[list[int]]:
+    return [ids[i : i + size] for i in range(0, len(ids), size)]

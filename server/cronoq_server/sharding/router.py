@@ -17,6 +17,7 @@ Each RPC's routing class (registry.Rpc.routing) picks one strategy in ShardRoute
   that could not be asked are named in `unavailable_shards`. ListTasks pages across shards in
   id order: ids carry their shard number in the top 8 bits, so the page token (the page's
   last id) tells which shards are done, which one continues after it, and which start over.
+  Newest first, it merges the shards by creation time, the token holding each shard's place.
 - Watch (fan_out, streaming): merged from every shard, with a composite cursor; watch.py.
 - A standby answers the reads of its own shard (Get, Wait, listings, snapshot; not Watch) and
   its part of a bulk action by forwarding them to its leader, like a call for another shard

@@ -755,8 +755,8 @@ class ListTasksRequest(_message.Message):
     may name a task in each of several shards).
     """
     newest_first: _builtins.bool
-    """Newest first: in descending id order (within a shard, the order of submission; across
-    shards, the higher shard number first). page_token then continues with older tasks.
+    """Newest first: descending id order within a shard (the order of submission), merged across
+    shards by creation time (ties: the higher id first). page_token then continues with older tasks.
     """
     @_builtins.property
     def filter(self) -> Global___TaskFilter:
@@ -795,7 +795,7 @@ class ListTasksResponse(_message.Message):
     next_page_token: _builtins.str
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[_task_pb2.Task]:
-        """In id order (descending with newest_first)."""
+        """In id order, or newest first with newest_first."""
 
     @_builtins.property
     def unavailable_shards(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...

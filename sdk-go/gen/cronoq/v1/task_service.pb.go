@@ -1485,8 +1485,8 @@ type ListTasksRequest struct {
 	// Only the task with this key in each shard (keys deduplicate within a shard, so one key
 	// may name a task in each of several shards).
 	Key string `protobuf:"bytes,5,opt,name=key,proto3" json:"key,omitempty"`
-	// Newest first: in descending id order (within a shard, the order of submission; across
-	// shards, the higher shard number first). page_token then continues with older tasks.
+	// Newest first: descending id order within a shard (the order of submission), merged across
+	// shards by creation time (ties: the higher id first). page_token then continues with older tasks.
 	NewestFirst bool `protobuf:"varint,6,opt,name=newest_first,json=newestFirst,proto3" json:"newest_first,omitempty"`
 	// Only the tasks that match every field set, as the bulk actions match them (the same
 	// filter lists the tasks a bulk action's dry run counted); here any state may be named, and
@@ -1578,7 +1578,7 @@ func (x *ListTasksRequest) GetFilter() *TaskFilter {
 
 type ListTasksResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// In id order (descending with newest_first).
+	// In id order, or newest first with newest_first.
 	Tasks             []*Task  `protobuf:"bytes,1,rep,name=tasks,proto3" json:"tasks,omitempty"`
 	NextPageToken     string   `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
 	UnavailableShards []string `protobuf:"bytes,3,rep,name=unavailable_shards,json=unavailableShards,proto3" json:"unavailable_shards,omitempty"`

@@ -286,8 +286,8 @@ export interface ListTasksRequest {
    */
   key: string;
   /**
-   * Newest first: in descending id order (within a shard, the order of submission; across
-   * shards, the higher shard number first). page_token then continues with older tasks.
+   * Newest first: descending id order within a shard (the order of submission), merged across
+   * shards by creation time (ties: the higher id first). page_token then continues with older tasks.
    */
   newestFirst: boolean;
   /**
@@ -300,7 +300,7 @@ export interface ListTasksRequest {
 }
 
 export interface ListTasksResponse {
-  /** In id order (descending with newest_first). */
+  /** In id order, or newest first with newest_first. */
   tasks: Task[];
   nextPageToken: string;
   unavailableShards: string[];
