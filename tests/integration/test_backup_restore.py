@@ -12,6 +12,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -275,8 +276,21 @@ def test_restore_refuses_while_a_standby_waits(tmp_path: Path) -> None:
     backup = tmp_path / "backup.db"
     assert cli_backup(srv, "--to", str(backup)).returncode == 0
     assert srv.stop() == 0
-    (tmp_path / "c.db.leader.standby-test").write_text("127.0.0.1:1")  # as a standby says it waits
-    out = cli_restore(srv, "--from", str(backup))
+    waiting = threading.Event()
+
+    def say_standby() -> None:  # as a waiting standby does, every second
+        while True:
+            (tmp_path / "c.db.leader.standby-test").write_text("127.0.0.1:1")
+            if waiting.wait(0.5):
+                return
+
+    saying = threading.Thread(target=say_standby)
+    saying.start()
+    try:
+        out = cli_restore(srv, "--from", str(backup))
+    finally:
+        waiting.set()
+        saying.join()
     assert (out.returncode, out.stderr) == (
         2,
         f"cronoq-server restore: store {path}: standby 127.0.0.1:1 is waiting for its leadership "
