@@ -465,6 +465,9 @@ type ListOptions struct {
 	PageSize int32
 	// PageToken: the previous page's NextPageToken.
 	PageToken string
+	// Filter: only the tasks that match it, as a bulk action matches them (any state may be
+	// named); nil for every task.
+	Filter *TaskFilter
 }
 
 // List returns one page of tasks in id order; pass its NextPageToken for the next.
@@ -473,6 +476,9 @@ func (c *Client) List(ctx context.Context, opts ListOptions) (*cronoqv1.ListTask
 		opts.PageSize = 100
 	}
 	req := &cronoqv1.ListTasksRequest{Pool: opts.Pool, State: opts.State, PageSize: opts.PageSize, PageToken: opts.PageToken}
+	if opts.Filter != nil {
+		req.Filter = opts.Filter.proto()
+	}
 	var resp *cronoqv1.ListTasksResponse
 	err := c.conn.invoke(ctx, "ListTasks", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, callOpts ...grpc.CallOption) (err error) {
 		resp, err = cronoqv1.NewTaskServiceClient(cc).ListTasks(ctx, req, callOpts...)

@@ -10,9 +10,11 @@ import contextlib
 import copy
 import datetime as dt
 import json
+import logging
 import os
 import re
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -50,6 +52,7 @@ EXIT_NOT_FOUND = 4
 EXIT_PERMISSION = 5
 EXIT_UNAVAILABLE = 6
 EXIT_FAILED_PRECONDITION = 7
+EXIT_TASK_UNSUCCESSFUL = 8
 EXIT_INTERRUPTED = 130
 EXIT_FOR_ERROR: dict[type[CronoqError], int] = {
     errors.InvalidArgument: EXIT_BAD_INPUT,
@@ -67,13 +70,17 @@ EXIT_CODES_HELP = f"""exit codes:
   0    done
   {EXIT_ERROR}    any other failure (INTERNAL, UNIMPLEMENTED, a file that cannot be read, ...)
   {EXIT_BAD_INPUT}    usage error or bad input: a bad option or value, INVALID_ARGUMENT, OUT_OF_RANGE
+  {EXIT_BAD_INPUT}    ... and an unknown pool (a pool is a name the server is configured with)
   {EXIT_WAIT_TIMEOUT}    wait, submit --wait: the task had not ended when the timeout passed
-  {EXIT_NOT_FOUND}    NOT_FOUND: no such task, schedule or pool (or one you may not read)
+  {EXIT_NOT_FOUND}    NOT_FOUND: no such task or schedule (or one you may not read)
   {EXIT_PERMISSION}    UNAUTHENTICATED or PERMISSION_DENIED: no, or not enough, credentials; or a
        TLS handshake that failed (a certificate not trusted, or refused)
-  {EXIT_UNAVAILABLE}    UNAVAILABLE or DEADLINE_EXCEEDED: no server (or shard) answered in time
+  {EXIT_UNAVAILABLE}    UNAVAILABLE or DEADLINE_EXCEEDED: no server (or shard) answered in time; and a
+       partial answer: a listing, snapshot or bulk action some shard was missing from
+       (named on stderr; --json: a last line {{"unavailable_shards": [...]}}, or the field)
   {EXIT_FAILED_PRECONDITION}    FAILED_PRECONDITION: the task's state does not allow it (cancel of a
        SUCCEEDED or FAILED task, retry of a PENDING one, ...)
+  {EXIT_TASK_UNSUCCESSFUL}    wait, submit --wait: the task ended FAILED or CANCELLED
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C)
 Errors are one line on stderr: `cronoq COMMAND: CODE: message`."""
 
@@ -166,9 +173,15 @@ def _client(args: argparse.Namespace, retry_for: float = 10.0) -> Client:
     return Client(args.endpoint, token=args.token or None, tls=tls, retry=RetryConfig(max_elapsed=retry_for))
 
 
-def _warn_unavailable(args: argparse.Namespace, shards: Sequence[str]) -> None:
-    if shards:
-        print(f"cronoq {_title(args)}: shards unavailable (not shown): {', '.join(shards)}", file=sys.stderr)
+def _partial(args: argparse.Namespace, shards: Sequence[str], json_line: bool = True) -> int:
+    """A listing's end: the shards missing from it named on stderr (and, for --json lines, in a
+    last line of their own), and its exit code: a partial answer is EXIT_UNAVAILABLE."""
+    if not shards:
+        return 0
+    if args.json and json_line:
+        print(json.dumps({"unavailable_shards": list(shards)}))
+    print(f"cronoq {_title(args)}: shards unavailable (not shown): {', '.join(shards)}", file=sys.stderr)
+    return EXIT_UNAVAILABLE
 
 
 def _number(value: Any) -> bool:
@@ -248,7 +261,18 @@ async def cmd_submit(args: argparse.Namespace) -> int:
             waited = await client.wait(task.id, args.wait)
             task, done = waited.task, waited.done
     print_task(task, args.json, deduplicated=sub.deduplicated)
-    return 0 if done else EXIT_WAIT_TIMEOUT
+    return _waited(args, task, done) if args.wait is not None else 0
+
+
+def _waited(args: argparse.Namespace, task: Task, done: bool) -> int:
+    """How a wait ended, as the exit code: 0 SUCCEEDED, else FAILED or CANCELLED (said on
+    stderr), or not ended in time."""
+    if not done:
+        return EXIT_WAIT_TIMEOUT
+    if task.state == task_pb2.TASK_STATE_SUCCEEDED:
+        return 0
+    print(f"cronoq {_title(args)}: task {task.id} ended {STATE_NAMES[task.state].upper()}", file=sys.stderr)
+    return EXIT_TASK_UNSUCCESSFUL
 
 
 GROUP_KEY_HELP = "the task's group: a pool with max_running_per_group runs its groups in turn, each up to the cap"
@@ -298,7 +322,7 @@ async def cmd_wait(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         res = await client.wait(_ref(args.task, args.key), args.timeout)
     print_task(res.task, args.json, done=res.done)
-    return 0 if res.done else EXIT_WAIT_TIMEOUT
+    return _waited(args, res.task, res.done)
 
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
@@ -457,8 +481,7 @@ async def run_bulk(args: argparse.Namespace, action: str) -> int:
             preview = await call(True)
             if not preview.matched:
                 print(f"cronoq {_title(args)}: no task matches {_describe(args)}; nothing to do", file=sys.stderr)
-                _warn_unavailable(args, preview.unavailable_shards)
-                return EXIT_UNAVAILABLE if preview.unavailable_shards else 0
+                return _partial(args, preview.unavailable_shards, json_line=False)
             count = f"at least {preview.matched}" if preview.incomplete else str(preview.matched)
             question = f"{action} {count} task(s) that match {_describe(args)}"
             if preview.unavailable_shards:
@@ -513,20 +536,26 @@ async def cmd_delete(args: argparse.Namespace) -> int:
     return 0
 
 
-TASK_COLUMNS = ("ID", "POOL", "STATE", "ATTEMPT", "KEY")
+TASK_COLUMNS = ("ID", "POOL", "STATE", "ATTEMPT", "SHARD", "KEY", "ERROR")
+ERROR_SHOWN = 60  # characters of a task's error in its row (its first line)
+
+
+def _row(id_: object, pool: str, state: str, attempt: str, shard: object, key: str, error: str) -> str:
+    return f"{id_:>20}  {pool:<12} {state:<10} {attempt:>7} {shard:>5}  {key:<20}  {error}".rstrip()
 
 
 def task_row(task: Task) -> str:
-    """One row of `cronoq tasks`: fixed widths, so that pages print as they come."""
-    return (
-        f"{task.id:>20}  {task.pool:<12} {STATE_NAMES[task.state]:<10} "
-        f"{f'{task.attempt}/{task.max_attempts}':>7}  {task.key or '-'}"
-    )
+    """One row of `cronoq tasks`: fixed widths, so that pages print as they come. SHARD is the
+    shard's number (the id's top 8 bits; 0 unsharded); ERROR the first line of the last error."""
+    error = task.error.splitlines()[0] if task.error else "-"
+    if len(error) > ERROR_SHOWN:
+        error = error[: ERROR_SHOWN - 3] + "..."
+    attempt = f"{task.attempt}/{task.max_attempts}"
+    return _row(task.id, task.pool, STATE_NAMES[task.state], attempt, task.id >> 56, task.key or "-", error)
 
 
 def task_header() -> str:
-    id_, pool, state, attempt, key = TASK_COLUMNS
-    return f"{id_:>20}  {pool:<12} {state:<10} {attempt:>7}  {key}"
+    return _row(*TASK_COLUMNS)
 
 
 def state_arg(text: str) -> int:
@@ -539,7 +568,17 @@ def state_arg(text: str) -> int:
     return task_pb2.TaskState.Value(name)
 
 
+def list_options(args: argparse.Namespace) -> dict[str, Any]:
+    """ListTasks' arguments for the filter flags: a pool and one state as the request's own
+    fields (as any server takes them), anything more as its filter."""
+    given = _given_filter_flags(args)
+    if set(given) <= {"--pool", "--state"} and len(args.states) <= 1:
+        return {"pool": args.pool or "", "state": args.states[0] if args.states else 0}
+    return {"filter": filter_of(args)}
+
+
 async def cmd_tasks(args: argparse.Namespace) -> int:
+    options = list_options(args)
     limit = None if args.all else args.limit
     shown, token, unavailable = 0, args.page_token, set[str]()
     progress = sys.stderr.isatty() and (limit is None or limit > 500)
@@ -548,7 +587,7 @@ async def cmd_tasks(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         while limit is None or shown < limit:
             size = 500 if limit is None else min(500, limit - shown)
-            page = await client.list(args.pool, args.state or 0, size, token, newest_first=args.newest_first)
+            page = await client.list(page_size=size, page_token=token, newest_first=args.newest_first, **options)
             unavailable.update(page.unavailable_shards)
             for task in page.tasks:
                 print(json.dumps(_wrap(task)) if args.json else task_row(task))
@@ -564,8 +603,7 @@ async def cmd_tasks(args: argparse.Namespace) -> int:
         print(f"{shown} task(s)", file=sys.stderr)
     if token:
         print(f"more: run with --page-token {token}", file=sys.stderr)
-    _warn_unavailable(args, sorted(unavailable))
-    return 0
+    return _partial(args, sorted(unavailable))
 
 
 def event_line(event: TaskEvent) -> str:
@@ -614,8 +652,7 @@ async def cmd_workers(args: argparse.Namespace) -> int:
             print(json.dumps(to_dict(worker)))
     else:
         print("\n".join(format_workers(resp.workers, dt.datetime.now(dt.UTC))))
-    _warn_unavailable(args, resp.unavailable_shards)
-    return 0
+    return _partial(args, resp.unavailable_shards)
 
 
 def schedule_json(schedule: Schedule) -> dict[str, Any]:
@@ -650,7 +687,7 @@ def resource_arg(text: str) -> tuple[str, int]:
 
 
 async def cmd_schedules_put(args: argparse.Namespace) -> int:
-    payload = _payload("--payload-json", args.payload_json, args.payload)
+    payload = _payload("--payload-json", args.payload_json, args.data)
     resources = _resources(args.resource)
     async with _client(args) as client:
         schedule = await client.put_schedule(
@@ -689,8 +726,7 @@ async def cmd_schedules_list(args: argparse.Namespace) -> int:
             print(json.dumps(schedule_json(schedule)))
     else:
         print("\n".join(format_schedules(resp.schedules)))
-    _warn_unavailable(args, resp.unavailable_shards)
-    return 0
+    return _partial(args, resp.unavailable_shards)
 
 
 POOL_STATES = ("pending", "blocked", "running", "succeeded", "failed", "cancelled")
@@ -743,8 +779,7 @@ async def cmd_pools_list(args: argparse.Namespace) -> int:
             print(json.dumps({**to_dict(counts), "shard": shard}))
     else:
         print("\n".join(format_pools(snap)))
-    _warn_unavailable(args, snap.unavailable_shards)
-    return 0
+    return _partial(args, snap.unavailable_shards)
 
 
 async def cmd_pools_pause(args: argparse.Namespace) -> int:
@@ -766,8 +801,7 @@ async def cmd_snapshot(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         snap = await client.snapshot()
     print(json.dumps(to_dict(snap)) if args.json else "\n".join(format_snapshot(snap)))
-    _warn_unavailable(args, snap.unavailable_shards)
-    return 0
+    return _partial(args, snap.unavailable_shards, json_line=False)  # the object has the field
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -852,23 +886,28 @@ def add_task_or_filter(parser: argparse.ArgumentParser, action: str) -> None:
     parser.add_argument("--key", action="store_true", help="treat ID|KEY as a key even if it is all digits")
     bulk = parser.add_argument_group("every task that matches (instead of ID|KEY)")
     bulk.add_argument("--all-matching", action="store_true", help=f"{action} every task that matches the flags below")
-    bulk.add_argument("--pool", help="of this pool (default: every pool you may act on)")
-    bulk.add_argument(
+    add_filter_flags(bulk, "every pool you may act on", "every state the action applies to")
+    bulk.add_argument("--dry-run", action="store_true", help="count the tasks that match, per shard; change nothing")
+    bulk.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+
+def add_filter_flags(group: Any, every_pool: str, every_state: str) -> None:
+    """The filter flags (FILTER_FLAGS) of the bulk actions and `tasks`: one filter for both."""
+    group.add_argument("--pool", help=f"of this pool (default: {every_pool})")
+    group.add_argument(
         "--state",
         dest="states",
         type=states_arg,
         action="extend",
         default=[],
         metavar="STATE",
-        help="in this state (repeatable, or comma-separated; default: every state the action applies to)",
+        help=f"in this state (repeatable, or comma-separated; default: {every_state})",
     )
     for flag, what in (("created", "created"), ("finished", "ended")):
-        bulk.add_argument(f"--{flag}-after", type=time_arg, metavar="TIME", help=f"{what} after TIME")
-        bulk.add_argument(f"--{flag}-before", type=time_arg, metavar="TIME", help=f"{what} before TIME")
-    bulk.add_argument("--key-prefix", metavar="PREFIX", help="whose key starts with PREFIX")
-    bulk.add_argument("--error-contains", metavar="TEXT", help="whose error contains TEXT (case-sensitive)")
-    bulk.add_argument("--dry-run", action="store_true", help="count the tasks that match, per shard; change nothing")
-    bulk.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+        group.add_argument(f"--{flag}-after", type=time_arg, metavar="TIME", help=f"{what} at or after TIME")
+        group.add_argument(f"--{flag}-before", type=time_arg, metavar="TIME", help=f"{what} before TIME")
+    group.add_argument("--key-prefix", metavar="PREFIX", help="whose key starts with PREFIX")
+    group.add_argument("--error-contains", metavar="TEXT", help="whose error contains TEXT (case-sensitive)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -990,10 +1029,16 @@ def build_parser() -> argparse.ArgumentParser:
         "list tasks",
         "List tasks in id order (--newest-first: descending), a row each under a header (--json: one object "
         "per line). When more remain than --limit, stderr says the --page-token to go on from; --all lists every "
-        "page.",
+        "page. The filter flags match as those of cancel, retry and delete --all-matching do: the tasks a bulk "
+        "--dry-run counted are those listed with the same flags.",
+        epilog=f"TIME: an ISO 8601 time (2026-12-01T09:30:00Z; no zone: UTC), or a DURATION ago (2h).\n\n"
+        f"{DURATION_HELP}.",
     )
-    p.add_argument("--pool", default="")
-    p.add_argument("--state", type=state_arg, help="pending, blocked, running, succeeded, failed or cancelled")
+    add_filter_flags(
+        p.add_argument_group("filter (every flag given must match)"),
+        "every pool you may read",
+        "every state; pending, blocked, running, succeeded, failed or cancelled",
+    )
     pages = p.add_mutually_exclusive_group()
     pages.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
     pages.add_argument("--all", action="store_true", help="every task, page after page (progress on stderr)")
@@ -1053,8 +1098,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timezone", metavar="ZONE", help="IANA timezone name, e.g. Europe/Paris (default UTC)")
     payload = p.add_mutually_exclusive_group()
-    payload.add_argument("--payload-json", metavar="JSON", help="a JSON payload for every task it fires")
-    payload.add_argument("--payload", metavar="TEXT", help="a text payload, stored as bytes")
+    payload.add_argument(
+        "--payload-json",
+        "--json-payload",
+        dest="payload_json",
+        metavar="JSON",
+        help="a JSON payload for every task it fires",
+    )
+    # --data as submit's; --payload: its old spelling, still taken.
+    payload.add_argument("--data", "--payload", dest="data", metavar="TEXT", help="a text payload, stored as bytes")
     p.add_argument("--priority", type=int, default=0, help="of the tasks it fires; higher runs first")
     p.add_argument("--group-key", default="", metavar="KEY", help=f"of the tasks it fires: {GROUP_KEY_HELP}")
     p.add_argument("--max-attempts", type=int, default=0, help="of the tasks it fires; 0 takes the pool's default")
@@ -1117,8 +1169,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+RETRY_NOTICE_AFTER_S = 1.0
+
+
+class RetryNotice(logging.Handler):
+    """The SDK's log while a command runs: once its transport has retried an unanswered call
+    (UNAVAILABLE) for RETRY_NOTICE_AFTER_S, one line on stderr says so (it retries for 10s);
+    warnings pass on to stderr as logging's last resort shows them."""
+
+    def __init__(self, args: argparse.Namespace):
+        super().__init__(logging.DEBUG)
+        self.args, self.started, self.said = args, time.monotonic(), False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:
+            print(record.getMessage(), file=sys.stderr)
+            return
+        # The transport's "<method>: <error>; retrying in <delay>" (with_retries).
+        retrying = isinstance(record.args, tuple) and len(record.args) == 3 and "retrying in" in str(record.msg)
+        if retrying and not self.said and time.monotonic() - self.started >= RETRY_NOTICE_AFTER_S:
+            self.said = True
+            error = record.args[1]  # type: ignore[index]
+            print(f"cronoq {_title(self.args)}: {error}; retrying (Ctrl-C to stop)", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    sdk_log = logging.getLogger("cronoq")
+    notice, level = RetryNotice(args), sdk_log.level
+    sdk_log.addHandler(notice)
+    sdk_log.setLevel(logging.DEBUG)
     try:
         code = asyncio.run(args.run(args))
     except CronoqError as err:
@@ -1136,6 +1216,9 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as err:
         print(f"cronoq {_title(args)}: {err}", file=sys.stderr)
         code = EXIT_ERROR
+    finally:
+        sdk_log.removeHandler(notice)
+        sdk_log.setLevel(level)
     sys.exit(code)
 
 

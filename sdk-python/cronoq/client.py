@@ -152,8 +152,8 @@ def task_filter(
     error_contains: str | None = None,
     ids: Sequence[int] = (),
 ) -> pb.TaskFilter:
-    """Which tasks a bulk action applies to: those that match every part given (times are
-    timezone-aware datetimes). No states: every state the action applies to."""
+    """Which tasks a bulk action (or a listing) applies to: those that match every part given
+    (times are timezone-aware datetimes). No states: every state the action applies to."""
     req = pb.TaskFilter(
         pool=pool or "",
         states=list(states),  # type: ignore[arg-type]
@@ -356,24 +356,40 @@ class Client:
         return await self._call("DeleteTasks", pb.DeleteTasksRequest(filter=filter, dry_run=dry_run), timeout)
 
     async def list(
-        self, pool: str = "", state: int = 0, page_size: int = 100, page_token: str = "", *, newest_first: bool = False
+        self,
+        pool: str = "",
+        state: int = 0,
+        page_size: int = 100,
+        page_token: str = "",
+        *,
+        newest_first: bool = False,
+        filter: pb.TaskFilter | None = None,
     ) -> pb.ListTasksResponse:
-        """One page of tasks in id order (newest_first: descending); pass next_page_token for the next."""
+        """One page of tasks in id order (newest_first: descending); pass next_page_token for the next.
+        filter (see task_filter; any state may be named): only the tasks that match it, as a
+        bulk action with that filter would match them."""
         req = pb.ListTasksRequest(
             pool=pool,
             state=state,  # type: ignore[arg-type]
             page_size=page_size,
             page_token=page_token,
             newest_first=newest_first,
+            filter=filter,
         )
         return await self._call("ListTasks", req)
 
     async def iter_tasks(
-        self, pool: str = "", state: int = 0, page_size: int = 500, *, newest_first: bool = False
+        self,
+        pool: str = "",
+        state: int = 0,
+        page_size: int = 500,
+        *,
+        newest_first: bool = False,
+        filter: pb.TaskFilter | None = None,
     ) -> AsyncIterator[Task]:
         token = ""
         while True:
-            page = await self.list(pool, state, page_size, token, newest_first=newest_first)
+            page = await self.list(pool, state, page_size, token, newest_first=newest_first, filter=filter)
             for task in page.tasks:
                 yield task
             token = page.next_page_token

@@ -273,6 +273,8 @@ pub struct ListOptions {
     pub page_size: i32,
     /// The previous page's next_page_token.
     pub page_token: String,
+    /// Only the tasks that match it, as a bulk action matches them (any state may be named).
+    pub filter: Option<TaskFilter>,
 }
 
 /// A task and its attempts, oldest first ([`Client::get_with_attempts`]).
@@ -760,6 +762,7 @@ impl Client {
                 opts.page_size
             },
             page_token: opts.page_token,
+            filter: opts.filter.as_ref().map(TaskFilter::proto),
             ..Default::default()
         };
         let timeout = self.conn.timeout;

@@ -130,6 +130,8 @@ export interface ListOptions {
   /** 100 when absent. */
   pageSize?: number;
   pageToken?: string;
+  /** Only the tasks that match it, as a bulk action matches them (any state may be named). */
+  filter?: TaskFilter;
 }
 
 export interface WatchOptions {
@@ -331,7 +333,7 @@ export class Client {
 
   /** One page of tasks (nextPageToken: the next page's, "" after the last). */
   async list(opts: ListOptions & CallOptions = {}): Promise<ListTasksResponse> {
-    const req = ListTasksRequest.fromPartial({ pool: opts.pool ?? "", state: opts.state ?? 0, pageSize: opts.pageSize ?? 100, pageToken: opts.pageToken ?? "" });
+    const req = ListTasksRequest.fromPartial({ pool: opts.pool ?? "", state: opts.state ?? 0, pageSize: opts.pageSize ?? 100, pageToken: opts.pageToken ?? "", filter: opts.filter && filterProto(opts.filter) });
     return this.conn.invoke<ListTasksResponse>("ListTasks", (c, md, o, cb) => c.task.listTasks(req, md, o, cb), this.conn.timeoutMs, opts.signal);
   }
 

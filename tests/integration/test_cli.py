@@ -165,9 +165,9 @@ def test_tasks_prints_a_header_and_pages(server):
     ids = [api.submit(key=f"page-{i}").id for i in range(5)]
     first = cli(server, "tasks", "--limit", "2")
     lines = first.stdout.splitlines()
-    assert lines[0].split() == ["ID", "POOL", "STATE", "ATTEMPT", "KEY"]
+    assert lines[0].split() == ["ID", "POOL", "STATE", "ATTEMPT", "SHARD", "KEY", "ERROR"]
     assert [int(line.split()[0]) for line in lines[1:]] == ids[:2]
-    assert lines[1].split()[1:] == ["default", "pending", "0/3", "page-0"]
+    assert lines[1].split()[1:] == ["default", "pending", "0/3", "0", "page-0", "-"]
     token = re.search(r"^more: run with --page-token (\S+)$", first.stderr, flags=re.M)
     assert token, first.stderr
     second = cli(server, "tasks", "--limit", "2", "--page-token", token.group(1), "--json")

@@ -119,3 +119,23 @@ async def test_cancel_tasks_of_many_in_one_batch(store: Store) -> None:
     assert changed == seqs and len(changes) == 1200
     ended = await store.match_tasks(match(states=frozenset(TERMINAL)), 0, 2000)
     assert len(ended) == 1200
+
+
+async def test_list_matching_pages_a_filter_either_way(store: Store) -> None:
+    tasks = [await submit_one(store, key=f"{prefix}-{i}") for i, prefix in enumerate(["a", "b", "a", "a"])]
+    await run_to_failure(store, tasks[0].seq, T0 + 1)
+    keyed_a = match(key_prefix="a-")
+
+    async def listed(f: TaskFilter, after: int = 0, limit: int = 100, newest_first: bool = False) -> list[int]:
+        return [r.seq for r in await store.list_matching(f, after, limit, newest_first)]
+
+    assert await listed(keyed_a) == [tasks[0].seq, tasks[2].seq, tasks[3].seq]
+    assert await listed(keyed_a, limit=2, newest_first=True) == [tasks[3].seq, tasks[2].seq]
+    assert await listed(keyed_a, after=tasks[2].seq, newest_first=True) == [tasks[0].seq]
+    assert await listed(keyed_a, after=tasks[0].seq, limit=1) == [tasks[2].seq]
+    assert await listed(match(key_prefix="a-", states=frozenset({State.FAILED}))) == [tasks[0].seq]
+    assert await listed(match(states=frozenset({State.FAILED, State.PENDING}), seqs=[tasks[1].seq])) == [tasks[1].seq]
+    # list_tasks is list_matching of pools and one state: the same rows.
+    assert [r.seq for r in await store.list_tasks(None, State.PENDING, 0, 100, True)] == await listed(
+        match(states=frozenset({State.PENDING})), newest_first=True
+    )

@@ -11,6 +11,8 @@ from typing import Any
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
+from google.protobuf.timestamp_pb2 import Timestamp
+from multidict import MultiMapping
 
 from cronoq.jsonform import JSON_CONTENT_TYPE
 
@@ -27,18 +29,19 @@ _INT_MAX = {
     FieldDescriptor.TYPE_SINT64: (1 << 63) - 1,
     FieldDescriptor.TYPE_UINT64: (1 << 64) - 1,
 }
+_TIMESTAMP = "google.protobuf.Timestamp"
 # Messages whose JSON form takes `payload_json` (any JSON value) instead of base64 `payload`.
 _JSON_PAYLOAD_MESSAGES = frozenset({"cronoq.v1.SubmitTaskRequest", "cronoq.v1.Schedule"})
 
 
 def build_request(
-    rpc: Rpc, route: HttpRoute, match_info: Mapping[str, str], query: Mapping[str, str], body: Any
+    rpc: Rpc, route: HttpRoute, match_info: Mapping[str, str], query: MultiMapping[str], body: Any
 ) -> Message:
     message = rpc.request()
     if route.method in ("POST", "PUT"):
         if body not in (None, {}):
             target = getattr(message, route.body) if route.body else message
-            _parse(_with_json_payloads(body, target.DESCRIPTOR, ""), target)
+            _parse(_checked_body(body, target.DESCRIPTOR, ""), target)
     else:
         _from_query(message, query, set(route.variables))
     for var in route.variables:
@@ -53,32 +56,25 @@ def _parse(body: Any, message: Message) -> None:
         raise invalid(str(err)) from None
 
 
-def _holds_json_payloads(desc: Any, seen: frozenset[str] = frozenset()) -> bool:
-    """Whether the message, or one nested in it, takes payload_json."""
-    if desc.full_name in _JSON_PAYLOAD_MESSAGES:
-        return True
-    seen = seen | {desc.full_name}
-    return any(
-        f.message_type is not None
-        and f.message_type.full_name not in seen
-        and _holds_json_payloads(f.message_type, seen)
-        for f in desc.fields
-    )
-
-
-def _with_json_payloads(body: Any, desc: Any, where: str) -> Any:
-    """The body with each `payload_json` turned into payload (UTF-8 JSON text) and content
-    type, and each base64 `payload` checked strictly, in every message that accepts them."""
+def _checked_body(body: Any, desc: Any, where: str) -> Any:
+    """The body checked in every message of it (cronoq's own): a JSON object of known fields,
+    each named by its proto name (a JSON name is taken as that: later messages name the proto
+    name), with each `payload_json` turned into payload (UTF-8 JSON text) and content type, and
+    each base64 `payload` checked strictly, in every message that accepts them."""
     fields = [f.name for f in desc.fields]
     if not isinstance(body, dict):
         raise invalid(f"{where.rstrip('.') or 'body'}: expected a JSON object with fields {', '.join(fields)}")
-    known = set(fields) | {f.json_name for f in desc.fields}
-    if desc.full_name in _JSON_PAYLOAD_MESSAGES:
-        known.add("payload_json")
-    unknown = sorted(k for k in body if k not in known)
+    proto_name: dict[str, str] = {f.json_name: f.name for f in desc.fields}
+    out: dict[str, Any] = {}
+    for given, value in body.items():
+        name = proto_name.get(given, str(given))
+        if name in out:
+            raise invalid(f"{where}{name}: given twice (as {name} and as its JSON name)")
+        out[name] = value
+    known = set(fields) | ({"payload_json"} if desc.full_name in _JSON_PAYLOAD_MESSAGES else set())
+    unknown = sorted(k for k in out if k not in known)
     if unknown:
         raise invalid(f"{where.rstrip('.') or 'body'}: unknown field {unknown[0]!r} (fields: {', '.join(fields)})")
-    out = dict(body)
     if desc.full_name in _JSON_PAYLOAD_MESSAGES:
         if "payload_json" in out:
             if "payload" in out:
@@ -89,28 +85,77 @@ def _with_json_payloads(body: Any, desc: Any, where: str) -> Any:
             check_base64(out["payload"], f"{where}payload")
     for field in desc.fields:
         value = out.get(field.name)
-        if value is None or field.message_type is None or not _holds_json_payloads(field.message_type):
+        nested = field.message_type
+        # Maps and well-known types (a Timestamp is a string) are json_format's to read.
+        if (
+            value is None
+            or nested is None
+            or nested.GetOptions().map_entry
+            or not nested.full_name.startswith("cronoq.")
+        ):
             continue
         if field.is_repeated:
             if not isinstance(value, list):
                 raise invalid(f"{where}{field.name}: expected a JSON list")
             out[field.name] = [
-                _with_json_payloads(item, field.message_type, f"{where}{field.name}[{i}].")
-                for i, item in enumerate(value)
+                _checked_body(item, nested, f"{where}{field.name}[{i}].") for i, item in enumerate(value)
             ]
         else:
-            out[field.name] = _with_json_payloads(value, field.message_type, f"{where}{field.name}.")
+            out[field.name] = _checked_body(value, nested, f"{where}{field.name}.")
     return out
 
 
-def _from_query(message: Message, query: Mapping[str, str], from_path: set[str]) -> None:
-    for field in message.DESCRIPTOR.fields:
-        text = query.get(field.name)
-        if text is None or field.name in from_path:
+def _query_fields(desc: Any, prefix: str, skip: set[str]) -> dict[str, tuple[str, Any]]:
+    """Each query parameter a request message takes: (its path by proto field names, the field),
+    by that path and by its JSON names. A nested message's fields are named by their path
+    (filter.key_prefix), as in the JSON body; a Timestamp is one parameter (RFC 3339)."""
+    fields: dict[str, tuple[str, Any]] = {}
+    for field in desc.fields:
+        if field.name in skip:  # set from the path
             continue
-        if field.is_repeated or field.message_type is not None:
-            raise invalid(f"{field.name}: cannot be given in the query string")
-        setattr(message, field.name, _scalar(field, text, field.name))
+        path = prefix + field.name
+        names = {path, prefix + field.json_name}
+        nested = field.message_type
+        if nested is not None and nested.full_name != _TIMESTAMP and not field.is_repeated:
+            for name, (inner, f) in _query_fields(nested, path + ".", set()).items():
+                fields[name] = (inner, f)
+                fields[prefix + field.json_name + name.removeprefix(path)] = (inner, f)
+            continue
+        fields.update(dict.fromkeys(names, (path, field)))
+    return fields
+
+
+def _from_query(message: Message, query: MultiMapping[str], from_path: set[str]) -> None:
+    known = _query_fields(message.DESCRIPTOR, "", {var.split(".")[0] for var in from_path})
+    for name in query:
+        if name not in known:
+            listed = sorted({path for path, _ in known.values()})
+            raise invalid(f"{name}: unknown query parameter (parameters: {', '.join(listed) or 'none'})")
+    for name in dict.fromkeys(query):
+        path, field = known[name]
+        *parents, leaf = path.split(".")
+        target = message
+        for parent in parents:
+            target = getattr(target, parent)
+        texts = query.getall(name)
+        if field.is_repeated and field.message_type is None:
+            getattr(target, leaf).extend(_scalar(field, text, path) for text in texts)
+            continue
+        if len(texts) > 1:
+            raise invalid(f"{path}: given {len(texts)} times; it takes one value")
+        if field.message_type is None:
+            setattr(target, leaf, _scalar(field, texts[0], path))
+        elif field.message_type.full_name == _TIMESTAMP:
+            _timestamp(getattr(target, leaf), texts[0], path)
+        else:
+            raise invalid(f"{path}: cannot be given in the query string")
+
+
+def _timestamp(ts: Timestamp, text: str, name: str) -> None:
+    try:
+        ts.FromJsonString(text)
+    except ValueError:
+        raise invalid(f"{name}: {text[:40]!r} is not an RFC 3339 time such as 2026-12-01T09:30:00Z") from None
 
 
 def _set_path(message: Message, var: str, text: str) -> None:
@@ -162,5 +207,6 @@ def _enum(enum: Any, text: str, name: str) -> int:
     wanted = wanted if wanted.startswith(prefix) else prefix + wanted
     value = enum.values_by_name.get(wanted)
     if value is None:
-        raise invalid(f"{name}: unknown {name} {text!r}")
+        named = ", ".join(v.name.removeprefix(prefix).lower() for v in enum.values[1:])
+        raise invalid(f"{name}: {text[:40]!r} is not one of {named}")
     return value.number

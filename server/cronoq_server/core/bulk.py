@@ -50,6 +50,8 @@ class Action:
 CANCEL = Action("cancel", "cancel", frozenset({State.PENDING, State.BLOCKED, State.RUNNING}))
 RETRY = Action("retry", "submit", frozenset({State.FAILED, State.CANCELLED}))
 DELETE = Action("delete", "admin", TERMINAL)
+# ListTasks' filter: any state may be named.
+LIST = Action("list", "read", frozenset(State))
 
 # Changes a batch of matched tasks (their seqs) in one transaction and publishes the changes;
 # returns how many of them it changed.
@@ -125,57 +127,7 @@ class Bulk:
                 "filter: nothing set, which would match every task; set at least one field (to "
                 f"{action.name} every task it applies to, name the states: {_names(action.states)})"
             )
-        pools: list[str] | None
-        if f.pool:
-            caller.require(action.permission, f.pool)
-            caller.require("read", f.pool)
-            if f.pool not in self._pools:
-                raise invalid(f"filter.pool: unknown pool {f.pool!r}")
-            pools = [f.pool]
-        elif caller.pools is None and {action.permission, "read"} <= caller.permissions:
-            pools = None
-        else:
-            pools = [p for p in self._pools if caller.may(action.permission, p) and caller.may("read", p)]
-        states = frozenset(action.states)
-        if f.states:
-            states = frozenset()
-            for i, number in enumerate(f.states):
-                if number not in State.__members__.values():
-                    raise invalid(f"filter.states[{i}]: unknown state {number}")
-                if number not in action.states:
-                    raise invalid(
-                        f"filter.states[{i}]: {State(number).name} is not a state {action.name} applies to "
-                        f"({_names(action.states)})"
-                    )
-                states |= {State(number)}
-        bounds = {
-            name: timestamp_us(f"filter.{name}", getattr(f, name)) if f.HasField(name) else None
-            for name in ("created_after", "created_before", "finished_after", "finished_before")
-        }
-        for name, limit in (("key_prefix", MAX_KEY_PREFIX_BYTES), ("error_contains", MAX_ERROR_CONTAINS_BYTES)):
-            size = len(getattr(f, name).encode())
-            if size > limit:
-                raise invalid(f"filter.{name}: {size} bytes, more than {limit}")
-        check_text("filter.key_prefix", f.key_prefix, MAX_KEY_PREFIX_BYTES)
-        seqs = None
-        if f.ids:
-            if len(f.ids) > MAX_IDS:
-                raise invalid(f"filter.ids: {len(f.ids)} ids, more than {MAX_IDS}")
-            for i, task_id in enumerate(f.ids):
-                if task_id == 0:
-                    raise invalid(f"filter.ids[{i}]: 0 is not a task id")
-            # Ids of other shards are theirs to act on.
-            seqs = [seq_of(i) for i in f.ids if shard_of(i) == self._shard]
-        if pools == [] or seqs == []:
-            return None
-        return TaskFilter(
-            states=states,
-            pools=pools,
-            key_prefix=f.key_prefix,
-            error_contains=f.error_contains,
-            seqs=seqs,
-            **bounds,
-        )
+        return store_filter(f, action, caller, self._pools, self._shard)
 
     async def run(self, match: TaskFilter | None, dry_run: bool, apply: Apply) -> pb.BulkShardResult:
         """Matches in batches after the last seq seen, applying each (unless dry_run), until no
@@ -203,6 +155,64 @@ class Bulk:
                 break
             await asyncio.sleep(took * BATCH_YIELD)  # the store is other callers' meanwhile
         return result
+
+
+def store_filter(
+    f: pb.TaskFilter, action: Action, caller: Principal, shard_pools: list[str], shard_number: int
+) -> TaskFilter | None:
+    """The store's filter for the shard's part of f, checked whole (None: it matches nothing
+    there); see Bulk.task_filter. An empty f matches every task action applies to."""
+    pools: list[str] | None
+    if f.pool:
+        caller.require(action.permission, f.pool)
+        caller.require("read", f.pool)
+        if f.pool not in shard_pools:
+            raise invalid(f"filter.pool: unknown pool {f.pool!r}")
+        pools = [f.pool]
+    elif caller.pools is None and {action.permission, "read"} <= caller.permissions:
+        pools = None
+    else:
+        pools = [p for p in shard_pools if caller.may(action.permission, p) and caller.may("read", p)]
+    states = frozenset(action.states)
+    if f.states:
+        states = frozenset()
+        for i, number in enumerate(f.states):
+            if number not in State.__members__.values():
+                raise invalid(f"filter.states[{i}]: unknown state {number}")
+            if number not in action.states:
+                raise invalid(
+                    f"filter.states[{i}]: {State(number).name} is not a state {action.name} applies to "
+                    f"({_names(action.states)})"
+                )
+            states |= {State(number)}
+    bounds = {
+        name: timestamp_us(f"filter.{name}", getattr(f, name)) if f.HasField(name) else None
+        for name in ("created_after", "created_before", "finished_after", "finished_before")
+    }
+    for name, limit in (("key_prefix", MAX_KEY_PREFIX_BYTES), ("error_contains", MAX_ERROR_CONTAINS_BYTES)):
+        size = len(getattr(f, name).encode())
+        if size > limit:
+            raise invalid(f"filter.{name}: {size} bytes, more than {limit}")
+    check_text("filter.key_prefix", f.key_prefix, MAX_KEY_PREFIX_BYTES)
+    seqs = None
+    if f.ids:
+        if len(f.ids) > MAX_IDS:
+            raise invalid(f"filter.ids: {len(f.ids)} ids, more than {MAX_IDS}")
+        for i, task_id in enumerate(f.ids):
+            if task_id == 0:
+                raise invalid(f"filter.ids[{i}]: 0 is not a task id")
+        # Ids of other shards are theirs to act on.
+        seqs = [seq_of(i) for i in f.ids if shard_of(i) == shard_number]
+    if pools == [] or seqs == []:
+        return None
+    return TaskFilter(
+        states=states,
+        pools=pools,
+        key_prefix=f.key_prefix,
+        error_contains=f.error_contains,
+        seqs=seqs,
+        **bounds,
+    )
 
 
 def _answer(response: BulkResponse, result: pb.BulkShardResult) -> BulkResponse:

@@ -194,6 +194,8 @@ class Leases:
         """Workers as far as the caller may read: a worker of mixed pools shows only readable ones."""
         if req.pool:
             caller.require("read", req.pool)
+            if req.pool not in self._pools:  # as ListTasks: an unknown pool is bad input, not an empty list
+                raise invalid(f"pool: unknown pool {req.pool!r}")
         rows = await self.present_workers()
         running = await self._store.running_by_worker()
         visible = []

@@ -4,6 +4,7 @@ list, watch."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
 from collections import Counter
@@ -414,27 +415,32 @@ class Tasks:
         return [p for p in self._pools if caller.may("read", p)]
 
     async def list_tasks(self, req: pb.ListTasksRequest, caller: Principal) -> pb.ListTasksResponse:
-        pools = self.readable_pools(req.pool, caller)
+        from .bulk import LIST, store_filter  # bulk imports this module
+
+        wanted = pb.TaskFilter()
+        wanted.CopyFrom(req.filter)
+        if req.pool:
+            if wanted.pool and wanted.pool != req.pool:
+                raise invalid(f"pool: {req.pool!r} and filter.pool {wanted.pool!r} differ; give one of them")
+            self.readable_pools(req.pool, caller)  # refused here, under the field's own name
+            wanted.pool = req.pool
+        if req.state:
+            if wanted.states:
+                raise invalid("state: give state or filter.states, not both")
+            if req.state not in State.__members__.values():
+                raise invalid(f"state: unknown state {req.state}")
+            wanted.states.append(req.state)
+        match = store_filter(wanted, LIST, caller, list(self._pools), self._shard)
         size = page_size(req.page_size)
-        after = 0
-        if req.page_token:
-            after = self._page_after(req.page_token)
-        if req.state and req.state not in State.__members__.values():
-            raise invalid(f"state: unknown state {req.state}")
-        state = State(req.state) if req.state else None
+        after = self._page_after(req.page_token) if req.page_token else 0
         if req.key:
             check_text("key", req.key, MAX_KEY_LENGTH)
             row = await self._store.get_by_key(req.key)
-            rows = [row] if row is not None else []
-            rows = [
-                r
-                for r in rows
-                if _follows(r.seq, after, req.newest_first)
-                and (pools is None or r.pool in pools)
-                and (state is None or r.state == state)
-            ]
-        else:
-            rows = await self._store.list_tasks(pools, state, after, size + 1, req.newest_first)
+            if row is None or match is None or (match.seqs is not None and row.seq not in match.seqs):
+                match = None
+            else:  # the keyed task, if the rest of the filter matches it
+                match = dataclasses.replace(match, seqs=[row.seq])
+        rows = [] if match is None else await self._store.list_matching(match, after, size + 1, req.newest_first)
         more = len(rows) > size
         rows = rows[:size]
         token = str(make_task_id(self._shard, rows[-1].seq)) if more else ""
@@ -497,13 +503,6 @@ def page_token_id(token: str) -> int:
     if not (token.isascii() and token.isdigit() and len(token) <= 20) or not 0 < int(token) <= MAX_ID:
         raise invalid(f"page_token: {_shown(token)!r} is not a token this server issued")
     return int(token)
-
-
-def _follows(seq: int, after: int, newest_first: bool) -> bool:
-    """Whether task `seq` is on a page that continues after `after` (0: the first page)."""
-    if newest_first:
-        return not after or seq < after
-    return seq > after
 
 
 def _shown(token: str) -> str:

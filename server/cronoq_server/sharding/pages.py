@@ -78,6 +78,9 @@ class TaskPages(Merge):
     they are newer than the first page). A shard that could not be asked is named in
     unavailable_shards and left out of the later pages, as in id order."""
 
+    def pool(self, request: Any) -> str:
+        return str(request.pool or request.filter.pool)
+
     def requests(self, request: Any, shards: list[ShardConfig]) -> dict[str, Message]:
         if request.newest_first:
             return self._newest_requests(request, shards)
