@@ -49,18 +49,19 @@ def check_unparsed(rpc_name: str, message: type[Message], data: bytes, limit: Re
 
 
 def _over_cap(descriptor: Any, parts: list[memoryview], caps: tuple[ListCap, ...]) -> ListCap | None:
-    """The first cap whose list the message of these parts (occurrences merged, as a parse
-    merges them) holds more entries of. A list fits without a walk in bytes too few to hold
-    one entry more than its cap (2 bytes an entry); a walk stops once it has seen more entries
-    than a message within its caps holds, so it costs at most the caps, whatever the size."""
+    """A cap whose list the message of these parts (occurrences merged, as a parse merges them)
+    holds far more entries of: more than twice the caps' entries and each other field once. The
+    walk stops there, so it costs at most that, whatever the message's size; a list a little
+    over its cap is left to the parse, which is then cheap, and to the core's check, which says
+    how many there are. A list fits without a walk in bytes too few to hold that many entries
+    (2 bytes an entry)."""
     size = sum(len(p) for p in parts)
-    level = [c for c in caps if size > 2 * c.limit]
+    level = [c for c in caps if size > 4 * c.limit]
     if not level:
         return None
     fields = {c.field: descriptor.fields_by_name[c.field.partition(".")[0]] for c in level}
     nested = {f.number for name, f in fields.items() if "." in name}
-    # Each list's entries, and each other field once.
-    budget = allowed = sum(c.limit for c in level if "." not in c.field) + len(descriptor.fields) + 1
+    budget = 2 * sum(c.limit for c in level if "." not in c.field) + len(descriptor.fields) + 1
     counts: dict[int, int] = {}
     inner: dict[int, list[memoryview]] = {}
     for part in parts:
@@ -70,11 +71,14 @@ def _over_cap(descriptor: Any, parts: list[memoryview], caps: tuple[ListCap, ...
     for cap in level:
         field = fields[cap.field]
         rest = cap.field.partition(".")[2]
-        if not rest and counts.get(field.number, 0) > cap.limit:
+        if rest:
+            if _over_cap(field.message_type, inner.get(field.number, []), (ListCap(rest, cap.limit, cap.what),)):
+                return cap
+        elif budget < 0 and counts.get(field.number, 0) > cap.limit:
             return cap
-        if rest and _over_cap(field.message_type, inner.get(field.number, []), (ListCap(rest, cap.limit, cap.what),)):
-            return cap
-    return ListCap(descriptor.name, allowed, "fields") if budget < 0 else None
+    if budget < 0:
+        return ListCap(descriptor.name, len(descriptor.fields), "fields besides its lists")
+    return None
 
 
 def _count(
