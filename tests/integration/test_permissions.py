@@ -1099,6 +1099,25 @@ def list_and_watch_rows() -> list[Call]:
                 check_ok=check_listing(pool or None),
             )
         )
+        # The same listing through ListTasks' filter (every state named: it matches every task).
+        states = [s for s in task_pb2.TaskState.values() if s]
+        freq = tpb.ListTasksRequest(filter=tpb.TaskFilter(pool=pool, states=states), page_size=1000)  # type: ignore[arg-type]
+        query = "".join(f"&filter.states={task_pb2.TaskState.Name(s)}" for s in states)
+        rows.append(
+            Call(
+                f"ListTasks filter.pool={pool or '(all)'}",
+                "read",
+                needs("read", pool) if pool else holds("read"),
+                lambda env, t, md, req=freq: env.tasks.ListTasks(req, metadata=md, timeout=TIMEOUT),
+                lambda env, t, pool=pool, query=query: (
+                    "GET",
+                    f"/v1/tasks?page_size=1000&filter.pool={pool}{query}",
+                    None,
+                ),
+                pure=True,
+                check_ok=check_listing(pool or None),
+            )
+        )
     for pool in ("a", "b"):
         rows.append(
             Call(
