@@ -63,6 +63,7 @@ Timeout = Annotated[float, _duration("1ms", f"{MAX_TIMEOUT_MS // 86_400_000}d")]
 Retention = Annotated[float, _duration("1ms", "3650d")]
 Window = Annotated[float, _duration("1ms", "30d")]  # watch_window and worker_reap_after
 ForwardTimeout = Annotated[float, _duration("100ms", "10m")]
+ScanTimeout = Annotated[float, _duration("1ms", "1h")]
 # Sizes and counts: the largest of each (a payload twice over must fit gRPC's int32 message cap).
 MAX_BYTES = 256 << 20
 MAX_COUNT = 10**12
@@ -266,6 +267,8 @@ class StoreConfig(_Strict):
     # PostgreSQL: connections besides the pool for workers' plain lease and finish statements,
     # which keep the generic plan there (planned once, not at every call); 0: none.
     step_pool_size: int = Field(default=2, ge=0, le=100)
+    # Bulk actions' scans at once (more wait): PostgreSQL, connections besides the pools; SQLite, threads.
+    bulk_scans: int = Field(default=1, ge=1, le=100)
 
 
 class PoolConfig(_Strict):
@@ -310,6 +313,10 @@ class LimitsConfig(_Strict):
     max_payload_bytes: int = Field(default=1 << 20, ge=1, le=MAX_BYTES)
     max_result_bytes: int = Field(default=4 << 20, ge=1, le=MAX_BYTES)
     max_batch_size: int = Field(default=1000, ge=1, le=100_000)
+    # Bulk calls (Cancel/Retry/DeleteTasks) one caller may have in progress on a shard at once.
+    max_bulk_calls: int = Field(default=4, ge=1, le=10_000)
+    # A bulk call's scan for the tasks its filter matches is stopped after this long.
+    bulk_scan_timeout: ScanTimeout = 10.0
 
 
 class ShardConfig(_Strict):

@@ -97,6 +97,7 @@ class Node:
             self.shard_number,
             self.pools,
             config.server.forward_timeout / 2,
+            config.limits,
         )
         self.schedules = Schedules(config, self.store, self.events, self.tasks, self.pools)
         self.is_leader = False
@@ -169,6 +170,8 @@ class Node:
             max_pending_per_pool=self.config.limits.max_pending_per_pool,
             group_pools=frozenset(self._group_caps()),
             max_snoozes={p.name: p.max_snoozes for p in self.config.pools if p.name in self.pools},
+            bulk_scans=self.config.store.bulk_scans,
+            bulk_scan_timeout_us=int(self.config.limits.bulk_scan_timeout * 1e6),
         )
         store = self.config.store
         if store.kind == "sqlite":

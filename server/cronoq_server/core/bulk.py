@@ -5,22 +5,30 @@ bounded batches in seq order, each changed in one transaction and published, the
 yielded to between batches (so other callers stay fast), for half of server.forward_timeout
 at most: then the answer says incomplete, and the same call again continues. A task that changed
 meanwhile is matched, not changed; a repeated call matches what is left and changes only that.
+
+A caller has limits.max_bulk_calls in progress on a shard at most (RESOURCE_EXHAUSTED beyond,
+with when to retry), and the store stops a scan past limits.bulk_scan_timeout (DEADLINE_EXCEEDED).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
+
+import grpc
 
 from cronoq.v1 import task_service_pb2 as pb
 
 from ..auth import Principal
-from ..errors import invalid
+from ..config import LimitsConfig
+from ..errors import ApiError, invalid
 from ..ids import seq_of, shard_of
-from ..store.base import TERMINAL, State, Store, TaskFilter
+from ..store.base import TERMINAL, ScanTimedOut, State, Store, TaskFilter
 from .events import EventBus
 from .limits import RETRY_EXTRA_ATTEMPTS, check_range, check_text
 from .tasks import Tasks, now_us, timestamp_us
@@ -73,10 +81,13 @@ class Bulk:
         shard_number: int,
         pools: list[str],
         budget_s: float,
+        limits: LimitsConfig,
     ):
         """budget_s: how long one call goes on before it answers what it did, incomplete (so that
         a shard asked by another answers within server.forward_timeout)."""
         self._budget_s = budget_s
+        self._limits = limits
+        self._in_progress: Counter[str] = Counter()  # bulk calls by caller (Principal.identity)
         self._tasks = tasks
         self._store = store
         self._events = events
@@ -90,7 +101,7 @@ class Bulk:
             await self._events.publish(changes)
             return len(changed)
 
-        result = await self.run(self.task_filter(req.filter, CANCEL, caller), req.dry_run, cancel)
+        result = await self.run(self.task_filter(req.filter, CANCEL, caller), req.dry_run, cancel, caller)
         return _answer(pb.CancelTasksResponse(), result)
 
     async def retry_tasks(self, req: pb.RetryTasksRequest, caller: Principal) -> pb.RetryTasksResponse:
@@ -102,13 +113,13 @@ class Bulk:
             rows, _ = await self._tasks.retry_seqs(seqs, run_at, req.extra_attempts, caller)
             return len(rows)
 
-        return _answer(pb.RetryTasksResponse(), await self.run(match, req.dry_run, retry))
+        return _answer(pb.RetryTasksResponse(), await self.run(match, req.dry_run, retry, caller))
 
     async def delete_tasks(self, req: pb.DeleteTasksRequest, caller: Principal) -> pb.DeleteTasksResponse:
         async def delete(seqs: list[int]) -> int:
             return len(await self._tasks.delete_seqs(seqs))
 
-        result = await self.run(self.task_filter(req.filter, DELETE, caller), req.dry_run, delete)
+        result = await self.run(self.task_filter(req.filter, DELETE, caller), req.dry_run, delete, caller)
         return _answer(pb.DeleteTasksResponse(), result)
 
     def task_filter(self, f: pb.TaskFilter, action: Action, caller: Principal) -> TaskFilter | None:
@@ -129,14 +140,47 @@ class Bulk:
             )
         return store_filter(f, action, caller, self._pools, self._shard)
 
-    async def run(self, match: TaskFilter | None, dry_run: bool, apply: Apply) -> pb.BulkShardResult:
+    @contextlib.contextmanager
+    def _admitted(self, caller: Principal) -> Iterator[None]:
+        """One more bulk call of caller in progress, unless it has limits.max_bulk_calls already."""
+        most = self._limits.max_bulk_calls
+        if self._in_progress[caller.identity] >= most:
+            raise ApiError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"limits.max_bulk_calls: {caller.name!r} has {most} bulk calls in progress on shard "
+                f"{self._shard_name!r}, the most it may (limit {most}); retry once one has answered",
+                reason="BULK_CALLS_LIMIT",
+                retry_delay=1.0,
+            )
+        self._in_progress[caller.identity] += 1
+        try:
+            yield
+        finally:
+            self._in_progress[caller.identity] -= 1
+            if not self._in_progress[caller.identity]:
+                del self._in_progress[caller.identity]
+
+    async def run(self, match: TaskFilter | None, dry_run: bool, apply: Apply, caller: Principal) -> pb.BulkShardResult:
         """Matches in batches after the last seq seen, applying each (unless dry_run), until no
-        task is left or the time budget is spent (incomplete)."""
+        task is left or the time budget is spent (incomplete); one of the caller's bulk calls."""
+        with self._admitted(caller):
+            return await self._run(match, dry_run, apply)
+
+    async def _run(self, match: TaskFilter | None, dry_run: bool, apply: Apply) -> pb.BulkShardResult:
         result = pb.BulkShardResult(shard=self._shard_name)
         deadline = time.perf_counter() + self._budget_s
         after, size, per_task = 0, BATCH_FIRST, 0.0
         while match is not None:
-            batch = await self._store.match_tasks(match, after, size)
+            try:
+                batch = await self._store.match_tasks(match, after, size)
+            except ScanTimedOut:
+                raise ApiError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "filter: finding the tasks it matches took longer than limits.bulk_scan_timeout "
+                    f"({self._limits.bulk_scan_timeout:g} s) on shard {self._shard_name!r} and was stopped "
+                    f"({result.changed} changed before); narrow it (pool, states, created or finished bounds, ids)",
+                    reason="BULK_SCAN_TIMEOUT",
+                ) from None
             result.matched += len(batch)
             took = 0.0
             if batch and not dry_run:

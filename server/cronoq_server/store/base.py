@@ -373,6 +373,11 @@ class StoreSettings:
     group_pools: frozenset[str] = frozenset()
     # Per pool: the snoozes a task may take; one more is taken as a retryable failure.
     max_snoozes: dict[str, int] = field(default_factory=dict)
+    # Bulk actions' scans (match_tasks) at once, on connections (PostgreSQL) or threads (SQLite)
+    # of their own, so that any number of them leaves the other calls theirs; more wait.
+    bulk_scans: int = 1
+    # A scan that runs longer is stopped (ScanTimedOut).
+    bulk_scan_timeout_us: int = 10_000_000
 
 
 class StoreRefused(Exception):
@@ -396,6 +401,10 @@ def schema_too_new(store: str, recorded: int, known: int) -> StoreSchemaTooNew:
 
 class StoreUnavailable(Exception):
     """The store cannot be reached now; the call may be retried."""
+
+
+class ScanTimedOut(Exception):
+    """A bulk action's scan ran past StoreSettings.bulk_scan_timeout_us and was stopped."""
 
 
 class Fenced(StoreUnavailable):
@@ -525,7 +534,9 @@ class Store(Protocol):
         are left alone. Returns the seqs among seqs that changed, in order, and the changes."""
 
     async def match_tasks(self, match: TaskFilter, after_seq: int, limit: int) -> list[tuple[int, State, str]]:
-        """(seq, state, pool) of at most limit tasks that match, after after_seq, in seq order."""
+        """(seq, state, pool) of at most limit tasks that match, after after_seq, in seq order.
+
+        Read aside (bulk_scans at once) within bulk_scan_timeout_us, else ScanTimedOut."""
 
     async def purge(self, now: int) -> int:
         """Deletes terminal tasks past their pool's retention, with their attempts; returns how many."""

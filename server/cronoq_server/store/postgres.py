@@ -43,6 +43,7 @@ from .base import (
     OutcomeResult,
     PoolPause,
     Report,
+    ScanTimedOut,
     ScheduleRow,
     State,
     StoreOwnedElsewhere,
@@ -578,6 +579,9 @@ class PostgresStore:
         # Connections whose statements keep PostgreSQL's generic plan: the plain lease and finish
         # (those of Work steps), planned once a connection instead of at every call (STEP_SETTINGS).
         self._step_pool: asyncpg.Pool | None = None
+        # Bulk actions' scans run on connections of their own (settings.bulk_scans), each
+        # statement stopped at settings.bulk_scan_timeout_us: none waits for a connection behind them.
+        self._scan_pool: asyncpg.Pool | None = None
         self.term: int | None = None  # set by the leader: every write checks it
         self.on_fenced: Callable[[], None] | None = None
         # Finish reports skip the dependents query while no task is BLOCKED: the sweep
@@ -664,9 +668,9 @@ class PostgresStore:
         except CONNECTION_ERRORS as err:
             raise StoreUnavailable(f"store unreachable: {type(err).__name__}: {err}") from None
 
-    async def _read(self, fn: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
+    async def _read(self, fn: Callable[[asyncpg.Connection], Awaitable[T]], pool: asyncpg.Pool | None = None) -> T:
         try:
-            async with self.pool.acquire() as conn:
+            async with (pool or self.pool).acquire() as conn:
                 return await fn(conn)
         except CONNECTION_ERRORS as err:
             raise StoreUnavailable(f"store unreachable: {type(err).__name__}: {err}") from None
@@ -686,6 +690,14 @@ class PostgresStore:
                     reset=_reset_if_in_transaction,
                     server_settings=STEP_SETTINGS,
                 )
+            timeout_ms = max(1, self.settings.bulk_scan_timeout_us // 1000)
+            self._scan_pool = await asyncpg.create_pool(
+                self.url,
+                min_size=0,
+                max_size=self.settings.bulk_scans,
+                reset=_reset_if_in_transaction,
+                server_settings={"statement_timeout": str(timeout_ms)},
+            )
         except CONNECTION_ERRORS as err:
             raise StoreUnavailable(f"store unreachable: {err}") from None
         await self._tx(self._migrate, fenced=False)
@@ -737,6 +749,9 @@ class PostgresStore:
         if self._step_pool is not None:
             await self._step_pool.close()
             self._step_pool = None
+        if self._scan_pool is not None:
+            await self._scan_pool.close()
+            self._scan_pool = None
 
     # -- reads ----------------------------------------------------------------
 
@@ -1823,7 +1838,11 @@ class PostgresStore:
     async def match_tasks(self, match: TaskFilter, after_seq: int, limit: int) -> list[tuple[int, State, str]]:
         where, params = match_sql(match, after_seq, limit, _DIALECT)
         sql = self._sql(f"SELECT seq, state, pool FROM {{s}}.tasks WHERE {where}")
-        rows = await self._read(lambda c: c.fetch(sql, *params))
+        assert self._scan_pool is not None, "store is not open"
+        try:
+            rows = await self._read(lambda c: c.fetch(sql, *params), self._scan_pool)
+        except asyncpg.exceptions.QueryCanceledError as err:  # statement_timeout
+            raise ScanTimedOut(str(err)) from None
         return [(r[0], State(r[1]), r[2]) for r in rows]
 
     async def purge(self, now: int) -> int:

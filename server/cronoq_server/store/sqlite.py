@@ -7,12 +7,17 @@ a batch costs one thread hop rather than one per statement (aiosqlite's model).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import queue
 import re
 import sqlite3
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -36,6 +41,7 @@ from .base import (
     OutcomeResult,
     PoolPause,
     Report,
+    ScanTimedOut,
     ScheduleRow,
     State,
     StoreOwnedElsewhere,
@@ -286,6 +292,7 @@ _DIALECT = Dialect(
 
 MAX_GROUP = 256  # writes committed together at most
 MAX_VARS = 900  # well under SQLite's bound on host parameters per statement
+PROGRESS_STEPS = 10_000  # VM steps between a timed read's looks at the clock (about a ms of a scan)
 
 
 @dataclass(slots=True)
@@ -309,6 +316,14 @@ def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
 def _chunks(items: list[T], size: int = MAX_VARS) -> Iterable[list[T]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
+
+
+def _yield_cpu() -> None:
+    """Makes this thread (a scan's) the lowest CPU priority: on a busy machine it leaves the cores
+    to the store's thread and the event loop. Linux only, where a thread has a nice value of its own."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _free_for(entry: str) -> str:
@@ -399,6 +414,9 @@ class SqliteStore:
         self._rank_reset = rank_reset(settings.group_pools)
         self._rank_keep = rank_keep(settings.group_pools)
         self._thread: threading.Thread | None = None
+        # Bulk actions' scans run on threads of their own (settings.bulk_scans): however many
+        # there are, the other reads aside keep the default executor's threads.
+        self._scans: ThreadPoolExecutor | None = None
 
     # -- plumbing -------------------------------------------------------------
     #
@@ -485,6 +503,7 @@ class SqliteStore:
         self._db = db
         self._thread = threading.Thread(target=self._serve_ops, name="cronoq-sqlite", daemon=True)
         self._thread.start()
+        self._scans = ThreadPoolExecutor(self.settings.bulk_scans, "cronoq-scan", _yield_cpu)
         await self._tx(self._migrate)
 
     def _migrate(self, db: sqlite3.Connection) -> None:
@@ -527,6 +546,9 @@ class SqliteStore:
         if self._db is not None:
             self._db.close()
             self._db = None
+        if self._scans is not None:
+            self._scans.shutdown(wait=False, cancel_futures=True)
+            self._scans = None
 
     # -- reads ----------------------------------------------------------------
 
@@ -582,19 +604,27 @@ class SqliteStore:
 
         return await self._run(oldest)
 
-    async def _read_aside(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def _read_aside(
+        self, fn: Callable[[sqlite3.Connection], T], on: Executor | None = None, timeout_us: int | None = None
+    ) -> T:
         """fn on a read-only connection of its own, off the store's thread: a long scan must not
-        hold up the calls queued there (WAL lets it read beside them); it sees committed data."""
+        hold up the calls queued there (WAL lets it read beside them); it sees committed data.
+
+        on: the executor to run it (None: the default one); timeout_us: its statements are
+        interrupted (sqlite3.OperationalError, SQLITE_INTERRUPT) once it has run this long."""
 
         def read() -> T:
             db = sqlite3.connect(self.path, isolation_level=None, timeout=30)
             try:
                 db.execute("PRAGMA query_only = 1")
+                if timeout_us is not None:
+                    deadline = time.monotonic() + timeout_us / 1e6
+                    db.set_progress_handler(lambda: time.monotonic() > deadline, PROGRESS_STEPS)
                 return fn(db)
             finally:
                 db.close()
 
-        return await asyncio.get_running_loop().run_in_executor(None, read)
+        return await asyncio.get_running_loop().run_in_executor(on, read)
 
     async def count_by_pool_and_state(self) -> dict[tuple[str, State], int]:
         sql = "SELECT pool, state, COUNT(*) FROM tasks GROUP BY pool, state"
@@ -1201,7 +1231,13 @@ class SqliteStore:
         sql = f"SELECT seq, state, pool FROM tasks WHERE {where}"
         # Aside: a filter few tasks match scans far (18 ms for 200,000 tasks), and other calls
         # would wait behind it on the store's thread.
-        rows = await self._read_aside(lambda db: db.execute(sql, params).fetchall())
+        timeout_us = self.settings.bulk_scan_timeout_us
+        try:
+            rows = await self._read_aside(lambda db: db.execute(sql, params).fetchall(), self._scans, timeout_us)
+        except sqlite3.OperationalError as err:
+            if err.sqlite_errorcode != sqlite3.SQLITE_INTERRUPT:
+                raise
+            raise ScanTimedOut(f"interrupted after {timeout_us / 1e6:g} s") from None
         return [(seq, State(state), pool) for seq, state, pool in rows]
 
     async def purge(self, now: int) -> int:
