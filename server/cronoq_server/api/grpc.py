@@ -87,7 +87,7 @@ class _Trim:
     LATEST_S = 5.0
 
     def __init__(self) -> None:
-        self._libc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
+        self._libc_trim: Callable[[int], int] | None = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
         self._handle: asyncio.TimerHandle | None = None
         self._first = 0.0
 
@@ -106,7 +106,8 @@ class _Trim:
     def _run(self) -> None:
         self._handle = None
         started = time.monotonic()
-        self._libc_trim(0)
+        if self._libc_trim is not None:
+            self._libc_trim(0)
         log.debug("malloc_trim after refused calls took %.3fs", time.monotonic() - started)
 
 

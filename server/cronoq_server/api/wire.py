@@ -92,21 +92,21 @@ def _count(
         budget -= 1
         if budget < 0:
             return budget
-        key = data[pos]  # one-byte varints inline: a walk is over many small entries
+        key: int | None = data[pos]  # one-byte varints inline: a walk is over many small entries
         pos += 1
-        if key >= 0x80:
+        if key is not None and key >= 0x80:
             key, pos = _varint(data, pos - 1)
-            if key is None:
-                return budget
+        if key is None:
+            return budget
         number, wire = key >> 3, key & 7
         if wire == 2:
-            length = data[pos] if pos < end else 0x80
-            if length < 0x80:
+            length: int | None = data[pos] if pos < end else 0x80
+            if length is not None and length < 0x80:
                 start = pos + 1
             else:
                 length, start = _varint(data, pos)
-                if length is None:
-                    return budget
+            if length is None:
+                return budget
             pos = start + length
             if number in nested and pos <= end:
                 inner.setdefault(number, []).append(data[start:pos])
@@ -162,7 +162,7 @@ def broken_field(descriptor: Any, data: bytes, prefix: str = "") -> str | None:
     return None
 
 
-def _varint(data: bytes, pos: int) -> tuple[int | None, int]:
+def _varint(data: bytes | memoryview, pos: int) -> tuple[int | None, int]:
     """The varint at pos and the position after it; None when cut short or longer than 10 bytes."""
     value = shift = 0
     for i in range(pos, min(pos + 10, len(data))):
