@@ -63,8 +63,9 @@ func (t *TaskContext) Checkpoint() []byte {
 }
 
 // ReportProgress reports the handler's progress: value a finite number (commonly a fraction
-// from 0 to 1), message at most 1,024 bytes of UTF-8 without control characters (the server
-// refuses those). Anything else is an ErrInvalidArgument error, and nothing is reported.
+// from 0 to 1), message at most 1,024 bytes of UTF-8 without control characters, line
+// separators (U+2028, U+2029) or bidi controls (the server refuses those). Anything else is
+// an ErrInvalidArgument error, and nothing is reported.
 func (t *TaskContext) ReportProgress(value float64, message string) error {
 	switch {
 	case math.IsNaN(value) || math.IsInf(value, 0):
@@ -102,9 +103,17 @@ func (t *TaskContext) SaveCheckpoint(data []byte) error {
 	})
 }
 
-// isControl: a control character (C0, DEL, C1), which the server refuses in a text a caller
-// chooses (it could forge log lines).
-func isControl(r rune) bool { return r < 32 || (r >= 127 && r < 160) }
+// isControl: a control character (C0, DEL, C1), a line separator or a bidi control, which the
+// server refuses in a text a caller chooses (it could forge log lines, or reorder what a reader sees).
+func isControl(r rune) bool {
+	switch {
+	case r < 32 || (r >= 127 && r < 160):
+		return true
+	case r == '\u061c' || r == '\u200e' || r == '\u200f' || r == '\u2028' || r == '\u2029':
+		return true
+	}
+	return (r >= '\u202a' && r <= '\u202e') || (r >= '\u2066' && r <= '\u2069')
+}
 
 // record applies a report to the task's state, under the worker's lock, with the report's
 // version; once the handler has returned, nothing more is reported (ErrFailedPrecondition).

@@ -267,6 +267,17 @@ func TestReportsAreCoalescedUntilAHeartbeatIsAnswered(t *testing.T) {
 	}
 }
 
+func TestProgressRefusesLineSeparatorsAndBidiControls(t *testing.T) {
+	w, tc := reportingWorker(t)
+	for _, r := range "\u2028\u2029\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u061c" {
+		err := tc.ReportProgress(1, "report"+string(r)+"fdp.exe")
+		if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), fmt.Sprintf("control character %q", r)) {
+			t.Errorf("a message with %U: %v", r, err)
+		}
+	}
+	sameReports(t, "nothing recorded", heartbeat(t, w))
+}
+
 func TestReportsAreChecked(t *testing.T) {
 	w, tc := reportingWorker(t)
 	for _, v := range []float64{math.NaN(), math.Inf(1), math.Inf(-1)} {

@@ -70,6 +70,11 @@ DEFAULT_MAX_LEASE_BYTES = 16 * MiB
 DEFAULT_MAX_CHECKPOINT_BYTES = 256 << 10
 # A progress message's bound, in UTF-8 bytes; and the longest snooze (TaskSnoozed.snooze_ms is a uint32).
 MAX_PROGRESS_MESSAGE_BYTES = 1024
+# Refused in a progress message besides C0, DEL and C1, as the server refuses them: line
+# separators and bidi controls (they break a line where a reader sees none, or reorder the text).
+LINE_AND_BIDI_CONTROLS = frozenset(
+    "\u061c\u200e\u200f\u2028\u2029\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
+)
 MAX_SNOOZE_MS = 0xFFFF_FFFF
 # Room left under MAX_MESSAGE_BYTES (the channel's send and receive limit) for what a
 # message carries besides its tasks or outcomes.
@@ -208,14 +213,17 @@ class TaskContext:
     def report_progress(self, value: float, message: str = "") -> None:
         """Reports the handler's progress: any finite number (commonly a fraction from 0 to 1)
         and a message. ValueError, and nothing recorded: a value that is not finite, a message
-        over 1,024 bytes (UTF-8) or with control characters (the server refuses those)."""
+        over 1,024 bytes (UTF-8) or with control characters, line separators (U+2028, U+2029) or
+        bidi controls (the server refuses those)."""
         progress = task_pb2.TaskProgress(value=value, message=message)
         if not math.isfinite(progress.value):
             raise ValueError(f"progress value: {value}, not a finite number")
         size = len(progress.message.encode())
         if size > MAX_PROGRESS_MESSAGE_BYTES:
             raise ValueError(f"progress message: {size} bytes, more than {MAX_PROGRESS_MESSAGE_BYTES}")
-        bad = next((c for c in progress.message if ord(c) < 32 or 127 <= ord(c) < 160), None)
+        bad = next(
+            (c for c in progress.message if ord(c) < 32 or 127 <= ord(c) < 160 or c in LINE_AND_BIDI_CONTROLS), None
+        )
         if bad is not None:
             raise ValueError(f"progress message: control character {bad!r}")
         with self._lock:

@@ -207,7 +207,8 @@ impl TaskContext {
     }
 
     /// Reports the handler's progress: a finite `value` (commonly a fraction from 0 to 1) and
-    /// a message of at most 1,024 bytes with no control character (one line), else
+    /// a message of at most 1,024 bytes with no control character, line separator or bidi
+    /// control (one line, shown as stored), else
     /// `Error::InvalidArgument` and nothing is recorded. Kept with the task (`Task.progress`) once a heartbeat carries it.
     pub fn report_progress(&self, value: f64, message: &str) -> Result<(), Error> {
         if !value.is_finite() {
@@ -221,7 +222,7 @@ impl TaskContext {
                 message.len()
             )));
         }
-        if let Some(bad) = message.chars().find(|c| c.is_control()) {
+        if let Some(bad) = message.chars().find(|&c| is_refused_in_text(c)) {
             // The server refuses them (they forge log lines): refused here, where it is seen.
             return Err(Error::InvalidArgument(format!(
                 "progress: control character {bad:?} in the message"
@@ -586,6 +587,22 @@ struct Shared {
 #[derive(Clone)]
 pub struct Worker {
     shared: Arc<Shared>,
+}
+
+/// A character the server refuses in a caller's text: a control character (C0, DEL, C1), a line
+/// separator or a bidi control (they forge log lines, or show a text in another order than stored).
+fn is_refused_in_text(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c,
+            '\u{061c}'
+                | '\u{200e}'
+                | '\u{200f}'
+                | '\u{2028}'
+                | '\u{2029}'
+                | '\u{202a}'..='\u{202e}'
+                | '\u{2066}'..='\u{2069}'
+        )
 }
 
 fn workers(ch: Channel) -> WorkerServiceClient<Channel> {

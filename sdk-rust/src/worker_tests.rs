@@ -866,6 +866,16 @@ async fn invalid_reports_are_refused_and_record_nothing() {
             for control in ["line one\nline two", "tab\t", "del\u{7f}", "c1\u{85}"] {
                 refused.push(ctx.report_progress(1.0, control).unwrap_err());
             }
+            // Line separators and bidi controls, each named as an escape.
+            let separators_and_bidi = "\u{2028}\u{2029}\u{200e}\u{200f}\u{202a}\u{202b}\u{202c}\u{202d}\u{202e}\u{2066}\u{2067}\u{2068}\u{2069}\u{61c}";
+            for bad in separators_and_bidi.chars() {
+                let err = ctx
+                    .report_progress(1.0, &format!("report{bad}fdp.exe"))
+                    .unwrap_err();
+                let named = format!("control character '\\u{{{:x}}}'", bad as u32);
+                assert!(err.to_string().contains(&named), "{err} (want {named})");
+                refused.push(err);
+            }
             let messages: Vec<String> = refused.iter().map(ToString::to_string).collect();
             assert!(
                 refused

@@ -62,8 +62,16 @@ export type Handler = (task: Task, signal: AbortSignal, ctx: TaskContext) => unk
 const MAX_SNOOZE_MS = 4_294_967_295;
 /** The most bytes of UTF-8 a progress message has. */
 const MAX_PROGRESS_MESSAGE_BYTES = 1024;
-/** A control character (C0, DEL, C1): the server refuses them in a caller's text (they forge log lines). */
-const CONTROL_CHARACTER = /[\u0000-\u001f\u007f-\u009f]/;
+/**
+ * A control character (C0, DEL, C1), a line separator or a bidi control: the server refuses them
+ * in a caller's text (they forge log lines, or show a text in another order than it is stored).
+ */
+const CONTROL_CHARACTER = /[\u0000-\u001f\u007f-\u009f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]/;
+
+/** A refused character as an escape ("\n", "\u202e"): shown raw, most of them are invisible. */
+function shown(c: string): string {
+  return c < " " ? JSON.stringify(c) : `"\\u${c.charCodeAt(0).toString(16).padStart(4, "0")}"`;
+}
 
 /**
  * Thrown by a handler: not now, run the task again in ms (rounded down to whole ms; 0: at once).
@@ -117,7 +125,8 @@ export class TaskContext {
 
   /**
    * Reports the handler's progress: value any finite number (commonly 0 to 1), message at most
-   * 1,024 bytes of UTF-8 without control characters (the server refuses those). Throws
+   * 1,024 bytes of UTF-8 without control characters, line separators (U+2028, U+2029) or bidi
+   * controls (the server refuses those). Throws
    * RangeError otherwise, and records nothing.
    */
   reportProgress(value: number, message = ""): void {
@@ -130,7 +139,7 @@ export class TaskContext {
     }
     const control = CONTROL_CHARACTER.exec(message);
     if (control) {
-      throw new RangeError(`cronoq: control character ${JSON.stringify(control[0])} in the progress message`);
+      throw new RangeError(`cronoq: control character ${shown(control[0])} in the progress message`);
     }
     this.record({ progress: { value, message, updatedAt: undefined } });
   }

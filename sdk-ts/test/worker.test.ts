@@ -282,6 +282,20 @@ test("a snooze, a progress or a checkpoint out of bounds is a RangeError, and no
   assert.equal(Buffer.from(ctx.checkpoint!).toString(), "eight by");
 });
 
+test("a progress message with a line separator or a bidi control is a RangeError naming it, and nothing is recorded", () => {
+  const hex = (c: string) => c.charCodeAt(0).toString(16).padStart(4, "0");
+  const recorded: unknown[] = [];
+  const ctx = new TaskContext(jsonTask(1n, {}), 8, (update) => recorded.push(update));
+  for (const bad of "\u2028\u2029\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u061c") {
+    assert.throws(
+      () => ctx.reportProgress(0.5, `report${bad}fdp.exe`),
+      (err: unknown) => err instanceof RangeError && err.message.includes(`control character "\\u${hex(bad)}"`),
+      `U+${hex(bad)}`,
+    );
+  }
+  assert.deepEqual(recorded, []);
+});
+
 test("a handler gets the leased task's snoozes and checkpoint, then the checkpoint it saved; max_checkpoint_bytes is the server's, else 256 KiB", async () => {
   const resumed = Task.fromPartial({ ...jsonTask(1n, {}), snoozes: 3, checkpoint: Buffer.from("step-7") });
   for (const [max, limit] of [[0n, 262_144], [100n, 100]] as const) {

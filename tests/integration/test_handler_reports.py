@@ -126,6 +126,8 @@ def test_a_progress_is_one_watch_event_marked_progress(api: Api) -> None:
         ({"value": math.inf}, "progress.value", "inf, not a finite number"),
         ({"value": 0.5, "message": "x" * 1025}, "progress.message", "1025 bytes, more than 1024"),
         ({"value": 0.5, "message": "a\\nforged line"}, "progress.message", "control character"),
+        ({"value": 0.5, "message": "a\u2028forged line"}, "progress.message", "control character '\\u2028'"),
+        ({"value": 0.5, "message": "report\u202efdp.exe"}, "progress.message", "control character '\\u202e'"),
         ({"checkpoint": b"x" * ((256 << 10) + 1)}, "checkpoint", f"{(256 << 10) + 1} bytes, more than {256 << 10}"),
     ],
 )

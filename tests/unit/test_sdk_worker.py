@@ -976,6 +976,9 @@ def test_bad_reports_are_refused_and_nothing_is_recorded():
             ctx.report_progress(0.5, message)
     with pytest.raises(ValueError, match=r"progress message: control character '\\n'"):
         ctx.report_progress(0.5, "two\nlines")  # the server refuses control characters
+    for bad in "\u2028\u2029\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u061c":
+        with pytest.raises(ValueError, match=rf"progress message: control character '\\u{ord(bad):04x}'"):
+            ctx.report_progress(0.5, f"report{bad}fdp.exe")  # line separators and bidi controls too
     with pytest.raises(ValueError, match="checkpoint: 11 bytes, more than max_checkpoint_bytes 10"):
         ctx.save_checkpoint(b"x" * 11)
     with pytest.raises(TypeError, match="checkpoint: bytes, not str"):
