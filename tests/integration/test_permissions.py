@@ -229,7 +229,9 @@ def sha256(text: str) -> str:
 
 def token_config() -> dict[str, Any]:
     return {
-        "pools": [{"name": "a", "lease_ttl": "30s"}, {"name": "b", "lease_ttl": "30s"}],
+        # Its workers never heartbeat: a lease_ttl longer than the test keeps them listed (a worker
+        # silent for twice its lease_ttl is left out of listings).
+        "pools": [{"name": "a", "lease_ttl": "10m"}, {"name": "b", "lease_ttl": "10m"}],
         "tokens": [
             {"name": t.name, "sha256": sha256(t.secret), "pools": list(t.pools), "permissions": sorted(t.perms)}
             for t in TOKENS.values()
@@ -2007,7 +2009,7 @@ def test_workers_belong_to_their_principal_mtls(mtls_env: Env) -> None:
 
 def test_fenced_finish_without_tokens(start_server: Any) -> None:
     """No credentials configured: still, worker w2 cannot finish w1's task."""
-    env = Env(start_server({"pools": [{"name": "a", "lease_ttl": "30s"}, {"name": "b", "lease_ttl": "30s"}]}))
+    env = Env(start_server({"pools": [{"name": "a", "lease_ttl": "10m"}, {"name": "b", "lease_ttl": "10m"}]}))
     try:
         check_fenced_finish(env, "admin-all")
         env.finish()
