@@ -463,7 +463,10 @@ fn read_file(what: &str, path: &str) -> Result<Vec<u8>, Error> {
 impl TlsMaterial {
     fn load(files: Option<&TlsFiles>) -> Result<TlsMaterial, Error> {
         let files = files.cloned().unwrap_or_default();
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        // The application's process-wide provider if it installed one, as tonic's channel does.
+        let provider = rustls::crypto::CryptoProvider::get_default()
+            .cloned()
+            .unwrap_or_else(|| Arc::new(rustls::crypto::aws_lc_rs::default_provider()));
         let mut roots = rustls::RootCertStore::empty();
         let mut tonic = ClientTlsConfig::new();
         if let Some(ca) = &files.ca_file {
