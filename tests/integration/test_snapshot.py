@@ -185,7 +185,8 @@ def test_a_worker_silent_past_its_leases_is_not_listed_until_it_heartbeats_again
         api.workers.Heartbeat(wpb.HeartbeatRequest(worker_id=lively))
         return listed() == [lively]
 
-    eventually(only_the_lively_one_is_listed, timeout=10, interval=0.2, what="the silent worker leaves the list")
+    # Twice the lease_ttl, but 30 s at least (leases.PRESENT_FOR_US).
+    eventually(only_the_lively_one_is_listed, timeout=60, interval=0.5, what="the silent worker leaves the list")
     admin = admin_service_pb2_grpc.AdminServiceStub(api.channel)
     snapshot_workers = [w.id for w in admin.GetSnapshot(apb.GetSnapshotRequest()).shards[0].workers]
     assert snapshot_workers == [lively]

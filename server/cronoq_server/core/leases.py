@@ -80,6 +80,8 @@ MAX_LEASE_BYTES = 16 << 20
 NUDGE_EVERY_S = 1.0
 # Worker rows kept in memory (a worker not among them is read from the store).
 MAX_CACHED_WORKERS = 10_000
+# A silent worker stays listed at least this long, however short its pools' lease_ttl.
+PRESENT_FOR_US = 30_000_000
 
 
 class Leases:
@@ -208,11 +210,15 @@ class Leases:
 
     async def present_workers(self) -> list[WorkerRow]:
         """The workers heard from within twice their leases' time to live (six missed
-        heartbeats): one silent for longer lost its tasks, and is likely gone with a restarted
-        shard; it stays registered until reaped (server.worker_reap_after) and is listed again
-        at its next heartbeat."""
+        heartbeats), and at least PRESENT_FOR_US: one silent for longer lost its tasks, and is
+        likely gone with a restarted shard; it stays registered until reaped
+        (server.worker_reap_after) and is listed again at its next heartbeat."""
         now = now_us()
-        return [w for w in await self._store.list_workers() if now - w.last_seen_at <= 2 * self._lease_ttl_us(w)]
+        return [
+            w
+            for w in await self._store.list_workers()
+            if now - w.last_seen_at <= max(2 * self._lease_ttl_us(w), PRESENT_FOR_US)
+        ]
 
     def _lease_ttl_us(self, worker: WorkerRow) -> int:
         ttls = [pool.lease_ttl for pool in map(self._config.pool, worker.pools) if pool is not None]
