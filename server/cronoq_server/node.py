@@ -98,6 +98,7 @@ class Node:
             self.pools,
             config.server.forward_timeout / 2,
             config.limits,
+            self.tasks.scans,
         )
         self.schedules = Schedules(config, self.store, self.events, self.tasks, self.pools)
         self.is_leader = False

@@ -11,8 +11,9 @@ import pytest
 
 from cronoq.v1 import task_service_pb2 as pb
 from cronoq_server.auth import Principal
-from cronoq_server.config import LimitsConfig
+from cronoq_server.config import Config, LimitsConfig
 from cronoq_server.core.bulk import Bulk
+from cronoq_server.core.tasks import Tasks
 from cronoq_server.errors import ApiError
 from cronoq_server.store.base import ScanTimedOut, State, TaskFilter
 
@@ -99,3 +100,29 @@ async def test_a_scan_the_store_stopped_is_deadline_exceeded_naming_the_limit() 
     store.timed_out = False
     store.release.set()
     assert (await b.retry_tasks(DRY_RUN, ALICE)).matched == 0  # the call stopped counts no more
+
+
+async def test_a_listing_by_a_filter_no_index_serves_counts_as_one_of_the_callers_bulk_calls() -> None:
+    class HeldListings(HeldScans):
+        async def list_matching(self, match: TaskFilter, after_seq: int, limit: int, newest_first: bool) -> list[Any]:
+            await self.match_tasks(match, after_seq, limit)
+            return []
+
+    store = HeldListings()
+    config = Config.model_validate({"pools": [{"name": "default"}], "limits": {"max_bulk_calls": 1}})
+    tasks = Tasks(config, store, None, "unsharded", 0, ["default"])  # type: ignore[arg-type]
+    b = Bulk(tasks, store, None, "unsharded", 0, ["default"], 15.0, config.limits, tasks.scans)  # type: ignore[arg-type]
+    held = asyncio.create_task(b.retry_tasks(DRY_RUN, ALICE))
+    await until(lambda: store.scanning == 1)
+    scanning = pb.ListTasksRequest(filter=pb.TaskFilter(error_contains="x"))
+    with pytest.raises(ApiError) as refused:
+        await tasks.list_tasks(scanning, ALICE)
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    store.release.set()
+    await held
+    store.timed_out = True
+    with pytest.raises(ApiError) as stopped:
+        await tasks.list_tasks(scanning, ALICE)
+    assert stopped.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and stopped.value.reason == "BULK_SCAN_TIMEOUT"
+    store.timed_out = False
+    assert (await tasks.list_tasks(scanning, ALICE)).tasks == []

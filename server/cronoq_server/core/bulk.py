@@ -6,31 +6,28 @@ yielded to between batches (so other callers stay fast), for half of server.forw
 at most: then the answer says incomplete, and the same call again continues. A task that changed
 meanwhile is matched, not changed; a repeated call matches what is left and changes only that.
 
-A caller has limits.max_bulk_calls in progress on a shard at most (RESOURCE_EXHAUSTED beyond,
-with when to retry), and the store stops a scan past limits.bulk_scan_timeout (DEADLINE_EXCEEDED).
+A caller has limits.max_bulk_calls in progress on a shard at most, and the store stops a scan past
+limits.bulk_scan_timeout (core/scans.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
-
-import grpc
 
 from cronoq.v1 import task_service_pb2 as pb
 
 from ..auth import Principal
 from ..config import LimitsConfig
-from ..errors import ApiError, invalid
+from ..errors import invalid
 from ..ids import seq_of, shard_of
 from ..store.base import TERMINAL, ScanTimedOut, State, Store, TaskFilter
 from .events import EventBus
 from .limits import RETRY_EXTRA_ATTEMPTS, check_range, check_text
+from .scans import ScanCalls
 from .tasks import Tasks, now_us, timestamp_us
 
 # Tasks matched and changed per transaction: sized as it goes so that changing a batch takes
@@ -82,12 +79,13 @@ class Bulk:
         pools: list[str],
         budget_s: float,
         limits: LimitsConfig,
+        scans: ScanCalls | None = None,
     ):
         """budget_s: how long one call goes on before it answers what it did, incomplete (so that
-        a shard asked by another answers within server.forward_timeout)."""
+        a shard asked by another answers within server.forward_timeout); scans: the shard's
+        scanning calls in progress, which filtered listings count too (Tasks.scans)."""
         self._budget_s = budget_s
-        self._limits = limits
-        self._in_progress: Counter[str] = Counter()  # bulk calls by caller (Principal.identity)
+        self._scans = scans or ScanCalls(limits, shard_name)
         self._tasks = tasks
         self._store = store
         self._events = events
@@ -140,30 +138,10 @@ class Bulk:
             )
         return store_filter(f, action, caller, self._pools, self._shard)
 
-    @contextlib.contextmanager
-    def _admitted(self, caller: Principal) -> Iterator[None]:
-        """One more bulk call of caller in progress, unless it has limits.max_bulk_calls already."""
-        most = self._limits.max_bulk_calls
-        if self._in_progress[caller.identity] >= most:
-            raise ApiError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"limits.max_bulk_calls: {caller.name!r} has {most} bulk calls in progress on shard "
-                f"{self._shard_name!r}, the most it may (limit {most}); retry once one has answered",
-                reason="BULK_CALLS_LIMIT",
-                retry_delay=1.0,
-            )
-        self._in_progress[caller.identity] += 1
-        try:
-            yield
-        finally:
-            self._in_progress[caller.identity] -= 1
-            if not self._in_progress[caller.identity]:
-                del self._in_progress[caller.identity]
-
     async def run(self, match: TaskFilter | None, dry_run: bool, apply: Apply, caller: Principal) -> pb.BulkShardResult:
         """Matches in batches after the last seq seen, applying each (unless dry_run), until no
         task is left or the time budget is spent (incomplete); one of the caller's bulk calls."""
-        with self._admitted(caller):
+        with self._scans.admitted(caller):
             return await self._run(match, dry_run, apply)
 
     async def _run(self, match: TaskFilter | None, dry_run: bool, apply: Apply) -> pb.BulkShardResult:
@@ -174,13 +152,7 @@ class Bulk:
             try:
                 batch = await self._store.match_tasks(match, after, size)
             except ScanTimedOut:
-                raise ApiError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    "filter: finding the tasks it matches took longer than limits.bulk_scan_timeout "
-                    f"({self._limits.bulk_scan_timeout:g} s) on shard {self._shard_name!r} and was stopped "
-                    f"({result.changed} changed before); narrow it (pool, states, created or finished bounds, ids)",
-                    reason="BULK_SCAN_TIMEOUT",
-                ) from None
+                raise self._scans.timed_out(f"{result.changed} changed before") from None
             result.matched += len(batch)
             took = 0.0
             if batch and not dry_run:

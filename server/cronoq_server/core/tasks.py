@@ -21,8 +21,20 @@ from ..config import Config
 from ..errors import failed_precondition, invalid, not_found
 from ..ids import MAX_ID, make_task_id, seq_of, shard_of
 from ..metrics import TASK_RETRIES
-from ..store.base import TERMINAL, AttemptOutcome, AttemptRow, NewTask, State, Store, Submitted, TaskRow, Trace
-from ..store.logic import ENDED_UNSUCCESSFULLY
+from ..store.base import (
+    TERMINAL,
+    AttemptOutcome,
+    AttemptRow,
+    NewTask,
+    ScanTimedOut,
+    State,
+    Store,
+    Submitted,
+    TaskFilter,
+    TaskRow,
+    Trace,
+)
+from ..store.logic import ENDED_UNSUCCESSFULLY, scans_far
 from .convert import to_attempt, to_task
 from .events import EventBus, Watcher, parse_cursor
 from .limits import (
@@ -38,6 +50,7 @@ from .limits import (
     check_range,
     check_text,
 )
+from .scans import ScanCalls
 
 # google.protobuf.Timestamp's range: 0001-01-01T00:00:00Z to 9999-12-31T23:59:59.999999999Z.
 MIN_TIMESTAMP_S = -62_135_596_800
@@ -124,6 +137,7 @@ class Tasks:
         self._shard = shard_number
         self._pools = {p: config.pool(p) for p in pools}
         self._resources = {r.name: r for r in config.resources if r.shard in (None, shard_name)}
+        self.scans = ScanCalls(config.limits, shard_name)  # filtered listings and bulk actions
 
     def _task(self, row: TaskRow) -> task_pb2.Task:
         return to_task(row, self._shard)
@@ -440,11 +454,24 @@ class Tasks:
                 match = None
             else:  # the keyed task, if the rest of the filter matches it
                 match = dataclasses.replace(match, seqs=[row.seq])
-        rows = [] if match is None else await self._store.list_matching(match, after, size + 1, req.newest_first)
+        rows = [] if match is None else await self._list_matching(match, after, size + 1, req.newest_first, caller)
         more = len(rows) > size
         rows = rows[:size]
         token = str(make_task_id(self._shard, rows[-1].seq)) if more else ""
         return pb.ListTasksResponse(tasks=[self._task(r) for r in rows], next_page_token=token)
+
+    async def _list_matching(
+        self, match: TaskFilter, after: int, limit: int, newest_first: bool, caller: Principal
+    ) -> list[TaskRow]:
+        """A listing by a filter no index serves is one of the caller's scanning calls, read
+        where bulk actions' scans are, and stopped past limits.bulk_scan_timeout."""
+        if not scans_far(match):
+            return await self._store.list_matching(match, after, limit, newest_first)
+        with self.scans.admitted(caller):
+            try:
+                return await self._store.list_matching(match, after, limit, newest_first)
+            except ScanTimedOut:
+                raise self.scans.timed_out("nothing listed") from None
 
     def _page_after(self, token: str) -> int:
         """The sequence a page token continues after; a token this shard did not issue is refused."""

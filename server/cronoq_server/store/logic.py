@@ -607,3 +607,12 @@ def match_sql(
 def list_filter(pools: list[str] | None, state: State | None) -> TaskFilter:
     """list_tasks' arguments as the filter list_matching takes."""
     return TaskFilter(states=frozenset({state}) if state is not None else ALL_STATES, pools=pools)
+
+
+def scans_far(match: TaskFilter) -> bool:
+    """Whether listing by this filter may read far past what it returns (a key prefix, an error
+    text, time bounds, several states; not pools, one state or ids): such a listing is read as
+    a bulk action's scan is (Store.match_tasks), not where the hot path's calls are."""
+    several_states = 1 < len(match.states) < len(ALL_STATES)
+    bounds = (match.created_after, match.created_before, match.finished_after, match.finished_before)
+    return several_states or bool(match.key_prefix or match.error_contains) or any(b is not None for b in bounds)

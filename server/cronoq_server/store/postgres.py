@@ -106,6 +106,7 @@ from .logic import (
     report_columns,
     request_retention,
     request_seqs,
+    scans_far,
     schedule_row,
     schedule_values,
     task_row,
@@ -787,6 +788,8 @@ class PostgresStore:
         self, match: TaskFilter, after_seq: int, limit: int, newest_first: bool = False
     ) -> list[TaskRow]:
         where, params = match_sql(match, after_seq, limit, _DIALECT, newest_first)
+        if scans_far(match):  # as match_tasks: a filter few tasks match scans far
+            return await self._scan(lambda c: self._select(c, where, *params))
         return await self._read(lambda c: self._select(c, where, *params))
 
     async def oldest_due_pending(self, pools: list[str], now: int) -> dict[str, int]:
@@ -1838,12 +1841,17 @@ class PostgresStore:
     async def match_tasks(self, match: TaskFilter, after_seq: int, limit: int) -> list[tuple[int, State, str]]:
         where, params = match_sql(match, after_seq, limit, _DIALECT)
         sql = self._sql(f"SELECT seq, state, pool FROM {{s}}.tasks WHERE {where}")
+        rows = await self._scan(lambda c: c.fetch(sql, *params))
+        return [(r[0], State(r[1]), r[2]) for r in rows]
+
+    async def _scan(self, fn: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
+        """fn, a read that may scan far, on the scans' own connections (whose statement_timeout
+        is bulk_scan_timeout: ScanTimedOut past it), never on those the hot path needs."""
         assert self._scan_pool is not None, "store is not open"
         try:
-            rows = await self._read(lambda c: c.fetch(sql, *params), self._scan_pool)
+            return await self._read(fn, self._scan_pool)
         except asyncpg.exceptions.QueryCanceledError as err:  # statement_timeout
             raise ScanTimedOut(str(err)) from None
-        return [(r[0], State(r[1]), r[2]) for r in rows]
 
     async def purge(self, now: int) -> int:
         async def purge(conn: asyncpg.Connection) -> int:

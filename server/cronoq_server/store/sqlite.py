@@ -103,6 +103,7 @@ from .logic import (
     report_columns,
     request_retention,
     request_seqs,
+    scans_far,
     schedule_row,
     schedule_values,
     task_row,
@@ -587,9 +588,10 @@ class SqliteStore:
         self, match: TaskFilter, after_seq: int, limit: int, newest_first: bool = False
     ) -> list[TaskRow]:
         where, params = match_sql(match, after_seq, limit, _DIALECT, newest_first)
+        if scans_far(match):  # as match_tasks: a filter few tasks match scans far
+            return await self._scan(lambda db: self._select(db, where, params))
         if match == list_filter(match.pools, None):  # pools alone: an index walk, on the store's thread
             return await self._run(lambda: self._select(self._conn, where, params))
-        # Aside, as match_tasks: a filter few tasks match scans far, and other calls would wait behind it.
         return await self._read_aside(lambda db: self._select(db, where, params))
 
     async def oldest_due_pending(self, pools: list[str], now: int) -> dict[str, int]:
@@ -1229,16 +1231,20 @@ class SqliteStore:
     async def match_tasks(self, match: TaskFilter, after_seq: int, limit: int) -> list[tuple[int, State, str]]:
         where, params = match_sql(match, after_seq, limit, _DIALECT)
         sql = f"SELECT seq, state, pool FROM tasks WHERE {where}"
-        # Aside: a filter few tasks match scans far (18 ms for 200,000 tasks), and other calls
-        # would wait behind it on the store's thread.
+        rows = await self._scan(lambda db: db.execute(sql, params).fetchall())
+        return [(seq, State(state), pool) for seq, state, pool in rows]
+
+    async def _scan(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """fn, a read that may scan far (a filter few tasks match: 18 ms for 200,000 tasks),
+        aside on the scans' threads, stopped past bulk_scan_timeout (ScanTimedOut): other calls
+        would wait behind it on the store's thread."""
         timeout_us = self.settings.bulk_scan_timeout_us
         try:
-            rows = await self._read_aside(lambda db: db.execute(sql, params).fetchall(), self._scans, timeout_us)
+            return await self._read_aside(fn, self._scans, timeout_us)
         except sqlite3.OperationalError as err:
             if err.sqlite_errorcode != sqlite3.SQLITE_INTERRUPT:
                 raise
             raise ScanTimedOut(f"interrupted after {timeout_us / 1e6:g} s") from None
-        return [(seq, State(state), pool) for seq, state, pool in rows]
 
     async def purge(self, now: int) -> int:
         return await self._tx(self._purge, now)
