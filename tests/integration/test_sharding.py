@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -22,7 +24,7 @@ from typing import Any
 import grpc
 import pytest
 from _helpers import store_table  # type: ignore[import-not-found]
-from conftest import ServerProcess, free_port  # type: ignore[import-not-found]
+from conftest import ServerProcess, free_port, to_toml  # type: ignore[import-not-found]
 
 from cronoq.status import decode_details
 from cronoq.v1 import schedule_service_pb2 as spb
@@ -727,11 +729,6 @@ def test_shards_and_a_replica_on_one_host_read_one_file(tmp_path: Path) -> None:
     """As the README runs them: one file, no listen addresses in it, each server given its own
     with --listen and --http-listen. A server whose port is not its shard's endpoint port (a
     standby here) says so in one warning line."""
-    import subprocess
-    import sys
-
-    from conftest import to_toml  # type: ignore[import-not-found]
-
     ports = {name: (free_port(), free_port()) for name in ("cpu", "gpu", "gpu-standby")}
     config = sharded_config(tmp_path, f"127.0.0.1:{ports['cpu'][0]}", f"http://127.0.0.1:{ports['gpu'][0]}")
     del config["server"]

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from cronoq_server.config import parse_config
+from cronoq_server.core.tasks import now_us
 from cronoq_server.node import WORKER_GAUGES_EVERY_S, Node
 from cronoq_server.store.base import NewTask, Outcome, OutcomeKind, State
 
@@ -79,8 +80,10 @@ async def test_events_purged_before_they_were_counted_make_the_leader_count_agai
 async def test_the_worker_gauges_service_counts_workers_by_pool(node: Node) -> None:
     from cronoq_server.store.base import WorkerRow
 
-    await node.store.register_worker(WorkerRow("w1", "w1", ["default", "other"], 1, {}, 1, 1))
-    await node.store.register_worker(WorkerRow("w2", "w2", ["default"], 1, {}, 1, 1))
+    now = now_us()  # workers heard from now: one silent for long is not counted (Leases.present_workers)
+    await node.store.register_worker(WorkerRow("w1", "w1", ["default", "other"], 1, {}, now, now))
+    await node.store.register_worker(WorkerRow("w2", "w2", ["default"], 1, {}, now, now))
+    await node.store.register_worker(WorkerRow("gone", "gone", ["default"], 1, {}, 1, 1))
     service = next(s for s in node.services if s.name == "worker gauges")
     assert service.every == WORKER_GAUGES_EVERY_S
     await node._set_worker_gauges()

@@ -55,7 +55,7 @@ def test_schedules_put_parses_every_option() -> None:
         ]
     )
     assert (args.pool, args.name, args.cron, args.timezone) == ("default", "nightly", "0 3 * * *", "Europe/Paris")
-    assert (args.payload_json, args.payload, args.priority, args.max_attempts) == ('{"n": 1}', None, 5, 2)
+    assert (args.payload_json, args.data, args.priority, args.max_attempts) == ('{"n": 1}', None, 5, 2)
     assert args.resource == [("gpu", 1), ("api", 2)] and args.timeout_ms == 1500
     assert args.paused and args.fire_all_missed and args.json
     assert args.run is cli.cmd_schedules_put and args.title == "schedules put"
