@@ -131,17 +131,15 @@ class _Handlers:
         check_unparsed(rpc.name, rpc.request, data, self._limits.get(rpc.name) or small_request_limit())
         return parse(rpc.request, data)
 
-    async def _request(
-        self, rpc: Rpc, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
-    ) -> tuple[Call, Any]:
-        """The call, and the request of a call of one message."""
+    async def _request(self, rpc: Rpc, context: grpc.aio.ServicerContext) -> tuple[Call, Any]:
+        """The call, and the request of a call of one message: read with context.read(), not
+        the request iterator, whose generator would hold the message's bytes until collected
+        (a burst of large batches kept the server 100 MB larger)."""
         call = self._call(context)  # credentials first: a caller without them is refused unread
-        return call, await self._one(rpc, requests)
-
-    async def _one(self, rpc: Rpc, requests: AsyncIterator[bytes]) -> Any:
-        async for data in requests:
-            return self._parse(rpc, data)
-        raise invalid(f"{rpc.name}: the call ended before its request message")
+        data = await context.read()
+        if data is grpc.aio.EOF:  # type: ignore[attr-defined]  # (grpc-stubs lack it)
+            raise invalid(f"{rpc.name}: the call ended before its request message")
+        return call, self._parse(rpc, data)
 
     async def _each(self, rpc: Rpc, requests: AsyncIterator[bytes]) -> AsyncIterator[Any]:
         async for data in requests:
@@ -163,7 +161,7 @@ class _Handlers:
     def unary(self, rpc: Rpc) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], Awaitable[Any]]:
         async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
             try:
-                call, request = await self._request(rpc, requests, context)
+                call, request = await self._request(rpc, context)
                 response = await self._router.call(rpc.name, request, call)
                 missing = unavailable_metadata(response)
                 if missing:
@@ -177,7 +175,7 @@ class _Handlers:
     def stream(self, rpc: Rpc) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], AsyncIterator[Any]]:
         async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                call, request = await self._request(rpc, requests, context)
+                call, request = await self._request(rpc, context)
                 self._router.admit(rpc.name, call)
                 stream = await self._router.watch(request, call)
             except ApiError as err:
