@@ -136,10 +136,13 @@ class _Handlers:
         the request iterator, whose generator would hold the message's bytes until collected
         (a burst of large batches kept the server 100 MB larger)."""
         call = self._call(context)  # credentials first: a caller without them is refused unread
+        return call, await self._read_one(rpc, context)
+
+    async def _read_one(self, rpc: Rpc, context: grpc.aio.ServicerContext) -> Any:
         data = await context.read()
         if data is grpc.aio.EOF:  # type: ignore[attr-defined]  # (grpc-stubs lack it)
             raise invalid(f"{rpc.name}: the call ended before its request message")
-        return call, self._parse(rpc, data)
+        return self._parse(rpc, data)
 
     async def _each(self, rpc: Rpc, requests: AsyncIterator[bytes]) -> AsyncIterator[Any]:
         async for data in requests:
