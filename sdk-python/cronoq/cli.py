@@ -1027,7 +1027,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command(
         "tasks",
         "list tasks",
-        "List tasks in id order (--newest-first: descending), a row each under a header (--json: one object "
+        "List tasks in id order (--newest-first: newest created first), a row each under a header (--json: one object "
         "per line). When more remain than --limit, stderr says the --page-token to go on from; --all lists every "
         "page. The filter flags match as those of cancel, retry and delete --all-matching do: the tasks a bulk "
         "--dry-run counted are those listed with the same flags.",
@@ -1043,7 +1043,7 @@ def build_parser() -> argparse.ArgumentParser:
     pages.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
     pages.add_argument("--all", action="store_true", help="every task, page after page (progress on stderr)")
     p.add_argument("--page-token", default="", metavar="TOKEN", help="go on from where a listing stopped")
-    p.add_argument("--newest-first", action="store_true", help="in descending id order (then --page-token: older)")
+    p.add_argument("--newest-first", action="store_true", help="newest created first, across shards too (then --page-token: older)")
     p.set_defaults(run=cmd_tasks)
 
     p = command(
