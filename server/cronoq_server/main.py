@@ -200,6 +200,14 @@ def hash_token(stdin: TextIO) -> int:
     return 0
 
 
+def _store_arguments(command: argparse.ArgumentParser) -> None:
+    """--config and --shard, accepted after the command too; SUPPRESS keeps a value given before it."""
+    command.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="the server's config file")
+    command.add_argument(
+        "--shard", metavar="NAME", default=argparse.SUPPRESS, help="the shard; required with [[shards]]"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="cronoq-server",
@@ -234,11 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         "one commit; the leader goes on writing), written as mode 0600; never a file the store or its leadership "
         "uses. To restore: cronoq-server restore. PostgreSQL: use pg_dump (docs/operations.md).",
     )
-    # Also after the command; SUPPRESS keeps a value given before it.
-    backup.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="the server's config file")
-    backup.add_argument(
-        "--shard", metavar="NAME", default=argparse.SUPPRESS, help="the shard; required with [[shards]]"
-    )
+    _store_arguments(backup)
     backup.add_argument("--to", metavar="PATH", required=True, help="the file to write")
     backup.add_argument("--force", action="store_true", help="replace --to if it exists")
     restore = commands.add_parser(
@@ -248,10 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         "aside to STORE.replaced-TIME. Refused while a server of the shard runs. Task ids continue past every "
         "id the replaced store could have given (docs/operations.md). PostgreSQL: use pg_restore.",
     )
-    restore.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="the server's config file")
-    restore.add_argument(
-        "--shard", metavar="NAME", default=argparse.SUPPRESS, help="the shard; required with [[shards]]"
-    )
+    _store_arguments(restore)
     restore.add_argument("--from", dest="source", metavar="PATH", required=True, help="the backup to restore")
     args = parser.parse_args(argv)
     if args.command == "hash-token":
