@@ -313,6 +313,8 @@ class LimitsConfig(_Strict):
     max_payload_bytes: int = Field(default=1 << 20, ge=1, le=MAX_BYTES)
     max_result_bytes: int = Field(default=4 << 20, ge=1, le=MAX_BYTES)
     max_batch_size: int = Field(default=1000, ge=1, le=100_000)
+    # The results of a task's dependencies, together, that its handler is given (Task.dependency_results).
+    max_dependency_results_bytes: int = Field(default=4 << 20, ge=1, le=MAX_BYTES)
     # Bulk calls (Cancel/Retry/DeleteTasks) one caller may have in progress on a shard at once.
     max_bulk_calls: int = Field(default=4, ge=1, le=10_000)
     # A bulk call's scan for the tasks its filter matches is stopped after this long.

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x63ronoq/v1/task.proto\x12\tcronoq.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"-\n\x07TaskRef\x12\x0c\n\x02id\x18\x01 \x01(\x04H\x00\x12\r\n\x03key\x18\x02 \x01(\tH\x00\x42\x05\n\x03ref\"\xa6\x06\n\x04Task\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x14\n\x0c\x63ontent_type\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12*\n\x06run_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cmax_attempts\x18\x08 \x01(\x05\x12\x12\n\ndepends_on\x18\t \x03(\x04\x12\x31\n\tresources\x18\n \x03(\x0b\x32\x1e.cronoq.v1.Task.ResourcesEntry\x12#\n\x05state\x18\x0b \x01(\x0e\x32\x14.cronoq.v1.TaskState\x12\x0f\n\x07\x61ttempt\x18\x0c \x01(\x05\x12\x11\n\tworker_id\x18\r \x01(\t\x12\x0e\n\x06result\x18\x0e \x01(\x0c\x12\r\n\x05\x65rror\x18\x0f \x01(\t\x12.\n\ncreated_at\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstarted_at\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x12 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10\x63\x61ncel_requested\x18\x13 \x01(\x08\x12\x34\n\x10lease_expires_at\x18\x14 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1b\n\x13result_content_type\x18\x15 \x01(\t\x12\x12\n\ntimeout_ms\x18\x16 \x01(\x03\x12\x11\n\tgroup_key\x18\x17 \x01(\t\x12\x0f\n\x07snoozes\x18\x18 \x01(\x05\x12)\n\x08progress\x18\x19 \x01(\x0b\x32\x17.cronoq.v1.TaskProgress\x12\x12\n\ncheckpoint\x18\x1a \x01(\x0c\x12&\n\x05trace\x18\x1b \x01(\x0b\x32\x17.cronoq.v1.TraceContext\x1a\x30\n\x0eResourcesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"^\n\x0cTaskProgress\x12\r\n\x05value\x18\x01 \x01(\x01\x12\x0f\n\x07message\x18\x02 \x01(\t\x12.\n\nupdated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"E\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\x12\x0c\n\x04link\x18\x03 \x01(\x08\"\x92\x01\n\tTaskEvent\x12\x1d\n\x04task\x18\x01 \x01(\x0b\x32\x0f.cronoq.v1.Task\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05shard\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0e\n\x06\x63ursor\x18\x05 \x01(\t\x12\x10\n\x08progress\x18\x06 \x01(\x08\"\xf0\x01\n\x07\x41ttempt\x12\x0f\n\x07\x61ttempt\x18\x01 \x01(\x05\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x13\n\x0bworker_name\x18\x03 \x01(\t\x12.\n\nstarted_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nded_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12*\n\x07outcome\x18\x06 \x01(\x0e\x32\x19.cronoq.v1.AttemptOutcome\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x13\n\x0b\x64uration_ms\x18\x08 \x01(\x03*\xba\x01\n\tTaskState\x12\x1a\n\x16TASK_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12TASK_STATE_PENDING\x10\x01\x12\x16\n\x12TASK_STATE_BLOCKED\x10\x02\x12\x16\n\x12TASK_STATE_RUNNING\x10\x03\x12\x18\n\x14TASK_STATE_SUCCEEDED\x10\x04\x12\x15\n\x11TASK_STATE_FAILED\x10\x05\x12\x18\n\x14TASK_STATE_CANCELLED\x10\x06*\xdf\x01\n\x0e\x41ttemptOutcome\x12\x1f\n\x1b\x41TTEMPT_OUTCOME_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x41TTEMPT_OUTCOME_RUNNING\x10\x01\x12\x1d\n\x19\x41TTEMPT_OUTCOME_SUCCEEDED\x10\x02\x12\x1a\n\x16\x41TTEMPT_OUTCOME_FAILED\x10\x03\x12\x1d\n\x19\x41TTEMPT_OUTCOME_CANCELLED\x10\x04\x12\x18\n\x14\x41TTEMPT_OUTCOME_LOST\x10\x05\x12\x1b\n\x17\x41TTEMPT_OUTCOME_SNOOZED\x10\x06\x42\x38Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x63ronoq/v1/task.proto\x12\tcronoq.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"-\n\x07TaskRef\x12\x0c\n\x02id\x18\x01 \x01(\x04H\x00\x12\r\n\x03key\x18\x02 \x01(\tH\x00\x42\x05\n\x03ref\"\x98\x07\n\x04Task\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x14\n\x0c\x63ontent_type\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12*\n\x06run_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cmax_attempts\x18\x08 \x01(\x05\x12\x12\n\ndepends_on\x18\t \x03(\x04\x12\x31\n\tresources\x18\n \x03(\x0b\x32\x1e.cronoq.v1.Task.ResourcesEntry\x12#\n\x05state\x18\x0b \x01(\x0e\x32\x14.cronoq.v1.TaskState\x12\x0f\n\x07\x61ttempt\x18\x0c \x01(\x05\x12\x11\n\tworker_id\x18\r \x01(\t\x12\x0e\n\x06result\x18\x0e \x01(\x0c\x12\r\n\x05\x65rror\x18\x0f \x01(\t\x12.\n\ncreated_at\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstarted_at\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x12 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10\x63\x61ncel_requested\x18\x13 \x01(\x08\x12\x34\n\x10lease_expires_at\x18\x14 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1b\n\x13result_content_type\x18\x15 \x01(\t\x12\x12\n\ntimeout_ms\x18\x16 \x01(\x03\x12\x11\n\tgroup_key\x18\x17 \x01(\t\x12\x0f\n\x07snoozes\x18\x18 \x01(\x05\x12)\n\x08progress\x18\x19 \x01(\x0b\x32\x17.cronoq.v1.TaskProgress\x12\x12\n\ncheckpoint\x18\x1a \x01(\x0c\x12&\n\x05trace\x18\x1b \x01(\x0b\x32\x17.cronoq.v1.TraceContext\x12\x37\n\x12\x64\x65pendency_results\x18\x1c \x03(\x0b\x32\x1b.cronoq.v1.DependencyResult\x12\x11\n\tparent_id\x18\x1d \x01(\x04\x12$\n\x08run_when\x18\x1e \x01(\x0e\x32\x12.cronoq.v1.RunWhen\x1a\x30\n\x0eResourcesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x85\x01\n\x10\x44\x65pendencyResult\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0b\n\x03key\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.cronoq.v1.TaskState\x12\x0e\n\x06result\x18\x04 \x01(\x0c\x12\x14\n\x0c\x63ontent_type\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"^\n\x0cTaskProgress\x12\r\n\x05value\x18\x01 \x01(\x01\x12\x0f\n\x07message\x18\x02 \x01(\t\x12.\n\nupdated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"E\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\x12\x0c\n\x04link\x18\x03 \x01(\x08\"\x92\x01\n\tTaskEvent\x12\x1d\n\x04task\x18\x01 \x01(\x0b\x32\x0f.cronoq.v1.Task\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05shard\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0e\n\x06\x63ursor\x18\x05 \x01(\t\x12\x10\n\x08progress\x18\x06 \x01(\x08\"\xf0\x01\n\x07\x41ttempt\x12\x0f\n\x07\x61ttempt\x18\x01 \x01(\x05\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x13\n\x0bworker_name\x18\x03 \x01(\t\x12.\n\nstarted_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nded_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12*\n\x07outcome\x18\x06 \x01(\x0e\x32\x19.cronoq.v1.AttemptOutcome\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x13\n\x0b\x64uration_ms\x18\x08 \x01(\x03*\xba\x01\n\tTaskState\x12\x1a\n\x16TASK_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12TASK_STATE_PENDING\x10\x01\x12\x16\n\x12TASK_STATE_BLOCKED\x10\x02\x12\x16\n\x12TASK_STATE_RUNNING\x10\x03\x12\x18\n\x14TASK_STATE_SUCCEEDED\x10\x04\x12\x15\n\x11TASK_STATE_FAILED\x10\x05\x12\x18\n\x14TASK_STATE_CANCELLED\x10\x06*i\n\x07RunWhen\x12\x18\n\x14RUN_WHEN_UNSPECIFIED\x10\x00\x12#\n\x1fRUN_WHEN_DEPENDENCIES_SUCCEEDED\x10\x01\x12\x1f\n\x1bRUN_WHEN_DEPENDENCIES_ENDED\x10\x02*\xdf\x01\n\x0e\x41ttemptOutcome\x12\x1f\n\x1b\x41TTEMPT_OUTCOME_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x41TTEMPT_OUTCOME_RUNNING\x10\x01\x12\x1d\n\x19\x41TTEMPT_OUTCOME_SUCCEEDED\x10\x02\x12\x1a\n\x16\x41TTEMPT_OUTCOME_FAILED\x10\x03\x12\x1d\n\x19\x41TTEMPT_OUTCOME_CANCELLED\x10\x04\x12\x18\n\x14\x41TTEMPT_OUTCOME_LOST\x10\x05\x12\x1b\n\x17\x41TTEMPT_OUTCOME_SNOOZED\x10\x06\x42\x38Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,22 +35,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1'
   _globals['_TASK_RESOURCESENTRY']._loaded_options = None
   _globals['_TASK_RESOURCESENTRY']._serialized_options = b'8\001'
-  _globals['_TASKSTATE']._serialized_start=1484
-  _globals['_TASKSTATE']._serialized_end=1670
-  _globals['_ATTEMPTOUTCOME']._serialized_start=1673
-  _globals['_ATTEMPTOUTCOME']._serialized_end=1896
+  _globals['_TASKSTATE']._serialized_start=1734
+  _globals['_TASKSTATE']._serialized_end=1920
+  _globals['_RUNWHEN']._serialized_start=1922
+  _globals['_RUNWHEN']._serialized_end=2027
+  _globals['_ATTEMPTOUTCOME']._serialized_start=2030
+  _globals['_ATTEMPTOUTCOME']._serialized_end=2253
   _globals['_TASKREF']._serialized_start=68
   _globals['_TASKREF']._serialized_end=113
   _globals['_TASK']._serialized_start=116
-  _globals['_TASK']._serialized_end=922
-  _globals['_TASK_RESOURCESENTRY']._serialized_start=874
-  _globals['_TASK_RESOURCESENTRY']._serialized_end=922
-  _globals['_TASKPROGRESS']._serialized_start=924
-  _globals['_TASKPROGRESS']._serialized_end=1018
-  _globals['_TRACECONTEXT']._serialized_start=1020
-  _globals['_TRACECONTEXT']._serialized_end=1089
-  _globals['_TASKEVENT']._serialized_start=1092
-  _globals['_TASKEVENT']._serialized_end=1238
-  _globals['_ATTEMPT']._serialized_start=1241
-  _globals['_ATTEMPT']._serialized_end=1481
+  _globals['_TASK']._serialized_end=1036
+  _globals['_TASK_RESOURCESENTRY']._serialized_start=988
+  _globals['_TASK_RESOURCESENTRY']._serialized_end=1036
+  _globals['_DEPENDENCYRESULT']._serialized_start=1039
+  _globals['_DEPENDENCYRESULT']._serialized_end=1172
+  _globals['_TASKPROGRESS']._serialized_start=1174
+  _globals['_TASKPROGRESS']._serialized_end=1268
+  _globals['_TRACECONTEXT']._serialized_start=1270
+  _globals['_TRACECONTEXT']._serialized_end=1339
+  _globals['_TASKEVENT']._serialized_start=1342
+  _globals['_TASKEVENT']._serialized_end=1488
+  _globals['_ATTEMPT']._serialized_start=1491
+  _globals['_ATTEMPT']._serialized_end=1731
 # @@protoc_insertion_point(module_scope)

@@ -46,6 +46,38 @@ TASK_STATE_FAILED: TaskState.ValueType  # 5
 TASK_STATE_CANCELLED: TaskState.ValueType  # 6
 Global___TaskState: _TypeAlias = TaskState  # noqa: Y015
 
+class _RunWhen:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RunWhenEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RunWhen.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RUN_WHEN_UNSPECIFIED: _RunWhen.ValueType  # 0
+    """RUN_WHEN_DEPENDENCIES_SUCCEEDED."""
+    RUN_WHEN_DEPENDENCIES_SUCCEEDED: _RunWhen.ValueType  # 1
+    """Once every dependency has succeeded; a dependency that fails or is cancelled ends the task
+    FAILED (or CANCELLED) with an error naming it, without running it.
+    """
+    RUN_WHEN_DEPENDENCIES_ENDED: _RunWhen.ValueType  # 2
+    """Once every dependency has ended, whatever its outcome (a finalizer): the task runs and sees
+    each dependency's state and error in Task.dependency_results.
+    """
+
+class RunWhen(_RunWhen, metaclass=_RunWhenEnumTypeWrapper):
+    """When a task with dependencies runs."""
+
+RUN_WHEN_UNSPECIFIED: RunWhen.ValueType  # 0
+"""RUN_WHEN_DEPENDENCIES_SUCCEEDED."""
+RUN_WHEN_DEPENDENCIES_SUCCEEDED: RunWhen.ValueType  # 1
+"""Once every dependency has succeeded; a dependency that fails or is cancelled ends the task
+FAILED (or CANCELLED) with an error naming it, without running it.
+"""
+RUN_WHEN_DEPENDENCIES_ENDED: RunWhen.ValueType  # 2
+"""Once every dependency has ended, whatever its outcome (a finalizer): the task runs and sees
+each dependency's state and error in Task.dependency_results.
+"""
+Global___RunWhen: _TypeAlias = RunWhen  # noqa: Y015
+
 class _AttemptOutcome:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -159,6 +191,9 @@ class Task(_message.Message):
     PROGRESS_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     TRACE_FIELD_NUMBER: _builtins.int
+    DEPENDENCY_RESULTS_FIELD_NUMBER: _builtins.int
+    PARENT_ID_FIELD_NUMBER: _builtins.int
+    RUN_WHEN_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Top 8 bits: shard number (0 unsharded); low 56 bits: per-shard sequence."""
     pool: _builtins.str
@@ -188,6 +223,10 @@ class Task(_message.Message):
     RegisterWorkerResponse.max_checkpoint_bytes). A leased task carries it, so the next attempt
     resumes where the last one left off.
     """
+    parent_id: _builtins.int
+    """The task whose handler spawned this one (TaskSuccess.spawn); 0: submitted by a caller."""
+    run_when: Global___RunWhen.ValueType
+    """When it runs, given its dependencies (SubmitTaskRequest.run_when, as resolved)."""
     @_builtins.property
     def run_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -213,6 +252,12 @@ class Task(_message.Message):
     @_builtins.property
     def trace(self) -> Global___TraceContext:
         """The W3C trace context the task was submitted in (unset: none)."""
+
+    @_builtins.property
+    def dependency_results(self) -> _containers.RepeatedCompositeFieldContainer[Global___DependencyResult]:
+        """What the tasks it depends on ended with, in depends_on order: set on a leased task (and by
+        GetTask with include_dependency_results). A dependency deleted since is left out.
+        """
 
     def __init__(
         self,
@@ -244,14 +289,57 @@ class Task(_message.Message):
         progress: Global___TaskProgress | None = ...,
         checkpoint: _builtins.bytes = ...,
         trace: Global___TraceContext | None = ...,
+        dependency_results: _abc.Iterable[Global___DependencyResult] | None = ...,
+        parent_id: _builtins.int = ...,
+        run_when: Global___RunWhen.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "finished_at", b"finished_at", "lease_expires_at", b"lease_expires_at", "progress", b"progress", "run_at", b"run_at", "started_at", b"started_at", "trace", b"trace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel_requested", b"cancel_requested", "checkpoint", b"checkpoint", "content_type", b"content_type", "created_at", b"created_at", "depends_on", b"depends_on", "error", b"error", "finished_at", b"finished_at", "group_key", b"group_key", "id", b"id", "key", b"key", "lease_expires_at", b"lease_expires_at", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "progress", b"progress", "resources", b"resources", "result", b"result", "result_content_type", b"result_content_type", "run_at", b"run_at", "snoozes", b"snoozes", "started_at", b"started_at", "state", b"state", "timeout_ms", b"timeout_ms", "trace", b"trace", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel_requested", b"cancel_requested", "checkpoint", b"checkpoint", "content_type", b"content_type", "created_at", b"created_at", "dependency_results", b"dependency_results", "depends_on", b"depends_on", "error", b"error", "finished_at", b"finished_at", "group_key", b"group_key", "id", b"id", "key", b"key", "lease_expires_at", b"lease_expires_at", "max_attempts", b"max_attempts", "parent_id", b"parent_id", "payload", b"payload", "pool", b"pool", "priority", b"priority", "progress", b"progress", "resources", b"resources", "result", b"result", "result_content_type", b"result_content_type", "run_at", b"run_at", "run_when", b"run_when", "snoozes", b"snoozes", "started_at", b"started_at", "state", b"state", "timeout_ms", b"timeout_ms", "trace", b"trace", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Task: _TypeAlias = Task  # noqa: Y015
+
+@_typing.final
+class DependencyResult(_message.Message):
+    """How one dependency of a task ended."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    CONTENT_TYPE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    key: _builtins.str
+    """Its key (empty: none)."""
+    state: Global___TaskState.ValueType
+    result: _builtins.bytes
+    """Its handler's result (TaskSuccess.result) when it succeeded."""
+    content_type: _builtins.str
+    """The result's content type ("application/json" for a JSON result)."""
+    error: _builtins.str
+    """Why it failed or was cancelled."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        key: _builtins.str = ...,
+        state: Global___TaskState.ValueType = ...,
+        result: _builtins.bytes = ...,
+        content_type: _builtins.str = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "error", b"error", "id", b"id", "key", b"key", "result", b"result", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DependencyResult: _TypeAlias = DependencyResult  # noqa: Y015
 
 @_typing.final
 class TaskProgress(_message.Message):

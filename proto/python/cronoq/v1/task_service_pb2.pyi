@@ -57,6 +57,7 @@ class SubmitTaskRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     GROUP_KEY_FIELD_NUMBER: _builtins.int
     TRACE_FIELD_NUMBER: _builtins.int
+    RUN_WHEN_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     key: _builtins.str
     """Deduplicates within a shard."""
@@ -79,6 +80,13 @@ class SubmitTaskRequest(_message.Message):
     max_running_per_group, at most that many tasks of one group run at once and leases take
     the groups with due tasks in turn; tasks without a group are one group. Elsewhere it is
     only stored.
+    """
+    run_when: _task_pb2.RunWhen.ValueType
+    """When it runs, given its dependencies (unset: once every one has succeeded). The results of
+    its dependencies reach its handler (Task.dependency_results): together at most
+    limits.max_dependency_results_bytes, so a submission whose ended dependencies' results are
+    already over that is refused (RESOURCE_EXHAUSTED, naming them), and a task whose
+    dependencies end with more ends FAILED, naming them, without running.
     """
     @_builtins.property
     def run_at(self) -> _timestamp_pb2.Timestamp:
@@ -114,10 +122,11 @@ class SubmitTaskRequest(_message.Message):
         timeout_ms: _builtins.int = ...,
         group_key: _builtins.str = ...,
         trace: _task_pb2.TraceContext | None = ...,
+        run_when: _task_pb2.RunWhen.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["run_at", b"run_at", "trace", b"trace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "depends_on", b"depends_on", "group_key", b"group_key", "key", b"key", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "request_id", b"request_id", "resources", b"resources", "run_at", b"run_at", "timeout_ms", b"timeout_ms", "trace", b"trace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "depends_on", b"depends_on", "group_key", b"group_key", "key", b"key", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "request_id", b"request_id", "resources", b"resources", "run_at", b"run_at", "run_when", b"run_when", "timeout_ms", b"timeout_ms", "trace", b"trace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -206,10 +215,16 @@ class GetTaskRequest(_message.Message):
     TASK_FIELD_NUMBER: _builtins.int
     INCLUDE_DEPENDENTS_FIELD_NUMBER: _builtins.int
     INCLUDE_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    INCLUDE_CHILDREN_FIELD_NUMBER: _builtins.int
+    INCLUDE_DEPENDENCY_RESULTS_FIELD_NUMBER: _builtins.int
     include_dependents: _builtins.bool
     """Also list the tasks that depend on this one (GetTaskResponse.dependents)."""
     include_attempts: _builtins.bool
     """Also return the task's attempts (GetTaskResponse.attempts)."""
+    include_children: _builtins.bool
+    """Also return the tasks it spawned (GetTaskResponse.children)."""
+    include_dependency_results: _builtins.bool
+    """Also fill the task's dependency_results, as its handler sees them."""
     @_builtins.property
     def task(self) -> _task_pb2.TaskRef: ...
     def __init__(
@@ -218,10 +233,12 @@ class GetTaskRequest(_message.Message):
         task: _task_pb2.TaskRef | None = ...,
         include_dependents: _builtins.bool = ...,
         include_attempts: _builtins.bool = ...,
+        include_children: _builtins.bool = ...,
+        include_dependency_results: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_attempts", b"include_attempts", "include_dependents", b"include_dependents", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_attempts", b"include_attempts", "include_children", b"include_children", "include_dependency_results", b"include_dependency_results", "include_dependents", b"include_dependents", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -235,6 +252,7 @@ class GetTaskResponse(_message.Message):
     UNAVAILABLE_SHARDS_FIELD_NUMBER: _builtins.int
     DEPENDENTS_FIELD_NUMBER: _builtins.int
     ATTEMPTS_FIELD_NUMBER: _builtins.int
+    CHILDREN_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def task(self) -> _task_pb2.Task: ...
     @_builtins.property
@@ -251,6 +269,13 @@ class GetTaskResponse(_message.Message):
         ATTEMPT_OUTCOME_RUNNING, no ended_at).
         """
 
+    @_builtins.property
+    def children(self) -> _containers.RepeatedCompositeFieldContainer[_task_pb2.Task]:
+        """With include_children: the tasks its handler spawned (their parent_id is its id), in pools
+        the caller may read, in id order, at most 1,000 (ListTasks with filter.parent_id pages
+        through them all), without payload, result or checkpoint.
+        """
+
     def __init__(
         self,
         *,
@@ -258,10 +283,11 @@ class GetTaskResponse(_message.Message):
         unavailable_shards: _abc.Iterable[_builtins.str] | None = ...,
         dependents: _abc.Iterable[_builtins.int] | None = ...,
         attempts: _abc.Iterable[_task_pb2.Attempt] | None = ...,
+        children: _abc.Iterable[_task_pb2.Task] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "dependents", b"dependents", "task", b"task", "unavailable_shards", b"unavailable_shards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "children", b"children", "dependents", b"dependents", "task", b"task", "unavailable_shards", b"unavailable_shards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -324,16 +350,23 @@ class CancelTaskRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TASK_FIELD_NUMBER: _builtins.int
+    INCLUDE_DESCENDANTS_FIELD_NUMBER: _builtins.int
+    include_descendants: _builtins.bool
+    """Also cancel the tasks it spawned, theirs, and so on, with the tasks that depend on any of
+    them, in one transaction (a workflow is in one shard). The caller needs cancel on each
+    one's pool; one in a pool it may not cancel is left as it is.
+    """
     @_builtins.property
     def task(self) -> _task_pb2.TaskRef: ...
     def __init__(
         self,
         *,
         task: _task_pb2.TaskRef | None = ...,
+        include_descendants: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_descendants", b"include_descendants", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -344,16 +377,22 @@ class CancelTaskResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TASK_FIELD_NUMBER: _builtins.int
+    DESCENDANTS_CANCELLED_FIELD_NUMBER: _builtins.int
+    descendants_cancelled: _builtins.int
+    """With include_descendants: how many of its descendants this call cancelled (or asked to
+    stop, when running).
+    """
     @_builtins.property
     def task(self) -> _task_pb2.Task: ...
     def __init__(
         self,
         *,
         task: _task_pb2.Task | None = ...,
+        descendants_cancelled: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["descendants_cancelled", b"descendants_cancelled", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -470,12 +509,15 @@ class TaskFilter(_message.Message):
     KEY_PREFIX_FIELD_NUMBER: _builtins.int
     ERROR_CONTAINS_FIELD_NUMBER: _builtins.int
     IDS_FIELD_NUMBER: _builtins.int
+    PARENT_ID_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     """Empty: every pool the caller may act on."""
     key_prefix: _builtins.str
     """Tasks whose key starts with this (at most 256 bytes)."""
     error_contains: _builtins.str
     """Tasks whose error contains this text, case-sensitive (at most 1024 bytes)."""
+    parent_id: _builtins.int
+    """Only the tasks spawned by this task's handler (Task.parent_id)."""
     @_builtins.property
     def states(self) -> _containers.RepeatedScalarFieldContainer[_task_pb2.TaskState.ValueType]:
         """Empty: every state the action applies to (cancel: PENDING, BLOCKED, RUNNING; retry:
@@ -506,10 +548,11 @@ class TaskFilter(_message.Message):
         key_prefix: _builtins.str = ...,
         error_contains: _builtins.str = ...,
         ids: _abc.Iterable[_builtins.int] | None = ...,
+        parent_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_after", b"created_after", "created_before", b"created_before", "finished_after", b"finished_after", "finished_before", b"finished_before"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_after", b"created_after", "created_before", b"created_before", "error_contains", b"error_contains", "finished_after", b"finished_after", "finished_before", b"finished_before", "ids", b"ids", "key_prefix", b"key_prefix", "pool", b"pool", "states", b"states"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_after", b"created_after", "created_before", b"created_before", "error_contains", b"error_contains", "finished_after", b"finished_after", "finished_before", b"finished_before", "ids", b"ids", "key_prefix", b"key_prefix", "parent_id", b"parent_id", "pool", b"pool", "states", b"states"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

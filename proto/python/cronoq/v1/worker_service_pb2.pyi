@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from cronoq.v1 import task_pb2 as _task_pb2
+from cronoq.v1 import task_service_pb2 as _task_service_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
@@ -376,17 +377,29 @@ class TaskSuccess(_message.Message):
 
     RESULT_FIELD_NUMBER: _builtins.int
     CONTENT_TYPE_FIELD_NUMBER: _builtins.int
+    SPAWN_FIELD_NUMBER: _builtins.int
     result: _builtins.bytes
     content_type: _builtins.str
+    @_builtins.property
+    def spawn(self) -> _containers.RepeatedCompositeFieldContainer[_task_service_pb2.SubmitTaskRequest]:
+        """Tasks to submit with the success, in the same transaction: the task never ends SUCCEEDED
+        without them, and none is created for an attempt whose success is refused. At most
+        limits.max_batch_size; each is in a pool of the task's shard the worker's principal may
+        submit to, records parent_id (the task's id) and may depend on the task and, by key, on the
+        others of this list. When they cannot be submitted (a pool of another shard, a permission,
+        a key of another pool), the attempt fails with the reason, not retryable.
+        """
+
     def __init__(
         self,
         *,
         result: _builtins.bytes = ...,
         content_type: _builtins.str = ...,
+        spawn: _abc.Iterable[_task_service_pb2.SubmitTaskRequest] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "result", b"result", "spawn", b"spawn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

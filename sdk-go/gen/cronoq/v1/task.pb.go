@@ -84,6 +84,61 @@ func (TaskState) EnumDescriptor() ([]byte, []int) {
 	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{0}
 }
 
+// When a task with dependencies runs.
+type RunWhen int32
+
+const (
+	// RUN_WHEN_DEPENDENCIES_SUCCEEDED.
+	RunWhen_RUN_WHEN_UNSPECIFIED RunWhen = 0
+	// Once every dependency has succeeded; a dependency that fails or is cancelled ends the task
+	// FAILED (or CANCELLED) with an error naming it, without running it.
+	RunWhen_RUN_WHEN_DEPENDENCIES_SUCCEEDED RunWhen = 1
+	// Once every dependency has ended, whatever its outcome (a finalizer): the task runs and sees
+	// each dependency's state and error in Task.dependency_results.
+	RunWhen_RUN_WHEN_DEPENDENCIES_ENDED RunWhen = 2
+)
+
+// Enum value maps for RunWhen.
+var (
+	RunWhen_name = map[int32]string{
+		0: "RUN_WHEN_UNSPECIFIED",
+		1: "RUN_WHEN_DEPENDENCIES_SUCCEEDED",
+		2: "RUN_WHEN_DEPENDENCIES_ENDED",
+	}
+	RunWhen_value = map[string]int32{
+		"RUN_WHEN_UNSPECIFIED":            0,
+		"RUN_WHEN_DEPENDENCIES_SUCCEEDED": 1,
+		"RUN_WHEN_DEPENDENCIES_ENDED":     2,
+	}
+)
+
+func (x RunWhen) Enum() *RunWhen {
+	p := new(RunWhen)
+	*p = x
+	return p
+}
+
+func (x RunWhen) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (RunWhen) Descriptor() protoreflect.EnumDescriptor {
+	return file_cronoq_v1_task_proto_enumTypes[1].Descriptor()
+}
+
+func (RunWhen) Type() protoreflect.EnumType {
+	return &file_cronoq_v1_task_proto_enumTypes[1]
+}
+
+func (x RunWhen) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use RunWhen.Descriptor instead.
+func (RunWhen) EnumDescriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{1}
+}
+
 // How an attempt ended.
 type AttemptOutcome int32
 
@@ -134,11 +189,11 @@ func (x AttemptOutcome) String() string {
 }
 
 func (AttemptOutcome) Descriptor() protoreflect.EnumDescriptor {
-	return file_cronoq_v1_task_proto_enumTypes[1].Descriptor()
+	return file_cronoq_v1_task_proto_enumTypes[2].Descriptor()
 }
 
 func (AttemptOutcome) Type() protoreflect.EnumType {
-	return &file_cronoq_v1_task_proto_enumTypes[1]
+	return &file_cronoq_v1_task_proto_enumTypes[2]
 }
 
 func (x AttemptOutcome) Number() protoreflect.EnumNumber {
@@ -147,7 +202,7 @@ func (x AttemptOutcome) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use AttemptOutcome.Descriptor instead.
 func (AttemptOutcome) EnumDescriptor() ([]byte, []int) {
-	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{1}
+	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{2}
 }
 
 // Names one task, by id or by key (keys are unique within a shard).
@@ -275,7 +330,14 @@ type Task struct {
 	// resumes where the last one left off.
 	Checkpoint []byte `protobuf:"bytes,26,opt,name=checkpoint,proto3" json:"checkpoint,omitempty"`
 	// The W3C trace context the task was submitted in (unset: none).
-	Trace         *TraceContext `protobuf:"bytes,27,opt,name=trace,proto3" json:"trace,omitempty"`
+	Trace *TraceContext `protobuf:"bytes,27,opt,name=trace,proto3" json:"trace,omitempty"`
+	// What the tasks it depends on ended with, in depends_on order: set on a leased task (and by
+	// GetTask with include_dependency_results). A dependency deleted since is left out.
+	DependencyResults []*DependencyResult `protobuf:"bytes,28,rep,name=dependency_results,json=dependencyResults,proto3" json:"dependency_results,omitempty"`
+	// The task whose handler spawned this one (TaskSuccess.spawn); 0: submitted by a caller.
+	ParentId uint64 `protobuf:"varint,29,opt,name=parent_id,json=parentId,proto3" json:"parent_id,omitempty"`
+	// When it runs, given its dependencies (SubmitTaskRequest.run_when, as resolved).
+	RunWhen       RunWhen `protobuf:"varint,30,opt,name=run_when,json=runWhen,proto3,enum=cronoq.v1.RunWhen" json:"run_when,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -499,6 +561,116 @@ func (x *Task) GetTrace() *TraceContext {
 	return nil
 }
 
+func (x *Task) GetDependencyResults() []*DependencyResult {
+	if x != nil {
+		return x.DependencyResults
+	}
+	return nil
+}
+
+func (x *Task) GetParentId() uint64 {
+	if x != nil {
+		return x.ParentId
+	}
+	return 0
+}
+
+func (x *Task) GetRunWhen() RunWhen {
+	if x != nil {
+		return x.RunWhen
+	}
+	return RunWhen_RUN_WHEN_UNSPECIFIED
+}
+
+// How one dependency of a task ended.
+type DependencyResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    uint64                 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	// Its key (empty: none).
+	Key   string    `protobuf:"bytes,2,opt,name=key,proto3" json:"key,omitempty"`
+	State TaskState `protobuf:"varint,3,opt,name=state,proto3,enum=cronoq.v1.TaskState" json:"state,omitempty"`
+	// Its handler's result (TaskSuccess.result) when it succeeded.
+	Result []byte `protobuf:"bytes,4,opt,name=result,proto3" json:"result,omitempty"`
+	// The result's content type ("application/json" for a JSON result).
+	ContentType string `protobuf:"bytes,5,opt,name=content_type,json=contentType,proto3" json:"content_type,omitempty"`
+	// Why it failed or was cancelled.
+	Error         string `protobuf:"bytes,6,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DependencyResult) Reset() {
+	*x = DependencyResult{}
+	mi := &file_cronoq_v1_task_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DependencyResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DependencyResult) ProtoMessage() {}
+
+func (x *DependencyResult) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_task_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DependencyResult.ProtoReflect.Descriptor instead.
+func (*DependencyResult) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *DependencyResult) GetId() uint64 {
+	if x != nil {
+		return x.Id
+	}
+	return 0
+}
+
+func (x *DependencyResult) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *DependencyResult) GetState() TaskState {
+	if x != nil {
+		return x.State
+	}
+	return TaskState_TASK_STATE_UNSPECIFIED
+}
+
+func (x *DependencyResult) GetResult() []byte {
+	if x != nil {
+		return x.Result
+	}
+	return nil
+}
+
+func (x *DependencyResult) GetContentType() string {
+	if x != nil {
+		return x.ContentType
+	}
+	return ""
+}
+
+func (x *DependencyResult) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
 // A running handler's progress: a number (commonly a fraction from 0 to 1) and a short message.
 type TaskProgress struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -514,7 +686,7 @@ type TaskProgress struct {
 
 func (x *TaskProgress) Reset() {
 	*x = TaskProgress{}
-	mi := &file_cronoq_v1_task_proto_msgTypes[2]
+	mi := &file_cronoq_v1_task_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -526,7 +698,7 @@ func (x *TaskProgress) String() string {
 func (*TaskProgress) ProtoMessage() {}
 
 func (x *TaskProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_task_proto_msgTypes[2]
+	mi := &file_cronoq_v1_task_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -539,7 +711,7 @@ func (x *TaskProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TaskProgress.ProtoReflect.Descriptor instead.
 func (*TaskProgress) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{2}
+	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *TaskProgress) GetValue() float64 {
@@ -579,7 +751,7 @@ type TraceContext struct {
 
 func (x *TraceContext) Reset() {
 	*x = TraceContext{}
-	mi := &file_cronoq_v1_task_proto_msgTypes[3]
+	mi := &file_cronoq_v1_task_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -591,7 +763,7 @@ func (x *TraceContext) String() string {
 func (*TraceContext) ProtoMessage() {}
 
 func (x *TraceContext) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_task_proto_msgTypes[3]
+	mi := &file_cronoq_v1_task_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -604,7 +776,7 @@ func (x *TraceContext) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TraceContext.ProtoReflect.Descriptor instead.
 func (*TraceContext) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{3}
+	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *TraceContext) GetTraceparent() string {
@@ -660,7 +832,7 @@ type TaskEvent struct {
 
 func (x *TaskEvent) Reset() {
 	*x = TaskEvent{}
-	mi := &file_cronoq_v1_task_proto_msgTypes[4]
+	mi := &file_cronoq_v1_task_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -672,7 +844,7 @@ func (x *TaskEvent) String() string {
 func (*TaskEvent) ProtoMessage() {}
 
 func (x *TaskEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_task_proto_msgTypes[4]
+	mi := &file_cronoq_v1_task_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -685,7 +857,7 @@ func (x *TaskEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TaskEvent.ProtoReflect.Descriptor instead.
 func (*TaskEvent) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{4}
+	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *TaskEvent) GetTask() *Task {
@@ -749,7 +921,7 @@ type Attempt struct {
 
 func (x *Attempt) Reset() {
 	*x = Attempt{}
-	mi := &file_cronoq_v1_task_proto_msgTypes[5]
+	mi := &file_cronoq_v1_task_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -761,7 +933,7 @@ func (x *Attempt) String() string {
 func (*Attempt) ProtoMessage() {}
 
 func (x *Attempt) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_task_proto_msgTypes[5]
+	mi := &file_cronoq_v1_task_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -774,7 +946,7 @@ func (x *Attempt) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Attempt.ProtoReflect.Descriptor instead.
 func (*Attempt) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{5}
+	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Attempt) GetAttempt() int32 {
@@ -841,7 +1013,7 @@ const file_cronoq_v1_task_proto_rawDesc = "" +
 	"\aTaskRef\x12\x10\n" +
 	"\x02id\x18\x01 \x01(\x04H\x00R\x02id\x12\x12\n" +
 	"\x03key\x18\x02 \x01(\tH\x00R\x03keyB\x05\n" +
-	"\x03ref\"\xc5\b\n" +
+	"\x03ref\"\xdd\t\n" +
 	"\x04Task\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x12\n" +
 	"\x04pool\x18\x02 \x01(\tR\x04pool\x12\x10\n" +
@@ -877,10 +1049,20 @@ const file_cronoq_v1_task_proto_rawDesc = "" +
 	"\n" +
 	"checkpoint\x18\x1a \x01(\fR\n" +
 	"checkpoint\x12-\n" +
-	"\x05trace\x18\x1b \x01(\v2\x17.cronoq.v1.TraceContextR\x05trace\x1a<\n" +
+	"\x05trace\x18\x1b \x01(\v2\x17.cronoq.v1.TraceContextR\x05trace\x12J\n" +
+	"\x12dependency_results\x18\x1c \x03(\v2\x1b.cronoq.v1.DependencyResultR\x11dependencyResults\x12\x1b\n" +
+	"\tparent_id\x18\x1d \x01(\x04R\bparentId\x12-\n" +
+	"\brun_when\x18\x1e \x01(\x0e2\x12.cronoq.v1.RunWhenR\arunWhen\x1a<\n" +
 	"\x0eResourcesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"y\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\xb1\x01\n" +
+	"\x10DependencyResult\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x10\n" +
+	"\x03key\x18\x02 \x01(\tR\x03key\x12*\n" +
+	"\x05state\x18\x03 \x01(\x0e2\x14.cronoq.v1.TaskStateR\x05state\x12\x16\n" +
+	"\x06result\x18\x04 \x01(\fR\x06result\x12!\n" +
+	"\fcontent_type\x18\x05 \x01(\tR\vcontentType\x12\x14\n" +
+	"\x05error\x18\x06 \x01(\tR\x05error\"y\n" +
 	"\fTaskProgress\x12\x14\n" +
 	"\x05value\x18\x01 \x01(\x01R\x05value\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x129\n" +
@@ -918,7 +1100,11 @@ const file_cronoq_v1_task_proto_rawDesc = "" +
 	"\x12TASK_STATE_RUNNING\x10\x03\x12\x18\n" +
 	"\x14TASK_STATE_SUCCEEDED\x10\x04\x12\x15\n" +
 	"\x11TASK_STATE_FAILED\x10\x05\x12\x18\n" +
-	"\x14TASK_STATE_CANCELLED\x10\x06*\xdf\x01\n" +
+	"\x14TASK_STATE_CANCELLED\x10\x06*i\n" +
+	"\aRunWhen\x12\x18\n" +
+	"\x14RUN_WHEN_UNSPECIFIED\x10\x00\x12#\n" +
+	"\x1fRUN_WHEN_DEPENDENCIES_SUCCEEDED\x10\x01\x12\x1f\n" +
+	"\x1bRUN_WHEN_DEPENDENCIES_ENDED\x10\x02*\xdf\x01\n" +
 	"\x0eAttemptOutcome\x12\x1f\n" +
 	"\x1bATTEMPT_OUTCOME_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17ATTEMPT_OUTCOME_RUNNING\x10\x01\x12\x1d\n" +
@@ -940,41 +1126,46 @@ func file_cronoq_v1_task_proto_rawDescGZIP() []byte {
 	return file_cronoq_v1_task_proto_rawDescData
 }
 
-var file_cronoq_v1_task_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_cronoq_v1_task_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
+var file_cronoq_v1_task_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
+var file_cronoq_v1_task_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
 var file_cronoq_v1_task_proto_goTypes = []any{
 	(TaskState)(0),                // 0: cronoq.v1.TaskState
-	(AttemptOutcome)(0),           // 1: cronoq.v1.AttemptOutcome
-	(*TaskRef)(nil),               // 2: cronoq.v1.TaskRef
-	(*Task)(nil),                  // 3: cronoq.v1.Task
-	(*TaskProgress)(nil),          // 4: cronoq.v1.TaskProgress
-	(*TraceContext)(nil),          // 5: cronoq.v1.TraceContext
-	(*TaskEvent)(nil),             // 6: cronoq.v1.TaskEvent
-	(*Attempt)(nil),               // 7: cronoq.v1.Attempt
-	nil,                           // 8: cronoq.v1.Task.ResourcesEntry
-	(*timestamppb.Timestamp)(nil), // 9: google.protobuf.Timestamp
+	(RunWhen)(0),                  // 1: cronoq.v1.RunWhen
+	(AttemptOutcome)(0),           // 2: cronoq.v1.AttemptOutcome
+	(*TaskRef)(nil),               // 3: cronoq.v1.TaskRef
+	(*Task)(nil),                  // 4: cronoq.v1.Task
+	(*DependencyResult)(nil),      // 5: cronoq.v1.DependencyResult
+	(*TaskProgress)(nil),          // 6: cronoq.v1.TaskProgress
+	(*TraceContext)(nil),          // 7: cronoq.v1.TraceContext
+	(*TaskEvent)(nil),             // 8: cronoq.v1.TaskEvent
+	(*Attempt)(nil),               // 9: cronoq.v1.Attempt
+	nil,                           // 10: cronoq.v1.Task.ResourcesEntry
+	(*timestamppb.Timestamp)(nil), // 11: google.protobuf.Timestamp
 }
 var file_cronoq_v1_task_proto_depIdxs = []int32{
-	9,  // 0: cronoq.v1.Task.run_at:type_name -> google.protobuf.Timestamp
-	8,  // 1: cronoq.v1.Task.resources:type_name -> cronoq.v1.Task.ResourcesEntry
+	11, // 0: cronoq.v1.Task.run_at:type_name -> google.protobuf.Timestamp
+	10, // 1: cronoq.v1.Task.resources:type_name -> cronoq.v1.Task.ResourcesEntry
 	0,  // 2: cronoq.v1.Task.state:type_name -> cronoq.v1.TaskState
-	9,  // 3: cronoq.v1.Task.created_at:type_name -> google.protobuf.Timestamp
-	9,  // 4: cronoq.v1.Task.started_at:type_name -> google.protobuf.Timestamp
-	9,  // 5: cronoq.v1.Task.finished_at:type_name -> google.protobuf.Timestamp
-	9,  // 6: cronoq.v1.Task.lease_expires_at:type_name -> google.protobuf.Timestamp
-	4,  // 7: cronoq.v1.Task.progress:type_name -> cronoq.v1.TaskProgress
-	5,  // 8: cronoq.v1.Task.trace:type_name -> cronoq.v1.TraceContext
-	9,  // 9: cronoq.v1.TaskProgress.updated_at:type_name -> google.protobuf.Timestamp
-	3,  // 10: cronoq.v1.TaskEvent.task:type_name -> cronoq.v1.Task
-	9,  // 11: cronoq.v1.TaskEvent.time:type_name -> google.protobuf.Timestamp
-	9,  // 12: cronoq.v1.Attempt.started_at:type_name -> google.protobuf.Timestamp
-	9,  // 13: cronoq.v1.Attempt.ended_at:type_name -> google.protobuf.Timestamp
-	1,  // 14: cronoq.v1.Attempt.outcome:type_name -> cronoq.v1.AttemptOutcome
-	15, // [15:15] is the sub-list for method output_type
-	15, // [15:15] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	11, // 3: cronoq.v1.Task.created_at:type_name -> google.protobuf.Timestamp
+	11, // 4: cronoq.v1.Task.started_at:type_name -> google.protobuf.Timestamp
+	11, // 5: cronoq.v1.Task.finished_at:type_name -> google.protobuf.Timestamp
+	11, // 6: cronoq.v1.Task.lease_expires_at:type_name -> google.protobuf.Timestamp
+	6,  // 7: cronoq.v1.Task.progress:type_name -> cronoq.v1.TaskProgress
+	7,  // 8: cronoq.v1.Task.trace:type_name -> cronoq.v1.TraceContext
+	5,  // 9: cronoq.v1.Task.dependency_results:type_name -> cronoq.v1.DependencyResult
+	1,  // 10: cronoq.v1.Task.run_when:type_name -> cronoq.v1.RunWhen
+	0,  // 11: cronoq.v1.DependencyResult.state:type_name -> cronoq.v1.TaskState
+	11, // 12: cronoq.v1.TaskProgress.updated_at:type_name -> google.protobuf.Timestamp
+	4,  // 13: cronoq.v1.TaskEvent.task:type_name -> cronoq.v1.Task
+	11, // 14: cronoq.v1.TaskEvent.time:type_name -> google.protobuf.Timestamp
+	11, // 15: cronoq.v1.Attempt.started_at:type_name -> google.protobuf.Timestamp
+	11, // 16: cronoq.v1.Attempt.ended_at:type_name -> google.protobuf.Timestamp
+	2,  // 17: cronoq.v1.Attempt.outcome:type_name -> cronoq.v1.AttemptOutcome
+	18, // [18:18] is the sub-list for method output_type
+	18, // [18:18] is the sub-list for method input_type
+	18, // [18:18] is the sub-list for extension type_name
+	18, // [18:18] is the sub-list for extension extendee
+	0,  // [0:18] is the sub-list for field type_name
 }
 
 func init() { file_cronoq_v1_task_proto_init() }
@@ -991,8 +1182,8 @@ func file_cronoq_v1_task_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cronoq_v1_task_proto_rawDesc), len(file_cronoq_v1_task_proto_rawDesc)),
-			NumEnums:      2,
-			NumMessages:   7,
+			NumEnums:      3,
+			NumMessages:   8,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

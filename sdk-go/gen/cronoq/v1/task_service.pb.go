@@ -52,7 +52,13 @@ type SubmitTaskRequest struct {
 	GroupKey string `protobuf:"bytes,12,opt,name=group_key,json=groupKey,proto3" json:"group_key,omitempty"`
 	// The caller's trace context (SDKs take it from the current span): stored with the task, kept
 	// by its retries and given to its handler with the leased task. link is ignored.
-	Trace         *TraceContext `protobuf:"bytes,13,opt,name=trace,proto3" json:"trace,omitempty"`
+	Trace *TraceContext `protobuf:"bytes,13,opt,name=trace,proto3" json:"trace,omitempty"`
+	// When it runs, given its dependencies (unset: once every one has succeeded). The results of
+	// its dependencies reach its handler (Task.dependency_results): together at most
+	// limits.max_dependency_results_bytes, so a submission whose ended dependencies' results are
+	// already over that is refused (RESOURCE_EXHAUSTED, naming them), and a task whose
+	// dependencies end with more ends FAILED, naming them, without running.
+	RunWhen       RunWhen `protobuf:"varint,14,opt,name=run_when,json=runWhen,proto3,enum=cronoq.v1.RunWhen" json:"run_when,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -176,6 +182,13 @@ func (x *SubmitTaskRequest) GetTrace() *TraceContext {
 		return x.Trace
 	}
 	return nil
+}
+
+func (x *SubmitTaskRequest) GetRunWhen() RunWhen {
+	if x != nil {
+		return x.RunWhen
+	}
+	return RunWhen_RUN_WHEN_UNSPECIFIED
 }
 
 type SubmitTaskResponse struct {
@@ -345,8 +358,12 @@ type GetTaskRequest struct {
 	IncludeDependents bool `protobuf:"varint,2,opt,name=include_dependents,json=includeDependents,proto3" json:"include_dependents,omitempty"`
 	// Also return the task's attempts (GetTaskResponse.attempts).
 	IncludeAttempts bool `protobuf:"varint,3,opt,name=include_attempts,json=includeAttempts,proto3" json:"include_attempts,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// Also return the tasks it spawned (GetTaskResponse.children).
+	IncludeChildren bool `protobuf:"varint,4,opt,name=include_children,json=includeChildren,proto3" json:"include_children,omitempty"`
+	// Also fill the task's dependency_results, as its handler sees them.
+	IncludeDependencyResults bool `protobuf:"varint,5,opt,name=include_dependency_results,json=includeDependencyResults,proto3" json:"include_dependency_results,omitempty"`
+	unknownFields            protoimpl.UnknownFields
+	sizeCache                protoimpl.SizeCache
 }
 
 func (x *GetTaskRequest) Reset() {
@@ -400,6 +417,20 @@ func (x *GetTaskRequest) GetIncludeAttempts() bool {
 	return false
 }
 
+func (x *GetTaskRequest) GetIncludeChildren() bool {
+	if x != nil {
+		return x.IncludeChildren
+	}
+	return false
+}
+
+func (x *GetTaskRequest) GetIncludeDependencyResults() bool {
+	if x != nil {
+		return x.IncludeDependencyResults
+	}
+	return false
+}
+
 type GetTaskResponse struct {
 	state             protoimpl.MessageState `protogen:"open.v1"`
 	Task              *Task                  `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
@@ -409,7 +440,11 @@ type GetTaskResponse struct {
 	Dependents []uint64 `protobuf:"varint,3,rep,packed,name=dependents,proto3" json:"dependents,omitempty"`
 	// With include_attempts: every attempt, oldest first; one running now is last (outcome
 	// ATTEMPT_OUTCOME_RUNNING, no ended_at).
-	Attempts      []*Attempt `protobuf:"bytes,4,rep,name=attempts,proto3" json:"attempts,omitempty"`
+	Attempts []*Attempt `protobuf:"bytes,4,rep,name=attempts,proto3" json:"attempts,omitempty"`
+	// With include_children: the tasks its handler spawned (their parent_id is its id), in pools
+	// the caller may read, in id order, at most 1,000 (ListTasks with filter.parent_id pages
+	// through them all), without payload, result or checkpoint.
+	Children      []*Task `protobuf:"bytes,5,rep,name=children,proto3" json:"children,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -468,6 +503,13 @@ func (x *GetTaskResponse) GetDependents() []uint64 {
 func (x *GetTaskResponse) GetAttempts() []*Attempt {
 	if x != nil {
 		return x.Attempts
+	}
+	return nil
+}
+
+func (x *GetTaskResponse) GetChildren() []*Task {
+	if x != nil {
+		return x.Children
 	}
 	return nil
 }
@@ -587,10 +629,14 @@ func (x *WaitTaskResponse) GetUnavailableShards() []string {
 }
 
 type CancelTaskRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Task          *TaskRef               `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Task  *TaskRef               `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
+	// Also cancel the tasks it spawned, theirs, and so on, with the tasks that depend on any of
+	// them, in one transaction (a workflow is in one shard). The caller needs cancel on each
+	// one's pool; one in a pool it may not cancel is left as it is.
+	IncludeDescendants bool `protobuf:"varint,2,opt,name=include_descendants,json=includeDescendants,proto3" json:"include_descendants,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *CancelTaskRequest) Reset() {
@@ -630,11 +676,21 @@ func (x *CancelTaskRequest) GetTask() *TaskRef {
 	return nil
 }
 
+func (x *CancelTaskRequest) GetIncludeDescendants() bool {
+	if x != nil {
+		return x.IncludeDescendants
+	}
+	return false
+}
+
 type CancelTaskResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Task          *Task                  `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Task  *Task                  `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
+	// With include_descendants: how many of its descendants this call cancelled (or asked to
+	// stop, when running).
+	DescendantsCancelled int64 `protobuf:"varint,2,opt,name=descendants_cancelled,json=descendantsCancelled,proto3" json:"descendants_cancelled,omitempty"`
+	unknownFields        protoimpl.UnknownFields
+	sizeCache            protoimpl.SizeCache
 }
 
 func (x *CancelTaskResponse) Reset() {
@@ -672,6 +728,13 @@ func (x *CancelTaskResponse) GetTask() *Task {
 		return x.Task
 	}
 	return nil
+}
+
+func (x *CancelTaskResponse) GetDescendantsCancelled() int64 {
+	if x != nil {
+		return x.DescendantsCancelled
+	}
+	return 0
 }
 
 type RetryTaskRequest struct {
@@ -896,7 +959,9 @@ type TaskFilter struct {
 	// Tasks whose error contains this text, case-sensitive (at most 1024 bytes).
 	ErrorContains string `protobuf:"bytes,8,opt,name=error_contains,json=errorContains,proto3" json:"error_contains,omitempty"`
 	// Only these tasks (at most 1000 ids).
-	Ids           []uint64 `protobuf:"varint,9,rep,packed,name=ids,proto3" json:"ids,omitempty"`
+	Ids []uint64 `protobuf:"varint,9,rep,packed,name=ids,proto3" json:"ids,omitempty"`
+	// Only the tasks spawned by this task's handler (Task.parent_id).
+	ParentId      uint64 `protobuf:"varint,10,opt,name=parent_id,json=parentId,proto3" json:"parent_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -992,6 +1057,13 @@ func (x *TaskFilter) GetIds() []uint64 {
 		return x.Ids
 	}
 	return nil
+}
+
+func (x *TaskFilter) GetParentId() uint64 {
+	if x != nil {
+		return x.ParentId
+	}
+	return 0
 }
 
 // What a bulk action did in one shard.
@@ -1750,7 +1822,7 @@ var File_cronoq_v1_task_service_proto protoreflect.FileDescriptor
 
 const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"\n" +
-	"\x1ccronoq/v1/task_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x14cronoq/v1/task.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xae\x04\n" +
+	"\x1ccronoq/v1/task_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x14cronoq/v1/task.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xdd\x04\n" +
 	"\x11SubmitTaskRequest\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x10\n" +
 	"\x03key\x18\x02 \x01(\tR\x03key\x12\x18\n" +
@@ -1768,7 +1840,8 @@ const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"\n" +
 	"timeout_ms\x18\v \x01(\x03R\ttimeoutMs\x12\x1b\n" +
 	"\tgroup_key\x18\f \x01(\tR\bgroupKey\x12-\n" +
-	"\x05trace\x18\r \x01(\v2\x17.cronoq.v1.TraceContextR\x05trace\x1a<\n" +
+	"\x05trace\x18\r \x01(\v2\x17.cronoq.v1.TraceContextR\x05trace\x12-\n" +
+	"\brun_when\x18\x0e \x01(\x0e2\x12.cronoq.v1.RunWhenR\arunWhen\x1a<\n" +
 	"\x0eResourcesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"]\n" +
@@ -1781,18 +1854,21 @@ const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"request_id\x18\x02 \x01(\tR\trequestId\"g\n" +
 	"\x13SubmitBatchResponse\x12%\n" +
 	"\x05tasks\x18\x01 \x03(\v2\x0f.cronoq.v1.TaskR\x05tasks\x12)\n" +
-	"\x10deduplicated_ids\x18\x02 \x03(\x04R\x0fdeduplicatedIds\"\x92\x01\n" +
+	"\x10deduplicated_ids\x18\x02 \x03(\x04R\x0fdeduplicatedIds\"\xfb\x01\n" +
 	"\x0eGetTaskRequest\x12&\n" +
 	"\x04task\x18\x01 \x01(\v2\x12.cronoq.v1.TaskRefR\x04task\x12-\n" +
 	"\x12include_dependents\x18\x02 \x01(\bR\x11includeDependents\x12)\n" +
-	"\x10include_attempts\x18\x03 \x01(\bR\x0fincludeAttempts\"\xb5\x01\n" +
+	"\x10include_attempts\x18\x03 \x01(\bR\x0fincludeAttempts\x12)\n" +
+	"\x10include_children\x18\x04 \x01(\bR\x0fincludeChildren\x12<\n" +
+	"\x1ainclude_dependency_results\x18\x05 \x01(\bR\x18includeDependencyResults\"\xe2\x01\n" +
 	"\x0fGetTaskResponse\x12#\n" +
 	"\x04task\x18\x01 \x01(\v2\x0f.cronoq.v1.TaskR\x04task\x12-\n" +
 	"\x12unavailable_shards\x18\x02 \x03(\tR\x11unavailableShards\x12\x1e\n" +
 	"\n" +
 	"dependents\x18\x03 \x03(\x04R\n" +
 	"dependents\x12.\n" +
-	"\battempts\x18\x04 \x03(\v2\x12.cronoq.v1.AttemptR\battempts\"X\n" +
+	"\battempts\x18\x04 \x03(\v2\x12.cronoq.v1.AttemptR\battempts\x12+\n" +
+	"\bchildren\x18\x05 \x03(\v2\x0f.cronoq.v1.TaskR\bchildren\"X\n" +
 	"\x0fWaitTaskRequest\x12&\n" +
 	"\x04task\x18\x01 \x01(\v2\x12.cronoq.v1.TaskRefR\x04task\x12\x1d\n" +
 	"\n" +
@@ -1800,11 +1876,13 @@ const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"\x10WaitTaskResponse\x12#\n" +
 	"\x04task\x18\x01 \x01(\v2\x0f.cronoq.v1.TaskR\x04task\x12\x12\n" +
 	"\x04done\x18\x02 \x01(\bR\x04done\x12-\n" +
-	"\x12unavailable_shards\x18\x03 \x03(\tR\x11unavailableShards\";\n" +
+	"\x12unavailable_shards\x18\x03 \x03(\tR\x11unavailableShards\"l\n" +
 	"\x11CancelTaskRequest\x12&\n" +
-	"\x04task\x18\x01 \x01(\v2\x12.cronoq.v1.TaskRefR\x04task\"9\n" +
+	"\x04task\x18\x01 \x01(\v2\x12.cronoq.v1.TaskRefR\x04task\x12/\n" +
+	"\x13include_descendants\x18\x02 \x01(\bR\x12includeDescendants\"n\n" +
 	"\x12CancelTaskResponse\x12#\n" +
-	"\x04task\x18\x01 \x01(\v2\x0f.cronoq.v1.TaskR\x04task\"\x94\x01\n" +
+	"\x04task\x18\x01 \x01(\v2\x0f.cronoq.v1.TaskR\x04task\x123\n" +
+	"\x15descendants_cancelled\x18\x02 \x01(\x03R\x14descendantsCancelled\"\x94\x01\n" +
 	"\x10RetryTaskRequest\x12&\n" +
 	"\x04task\x18\x01 \x01(\v2\x12.cronoq.v1.TaskRefR\x04task\x121\n" +
 	"\x06run_at\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x05runAt\x12%\n" +
@@ -1815,7 +1893,7 @@ const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"\x11DeleteTaskRequest\x12&\n" +
 	"\x04task\x18\x01 \x01(\v2\x12.cronoq.v1.TaskRefR\x04task\"$\n" +
 	"\x12DeleteTaskResponse\x12\x0e\n" +
-	"\x02id\x18\x01 \x01(\x04R\x02id\"\xb2\x03\n" +
+	"\x02id\x18\x01 \x01(\x04R\x02id\"\xcf\x03\n" +
 	"\n" +
 	"TaskFilter\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12,\n" +
@@ -1827,7 +1905,9 @@ const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"\n" +
 	"key_prefix\x18\a \x01(\tR\tkeyPrefix\x12%\n" +
 	"\x0eerror_contains\x18\b \x01(\tR\rerrorContains\x12\x10\n" +
-	"\x03ids\x18\t \x03(\x04R\x03ids\"{\n" +
+	"\x03ids\x18\t \x03(\x04R\x03ids\x12\x1b\n" +
+	"\tparent_id\x18\n" +
+	" \x01(\x04R\bparentId\"{\n" +
 	"\x0fBulkShardResult\x12\x14\n" +
 	"\x05shard\x18\x01 \x01(\tR\x05shard\x12\x18\n" +
 	"\amatched\x18\x02 \x01(\x03R\amatched\x12\x18\n" +
@@ -1968,75 +2048,78 @@ var file_cronoq_v1_task_service_proto_goTypes = []any{
 	(*timestamppb.Timestamp)(nil), // 27: google.protobuf.Timestamp
 	(*TaskRef)(nil),               // 28: cronoq.v1.TaskRef
 	(*TraceContext)(nil),          // 29: cronoq.v1.TraceContext
-	(*Task)(nil),                  // 30: cronoq.v1.Task
-	(*Attempt)(nil),               // 31: cronoq.v1.Attempt
-	(TaskState)(0),                // 32: cronoq.v1.TaskState
-	(*TaskEvent)(nil),             // 33: cronoq.v1.TaskEvent
+	(RunWhen)(0),                  // 30: cronoq.v1.RunWhen
+	(*Task)(nil),                  // 31: cronoq.v1.Task
+	(*Attempt)(nil),               // 32: cronoq.v1.Attempt
+	(TaskState)(0),                // 33: cronoq.v1.TaskState
+	(*TaskEvent)(nil),             // 34: cronoq.v1.TaskEvent
 }
 var file_cronoq_v1_task_service_proto_depIdxs = []int32{
 	27, // 0: cronoq.v1.SubmitTaskRequest.run_at:type_name -> google.protobuf.Timestamp
 	28, // 1: cronoq.v1.SubmitTaskRequest.depends_on:type_name -> cronoq.v1.TaskRef
 	26, // 2: cronoq.v1.SubmitTaskRequest.resources:type_name -> cronoq.v1.SubmitTaskRequest.ResourcesEntry
 	29, // 3: cronoq.v1.SubmitTaskRequest.trace:type_name -> cronoq.v1.TraceContext
-	30, // 4: cronoq.v1.SubmitTaskResponse.task:type_name -> cronoq.v1.Task
-	0,  // 5: cronoq.v1.SubmitBatchRequest.tasks:type_name -> cronoq.v1.SubmitTaskRequest
-	30, // 6: cronoq.v1.SubmitBatchResponse.tasks:type_name -> cronoq.v1.Task
-	28, // 7: cronoq.v1.GetTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	30, // 8: cronoq.v1.GetTaskResponse.task:type_name -> cronoq.v1.Task
-	31, // 9: cronoq.v1.GetTaskResponse.attempts:type_name -> cronoq.v1.Attempt
-	28, // 10: cronoq.v1.WaitTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	30, // 11: cronoq.v1.WaitTaskResponse.task:type_name -> cronoq.v1.Task
-	28, // 12: cronoq.v1.CancelTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	30, // 13: cronoq.v1.CancelTaskResponse.task:type_name -> cronoq.v1.Task
-	28, // 14: cronoq.v1.RetryTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	27, // 15: cronoq.v1.RetryTaskRequest.run_at:type_name -> google.protobuf.Timestamp
-	30, // 16: cronoq.v1.RetryTaskResponse.task:type_name -> cronoq.v1.Task
-	28, // 17: cronoq.v1.DeleteTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	32, // 18: cronoq.v1.TaskFilter.states:type_name -> cronoq.v1.TaskState
-	27, // 19: cronoq.v1.TaskFilter.created_after:type_name -> google.protobuf.Timestamp
-	27, // 20: cronoq.v1.TaskFilter.created_before:type_name -> google.protobuf.Timestamp
-	27, // 21: cronoq.v1.TaskFilter.finished_after:type_name -> google.protobuf.Timestamp
-	27, // 22: cronoq.v1.TaskFilter.finished_before:type_name -> google.protobuf.Timestamp
-	14, // 23: cronoq.v1.CancelTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
-	15, // 24: cronoq.v1.CancelTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
-	14, // 25: cronoq.v1.RetryTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
-	27, // 26: cronoq.v1.RetryTasksRequest.run_at:type_name -> google.protobuf.Timestamp
-	15, // 27: cronoq.v1.RetryTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
-	14, // 28: cronoq.v1.DeleteTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
-	15, // 29: cronoq.v1.DeleteTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
-	32, // 30: cronoq.v1.ListTasksRequest.state:type_name -> cronoq.v1.TaskState
-	14, // 31: cronoq.v1.ListTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
-	30, // 32: cronoq.v1.ListTasksResponse.tasks:type_name -> cronoq.v1.Task
-	33, // 33: cronoq.v1.WatchResponse.event:type_name -> cronoq.v1.TaskEvent
-	0,  // 34: cronoq.v1.TaskService.SubmitTask:input_type -> cronoq.v1.SubmitTaskRequest
-	2,  // 35: cronoq.v1.TaskService.SubmitBatch:input_type -> cronoq.v1.SubmitBatchRequest
-	4,  // 36: cronoq.v1.TaskService.GetTask:input_type -> cronoq.v1.GetTaskRequest
-	6,  // 37: cronoq.v1.TaskService.WaitTask:input_type -> cronoq.v1.WaitTaskRequest
-	8,  // 38: cronoq.v1.TaskService.CancelTask:input_type -> cronoq.v1.CancelTaskRequest
-	10, // 39: cronoq.v1.TaskService.RetryTask:input_type -> cronoq.v1.RetryTaskRequest
-	12, // 40: cronoq.v1.TaskService.DeleteTask:input_type -> cronoq.v1.DeleteTaskRequest
-	16, // 41: cronoq.v1.TaskService.CancelTasks:input_type -> cronoq.v1.CancelTasksRequest
-	18, // 42: cronoq.v1.TaskService.RetryTasks:input_type -> cronoq.v1.RetryTasksRequest
-	20, // 43: cronoq.v1.TaskService.DeleteTasks:input_type -> cronoq.v1.DeleteTasksRequest
-	22, // 44: cronoq.v1.TaskService.ListTasks:input_type -> cronoq.v1.ListTasksRequest
-	24, // 45: cronoq.v1.TaskService.Watch:input_type -> cronoq.v1.WatchRequest
-	1,  // 46: cronoq.v1.TaskService.SubmitTask:output_type -> cronoq.v1.SubmitTaskResponse
-	3,  // 47: cronoq.v1.TaskService.SubmitBatch:output_type -> cronoq.v1.SubmitBatchResponse
-	5,  // 48: cronoq.v1.TaskService.GetTask:output_type -> cronoq.v1.GetTaskResponse
-	7,  // 49: cronoq.v1.TaskService.WaitTask:output_type -> cronoq.v1.WaitTaskResponse
-	9,  // 50: cronoq.v1.TaskService.CancelTask:output_type -> cronoq.v1.CancelTaskResponse
-	11, // 51: cronoq.v1.TaskService.RetryTask:output_type -> cronoq.v1.RetryTaskResponse
-	13, // 52: cronoq.v1.TaskService.DeleteTask:output_type -> cronoq.v1.DeleteTaskResponse
-	17, // 53: cronoq.v1.TaskService.CancelTasks:output_type -> cronoq.v1.CancelTasksResponse
-	19, // 54: cronoq.v1.TaskService.RetryTasks:output_type -> cronoq.v1.RetryTasksResponse
-	21, // 55: cronoq.v1.TaskService.DeleteTasks:output_type -> cronoq.v1.DeleteTasksResponse
-	23, // 56: cronoq.v1.TaskService.ListTasks:output_type -> cronoq.v1.ListTasksResponse
-	25, // 57: cronoq.v1.TaskService.Watch:output_type -> cronoq.v1.WatchResponse
-	46, // [46:58] is the sub-list for method output_type
-	34, // [34:46] is the sub-list for method input_type
-	34, // [34:34] is the sub-list for extension type_name
-	34, // [34:34] is the sub-list for extension extendee
-	0,  // [0:34] is the sub-list for field type_name
+	30, // 4: cronoq.v1.SubmitTaskRequest.run_when:type_name -> cronoq.v1.RunWhen
+	31, // 5: cronoq.v1.SubmitTaskResponse.task:type_name -> cronoq.v1.Task
+	0,  // 6: cronoq.v1.SubmitBatchRequest.tasks:type_name -> cronoq.v1.SubmitTaskRequest
+	31, // 7: cronoq.v1.SubmitBatchResponse.tasks:type_name -> cronoq.v1.Task
+	28, // 8: cronoq.v1.GetTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	31, // 9: cronoq.v1.GetTaskResponse.task:type_name -> cronoq.v1.Task
+	32, // 10: cronoq.v1.GetTaskResponse.attempts:type_name -> cronoq.v1.Attempt
+	31, // 11: cronoq.v1.GetTaskResponse.children:type_name -> cronoq.v1.Task
+	28, // 12: cronoq.v1.WaitTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	31, // 13: cronoq.v1.WaitTaskResponse.task:type_name -> cronoq.v1.Task
+	28, // 14: cronoq.v1.CancelTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	31, // 15: cronoq.v1.CancelTaskResponse.task:type_name -> cronoq.v1.Task
+	28, // 16: cronoq.v1.RetryTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	27, // 17: cronoq.v1.RetryTaskRequest.run_at:type_name -> google.protobuf.Timestamp
+	31, // 18: cronoq.v1.RetryTaskResponse.task:type_name -> cronoq.v1.Task
+	28, // 19: cronoq.v1.DeleteTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	33, // 20: cronoq.v1.TaskFilter.states:type_name -> cronoq.v1.TaskState
+	27, // 21: cronoq.v1.TaskFilter.created_after:type_name -> google.protobuf.Timestamp
+	27, // 22: cronoq.v1.TaskFilter.created_before:type_name -> google.protobuf.Timestamp
+	27, // 23: cronoq.v1.TaskFilter.finished_after:type_name -> google.protobuf.Timestamp
+	27, // 24: cronoq.v1.TaskFilter.finished_before:type_name -> google.protobuf.Timestamp
+	14, // 25: cronoq.v1.CancelTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
+	15, // 26: cronoq.v1.CancelTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
+	14, // 27: cronoq.v1.RetryTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
+	27, // 28: cronoq.v1.RetryTasksRequest.run_at:type_name -> google.protobuf.Timestamp
+	15, // 29: cronoq.v1.RetryTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
+	14, // 30: cronoq.v1.DeleteTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
+	15, // 31: cronoq.v1.DeleteTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
+	33, // 32: cronoq.v1.ListTasksRequest.state:type_name -> cronoq.v1.TaskState
+	14, // 33: cronoq.v1.ListTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
+	31, // 34: cronoq.v1.ListTasksResponse.tasks:type_name -> cronoq.v1.Task
+	34, // 35: cronoq.v1.WatchResponse.event:type_name -> cronoq.v1.TaskEvent
+	0,  // 36: cronoq.v1.TaskService.SubmitTask:input_type -> cronoq.v1.SubmitTaskRequest
+	2,  // 37: cronoq.v1.TaskService.SubmitBatch:input_type -> cronoq.v1.SubmitBatchRequest
+	4,  // 38: cronoq.v1.TaskService.GetTask:input_type -> cronoq.v1.GetTaskRequest
+	6,  // 39: cronoq.v1.TaskService.WaitTask:input_type -> cronoq.v1.WaitTaskRequest
+	8,  // 40: cronoq.v1.TaskService.CancelTask:input_type -> cronoq.v1.CancelTaskRequest
+	10, // 41: cronoq.v1.TaskService.RetryTask:input_type -> cronoq.v1.RetryTaskRequest
+	12, // 42: cronoq.v1.TaskService.DeleteTask:input_type -> cronoq.v1.DeleteTaskRequest
+	16, // 43: cronoq.v1.TaskService.CancelTasks:input_type -> cronoq.v1.CancelTasksRequest
+	18, // 44: cronoq.v1.TaskService.RetryTasks:input_type -> cronoq.v1.RetryTasksRequest
+	20, // 45: cronoq.v1.TaskService.DeleteTasks:input_type -> cronoq.v1.DeleteTasksRequest
+	22, // 46: cronoq.v1.TaskService.ListTasks:input_type -> cronoq.v1.ListTasksRequest
+	24, // 47: cronoq.v1.TaskService.Watch:input_type -> cronoq.v1.WatchRequest
+	1,  // 48: cronoq.v1.TaskService.SubmitTask:output_type -> cronoq.v1.SubmitTaskResponse
+	3,  // 49: cronoq.v1.TaskService.SubmitBatch:output_type -> cronoq.v1.SubmitBatchResponse
+	5,  // 50: cronoq.v1.TaskService.GetTask:output_type -> cronoq.v1.GetTaskResponse
+	7,  // 51: cronoq.v1.TaskService.WaitTask:output_type -> cronoq.v1.WaitTaskResponse
+	9,  // 52: cronoq.v1.TaskService.CancelTask:output_type -> cronoq.v1.CancelTaskResponse
+	11, // 53: cronoq.v1.TaskService.RetryTask:output_type -> cronoq.v1.RetryTaskResponse
+	13, // 54: cronoq.v1.TaskService.DeleteTask:output_type -> cronoq.v1.DeleteTaskResponse
+	17, // 55: cronoq.v1.TaskService.CancelTasks:output_type -> cronoq.v1.CancelTasksResponse
+	19, // 56: cronoq.v1.TaskService.RetryTasks:output_type -> cronoq.v1.RetryTasksResponse
+	21, // 57: cronoq.v1.TaskService.DeleteTasks:output_type -> cronoq.v1.DeleteTasksResponse
+	23, // 58: cronoq.v1.TaskService.ListTasks:output_type -> cronoq.v1.ListTasksResponse
+	25, // 59: cronoq.v1.TaskService.Watch:output_type -> cronoq.v1.WatchResponse
+	48, // [48:60] is the sub-list for method output_type
+	36, // [36:48] is the sub-list for method input_type
+	36, // [36:36] is the sub-list for extension type_name
+	36, // [36:36] is the sub-list for extension extendee
+	0,  // [0:36] is the sub-list for field type_name
 }
 
 func init() { file_cronoq_v1_task_service_proto_init() }

@@ -669,9 +669,16 @@ func (x *HeartbeatResponse) GetLostTaskIds() []uint64 {
 }
 
 type TaskSuccess struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Result        []byte                 `protobuf:"bytes,1,opt,name=result,proto3" json:"result,omitempty"`
-	ContentType   string                 `protobuf:"bytes,2,opt,name=content_type,json=contentType,proto3" json:"content_type,omitempty"`
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	Result      []byte                 `protobuf:"bytes,1,opt,name=result,proto3" json:"result,omitempty"`
+	ContentType string                 `protobuf:"bytes,2,opt,name=content_type,json=contentType,proto3" json:"content_type,omitempty"`
+	// Tasks to submit with the success, in the same transaction: the task never ends SUCCEEDED
+	// without them, and none is created for an attempt whose success is refused. At most
+	// limits.max_batch_size; each is in a pool of the task's shard the worker's principal may
+	// submit to, records parent_id (the task's id) and may depend on the task and, by key, on the
+	// others of this list. When they cannot be submitted (a pool of another shard, a permission,
+	// a key of another pool), the attempt fails with the reason, not retryable.
+	Spawn         []*SubmitTaskRequest `protobuf:"bytes,3,rep,name=spawn,proto3" json:"spawn,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -718,6 +725,13 @@ func (x *TaskSuccess) GetContentType() string {
 		return x.ContentType
 	}
 	return ""
+}
+
+func (x *TaskSuccess) GetSpawn() []*SubmitTaskRequest {
+	if x != nil {
+		return x.Spawn
+	}
+	return nil
 }
 
 type TaskFailure struct {
@@ -1660,7 +1674,7 @@ var File_cronoq_v1_worker_service_proto protoreflect.FileDescriptor
 
 const file_cronoq_v1_worker_service_proto_rawDesc = "" +
 	"\n" +
-	"\x1ecronoq/v1/worker_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x14cronoq/v1/task.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x85\x03\n" +
+	"\x1ecronoq/v1/worker_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x14cronoq/v1/task.proto\x1a\x1ccronoq/v1/task_service.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x85\x03\n" +
 	"\x06Worker\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x14\n" +
@@ -1717,10 +1731,11 @@ const file_cronoq_v1_worker_service_proto_rawDesc = "" +
 	"\v_checkpoint\"e\n" +
 	"\x11HeartbeatResponse\x12,\n" +
 	"\x12cancelled_task_ids\x18\x01 \x03(\x04R\x10cancelledTaskIds\x12\"\n" +
-	"\rlost_task_ids\x18\x02 \x03(\x04R\vlostTaskIds\"H\n" +
+	"\rlost_task_ids\x18\x02 \x03(\x04R\vlostTaskIds\"|\n" +
 	"\vTaskSuccess\x12\x16\n" +
 	"\x06result\x18\x01 \x01(\fR\x06result\x12!\n" +
-	"\fcontent_type\x18\x02 \x01(\tR\vcontentType\"g\n" +
+	"\fcontent_type\x18\x02 \x01(\tR\vcontentType\x122\n" +
+	"\x05spawn\x18\x03 \x03(\v2\x1c.cronoq.v1.SubmitTaskRequestR\x05spawn\"g\n" +
 	"\vTaskFailure\x12\x14\n" +
 	"\x05error\x18\x01 \x01(\tR\x05error\x12\x1c\n" +
 	"\tretryable\x18\x02 \x01(\bR\tretryable\x12$\n" +
@@ -1830,6 +1845,7 @@ var file_cronoq_v1_worker_service_proto_goTypes = []any{
 	(*timestamppb.Timestamp)(nil),    // 27: google.protobuf.Timestamp
 	(*Task)(nil),                     // 28: cronoq.v1.Task
 	(*TaskProgress)(nil),             // 29: cronoq.v1.TaskProgress
+	(*SubmitTaskRequest)(nil),        // 30: cronoq.v1.SubmitTaskRequest
 }
 var file_cronoq_v1_worker_service_proto_depIdxs = []int32{
 	27, // 0: cronoq.v1.Worker.registered_at:type_name -> google.protobuf.Timestamp
@@ -1841,41 +1857,42 @@ var file_cronoq_v1_worker_service_proto_depIdxs = []int32{
 	5,  // 6: cronoq.v1.HeartbeatRequest.tasks:type_name -> cronoq.v1.TaskAttempt
 	7,  // 7: cronoq.v1.HeartbeatRequest.reports:type_name -> cronoq.v1.TaskReport
 	29, // 8: cronoq.v1.TaskReport.progress:type_name -> cronoq.v1.TaskProgress
-	9,  // 9: cronoq.v1.TaskOutcome.success:type_name -> cronoq.v1.TaskSuccess
-	10, // 10: cronoq.v1.TaskOutcome.failure:type_name -> cronoq.v1.TaskFailure
-	11, // 11: cronoq.v1.TaskOutcome.cancelled:type_name -> cronoq.v1.TaskCancelled
-	12, // 12: cronoq.v1.TaskOutcome.released:type_name -> cronoq.v1.TaskReleased
-	13, // 13: cronoq.v1.TaskOutcome.snoozed:type_name -> cronoq.v1.TaskSnoozed
-	7,  // 14: cronoq.v1.TaskOutcome.report:type_name -> cronoq.v1.TaskReport
-	14, // 15: cronoq.v1.FinishTasksRequest.outcomes:type_name -> cronoq.v1.TaskOutcome
-	16, // 16: cronoq.v1.FinishTasksResponse.results:type_name -> cronoq.v1.FinishTaskResult
-	14, // 17: cronoq.v1.WorkRequest.outcomes:type_name -> cronoq.v1.TaskOutcome
-	19, // 18: cronoq.v1.WorkRequest.heartbeat:type_name -> cronoq.v1.WorkHeartbeat
-	5,  // 19: cronoq.v1.WorkHeartbeat.tasks:type_name -> cronoq.v1.TaskAttempt
-	7,  // 20: cronoq.v1.WorkHeartbeat.reports:type_name -> cronoq.v1.TaskReport
-	28, // 21: cronoq.v1.WorkResponse.tasks:type_name -> cronoq.v1.Task
-	16, // 22: cronoq.v1.WorkResponse.results:type_name -> cronoq.v1.FinishTaskResult
-	8,  // 23: cronoq.v1.WorkResponse.heartbeat:type_name -> cronoq.v1.HeartbeatResponse
-	0,  // 24: cronoq.v1.ListWorkersResponse.workers:type_name -> cronoq.v1.Worker
-	1,  // 25: cronoq.v1.WorkerService.RegisterWorker:input_type -> cronoq.v1.RegisterWorkerRequest
-	3,  // 26: cronoq.v1.WorkerService.LeaseTasks:input_type -> cronoq.v1.LeaseTasksRequest
-	6,  // 27: cronoq.v1.WorkerService.Heartbeat:input_type -> cronoq.v1.HeartbeatRequest
-	15, // 28: cronoq.v1.WorkerService.FinishTasks:input_type -> cronoq.v1.FinishTasksRequest
-	18, // 29: cronoq.v1.WorkerService.Work:input_type -> cronoq.v1.WorkRequest
-	21, // 30: cronoq.v1.WorkerService.DeregisterWorker:input_type -> cronoq.v1.DeregisterWorkerRequest
-	23, // 31: cronoq.v1.WorkerService.ListWorkers:input_type -> cronoq.v1.ListWorkersRequest
-	2,  // 32: cronoq.v1.WorkerService.RegisterWorker:output_type -> cronoq.v1.RegisterWorkerResponse
-	4,  // 33: cronoq.v1.WorkerService.LeaseTasks:output_type -> cronoq.v1.LeaseTasksResponse
-	8,  // 34: cronoq.v1.WorkerService.Heartbeat:output_type -> cronoq.v1.HeartbeatResponse
-	17, // 35: cronoq.v1.WorkerService.FinishTasks:output_type -> cronoq.v1.FinishTasksResponse
-	20, // 36: cronoq.v1.WorkerService.Work:output_type -> cronoq.v1.WorkResponse
-	22, // 37: cronoq.v1.WorkerService.DeregisterWorker:output_type -> cronoq.v1.DeregisterWorkerResponse
-	24, // 38: cronoq.v1.WorkerService.ListWorkers:output_type -> cronoq.v1.ListWorkersResponse
-	32, // [32:39] is the sub-list for method output_type
-	25, // [25:32] is the sub-list for method input_type
-	25, // [25:25] is the sub-list for extension type_name
-	25, // [25:25] is the sub-list for extension extendee
-	0,  // [0:25] is the sub-list for field type_name
+	30, // 9: cronoq.v1.TaskSuccess.spawn:type_name -> cronoq.v1.SubmitTaskRequest
+	9,  // 10: cronoq.v1.TaskOutcome.success:type_name -> cronoq.v1.TaskSuccess
+	10, // 11: cronoq.v1.TaskOutcome.failure:type_name -> cronoq.v1.TaskFailure
+	11, // 12: cronoq.v1.TaskOutcome.cancelled:type_name -> cronoq.v1.TaskCancelled
+	12, // 13: cronoq.v1.TaskOutcome.released:type_name -> cronoq.v1.TaskReleased
+	13, // 14: cronoq.v1.TaskOutcome.snoozed:type_name -> cronoq.v1.TaskSnoozed
+	7,  // 15: cronoq.v1.TaskOutcome.report:type_name -> cronoq.v1.TaskReport
+	14, // 16: cronoq.v1.FinishTasksRequest.outcomes:type_name -> cronoq.v1.TaskOutcome
+	16, // 17: cronoq.v1.FinishTasksResponse.results:type_name -> cronoq.v1.FinishTaskResult
+	14, // 18: cronoq.v1.WorkRequest.outcomes:type_name -> cronoq.v1.TaskOutcome
+	19, // 19: cronoq.v1.WorkRequest.heartbeat:type_name -> cronoq.v1.WorkHeartbeat
+	5,  // 20: cronoq.v1.WorkHeartbeat.tasks:type_name -> cronoq.v1.TaskAttempt
+	7,  // 21: cronoq.v1.WorkHeartbeat.reports:type_name -> cronoq.v1.TaskReport
+	28, // 22: cronoq.v1.WorkResponse.tasks:type_name -> cronoq.v1.Task
+	16, // 23: cronoq.v1.WorkResponse.results:type_name -> cronoq.v1.FinishTaskResult
+	8,  // 24: cronoq.v1.WorkResponse.heartbeat:type_name -> cronoq.v1.HeartbeatResponse
+	0,  // 25: cronoq.v1.ListWorkersResponse.workers:type_name -> cronoq.v1.Worker
+	1,  // 26: cronoq.v1.WorkerService.RegisterWorker:input_type -> cronoq.v1.RegisterWorkerRequest
+	3,  // 27: cronoq.v1.WorkerService.LeaseTasks:input_type -> cronoq.v1.LeaseTasksRequest
+	6,  // 28: cronoq.v1.WorkerService.Heartbeat:input_type -> cronoq.v1.HeartbeatRequest
+	15, // 29: cronoq.v1.WorkerService.FinishTasks:input_type -> cronoq.v1.FinishTasksRequest
+	18, // 30: cronoq.v1.WorkerService.Work:input_type -> cronoq.v1.WorkRequest
+	21, // 31: cronoq.v1.WorkerService.DeregisterWorker:input_type -> cronoq.v1.DeregisterWorkerRequest
+	23, // 32: cronoq.v1.WorkerService.ListWorkers:input_type -> cronoq.v1.ListWorkersRequest
+	2,  // 33: cronoq.v1.WorkerService.RegisterWorker:output_type -> cronoq.v1.RegisterWorkerResponse
+	4,  // 34: cronoq.v1.WorkerService.LeaseTasks:output_type -> cronoq.v1.LeaseTasksResponse
+	8,  // 35: cronoq.v1.WorkerService.Heartbeat:output_type -> cronoq.v1.HeartbeatResponse
+	17, // 36: cronoq.v1.WorkerService.FinishTasks:output_type -> cronoq.v1.FinishTasksResponse
+	20, // 37: cronoq.v1.WorkerService.Work:output_type -> cronoq.v1.WorkResponse
+	22, // 38: cronoq.v1.WorkerService.DeregisterWorker:output_type -> cronoq.v1.DeregisterWorkerResponse
+	24, // 39: cronoq.v1.WorkerService.ListWorkers:output_type -> cronoq.v1.ListWorkersResponse
+	33, // [33:40] is the sub-list for method output_type
+	26, // [26:33] is the sub-list for method input_type
+	26, // [26:26] is the sub-list for extension type_name
+	26, // [26:26] is the sub-list for extension extendee
+	0,  // [0:26] is the sub-list for field type_name
 }
 
 func init() { file_cronoq_v1_worker_service_proto_init() }
@@ -1885,6 +1902,7 @@ func file_cronoq_v1_worker_service_proto_init() {
 	}
 	file_cronoq_v1_options_proto_init()
 	file_cronoq_v1_task_proto_init()
+	file_cronoq_v1_task_service_proto_init()
 	file_cronoq_v1_worker_service_proto_msgTypes[7].OneofWrappers = []any{}
 	file_cronoq_v1_worker_service_proto_msgTypes[14].OneofWrappers = []any{
 		(*TaskOutcome_Success)(nil),

@@ -76,6 +76,55 @@ export function taskStateToJSON(object: TaskState): string {
   }
 }
 
+/** When a task with dependencies runs. */
+export enum RunWhen {
+  /** RUN_WHEN_UNSPECIFIED - RUN_WHEN_DEPENDENCIES_SUCCEEDED. */
+  RUN_WHEN_UNSPECIFIED = 0,
+  /**
+   * RUN_WHEN_DEPENDENCIES_SUCCEEDED - Once every dependency has succeeded; a dependency that fails or is cancelled ends the task
+   * FAILED (or CANCELLED) with an error naming it, without running it.
+   */
+  RUN_WHEN_DEPENDENCIES_SUCCEEDED = 1,
+  /**
+   * RUN_WHEN_DEPENDENCIES_ENDED - Once every dependency has ended, whatever its outcome (a finalizer): the task runs and sees
+   * each dependency's state and error in Task.dependency_results.
+   */
+  RUN_WHEN_DEPENDENCIES_ENDED = 2,
+  UNRECOGNIZED = -1,
+}
+
+export function runWhenFromJSON(object: any): RunWhen {
+  switch (object) {
+    case 0:
+    case "RUN_WHEN_UNSPECIFIED":
+      return RunWhen.RUN_WHEN_UNSPECIFIED;
+    case 1:
+    case "RUN_WHEN_DEPENDENCIES_SUCCEEDED":
+      return RunWhen.RUN_WHEN_DEPENDENCIES_SUCCEEDED;
+    case 2:
+    case "RUN_WHEN_DEPENDENCIES_ENDED":
+      return RunWhen.RUN_WHEN_DEPENDENCIES_ENDED;
+    case -1:
+    case "UNRECOGNIZED":
+    default:
+      return RunWhen.UNRECOGNIZED;
+  }
+}
+
+export function runWhenToJSON(object: RunWhen): string {
+  switch (object) {
+    case RunWhen.RUN_WHEN_UNSPECIFIED:
+      return "RUN_WHEN_UNSPECIFIED";
+    case RunWhen.RUN_WHEN_DEPENDENCIES_SUCCEEDED:
+      return "RUN_WHEN_DEPENDENCIES_SUCCEEDED";
+    case RunWhen.RUN_WHEN_DEPENDENCIES_ENDED:
+      return "RUN_WHEN_DEPENDENCIES_ENDED";
+    case RunWhen.UNRECOGNIZED:
+    default:
+      return "UNRECOGNIZED";
+  }
+}
+
 /** How an attempt ended. */
 export enum AttemptOutcome {
   ATTEMPT_OUTCOME_UNSPECIFIED = 0,
@@ -199,12 +248,37 @@ export interface Task {
    */
   checkpoint: Buffer;
   /** The W3C trace context the task was submitted in (unset: none). */
-  trace: TraceContext | undefined;
+  trace:
+    | TraceContext
+    | undefined;
+  /**
+   * What the tasks it depends on ended with, in depends_on order: set on a leased task (and by
+   * GetTask with include_dependency_results). A dependency deleted since is left out.
+   */
+  dependencyResults: DependencyResult[];
+  /** The task whose handler spawned this one (TaskSuccess.spawn); 0: submitted by a caller. */
+  parentId: bigint;
+  /** When it runs, given its dependencies (SubmitTaskRequest.run_when, as resolved). */
+  runWhen: RunWhen;
 }
 
 export interface Task_ResourcesEntry {
   key: string;
   value: bigint;
+}
+
+/** How one dependency of a task ended. */
+export interface DependencyResult {
+  id: bigint;
+  /** Its key (empty: none). */
+  key: string;
+  state: TaskState;
+  /** Its handler's result (TaskSuccess.result) when it succeeded. */
+  result: Buffer;
+  /** The result's content type ("application/json" for a JSON result). */
+  contentType: string;
+  /** Why it failed or was cancelled. */
+  error: string;
 }
 
 /** A running handler's progress: a number (commonly a fraction from 0 to 1) and a short message. */
@@ -394,6 +468,9 @@ function createBaseTask(): Task {
     progress: undefined,
     checkpoint: Buffer.alloc(0),
     trace: undefined,
+    dependencyResults: [],
+    parentId: 0n,
+    runWhen: 0,
   };
 }
 
@@ -492,6 +569,18 @@ export const Task: MessageFns<Task> = {
     }
     if (message.trace !== undefined) {
       TraceContext.encode(message.trace, writer.uint32(218).fork()).join();
+    }
+    for (const v of message.dependencyResults) {
+      DependencyResult.encode(v!, writer.uint32(226).fork()).join();
+    }
+    if (message.parentId !== 0n) {
+      if (BigInt.asUintN(64, message.parentId) !== message.parentId) {
+        throw new globalThis.Error("value provided for field message.parentId of type uint64 too large");
+      }
+      writer.uint32(232).uint64(message.parentId);
+    }
+    if (message.runWhen !== 0) {
+      writer.uint32(240).int32(message.runWhen);
     }
     return writer;
   },
@@ -738,6 +827,30 @@ export const Task: MessageFns<Task> = {
             message.trace = TraceContext.decode(reader, reader.uint32());
             continue;
           }
+          case 28: {
+            if (tag !== 226) {
+              break;
+            }
+
+            message.dependencyResults.push(DependencyResult.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 29: {
+            if (tag !== 232) {
+              break;
+            }
+
+            message.parentId = reader.uint64() as bigint;
+            continue;
+          }
+          case 30: {
+            if (tag !== 240) {
+              break;
+            }
+
+            message.runWhen = reader.int32() as any;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -844,6 +957,21 @@ export const Task: MessageFns<Task> = {
       progress: isSet(object.progress) ? TaskProgress.fromJSON(object.progress) : undefined,
       checkpoint: isSet(object.checkpoint) ? Buffer.from(bytesFromBase64(object.checkpoint)) : Buffer.alloc(0),
       trace: isSet(object.trace) ? TraceContext.fromJSON(object.trace) : undefined,
+      dependencyResults: globalThis.Array.isArray(object?.dependencyResults)
+        ? object.dependencyResults.map((e: any) => DependencyResult.fromJSON(e))
+        : globalThis.Array.isArray(object?.dependency_results)
+        ? object.dependency_results.map((e: any) => DependencyResult.fromJSON(e))
+        : [],
+      parentId: isSet(object.parentId)
+        ? BigInt(object.parentId)
+        : isSet(object.parent_id)
+        ? BigInt(object.parent_id)
+        : 0n,
+      runWhen: isSet(object.runWhen)
+        ? runWhenFromJSON(object.runWhen)
+        : isSet(object.run_when)
+        ? runWhenFromJSON(object.run_when)
+        : 0,
     };
   },
 
@@ -936,6 +1064,15 @@ export const Task: MessageFns<Task> = {
     if (message.trace !== undefined) {
       obj.trace = TraceContext.toJSON(message.trace);
     }
+    if (message.dependencyResults?.length) {
+      obj.dependencyResults = message.dependencyResults.map((e) => DependencyResult.toJSON(e));
+    }
+    if (message.parentId !== 0n) {
+      obj.parentId = message.parentId.toString();
+    }
+    if (message.runWhen !== 0) {
+      obj.runWhen = runWhenToJSON(message.runWhen);
+    }
     return obj;
   },
 
@@ -993,6 +1130,9 @@ export const Task: MessageFns<Task> = {
     message.trace = (object.trace !== undefined && object.trace !== null)
       ? TraceContext.fromPartial(object.trace)
       : undefined;
+    message.dependencyResults = object.dependencyResults?.map((e) => DependencyResult.fromPartial(e)) || [];
+    message.parentId = (object.parentId !== undefined && object.parentId !== null) ? BigInt(object.parentId) : 0n;
+    message.runWhen = object.runWhen ?? 0;
     return message;
   },
 };
@@ -1081,6 +1221,162 @@ export const Task_ResourcesEntry: MessageFns<Task_ResourcesEntry> = {
     const message = createBaseTask_ResourcesEntry();
     message.key = object.key ?? "";
     message.value = (object.value !== undefined && object.value !== null) ? BigInt(object.value) : 0n;
+    return message;
+  },
+};
+
+function createBaseDependencyResult(): DependencyResult {
+  return { id: 0n, key: "", state: 0, result: Buffer.alloc(0), contentType: "", error: "" };
+}
+
+export const DependencyResult: MessageFns<DependencyResult> = {
+  encode(message: DependencyResult, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.id !== 0n) {
+      if (BigInt.asUintN(64, message.id) !== message.id) {
+        throw new globalThis.Error("value provided for field message.id of type uint64 too large");
+      }
+      writer.uint32(8).uint64(message.id);
+    }
+    if (message.key !== "") {
+      writer.uint32(18).string(message.key);
+    }
+    if (message.state !== 0) {
+      writer.uint32(24).int32(message.state);
+    }
+    if (message.result.length !== 0) {
+      writer.uint32(34).bytes(message.result);
+    }
+    if (message.contentType !== "") {
+      writer.uint32(42).string(message.contentType);
+    }
+    if (message.error !== "") {
+      writer.uint32(50).string(message.error);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): DependencyResult {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseDependencyResult();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.id = reader.uint64() as bigint;
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.key = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.state = reader.int32() as any;
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.result = Buffer.from(reader.bytes());
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.contentType = reader.string();
+            continue;
+          }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.error = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): DependencyResult {
+    return {
+      id: isSet(object.id) ? BigInt(object.id) : 0n,
+      key: isSet(object.key) ? globalThis.String(object.key) : "",
+      state: isSet(object.state) ? taskStateFromJSON(object.state) : 0,
+      result: isSet(object.result) ? Buffer.from(bytesFromBase64(object.result)) : Buffer.alloc(0),
+      contentType: isSet(object.contentType)
+        ? globalThis.String(object.contentType)
+        : isSet(object.content_type)
+        ? globalThis.String(object.content_type)
+        : "",
+      error: isSet(object.error) ? globalThis.String(object.error) : "",
+    };
+  },
+
+  toJSON(message: DependencyResult): unknown {
+    const obj: any = {};
+    if (message.id !== 0n) {
+      obj.id = message.id.toString();
+    }
+    if (message.key !== "") {
+      obj.key = message.key;
+    }
+    if (message.state !== 0) {
+      obj.state = taskStateToJSON(message.state);
+    }
+    if (message.result.length !== 0) {
+      obj.result = base64FromBytes(message.result);
+    }
+    if (message.contentType !== "") {
+      obj.contentType = message.contentType;
+    }
+    if (message.error !== "") {
+      obj.error = message.error;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<DependencyResult>, I>>(base?: I): DependencyResult {
+    return DependencyResult.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<DependencyResult>, I>>(object: I): DependencyResult {
+    const message = createBaseDependencyResult();
+    message.id = (object.id !== undefined && object.id !== null) ? BigInt(object.id) : 0n;
+    message.key = object.key ?? "";
+    message.state = object.state ?? 0;
+    message.result = object.result ?? Buffer.alloc(0);
+    message.contentType = object.contentType ?? "";
+    message.error = object.error ?? "";
     return message;
   },
 };

@@ -23,6 +23,9 @@ import {
 import { Timestamp } from "../../google/protobuf/timestamp.js";
 import {
   Attempt,
+  RunWhen,
+  runWhenFromJSON,
+  runWhenToJSON,
   Task,
   TaskEvent,
   TaskRef,
@@ -75,7 +78,17 @@ export interface SubmitTaskRequest {
    * The caller's trace context (SDKs take it from the current span): stored with the task, kept
    * by its retries and given to its handler with the leased task. link is ignored.
    */
-  trace: TraceContext | undefined;
+  trace:
+    | TraceContext
+    | undefined;
+  /**
+   * When it runs, given its dependencies (unset: once every one has succeeded). The results of
+   * its dependencies reach its handler (Task.dependency_results): together at most
+   * limits.max_dependency_results_bytes, so a submission whose ended dependencies' results are
+   * already over that is refused (RESOURCE_EXHAUSTED, naming them), and a task whose
+   * dependencies end with more ends FAILED, naming them, without running.
+   */
+  runWhen: RunWhen;
 }
 
 export interface SubmitTaskRequest_ResourcesEntry {
@@ -112,6 +125,10 @@ export interface GetTaskRequest {
   includeDependents: boolean;
   /** Also return the task's attempts (GetTaskResponse.attempts). */
   includeAttempts: boolean;
+  /** Also return the tasks it spawned (GetTaskResponse.children). */
+  includeChildren: boolean;
+  /** Also fill the task's dependency_results, as its handler sees them. */
+  includeDependencyResults: boolean;
 }
 
 export interface GetTaskResponse {
@@ -127,6 +144,12 @@ export interface GetTaskResponse {
    * ATTEMPT_OUTCOME_RUNNING, no ended_at).
    */
   attempts: Attempt[];
+  /**
+   * With include_children: the tasks its handler spawned (their parent_id is its id), in pools
+   * the caller may read, in id order, at most 1,000 (ListTasks with filter.parent_id pages
+   * through them all), without payload, result or checkpoint.
+   */
+  children: Task[];
 }
 
 export interface WaitTaskRequest {
@@ -147,11 +170,26 @@ export interface WaitTaskResponse {
 }
 
 export interface CancelTaskRequest {
-  task: TaskRef | undefined;
+  task:
+    | TaskRef
+    | undefined;
+  /**
+   * Also cancel the tasks it spawned, theirs, and so on, with the tasks that depend on any of
+   * them, in one transaction (a workflow is in one shard). The caller needs cancel on each
+   * one's pool; one in a pool it may not cancel is left as it is.
+   */
+  includeDescendants: boolean;
 }
 
 export interface CancelTaskResponse {
-  task: Task | undefined;
+  task:
+    | Task
+    | undefined;
+  /**
+   * With include_descendants: how many of its descendants this call cancelled (or asked to
+   * stop, when running).
+   */
+  descendantsCancelled: bigint;
 }
 
 export interface RetryTaskRequest {
@@ -207,6 +245,8 @@ export interface TaskFilter {
   errorContains: string;
   /** Only these tasks (at most 1000 ids). */
   ids: bigint[];
+  /** Only the tasks spawned by this task's handler (Task.parent_id). */
+  parentId: bigint;
 }
 
 /** What a bulk action did in one shard. */
@@ -338,6 +378,7 @@ function createBaseSubmitTaskRequest(): SubmitTaskRequest {
     timeoutMs: 0n,
     groupKey: "",
     trace: undefined,
+    runWhen: 0,
   };
 }
 
@@ -384,6 +425,9 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
     }
     if (message.trace !== undefined) {
       TraceContext.encode(message.trace, writer.uint32(106).fork()).join();
+    }
+    if (message.runWhen !== 0) {
+      writer.uint32(112).int32(message.runWhen);
     }
     return writer;
   },
@@ -508,6 +552,14 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
             message.trace = TraceContext.decode(reader, reader.uint32());
             continue;
           }
+          case 14: {
+            if (tag !== 112) {
+              break;
+            }
+
+            message.runWhen = reader.int32() as any;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -576,6 +628,11 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
         ? globalThis.String(object.group_key)
         : "",
       trace: isSet(object.trace) ? TraceContext.fromJSON(object.trace) : undefined,
+      runWhen: isSet(object.runWhen)
+        ? runWhenFromJSON(object.runWhen)
+        : isSet(object.run_when)
+        ? runWhenFromJSON(object.run_when)
+        : 0,
     };
   },
 
@@ -626,6 +683,9 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
     if (message.trace !== undefined) {
       obj.trace = TraceContext.toJSON(message.trace);
     }
+    if (message.runWhen !== 0) {
+      obj.runWhen = runWhenToJSON(message.runWhen);
+    }
     return obj;
   },
 
@@ -659,6 +719,7 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
     message.trace = (object.trace !== undefined && object.trace !== null)
       ? TraceContext.fromPartial(object.trace)
       : undefined;
+    message.runWhen = object.runWhen ?? 0;
     return message;
   },
 };
@@ -1036,7 +1097,13 @@ export const SubmitBatchResponse: MessageFns<SubmitBatchResponse> = {
 };
 
 function createBaseGetTaskRequest(): GetTaskRequest {
-  return { task: undefined, includeDependents: false, includeAttempts: false };
+  return {
+    task: undefined,
+    includeDependents: false,
+    includeAttempts: false,
+    includeChildren: false,
+    includeDependencyResults: false,
+  };
 }
 
 export const GetTaskRequest: MessageFns<GetTaskRequest> = {
@@ -1049,6 +1116,12 @@ export const GetTaskRequest: MessageFns<GetTaskRequest> = {
     }
     if (message.includeAttempts !== false) {
       writer.uint32(24).bool(message.includeAttempts);
+    }
+    if (message.includeChildren !== false) {
+      writer.uint32(32).bool(message.includeChildren);
+    }
+    if (message.includeDependencyResults !== false) {
+      writer.uint32(40).bool(message.includeDependencyResults);
     }
     return writer;
   },
@@ -1090,6 +1163,22 @@ export const GetTaskRequest: MessageFns<GetTaskRequest> = {
             message.includeAttempts = reader.bool();
             continue;
           }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.includeChildren = reader.bool();
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.includeDependencyResults = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1115,6 +1204,16 @@ export const GetTaskRequest: MessageFns<GetTaskRequest> = {
         : isSet(object.include_attempts)
         ? globalThis.Boolean(object.include_attempts)
         : false,
+      includeChildren: isSet(object.includeChildren)
+        ? globalThis.Boolean(object.includeChildren)
+        : isSet(object.include_children)
+        ? globalThis.Boolean(object.include_children)
+        : false,
+      includeDependencyResults: isSet(object.includeDependencyResults)
+        ? globalThis.Boolean(object.includeDependencyResults)
+        : isSet(object.include_dependency_results)
+        ? globalThis.Boolean(object.include_dependency_results)
+        : false,
     };
   },
 
@@ -1129,6 +1228,12 @@ export const GetTaskRequest: MessageFns<GetTaskRequest> = {
     if (message.includeAttempts !== false) {
       obj.includeAttempts = message.includeAttempts;
     }
+    if (message.includeChildren !== false) {
+      obj.includeChildren = message.includeChildren;
+    }
+    if (message.includeDependencyResults !== false) {
+      obj.includeDependencyResults = message.includeDependencyResults;
+    }
     return obj;
   },
 
@@ -1140,12 +1245,14 @@ export const GetTaskRequest: MessageFns<GetTaskRequest> = {
     message.task = (object.task !== undefined && object.task !== null) ? TaskRef.fromPartial(object.task) : undefined;
     message.includeDependents = object.includeDependents ?? false;
     message.includeAttempts = object.includeAttempts ?? false;
+    message.includeChildren = object.includeChildren ?? false;
+    message.includeDependencyResults = object.includeDependencyResults ?? false;
     return message;
   },
 };
 
 function createBaseGetTaskResponse(): GetTaskResponse {
-  return { task: undefined, unavailableShards: [], dependents: [], attempts: [] };
+  return { task: undefined, unavailableShards: [], dependents: [], attempts: [], children: [] };
 }
 
 export const GetTaskResponse: MessageFns<GetTaskResponse> = {
@@ -1168,6 +1275,9 @@ export const GetTaskResponse: MessageFns<GetTaskResponse> = {
     }
     for (const v of message.attempts) {
       Attempt.encode(v!, writer.uint32(34).fork()).join();
+    }
+    for (const v of message.children) {
+      Task.encode(v!, writer.uint32(42).fork()).join();
     }
     return writer;
   },
@@ -1227,6 +1337,14 @@ export const GetTaskResponse: MessageFns<GetTaskResponse> = {
             message.attempts.push(Attempt.decode(reader, reader.uint32()));
             continue;
           }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.children.push(Task.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1249,6 +1367,7 @@ export const GetTaskResponse: MessageFns<GetTaskResponse> = {
         : [],
       dependents: globalThis.Array.isArray(object?.dependents) ? object.dependents.map((e: any) => BigInt(e)) : [],
       attempts: globalThis.Array.isArray(object?.attempts) ? object.attempts.map((e: any) => Attempt.fromJSON(e)) : [],
+      children: globalThis.Array.isArray(object?.children) ? object.children.map((e: any) => Task.fromJSON(e)) : [],
     };
   },
 
@@ -1266,6 +1385,9 @@ export const GetTaskResponse: MessageFns<GetTaskResponse> = {
     if (message.attempts?.length) {
       obj.attempts = message.attempts.map((e) => Attempt.toJSON(e));
     }
+    if (message.children?.length) {
+      obj.children = message.children.map((e) => Task.toJSON(e));
+    }
     return obj;
   },
 
@@ -1278,6 +1400,7 @@ export const GetTaskResponse: MessageFns<GetTaskResponse> = {
     message.unavailableShards = object.unavailableShards?.map((e) => e) || [];
     message.dependents = object.dependents?.map((e) => BigInt(e)) || [];
     message.attempts = object.attempts?.map((e) => Attempt.fromPartial(e)) || [];
+    message.children = object.children?.map((e) => Task.fromPartial(e)) || [];
     return message;
   },
 };
@@ -1477,13 +1600,16 @@ export const WaitTaskResponse: MessageFns<WaitTaskResponse> = {
 };
 
 function createBaseCancelTaskRequest(): CancelTaskRequest {
-  return { task: undefined };
+  return { task: undefined, includeDescendants: false };
 }
 
 export const CancelTaskRequest: MessageFns<CancelTaskRequest> = {
   encode(message: CancelTaskRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
     if (message.task !== undefined) {
       TaskRef.encode(message.task, writer.uint32(10).fork()).join();
+    }
+    if (message.includeDescendants !== false) {
+      writer.uint32(16).bool(message.includeDescendants);
     }
     return writer;
   },
@@ -1509,6 +1635,14 @@ export const CancelTaskRequest: MessageFns<CancelTaskRequest> = {
             message.task = TaskRef.decode(reader, reader.uint32());
             continue;
           }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.includeDescendants = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1522,13 +1656,23 @@ export const CancelTaskRequest: MessageFns<CancelTaskRequest> = {
   },
 
   fromJSON(object: any): CancelTaskRequest {
-    return { task: isSet(object.task) ? TaskRef.fromJSON(object.task) : undefined };
+    return {
+      task: isSet(object.task) ? TaskRef.fromJSON(object.task) : undefined,
+      includeDescendants: isSet(object.includeDescendants)
+        ? globalThis.Boolean(object.includeDescendants)
+        : isSet(object.include_descendants)
+        ? globalThis.Boolean(object.include_descendants)
+        : false,
+    };
   },
 
   toJSON(message: CancelTaskRequest): unknown {
     const obj: any = {};
     if (message.task !== undefined) {
       obj.task = TaskRef.toJSON(message.task);
+    }
+    if (message.includeDescendants !== false) {
+      obj.includeDescendants = message.includeDescendants;
     }
     return obj;
   },
@@ -1539,18 +1683,25 @@ export const CancelTaskRequest: MessageFns<CancelTaskRequest> = {
   fromPartial<I extends Exact<DeepPartial<CancelTaskRequest>, I>>(object: I): CancelTaskRequest {
     const message = createBaseCancelTaskRequest();
     message.task = (object.task !== undefined && object.task !== null) ? TaskRef.fromPartial(object.task) : undefined;
+    message.includeDescendants = object.includeDescendants ?? false;
     return message;
   },
 };
 
 function createBaseCancelTaskResponse(): CancelTaskResponse {
-  return { task: undefined };
+  return { task: undefined, descendantsCancelled: 0n };
 }
 
 export const CancelTaskResponse: MessageFns<CancelTaskResponse> = {
   encode(message: CancelTaskResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
     if (message.task !== undefined) {
       Task.encode(message.task, writer.uint32(10).fork()).join();
+    }
+    if (message.descendantsCancelled !== 0n) {
+      if (BigInt.asIntN(64, message.descendantsCancelled) !== message.descendantsCancelled) {
+        throw new globalThis.Error("value provided for field message.descendantsCancelled of type int64 too large");
+      }
+      writer.uint32(16).int64(message.descendantsCancelled);
     }
     return writer;
   },
@@ -1576,6 +1727,14 @@ export const CancelTaskResponse: MessageFns<CancelTaskResponse> = {
             message.task = Task.decode(reader, reader.uint32());
             continue;
           }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.descendantsCancelled = reader.int64() as bigint;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1589,13 +1748,23 @@ export const CancelTaskResponse: MessageFns<CancelTaskResponse> = {
   },
 
   fromJSON(object: any): CancelTaskResponse {
-    return { task: isSet(object.task) ? Task.fromJSON(object.task) : undefined };
+    return {
+      task: isSet(object.task) ? Task.fromJSON(object.task) : undefined,
+      descendantsCancelled: isSet(object.descendantsCancelled)
+        ? BigInt(object.descendantsCancelled)
+        : isSet(object.descendants_cancelled)
+        ? BigInt(object.descendants_cancelled)
+        : 0n,
+    };
   },
 
   toJSON(message: CancelTaskResponse): unknown {
     const obj: any = {};
     if (message.task !== undefined) {
       obj.task = Task.toJSON(message.task);
+    }
+    if (message.descendantsCancelled !== 0n) {
+      obj.descendantsCancelled = message.descendantsCancelled.toString();
     }
     return obj;
   },
@@ -1606,6 +1775,9 @@ export const CancelTaskResponse: MessageFns<CancelTaskResponse> = {
   fromPartial<I extends Exact<DeepPartial<CancelTaskResponse>, I>>(object: I): CancelTaskResponse {
     const message = createBaseCancelTaskResponse();
     message.task = (object.task !== undefined && object.task !== null) ? Task.fromPartial(object.task) : undefined;
+    message.descendantsCancelled = (object.descendantsCancelled !== undefined && object.descendantsCancelled !== null)
+      ? BigInt(object.descendantsCancelled)
+      : 0n;
     return message;
   },
 };
@@ -1963,6 +2135,7 @@ function createBaseTaskFilter(): TaskFilter {
     keyPrefix: "",
     errorContains: "",
     ids: [],
+    parentId: 0n,
   };
 }
 
@@ -2005,6 +2178,12 @@ export const TaskFilter: MessageFns<TaskFilter> = {
         writer.uint64(v);
       }
       writer.join();
+    }
+    if (message.parentId !== 0n) {
+      if (BigInt.asUintN(64, message.parentId) !== message.parentId) {
+        throw new globalThis.Error("value provided for field message.parentId of type uint64 too large");
+      }
+      writer.uint32(80).uint64(message.parentId);
     }
     return writer;
   },
@@ -2114,6 +2293,14 @@ export const TaskFilter: MessageFns<TaskFilter> = {
 
             break;
           }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.parentId = reader.uint64() as bigint;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2163,6 +2350,11 @@ export const TaskFilter: MessageFns<TaskFilter> = {
       ids: globalThis.Array.isArray(object?.ids)
         ? object.ids.map((e: any) => BigInt(e))
         : [],
+      parentId: isSet(object.parentId)
+        ? BigInt(object.parentId)
+        : isSet(object.parent_id)
+        ? BigInt(object.parent_id)
+        : 0n,
     };
   },
 
@@ -2195,6 +2387,9 @@ export const TaskFilter: MessageFns<TaskFilter> = {
     if (message.ids?.length) {
       obj.ids = message.ids.map((e) => e.toString());
     }
+    if (message.parentId !== 0n) {
+      obj.parentId = message.parentId.toString();
+    }
     return obj;
   },
 
@@ -2220,6 +2415,7 @@ export const TaskFilter: MessageFns<TaskFilter> = {
     message.keyPrefix = object.keyPrefix ?? "";
     message.errorContains = object.errorContains ?? "";
     message.ids = object.ids?.map((e) => BigInt(e)) || [];
+    message.parentId = (object.parentId !== undefined && object.parentId !== null) ? BigInt(object.parentId) : 0n;
     return message;
   },
 };

@@ -22,6 +22,7 @@ import {
 } from "@grpc/grpc-js";
 import { Timestamp } from "../../google/protobuf/timestamp.js";
 import { Task, TaskProgress } from "./task.js";
+import { SubmitTaskRequest } from "./task_service.js";
 
 export const protobufPackage = "cronoq.v1";
 
@@ -138,6 +139,15 @@ export interface HeartbeatResponse {
 export interface TaskSuccess {
   result: Buffer;
   contentType: string;
+  /**
+   * Tasks to submit with the success, in the same transaction: the task never ends SUCCEEDED
+   * without them, and none is created for an attempt whose success is refused. At most
+   * limits.max_batch_size; each is in a pool of the task's shard the worker's principal may
+   * submit to, records parent_id (the task's id) and may depend on the task and, by key, on the
+   * others of this list. When they cannot be submitted (a pool of another shard, a permission,
+   * a key of another pool), the attempt fails with the reason, not retryable.
+   */
+  spawn: SubmitTaskRequest[];
 }
 
 export interface TaskFailure {
@@ -1724,7 +1734,7 @@ export const HeartbeatResponse: MessageFns<HeartbeatResponse> = {
 };
 
 function createBaseTaskSuccess(): TaskSuccess {
-  return { result: Buffer.alloc(0), contentType: "" };
+  return { result: Buffer.alloc(0), contentType: "", spawn: [] };
 }
 
 export const TaskSuccess: MessageFns<TaskSuccess> = {
@@ -1734,6 +1744,9 @@ export const TaskSuccess: MessageFns<TaskSuccess> = {
     }
     if (message.contentType !== "") {
       writer.uint32(18).string(message.contentType);
+    }
+    for (const v of message.spawn) {
+      SubmitTaskRequest.encode(v!, writer.uint32(26).fork()).join();
     }
     return writer;
   },
@@ -1767,6 +1780,14 @@ export const TaskSuccess: MessageFns<TaskSuccess> = {
             message.contentType = reader.string();
             continue;
           }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.spawn.push(SubmitTaskRequest.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1787,6 +1808,7 @@ export const TaskSuccess: MessageFns<TaskSuccess> = {
         : isSet(object.content_type)
         ? globalThis.String(object.content_type)
         : "",
+      spawn: globalThis.Array.isArray(object?.spawn) ? object.spawn.map((e: any) => SubmitTaskRequest.fromJSON(e)) : [],
     };
   },
 
@@ -1798,6 +1820,9 @@ export const TaskSuccess: MessageFns<TaskSuccess> = {
     if (message.contentType !== "") {
       obj.contentType = message.contentType;
     }
+    if (message.spawn?.length) {
+      obj.spawn = message.spawn.map((e) => SubmitTaskRequest.toJSON(e));
+    }
     return obj;
   },
 
@@ -1808,6 +1833,7 @@ export const TaskSuccess: MessageFns<TaskSuccess> = {
     const message = createBaseTaskSuccess();
     message.result = object.result ?? Buffer.alloc(0);
     message.contentType = object.contentType ?? "";
+    message.spawn = object.spawn?.map((e) => SubmitTaskRequest.fromPartial(e)) || [];
     return message;
   },
 };
