@@ -31,6 +31,12 @@ pub use proto::AttemptOutcome;
 pub type PoolPause = proto::PoolPause;
 /// What a bulk action did in one shard (the generated cronoq.v1.BulkShardResult).
 pub type BulkShardResult = proto::BulkShardResult;
+/// How one dependency of a task ended (the generated cronoq.v1.DependencyResult): its id,
+/// key, state (`dep.state()`), result and content type, and error.
+pub type DependencyResult = proto::DependencyResult;
+/// When a task with dependencies runs: once all succeeded (the default), or once all ended
+/// whatever their outcome (`RunWhen::DependenciesEnded`: a finalizer).
+pub use proto::RunWhen;
 
 /// Marks payloads and results stored as JSON.
 pub const JSON_CONTENT_TYPE: &str = "application/json";
@@ -47,6 +53,20 @@ pub enum TaskRef {
 impl From<u64> for TaskRef {
     fn from(id: u64) -> TaskRef {
         TaskRef::Id(id)
+    }
+}
+
+/// A key.
+impl From<&str> for TaskRef {
+    fn from(key: &str) -> TaskRef {
+        TaskRef::Key(key.to_string())
+    }
+}
+
+/// A key.
+impl From<String> for TaskRef {
+    fn from(key: String) -> TaskRef {
+        TaskRef::Key(key)
     }
 }
 
@@ -80,6 +100,9 @@ pub struct TaskSpec {
     pub max_attempts: i32,
     /// Tasks of the same shard (a batch may name its own keys).
     pub depends_on: Vec<TaskRef>,
+    /// When it runs, given its dependencies: `Unspecified` (once all succeeded) or
+    /// `DependenciesEnded` (once all ended, whatever their outcome).
+    pub run_when: RunWhen,
     /// Units of named resources an attempt holds while it runs.
     pub resources: HashMap<String, i64>,
     /// The timeout of each attempt (capped by the pool's); None: the pool's.
@@ -145,9 +168,18 @@ impl TaskSpec {
         self
     }
 
-    /// Runs only once `task` has succeeded (same shard).
+    /// Runs only once `task` has succeeded (same shard; see [`TaskSpec::run_when`]). Its
+    /// result reaches the handler (`ctx.dependency_results()`).
     pub fn depends_on(mut self, task: impl Into<TaskRef>) -> TaskSpec {
         self.depends_on.push(task.into());
+        self
+    }
+
+    /// When it runs, given its dependencies: `RunWhen::DependenciesEnded` makes it a
+    /// finalizer, run once every dependency has ended whatever its outcome (its handler
+    /// sees their states and errors).
+    pub fn run_when(mut self, run_when: RunWhen) -> TaskSpec {
+        self.run_when = run_when;
         self
     }
 
@@ -181,7 +213,7 @@ impl TaskSpec {
         self
     }
 
-    fn proto(&self) -> proto::SubmitTaskRequest {
+    pub(crate) fn proto(&self) -> proto::SubmitTaskRequest {
         proto::SubmitTaskRequest {
             pool: self.pool.clone(),
             key: self.key.clone(),
@@ -196,6 +228,7 @@ impl TaskSpec {
             timeout_ms: self.timeout.map_or(0, |t| t.as_millis().max(1) as i64),
             group_key: self.group_key.clone(),
             trace: self.trace.clone().or_else(crate::otel::current_trace),
+            run_when: self.run_when as i32,
         }
     }
 }
@@ -228,6 +261,15 @@ fn decode_json<T: serde::de::DeserializeOwned>(
     };
     serde_json::from_slice(data)
         .map_err(|e| Error::InvalidArgument(format!("task {id}: decoding the {what}: {e}")))
+}
+
+impl DependencyResult {
+    /// Reads the dependency's JSON result (null when empty), as [`decode_result`] reads a
+    /// task's: an error when its content type is not JSON (it has no result unless it
+    /// succeeded; `result` holds any other content type's bytes).
+    pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T, Error> {
+        decode_json(&self.result, &self.content_type, "result", self.id)
+    }
 }
 
 /// Whether a task in this state will not change again.
@@ -275,6 +317,44 @@ pub struct ListOptions {
     pub page_token: String,
     /// Only the tasks that match it, as a bulk action matches them (any state may be named).
     pub filter: Option<TaskFilter>,
+}
+
+/// What [`Client::get_with`] reads besides the task.
+#[derive(Debug, Clone, Default)]
+pub struct GetTaskOptions {
+    /// Its attempts, oldest first.
+    pub include_attempts: bool,
+    /// The tasks its handler spawned (at most 1,000; a [`TaskFilter`]'s parent_id lists
+    /// them all).
+    pub include_children: bool,
+    /// Its dependencies' results, as its handler sees them (`task.dependency_results`).
+    pub include_dependency_results: bool,
+    /// The ids of the tasks waiting for it (at most 100).
+    pub include_dependents: bool,
+}
+
+/// A task and what [`GetTaskOptions`] asked for ([`Client::get_with`]).
+#[derive(Debug, Clone, Default)]
+pub struct TaskDetails {
+    /// The task as it is now.
+    pub task: Task,
+    /// Its attempts, oldest first (with include_attempts).
+    pub attempts: Vec<Attempt>,
+    /// The tasks its handler spawned, in id order, without payload, result or checkpoint
+    /// (with include_children).
+    pub children: Vec<Task>,
+    /// The ids of the tasks waiting for it, in id order (with include_dependents).
+    pub dependents: Vec<u64>,
+}
+
+/// A cancellation's answer ([`Client::cancel_with_descendants`]).
+#[derive(Debug, Clone)]
+pub struct Cancelled {
+    /// The task, CANCELLED (or asked to stop, when running).
+    pub task: Task,
+    /// How many of the tasks it spawned (transitively) and their dependents were cancelled
+    /// (or asked to stop).
+    pub descendants_cancelled: i64,
 }
 
 /// A task and its attempts, oldest first ([`Client::get_with_attempts`]).
@@ -327,6 +407,8 @@ pub struct TaskFilter {
     pub error_contains: String,
     /// Only these tasks (at most 1000).
     pub ids: Vec<u64>,
+    /// Only the tasks this task's handler spawned (0: any).
+    pub parent_id: u64,
 }
 
 impl TaskFilter {
@@ -342,6 +424,7 @@ impl TaskFilter {
             key_prefix: self.key_prefix.clone(),
             error_contains: self.error_contains.clone(),
             ids: self.ids.clone(),
+            parent_id: self.parent_id,
         }
     }
 }
@@ -469,36 +552,50 @@ impl Client {
 
     /// Reads one task.
     pub async fn get(&self, task: impl Into<TaskRef>) -> Result<Task, Error> {
-        let resp = self.get_task(task.into(), false).await?;
-        Ok(resp.task.unwrap_or_default())
+        Ok(self.get_with(task, GetTaskOptions::default()).await?.task)
     }
 
     /// Reads one task with its attempts, oldest first.
     pub async fn get_with_attempts(&self, task: impl Into<TaskRef>) -> Result<TaskAttempts, Error> {
-        let resp = self.get_task(task.into(), true).await?;
+        let opts = GetTaskOptions {
+            include_attempts: true,
+            ..GetTaskOptions::default()
+        };
+        let got = self.get_with(task, opts).await?;
         Ok(TaskAttempts {
-            task: resp.task.unwrap_or_default(),
-            attempts: resp.attempts,
+            task: got.task,
+            attempts: got.attempts,
         })
     }
 
-    async fn get_task(
+    /// Reads one task with what `opts` asks for: its attempts, the tasks its handler
+    /// spawned, its dependencies' results, the tasks waiting for it.
+    pub async fn get_with(
         &self,
-        task: TaskRef,
-        include_attempts: bool,
-    ) -> Result<proto::GetTaskResponse, Error> {
+        task: impl Into<TaskRef>,
+        opts: GetTaskOptions,
+    ) -> Result<TaskDetails, Error> {
         let req = proto::GetTaskRequest {
-            task: Some(task.proto()),
-            include_attempts,
-            ..Default::default()
+            task: Some(task.into().proto()),
+            include_dependents: opts.include_dependents,
+            include_attempts: opts.include_attempts,
+            include_children: opts.include_children,
+            include_dependency_results: opts.include_dependency_results,
         };
         let timeout = self.conn.timeout;
-        self.conn
+        let resp = self
+            .conn
             .invoke("GetTask", timeout, |ch| {
                 let r = self.conn.request(req.clone(), Some(timeout));
                 async move { tasks(ch).get_task(r).await }
             })
-            .await
+            .await?;
+        Ok(TaskDetails {
+            task: resp.task.unwrap_or_default(),
+            attempts: resp.attempts,
+            children: resp.children,
+            dependents: resp.dependents,
+        })
     }
 
     /// Blocks until the task is terminal or `timeout` passes (then `done` is false).
@@ -523,8 +620,27 @@ impl Client {
 
     /// Requests the task's cancellation and returns it.
     pub async fn cancel(&self, task: impl Into<TaskRef>) -> Result<Task, Error> {
+        Ok(self.cancel_task(task.into(), false).await?.task)
+    }
+
+    /// Requests the cancellation of the task, of the tasks its handler spawned, theirs and
+    /// so on, and of the tasks that depend on any of them, at once (those in pools the
+    /// caller may not cancel are left as they are).
+    pub async fn cancel_with_descendants(
+        &self,
+        task: impl Into<TaskRef>,
+    ) -> Result<Cancelled, Error> {
+        self.cancel_task(task.into(), true).await
+    }
+
+    async fn cancel_task(
+        &self,
+        task: TaskRef,
+        include_descendants: bool,
+    ) -> Result<Cancelled, Error> {
         let req = proto::CancelTaskRequest {
-            task: Some(task.into().proto()),
+            task: Some(task.proto()),
+            include_descendants,
         };
         let timeout = self.conn.timeout;
         let resp = self
@@ -534,7 +650,10 @@ impl Client {
                 async move { tasks(ch).cancel_task(r).await }
             })
             .await?;
-        Ok(resp.task.unwrap_or_default())
+        Ok(Cancelled {
+            task: resp.task.unwrap_or_default(),
+            descendants_cancelled: resp.descendants_cancelled,
+        })
     }
 
     /// Makes a FAILED or CANCELLED task PENDING again, keeping its attempts and their

@@ -10,8 +10,8 @@ use crate::proto;
 use crate::proto::admin_service_server::{AdminService, AdminServiceServer};
 use crate::proto::task_service_server::{TaskService, TaskServiceServer};
 use crate::{
-    AttemptOutcome, Client, Code, Options, RetryConfig, RetryTaskOptions, TaskFilter, TaskRef,
-    TaskSpec, TaskState,
+    AttemptOutcome, Client, Code, GetTaskOptions, Options, RetryConfig, RetryTaskOptions, RunWhen,
+    TaskFilter, TaskRef, TaskSpec, TaskState,
 };
 
 /// A request of the calls that read or change existing tasks and pools, as the fake got it.
@@ -20,6 +20,7 @@ pub(crate) enum Call {
     Submit(proto::SubmitTaskRequest),
     SubmitBatch(proto::SubmitBatchRequest),
     Get(proto::GetTaskRequest),
+    Cancel(proto::CancelTaskRequest),
     Retry(proto::RetryTaskRequest),
     Delete(proto::DeleteTaskRequest),
     CancelTasks(proto::CancelTasksRequest),
@@ -159,13 +160,43 @@ impl TaskService for Fake {
         } else {
             Vec::new()
         };
+        let children = if req.include_children {
+            (id + 1..=id + 2)
+                .map(|child| proto::Task {
+                    id: child,
+                    parent_id: id,
+                    ..Default::default()
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let dependency_results = if req.include_dependency_results {
+            vec![proto::DependencyResult {
+                id: 3,
+                key: "extract".into(),
+                state: TaskState::Succeeded as i32,
+                result: b"7".to_vec(),
+                content_type: "application/json".into(),
+                error: String::new(),
+            }]
+        } else {
+            Vec::new()
+        };
         Ok(Response::new(proto::GetTaskResponse {
             task: Some(proto::Task {
                 id,
                 state: TaskState::Failed as i32,
+                dependency_results,
                 ..Default::default()
             }),
             attempts,
+            children,
+            dependents: if req.include_dependents {
+                vec![u64::MAX]
+            } else {
+                Vec::new()
+            },
             ..Default::default()
         }))
     }
@@ -179,9 +210,18 @@ impl TaskService for Fake {
 
     async fn cancel_task(
         &self,
-        _: Request<proto::CancelTaskRequest>,
+        request: Request<proto::CancelTaskRequest>,
     ) -> Result<Response<proto::CancelTaskResponse>, Status> {
-        Err(Status::unimplemented("fake"))
+        let req = request.into_inner();
+        self.record(Call::Cancel(req.clone()));
+        Ok(Response::new(proto::CancelTaskResponse {
+            task: Some(proto::Task {
+                id: id_of(&req.task),
+                state: TaskState::Cancelled as i32,
+                ..Default::default()
+            }),
+            descendants_cancelled: if req.include_descendants { 5 } else { 0 },
+        }))
     }
 
     async fn retry_task(
@@ -522,6 +562,104 @@ async fn get_with_attempts_asks_for_them_and_get_does_not() {
 }
 
 #[tokio::test]
+async fn submit_sends_run_when_and_dependencies_by_key_and_id() {
+    let (endpoint, fake) = serve(0).await;
+    let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
+    let finalizer = TaskSpec::new("default")
+        .depends_on("extract")
+        .depends_on(u64::MAX)
+        .run_when(RunWhen::DependenciesEnded);
+    client.submit(finalizer).await.unwrap();
+    client.submit(TaskSpec::new("default")).await.unwrap();
+    let sent: Vec<_> = fake
+        .calls()
+        .into_iter()
+        .filter_map(|c| match c {
+            Call::Submit(r) => Some((r.run_when(), r.depends_on)),
+            _ => None,
+        })
+        .collect();
+    let by_id = proto::TaskRef {
+        r#ref: Some(proto::task_ref::Ref::Id(u64::MAX)),
+    };
+    assert_eq!(
+        sent,
+        vec![
+            (
+                RunWhen::DependenciesEnded,
+                vec![key("extract").unwrap(), by_id]
+            ),
+            (RunWhen::Unspecified, vec![]),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn get_with_asks_for_children_and_dependency_results_and_answers_them() {
+    let (endpoint, fake) = serve(0).await;
+    let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
+    let opts = GetTaskOptions {
+        include_children: true,
+        include_dependency_results: true,
+        include_dependents: true,
+        ..GetTaskOptions::default()
+    };
+    let got = client
+        .get_with(TaskRef::Key("join".into()), opts)
+        .await
+        .unwrap();
+    assert_eq!(got.task.id, 42);
+    let children: Vec<_> = got.children.iter().map(|c| (c.id, c.parent_id)).collect();
+    assert_eq!(children, vec![(43, 42), (44, 42)]);
+    assert_eq!(got.dependents, vec![u64::MAX]);
+    let dep = &got.task.dependency_results[0];
+    assert_eq!(
+        (dep.key.as_str(), dep.state()),
+        ("extract", TaskState::Succeeded)
+    );
+    assert_eq!(dep.json::<i64>().unwrap(), 7);
+    assert!(got.attempts.is_empty());
+    client.get(7).await.unwrap();
+    assert_eq!(
+        fake.calls(),
+        vec![
+            Call::Get(proto::GetTaskRequest {
+                task: key("join"),
+                include_dependents: true,
+                include_attempts: false,
+                include_children: true,
+                include_dependency_results: true,
+            }),
+            Call::Get(proto::GetTaskRequest {
+                task: Some(proto::TaskRef {
+                    r#ref: Some(proto::task_ref::Ref::Id(7)),
+                }),
+                ..Default::default()
+            }),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn cancel_with_descendants_asks_for_them_and_cancel_does_not() {
+    let (endpoint, fake) = serve(0).await;
+    let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
+    let cancelled = client.cancel_with_descendants("root").await.unwrap();
+    assert_eq!(cancelled.task.state(), TaskState::Cancelled);
+    assert_eq!(cancelled.descendants_cancelled, 5);
+    assert_eq!(client.cancel(9).await.unwrap().id, 9);
+    let asked: Vec<_> = fake
+        .calls()
+        .into_iter()
+        .map(|c| match c {
+            Call::Cancel(r) => (id_of(&r.task), r.include_descendants),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(asked, vec![(42, true), (9, false)]);
+}
+
+#[tokio::test]
 async fn bulk_actions_send_the_whole_filter_and_answer_per_shard() {
     let (endpoint, fake) = serve(0).await;
     let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
@@ -535,6 +673,7 @@ async fn bulk_actions_send_the_whole_filter_and_answer_per_shard() {
         key_prefix: "op-".into(),
         error_contains: "boom".into(),
         ids: vec![u64::MAX, 5],
+        parent_id: u64::MAX - 2,
     };
     let sent = proto::TaskFilter {
         pool: "llm".into(),
@@ -546,6 +685,7 @@ async fn bulk_actions_send_the_whole_filter_and_answer_per_shard() {
         key_prefix: "op-".into(),
         error_contains: "boom".into(),
         ids: vec![u64::MAX, 5],
+        parent_id: u64::MAX - 2,
     };
 
     let counted = client.cancel_tasks(&filter, true).await.unwrap();

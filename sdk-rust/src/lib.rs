@@ -17,10 +17,10 @@ mod worker;
 mod worker_tests;
 
 pub use client::{
-    Attempt, AttemptOutcome, BulkResult, BulkShardResult, Client, JSON_CONTENT_TYPE, ListOptions,
-    PoolPause, Retried, RetryTaskOptions, Submitted, Task, TaskAttempts, TaskFilter, TaskRef,
-    TaskSpec, TaskState, Waited, WatchOptions, decode_payload, decode_result, is_terminal,
-    new_request_id,
+    Attempt, AttemptOutcome, BulkResult, BulkShardResult, Cancelled, Client, DependencyResult,
+    GetTaskOptions, JSON_CONTENT_TYPE, ListOptions, PoolPause, Retried, RetryTaskOptions, RunWhen,
+    Submitted, Task, TaskAttempts, TaskDetails, TaskFilter, TaskRef, TaskSpec, TaskState, Waited,
+    WatchOptions, decode_payload, decode_result, is_terminal, new_request_id,
 };
 pub use error::{Error, RpcError, code_name};
 pub use otel::TRACER_NAME;

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::Code;
 use tonic::transport::Channel;
 
-use crate::client::{JSON_CONTENT_TYPE, Task};
+use crate::client::{DependencyResult, JSON_CONTENT_TYPE, Task, TaskRef, TaskSpec};
 use crate::error::Error;
 use crate::otel::{Ended, TaskSpan};
 use crate::proto;
@@ -168,10 +168,11 @@ impl<E: std::error::Error> From<E> for TaskError {
 }
 
 /// What a handler gets: the task as leased (through `Deref`: `ctx.id`, `ctx.attempt`,
-/// `cronoq::decode_payload(&ctx)`), and the reports it makes while it runs: its progress and
-/// its checkpoint, which the worker's next heartbeat carries (the last of each; what no
-/// heartbeat got acknowledged goes with the outcome). Cheap to clone; usable from any thread
-/// or task while the handler runs (a report made after it returned is not sent).
+/// `cronoq::decode_payload(&ctx)`) with its dependencies' results, and the reports it makes
+/// while it runs: its progress and its checkpoint, which the worker's next heartbeat carries
+/// (the last of each; what no heartbeat got acknowledged goes with the outcome), and the
+/// tasks it spawns, sent with its success. Cheap to clone; usable from any thread or task
+/// while the handler runs (a report or spawn made after it returned is not sent).
 #[derive(Debug, Clone)]
 pub struct TaskContext {
     task: Arc<Task>,
@@ -196,6 +197,56 @@ impl TaskContext {
     /// How many times a handler snoozed the task ([`TaskError::snooze`]).
     pub fn snoozes(&self) -> i32 {
         self.task.snoozes
+    }
+
+    /// How each task it depends on ended, in the order it named them: id, key, state,
+    /// result (`dep.json::<T>()` reads a JSON one; `dep.result` holds the bytes of any other
+    /// content type) and error. A finalizer (`RunWhen::DependenciesEnded`) sees failed and
+    /// cancelled ones too.
+    pub fn dependency_results(&self) -> &[DependencyResult] {
+        &self.task.dependency_results
+    }
+
+    /// The dependency named by key (`ctx.dependency("extract")`) or by id; an
+    /// `Error::InvalidArgument` naming it when the task does not depend on it.
+    pub fn dependency(&self, dependency: impl Into<TaskRef>) -> Result<&DependencyResult, Error> {
+        let dependency = dependency.into();
+        self.task
+            .dependency_results
+            .iter()
+            .find(|d| match &dependency {
+                TaskRef::Id(id) => d.id == *id,
+                TaskRef::Key(key) => d.key == *key,
+            })
+            .ok_or_else(|| {
+                let named = match &dependency {
+                    TaskRef::Id(id) => format!("id {id}"),
+                    TaskRef::Key(key) => format!("key {key:?}"),
+                };
+                Error::InvalidArgument(format!(
+                    "dependency: task {} has no dependency of {named}",
+                    self.task.id
+                ))
+            })
+    }
+
+    /// Spawns a task, submitted with this attempt's success in the same transaction (none is
+    /// created unless the handler succeeds; nothing is sent when it fails or snoozes). It
+    /// must be in a pool of this task's shard. Its parent is this task (`Task.parent_id`);
+    /// it may depend on this task (`.depends_on(ctx.id)`) and, by key, on the other tasks
+    /// spawned with it (a join: `.depends_on("part-1")`). The server fails the attempt
+    /// (not retryable), creating none, when one cannot be submitted. With the `otel`
+    /// feature and no trace of its own, it carries the handler's trace context.
+    pub fn spawn(&self, mut spec: TaskSpec) {
+        if spec.trace.is_none() {
+            spec.trace = crate::otel::current_trace();
+        }
+        self.pending.lock().unwrap().spawned.push(spec);
+    }
+
+    /// The tasks spawned so far, in order (what a success sends; for a handler's tests).
+    pub fn spawned(&self) -> Vec<TaskSpec> {
+        self.pending.lock().unwrap().spawned.clone()
     }
 
     /// The task's checkpoint: the last one saved, by this handler or else by an earlier
@@ -287,6 +338,8 @@ struct Pending {
     saved: Option<Vec<u8>>,
     /// The version of `saved` while it is not acknowledged.
     saved_version: Option<u64>,
+    /// The tasks spawned, sent with the success.
+    spawned: Vec<TaskSpec>,
 }
 
 impl Pending {
@@ -1409,7 +1462,7 @@ impl Shared {
         } else {
             handle.await
         };
-        let (running, report, max_result, to_start, worker_id, stopping) = {
+        let (running, report, spawned, max_result, to_start, worker_id, stopping) = {
             let mut st = self.st.lock().unwrap();
             let running = match st.running.get(&id) {
                 Some(r) if r.seq == seq => st.running.remove(&id),
@@ -1419,6 +1472,9 @@ impl Shared {
             let report = running
                 .as_ref()
                 .and_then(|r| r.pending.lock().unwrap().take(id, attempt));
+            let spawned = running.as_ref().map_or_else(Vec::new, |r| {
+                std::mem::take(&mut r.pending.lock().unwrap().spawned)
+            });
             if let Some(r) = &running {
                 st.freed += 1;
                 if !r.lost {
@@ -1432,6 +1488,7 @@ impl Shared {
             (
                 running,
                 report,
+                spawned,
                 st.max_result_bytes,
                 to_start,
                 worker_id,
@@ -1462,10 +1519,7 @@ impl Shared {
                 false,
                 None,
             ),
-            Ok(Ok(result)) => Outcome::Success(proto::TaskSuccess {
-                result: result.data,
-                content_type: result.content_type,
-            }),
+            Ok(Ok(result)) => success(result, &spawned),
             _ if running.cancel_requested => Outcome::Cancelled(proto::TaskCancelled {
                 reason: "cancelled".to_string(),
             }),
@@ -1520,6 +1574,35 @@ impl Shared {
             }
         }
     }
+}
+
+/// A success with the tasks its handler spawned (each with the trace it was spawned in), or a
+/// failure when they are more than one message carries (it would be refused again and again).
+fn success(result: TaskResult, spawned: &[TaskSpec]) -> Outcome {
+    let spawn: Vec<proto::SubmitTaskRequest> = spawned
+        .iter()
+        .map(|spec| proto::SubmitTaskRequest {
+            trace: spec.trace.clone(),
+            ..spec.proto()
+        })
+        .collect();
+    let outcome = proto::TaskSuccess {
+        result: result.data,
+        content_type: result.content_type,
+        spawn,
+    };
+    let size = outcome.encoded_len() as u64 + FRAMING;
+    if size > MAX_REQUEST_BYTES {
+        return failure(
+            format!(
+                "spawn: {} tasks and the result take {size} bytes, more than a message carries ({MAX_REQUEST_BYTES})",
+                spawned.len()
+            ),
+            false,
+            None,
+        );
+    }
+    Outcome::Success(outcome)
 }
 
 /// A failed attempt: retried while attempts remain if `retryable`, no sooner than `after`.

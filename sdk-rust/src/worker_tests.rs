@@ -12,8 +12,8 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::proto;
 use crate::proto::worker_service_server::{WorkerService, WorkerServiceServer};
 use crate::{
-    CancellationToken, Options, RetryConfig, Task, TaskContext, TaskError, TaskResult, Worker,
-    WorkerOptions,
+    CancellationToken, Code, Options, RetryConfig, RunWhen, Task, TaskContext, TaskError,
+    TaskResult, TaskSpec, TaskState, Worker, WorkerOptions,
 };
 
 #[derive(Default)]
@@ -1169,6 +1169,142 @@ async fn a_handler_runs_outside_a_worker_with_a_context_made_from_a_task() {
     assert!(ctx.save_checkpoint(vec![0; 262_145]).is_err());
     let result = sleeper(ctx, CancellationToken::new()).await.unwrap();
     assert_eq!(result, TaskResult::json(&0).unwrap());
+}
+
+#[tokio::test]
+async fn a_handler_reads_its_dependencies_by_key_or_id_decoded_as_payloads_are() {
+    let dependency = |id, key: &str, state, result: &[u8], content_type: &str, error: &str| {
+        proto::DependencyResult {
+            id,
+            key: key.into(),
+            state: state as i32,
+            result: result.to_vec(),
+            content_type: content_type.into(),
+            error: error.into(),
+        }
+    };
+    let ctx = TaskContext::from(Task {
+        dependency_results: vec![
+            dependency(
+                u64::MAX,
+                "wf-a",
+                TaskState::Succeeded,
+                b"[1,2]",
+                "application/json",
+                "",
+            ),
+            dependency(
+                5,
+                "",
+                TaskState::Succeeded,
+                b"\x00\xff",
+                "application/octet-stream",
+                "",
+            ),
+            dependency(6, "wf-c", TaskState::Failed, b"", "", "boom"),
+        ],
+        ..task(9, 0)
+    });
+    let in_order: Vec<u64> = ctx.dependency_results().iter().map(|d| d.id).collect();
+    assert_eq!(in_order, vec![u64::MAX, 5, 6], "depends_on order");
+    let by_key = ctx.dependency("wf-a").unwrap();
+    assert_eq!(by_key.json::<Vec<i64>>().unwrap(), vec![1, 2]);
+    assert_eq!(ctx.dependency(u64::MAX).unwrap(), by_key);
+    let raw = ctx.dependency(5).unwrap();
+    assert_eq!(raw.result, b"\x00\xff");
+    let err = raw.json::<serde_json::Value>().unwrap_err();
+    assert!(
+        err.message().contains("task 5: the result is not JSON"),
+        "{err}"
+    );
+    let failed = ctx.dependency(String::from("wf-c")).unwrap();
+    assert_eq!(
+        (failed.state(), failed.error.as_str()),
+        (TaskState::Failed, "boom")
+    );
+    for (missing, named) in [
+        (ctx.dependency("wf-x").unwrap_err(), "key \"wf-x\""),
+        (ctx.dependency(7).unwrap_err(), "id 7"),
+    ] {
+        assert_eq!(missing.code(), Code::InvalidArgument);
+        assert!(
+            missing
+                .message()
+                .contains(&format!("task 9 has no dependency of {named}")),
+            "{missing}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn spawned_tasks_ride_the_success_and_nothing_else() {
+    use proto::task_outcome::Outcome;
+    let tasks = (1..=3).map(|id| task(id, 0)).collect();
+    let rec = run_tasks(
+        FakeShard {
+            tasks: Mutex::new(tasks),
+            ..Default::default()
+        },
+        |ctx: TaskContext, _| async move {
+            ctx.spawn(
+                TaskSpec::new("default")
+                    .json(&serde_json::json!({"n": 1}))?
+                    .key("part-1"),
+            );
+            ctx.spawn(
+                TaskSpec::new("default")
+                    .key("join")
+                    .depends_on("part-1")
+                    .depends_on(ctx.id)
+                    .run_when(RunWhen::DependenciesEnded),
+            );
+            assert_eq!(ctx.spawned().len(), 2);
+            match ctx.id {
+                1 => TaskResult::json(&"spawned"),
+                2 => Err(TaskError::non_retryable("failed after spawning")),
+                _ => Err(TaskError::snooze(Duration::ZERO, "later")),
+            }
+        },
+    )
+    .await;
+    let rec = rec.lock().unwrap();
+    let Some(Outcome::Success(success)) = outcome_of(&rec, 1).outcome else {
+        panic!("task 1 succeeds");
+    };
+    let by_key = |key: &str| proto::TaskRef {
+        r#ref: Some(proto::task_ref::Ref::Key(key.into())),
+    };
+    let expected = vec![
+        proto::SubmitTaskRequest {
+            pool: "default".into(),
+            key: "part-1".into(),
+            payload: br#"{"n":1}"#.to_vec(),
+            content_type: "application/json".into(),
+            ..Default::default()
+        },
+        proto::SubmitTaskRequest {
+            pool: "default".into(),
+            key: "join".into(),
+            depends_on: vec![
+                by_key("part-1"),
+                proto::TaskRef {
+                    r#ref: Some(proto::task_ref::Ref::Id(1)),
+                },
+            ],
+            run_when: RunWhen::DependenciesEnded as i32,
+            ..Default::default()
+        },
+    ];
+    assert_eq!(success.spawn, expected);
+    assert_eq!(success.result, br#""spawned""#);
+    assert!(matches!(
+        outcome_of(&rec, 2).outcome,
+        Some(Outcome::Failure(_))
+    ));
+    assert!(matches!(
+        outcome_of(&rec, 3).outcome,
+        Some(Outcome::Snoozed(_))
+    ));
 }
 
 /// A field's value as a log record carried it: text (a string, or a value formatted with `%`
