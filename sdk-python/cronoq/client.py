@@ -1,4 +1,5 @@
 """The async Client: tasks (submit, submit_batch, get, wait, cancel, retry, delete, list, watch),
+workflows (run_when, a task's children and dependency results, cancel with its descendants),
 bulk actions by filter (cancel_tasks, retry_tasks, delete_tasks), workers, schedules, pools
 (pause_pool, resume_pool) and the cluster's snapshot.
 
@@ -49,6 +50,7 @@ Attempt = task_pb2.Attempt
 AttemptOutcome = task_pb2.AttemptOutcome
 TaskFilter = pb.TaskFilter
 TraceContext = task_pb2.TraceContext
+RunWhen = task_pb2.RunWhen
 PoolPause = admin_service_pb2.PoolPause
 TERMINAL_STATES = frozenset({task_pb2.TASK_STATE_SUCCEEDED, task_pb2.TASK_STATE_FAILED, task_pb2.TASK_STATE_CANCELLED})
 # A bulk action goes through its matches in bounded batches on every shard: it may take minutes.
@@ -87,6 +89,46 @@ def result_of(task: Task) -> Any:
     return decode(task.result, task.result_content_type)
 
 
+@dataclass(frozen=True)
+class DependencyResult:
+    """How one dependency of a task ended: its id, key ("" none), state (a TaskState value),
+    value (its result decoded: the JSON value of a JSON result, else bytes; None when it has
+    none, e.g. it failed) and error ("" none)."""
+
+    id: int
+    key: str
+    state: int
+    value: Any
+    error: str
+
+
+def dependencies_of(task: Task) -> list[DependencyResult]:
+    """The task's dependency results (a leased task's, or GetTask's with
+    include_dependency_results), decoded, in depends_on order."""
+    return [
+        DependencyResult(d.id, d.key, d.state, decode(d.result, d.content_type) if d.result else None, d.error)
+        for d in task.dependency_results
+    ]
+
+
+# run_when's names: "succeeded" (the default) and "ended" (a finalizer: runs whatever they ended with).
+RUN_WHEN_NAMES = {
+    "succeeded": task_pb2.RUN_WHEN_DEPENDENCIES_SUCCEEDED,
+    "ended": task_pb2.RUN_WHEN_DEPENDENCIES_ENDED,
+}
+
+
+def run_when_value(run_when: str | int | None) -> int:
+    """A RunWhen value from "succeeded", "ended", a RunWhen value, or None (unspecified)."""
+    if run_when is None:
+        return task_pb2.RUN_WHEN_UNSPECIFIED
+    if isinstance(run_when, str) and run_when in RUN_WHEN_NAMES:
+        return RUN_WHEN_NAMES[run_when]
+    if isinstance(run_when, int) and not isinstance(run_when, bool) and run_when in RunWhen.values():
+        return run_when
+    raise ValueError(f"run_when: {run_when!r} is not 'succeeded', 'ended' or a RunWhen value")
+
+
 def task_spec(
     pool: str,
     payload: Any = None,
@@ -97,12 +139,16 @@ def task_spec(
     delay: float | None = None,
     max_attempts: int = 0,
     depends_on: Sequence[TaskRefLike] = (),
+    run_when: str | int | None = None,
     resources: Mapping[str, int] | None = None,
     timeout: float | None = None,
     group_key: str | None = None,
     trace: TraceContext | None = None,
 ) -> pb.SubmitTaskRequest:
     """One task to submit. payload: bytes, or any JSON value. delay: seconds from now.
+    depends_on: ids (int) and keys (str) of tasks it waits for; run_when: when it runs, given
+    them: "succeeded" (the default: once all succeeded) or "ended" (once all ended, however:
+    a finalizer, which sees their states and errors in its dependency results).
     timeout: seconds each attempt may run (capped by the pool's); the worker cancels it then.
     group_key: the task's group (a tenant, a user); in a pool with max_running_per_group, at
     most that many tasks of one group run at once. trace: the W3C trace context the task is
@@ -116,6 +162,7 @@ def task_spec(
         priority=priority,
         max_attempts=max_attempts,
         depends_on=[task_ref(r) for r in depends_on],
+        run_when=run_when_value(run_when),  # type: ignore[arg-type]
         resources=dict(resources or {}),
         timeout_ms=max(int(timeout * 1000), 1) if timeout is not None else 0,
         group_key=group_key or "",
@@ -151,15 +198,18 @@ def task_filter(
     key_prefix: str | None = None,
     error_contains: str | None = None,
     ids: Sequence[int] = (),
+    parent_id: int | None = None,
 ) -> pb.TaskFilter:
     """Which tasks a bulk action (or a listing) applies to: those that match every part given
-    (times are timezone-aware datetimes). No states: every state the action applies to."""
+    (times are timezone-aware datetimes). No states: every state the action applies to.
+    parent_id: only the tasks that task's handler spawned."""
     req = pb.TaskFilter(
         pool=pool or "",
         states=list(states),  # type: ignore[arg-type]
         key_prefix=key_prefix or "",
         error_contains=error_contains or "",
         ids=list(ids),
+        parent_id=parent_id or 0,
     )
     for field, when in (
         ("created_after", created_after),
@@ -294,16 +344,56 @@ class Client:
         return await self._call("SubmitBatch", req)
 
     @overload
-    async def get(self, ref: TaskRefLike, *, include_attempts: Literal[False] = False) -> Task: ...
+    async def get(
+        self,
+        ref: TaskRefLike,
+        *,
+        include_attempts: Literal[False] = False,
+        include_children: Literal[False] = False,
+        include_dependency_results: bool = False,
+    ) -> Task: ...
 
     @overload
-    async def get(self, ref: TaskRefLike, *, include_attempts: Literal[True]) -> pb.GetTaskResponse: ...
+    async def get(
+        self,
+        ref: TaskRefLike,
+        *,
+        include_attempts: Literal[True],
+        include_children: bool = False,
+        include_dependency_results: bool = False,
+    ) -> pb.GetTaskResponse: ...
 
-    async def get(self, ref: TaskRefLike, *, include_attempts: bool = False) -> Task | pb.GetTaskResponse:
-        """The task; with include_attempts, the whole GetTaskResponse: .task and .attempts
-        (every attempt, oldest first, with its worker, times, outcome and error)."""
-        resp = await self._call("GetTask", pb.GetTaskRequest(task=task_ref(ref), include_attempts=include_attempts))
-        return resp if include_attempts else resp.task
+    @overload
+    async def get(
+        self,
+        ref: TaskRefLike,
+        *,
+        include_attempts: bool = False,
+        include_children: Literal[True],
+        include_dependency_results: bool = False,
+    ) -> pb.GetTaskResponse: ...
+
+    async def get(
+        self,
+        ref: TaskRefLike,
+        *,
+        include_attempts: bool = False,
+        include_children: bool = False,
+        include_dependency_results: bool = False,
+    ) -> Task | pb.GetTaskResponse:
+        """The task; with include_attempts or include_children, the whole GetTaskResponse: .task,
+        .attempts (every attempt, oldest first, with its worker, times, outcome and error) and
+        .children (the tasks its handler spawned, in id order, at most 1,000, without payload or
+        result: list with task_filter(parent_id=...) for them all). include_dependency_results:
+        the task's dependency_results are filled (dependencies_of decodes them)."""
+        req = pb.GetTaskRequest(
+            task=task_ref(ref),
+            include_attempts=include_attempts,
+            include_children=include_children,
+            include_dependency_results=include_dependency_results,
+        )
+        resp = await self._call("GetTask", req)
+        return resp if include_attempts or include_children else resp.task
 
     async def wait(self, ref: TaskRefLike, timeout: float = 30.0) -> WaitResult:
         """Blocks until the task is terminal or timeout seconds pass."""
@@ -311,8 +401,20 @@ class Client:
         resp = await self._call("WaitTask", req, timeout=timeout + self._timeout)
         return WaitResult(resp.task, resp.done)
 
-    async def cancel(self, ref: TaskRefLike) -> Task:
-        return (await self._call("CancelTask", pb.CancelTaskRequest(task=task_ref(ref)))).task
+    @overload
+    async def cancel(self, ref: TaskRefLike, *, include_descendants: Literal[False] = False) -> Task: ...
+
+    @overload
+    async def cancel(self, ref: TaskRefLike, *, include_descendants: Literal[True]) -> pb.CancelTaskResponse: ...
+
+    async def cancel(self, ref: TaskRefLike, *, include_descendants: bool = False) -> Task | pb.CancelTaskResponse:
+        """Cancels the task: a PENDING or BLOCKED one ends CANCELLED, a RUNNING one is asked to
+        stop. With include_descendants, also the tasks it spawned, theirs, and so on, with the
+        tasks that depend on any of them; the whole CancelTaskResponse is returned: .task and
+        .descendants_cancelled (how many of them this call cancelled or asked to stop)."""
+        req = pb.CancelTaskRequest(task=task_ref(ref), include_descendants=include_descendants)
+        resp = await self._call("CancelTask", req)
+        return resp if include_descendants else resp.task
 
     async def retry(self, ref: TaskRefLike, *, run_at: dt.datetime | None = None, extra_attempts: int = 0) -> Retried:
         """A FAILED or CANCELLED task back to PENDING, due at run_at (default: now), keeping its

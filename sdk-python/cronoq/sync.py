@@ -53,19 +53,65 @@ class SyncClient:
         return self._run(self._client.submit_batch(specs, request_id=request_id))
 
     @overload
-    def get(self, ref: TaskRefLike, *, include_attempts: Literal[False] = False) -> Task: ...
+    def get(
+        self,
+        ref: TaskRefLike,
+        *,
+        include_attempts: Literal[False] = False,
+        include_children: Literal[False] = False,
+        include_dependency_results: bool = False,
+    ) -> Task: ...
 
     @overload
-    def get(self, ref: TaskRefLike, *, include_attempts: Literal[True]) -> pb.GetTaskResponse: ...
+    def get(
+        self,
+        ref: TaskRefLike,
+        *,
+        include_attempts: Literal[True],
+        include_children: bool = False,
+        include_dependency_results: bool = False,
+    ) -> pb.GetTaskResponse: ...
 
-    def get(self, ref: TaskRefLike, *, include_attempts: bool = False) -> Task | pb.GetTaskResponse:
-        return self._run(self._client.get(ref, include_attempts=include_attempts))  # type: ignore[call-overload]
+    @overload
+    def get(
+        self,
+        ref: TaskRefLike,
+        *,
+        include_attempts: bool = False,
+        include_children: Literal[True],
+        include_dependency_results: bool = False,
+    ) -> pb.GetTaskResponse: ...
+
+    def get(
+        self,
+        ref: TaskRefLike,
+        *,
+        include_attempts: bool = False,
+        include_children: bool = False,
+        include_dependency_results: bool = False,
+    ) -> Task | pb.GetTaskResponse:
+        """Client.get (the same options and answers)."""
+        return self._run(
+            self._client.get(  # type: ignore[call-overload]
+                ref,
+                include_attempts=include_attempts,
+                include_children=include_children,
+                include_dependency_results=include_dependency_results,
+            )
+        )
 
     def wait(self, ref: TaskRefLike, timeout: float = 30.0) -> WaitResult:
         return self._run(self._client.wait(ref, timeout))
 
-    def cancel(self, ref: TaskRefLike) -> Task:
-        return self._run(self._client.cancel(ref))
+    @overload
+    def cancel(self, ref: TaskRefLike, *, include_descendants: Literal[False] = False) -> Task: ...
+
+    @overload
+    def cancel(self, ref: TaskRefLike, *, include_descendants: Literal[True]) -> pb.CancelTaskResponse: ...
+
+    def cancel(self, ref: TaskRefLike, *, include_descendants: bool = False) -> Task | pb.CancelTaskResponse:
+        """Client.cancel (with include_descendants: the CancelTaskResponse)."""
+        return self._run(self._client.cancel(ref, include_descendants=include_descendants))  # type: ignore[call-overload]
 
     def retry(self, ref: TaskRefLike, *, run_at: dt.datetime | None = None, extra_attempts: int = 0) -> Retried:
         return self._run(self._client.retry(ref, run_at=run_at, extra_attempts=extra_attempts))
@@ -88,9 +134,19 @@ class SyncClient:
         return self._run(self._client.delete_tasks(filter, dry_run=dry_run, timeout=timeout))
 
     def list(
-        self, pool: str = "", state: int = 0, page_size: int = 100, page_token: str = "", *, newest_first: bool = False
+        self,
+        pool: str = "",
+        state: int = 0,
+        page_size: int = 100,
+        page_token: str = "",
+        *,
+        newest_first: bool = False,
+        filter: pb.TaskFilter | None = None,
     ) -> pb.ListTasksResponse:
-        return self._run(self._client.list(pool, state, page_size, page_token, newest_first=newest_first))
+        """Client.list (filter: see task_filter, e.g. parent_id for the tasks one spawned)."""
+        return self._run(
+            self._client.list(pool, state, page_size, page_token, newest_first=newest_first, filter=filter)
+        )
 
     def watch(self, pool: str | None = None, **options: Any) -> Iterator[TaskEvent]:
         """Client.watch as a generator (same options); close it, or break out, to stop."""

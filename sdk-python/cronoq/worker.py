@@ -13,6 +13,7 @@ shutdown that gives unfinished tasks back to the server.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import os
@@ -37,7 +38,7 @@ from ._transport import (
     TlsConfig,
     call_once,
 )
-from .client import Task, decode, encode_payload
+from .client import DependencyResult, Task, TaskRefLike, decode, dependencies_of, encode_payload, task_spec
 from .errors import (
     Cancelled,
     CronoqError,
@@ -54,6 +55,7 @@ from .errors import (
 )
 from .v1 import task_pb2, worker_service_pb2_grpc
 from .v1 import worker_service_pb2 as pb
+from .v1.task_service_pb2 import SubmitTaskRequest
 
 log = logging.getLogger("cronoq.worker")
 
@@ -151,8 +153,9 @@ class Snooze(Exception):
 
 
 class TaskContext:
-    """What a handler gets: the task, its decoded payload, its cancellation, and the means to
-    report its progress and save a checkpoint.
+    """What a handler gets: the task, its decoded payload, what its dependencies ended with, its
+    cancellation, the means to report its progress and save a checkpoint, and spawn: tasks
+    submitted with its success (none when it fails, snoozes or is cancelled).
 
     Reports are kept until the worker's next heartbeat carries them: the last progress and the
     last checkpoint, each pending until the heartbeat that carried it is answered (a stream that
@@ -173,6 +176,7 @@ class TaskContext:
         self._version = 0
         self._progress: tuple[int, task_pb2.TaskProgress] | None = None
         self._saved: tuple[int, bytes] | None = None
+        self._spawned: list[SubmitTaskRequest] = []  # sent with the success outcome only
 
     @property
     def id(self) -> int:
@@ -203,6 +207,52 @@ class TaskContext:
     def snoozes(self) -> int:
         """How many times handlers snoozed the task (snoozes are not attempts)."""
         return self.task.snoozes
+
+    @functools.cached_property
+    def dependencies(self) -> list[DependencyResult]:
+        """How each task it depends on ended, in depends_on order: id, key, state, value (its
+        result: the JSON value of a JSON result, else bytes; None when it has none) and error.
+        A task that runs when they ended (run_when "ended") sees FAILED and CANCELLED ones too."""
+        return dependencies_of(self.task)
+
+    @property
+    def dependency_results(self) -> dict[int, Any]:
+        """Each dependency's result value by its id."""
+        return {d.id: d.value for d in self.dependencies}
+
+    def dependency(self, key_or_id: TaskRefLike) -> Any:
+        """The result value of the dependency with this key (str) or id (int). KeyError: the task
+        does not depend on it (or it was deleted)."""
+        field = "key" if isinstance(key_or_id, str) else "id"
+        for d in self.dependencies:
+            if key_or_id != "" and getattr(d, field) == key_or_id:
+                return d.value
+        raise KeyError(f"{key_or_id!r} is not a dependency of task {self.id}")
+
+    def spawn(
+        self,
+        pool: str,
+        payload: Any = None,
+        *,
+        key: str | None = None,
+        depends_on: Sequence[TaskRefLike] = (),
+        run_when: str | int | None = None,
+        priority: int = 0,
+        content_type: str | None = None,
+    ) -> None:
+        """Submits a task with this handler's success: the server creates it as the task ends
+        SUCCEEDED, in the same transaction, with parent_id this task's id; nothing is created
+        when the handler fails, snoozes or is cancelled, nor when the success is refused.
+        payload: bytes, or any JSON value (content_type: another type for bytes). depends_on:
+        keys (str) of tasks spawned with it, and ids (int), e.g. this task's own (ctx.id).
+        run_when: as submit's. The server fails the attempt, not retryable, when it cannot
+        create them (a pool of another shard, a permission, more than its max_batch_size)."""
+        req = task_spec(pool, payload, key=key, priority=priority, depends_on=depends_on, run_when=run_when)
+        if content_type is not None:
+            req.content_type = content_type
+        _tracing.set_current_trace(req)  # the handler's span: the children continue its trace
+        with self._lock:
+            self._spawned.append(req)
 
     @property
     def checkpoint(self) -> bytes | None:
@@ -718,6 +768,8 @@ class Worker:
             else:
                 outcome.success.result = data
                 outcome.success.content_type = content_type
+                with ctx._lock:
+                    outcome.success.spawn.extend(ctx._spawned)
         except Snooze as snooze:
             outcome.snoozed.CopyFrom(pb.TaskSnoozed(snooze_ms=snooze.snooze_ms, reason=snooze.reason))
         except TaskError as err:

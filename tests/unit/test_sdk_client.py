@@ -1,4 +1,5 @@
-"""Client submissions carry a request_id that every transport retry of the call reuses."""
+"""Client submissions carry a request_id that every transport retry of the call reuses; the
+workflow options reach the server and the answers come back whole."""
 
 from __future__ import annotations
 
@@ -41,6 +42,17 @@ class FakeTaskStub:
     def SubmitBatch(self, req: pb.SubmitBatchRequest, metadata: Any = None, timeout: Any = None) -> Any:
         tasks = [task_pb2.Task(id=10 + i, pool=t.pool) for i, t in enumerate(req.tasks)]
         return self._answer(req, pb.SubmitBatchResponse(tasks=tasks))
+
+    def GetTask(self, req: pb.GetTaskRequest, metadata: Any = None, timeout: Any = None) -> Any:
+        children = [task_pb2.Task(id=8, parent_id=7)] if req.include_children else []
+        return self._answer(req, pb.GetTaskResponse(task=task_pb2.Task(id=7), children=children))
+
+    def CancelTask(self, req: pb.CancelTaskRequest, metadata: Any = None, timeout: Any = None) -> Any:
+        cancelled = 3 if req.include_descendants else 0
+        return self._answer(req, pb.CancelTaskResponse(task=task_pb2.Task(id=7), descendants_cancelled=cancelled))
+
+    def ListTasks(self, req: pb.ListTasksRequest, metadata: Any = None, timeout: Any = None) -> Any:
+        return self._answer(req, pb.ListTasksResponse(tasks=[task_pb2.Task(id=8, parent_id=req.filter.parent_id)]))
 
     def PutSchedule(
         self, req: schedule_service_pb2.PutScheduleRequest, metadata: Any = None, timeout: Any = None
@@ -133,3 +145,58 @@ async def test_group_key_reaches_the_server_on_submit_batch_and_schedule() -> No
     assert one.group_key == "tenant-a"
     assert [t.group_key for t in batch.tasks] == ["tenant-b", ""]  # none given: no group
     assert put.schedule.group_key == "tenant-c" and schedule.group_key == "tenant-c"
+
+
+async def test_workflow_options_reach_the_server_and_their_answers_are_returned() -> None:
+    stub = FakeTaskStub(failures=0)
+    client = client_with(stub)
+    await client.submit("default", {}, depends_on=[5, "wf-a"], run_when="ended")
+    await client.submit("default", {}, run_when=cronoq.RunWhen.RUN_WHEN_DEPENDENCIES_SUCCEEDED)
+    await client.submit("default", {})
+    assert [r.run_when for r in stub.requests] == [
+        task_pb2.RUN_WHEN_DEPENDENCIES_ENDED,
+        task_pb2.RUN_WHEN_DEPENDENCIES_SUCCEEDED,
+        task_pb2.RUN_WHEN_UNSPECIFIED,
+    ]
+    assert list(stub.requests[0].depends_on) == [task_pb2.TaskRef(id=5), task_pb2.TaskRef(key="wf-a")]
+    with pytest.raises(ValueError, match="run_when: 'sometimes' is not"):
+        await client.submit("default", {}, run_when="sometimes")
+    assert len(stub.requests) == 3  # refused before any call
+
+    task = await client.get(7, include_dependency_results=True)
+    assert task.id == 7 and stub.requests[-1].include_dependency_results
+    got = await client.get(7, include_children=True)
+    assert [c.id for c in got.children] == [8] and stub.requests[-1].include_children
+
+    assert (await client.cancel(7)).id == 7 and not stub.requests[-1].include_descendants
+    resp = await client.cancel(7, include_descendants=True)
+    assert resp.task.id == 7 and resp.descendants_cancelled == 3
+
+    page = await client.list(filter=cronoq.task_filter(parent_id=7))
+    assert stub.requests[-1].filter.parent_id == 7 and page.tasks[0].parent_id == 7
+    assert cronoq.task_filter("default").parent_id == 0  # none given: any parent
+
+
+def test_sync_client_takes_the_workflow_options() -> None:
+    stub = FakeTaskStub(failures=0)
+    with cronoq.SyncClient("http://127.0.0.1:1", retry=FAST) as client:
+        client._client._conn._stub = stub
+        assert [c.id for c in client.get(7, include_children=True).children] == [8]
+        assert client.cancel(7, include_descendants=True).descendants_cancelled == 3
+        assert client.list(filter=cronoq.task_filter(parent_id=7)).tasks[0].parent_id == 7
+
+
+def test_dependencies_of_decodes_a_tasks_dependency_results() -> None:
+    task = task_pb2.Task(
+        id=9,
+        dependency_results=[
+            task_pb2.DependencyResult(
+                id=1, key="a", state=task_pb2.TASK_STATE_SUCCEEDED, result=b"6", content_type="application/json"
+            ),
+            task_pb2.DependencyResult(id=2, state=task_pb2.TASK_STATE_CANCELLED, error="cancelled"),
+        ],
+    )
+    assert cronoq.dependencies_of(task) == [
+        cronoq.DependencyResult(1, "a", task_pb2.TASK_STATE_SUCCEEDED, 6, ""),
+        cronoq.DependencyResult(2, "", task_pb2.TASK_STATE_CANCELLED, None, "cancelled"),
+    ]

@@ -1227,3 +1227,122 @@ async def test_log_lines_about_a_task_carry_the_worker_task_attempt_and_pool_as_
     assert record_fields(lost) == {"worker_id": "w-7", "task_id": "6", "attempt": 2, "pool": "default"}
     registered = next(r for r in caplog.records if "registered with shard" in r.getMessage())
     assert record_fields(registered) == {"worker_id": "w-7"}  # a line about the worker: no task's fields
+
+
+# -- workflows: dependency results and spawn -----------------------------------------
+
+
+def dependency(task_id: int, key: str, state: int, result: bytes = b"", content_type: str = "", error: str = ""):
+    return task_pb2.DependencyResult(
+        id=task_id, key=key, state=state, result=result, content_type=content_type, error=error
+    )
+
+
+def test_dependency_results_are_decoded_like_payloads_in_depends_on_order():
+    leased = task(
+        9,
+        {},
+        dependency_results=[
+            dependency(3, "wf-a", task_pb2.TASK_STATE_SUCCEEDED, b'{"n":2}', "application/json"),
+            dependency(1, "", task_pb2.TASK_STATE_SUCCEEDED, b"\x00raw"),
+            dependency(5, "wf-c", task_pb2.TASK_STATE_FAILED, error="boom"),
+        ],
+    )
+    ctx = cronoq.TaskContext(leased)
+    assert ctx.dependencies == [
+        cronoq.DependencyResult(3, "wf-a", task_pb2.TASK_STATE_SUCCEEDED, {"n": 2}, ""),
+        cronoq.DependencyResult(1, "", task_pb2.TASK_STATE_SUCCEEDED, b"\x00raw", ""),
+        cronoq.DependencyResult(5, "wf-c", task_pb2.TASK_STATE_FAILED, None, "boom"),  # no result: None
+    ]
+    assert ctx.dependency_results == {3: {"n": 2}, 1: b"\x00raw", 5: None}
+    assert ctx.dependency("wf-a") == {"n": 2}
+    assert ctx.dependency(1) == b"\x00raw"
+    assert ctx.dependency(5) is None
+    for absent in ("wf-b", "", 4):
+        with pytest.raises(KeyError, match=f"{absent!r} is not a dependency of task 9"):
+            ctx.dependency(absent)
+    assert cronoq.TaskContext(task(10, {})).dependencies == []
+
+
+def test_spawn_refuses_a_bad_run_when_or_reference_and_records_nothing():
+    ctx = cronoq.TaskContext(task(9, {}))
+    with pytest.raises(ValueError, match="run_when: 'later' is not"):
+        ctx.spawn("default", {}, run_when="later")
+    with pytest.raises(TypeError, match="task reference must be an id"):
+        ctx.spawn("default", {}, depends_on=[1.5])  # type: ignore[list-item]
+    assert ctx._spawned == []
+
+
+async def test_spawned_tasks_ride_the_success_outcome_only():
+    fake = FakeWorkerService(
+        pb.RegisterWorkerResponse(worker_id="w1", heartbeat_interval_ms=60_000, max_result_bytes=1000)
+    )
+    ends = ["return", "fail", "snooze", "too_big", "crash"]
+    fake.script = [[task(i + 1, {"end": end}) for i, end in enumerate(ends)]]
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        ctx.spawn("default", {"part": 1}, key=f"c{ctx.id}")
+        ctx.spawn(
+            "default",
+            b"\x01",
+            depends_on=[f"c{ctx.id}", ctx.id],
+            run_when="ended",
+            priority=5,
+            content_type="application/octet-stream",
+        )
+        end = ctx.payload["end"]
+        if end == "fail":
+            raise cronoq.TaskError("no", retryable=False)
+        if end == "snooze":
+            raise cronoq.Snooze(1)
+        if end == "crash":
+            raise RuntimeError("bug")
+        return "x" * 2000 if end == "too_big" else {"ok": True}
+
+    worker = make_worker(fake, handle)
+    running = asyncio.create_task(worker.run())
+    await until(lambda: len(fake.outcomes) == len(ends), what="every outcome", running=running)
+    await stop(worker, running)
+    success = fake.outcomes[1].success
+    assert success.result == b'{"ok":true}'
+    first, second = success.spawn
+    assert (first.pool, first.key, first.payload, first.content_type) == (
+        "default",
+        "c1",
+        b'{"part":1}',
+        "application/json",
+    )
+    assert list(first.depends_on) == [] and first.run_when == task_pb2.RUN_WHEN_UNSPECIFIED
+    assert second.depends_on == [task_pb2.TaskRef(key="c1"), task_pb2.TaskRef(id=1)]
+    assert second.run_when == task_pb2.RUN_WHEN_DEPENDENCIES_ENDED
+    assert (second.payload, second.content_type, second.priority) == (b"\x01", "application/octet-stream", 5)
+    kinds = {i: o.WhichOneof("outcome") for i, o in fake.outcomes.items()}
+    assert kinds == {1: "success", 2: "failure", 3: "snoozed", 4: "failure", 5: "failure"}
+    assert fake.outcomes[4].failure.error == "result of 2002 bytes exceeds max_result_bytes 1000"
+    # Every outcome sent, as sent: only the success carried them.
+    sent = [(o.task_id, len(o.success.spawn)) for r in fake.requests for o in r.outcomes]
+    assert sorted(sent) == [(1, 2), (2, 0), (3, 0), (4, 0), (5, 0)]
+
+
+async def test_a_lost_attempt_sends_no_outcome_and_so_none_of_its_spawns():
+    fake = FakeWorkerService(pb.RegisterWorkerResponse(worker_id="w1", heartbeat_interval_ms=50))
+    fake.script = [[task(1, {})]]
+    spawned = asyncio.Event()
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        ctx.spawn("default", {"child": True})
+        spawned.set()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            ctx.spawn("default", {"after": "lost"})  # too late: the attempt is no longer ours
+        return {}
+
+    worker = make_worker(fake, handle)
+    running = asyncio.create_task(worker.run())
+    await until(spawned.is_set, what="the spawn", running=running)
+    fake.heartbeat_losts = [1]
+    await until(lambda: sum(r.credits for r in fake.requests) == 9, what="the slot given back", running=running)
+    await stop(worker, running)
+    assert fake.outcomes == {}
+    assert not any(r.outcomes for r in fake.requests)
