@@ -3,7 +3,7 @@
 // (or several servers), with the transport retries of the connection.
 import { randomBytes } from "node:crypto";
 import { status as Status, type Metadata, type StatusObject } from "@grpc/grpc-js";
-import type { Attempt, TaskEvent, TaskRef as TaskRefProto, Task, TaskState } from "./gen/cronoq/v1/task.js";
+import type { Attempt, RunWhen, TaskEvent, TaskRef as TaskRefProto, Task, TaskState } from "./gen/cronoq/v1/task.js";
 import {
   GetTaskRequest,
   ListTasksRequest,
@@ -56,6 +56,12 @@ export interface TaskSpec {
   maxAttempts?: number;
   /** Tasks of the same shard (a batch may name its own keys). */
   dependsOn?: TaskRef[];
+  /**
+   * When it runs, given its dependencies: absent, once every one has succeeded;
+   * RunWhen.RUN_WHEN_DEPENDENCIES_ENDED, once every one has ended whatever its outcome (a
+   * finalizer: its handler sees each one's state and error in ctx.dependencies).
+   */
+  runWhen?: RunWhen;
   resources?: Record<string, bigint | number>;
   /** Each attempt's timeout (capped by the pool's); absent: the pool's. */
   timeoutMs?: number;
@@ -86,8 +92,8 @@ function optionalTimestamp(time: Date | number | undefined): Timestamp | undefin
   return time === undefined ? undefined : timestamp(Number(time));
 }
 
-/** A task to submit as its request; current: the caller's trace context, sent unless the spec gives one. */
-function specProto(spec: TaskSpec, current: W3CTrace | undefined): SubmitTaskRequest {
+/** A task to submit (or spawn) as its request; current: the caller's trace context, sent unless the spec gives one. */
+export function specProto(spec: TaskSpec, current: W3CTrace | undefined): SubmitTaskRequest {
   const { data, contentType } = encodePayload(spec.payload);
   const runAtMs = spec.runAt !== undefined ? Number(spec.runAt) : spec.delayMs && spec.delayMs > 0 ? Date.now() + spec.delayMs : undefined;
   const resources: Record<string, bigint> = {};
@@ -105,6 +111,7 @@ function specProto(spec: TaskSpec, current: W3CTrace | undefined): SubmitTaskReq
     timeoutMs: spec.timeoutMs && spec.timeoutMs > 0 ? BigInt(Math.max(Math.round(spec.timeoutMs), 1)) : 0n,
     groupKey: spec.groupKey ?? "",
     trace: spec.trace ? { traceparent: spec.trace.traceparent, tracestate: spec.trace.tracestate ?? "" } : current,
+    runWhen: spec.runWhen ?? 0,
   });
 }
 
@@ -146,6 +153,30 @@ export interface CallOptions {
   signal?: AbortSignal;
 }
 
+export interface GetOptions {
+  /** Also fill task.dependencyResults: how the tasks it depends on ended, as its handler sees them. */
+  includeDependencyResults?: boolean;
+  /** Also answer the tasks its handler spawned (TaskWithChildren). */
+  includeChildren?: boolean;
+}
+
+/** A task with the tasks its handler spawned (their parentId is its id), in id order, at most 1,000 (list with filter.parentId pages through them all), without payload, result or checkpoint. */
+export interface TaskWithChildren {
+  task: Task;
+  children: Task[];
+}
+
+export interface CancelOptions {
+  /** Also cancel the tasks it spawned, theirs, and so on, with the tasks that depend on any of them (CancelledWithDescendants). */
+  includeDescendants?: boolean;
+}
+
+/** A cancelled task, and how many of its descendants the call cancelled (or asked to stop, when running). */
+export interface CancelledWithDescendants {
+  task: Task;
+  descendantsCancelled: bigint;
+}
+
 /** A task with every attempt it made, oldest first (a running one last, outcome ATTEMPT_OUTCOME_RUNNING). */
 export interface TaskWithAttempts {
   task: Task;
@@ -176,6 +207,8 @@ export interface TaskFilter {
   errorContains?: string;
   /** Only these tasks (at most 1000). */
   ids?: bigint[];
+  /** Only the tasks this task's handler spawned (Task.parentId). */
+  parentId?: bigint;
 }
 
 export interface BulkOptions {
@@ -207,6 +240,7 @@ function filterProto(filter: TaskFilter): TaskFilterProto {
     keyPrefix: filter.keyPrefix ?? "",
     errorContains: filter.errorContains ?? "",
     ids: filter.ids ?? [],
+    parentId: filter.parentId ?? 0n,
   };
 }
 
@@ -251,18 +285,31 @@ export class Client {
     return this.conn.invoke<SubmitBatchResponse>("SubmitBatch", (c, md, o, cb) => c.task.submitBatch(req, md, o, cb), this.conn.timeoutMs, opts.signal);
   }
 
-  async get(ref: TaskRef, opts: CallOptions = {}): Promise<Task> {
-    return (await this.getTask(ref, false, opts)).task!;
+  /**
+   * The task; with includeDependencyResults, its dependencyResults filled; with
+   * includeChildren, the task and the tasks its handler spawned.
+   */
+  async get(ref: TaskRef, opts: GetOptions & CallOptions & { includeChildren: true }): Promise<TaskWithChildren>;
+  async get(ref: TaskRef, opts?: GetOptions & CallOptions & { includeChildren?: false }): Promise<Task>;
+  async get(ref: TaskRef, opts?: GetOptions & CallOptions): Promise<Task | TaskWithChildren>;
+  async get(ref: TaskRef, opts: GetOptions & CallOptions = {}): Promise<Task | TaskWithChildren> {
+    const resp = await this.getTask(ref, { ...opts, includeAttempts: false });
+    return opts.includeChildren ? { task: resp.task!, children: resp.children } : resp.task!;
   }
 
   /** The task with its attempts (GetTask with include_attempts): get's variant for an operator. */
   async getWithAttempts(ref: TaskRef, opts: CallOptions = {}): Promise<TaskWithAttempts> {
-    const resp = await this.getTask(ref, true, opts);
+    const resp = await this.getTask(ref, { ...opts, includeAttempts: true });
     return { task: resp.task!, attempts: resp.attempts };
   }
 
-  private getTask(ref: TaskRef, includeAttempts: boolean, opts: CallOptions): Promise<GetTaskResponse> {
-    const req = GetTaskRequest.fromPartial({ task: refProto(ref), includeAttempts });
+  private getTask(ref: TaskRef, opts: GetOptions & CallOptions & { includeAttempts: boolean }): Promise<GetTaskResponse> {
+    const req = GetTaskRequest.fromPartial({
+      task: refProto(ref),
+      includeAttempts: opts.includeAttempts,
+      includeChildren: opts.includeChildren ?? false,
+      includeDependencyResults: opts.includeDependencyResults ?? false,
+    });
     return this.conn.invoke<GetTaskResponse>("GetTask", (c, md, o, cb) => c.task.getTask(req, md, o, cb), this.conn.timeoutMs, opts.signal);
   }
 
@@ -274,11 +321,18 @@ export class Client {
     return { task: resp.task!, done: resp.done };
   }
 
-  /** Requests cancellation: a pending task ends CANCELLED at once, a running one when its worker stops it. */
-  async cancel(ref: TaskRef, opts: CallOptions = {}): Promise<Task> {
-    const req = { task: refProto(ref) };
+  /**
+   * Requests cancellation: a pending task ends CANCELLED at once, a running one when its worker
+   * stops it. With includeDescendants, the tasks it spawned too (transitively) and their
+   * dependents, in one transaction: answers the task and how many of them were cancelled.
+   */
+  async cancel(ref: TaskRef, opts: CancelOptions & CallOptions & { includeDescendants: true }): Promise<CancelledWithDescendants>;
+  async cancel(ref: TaskRef, opts?: CancelOptions & CallOptions & { includeDescendants?: false }): Promise<Task>;
+  async cancel(ref: TaskRef, opts?: CancelOptions & CallOptions): Promise<Task | CancelledWithDescendants>;
+  async cancel(ref: TaskRef, opts: CancelOptions & CallOptions = {}): Promise<Task | CancelledWithDescendants> {
+    const req = { task: refProto(ref), includeDescendants: opts.includeDescendants ?? false };
     const resp = await this.conn.invoke<CancelTaskResponse>("CancelTask", (c, md, o, cb) => c.task.cancelTask(req, md, o, cb), this.conn.timeoutMs, opts.signal);
-    return resp.task!;
+    return opts.includeDescendants ? { task: resp.task!, descendantsCancelled: resp.descendantsCancelled } : resp.task!;
   }
 
   /**

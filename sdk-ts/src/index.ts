@@ -1,10 +1,14 @@
 // cronoq's TypeScript SDK: a Client (submit, get, wait, cancel, list, watch; retry, delete,
-// attempts, bulk actions, pause/resume) and a Worker.
+// attempts, bulk actions, pause/resume) and a Worker (whose handlers read their dependencies'
+// results and spawn tasks: workflows).
 export { Client, newRequestId } from "./client.js";
 export type {
   BulkOptions,
   BulkResult,
   CallOptions,
+  CancelledWithDescendants,
+  CancelOptions,
+  GetOptions,
   ListOptions,
   RetryOptions,
   Submitted,
@@ -13,6 +17,7 @@ export type {
   TaskSpec,
   TaskTrace,
   TaskWithAttempts,
+  TaskWithChildren,
   Waited,
   WatchOptions,
 } from "./client.js";
@@ -27,13 +32,13 @@ export {
   Worker,
   WorkerStoppingError,
 } from "./worker.js";
-export type { Handler, TaskContext, WorkerOptions } from "./worker.js";
+export type { DependencyResult, Handler, SpawnOptions, TaskContext, WorkerOptions } from "./worker.js";
 export { checkRedirect, Endpoint } from "./endpoint.js";
 export { backoffMs, consoleLogger, DEFAULT_KEEPALIVE, MAX_MESSAGE_BYTES, retryWithDefaults } from "./transport.js";
 export type { ConnectionOptions, KeepaliveConfig, Logger, Retry, RetryConfig, TlsOptions } from "./transport.js";
 export * from "./errors.js";
 export { decodePayload, decodeResult, encodePayload, JSON_CONTENT_TYPE } from "./payload.js";
-export { AttemptOutcome, attemptOutcomeToJSON, TaskState, taskStateFromJSON, taskStateToJSON } from "./gen/cronoq/v1/task.js";
+export { AttemptOutcome, attemptOutcomeToJSON, RunWhen, runWhenFromJSON, runWhenToJSON, TaskState, taskStateFromJSON, taskStateToJSON } from "./gen/cronoq/v1/task.js";
 export type { Attempt, Task, TaskEvent, TaskProgress } from "./gen/cronoq/v1/task.js";
 export type { BulkShardResult } from "./gen/cronoq/v1/task_service.js";
 export type { PoolPause } from "./gen/cronoq/v1/admin_service.js";

@@ -1,7 +1,7 @@
 // Payloads and results: bytes as they are, anything else as JSON.
 import { status as Status } from "@grpc/grpc-js";
 import { InvalidArgumentError } from "./errors.js";
-import type { Task } from "./gen/cronoq/v1/task.js";
+import type { DependencyResult, Task } from "./gen/cronoq/v1/task.js";
 
 /** Marks payloads and results stored as JSON. */
 export const JSON_CONTENT_TYPE = "application/json";
@@ -40,4 +40,11 @@ export function decodePayload(task: Task): unknown {
 /** A task's JSON result, parsed. */
 export function decodeResult(task: Task): unknown {
   return decodeJson(task.result, task.resultContentType, "result", task.id);
+}
+
+/** A dependency's result as its dependent's handler gets it: JSON parsed, other bytes as they are, null when it has none. */
+export function decodeDependencyResult(dependency: DependencyResult): unknown {
+  if (dependency.result.length === 0) return null;
+  if (dependency.contentType !== JSON_CONTENT_TYPE) return dependency.result;
+  return decodeJson(dependency.result, dependency.contentType, "result", dependency.id);
 }

@@ -7,7 +7,9 @@
 // installed), and the worker's log lines name the worker and the task.
 import { hostname } from "node:os";
 import { status as Status, type ClientDuplexStream } from "@grpc/grpc-js";
-import type { Task, TaskProgress } from "./gen/cronoq/v1/task.js";
+import type { Task, TaskProgress, TaskState } from "./gen/cronoq/v1/task.js";
+import type { SubmitTaskRequest } from "./gen/cronoq/v1/task_service.js";
+import { specProto, type TaskRef, type TaskSpec } from "./client.js";
 import {
   TaskOutcome,
   WorkRequest,
@@ -33,8 +35,8 @@ import {
   UnavailableError,
   UnknownError,
 } from "./errors.js";
-import { TaskSpan, type SpanOutcome } from "./otel.js";
-import { encodePayload } from "./payload.js";
+import { currentTrace, TaskSpan, type SpanOutcome } from "./otel.js";
+import { decodeDependencyResult, encodePayload } from "./payload.js";
 import {
   Connection,
   consoleLogger,
@@ -53,7 +55,8 @@ import type { Endpoint } from "./endpoint.js";
  * TaskFailure with retryable false; a thrown Snooze puts the task back, not counted. signal
  * aborts when the task's cancellation is requested (signal.reason: TaskCancelledError), its
  * timeout passes, its lease is lost, or the worker stops and the shutdown grace has passed
- * (WorkerStoppingError: the task is given back). ctx reports progress and checkpoints. With
+ * (WorkerStoppingError: the task is given back). ctx reports progress and checkpoints, gives
+ * the results of the task's dependencies, and spawns tasks (submitted with its success). With
  * @opentelemetry/api installed, it runs with the task's span as the active span.
  */
 export type Handler = (task: Task, signal: AbortSignal, ctx: TaskContext) => unknown;
@@ -101,21 +104,82 @@ interface ReportUpdate {
   checkpoint?: Buffer;
 }
 
+/** How one dependency of a task ended, as its handler sees it. */
+export interface DependencyResult {
+  id: bigint;
+  /** Its key ("" when none). */
+  key: string;
+  state: TaskState;
+  /** Its result: JSON parsed, other content types as bytes (a Uint8Array); null when it has none. */
+  value: unknown;
+  /** Why it failed or was cancelled ("" when it did not). */
+  error: string;
+}
+
+/**
+ * How ctx.spawn submits a task: as client.submit does, but dependsOn may name a task by its key
+ * alone (a string: another task this handler spawns, or one of the shard's).
+ */
+export type SpawnOptions = Omit<TaskSpec, "pool" | "payload" | "dependsOn"> & {
+  /** Keys (strings), ids (bigint: task.id names the spawning task itself), { id } or { key }. */
+  dependsOn?: Array<string | TaskRef>;
+};
+
 /**
  * A running attempt's handle on its task beyond the Task message: how often it was snoozed,
- * its checkpoint, and its reports. Reports are coalesced (the latest progress and the latest
- * checkpoint) and carried by the worker's next heartbeat, or with the attempt's outcome when it
- * ends first; once the handler has returned, reports are dropped.
+ * its checkpoint, its reports, its dependencies' results and the tasks it spawns. Reports are
+ * coalesced (the latest progress and the latest checkpoint) and carried by the worker's next
+ * heartbeat, or with the attempt's outcome when it ends first; once the handler has returned,
+ * reports are dropped.
  */
 export class TaskContext {
   /** How many times a handler snoozed the task (Task.snoozes). */
   readonly snoozes: number;
   private current: Buffer;
+  private decoded: DependencyResult[] | undefined; // decoded on first use: a handler that never reads them never fails on them
 
-  /** Made by the worker for each attempt. */
-  constructor(task: Task, private readonly maxCheckpointBytes: number, private readonly record: (update: ReportUpdate) => void) {
+  /** Made by the worker for each attempt; spawned takes each task ctx.spawn makes. */
+  constructor(private readonly task: Task, private readonly maxCheckpointBytes: number, private readonly record: (update: ReportUpdate) => void,
+    private readonly spawned: (request: SubmitTaskRequest) => void) {
     this.snoozes = task.snoozes;
     this.current = task.checkpoint;
+  }
+
+  /**
+   * How the task's dependencies ended, in the order it named them (a dependency deleted since
+   * is left out). Throws InvalidArgumentError when a JSON result does not parse.
+   */
+  get dependencies(): DependencyResult[] {
+    this.decoded ??= this.task.dependencyResults.map((dep) => ({
+      id: dep.id, key: dep.key, state: dep.state, value: decodeDependencyResult(dep), error: dep.error,
+    }));
+    return this.decoded;
+  }
+
+  /** The dependencies' results by id (see dependencies). */
+  get dependencyResults(): Map<bigint, unknown> {
+    return new Map(this.dependencies.map((dep) => [dep.id, dep.value]));
+  }
+
+  /** The result of the dependency with that key (a string) or id (a bigint); throws RangeError naming it when the task has no such dependency. */
+  dependency(keyOrId: string | bigint): unknown {
+    const found = this.dependencies.find((dep) => (typeof keyOrId === "bigint" ? dep.id === keyOrId : keyOrId !== "" && dep.key === keyOrId));
+    if (found) return found.value;
+    const named = typeof keyOrId === "bigint" ? `id ${keyOrId}` : `key ${JSON.stringify(keyOrId)}`;
+    const known = this.dependencies.map((dep) => (dep.key ? `${dep.id} (${JSON.stringify(dep.key)})` : String(dep.id)));
+    throw new RangeError(`cronoq: task ${this.task.id} has no dependency with ${named}; its dependencies: ${known.join(", ") || "none"}`);
+  }
+
+  /**
+   * Submits a task with this attempt's success, in the same transaction (the task never ends
+   * SUCCEEDED without it): nothing is sent when the attempt fails, snoozes or is given back. The
+   * task records parentId = this task's id, in a pool of its shard; the server fails the
+   * attempt, not retryable, when it cannot submit one. Throws as submit does for a payload that
+   * is not JSON-serializable, and FailedPreconditionError once the handler has returned.
+   */
+  spawn(pool: string, payload?: unknown, opts: SpawnOptions = {}): void {
+    const dependsOn = (opts.dependsOn ?? []).map((ref) => (typeof ref === "string" ? { key: ref } : ref));
+    this.spawned(specProto({ ...opts, pool, payload, dependsOn }, currentTrace()));
   }
 
   /** The task's checkpoint: as leased (the last one saved by an earlier attempt), then the last one this attempt saved; null when none (empty). */
@@ -255,6 +319,8 @@ const DEREGISTER_TIMEOUT_MS = 2000;
 interface RunningTask {
   task: Task;
   attempt: number;
+  spawned: SubmitTaskRequest[]; // sent with its success
+  returned: boolean; // its handler returned or threw: it spawns nothing more
   span?: TaskSpan; // while its handler runs, when tracing
   abort: AbortController;
   done: Promise<void>;
@@ -352,6 +418,16 @@ function spanOutcome(outcome: TaskOutcome): SpanOutcome {
   if (outcome.cancelled) return "cancelled";
   if (outcome.released) return "released";
   return "failure";
+}
+
+/** About how many bytes a success's spawned tasks take in a message. */
+function spawnBytes(spawn: SubmitTaskRequest[]): number {
+  let bytes = 0;
+  for (const s of spawn) {
+    bytes += s.payload.length + 3 * (s.pool.length + s.key.length + s.groupKey.length) + FRAMING + 64;
+    for (const ref of s.dependsOn) bytes += 3 * (ref.key?.length ?? 0) + FRAMING;
+  }
+  return bytes;
 }
 
 /** About how many bytes a report takes in a message. */
@@ -760,7 +836,7 @@ export class Worker {
     let n = 0;
     for (const o of this.outcomes) {
       if (n === MAX_FINISH_BATCH) break;
-      const next = size + (o.success?.result.length ?? 0) + 3 * (o.failure?.error.length ?? 0) + 3 * (o.cancelled?.reason.length ?? 0) +
+      const next = size + (o.success ? o.success.result.length + spawnBytes(o.success.spawn) : 0) + 3 * (o.failure?.error.length ?? 0) + 3 * (o.cancelled?.reason.length ?? 0) +
         3 * (o.released?.reason.length ?? 0) + 3 * (o.snoozed?.reason.length ?? 0) + (o.report ? reportBytes(o.report) : 0) + FRAMING + 32;
       if (n > 0 && next > MAX_REQUEST_BYTES) break;
       size = next;
@@ -890,7 +966,7 @@ export class Worker {
   /** Runs the task's handler in a free slot; received: when the task came (its timeout counts from then). */
   private start(task: Task, received: number): void {
     const rt: RunningTask = {
-      task, attempt: task.attempt, abort: new AbortController(), done: Promise.resolve(), finished: false,
+      task, attempt: task.attempt, spawned: [], returned: false, abort: new AbortController(), done: Promise.resolve(), finished: false,
       cancelRequested: false, releasing: false, lost: false,
     };
     this.running.set(task.id, rt);
@@ -931,7 +1007,12 @@ export class Worker {
         rt.abort.abort(new TaskTimeoutError(task.timeoutMs));
       }, Number(task.timeoutMs) - (performance.now() - received))
       : undefined;
-    const ctx = new TaskContext(task, this.maxCheckpointBytes, (update) => this.record(task.id, rt, update));
+    const ctx = new TaskContext(task, this.maxCheckpointBytes, (update) => this.record(task.id, rt, update), (request) => {
+      if (rt.returned) {
+        throw new FailedPreconditionError(Status.FAILED_PRECONDITION, `spawn: the handler of task ${task.id} has returned; nothing more is sent with its outcome`);
+      }
+      rt.spawned.push(request);
+    });
     let ok = false;
     let result: unknown;
     let error: unknown;
@@ -946,6 +1027,7 @@ export class Worker {
     } catch (err) {
       error = err;
     } finally {
+      rt.returned = true;
       clearTimeout(timer);
     }
     if (this.running.get(task.id) === rt) {
@@ -969,7 +1051,7 @@ export class Worker {
         if (data.length > this.maxResultBytes) {
           failure(`result of ${data.length} bytes exceeds max_result_bytes ${this.maxResultBytes}`, false);
         } else {
-          outcome.success = { result: data, contentType };
+          outcome.success = { result: data, contentType, spawn: rt.spawned };
         }
       } catch (err) {
         failure(`result: ${(err as Error).message}`, false);

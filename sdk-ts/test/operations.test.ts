@@ -12,18 +12,23 @@ import {
   type UntypedServiceImplementation,
 } from "@grpc/grpc-js";
 import {
+  CancelTaskResponse,
   CancelTasksResponse,
   GetTaskResponse,
+  ListTasksResponse,
   RetryTaskResponse,
   SubmitBatchResponse,
   SubmitTaskResponse,
   TaskServiceService,
+  type CancelTaskRequest,
+  type GetTaskRequest,
+  type ListTasksRequest,
   type SubmitBatchRequest,
   type SubmitTaskRequest,
 } from "../src/gen/cronoq/v1/task_service.js";
 import { AdminServiceService } from "../src/gen/cronoq/v1/admin_service.js";
-import { Attempt, AttemptOutcome, Task, TaskState } from "../src/gen/cronoq/v1/task.js";
-import { Client, FailedPreconditionError, NotFoundError, type BulkResult } from "../src/index.js";
+import { Attempt, AttemptOutcome, DependencyResult, Task, TaskState } from "../src/gen/cronoq/v1/task.js";
+import { Client, FailedPreconditionError, NotFoundError, RunWhen, type BulkResult } from "../src/index.js";
 import { listenLocal, silent, statusDetailsBin, TOP_BIT_ID } from "./helpers.js";
 
 /** What a call of the fake answers: a response, or a gRPC error. */
@@ -51,7 +56,7 @@ class OpsShard {
       }
     };
     const task: UntypedServiceImplementation = {};
-    for (const method of ["submitTask", "submitBatch", "getTask", "retryTask", "deleteTask", "cancelTasks", "retryTasks", "deleteTasks"]) task[method] = handler(method);
+    for (const method of ["submitTask", "submitBatch", "getTask", "cancelTask", "listTasks", "retryTask", "deleteTask", "cancelTasks", "retryTasks", "deleteTasks"]) task[method] = handler(method);
     this.server.addService(TaskServiceService, task);
     this.server.addService(AdminServiceService, { pausePool: handler("pausePool"), resumePool: handler("resumePool") });
   }
@@ -166,6 +171,7 @@ test("a bulk retry sends the whole filter, dry_run, run_at and extra_attempts, a
       keyPrefix: "op-",
       errorContains: "timeout",
       ids: [TOP_BIT_ID, 3n],
+      parentId: TOP_BIT_ID,
     }, { dryRun: true, runAt: 1_800_000_000_000, extraAttempts: 2 });
     assert.deepEqual(result, bulkAnswer);
     assert.deepEqual(shard.requests["retryTasks"], [{
@@ -179,6 +185,7 @@ test("a bulk retry sends the whole filter, dry_run, run_at and extra_attempts, a
         keyPrefix: "op-",
         errorContains: "timeout",
         ids: [TOP_BIT_ID, 3n],
+        parentId: TOP_BIT_ID,
       },
       dryRun: true,
       runAt: { seconds: 1_800_000_000n, nanos: 0 },
@@ -198,7 +205,7 @@ test("a bulk answer says when a shard stopped at its time bound (incomplete: cal
 
 test("a bulk cancel and a bulk delete send their filter and dry_run (false when absent)", async () => {
   const empty = { pool: "", states: [], createdAfter: undefined, createdBefore: undefined, finishedAfter: undefined,
-    finishedBefore: undefined, keyPrefix: "", errorContains: "", ids: [] };
+    finishedBefore: undefined, keyPrefix: "", errorContains: "", ids: [], parentId: 0n };
   await withClient({ cancelTasks: [bulkAnswer], deleteTasks: [bulkAnswer] }, async (client, shard) => {
     assert.deepEqual(await client.cancelTasks({ keyPrefix: "op-" }), bulkAnswer);
     assert.deepEqual(await client.deleteTasks({ pool: "llm" }, { dryRun: true }), bulkAnswer);
@@ -233,5 +240,59 @@ test("submit and submitBatch send each task's groupKey (none given: empty), and 
     await client.submitBatch([{ pool: "default", groupKey: "tenant-b" }, { pool: "default" }]);
     const batch = shard.requests["submitBatch"]![0] as SubmitBatchRequest;
     assert.deepEqual(batch.tasks.map((t) => t.groupKey), ["tenant-b", ""]);
+  });
+});
+
+test("submit and submitBatch send runWhen (absent: unspecified, the server's once-all-succeeded)", async () => {
+  const task = Task.fromPartial({ id: 9n, pool: "default", runWhen: RunWhen.RUN_WHEN_DEPENDENCIES_ENDED });
+  const answers = { submitTask: [SubmitTaskResponse.fromPartial({ task })], submitBatch: [SubmitBatchResponse.fromPartial({ tasks: [task, task] })] };
+  await withClient(answers, async (client, shard) => {
+    const finalizer = { pool: "default", dependsOn: [{ key: "wf-a" }], runWhen: RunWhen.RUN_WHEN_DEPENDENCIES_ENDED };
+    const { task: answered } = await client.submit(finalizer);
+    assert.equal(answered.runWhen, RunWhen.RUN_WHEN_DEPENDENCIES_ENDED);
+    const sent = shard.requests["submitTask"]![0] as SubmitTaskRequest;
+    assert.equal(sent.runWhen, RunWhen.RUN_WHEN_DEPENDENCIES_ENDED);
+    assert.deepEqual(sent.dependsOn, [{ key: "wf-a", id: undefined }]);
+    await client.submitBatch([finalizer, { pool: "default" }]);
+    const batch = shard.requests["submitBatch"]![0] as SubmitBatchRequest;
+    assert.deepEqual(batch.tasks.map((t) => t.runWhen), [RunWhen.RUN_WHEN_DEPENDENCIES_ENDED, RunWhen.RUN_WHEN_UNSPECIFIED]);
+  });
+});
+
+test("get asks for dependency results and children only when told; with includeChildren it answers the task and its children", async () => {
+  const dependencyResults = [DependencyResult.fromPartial({ id: 4n, key: "wf-a", state: TaskState.TASK_STATE_SUCCEEDED, result: Buffer.from("2"), contentType: "application/json" })];
+  const parent = Task.fromPartial({ id: TOP_BIT_ID, state: TaskState.TASK_STATE_SUCCEEDED, dependencyResults });
+  const children = [Task.fromPartial({ id: 11n, parentId: TOP_BIT_ID }), Task.fromPartial({ id: 12n, parentId: TOP_BIT_ID })];
+  await withClient({ getTask: [GetTaskResponse.fromPartial({ task: parent, children })] }, async (client, shard) => {
+    const plain: Task = await client.get(TOP_BIT_ID);
+    assert.equal(plain.id, TOP_BIT_ID);
+    const withResults: Task = await client.get(TOP_BIT_ID, { includeDependencyResults: true });
+    assert.deepEqual(withResults.dependencyResults.map((d) => [d.id, d.key, d.result.toString()]), [[4n, "wf-a", "2"]]);
+    const family = await client.get({ key: "root" }, { includeChildren: true, includeDependencyResults: true });
+    assert.equal(family.task.id, TOP_BIT_ID);
+    assert.deepEqual(family.children.map((c) => [c.id, c.parentId]), [[11n, TOP_BIT_ID], [12n, TOP_BIT_ID]]);
+    const flags = (shard.requests["getTask"] as GetTaskRequest[]).map((r) => [r.includeChildren, r.includeDependencyResults, r.includeAttempts]);
+    assert.deepEqual(flags, [[false, false, false], [false, true, false], [true, true, false]]);
+  });
+});
+
+test("cancel with includeDescendants asks for them and answers how many were cancelled; without, it answers the task", async () => {
+  const cancelled = Task.fromPartial({ id: 5n, state: TaskState.TASK_STATE_CANCELLED });
+  await withClient({ cancelTask: [CancelTaskResponse.fromPartial({ task: cancelled, descendantsCancelled: 7n })] }, async (client, shard) => {
+    const task: Task = await client.cancel(5n);
+    assert.equal(task.state, TaskState.TASK_STATE_CANCELLED);
+    const tree = await client.cancel({ key: "root" }, { includeDescendants: true });
+    assert.equal(tree.task.id, 5n);
+    assert.equal(tree.descendantsCancelled, 7n);
+    assert.deepEqual((shard.requests["cancelTask"] as CancelTaskRequest[]).map((r) => r.includeDescendants), [false, true]);
+  });
+});
+
+test("list sends the filter's parentId (a top-bit id whole); absent, 0: any task", async () => {
+  await withClient({ listTasks: [ListTasksResponse.fromPartial({ tasks: [Task.fromPartial({ id: 3n, parentId: TOP_BIT_ID })] })] }, async (client, shard) => {
+    const page = await client.list({ filter: { parentId: TOP_BIT_ID } });
+    assert.equal(page.tasks[0]!.parentId, TOP_BIT_ID);
+    await client.list({ filter: { pool: "default" } });
+    assert.deepEqual((shard.requests["listTasks"] as ListTasksRequest[]).map((r) => r.filter?.parentId), [TOP_BIT_ID, 0n]);
   });
 });

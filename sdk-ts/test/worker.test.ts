@@ -263,7 +263,7 @@ test("a snooze, a progress or a checkpoint out of bounds is a RangeError, and no
   }
   assert.equal(new Snooze(4_294_967_295.9).ms, 4_294_967_295);
   const recorded: unknown[] = [];
-  const ctx = new TaskContext(jsonTask(1n, {}), 8, (update) => recorded.push(update));
+  const ctx = new TaskContext(jsonTask(1n, {}), 8, (update) => recorded.push(update), () => {});
   for (const value of [Number.NaN, Number.POSITIVE_INFINITY, Number.NEGATIVE_INFINITY]) {
     assert.throws(() => ctx.reportProgress(value), RangeError, `progress ${value}`);
   }
@@ -285,7 +285,7 @@ test("a snooze, a progress or a checkpoint out of bounds is a RangeError, and no
 test("a progress message with a line separator or a bidi control is a RangeError naming it, and nothing is recorded", () => {
   const hex = (c: string) => c.charCodeAt(0).toString(16).padStart(4, "0");
   const recorded: unknown[] = [];
-  const ctx = new TaskContext(jsonTask(1n, {}), 8, (update) => recorded.push(update));
+  const ctx = new TaskContext(jsonTask(1n, {}), 8, (update) => recorded.push(update), () => {});
   for (const bad of "\u2028\u2029\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u061c") {
     assert.throws(
       () => ctx.reportProgress(0.5, `report${bad}fdp.exe`),
