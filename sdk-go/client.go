@@ -77,6 +77,9 @@ type TaskSpec struct {
 	MaxAttempts int32
 	// DependsOn: tasks of the same shard (a batch may name its own keys).
 	DependsOn []TaskRef
+	// RunWhen: when it runs, given its dependencies; the zero value is
+	// RunWhenDependenciesSucceeded, RunWhenDependenciesEnded makes it a finalizer.
+	RunWhen   RunWhen
 	Resources map[string]int64
 	// Timeout of each attempt (capped by the pool's); 0: the pool's.
 	Timeout time.Duration
@@ -99,6 +102,7 @@ func (s TaskSpec) proto() (*cronoqv1.SubmitTaskRequest, error) {
 		MaxAttempts: s.MaxAttempts,
 		Resources:   s.Resources,
 		GroupKey:    s.GroupKey,
+		RunWhen:     s.RunWhen,
 	}
 	if s.Timeout > 0 {
 		req.TimeoutMs = max(s.Timeout.Milliseconds(), 1)
@@ -186,16 +190,50 @@ func (c *Client) SubmitBatch(ctx context.Context, specs []TaskSpec) (*cronoqv1.S
 
 // Get reads one task.
 func (c *Client) Get(ctx context.Context, ref TaskRef) (*Task, error) {
-	resp, err := c.getTask(ctx, ref, false)
+	resp, err := c.getTask(ctx, ref, GetOptions{})
 	return resp.GetTask(), err
 }
 
-func (c *Client) getTask(ctx context.Context, ref TaskRef, includeAttempts bool) (*cronoqv1.GetTaskResponse, error) {
+// GetOptions say what GetWith returns besides the task.
+type GetOptions struct {
+	// IncludeAttempts: the task's attempts (TaskDetails.Attempts).
+	IncludeAttempts bool
+	// IncludeChildren: the tasks its handler spawned (TaskDetails.Children).
+	IncludeChildren bool
+	// IncludeDependencyResults: the task's dependency results as its handler sees them
+	// (DependencyResultsOf(details.Task)).
+	IncludeDependencyResults bool
+}
+
+// TaskDetails is a GetWith's answer.
+type TaskDetails struct {
+	Task *Task
+	// Attempts, oldest first (one running now is last), with IncludeAttempts.
+	Attempts []*Attempt
+	// Children: the tasks its handler spawned (their ParentId is its id), in pools the caller
+	// may read, in id order, at most 1,000 (List with TaskFilter.ParentID pages through them
+	// all), without payload, result or checkpoint; with IncludeChildren.
+	Children []*Task
+}
+
+// GetWith reads one task with what opts ask for.
+func (c *Client) GetWith(ctx context.Context, ref TaskRef, opts GetOptions) (*TaskDetails, error) {
+	resp, err := c.getTask(ctx, ref, opts)
+	if err != nil {
+		return nil, err
+	}
+	return &TaskDetails{Task: resp.GetTask(), Attempts: resp.GetAttempts(), Children: resp.GetChildren()}, nil
+}
+
+func (c *Client) getTask(ctx context.Context, ref TaskRef, opts GetOptions) (*cronoqv1.GetTaskResponse, error) {
 	r, err := ref.proto()
 	if err != nil {
 		return nil, err
 	}
-	req := &cronoqv1.GetTaskRequest{Task: r, IncludeAttempts: includeAttempts}
+	req := &cronoqv1.GetTaskRequest{
+		Task: r, IncludeAttempts: opts.IncludeAttempts,
+		IncludeChildren: opts.IncludeChildren, IncludeDependencyResults: opts.IncludeDependencyResults,
+	}
 	var resp *cronoqv1.GetTaskResponse
 	err = c.conn.invoke(ctx, "GetTask", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
 		resp, err = cronoqv1.NewTaskServiceClient(cc).GetTask(ctx, req, opts...)
@@ -213,7 +251,7 @@ type TaskWithAttempts struct {
 
 // GetWithAttempts reads one task with the history of its attempts (Get without it).
 func (c *Client) GetWithAttempts(ctx context.Context, ref TaskRef) (*TaskWithAttempts, error) {
-	resp, err := c.getTask(ctx, ref, true)
+	resp, err := c.getTask(ctx, ref, GetOptions{IncludeAttempts: true})
 	if err != nil {
 		return nil, err
 	}
@@ -246,16 +284,44 @@ func (c *Client) Wait(ctx context.Context, ref TaskRef, timeout time.Duration) (
 
 // Cancel requests the task's cancellation and returns it.
 func (c *Client) Cancel(ctx context.Context, ref TaskRef) (*Task, error) {
+	cancelled, err := c.CancelWith(ctx, ref, CancelOptions{})
+	if err != nil {
+		return nil, err
+	}
+	return cancelled.Task, nil
+}
+
+// CancelOptions: IncludeDescendants also cancels the tasks its handler spawned, theirs, and
+// so on, with the tasks that depend on any of them, in one transaction; one in a pool the
+// caller may not cancel is left as it is.
+type CancelOptions struct {
+	IncludeDescendants bool
+}
+
+// Cancelled is a CancelWith's answer.
+type Cancelled struct {
+	Task *Task
+	// DescendantsCancelled: with IncludeDescendants, how many of its descendants this call
+	// cancelled (or asked to stop, when running).
+	DescendantsCancelled int64
+}
+
+// CancelWith requests the task's cancellation, and its descendants' with IncludeDescendants.
+func (c *Client) CancelWith(ctx context.Context, ref TaskRef, opts CancelOptions) (*Cancelled, error) {
 	r, err := ref.proto()
 	if err != nil {
 		return nil, err
 	}
+	req := &cronoqv1.CancelTaskRequest{Task: r, IncludeDescendants: opts.IncludeDescendants}
 	var resp *cronoqv1.CancelTaskResponse
-	err = c.conn.invoke(ctx, "CancelTask", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
-		resp, err = cronoqv1.NewTaskServiceClient(cc).CancelTask(ctx, &cronoqv1.CancelTaskRequest{Task: r}, opts...)
+	err = c.conn.invoke(ctx, "CancelTask", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, callOpts ...grpc.CallOption) (err error) {
+		resp, err = cronoqv1.NewTaskServiceClient(cc).CancelTask(ctx, req, callOpts...)
 		return err
 	})
-	return resp.GetTask(), err
+	if err != nil {
+		return nil, err
+	}
+	return &Cancelled{Task: resp.GetTask(), DescendantsCancelled: resp.GetDescendantsCancelled()}, nil
 }
 
 // RetryOptions say when a retried task may run again and how many attempts it gets.
@@ -329,6 +395,8 @@ type TaskFilter struct {
 	ErrorContains string
 	// IDs: only these tasks (at most 1000).
 	IDs []uint64
+	// ParentID: only the tasks this task's handler spawned (0: no bound).
+	ParentID uint64
 }
 
 func (f TaskFilter) proto() *cronoqv1.TaskFilter {
@@ -348,6 +416,7 @@ func (f TaskFilter) proto() *cronoqv1.TaskFilter {
 		KeyPrefix:      f.KeyPrefix,
 		ErrorContains:  f.ErrorContains,
 		Ids:            f.IDs,
+		ParentId:       f.ParentID,
 	}
 }
 

@@ -68,6 +68,49 @@ type PoolPause = cronoqv1.PoolPause
 // BulkShardResult is what a bulk action did in one shard (the generated cronoq.v1.BulkShardResult).
 type BulkShardResult = cronoqv1.BulkShardResult
 
+// RunWhen is when a task with dependencies runs (TaskSpec.RunWhen).
+type RunWhen = cronoqv1.RunWhen
+
+// The RunWhen values; the zero value is RunWhenDependenciesSucceeded.
+const (
+	// RunWhenDependenciesSucceeded: once every dependency has succeeded; one that fails or is
+	// cancelled ends the task FAILED (or CANCELLED) without running it.
+	RunWhenDependenciesSucceeded = cronoqv1.RunWhen_RUN_WHEN_DEPENDENCIES_SUCCEEDED
+	// RunWhenDependenciesEnded: once every dependency has ended, whatever its outcome (a
+	// finalizer): the handler sees each one's state and error in its DependencyResults.
+	RunWhenDependenciesEnded = cronoqv1.RunWhen_RUN_WHEN_DEPENDENCIES_ENDED
+)
+
+// DependencyResult is how one dependency of a task ended: its handler's result when it
+// succeeded, its error when it failed or was cancelled.
+type DependencyResult struct {
+	ID    uint64
+	Key   string // "" when it has none
+	State TaskState
+	// Result as the dependency's handler returned it (see EncodePayload), with its content
+	// type: JSONContentType for JSON (Decode reads it), anything else for raw bytes.
+	Result      []byte
+	ContentType string
+	Error       string
+}
+
+// Decode reads the dependency's JSON result into v, as DecodeResult reads a task's.
+func (d DependencyResult) Decode(v any) error {
+	return decodeJSON(d.Result, d.ContentType, "result", d.ID, v)
+}
+
+// DependencyResultsOf is how the dependencies of a task ended, in depends_on order: a leased
+// task carries them, and so does one read with GetOptions.IncludeDependencyResults.
+func DependencyResultsOf(task *Task) []DependencyResult {
+	var results []DependencyResult
+	for _, d := range task.GetDependencyResults() {
+		results = append(results, DependencyResult{
+			ID: d.GetId(), Key: d.GetKey(), State: d.GetState(), Result: d.GetResult(), ContentType: d.GetContentType(), Error: d.GetError(),
+		})
+	}
+	return results
+}
+
 // Terminal reports whether a task in this state will not change again.
 func Terminal(s TaskState) bool {
 	return s == TaskStateSucceeded || s == TaskStateFailed || s == TaskStateCancelled

@@ -54,7 +54,31 @@ func (s *opsServer) GetTask(_ context.Context, req *cronoqv1.GetTaskRequest) (*c
 			{Attempt: 2, Outcome: AttemptOutcomeRunning},
 		}
 	}
+	if req.GetIncludeChildren() {
+		resp.Children = []*cronoqv1.Task{{Id: 8, ParentId: 7}, {Id: 9, ParentId: 7}}
+	}
+	if req.GetIncludeDependencyResults() {
+		resp.Task.DependencyResults = []*cronoqv1.DependencyResult{{Id: 6, State: TaskStateFailed, Error: "boom"}}
+	}
 	return resp, nil
+}
+
+func (s *opsServer) CancelTask(_ context.Context, req *cronoqv1.CancelTaskRequest) (*cronoqv1.CancelTaskResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	resp := &cronoqv1.CancelTaskResponse{Task: &cronoqv1.Task{Id: 7, State: TaskStateCancelled}}
+	if req.GetIncludeDescendants() {
+		resp.DescendantsCancelled = 4
+	}
+	return resp, nil
+}
+
+func (s *opsServer) ListTasks(_ context.Context, req *cronoqv1.ListTasksRequest) (*cronoqv1.ListTasksResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	return &cronoqv1.ListTasksResponse{Tasks: []*cronoqv1.Task{{Id: 8, ParentId: 7}}}, nil
 }
 
 func (s *opsServer) SubmitTask(_ context.Context, req *cronoqv1.SubmitTaskRequest) (*cronoqv1.SubmitTaskResponse, error) {
@@ -304,4 +328,63 @@ func TestSubmitAndSubmitBatchSendTheGroupKey(t *testing.T) {
 	if len(keys) != 2 || keys[0] != "tenant-b" || keys[1] != "" { // none given: no group
 		t.Errorf("SubmitBatch group_keys %q, want [tenant-b \"\"]", keys)
 	}
+}
+
+func TestWorkflowCalls(t *testing.T) {
+	srv := &opsServer{unavailable: 1}
+	client := opsClient(t, srv)
+	ctx := context.Background()
+	byID := &cronoqv1.TaskRef{Ref: &cronoqv1.TaskRef_Id{Id: 7}}
+
+	// A finalizer: run_when and depends_on reach SubmitTask (and SubmitBatch).
+	spec := TaskSpec{Pool: "default", DependsOn: []TaskRef{ByKey("wf-a"), ByID(6)}, RunWhen: RunWhenDependenciesEnded}
+	if _, err := client.Submit(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	sent := srv.last().(*cronoqv1.SubmitTaskRequest)
+	wantRequest(t, &cronoqv1.SubmitTaskRequest{Pool: sent.GetPool(), DependsOn: sent.GetDependsOn(), RunWhen: sent.GetRunWhen()},
+		&cronoqv1.SubmitTaskRequest{Pool: "default", RunWhen: RunWhenDependenciesEnded,
+			DependsOn: []*cronoqv1.TaskRef{{Ref: &cronoqv1.TaskRef_Key{Key: "wf-a"}}, {Ref: &cronoqv1.TaskRef_Id{Id: 6}}}})
+	if _, err := client.SubmitBatch(ctx, []TaskSpec{spec}); err != nil {
+		t.Fatal(err)
+	}
+	if got := srv.last().(*cronoqv1.SubmitBatchRequest).GetTasks()[0].GetRunWhen(); got != RunWhenDependenciesEnded {
+		t.Errorf("SubmitBatch run_when %v", got)
+	}
+
+	got, err := client.GetWith(ctx, ByID(7), GetOptions{IncludeChildren: true, IncludeDependencyResults: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.GetTaskRequest{Task: byID, IncludeChildren: true, IncludeDependencyResults: true})
+	if len(got.Children) != 2 || got.Children[1].GetParentId() != 7 || got.Attempts != nil {
+		t.Errorf("children: %v", got)
+	}
+	if deps := DependencyResultsOf(got.Task); len(deps) != 1 || deps[0].ID != 6 || deps[0].Error != "boom" {
+		t.Errorf("dependency results: %+v", deps)
+	}
+	if _, err := client.GetWith(ctx, ByID(7), GetOptions{IncludeAttempts: true}); err != nil {
+		t.Fatal(err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.GetTaskRequest{Task: byID, IncludeAttempts: true})
+
+	cancelled, err := client.CancelWith(ctx, ByID(7), CancelOptions{IncludeDescendants: true})
+	if err != nil || cancelled.Task.GetState() != TaskStateCancelled || cancelled.DescendantsCancelled != 4 {
+		t.Fatalf("%v, %v", cancelled, err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.CancelTaskRequest{Task: byID, IncludeDescendants: true})
+	if task, err := client.Cancel(ctx, ByID(7)); err != nil || task.GetId() != 7 {
+		t.Fatalf("%v, %v", task, err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.CancelTaskRequest{Task: byID})
+
+	// The children of a task, listed and acted on by filter.
+	if _, err := client.List(ctx, ListOptions{Filter: &TaskFilter{ParentID: 7}}); err != nil {
+		t.Fatal(err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.ListTasksRequest{PageSize: 100, Filter: &cronoqv1.TaskFilter{ParentId: 7}})
+	if _, err := client.CancelTasks(ctx, TaskFilter{ParentID: 7}, BulkOptions{DryRun: true}); err != nil {
+		t.Fatal(err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.CancelTasksRequest{Filter: &cronoqv1.TaskFilter{ParentId: 7}, DryRun: true})
 }

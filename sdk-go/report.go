@@ -8,6 +8,7 @@ import (
 	"strings"
 	"unicode/utf8"
 
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
 
@@ -26,10 +27,12 @@ const maxProgressMessage = 1024
 // checkpoint of each running task, and what no answered heartbeat carried when the handler
 // returns goes with its outcome.
 type TaskContext struct {
-	w       *Worker
-	id      uint64
-	rt      *runningTask
-	snoozes int32
+	w            *Worker
+	id           uint64
+	rt           *runningTask
+	snoozes      int32
+	dependencies []DependencyResult
+	span         trace.SpanContext // the handler's: the trace its spawned tasks carry
 }
 
 type taskContextKey struct{}

@@ -200,6 +200,7 @@ type runningTask struct {
 	checkpoint []byte
 	progress   pending[*cronoqv1.TaskProgress]
 	saved      pending[[]byte]
+	spawned    []*cronoqv1.SubmitTaskRequest // sent with its success only
 }
 
 // sentOutcome is an outcome reported and not yet answered, and its task's pool (for the logs).
@@ -919,7 +920,8 @@ func (w *Worker) start(task *Task, received time.Time) {
 // and reports its outcome.
 func (w *Worker) execute(ctx context.Context, rt *runningTask, task *Task, received time.Time) {
 	hctx, span := startTaskSpan(ctx, task)
-	hctx = context.WithValue(hctx, taskContextKey{}, &TaskContext{w: w, id: task.GetId(), rt: rt, snoozes: task.GetSnoozes()})
+	hctx = context.WithValue(hctx, taskContextKey{}, &TaskContext{w: w, id: task.GetId(), rt: rt, snoozes: task.GetSnoozes(),
+		dependencies: DependencyResultsOf(task), span: span.SpanContext()})
 	if ms := task.GetTimeoutMs(); ms > 0 {
 		// The timeout counts from the lease (a held task's wait counts too), and the server
 		// never extends the lease past the attempt's deadline: cancel it there.
@@ -983,6 +985,8 @@ func (w *Worker) execute(ctx context.Context, rt *runningTask, task *Task, recei
 	// find nothing to run or report and close the stream before the outcome is sent.
 	w.mu.Lock()
 	lost, releasing = rt.lost, rt.releasing // lost (or released at shutdown) while the outcome was made
+	// Taken as the task leaves running: a Spawn from then on is refused, none is dropped unsaid.
+	withSpawned(outcome, rt.spawned)
 	outcome.Report = w.endRunning(task, rt)
 	if !lost {
 		w.reportLocked(outcome, task.GetPool())

@@ -33,6 +33,7 @@ type workServer struct {
 	outcomes     map[uint64]*cronoqv1.TaskOutcome
 	beats        map[uint64]int
 	cancel       map[uint64]bool
+	lost         map[uint64]bool // named lost by every heartbeat answer
 	refuse       map[uint64]bool // outcomes answered not accepted
 	deregistered bool
 	unused       int      // credits given and not used, on the current stream
@@ -58,7 +59,7 @@ type streamReport struct {
 
 func newWorkServer(tasks ...*cronoqv1.Task) *workServer {
 	return &workServer{tasks: tasks, outcomes: map[uint64]*cronoqv1.TaskOutcome{}, beats: map[uint64]int{}, cancel: map[uint64]bool{},
-		refuse: map[uint64]bool{}}
+		lost: map[uint64]bool{}, refuse: map[uint64]bool{}}
 }
 
 func (s *workServer) RegisterWorker(context.Context, *cronoqv1.RegisterWorkerRequest) (*cronoqv1.RegisterWorkerResponse, error) {
@@ -130,6 +131,9 @@ func (s *workServer) step(req *cronoqv1.WorkRequest) *cronoqv1.WorkResponse {
 			s.beats[a.GetTaskId()]++
 			if s.cancel[a.GetTaskId()] {
 				resp.Heartbeat.CancelledTaskIds = append(resp.Heartbeat.CancelledTaskIds, a.GetTaskId())
+			}
+			if s.lost[a.GetTaskId()] {
+				resp.Heartbeat.LostTaskIds = append(resp.Heartbeat.LostTaskIds, a.GetTaskId())
 			}
 		}
 	}
