@@ -5,6 +5,7 @@ package main
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -71,6 +72,88 @@ type step struct {
 	ShutdownGraceMs  *int64          `json:"shutdown_grace_ms"`
 	Traceparent      string          `json:"traceparent"`
 	Tracestate       string          `json:"tracestate"`
+	DependsOn        []dependsOn     `json:"depends_on"`
+	RunWhen          string          `json:"run_when"`
+	// get: what it returns besides the task; cancel: the task's descendants too.
+	IncludeChildren          bool `json:"include_children"`
+	IncludeDependencyResults bool `json:"include_dependency_results"`
+	IncludeDescendants       bool `json:"include_descendants"`
+}
+
+// dependsOn is one item of a depends_on: a key, a decimal id, or (in a spawn) the spawning task.
+type dependsOn struct {
+	Key    string `json:"key"`
+	ID     string `json:"id"`
+	Parent bool   `json:"parent"`
+}
+
+// spawnSpec is one item of a handled payload's "spawn".
+type spawnSpec struct {
+	Pool      string          `json:"pool"`
+	Payload   json.RawMessage `json:"payload"`
+	Key       string          `json:"key"`
+	DependsOn []dependsOn     `json:"depends_on"`
+	RunWhen   string          `json:"run_when"`
+}
+
+// refs are the tasks a depends_on names; parent is the spawning task's id (0: not a spawn).
+func refs(items []dependsOn, parent uint64) ([]cronoq.TaskRef, error) {
+	var out []cronoq.TaskRef
+	for _, d := range items {
+		switch {
+		case d.Key != "":
+			out = append(out, cronoq.ByKey(d.Key))
+		case d.Parent && parent != 0:
+			out = append(out, cronoq.ByID(parent))
+		default:
+			id, err := strconv.ParseUint(d.ID, 10, 64)
+			if err != nil {
+				return nil, fmt.Errorf("depends_on id %q: %v", d.ID, err)
+			}
+			out = append(out, cronoq.ByID(id))
+		}
+	}
+	return out, nil
+}
+
+// runWhen is a run_when given as the proto enum name ("": the default).
+func runWhen(name string) (cronoq.RunWhen, error) {
+	if name == "" {
+		return 0, nil
+	}
+	v, ok := cronoqv1.RunWhen_value[name]
+	if !ok {
+		return 0, fmt.Errorf("run_when %q is not a RunWhen", name)
+	}
+	return cronoq.RunWhen(v), nil
+}
+
+// value is a result as the protocol gives it: the JSON value of a JSON one, {"bytes_b64"}
+// for raw bytes, nil when there is none.
+func value(data []byte, contentType string) any {
+	switch {
+	case len(data) == 0:
+		return nil
+	case contentType == cronoq.JSONContentType:
+		var v any
+		if err := json.Unmarshal(data, &v); err != nil {
+			return result{"invalid_json": err.Error()}
+		}
+		return v
+	}
+	return result{"bytes_b64": base64.StdEncoding.EncodeToString(data)}
+}
+
+func dependencyJSON(d cronoq.DependencyResult) result {
+	return result{"id": strconv.FormatUint(d.ID, 10), "key": d.Key, "state": d.State.String(), "value": value(d.Result, d.ContentType), "error": d.Error}
+}
+
+func dependenciesJSON(deps []cronoq.DependencyResult) []result {
+	out := []result{}
+	for _, d := range deps {
+		out = append(out, dependencyJSON(d))
+	}
+	return out
 }
 
 type result map[string]any
@@ -171,7 +254,17 @@ func clientStep(client *cronoq.Client, in *input, s step) result {
 			carrier := propagation.MapCarrier{"traceparent": s.Traceparent, "tracestate": s.Tracestate}
 			ctx = propagation.TraceContext{}.Extract(ctx, carrier)
 		}
-		sub, err := client.Submit(ctx, cronoq.TaskSpec{Pool: s.Pool, Key: s.Key, GroupKey: s.GroupKey, Payload: s.Payload})
+		dependencies, err := refs(s.DependsOn, 0)
+		if err != nil {
+			return result{"error": result{"code": "", "kind": "other", "message": err.Error()}}
+		}
+		when, err := runWhen(s.RunWhen)
+		if err != nil {
+			return result{"error": result{"code": "", "kind": "other", "message": err.Error()}}
+		}
+		sub, err := client.Submit(ctx, cronoq.TaskSpec{
+			Pool: s.Pool, Key: s.Key, GroupKey: s.GroupKey, Payload: s.Payload, DependsOn: dependencies, RunWhen: when,
+		})
 		if err != nil {
 			return result{"error": errorOf(err)}
 		}
@@ -197,21 +290,40 @@ func clientStep(client *cronoq.Client, in *input, s step) result {
 	out := result{"error": nil}
 	switch s.Op {
 	case "get":
-		if !s.IncludeAttempts {
-			task, err = client.Get(ctx, ref)
+		var got *cronoq.TaskDetails
+		got, err = client.GetWith(ctx, ref, cronoq.GetOptions{
+			IncludeAttempts: s.IncludeAttempts, IncludeChildren: s.IncludeChildren, IncludeDependencyResults: s.IncludeDependencyResults,
+		})
+		if err != nil {
 			break
 		}
-		var got *cronoq.TaskWithAttempts
-		if got, err = client.GetWithAttempts(ctx, ref); err == nil {
-			task = got.Task
+		task = got.Task
+		if s.IncludeAttempts {
 			attempts := []result{}
 			for _, a := range got.Attempts {
 				attempts = append(attempts, result{"attempt": a.GetAttempt(), "outcome": a.GetOutcome().String(), "error": a.GetError()})
 			}
 			out["attempts"] = attempts
 		}
+		if s.IncludeChildren {
+			children := []result{}
+			for _, c := range got.Children {
+				children = append(children, result{"id": strconv.FormatUint(c.GetId(), 10), "pool": c.GetPool(),
+					"state": c.GetState().String(), "parent_id": strconv.FormatUint(c.GetParentId(), 10)})
+			}
+			out["children"] = children
+		}
+		if s.IncludeDependencyResults {
+			out["dependency_results"] = dependenciesJSON(cronoq.DependencyResultsOf(task))
+		}
 	case "cancel":
-		task, err = client.Cancel(ctx, ref)
+		var cancelled *cronoq.Cancelled
+		if cancelled, err = client.CancelWith(ctx, ref, cronoq.CancelOptions{IncludeDescendants: s.IncludeDescendants}); err == nil {
+			task = cancelled.Task
+			if s.IncludeDescendants {
+				out["descendants_cancelled"] = cancelled.DescendantsCancelled
+			}
+		}
 	case "retry":
 		var retried *cronoq.Retried
 		if retried, err = client.Retry(ctx, ref, cronoq.RetryOptions{}); err == nil {
@@ -247,6 +359,9 @@ func clientStep(client *cronoq.Client, in *input, s step) result {
 			out["progress"] = result{"value": p.GetValue(), "message": p.GetMessage()}
 		}
 		out["checkpoint"] = text(task.GetCheckpoint())
+		out["parent_id"] = strconv.FormatUint(task.GetParentId(), 10)
+		out["task_error"] = task.GetError()
+		out["result"] = value(task.GetResult(), task.GetResultContentType())
 	}
 	return out
 }
@@ -306,6 +421,36 @@ func bulkStep(ctx context.Context, client *cronoq.Client, s step) result {
 	return result{"matched": res.Matched, "changed": res.Changed, "unavailable_shards": append([]string{}, res.UnavailableShards...), "error": nil}
 }
 
+// spawn spawns what a handled payload's "spawn" lists, in order.
+func spawn(t *cronoq.TaskContext, task *cronoq.Task, list any) error {
+	if list == nil {
+		return nil
+	}
+	raw, _ := json.Marshal(list)
+	var specs []spawnSpec
+	if err := json.Unmarshal(raw, &specs); err != nil {
+		return cronoq.NonRetryable(fmt.Errorf("spawn %s: %v", raw, err))
+	}
+	for _, sp := range specs {
+		dependencies, err := refs(sp.DependsOn, task.GetId())
+		if err != nil {
+			return cronoq.NonRetryable(err)
+		}
+		when, err := runWhen(sp.RunWhen)
+		if err != nil {
+			return cronoq.NonRetryable(err)
+		}
+		opts := []cronoq.SpawnOption{cronoq.SpawnDependsOn(dependencies...), cronoq.SpawnRunWhen(when)}
+		if sp.Key != "" {
+			opts = append(opts, cronoq.SpawnKey(sp.Key))
+		}
+		if err := t.Spawn(sp.Pool, sp.Payload, opts...); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // runWorker runs a worker until it has handled until_handled tasks (or started
 // stop_after_started), then stops it gracefully; or until it fails.
 func runWorker(in *input, s step, opts cronoq.Options) result {
@@ -331,6 +476,8 @@ func runWorker(in *input, s step, opts cronoq.Options) result {
 		var raw any
 		_ = cronoq.DecodePayload(task, &raw)
 		payload, _ = raw.(map[string]any)
+		dependencies := dependenciesJSON(t.DependencyResults())
+		var lookedUp result // by the SDK's lookup, when the payload asks
 		mu.Lock()
 		started = append(started, id)
 		running++
@@ -343,8 +490,12 @@ func runWorker(in *input, s step, opts cronoq.Options) result {
 		defer func() {
 			mu.Lock()
 			running--
-			handled = append(handled, result{"id": id, "attempt": task.GetAttempt(), "snoozes": snoozes, "checkpoint": checkpoint,
-				"trace_id": traceID, "payload": raw, "end": end})
+			entry := result{"id": id, "attempt": task.GetAttempt(), "snoozes": snoozes, "checkpoint": checkpoint,
+				"trace_id": traceID, "payload": raw, "end": end, "dependencies": dependencies}
+			if lookedUp != nil {
+				entry["looked_up"] = lookedUp
+			}
+			handled = append(handled, entry)
 			if len(handled) == s.UntilHandled {
 				signal()
 			}
@@ -383,6 +534,20 @@ func runWorker(in *input, s step, opts cronoq.Options) result {
 				return nil, cronoq.Snooze(ms(int64(n)), "driver")
 			}
 		}
+		if keys, ok := payload["lookup_keys"].([]any); ok {
+			lookedUp = result{}
+			for _, k := range keys {
+				key := fmt.Sprint(k)
+				lookedUp[key] = nil
+				if d, ok := t.Dependency(key); ok {
+					lookedUp[key] = value(d.Result, d.ContentType)
+				}
+			}
+		}
+		if err := spawn(t, task, payload["spawn"]); err != nil {
+			end = "raised"
+			return nil, err
+		}
 		if msg, ok := payload["fail"]; ok {
 			end = "raised"
 			err := errors.New(fmt.Sprint(msg))
@@ -392,6 +557,19 @@ func runWorker(in *input, s step, opts cronoq.Options) result {
 			return nil, err
 		}
 		end = "returned"
+		if sum, _ := payload["sum_dependencies"].(bool); sum {
+			total := 0.0
+			for _, d := range t.DependencyResults() {
+				var n float64
+				if d.Decode(&n) == nil {
+					total += n
+				}
+			}
+			return total, nil
+		}
+		if b64, ok := payload["result_bytes_b64"].(string); ok {
+			return base64.StdEncoding.DecodeString(b64)
+		}
 		return payload["result"], nil
 	}
 	concurrency := 4
