@@ -9,9 +9,13 @@ import {
   Client,
   codeName,
   CronoqError,
+  decodeDependencyResult,
+  JSON_CONTENT_TYPE,
   decodePayload,
+  decodeResult,
   nonRetryable,
   RedirectRefusedError,
+  runWhenFromJSON,
   Snooze,
   TaskFailure,
   taskStateFromJSON,
@@ -21,7 +25,9 @@ import {
   Worker,
   type ConnectionOptions,
   type BulkResult,
+  type DependencyResult,
   type Logger,
+  type RunWhen,
   type Task,
   type TaskContext,
   type TaskFilter,
@@ -59,6 +65,23 @@ interface Step {
   shutdown_grace_ms?: number;
   traceparent?: string;
   tracestate?: string;
+  depends_on?: DependsOn[];
+  run_when?: string;
+  include_children?: boolean;
+  include_dependency_results?: boolean;
+  include_descendants?: boolean;
+}
+
+/** A task named by a step's or a spawn's depends_on: its key, its id (decimal), or the spawning task. */
+type DependsOn = { key: string } | { id: string } | { parent: true };
+
+/** What a worker's handler spawns, from its task's payload. */
+interface SpawnSpec {
+  pool: string;
+  payload?: unknown;
+  key?: string;
+  depends_on?: DependsOn[];
+  run_when?: string;
 }
 
 type Result = Record<string, unknown>;
@@ -135,7 +158,32 @@ function filterOf(json: Record<string, unknown> = {}): TaskFilter {
     keyPrefix: field("key_prefix") as string | undefined,
     errorContains: field("error_contains") as string | undefined,
     ids: (field("ids") as unknown[] | undefined)?.map((id) => BigInt(String(id))),
+    parentId: field("parent_id") === undefined ? undefined : BigInt(String(field("parent_id"))),
   };
+}
+
+/** depends_on as the SDK takes it: keys as strings, ids (and the spawning task, parent) as bigints. */
+function refsOf(items: DependsOn[] = [], parent = 0n): Array<string | bigint> {
+  return items.map((item) => ("key" in item ? item.key : "parent" in item ? parent : BigInt(item.id)));
+}
+
+function runWhenOf(spec: { run_when?: string }): RunWhen | undefined {
+  return spec.run_when ? runWhenFromJSON(spec.run_when) : undefined;
+}
+
+/** A decoded result as the protocol gives it: a JSON value, {"bytes_b64"} for bytes. */
+function valueJson(value: unknown): unknown {
+  return value instanceof Uint8Array ? { bytes_b64: Buffer.from(value).toString("base64") } : value;
+}
+
+function dependencyJson(dependency: DependencyResult): Result {
+  return { id: dependency.id.toString(), key: dependency.key, state: taskStateToJSON(dependency.state), value: valueJson(dependency.value), error: dependency.error };
+}
+
+/** A task's result: JSON parsed, other bytes as {"bytes_b64"}, null when it has none. */
+function resultJson(task: Task): unknown {
+  if (task.result.length === 0) return null;
+  return task.resultContentType === JSON_CONTENT_TYPE ? decodeResult(task) : valueJson(task.result);
 }
 
 function bulkResult(result: BulkResult): Result {
@@ -151,10 +199,13 @@ function checkpointText(checkpoint: Uint8Array | null): string | null {
   return checkpoint && checkpoint.length > 0 ? Buffer.from(checkpoint).toString("utf8") : null;
 }
 
-/** A get step's result: the task's state, snoozes, progress and checkpoint. */
+/** A get step's result: the task's state, snoozes, progress, checkpoint, parent, error and result. */
 function gotResult(task: Task): Result {
   const progress = task.progress ? { value: task.progress.value, message: task.progress.message } : null;
-  return { ...taskResult(task), snoozes: task.snoozes, progress, checkpoint: checkpointText(task.checkpoint) };
+  return {
+    ...taskResult(task), snoozes: task.snoozes, progress, checkpoint: checkpointText(task.checkpoint),
+    parent_id: task.parentId.toString(), task_error: task.error, result: resultJson(task),
+  };
 }
 
 async function clientStep(client: Client, step: Step): Promise<Result> {
@@ -166,17 +217,38 @@ async function clientStep(client: Client, step: Step): Promise<Result> {
       if (step.tracestate) carrier["tracestate"] = step.tracestate;
       const ctx = new W3CTraceContextPropagator().extract(ROOT_CONTEXT, carrier, defaultTextMapGetter);
       const submitted = await context.with(ctx, () =>
-        client.submit({ pool: step.pool ?? "", payload: step.payload, key: step.key, groupKey: step.group_key }));
+        client.submit({
+          pool: step.pool ?? "", payload: step.payload, key: step.key, groupKey: step.group_key,
+          dependsOn: refsOf(step.depends_on).map((ref) => (typeof ref === "string" ? { key: ref } : ref)), runWhen: runWhenOf(step),
+        }));
       return { id: submitted.task.id.toString(), group_key: submitted.task.groupKey, error: null };
     }
     case "get": {
-      if (!step.include_attempts) return gotResult(await client.get(refOf(step)));
-      const { task, attempts } = await client.getWithAttempts(refOf(step));
-      const history = attempts.map((a) => ({ attempt: a.attempt, outcome: attemptOutcomeToJSON(a.outcome), error: a.error }));
-      return { ...gotResult(task), attempts: history };
+      const includeDependencyResults = step.include_dependency_results ?? false;
+      let task: Task;
+      const extra: Result = {};
+      if (step.include_attempts) {
+        const got = await client.getWithAttempts(refOf(step));
+        task = got.task;
+        extra["attempts"] = got.attempts.map((a) => ({ attempt: a.attempt, outcome: attemptOutcomeToJSON(a.outcome), error: a.error }));
+      }
+      if (step.include_children) {
+        const got = await client.get(refOf(step), { includeChildren: true, includeDependencyResults });
+        task = got.task;
+        extra["children"] = got.children.map((c) => ({ id: c.id.toString(), pool: c.pool, state: taskStateToJSON(c.state), parent_id: c.parentId.toString() }));
+      } else if (!step.include_attempts || includeDependencyResults) {
+        task = await client.get(refOf(step), { includeDependencyResults });
+      }
+      if (includeDependencyResults) {
+        extra["dependency_results"] = task!.dependencyResults.map((d) => dependencyJson({ ...d, value: decodeDependencyResult(d) }));
+      }
+      return { ...gotResult(task!), ...extra };
     }
-    case "cancel":
-      return taskResult(await client.cancel(refOf(step)));
+    case "cancel": {
+      if (!step.include_descendants) return taskResult(await client.cancel(refOf(step)));
+      const { task, descendantsCancelled } = await client.cancel(refOf(step), { includeDescendants: true });
+      return { ...taskResult(task), descendants_cancelled: Number(descendantsCancelled) };
+    }
     case "wait":
       return taskResult((await client.wait(refOf(step), step.timeout_ms && step.timeout_ms > 0 ? step.timeout_ms : 10_000)).task);
     case "retry":
@@ -226,7 +298,9 @@ async function runWorker(opts: ConnectionOptions, step: Step): Promise<Result> {
     const current = trace.getSpanContext(context.active()); // the handler's span
     const traceId = current && trace.isSpanContextValid(current) ? current.traceId : null;
     let end: string | undefined; // set when it returns, snoozes or fails as the payload says
+    const workflow: Result = {};
     try {
+      workflow["dependencies"] = ctx.dependencies.map(dependencyJson);
       if (typeof payload["checkpoint"] === "string") ctx.saveCheckpoint(payload["checkpoint"]);
       const progress = Array.isArray(payload["progress"]) ? payload["progress"] as Array<{ value: number; message?: string }> : [];
       for (const p of progress) ctx.reportProgress(p.value, p.message ?? "");
@@ -251,6 +325,14 @@ async function runWorker(opts: ConnectionOptions, step: Step): Promise<Result> {
         end = "snoozed";
         throw new Snooze(snoozeMs, "driver");
       }
+      if (Array.isArray(payload["lookup_keys"])) {
+        const lookedUp: Result = {};
+        for (const key of payload["lookup_keys"] as string[]) lookedUp[key] = valueJson(ctx.dependency(key));
+        workflow["looked_up"] = lookedUp;
+      }
+      for (const spawn of (Array.isArray(payload["spawn"]) ? payload["spawn"] : []) as SpawnSpec[]) {
+        ctx.spawn(spawn.pool, spawn.payload, { key: spawn.key, dependsOn: refsOf(spawn.depends_on, task.id), runWhen: runWhenOf(spawn) });
+      }
       if ("fail" in payload) {
         end = "raised";
         const message = String(payload["fail"]);
@@ -258,11 +340,15 @@ async function runWorker(opts: ConnectionOptions, step: Step): Promise<Result> {
         throw new TaskFailure(message);
       }
       end = "returned";
+      if (payload["sum_dependencies"]) {
+        return [...ctx.dependencyResults.values()].reduce((sum: number, v) => sum + (typeof v === "number" ? v : 0), 0);
+      }
+      if (typeof payload["result_bytes_b64"] === "string") return Buffer.from(payload["result_bytes_b64"], "base64");
       return payload["result"];
     } finally {
       running--;
       end ??= signal.aborted ? "cancelled" : "raised"; // the SDK cancelled it, or an error (the SDK's too)
-      handled.push({ id, attempt: task.attempt, snoozes: ctx.snoozes, checkpoint: leased, payload: raw, end, trace_id: traceId });
+      handled.push({ id, attempt: task.attempt, snoozes: ctx.snoozes, checkpoint: leased, payload: raw, end, trace_id: traceId, ...workflow });
       if (handled.length === step.until_handled) signalEnough();
     }
   };

@@ -37,7 +37,7 @@ export { checkRedirect, Endpoint } from "./endpoint.js";
 export { backoffMs, consoleLogger, DEFAULT_KEEPALIVE, MAX_MESSAGE_BYTES, retryWithDefaults } from "./transport.js";
 export type { ConnectionOptions, KeepaliveConfig, Logger, Retry, RetryConfig, TlsOptions } from "./transport.js";
 export * from "./errors.js";
-export { decodePayload, decodeResult, encodePayload, JSON_CONTENT_TYPE } from "./payload.js";
+export { decodeDependencyResult, decodePayload, decodeResult, encodePayload, JSON_CONTENT_TYPE } from "./payload.js";
 export { AttemptOutcome, attemptOutcomeToJSON, RunWhen, runWhenFromJSON, runWhenToJSON, TaskState, taskStateFromJSON, taskStateToJSON } from "./gen/cronoq/v1/task.js";
 export type { Attempt, Task, TaskEvent, TaskProgress } from "./gen/cronoq/v1/task.js";
 export type { BulkShardResult } from "./gen/cronoq/v1/task_service.js";

@@ -1048,8 +1048,11 @@ export class Worker {
     if (ok) {
       try {
         const { data, contentType } = encodePayload(result);
+        const spawned = spawnBytes(rt.spawned);
         if (data.length > this.maxResultBytes) {
           failure(`result of ${data.length} bytes exceeds max_result_bytes ${this.maxResultBytes}`, false);
+        } else if (data.length + spawned > MAX_REQUEST_BYTES) { // one outcome goes in one message
+          failure(`the result and the ${rt.spawned.length} spawned tasks take about ${data.length + spawned} bytes, more than a message's ${MAX_REQUEST_BYTES}`, false);
         } else {
           outcome.success = { result: data, contentType, spawn: rt.spawned };
         }

@@ -136,6 +136,16 @@ test("a spawn of an attempt whose lease was lost is never sent: no outcome at al
   assert.deepEqual(shard.outcomes.map((o) => o.taskId), [52n]);
 });
 
+test("spawned tasks too large for one message fail the attempt, not retryable, and nothing is spawned", async () => {
+  const outcomes = await runTasks([jsonTask(4n, {})], (_task, _signal, ctx) => {
+    for (let i = 0; i < 5; i++) ctx.spawn("default", new Uint8Array(15 << 20));
+    return "done";
+  });
+  const failure = outcomes.get(4n)?.failure;
+  assert.ok(failure && !failure.retryable && failure.error.includes("5 spawned tasks"), failure?.error);
+  assert.equal(outcomes.get(4n)?.success, undefined);
+});
+
 test("a spawn after the handler returned is a FailedPreconditionError, and its success carried none", async () => {
   let kept: TaskContext | undefined;
   const outcomes = await runTasks([jsonTask(3n, {})], (_task, _signal, ctx) => {
