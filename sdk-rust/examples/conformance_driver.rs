@@ -8,9 +8,12 @@ use std::io::Read;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
 use cronoq::{
-    BulkResult, Client, Error, KeepaliveConfig, Options, PoolPause, RetryConfig, RetryTaskOptions,
-    Task, TaskContext, TaskError, TaskFilter, TaskRef, TaskSpec, TaskState, Worker, WorkerOptions,
+    BulkResult, Client, DependencyResult, Error, GetTaskOptions, JSON_CONTENT_TYPE,
+    KeepaliveConfig, Options, PoolPause, RetryConfig, RetryTaskOptions, RunWhen, Task, TaskContext,
+    TaskError, TaskFilter, TaskRef, TaskResult, TaskSpec, TaskState, Worker, WorkerOptions,
     code_name,
 };
 use opentelemetry::context::FutureExt as _;
@@ -74,6 +77,17 @@ struct Step {
     tracestate: Option<String>,
     #[serde(default)]
     include_attempts: bool,
+    #[serde(default)]
+    include_children: bool,
+    #[serde(default)]
+    include_dependency_results: bool,
+    #[serde(default)]
+    include_descendants: bool,
+    /// Submit's dependencies: {"key": ".."} or {"id": "<decimal>"}.
+    #[serde(default)]
+    depends_on: Vec<Value>,
+    /// A RunWhen enum name.
+    run_when: Option<String>,
     #[serde(default)]
     filter: serde_json::Map<String, Value>,
     #[serde(default)]
@@ -177,10 +191,14 @@ impl From<Error> for Failed {
 async fn client_op(client: &Client, step: &Step) -> Result<Value, Failed> {
     Ok(match step.op.as_str() {
         "submit" => {
-            let spec = TaskSpec::new(&step.pool)
+            let mut spec = TaskSpec::new(&step.pool)
                 .json(&step.payload)?
                 .key(&step.key)
-                .group_key(&step.group_key);
+                .group_key(&step.group_key)
+                .run_when(run_when(step.run_when.as_deref())?);
+            for dependency in &step.depends_on {
+                spec = spec.depends_on(dependency_ref(dependency, None)?);
+            }
             // In the context whose current span is the remote one the step gives (none: the
             // driver's, outside any trace).
             let task = client
@@ -190,18 +208,43 @@ async fn client_op(client: &Client, step: &Step) -> Result<Value, Failed> {
                 .task;
             json!({"id": task.id.to_string(), "group_key": task.group_key, "error": null})
         }
-        "get" if step.include_attempts => {
-            let got = client.get_with_attempts(task_ref(step)?).await?;
-            let attempts: Vec<Value> = got
-                .attempts
-                .iter()
-                .map(|a| json!({"attempt": a.attempt, "outcome": a.outcome().as_str_name(), "error": a.error}))
-                .collect();
+        "get" => {
+            let opts = GetTaskOptions {
+                include_attempts: step.include_attempts,
+                include_children: step.include_children,
+                include_dependency_results: step.include_dependency_results,
+                ..GetTaskOptions::default()
+            };
+            let mut got = client.get_with(task_ref(step)?, opts).await?;
             let mut result = task_result(&got.task);
-            result["attempts"] = json!(attempts);
+            if step.include_attempts {
+                let attempts: Vec<Value> = got
+                    .attempts
+                    .iter()
+                    .map(|a| json!({"attempt": a.attempt, "outcome": a.outcome().as_str_name(), "error": a.error}))
+                    .collect();
+                result["attempts"] = json!(attempts);
+            }
+            if step.include_children {
+                got.children.sort_by_key(|c| c.id);
+                let children: Vec<Value> = got
+                    .children
+                    .iter()
+                    .map(|c| json!({"id": c.id.to_string(), "pool": c.pool, "state": c.state().as_str_name(), "parent_id": c.parent_id.to_string()}))
+                    .collect();
+                result["children"] = json!(children);
+            }
+            if step.include_dependency_results {
+                result["dependency_results"] = dependencies_of(&got.task.dependency_results);
+            }
             result
         }
-        "get" => task_result(&client.get(task_ref(step)?).await?),
+        "cancel" if step.include_descendants => {
+            let cancelled = client.cancel_with_descendants(task_ref(step)?).await?;
+            let mut result = task_result(&cancelled.task);
+            result["descendants_cancelled"] = json!(cancelled.descendants_cancelled);
+            result
+        }
         "cancel" => task_result(&client.cancel(task_ref(step)?).await?),
         "wait" => {
             let timeout = if step.timeout_ms > 0 {
@@ -257,6 +300,66 @@ fn current_trace_id() -> Value {
     }
 }
 
+/// A RunWhen by its enum name (absent: the default).
+fn run_when(name: Option<&str>) -> Result<RunWhen, Failed> {
+    name.map_or(Ok(RunWhen::Unspecified), |name| {
+        RunWhen::from_str_name(name).ok_or_else(|| Failed::Input(format!("run_when {name:?}")))
+    })
+}
+
+/// A dependency as the protocol names it: {"key": ".."}, {"id": "<decimal>"}, or (in a
+/// spawn, given the spawning task's id) {"parent": true}.
+fn dependency_ref(dependency: &Value, parent: Option<u64>) -> Result<TaskRef, Failed> {
+    if let Some(key) = dependency.get("key").and_then(Value::as_str) {
+        return Ok(TaskRef::Key(key.to_string()));
+    }
+    let id = match dependency.get("id") {
+        Some(Value::String(id)) => id.parse().ok(),
+        Some(id) => id.as_u64(),
+        None => None,
+    };
+    let parent = parent.filter(|_| dependency.get("parent") == Some(&Value::Bool(true)));
+    id.or(parent)
+        .map(TaskRef::Id)
+        .ok_or_else(|| Failed::Input(format!("depends_on item {dependency}")))
+}
+
+/// A result as the protocol shows it: a JSON value, {"bytes_b64": ..} for another content
+/// type, null when there is none.
+fn value_of(data: &[u8], content_type: &str) -> Value {
+    if content_type == JSON_CONTENT_TYPE {
+        return serde_json::from_slice(data).unwrap_or(Value::Null);
+    }
+    if data.is_empty() && content_type.is_empty() {
+        return Value::Null;
+    }
+    json!({"bytes_b64": BASE64.encode(data)})
+}
+
+fn dependency_value(dependency: &DependencyResult) -> Value {
+    if dependency.content_type == JSON_CONTENT_TYPE {
+        // Through the SDK's own decoding, as a handler reads it.
+        return dependency.json().unwrap_or(Value::Null);
+    }
+    value_of(&dependency.result, &dependency.content_type)
+}
+
+fn dependencies_of(dependencies: &[DependencyResult]) -> Value {
+    let entries: Vec<Value> = dependencies
+        .iter()
+        .map(|d| {
+            json!({
+                "id": d.id.to_string(),
+                "key": d.key,
+                "state": d.state().as_str_name(),
+                "value": dependency_value(d),
+                "error": d.error,
+            })
+        })
+        .collect();
+    json!(entries)
+}
+
 /// The task a step names: by "id" (a decimal string) or by "key".
 fn task_ref(step: &Step) -> Result<TaskRef, Failed> {
     if !step.key.is_empty() {
@@ -279,6 +382,9 @@ fn task_result(task: &Task) -> Value {
         "snoozes": task.snoozes,
         "progress": progress,
         "checkpoint": checkpoint_text(&task.checkpoint),
+        "parent_id": task.parent_id.to_string(),
+        "task_error": task.error,
+        "result": value_of(&task.result, &task.result_content_type),
         "error": null,
     })
 }
@@ -389,10 +495,11 @@ async fn worker_step(input: &Input, step: &Step) -> Value {
                     }
                 }
                 let mut end = "raised"; // unless run_handler says otherwise
-                let result = run_handler(&ctx, &raw, &cancelled, &mut end).await;
+                let mut looked_up = None;
+                let result = run_handler(&ctx, &raw, &cancelled, &mut end, &mut looked_up).await;
                 let mut s = seen.lock().unwrap();
                 s.running -= 1;
-                s.handled.push(json!({
+                let mut entry = json!({
                     "id": id,
                     "attempt": ctx.attempt,
                     "snoozes": ctx.snoozes(),
@@ -400,7 +507,12 @@ async fn worker_step(input: &Input, step: &Step) -> Value {
                     "payload": raw,
                     "trace_id": trace_id,
                     "end": end,
-                }));
+                    "dependencies": dependencies_of(ctx.dependency_results()),
+                });
+                if let Some(looked_up) = looked_up {
+                    entry["looked_up"] = looked_up;
+                }
+                s.handled.push(entry);
                 if s.handled.len() == until_handled {
                     enough.notify_one();
                 }
@@ -464,14 +576,24 @@ async fn worker_step(input: &Input, step: &Step) -> Value {
     })
 }
 
-/// The handler the protocol describes: checkpoint, progress, sleep_ms (until cancelled),
-/// snooze_ms (while the task's snoozes are fewer than snooze_times), fail, or result.
+/// The handler the protocol describes: lookup_keys (each through ctx.dependency, into
+/// `looked_up`), checkpoint, progress, sleep_ms (until cancelled), snooze_ms (while the task's
+/// snoozes are fewer than snooze_times), spawn, fail, or sum_dependencies, result_bytes_b64 or
+/// result.
 async fn run_handler(
     ctx: &TaskContext,
     payload: &Value,
     cancelled: &cronoq::CancellationToken,
     end: &mut &'static str,
-) -> Result<Value, TaskError> {
+    looked_up: &mut Option<Value>,
+) -> Result<TaskResult, TaskError> {
+    if let Some(keys) = payload.get("lookup_keys").and_then(Value::as_array) {
+        let mut found = serde_json::Map::new();
+        for key in keys.iter().filter_map(Value::as_str) {
+            found.insert(key.to_string(), dependency_value(ctx.dependency(key)?));
+        }
+        *looked_up = Some(Value::Object(found));
+    }
     if let Some(text) = payload.get("checkpoint").and_then(Value::as_str) {
         ctx.save_checkpoint(text)?;
     }
@@ -504,6 +626,14 @@ async fn run_handler(
             return Err(TaskError::snooze(ms(n), "driver"));
         }
     }
+    for spawn in payload
+        .get("spawn")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        ctx.spawn(spawn_spec(spawn, ctx.id)?);
+    }
     if let Some(message) = payload.get("fail") {
         let message = message
             .as_str()
@@ -514,7 +644,56 @@ async fn run_handler(
         return Err(TaskError::retryable(message));
     }
     *end = "returned";
-    Ok(payload.get("result").cloned().unwrap_or(Value::Null))
+    if payload.get("sum_dependencies") == Some(&Value::Bool(true)) {
+        return Ok(sum_of(ctx.dependency_results())?.into());
+    }
+    if let Some(text) = payload.get("result_bytes_b64").and_then(Value::as_str) {
+        let data = BASE64.decode(text).map_err(TaskError::non_retryable)?;
+        return Ok(TaskResult::bytes(data, "application/octet-stream"));
+    }
+    Ok(payload.get("result").cloned().unwrap_or(Value::Null).into())
+}
+
+/// A spawn of the protocol: {"pool", "payload", "key"?, "depends_on"?, "run_when"?}.
+fn spawn_spec(spawn: &Value, parent: u64) -> Result<TaskSpec, TaskError> {
+    let text = |name: &str| spawn.get(name).and_then(Value::as_str).unwrap_or("");
+    let failed = |f: Failed| match f {
+        Failed::Sdk(err) => TaskError::non_retryable(err),
+        Failed::Input(m) | Failed::Unsupported(m) => TaskError::non_retryable(m),
+    };
+    let payload = spawn.get("payload").cloned().unwrap_or(Value::Null);
+    let mut spec = TaskSpec::new(text("pool"))
+        .json(&payload)
+        .map_err(TaskError::non_retryable)?
+        .key(text("key"))
+        .run_when(run_when(spawn.get("run_when").and_then(Value::as_str)).map_err(failed)?);
+    for dependency in spawn
+        .get("depends_on")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        spec = spec.depends_on(dependency_ref(dependency, Some(parent)).map_err(failed)?);
+    }
+    Ok(spec)
+}
+
+/// The sum of the dependencies' JSON numbers: an integer when every one is.
+fn sum_of(dependencies: &[DependencyResult]) -> Result<Value, TaskError> {
+    let mut values = Vec::new();
+    for dependency in dependencies {
+        values.push(dependency.json::<serde_json::Number>()?);
+    }
+    let integers: Option<Vec<i64>> = values.iter().map(serde_json::Number::as_i64).collect();
+    Ok(match integers {
+        Some(integers) => json!(integers.iter().sum::<i64>()),
+        None => json!(
+            values
+                .iter()
+                .filter_map(serde_json::Number::as_f64)
+                .sum::<f64>()
+        ),
+    })
 }
 
 #[tokio::main]
