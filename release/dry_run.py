@@ -276,11 +276,19 @@ def step_rust(ctx: Context, stack: list[Callable[[], None]]) -> None:
     )
     # No lock file: the newest versions the manifests admit, as a user's new project resolves them.
     shutil.copy(sdk / "examples" / "worker.rs", project / "src" / "main.rs")
+    (project / "examples").mkdir()
+    shutil.copy(sdk / "examples" / "mapreduce.rs", project / "examples" / "mapreduce.rs")
     # A warning in the SDK's code fails (cargo caps the lints of registry crates, not of a path dependency).
     env = {"CARGO_TARGET_DIR": str(project / "target"), "RUSTFLAGS": "-D warnings"}
-    run(["cargo", "build", "--quiet"], project, env=env)
+    run(["cargo", "build", "--quiet", "--examples"], project, env=env)
     out_text = run(["cargo", "run", "--quiet", "--", ctx.endpoint, "default"], project, EXAMPLE_TIMEOUT_S, env)
     check_example("sdk-rust/examples/worker.rs", out_text)
+    # The workflow example: 100 spawned map tasks (1 to 100) and the join that sums them.
+    cmd = ["cargo", "run", "--quiet", "--example", "mapreduce", "--", ctx.endpoint, "default"]
+    out_text = run(cmd, project, EXAMPLE_TIMEOUT_S, env)
+    if not re.search(r"^sum of 100 map tasks: 5050$", out_text, re.MULTILINE):
+        raise StepFailed(f"sdk-rust/examples/mapreduce.rs: no line 'sum of 100 map tasks: 5050' in its output:\n{out_text}")
+    print("    sdk-rust/examples/mapreduce.rs: the join summed the 100 map tasks", flush=True)
 
 
 # -- go -------------------------------------------------------------------------------
@@ -308,11 +316,19 @@ def step_go(ctx: Context, stack: list[Callable[[], None]]) -> None:
         f"replace {GO_MODULE} => {module}\n"
     )
     shutil.copy(sdk / "examples" / "worker" / "main.go", project / "main.go")
+    (project / "mapreduce").mkdir()
+    shutil.copy(sdk / "examples" / "mapreduce" / "main.go", project / "mapreduce" / "main.go")
     env = {"GOFLAGS": "-mod=mod", "GOWORK": "off"}
     run(["go", "mod", "tidy"], project, env=env)
     run(["go", "build", "-o", "example", "."], project, env=env)
+    run(["go", "build", "-o", "mapreduce-example", "./mapreduce"], project, env=env)
     out_text = run(["./example", "-endpoint", ctx.endpoint, "-pool", "default"], project, EXAMPLE_TIMEOUT_S)
     check_example("sdk-go/examples/worker", out_text)
+    # A workflow: the root spawns 100 map tasks (n squared, n = 1..100) and a join that sums them.
+    out_text = run(["./mapreduce-example", "-endpoint", ctx.endpoint, "-pool", "default"], project, EXAMPLE_TIMEOUT_S)
+    if not re.search(r"^sum of 100 children: 338350$", out_text, re.MULTILINE):
+        raise StepFailed(f"sdk-go/examples/mapreduce: no line 'sum of 100 children: 338350' in its output:\n{out_text}")
+    print("    sdk-go/examples/mapreduce: the join summed the 100 map tasks", flush=True)
 
 
 STEPS: dict[str, Callable[[Context, list[Callable[[], None]]], None]] = {
