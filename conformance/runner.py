@@ -206,17 +206,16 @@ def two_shards(workdir: Path) -> Iterator[dict[str, str]]:
 
 def match(expected: Any, actual: Any, path: str) -> list[str]:
     """Where actual differs from expected: a dict names only the keys it checks; `x_count`
-    checks the length of list x; `message_has` lists phrases the message contains."""
+    checks the length of list x; `x_has` lists phrases the text x contains (`message_has`)."""
     if isinstance(expected, dict):
         if not isinstance(actual, dict):
             return [f"{path}: expected an object, got {actual!r}"]
         problems = []
         for key, want in expected.items():
-            if key == "message_has":
-                message = str(actual.get("message", "")).lower()
-                problems += [
-                    f"{path}.message: {actual.get('message')!r} lacks {p!r}" for p in want if p.lower() not in message
-                ]
+            if key.endswith("_has") and key not in actual:
+                name = key[: -len("_has")]
+                text = str(actual.get(name) or "").lower()
+                problems += [f"{path}.{name}: {actual.get(name)!r} lacks {p!r}" for p in want if p.lower() not in text]
             elif key.endswith("_count") and key not in actual:
                 got = len(actual.get(key[: -len("_count")]) or [])
                 if got != want:
@@ -231,6 +230,19 @@ def match(expected: Any, actual: Any, path: str) -> list[str]:
     if expected != actual:
         return [f"{path}: expected {expected!r}, got {actual!r}"]
     return []
+
+
+def step_values(observed: dict[str, Any]) -> dict[str, str]:
+    """What `{steps.N.field}` in a case's expect stands for: the driver's result of step N's
+    text field (e.g. the id a submit answered, which a later step's parent_id must equal)."""
+    steps = observed.get("steps") or []
+    return {
+        f"steps.{i}.{name}": value
+        for i, step in enumerate(steps if isinstance(steps, list) else [])
+        if isinstance(step, dict)
+        for name, value in step.items()
+        if isinstance(value, str)
+    }
 
 
 def lookup(obj: Any, dotted: str) -> Any:
@@ -408,6 +420,7 @@ def run_case(case: dict[str, Any], sdk: str, pkis: Pkis, netns: NetNs | None, ve
                     "script": substitute(role.get("script", {}), urls),
                     "tasks": [task_json(t) for t in role.get("tasks", [])],
                     "cancel": role.get("cancel", []),
+                    "lost": role.get("lost", []),
                 }
             )
         try:
@@ -438,7 +451,7 @@ def run_case(case: dict[str, Any], sdk: str, pkis: Pkis, netns: NetNs | None, ve
         finally:
             log = scripted.stop()
         if observed is not None:
-            expect = substitute(case.get("expect", {}), urls)
+            expect = substitute(case.get("expect", {}), {**urls, **step_values(observed)})
             problems += match(expect.get("steps", []), observed.get("steps"), "steps")
             problems += check_servers(expect, log, token, sdk)
         if problems and verbose:

@@ -4,7 +4,7 @@ case's script says, on as many addresses as the case has roles.
     python conformance/scripted.py PLAN.json LOG.jsonl
 
 PLAN is a list of roles, each {name, host, port, tls, shard, heartbeat_interval_ms, script,
-tasks, cancel}. `script` maps a method name to its answers, used in order (the last one
+tasks, cancel, lost}. `script` maps a method name to its answers, used in order (the last one
 repeats): "ok", {"reply": <the response as proto JSON>}, or a refusal {"code", "message",
 "metadata", "details": {"reason", "metadata", "retry_delay"}}; for Work also
 {"close_after_tasks": N, "code": ...}, a stream that ends after sending N tasks, and
@@ -12,7 +12,7 @@ repeats): "ok", {"reply": <the response as proto JSON>}, or a refusal {"code", "
 has closed its side (leased as it closed), then ends, and {"black_hole": true}, a stream whose
 connection goes silent (see below). `tasks` are the
 tasks the role's Work streams hand out (proto JSON of cronoq.v1.Task), `cancel` the task ids a
-heartbeat is answered cancelled for.
+heartbeat is answered cancelled for, `lost` those it is answered lost for (their leases gone).
 
 Each role listens on its address through a front that relays bytes to its gRPC server on a
 loopback port, so every connection is recorded, also one that never makes a call (a TLS
@@ -66,6 +66,7 @@ class Role:
     script: dict[str, list[Any]] = field(default_factory=dict)
     tasks: list[dict[str, Any]] = field(default_factory=list)
     cancel: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
     calls: dict[str, int] = field(default_factory=dict)
     pending: list[task_pb2.Task] = field(default_factory=list)
     # The front's connections to the gRPC server by their local port (the server's peer
@@ -157,15 +158,17 @@ class Scripted:
             response.heartbeat_interval_ms = self.role.heartbeat_interval_ms
             response.shard = self.role.shard
         elif method == "Heartbeat":
-            response.cancelled_task_ids.extend(self._cancelled(request.tasks))
+            response.cancelled_task_ids.extend(self._named(request.tasks, self.role.cancel))
+            response.lost_task_ids.extend(self._named(request.tasks, self.role.lost))
         elif method == "FinishTasks":
             for outcome in request.outcomes:
                 self._outcome(outcome)
                 response.results.add(task_id=outcome.task_id, accepted=True)
         return response
 
-    def _cancelled(self, attempts: Any) -> list[int]:
-        return [a.task_id for a in attempts if str(a.task_id) in self.role.cancel]
+    def _named(self, attempts: Any, ids: list[str]) -> list[int]:
+        """The ids of the attempts a heartbeat names that are among ids (decimal strings)."""
+        return [a.task_id for a in attempts if str(a.task_id) in ids]
 
     def _outcome(self, outcome: worker_service_pb2.TaskOutcome) -> None:
         kind = outcome.WhichOneof("outcome") or ""
@@ -210,7 +213,8 @@ class Scripted:
                 self._outcome(outcome)
                 response.results.add(task_id=outcome.task_id, accepted=True)
             if request.HasField("heartbeat"):
-                response.heartbeat.cancelled_task_ids.extend(self._cancelled(request.heartbeat.tasks))
+                response.heartbeat.cancelled_task_ids.extend(self._named(request.heartbeat.tasks, self.role.cancel))
+                response.heartbeat.lost_task_ids.extend(self._named(request.heartbeat.tasks, self.role.lost))
             while credits and self.role.pending and (close_after is None or sent < close_after):
                 task = self.role.pending.pop(0)
                 task.attempt = max(task.attempt, 1)

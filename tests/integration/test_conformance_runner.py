@@ -47,6 +47,26 @@ def test_match_checks_only_the_keys_named_counts_and_phrases() -> None:
     ]
 
 
+def test_match_checks_phrases_in_any_text_and_lists_of_objects_item_by_item() -> None:
+    observed = {"task_error": "pool llm is served by shard gpu", "children": [{"id": "7", "state": "A"}, {"id": "8"}]}
+    assert runner.match({"task_error_has": ["LLM", "gpu"], "children": [{"id": "7"}, {}]}, observed, "s") == []
+    assert runner.match({"task_error_has": ["cpu"]}, observed, "s") == [
+        "s.task_error: 'pool llm is served by shard gpu' lacks 'cpu'"
+    ]
+    assert runner.match({"children": [{"id": "8"}, {}]}, observed, "s") == ["s.children[0].id: expected '8', got '7'"]
+    assert runner.match({"children": [{}]}, observed, "s")  # one item for two
+    assert runner.match({"missing_has": ["x"]}, observed, "s") == ["s.missing: None lacks 'x'"]
+
+
+def test_expect_may_name_what_the_driver_answered_for_an_earlier_step() -> None:
+    observed = {"steps": [{"op": "submit", "id": "72057594037927937", "error": None}, {"op": "get", "n": 3}]}
+    values = runner.step_values(observed)
+    assert values == {"steps.0.op": "submit", "steps.0.id": "72057594037927937", "steps.1.op": "get"}
+    expect = runner.substitute({"children": [{"parent_id": "{steps.0.id}"}]}, values)
+    assert expect == {"children": [{"parent_id": "72057594037927937"}]}
+    assert runner.step_values({"steps": None}) == {}
+
+
 def test_check_servers_fails_on_a_leaked_token_a_connection_or_a_wrong_outcome() -> None:
     def call(role: str, method: str, auth: str = "Bearer tok", **request: Any) -> dict[str, Any]:
         return {

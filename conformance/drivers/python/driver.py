@@ -4,6 +4,7 @@ JSON on stdout (the protocol is in conformance/README.md). It uses the SDK's pub
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import sys
 from typing import Any
@@ -38,6 +39,32 @@ def error_of(err: BaseException) -> dict[str, Any]:
 def text_of(data: bytes | None) -> str | None:
     """A checkpoint as the protocol gives it: UTF-8 text, or None when empty."""
     return data.decode() if data else None
+
+
+def value_json(value: Any) -> Any:
+    """A decoded result as the protocol gives it: a JSON value, {"bytes_b64"} for bytes."""
+    if isinstance(value, bytes):
+        return {"bytes_b64": base64.b64encode(value).decode()}
+    return value
+
+
+def dependency_json(d: cronoq.DependencyResult) -> dict[str, Any]:
+    return {
+        "id": str(d.id),
+        "key": d.key,
+        "state": cronoq.TaskState.Name(d.state),  # type: ignore[arg-type]
+        "value": value_json(d.value),
+        "error": d.error,
+    }
+
+
+def refs_of(items: list[dict[str, Any]], parent: int = 0) -> list[int | str]:
+    """A step's depends_on: {"key"}, {"id"} (decimal), or {"parent": true} (the spawning task)."""
+    return [item["key"] if "key" in item else parent if item.get("parent") else int(item["id"]) for item in items]
+
+
+def run_when_of(spec: dict[str, Any]) -> int | None:
+    return cronoq.RunWhen.Value(spec["run_when"]) if spec.get("run_when") else None
 
 
 def trace_id() -> str | None:
@@ -86,6 +113,7 @@ async def run_worker(case: dict[str, Any], step: dict[str, Any]) -> dict[str, An
         payload = ctx.payload if isinstance(ctx.payload, dict) else {}
         checkpoint = text_of(ctx.checkpoint)  # as the handler got it
         in_trace = trace_id()
+        workflow: dict[str, Any] = {"dependencies": [dependency_json(d) for d in ctx.dependencies]}
         end = "cancelled"
         try:
             if "checkpoint" in payload:
@@ -96,9 +124,23 @@ async def run_worker(case: dict[str, Any], step: dict[str, Any]) -> dict[str, An
                 await asyncio.sleep(payload["sleep_ms"] / 1000)
             if "snooze_ms" in payload and ctx.snoozes < payload.get("snooze_times", 1):
                 raise cronoq.Snooze(payload["snooze_ms"] / 1000, reason="driver")
+            if "lookup_keys" in payload:
+                workflow["looked_up"] = {k: value_json(ctx.dependency(k)) for k in payload["lookup_keys"]}
+            for spawn in payload.get("spawn", []):
+                ctx.spawn(
+                    spawn["pool"],
+                    spawn.get("payload"),
+                    key=spawn.get("key"),
+                    depends_on=refs_of(spawn.get("depends_on", []), parent=ctx.id),
+                    run_when=run_when_of(spawn),
+                )
             if "fail" in payload:
                 raise cronoq.TaskError(payload["fail"], retryable=payload.get("retryable", True))
             end = "returned"
+            if payload.get("sum_dependencies"):
+                return sum(v for v in ctx.dependency_results.values() if type(v) in (int, float))
+            if "result_bytes_b64" in payload:
+                return base64.b64decode(payload["result_bytes_b64"])
             return payload.get("result")
         except cronoq.Snooze:
             end = "snoozed"
@@ -117,6 +159,7 @@ async def run_worker(case: dict[str, Any], step: dict[str, Any]) -> dict[str, An
                     "payload": ctx.payload,
                     "end": end,
                     "trace_id": in_trace,
+                    **workflow,
                 }
             )
             if len(handled) == step.get("until_handled", 0):
@@ -181,6 +224,15 @@ async def bulk_step(client: cronoq.Client, step: dict[str, Any]) -> dict[str, An
     }
 
 
+def child_of(task: cronoq.Task) -> dict[str, Any]:
+    return {
+        "id": str(task.id),
+        "pool": task.pool,
+        "state": cronoq.TaskState.Name(task.state),
+        "parent_id": str(task.parent_id),
+    }
+
+
 def attempt_of(attempt: cronoq.Attempt) -> dict[str, Any]:
     return {"attempt": attempt.attempt, "outcome": cronoq.AttemptOutcome.Name(attempt.outcome), "error": attempt.error}
 
@@ -195,7 +247,12 @@ async def run_client_step(client: cronoq.Client, step: dict[str, Any]) -> dict[s
             token = otel_context.attach(TraceContextTextMapPropagator().extract(carrier)) if carrier else None
             try:
                 submitted = await client.submit(
-                    step["pool"], step.get("payload"), key=step.get("key"), group_key=step.get("group_key")
+                    step["pool"],
+                    step.get("payload"),
+                    key=step.get("key"),
+                    group_key=step.get("group_key"),
+                    depends_on=refs_of(step.get("depends_on", [])),
+                    run_when=run_when_of(step),
                 )
             finally:
                 if token is not None:
@@ -208,11 +265,22 @@ async def run_client_step(client: cronoq.Client, step: dict[str, Any]) -> dict[s
             return {"pool": pause.pool, "paused": pause.paused, "error": None}
         if op == "delete":
             return {"id": str(await client.delete(task_of(step))), "error": None}
-        if op == "get" and step.get("include_attempts"):
-            got = await client.get(task_of(step), include_attempts=True)
-            task, extra = got.task, {"attempts": [attempt_of(a) for a in got.attempts]}
-        elif op == "get":
-            task = await client.get(task_of(step))
+        if op == "get":
+            wants = {
+                k: bool(step.get(k)) for k in ("include_attempts", "include_children", "include_dependency_results")
+            }
+            got: Any = await client.get(task_of(step), **wants)
+            whole = wants["include_attempts"] or wants["include_children"]  # a GetTaskResponse
+            task = got.task if whole else got
+            if wants["include_attempts"]:
+                extra["attempts"] = [attempt_of(a) for a in got.attempts]
+            if wants["include_children"]:
+                extra["children"] = [child_of(c) for c in got.children]
+            if wants["include_dependency_results"]:
+                extra["dependency_results"] = [dependency_json(d) for d in cronoq.dependencies_of(task)]
+        elif op == "cancel" and step.get("include_descendants"):
+            cancelled = await client.cancel(task_of(step), include_descendants=True)
+            task, extra = cancelled.task, {"descendants_cancelled": cancelled.descendants_cancelled}
         elif op == "cancel":
             task = await client.cancel(task_of(step))
         elif op == "retry":
@@ -227,6 +295,9 @@ async def run_client_step(client: cronoq.Client, step: dict[str, Any]) -> dict[s
                 "snoozes": task.snoozes,
                 "progress": progress if task.HasField("progress") else None,
                 "checkpoint": text_of(task.checkpoint),
+                "parent_id": str(task.parent_id),
+                "task_error": task.error,
+                "result": value_json(cronoq.result_of(task)) if task.result else None,
             }
         return {"id": str(task.id), "state": cronoq.TaskState.Name(task.state), **extra, "error": None}
     except Exception as err:
