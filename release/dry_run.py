@@ -287,7 +287,7 @@ def step_rust(ctx: Context, stack: list[Callable[[], None]]) -> None:
     cmd = ["cargo", "run", "--quiet", "--example", "mapreduce", "--", ctx.endpoint, "default"]
     out_text = run(cmd, project, EXAMPLE_TIMEOUT_S, env)
     if not re.search(r"^sum of 100 map tasks: 5050$", out_text, re.MULTILINE):
-        raise StepFailed(f"sdk-rust/examples/mapreduce.rs: no line 'sum of 100 map tasks: 5050' in its output:\n{out_text}")
+        raise StepFailed(f"sdk-rust/examples/mapreduce.rs: no line 'sum of 100 map tasks: 5050' in:\n{out_text}")
     print("    sdk-rust/examples/mapreduce.rs: the join summed the 100 map tasks", flush=True)
 
 
