@@ -217,10 +217,12 @@ def step_npm(ctx: Context, stack: list[Callable[[], None]]) -> None:
     dev = manifest.get("devDependencies", {})
     tools = [f"typescript@{dev.get('typescript', 'latest')}", f"@types/node@{dev.get('@types/node', 'latest')}"]
     run(["npm", "install", "--no-audit", "--no-fund", str(tarball), *tools], cwd=project)
-    example = (sdk / "examples" / "worker.ts").read_text()
-    if f'from "{manifest["name"]}"' not in example:
-        raise StepFailed(f"sdk-ts/examples/worker.ts does not import {manifest['name']!r}, as an application does")
-    (project / "worker.ts").write_text(example)  # unchanged: it imports the package by its name
+    examples = ["worker.ts", "mapreduce.ts"]
+    for name in examples:
+        example = (sdk / "examples" / name).read_text()
+        if f'from "{manifest["name"]}"' not in example:
+            raise StepFailed(f"sdk-ts/examples/{name} does not import {manifest['name']!r}, as an application does")
+        (project / name).write_text(example)  # unchanged: it imports the package by its name
     tsconfig = {
         "compilerOptions": {
             "target": "ES2022",
@@ -230,12 +232,16 @@ def step_npm(ctx: Context, stack: list[Callable[[], None]]) -> None:
             "types": ["node"],
             "outDir": "out",
         },
-        "files": ["worker.ts"],
+        "files": examples,
     }
     (project / "tsconfig.json").write_text(json.dumps(tsconfig))
     run([str(project / "node_modules" / ".bin" / "tsc"), "-p", "."], cwd=project)  # the package's types, strict
     out_text = run(["node", "out/worker.js", "--endpoint", ctx.endpoint], project, EXAMPLE_TIMEOUT_S)
     check_example("sdk-ts/examples/worker.ts", out_text)
+    out_text = run(["node", "out/mapreduce.js", "--endpoint", ctx.endpoint], project, EXAMPLE_TIMEOUT_S)
+    if not re.search(r"^sum of 100 children: 5050$", out_text, re.MULTILINE):
+        raise StepFailed(f"sdk-ts/examples/mapreduce.ts: no line 'sum of 100 children: 5050' in:\n{out_text}")
+    print("    sdk-ts/examples/mapreduce.ts: the join summed the 100 children", flush=True)
 
 
 # -- rust -----------------------------------------------------------------------------
