@@ -445,6 +445,13 @@ fn filter(step: &Step) -> Result<TaskFilter, Failed> {
             "finished_before" | "finishedBefore" => out.finished_before = time(name, value)?,
             "key_prefix" | "keyPrefix" => out.key_prefix = text(name, value)?,
             "error_contains" | "errorContains" => out.error_contains = text(name, value)?,
+            "parent_id" | "parentId" => {
+                let parsed = match value {
+                    Value::String(s) => s.parse().ok(),
+                    other => other.as_u64(),
+                };
+                out.parent_id = parsed.ok_or_else(|| bad(name, value))?;
+            }
             "ids" => {
                 for id in list(name, value)? {
                     let parsed = match &id {
@@ -632,7 +639,7 @@ async fn run_handler(
         .into_iter()
         .flatten()
     {
-        ctx.spawn(spawn_spec(spawn, ctx.id)?);
+        ctx.spawn(spawn_spec(spawn, ctx.id)?)?;
     }
     if let Some(message) = payload.get("fail") {
         let message = message

@@ -38,10 +38,10 @@ async fn handle(task: TaskContext, _: CancellationToken) -> Result<TaskResult, T
                 .key(join_key(task.id));
             for n in 1..=maps {
                 let key = format!("mapreduce-{}-map-{n}", task.id);
-                task.spawn(TaskSpec::new(&task.pool).json(&Step::Map { n })?.key(&key));
+                task.spawn(TaskSpec::new(&task.pool).json(&Step::Map { n })?.key(&key))?;
                 join = join.depends_on(key);
             }
-            task.spawn(join);
+            task.spawn(join)?;
             TaskResult::json(&maps)
         }
         Step::Map { n } => TaskResult::json(&n),

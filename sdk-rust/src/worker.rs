@@ -236,12 +236,24 @@ impl TaskContext {
     /// it may depend on this task (`.depends_on(ctx.id)`) and, by key, on the other tasks
     /// spawned with it (a join: `.depends_on("part-1")`). The server fails the attempt
     /// (not retryable), creating none, when one cannot be submitted. With the `otel`
-    /// feature and no trace of its own, it carries the handler's trace context.
-    pub fn spawn(&self, mut spec: TaskSpec) {
+    /// feature and no trace of its own, it carries the handler's trace context. Once the
+    /// handler has returned, FAILED_PRECONDITION: its outcome is gone without it.
+    pub fn spawn(&self, mut spec: TaskSpec) -> Result<(), Error> {
         if spec.trace.is_none() {
             spec.trace = crate::otel::current_trace();
         }
-        self.pending.lock().unwrap().spawned.push(spec);
+        let mut pending = self.pending.lock().unwrap();
+        if pending.ended {
+            return Err(Error::rpc_code(
+                Code::FailedPrecondition,
+                format!(
+                    "spawn: task {}'s handler has returned; its outcome went without this task",
+                    self.task.id
+                ),
+            ));
+        }
+        pending.spawned.push(spec);
+        Ok(())
     }
 
     /// The tasks spawned so far, in order (what a success sends; for a handler's tests).
@@ -340,6 +352,8 @@ struct Pending {
     saved_version: Option<u64>,
     /// The tasks spawned, sent with the success.
     spawned: Vec<TaskSpec>,
+    /// The handler returned: a spawn now would be lost.
+    ended: bool,
 }
 
 impl Pending {
@@ -1473,7 +1487,9 @@ impl Shared {
                 .as_ref()
                 .and_then(|r| r.pending.lock().unwrap().take(id, attempt));
             let spawned = running.as_ref().map_or_else(Vec::new, |r| {
-                std::mem::take(&mut r.pending.lock().unwrap().spawned)
+                let mut pending = r.pending.lock().unwrap();
+                pending.ended = true;
+                std::mem::take(&mut pending.spawned)
             });
             if let Some(r) = &running {
                 st.freed += 1;

@@ -1240,33 +1240,42 @@ async fn a_handler_reads_its_dependencies_by_key_or_id_decoded_as_payloads_are()
 async fn spawned_tasks_ride_the_success_and_nothing_else() {
     use proto::task_outcome::Outcome;
     let tasks = (1..=3).map(|id| task(id, 0)).collect();
+    let kept: Arc<Mutex<Option<TaskContext>>> = Arc::default();
+    let keep = kept.clone();
     let rec = run_tasks(
         FakeShard {
             tasks: Mutex::new(tasks),
             ..Default::default()
         },
-        |ctx: TaskContext, _| async move {
-            ctx.spawn(
-                TaskSpec::new("default")
-                    .json(&serde_json::json!({"n": 1}))?
-                    .key("part-1"),
-            );
-            ctx.spawn(
-                TaskSpec::new("default")
-                    .key("join")
-                    .depends_on("part-1")
-                    .depends_on(ctx.id)
-                    .run_when(RunWhen::DependenciesEnded),
-            );
-            assert_eq!(ctx.spawned().len(), 2);
-            match ctx.id {
-                1 => TaskResult::json(&"spawned"),
-                2 => Err(TaskError::non_retryable("failed after spawning")),
-                _ => Err(TaskError::snooze(Duration::ZERO, "later")),
+        move |ctx: TaskContext, _| {
+            keep.lock().unwrap().get_or_insert_with(|| ctx.clone());
+            async move {
+                ctx.spawn(
+                    TaskSpec::new("default")
+                        .json(&serde_json::json!({"n": 1}))?
+                        .key("part-1"),
+                )?;
+                ctx.spawn(
+                    TaskSpec::new("default")
+                        .key("join")
+                        .depends_on("part-1")
+                        .depends_on(ctx.id)
+                        .run_when(RunWhen::DependenciesEnded),
+                )?;
+                assert_eq!(ctx.spawned().len(), 2);
+                match ctx.id {
+                    1 => TaskResult::json(&"spawned"),
+                    2 => Err(TaskError::non_retryable("failed after spawning")),
+                    _ => Err(TaskError::snooze(Duration::ZERO, "later")),
+                }
             }
         },
     )
     .await;
+    let late = kept.lock().unwrap().take().unwrap();
+    let err = late.spawn(TaskSpec::new("default")).unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(err.message().contains("handler has returned"), "{err}");
     let rec = rec.lock().unwrap();
     let Some(Outcome::Success(success)) = outcome_of(&rec, 1).outcome else {
         panic!("task 1 succeeds");
