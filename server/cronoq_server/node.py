@@ -88,6 +88,7 @@ class Node:
             lambda: self.is_leader,
             self.gate,
             lambda: self.pauses.paused,
+            self.tasks,
         )
         self.bulk = Bulk(
             self.tasks,
@@ -173,6 +174,7 @@ class Node:
             max_snoozes={p.name: p.max_snoozes for p in self.config.pools if p.name in self.pools},
             bulk_scans=self.config.store.bulk_scans,
             bulk_scan_timeout_us=int(self.config.limits.bulk_scan_timeout * 1e6),
+            max_dependency_results_bytes=self.config.limits.max_dependency_results_bytes,
         )
         store = self.config.store
         if store.kind == "sqlite":

@@ -37,6 +37,11 @@ def task_dict(task: dict[str, Any]) -> dict[str, Any]:
         ok, value = _decoded(task["result"])
         if ok:
             task["result_json"] = value
+    for dep in task.get("dependency_results", ()):
+        if dep.get("content_type") == JSON_CONTENT_TYPE and dep.get("result"):
+            ok, value = _decoded(dep["result"])
+            if ok:
+                dep["result_json"] = value
     return task
 
 
@@ -44,7 +49,7 @@ def to_dict(msg: Message) -> dict[str, Any]:
     out = json_format.MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     if "task" in out:
         task_dict(out["task"])
-    for task in out.get("tasks", []):
+    for task in [*out.get("tasks", []), *out.get("children", [])]:
         task_dict(task)
     if isinstance(out.get("event"), dict) and "task" in out["event"]:
         task_dict(out["event"]["task"])
@@ -59,6 +64,7 @@ def to_dict(msg: Message) -> dict[str, Any]:
 # -- a fast path for the one message streamed in bulk (Watch over SSE) ----------------------
 
 _STATE_NAMES = {v.number: v.name for v in task_pb2.TaskState.DESCRIPTOR.values}
+_RUN_WHEN_NAMES = {v.number: v.name for v in task_pb2.RunWhen.DESCRIPTOR.values}
 _TIMESTAMPS = ("run_at", "created_at", "started_at", "finished_at", "lease_expires_at")
 
 
@@ -98,6 +104,19 @@ def task_to_dict(task: task_pb2.Task, include_payloads: bool = True) -> dict[str
         "timeout_ms": str(task.timeout_ms),
         "group_key": task.group_key,
         "snoozes": task.snoozes,
+        "parent_id": str(task.parent_id),
+        "run_when": _RUN_WHEN_NAMES.get(task.run_when, task.run_when),
+        "dependency_results": [
+            {
+                "id": str(d.id),
+                "key": d.key,
+                "state": _STATE_NAMES.get(d.state, d.state),
+                "result": base64.b64encode(d.result).decode(),
+                "content_type": d.content_type,
+                "error": d.error,
+            }
+            for d in task.dependency_results
+        ],
     }
     for name in _TIMESTAMPS:
         if task.HasField(name):  # type: ignore[arg-type]

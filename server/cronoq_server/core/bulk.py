@@ -219,7 +219,9 @@ def store_filter(
                 raise invalid(f"filter.ids[{i}]: 0 is not a task id")
         # Ids of other shards are theirs to act on.
         seqs = [seq_of(i) for i in f.ids if shard_of(i) == shard_number]
-    if pools == [] or seqs == []:
+    # A workflow is in one shard: its parent's.
+    parent_seq = seq_of(f.parent_id) if f.parent_id else None
+    if pools == [] or seqs == [] or (f.parent_id and shard_of(f.parent_id) != shard_number):
         return None
     return TaskFilter(
         states=states,
@@ -227,6 +229,7 @@ def store_filter(
         key_prefix=f.key_prefix,
         error_contains=f.error_contains,
         seqs=seqs,
+        parent_seq=parent_seq,
         **bounds,
     )
 

@@ -9,7 +9,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from cronoq.v1 import schedule_service_pb2, task_pb2, worker_service_pb2
 
 from ..ids import make_task_id
-from ..store.base import AttemptRow, ScheduleRow, TaskRow, Trace, WorkerRow
+from ..store.base import AttemptRow, DependencyRow, ScheduleRow, TaskRow, Trace, WorkerRow
 
 # The fields of a Task that are a TaskRow's of the same name, passed when set.
 _OPTIONAL_FIELDS = (
@@ -35,6 +35,12 @@ def to_task(row: TaskRow, shard_number: int) -> task_pb2.Task:
             fields[name] = value
     if row.depends_on:
         fields["depends_on"] = [make_task_id(shard_number, s) for s in row.depends_on]
+    if row.parent_seq is not None:
+        fields["parent_id"] = make_task_id(shard_number, row.parent_seq)
+    if row.run_when:
+        fields["run_when"] = row.run_when
+    if row.dependency_results:
+        fields["dependency_results"] = [to_dependency_result(d, shard_number) for d in row.dependency_results]
     task = task_pb2.Task(**fields)
     set_time(task.run_at, row.run_at)
     set_time(task.created_at, row.created_at)
@@ -51,6 +57,17 @@ def to_task(row: TaskRow, shard_number: int) -> task_pb2.Task:
     if row.trace is not None:
         set_trace(task.trace, row.trace)
     return task
+
+
+def to_dependency_result(row: DependencyRow, shard_number: int) -> task_pb2.DependencyResult:
+    return task_pb2.DependencyResult(
+        id=make_task_id(shard_number, row.seq),
+        key=row.key or "",
+        state=int(row.state),  # type: ignore[arg-type]
+        result=row.result or b"",
+        content_type=row.result_content_type,
+        error=row.error,
+    )
 
 
 def set_time(msg: Timestamp, us: int) -> None:

@@ -35,6 +35,7 @@ from ..store.base import (
     TaskRow,
     WorkerRow,
 )
+from ..store.logic import spawn_refused
 from .convert import to_task, to_worker
 from .events import EventBus, LeaseWaiter
 from .limits import (
@@ -58,7 +59,7 @@ from .limits import (
     check_text,
 )
 from .resources import ResourceGate
-from .tasks import now_us
+from .tasks import Tasks, now_us
 
 log = logging.getLogger("cronoq.leases")
 # The expired leases of one sweep logged one line each (with task_id), at most.
@@ -96,7 +97,9 @@ class Leases:
         is_leader: Callable[[], bool] = lambda: True,
         gate: ResourceGate | None = None,
         paused: Callable[[], frozenset[str]] = frozenset,
+        tasks: Tasks | None = None,
     ):
+        self._tasks = tasks or Tasks(config, store, events, shard_name, shard_number, pools)
         self._is_leader = is_leader
         self._paused = paused  # the pools nothing is leased from (core/pools.py)
         self._gate = gate or ResourceGate([])
@@ -247,6 +250,21 @@ class Leases:
             TASKS_LEASED.labels(pool).inc(len(waited))
             observe_all(START_LATENCY.labels(pool), (us / 1e6 for us in waited))
         await self._events.publish([(r.seq, r.state) for r in rows], rows)
+        await self._tasks.fill_dependency_results(rows)
+        limit = self._config.limits.max_dependency_results_bytes
+        over = [r for r in rows if dependency_bytes(r) > limit]
+        if over:  # their dependencies ended with more than a handler is given: they fail unrun
+            for r in over:
+                error = (
+                    f"dependency results: {dependency_bytes(r)} bytes, over limits.max_dependency_results_bytes"
+                    f" {limit} ({_largest_dependencies(r, self._shard)})"
+                )
+                await self._finish(
+                    r.worker_id or "",
+                    [Outcome(r.seq, r.attempt, OutcomeKind.FAILURE, error=error, retryable=False)],
+                    now,
+                )
+            rows = [r for r in rows if dependency_bytes(r) <= limit]
         return [to_task(r, self._shard) for r in rows]
 
     async def lease_tasks(self, req: pb.LeaseTasksRequest, caller: Principal) -> pb.LeaseTasksResponse:
@@ -364,7 +382,7 @@ class Leases:
     async def finish_tasks(self, req: pb.FinishTasksRequest, caller: Principal) -> pb.FinishTasksResponse:
         await self._worker(req.worker_id, caller)
         check_count("outcomes", len(req.outcomes), MAX_OUTCOMES, "outcomes")
-        outcomes = [self._outcome(f"outcomes[{i}]", o) for i, o in enumerate(req.outcomes)]
+        outcomes = [self._outcome(f"outcomes[{i}]", o, caller) for i, o in enumerate(req.outcomes)]
         return pb.FinishTasksResponse(results=await self._finish(req.worker_id, outcomes, now_us()))
 
     async def _finish(self, worker_id: str, outcomes: list[Outcome], now: int) -> list[pb.FinishTaskResult]:
@@ -383,9 +401,15 @@ class Leases:
         progress = Progress(r.progress.value, r.progress.message, 0) if r.HasField("progress") else None
         return Report(seq_of(r.task_id), r.attempt, progress, r.checkpoint if r.HasField("checkpoint") else None)
 
-    def _outcome(self, field: str, o: pb.TaskOutcome) -> Outcome:
-        """The store's Outcome of a reported one, with its report; raises INVALID_ARGUMENT naming field."""
+    def _outcome(self, field: str, o: pb.TaskOutcome, caller: Principal) -> Outcome:
+        """The store's Outcome of a reported one, with its report and what it spawns (as the
+        caller submits); raises INVALID_ARGUMENT naming field."""
         outcome = self._bare_outcome(field, o)
+        if outcome.kind is OutcomeKind.SUCCESS and o.success.spawn:
+            try:
+                outcome.spawn, outcome.spawn_visible = self._tasks.spawned(o.success.spawn, caller)
+            except ApiError as err:  # the attempt fails with why
+                outcome = spawn_refused(outcome, err)
         if o.HasField("report"):
             check_report(f"{field}.report", o.report)
             report = o.report
@@ -515,7 +539,7 @@ class Leases:
                         unused_wake = ()
                     if limit and stream.waiter is None:
                         stream.waiter = self._events.lease_waiter(pools)
-                    work = self._work_step(worker, received, pools, limit, max_bytes, in_flight, stream.beating)
+                    work = self._work_step(worker, caller, received, pools, limit, max_bytes, in_flight, stream.beating)
                     steps[asyncio.create_task(work)] = (stream.waiter, limit)
                     continue
                 if not steps and (not leading or (inbox.closed and not inbox.waiting)):
@@ -604,6 +628,7 @@ class Leases:
     async def _work_step(
         self,
         worker: WorkerRow,
+        caller: Principal,
         received: list[pb.WorkRequest],
         pools: list[str],
         limit: int,
@@ -621,7 +646,7 @@ class Leases:
         reported = [o for r in received for o in r.outcomes]
         for i, o in enumerate(reported):
             try:
-                outcomes.append(self._outcome(f"outcomes (task {o.task_id})", o))
+                outcomes.append(self._outcome(f"outcomes (task {o.task_id})", o, caller))
             except ApiError as err:  # a malformed outcome is refused alone
                 refused[i] = pb.FinishTaskResult(task_id=o.task_id, code=err.code.name, message=err.message)
         beats = [r.heartbeat for r in received if r.HasField("heartbeat")]
@@ -790,6 +815,15 @@ class _WorkStream:
             self.running -= mine
             self.silent = True
         return bool(mine)
+
+
+def dependency_bytes(row: TaskRow) -> int:
+    return sum(len(d.result or b"") for d in row.dependency_results or ())
+
+
+def _largest_dependencies(row: TaskRow, shard_number: int) -> str:
+    largest = sorted(row.dependency_results or (), key=lambda d: -len(d.result or b""))[:10]
+    return ", ".join(f"task {make_task_id(shard_number, d.seq)}: {len(d.result or b'')} bytes" for d in largest)
 
 
 def _sooner(a: int | None, b: int | None) -> int | None:

@@ -8,7 +8,7 @@ import dataclasses
 import re
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -58,6 +58,8 @@ MAX_TIMESTAMP_S = 253_402_300_799
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
+MAX_CHILDREN = 1000  # GetTaskResponse.children at most (ListTasks' filter.parent_id pages through all)
+RUN_WHEN_VALUES = frozenset(task_pb2.RunWhen.values())
 DEFAULT_WAIT_MS = 30_000
 MAX_WAIT_MS = 3_600_000
 MAX_DEPENDENTS = 100  # listed by GetTask with include_dependents
@@ -169,7 +171,10 @@ class Tasks:
             timeout_ms=_timeout_ms(req.timeout_ms, pool.timeout),
             group_key=req.group_key,
             trace=trace_of(req),
+            run_when=req.run_when,
         )
+        if req.run_when not in RUN_WHEN_VALUES:
+            raise invalid(f"{where}run_when: unknown value {req.run_when}")
         for i, ref in enumerate(req.depends_on):
             kind = ref.WhichOneof("ref")
             if kind == "id":
@@ -259,13 +264,15 @@ class Tasks:
         await self._events.publish(changes, [sub.row])
         return pb.SubmitTaskResponse(task=self._submitted(sub, caller), deduplicated=sub.deduplicated)
 
-    async def submit_batch(self, req: pb.SubmitBatchRequest, caller: Principal) -> pb.SubmitBatchResponse:
-        n = len(req.tasks)
-        if n == 0:
-            raise invalid("tasks: a batch needs at least one task")
+    def _batch(
+        self, reqs: Sequence[pb.SubmitTaskRequest], field: str, caller: Principal
+    ) -> tuple[list[NewTask], dict[int, int]]:
+        """A batch validated, in an order where each task follows the batch tasks it depends on,
+        and each one's position in that order."""
+        n = len(reqs)
         if n > self._config.limits.max_batch_size:
-            raise invalid(f"tasks: batch of {n} exceeds limits.max_batch_size {self._config.limits.max_batch_size}")
-        tasks = [self._validate(r, f"tasks[{i}].", caller) for i, r in enumerate(req.tasks)]
+            raise invalid(f"{field}: batch of {n} exceeds limits.max_batch_size {self._config.limits.max_batch_size}")
+        tasks = [self._validate(r, f"{field}[{i}].", caller) for i, r in enumerate(reqs)]
         order = _batch_order(tasks)
         position = {original: pos for pos, original in enumerate(order)}
         ordered = [tasks[i] for i in order]
@@ -274,6 +281,29 @@ class Tasks:
             # Keys of the batch's own tasks become batch references; the rest are stored keys.
             t.dep_batch = [position[key_index[k]] for k in t.dep_keys if k in key_index]
             t.dep_keys = [k for k in t.dep_keys if k not in key_index]
+        return ordered, position
+
+    def spawned(
+        self, reqs: Sequence[pb.SubmitTaskRequest], caller: Principal
+    ) -> tuple[list[NewTask], frozenset[str] | None]:
+        """A success's TaskSuccess.spawn as the store creates it, with the pools its dependencies
+        may name; raises ApiError (the attempt fails with it) when it cannot be: each task must
+        be of this shard, and the worker's principal may submit to its pool."""
+        for i, req in enumerate(reqs):
+            if req.pool and req.pool not in self._pools:
+                owner = next((s.name for s in self._config.shards if req.pool in s.pools), None)
+                raise failed_precondition(
+                    f"spawn[{i}].pool: pool {req.pool!r} is "
+                    + (f"served by shard {owner!r}" if owner else "not a pool of any shard")
+                    + f", not by this task's shard {self._shard_name!r}; a handler spawns tasks in its own shard"
+                )
+        return self._batch(reqs, "spawn", caller)[0], self._visible(caller)
+
+    async def submit_batch(self, req: pb.SubmitBatchRequest, caller: Principal) -> pb.SubmitBatchResponse:
+        n = len(req.tasks)
+        if n == 0:
+            raise invalid("tasks: a batch needs at least one task")
+        ordered, position = self._batch(req.tasks, "tasks", caller)
         request_id = self._request_id(req.request_id, caller)
         subs, changes = await self._store.submit(ordered, now_us(), request_id, self._visible(caller))
         await self._events.publish(changes, [s.row for s in subs if not s.deduplicated])
@@ -307,7 +337,15 @@ class Tasks:
 
     async def get_task(self, req: pb.GetTaskRequest, caller: Principal) -> pb.GetTaskResponse:
         row = await self.find(req.task, caller, "read")
+        if req.include_dependency_results:
+            await self.fill_dependency_results([row])
         response = pb.GetTaskResponse(task=self._task(row))
+        if req.include_children:
+            match = TaskFilter(states=frozenset(State), pools=self.readable_pools("", caller), parent_seq=row.seq)
+            children = await self._store.list_matching(match, 0, MAX_CHILDREN)
+            for child in children:
+                child.payload, child.result, child.checkpoint = b"", None, None
+            response.children.extend(self._task(c) for c in children)
         if req.include_dependents:
             found = await self._store.dependents(row.seq, MAX_DEPENDENTS * 10)
             readable = [make_task_id(self._shard, s) for s, pool in found if caller.may("read", pool)]
@@ -315,6 +353,17 @@ class Tasks:
         if req.include_attempts:
             response.attempts.extend(await self._attempts(row))
         return response
+
+    async def fill_dependency_results(self, rows: list[TaskRow]) -> None:
+        """Sets each task's dependency_results, in depends_on order (one store read for all;
+        nothing for tasks without dependencies)."""
+        wanted = list({seq for r in rows for seq in r.depends_on})
+        if not wanted:
+            return
+        found = await self._store.dependency_rows(wanted)
+        for r in rows:
+            if r.depends_on:
+                r.dependency_results = [found[seq] for seq in r.depends_on if seq in found]
 
     async def _attempts(self, row: TaskRow) -> list[task_pb2.Attempt]:
         """The task's attempts, oldest first, and the one running now last; each named by the
@@ -351,11 +400,16 @@ class Tasks:
 
     async def cancel_task(self, req: pb.CancelTaskRequest, caller: Principal) -> pb.CancelTaskResponse:
         row = await self.find(req.task, caller, "cancel")
-        updated, changes = await self._store.cancel(row.seq, now_us())
+        descendants = 0
+        if req.include_descendants:
+            cancellable = self._pools_where(caller, "cancel")
+            updated, descendants, changes = await self._store.cancel_workflow(row.seq, now_us(), cancellable)
+        else:
+            updated, changes = await self._store.cancel(row.seq, now_us())
         if updated is None:
             raise not_found(f"task {make_task_id(self._shard, row.seq)} not found")
         await self._events.publish(changes)
-        return pb.CancelTaskResponse(task=self._task(updated))
+        return pb.CancelTaskResponse(task=self._task(updated), descendants_cancelled=descendants)
 
     async def retry_task(self, req: pb.RetryTaskRequest, caller: Principal) -> pb.RetryTaskResponse:
         run_at = timestamp_us("run_at", req.run_at) if req.HasField("run_at") else None

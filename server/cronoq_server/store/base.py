@@ -36,8 +36,12 @@ TASK_COLUMNS = (
     "seq, pool, key, payload, content_type, priority, run_at, max_attempts, depends_on, resources, "
     "state, attempt, worker_id, result, result_content_type, error, created_at, started_at, "
     "finished_at, cancel_requested, lease_expires_at, timeout_ms, group_key, snoozes, progress, checkpoint, "
-    "trace"
+    "trace, parent_seq, run_when"
 )
+
+# SubmitTaskRequest.run_when as stored (0: not given, which is DEPENDENCIES_SUCCEEDED).
+RUN_WHEN_SUCCEEDED = 1
+RUN_WHEN_ENDED = 2
 
 
 @dataclass(slots=True)
@@ -69,6 +73,23 @@ class TaskRow:
     progress: Progress | None = None  # the last a handler reported
     checkpoint: bytes | None = None  # the last a handler saved; given to the next attempt
     trace: Trace | None = None  # the W3C trace context it was submitted in
+    parent_seq: int | None = None  # the task whose handler spawned it
+    run_when: int = 0  # RUN_WHEN_*; 0: not given
+    # Filled by the core for a leased task (and GetTask's include_dependency_results), in
+    # depends_on order; None: not filled.
+    dependency_results: list[DependencyRow] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DependencyRow:
+    """How a dependency ended, as its dependents' handlers see it (cronoq.v1.DependencyResult)."""
+
+    seq: int
+    key: str | None
+    state: State
+    result: bytes | None
+    result_content_type: str
+    error: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +140,8 @@ class NewTask:
     dep_keys: list[str] = field(default_factory=list)
     # Indices of earlier tasks of the same batch (their keys, resolved by the core).
     dep_batch: list[int] = field(default_factory=list)
+    run_when: int = 0  # RUN_WHEN_*; 0: not given
+    parent_seq: int | None = None  # set on the tasks a handler spawned
 
 
 @dataclass(slots=True)
@@ -147,6 +170,10 @@ class Outcome:
     retry_after_ms: int = 0  # a snooze's snooze_ms too
     lost: bool = False  # the lease expired: no word from the worker (a failed attempt, recorded LOST)
     report: Report | None = None  # the handler's last report, kept before the outcome is applied
+    # A success's TaskSuccess.spawn, validated and ordered as a batch: created with the success,
+    # each with parent_seq this task; a refusal fails the attempt instead.
+    spawn: list[NewTask] | None = None
+    spawn_visible: frozenset[str] | None = None  # as submit's visible, for the spawned tasks' dependencies
 
 
 @dataclass(slots=True)
@@ -240,6 +267,7 @@ class TaskFilter:
     key_prefix: str = ""
     error_contains: str = ""
     seqs: list[int] | None = None  # None: any task
+    parent_seq: int | None = None  # None: any task; else those its handler spawned
 
 
 @dataclass(slots=True)
@@ -378,6 +406,8 @@ class StoreSettings:
     bulk_scans: int = 1
     # A scan that runs longer is stopped (ScanTimedOut).
     bulk_scan_timeout_us: int = 10_000_000
+    # The results a task's dependencies give its handler, together (a submission over it is refused).
+    max_dependency_results_bytes: int = 4 << 20
 
 
 class StoreRefused(Exception):
@@ -448,6 +478,18 @@ class Store(Protocol):
 
     async def dependents(self, seq: int, limit: int) -> list[tuple[int, str]]:
         """(seq, pool) of the tasks that depend on task `seq`, in seq order, at most `limit`."""
+        ...
+
+    async def dependency_rows(self, seqs: list[int]) -> dict[int, DependencyRow]:
+        """How these tasks ended (or stand), by seq; a task no longer stored is left out."""
+        ...
+
+    async def cancel_workflow(
+        self, seq: int, now: int, cancellable: frozenset[str] | None
+    ) -> tuple[TaskRow | None, int, Changes]:
+        """cancel of task seq with what is under it (logic.workflow_tree: spawned tasks and
+        dependents, transitively, in the pools cancellable; None: all), in one transaction;
+        returns the task as left, and how many others it cancelled or asked to stop."""
         ...
 
     async def list_tasks(

@@ -19,6 +19,7 @@ from ..errors import ApiError
 from ..ids import seq_of
 from .base import (
     LEASE_EXPIRED,
+    RUN_WHEN_ENDED,
     STATES,
     TERMINAL,
     AttemptOutcome,
@@ -78,6 +79,8 @@ def task_row(r: Any) -> TaskRow:
         progress=progress_of(r[24]),
         checkpoint=r[25],
         trace=trace_of(r[26]),
+        parent_seq=r[27],
+        run_when=r[28],
     )
 
 
@@ -151,11 +154,16 @@ def event_task_values(row: TaskRow) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
-def initial_state(deps: Iterable[tuple[int, State]], full_id: Callable[[int], int]) -> tuple[State, str, int]:
-    """A new task's (state, error, unfinished dependency count) from its dependencies' states."""
+def initial_state(
+    deps: Iterable[tuple[int, State]], full_id: Callable[[int], int], run_when: int = 0
+) -> tuple[State, str, int]:
+    """A new task's (state, error, unfinished dependency count) from its dependencies' states; a
+    finalizer (RUN_WHEN_ENDED) waits for each to end, whatever the outcome."""
     state, error, blocked_on = State.PENDING, "", 0
     for dep_seq, dep_state in deps:
-        if dep_state == State.FAILED:
+        if run_when == RUN_WHEN_ENDED:
+            blocked_on += dep_state not in TERMINAL
+        elif dep_state == State.FAILED:
             state, error = State.FAILED, f"dependency {full_id(dep_seq)} failed"
         elif dep_state == State.CANCELLED and state != State.FAILED:
             state, error = State.CANCELLED, f"dependency {full_id(dep_seq)} was cancelled"
@@ -164,6 +172,60 @@ def initial_state(deps: Iterable[tuple[int, State]], full_id: Callable[[int], in
     if state not in TERMINAL and blocked_on:
         state = State.BLOCKED
     return state, error, blocked_on
+
+
+def check_dependency_bytes(
+    task: str, ended: Iterable[tuple[int, int]], limit: int, full_id: Callable[[int], int]
+) -> None:
+    """Refuses a task whose ended dependencies' results ((seq, bytes) each) are already more than
+    its handler may be given, naming them."""
+    sized = [(seq, n) for seq, n in ended if n]
+    total = sum(n for _, n in sized)
+    if total > limit:
+        named = ", ".join(f"{full_id(seq)} ({n} bytes)" for seq, n in sorted(sized, key=lambda e: -e[1])[:10])
+        raise ApiError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"depends_on: {task}: the results of its dependencies total {total} bytes, over"
+            f" limits.max_dependency_results_bytes {limit}: {named}",
+            reason="DEPENDENCY_RESULTS_TOO_LARGE",
+        )
+
+
+def spawn_refused(outcome: Outcome, err: ApiError) -> Outcome:
+    """A success whose spawned tasks could not be created, as the failure it becomes: not
+    retryable, but for a limit that may clear (RESOURCE_EXHAUSTED)."""
+    return Outcome(
+        outcome.seq,
+        outcome.attempt,
+        OutcomeKind.FAILURE,
+        error=f"spawn: {err.message}",
+        retryable=err.code == grpc.StatusCode.RESOURCE_EXHAUSTED,
+        report=outcome.report,
+    )
+
+
+class WorkflowTree:
+    """The seqs under a task: the tasks spawned by its handler and those that depend on it,
+    theirs, and so on, found a level at a time (add: the (seq, pool) of the tasks directly under
+    the frontier). A task of a pool not allowed (None: every pool) is left out, and what is under
+    it only through it."""
+
+    def __init__(self, root: int, allowed: frozenset[str] | None):
+        self.allowed = allowed
+        self.seen = {root}
+        self.frontier = [root]
+        self.found: list[int] = []
+
+    def add(self, under: Iterable[tuple[int, str]]) -> None:
+        fresh = [(seq, pool) for seq, pool in under if seq not in self.seen]
+        self.seen.update(seq for seq, _ in fresh)
+        self.frontier = [seq for seq, pool in fresh if self.allowed is None or pool in self.allowed]
+        self.found += self.frontier
+
+
+def descendants_changed(root: int, changes: Changes) -> int:
+    """How many tasks other than root a workflow's cancel cancelled or asked to stop."""
+    return len({seq for seq, state in changes if state in (State.CANCELLED, State.RUNNING)} - {root})
 
 
 def not_leased(worker_id: str, task_id: int, attempt: int) -> OutcomeResult:
@@ -600,6 +662,8 @@ def match_sql(
         where.append(f"substr(key, 1, {p(len(match.key_prefix))}) = {p(match.key_prefix)}")
     if match.error_contains:
         where.append(dialect.contains.format("error", p(match.error_contains)))
+    if match.parent_seq is not None:
+        where.append(f"parent_seq = {p(match.parent_seq)}")
     order = "seq DESC" if newest_first else "seq"
     return " AND ".join(where or ["1 = 1"]) + f" ORDER BY {order} LIMIT {p(limit)}", params
 

@@ -10,10 +10,11 @@ leader's writes fail instead of landing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any, TypeVar
@@ -33,6 +34,7 @@ from .base import (
     AttemptOutcome,
     AttemptRow,
     Changes,
+    DependencyRow,
     EventColumns,
     EventRow,
     Fenced,
@@ -78,7 +80,9 @@ from .logic import (
     SCHEDULE_COLUMNS,
     SCHEDULE_UPSERT,
     Dialect,
+    WorkflowTree,
     attempt_row,
+    check_dependency_bytes,
     check_outcomes,
     check_pending_limits,
     current_reports,
@@ -87,6 +91,7 @@ from .logic import (
     decide_restore,
     decide_retry,
     dependency_error,
+    descendants_changed,
     encode_request,
     event_row,
     expired_outcome,
@@ -109,6 +114,7 @@ from .logic import (
     scans_far,
     schedule_row,
     schedule_values,
+    spawn_refused,
     task_row,
     trace_text,
 )
@@ -329,6 +335,12 @@ MIGRATIONS: dict[int, list[str]] = {
         # costs it no entry on submit, lease or end (3 of a task's 14 index insertions).
         """CREATE UNIQUE INDEX tasks_key ON {s}.tasks (key) WHERE key IS NOT NULL""",
         """ALTER TABLE {s}.tasks DROP CONSTRAINT tasks_key_key""",
+    ],
+    14: [
+        # Workflows: the task whose handler spawned a task (TaskSuccess.spawn), and when a task
+        # with dependencies runs (RUN_WHEN_*; 0: not given).
+        """ALTER TABLE {s}.tasks ADD COLUMN parent_seq bigint, ADD COLUMN run_when smallint NOT NULL DEFAULT 0""",
+        """CREATE INDEX tasks_parent ON {s}.tasks (parent_seq) WHERE parent_seq IS NOT NULL""",
     ],
 }
 WORKER_COLUMNS = "id, name, pools, concurrency, labels, registered_at, last_seen_at, principal"
@@ -567,9 +579,7 @@ class PostgresStore:
     # no better and three times slower (bench/bulk.py).
     bulk_batch_s = 0.03
 
-    def __init__(
-        self, url: str, schema: str, settings: StoreSettings, pool_size: int = 8, step_pool_size: int = 2
-    ):
+    def __init__(self, url: str, schema: str, settings: StoreSettings, pool_size: int = 8, step_pool_size: int = 2):
         self.url = url
         self.schema = schema
         self.settings = settings
@@ -779,6 +789,32 @@ class PostgresStore:
         rows = await self._read(lambda c: c.fetch(sql, seq, limit))
         return [(r[0], r[1]) for r in rows]
 
+    async def dependency_rows(self, seqs: list[int]) -> dict[int, DependencyRow]:
+        sql = self._sql(
+            "SELECT seq, key, state, result, result_content_type, error FROM {s}.tasks WHERE seq = ANY($1::bigint[])"
+        )
+        rows = await self._read(lambda c: c.fetch(sql, seqs))
+        return {r[0]: DependencyRow(r[0], r[1], State(r[2]), r[3], r[4], r[5]) for r in rows}
+
+    async def cancel_workflow(
+        self, seq: int, now: int, cancellable: frozenset[str] | None
+    ) -> tuple[TaskRow | None, int, Changes]:
+        sql = self._sql(
+            "SELECT seq, pool FROM {s}.tasks WHERE parent_seq = ANY($1::bigint[])"
+            " UNION SELECT d.task_seq, t.pool FROM {s}.deps d JOIN {s}.tasks t ON t.seq = d.task_seq"
+            " WHERE d.dep_seq = ANY($1::bigint[])"
+        )
+
+        async def cancel(conn: asyncpg.Connection) -> tuple[TaskRow | None, int, Changes]:
+            tree = WorkflowTree(seq, cancellable)
+            while tree.frontier:
+                tree.add((r[0], r[1]) for r in await conn.fetch(sql, tree.frontier))
+            _, changes = await self._cancel_tasks(conn, [seq, *tree.found], now)
+            rows = await self._select(conn, "seq = $1", seq)
+            return (rows[0] if rows else None), descendants_changed(seq, changes), changes
+
+        return await self._tx(cancel)
+
     async def list_tasks(
         self, pools: list[str] | None, state: State | None, after_seq: int, limit: int, newest_first: bool = False
     ) -> list[TaskRow]:
@@ -821,26 +857,34 @@ class PostgresStore:
     def _nothing_blocked(self) -> bool:
         return self._blocking_submits == 0 and self._no_blocked_since == self._blocked_generation
 
+    @contextlib.contextmanager
+    def _may_block(self) -> Iterator[None]:
+        """Around a call that may create BLOCKED tasks: the fast finish path is off meanwhile."""
+        self._blocking_submits += 1
+        self._blocked_generation += 1
+        try:
+            yield
+        finally:
+            self._blocking_submits -= 1
+            self._blocked_generation += 1
+
     # -- submit ---------------------------------------------------------------
 
     async def submit(
         self, tasks: list[NewTask], now: int, request_id: str | None = None, visible: frozenset[str] | None = None
     ) -> tuple[list[Submitted], Changes]:
         may_block = any(t.dep_seqs or t.dep_keys or t.dep_batch for t in tasks)
-        plain = not limits_apply(self.settings) and not may_block and all(t.key is None for t in tasks)
-        if may_block:
-            self._blocking_submits += 1
-            self._blocked_generation += 1
-        try:
+        plain = (
+            not limits_apply(self.settings)
+            and not may_block
+            and all(t.key is None and not t.run_when and t.parent_seq is None for t in tasks)
+        )
+        with self._may_block() if may_block else contextlib.nullcontext():
             fut: asyncio.Future[SubmitResult | None] = asyncio.get_running_loop().create_future()
             self._submits.append(_SubmitOp(tasks, now, request_id, visible, plain, fut))
             if self._committer is None or self._committer.done():
                 self._committer = asyncio.create_task(self._commit_submits())
             result = await fut
-        finally:
-            if may_block:
-                self._blocking_submits -= 1
-                self._blocked_generation += 1
         if result is not None:
             return result
         # A plain call repeating a recorded request_id: answer as the first time.
@@ -1064,11 +1108,15 @@ class PostgresStore:
             by_key = {r.key: r for r in found if r.key}
         dep_seqs = list({s for t in tasks for s in t.dep_seqs})
         dep_state: dict[int, State] = {}
+        dep_bytes: dict[int, int] = {}  # of each dependency, its result's
         if dep_seqs:
-            sql = self._sql("SELECT seq, state, pool FROM {s}.tasks WHERE seq = ANY($1::bigint[]) FOR SHARE")
-            dep_state = {
-                r[0]: State(r[1]) for r in await conn.fetch(sql, dep_seqs) if visible is None or r[2] in visible
-            }
+            sql = self._sql(
+                "SELECT seq, state, pool, coalesce(octet_length(result), 0) FROM {s}.tasks"
+                " WHERE seq = ANY($1::bigint[]) FOR SHARE"
+            )
+            for r in await conn.fetch(sql, dep_seqs):
+                if visible is None or r[2] in visible:
+                    dep_state[r[0]], dep_bytes[r[0]] = State(r[1]), r[3]
         fresh = sum(1 for t in tasks if t.key is None or t.key not in by_key)
         seq_sql = self._sql("SELECT nextval(pg_get_serial_sequence('{s}.tasks', 'seq')) FROM generate_series(1, $1)")
         new_seqs = iter([r[0] for r in await conn.fetch(seq_sql, fresh)] if fresh else [])
@@ -1089,10 +1137,18 @@ class PostgresStore:
             for key in task.dep_keys:
                 if key not in by_key or (visible is not None and by_key[key].pool not in visible):
                     raise not_found(f"depends_on: no task with key {key!r}")
-                deps[by_key[key].seq] = by_key[key].state
+                named = by_key[key]
+                deps[named.seq] = named.state
+                dep_bytes[named.seq] = len(named.result or b"")
             for index in task.dep_batch:
                 deps[out[index].row.seq] = out[index].row.state
-            state, error, blocked_on = initial_state(deps.items(), self._full_id)
+            check_dependency_bytes(
+                repr(task.key) if task.key else "the task",
+                [(seq, dep_bytes.get(seq, 0)) for seq in deps],
+                self.settings.max_dependency_results_bytes,
+                self._full_id,
+            )
+            state, error, blocked_on = initial_state(deps.items(), self._full_id, task.run_when)
             seq = next(new_seqs)
             dep_list = list(deps)
             row = TaskRow(
@@ -1102,13 +1158,14 @@ class PostgresStore:
                 attempt=0, worker_id=None, result=None, result_content_type="", error=error, created_at=now,
                 started_at=None, finished_at=now if state in TERMINAL else None, cancel_requested=False,
                 lease_expires_at=None, timeout_ms=task.timeout_ms, group_key=task.group_key, trace=task.trace,
+                parent_seq=task.parent_seq, run_when=task.run_when,
             )  # fmt: skip
             inserts.append((
                 seq, row.pool, row.key, row.payload, row.content_type, row.priority, row.run_at, row.max_attempts,
                 json.dumps(dep_list) if dep_list else None, json.dumps(row.resources) if row.resources else None,
                 int(state), error, now, row.finished_at, blocked_on, task.timeout_ms, task.group_key,
                 first_rank(self._ranks, row.pool, row.group_key, state == State.PENDING, row.run_at, now),
-                keyed_entry(row.resources), trace_text(task.trace),
+                keyed_entry(row.resources), trace_text(task.trace), task.parent_seq, task.run_when,
             ))  # fmt: skip
             dep_rows += [(seq, d) for d in dep_list]
             dep_state[seq] = state  # later tasks of this call may name it by id or key
@@ -1122,12 +1179,13 @@ class PostgresStore:
                 self._sql(
                     "WITH ins AS (INSERT INTO {s}.tasks (seq, pool, key, payload, content_type, priority, run_at,"
                     " max_attempts, depends_on, resources, state, error, created_at, finished_at, blocked_on,"
-                    " timeout_ms, group_key, group_rank, res_key, trace)"
+                    " timeout_ms, group_key, group_rank, res_key, trace, parent_seq, run_when)"
                     " SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::int[],"
                     " $7::bigint[], $8::int[], $9::text[], $10::text[], $11::smallint[], $12::text[], $13::bigint[],"
-                    " $14::bigint[], $15::int[], $16::bigint[], $17::text[], $18::bigint[], $19::text[], $20::text[])"
+                    " $14::bigint[], $15::int[], $16::bigint[], $17::text[], $18::bigint[], $19::text[], $20::text[],"
+                    " $21::bigint[], $22::smallint[])"
                     f" RETURNING seq, pool, state, {EVENT_TASK_COLUMNS})"
-                    f" {events_of('state', '0', '$21::bigint', '0', 'ins ORDER BY seq')}"
+                    f" {events_of('state', '0', '$23::bigint', '0', 'ins ORDER BY seq')}"
                 ),
                 *[list(c) for c in columns],
                 now,
@@ -1528,7 +1586,7 @@ class PostgresStore:
         seqs = {o.seq for o in outcomes}
         return (
             self._nothing_blocked()
-            and all(o.kind is OutcomeKind.SUCCESS and o.report is None for o in outcomes)
+            and all(o.kind is OutcomeKind.SUCCESS and o.report is None and not o.spawn for o in outcomes)
             and len(seqs) == len(outcomes)
         )
 
@@ -1543,9 +1601,35 @@ class PostgresStore:
             sql = self._sql(f"SELECT {OUTCOME_COLUMNS} FROM {{s}}.tasks WHERE seq = ANY($1::bigint[]) FOR UPDATE")
             current = {r[0]: tuple(r) for r in await conn.fetch(sql, [o.seq for o in outcomes])}
             results, accepted = check_outcomes(worker_id, outcomes, current, self._full_id)
-            return results, await self._apply_outcomes(conn, accepted, now)
+            accepted, spawned = await self._spawn(conn, accepted, now)
+            return results, await self._apply_outcomes(conn, accepted, now) + spawned
 
-        return await self._tx(finish)
+        if not any(o.spawn for o in outcomes):
+            return await self._tx(finish)
+        with self._may_block():  # spawned tasks may wait for each other
+            return await self._tx(finish)
+
+    async def _spawn(
+        self, conn: asyncpg.Connection, accepted: list[tuple[Outcome, Any]], now: int
+    ) -> tuple[list[tuple[Outcome, Any]], Changes]:
+        """Creates the tasks the accepted successes spawn, before the successes are applied (a
+        child that depends on its parent waits for it, and the success releases it). Each
+        success's children are created in a savepoint: when they cannot be, the success becomes
+        a failure (spawn_refused) and none of them exists."""
+        out: list[tuple[Outcome, Any]] = []
+        changes: Changes = []
+        for outcome, current in accepted:
+            if outcome.spawn and outcome.kind is OutcomeKind.SUCCESS and not current[5]:  # not cancel_requested
+                for task in outcome.spawn:
+                    task.parent_seq = outcome.seq
+                try:
+                    async with conn.transaction():  # a savepoint
+                        _, created = await self._submit(conn, outcome.spawn, now, None, outcome.spawn_visible)
+                    changes += created
+                except ApiError as err:
+                    outcome = spawn_refused(outcome, err)
+            out.append((outcome, current))
+        return out, changes
 
     async def finish_and_lease(
         self,
@@ -1662,7 +1746,7 @@ class PostgresStore:
                 f"WITH changed AS (UPDATE {{s}}.tasks t SET state = 1, blocked_on = 0, {self._rank_reset}"
                 " WHERE t.state = 2 AND t.seq IN (SELECT task_seq FROM {s}.deps WHERE dep_seq = ANY($1::bigint[]))"
                 " AND NOT EXISTS (SELECT 1 FROM {s}.deps d JOIN {s}.tasks x ON x.seq = d.dep_seq"
-                " WHERE d.task_seq = t.seq AND x.state <> 4)"
+                " WHERE d.task_seq = t.seq AND x.state <> 4 AND (t.run_when <> 2 OR x.state NOT IN (5, 6)))"
                 f" RETURNING t.seq, t.pool, t.attempt, {T_EVENT_TASK_COLUMNS}),"
                 f" ev AS ({events_of('1', 'attempt', '$2::bigint', '2', 'changed ORDER BY seq')})"
                 " SELECT seq FROM changed"
@@ -1734,30 +1818,39 @@ class PostgresStore:
             await conn.execute("SELECT pg_notify($1, '')", self.channel)
         return changes
 
-    async def _unblock_dependents(self, conn: asyncpg.Connection, succeeded: list[int]) -> Changes:
-        if not succeeded or self._nothing_blocked():
+    async def _unblock_dependents(
+        self, conn: asyncpg.Connection, succeeded: list[int], ended: Sequence[int] = ()
+    ) -> Changes:
+        """BLOCKED dependents count these tasks as done: those that succeeded, for every one,
+        and those that ended otherwise, for finalizers (run_when 2); at 0 they are PENDING."""
+        if not (succeeded or ended) or self._nothing_blocked():
             return []  # no task waits for anything: nothing to unblock
         rows = await conn.fetch(
             self._sql(
-                "WITH dec AS (SELECT task_seq, count(*) AS n FROM {s}.deps WHERE dep_seq = ANY($1::bigint[])"
-                " GROUP BY task_seq)"
+                "WITH dec AS (SELECT d.task_seq, count(*) AS n FROM {s}.deps d"
+                " JOIN {s}.tasks w ON w.seq = d.task_seq WHERE w.state = 2"
+                " AND (d.dep_seq = ANY($1::bigint[]) OR (w.run_when = 2 AND d.dep_seq = ANY($2::bigint[])))"
+                " GROUP BY d.task_seq)"
                 " UPDATE {s}.tasks t SET blocked_on = t.blocked_on - dec.n,"
                 " state = CASE WHEN t.blocked_on - dec.n <= 0 THEN 1 ELSE 2 END"
                 " FROM dec WHERE t.seq = dec.task_seq AND t.state = 2 RETURNING t.seq, t.state"
             ),
             succeeded,
+            list(ended),
         )
         return [(r[0], State.PENDING) for r in rows if r[1] == State.PENDING]
 
     async def _end_dependents(self, conn: asyncpg.Connection, ended: list[int], state: State, now: int) -> Changes:
-        """Fails (or cancels) BLOCKED dependents of ended tasks, transitively."""
+        """Fails (or cancels) BLOCKED dependents of ended tasks, transitively; finalizers among
+        them count those as done instead."""
         changes: Changes = []
         frontier = ended
         while frontier:
+            changes += await self._unblock_dependents(conn, [], frontier)
             rows = await conn.fetch(
                 self._sql(
                     "SELECT d.task_seq, min(d.dep_seq) FROM {s}.deps d JOIN {s}.tasks t ON t.seq = d.task_seq"
-                    " WHERE d.dep_seq = ANY($1::bigint[]) AND t.state = 2 GROUP BY d.task_seq"
+                    " WHERE d.dep_seq = ANY($1::bigint[]) AND t.state = 2 AND t.run_when <> 2 GROUP BY d.task_seq"
                 ),
                 frontier,
             )
@@ -1883,14 +1976,8 @@ class PostgresStore:
         extra_attempts: int,
         restorable: frozenset[str] | None = None,
     ) -> tuple[list[TaskRow], int, Changes]:
-        # May create BLOCKED tasks: the fast finish path is off meanwhile, as for a submission.
-        self._blocking_submits += 1
-        self._blocked_generation += 1
-        try:
+        with self._may_block():  # may create BLOCKED tasks, as a submission may
             return await self._tx(lambda c: self._retry_tasks(c, seqs, now, run_at, extra_attempts, restorable))
-        finally:
-            self._blocking_submits -= 1
-            self._blocked_generation += 1
 
     async def _retry_tasks(
         self,

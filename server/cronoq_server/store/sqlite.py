@@ -33,11 +33,13 @@ from .base import (
     TERMINAL,
     AttemptRow,
     Changes,
+    DependencyRow,
     EventColumns,
     EventRow,
     Held,
     NewTask,
     Outcome,
+    OutcomeKind,
     OutcomeResult,
     PoolPause,
     Report,
@@ -75,7 +77,9 @@ from .logic import (
     SCHEDULE_COLUMNS,
     SCHEDULE_UPSERT,
     Dialect,
+    WorkflowTree,
     attempt_row,
+    check_dependency_bytes,
     check_outcomes,
     check_pending_limits,
     current_reports,
@@ -84,6 +88,7 @@ from .logic import (
     decide_restore,
     decide_retry,
     dependency_error,
+    descendants_changed,
     encode_request,
     event_row,
     event_task_values,
@@ -106,6 +111,7 @@ from .logic import (
     scans_far,
     schedule_row,
     schedule_values,
+    spawn_refused,
     task_row,
     trace_text,
 )
@@ -268,6 +274,13 @@ MIGRATIONS: dict[int, str] = {
     ALTER TABLE tasks ADD COLUMN checkpoint BLOB;
     ALTER TABLE tasks ADD COLUMN trace TEXT;
     ALTER TABLE schedules ADD COLUMN trace TEXT;
+    """,
+    # Workflows: the task whose handler spawned a task (TaskSuccess.spawn), and when a task with
+    # dependencies runs (RUN_WHEN_*; 0: not given).
+    11: """
+    ALTER TABLE tasks ADD COLUMN parent_seq INTEGER;
+    ALTER TABLE tasks ADD COLUMN run_when INTEGER NOT NULL DEFAULT 0;
+    CREATE INDEX IF NOT EXISTS tasks_parent ON tasks (parent_seq) WHERE parent_seq IS NOT NULL;
     """,
 }
 
@@ -579,6 +592,44 @@ class SqliteStore:
         rows = await self._run(lambda: self._conn.execute(sql, (seq, limit)).fetchall())
         return [(s, p) for s, p in rows]
 
+    async def dependency_rows(self, seqs: list[int]) -> dict[int, DependencyRow]:
+        def read() -> dict[int, DependencyRow]:
+            found: dict[int, DependencyRow] = {}
+            for chunk in _chunks(seqs):
+                sql = (
+                    "SELECT seq, key, state, result, result_content_type, error FROM tasks"
+                    f" WHERE seq IN ({_marks(len(chunk))})"
+                )
+                for r in self._conn.execute(sql, chunk):
+                    found[r[0]] = DependencyRow(r[0], r[1], State(r[2]), r[3], r[4], r[5])
+            return found
+
+        return await self._run(read)
+
+    async def cancel_workflow(
+        self, seq: int, now: int, cancellable: frozenset[str] | None
+    ) -> tuple[TaskRow | None, int, Changes]:
+        def cancel(db: sqlite3.Connection) -> tuple[TaskRow | None, int, Changes]:
+            def below(seqs: list[int]) -> list[tuple[int, str]]:
+                found: list[tuple[int, str]] = []
+                for chunk in _chunks(seqs, MAX_VARS // 2):
+                    marks = _marks(len(chunk))
+                    sql = (
+                        f"SELECT seq, pool FROM tasks WHERE parent_seq IN ({marks}) UNION SELECT d.task_seq, t.pool"
+                        f" FROM deps d JOIN tasks t ON t.seq = d.task_seq WHERE d.dep_seq IN ({marks})"
+                    )
+                    found += db.execute(sql, [*chunk, *chunk]).fetchall()
+                return found
+
+            tree = WorkflowTree(seq, cancellable)
+            while tree.frontier:
+                tree.add(below(tree.frontier))
+            _, changes = self._cancel_tasks(db, [seq, *tree.found], now)
+            rows = self._select(db, "seq = ?", (seq,))
+            return (rows[0] if rows else None), descendants_changed(seq, changes), changes
+
+        return await self._tx(cancel)
+
     async def list_tasks(
         self, pools: list[str] | None, state: State | None, after_seq: int, limit: int, newest_first: bool = False
     ) -> list[TaskRow]:
@@ -669,15 +720,21 @@ class SqliteStore:
                     key_of_another_pool(task.key, task.pool, existing[0].pool)
                     out.append(Submitted(existing[0], True))
                     continue
-            deps = self._resolve_deps(db, task, out, visible)
-            state, error, blocked_on = initial_state(deps, self._full_id)
+            deps, dep_bytes = self._resolve_deps(db, task, out, visible)
+            check_dependency_bytes(
+                repr(task.key) if task.key else "the task",
+                dep_bytes,
+                self.settings.max_dependency_results_bytes,
+                self._full_id,
+            )
+            state, error, blocked_on = initial_state(deps, self._full_id, task.run_when)
             finished_at = now if state in TERMINAL else None
             run_at = task.run_at if task.run_at is not None else now
             dep_list = [s for s, _ in deps]
             cur = db.execute(
                 "INSERT INTO tasks (pool, key, payload, content_type, priority, run_at, max_attempts, depends_on,"
                 " resources, state, error, created_at, finished_at, blocked_on, timeout_ms, group_key, group_rank,"
-                " res_key, trace) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " res_key, trace, parent_seq, run_when) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     task.pool,
                     task.key,
@@ -698,6 +755,8 @@ class SqliteStore:
                     first_rank(self._ranks, task.pool, task.group_key, state == State.PENDING, run_at, now),
                     keyed_entry(task.resources),
                     trace_text(task.trace),
+                    task.parent_seq,
+                    task.run_when,
                 ),
             )
             seq = cur.lastrowid
@@ -714,24 +773,27 @@ class SqliteStore:
 
     def _resolve_deps(
         self, db: sqlite3.Connection, task: NewTask, earlier: list[Submitted], visible: frozenset[str] | None
-    ) -> list[tuple[int, State]]:
+    ) -> tuple[list[tuple[int, State]], list[tuple[int, int]]]:
+        """The task's dependencies' (seq, state), and (seq, result bytes)."""
         found: dict[int, State] = {}
+        sizes: dict[int, int] = {}
+        columns = "seq, state, pool, coalesce(length(CAST(result AS BLOB)), 0)"
         if task.dep_seqs:
-            sql = f"SELECT seq, state, pool FROM tasks WHERE seq IN ({_marks(len(task.dep_seqs))})"
+            sql = f"SELECT {columns} FROM tasks WHERE seq IN ({_marks(len(task.dep_seqs))})"
             rows = {r[0]: r for r in db.execute(sql, task.dep_seqs)}
             for seq in task.dep_seqs:
                 if seq not in rows or (visible is not None and rows[seq][2] not in visible):
                     raise not_found(f"depends_on: task {self._full_id(seq)} not found")
-                found[seq] = State(rows[seq][1])
+                found[seq], sizes[seq] = State(rows[seq][1]), rows[seq][3]
         for key in task.dep_keys:
-            row = db.execute("SELECT seq, state, pool FROM tasks WHERE key = ?", (key,)).fetchone()
+            row = db.execute(f"SELECT {columns} FROM tasks WHERE key = ?", (key,)).fetchone()
             if row is None or (visible is not None and row[2] not in visible):
                 raise not_found(f"depends_on: no task with key {key!r}")
-            found[row[0]] = State(row[1])
+            found[row[0]], sizes[row[0]] = State(row[1]), row[3]
         for index in task.dep_batch:
             dep = earlier[index].row
             found[dep.seq] = dep.state
-        return list(found.items())
+        return list(found.items()), list(sizes.items())
 
     def _check_limits(self, db: sqlite3.Connection, tasks: list[NewTask], out: list[Submitted]) -> None:
         created = [r.row.pool for r in out if not r.deduplicated]
@@ -1071,8 +1133,33 @@ class SqliteStore:
             for r in db.execute(sql, chunk):
                 current[r[0]] = r
         results, accepted = check_outcomes(worker_id, outcomes, current, self._full_id)
+        accepted, spawned = self._spawn(db, accepted, now)
         changes = self._apply_outcomes(db, accepted, now)
-        return results, changes
+        return results, changes + spawned
+
+    def _spawn(
+        self, db: sqlite3.Connection, accepted: list[tuple[Outcome, tuple[Any, ...]]], now: int
+    ) -> tuple[list[tuple[Outcome, tuple[Any, ...]]], Changes]:
+        """Creates the tasks the accepted successes spawn, before the successes are applied (a
+        child that depends on its parent waits for it, and the success releases it). Each
+        success's children are created in a savepoint: when they cannot be, the success becomes
+        a failure (spawn_refused) and none of them exists."""
+        out: list[tuple[Outcome, tuple[Any, ...]]] = []
+        changes: Changes = []
+        for outcome, current in accepted:
+            if outcome.spawn and outcome.kind is OutcomeKind.SUCCESS and not current[5]:  # not cancel_requested
+                for task in outcome.spawn:
+                    task.parent_seq = outcome.seq
+                db.execute("SAVEPOINT spawn")
+                try:
+                    _, created = self._submit(db, outcome.spawn, now, None, outcome.spawn_visible)
+                    changes += created
+                except ApiError as err:
+                    db.execute("ROLLBACK TO spawn")
+                    outcome = spawn_refused(outcome, err)
+                db.execute("RELEASE spawn")
+            out.append((outcome, current))
+        return out, changes
 
     def _apply_outcomes(
         self, db: sqlite3.Connection, accepted: list[tuple[Outcome, tuple[Any, ...]]], now: int
@@ -1102,22 +1189,31 @@ class SqliteStore:
         )
         changes = d.changes
         ended = len(changes)  # RUNNING before; the dependents after them were BLOCKED
-        changes += self._unblock_dependents(db, d.succeeded)
+        changes += self._unblock_dependents(db, d.succeeded, [])
         changes += self._end_dependents(db, d.failed, State.FAILED, now)
         changes += self._end_dependents(db, d.cancelled, State.CANCELLED, now)
         prev = [State.RUNNING] * ended + [State.BLOCKED] * (len(changes) - ended)
         self._record_events(db, changes, prev, now)
         return changes
 
-    def _unblock_dependents(self, db: sqlite3.Connection, succeeded: list[int]) -> Changes:
+    def _unblock_dependents(self, db: sqlite3.Connection, succeeded: list[int], ended: list[int]) -> Changes:
+        """BLOCKED dependents count these tasks as done: those that succeeded, for every one,
+        and those that ended otherwise, for finalizers (run_when 2); at 0 they are PENDING."""
         changes: Changes = []
-        for chunk in _chunks(succeeded):
+        done = [(seq, "") for seq in succeeded] + [(seq, " AND t.run_when = 2") for seq in ended]
+        for kind in ("", " AND t.run_when = 2"):
+            changes += self._count_done(db, [seq for seq, k in done if k == kind], kind)
+        return changes
+
+    def _count_done(self, db: sqlite3.Connection, done: list[int], only: str) -> Changes:
+        changes: Changes = []
+        for chunk in _chunks(done):
             marks = _marks(len(chunk))
             dependents = [
                 r[0]
                 for r in db.execute(
                     f"SELECT d.task_seq, COUNT(*) FROM deps d JOIN tasks t ON t.seq = d.task_seq"
-                    f" WHERE d.dep_seq IN ({marks}) AND t.state = 2 GROUP BY d.task_seq",
+                    f" WHERE d.dep_seq IN ({marks}) AND t.state = 2{only} GROUP BY d.task_seq",
                     chunk,
                 )
             ]
@@ -1138,15 +1234,18 @@ class SqliteStore:
         return changes
 
     def _end_dependents(self, db: sqlite3.Connection, ended: list[int], state: State, now: int) -> Changes:
-        """Fails (or cancels) BLOCKED dependents of ended tasks, transitively."""
+        """Fails (or cancels) BLOCKED dependents of ended tasks, transitively; finalizers among
+        them count those as done instead."""
         changes: Changes = []
         frontier = ended
         while frontier:
+            changes += self._unblock_dependents(db, [], frontier)
             nxt: list[int] = []
             for chunk in _chunks(frontier):
                 rows = db.execute(
                     f"SELECT d.task_seq, MIN(d.dep_seq) FROM deps d JOIN tasks t ON t.seq = d.task_seq"
-                    f" WHERE d.dep_seq IN ({_marks(len(chunk))}) AND t.state = 2 GROUP BY d.task_seq",
+                    f" WHERE d.dep_seq IN ({_marks(len(chunk))}) AND t.state = 2 AND t.run_when <> 2"
+                    " GROUP BY d.task_seq",
                     chunk,
                 ).fetchall()
                 db.executemany(
