@@ -92,8 +92,8 @@ function optionalTimestamp(time: Date | number | undefined): Timestamp | undefin
   return time === undefined ? undefined : timestamp(Number(time));
 }
 
-/** A task to submit (or spawn) as its request; current: the caller's trace context, sent unless the spec gives one. */
-export function specProto(spec: TaskSpec, current: W3CTrace | undefined): SubmitTaskRequest {
+/** A task to submit as its request; current: the caller's trace context, sent unless the spec gives one. */
+function specProto(spec: TaskSpec, current: W3CTrace | undefined): SubmitTaskRequest {
   const { data, contentType } = encodePayload(spec.payload);
   const runAtMs = spec.runAt !== undefined ? Number(spec.runAt) : spec.delayMs && spec.delayMs > 0 ? Date.now() + spec.delayMs : undefined;
   const resources: Record<string, bigint> = {};
@@ -113,6 +113,21 @@ export function specProto(spec: TaskSpec, current: W3CTrace | undefined): Submit
     trace: spec.trace ? { traceparent: spec.trace.traceparent, tracestate: spec.trace.tracestate ?? "" } : current,
     runWhen: spec.runWhen ?? 0,
   });
+}
+
+/**
+ * How ctx.spawn submits a task: as client.submit does, but dependsOn may name a task by its key
+ * alone (a string: another task this handler spawns, or one of the shard's).
+ */
+export type SpawnOptions = Omit<TaskSpec, "pool" | "payload" | "dependsOn"> & {
+  /** Keys (strings), ids (bigint: task.id names the spawning task itself), { id } or { key }. */
+  dependsOn?: Array<string | TaskRef>;
+};
+
+/** A task a handler spawns as its request, in the handler's trace (its span's, when tracing). */
+export function spawnRequest(pool: string, payload: unknown, opts: SpawnOptions): SubmitTaskRequest {
+  const dependsOn = (opts.dependsOn ?? []).map((ref) => (typeof ref === "string" ? { key: ref } : ref));
+  return specProto({ ...opts, pool, payload, dependsOn }, currentTrace());
 }
 
 /** A fresh request id: the server answers a repeated one with what the first call created. */

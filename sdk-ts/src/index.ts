@@ -11,6 +11,7 @@ export type {
   GetOptions,
   ListOptions,
   RetryOptions,
+  SpawnOptions,
   Submitted,
   TaskFilter,
   TaskRef,
@@ -32,7 +33,7 @@ export {
   Worker,
   WorkerStoppingError,
 } from "./worker.js";
-export type { DependencyResult, Handler, SpawnOptions, TaskContext, WorkerOptions } from "./worker.js";
+export type { DependencyResult, Handler, TaskContext, WorkerOptions } from "./worker.js";
 export { checkRedirect, Endpoint } from "./endpoint.js";
 export { backoffMs, consoleLogger, DEFAULT_KEEPALIVE, MAX_MESSAGE_BYTES, retryWithDefaults } from "./transport.js";
 export type { ConnectionOptions, KeepaliveConfig, Logger, Retry, RetryConfig, TlsOptions } from "./transport.js";

@@ -9,7 +9,7 @@ import { hostname } from "node:os";
 import { status as Status, type ClientDuplexStream } from "@grpc/grpc-js";
 import type { Task, TaskProgress, TaskState } from "./gen/cronoq/v1/task.js";
 import type { SubmitTaskRequest } from "./gen/cronoq/v1/task_service.js";
-import { specProto, type TaskRef, type TaskSpec } from "./client.js";
+import { spawnRequest, type SpawnOptions } from "./client.js";
 import {
   TaskOutcome,
   WorkRequest,
@@ -35,7 +35,7 @@ import {
   UnavailableError,
   UnknownError,
 } from "./errors.js";
-import { currentTrace, TaskSpan, type SpanOutcome } from "./otel.js";
+import { TaskSpan, type SpanOutcome } from "./otel.js";
 import { decodeDependencyResult, encodePayload } from "./payload.js";
 import {
   Connection,
@@ -117,15 +117,6 @@ export interface DependencyResult {
 }
 
 /**
- * How ctx.spawn submits a task: as client.submit does, but dependsOn may name a task by its key
- * alone (a string: another task this handler spawns, or one of the shard's).
- */
-export type SpawnOptions = Omit<TaskSpec, "pool" | "payload" | "dependsOn"> & {
-  /** Keys (strings), ids (bigint: task.id names the spawning task itself), { id } or { key }. */
-  dependsOn?: Array<string | TaskRef>;
-};
-
-/**
  * A running attempt's handle on its task beyond the Task message: how often it was snoozed,
  * its checkpoint, its reports, its dependencies' results and the tasks it spawns. Reports are
  * coalesced (the latest progress and the latest checkpoint) and carried by the worker's next
@@ -178,8 +169,7 @@ export class TaskContext {
    * is not JSON-serializable, and FailedPreconditionError once the handler has returned.
    */
   spawn(pool: string, payload?: unknown, opts: SpawnOptions = {}): void {
-    const dependsOn = (opts.dependsOn ?? []).map((ref) => (typeof ref === "string" ? { key: ref } : ref));
-    this.spawned(specProto({ ...opts, pool, payload, dependsOn }, currentTrace()));
+    this.spawned(spawnRequest(pool, payload, opts));
   }
 
   /** The task's checkpoint: as leased (the last one saved by an earlier attempt), then the last one this attempt saved; null when none (empty). */
