@@ -149,3 +149,10 @@ async def test_cancel_workflow_cancels_children_their_children_and_dependents(st
         State.PENDING,
     ]
     assert n == 2
+
+
+async def test_a_finalizer_waits_while_its_dependency_is_retried(store: Store) -> None:
+    a = await submit_one(store, max_attempts=3)
+    (fin,), _ = await store.submit([finalizer(dep_seqs=[a.seq])], T0)
+    await store.finish("w1", [failure(await lease_one(store, a.seq))], T0 + 1)
+    assert await states(store, a.seq, fin.row.seq) == [State.PENDING, State.BLOCKED]
