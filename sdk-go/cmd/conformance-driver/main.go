@@ -402,6 +402,7 @@ func bulkStep(ctx context.Context, client *cronoq.Client, s step) result {
 	}
 	filter := cronoq.TaskFilter{
 		Pool: pf.GetPool(), States: pf.GetStates(), KeyPrefix: pf.GetKeyPrefix(), ErrorContains: pf.GetErrorContains(), IDs: pf.GetIds(),
+		ParentID:     pf.GetParentId(),
 		CreatedAfter: timeOf(pf.GetCreatedAfter()), CreatedBefore: timeOf(pf.GetCreatedBefore()),
 		FinishedAfter: timeOf(pf.GetFinishedAfter()), FinishedBefore: timeOf(pf.GetFinishedBefore()),
 	}
