@@ -6,7 +6,8 @@ Each execution appends "start|done task_id attempt pid unix_time" to LOGFILE. A 
 {"sleep": s} sleeps first, {"sleep_first": s} only on attempt 1; {"fail_until": n} fails attempts below n.
 {"pages": n, "page_s": s} works through n pages of s seconds each from its checkpoint (the next
 page, as text), saving a checkpoint and reporting progress after each, and appends
-"page task_id page pid" per page. SIGTERM stops it gracefully.
+"page task_id page pid" per page. {"spawn": n} spawns n tasks of its pool with its success,
+each with payload {"child": i, "parent_attempt": attempt}. SIGTERM stops it gracefully.
 """
 
 import argparse
@@ -44,6 +45,8 @@ async def main() -> None:
                 task.report_progress((page + 1) / job["pages"], f"page {page + 1} of {job['pages']}")
         if task.attempt < job.get("fail_until", 0):
             raise cronoq.TaskError(f"planned failure on attempt {task.attempt}")
+        for i in range(job.get("spawn", 0)):
+            task.spawn(task.pool, {"child": i, "parent_attempt": task.attempt})
         log.write(f"done {task.id} {task.attempt} {os.getpid()} {time.time():.6f}\n")
         return {"pid": os.getpid(), "attempt": task.attempt}
 
