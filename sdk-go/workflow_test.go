@@ -202,3 +202,22 @@ func TestASpawnTooLargeForAMessageFailsTheAttempt(t *testing.T) {
 		t.Errorf("two that fit: %v", outcome)
 	}
 }
+
+func TestSpawnedTasksCarryTheHandlersTrace(t *testing.T) {
+	traced := jsonTask(1, `{}`)
+	traced.Trace = &cronoqv1.TraceContext{Traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+	srv := newWorkServer(traced, jsonTask(2, `{}`))
+	w, done := startWorker(t, srv, WorkerOptions{}, func(ctx context.Context, task *Task) (any, error) {
+		return nil, TaskContextFrom(ctx).Spawn("default", nil)
+	})
+	waitFor(t, "2 outcomes", func() bool { return w.Processed() == 2 })
+	w.Stop()
+	<-done
+	// No TracerProvider: the handler's span is the submitter's, which its children carry.
+	if got := srv.outcome(1).GetSuccess().GetSpawn()[0].GetTrace().GetTraceparent(); !strings.Contains(got, "0af7651916cd43dd8448eb211c80319c") {
+		t.Errorf("a traced task's child: traceparent %q", got)
+	}
+	if got := srv.outcome(2).GetSuccess().GetSpawn()[0].GetTrace(); got != nil {
+		t.Errorf("an untraced task's child: %v", got)
+	}
+}
