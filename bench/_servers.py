@@ -84,6 +84,7 @@ class BenchServer:
     shard: the shard this server serves (--shard), when extra_config has [[shards]]; its store
     is then the shard's own (a file, or a schema, named with {shard}), and `ports` (gRPC, HTTP)
     are those its [[shards]] endpoint names. default_pool: TOML lines of the pool "default".
+    max_batch_size: limits.max_batch_size (a batch's tasks, and those a handler spawns).
     """
 
     def __init__(
@@ -97,6 +98,7 @@ class BenchServer:
         ports: tuple[int, int] | None = None,
         synchronous: str = SYNCHRONOUS,
         default_pool: str = "",
+        max_batch_size: int = 1000,
     ):
         self.grpc_port, self.http_port = ports or (free_port(), free_port())
         self.secure = secure
@@ -129,7 +131,7 @@ class BenchServer:
         self.config.write_text(
             f'[server]\nlisten = "127.0.0.1:{self.grpc_port}"\nhttp_listen = "127.0.0.1:{self.http_port}"\n'
             f"[store]\n{store}\n"
-            f'[limits]\nmax_batch_size = 1000\n[[pools]]\nname = "default"\n{default_pool}'
+            f'[limits]\nmax_batch_size = {max_batch_size}\n[[pools]]\nname = "default"\n{default_pool}'
             + "".join(f'[[pools]]\nname = "{name}"\n' for name in extra_pools)
             + security
             + extra_config

@@ -4,7 +4,8 @@ cronoq on SQLite and on PostgreSQL (burn-down, submit→start and submit→Watch
 caller's latency during a bulk retry of 50,000 FAILED tasks, fair share inside a pool (the
 burn-down over 1 to 100,000 groups, the noisy neighbour), the rate per key of a keyed rate
 resource, and two shards: forwarded calls,
-ListTasks across shards, burn-down across shards), then the anchors PgQueuer and procrastinate
+ListTasks across shards, burn-down across shards, a workflow's fan-out of 10,000 children and a
+join), then the anchors PgQueuer and procrastinate
 on the same PostgreSQL server and the same workloads, and River's burn-down there too (built
 with `go`; skipped when Go is missing), and cronoq's ratio to each; then submit latency under
 idle load. Each run is its own process with its own
@@ -211,6 +212,16 @@ def detail_rows(
             )
         )
     rows += fair_share_rows(store, args.quick, extra)
+    step(f"cronoq on {store}: a workflow's fan-out of 10,000 children and a join")
+    sizes = ["--children", "2000", "--rounds", "1"] if args.quick else ["--children", "10000", "--rounds", "3"]
+    flow = run("workflow.py", *sizes, *extra)
+    rows.append(
+        (
+            f"cronoq {store}: a handler spawns {flow['children']:,} children and a join (their sum), 1 worker process,"
+            " concurrency 64: submit to the join's end",
+            f"median {flow['median_s']} s of {flow['rounds']} ({flow['children_per_s']:,} children/s)",
+        )
+    )
     step(f"cronoq on {store}: a bulk retry of FAILED tasks while another caller works")
     bulk = run("bulk.py", "--tasks", "10000" if args.quick else "50000", *extra)
     rows.append((f"cronoq {store}: RetryTasks of {bulk['tasks']:,} FAILED tasks", bulk_text(bulk)))
