@@ -368,3 +368,35 @@ fn only_a_valid_traceparent_is_extracted() {
     assert_eq!(later.trace_state(), &TraceState::NONE);
     assert!(later.is_remote());
 }
+
+#[tokio::test]
+async fn a_spawned_task_carries_its_handler_s_trace_unless_it_has_its_own() {
+    let _turn = GLOBAL_PROVIDER.lock().await;
+    let exporter = install_provider();
+    let shard = FakeShard::with_tasks(vec![traced(77, false)]);
+    let recorded = shard.recorded.clone();
+    let endpoint = serve(shard).await;
+    let handler = |ctx: TaskContext, _: CancellationToken| async move {
+        ctx.spawn(TaskSpec::new("default").key("child"))?;
+        ctx.spawn(TaskSpec::new("default").trace(TRACEPARENT, ""))?;
+        TaskResult::json("ok")
+    };
+    let worker = Worker::new(WorkerOptions::new(options(&endpoint), ["default"]), handler).unwrap();
+    let rec = run_until(worker, recorded, |r| !outcomes(r).is_empty()).await;
+    let outcome = outcomes(&rec.lock().unwrap())[0].clone();
+    let Some(proto::task_outcome::Outcome::Success(success)) = outcome.outcome else {
+        panic!("{outcome:?}");
+    };
+    let [span] = task_spans(&exporter, 77).try_into().unwrap();
+    let traceparents: Vec<String> = success
+        .spawn
+        .iter()
+        .map(|s| s.trace.clone().unwrap_or_default().traceparent)
+        .collect();
+    let handler_s = format!(
+        "00-{}-{}-01",
+        span.span_context.trace_id(),
+        span.span_context.span_id()
+    );
+    assert_eq!(traceparents, vec![handler_s, TRACEPARENT.to_string()]);
+}
