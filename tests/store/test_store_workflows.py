@@ -156,3 +156,14 @@ async def test_a_finalizer_waits_while_its_dependency_is_retried(store: Store) -
     (fin,), _ = await store.submit([finalizer(dep_seqs=[a.seq])], T0)
     await store.finish("w1", [failure(await lease_one(store, a.seq))], T0 + 1)
     assert await states(store, a.seq, fin.row.seq) == [State.PENDING, State.BLOCKED]
+
+
+async def test_a_waiting_finalizer_waits_again_for_a_retried_dependency(store: Store) -> None:
+    a, b = await submit_one(store, max_attempts=1), await submit_one(store)
+    (fin,), _ = await store.submit([finalizer(dep_seqs=[a.seq, b.seq])], T0)
+    await store.finish("w1", [failure(await lease_one(store, a.seq), retryable=False)], T0 + 1)
+    await store.retry_tasks([a.seq], T0 + 2, None, 1)
+    await store.finish("w1", [success(await lease_one(store, b.seq, T0 + 3))], T0 + 3)
+    assert await states(store, a.seq, fin.row.seq) == [State.PENDING, State.BLOCKED]
+    await store.finish("w1", [success(await lease_one(store, a.seq, T0 + 4))], T0 + 4)
+    assert await states(store, fin.row.seq) == [State.PENDING]

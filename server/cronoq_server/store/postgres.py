@@ -2041,6 +2041,15 @@ class PostgresStore:
                     *[list(c) for c in zip(*plan.renamed[renamed:], strict=True)],
                 )
             await self._record_events(conn, plan.changes[recorded:], plan.prev[recorded:], now)
+        # A finalizer still waiting counted these as ended: it waits for them again.
+        await conn.execute(
+            self._sql(
+                "WITH inc AS (SELECT d.task_seq, count(*) AS n FROM {s}.deps d JOIN {s}.tasks w ON w.seq = d.task_seq"
+                " WHERE d.dep_seq = ANY($1::bigint[]) AND w.state = 2 AND w.run_when = 2 GROUP BY d.task_seq)"
+                " UPDATE {s}.tasks t SET blocked_on = t.blocked_on + inc.n FROM inc WHERE t.seq = inc.task_seq"
+            ),
+            [seq for seq, _ in plan.changes],
+        )
         if any(state == State.PENDING for _, state in plan.changes):
             await conn.execute("SELECT pg_notify($1, '')", self.channel)
         return await self._select(conn, "seq = ANY($1::bigint[])", retried), len(plan.restored), plan.changes

@@ -1415,6 +1415,16 @@ class SqliteStore:
             )
             db.executemany("UPDATE tasks SET error = ? WHERE seq = ?", plan.renamed[renamed:])
             self._record_events(db, plan.changes[recorded:], plan.prev[recorded:], now)
+        # A finalizer still waiting counted these as ended: it waits for them again.
+        again = [seq for seq, _ in plan.changes]
+        for chunk in _chunks(again):
+            db.execute(
+                "UPDATE tasks SET blocked_on = blocked_on + (SELECT COUNT(*) FROM deps"
+                f" WHERE deps.task_seq = tasks.seq AND deps.dep_seq IN ({_marks(len(chunk))}))"
+                " WHERE state = 2 AND run_when = 2 AND seq IN (SELECT task_seq FROM deps"
+                f" WHERE dep_seq IN ({_marks(len(chunk))}))",
+                [*chunk, *chunk],
+            )
         return self._select_seqs(db, retried), len(plan.restored), plan.changes
 
     def _dep_states(self, db: sqlite3.Connection, seqs: list[int]) -> dict[int, list[tuple[int, State]]]:
