@@ -142,6 +142,14 @@ def step_python(ctx: Context, stack: list[Callable[[], None]]) -> None:
         [str(venv / "bin" / "python"), str(example), "--endpoint", ctx.endpoint], example.parent, EXAMPLE_TIMEOUT_S
     )
     check_example("sdk-python/examples/worker.py", out)
+    mapreduce = example.parent / "mapreduce.py"
+    shutil.copy(ROOT / "sdk-python" / "examples" / "mapreduce.py", mapreduce)
+    out = run(
+        [str(venv / "bin" / "python"), str(mapreduce), "--endpoint", ctx.endpoint], example.parent, EXAMPLE_TIMEOUT_S
+    )
+    if not re.search(r"^sum of 100 children: 5050$", out, re.MULTILINE):
+        raise StepFailed(f"sdk-python/examples/mapreduce.py: no line 'sum of 100 children: 5050' in:\n{out}")
+    print("    sdk-python/examples/mapreduce.py: the join summed the 100 children", flush=True)
 
 
 def start_server(ctx: Context, venv: Path, stack: list[Callable[[], None]]) -> None:

@@ -1,6 +1,7 @@
 """`cronoq`: submit, get, wait, cancel, retry, delete, list and watch tasks (cancel, retry and
-delete also every task that matches a filter); list workers; manage schedules; list, pause and
-resume pools; show a snapshot of the cluster."""
+delete also every task that matches a filter; get and cancel also a task's workflow: what it
+spawned, and theirs); list workers; manage schedules; list, pause and resume pools; show a
+snapshot of the cluster."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from google.protobuf.message import Message
@@ -28,6 +30,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 from . import __version__, errors
 from ._transport import RetryConfig, TlsConfig
 from .client import (
+    RUN_WHEN_NAMES,
     TERMINAL_STATES,
     Client,
     Schedule,
@@ -102,6 +105,13 @@ def _ref(text: str, force_key: bool) -> int | str:
     return task_id
 
 
+def task_id_arg(text: str) -> int:
+    """A task id: decimal digits, at most 64 bits."""
+    if not (text.isascii() and text.isdigit()) or int(text) > MAX_TASK_ID:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a task id (decimal digits, at most 64 bits)")
+    return int(text)
+
+
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h|d)?")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 DURATION_HELP = "DURATION: a number with a unit (500ms, 30s, 5m, 2h, 1d); a bare number is seconds"
@@ -149,6 +159,8 @@ def print_task(task: Task, as_json: bool, **extra: Any) -> None:
         print(f"  result  {_show(result_of(task))}")
     if task.error:
         print(f"  error   {task.error}")
+    if task.parent_id:
+        print(f"  parent  {task.parent_id}")
     if task.HasField("progress"):
         print(f"  progress {task.progress.value:g}  {task.progress.message}".rstrip())
     if task.snoozes or task.checkpoint:
@@ -240,6 +252,8 @@ def _resources(given: list[tuple[str, int]]) -> dict[str, int]:
 async def cmd_submit(args: argparse.Namespace) -> int:
     if sum(x is not None for x in (args.json_payload, args.data, args.file)) > 1:
         raise BadInput("give at most one of --payload-json, --data, --file")
+    if args.run_when is not None and not args.depends_on:
+        raise BadInput(f"--run-when {args.run_when}: only with --depends-on (when it runs, given them)")
     payload = _payload("--payload-json", args.json_payload, args.data)
     if args.file is not None:
         payload = sys.stdin.buffer.read() if args.file == "-" else open(args.file, "rb").read()
@@ -252,6 +266,7 @@ async def cmd_submit(args: argparse.Namespace) -> int:
             max_attempts=args.max_attempts,
             delay=args.delay,
             depends_on=[_ref(d, False) for d in args.depends_on],
+            run_when=args.run_when,
             resources=_resources(args.resource),
             timeout=args.timeout,
             group_key=args.group_key,
@@ -303,9 +318,111 @@ def format_attempts(attempts: Sequence[task_pb2.Attempt]) -> list[str]:
     return format_table(("ATTEMPT", "WORKER", "STARTED", "ENDED", "DURATION", "OUTCOME", "ERROR"), rows, "  ")
 
 
+def _duration_ms(task: Task, now: dt.datetime) -> int | None:
+    """How long the task ran: from its start to its end, or to now while it runs; None: never started."""
+    if not task.HasField("started_at"):
+        return None
+    end = task.finished_at.ToDatetime(dt.UTC) if task.HasField("finished_at") else now
+    return max(0, round((end - task.started_at.ToDatetime(dt.UTC)).total_seconds() * 1000))
+
+
+@dataclass
+class TreeNode:
+    """A task of a workflow and the tasks its handler spawned (each a TreeNode)."""
+
+    task: Task
+    children: list[TreeNode] = field(default_factory=list)
+
+
+# GetTaskResponse.children holds at most this many: past it, ListTasks by parent_id pages through them all.
+MAX_CHILDREN_IN_GET = 1000
+TREE_CALLS = 8  # GetTask / ListTasks calls at once while reading a tree
+
+
+async def _children(client: Client, task_id: int, calls: asyncio.Semaphore) -> list[Task]:
+    async with calls:
+        resp = await client.get(task_id, include_children=True)
+        if len(resp.children) < MAX_CHILDREN_IN_GET:
+            return list(resp.children)
+        return [t async for t in client.iter_tasks(filter=task_filter(parent_id=task_id))]
+
+
+async def read_tree(client: Client, root: Task, children: list[Task], calls: asyncio.Semaphore) -> TreeNode:
+    """The task and what it spawned, recursively (children: its own, read already)."""
+    if len(children) >= MAX_CHILDREN_IN_GET:
+        children = await _children(client, root.id, calls)
+
+    async def subtree(child: Task) -> TreeNode:
+        # A handler spawns only with its success: a task that did not succeed has no children.
+        if child.state != task_pb2.TASK_STATE_SUCCEEDED:
+            return TreeNode(child)
+        return await read_tree(client, child, await _children(client, child.id, calls), calls)
+
+    return TreeNode(root, list(await asyncio.gather(*(subtree(c) for c in children))))
+
+
+async def _tasks_by_id(client: Client, ids: Sequence[int]) -> list[Task]:
+    """These tasks (those the caller may read), in id order, by ListTasks' ids filter."""
+    found: list[Task] = []
+    for start in range(0, len(ids), MAX_CHILDREN_IN_GET):
+        chunk = task_filter(ids=ids[start : start + MAX_CHILDREN_IN_GET])
+        found += [t async for t in client.iter_tasks(filter=chunk)]
+    return sorted(found, key=lambda t: t.id)
+
+
+def tree_line(task: Task, now: dt.datetime) -> str:
+    ms = _duration_ms(task, now)
+    key = f"  key={task.key}" if task.key else ""
+    return f"{task.id}  {task.pool}  {STATE_NAMES[task.state]}  {'-' if ms is None else _duration_text(ms)}{key}"
+
+
+def format_tree(node: TreeNode, dependents: Sequence[Task], now: dt.datetime) -> list[str]:
+    """The task, then what it spawned as a tree (recursively), then the tasks that depend on it."""
+    lines = [tree_line(node.task, now)]
+
+    def branch(children: Sequence[TreeNode], indent: str) -> None:
+        for i, child in enumerate(children):
+            last = i == len(children) - 1
+            lines.append(f"{indent}{'`-- ' if last else '|-- '}{tree_line(child.task, now)}")
+            branch(child.children, indent + ("    " if last else "|   "))
+
+    branch(node.children, "")
+    if dependents:
+        lines.append("depended on by:")
+        lines += [f"  {tree_line(t, now)}" for t in dependents]
+    return lines
+
+
+def tree_json(node: TreeNode, now: dt.datetime) -> dict[str, Any]:
+    """A task as `get --json` gives it, with its duration_ms and its children, recursively."""
+    return {
+        **_wrap(node.task),
+        "duration_ms": _duration_ms(node.task, now),
+        "children": [tree_json(c, now) for c in node.children],
+    }
+
+
+async def get_tree(args: argparse.Namespace, client: Client, ref: int | str) -> int:
+    resp = await client.get(ref, include_children=True, include_dependents=True)
+    calls = asyncio.Semaphore(TREE_CALLS)
+    tree = await read_tree(client, resp.task, list(resp.children), calls)
+    dependents = await _tasks_by_id(client, list(resp.dependents))
+    now = dt.datetime.now(dt.UTC)
+    if args.json:
+        dependents_json = [{**_wrap(t), "duration_ms": _duration_ms(t, now)} for t in dependents]
+        print(json.dumps({**tree_json(tree, now), "dependents": dependents_json}))
+    else:
+        print("\n".join(format_tree(tree, dependents, now)))
+    return 0
+
+
 async def cmd_get(args: argparse.Namespace) -> int:
     ref = _ref(args.task, args.key)
+    if args.tree and args.attempts:
+        raise BadInput("give --tree or --attempts, not both")
     async with _client(args) as client:
+        if args.tree:
+            return await get_tree(args, client, ref)
         if not args.attempts:
             print_task(await client.get(ref), args.json)
             return 0
@@ -325,12 +442,31 @@ async def cmd_wait(args: argparse.Namespace) -> int:
     return _waited(args, res.task, res.done)
 
 
+async def cancel_descendants(args: argparse.Namespace, ref: int | str) -> int:
+    """Cancels the task with what it spawned (transitively) and their dependents, whether or not
+    the task itself had ended: a workflow's root has often succeeded while its children run."""
+    async with _client(args) as client:
+        resp = await client.cancel(ref, include_descendants=True)
+    task, cancelled = resp.task, resp.descendants_cancelled
+    # As in proto JSON: an int64 is a string.
+    print_task(task, args.json, descendants_cancelled=str(cancelled))
+    if task.state in (task_pb2.TASK_STATE_SUCCEEDED, task_pb2.TASK_STATE_FAILED):
+        state = task_pb2.TaskState.Name(task.state).removeprefix("TASK_STATE_")
+        print(f"cronoq cancel: task {task.id} already {state}; {cancelled} descendant(s) cancelled", file=sys.stderr)
+        return 0 if cancelled else EXIT_FAILED_PRECONDITION
+    return 0
+
+
 async def cmd_cancel(args: argparse.Namespace) -> int:
     """Cancels the task; one that had already ended is left as it is, and said so."""
     _single_or_bulk(args)
     if args.all_matching:
+        if args.descendants:
+            raise BadInput("--descendants: only with ID|KEY (one task and what it spawned)")
         return await run_bulk(args, "cancel")
     ref = _ref(args.task, args.key)
+    if args.descendants:
+        return await cancel_descendants(args, ref)
     async with _client(args) as client:
         before = await client.get(ref)
         # By the ref as given: the server decides what a key names (and needs) as for any cancel.
@@ -356,6 +492,7 @@ FILTER_FLAGS = (
     ("--finished-before", "finished_before"),
     ("--key-prefix", "key_prefix"),
     ("--error-contains", "error_contains"),
+    ("--parent-id", "parent_id"),
 )
 # Past tense of each action, for its summary line.
 DONE = {"cancel": "cancelled", "retry": "retried", "delete": "deleted"}
@@ -908,6 +1045,7 @@ def add_filter_flags(group: Any, every_pool: str, every_state: str) -> None:
         group.add_argument(f"--{flag}-before", type=time_arg, metavar="TIME", help=f"{what} before TIME")
     group.add_argument("--key-prefix", metavar="PREFIX", help="whose key starts with PREFIX")
     group.add_argument("--error-contains", metavar="TEXT", help="whose error contains TEXT (case-sensitive)")
+    group.add_argument("--parent-id", type=task_id_arg, metavar="ID", help="spawned by the handler of task ID")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -940,6 +1078,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delay", type=duration_arg, metavar="DURATION", help="how long before the task may start")
     p.add_argument("--depends-on", action="append", default=[], metavar="ID|KEY", help="repeatable")
     p.add_argument(
+        "--run-when",
+        choices=sorted(RUN_WHEN_NAMES),
+        help="with --depends-on: run once they all succeeded (the default), or once they all ended, "
+        "however (a finalizer: its handler sees each one's state and error)",
+    )
+    p.add_argument(
         "--resource",
         type=resource_arg,
         action="append",
@@ -966,6 +1110,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="and its attempts, oldest first: worker, start, end, duration, outcome, error (--json: attempts)",
     )
+    p.add_argument(
+        "--tree",
+        action="store_true",
+        help="its workflow instead: the task, the tasks its handler spawned and theirs, as a tree, then the "
+        "tasks that depend on it; a line each: id, pool, state, duration (start to end, or to now while it "
+        "runs), key (--json: one nested object: each task with duration_ms and children; dependents)",
+    )
     p.set_defaults(run=cmd_get)
 
     p = command(
@@ -973,11 +1124,18 @@ def build_parser() -> argparse.ArgumentParser:
         "cancel a task, or every task that matches",
         "Cancel a task by id or key: a PENDING or BLOCKED task ends CANCELLED, a RUNNING one is asked to stop. "
         "A task that had already ended is left as it is, said so on stderr: exit 0 if it was CANCELLED, "
-        f"{EXIT_FAILED_PRECONDITION} if it SUCCEEDED or FAILED. With --all-matching: every unfinished task "
-        "that matches the filter flags, on every shard.",
+        f"{EXIT_FAILED_PRECONDITION} if it SUCCEEDED or FAILED. With --descendants: also the tasks its handler "
+        "spawned, theirs, and so on, with the tasks that depend on any of them (said: descendants_cancelled), "
+        f"even when the task itself has ended (exit {EXIT_FAILED_PRECONDITION} only if it had and nothing was "
+        "cancelled). With --all-matching: every unfinished task that matches the filter flags, on every shard.",
         epilog=BULK_HELP,
     )
     add_task_or_filter(p, "cancel")
+    p.add_argument(
+        "--descendants",
+        action="store_true",
+        help="also cancel what the task spawned (transitively) and their dependents, in pools you may cancel in",
+    )
     p.set_defaults(run=cmd_cancel)
 
     p = command(
@@ -1043,7 +1201,9 @@ def build_parser() -> argparse.ArgumentParser:
     pages.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
     pages.add_argument("--all", action="store_true", help="every task, page after page (progress on stderr)")
     p.add_argument("--page-token", default="", metavar="TOKEN", help="go on from where a listing stopped")
-    p.add_argument("--newest-first", action="store_true", help="newest created first, across shards too (then --page-token: older)")
+    p.add_argument(
+        "--newest-first", action="store_true", help="newest created first, across shards too (then --page-token: older)"
+    )
     p.set_defaults(run=cmd_tasks)
 
     p = command(

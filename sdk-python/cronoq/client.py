@@ -350,6 +350,7 @@ class Client:
         *,
         include_attempts: Literal[False] = False,
         include_children: Literal[False] = False,
+        include_dependents: Literal[False] = False,
         include_dependency_results: bool = False,
     ) -> Task: ...
 
@@ -360,6 +361,7 @@ class Client:
         *,
         include_attempts: Literal[True],
         include_children: bool = False,
+        include_dependents: bool = False,
         include_dependency_results: bool = False,
     ) -> pb.GetTaskResponse: ...
 
@@ -370,6 +372,18 @@ class Client:
         *,
         include_attempts: bool = False,
         include_children: Literal[True],
+        include_dependents: bool = False,
+        include_dependency_results: bool = False,
+    ) -> pb.GetTaskResponse: ...
+
+    @overload
+    async def get(
+        self,
+        ref: TaskRefLike,
+        *,
+        include_attempts: bool = False,
+        include_children: bool = False,
+        include_dependents: Literal[True],
         include_dependency_results: bool = False,
     ) -> pb.GetTaskResponse: ...
 
@@ -379,21 +393,24 @@ class Client:
         *,
         include_attempts: bool = False,
         include_children: bool = False,
+        include_dependents: bool = False,
         include_dependency_results: bool = False,
     ) -> Task | pb.GetTaskResponse:
-        """The task; with include_attempts or include_children, the whole GetTaskResponse: .task,
-        .attempts (every attempt, oldest first, with its worker, times, outcome and error) and
-        .children (the tasks its handler spawned, in id order, at most 1,000, without payload or
-        result: list with task_filter(parent_id=...) for them all). include_dependency_results:
-        the task's dependency_results are filled (dependencies_of decodes them)."""
+        """The task; with include_attempts, include_children or include_dependents, the whole
+        GetTaskResponse: .task, .attempts (every attempt, oldest first, with its worker, times,
+        outcome and error), .children (the tasks its handler spawned, in id order, at most 1,000,
+        without payload or result: list with task_filter(parent_id=...) for them all) and
+        .dependents (ids of the tasks that depend on it). include_dependency_results: the task's
+        dependency_results are filled (dependencies_of decodes them)."""
         req = pb.GetTaskRequest(
             task=task_ref(ref),
             include_attempts=include_attempts,
             include_children=include_children,
+            include_dependents=include_dependents,
             include_dependency_results=include_dependency_results,
         )
         resp = await self._call("GetTask", req)
-        return resp if include_attempts or include_children else resp.task
+        return resp if include_attempts or include_children or include_dependents else resp.task
 
     async def wait(self, ref: TaskRefLike, timeout: float = 30.0) -> WaitResult:
         """Blocks until the task is terminal or timeout seconds pass."""

@@ -59,6 +59,7 @@ class SyncClient:
         *,
         include_attempts: Literal[False] = False,
         include_children: Literal[False] = False,
+        include_dependents: Literal[False] = False,
         include_dependency_results: bool = False,
     ) -> Task: ...
 
@@ -69,6 +70,7 @@ class SyncClient:
         *,
         include_attempts: Literal[True],
         include_children: bool = False,
+        include_dependents: bool = False,
         include_dependency_results: bool = False,
     ) -> pb.GetTaskResponse: ...
 
@@ -79,6 +81,18 @@ class SyncClient:
         *,
         include_attempts: bool = False,
         include_children: Literal[True],
+        include_dependents: bool = False,
+        include_dependency_results: bool = False,
+    ) -> pb.GetTaskResponse: ...
+
+    @overload
+    def get(
+        self,
+        ref: TaskRefLike,
+        *,
+        include_attempts: bool = False,
+        include_children: bool = False,
+        include_dependents: Literal[True],
         include_dependency_results: bool = False,
     ) -> pb.GetTaskResponse: ...
 
@@ -88,6 +102,7 @@ class SyncClient:
         *,
         include_attempts: bool = False,
         include_children: bool = False,
+        include_dependents: bool = False,
         include_dependency_results: bool = False,
     ) -> Task | pb.GetTaskResponse:
         """Client.get (the same options and answers)."""
@@ -96,6 +111,7 @@ class SyncClient:
                 ref,
                 include_attempts=include_attempts,
                 include_children=include_children,
+                include_dependents=include_dependents,
                 include_dependency_results=include_dependency_results,
             )
         )

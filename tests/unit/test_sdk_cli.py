@@ -362,3 +362,65 @@ def test_answers_of_a_repeated_bulk_call_add_up() -> None:
     assert not total.incomplete  # as the later answer says
     assert [(r.shard, r.matched, r.changed) for r in total.shards] == [("cpu", 310, 300), ("gpu", 5, 5)]
     assert first.matched == 300 and len(first.shards) == 1  # the answers themselves are left as they were
+
+
+def tree_task(task_id: int, state: int, started_s: float | None = None, ended_s: float | None = None, key: str = ""):
+    task = task_pb2.Task(id=task_id, pool="default", state=state, key=key)
+    if started_s is not None:
+        task.started_at.FromDatetime(NOW + dt.timedelta(seconds=started_s))
+    if ended_s is not None:
+        task.finished_at.FromDatetime(NOW + dt.timedelta(seconds=ended_s))
+    return task
+
+
+def test_a_workflow_tree_a_line_per_task_with_its_duration() -> None:
+    succeeded, running, pending = (
+        task_pb2.TASK_STATE_SUCCEEDED,
+        task_pb2.TASK_STATE_RUNNING,
+        task_pb2.TASK_STATE_PENDING,
+    )
+    now = NOW + dt.timedelta(seconds=90)
+    tree = cli.TreeNode(
+        tree_task(1, succeeded, 0, 1.25, key="root"),
+        [
+            cli.TreeNode(tree_task(2, succeeded, 2, 2.004), [cli.TreeNode(tree_task(4, running, 30))]),
+            cli.TreeNode(tree_task(3, pending)),
+        ],
+    )
+    dependents = [tree_task(9, pending, key="after")]
+    assert cli.format_tree(tree, dependents, now) == [
+        "1  default  succeeded  1.250s  key=root",
+        "|-- 2  default  succeeded  4ms",
+        "|   `-- 4  default  running  1m0s",  # running: until now
+        "`-- 3  default  pending  -",
+        "depended on by:",
+        "  9  default  pending  -  key=after",
+    ]
+    assert cli.format_tree(cli.TreeNode(tree_task(5, pending)), [], now) == ["5  default  pending  -"]
+    as_json = cli.tree_json(tree, now)
+    assert (as_json["id"], as_json["duration_ms"]) == ("1", 1250)
+    assert [(c["id"], c["duration_ms"]) for c in as_json["children"]] == [("2", 4), ("3", None)]
+    assert as_json["children"][0]["children"][0]["duration_ms"] == 60_000
+
+
+def test_workflow_flags_parse() -> None:
+    parse = build_parser().parse_args
+    assert parse(["get", "--tree", "7"]).tree
+    assert parse(["cancel", "--descendants", "7"]).descendants
+    assert parse(["submit", "--depends-on", "7", "--run-when", "ended"]).run_when == "ended"
+    assert cli.filter_of(parse(["tasks", "--parent-id", "18446744073709551615"])).parent_id == 2**64 - 1
+    assert cli.list_options(parse(["tasks", "--parent-id", "7"]))["filter"].parent_id == 7  # a filter, not pool/state
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["tasks", "--parent-id", "18446744073709551616"], "is not a task id"),
+        (["tasks", "--parent-id", "-1"], "is not a task id"),
+        (["submit", "--run-when", "later"], "invalid choice: 'later'"),
+    ],
+)
+def test_bad_workflow_flags_are_usage_errors(argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit:
+        build_parser().parse_args(argv)
+    assert exit.value.code == 2 and words in capsys.readouterr().err
