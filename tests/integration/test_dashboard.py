@@ -1055,3 +1055,143 @@ def test_the_task_page_shows_progress_snoozes_and_the_checkpoint_with_hostile_te
     assert page.locator("dd", has_text="6 bytes, given to the next attempt").count() == 1
     assert column(page, "outcome", "table.attempts") == ["SNOOZED", "RUNNING"]
     assert page.dialogs == [] and page.console_errors == []
+
+
+def node_states(page: Any) -> dict[str, int]:
+    """How many nodes of the workflow graph are in each state (their data-state)."""
+    states: list[str] = page.eval_on_selector_all("svg.workflow-graph a.node", "ns => ns.map((n) => n.dataset.state)")
+    return {s: states.count(s) for s in sorted(set(states))}
+
+
+def test_the_task_page_draws_a_50_task_workflow_as_a_readable_graph_with_hostile_keys_as_text(
+    start_server: Any, browser_page: Any, tmp_path: Path
+) -> None:
+    from cronoq.v1 import task_pb2
+    from cronoq.v1 import task_service_pb2 as tpb
+    from cronoq.v1 import worker_service_pb2 as wpb
+
+    srv = start_server({"pools": [{"name": "default"}]})
+    api, worker = register_worker(srv, "mapper", ["default"])
+    root = submit(srv, {"pool": "default", "key": "wf-root", "payload_json": 1})
+    (taken,) = api.lease(worker, n=1)
+    keys = [f"map-{i:02}" for i in range(48)]
+    keys[10], keys[11] = XSS, SCRIPT_XSS
+    # A root spawns 48 children and a join that runs once they all ended, whatever their outcome.
+    spawn = [tpb.SubmitTaskRequest(pool="default", key=k) for k in keys]
+    deps = [task_pb2.TaskRef(key=k) for k in keys]
+    spawn.append(
+        tpb.SubmitTaskRequest(
+            pool="default", key="join", depends_on=deps, run_when=task_pb2.RUN_WHEN_DEPENDENCIES_ENDED
+        )
+    )
+    assert api.finish(worker, taken, success=wpb.TaskSuccess(spawn=spawn)).accepted
+    done, failed, _still_running = sorted(api.lease(worker, n=3), key=lambda t: t.id)
+    grandchild = tpb.SubmitTaskRequest(pool="default", key="grandchild")
+    assert api.finish(worker, done, success=wpb.TaskSuccess(spawn=[grandchild])).accepted
+    api.fail(worker, failed, retryable=False)
+    status, body = srv.http("GET", f"/v1/tasks?filter.parent_id={root['id']}&page_size=100")
+    assert status == 200, body
+    children = {t["key"]: t for t in body["tasks"]}
+    assert len(children) == 49
+    assert srv.http("POST", f"/v1/tasks/{children['map-47']['id']}/cancel", {})[0] == 200
+    page = browser_page
+
+    page.goto(srv.http_url + f"/ui/#/task/{root['id']}")
+    loaded_ms(page, "task")
+    assert page.locator("dt:text-is('spawned') + dd").inner_text() == "49 tasks"
+    assert page.locator("dt:text-is('parent')").count() == 0
+    graph = page.locator("svg.workflow-graph")
+    assert graph.get_attribute("data-nodes") == "50"
+    assert node_states(page) == {
+        "blocked": 1,  # the join
+        "cancelled": 1,
+        "failed": 1,
+        "pending": 44,
+        "running": 1,
+        "succeeded": 2,  # the root and the child that spawned the grandchild
+    }
+    for state in ("succeeded", "failed", "running", "pending", "blocked", "cancelled"):
+        classes = page.eval_on_selector_all(
+            f"a.node[data-state={state}]", "ns => ns.map((n) => n.getAttribute('class'))"
+        )
+        assert all(f"state-{state}" in c.split() for c in classes), classes
+    assert page.locator(f"a.node.current[data-id='{root['id']}']").count() == 1
+    # Nodes are coloured as the dashboard colours states (the badges' state-succeeded, state-failed),
+    # and each state differently.
+    colours = page.evaluate(
+        """() => {
+          const badge = (state) => {
+            const probe = document.body.appendChild(Object.assign(document.createElement("span"), { className: `state state-${state}` }));
+            const colour = getComputedStyle(probe).color;
+            probe.remove();
+            return colour;
+          };
+          const node = (state) => {
+            const rect = document.querySelector(`a.node[data-state=${state}] rect`);
+            const style = getComputedStyle(rect);
+            return [style.stroke, style.fill, style.strokeDasharray].join(" / ");
+          };
+          const states = ["succeeded", "failed", "running", "pending", "blocked", "cancelled"];
+          return { badges: { succeeded: badge("succeeded"), failed: badge("failed") },
+                   nodes: Object.fromEntries(states.map((s) => [s, node(s)])) };
+        }"""
+    )
+    assert colours["nodes"]["succeeded"].startswith(colours["badges"]["succeeded"] + " / ")
+    assert colours["nodes"]["failed"].startswith(colours["badges"]["failed"] + " / ")
+    assert len(set(colours["nodes"].values())) == 6, colours
+    # Edges: the root spawned 49 tasks, the join depends on 48; the two kinds are drawn differently.
+    assert page.locator("path.edge.spawned").count() == 49
+    assert page.locator("path.edge.depends").count() == 48
+    edge_looks = page.evaluate(
+        """() => ["spawned", "depends"].map((k) => {
+          const s = getComputedStyle(document.querySelector(`path.edge.${k}`));
+          return [s.stroke, s.strokeDasharray].join(" / ");
+        })"""
+    )
+    assert edge_looks[0] != edge_looks[1], edge_looks
+    # Readable: three columns (root, children, join), no two nodes overlap, every label in its box.
+    boxes = page.eval_on_selector_all(
+        "a.node > svg",
+        "ns => ns.map((n) => { const r = n.getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; })",
+    )
+    assert len({round(x) for x, _, _, _ in boxes}) == 3
+    for i, (x1, y1, w1, h1) in enumerate(boxes):
+        for x2, y2, w2, h2 in boxes[i + 1 :]:
+            assert x1 + w1 <= x2 or x2 + w2 <= x1 or y1 + h1 <= y2 or y2 + h2 <= y1, (boxes[i], (x2, y2))
+    assert page.evaluate(
+        """() => [...document.querySelectorAll("a.node")].every((n) =>
+          n.querySelector("text").getComputedTextLength() <= n.querySelector("rect").width.baseVal.value)"""
+    )
+    # A hostile key is text: the label starts with it, the title holds it whole; nothing is markup.
+    hostile = page.locator(f"a.node[data-id='{children[XSS]['id']}']")
+    assert hostile.locator("text").text_content() == XSS[:21] + "…"
+    assert XSS in hostile.locator("title").text_content()
+    assert SCRIPT_XSS in page.locator(f"a.node[data-id='{children[SCRIPT_XSS]['id']}'] title").text_content()
+    assert page.locator("main img").count() == 0 and page.locator("main script").count() == 0
+    page.locator("section.workflow").screenshot(path=str(screenshots_dir(tmp_path) / "workflow.png"))
+
+    # On demand, the next generation: the one grandchild, spawned by the child that succeeded.
+    page.click("button.workflow-expand")
+    page.wait_for_selector("svg.workflow-graph[data-nodes='51']", timeout=10_000)
+    grand = page.locator("a.node:has(title:text('key grandchild'))")
+    grand_id = grand.get_attribute("data-id")
+    assert grand.get_attribute("data-state") == "pending"
+    assert page.locator(f"path.edge.spawned[data-from='{done.id}'][data-to='{grand_id}']").count() == 1
+
+    # A child's node links to its page, which names its parent and draws parent, child and join.
+    child = children["map-05"]
+    assert page.locator(f"a.node[data-id='{child['id']}']").get_attribute("href") == f"#/task/{child['id']}"
+    page.click(f"a.node[data-id='{child['id']}']")
+    page.wait_for_selector(f"h1:text-is('Task {child['id']}')", timeout=10_000)
+    assert page.locator("dt:text-is('parent') + dd a").get_attribute("href") == f"#/task/{root['id']}"
+    page.wait_for_selector("svg.workflow-graph")
+    assert node_states(page) == {"blocked": 1, "pending": 1, "succeeded": 1}
+    assert page.locator("path.edge.spawned").count() == 2 and page.locator("path.edge.depends").count() == 1
+
+    # The join's page: its parent and its 48 dependencies (read with the parent's children).
+    page.goto(srv.http_url + f"/ui/#/task/{children['join']['id']}")
+    page.wait_for_selector(f"h1:text-is('Task {children['join']['id']}')", timeout=10_000)
+    page.wait_for_selector("svg.workflow-graph")
+    assert page.locator("svg.workflow-graph").get_attribute("data-nodes") == "50"
+    assert node_states(page)["pending"] == 44 and page.locator("a.node[data-state=unknown]").count() == 0
+    assert page.dialogs == [] and page.console_errors == []

@@ -1,18 +1,10 @@
 // Line charts drawn as SVG elements (createElementNS; no library, no inline style: the CSP
 // allows none). Colours come from the CSS classes of the lines.
-import { h } from "./dom.js";
+import { h, svg as s } from "./dom.js";
 
-const SVG = "http://www.w3.org/2000/svg";
 const WIDTH = 600;
 const HEIGHT = 170;
 const PAD = { left: 48, right: 10, top: 10, bottom: 22 };
-
-function s(tag, attrs, ...children) {
-  const el = document.createElementNS(SVG, tag);
-  for (const [name, value] of Object.entries(attrs || {})) el.setAttribute(name, String(value));
-  for (const child of children) el.appendChild(typeof child === "string" ? document.createTextNode(child) : child);
-  return el;
-}
 
 /** 1, 2 or 5 times a power of ten, at least `value` (the top of the y axis). */
 function niceTop(value) {

@@ -25,6 +25,18 @@ function append(el, children) {
   }
 }
 
+const SVG_NS = "http://www.w3.org/2000/svg";
+
+/** svg("path", {d: "M0 0"}, child, ...): an SVG element (createElementNS); strings become text nodes. */
+export function svg(tag, attrs, ...children) {
+  const el = document.createElementNS(SVG_NS, tag);
+  for (const [name, value] of Object.entries(attrs || {})) {
+    if (value !== undefined && value !== null) el.setAttribute(name, String(value));
+  }
+  append(el, children);
+  return el;
+}
+
 /** A table from a header row and rows of cells (strings or nodes). */
 export function table(headers, rows, attrs) {
   return h("table", attrs,

@@ -2,16 +2,19 @@
 // pools the viewer may read) and state, with tasks picked by checkbox or "all that match" for a
 // bulk Cancel, Retry or Delete (counted by a dry run and confirmed on the page); a task's page
 // (GET /v1/tasks/{id}) with its payload, result and error as text, its attempts, its dependencies
-// and dependents, and Retry, Cancel and Delete where its state and the viewer's grants allow.
+// and dependents, its parent and the tasks it spawned (and its workflow drawn as a graph, see
+// workflow.js), and Retry, Cancel and Delete where its state and the viewer's grants allow.
 // A key is looked up with GET /v1/tasks?key= on every shard: one that names tasks in two shards
 // lists both.
 import { call, caller, may, query, readablePools, workerNames } from "./api.js";
 import { duration, h, show, table, when } from "./dom.js";
+import { workflowSection } from "./workflow.js";
 
 const STATES = ["", "PENDING", "BLOCKED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"];
 const PAGE_SIZE = 50;
 const TERMINAL = new Set(["TASK_STATE_SUCCEEDED", "TASK_STATE_FAILED", "TASK_STATE_CANCELLED"]);
 const RETRYABLE = new Set(["TASK_STATE_FAILED", "TASK_STATE_CANCELLED"]);
+const MAX_CHILDREN = 1000; // GetTask's children at most
 const ERROR_SHOWN = 80; // characters of an error in the list; the whole text is its title
 
 // The bulk actions: their route, the permission each needs, and the words the page uses.
@@ -29,7 +32,8 @@ function takeNotice() {
   return shown;
 }
 
-function stateName(state) {
+/** A task state's name without its prefix ("SUCCEEDED"). */
+export function stateName(state) {
   return String(state || "").replace(/^TASK_STATE_/, "");
 }
 
@@ -380,11 +384,18 @@ function progressCell(progress) {
     progress.updated_at ? h("span", { class: "muted" }, " (", when(progress.updated_at), ")") : null);
 }
 
+/** "48 tasks"; GetTask lists at most MAX_CHILDREN of them. */
+function spawnedCount(n) {
+  return n >= MAX_CHILDREN ? `${MAX_CHILDREN} tasks or more` : `${n} ${n === 1 ? "task" : "tasks"}`;
+}
+
 async function renderTaskById(id) {
   const [got, who, names] = await Promise.all([
-    call("GET", `/v1/tasks/${id}${query({ include_dependents: true, include_attempts: true })}`), caller(), workerNames(),
+    call("GET", `/v1/tasks/${id}${query({ include_dependents: true, include_attempts: true, include_children: true })}`), caller(), workerNames(),
   ]);
   const task = got.task;
+  const children = got.children || [];
+  const workflow = await workflowSection(got);
   const status = h("p", { class: "status error", role: "alert" });
   const attempts = got.attempts || [];
   return h("div", { class: "task" },
@@ -402,6 +413,8 @@ async function renderTaskById(id) {
       Number(task.snoozes) ? field("snoozed", `${task.snoozes} time${Number(task.snoozes) === 1 ? "" : "s"}`) : null,
       task.progress ? field("progress", progressCell(task.progress)) : null,
       task.checkpoint ? field("checkpoint", `${atob(task.checkpoint).length} bytes, given to the next attempt`) : null,
+      Number(task.parent_id) ? field("parent", taskLink(task.parent_id)) : null,
+      children.length ? field("spawned", spawnedCount(children.length)) : null,
       field("depends on", links(task.depends_on)),
       field("dependents", links(got.dependents))),
     taskActions(task, who, status), status,
@@ -413,5 +426,6 @@ async function renderTaskById(id) {
     h("h2", null, "Payload"), h("pre", { class: "payload" }, bytesText(task.payload_json, task.payload)),
     task.result || task.result_json !== undefined
       ? [h("h2", null, "Result"), h("pre", { class: "result" }, bytesText(task.result_json, task.result))]
-      : null);
+      : null,
+    workflow);
 }
