@@ -347,18 +347,17 @@ async def _children(client: Client, task_id: int, calls: asyncio.Semaphore) -> l
         return [t async for t in client.iter_tasks(filter=task_filter(parent_id=task_id))]
 
 
-async def read_tree(client: Client, root: Task, children: list[Task], calls: asyncio.Semaphore) -> TreeNode:
-    """The task and what it spawned, recursively (children: its own, read already)."""
-    if len(children) >= MAX_CHILDREN_IN_GET:
-        children = await _children(client, root.id, calls)
+async def read_tree(client: Client, task: Task, calls: asyncio.Semaphore) -> TreeNode:
+    """The task and what it spawned, recursively, each task's children read by its id."""
+    children = await _children(client, task.id, calls)
 
     async def subtree(child: Task) -> TreeNode:
         # A handler spawns only with its success: a task that did not succeed has no children.
         if child.state != task_pb2.TASK_STATE_SUCCEEDED:
             return TreeNode(child)
-        return await read_tree(client, child, await _children(client, child.id, calls), calls)
+        return await read_tree(client, child, calls)
 
-    return TreeNode(root, list(await asyncio.gather(*(subtree(c) for c in children))))
+    return TreeNode(task, list(await asyncio.gather(*(subtree(c) for c in children))))
 
 
 async def _tasks_by_id(client: Client, ids: Sequence[int]) -> list[Task]:
@@ -403,9 +402,8 @@ def tree_json(node: TreeNode, now: dt.datetime) -> dict[str, Any]:
 
 
 async def get_tree(args: argparse.Namespace, client: Client, ref: int | str) -> int:
-    resp = await client.get(ref, include_children=True, include_dependents=True)
-    calls = asyncio.Semaphore(TREE_CALLS)
-    tree = await read_tree(client, resp.task, list(resp.children), calls)
+    resp = await client.get(ref, include_dependents=True)
+    tree = await read_tree(client, resp.task, asyncio.Semaphore(TREE_CALLS))
     dependents = await _tasks_by_id(client, list(resp.dependents))
     now = dt.datetime.now(dt.UTC)
     if args.json:

@@ -6,11 +6,14 @@ theirs, with the tasks that depend on it; past the 1,000 children GetTask return
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
-from _helpers import Api, cli
+import grpc
+from _helpers import Api, cli, eventually
+from test_sharding import TOKENS, TwoShards, bearer
 
-from cronoq.v1 import task_pb2
+from cronoq.v1 import task_pb2, worker_service_pb2_grpc
 from cronoq.v1 import task_service_pb2 as tpb
 from cronoq.v1 import worker_service_pb2 as wpb
 
@@ -126,3 +129,25 @@ def test_submit_run_when_ended_makes_a_finalizer(server: Any) -> None:
     assert json.loads(plain)["run_when"] in ("RUN_WHEN_UNSPECIFIED", "RUN_WHEN_DEPENDENCIES_SUCCEEDED")
     refused = cli(server, "submit", "--run-when", "ended", check=False)
     assert refused.returncode == 2 and "only with --depends-on" in refused.stderr
+
+
+def test_a_workflow_read_and_cancelled_by_key_through_another_shard(tmp_path: Path, start_server: Any) -> None:
+    shards = TwoShards(tmp_path, start_server)
+    token = ("--token", TOKENS["full"])
+    cli(shards.cpu, "submit", "--pool", "llm", "--key", "gpu-root", *token)  # forwarded to gpu
+    workers = worker_service_pb2_grpc.WorkerServiceStub(grpc.insecure_channel(shards.gpu.grpc_target))
+    register = wpb.RegisterWorkerRequest(pools=["llm"], name="w", concurrency=1)
+    worker = workers.RegisterWorker(register, metadata=bearer("full")).worker_id
+    lease = wpb.LeaseTasksRequest(worker_id=worker, max_tasks=1)
+    (root,) = eventually(lambda: workers.LeaseTasks(lease, metadata=bearer("full")).tasks, what="the root leased")
+    spawn = [tpb.SubmitTaskRequest(pool="llm", key=f"gpu-child-{i}") for i in range(2)]
+    done = wpb.TaskOutcome(task_id=root.id, attempt=root.attempt, success=wpb.TaskSuccess(spawn=spawn))
+    finished = workers.FinishTasks(wpb.FinishTasksRequest(worker_id=worker, outcomes=[done]), metadata=bearer("full"))
+    assert finished.results[0].accepted
+
+    tree = json.loads(cli(shards.cpu, "get", "--tree", "gpu-root", *token, "--json").stdout)
+    assert tree["id"] == str(root.id) and [c["key"] for c in tree["children"]] == ["gpu-child-0", "gpu-child-1"]
+    out = json.loads(cli(shards.cpu, "cancel", "--descendants", "gpu-root", *token, "--json").stdout)
+    assert out["descendants_cancelled"] == "2"
+    listed = cli(shards.cpu, "tasks", "--parent-id", str(root.id), "--state", "cancelled", *token, "--json")
+    assert [json.loads(line)["key"] for line in listed.stdout.splitlines()] == ["gpu-child-0", "gpu-child-1"]
