@@ -1195,3 +1195,26 @@ def test_the_task_page_draws_a_50_task_workflow_as_a_readable_graph_with_hostile
     assert page.locator("svg.workflow-graph").get_attribute("data-nodes") == "50"
     assert node_states(page)["pending"] == 44 and page.locator("a.node[data-state=unknown]").count() == 0
     assert page.dialogs == [] and page.console_errors == []
+
+
+def test_a_workflow_graph_draws_at_most_200_tasks_and_keeps_the_parent(start_server: Any, browser_page: Any) -> None:
+    from cronoq.v1 import task_service_pb2 as tpb
+    from cronoq.v1 import worker_service_pb2 as wpb
+
+    srv = start_server({"pools": [{"name": "default"}]})
+    api, worker = register_worker(srv, "splitter", ["default"])
+    root = submit(srv, {"pool": "default", "key": "big-root"})
+    (taken,) = api.lease(worker, n=1)
+    assert api.finish(worker, taken, success=wpb.TaskSuccess(spawn=[tpb.SubmitTaskRequest(pool="default")])).accepted
+    (mid,) = api.lease(worker, n=1)
+    spawn = [tpb.SubmitTaskRequest(pool="default", key=f"part-{i}") for i in range(250)]
+    assert api.finish(worker, mid, success=wpb.TaskSuccess(spawn=spawn)).accepted
+    page = browser_page
+    page.goto(srv.http_url + f"/ui/#/task/{mid.id}")
+    loaded_ms(page, "task")
+    assert page.locator("dt:text-is('spawned') + dd").inner_text() == "250 tasks"
+    assert page.locator("svg.workflow-graph").get_attribute("data-nodes") == "200"
+    assert page.locator(f"a.node[data-id='{root['id']}']").count() == 1  # the parent, before the children
+    assert page.locator("p.workflow-note").inner_text() == "52 more not drawn (at most 200 tasks are)."
+    assert page.locator("button.workflow-expand").is_hidden()
+    assert page.dialogs == [] and page.console_errors == []

@@ -37,18 +37,18 @@ class Workflow {
     this.extra = (got.dependents || []).map((id) => ({ from: this.focus, to: String(id), kind: "depends" }));
     this.notDrawn = 0;
     this.add(got.task);
-    for (const child of got.children || []) this.add(child, 1);
   }
 
+  /** Adds a task (replacing one that could not be read); true when it was not drawn yet. */
   add(task, generation) {
-    if (this.tasks.has(task.id) && !this.tasks.get(task.id).unread) return false;
-    if (!this.tasks.has(task.id) && this.tasks.size >= MAX_NODES) {
+    const known = this.tasks.get(task.id);
+    if (!known && this.tasks.size >= MAX_NODES) {
       this.notDrawn += 1;
       return false;
     }
-    this.tasks.set(task.id, task);
-    if (generation) this.generation.set(task.id, generation);
-    return true;
+    if (!known || known.unread) this.tasks.set(task.id, task);
+    if (generation && !this.generation.has(task.id)) this.generation.set(task.id, generation);
+    return !known;
   }
 
   /** Edges: parent -> child ("spawned"), dependency -> dependent ("depends"), between drawn nodes. */
@@ -72,13 +72,14 @@ class Workflow {
   }
 }
 
-/** Reads the tasks named around the focus that it does not hold: the parent (with its children,
- * which usually hold the focus's dependencies and dependents) then the rest by id, 50 a call;
- * one that cannot be read is drawn without a state. */
-async function readNeighbours(wf, task) {
+/** Adds the tasks named around the focus, then its children (so that many children leave room
+ * for them): the parent (read with its children, which usually hold the focus's dependencies
+ * and dependents) and the rest by id, 50 a call; one that cannot be read is drawn without a state. */
+async function readNeighbours(wf, got) {
+  const task = got.task;
   const parent = nonzero(task.parent_id);
-  const wanted = [parent, ...(task.depends_on || []).map(String), ...wf.extra.map((e) => e.to)].filter((id) => id && !wf.tasks.has(id));
-  const found = new Map();
+  const wanted = [parent, ...(task.depends_on || []).map(String), ...wf.extra.map((e) => e.to)].filter((id) => id && id !== wf.focus);
+  const found = new Map((got.children || []).map((child) => [child.id, child]));
   if (parent) {
     try {
       const got = await call("GET", `/v1/tasks/${parent}${query({ include_children: true })}`);
@@ -98,6 +99,7 @@ async function readNeighbours(wf, task) {
     }
   }
   for (const id of new Set(wanted)) wf.add(found.get(id) || { id, unread: true });
+  for (const child of got.children || []) wf.add(child, 1);
 }
 
 /** Asks each task of the frontier for its children (a few calls at a time); true when some were added. */
@@ -281,7 +283,7 @@ export async function workflowSection(got) {
   const task = got.task;
   if (!nonzero(task.parent_id) && !(got.children || []).length && !(task.depends_on || []).length && !(got.dependents || []).length) return null;
   const wf = new Workflow(got);
-  await readNeighbours(wf, task);
+  await readNeighbours(wf, got);
   const box = h("div", { class: "workflow-box" }, drawing(wf));
   const note = h("p", { class: "muted workflow-note" });
   const more = h("button", { type: "button", class: "workflow-expand" }, "Show what they spawned");
