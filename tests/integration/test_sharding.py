@@ -826,3 +826,32 @@ def test_newest_first_across_shards_is_by_creation_time(two_shards: TwoShards) -
 
 def chunks(ids: list[int], size: int) -> list[list[int]]:
     return [ids[i : i + size] for i in range(0, len(ids), size)]
+
+
+def test_a_workflow_of_another_shard_is_read_by_key_and_cancelled_by_parent_id(two_shards: TwoShards) -> None:
+    """GetTask by key through the other shard keeps include_children and
+    include_dependency_results; a bulk cancel with filter.parent_id alone reaches the shard."""
+    from cronoq.v1 import worker_service_pb2 as wpb
+    from cronoq.v1 import worker_service_pb2_grpc
+
+    cpu, gpu = two_shards.stubs["cpu"], two_shards.stubs["gpu"]
+    workers = worker_service_pb2_grpc.WorkerServiceStub(gpu.channel)
+    md = bearer("full")
+    root = submit(cpu, "llm", key="wf-root").task
+    worker = workers.RegisterWorker(wpb.RegisterWorkerRequest(name="t", pools=["llm"]), metadata=md).worker_id
+    (leased,) = workers.LeaseTasks(wpb.LeaseTasksRequest(worker_id=worker, max_tasks=1), metadata=md).tasks
+    spawn = [tpb.SubmitTaskRequest(pool="llm", key=f"wf-c{i}") for i in range(2)]
+    spawn.append(tpb.SubmitTaskRequest(pool="llm", key="wf-after", depends_on=[task_pb2.TaskRef(id=root.id)]))
+    success = wpb.TaskSuccess(result=b"7", content_type="application/json", spawn=spawn)
+    outcome = wpb.TaskOutcome(task_id=leased.id, attempt=leased.attempt, success=success)
+    workers.FinishTasks(wpb.FinishTasksRequest(worker_id=worker, outcomes=[outcome]), metadata=md)
+    req = tpb.GetTaskRequest(task=task_pb2.TaskRef(key="wf-root"), include_children=True)
+    got = cpu.tasks.GetTask(req, metadata=md, timeout=TIMEOUT)
+    assert sorted(t.key for t in got.children) == ["wf-after", "wf-c0", "wf-c1"]
+    req = tpb.GetTaskRequest(task=task_pb2.TaskRef(key="wf-after"), include_dependency_results=True)
+    (dep,) = cpu.tasks.GetTask(req, metadata=md, timeout=TIMEOUT).task.dependency_results
+    assert (dep.id, dep.result) == (root.id, b"7")
+    answer = cpu.tasks.CancelTasks(
+        tpb.CancelTasksRequest(filter=tpb.TaskFilter(parent_id=root.id)), metadata=md, timeout=TIMEOUT
+    )
+    assert (answer.matched, answer.changed) == (3, 3), answer

@@ -130,6 +130,7 @@ class Bulk:
             or f.key_prefix
             or f.error_contains
             or f.ids
+            or f.parent_id
             or any(f.HasField(b) for b in ("created_after", "created_before", "finished_after", "finished_before"))
         ):
             raise invalid(

@@ -275,11 +275,9 @@ class ShardRouter:
         key = request.task.key  # type: ignore[attr-defined]
         if "read" not in call.caller.permissions:  # as on one shard: a task the caller cannot read is not found
             raise not_found(f"no task with key {key!r}")
-        lookup = task_pb.GetTaskRequest(
-            task=task_pb2.TaskRef(key=key),
-            include_dependents=getattr(request, "include_dependents", False),
-            include_attempts=getattr(request, "include_attempts", False),
-        )
+        lookup = task_pb.GetTaskRequest(task=task_pb2.TaskRef(key=key))
+        if isinstance(request, task_pb.GetTaskRequest):  # the GetTask asked for: its options too
+            lookup.CopyFrom(request)
         # Only where the caller may read a pool: elsewhere no task is its to see, nor the shard's name.
         readable: dict[str, Message] = {s.name: lookup for s in self.shards if may_read(call.caller, s)}
         answers = await self._ask(self.rpcs["GetTask"], readable, call)
