@@ -27,6 +27,7 @@ TOKENS = {
     # A worker of pool a that may submit to a only: it may not spawn into b.
     "worker-a": (["a"], ["submit", "read", "work"]),
     "read-a": (["a"], ["read"]),
+    "cancel-a": (["a"], ["read", "cancel"]),
 }
 
 
@@ -234,3 +235,27 @@ def test_dependency_results_over_the_limit(srv: Any) -> None:
     assert f.lease(w) == []  # waiting's results grew past the limit: it fails unrun
     task = f.get(waiting.id).task
     assert task.state == S.TASK_STATE_FAILED and "max_dependency_results_bytes" in task.error, task
+
+
+def test_a_spawn_names_only_dependencies_its_worker_may_read(srv: Any) -> None:
+    admin, f = Flow(srv), Flow(srv, "worker-a")
+    admin.submit("b", key="secret")
+    root = f.submit(key="root")
+    w = f.register()
+    (leased,) = f.lease(w)
+    assert f.succeed(w, leased, 1, [child("peek", "secret")]).accepted
+    task = f.get(root.id).task
+    assert task.state == S.TASK_STATE_FAILED and "no task with key 'secret'" in task.error, task
+
+
+def test_cancel_with_descendants_leaves_the_pools_the_caller_may_not_cancel(srv: Any) -> None:
+    f = Flow(srv)
+    root = f.submit(key="root")
+    w = f.register()
+    (leased,) = f.lease(w)
+    f.succeed(w, leased, 1, [child("in-a"), child("in-b", pool="b")])
+    req = tpb.CancelTaskRequest(task=task_pb2.TaskRef(id=root.id), include_descendants=True)
+    answer = f.api.tasks.CancelTask(req, metadata=md("cancel-a"))
+    assert answer.descendants_cancelled == 1
+    kids = {t.key: t.state for t in f.get(root.id, include_children=True).children}
+    assert kids == {"in-a": S.TASK_STATE_CANCELLED, "in-b": S.TASK_STATE_PENDING}
