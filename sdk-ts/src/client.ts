@@ -93,7 +93,7 @@ function optionalTimestamp(time: Date | number | undefined): Timestamp | undefin
 }
 
 /** A task to submit as its request; current: the caller's trace context, sent unless the spec gives one. */
-function specProto(spec: TaskSpec, current: W3CTrace | undefined): SubmitTaskRequest {
+export function specProto(spec: TaskSpec, current: W3CTrace | undefined): SubmitTaskRequest {
   const { data, contentType } = encodePayload(spec.payload);
   const runAtMs = spec.runAt !== undefined ? Number(spec.runAt) : spec.delayMs && spec.delayMs > 0 ? Date.now() + spec.delayMs : undefined;
   const resources: Record<string, bigint> = {};

@@ -36,6 +36,7 @@ import {
   UnknownError,
 } from "./errors.js";
 import { TaskSpan, type SpanOutcome } from "./otel.js";
+import { CONTROL_CHARACTER, shown } from "./limits.js";
 import { decodeDependencyResult, encodePayload } from "./payload.js";
 import {
   Connection,
@@ -65,17 +66,6 @@ export type Handler = (task: Task, signal: AbortSignal, ctx: TaskContext) => unk
 const MAX_SNOOZE_MS = 4_294_967_295;
 /** The most bytes of UTF-8 a progress message has. */
 const MAX_PROGRESS_MESSAGE_BYTES = 1024;
-/**
- * A control character (C0, DEL, C1), a line separator or a bidi control: the server refuses them
- * in a caller's text (they forge log lines, or show a text in another order than it is stored).
- */
-const CONTROL_CHARACTER = /[\u0000-\u001f\u007f-\u009f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]/;
-
-/** A refused character as an escape ("\n", "\u202e"): shown raw, most of them are invisible. */
-function shown(c: string): string {
-  return c < " " ? JSON.stringify(c) : `"\\u${c.charCodeAt(0).toString(16).padStart(4, "0")}"`;
-}
-
 /**
  * Thrown by a handler: not now, run the task again in ms (rounded down to whole ms; 0: at once).
  * The task is PENDING again and the attempt is not counted. Throws RangeError when ms is not
