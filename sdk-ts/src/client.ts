@@ -93,7 +93,7 @@ function optionalTimestamp(time: Date | number | undefined): Timestamp | undefin
 }
 
 /** A task to submit as its request; current: the caller's trace context, sent unless the spec gives one. */
-export function specProto(spec: TaskSpec, current: W3CTrace | undefined): SubmitTaskRequest {
+function specProto(spec: TaskSpec, current: W3CTrace | undefined): SubmitTaskRequest {
   const { data, contentType } = encodePayload(spec.payload);
   const runAtMs = spec.runAt !== undefined ? Number(spec.runAt) : spec.delayMs && spec.delayMs > 0 ? Date.now() + spec.delayMs : undefined;
   const resources: Record<string, bigint> = {};
@@ -113,6 +113,11 @@ export function specProto(spec: TaskSpec, current: W3CTrace | undefined): Submit
     trace: spec.trace ? { traceparent: spec.trace.traceparent, tracestate: spec.trace.tracestate ?? "" } : current,
     runWhen: spec.runWhen ?? 0,
   });
+}
+
+/** A task as submit sends it (without a request id), in the caller's trace unless spec.trace is given. */
+export function submitRequest(spec: TaskSpec): SubmitTaskRequest {
+  return specProto(spec, currentTrace());
 }
 
 /**
@@ -288,7 +293,7 @@ export class Client {
    * trace: the current span's context goes with it (unless spec.trace is given).
    */
   async submit(spec: TaskSpec, opts: CallOptions = {}): Promise<Submitted> {
-    const req = { ...specProto(spec, currentTrace()), requestId: newRequestId() };
+    const req = { ...submitRequest(spec), requestId: newRequestId() };
     const resp = await this.conn.invoke<SubmitTaskResponse>("SubmitTask", (c, md, o, cb) => c.task.submitTask(req, md, o, cb), this.conn.timeoutMs, opts.signal);
     return { task: resp.task!, deduplicated: resp.deduplicated };
   }

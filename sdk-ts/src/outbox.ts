@@ -3,11 +3,10 @@
 // (`pg` is never imported here: any object with query(text, values) does). A cronoq-server
 // relay submits the committed rows; a rolled-back transaction leaves none.
 import { status as Status } from "@grpc/grpc-js";
-import { specProto, type TaskSpec } from "./client.js";
+import { submitRequest, type TaskSpec } from "./client.js";
 import { InvalidArgumentError } from "./errors.js";
 import { SubmitTaskRequest } from "./gen/cronoq/v1/task_service.js";
 import { checkSubmitRequest, checkTime, DEFAULT_MAX_PAYLOAD_BYTES } from "./limits.js";
-import { currentTrace } from "./otel.js";
 
 /** The schema `cronoq outbox install` creates the outbox in when given none. */
 export const DEFAULT_SCHEMA = "cronoq";
@@ -45,7 +44,7 @@ function insertSql(schema: string): string {
 /** A task as the outbox row's request (its request_id empty: the relay sets its own), checked as the server checks it. */
 function outboxRequest(spec: TaskSpec, where: string, maxPayloadBytes: number): SubmitTaskRequest {
   checkTime(`${where}run_at`, spec.runAt);
-  const req = specProto(spec, currentTrace());
+  const req = submitRequest(spec);
   checkSubmitRequest(req, where, maxPayloadBytes);
   return req;
 }

@@ -29,6 +29,7 @@ TOP_LEVEL = {"package.json", "README.md", "LICENSE"}
 # The scratch project's program: the public API, named as the README uses it.
 APP_TS = """\
 import { Client, Worker, TaskState, decodePayload, nonRetryable, type Task } from "cronoq";
+import { enqueue, type Queryable } from "cronoq/outbox";
 
 const client: Client = new Client({ endpoint: "http://127.0.0.1:7070" });
 const state: TaskState = TaskState.TASK_STATE_PENDING;
@@ -41,6 +42,10 @@ const worker = new Worker({ endpoint: "http://127.0.0.1:7070", pools: ["default"
 new Client({ endpoint: 7070 });
 client.close();
 void worker;
+// The outbox takes any client with query(text, values): its types need no `pg` installed.
+const db: Queryable = { query: async () => ({ rows: [{ id: "1" }] }) };
+const outboxId: Promise<bigint> = enqueue(db, "default", { n: 1 }, { key: "k" });
+void outboxId;
 """
 
 APP_TSCONFIG = {
@@ -65,6 +70,13 @@ for (const name of ["Client", "Worker", "TaskFailure", "decodePayload", "encodeP
 assert.equal(cronoq.TaskState.TASK_STATE_SUCCEEDED, 4);
 const client = new cronoq.Client({ endpoint: "http://127.0.0.1:7070" });
 client.close();
+// The outbox runs without `pg` installed (an optional peer dependency): it uses the client it is given.
+const outbox = await import("cronoq/outbox");
+const sent = [];
+const id = await outbox.enqueue({ query: async (text, values) => (sent.push(values), { rows: [{ id: "7" }] }) }, "default", { n: 1 });
+assert.equal(id, 7n);
+assert.deepEqual(sent[0][0], ["default"]);
+await assert.rejects(import("pg"), { code: "ERR_MODULE_NOT_FOUND" });
 console.log("imported");
 """
 
@@ -124,7 +136,12 @@ def test_package_json_declares_license_repository_engines_exports(packed: tuple[
         "directory": "sdk-ts",
     }
     assert meta["engines"] == {"node": ">=20"}
-    assert meta["exports"] == {".": {"types": "./dist/index.d.ts", "import": "./dist/index.js"}}
+    assert meta["exports"] == {
+        ".": {"types": "./dist/index.d.ts", "import": "./dist/index.js"},
+        "./outbox": {"types": "./dist/outbox.d.ts", "import": "./dist/outbox.js"},
+    }
+    assert meta["peerDependenciesMeta"]["pg"] == {"optional": True}
+    assert "pg" not in meta["dependencies"], meta["dependencies"]
     assert re.fullmatch(r"\^1\.\d+\.\d+", meta["dependencies"]["@grpc/grpc-js"]), meta["dependencies"]
     assert all(v.startswith("^") for v in meta["dependencies"].values()), meta["dependencies"]
 
