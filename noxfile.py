@@ -57,6 +57,7 @@ TEST_DEPS = [
     "pytest-xdist>=3.5",
     "trustme>=1.1",
     "opentelemetry-sdk>=1.27",  # the SDK's tracing tests: a tracer provider with an in-memory exporter
+    "psycopg[binary]>=3.1",  # cronoq.outbox with psycopg connections (tests/integration/test_outbox.py)
     "setuptools>=68",
     "playwright==1.65.2",  # drives Debian's chromium 156 (executable_path) in the browser tests: a known pair
 ]

@@ -89,6 +89,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from . import outbox as outbox
     from ._transport import KeepaliveConfig, RetryConfig, TlsConfig
     from .client import (
         TERMINAL_STATES,
@@ -118,7 +119,13 @@ if TYPE_CHECKING:
     from .worker import Snooze, TaskContext, TaskError, Worker
 
 
+# Submodules reached as attributes (cronoq.outbox.enqueue), imported on first use.
+_SUBMODULES = frozenset({"outbox"})
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -128,4 +135,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | _SUBMODULES)

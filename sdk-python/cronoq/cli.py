@@ -27,7 +27,7 @@ from google.protobuf.message import Message
 # own: NONE silences them unless the user set GRPC_VERBOSITY. grpc reads it once, on import.
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from . import __version__, errors
+from . import __version__, errors, outbox_schema
 from ._transport import RetryConfig, TlsConfig
 from .client import (
     RUN_WHEN_NAMES,
@@ -932,6 +932,66 @@ async def cmd_pools_pause(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _outbox_connection(url: str) -> Any:
+    try:
+        import asyncpg
+    except ImportError:
+        raise BadInput("the outbox commands need asyncpg: pip install 'cronoq-sdk[asyncpg]'") from None
+    return await asyncpg.connect(url, timeout=10)
+
+
+async def cmd_outbox_install(args: argparse.Namespace) -> int:
+    try:
+        statements = outbox_schema.ddl(args.schema)
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+    if args.print:
+        print(";\n\n".join(statements) + ";")
+        return 0
+    if not args.url:
+        raise BadInput("--url: required (or --print to only print the DDL)")
+    conn = await _outbox_connection(args.url)
+    try:
+        async with conn.transaction():
+            # One installer at a time; the statements are idempotent, so a second run changes nothing.
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext('cronoq_outbox_install'))")
+            for sql in statements:
+                await conn.execute(sql)
+            version = await conn.fetchval(outbox_schema.version_query(args.schema))
+    finally:
+        await conn.close()
+    table = f"{outbox_schema.quoted(args.schema)}.{outbox_schema.TABLE}"
+    if args.json:
+        print(json.dumps({"schema": args.schema, "table": table, "version": version}))
+    else:
+        print(f"outbox {table} installed (version {version})")
+    return 0
+
+
+async def cmd_outbox_status(args: argparse.Namespace) -> int:
+    try:
+        schema = outbox_schema.quoted(args.schema)
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+    conn = await _outbox_connection(args.url)
+    try:
+        row = await conn.fetchrow(
+            f"SELECT (SELECT count(*) FROM {schema}.cronoq_outbox),"
+            f" (SELECT extract(epoch FROM clock_timestamp() - min(created_at)) FROM {schema}.cronoq_outbox),"
+            f" (SELECT count(*) FROM {schema}.cronoq_outbox_dead), ({outbox_schema.version_query(args.schema)})"
+        )
+    finally:
+        await conn.close()
+    status = {"schema": args.schema, "pending": row[0], "lag_seconds": float(row[1] or 0), "dead": row[2]}
+    status["version"] = row[3]
+    if args.json:
+        print(json.dumps(status))
+    else:
+        print(f"pending {status['pending']}, oldest {status['lag_seconds']:.3f} s, dead {status['dead']}"
+              f" (version {status['version']})")  # fmt: skip
+    return 0
+
+
 async def cmd_snapshot(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         snap = await client.snapshot()
@@ -1324,6 +1384,30 @@ def build_parser() -> argparse.ArgumentParser:
         "Per shard: its leader and term, task counts by pool and state, resources in use, workers.",
     )
     p.set_defaults(run=cmd_snapshot)
+
+    p = command(
+        "outbox",
+        "install and inspect an outbox",
+        "The outbox: tasks an application inserts in its own PostgreSQL transactions "
+        "(cronoq.outbox.enqueue), relayed to cronoq by the servers configured with [[outboxes]].",
+    )
+    outbox = p.add_subparsers(dest="outbox_command", required=True, metavar="SUBCOMMAND")
+    for name, text, description in (
+        (
+            "install",
+            "create or upgrade the outbox tables",
+            "Create (or bring up to this release's version) the outbox tables in the application's "
+            "database: cronoq_outbox, cronoq_outbox_dead, cronoq_outbox_meta and the insert trigger that "
+            "wakes the relay. Idempotent; --print prints the DDL instead, for your own migrations.",
+        ),
+        ("status", "show an outbox's backlog", "Rows waiting, the oldest one's age, rows in the dead table."),
+    ):
+        p = command(name, text, description, subparsers=outbox)
+        p.add_argument("--url", required=name == "status", help="the application's PostgreSQL URL")
+        p.add_argument("--schema", default=outbox_schema.DEFAULT_SCHEMA, help="the outbox's schema (default cronoq)")
+        if name == "install":
+            p.add_argument("--print", action="store_true", help="print the DDL, change nothing")
+        p.set_defaults(run=cmd_outbox_install if name == "install" else cmd_outbox_status, title=f"outbox {name}")
     return parser
 
 

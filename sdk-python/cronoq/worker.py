@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from . import _tracing
+from ._text import control_character
 from ._transport import (
     HEALTHY_STREAM_S,
     MAX_MESSAGE_BYTES,
@@ -72,11 +73,6 @@ DEFAULT_MAX_LEASE_BYTES = 16 * MiB
 DEFAULT_MAX_CHECKPOINT_BYTES = 256 << 10
 # A progress message's bound, in UTF-8 bytes; and the longest snooze (TaskSnoozed.snooze_ms is a uint32).
 MAX_PROGRESS_MESSAGE_BYTES = 1024
-# Refused in a progress message besides C0, DEL and C1, as the server refuses them: line
-# separators and bidi controls (they break a line where a reader sees none, or reorder the text).
-LINE_AND_BIDI_CONTROLS = frozenset(
-    "\u061c\u200e\u200f\u2028\u2029\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
-)
 MAX_SNOOZE_MS = 0xFFFF_FFFF
 # Room left under MAX_MESSAGE_BYTES (the channel's send and receive limit) for what a
 # message carries besides its tasks or outcomes.
@@ -271,9 +267,7 @@ class TaskContext:
         size = len(progress.message.encode())
         if size > MAX_PROGRESS_MESSAGE_BYTES:
             raise ValueError(f"progress message: {size} bytes, more than {MAX_PROGRESS_MESSAGE_BYTES}")
-        bad = next(
-            (c for c in progress.message if ord(c) < 32 or 127 <= ord(c) < 160 or c in LINE_AND_BIDI_CONTROLS), None
-        )
+        bad = control_character(progress.message)
         if bad is not None:
             raise ValueError(f"progress message: control character {bad!r}")
         with self._lock:

@@ -321,6 +321,28 @@ class LimitsConfig(_Strict):
     bulk_scan_timeout: ScanTimeout = 10.0
 
 
+class OutboxConfig(_Strict):
+    """An outbox in an application's PostgreSQL database (`cronoq outbox install`): its committed
+    rows are submitted, once each, to the pools listed (rows of other pools go to its dead table)."""
+
+    # How the outbox is named in metrics, logs and the snapshot (default: its schema).
+    name: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    url: str | None = None
+    url_env: str | None = None
+    schema_: str = Field(default="cronoq", alias="schema", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+    pools: list[str] = Field(min_length=1)
+    # Rows relayed in one step (one transaction in the application's database).
+    batch: int = Field(default=500, ge=1, le=10_000)
+    # How often the outbox is read when no NOTIFY wakes the relay (the only wake-up with notify = false).
+    poll_interval: Annotated[float, _duration("10ms", "1h")] = 1.0
+    # LISTEN for the insert trigger's NOTIFY; false behind PgBouncer's transaction pooling (polling only).
+    notify: bool = True
+
+    @property
+    def label(self) -> str:
+        return self.name or self.schema_
+
+
 class ShardConfig(_Strict):
     name: Name
     number: int = Field(ge=1, le=255)
@@ -357,6 +379,7 @@ class Config(_Strict):
     shards: list[ShardConfig] = []
     tokens: list[TokenConfig] = []
     clients: list[ClientConfig] = []
+    outboxes: list[OutboxConfig] = []
 
     @model_validator(mode="after")
     def _cross_check(self) -> Config:
@@ -446,6 +469,13 @@ def _check_cross_references(cfg: Config) -> None:
             raise ValueError(f"store.path: must contain {{shard}} when sharded, got {cfg.store.path!r}")
         if cfg.store.schema_ is not None and "{shard}" not in cfg.store.schema_:
             raise ValueError(f"store.schema: must contain {{shard}} when sharded, got {cfg.store.schema_!r}")
+    for i, outbox in enumerate(cfg.outboxes):
+        if (outbox.url is None) == (outbox.url_env is None):
+            raise ValueError(f"outboxes[{i}]: give url or url_env (one of them)")
+        for pool in outbox.pools:
+            if pool not in pool_names:
+                raise ValueError(f"outboxes[{i}].pools: unknown pool {pool!r}")
+    _unique(cfg.outboxes, "label", "outboxes")
     grants: list[tuple[str, int, list[str]]] = [("tokens", i, t.pools) for i, t in enumerate(cfg.tokens)]
     grants += [("clients", i, c.pools) for i, c in enumerate(cfg.clients)]
     for section, i, pools in grants:

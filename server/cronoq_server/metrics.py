@@ -41,6 +41,18 @@ OLDEST_PENDING_AGE = Gauge(
     "How long the earliest-due PENDING task has been due (0: none due); the leader's, every few seconds.",
     ["pool"],
 )
+OUTBOX_PENDING = Gauge(
+    "cronoq_outbox_pending",
+    "Committed rows of an outbox this server relays, not yet relayed (the leader's).",
+    ["outbox"],
+)
+OUTBOX_LAG = Gauge(
+    "cronoq_outbox_lag_seconds", "Age of the oldest row of an outbox this server relays (0: none).", ["outbox"]
+)
+OUTBOX_RELAYED = Counter("cronoq_outbox_relayed_total", "Outbox rows submitted as tasks (or deduplicated).", ["outbox"])
+OUTBOX_DEAD = Counter(
+    "cronoq_outbox_dead_total", "Outbox rows the server refused, moved to the outbox's dead table.", ["outbox"]
+)
 POOL_PAUSED = Gauge("cronoq_pool_paused", "1 while the pool is paused (PausePool): nothing of it is leased.", ["pool"])
 LEADER = Gauge("cronoq_leader", "1 while this server leads its shard.")
 LEADER_TERM = Gauge("cronoq_leader_term", "The leadership term this server last led in (0 on SQLite).")

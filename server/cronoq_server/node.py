@@ -24,6 +24,7 @@ from .core.bulk import Bulk
 from .core.events import EVENT_RETENTION_EVERY_S, SEQUENCE_EVERY_S, EventBus
 from .core.leases import NUDGE_EVERY_S, Leases
 from .core.maintenance import Periodic, Services
+from .core.outbox import OutboxRelay
 from .core.pools import PoolPauses
 from .core.resources import ResourceGate
 from .core.retry import make_retry_at
@@ -121,6 +122,12 @@ class Node:
         purge_every = min(EVENT_RETENTION_EVERY_S, max(config.server.watch_window / 4, 0.1))
         self.services.add(Periodic("event retention", purge_every, self.events.purge_once))
         self.schedules.wake = self.services.add(Periodic("schedules", 1.0, self.schedules.fire_due)).poke
+        # Each outbox's relay, by this shard's leader (its connection is closed on stepping down).
+        self.outboxes = [OutboxRelay(config, o, self.tasks, self.pools) for o in config.outboxes]
+        for relay in self.outboxes:
+            relay.resolve_url(dict(os.environ))
+            periodic = Periodic(f"outbox {relay.name}", relay.outbox.poll_interval, relay.step, relay.close)
+            relay.poke = self.services.add(periodic).poke
         self._unary: dict[str, Callable[[Any, Principal], Awaitable[Message]]] = {
             "SubmitTask": self.tasks.submit_task,
             "SubmitBatch": self.tasks.submit_batch,

@@ -20,10 +20,17 @@ class Periodic:
     """Runs step() every `every` seconds while started. step may return a delay (seconds) that
     replaces the interval once (a service that knows when its next work is due)."""
 
-    def __init__(self, name: str, every: float, step: Callable[[], Awaitable[float | None]]):
+    def __init__(
+        self,
+        name: str,
+        every: float,
+        step: Callable[[], Awaitable[float | None]],
+        on_stop: Callable[[], Awaitable[None]] | None = None,
+    ):
         self.name = name
         self.every = every
         self._step = step
+        self._on_stop = on_stop  # releases what the steps hold (a connection)
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
@@ -40,6 +47,8 @@ class Periodic:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        if self._on_stop is not None:
+            await self._on_stop()
 
     async def _run(self) -> None:
         while True:
