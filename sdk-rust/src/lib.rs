@@ -1,9 +1,14 @@
 //! The Rust SDK of cronoq, a durable sharded task queue: a [`Client`] that submits, reads,
 //! waits for, cancels, retries and deletes tasks (one by one or by filter) and pauses pools,
-//! and a [`Worker`] that runs them over the bidirectional `WorkerService.Work` stream.
+//! and a [`Worker`] that runs them over the bidirectional `WorkerService.Work` stream; with
+//! feature `outbox` (tokio-postgres) or `outbox-sqlx`, `outbox` enqueues a task in the
+//! application's own PostgreSQL transaction.
 
 #![warn(missing_docs)]
 
+mod checks;
+#[cfg(test)]
+mod checks_tests;
 mod client;
 #[cfg(test)]
 mod client_tests;
@@ -11,6 +16,10 @@ mod error;
 mod otel;
 #[cfg(all(test, feature = "otel"))]
 mod otel_tests;
+#[cfg(any(feature = "outbox", feature = "outbox-sqlx"))]
+pub mod outbox;
+#[cfg(all(test, any(feature = "outbox", feature = "outbox-sqlx")))]
+mod outbox_tests;
 mod transport;
 mod worker;
 #[cfg(test)]

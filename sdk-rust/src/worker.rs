@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::Code;
 use tonic::transport::Channel;
 
+use crate::checks::is_refused_in_text;
 use crate::client::{DependencyResult, JSON_CONTENT_TYPE, Task, TaskRef, TaskSpec};
 use crate::error::Error;
 use crate::otel::{Ended, TaskSpan};
@@ -654,22 +655,6 @@ struct Shared {
 #[derive(Clone)]
 pub struct Worker {
     shared: Arc<Shared>,
-}
-
-/// A character the server refuses in a caller's text: a control character (C0, DEL, C1), a line
-/// separator or a bidi control (they forge log lines, or show a text in another order than stored).
-fn is_refused_in_text(c: char) -> bool {
-    c.is_control()
-        || matches!(
-            c,
-            '\u{061c}'
-                | '\u{200e}'
-                | '\u{200f}'
-                | '\u{2028}'
-                | '\u{2029}'
-                | '\u{202a}'..='\u{202e}'
-                | '\u{2066}'..='\u{2069}'
-        )
 }
 
 fn workers(ch: Channel) -> WorkerServiceClient<Channel> {
