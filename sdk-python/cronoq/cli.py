@@ -890,6 +890,12 @@ def format_snapshot(snap: admin_service_pb2.GetSnapshotResponse) -> list[str]:
             lines += format_table(("RESOURCE", "IN USE", "CAPACITY", "RATE", "BURST"), resources, "  ")
         running = sum(w.running for w in shard.workers)
         lines.append(f"  workers: {len(shard.workers)}, running {running} task(s)")
+        for o in shard.outboxes:
+            error = f"; last step failed: {o.last_error}" if o.last_error else ""
+            lines.append(
+                f"  outbox {o.name}: {o.pending} waiting, oldest {o.lag_seconds:.3f} s;"
+                f" relayed {o.relayed}, dead {o.dead}{error}"
+            )
     return lines
 
 

@@ -463,6 +463,9 @@ class Node:
         workers = await self.leases.list_workers(worker_service_pb2.ListWorkersRequest(), caller)
         snap.workers.extend(workers.workers)
         snap.standbys.extend(await self.leadership.standbys())
+        for relay in self.outboxes:
+            if self.is_leader and any(caller.may("read", p) for p in relay.outbox.pools):
+                snap.outboxes.append(relay.status())
         return admin_pb.GetSnapshotResponse(shards=[snap])
 
     async def _set_worker_gauges(self) -> None:

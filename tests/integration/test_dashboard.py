@@ -1218,3 +1218,18 @@ def test_a_workflow_graph_draws_at_most_200_tasks_and_keeps_the_parent(start_ser
     assert page.locator("p.workflow-note").inner_text() == "52 more not drawn (at most 200 tasks are)."
     assert page.locator("button.workflow-expand").is_hidden()
     assert page.dialogs == [] and page.console_errors == []
+
+
+def test_the_overview_shows_each_outbox_with_its_lag(start_server: Any, browser_page: Any, postgres: Any) -> None:
+    from test_outbox import install, outbox_config
+
+    schema = f"ob_{os.urandom(5).hex()}"
+    install(postgres.url, schema)
+    srv = start_server(outbox_config(postgres, schema, name="orders.app"))
+    page = browser_page
+    page.goto(srv.http_url + "/ui/")
+    loaded_ms(page, "overview")
+    page.wait_for_selector("table.outboxes")
+    assert column(page, "outbox", "table.outboxes") == ["orders.app"]
+    assert column(page, "lag", "table.outboxes") == ["0.000 s"]
+    assert page.dialogs == [] and page.console_errors == []

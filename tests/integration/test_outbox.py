@@ -116,6 +116,22 @@ def test_a_committed_task_runs_once_and_a_rolled_back_one_never(start_server: An
     assert took < 1.0, f"the committed task appeared {took:.3f}s after the commit"
     time.sleep(0.5)
     assert task_keys(srv) == ["order-2"]
+    status, snap = srv.http("GET", "/v1/snapshot")
+    assert status == 200 and snap["shards"][0]["outboxes"] == [
+        {
+            "name": schema,
+            "schema": schema,
+            "pending": "0",
+            "lag_seconds": 0.0,
+            "relayed": "1",
+            "dead": "0",
+            "last_error": "",
+        }
+    ], snap
+    shown = subprocess.run(
+        [sys.executable, "-m", "cronoq.cli", "--endpoint", srv.endpoint, "snapshot"], capture_output=True, text=True
+    )
+    assert f"outbox {schema}: 0 waiting, oldest 0.000 s; relayed 1, dead 0" in shown.stdout, shown
     assert run(fetch(postgres.url, f'SELECT count(*) FROM "{schema}".cronoq_outbox'))[0][0] == 0
 
 

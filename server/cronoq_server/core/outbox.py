@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ import asyncpg
 import grpc
 
 from cronoq.outbox_schema import VERSION, channel, quoted, version_query
+from cronoq.v1 import admin_service_pb2 as admin_pb
 from cronoq.v1 import task_service_pb2 as pb
 
 from ..auth import Principal
@@ -72,6 +72,7 @@ class OutboxRelay:
         self._install_id = ""
         self.poke: Callable[[], None] = lambda: None  # set by the Periodic that runs step
         self.last_error = ""
+        self.pending, self.lag_s, self.relayed, self.dead = 0, 0.0, 0, 0  # for the snapshot
 
     def resolve_url(self, environ: dict[str, str]) -> None:
         if self.outbox.url_env is not None:
@@ -121,7 +122,7 @@ class OutboxRelay:
             taken = await self._relay(conn)
             await self._measure(conn)
             self.last_error = ""
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as err:
+        except Exception as err:  # logged by the Periodic, shown in the snapshot until a step succeeds
             self.last_error = str(err)
             await self.close()
             raise
@@ -157,6 +158,8 @@ class OutboxRelay:
             await conn.execute(f"DELETE FROM {self._table} WHERE id = ANY($1::bigint[])", [r["id"] for r in rows])
         OUTBOX_RELAYED.labels(self.name).inc(len(rows) - len(dead))
         OUTBOX_DEAD.labels(self.name).inc(len(dead))
+        self.relayed += len(rows) - len(dead)
+        self.dead += len(dead)
         return len(rows)
 
     async def _submit(self, row: Any) -> str | None:
@@ -185,10 +188,18 @@ class OutboxRelay:
             " WHERE pool = ANY($1::text[])",
             self.mine,
         )
-        OUTBOX_PENDING.labels(self.name).set(row[0])
-        OUTBOX_LAG.labels(self.name).set(float(row[1] or 0.0))
-        self.pending, self.lag_s, self.measured_at = row[0], float(row[1] or 0.0), time.time()
+        self.pending, self.lag_s = row[0], float(row[1] or 0.0)
+        OUTBOX_PENDING.labels(self.name).set(self.pending)
+        OUTBOX_LAG.labels(self.name).set(self.lag_s)
 
-    pending = 0
-    lag_s = 0.0
-    measured_at = 0.0
+    def status(self) -> admin_pb.OutboxStatus:
+        """As the last step saw it, for the snapshot."""
+        return admin_pb.OutboxStatus(
+            name=self.name,
+            schema=self.outbox.schema_,
+            pending=self.pending,
+            lag_seconds=self.lag_s,
+            relayed=self.relayed,
+            dead=self.dead,
+            last_error=self.last_error,
+        )

@@ -180,6 +180,7 @@ class ShardSnapshot(_message.Message):
     TERM_FIELD_NUMBER: _builtins.int
     STANDBYS_FIELD_NUMBER: _builtins.int
     ACTIVITY_FIELD_NUMBER: _builtins.int
+    OUTBOXES_FIELD_NUMBER: _builtins.int
     shard: _builtins.str
     number: _builtins.int
     leader: _builtins.str
@@ -202,6 +203,10 @@ class ShardSnapshot(_message.Message):
     def activity(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolActivity]:
         """The last minutes of each pool's activity, from the leader's memory (empty after a failover)."""
 
+    @_builtins.property
+    def outboxes(self) -> _containers.RepeatedCompositeFieldContainer[Global___OutboxStatus]:
+        """The outboxes ([[outboxes]]) this shard's leader relays, as its last step found them."""
+
     def __init__(
         self,
         *,
@@ -214,14 +219,59 @@ class ShardSnapshot(_message.Message):
         term: _builtins.int = ...,
         standbys: _abc.Iterable[_builtins.str] | None = ...,
         activity: _abc.Iterable[Global___PoolActivity] | None = ...,
+        outboxes: _abc.Iterable[Global___OutboxStatus] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["activity", b"activity", "leader", b"leader", "number", b"number", "pools", b"pools", "resources", b"resources", "shard", b"shard", "standbys", b"standbys", "term", b"term", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["activity", b"activity", "leader", b"leader", "number", b"number", "outboxes", b"outboxes", "pools", b"pools", "resources", b"resources", "shard", b"shard", "standbys", b"standbys", "term", b"term", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ShardSnapshot: _TypeAlias = ShardSnapshot  # noqa: Y015
+
+@_typing.final
+class OutboxStatus(_message.Message):
+    """An outbox as the leader's relay last saw it (the rows of this shard's pools)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SCHEMA_FIELD_NUMBER: _builtins.int
+    PENDING_FIELD_NUMBER: _builtins.int
+    LAG_SECONDS_FIELD_NUMBER: _builtins.int
+    RELAYED_FIELD_NUMBER: _builtins.int
+    DEAD_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Its name ([[outboxes]] name, or its schema)."""
+    schema: _builtins.str
+    pending: _builtins.int
+    """Rows waiting."""
+    lag_seconds: _builtins.float
+    """Age of the oldest row waiting, in seconds (0: none)."""
+    relayed: _builtins.int
+    """Rows relayed and rows moved to the dead table since this server began leading."""
+    dead: _builtins.int
+    last_error: _builtins.str
+    """Why the last step failed (empty: it did not); the relay retries every poll_interval."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        schema: _builtins.str = ...,
+        pending: _builtins.int = ...,
+        lag_seconds: _builtins.float = ...,
+        relayed: _builtins.int = ...,
+        dead: _builtins.int = ...,
+        last_error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "lag_seconds", b"lag_seconds", "last_error", b"last_error", "name", b"name", "pending", b"pending", "relayed", b"relayed", "schema", b"schema"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OutboxStatus: _TypeAlias = OutboxStatus  # noqa: Y015
 
 @_typing.final
 class PoolActivity(_message.Message):

@@ -373,7 +373,9 @@ type ShardSnapshot struct {
 	// standbys on SQLite wait on a file lock and are not seen).
 	Standbys []string `protobuf:"bytes,8,rep,name=standbys,proto3" json:"standbys,omitempty"`
 	// The last minutes of each pool's activity, from the leader's memory (empty after a failover).
-	Activity      []*PoolActivity `protobuf:"bytes,9,rep,name=activity,proto3" json:"activity,omitempty"`
+	Activity []*PoolActivity `protobuf:"bytes,9,rep,name=activity,proto3" json:"activity,omitempty"`
+	// The outboxes ([[outboxes]]) this shard's leader relays, as its last step found them.
+	Outboxes      []*OutboxStatus `protobuf:"bytes,10,rep,name=outboxes,proto3" json:"outboxes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -471,6 +473,111 @@ func (x *ShardSnapshot) GetActivity() []*PoolActivity {
 	return nil
 }
 
+func (x *ShardSnapshot) GetOutboxes() []*OutboxStatus {
+	if x != nil {
+		return x.Outboxes
+	}
+	return nil
+}
+
+// An outbox as the leader's relay last saw it (the rows of this shard's pools).
+type OutboxStatus struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Its name ([[outboxes]] name, or its schema).
+	Name   string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Schema string `protobuf:"bytes,2,opt,name=schema,proto3" json:"schema,omitempty"`
+	// Rows waiting.
+	Pending int64 `protobuf:"varint,3,opt,name=pending,proto3" json:"pending,omitempty"`
+	// Age of the oldest row waiting, in seconds (0: none).
+	LagSeconds float64 `protobuf:"fixed64,4,opt,name=lag_seconds,json=lagSeconds,proto3" json:"lag_seconds,omitempty"`
+	// Rows relayed and rows moved to the dead table since this server began leading.
+	Relayed int64 `protobuf:"varint,5,opt,name=relayed,proto3" json:"relayed,omitempty"`
+	Dead    int64 `protobuf:"varint,6,opt,name=dead,proto3" json:"dead,omitempty"`
+	// Why the last step failed (empty: it did not); the relay retries every poll_interval.
+	LastError     string `protobuf:"bytes,7,opt,name=last_error,json=lastError,proto3" json:"last_error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OutboxStatus) Reset() {
+	*x = OutboxStatus{}
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OutboxStatus) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OutboxStatus) ProtoMessage() {}
+
+func (x *OutboxStatus) ProtoReflect() protoreflect.Message {
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OutboxStatus.ProtoReflect.Descriptor instead.
+func (*OutboxStatus) Descriptor() ([]byte, []int) {
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *OutboxStatus) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *OutboxStatus) GetSchema() string {
+	if x != nil {
+		return x.Schema
+	}
+	return ""
+}
+
+func (x *OutboxStatus) GetPending() int64 {
+	if x != nil {
+		return x.Pending
+	}
+	return 0
+}
+
+func (x *OutboxStatus) GetLagSeconds() float64 {
+	if x != nil {
+		return x.LagSeconds
+	}
+	return 0
+}
+
+func (x *OutboxStatus) GetRelayed() int64 {
+	if x != nil {
+		return x.Relayed
+	}
+	return 0
+}
+
+func (x *OutboxStatus) GetDead() int64 {
+	if x != nil {
+		return x.Dead
+	}
+	return 0
+}
+
+func (x *OutboxStatus) GetLastError() string {
+	if x != nil {
+		return x.LastError
+	}
+	return ""
+}
+
 // One pool's activity in fixed buckets, oldest first: the i-th value of each list is the bucket
 // that starts at start_unix_ms + i * bucket_ms (the last one is still filling).
 type PoolActivity struct {
@@ -492,7 +599,7 @@ type PoolActivity struct {
 
 func (x *PoolActivity) Reset() {
 	*x = PoolActivity{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[4]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -504,7 +611,7 @@ func (x *PoolActivity) String() string {
 func (*PoolActivity) ProtoMessage() {}
 
 func (x *PoolActivity) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[4]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -517,7 +624,7 @@ func (x *PoolActivity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolActivity.ProtoReflect.Descriptor instead.
 func (*PoolActivity) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{4}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *PoolActivity) GetPool() string {
@@ -592,7 +699,7 @@ type PausePoolRequest struct {
 
 func (x *PausePoolRequest) Reset() {
 	*x = PausePoolRequest{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[5]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -604,7 +711,7 @@ func (x *PausePoolRequest) String() string {
 func (*PausePoolRequest) ProtoMessage() {}
 
 func (x *PausePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[5]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -617,7 +724,7 @@ func (x *PausePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PausePoolRequest.ProtoReflect.Descriptor instead.
 func (*PausePoolRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{5}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *PausePoolRequest) GetPool() string {
@@ -636,7 +743,7 @@ type PausePoolResponse struct {
 
 func (x *PausePoolResponse) Reset() {
 	*x = PausePoolResponse{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[6]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -648,7 +755,7 @@ func (x *PausePoolResponse) String() string {
 func (*PausePoolResponse) ProtoMessage() {}
 
 func (x *PausePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[6]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -661,7 +768,7 @@ func (x *PausePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PausePoolResponse.ProtoReflect.Descriptor instead.
 func (*PausePoolResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{6}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *PausePoolResponse) GetPause() *PoolPause {
@@ -680,7 +787,7 @@ type ResumePoolRequest struct {
 
 func (x *ResumePoolRequest) Reset() {
 	*x = ResumePoolRequest{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[7]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -692,7 +799,7 @@ func (x *ResumePoolRequest) String() string {
 func (*ResumePoolRequest) ProtoMessage() {}
 
 func (x *ResumePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[7]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -705,7 +812,7 @@ func (x *ResumePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumePoolRequest.ProtoReflect.Descriptor instead.
 func (*ResumePoolRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{7}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *ResumePoolRequest) GetPool() string {
@@ -724,7 +831,7 @@ type ResumePoolResponse struct {
 
 func (x *ResumePoolResponse) Reset() {
 	*x = ResumePoolResponse{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[8]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -736,7 +843,7 @@ func (x *ResumePoolResponse) String() string {
 func (*ResumePoolResponse) ProtoMessage() {}
 
 func (x *ResumePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[8]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -749,7 +856,7 @@ func (x *ResumePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumePoolResponse.ProtoReflect.Descriptor instead.
 func (*ResumePoolResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{8}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ResumePoolResponse) GetPause() *PoolPause {
@@ -774,7 +881,7 @@ type PoolPause struct {
 
 func (x *PoolPause) Reset() {
 	*x = PoolPause{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[9]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -786,7 +893,7 @@ func (x *PoolPause) String() string {
 func (*PoolPause) ProtoMessage() {}
 
 func (x *PoolPause) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[9]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -799,7 +906,7 @@ func (x *PoolPause) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolPause.ProtoReflect.Descriptor instead.
 func (*PoolPause) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{9}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *PoolPause) GetPool() string {
@@ -838,7 +945,7 @@ type GetSnapshotRequest struct {
 
 func (x *GetSnapshotRequest) Reset() {
 	*x = GetSnapshotRequest{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[10]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -850,7 +957,7 @@ func (x *GetSnapshotRequest) String() string {
 func (*GetSnapshotRequest) ProtoMessage() {}
 
 func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[10]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -863,7 +970,7 @@ func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*GetSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{10}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{11}
 }
 
 type GetSnapshotResponse struct {
@@ -876,7 +983,7 @@ type GetSnapshotResponse struct {
 
 func (x *GetSnapshotResponse) Reset() {
 	*x = GetSnapshotResponse{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[11]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -888,7 +995,7 @@ func (x *GetSnapshotResponse) String() string {
 func (*GetSnapshotResponse) ProtoMessage() {}
 
 func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[11]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -901,7 +1008,7 @@ func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*GetSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{11}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *GetSnapshotResponse) GetShards() []*ShardSnapshot {
@@ -926,7 +1033,7 @@ type GetServerInfoRequest struct {
 
 func (x *GetServerInfoRequest) Reset() {
 	*x = GetServerInfoRequest{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[12]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -938,7 +1045,7 @@ func (x *GetServerInfoRequest) String() string {
 func (*GetServerInfoRequest) ProtoMessage() {}
 
 func (x *GetServerInfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[12]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -951,7 +1058,7 @@ func (x *GetServerInfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetServerInfoRequest.ProtoReflect.Descriptor instead.
 func (*GetServerInfoRequest) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{12}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{13}
 }
 
 type GetServerInfoResponse struct {
@@ -975,7 +1082,7 @@ type GetServerInfoResponse struct {
 
 func (x *GetServerInfoResponse) Reset() {
 	*x = GetServerInfoResponse{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[13]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -987,7 +1094,7 @@ func (x *GetServerInfoResponse) String() string {
 func (*GetServerInfoResponse) ProtoMessage() {}
 
 func (x *GetServerInfoResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[13]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1000,7 +1107,7 @@ func (x *GetServerInfoResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetServerInfoResponse.ProtoReflect.Descriptor instead.
 func (*GetServerInfoResponse) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{13}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *GetServerInfoResponse) GetVersion() string {
@@ -1080,7 +1187,7 @@ type Caller struct {
 
 func (x *Caller) Reset() {
 	*x = Caller{}
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[14]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1092,7 +1199,7 @@ func (x *Caller) String() string {
 func (*Caller) ProtoMessage() {}
 
 func (x *Caller) ProtoReflect() protoreflect.Message {
-	mi := &file_cronoq_v1_admin_service_proto_msgTypes[14]
+	mi := &file_cronoq_v1_admin_service_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1105,7 +1212,7 @@ func (x *Caller) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Caller.ProtoReflect.Descriptor instead.
 func (*Caller) Descriptor() ([]byte, []int) {
-	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{14}
+	return file_cronoq_v1_admin_service_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Caller) GetName() string {
@@ -1166,7 +1273,7 @@ const file_cronoq_v1_admin_service_proto_rawDesc = "" +
 	"\x05burst\x18\x05 \x01(\x03R\x05burst\x12\x17\n" +
 	"\aper_key\x18\x06 \x01(\bR\x06perKey\x12\x12\n" +
 	"\x04keys\x18\a \x01(\x03R\x04keys\x12\"\n" +
-	"\rkeys_at_limit\x18\b \x03(\tR\vkeysAtLimit\"\xcc\x02\n" +
+	"\rkeys_at_limit\x18\b \x03(\tR\vkeysAtLimit\"\x81\x03\n" +
 	"\rShardSnapshot\x12\x14\n" +
 	"\x05shard\x18\x01 \x01(\tR\x05shard\x12\x16\n" +
 	"\x06number\x18\x02 \x01(\rR\x06number\x12\x16\n" +
@@ -1176,7 +1283,19 @@ const file_cronoq_v1_admin_service_proto_rawDesc = "" +
 	"\aworkers\x18\x06 \x03(\v2\x11.cronoq.v1.WorkerR\aworkers\x12\x12\n" +
 	"\x04term\x18\a \x01(\x04R\x04term\x12\x1a\n" +
 	"\bstandbys\x18\b \x03(\tR\bstandbys\x123\n" +
-	"\bactivity\x18\t \x03(\v2\x17.cronoq.v1.PoolActivityR\bactivity\"\xb3\x02\n" +
+	"\bactivity\x18\t \x03(\v2\x17.cronoq.v1.PoolActivityR\bactivity\x123\n" +
+	"\boutboxes\x18\n" +
+	" \x03(\v2\x17.cronoq.v1.OutboxStatusR\boutboxes\"\xc2\x01\n" +
+	"\fOutboxStatus\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
+	"\x06schema\x18\x02 \x01(\tR\x06schema\x12\x18\n" +
+	"\apending\x18\x03 \x01(\x03R\apending\x12\x1f\n" +
+	"\vlag_seconds\x18\x04 \x01(\x01R\n" +
+	"lagSeconds\x12\x18\n" +
+	"\arelayed\x18\x05 \x01(\x03R\arelayed\x12\x12\n" +
+	"\x04dead\x18\x06 \x01(\x03R\x04dead\x12\x1d\n" +
+	"\n" +
+	"last_error\x18\a \x01(\tR\tlastError\"\xb3\x02\n" +
 	"\fPoolActivity\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\"\n" +
 	"\rstart_unix_ms\x18\x02 \x01(\x03R\vstartUnixMs\x12\x1b\n" +
@@ -1248,52 +1367,54 @@ func file_cronoq_v1_admin_service_proto_rawDescGZIP() []byte {
 }
 
 var file_cronoq_v1_admin_service_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_cronoq_v1_admin_service_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
+var file_cronoq_v1_admin_service_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
 var file_cronoq_v1_admin_service_proto_goTypes = []any{
 	(Role)(0),                     // 0: cronoq.v1.Role
 	(*PoolCounts)(nil),            // 1: cronoq.v1.PoolCounts
 	(*GroupCounts)(nil),           // 2: cronoq.v1.GroupCounts
 	(*ResourceUsage)(nil),         // 3: cronoq.v1.ResourceUsage
 	(*ShardSnapshot)(nil),         // 4: cronoq.v1.ShardSnapshot
-	(*PoolActivity)(nil),          // 5: cronoq.v1.PoolActivity
-	(*PausePoolRequest)(nil),      // 6: cronoq.v1.PausePoolRequest
-	(*PausePoolResponse)(nil),     // 7: cronoq.v1.PausePoolResponse
-	(*ResumePoolRequest)(nil),     // 8: cronoq.v1.ResumePoolRequest
-	(*ResumePoolResponse)(nil),    // 9: cronoq.v1.ResumePoolResponse
-	(*PoolPause)(nil),             // 10: cronoq.v1.PoolPause
-	(*GetSnapshotRequest)(nil),    // 11: cronoq.v1.GetSnapshotRequest
-	(*GetSnapshotResponse)(nil),   // 12: cronoq.v1.GetSnapshotResponse
-	(*GetServerInfoRequest)(nil),  // 13: cronoq.v1.GetServerInfoRequest
-	(*GetServerInfoResponse)(nil), // 14: cronoq.v1.GetServerInfoResponse
-	(*Caller)(nil),                // 15: cronoq.v1.Caller
-	(*Worker)(nil),                // 16: cronoq.v1.Worker
-	(*timestamppb.Timestamp)(nil), // 17: google.protobuf.Timestamp
+	(*OutboxStatus)(nil),          // 5: cronoq.v1.OutboxStatus
+	(*PoolActivity)(nil),          // 6: cronoq.v1.PoolActivity
+	(*PausePoolRequest)(nil),      // 7: cronoq.v1.PausePoolRequest
+	(*PausePoolResponse)(nil),     // 8: cronoq.v1.PausePoolResponse
+	(*ResumePoolRequest)(nil),     // 9: cronoq.v1.ResumePoolRequest
+	(*ResumePoolResponse)(nil),    // 10: cronoq.v1.ResumePoolResponse
+	(*PoolPause)(nil),             // 11: cronoq.v1.PoolPause
+	(*GetSnapshotRequest)(nil),    // 12: cronoq.v1.GetSnapshotRequest
+	(*GetSnapshotResponse)(nil),   // 13: cronoq.v1.GetSnapshotResponse
+	(*GetServerInfoRequest)(nil),  // 14: cronoq.v1.GetServerInfoRequest
+	(*GetServerInfoResponse)(nil), // 15: cronoq.v1.GetServerInfoResponse
+	(*Caller)(nil),                // 16: cronoq.v1.Caller
+	(*Worker)(nil),                // 17: cronoq.v1.Worker
+	(*timestamppb.Timestamp)(nil), // 18: google.protobuf.Timestamp
 }
 var file_cronoq_v1_admin_service_proto_depIdxs = []int32{
 	2,  // 0: cronoq.v1.PoolCounts.groups:type_name -> cronoq.v1.GroupCounts
 	1,  // 1: cronoq.v1.ShardSnapshot.pools:type_name -> cronoq.v1.PoolCounts
 	3,  // 2: cronoq.v1.ShardSnapshot.resources:type_name -> cronoq.v1.ResourceUsage
-	16, // 3: cronoq.v1.ShardSnapshot.workers:type_name -> cronoq.v1.Worker
-	5,  // 4: cronoq.v1.ShardSnapshot.activity:type_name -> cronoq.v1.PoolActivity
-	10, // 5: cronoq.v1.PausePoolResponse.pause:type_name -> cronoq.v1.PoolPause
-	10, // 6: cronoq.v1.ResumePoolResponse.pause:type_name -> cronoq.v1.PoolPause
-	17, // 7: cronoq.v1.PoolPause.paused_at:type_name -> google.protobuf.Timestamp
-	4,  // 8: cronoq.v1.GetSnapshotResponse.shards:type_name -> cronoq.v1.ShardSnapshot
-	0,  // 9: cronoq.v1.GetServerInfoResponse.role:type_name -> cronoq.v1.Role
-	15, // 10: cronoq.v1.GetServerInfoResponse.caller:type_name -> cronoq.v1.Caller
-	11, // 11: cronoq.v1.AdminService.GetSnapshot:input_type -> cronoq.v1.GetSnapshotRequest
-	6,  // 12: cronoq.v1.AdminService.PausePool:input_type -> cronoq.v1.PausePoolRequest
-	8,  // 13: cronoq.v1.AdminService.ResumePool:input_type -> cronoq.v1.ResumePoolRequest
-	13, // 14: cronoq.v1.AdminService.GetServerInfo:input_type -> cronoq.v1.GetServerInfoRequest
-	12, // 15: cronoq.v1.AdminService.GetSnapshot:output_type -> cronoq.v1.GetSnapshotResponse
-	7,  // 16: cronoq.v1.AdminService.PausePool:output_type -> cronoq.v1.PausePoolResponse
-	9,  // 17: cronoq.v1.AdminService.ResumePool:output_type -> cronoq.v1.ResumePoolResponse
-	14, // 18: cronoq.v1.AdminService.GetServerInfo:output_type -> cronoq.v1.GetServerInfoResponse
-	15, // [15:19] is the sub-list for method output_type
-	11, // [11:15] is the sub-list for method input_type
-	11, // [11:11] is the sub-list for extension type_name
-	11, // [11:11] is the sub-list for extension extendee
-	0,  // [0:11] is the sub-list for field type_name
+	17, // 3: cronoq.v1.ShardSnapshot.workers:type_name -> cronoq.v1.Worker
+	6,  // 4: cronoq.v1.ShardSnapshot.activity:type_name -> cronoq.v1.PoolActivity
+	5,  // 5: cronoq.v1.ShardSnapshot.outboxes:type_name -> cronoq.v1.OutboxStatus
+	11, // 6: cronoq.v1.PausePoolResponse.pause:type_name -> cronoq.v1.PoolPause
+	11, // 7: cronoq.v1.ResumePoolResponse.pause:type_name -> cronoq.v1.PoolPause
+	18, // 8: cronoq.v1.PoolPause.paused_at:type_name -> google.protobuf.Timestamp
+	4,  // 9: cronoq.v1.GetSnapshotResponse.shards:type_name -> cronoq.v1.ShardSnapshot
+	0,  // 10: cronoq.v1.GetServerInfoResponse.role:type_name -> cronoq.v1.Role
+	16, // 11: cronoq.v1.GetServerInfoResponse.caller:type_name -> cronoq.v1.Caller
+	12, // 12: cronoq.v1.AdminService.GetSnapshot:input_type -> cronoq.v1.GetSnapshotRequest
+	7,  // 13: cronoq.v1.AdminService.PausePool:input_type -> cronoq.v1.PausePoolRequest
+	9,  // 14: cronoq.v1.AdminService.ResumePool:input_type -> cronoq.v1.ResumePoolRequest
+	14, // 15: cronoq.v1.AdminService.GetServerInfo:input_type -> cronoq.v1.GetServerInfoRequest
+	13, // 16: cronoq.v1.AdminService.GetSnapshot:output_type -> cronoq.v1.GetSnapshotResponse
+	8,  // 17: cronoq.v1.AdminService.PausePool:output_type -> cronoq.v1.PausePoolResponse
+	10, // 18: cronoq.v1.AdminService.ResumePool:output_type -> cronoq.v1.ResumePoolResponse
+	15, // 19: cronoq.v1.AdminService.GetServerInfo:output_type -> cronoq.v1.GetServerInfoResponse
+	16, // [16:20] is the sub-list for method output_type
+	12, // [12:16] is the sub-list for method input_type
+	12, // [12:12] is the sub-list for extension type_name
+	12, // [12:12] is the sub-list for extension extendee
+	0,  // [0:12] is the sub-list for field type_name
 }
 
 func init() { file_cronoq_v1_admin_service_proto_init() }
@@ -1309,7 +1430,7 @@ func file_cronoq_v1_admin_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cronoq_v1_admin_service_proto_rawDesc), len(file_cronoq_v1_admin_service_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   15,
+			NumMessages:   16,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

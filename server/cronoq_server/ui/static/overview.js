@@ -99,6 +99,17 @@ export function shardTitle(name, number) {
   return name === "unsharded" ? "Single server" : `Shard ${name} #${number ?? 0}`;
 }
 
+function outboxRows(shard) {
+  return (shard.outboxes || []).map((o) => [
+    o.name,
+    o.pending,
+    `${Number(o.lag_seconds).toFixed(3)} s`,
+    o.relayed,
+    o.dead,
+    o.last_error || "",
+  ]);
+}
+
 function shardCard(shard, who, status) {
   const standbys = (shard.standbys || []).length ? shard.standbys.join(", ") : "none seen";
   const term = Number(shard.term) ? ` · term ${shard.term}` : ""; // 0 on SQLite: nothing to tell
@@ -111,6 +122,10 @@ function shardCard(shard, who, status) {
     (shard.pools || []).map(groupsOf),
     (shard.resources || []).length
       ? [h("h3", null, "Resources"), resourceTable(shard)]
+      : null,
+    (shard.outboxes || []).length
+      ? [h("h3", null, "Outboxes"),
+        table(["outbox", "waiting", "lag", "relayed", "dead", "last error"], outboxRows(shard), { class: "outboxes" })]
       : null,
     h("h3", null, "Workers"),
     (shard.workers || []).length

@@ -126,6 +126,24 @@ export interface ShardSnapshot {
   standbys: string[];
   /** The last minutes of each pool's activity, from the leader's memory (empty after a failover). */
   activity: PoolActivity[];
+  /** The outboxes ([[outboxes]]) this shard's leader relays, as its last step found them. */
+  outboxes: OutboxStatus[];
+}
+
+/** An outbox as the leader's relay last saw it (the rows of this shard's pools). */
+export interface OutboxStatus {
+  /** Its name ([[outboxes]] name, or its schema). */
+  name: string;
+  schema: string;
+  /** Rows waiting. */
+  pending: bigint;
+  /** Age of the oldest row waiting, in seconds (0: none). */
+  lagSeconds: number;
+  /** Rows relayed and rows moved to the dead table since this server began leading. */
+  relayed: bigint;
+  dead: bigint;
+  /** Why the last step failed (empty: it did not); the relay retries every poll_interval. */
+  lastError: string;
 }
 
 /**
@@ -783,6 +801,7 @@ function createBaseShardSnapshot(): ShardSnapshot {
     term: 0n,
     standbys: [],
     activity: [],
+    outboxes: [],
   };
 }
 
@@ -817,6 +836,9 @@ export const ShardSnapshot: MessageFns<ShardSnapshot> = {
     }
     for (const v of message.activity) {
       PoolActivity.encode(v!, writer.uint32(74).fork()).join();
+    }
+    for (const v of message.outboxes) {
+      OutboxStatus.encode(v!, writer.uint32(82).fork()).join();
     }
     return writer;
   },
@@ -906,6 +928,14 @@ export const ShardSnapshot: MessageFns<ShardSnapshot> = {
             message.activity.push(PoolActivity.decode(reader, reader.uint32()));
             continue;
           }
+          case 10: {
+            if (tag !== 82) {
+              break;
+            }
+
+            message.outboxes.push(OutboxStatus.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -932,6 +962,9 @@ export const ShardSnapshot: MessageFns<ShardSnapshot> = {
       standbys: globalThis.Array.isArray(object?.standbys) ? object.standbys.map((e: any) => globalThis.String(e)) : [],
       activity: globalThis.Array.isArray(object?.activity)
         ? object.activity.map((e: any) => PoolActivity.fromJSON(e))
+        : [],
+      outboxes: globalThis.Array.isArray(object?.outboxes)
+        ? object.outboxes.map((e: any) => OutboxStatus.fromJSON(e))
         : [],
     };
   },
@@ -965,6 +998,9 @@ export const ShardSnapshot: MessageFns<ShardSnapshot> = {
     if (message.activity?.length) {
       obj.activity = message.activity.map((e) => PoolActivity.toJSON(e));
     }
+    if (message.outboxes?.length) {
+      obj.outboxes = message.outboxes.map((e) => OutboxStatus.toJSON(e));
+    }
     return obj;
   },
 
@@ -982,6 +1018,189 @@ export const ShardSnapshot: MessageFns<ShardSnapshot> = {
     message.term = (object.term !== undefined && object.term !== null) ? BigInt(object.term) : 0n;
     message.standbys = object.standbys?.map((e) => e) || [];
     message.activity = object.activity?.map((e) => PoolActivity.fromPartial(e)) || [];
+    message.outboxes = object.outboxes?.map((e) => OutboxStatus.fromPartial(e)) || [];
+    return message;
+  },
+};
+
+function createBaseOutboxStatus(): OutboxStatus {
+  return { name: "", schema: "", pending: 0n, lagSeconds: 0, relayed: 0n, dead: 0n, lastError: "" };
+}
+
+export const OutboxStatus: MessageFns<OutboxStatus> = {
+  encode(message: OutboxStatus, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.name !== "") {
+      writer.uint32(10).string(message.name);
+    }
+    if (message.schema !== "") {
+      writer.uint32(18).string(message.schema);
+    }
+    if (message.pending !== 0n) {
+      if (BigInt.asIntN(64, message.pending) !== message.pending) {
+        throw new globalThis.Error("value provided for field message.pending of type int64 too large");
+      }
+      writer.uint32(24).int64(message.pending);
+    }
+    if (message.lagSeconds !== 0) {
+      writer.uint32(33).double(message.lagSeconds);
+    }
+    if (message.relayed !== 0n) {
+      if (BigInt.asIntN(64, message.relayed) !== message.relayed) {
+        throw new globalThis.Error("value provided for field message.relayed of type int64 too large");
+      }
+      writer.uint32(40).int64(message.relayed);
+    }
+    if (message.dead !== 0n) {
+      if (BigInt.asIntN(64, message.dead) !== message.dead) {
+        throw new globalThis.Error("value provided for field message.dead of type int64 too large");
+      }
+      writer.uint32(48).int64(message.dead);
+    }
+    if (message.lastError !== "") {
+      writer.uint32(58).string(message.lastError);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): OutboxStatus {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseOutboxStatus();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.schema = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.pending = reader.int64() as bigint;
+            continue;
+          }
+          case 4: {
+            if (tag !== 33) {
+              break;
+            }
+
+            message.lagSeconds = reader.double();
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.relayed = reader.int64() as bigint;
+            continue;
+          }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.dead = reader.int64() as bigint;
+            continue;
+          }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.lastError = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): OutboxStatus {
+    return {
+      name: isSet(object.name) ? globalThis.String(object.name) : "",
+      schema: isSet(object.schema) ? globalThis.String(object.schema) : "",
+      pending: isSet(object.pending) ? BigInt(object.pending) : 0n,
+      lagSeconds: isSet(object.lagSeconds)
+        ? globalThis.Number(object.lagSeconds)
+        : isSet(object.lag_seconds)
+        ? globalThis.Number(object.lag_seconds)
+        : 0,
+      relayed: isSet(object.relayed) ? BigInt(object.relayed) : 0n,
+      dead: isSet(object.dead) ? BigInt(object.dead) : 0n,
+      lastError: isSet(object.lastError)
+        ? globalThis.String(object.lastError)
+        : isSet(object.last_error)
+        ? globalThis.String(object.last_error)
+        : "",
+    };
+  },
+
+  toJSON(message: OutboxStatus): unknown {
+    const obj: any = {};
+    if (message.name !== "") {
+      obj.name = message.name;
+    }
+    if (message.schema !== "") {
+      obj.schema = message.schema;
+    }
+    if (message.pending !== 0n) {
+      obj.pending = message.pending.toString();
+    }
+    if (message.lagSeconds !== 0) {
+      obj.lagSeconds = floatToJson(message.lagSeconds);
+    }
+    if (message.relayed !== 0n) {
+      obj.relayed = message.relayed.toString();
+    }
+    if (message.dead !== 0n) {
+      obj.dead = message.dead.toString();
+    }
+    if (message.lastError !== "") {
+      obj.lastError = message.lastError;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<OutboxStatus>, I>>(base?: I): OutboxStatus {
+    return OutboxStatus.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<OutboxStatus>, I>>(object: I): OutboxStatus {
+    const message = createBaseOutboxStatus();
+    message.name = object.name ?? "";
+    message.schema = object.schema ?? "";
+    message.pending = (object.pending !== undefined && object.pending !== null) ? BigInt(object.pending) : 0n;
+    message.lagSeconds = object.lagSeconds ?? 0;
+    message.relayed = (object.relayed !== undefined && object.relayed !== null) ? BigInt(object.relayed) : 0n;
+    message.dead = (object.dead !== undefined && object.dead !== null) ? BigInt(object.dead) : 0n;
+    message.lastError = object.lastError ?? "";
     return message;
   },
 };
