@@ -4,7 +4,8 @@
 
 For each case it starts the scripted servers the case's roles need (conformance/scripted.py:
 on loopback, and in a network namespace for roles on another host) or real cronoq-server
-processes (`deployment`), hands the driver the case's input, then compares what the driver
+processes (`deployment`; "outbox" also a real PostgreSQL as the application's database),
+hands the driver the case's input, then compares what the driver
 observed and what the servers recorded with the case's `expect`. Prints a table case × SDK
 and exits 1 on any failure. The case format and the driver protocol: conformance/README.md.
 """
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import ServerProcess  # type: ignore[import-not-found]  # noqa: E402
 from netns import NetNs  # type: ignore[import-not-found]  # noqa: E402
+from pgserver import TempPostgres, start_temp_postgres  # type: ignore[import-not-found]  # noqa: E402
 from ports import free_port  # type: ignore[import-not-found]  # noqa: E402
 from tls_pki import Pki  # type: ignore[import-not-found]  # noqa: E402
 
@@ -60,7 +63,7 @@ BUILDS: dict[str, list[str]] = {
         "--release",
         "--locked",
         "--features",
-        "otel",  # the driver's submit step runs in a trace context
+        "otel,outbox",  # the driver's submit step runs in a trace context; outbox_enqueue uses tokio-postgres
         "--manifest-path",
         "sdk-rust/Cargo.toml",
         "--example",
@@ -199,6 +202,35 @@ def two_shards(workdir: Path) -> Iterator[dict[str, str]]:
         for server in servers:
             if server.proc is not None:
                 server.stop()
+
+
+@contextmanager
+def outbox_deployment(workdir: Path, postgres: TempPostgres) -> Iterator[tuple[dict[str, str], dict[str, str]]]:
+    """One real server (pool default, SQLite store) relaying the outbox of a fresh schema of the
+    run's PostgreSQL, the application's database; yields its URL and the driver's database input."""
+    schema = f"conformance_{uuid.uuid4().hex[:10]}"  # a fresh outbox per case: nothing left from another
+    install = [sys.executable, "-m", "cronoq.cli", "outbox", "install", "--url", postgres.url, "--schema", schema]
+    subprocess.run(install, capture_output=True, text=True, timeout=60, check=True)
+    config: dict[str, Any] = {
+        "pools": [{"name": "default"}],
+        "store": {"path": str(workdir / "cronoq.db")},
+        "tokens": [
+            {
+                "name": "conformance",
+                "sha256": hashlib.sha256(TOKEN.encode()).hexdigest(),
+                "pools": ["*"],
+                "permissions": ["submit", "read", "cancel", "work", "admin"],
+            }
+        ],
+        "outboxes": [{"url": postgres.url, "schema": schema, "pools": ["default"], "notify": True}],
+    }
+    server = ServerProcess(workdir, config, None, "server")
+    try:
+        server.start()
+        yield {"server": server.endpoint}, {"database_url": postgres.url, "outbox_schema": schema}
+    finally:
+        if server.proc is not None:
+            server.stop()
 
 
 # -- expectations ------------------------------------------------------------
@@ -377,14 +409,21 @@ class Outcome:
     seconds: float
 
 
-def run_case(case: dict[str, Any], sdk: str, pkis: Pkis, netns: NetNs | None, verbose: bool) -> Outcome:
+def run_case(
+    case: dict[str, Any], sdk: str, pkis: Pkis, netns: NetNs | None, postgres: TempPostgres | None, verbose: bool
+) -> Outcome:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"conformance-{sdk}-") as tmp, ExitStack() as stack:
         workdir = Path(tmp)
         roles: dict[str, dict[str, Any]] = case.get("roles", {})
         urls: dict[str, str] = {}
+        database: dict[str, str] = {}
         if case.get("deployment") == "two_shards":
             urls = stack.enter_context(two_shards(workdir))
+        elif case.get("deployment") == "outbox":
+            if postgres is None:
+                raise RuntimeError("an outbox case needs the run's PostgreSQL")
+            urls, database = stack.enter_context(outbox_deployment(workdir, postgres))
         hosts: dict[str, str] = {}
         for name, role in roles.items():
             remote = role.get("host") == "remote"
@@ -446,6 +485,7 @@ def run_case(case: dict[str, Any], sdk: str, pkis: Pkis, netns: NetNs | None, ve
                 "timeout_ms": sdk_opts.get("timeout_ms", 5000),
                 "keepalive": sdk_opts.get("keepalive"),
                 "steps": substitute(case["steps"], urls),
+                **database,
             }
             observed, problems = run_driver(sdk, driver_input, workdir, verbose)
         finally:
@@ -523,10 +563,18 @@ def main() -> int:
         hosts = ("127.0.0.1", "localhost", *([netns.peer_ip] if netns else []))
         pkis = Pkis(Pki(Path(tmp), "ca"), Pki(Path(tmp), "unknown-ca"), hosts)
         pkis.client = pkis.trusted.client(CLIENT_SUBJECT, "worker")
+        postgres = None
+        if any(c.get("deployment") == "outbox" for c in cases):
+            try:
+                postgres = start_temp_postgres()  # the application's database: never skipped
+            except FileNotFoundError as err:
+                print(f"conformance: the outbox cases need PostgreSQL: {err}", file=sys.stderr)
+                return 1
+            stack.callback(postgres.cleanup)
         for case in cases:
             for sdk in sdks:
                 try:
-                    outcome = run_case(case, sdk, pkis, netns, args.verbose)
+                    outcome = run_case(case, sdk, pkis, netns, postgres, args.verbose)
                 except Exception as err:
                     outcome = Outcome(False, [f"the runner failed: {type(err).__name__}: {err}"], 0.0)
                 results[(case["name"], sdk)] = outcome

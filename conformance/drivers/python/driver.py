@@ -7,14 +7,17 @@ import asyncio
 import base64
 import json
 import sys
+import time
 from typing import Any
 
+import asyncpg
 from google.protobuf import json_format
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 import cronoq
+import cronoq.outbox
 from cronoq.errors import RedirectRefused, TlsError, TooManyRedirects
 
 # The SDK's errors that are more than their gRPC code, by the protocol's kind names.
@@ -237,6 +240,40 @@ def attempt_of(attempt: cronoq.Attempt) -> dict[str, Any]:
     return {"attempt": attempt.attempt, "outcome": cronoq.AttemptOutcome.Name(attempt.outcome), "error": attempt.error}
 
 
+class RollBack(Exception):
+    """Raised in the transaction to roll it back (asyncpg's context manager's way)."""
+
+
+async def outbox_enqueue(client: cronoq.Client, case: dict[str, Any], step: dict[str, Any]) -> dict[str, Any]:
+    """Enqueues one task with the outbox helper in a transaction of the application's database,
+    commits or rolls it back; with relay_within_ms, looks the task up by key until it exists."""
+    try:
+        conn = await asyncpg.connect(case["database_url"])
+        try:
+            async with conn.transaction():
+                row_id = await cronoq.outbox.enqueue(
+                    conn, step["pool"], step.get("payload"), key=step.get("key"), schema=case["outbox_schema"]
+                )
+                if not step.get("commit"):
+                    raise RollBack
+        except RollBack:
+            pass
+        finally:
+            await conn.close()
+        committed = time.monotonic()
+        relayed, within = False, step.get("relay_within_ms", 0) / 1000
+        while within and not relayed and time.monotonic() - committed < within:
+            try:
+                await client.get(step["key"])
+                relayed = True
+            except cronoq.errors.NotFound:
+                await asyncio.sleep(0.005)
+        relay_ms = (time.monotonic() - committed) * 1000 if within else 0
+        return {"id": str(row_id), "relayed": relayed, "relay_ms": relay_ms, "error": None}
+    except Exception as err:
+        return {"error": error_of(err)}
+
+
 async def run_client_step(client: cronoq.Client, step: dict[str, Any]) -> dict[str, Any]:
     op = step["op"]
     extra: dict[str, Any] = {}
@@ -318,6 +355,8 @@ async def main() -> None:
         for step in case["steps"]:
             if step["op"] == "worker":
                 result = await run_worker(case, step)
+            elif step["op"] == "outbox_enqueue":
+                result = await outbox_enqueue(client, case, step)
             else:
                 result = await run_client_step(client, step)
             results.append({"op": step["op"], **result})
