@@ -310,3 +310,15 @@ def test_sigkill_the_leader_mid_relay_of_5000_rows(start_server: Any, postgres: 
     eventually(lambda: pending() == 0, timeout=60, interval=0.2, what="the outbox emptied")
     keys = task_keys(servers[1])
     assert len(keys) == total and set(keys) == {f"k-{i}" for i in range(total)}
+
+
+def test_an_outbox_not_installed_is_a_warning_in_the_log_and_the_snapshot(start_server: Any, postgres: Any) -> None:
+    srv = start_server(outbox_config(postgres, "never_installed", poll_interval="100ms"))
+    eventually(lambda: "outbox never_installed:" in srv.log(), timeout=10, what="the warning")
+    assert "Traceback" not in srv.log()
+    status, snap = srv.http("GET", "/v1/snapshot")
+    assert (
+        status == 200
+        and 'relation "never_installed.cronoq_outbox_meta" does not exist'
+        in (snap["shards"][0]["outboxes"][0]["last_error"])
+    ), snap

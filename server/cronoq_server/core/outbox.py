@@ -33,6 +33,7 @@ from ..auth import Principal
 from ..config import Config, OutboxConfig
 from ..errors import ApiError
 from ..metrics import OUTBOX_DEAD, OUTBOX_LAG, OUTBOX_PENDING, OUTBOX_RELAYED
+from ..store.base import StoreUnavailable
 from .tasks import Tasks
 
 log = logging.getLogger("cronoq.outbox")
@@ -122,10 +123,12 @@ class OutboxRelay:
             taken = await self._relay(conn)
             await self._measure(conn)
             self.last_error = ""
-        except Exception as err:  # logged by the Periodic, shown in the snapshot until a step succeeds
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, RuntimeError) as err:
+            # The application's database away, the tables missing or too new: one warning a step
+            # (no traceback), shown in the snapshot until a step succeeds.
             self.last_error = str(err)
             await self.close()
-            raise
+            raise StoreUnavailable(f"outbox {self.name}: {err}") from None
         return 0.0 if taken >= self.outbox.batch else None
 
     async def _relay(self, conn: asyncpg.Connection) -> int:
