@@ -1,7 +1,8 @@
 // River anchor of cronoq's bench: the burn-down workload (N no-op jobs inserted in
 // batches, then drained by one client) run with River (https://riverqueue.com) on the
-// same PostgreSQL server as cronoq's bench. Built and run by bench/anchors.py; never
-// part of cronoq.
+// same PostgreSQL server as cronoq's bench, and with --workload outbox the jobs inserted
+// in the application's own transactions (outbox.go, for bench/outbox.py). Built and run by
+// bench/anchors.py; never part of cronoq.
 //
 //	go build -o river-bench . && ./river-bench --url postgres://... --jobs 20000 --max-workers 64
 //
@@ -68,6 +69,10 @@ type options struct {
 	fetchPollInterval time.Duration
 	keepDB            bool
 	timeout           time.Duration
+	workload          string
+	rate              int
+	seconds           float64
+	rounds            int
 }
 
 func logf(format string, args ...any) {
@@ -85,8 +90,16 @@ func main() {
 	flag.DurationVar(&o.fetchPollInterval, "fetch-poll-interval", 20*time.Millisecond, "Config.FetchPollInterval (River's default: 1s)")
 	flag.BoolVar(&o.keepDB, "keep-db", false, "do not drop the run's database afterwards")
 	flag.DurationVar(&o.timeout, "timeout", 10*time.Minute, "deadline of the whole run")
+	flag.StringVar(&o.workload, "workload", "burndown", "burndown, or outbox (bench/outbox.py's: InsertTx/InsertManyTx in pgx transactions, commit→start)")
+	flag.IntVar(&o.rate, "rate", 50, "outbox: transactions of one job per second in the commit→start run")
+	flag.Float64Var(&o.seconds, "seconds", 10, "outbox: seconds of the commit→start run")
+	flag.IntVar(&o.rounds, "rounds", 3, "outbox: rounds of each insert workload (the median is reported)")
 	flag.Parse()
-	if o.url == "" || o.jobs <= 0 || o.maxWorkers <= 0 || o.batch <= 0 {
+	if o.workload != "burndown" && o.workload != "outbox" {
+		flag.Usage()
+		os.Exit(2)
+	}
+	if o.url == "" || o.jobs <= 0 || o.maxWorkers <= 0 || o.batch <= 0 || o.rate <= 0 || o.rounds <= 0 {
 		flag.Usage()
 		os.Exit(2)
 	}
@@ -106,7 +119,7 @@ func main() {
 }
 
 func run(ctx context.Context, o options) (map[string]any, error) {
-	dbName := fmt.Sprintf("anchor_river_burndown_%d_%d", os.Getpid(), time.Now().UnixNano()%1_000_000)
+	dbName := fmt.Sprintf("anchor_river_%s_%d_%d", o.workload, os.Getpid(), time.Now().UnixNano()%1_000_000)
 	dbURL, err := withDatabase(o.url, dbName)
 	if err != nil {
 		return nil, err
@@ -125,27 +138,14 @@ func run(ctx context.Context, o options) (map[string]any, error) {
 			}
 		}()
 	}
-	pool, err := pgxpool.New(ctx, dbURL)
+	pool, driver, err := setUp(ctx, o, dbURL)
 	if err != nil {
 		return nil, err
 	}
 	defer pool.Close()
-	if _, err := pool.Exec(ctx, fmt.Sprintf(`CREATE SCHEMA "%s"`, o.schema)); err != nil {
-		return nil, fmt.Errorf("creating schema: %w", err)
+	if o.workload == "outbox" {
+		return runOutbox(ctx, o, pool, driver)
 	}
-	driver := riverpgxv5.New(pool)
-	migrator, err := rivermigrate.New(driver, &rivermigrate.Config{
-		Schema: o.schema,
-		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
-	})
-	if err != nil {
-		return nil, err
-	}
-	migrated, err := migrator.Migrate(ctx, rivermigrate.DirectionUp, nil)
-	if err != nil {
-		return nil, fmt.Errorf("migrating: %w", err)
-	}
-	logf("migrated up (%d migrations)", len(migrated.Versions))
 
 	var started, lastWorkAt atomic.Int64
 	workers := river.NewWorkers()
@@ -281,3 +281,33 @@ func riverVersion() string {
 
 func round(x float64) float64  { return float64(int64(x + 0.5)) }
 func round2(x float64) float64 { return float64(int64(x*100+0.5)) / 100 }
+
+// setUp connects to the run's database and installs River's tables in o.schema there.
+func setUp(ctx context.Context, o options, dbURL string) (_ *pgxpool.Pool, _ *riverpgxv5.Driver, err error) {
+	pool, err := pgxpool.New(ctx, dbURL)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer func() {
+		if err != nil {
+			pool.Close()
+		}
+	}()
+	if _, err := pool.Exec(ctx, fmt.Sprintf(`CREATE SCHEMA "%s"`, o.schema)); err != nil {
+		return nil, nil, fmt.Errorf("creating schema: %w", err)
+	}
+	driver := riverpgxv5.New(pool)
+	migrator, err := rivermigrate.New(driver, &rivermigrate.Config{
+		Schema: o.schema,
+		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	migrated, err := migrator.Migrate(ctx, rivermigrate.DirectionUp, nil)
+	if err != nil {
+		return nil, nil, fmt.Errorf("migrating: %w", err)
+	}
+	logf("migrated up (%d migrations)", len(migrated.Versions))
+	return pool, driver, nil
+}
