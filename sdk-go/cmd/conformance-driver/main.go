@@ -17,6 +17,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/protobuf/encoding/protojson"
@@ -24,6 +25,7 @@ import (
 
 	"github.com/cronoq/cronoq/sdk-go"
 	cronoqv1 "github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1"
+	"github.com/cronoq/cronoq/sdk-go/outbox"
 )
 
 func main() {
@@ -51,6 +53,9 @@ type input struct {
 		TimeoutMs int64 `json:"timeout_ms"`
 	} `json:"keepalive"`
 	Steps []step `json:"steps"`
+	// The outbox deployment: the application's PostgreSQL and the schema its outbox is in.
+	DatabaseURL  string `json:"database_url"`
+	OutboxSchema string `json:"outbox_schema"`
 }
 
 type step struct {
@@ -78,6 +83,9 @@ type step struct {
 	IncludeChildren          bool `json:"include_children"`
 	IncludeDependencyResults bool `json:"include_dependency_results"`
 	IncludeDescendants       bool `json:"include_descendants"`
+	// outbox_enqueue: commit (else roll back), then look the task up by key for this long.
+	Commit        bool  `json:"commit"`
+	RelayWithinMs int64 `json:"relay_within_ms"`
 }
 
 // dependsOn is one item of a depends_on: a key, a decimal id, or (in a spawn) the spawning task.
@@ -281,6 +289,8 @@ func clientStep(client *cronoq.Client, in *input, s step) result {
 		return result{"pool": p.GetPool(), "paused": p.GetPaused(), "error": nil}
 	case "bulk_cancel", "bulk_retry", "bulk_delete":
 		return bulkStep(ctx, client, s)
+	case "outbox_enqueue":
+		return outboxEnqueue(ctx, client, in, s)
 	}
 	ref, err := taskRef(s)
 	if err != nil {
@@ -364,6 +374,49 @@ func clientStep(client *cronoq.Client, in *input, s step) result {
 		out["result"] = value(task.GetResult(), task.GetResultContentType())
 	}
 	return out
+}
+
+// outboxEnqueue enqueues one task with the outbox helper in a pgx transaction of the
+// application's database, commits or rolls it back, and with relay_within_ms looks the task up
+// by key until it exists.
+func outboxEnqueue(ctx context.Context, client *cronoq.Client, in *input, s step) result {
+	conn, err := pgx.Connect(ctx, in.DatabaseURL)
+	if err != nil {
+		return result{"error": errorOf(err)}
+	}
+	defer func() { _ = conn.Close(ctx) }()
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		return result{"error": errorOf(err)}
+	}
+	defer func() { _ = tx.Rollback(ctx) }() // after Commit, a no-op
+	id, err := outbox.Enqueue(ctx, tx, cronoq.TaskSpec{Pool: s.Pool, Key: s.Key, Payload: s.Payload}, outbox.WithSchema(in.OutboxSchema))
+	if err != nil {
+		return result{"error": errorOf(err)}
+	}
+	if s.Commit {
+		err = tx.Commit(ctx)
+	} else {
+		err = tx.Rollback(ctx)
+	}
+	if err != nil {
+		return result{"error": errorOf(err)}
+	}
+	committed, relayed := time.Now(), false
+	for s.RelayWithinMs > 0 && !relayed && time.Since(committed) < ms(s.RelayWithinMs) {
+		if _, err := client.Get(ctx, cronoq.ByKey(s.Key)); err == nil {
+			relayed = true
+		} else if errors.Is(err, cronoq.ErrNotFound) {
+			time.Sleep(5 * time.Millisecond)
+		} else {
+			return result{"error": errorOf(err)}
+		}
+	}
+	relayMs := 0.0
+	if s.RelayWithinMs > 0 {
+		relayMs = float64(time.Since(committed).Microseconds()) / 1000
+	}
+	return result{"id": strconv.FormatInt(id, 10), "relayed": relayed, "relay_ms": relayMs, "error": nil}
 }
 
 // text is a checkpoint as UTF-8 text, nil when there is none.
