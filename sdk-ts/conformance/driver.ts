@@ -4,6 +4,7 @@
 import { context, defaultTextMapGetter, ROOT_CONTEXT, trace } from "@opentelemetry/api";
 import { AsyncLocalStorageContextManager } from "@opentelemetry/context-async-hooks";
 import { W3CTraceContextPropagator } from "@opentelemetry/core";
+import pg from "pg";
 import {
   attemptOutcomeToJSON,
   Client,
@@ -11,6 +12,7 @@ import {
   CronoqError,
   decodeDependencyResult,
   JSON_CONTENT_TYPE,
+  NotFoundError,
   decodePayload,
   decodeResult,
   nonRetryable,
@@ -33,6 +35,7 @@ import {
   type TaskFilter,
   type TaskRef,
 } from "../src/index.js";
+import { enqueue } from "../src/outbox.js";
 
 interface Input {
   case: string;
@@ -44,6 +47,9 @@ interface Input {
   timeout_ms?: number;
   keepalive?: { time_ms: number; timeout_ms: number } | null;
   steps: Step[];
+  /** The outbox deployment: the application's PostgreSQL and the schema its outbox is in. */
+  database_url?: string;
+  outbox_schema?: string;
 }
 
 interface Step {
@@ -70,6 +76,8 @@ interface Step {
   include_children?: boolean;
   include_dependency_results?: boolean;
   include_descendants?: boolean;
+  commit?: boolean;
+  relay_within_ms?: number;
 }
 
 /** A task named by a step's or a spawn's depends_on: its key, its id (decimal), or the spawning task. */
@@ -208,8 +216,45 @@ function gotResult(task: Task): Result {
   };
 }
 
-async function clientStep(client: Client, step: Step): Promise<Result> {
+/**
+ * Enqueues one task with the outbox helper in a node-postgres transaction of the application's
+ * database, commits or rolls it back; with relay_within_ms, looks the task up by key until it exists.
+ */
+async function outboxEnqueue(client: Client, input: Input, step: Step): Promise<Result> {
+  const db = new pg.Client({ connectionString: input.database_url });
+  await db.connect();
+  let id: bigint;
+  try {
+    await db.query("BEGIN");
+    try {
+      id = await enqueue(db, step.pool ?? "", step.payload, { key: step.key, schema: input.outbox_schema });
+    } catch (err) {
+      await db.query("ROLLBACK");
+      throw err;
+    }
+    await db.query(step.commit ? "COMMIT" : "ROLLBACK");
+  } finally {
+    await db.end();
+  }
+  const committed = performance.now();
+  const within = step.relay_within_ms ?? 0;
+  let relayed = false;
+  while (within > 0 && !relayed && performance.now() - committed < within) {
+    try {
+      await client.get(refOf(step));
+      relayed = true;
+    } catch (err) {
+      if (!(err instanceof NotFoundError)) throw err;
+      await new Promise((resolve) => setTimeout(resolve, 5));
+    }
+  }
+  return { id: id.toString(), relayed, relay_ms: within > 0 ? performance.now() - committed : 0, error: null };
+}
+
+async function clientStep(client: Client, input: Input, step: Step): Promise<Result> {
   switch (step.op) {
+    case "outbox_enqueue":
+      return outboxEnqueue(client, input, step);
     case "submit": {
       // In the remote span context the traceparent and tracestate give (as a server extracts them).
       const carrier: Record<string, string> = {};
@@ -427,7 +472,7 @@ async function main(): Promise<number> {
     try {
       if (step.op === "worker") r = await runWorker(opts, step);
       else if (!client) r = { error: errorOf(clientError) };
-      else r = await clientStep(client, step);
+      else r = await clientStep(client, input, step);
     } catch (err) {
       r = { error: errorOf(err) };
     }
