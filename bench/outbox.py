@@ -235,7 +235,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--quick", action="store_true", help="500 tasks, 1 round, 4 s commit → start runs")
     ap.add_argument("--no-river", action="store_true")
-    ap.add_argument("--py-spy", metavar="FILE", help="profile the server during the throughput runs (.svg or speedscope)")
+    ap.add_argument("--py-spy", metavar="FILE", help="profile the server in the throughput runs (.svg: a flame graph)")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     args = ap.parse_args()
     if args.quick:
