@@ -243,7 +243,9 @@ def main() -> None:
     with bench_store("postgres", args.url) as url:
         assert url is not None  # bench_store("postgres") yields a server's URL
         result = run_cronoq(url, args)
-        result.update(tasks=args.tasks, rounds=args.rounds, rate=args.rate, seconds=args.seconds)
+        result.update(
+            tasks=args.tasks, rounds=args.rounds, rate=args.rate, seconds=args.seconds, poll_interval=POLL_INTERVAL
+        )
         river = {"skipped": "--no-river"} if args.no_river else run_river(url, args)
     result["river"] = river
     if "skipped" not in river:

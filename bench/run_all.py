@@ -8,7 +8,8 @@ ListTasks across shards, burn-down across shards, a workflow's fan-out of 10,000
 join), then the anchors PgQueuer and procrastinate
 on the same PostgreSQL server and the same workloads, and River's burn-down there too (built
 with `go`; skipped when Go is missing), and cronoq's ratio to each; then submit latency under
-idle load. Each run is its own process with its own
+idle load; the outbox (enqueue in the application's transactions, commit→start) beside River's
+InsertTx. Each run is its own process with its own
 servers and workers. `--quick` runs smaller sizes; `--no-anchors` skips the anchors;
 `--throughput` runs the burn-downs only (cronoq's at concurrency 64 and 1000 with each SDK's
 worker, at 64 with prefetch 256, and the CPU each task costs, PostgreSQL's for the store's Work steps
@@ -316,6 +317,10 @@ def main() -> None:
                         f"PostgreSQL {alone['postgres_cpu_us_per_task']} µs of CPU a task",
                     )
                 )
+            if store == "postgres" and url is not None and not args.throughput:
+                rows_outbox, ratios_outbox = outbox_rows(url, args, step)
+                rows += rows_outbox
+                ratios += ratios_outbox
             if store == "postgres" and not args.no_anchors:
                 import anchors  # the anchors' own virtualenv; never a product dependency
 
@@ -379,6 +384,56 @@ def main() -> None:
     print("\n| run | result |\n|---|---|")
     for title, text in rows + ratios:
         print(f"| {title} | {text} |")
+
+
+def outbox_rows(url: str, args: argparse.Namespace, step: Any) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The outbox (bench/outbox.py): enqueue throughput and commit→start, River's InsertTx beside
+    it unless --no-anchors; its rows and its ratios."""
+    step("cronoq on postgres: the outbox (enqueue in the application's transactions, the relay), River's InsertTx")
+    r = run(
+        "outbox.py", "--url", url, *(["--quick"] if args.quick else []), *(["--no-river"] if args.no_anchors else [])
+    )
+    n, one, each, river = f"{r['tasks']:,}", r["one_tx"], r["each_tx"], r["river"]
+    rows = [
+        (
+            f"cronoq postgres outbox: cronoq.outbox (asyncpg), one transaction of {n} tasks / {n} transactions of one,"
+            " the relay running",
+            f"{one['tasks_per_s']:,} / {each['tasks_per_s']:,} tasks/s; the outbox empty "
+            f"{one['relayed_after_s']} s / {each['relayed_after_s']} s after the last commit",
+        ),
+        (
+            f"cronoq postgres outbox: commit→start at {r['rate']}/s, a task a transaction, NOTIFY",
+            latency_text(r["notify"]),
+        ),
+        (
+            f"cronoq postgres outbox: the same, notify = false, poll_interval {r['poll_interval']}",
+            latency_text(r["poll"]),
+        ),
+    ]
+    if "skipped" in river:
+        return [*rows, ("River: InsertTx in the application's transactions", river["skipped"])], []
+    rows += [
+        (
+            f"River {river['version']}: InsertManyTx of {n} jobs in one transaction / {n} transactions of InsertTx",
+            f"{river['one_tx_tasks_per_s']:,.0f} / {river['each_tx_tasks_per_s']:,.0f} jobs/s",
+        ),
+        (
+            f"River {river['version']}: commit→start at {r['rate']}/s, a job a transaction, MaxWorkers 64",
+            latency_text(river["latency"]),
+        ),
+    ]
+    q = r["ratios"]
+    ratios = [
+        (
+            f"cronoq / River, enqueue in the application's transaction, one of {n} / {n} of one (target ≥ 0.5×)",
+            f"{q['one_tx']:.2f}× / {q['each_tx']:.2f}×",
+        ),
+        (
+            "cronoq / River, commit→start p50 / p99 with NOTIFY (≤ 1: cronoq faster; target p99 ≤ 50 ms)",
+            f"{q['p50_notify']:.2f}× / {q['p99_notify']:.2f}×",
+        ),
+    ]
+    return rows, ratios
 
 
 def contention_rows(quick: bool, step: Any) -> list[tuple[str, str]]:
