@@ -418,7 +418,8 @@ def outbox_rows(url: str, args: argparse.Namespace, step: Any) -> tuple[list[tup
             f"{river['one_tx_tasks_per_s']:,.0f} / {river['each_tx_tasks_per_s']:,.0f} jobs/s",
         ),
         (
-            f"River {river['version']}: commit→start at {r['rate']}/s, a job a transaction, MaxWorkers 64",
+            f"River {river['version']}: commit→start at {r['rate']}/s, a job a transaction, MaxWorkers 64"
+            f" (FetchPollInterval {river['fetch_poll_ms']:g} ms)",
             latency_text(river["latency"]),
         ),
     ]
