@@ -53,6 +53,7 @@ class Periodic:
     async def _run(self) -> None:
         while True:
             delay: float | None = None
+            self._wake.clear()  # before the step: a poke while it runs starts the next one at once
             try:
                 delay = await self._step()
             except asyncio.CancelledError:
@@ -61,7 +62,6 @@ class Periodic:
                 log.warning("%s skipped: %s", self.name, err)
             except Exception:
                 log.exception("%s failed; retrying in %.1fs", self.name, self.every)
-            self._wake.clear()
             timeout = self.every if delay is None else max(min(delay, self.every), 0.0)
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
