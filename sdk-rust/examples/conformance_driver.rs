@@ -1,12 +1,12 @@
 //! The conformance driver of the Rust SDK: one case's input as JSON on stdin, one result as
 //! JSON on stdout (the protocol: conformance/README.md in the cronoq repository). It uses
-//! the SDK's public API only, and OpenTelemetry's API (built with `--features otel`; no
-//! tracer provider is installed).
+//! the SDK's public API only, and OpenTelemetry's API (built with `--features otel,outbox`;
+//! no tracer provider is installed; `outbox_enqueue` uses tokio-postgres).
 
 use std::collections::HashMap;
 use std::io::Read;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
@@ -36,6 +36,11 @@ struct Input {
     timeout_ms: u64,
     keepalive: Option<Keepalive>,
     steps: Vec<Step>,
+    /// The outbox deployment: the application's PostgreSQL and the schema its outbox is in.
+    #[serde(default)]
+    database_url: String,
+    #[serde(default)]
+    outbox_schema: String,
 }
 
 #[derive(Deserialize)]
@@ -105,6 +110,11 @@ struct Step {
     #[serde(default)]
     stop_after_started: usize,
     shutdown_grace_ms: Option<u64>,
+    /// outbox_enqueue: commit (else roll back), then look the task up by key for this long.
+    #[serde(default)]
+    commit: bool,
+    #[serde(default)]
+    relay_within_ms: u64,
 }
 
 fn ms(n: u64) -> Duration {
@@ -163,8 +173,12 @@ fn other(message: String) -> Value {
     json!({"code": "", "kind": "other", "message": message})
 }
 
-async fn client_step(client: &Client, step: &Step) -> Value {
-    match client_op(client, step).await {
+async fn client_step(client: &Client, input: &Input, step: &Step) -> Value {
+    let done = match step.op.as_str() {
+        "outbox_enqueue" => outbox_enqueue(client, input, step).await,
+        _ => client_op(client, step).await,
+    };
+    match done {
         Ok(result) => result,
         Err(Failed::Sdk(err)) => json!({"error": error_of(&err)}),
         Err(Failed::Input(message)) => json!({"error": other(message)}),
@@ -185,6 +199,53 @@ impl From<Error> for Failed {
     fn from(err: Error) -> Failed {
         Failed::Sdk(err)
     }
+}
+
+/// Enqueues one task with the outbox helper in a tokio-postgres transaction of the
+/// application's database, commits or rolls it back; with relay_within_ms, looks the task up
+/// by key until it exists.
+async fn outbox_enqueue(client: &Client, input: &Input, step: &Step) -> Result<Value, Failed> {
+    let postgres = |e: tokio_postgres::Error| Failed::Input(format!("PostgreSQL: {e}"));
+    let (mut db, connection) = tokio_postgres::connect(&input.database_url, tokio_postgres::NoTls)
+        .await
+        .map_err(postgres)?;
+    let connection = tokio::spawn(connection);
+    let tx = db.transaction().await.map_err(postgres)?;
+    let spec = TaskSpec::new(&step.pool)
+        .json(&step.payload)?
+        .key(&step.key);
+    let id = match cronoq::outbox::Outbox::new()
+        .schema(&input.outbox_schema)
+        .enqueue(&tx, spec)
+        .await
+    {
+        Ok(id) => id,
+        Err(cronoq::outbox::Error::Invalid(err)) => return Err(Failed::Sdk(err)),
+        Err(err) => return Err(Failed::Input(err.to_string())),
+    };
+    if step.commit {
+        tx.commit().await.map_err(postgres)?;
+    } else {
+        tx.rollback().await.map_err(postgres)?;
+    }
+    drop(db);
+    let _ = connection.await;
+    let committed = Instant::now();
+    let within = ms(step.relay_within_ms);
+    let mut relayed = false;
+    while !within.is_zero() && !relayed && committed.elapsed() < within {
+        match client.get(TaskRef::Key(step.key.clone())).await {
+            Ok(_) => relayed = true,
+            Err(err) if err.code() == cronoq::Code::NotFound => tokio::time::sleep(ms(5)).await,
+            Err(err) => return Err(Failed::Sdk(err)),
+        }
+    }
+    let relay_ms = if within.is_zero() {
+        0.0
+    } else {
+        committed.elapsed().as_secs_f64() * 1000.0
+    };
+    Ok(json!({"id": id.to_string(), "relayed": relayed, "relay_ms": relay_ms, "error": null}))
 }
 
 /// One client step's result (without "op").
@@ -729,7 +790,7 @@ async fn main() {
         let mut result = match (&client, step.op.as_str()) {
             (_, "worker") => worker_step(&input, step).await,
             (Err(err), _) => json!({"error": error_of(err)}),
-            (Ok(client), _) => client_step(client, step).await,
+            (Ok(client), _) => client_step(client, &input, step).await,
         };
         result["op"] = json!(step.op);
         results.push(result);
