@@ -5,6 +5,7 @@ it; a bad one is refused naming the field and the value, and nothing of its batc
 
 from __future__ import annotations
 
+import urllib.request
 from typing import Any
 
 import grpc
@@ -22,6 +23,11 @@ def srv(request: pytest.FixtureRequest, start_server: Any, tmp_path: Any) -> Any
     return start_server({"store": store, "pools": [{"name": "default", "lease_ttl": "30s"}]})
 
 
+def metrics_text(srv: Any) -> str:
+    with urllib.request.urlopen(srv.http_url + "/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
 def refused(call: Any, *fragments: str) -> None:
     with pytest.raises(grpc.RpcError) as err:
         call()
@@ -34,6 +40,8 @@ def test_group_key_is_stored_returned_watched_and_fired(srv: Any) -> None:
     api, schedules = Api(srv.grpc_target), Client(srv)
     stream = api.tasks.Watch(tpb.WatchRequest(pool="default"))
     events = iter(stream)
+    # The stream is live once the server counts it: a submission before that is not its to see.
+    eventually(lambda: 'cronoq_watch_streams{kind="shard"} 1.0' in metrics_text(srv), what="the watch is live")
     one = api.submit(group_key="tenant-a")
     assert one.group_key == "tenant-a"
     batch = api.tasks.SubmitBatch(

@@ -718,7 +718,7 @@ def check_watch_opened(env: Env, tok: Tok, target: Target, out: Outcome) -> list
     return []
 
 
-DEFAULTS = ("", 0, "0", [], {}, False, None, "TASK_STATE_UNSPECIFIED")
+DEFAULTS = ("", 0, "0", [], {}, False, None, "TASK_STATE_UNSPECIFIED", "RUN_WHEN_UNSPECIFIED")
 
 
 def _extra_fields(task: dict[str, Any]) -> list[str]:
