@@ -134,10 +134,10 @@ def test_the_python_driver_passes_and_a_leaky_driver_fails(setting: tuple[runner
     leaky = tmp_path / "leaky.py"
     leaky.write_text(LEAKY.format(driver=runner.DRIVERS["python"][1]))
     refused = case("redirect-plain-http-remote-refused")
-    assert runner.run_case(refused, "python", pkis, ns, verbose=False).passed
+    assert runner.run_case(refused, "python", pkis, ns, None, verbose=False).passed
     runner.DRIVERS["leaky"] = [sys.executable, str(leaky)]
     try:
-        outcome = runner.run_case(refused, "leaky", pkis, ns, verbose=False)
+        outcome = runner.run_case(refused, "leaky", pkis, ns, None, verbose=False)
     finally:
         del runner.DRIVERS["leaky"]
     assert not outcome.passed
