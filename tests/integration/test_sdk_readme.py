@@ -23,6 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 SDK_README = REPO / "sdk-python" / "README.md"
 # Every README that shows `cronoq` commands.
 CLI_READMES = [REPO / "README.md", SDK_README, REPO / "server" / "README.md"]
+# And the docs, where a page shows any.
+CLI_DOCS = sorted((REPO / "docs").glob("*.md"))
 # The endpoint the examples use; the test's server replaces it.
 README_ENDPOINT = "http://127.0.0.1:7070"
 # The first line of an example that serves until stopped (a worker, a watcher): the test
@@ -126,10 +128,10 @@ def test_readme_examples_run_against_a_server(start_server: Any, tmp_path: Path)
         assert code == 0, f"{path.name} exited {code} on Ctrl-C:\n{path.read_text()}\n{out.read_text()}"
 
 
-@pytest.mark.parametrize("readme", CLI_READMES, ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize("readme", CLI_READMES + CLI_DOCS, ids=lambda p: str(p.relative_to(REPO)))
 def test_readme_cli_lines_parse(readme: Path, capsys: pytest.CaptureFixture[str]) -> None:
     lines = cli_lines(readme)
-    assert lines, f"{readme} shows no cronoq command"
+    assert lines or readme in CLI_DOCS, f"{readme} shows no cronoq command"
     parser = build_parser()
     for line in lines:
         argv = shlex.split(line, comments=True)[1:]
