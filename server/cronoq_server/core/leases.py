@@ -252,19 +252,22 @@ class Leases:
         await self._events.publish([(r.seq, r.state) for r in rows], rows)
         await self._tasks.fill_dependency_results(rows)
         limit = self._config.limits.max_dependency_results_bytes
-        over = [r for r in rows if dependency_bytes(r) > limit]
+        over = {r.seq: size for r in rows if r.dependency_results and (size := dependency_bytes(r)) > limit}
         if over:  # their dependencies ended with more than a handler is given: they fail unrun
-            for r in over:
-                error = (
-                    f"dependency results: {dependency_bytes(r)} bytes, over limits.max_dependency_results_bytes"
-                    f" {limit} ({_largest_dependencies(r, self._shard)})"
+            failed = [
+                Outcome(
+                    r.seq,
+                    r.attempt,
+                    OutcomeKind.FAILURE,
+                    error=f"dependency results: {over[r.seq]} bytes, over limits.max_dependency_results_bytes"
+                    f" {limit} ({_largest_dependencies(r, self._shard)})",
+                    retryable=False,
                 )
-                await self._finish(
-                    r.worker_id or "",
-                    [Outcome(r.seq, r.attempt, OutcomeKind.FAILURE, error=error, retryable=False)],
-                    now,
-                )
-            rows = [r for r in rows if dependency_bytes(r) <= limit]
+                for r in rows
+                if r.seq in over
+            ]
+            await self._finish(rows[0].worker_id or "", failed, now)  # one lease: one worker's rows
+            rows = [r for r in rows if r.seq not in over]
         return [to_task(r, self._shard) for r in rows]
 
     async def lease_tasks(self, req: pb.LeaseTasksRequest, caller: Principal) -> pb.LeaseTasksResponse:
