@@ -33,6 +33,8 @@ class _TaskStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskState.V
     TASK_STATE_SUCCEEDED: _TaskState.ValueType  # 4
     TASK_STATE_FAILED: _TaskState.ValueType  # 5
     TASK_STATE_CANCELLED: _TaskState.ValueType  # 6
+    TASK_STATE_EXPIRED: _TaskState.ValueType  # 7
+    """Not started by its start_by: ended without running (a failure, to its dependents)."""
 
 class TaskState(_TaskState, metaclass=_TaskStateEnumTypeWrapper):
     """The lifecycle state of a task."""
@@ -44,7 +46,47 @@ TASK_STATE_RUNNING: TaskState.ValueType  # 3
 TASK_STATE_SUCCEEDED: TaskState.ValueType  # 4
 TASK_STATE_FAILED: TaskState.ValueType  # 5
 TASK_STATE_CANCELLED: TaskState.ValueType  # 6
+TASK_STATE_EXPIRED: TaskState.ValueType  # 7
+"""Not started by its start_by: ended without running (a failure, to its dependents)."""
 Global___TaskState: _TypeAlias = TaskState  # noqa: Y015
+
+class _KeyMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _KeyModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KeyMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    KEY_MODE_UNSPECIFIED: _KeyMode.ValueType  # 0
+    """The pool's default_key_mode (KEY_MODE_RETURN_EXISTING unless configured)."""
+    KEY_MODE_RETURN_EXISTING: _KeyMode.ValueType  # 1
+    """Nothing changes: the existing task is returned (SubmitTaskResponse.deduplicated)."""
+    KEY_MODE_REPLACE_PENDING: _KeyMode.ValueType  # 2
+    """While the existing task is PENDING or BLOCKED (and of the same pool), its payload,
+    content_type, priority and run_at become the request's (SubmitTaskResponse.replaced);
+    once it runs or has ended, as KEY_MODE_RETURN_EXISTING.
+    """
+    KEY_MODE_DEBOUNCE: _KeyMode.ValueType  # 3
+    """As KEY_MODE_REPLACE_PENDING, and the task is due debounce_ms after each submission, but
+    never later than max_debounce_ms after the first (when given): a burst runs once, after it.
+    """
+
+class KeyMode(_KeyMode, metaclass=_KeyModeEnumTypeWrapper):
+    """What a submission whose key already names a task does (SubmitTaskRequest.key_mode)."""
+
+KEY_MODE_UNSPECIFIED: KeyMode.ValueType  # 0
+"""The pool's default_key_mode (KEY_MODE_RETURN_EXISTING unless configured)."""
+KEY_MODE_RETURN_EXISTING: KeyMode.ValueType  # 1
+"""Nothing changes: the existing task is returned (SubmitTaskResponse.deduplicated)."""
+KEY_MODE_REPLACE_PENDING: KeyMode.ValueType  # 2
+"""While the existing task is PENDING or BLOCKED (and of the same pool), its payload,
+content_type, priority and run_at become the request's (SubmitTaskResponse.replaced);
+once it runs or has ended, as KEY_MODE_RETURN_EXISTING.
+"""
+KEY_MODE_DEBOUNCE: KeyMode.ValueType  # 3
+"""As KEY_MODE_REPLACE_PENDING, and the task is due debounce_ms after each submission, but
+never later than max_debounce_ms after the first (when given): a burst runs once, after it.
+"""
+Global___KeyMode: _TypeAlias = KeyMode  # noqa: Y015
 
 class _RunWhen:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -194,6 +236,8 @@ class Task(_message.Message):
     DEPENDENCY_RESULTS_FIELD_NUMBER: _builtins.int
     PARENT_ID_FIELD_NUMBER: _builtins.int
     RUN_WHEN_FIELD_NUMBER: _builtins.int
+    START_BY_FIELD_NUMBER: _builtins.int
+    KEY_TTL_MS_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """Top 8 bits: shard number (0 unsharded); low 56 bits: per-shard sequence."""
     pool: _builtins.str
@@ -227,6 +271,8 @@ class Task(_message.Message):
     """The task whose handler spawned this one (TaskSuccess.spawn); 0: submitted by a caller."""
     run_when: Global___RunWhen.ValueType
     """When it runs, given its dependencies (SubmitTaskRequest.run_when, as resolved)."""
+    key_ttl_ms: _builtins.int
+    """How long its key stays held after it ended, in milliseconds (0: until it is deleted)."""
     @_builtins.property
     def run_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -258,6 +304,10 @@ class Task(_message.Message):
         """What the tasks it depends on ended with, in depends_on order: set on a leased task (and by
         GetTask with include_dependency_results). A dependency deleted since is left out.
         """
+
+    @_builtins.property
+    def start_by(self) -> _timestamp_pb2.Timestamp:
+        """The task ends EXPIRED if no attempt has started by then (SubmitTaskRequest.start_by)."""
 
     def __init__(
         self,
@@ -292,10 +342,12 @@ class Task(_message.Message):
         dependency_results: _abc.Iterable[Global___DependencyResult] | None = ...,
         parent_id: _builtins.int = ...,
         run_when: Global___RunWhen.ValueType = ...,
+        start_by: _timestamp_pb2.Timestamp | None = ...,
+        key_ttl_ms: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "finished_at", b"finished_at", "lease_expires_at", b"lease_expires_at", "progress", b"progress", "run_at", b"run_at", "started_at", b"started_at", "trace", b"trace"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "finished_at", b"finished_at", "lease_expires_at", b"lease_expires_at", "progress", b"progress", "run_at", b"run_at", "start_by", b"start_by", "started_at", b"started_at", "trace", b"trace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel_requested", b"cancel_requested", "checkpoint", b"checkpoint", "content_type", b"content_type", "created_at", b"created_at", "dependency_results", b"dependency_results", "depends_on", b"depends_on", "error", b"error", "finished_at", b"finished_at", "group_key", b"group_key", "id", b"id", "key", b"key", "lease_expires_at", b"lease_expires_at", "max_attempts", b"max_attempts", "parent_id", b"parent_id", "payload", b"payload", "pool", b"pool", "priority", b"priority", "progress", b"progress", "resources", b"resources", "result", b"result", "result_content_type", b"result_content_type", "run_at", b"run_at", "run_when", b"run_when", "snoozes", b"snoozes", "started_at", b"started_at", "state", b"state", "timeout_ms", b"timeout_ms", "trace", b"trace", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cancel_requested", b"cancel_requested", "checkpoint", b"checkpoint", "content_type", b"content_type", "created_at", b"created_at", "dependency_results", b"dependency_results", "depends_on", b"depends_on", "error", b"error", "finished_at", b"finished_at", "group_key", b"group_key", "id", b"id", "key", b"key", "key_ttl_ms", b"key_ttl_ms", "lease_expires_at", b"lease_expires_at", "max_attempts", b"max_attempts", "parent_id", b"parent_id", "payload", b"payload", "pool", b"pool", "priority", b"priority", "progress", b"progress", "resources", b"resources", "result", b"result", "result_content_type", b"result_content_type", "run_at", b"run_at", "run_when", b"run_when", "snoozes", b"snoozes", "start_by", b"start_by", "started_at", b"started_at", "state", b"state", "timeout_ms", b"timeout_ms", "trace", b"trace", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -417,6 +469,7 @@ class TaskEvent(_message.Message):
     SEQ_FIELD_NUMBER: _builtins.int
     CURSOR_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
+    REPLACED_FIELD_NUMBER: _builtins.int
     shard: _builtins.str
     """The shard that produced the event."""
     seq: _builtins.int
@@ -426,6 +479,10 @@ class TaskEvent(_message.Message):
     progress: _builtins.bool
     """The event reports the running task's new progress (Task.progress, as sent); its state did
     not change. At most one such event per task per heartbeat of its worker.
+    """
+    replaced: _builtins.bool
+    """The event reports a submission that replaced the task's payload, priority and run_at
+    (KEY_MODE_REPLACE_PENDING or KEY_MODE_DEBOUNCE); its state did not change.
     """
     @_builtins.property
     def task(self) -> Global___Task:
@@ -454,10 +511,11 @@ class TaskEvent(_message.Message):
         seq: _builtins.int = ...,
         cursor: _builtins.str = ...,
         progress: _builtins.bool = ...,
+        replaced: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "progress", b"progress", "seq", b"seq", "shard", b"shard", "task", b"task", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "progress", b"progress", "replaced", b"replaced", "seq", b"seq", "shard", b"shard", "task", b"task", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

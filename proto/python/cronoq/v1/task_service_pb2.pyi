@@ -58,6 +58,11 @@ class SubmitTaskRequest(_message.Message):
     GROUP_KEY_FIELD_NUMBER: _builtins.int
     TRACE_FIELD_NUMBER: _builtins.int
     RUN_WHEN_FIELD_NUMBER: _builtins.int
+    KEY_MODE_FIELD_NUMBER: _builtins.int
+    DEBOUNCE_MS_FIELD_NUMBER: _builtins.int
+    MAX_DEBOUNCE_MS_FIELD_NUMBER: _builtins.int
+    KEY_TTL_MS_FIELD_NUMBER: _builtins.int
+    START_BY_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     key: _builtins.str
     """Deduplicates within a shard."""
@@ -88,6 +93,21 @@ class SubmitTaskRequest(_message.Message):
     already over that is refused (RESOURCE_EXHAUSTED, naming them), and a task whose
     dependencies end with more ends FAILED, naming them, without running.
     """
+    key_mode: _task_pb2.KeyMode.ValueType
+    """What happens when the key already names a task (unset: the pool's default_key_mode)."""
+    debounce_ms: _builtins.int
+    """With KEY_MODE_DEBOUNCE (required there, 1 to 604800000): the task is due this long after
+    the latest submission of its key. run_at may not be given with it.
+    """
+    max_debounce_ms: _builtins.int
+    """With KEY_MODE_DEBOUNCE (0: no bound; else debounce_ms to 604800000): the task is due at
+    most this long after the submission that created it, however long the burst lasts.
+    """
+    key_ttl_ms: _builtins.int
+    """Unique for a period: once the task has ended and this long has passed, its key is free
+    and a new submission with it creates a new task (the old one stays readable by id).
+    0: the key is held until the task is deleted. 0 to 31622400000 (366 days); needs a key.
+    """
     @_builtins.property
     def run_at(self) -> _timestamp_pb2.Timestamp:
         """From 0001-01-01 to 9999-12-31 (the Timestamp range)."""
@@ -104,6 +124,12 @@ class SubmitTaskRequest(_message.Message):
     def trace(self) -> _task_pb2.TraceContext:
         """The caller's trace context (SDKs take it from the current span): stored with the task, kept
         by its retries and given to its handler with the leased task. link is ignored.
+        """
+
+    @_builtins.property
+    def start_by(self) -> _timestamp_pb2.Timestamp:
+        """A deadline to start: a task none of whose attempts has started by then ends EXPIRED
+        without running (it is never leased after it). Must be after run_at when both are given.
         """
 
     def __init__(
@@ -123,10 +149,15 @@ class SubmitTaskRequest(_message.Message):
         group_key: _builtins.str = ...,
         trace: _task_pb2.TraceContext | None = ...,
         run_when: _task_pb2.RunWhen.ValueType = ...,
+        key_mode: _task_pb2.KeyMode.ValueType = ...,
+        debounce_ms: _builtins.int = ...,
+        max_debounce_ms: _builtins.int = ...,
+        key_ttl_ms: _builtins.int = ...,
+        start_by: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["run_at", b"run_at", "trace", b"trace"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run_at", b"run_at", "start_by", b"start_by", "trace", b"trace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "depends_on", b"depends_on", "group_key", b"group_key", "key", b"key", "max_attempts", b"max_attempts", "payload", b"payload", "pool", b"pool", "priority", b"priority", "request_id", b"request_id", "resources", b"resources", "run_at", b"run_at", "run_when", b"run_when", "timeout_ms", b"timeout_ms", "trace", b"trace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_type", b"content_type", "debounce_ms", b"debounce_ms", "depends_on", b"depends_on", "group_key", b"group_key", "key", b"key", "key_mode", b"key_mode", "key_ttl_ms", b"key_ttl_ms", "max_attempts", b"max_attempts", "max_debounce_ms", b"max_debounce_ms", "payload", b"payload", "pool", b"pool", "priority", b"priority", "request_id", b"request_id", "resources", b"resources", "run_at", b"run_at", "run_when", b"run_when", "start_by", b"start_by", "timeout_ms", b"timeout_ms", "trace", b"trace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -138,8 +169,13 @@ class SubmitTaskResponse(_message.Message):
 
     TASK_FIELD_NUMBER: _builtins.int
     DEDUPLICATED_FIELD_NUMBER: _builtins.int
+    REPLACED_FIELD_NUMBER: _builtins.int
     deduplicated: _builtins.bool
-    """True when the key already named a task: nothing was created."""
+    """True when the key already named a task: nothing was created or changed."""
+    replaced: _builtins.bool
+    """True when the key named a PENDING or BLOCKED task whose payload, priority and run_at this
+    request replaced (KEY_MODE_REPLACE_PENDING, KEY_MODE_DEBOUNCE): nothing was created.
+    """
     @_builtins.property
     def task(self) -> _task_pb2.Task: ...
     def __init__(
@@ -147,10 +183,11 @@ class SubmitTaskResponse(_message.Message):
         *,
         task: _task_pb2.Task | None = ...,
         deduplicated: _builtins.bool = ...,
+        replaced: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deduplicated", b"deduplicated", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deduplicated", b"deduplicated", "replaced", b"replaced", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -186,6 +223,7 @@ class SubmitBatchResponse(_message.Message):
 
     TASKS_FIELD_NUMBER: _builtins.int
     DEDUPLICATED_IDS_FIELD_NUMBER: _builtins.int
+    REPLACED_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[_task_pb2.Task]:
         """In the order submitted."""
@@ -194,15 +232,20 @@ class SubmitBatchResponse(_message.Message):
     def deduplicated_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Ids of the tasks that already existed under their key."""
 
+    @_builtins.property
+    def replaced_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Ids of the tasks whose pending submission this batch replaced (see SubmitTaskResponse.replaced)."""
+
     def __init__(
         self,
         *,
         tasks: _abc.Iterable[_task_pb2.Task] | None = ...,
         deduplicated_ids: _abc.Iterable[_builtins.int] | None = ...,
+        replaced_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deduplicated_ids", b"deduplicated_ids", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deduplicated_ids", b"deduplicated_ids", "replaced_ids", b"replaced_ids", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -33,6 +33,8 @@ const (
 	TaskState_TASK_STATE_SUCCEEDED   TaskState = 4
 	TaskState_TASK_STATE_FAILED      TaskState = 5
 	TaskState_TASK_STATE_CANCELLED   TaskState = 6
+	// Not started by its start_by: ended without running (a failure, to its dependents).
+	TaskState_TASK_STATE_EXPIRED TaskState = 7
 )
 
 // Enum value maps for TaskState.
@@ -45,6 +47,7 @@ var (
 		4: "TASK_STATE_SUCCEEDED",
 		5: "TASK_STATE_FAILED",
 		6: "TASK_STATE_CANCELLED",
+		7: "TASK_STATE_EXPIRED",
 	}
 	TaskState_value = map[string]int32{
 		"TASK_STATE_UNSPECIFIED": 0,
@@ -54,6 +57,7 @@ var (
 		"TASK_STATE_SUCCEEDED":   4,
 		"TASK_STATE_FAILED":      5,
 		"TASK_STATE_CANCELLED":   6,
+		"TASK_STATE_EXPIRED":     7,
 	}
 )
 
@@ -82,6 +86,66 @@ func (x TaskState) Number() protoreflect.EnumNumber {
 // Deprecated: Use TaskState.Descriptor instead.
 func (TaskState) EnumDescriptor() ([]byte, []int) {
 	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{0}
+}
+
+// What a submission whose key already names a task does (SubmitTaskRequest.key_mode).
+type KeyMode int32
+
+const (
+	// The pool's default_key_mode (KEY_MODE_RETURN_EXISTING unless configured).
+	KeyMode_KEY_MODE_UNSPECIFIED KeyMode = 0
+	// Nothing changes: the existing task is returned (SubmitTaskResponse.deduplicated).
+	KeyMode_KEY_MODE_RETURN_EXISTING KeyMode = 1
+	// While the existing task is PENDING or BLOCKED (and of the same pool), its payload,
+	// content_type, priority and run_at become the request's (SubmitTaskResponse.replaced);
+	// once it runs or has ended, as KEY_MODE_RETURN_EXISTING.
+	KeyMode_KEY_MODE_REPLACE_PENDING KeyMode = 2
+	// As KEY_MODE_REPLACE_PENDING, and the task is due debounce_ms after each submission, but
+	// never later than max_debounce_ms after the first (when given): a burst runs once, after it.
+	KeyMode_KEY_MODE_DEBOUNCE KeyMode = 3
+)
+
+// Enum value maps for KeyMode.
+var (
+	KeyMode_name = map[int32]string{
+		0: "KEY_MODE_UNSPECIFIED",
+		1: "KEY_MODE_RETURN_EXISTING",
+		2: "KEY_MODE_REPLACE_PENDING",
+		3: "KEY_MODE_DEBOUNCE",
+	}
+	KeyMode_value = map[string]int32{
+		"KEY_MODE_UNSPECIFIED":     0,
+		"KEY_MODE_RETURN_EXISTING": 1,
+		"KEY_MODE_REPLACE_PENDING": 2,
+		"KEY_MODE_DEBOUNCE":        3,
+	}
+)
+
+func (x KeyMode) Enum() *KeyMode {
+	p := new(KeyMode)
+	*p = x
+	return p
+}
+
+func (x KeyMode) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (KeyMode) Descriptor() protoreflect.EnumDescriptor {
+	return file_cronoq_v1_task_proto_enumTypes[1].Descriptor()
+}
+
+func (KeyMode) Type() protoreflect.EnumType {
+	return &file_cronoq_v1_task_proto_enumTypes[1]
+}
+
+func (x KeyMode) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use KeyMode.Descriptor instead.
+func (KeyMode) EnumDescriptor() ([]byte, []int) {
+	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{1}
 }
 
 // When a task with dependencies runs.
@@ -123,11 +187,11 @@ func (x RunWhen) String() string {
 }
 
 func (RunWhen) Descriptor() protoreflect.EnumDescriptor {
-	return file_cronoq_v1_task_proto_enumTypes[1].Descriptor()
+	return file_cronoq_v1_task_proto_enumTypes[2].Descriptor()
 }
 
 func (RunWhen) Type() protoreflect.EnumType {
-	return &file_cronoq_v1_task_proto_enumTypes[1]
+	return &file_cronoq_v1_task_proto_enumTypes[2]
 }
 
 func (x RunWhen) Number() protoreflect.EnumNumber {
@@ -136,7 +200,7 @@ func (x RunWhen) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use RunWhen.Descriptor instead.
 func (RunWhen) EnumDescriptor() ([]byte, []int) {
-	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{1}
+	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{2}
 }
 
 // How an attempt ended.
@@ -189,11 +253,11 @@ func (x AttemptOutcome) String() string {
 }
 
 func (AttemptOutcome) Descriptor() protoreflect.EnumDescriptor {
-	return file_cronoq_v1_task_proto_enumTypes[2].Descriptor()
+	return file_cronoq_v1_task_proto_enumTypes[3].Descriptor()
 }
 
 func (AttemptOutcome) Type() protoreflect.EnumType {
-	return &file_cronoq_v1_task_proto_enumTypes[2]
+	return &file_cronoq_v1_task_proto_enumTypes[3]
 }
 
 func (x AttemptOutcome) Number() protoreflect.EnumNumber {
@@ -202,7 +266,7 @@ func (x AttemptOutcome) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use AttemptOutcome.Descriptor instead.
 func (AttemptOutcome) EnumDescriptor() ([]byte, []int) {
-	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{2}
+	return file_cronoq_v1_task_proto_rawDescGZIP(), []int{3}
 }
 
 // Names one task, by id or by key (keys are unique within a shard).
@@ -337,7 +401,11 @@ type Task struct {
 	// The task whose handler spawned this one (TaskSuccess.spawn); 0: submitted by a caller.
 	ParentId uint64 `protobuf:"varint,29,opt,name=parent_id,json=parentId,proto3" json:"parent_id,omitempty"`
 	// When it runs, given its dependencies (SubmitTaskRequest.run_when, as resolved).
-	RunWhen       RunWhen `protobuf:"varint,30,opt,name=run_when,json=runWhen,proto3,enum=cronoq.v1.RunWhen" json:"run_when,omitempty"`
+	RunWhen RunWhen `protobuf:"varint,30,opt,name=run_when,json=runWhen,proto3,enum=cronoq.v1.RunWhen" json:"run_when,omitempty"`
+	// The task ends EXPIRED if no attempt has started by then (SubmitTaskRequest.start_by).
+	StartBy *timestamppb.Timestamp `protobuf:"bytes,31,opt,name=start_by,json=startBy,proto3" json:"start_by,omitempty"`
+	// How long its key stays held after it ended, in milliseconds (0: until it is deleted).
+	KeyTtlMs      int64 `protobuf:"varint,32,opt,name=key_ttl_ms,json=keyTtlMs,proto3" json:"key_ttl_ms,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -580,6 +648,20 @@ func (x *Task) GetRunWhen() RunWhen {
 		return x.RunWhen
 	}
 	return RunWhen_RUN_WHEN_UNSPECIFIED
+}
+
+func (x *Task) GetStartBy() *timestamppb.Timestamp {
+	if x != nil {
+		return x.StartBy
+	}
+	return nil
+}
+
+func (x *Task) GetKeyTtlMs() int64 {
+	if x != nil {
+		return x.KeyTtlMs
+	}
+	return 0
 }
 
 // How one dependency of a task ended.
@@ -825,7 +907,10 @@ type TaskEvent struct {
 	Cursor string `protobuf:"bytes,5,opt,name=cursor,proto3" json:"cursor,omitempty"`
 	// The event reports the running task's new progress (Task.progress, as sent); its state did
 	// not change. At most one such event per task per heartbeat of its worker.
-	Progress      bool `protobuf:"varint,6,opt,name=progress,proto3" json:"progress,omitempty"`
+	Progress bool `protobuf:"varint,6,opt,name=progress,proto3" json:"progress,omitempty"`
+	// The event reports a submission that replaced the task's payload, priority and run_at
+	// (KEY_MODE_REPLACE_PENDING or KEY_MODE_DEBOUNCE); its state did not change.
+	Replaced      bool `protobuf:"varint,7,opt,name=replaced,proto3" json:"replaced,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -898,6 +983,13 @@ func (x *TaskEvent) GetCursor() string {
 func (x *TaskEvent) GetProgress() bool {
 	if x != nil {
 		return x.Progress
+	}
+	return false
+}
+
+func (x *TaskEvent) GetReplaced() bool {
+	if x != nil {
+		return x.Replaced
 	}
 	return false
 }
@@ -1013,7 +1105,8 @@ const file_cronoq_v1_task_proto_rawDesc = "" +
 	"\aTaskRef\x12\x10\n" +
 	"\x02id\x18\x01 \x01(\x04H\x00R\x02id\x12\x12\n" +
 	"\x03key\x18\x02 \x01(\tH\x00R\x03keyB\x05\n" +
-	"\x03ref\"\xdd\t\n" +
+	"\x03ref\"\xb2\n" +
+	"\n" +
 	"\x04Task\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x12\n" +
 	"\x04pool\x18\x02 \x01(\tR\x04pool\x12\x10\n" +
@@ -1052,7 +1145,10 @@ const file_cronoq_v1_task_proto_rawDesc = "" +
 	"\x05trace\x18\x1b \x01(\v2\x17.cronoq.v1.TraceContextR\x05trace\x12J\n" +
 	"\x12dependency_results\x18\x1c \x03(\v2\x1b.cronoq.v1.DependencyResultR\x11dependencyResults\x12\x1b\n" +
 	"\tparent_id\x18\x1d \x01(\x04R\bparentId\x12-\n" +
-	"\brun_when\x18\x1e \x01(\x0e2\x12.cronoq.v1.RunWhenR\arunWhen\x1a<\n" +
+	"\brun_when\x18\x1e \x01(\x0e2\x12.cronoq.v1.RunWhenR\arunWhen\x125\n" +
+	"\bstart_by\x18\x1f \x01(\v2\x1a.google.protobuf.TimestampR\astartBy\x12\x1c\n" +
+	"\n" +
+	"key_ttl_ms\x18  \x01(\x03R\bkeyTtlMs\x1a<\n" +
 	"\x0eResourcesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\xb1\x01\n" +
@@ -1073,14 +1169,15 @@ const file_cronoq_v1_task_proto_rawDesc = "" +
 	"\n" +
 	"tracestate\x18\x02 \x01(\tR\n" +
 	"tracestate\x12\x12\n" +
-	"\x04link\x18\x03 \x01(\bR\x04link\"\xbc\x01\n" +
+	"\x04link\x18\x03 \x01(\bR\x04link\"\xd8\x01\n" +
 	"\tTaskEvent\x12#\n" +
 	"\x04task\x18\x01 \x01(\v2\x0f.cronoq.v1.TaskR\x04task\x12.\n" +
 	"\x04time\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x04time\x12\x14\n" +
 	"\x05shard\x18\x03 \x01(\tR\x05shard\x12\x10\n" +
 	"\x03seq\x18\x04 \x01(\x04R\x03seq\x12\x16\n" +
 	"\x06cursor\x18\x05 \x01(\tR\x06cursor\x12\x1a\n" +
-	"\bprogress\x18\x06 \x01(\bR\bprogress\"\xbf\x02\n" +
+	"\bprogress\x18\x06 \x01(\bR\bprogress\x12\x1a\n" +
+	"\breplaced\x18\a \x01(\bR\breplaced\"\xbf\x02\n" +
 	"\aAttempt\x12\x18\n" +
 	"\aattempt\x18\x01 \x01(\x05R\aattempt\x12\x1b\n" +
 	"\tworker_id\x18\x02 \x01(\tR\bworkerId\x12\x1f\n" +
@@ -1092,7 +1189,7 @@ const file_cronoq_v1_task_proto_rawDesc = "" +
 	"\aoutcome\x18\x06 \x01(\x0e2\x19.cronoq.v1.AttemptOutcomeR\aoutcome\x12\x14\n" +
 	"\x05error\x18\a \x01(\tR\x05error\x12\x1f\n" +
 	"\vduration_ms\x18\b \x01(\x03R\n" +
-	"durationMs*\xba\x01\n" +
+	"durationMs*\xd2\x01\n" +
 	"\tTaskState\x12\x1a\n" +
 	"\x16TASK_STATE_UNSPECIFIED\x10\x00\x12\x16\n" +
 	"\x12TASK_STATE_PENDING\x10\x01\x12\x16\n" +
@@ -1100,7 +1197,13 @@ const file_cronoq_v1_task_proto_rawDesc = "" +
 	"\x12TASK_STATE_RUNNING\x10\x03\x12\x18\n" +
 	"\x14TASK_STATE_SUCCEEDED\x10\x04\x12\x15\n" +
 	"\x11TASK_STATE_FAILED\x10\x05\x12\x18\n" +
-	"\x14TASK_STATE_CANCELLED\x10\x06*i\n" +
+	"\x14TASK_STATE_CANCELLED\x10\x06\x12\x16\n" +
+	"\x12TASK_STATE_EXPIRED\x10\a*v\n" +
+	"\aKeyMode\x12\x18\n" +
+	"\x14KEY_MODE_UNSPECIFIED\x10\x00\x12\x1c\n" +
+	"\x18KEY_MODE_RETURN_EXISTING\x10\x01\x12\x1c\n" +
+	"\x18KEY_MODE_REPLACE_PENDING\x10\x02\x12\x15\n" +
+	"\x11KEY_MODE_DEBOUNCE\x10\x03*i\n" +
 	"\aRunWhen\x12\x18\n" +
 	"\x14RUN_WHEN_UNSPECIFIED\x10\x00\x12#\n" +
 	"\x1fRUN_WHEN_DEPENDENCIES_SUCCEEDED\x10\x01\x12\x1f\n" +
@@ -1126,46 +1229,48 @@ func file_cronoq_v1_task_proto_rawDescGZIP() []byte {
 	return file_cronoq_v1_task_proto_rawDescData
 }
 
-var file_cronoq_v1_task_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
+var file_cronoq_v1_task_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
 var file_cronoq_v1_task_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
 var file_cronoq_v1_task_proto_goTypes = []any{
 	(TaskState)(0),                // 0: cronoq.v1.TaskState
-	(RunWhen)(0),                  // 1: cronoq.v1.RunWhen
-	(AttemptOutcome)(0),           // 2: cronoq.v1.AttemptOutcome
-	(*TaskRef)(nil),               // 3: cronoq.v1.TaskRef
-	(*Task)(nil),                  // 4: cronoq.v1.Task
-	(*DependencyResult)(nil),      // 5: cronoq.v1.DependencyResult
-	(*TaskProgress)(nil),          // 6: cronoq.v1.TaskProgress
-	(*TraceContext)(nil),          // 7: cronoq.v1.TraceContext
-	(*TaskEvent)(nil),             // 8: cronoq.v1.TaskEvent
-	(*Attempt)(nil),               // 9: cronoq.v1.Attempt
-	nil,                           // 10: cronoq.v1.Task.ResourcesEntry
-	(*timestamppb.Timestamp)(nil), // 11: google.protobuf.Timestamp
+	(KeyMode)(0),                  // 1: cronoq.v1.KeyMode
+	(RunWhen)(0),                  // 2: cronoq.v1.RunWhen
+	(AttemptOutcome)(0),           // 3: cronoq.v1.AttemptOutcome
+	(*TaskRef)(nil),               // 4: cronoq.v1.TaskRef
+	(*Task)(nil),                  // 5: cronoq.v1.Task
+	(*DependencyResult)(nil),      // 6: cronoq.v1.DependencyResult
+	(*TaskProgress)(nil),          // 7: cronoq.v1.TaskProgress
+	(*TraceContext)(nil),          // 8: cronoq.v1.TraceContext
+	(*TaskEvent)(nil),             // 9: cronoq.v1.TaskEvent
+	(*Attempt)(nil),               // 10: cronoq.v1.Attempt
+	nil,                           // 11: cronoq.v1.Task.ResourcesEntry
+	(*timestamppb.Timestamp)(nil), // 12: google.protobuf.Timestamp
 }
 var file_cronoq_v1_task_proto_depIdxs = []int32{
-	11, // 0: cronoq.v1.Task.run_at:type_name -> google.protobuf.Timestamp
-	10, // 1: cronoq.v1.Task.resources:type_name -> cronoq.v1.Task.ResourcesEntry
+	12, // 0: cronoq.v1.Task.run_at:type_name -> google.protobuf.Timestamp
+	11, // 1: cronoq.v1.Task.resources:type_name -> cronoq.v1.Task.ResourcesEntry
 	0,  // 2: cronoq.v1.Task.state:type_name -> cronoq.v1.TaskState
-	11, // 3: cronoq.v1.Task.created_at:type_name -> google.protobuf.Timestamp
-	11, // 4: cronoq.v1.Task.started_at:type_name -> google.protobuf.Timestamp
-	11, // 5: cronoq.v1.Task.finished_at:type_name -> google.protobuf.Timestamp
-	11, // 6: cronoq.v1.Task.lease_expires_at:type_name -> google.protobuf.Timestamp
-	6,  // 7: cronoq.v1.Task.progress:type_name -> cronoq.v1.TaskProgress
-	7,  // 8: cronoq.v1.Task.trace:type_name -> cronoq.v1.TraceContext
-	5,  // 9: cronoq.v1.Task.dependency_results:type_name -> cronoq.v1.DependencyResult
-	1,  // 10: cronoq.v1.Task.run_when:type_name -> cronoq.v1.RunWhen
-	0,  // 11: cronoq.v1.DependencyResult.state:type_name -> cronoq.v1.TaskState
-	11, // 12: cronoq.v1.TaskProgress.updated_at:type_name -> google.protobuf.Timestamp
-	4,  // 13: cronoq.v1.TaskEvent.task:type_name -> cronoq.v1.Task
-	11, // 14: cronoq.v1.TaskEvent.time:type_name -> google.protobuf.Timestamp
-	11, // 15: cronoq.v1.Attempt.started_at:type_name -> google.protobuf.Timestamp
-	11, // 16: cronoq.v1.Attempt.ended_at:type_name -> google.protobuf.Timestamp
-	2,  // 17: cronoq.v1.Attempt.outcome:type_name -> cronoq.v1.AttemptOutcome
-	18, // [18:18] is the sub-list for method output_type
-	18, // [18:18] is the sub-list for method input_type
-	18, // [18:18] is the sub-list for extension type_name
-	18, // [18:18] is the sub-list for extension extendee
-	0,  // [0:18] is the sub-list for field type_name
+	12, // 3: cronoq.v1.Task.created_at:type_name -> google.protobuf.Timestamp
+	12, // 4: cronoq.v1.Task.started_at:type_name -> google.protobuf.Timestamp
+	12, // 5: cronoq.v1.Task.finished_at:type_name -> google.protobuf.Timestamp
+	12, // 6: cronoq.v1.Task.lease_expires_at:type_name -> google.protobuf.Timestamp
+	7,  // 7: cronoq.v1.Task.progress:type_name -> cronoq.v1.TaskProgress
+	8,  // 8: cronoq.v1.Task.trace:type_name -> cronoq.v1.TraceContext
+	6,  // 9: cronoq.v1.Task.dependency_results:type_name -> cronoq.v1.DependencyResult
+	2,  // 10: cronoq.v1.Task.run_when:type_name -> cronoq.v1.RunWhen
+	12, // 11: cronoq.v1.Task.start_by:type_name -> google.protobuf.Timestamp
+	0,  // 12: cronoq.v1.DependencyResult.state:type_name -> cronoq.v1.TaskState
+	12, // 13: cronoq.v1.TaskProgress.updated_at:type_name -> google.protobuf.Timestamp
+	5,  // 14: cronoq.v1.TaskEvent.task:type_name -> cronoq.v1.Task
+	12, // 15: cronoq.v1.TaskEvent.time:type_name -> google.protobuf.Timestamp
+	12, // 16: cronoq.v1.Attempt.started_at:type_name -> google.protobuf.Timestamp
+	12, // 17: cronoq.v1.Attempt.ended_at:type_name -> google.protobuf.Timestamp
+	3,  // 18: cronoq.v1.Attempt.outcome:type_name -> cronoq.v1.AttemptOutcome
+	19, // [19:19] is the sub-list for method output_type
+	19, // [19:19] is the sub-list for method input_type
+	19, // [19:19] is the sub-list for extension type_name
+	19, // [19:19] is the sub-list for extension extendee
+	0,  // [0:19] is the sub-list for field type_name
 }
 
 func init() { file_cronoq_v1_task_proto_init() }
@@ -1182,7 +1287,7 @@ func file_cronoq_v1_task_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cronoq_v1_task_proto_rawDesc), len(file_cronoq_v1_task_proto_rawDesc)),
-			NumEnums:      3,
+			NumEnums:      4,
 			NumMessages:   8,
 			NumExtensions: 0,
 			NumServices:   0,

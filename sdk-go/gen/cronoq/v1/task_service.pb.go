@@ -58,7 +58,22 @@ type SubmitTaskRequest struct {
 	// limits.max_dependency_results_bytes, so a submission whose ended dependencies' results are
 	// already over that is refused (RESOURCE_EXHAUSTED, naming them), and a task whose
 	// dependencies end with more ends FAILED, naming them, without running.
-	RunWhen       RunWhen `protobuf:"varint,14,opt,name=run_when,json=runWhen,proto3,enum=cronoq.v1.RunWhen" json:"run_when,omitempty"`
+	RunWhen RunWhen `protobuf:"varint,14,opt,name=run_when,json=runWhen,proto3,enum=cronoq.v1.RunWhen" json:"run_when,omitempty"`
+	// What happens when the key already names a task (unset: the pool's default_key_mode).
+	KeyMode KeyMode `protobuf:"varint,15,opt,name=key_mode,json=keyMode,proto3,enum=cronoq.v1.KeyMode" json:"key_mode,omitempty"`
+	// With KEY_MODE_DEBOUNCE (required there, 1 to 604800000): the task is due this long after
+	// the latest submission of its key. run_at may not be given with it.
+	DebounceMs int64 `protobuf:"varint,16,opt,name=debounce_ms,json=debounceMs,proto3" json:"debounce_ms,omitempty"`
+	// With KEY_MODE_DEBOUNCE (0: no bound; else debounce_ms to 604800000): the task is due at
+	// most this long after the submission that created it, however long the burst lasts.
+	MaxDebounceMs int64 `protobuf:"varint,17,opt,name=max_debounce_ms,json=maxDebounceMs,proto3" json:"max_debounce_ms,omitempty"`
+	// Unique for a period: once the task has ended and this long has passed, its key is free
+	// and a new submission with it creates a new task (the old one stays readable by id).
+	// 0: the key is held until the task is deleted. 0 to 31622400000 (366 days); needs a key.
+	KeyTtlMs int64 `protobuf:"varint,18,opt,name=key_ttl_ms,json=keyTtlMs,proto3" json:"key_ttl_ms,omitempty"`
+	// A deadline to start: a task none of whose attempts has started by then ends EXPIRED
+	// without running (it is never leased after it). Must be after run_at when both are given.
+	StartBy       *timestamppb.Timestamp `protobuf:"bytes,19,opt,name=start_by,json=startBy,proto3" json:"start_by,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -191,11 +206,49 @@ func (x *SubmitTaskRequest) GetRunWhen() RunWhen {
 	return RunWhen_RUN_WHEN_UNSPECIFIED
 }
 
+func (x *SubmitTaskRequest) GetKeyMode() KeyMode {
+	if x != nil {
+		return x.KeyMode
+	}
+	return KeyMode_KEY_MODE_UNSPECIFIED
+}
+
+func (x *SubmitTaskRequest) GetDebounceMs() int64 {
+	if x != nil {
+		return x.DebounceMs
+	}
+	return 0
+}
+
+func (x *SubmitTaskRequest) GetMaxDebounceMs() int64 {
+	if x != nil {
+		return x.MaxDebounceMs
+	}
+	return 0
+}
+
+func (x *SubmitTaskRequest) GetKeyTtlMs() int64 {
+	if x != nil {
+		return x.KeyTtlMs
+	}
+	return 0
+}
+
+func (x *SubmitTaskRequest) GetStartBy() *timestamppb.Timestamp {
+	if x != nil {
+		return x.StartBy
+	}
+	return nil
+}
+
 type SubmitTaskResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Task  *Task                  `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
-	// True when the key already named a task: nothing was created.
-	Deduplicated  bool `protobuf:"varint,2,opt,name=deduplicated,proto3" json:"deduplicated,omitempty"`
+	// True when the key already named a task: nothing was created or changed.
+	Deduplicated bool `protobuf:"varint,2,opt,name=deduplicated,proto3" json:"deduplicated,omitempty"`
+	// True when the key named a PENDING or BLOCKED task whose payload, priority and run_at this
+	// request replaced (KEY_MODE_REPLACE_PENDING, KEY_MODE_DEBOUNCE): nothing was created.
+	Replaced      bool `protobuf:"varint,3,opt,name=replaced,proto3" json:"replaced,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -240,6 +293,13 @@ func (x *SubmitTaskResponse) GetTask() *Task {
 func (x *SubmitTaskResponse) GetDeduplicated() bool {
 	if x != nil {
 		return x.Deduplicated
+	}
+	return false
+}
+
+func (x *SubmitTaskResponse) GetReplaced() bool {
+	if x != nil {
+		return x.Replaced
 	}
 	return false
 }
@@ -303,8 +363,10 @@ type SubmitBatchResponse struct {
 	Tasks []*Task `protobuf:"bytes,1,rep,name=tasks,proto3" json:"tasks,omitempty"`
 	// Ids of the tasks that already existed under their key.
 	DeduplicatedIds []uint64 `protobuf:"varint,2,rep,packed,name=deduplicated_ids,json=deduplicatedIds,proto3" json:"deduplicated_ids,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// Ids of the tasks whose pending submission this batch replaced (see SubmitTaskResponse.replaced).
+	ReplacedIds   []uint64 `protobuf:"varint,3,rep,packed,name=replaced_ids,json=replacedIds,proto3" json:"replaced_ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SubmitBatchResponse) Reset() {
@@ -347,6 +409,13 @@ func (x *SubmitBatchResponse) GetTasks() []*Task {
 func (x *SubmitBatchResponse) GetDeduplicatedIds() []uint64 {
 	if x != nil {
 		return x.DeduplicatedIds
+	}
+	return nil
+}
+
+func (x *SubmitBatchResponse) GetReplacedIds() []uint64 {
+	if x != nil {
+		return x.ReplacedIds
 	}
 	return nil
 }
@@ -1822,7 +1891,7 @@ var File_cronoq_v1_task_service_proto protoreflect.FileDescriptor
 
 const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"\n" +
-	"\x1ccronoq/v1/task_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x14cronoq/v1/task.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xdd\x04\n" +
+	"\x1ccronoq/v1/task_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x14cronoq/v1/task.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xaa\x06\n" +
 	"\x11SubmitTaskRequest\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x10\n" +
 	"\x03key\x18\x02 \x01(\tR\x03key\x12\x18\n" +
@@ -1841,20 +1910,29 @@ const file_cronoq_v1_task_service_proto_rawDesc = "" +
 	"timeout_ms\x18\v \x01(\x03R\ttimeoutMs\x12\x1b\n" +
 	"\tgroup_key\x18\f \x01(\tR\bgroupKey\x12-\n" +
 	"\x05trace\x18\r \x01(\v2\x17.cronoq.v1.TraceContextR\x05trace\x12-\n" +
-	"\brun_when\x18\x0e \x01(\x0e2\x12.cronoq.v1.RunWhenR\arunWhen\x1a<\n" +
+	"\brun_when\x18\x0e \x01(\x0e2\x12.cronoq.v1.RunWhenR\arunWhen\x12-\n" +
+	"\bkey_mode\x18\x0f \x01(\x0e2\x12.cronoq.v1.KeyModeR\akeyMode\x12\x1f\n" +
+	"\vdebounce_ms\x18\x10 \x01(\x03R\n" +
+	"debounceMs\x12&\n" +
+	"\x0fmax_debounce_ms\x18\x11 \x01(\x03R\rmaxDebounceMs\x12\x1c\n" +
+	"\n" +
+	"key_ttl_ms\x18\x12 \x01(\x03R\bkeyTtlMs\x125\n" +
+	"\bstart_by\x18\x13 \x01(\v2\x1a.google.protobuf.TimestampR\astartBy\x1a<\n" +
 	"\x0eResourcesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"]\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"y\n" +
 	"\x12SubmitTaskResponse\x12#\n" +
 	"\x04task\x18\x01 \x01(\v2\x0f.cronoq.v1.TaskR\x04task\x12\"\n" +
-	"\fdeduplicated\x18\x02 \x01(\bR\fdeduplicated\"g\n" +
+	"\fdeduplicated\x18\x02 \x01(\bR\fdeduplicated\x12\x1a\n" +
+	"\breplaced\x18\x03 \x01(\bR\breplaced\"g\n" +
 	"\x12SubmitBatchRequest\x122\n" +
 	"\x05tasks\x18\x01 \x03(\v2\x1c.cronoq.v1.SubmitTaskRequestR\x05tasks\x12\x1d\n" +
 	"\n" +
-	"request_id\x18\x02 \x01(\tR\trequestId\"g\n" +
+	"request_id\x18\x02 \x01(\tR\trequestId\"\x8a\x01\n" +
 	"\x13SubmitBatchResponse\x12%\n" +
 	"\x05tasks\x18\x01 \x03(\v2\x0f.cronoq.v1.TaskR\x05tasks\x12)\n" +
-	"\x10deduplicated_ids\x18\x02 \x03(\x04R\x0fdeduplicatedIds\"\xfb\x01\n" +
+	"\x10deduplicated_ids\x18\x02 \x03(\x04R\x0fdeduplicatedIds\x12!\n" +
+	"\freplaced_ids\x18\x03 \x03(\x04R\vreplacedIds\"\xfb\x01\n" +
 	"\x0eGetTaskRequest\x12&\n" +
 	"\x04task\x18\x01 \x01(\v2\x12.cronoq.v1.TaskRefR\x04task\x12-\n" +
 	"\x12include_dependents\x18\x02 \x01(\bR\x11includeDependents\x12)\n" +
@@ -2049,10 +2127,11 @@ var file_cronoq_v1_task_service_proto_goTypes = []any{
 	(*TaskRef)(nil),               // 28: cronoq.v1.TaskRef
 	(*TraceContext)(nil),          // 29: cronoq.v1.TraceContext
 	(RunWhen)(0),                  // 30: cronoq.v1.RunWhen
-	(*Task)(nil),                  // 31: cronoq.v1.Task
-	(*Attempt)(nil),               // 32: cronoq.v1.Attempt
-	(TaskState)(0),                // 33: cronoq.v1.TaskState
-	(*TaskEvent)(nil),             // 34: cronoq.v1.TaskEvent
+	(KeyMode)(0),                  // 31: cronoq.v1.KeyMode
+	(*Task)(nil),                  // 32: cronoq.v1.Task
+	(*Attempt)(nil),               // 33: cronoq.v1.Attempt
+	(TaskState)(0),                // 34: cronoq.v1.TaskState
+	(*TaskEvent)(nil),             // 35: cronoq.v1.TaskEvent
 }
 var file_cronoq_v1_task_service_proto_depIdxs = []int32{
 	27, // 0: cronoq.v1.SubmitTaskRequest.run_at:type_name -> google.protobuf.Timestamp
@@ -2060,66 +2139,68 @@ var file_cronoq_v1_task_service_proto_depIdxs = []int32{
 	26, // 2: cronoq.v1.SubmitTaskRequest.resources:type_name -> cronoq.v1.SubmitTaskRequest.ResourcesEntry
 	29, // 3: cronoq.v1.SubmitTaskRequest.trace:type_name -> cronoq.v1.TraceContext
 	30, // 4: cronoq.v1.SubmitTaskRequest.run_when:type_name -> cronoq.v1.RunWhen
-	31, // 5: cronoq.v1.SubmitTaskResponse.task:type_name -> cronoq.v1.Task
-	0,  // 6: cronoq.v1.SubmitBatchRequest.tasks:type_name -> cronoq.v1.SubmitTaskRequest
-	31, // 7: cronoq.v1.SubmitBatchResponse.tasks:type_name -> cronoq.v1.Task
-	28, // 8: cronoq.v1.GetTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	31, // 9: cronoq.v1.GetTaskResponse.task:type_name -> cronoq.v1.Task
-	32, // 10: cronoq.v1.GetTaskResponse.attempts:type_name -> cronoq.v1.Attempt
-	31, // 11: cronoq.v1.GetTaskResponse.children:type_name -> cronoq.v1.Task
-	28, // 12: cronoq.v1.WaitTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	31, // 13: cronoq.v1.WaitTaskResponse.task:type_name -> cronoq.v1.Task
-	28, // 14: cronoq.v1.CancelTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	31, // 15: cronoq.v1.CancelTaskResponse.task:type_name -> cronoq.v1.Task
-	28, // 16: cronoq.v1.RetryTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	27, // 17: cronoq.v1.RetryTaskRequest.run_at:type_name -> google.protobuf.Timestamp
-	31, // 18: cronoq.v1.RetryTaskResponse.task:type_name -> cronoq.v1.Task
-	28, // 19: cronoq.v1.DeleteTaskRequest.task:type_name -> cronoq.v1.TaskRef
-	33, // 20: cronoq.v1.TaskFilter.states:type_name -> cronoq.v1.TaskState
-	27, // 21: cronoq.v1.TaskFilter.created_after:type_name -> google.protobuf.Timestamp
-	27, // 22: cronoq.v1.TaskFilter.created_before:type_name -> google.protobuf.Timestamp
-	27, // 23: cronoq.v1.TaskFilter.finished_after:type_name -> google.protobuf.Timestamp
-	27, // 24: cronoq.v1.TaskFilter.finished_before:type_name -> google.protobuf.Timestamp
-	14, // 25: cronoq.v1.CancelTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
-	15, // 26: cronoq.v1.CancelTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
-	14, // 27: cronoq.v1.RetryTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
-	27, // 28: cronoq.v1.RetryTasksRequest.run_at:type_name -> google.protobuf.Timestamp
-	15, // 29: cronoq.v1.RetryTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
-	14, // 30: cronoq.v1.DeleteTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
-	15, // 31: cronoq.v1.DeleteTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
-	33, // 32: cronoq.v1.ListTasksRequest.state:type_name -> cronoq.v1.TaskState
-	14, // 33: cronoq.v1.ListTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
-	31, // 34: cronoq.v1.ListTasksResponse.tasks:type_name -> cronoq.v1.Task
-	34, // 35: cronoq.v1.WatchResponse.event:type_name -> cronoq.v1.TaskEvent
-	0,  // 36: cronoq.v1.TaskService.SubmitTask:input_type -> cronoq.v1.SubmitTaskRequest
-	2,  // 37: cronoq.v1.TaskService.SubmitBatch:input_type -> cronoq.v1.SubmitBatchRequest
-	4,  // 38: cronoq.v1.TaskService.GetTask:input_type -> cronoq.v1.GetTaskRequest
-	6,  // 39: cronoq.v1.TaskService.WaitTask:input_type -> cronoq.v1.WaitTaskRequest
-	8,  // 40: cronoq.v1.TaskService.CancelTask:input_type -> cronoq.v1.CancelTaskRequest
-	10, // 41: cronoq.v1.TaskService.RetryTask:input_type -> cronoq.v1.RetryTaskRequest
-	12, // 42: cronoq.v1.TaskService.DeleteTask:input_type -> cronoq.v1.DeleteTaskRequest
-	16, // 43: cronoq.v1.TaskService.CancelTasks:input_type -> cronoq.v1.CancelTasksRequest
-	18, // 44: cronoq.v1.TaskService.RetryTasks:input_type -> cronoq.v1.RetryTasksRequest
-	20, // 45: cronoq.v1.TaskService.DeleteTasks:input_type -> cronoq.v1.DeleteTasksRequest
-	22, // 46: cronoq.v1.TaskService.ListTasks:input_type -> cronoq.v1.ListTasksRequest
-	24, // 47: cronoq.v1.TaskService.Watch:input_type -> cronoq.v1.WatchRequest
-	1,  // 48: cronoq.v1.TaskService.SubmitTask:output_type -> cronoq.v1.SubmitTaskResponse
-	3,  // 49: cronoq.v1.TaskService.SubmitBatch:output_type -> cronoq.v1.SubmitBatchResponse
-	5,  // 50: cronoq.v1.TaskService.GetTask:output_type -> cronoq.v1.GetTaskResponse
-	7,  // 51: cronoq.v1.TaskService.WaitTask:output_type -> cronoq.v1.WaitTaskResponse
-	9,  // 52: cronoq.v1.TaskService.CancelTask:output_type -> cronoq.v1.CancelTaskResponse
-	11, // 53: cronoq.v1.TaskService.RetryTask:output_type -> cronoq.v1.RetryTaskResponse
-	13, // 54: cronoq.v1.TaskService.DeleteTask:output_type -> cronoq.v1.DeleteTaskResponse
-	17, // 55: cronoq.v1.TaskService.CancelTasks:output_type -> cronoq.v1.CancelTasksResponse
-	19, // 56: cronoq.v1.TaskService.RetryTasks:output_type -> cronoq.v1.RetryTasksResponse
-	21, // 57: cronoq.v1.TaskService.DeleteTasks:output_type -> cronoq.v1.DeleteTasksResponse
-	23, // 58: cronoq.v1.TaskService.ListTasks:output_type -> cronoq.v1.ListTasksResponse
-	25, // 59: cronoq.v1.TaskService.Watch:output_type -> cronoq.v1.WatchResponse
-	48, // [48:60] is the sub-list for method output_type
-	36, // [36:48] is the sub-list for method input_type
-	36, // [36:36] is the sub-list for extension type_name
-	36, // [36:36] is the sub-list for extension extendee
-	0,  // [0:36] is the sub-list for field type_name
+	31, // 5: cronoq.v1.SubmitTaskRequest.key_mode:type_name -> cronoq.v1.KeyMode
+	27, // 6: cronoq.v1.SubmitTaskRequest.start_by:type_name -> google.protobuf.Timestamp
+	32, // 7: cronoq.v1.SubmitTaskResponse.task:type_name -> cronoq.v1.Task
+	0,  // 8: cronoq.v1.SubmitBatchRequest.tasks:type_name -> cronoq.v1.SubmitTaskRequest
+	32, // 9: cronoq.v1.SubmitBatchResponse.tasks:type_name -> cronoq.v1.Task
+	28, // 10: cronoq.v1.GetTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	32, // 11: cronoq.v1.GetTaskResponse.task:type_name -> cronoq.v1.Task
+	33, // 12: cronoq.v1.GetTaskResponse.attempts:type_name -> cronoq.v1.Attempt
+	32, // 13: cronoq.v1.GetTaskResponse.children:type_name -> cronoq.v1.Task
+	28, // 14: cronoq.v1.WaitTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	32, // 15: cronoq.v1.WaitTaskResponse.task:type_name -> cronoq.v1.Task
+	28, // 16: cronoq.v1.CancelTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	32, // 17: cronoq.v1.CancelTaskResponse.task:type_name -> cronoq.v1.Task
+	28, // 18: cronoq.v1.RetryTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	27, // 19: cronoq.v1.RetryTaskRequest.run_at:type_name -> google.protobuf.Timestamp
+	32, // 20: cronoq.v1.RetryTaskResponse.task:type_name -> cronoq.v1.Task
+	28, // 21: cronoq.v1.DeleteTaskRequest.task:type_name -> cronoq.v1.TaskRef
+	34, // 22: cronoq.v1.TaskFilter.states:type_name -> cronoq.v1.TaskState
+	27, // 23: cronoq.v1.TaskFilter.created_after:type_name -> google.protobuf.Timestamp
+	27, // 24: cronoq.v1.TaskFilter.created_before:type_name -> google.protobuf.Timestamp
+	27, // 25: cronoq.v1.TaskFilter.finished_after:type_name -> google.protobuf.Timestamp
+	27, // 26: cronoq.v1.TaskFilter.finished_before:type_name -> google.protobuf.Timestamp
+	14, // 27: cronoq.v1.CancelTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
+	15, // 28: cronoq.v1.CancelTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
+	14, // 29: cronoq.v1.RetryTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
+	27, // 30: cronoq.v1.RetryTasksRequest.run_at:type_name -> google.protobuf.Timestamp
+	15, // 31: cronoq.v1.RetryTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
+	14, // 32: cronoq.v1.DeleteTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
+	15, // 33: cronoq.v1.DeleteTasksResponse.shards:type_name -> cronoq.v1.BulkShardResult
+	34, // 34: cronoq.v1.ListTasksRequest.state:type_name -> cronoq.v1.TaskState
+	14, // 35: cronoq.v1.ListTasksRequest.filter:type_name -> cronoq.v1.TaskFilter
+	32, // 36: cronoq.v1.ListTasksResponse.tasks:type_name -> cronoq.v1.Task
+	35, // 37: cronoq.v1.WatchResponse.event:type_name -> cronoq.v1.TaskEvent
+	0,  // 38: cronoq.v1.TaskService.SubmitTask:input_type -> cronoq.v1.SubmitTaskRequest
+	2,  // 39: cronoq.v1.TaskService.SubmitBatch:input_type -> cronoq.v1.SubmitBatchRequest
+	4,  // 40: cronoq.v1.TaskService.GetTask:input_type -> cronoq.v1.GetTaskRequest
+	6,  // 41: cronoq.v1.TaskService.WaitTask:input_type -> cronoq.v1.WaitTaskRequest
+	8,  // 42: cronoq.v1.TaskService.CancelTask:input_type -> cronoq.v1.CancelTaskRequest
+	10, // 43: cronoq.v1.TaskService.RetryTask:input_type -> cronoq.v1.RetryTaskRequest
+	12, // 44: cronoq.v1.TaskService.DeleteTask:input_type -> cronoq.v1.DeleteTaskRequest
+	16, // 45: cronoq.v1.TaskService.CancelTasks:input_type -> cronoq.v1.CancelTasksRequest
+	18, // 46: cronoq.v1.TaskService.RetryTasks:input_type -> cronoq.v1.RetryTasksRequest
+	20, // 47: cronoq.v1.TaskService.DeleteTasks:input_type -> cronoq.v1.DeleteTasksRequest
+	22, // 48: cronoq.v1.TaskService.ListTasks:input_type -> cronoq.v1.ListTasksRequest
+	24, // 49: cronoq.v1.TaskService.Watch:input_type -> cronoq.v1.WatchRequest
+	1,  // 50: cronoq.v1.TaskService.SubmitTask:output_type -> cronoq.v1.SubmitTaskResponse
+	3,  // 51: cronoq.v1.TaskService.SubmitBatch:output_type -> cronoq.v1.SubmitBatchResponse
+	5,  // 52: cronoq.v1.TaskService.GetTask:output_type -> cronoq.v1.GetTaskResponse
+	7,  // 53: cronoq.v1.TaskService.WaitTask:output_type -> cronoq.v1.WaitTaskResponse
+	9,  // 54: cronoq.v1.TaskService.CancelTask:output_type -> cronoq.v1.CancelTaskResponse
+	11, // 55: cronoq.v1.TaskService.RetryTask:output_type -> cronoq.v1.RetryTaskResponse
+	13, // 56: cronoq.v1.TaskService.DeleteTask:output_type -> cronoq.v1.DeleteTaskResponse
+	17, // 57: cronoq.v1.TaskService.CancelTasks:output_type -> cronoq.v1.CancelTasksResponse
+	19, // 58: cronoq.v1.TaskService.RetryTasks:output_type -> cronoq.v1.RetryTasksResponse
+	21, // 59: cronoq.v1.TaskService.DeleteTasks:output_type -> cronoq.v1.DeleteTasksResponse
+	23, // 60: cronoq.v1.TaskService.ListTasks:output_type -> cronoq.v1.ListTasksResponse
+	25, // 61: cronoq.v1.TaskService.Watch:output_type -> cronoq.v1.WatchResponse
+	50, // [50:62] is the sub-list for method output_type
+	38, // [38:50] is the sub-list for method input_type
+	38, // [38:38] is the sub-list for extension type_name
+	38, // [38:38] is the sub-list for extension extendee
+	0,  // [0:38] is the sub-list for field type_name
 }
 
 func init() { file_cronoq_v1_task_service_proto_init() }

@@ -21,6 +21,8 @@ export enum TaskState {
   TASK_STATE_SUCCEEDED = 4,
   TASK_STATE_FAILED = 5,
   TASK_STATE_CANCELLED = 6,
+  /** TASK_STATE_EXPIRED - Not started by its start_by: ended without running (a failure, to its dependents). */
+  TASK_STATE_EXPIRED = 7,
   UNRECOGNIZED = -1,
 }
 
@@ -47,6 +49,9 @@ export function taskStateFromJSON(object: any): TaskState {
     case 6:
     case "TASK_STATE_CANCELLED":
       return TaskState.TASK_STATE_CANCELLED;
+    case 7:
+    case "TASK_STATE_EXPIRED":
+      return TaskState.TASK_STATE_EXPIRED;
     case -1:
     case "UNRECOGNIZED":
     default:
@@ -70,7 +75,66 @@ export function taskStateToJSON(object: TaskState): string {
       return "TASK_STATE_FAILED";
     case TaskState.TASK_STATE_CANCELLED:
       return "TASK_STATE_CANCELLED";
+    case TaskState.TASK_STATE_EXPIRED:
+      return "TASK_STATE_EXPIRED";
     case TaskState.UNRECOGNIZED:
+    default:
+      return "UNRECOGNIZED";
+  }
+}
+
+/** What a submission whose key already names a task does (SubmitTaskRequest.key_mode). */
+export enum KeyMode {
+  /** KEY_MODE_UNSPECIFIED - The pool's default_key_mode (KEY_MODE_RETURN_EXISTING unless configured). */
+  KEY_MODE_UNSPECIFIED = 0,
+  /** KEY_MODE_RETURN_EXISTING - Nothing changes: the existing task is returned (SubmitTaskResponse.deduplicated). */
+  KEY_MODE_RETURN_EXISTING = 1,
+  /**
+   * KEY_MODE_REPLACE_PENDING - While the existing task is PENDING or BLOCKED (and of the same pool), its payload,
+   * content_type, priority and run_at become the request's (SubmitTaskResponse.replaced);
+   * once it runs or has ended, as KEY_MODE_RETURN_EXISTING.
+   */
+  KEY_MODE_REPLACE_PENDING = 2,
+  /**
+   * KEY_MODE_DEBOUNCE - As KEY_MODE_REPLACE_PENDING, and the task is due debounce_ms after each submission, but
+   * never later than max_debounce_ms after the first (when given): a burst runs once, after it.
+   */
+  KEY_MODE_DEBOUNCE = 3,
+  UNRECOGNIZED = -1,
+}
+
+export function keyModeFromJSON(object: any): KeyMode {
+  switch (object) {
+    case 0:
+    case "KEY_MODE_UNSPECIFIED":
+      return KeyMode.KEY_MODE_UNSPECIFIED;
+    case 1:
+    case "KEY_MODE_RETURN_EXISTING":
+      return KeyMode.KEY_MODE_RETURN_EXISTING;
+    case 2:
+    case "KEY_MODE_REPLACE_PENDING":
+      return KeyMode.KEY_MODE_REPLACE_PENDING;
+    case 3:
+    case "KEY_MODE_DEBOUNCE":
+      return KeyMode.KEY_MODE_DEBOUNCE;
+    case -1:
+    case "UNRECOGNIZED":
+    default:
+      return KeyMode.UNRECOGNIZED;
+  }
+}
+
+export function keyModeToJSON(object: KeyMode): string {
+  switch (object) {
+    case KeyMode.KEY_MODE_UNSPECIFIED:
+      return "KEY_MODE_UNSPECIFIED";
+    case KeyMode.KEY_MODE_RETURN_EXISTING:
+      return "KEY_MODE_RETURN_EXISTING";
+    case KeyMode.KEY_MODE_REPLACE_PENDING:
+      return "KEY_MODE_REPLACE_PENDING";
+    case KeyMode.KEY_MODE_DEBOUNCE:
+      return "KEY_MODE_DEBOUNCE";
+    case KeyMode.UNRECOGNIZED:
     default:
       return "UNRECOGNIZED";
   }
@@ -260,6 +324,12 @@ export interface Task {
   parentId: bigint;
   /** When it runs, given its dependencies (SubmitTaskRequest.run_when, as resolved). */
   runWhen: RunWhen;
+  /** The task ends EXPIRED if no attempt has started by then (SubmitTaskRequest.start_by). */
+  startBy:
+    | Timestamp
+    | undefined;
+  /** How long its key stays held after it ended, in milliseconds (0: until it is deleted). */
+  keyTtlMs: bigint;
 }
 
 export interface Task_ResourcesEntry {
@@ -335,6 +405,11 @@ export interface TaskEvent {
    * not change. At most one such event per task per heartbeat of its worker.
    */
   progress: boolean;
+  /**
+   * The event reports a submission that replaced the task's payload, priority and run_at
+   * (KEY_MODE_REPLACE_PENDING or KEY_MODE_DEBOUNCE); its state did not change.
+   */
+  replaced: boolean;
 }
 
 /** One attempt of a task, kept with it until the task is deleted or purged. */
@@ -471,6 +546,8 @@ function createBaseTask(): Task {
     dependencyResults: [],
     parentId: 0n,
     runWhen: 0,
+    startBy: undefined,
+    keyTtlMs: 0n,
   };
 }
 
@@ -581,6 +658,15 @@ export const Task: MessageFns<Task> = {
     }
     if (message.runWhen !== 0) {
       writer.uint32(240).int32(message.runWhen);
+    }
+    if (message.startBy !== undefined) {
+      Timestamp.encode(message.startBy, writer.uint32(250).fork()).join();
+    }
+    if (message.keyTtlMs !== 0n) {
+      if (BigInt.asIntN(64, message.keyTtlMs) !== message.keyTtlMs) {
+        throw new globalThis.Error("value provided for field message.keyTtlMs of type int64 too large");
+      }
+      writer.uint32(256).int64(message.keyTtlMs);
     }
     return writer;
   },
@@ -851,6 +937,22 @@ export const Task: MessageFns<Task> = {
             message.runWhen = reader.int32() as any;
             continue;
           }
+          case 31: {
+            if (tag !== 250) {
+              break;
+            }
+
+            message.startBy = Timestamp.decode(reader, reader.uint32());
+            continue;
+          }
+          case 32: {
+            if (tag !== 256) {
+              break;
+            }
+
+            message.keyTtlMs = reader.int64() as bigint;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -972,6 +1074,16 @@ export const Task: MessageFns<Task> = {
         : isSet(object.run_when)
         ? runWhenFromJSON(object.run_when)
         : 0,
+      startBy: isSet(object.startBy)
+        ? fromJsonTimestamp(object.startBy)
+        : isSet(object.start_by)
+        ? fromJsonTimestamp(object.start_by)
+        : undefined,
+      keyTtlMs: isSet(object.keyTtlMs)
+        ? BigInt(object.keyTtlMs)
+        : isSet(object.key_ttl_ms)
+        ? BigInt(object.key_ttl_ms)
+        : 0n,
     };
   },
 
@@ -1073,6 +1185,12 @@ export const Task: MessageFns<Task> = {
     if (message.runWhen !== 0) {
       obj.runWhen = runWhenToJSON(message.runWhen);
     }
+    if (message.startBy !== undefined) {
+      obj.startBy = fromTimestamp(message.startBy).toISOString();
+    }
+    if (message.keyTtlMs !== 0n) {
+      obj.keyTtlMs = message.keyTtlMs.toString();
+    }
     return obj;
   },
 
@@ -1133,6 +1251,10 @@ export const Task: MessageFns<Task> = {
     message.dependencyResults = object.dependencyResults?.map((e) => DependencyResult.fromPartial(e)) || [];
     message.parentId = (object.parentId !== undefined && object.parentId !== null) ? BigInt(object.parentId) : 0n;
     message.runWhen = object.runWhen ?? 0;
+    message.startBy = (object.startBy !== undefined && object.startBy !== null)
+      ? Timestamp.fromPartial(object.startBy)
+      : undefined;
+    message.keyTtlMs = (object.keyTtlMs !== undefined && object.keyTtlMs !== null) ? BigInt(object.keyTtlMs) : 0n;
     return message;
   },
 };
@@ -1590,7 +1712,7 @@ export const TraceContext: MessageFns<TraceContext> = {
 };
 
 function createBaseTaskEvent(): TaskEvent {
-  return { task: undefined, time: undefined, shard: "", seq: 0n, cursor: "", progress: false };
+  return { task: undefined, time: undefined, shard: "", seq: 0n, cursor: "", progress: false, replaced: false };
 }
 
 export const TaskEvent: MessageFns<TaskEvent> = {
@@ -1615,6 +1737,9 @@ export const TaskEvent: MessageFns<TaskEvent> = {
     }
     if (message.progress !== false) {
       writer.uint32(48).bool(message.progress);
+    }
+    if (message.replaced !== false) {
+      writer.uint32(56).bool(message.replaced);
     }
     return writer;
   },
@@ -1680,6 +1805,14 @@ export const TaskEvent: MessageFns<TaskEvent> = {
             message.progress = reader.bool();
             continue;
           }
+          case 7: {
+            if (tag !== 56) {
+              break;
+            }
+
+            message.replaced = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1700,6 +1833,7 @@ export const TaskEvent: MessageFns<TaskEvent> = {
       seq: isSet(object.seq) ? BigInt(object.seq) : 0n,
       cursor: isSet(object.cursor) ? globalThis.String(object.cursor) : "",
       progress: isSet(object.progress) ? globalThis.Boolean(object.progress) : false,
+      replaced: isSet(object.replaced) ? globalThis.Boolean(object.replaced) : false,
     };
   },
 
@@ -1723,6 +1857,9 @@ export const TaskEvent: MessageFns<TaskEvent> = {
     if (message.progress !== false) {
       obj.progress = message.progress;
     }
+    if (message.replaced !== false) {
+      obj.replaced = message.replaced;
+    }
     return obj;
   },
 
@@ -1737,6 +1874,7 @@ export const TaskEvent: MessageFns<TaskEvent> = {
     message.seq = (object.seq !== undefined && object.seq !== null) ? BigInt(object.seq) : 0n;
     message.cursor = object.cursor ?? "";
     message.progress = object.progress ?? false;
+    message.replaced = object.replaced ?? false;
     return message;
   },
 };

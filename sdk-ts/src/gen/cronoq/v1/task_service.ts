@@ -23,6 +23,9 @@ import {
 import { Timestamp } from "../../google/protobuf/timestamp.js";
 import {
   Attempt,
+  KeyMode,
+  keyModeFromJSON,
+  keyModeToJSON,
   RunWhen,
   runWhenFromJSON,
   runWhenToJSON,
@@ -89,6 +92,29 @@ export interface SubmitTaskRequest {
    * dependencies end with more ends FAILED, naming them, without running.
    */
   runWhen: RunWhen;
+  /** What happens when the key already names a task (unset: the pool's default_key_mode). */
+  keyMode: KeyMode;
+  /**
+   * With KEY_MODE_DEBOUNCE (required there, 1 to 604800000): the task is due this long after
+   * the latest submission of its key. run_at may not be given with it.
+   */
+  debounceMs: bigint;
+  /**
+   * With KEY_MODE_DEBOUNCE (0: no bound; else debounce_ms to 604800000): the task is due at
+   * most this long after the submission that created it, however long the burst lasts.
+   */
+  maxDebounceMs: bigint;
+  /**
+   * Unique for a period: once the task has ended and this long has passed, its key is free
+   * and a new submission with it creates a new task (the old one stays readable by id).
+   * 0: the key is held until the task is deleted. 0 to 31622400000 (366 days); needs a key.
+   */
+  keyTtlMs: bigint;
+  /**
+   * A deadline to start: a task none of whose attempts has started by then ends EXPIRED
+   * without running (it is never leased after it). Must be after run_at when both are given.
+   */
+  startBy: Timestamp | undefined;
 }
 
 export interface SubmitTaskRequest_ResourcesEntry {
@@ -100,8 +126,13 @@ export interface SubmitTaskResponse {
   task:
     | Task
     | undefined;
-  /** True when the key already named a task: nothing was created. */
+  /** True when the key already named a task: nothing was created or changed. */
   deduplicated: boolean;
+  /**
+   * True when the key named a PENDING or BLOCKED task whose payload, priority and run_at this
+   * request replaced (KEY_MODE_REPLACE_PENDING, KEY_MODE_DEBOUNCE): nothing was created.
+   */
+  replaced: boolean;
 }
 
 export interface SubmitBatchRequest {
@@ -115,6 +146,8 @@ export interface SubmitBatchResponse {
   tasks: Task[];
   /** Ids of the tasks that already existed under their key. */
   deduplicatedIds: bigint[];
+  /** Ids of the tasks whose pending submission this batch replaced (see SubmitTaskResponse.replaced). */
+  replacedIds: bigint[];
 }
 
 export interface GetTaskRequest {
@@ -379,6 +412,11 @@ function createBaseSubmitTaskRequest(): SubmitTaskRequest {
     groupKey: "",
     trace: undefined,
     runWhen: 0,
+    keyMode: 0,
+    debounceMs: 0n,
+    maxDebounceMs: 0n,
+    keyTtlMs: 0n,
+    startBy: undefined,
   };
 }
 
@@ -428,6 +466,30 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
     }
     if (message.runWhen !== 0) {
       writer.uint32(112).int32(message.runWhen);
+    }
+    if (message.keyMode !== 0) {
+      writer.uint32(120).int32(message.keyMode);
+    }
+    if (message.debounceMs !== 0n) {
+      if (BigInt.asIntN(64, message.debounceMs) !== message.debounceMs) {
+        throw new globalThis.Error("value provided for field message.debounceMs of type int64 too large");
+      }
+      writer.uint32(128).int64(message.debounceMs);
+    }
+    if (message.maxDebounceMs !== 0n) {
+      if (BigInt.asIntN(64, message.maxDebounceMs) !== message.maxDebounceMs) {
+        throw new globalThis.Error("value provided for field message.maxDebounceMs of type int64 too large");
+      }
+      writer.uint32(136).int64(message.maxDebounceMs);
+    }
+    if (message.keyTtlMs !== 0n) {
+      if (BigInt.asIntN(64, message.keyTtlMs) !== message.keyTtlMs) {
+        throw new globalThis.Error("value provided for field message.keyTtlMs of type int64 too large");
+      }
+      writer.uint32(144).int64(message.keyTtlMs);
+    }
+    if (message.startBy !== undefined) {
+      Timestamp.encode(message.startBy, writer.uint32(154).fork()).join();
     }
     return writer;
   },
@@ -560,6 +622,46 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
             message.runWhen = reader.int32() as any;
             continue;
           }
+          case 15: {
+            if (tag !== 120) {
+              break;
+            }
+
+            message.keyMode = reader.int32() as any;
+            continue;
+          }
+          case 16: {
+            if (tag !== 128) {
+              break;
+            }
+
+            message.debounceMs = reader.int64() as bigint;
+            continue;
+          }
+          case 17: {
+            if (tag !== 136) {
+              break;
+            }
+
+            message.maxDebounceMs = reader.int64() as bigint;
+            continue;
+          }
+          case 18: {
+            if (tag !== 144) {
+              break;
+            }
+
+            message.keyTtlMs = reader.int64() as bigint;
+            continue;
+          }
+          case 19: {
+            if (tag !== 154) {
+              break;
+            }
+
+            message.startBy = Timestamp.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -633,6 +735,31 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
         : isSet(object.run_when)
         ? runWhenFromJSON(object.run_when)
         : 0,
+      keyMode: isSet(object.keyMode)
+        ? keyModeFromJSON(object.keyMode)
+        : isSet(object.key_mode)
+        ? keyModeFromJSON(object.key_mode)
+        : 0,
+      debounceMs: isSet(object.debounceMs)
+        ? BigInt(object.debounceMs)
+        : isSet(object.debounce_ms)
+        ? BigInt(object.debounce_ms)
+        : 0n,
+      maxDebounceMs: isSet(object.maxDebounceMs)
+        ? BigInt(object.maxDebounceMs)
+        : isSet(object.max_debounce_ms)
+        ? BigInt(object.max_debounce_ms)
+        : 0n,
+      keyTtlMs: isSet(object.keyTtlMs)
+        ? BigInt(object.keyTtlMs)
+        : isSet(object.key_ttl_ms)
+        ? BigInt(object.key_ttl_ms)
+        : 0n,
+      startBy: isSet(object.startBy)
+        ? fromJsonTimestamp(object.startBy)
+        : isSet(object.start_by)
+        ? fromJsonTimestamp(object.start_by)
+        : undefined,
     };
   },
 
@@ -686,6 +813,21 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
     if (message.runWhen !== 0) {
       obj.runWhen = runWhenToJSON(message.runWhen);
     }
+    if (message.keyMode !== 0) {
+      obj.keyMode = keyModeToJSON(message.keyMode);
+    }
+    if (message.debounceMs !== 0n) {
+      obj.debounceMs = message.debounceMs.toString();
+    }
+    if (message.maxDebounceMs !== 0n) {
+      obj.maxDebounceMs = message.maxDebounceMs.toString();
+    }
+    if (message.keyTtlMs !== 0n) {
+      obj.keyTtlMs = message.keyTtlMs.toString();
+    }
+    if (message.startBy !== undefined) {
+      obj.startBy = fromTimestamp(message.startBy).toISOString();
+    }
     return obj;
   },
 
@@ -720,6 +862,17 @@ export const SubmitTaskRequest: MessageFns<SubmitTaskRequest> = {
       ? TraceContext.fromPartial(object.trace)
       : undefined;
     message.runWhen = object.runWhen ?? 0;
+    message.keyMode = object.keyMode ?? 0;
+    message.debounceMs = (object.debounceMs !== undefined && object.debounceMs !== null)
+      ? BigInt(object.debounceMs)
+      : 0n;
+    message.maxDebounceMs = (object.maxDebounceMs !== undefined && object.maxDebounceMs !== null)
+      ? BigInt(object.maxDebounceMs)
+      : 0n;
+    message.keyTtlMs = (object.keyTtlMs !== undefined && object.keyTtlMs !== null) ? BigInt(object.keyTtlMs) : 0n;
+    message.startBy = (object.startBy !== undefined && object.startBy !== null)
+      ? Timestamp.fromPartial(object.startBy)
+      : undefined;
     return message;
   },
 };
@@ -817,7 +970,7 @@ export const SubmitTaskRequest_ResourcesEntry: MessageFns<SubmitTaskRequest_Reso
 };
 
 function createBaseSubmitTaskResponse(): SubmitTaskResponse {
-  return { task: undefined, deduplicated: false };
+  return { task: undefined, deduplicated: false, replaced: false };
 }
 
 export const SubmitTaskResponse: MessageFns<SubmitTaskResponse> = {
@@ -827,6 +980,9 @@ export const SubmitTaskResponse: MessageFns<SubmitTaskResponse> = {
     }
     if (message.deduplicated !== false) {
       writer.uint32(16).bool(message.deduplicated);
+    }
+    if (message.replaced !== false) {
+      writer.uint32(24).bool(message.replaced);
     }
     return writer;
   },
@@ -860,6 +1016,14 @@ export const SubmitTaskResponse: MessageFns<SubmitTaskResponse> = {
             message.deduplicated = reader.bool();
             continue;
           }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.replaced = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -876,6 +1040,7 @@ export const SubmitTaskResponse: MessageFns<SubmitTaskResponse> = {
     return {
       task: isSet(object.task) ? Task.fromJSON(object.task) : undefined,
       deduplicated: isSet(object.deduplicated) ? globalThis.Boolean(object.deduplicated) : false,
+      replaced: isSet(object.replaced) ? globalThis.Boolean(object.replaced) : false,
     };
   },
 
@@ -887,6 +1052,9 @@ export const SubmitTaskResponse: MessageFns<SubmitTaskResponse> = {
     if (message.deduplicated !== false) {
       obj.deduplicated = message.deduplicated;
     }
+    if (message.replaced !== false) {
+      obj.replaced = message.replaced;
+    }
     return obj;
   },
 
@@ -897,6 +1065,7 @@ export const SubmitTaskResponse: MessageFns<SubmitTaskResponse> = {
     const message = createBaseSubmitTaskResponse();
     message.task = (object.task !== undefined && object.task !== null) ? Task.fromPartial(object.task) : undefined;
     message.deduplicated = object.deduplicated ?? false;
+    message.replaced = object.replaced ?? false;
     return message;
   },
 };
@@ -991,7 +1160,7 @@ export const SubmitBatchRequest: MessageFns<SubmitBatchRequest> = {
 };
 
 function createBaseSubmitBatchResponse(): SubmitBatchResponse {
-  return { tasks: [], deduplicatedIds: [] };
+  return { tasks: [], deduplicatedIds: [], replacedIds: [] };
 }
 
 export const SubmitBatchResponse: MessageFns<SubmitBatchResponse> = {
@@ -1004,6 +1173,16 @@ export const SubmitBatchResponse: MessageFns<SubmitBatchResponse> = {
       for (const v of message.deduplicatedIds) {
         if (BigInt.asUintN(64, v) !== v) {
           throw new globalThis.Error("a value provided in array field deduplicatedIds of type uint64 is too large");
+        }
+        writer.uint64(v);
+      }
+      writer.join();
+    }
+    if (message.replacedIds.length !== 0) {
+      writer.uint32(26).fork();
+      for (const v of message.replacedIds) {
+        if (BigInt.asUintN(64, v) !== v) {
+          throw new globalThis.Error("a value provided in array field replacedIds of type uint64 is too large");
         }
         writer.uint64(v);
       }
@@ -1051,6 +1230,24 @@ export const SubmitBatchResponse: MessageFns<SubmitBatchResponse> = {
 
             break;
           }
+          case 3: {
+            if (tag === 24) {
+              message.replacedIds.push(reader.uint64() as bigint);
+
+              continue;
+            }
+
+            if (tag === 26) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.replacedIds.push(reader.uint64() as bigint);
+              }
+
+              continue;
+            }
+
+            break;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1071,6 +1268,11 @@ export const SubmitBatchResponse: MessageFns<SubmitBatchResponse> = {
         : globalThis.Array.isArray(object?.deduplicated_ids)
         ? object.deduplicated_ids.map((e: any) => BigInt(e))
         : [],
+      replacedIds: globalThis.Array.isArray(object?.replacedIds)
+        ? object.replacedIds.map((e: any) => BigInt(e))
+        : globalThis.Array.isArray(object?.replaced_ids)
+        ? object.replaced_ids.map((e: any) => BigInt(e))
+        : [],
     };
   },
 
@@ -1082,6 +1284,9 @@ export const SubmitBatchResponse: MessageFns<SubmitBatchResponse> = {
     if (message.deduplicatedIds?.length) {
       obj.deduplicatedIds = message.deduplicatedIds.map((e) => e.toString());
     }
+    if (message.replacedIds?.length) {
+      obj.replacedIds = message.replacedIds.map((e) => e.toString());
+    }
     return obj;
   },
 
@@ -1092,6 +1297,7 @@ export const SubmitBatchResponse: MessageFns<SubmitBatchResponse> = {
     const message = createBaseSubmitBatchResponse();
     message.tasks = object.tasks?.map((e) => Task.fromPartial(e)) || [];
     message.deduplicatedIds = object.deduplicatedIds?.map((e) => BigInt(e)) || [];
+    message.replacedIds = object.replacedIds?.map((e) => BigInt(e)) || [];
     return message;
   },
 };
