@@ -67,12 +67,31 @@ type TaskSpec struct {
 	Pool string
 	// Payload: []byte as it is, anything else as JSON (see EncodePayload).
 	Payload any
-	// Key deduplicates within a shard: a known key returns the existing task.
-	Key      string
+	// Key deduplicates within a shard: a known key returns the existing task, or updates it
+	// as KeyMode says.
+	Key string
+	// KeyMode: what a submission whose key already names a task does; the zero value takes
+	// the pool's default_key_mode (KeyModeReturnExisting unless configured). Needs a Key.
+	KeyMode KeyMode
+	// Debounce, with KeyModeDebounce (1 ms to 7 days; 0: the pool's debounce, which it then
+	// needs): the task is due this long after the latest submission of its key. RunAt and
+	// Delay may not be given with KeyModeDebounce.
+	Debounce time.Duration
+	// MaxDebounce, with KeyModeDebounce (0: no bound, or the pool's max_debounce; else Debounce
+	// to 7 days): the task is due at most this long after the submission that created it,
+	// however long the burst lasts.
+	MaxDebounce time.Duration
+	// KeyTTL: unique for a period: once the task has ended and this long has passed, its key
+	// is free and a new submission with it creates a new task (0: held until the task is
+	// deleted; at most 366 days). Needs a Key.
+	KeyTTL   time.Duration
 	Priority int32
 	// RunAt: not before this time; Delay: not before now + Delay (RunAt wins when both are set).
 	RunAt time.Time
 	Delay time.Duration
+	// StartBy: a deadline to start: a task none of whose attempts has started by then ends
+	// TaskStateExpired without running. After RunAt (or now + Delay) when given; zero: none.
+	StartBy time.Time
 	// MaxAttempts: 0 takes the pool's default.
 	MaxAttempts int32
 	// DependsOn: tasks of the same shard (a batch may name its own keys).
@@ -103,11 +122,19 @@ func (s TaskSpec) proto() (*cronoqv1.SubmitTaskRequest, error) {
 		Resources:   s.Resources,
 		GroupKey:    s.GroupKey,
 		RunWhen:     s.RunWhen,
+		KeyMode:     s.KeyMode,
+		// Negative durations are sent as they are, for the checks to name them.
+		DebounceMs:    milliseconds(s.Debounce),
+		MaxDebounceMs: milliseconds(s.MaxDebounce),
+		KeyTtlMs:      milliseconds(s.KeyTTL),
 	}
 	if s.Timeout > 0 {
-		req.TimeoutMs = max(s.Timeout.Milliseconds(), 1)
+		req.TimeoutMs = milliseconds(s.Timeout)
 	}
 	req.RunAt = runAt(s.RunAt, s.Delay)
+	if !s.StartBy.IsZero() {
+		req.StartBy = timestamppb.New(s.StartBy)
+	}
 	for _, d := range s.DependsOn {
 		ref, err := d.proto()
 		if err != nil {
@@ -116,6 +143,18 @@ func (s TaskSpec) proto() (*cronoqv1.SubmitTaskRequest, error) {
 		req.DependsOn = append(req.DependsOn, ref)
 	}
 	return req, nil
+}
+
+// milliseconds is d in whole milliseconds, at least 1 (or -1) for a d shorter than one, so
+// that a duration given is never sent as "none".
+func milliseconds(d time.Duration) int64 {
+	switch {
+	case d > 0:
+		return max(d.Milliseconds(), 1)
+	case d < 0:
+		return min(d.Milliseconds(), -1)
+	}
+	return 0
 }
 
 // runAt is "not before at, or now + delay": nil (now) when neither is set; at wins.
@@ -140,8 +179,12 @@ func NewRequestID() string {
 // Submitted is a submission's answer.
 type Submitted struct {
 	Task *Task
-	// Deduplicated: the key already named a task; nothing was created.
+	// Deduplicated: the key already named a task; nothing was created or changed.
 	Deduplicated bool
+	// Replaced: the key named a PENDING or BLOCKED task whose payload, content type, priority
+	// and run_at this submission replaced (KeyModeReplacePending, KeyModeDebounce); nothing
+	// was created.
+	Replaced bool
 }
 
 // Submit submits one task. Every transport retry of the call carries the same request id,
@@ -163,11 +206,12 @@ func (c *Client) Submit(ctx context.Context, spec TaskSpec) (*Submitted, error) 
 	if err != nil {
 		return nil, err
 	}
-	return &Submitted{Task: resp.GetTask(), Deduplicated: resp.GetDeduplicated()}, nil
+	return &Submitted{Task: resp.GetTask(), Deduplicated: resp.GetDeduplicated(), Replaced: resp.GetReplaced()}, nil
 }
 
 // SubmitBatch admits every task or none; tasks may depend on the batch's own keys.
-// The answer lists the tasks in the order given, and the ids that already existed. Each task
+// The answer lists the tasks in the order given, the ids that already existed
+// (DeduplicatedIds) and those whose pending task it replaced (ReplacedIds). Each task
 // carries ctx's trace context, as Submit's does.
 func (c *Client) SubmitBatch(ctx context.Context, specs []TaskSpec) (*cronoqv1.SubmitBatchResponse, error) {
 	req := &cronoqv1.SubmitBatchRequest{RequestId: NewRequestID()}
@@ -362,8 +406,8 @@ func (c *Client) Retry(ctx context.Context, ref TaskRef, opts RetryOptions) (*Re
 	return &Retried{Task: resp.GetTask(), DependentsRestored: resp.GetDependentsRestored()}, nil
 }
 
-// Delete deletes an ended task (SUCCEEDED, FAILED or CANCELLED) with its attempts and
-// events, and returns its id. An unfinished task is FAILED_PRECONDITION (Cancel it first).
+// Delete deletes an ended task (SUCCEEDED, FAILED, CANCELLED or EXPIRED) with its attempts
+// and events, and returns its id. An unfinished task is FAILED_PRECONDITION (Cancel it first).
 func (c *Client) Delete(ctx context.Context, ref TaskRef) (uint64, error) {
 	r, err := ref.proto()
 	if err != nil {
@@ -383,7 +427,7 @@ type TaskFilter struct {
 	// Pool: empty for every pool the caller may act on.
 	Pool string
 	// States: empty for every state the action applies to (cancel: PENDING, BLOCKED,
-	// RUNNING; retry: FAILED, CANCELLED; delete: SUCCEEDED, FAILED, CANCELLED); a state
+	// RUNNING; retry: FAILED, CANCELLED; delete: SUCCEEDED, FAILED, CANCELLED, EXPIRED); a state
 	// outside those is refused.
 	States []TaskState
 	// Created and finished within these bounds (a zero time: no bound).

@@ -41,6 +41,9 @@ const (
 	TaskStateSucceeded = cronoqv1.TaskState_TASK_STATE_SUCCEEDED
 	TaskStateFailed    = cronoqv1.TaskState_TASK_STATE_FAILED
 	TaskStateCancelled = cronoqv1.TaskState_TASK_STATE_CANCELLED
+	// TaskStateExpired: not started by its TaskSpec.StartBy, it ended without running (a
+	// failure, to the tasks that depend on it).
+	TaskStateExpired = cronoqv1.TaskState_TASK_STATE_EXPIRED
 )
 
 // Attempt is one attempt of a task (the generated cronoq.v1.Attempt): GetWithAttempts.
@@ -81,6 +84,24 @@ const (
 	RunWhenDependenciesEnded = cronoqv1.RunWhen_RUN_WHEN_DEPENDENCIES_ENDED
 )
 
+// KeyMode is what a submission whose key already names a task does (TaskSpec.KeyMode).
+type KeyMode = cronoqv1.KeyMode
+
+// The KeyMode values; the zero value takes the pool's default_key_mode (KeyModeReturnExisting
+// unless configured).
+const (
+	// KeyModeReturnExisting: nothing changes, the existing task is returned (Submitted.Deduplicated).
+	KeyModeReturnExisting = cronoqv1.KeyMode_KEY_MODE_RETURN_EXISTING
+	// KeyModeReplacePending: while the existing task is PENDING or BLOCKED (in the same pool),
+	// its payload, content type, priority and run_at become the submission's
+	// (Submitted.Replaced); once it runs or has ended, as KeyModeReturnExisting.
+	KeyModeReplacePending = cronoqv1.KeyMode_KEY_MODE_REPLACE_PENDING
+	// KeyModeDebounce: as KeyModeReplacePending, and the task is due TaskSpec.Debounce after
+	// each submission, but never later than TaskSpec.MaxDebounce after the first (when set):
+	// a burst runs once, after it.
+	KeyModeDebounce = cronoqv1.KeyMode_KEY_MODE_DEBOUNCE
+)
+
 // DependencyResult is how one dependency of a task ended: its handler's result when it
 // succeeded, its error when it failed or was cancelled.
 type DependencyResult struct {
@@ -113,7 +134,7 @@ func DependencyResultsOf(task *Task) []DependencyResult {
 
 // Terminal reports whether a task in this state will not change again.
 func Terminal(s TaskState) bool {
-	return s == TaskStateSucceeded || s == TaskStateFailed || s == TaskStateCancelled
+	return s == TaskStateSucceeded || s == TaskStateFailed || s == TaskStateCancelled || s == TaskStateExpired
 }
 
 // JSONContentType marks payloads and results stored as JSON.

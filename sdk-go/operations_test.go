@@ -85,7 +85,8 @@ func (s *opsServer) SubmitTask(_ context.Context, req *cronoqv1.SubmitTaskReques
 	if err := s.record(req); err != nil {
 		return nil, err
 	}
-	return &cronoqv1.SubmitTaskResponse{Task: &cronoqv1.Task{Id: 7, Pool: req.GetPool(), GroupKey: req.GetGroupKey()}}, nil
+	replaced := req.GetKeyMode() == KeyModeReplacePending || req.GetKeyMode() == KeyModeDebounce
+	return &cronoqv1.SubmitTaskResponse{Task: &cronoqv1.Task{Id: 7, Pool: req.GetPool(), GroupKey: req.GetGroupKey()}, Replaced: replaced}, nil
 }
 
 func (s *opsServer) SubmitBatch(_ context.Context, req *cronoqv1.SubmitBatchRequest) (*cronoqv1.SubmitBatchResponse, error) {
@@ -95,6 +96,9 @@ func (s *opsServer) SubmitBatch(_ context.Context, req *cronoqv1.SubmitBatchRequ
 	resp := &cronoqv1.SubmitBatchResponse{}
 	for i, task := range req.GetTasks() {
 		resp.Tasks = append(resp.Tasks, &cronoqv1.Task{Id: uint64(10 + i), Pool: task.GetPool(), GroupKey: task.GetGroupKey()})
+		if task.GetKeyMode() == KeyModeReplacePending || task.GetKeyMode() == KeyModeDebounce {
+			resp.ReplacedIds = append(resp.ReplacedIds, uint64(10+i))
+		}
 	}
 	return resp, nil
 }
@@ -327,6 +331,42 @@ func TestSubmitAndSubmitBatchSendTheGroupKey(t *testing.T) {
 	}
 	if len(keys) != 2 || keys[0] != "tenant-b" || keys[1] != "" { // none given: no group
 		t.Errorf("SubmitBatch group_keys %q, want [tenant-b \"\"]", keys)
+	}
+}
+
+func TestSubmitAndSubmitBatchSendTheKeyModeAndAnswerReplaced(t *testing.T) {
+	srv := &opsServer{}
+	client := opsClient(t, srv)
+	ctx := context.Background()
+	startBy := time.Now().Add(time.Hour).Truncate(time.Millisecond)
+	debounce := TaskSpec{Pool: "default", Key: "sync-user-1", KeyMode: KeyModeDebounce, Debounce: 2 * time.Second,
+		MaxDebounce: time.Minute, KeyTTL: time.Hour, StartBy: startBy}
+
+	sub, err := client.Submit(ctx, debounce)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sent := proto.Clone(srv.last()).(*cronoqv1.SubmitTaskRequest)
+	sent.RequestId = ""
+	wantRequest(t, sent, &cronoqv1.SubmitTaskRequest{Pool: "default", Key: "sync-user-1", KeyMode: KeyModeDebounce,
+		DebounceMs: 2000, MaxDebounceMs: 60_000, KeyTtlMs: 3_600_000, StartBy: timestamppb.New(startBy)})
+	if !sub.Replaced || sub.Deduplicated {
+		t.Errorf("submitted %+v, want Replaced", sub)
+	}
+	if sub, err = client.Submit(ctx, TaskSpec{Pool: "default", Key: "sync-user-1"}); err != nil || sub.Replaced {
+		t.Errorf("submitted %+v, %v: want not Replaced", sub, err)
+	}
+
+	batch, err := client.SubmitBatch(ctx, []TaskSpec{{Pool: "default"}, debounce})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := srv.last().(*cronoqv1.SubmitBatchRequest).GetTasks()[1]; got.GetKeyMode() != KeyModeDebounce || got.GetDebounceMs() != 2000 ||
+		got.GetKeyTtlMs() != 3_600_000 || !got.GetStartBy().AsTime().Equal(startBy) {
+		t.Errorf("SubmitBatch sent %v", got)
+	}
+	if ids := batch.GetReplacedIds(); len(ids) != 1 || ids[0] != 11 {
+		t.Errorf("replaced ids %v, want [11]", ids)
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"time"
 	"unicode/utf8"
 
 	"google.golang.org/grpc/codes"
@@ -21,6 +22,8 @@ const (
 	maxGroupKeyBytes       = 256 // UTF-8 bytes
 	maxAttempts            = 1000
 	maxTimeoutMs           = 7 * 86_400_000
+	maxDebounceMs          = 7 * 86_400_000
+	maxKeyTTLMs            = 366 * 86_400_000
 	// scheduleKeyPrefix starts the keys of schedules' tasks: a submission may not take one.
 	scheduleKeyPrefix = "schedule:"
 )
@@ -29,8 +32,10 @@ const (
 // sender sets): the same fields and payload encoding, and ctx's trace context. Where Submit
 // leaves the checks to the server, SubmitRequest applies them first: pool (required), key,
 // content type and group key (length, no control characters, no "schedule:" key), priority,
-// max_attempts (0 to 1000), timeout (at most 7 days), run_at (years 1 to 9999), dependencies
-// and run_when, and a payload of at most maxPayloadBytes (0: DefaultMaxPayloadBytes). A field
+// max_attempts (0 to 1000), timeout (at most 7 days), run_at and start_by (years 1 to 9999,
+// start_by after run_at), dependencies, run_when, the key mode with its debounce (at most 7
+// days) and key TTL (at most 366 days; each needs a key), and a payload of at most maxPayloadBytes (0:
+// DefaultMaxPayloadBytes). A field
 // the server would refuse is an ErrInvalidArgument error naming it and its value. Resources
 // and pools the server does not know are left for it to refuse.
 func SubmitRequest(ctx context.Context, spec TaskSpec, maxPayloadBytes int) (*cronoqv1.SubmitTaskRequest, error) {
@@ -86,6 +91,12 @@ func checkSubmitRequest(req *cronoqv1.SubmitTaskRequest, maxPayloadBytes int) er
 	if _, known := cronoqv1.RunWhen_name[int32(req.GetRunWhen())]; !known {
 		return invalidArgument("run_when: unknown value %d", req.GetRunWhen())
 	}
+	if err := checkStartBy(req); err != nil {
+		return err
+	}
+	if err := checkKeyMode(req); err != nil {
+		return err
+	}
 	for i, ref := range req.GetDependsOn() {
 		switch r := ref.GetRef().(type) {
 		case *cronoqv1.TaskRef_Id:
@@ -98,6 +109,77 @@ func checkSubmitRequest(req *cronoqv1.SubmitTaskRequest, maxPayloadBytes int) er
 			}
 		default:
 			return invalidArgument("depends_on[%d]: give an id or a key", i)
+		}
+	}
+	return nil
+}
+
+// checkStartBy: a valid Timestamp, after run_at when both are given.
+func checkStartBy(req *cronoqv1.SubmitTaskRequest) error {
+	by := req.GetStartBy()
+	if by == nil {
+		return nil
+	}
+	if by.CheckValid() != nil {
+		return invalidArgument("start_by: seconds %d, nanos %d is outside the Timestamp range (0001-01-01 to 9999-12-31)", by.GetSeconds(), by.GetNanos())
+	}
+	if at := req.GetRunAt(); at != nil && !by.AsTime().After(at.AsTime()) {
+		return invalidArgument("start_by: %s is not after run_at %s", by.AsTime().Format(time.RFC3339Nano), at.AsTime().Format(time.RFC3339Nano))
+	}
+	return nil
+}
+
+// checkKeyMode: the key mode, its debounce and the key TTL, as the server bounds them. A mode
+// not given is the pool's default_key_mode, and a debounce not given with KEY_MODE_DEBOUNCE
+// the pool's debounce: what depends on the pool's configuration is left to the server.
+func checkKeyMode(req *cronoqv1.SubmitTaskRequest) error {
+	mode, debounce, maxDebounce, ttl := req.GetKeyMode(), req.GetDebounceMs(), req.GetMaxDebounceMs(), req.GetKeyTtlMs()
+	ranges := []struct {
+		field          string
+		value, highest int64
+		meaning        string
+	}{
+		{"debounce_ms", debounce, maxDebounceMs, "at most 7 days"},
+		{"max_debounce_ms", maxDebounce, maxDebounceMs, "at most 7 days; 0: no bound"},
+		{"key_ttl_ms", ttl, maxKeyTTLMs, "at most 366 days; 0: the key is held until the task is deleted"},
+	}
+	for _, r := range ranges {
+		if r.value < 0 || r.value > r.highest {
+			return invalidArgument("%s: %d is not between 0 and %d (%s)", r.field, r.value, r.highest, r.meaning)
+		}
+	}
+	if _, known := cronoqv1.KeyMode_name[int32(mode)]; !known {
+		return invalidArgument("key_mode: unknown value %d", mode)
+	}
+	if req.GetKey() == "" {
+		switch {
+		case mode > cronoqv1.KeyMode_KEY_MODE_RETURN_EXISTING:
+			return invalidArgument("key: required with key_mode %s", mode)
+		case ttl != 0:
+			return invalidArgument("key: required with key_ttl_ms %d", ttl)
+		case debounce != 0:
+			return invalidArgument("key: required with debounce_ms %d", debounce)
+		case maxDebounce != 0:
+			return invalidArgument("key: required with max_debounce_ms %d", maxDebounce)
+		}
+		return nil
+	}
+	switch mode {
+	case cronoqv1.KeyMode_KEY_MODE_UNSPECIFIED:
+	case cronoqv1.KeyMode_KEY_MODE_DEBOUNCE:
+		if maxDebounce != 0 && maxDebounce < debounce {
+			return invalidArgument("max_debounce_ms: %d is less than debounce_ms %d", maxDebounce, debounce)
+		}
+		if at := req.GetRunAt(); at != nil {
+			return invalidArgument("run_at: %s is given with KEY_MODE_DEBOUNCE, which sets when the task is due (debounce_ms after each submission)",
+				at.AsTime().Format(time.RFC3339Nano))
+		}
+	default:
+		if debounce != 0 {
+			return invalidArgument("debounce_ms: %d applies only with KEY_MODE_DEBOUNCE, not %s", debounce, mode)
+		}
+		if maxDebounce != 0 {
+			return invalidArgument("max_debounce_ms: %d applies only with KEY_MODE_DEBOUNCE, not %s", maxDebounce, mode)
 		}
 	}
 	return nil

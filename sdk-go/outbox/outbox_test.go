@@ -56,6 +56,7 @@ func TestEnqueueInsertsTheSubmitRequestInTheTransaction(t *testing.T) {
 		Priority: -3, RunAt: runAt, MaxAttempts: 7, Timeout: 90 * time.Second, GroupKey: "tenant-1",
 		DependsOn: []cronoq.TaskRef{cronoq.ByID(12), cronoq.ByKey("signup-42")},
 		RunWhen:   cronoq.RunWhenDependenciesEnded, Resources: map[string]int64{"smtp": 1},
+		KeyMode: cronoq.KeyModeReplacePending, KeyTTL: 24 * time.Hour, StartBy: runAt.Add(time.Hour),
 	}
 	tx, err := conn.Begin(ctx)
 	if err != nil {
@@ -73,6 +74,7 @@ func TestEnqueueInsertsTheSubmitRequestInTheTransaction(t *testing.T) {
 		ContentType: cronoq.JSONContentType, Priority: -3, RunAt: timestamppb.New(runAt), MaxAttempts: 7,
 		TimeoutMs: 90_000, GroupKey: "tenant-1", Resources: map[string]int64{"smtp": 1},
 		RunWhen: cronoqv1.RunWhen_RUN_WHEN_DEPENDENCIES_ENDED,
+		KeyMode: cronoqv1.KeyMode_KEY_MODE_REPLACE_PENDING, KeyTtlMs: 86_400_000, StartBy: timestamppb.New(runAt.Add(time.Hour)),
 		DependsOn: []*cronoqv1.TaskRef{
 			{Ref: &cronoqv1.TaskRef_Id{Id: 12}}, {Ref: &cronoqv1.TaskRef_Key{Key: "signup-42"}},
 		},
@@ -181,6 +183,8 @@ func TestBadTaskFailsInTheTransactionBeforeAnyInsert(t *testing.T) {
 			[]outbox.Option{outbox.WithMaxPayloadBytes(4)}, "payload: 5 bytes exceeds limits.max_payload_bytes 4"},
 		{"second of a batch", []cronoq.TaskSpec{{Pool: "p"}, {Pool: "p", MaxAttempts: 1001}}, nil,
 			"tasks[1].max_attempts: 1001 is not between 0 and 1000"},
+		{"debounce without its mode", []cronoq.TaskSpec{{Pool: "p", Key: "k", KeyMode: cronoq.KeyModeReplacePending, Debounce: time.Second}}, nil,
+			"debounce_ms: 1000 applies only with KEY_MODE_DEBOUNCE, not KEY_MODE_REPLACE_PENDING"},
 		{"schema", []cronoq.TaskSpec{{Pool: "p"}}, []outbox.Option{outbox.WithSchema(`x"; DROP TABLE t; --`)},
 			`schema: "x\"; DROP TABLE t; --" is not a plain identifier`},
 	}

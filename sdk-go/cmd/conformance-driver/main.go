@@ -79,6 +79,14 @@ type step struct {
 	Tracestate       string          `json:"tracestate"`
 	DependsOn        []dependsOn     `json:"depends_on"`
 	RunWhen          string          `json:"run_when"`
+	// submit: the key mode (a KeyMode name), its debounce, the key TTL, and start_by as now + this.
+	KeyMode       string `json:"key_mode"`
+	DebounceMs    int64  `json:"debounce_ms"`
+	MaxDebounceMs int64  `json:"max_debounce_ms"`
+	KeyTTLMs      int64  `json:"key_ttl_ms"`
+	StartByInMs   *int64 `json:"start_by_in_ms"`
+	// sleep: how long.
+	Ms int64 `json:"ms"`
 	// get: what it returns besides the task; cancel: the task's descendants too.
 	IncludeChildren          bool `json:"include_children"`
 	IncludeDependencyResults bool `json:"include_dependency_results"`
@@ -136,6 +144,18 @@ func runWhen(name string) (cronoq.RunWhen, error) {
 	return cronoq.RunWhen(v), nil
 }
 
+// keyMode is a key_mode given as the proto enum name ("": the pool's default).
+func keyMode(name string) (cronoq.KeyMode, error) {
+	if name == "" {
+		return 0, nil
+	}
+	v, ok := cronoqv1.KeyMode_value[name]
+	if !ok {
+		return 0, fmt.Errorf("key_mode %q is not a KeyMode", name)
+	}
+	return cronoq.KeyMode(v), nil
+}
+
 // value is a result as the protocol gives it: the JSON value of a JSON one, {"bytes_b64"}
 // for raw bytes, nil when there is none.
 func value(data []byte, contentType string) any {
@@ -181,6 +201,9 @@ func run(stdin io.Reader, stdout, stderr io.Writer) int {
 		switch {
 		case s.Op == "worker":
 			r = runWorker(&in, s, opts)
+		case s.Op == "sleep":
+			time.Sleep(ms(s.Ms))
+			r = result{"error": nil}
 		case err != nil:
 			r = result{"error": errorOf(err)}
 		default:
@@ -270,13 +293,23 @@ func clientStep(client *cronoq.Client, in *input, s step) result {
 		if err != nil {
 			return result{"error": result{"code": "", "kind": "other", "message": err.Error()}}
 		}
-		sub, err := client.Submit(ctx, cronoq.TaskSpec{
+		mode, err := keyMode(s.KeyMode)
+		if err != nil {
+			return result{"error": result{"code": "", "kind": "other", "message": err.Error()}}
+		}
+		spec := cronoq.TaskSpec{
 			Pool: s.Pool, Key: s.Key, GroupKey: s.GroupKey, Payload: s.Payload, DependsOn: dependencies, RunWhen: when,
-		})
+			KeyMode: mode, Debounce: ms(s.DebounceMs), MaxDebounce: ms(s.MaxDebounceMs), KeyTTL: ms(s.KeyTTLMs),
+		}
+		if s.StartByInMs != nil {
+			spec.StartBy = time.Now().Add(ms(*s.StartByInMs))
+		}
+		sub, err := client.Submit(ctx, spec)
 		if err != nil {
 			return result{"error": errorOf(err)}
 		}
-		return result{"id": strconv.FormatUint(sub.Task.GetId(), 10), "group_key": sub.Task.GetGroupKey(), "error": nil}
+		return result{"id": strconv.FormatUint(sub.Task.GetId(), 10), "group_key": sub.Task.GetGroupKey(),
+			"deduplicated": sub.Deduplicated, "replaced": sub.Replaced, "error": nil}
 	case "pause_pool", "resume_pool":
 		change := client.PausePool
 		if s.Op == "resume_pool" {
