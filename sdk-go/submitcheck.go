@@ -34,8 +34,8 @@ const (
 // content type and group key (length, no control characters, no "schedule:" key), priority,
 // max_attempts (0 to 1000), timeout (at most 7 days), run_at and start_by (years 1 to 9999,
 // start_by after run_at), dependencies, run_when, the key mode with its debounce (at most 7
-// days) and key TTL (at most 366 days; each needs a key), and a payload of at most maxPayloadBytes (0:
-// DefaultMaxPayloadBytes). A field
+// days) and key TTL (at most 366 days; each needs a key), and a payload of at most
+// maxPayloadBytes (0: DefaultMaxPayloadBytes). A field
 // the server would refuse is an ErrInvalidArgument error naming it and its value. Resources
 // and pools the server does not know are left for it to refuse.
 func SubmitRequest(ctx context.Context, spec TaskSpec, maxPayloadBytes int) (*cronoqv1.SubmitTaskRequest, error) {
@@ -165,7 +165,7 @@ func checkKeyMode(req *cronoqv1.SubmitTaskRequest) error {
 		return nil
 	}
 	switch mode {
-	case cronoqv1.KeyMode_KEY_MODE_UNSPECIFIED:
+	case cronoqv1.KeyMode_KEY_MODE_UNSPECIFIED: // the pool's default_key_mode: the server's to judge
 	case cronoqv1.KeyMode_KEY_MODE_DEBOUNCE:
 		if maxDebounce != 0 && maxDebounce < debounce {
 			return invalidArgument("max_debounce_ms: %d is less than debounce_ms %d", maxDebounce, debounce)
