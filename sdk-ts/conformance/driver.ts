@@ -12,6 +12,7 @@ import {
   CronoqError,
   decodeDependencyResult,
   JSON_CONTENT_TYPE,
+  keyModeFromJSON,
   NotFoundError,
   decodePayload,
   decodeResult,
@@ -78,6 +79,15 @@ interface Step {
   include_descendants?: boolean;
   commit?: boolean;
   relay_within_ms?: number;
+  /** A KeyMode's name ("KEY_MODE_DEBOUNCE"). */
+  key_mode?: string;
+  debounce_ms?: number;
+  max_debounce_ms?: number;
+  key_ttl_ms?: number;
+  /** start_by: now plus this many ms. */
+  start_by_in_ms?: number;
+  /** How long a sleep step sleeps. */
+  ms?: number;
 }
 
 /** A task named by a step's or a spawn's depends_on: its key, its id (decimal), or the spawning task. */
@@ -265,8 +275,14 @@ async function clientStep(client: Client, input: Input, step: Step): Promise<Res
         client.submit({
           pool: step.pool ?? "", payload: step.payload, key: step.key, groupKey: step.group_key,
           dependsOn: refsOf(step.depends_on).map((ref) => (typeof ref === "string" ? { key: ref } : ref)), runWhen: runWhenOf(step),
+          keyMode: step.key_mode ? keyModeFromJSON(step.key_mode) : undefined, debounceMs: step.debounce_ms,
+          maxDebounceMs: step.max_debounce_ms, keyTtlMs: step.key_ttl_ms,
+          startBy: step.start_by_in_ms !== undefined ? Date.now() + step.start_by_in_ms : undefined,
         }));
-      return { id: submitted.task.id.toString(), group_key: submitted.task.groupKey, error: null };
+      return {
+        id: submitted.task.id.toString(), group_key: submitted.task.groupKey, deduplicated: submitted.deduplicated,
+        replaced: submitted.replaced, error: null,
+      };
     }
     case "get": {
       const includeDependencyResults = step.include_dependency_results ?? false;
@@ -471,6 +487,7 @@ async function main(): Promise<number> {
     let r: Result;
     try {
       if (step.op === "worker") r = await runWorker(opts, step);
+      else if (step.op === "sleep") r = await new Promise<Result>((resolve) => setTimeout(() => resolve({ error: null }), step.ms ?? 0));
       else if (!client) r = { error: errorOf(clientError) };
       else r = await clientStep(client, input, step);
     } catch (err) {

@@ -3,7 +3,7 @@
 // (or several servers), with the transport retries of the connection.
 import { randomBytes } from "node:crypto";
 import { status as Status, type Metadata, type StatusObject } from "@grpc/grpc-js";
-import type { Attempt, RunWhen, TaskEvent, TaskRef as TaskRefProto, Task, TaskState } from "./gen/cronoq/v1/task.js";
+import { TaskState, type Attempt, type KeyMode, type RunWhen, type TaskEvent, type TaskRef as TaskRefProto, type Task } from "./gen/cronoq/v1/task.js";
 import {
   GetTaskRequest,
   ListTasksRequest,
@@ -46,7 +46,7 @@ export interface TaskSpec {
   pool: string;
   /** Bytes as they are, anything else as JSON. */
   payload?: unknown;
-  /** Deduplicates within a shard: a known key returns the existing task. */
+  /** Deduplicates within a shard: a known key returns the existing task (unless keyMode says otherwise). */
   key?: string;
   priority?: number;
   /** Not before this time (ms since the epoch, or a Date); delayMs: not before now + delayMs. */
@@ -68,6 +68,23 @@ export interface TaskSpec {
   /** The task's group (a tenant, a user; absent: none): in a pool with max_running_per_group, at most that many tasks of one group run at once. */
   groupKey?: string;
   /**
+   * What a submission whose key already names a task does (absent: the pool's default_key_mode):
+   * KeyMode.KEY_MODE_RETURN_EXISTING answers that task unchanged (deduplicated);
+   * KeyMode.KEY_MODE_REPLACE_PENDING gives a PENDING or BLOCKED one this spec's payload,
+   * priority and runAt (replaced), and answers a running or ended one unchanged;
+   * KeyMode.KEY_MODE_DEBOUNCE replaces as well and makes it due debounceMs after the latest
+   * submission (no runAt then). Needs a key.
+   */
+  keyMode?: KeyMode;
+  /** With KEY_MODE_DEBOUNCE (1 to 604800000; absent: the pool's debounce): the task is due this long after its key's latest submission. */
+  debounceMs?: number;
+  /** With KEY_MODE_DEBOUNCE (0 or absent: no bound; else debounceMs to 604800000): due at most this long after the submission that created it, however long the burst lasts. */
+  maxDebounceMs?: number;
+  /** Unique for a period: once the task has ended and this long has passed, its key is free for a new task (0 or absent: held until the task is deleted; at most 366 days). Needs a key. */
+  keyTtlMs?: number;
+  /** A deadline to start (ms since the epoch, or a Date; after runAt): a task not started by then ends EXPIRED without running. */
+  startBy?: Date | number;
+  /**
    * The W3C trace context its handler runs in. Absent: the caller's current span's, when
    * @opentelemetry/api is installed and a span is active (see Tracing in the README).
    */
@@ -85,6 +102,13 @@ export interface TaskTrace {
 function timestamp(ms: number): Timestamp {
   const whole = Math.floor(ms / 1000);
   return { seconds: BigInt(whole), nanos: Math.round((ms - whole * 1000) * 1e6) };
+}
+
+/** A duration in ms as an int64 (absent: 0), rounded; out-of-range values go as they are, for the server to refuse by name. */
+function durationMs(field: string, ms: number | undefined): bigint {
+  if (ms === undefined) return 0n;
+  if (!Number.isFinite(ms)) throw new InvalidArgumentError(Status.INVALID_ARGUMENT, `${field}: ${ms} is not a number of milliseconds`);
+  return BigInt(Math.round(ms));
 }
 
 /** A time given as a Date or ms since the epoch, as a Timestamp; absent stays absent. */
@@ -112,6 +136,11 @@ function specProto(spec: TaskSpec, current: W3CTrace | undefined): SubmitTaskReq
     groupKey: spec.groupKey ?? "",
     trace: spec.trace ? { traceparent: spec.trace.traceparent, tracestate: spec.trace.tracestate ?? "" } : current,
     runWhen: spec.runWhen ?? 0,
+    keyMode: spec.keyMode ?? 0,
+    debounceMs: durationMs("debounce_ms", spec.debounceMs),
+    maxDebounceMs: durationMs("max_debounce_ms", spec.maxDebounceMs),
+    keyTtlMs: durationMs("key_ttl_ms", spec.keyTtlMs),
+    startBy: optionalTimestamp(spec.startBy),
   });
 }
 
@@ -142,7 +171,22 @@ export function newRequestId(): string {
 
 export interface Submitted {
   task: Task;
+  /** The key already named this task: nothing was created or changed. */
   deduplicated: boolean;
+  /** The key named this PENDING or BLOCKED task and the submission replaced its payload, priority and runAt (keyMode REPLACE_PENDING or DEBOUNCE): nothing was created. */
+  replaced: boolean;
+}
+
+const TERMINAL_STATES: ReadonlySet<TaskState> = new Set([
+  TaskState.TASK_STATE_SUCCEEDED,
+  TaskState.TASK_STATE_FAILED,
+  TaskState.TASK_STATE_CANCELLED,
+  TaskState.TASK_STATE_EXPIRED,
+]);
+
+/** Whether a task in this state has ended (SUCCEEDED, FAILED, CANCELLED or EXPIRED): what wait waits for. */
+export function isTerminal(state: TaskState): boolean {
+  return TERMINAL_STATES.has(state);
 }
 
 export interface Waited {
@@ -295,10 +339,14 @@ export class Client {
   async submit(spec: TaskSpec, opts: CallOptions = {}): Promise<Submitted> {
     const req = { ...submitRequest(spec), requestId: newRequestId() };
     const resp = await this.conn.invoke<SubmitTaskResponse>("SubmitTask", (c, md, o, cb) => c.task.submitTask(req, md, o, cb), this.conn.timeoutMs, opts.signal);
-    return { task: resp.task!, deduplicated: resp.deduplicated };
+    return { task: resp.task!, deduplicated: resp.deduplicated, replaced: resp.replaced };
   }
 
-  /** Submits tasks of one shard together: all or none; each in the caller's trace, as submit. */
+  /**
+   * Submits tasks of one shard together: all or none; each in the caller's trace, as submit.
+   * Answers the tasks in order, deduplicatedIds (their key named an existing task) and
+   * replacedIds (a pending task their submission replaced).
+   */
   async submitBatch(specs: TaskSpec[], opts: CallOptions = {}): Promise<SubmitBatchResponse> {
     const current = currentTrace();
     const req = { tasks: specs.map((spec) => specProto(spec, current)), requestId: newRequestId() };

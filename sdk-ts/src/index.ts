@@ -1,7 +1,7 @@
 // cronoq's TypeScript SDK: a Client (submit, get, wait, cancel, list, watch; retry, delete,
 // attempts, bulk actions, pause/resume) and a Worker (whose handlers read their dependencies'
 // results and spawn tasks: workflows).
-export { Client, newRequestId } from "./client.js";
+export { Client, isTerminal, newRequestId } from "./client.js";
 export type {
   BulkOptions,
   BulkResult,
@@ -39,7 +39,19 @@ export { backoffMs, consoleLogger, DEFAULT_KEEPALIVE, MAX_MESSAGE_BYTES, retryWi
 export type { ConnectionOptions, KeepaliveConfig, Logger, Retry, RetryConfig, TlsOptions } from "./transport.js";
 export * from "./errors.js";
 export { decodeDependencyResult, decodePayload, decodeResult, encodePayload, JSON_CONTENT_TYPE } from "./payload.js";
-export { AttemptOutcome, attemptOutcomeToJSON, RunWhen, runWhenFromJSON, runWhenToJSON, TaskState, taskStateFromJSON, taskStateToJSON } from "./gen/cronoq/v1/task.js";
+export {
+  AttemptOutcome,
+  attemptOutcomeToJSON,
+  KeyMode,
+  keyModeFromJSON,
+  keyModeToJSON,
+  RunWhen,
+  runWhenFromJSON,
+  runWhenToJSON,
+  TaskState,
+  taskStateFromJSON,
+  taskStateToJSON,
+} from "./gen/cronoq/v1/task.js";
 export type { Attempt, Task, TaskEvent, TaskProgress } from "./gen/cronoq/v1/task.js";
 export type { BulkShardResult } from "./gen/cronoq/v1/task_service.js";
 export type { PoolPause } from "./gen/cronoq/v1/admin_service.js";

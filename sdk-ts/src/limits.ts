@@ -3,8 +3,9 @@
 // transaction, not later by the relay. The bounds and messages are the server's.
 import { status as Status } from "@grpc/grpc-js";
 import { InvalidArgumentError } from "./errors.js";
-import { RunWhen } from "./gen/cronoq/v1/task.js";
+import { KeyMode, keyModeToJSON, RunWhen } from "./gen/cronoq/v1/task.js";
 import type { SubmitTaskRequest } from "./gen/cronoq/v1/task_service.js";
+import type { Timestamp } from "./gen/google/protobuf/timestamp.js";
 
 /**
  * A control character (C0, DEL, C1), a line separator or a bidi control: the server refuses them
@@ -31,12 +32,20 @@ const MIN_TIMESTAMP_SECONDS = -62135596800n;
 const MAX_TIMESTAMP_SECONDS = 253402300799n;
 const TRACEPARENT = /^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$/;
 const RUN_WHEN_VALUES = new Set<number>([RunWhen.RUN_WHEN_UNSPECIFIED, RunWhen.RUN_WHEN_DEPENDENCIES_SUCCEEDED, RunWhen.RUN_WHEN_DEPENDENCIES_ENDED]);
+const KEY_MODE_VALUES = new Set<number>([KeyMode.KEY_MODE_UNSPECIFIED, KeyMode.KEY_MODE_RETURN_EXISTING, KeyMode.KEY_MODE_REPLACE_PENDING, KeyMode.KEY_MODE_DEBOUNCE]);
+const MAX_DEBOUNCE_MS = 7 * 86_400_000;
 const TASK_RANGES = {
   priority: { low: -(2 ** 31), high: 2 ** 31 - 1, meaning: "any int32; higher runs first" },
   maxAttempts: { low: 0, high: 1000, meaning: "0 takes the pool's default" },
   timeoutMs: { low: 0, high: 7 * 86_400_000, meaning: "at most 7 days; 0 takes the pool's timeout" },
+  debounceMs: { low: 0, high: MAX_DEBOUNCE_MS, meaning: "at most 7 days" },
+  maxDebounceMs: { low: 0, high: MAX_DEBOUNCE_MS, meaning: "at most 7 days; 0: no bound" },
+  keyTtlMs: { low: 0, high: 366 * 86_400_000, meaning: "at most 366 days; 0: the key is held until the task is deleted" },
 } as const;
-const FIELD_NAMES = { priority: "priority", maxAttempts: "max_attempts", timeoutMs: "timeout_ms" } as const;
+const FIELD_NAMES = {
+  priority: "priority", maxAttempts: "max_attempts", timeoutMs: "timeout_ms",
+  debounceMs: "debounce_ms", maxDebounceMs: "max_debounce_ms", keyTtlMs: "key_ttl_ms",
+} as const;
 
 function invalid(message: string): InvalidArgumentError {
   return new InvalidArgumentError(Status.INVALID_ARGUMENT, message);
@@ -78,10 +87,16 @@ export function checkSubmitRequest(req: SubmitTaskRequest, where = "", maxPayloa
     const inRange = typeof value === "bigint" ? BigInt(range.low) <= value && value <= BigInt(range.high) : Number.isInteger(value) && range.low <= value && value <= range.high;
     if (!inRange) throw invalid(`${where}${FIELD_NAMES[name]}: ${value} is not between ${range.low} and ${range.high} (${range.meaning})`);
   }
-  if (req.runAt && !(MIN_TIMESTAMP_SECONDS <= req.runAt.seconds && req.runAt.seconds <= MAX_TIMESTAMP_SECONDS)) {
-    throw invalid(`${where}run_at: ${req.runAt.seconds} s since the epoch is not between 0001-01-01 and 9999-12-31`);
+  for (const [field, time] of [["run_at", req.runAt], ["start_by", req.startBy]] as const) {
+    if (time && !(MIN_TIMESTAMP_SECONDS <= time.seconds && time.seconds <= MAX_TIMESTAMP_SECONDS)) {
+      throw invalid(`${where}${field}: ${time.seconds} s since the epoch is not between 0001-01-01 and 9999-12-31`);
+    }
+  }
+  if (req.runAt && req.startBy && !isAfter(req.startBy, req.runAt)) {
+    throw invalid(`${where}start_by: ${jsonTimestamp(req.startBy)} is not after run_at ${jsonTimestamp(req.runAt)}`);
   }
   if (!RUN_WHEN_VALUES.has(req.runWhen)) throw invalid(`${where}run_when: unknown value ${req.runWhen}`);
+  checkKeyMode(req, where);
   req.dependsOn.forEach((ref, i) => {
     if (ref.id !== undefined) {
       if (ref.id === 0n) throw invalid(`${where}depends_on[${i}].id: 0 is not a task id`);
@@ -98,6 +113,49 @@ export function checkSubmitRequest(req: SubmitTaskRequest, where = "", maxPayloa
       throw invalid(`${where}trace.traceparent: ${quoted(trace.traceparent)} is not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)`);
     }
     checkText(`${where}trace.tracestate`, trace.tracestate, MAX_TRACESTATE_BYTES, true);
+  }
+}
+
+function isAfter(a: Timestamp, b: Timestamp): boolean {
+  return a.seconds > b.seconds || (a.seconds === b.seconds && a.nanos > b.nanos);
+}
+
+/** A Timestamp in RFC 3339 as protobuf's JSON writes it (as the server names it): a fraction only when there is one, of 3, 6 or 9 digits. */
+function jsonTimestamp(time: Timestamp): string {
+  const whole = new Date(Number(time.seconds) * 1000).toISOString().slice(0, 19);
+  if (time.nanos === 0) return `${whole}Z`;
+  const digits = time.nanos % 1_000_000 === 0 ? 3 : time.nanos % 1000 === 0 ? 6 : 9;
+  return `${whole}.${String(time.nanos).padStart(9, "0").slice(0, digits)}Z`;
+}
+
+/**
+ * The key mode, its debounce and the key TTL, as the server refuses them. A mode not given is
+ * the pool's default_key_mode, and a debounce not given the pool's debounce: what depends on the
+ * pool's configuration is left to the server.
+ */
+function checkKeyMode(req: SubmitTaskRequest, where: string): void {
+  const mode = req.keyMode;
+  if (!KEY_MODE_VALUES.has(mode)) throw invalid(`${where}key_mode: unknown value ${mode}`);
+  if (!req.key) {
+    const needKey: Array<[string, boolean, string | bigint]> = [
+      ["key_mode", mode > KeyMode.KEY_MODE_RETURN_EXISTING, keyModeToJSON(mode)],
+      ["key_ttl_ms", req.keyTtlMs !== 0n, req.keyTtlMs],
+      ["debounce_ms", req.debounceMs !== 0n, req.debounceMs],
+      ["max_debounce_ms", req.maxDebounceMs !== 0n, req.maxDebounceMs],
+    ];
+    const given = needKey.find(([, asked]) => asked);
+    if (given) throw invalid(`${where}key: required with ${given[0]} ${given[2]}`);
+    return;
+  }
+  if (mode === KeyMode.KEY_MODE_DEBOUNCE) {
+    if (req.debounceMs !== 0n && req.maxDebounceMs !== 0n && req.maxDebounceMs < req.debounceMs) {
+      throw invalid(`${where}max_debounce_ms: ${req.maxDebounceMs} is less than debounce_ms ${req.debounceMs}`);
+    }
+    if (req.runAt) throw invalid(`${where}run_at: not with KEY_MODE_DEBOUNCE (debounce_ms says when it runs)`);
+  } else if (mode !== KeyMode.KEY_MODE_UNSPECIFIED) {
+    for (const [field, value] of [["debounce_ms", req.debounceMs], ["max_debounce_ms", req.maxDebounceMs]] as const) {
+      if (value !== 0n) throw invalid(`${where}${field}: ${value} applies only with KEY_MODE_DEBOUNCE, not ${keyModeToJSON(mode)}`);
+    }
   }
 }
 

@@ -44,6 +44,7 @@ function insertSql(schema: string): string {
 /** A task as the outbox row's request (its request_id empty: the relay sets its own), checked as the server checks it. */
 function outboxRequest(spec: TaskSpec, where: string, maxPayloadBytes: number): SubmitTaskRequest {
   checkTime(`${where}run_at`, spec.runAt);
+  checkTime(`${where}start_by`, spec.startBy);
   const req = submitRequest(spec);
   checkSubmitRequest(req, where, maxPayloadBytes);
   return req;

@@ -28,7 +28,7 @@ import {
 } from "../src/gen/cronoq/v1/task_service.js";
 import { AdminServiceService } from "../src/gen/cronoq/v1/admin_service.js";
 import { Attempt, AttemptOutcome, DependencyResult, Task, TaskState } from "../src/gen/cronoq/v1/task.js";
-import { Client, FailedPreconditionError, NotFoundError, RunWhen, type BulkResult } from "../src/index.js";
+import { Client, FailedPreconditionError, InvalidArgumentError, isTerminal, KeyMode, NotFoundError, RunWhen, type BulkResult } from "../src/index.js";
 import { listenLocal, silent, statusDetailsBin, TOP_BIT_ID } from "./helpers.js";
 
 /** What a call of the fake answers: a response, or a gRPC error. */
@@ -257,6 +257,49 @@ test("submit and submitBatch send runWhen (absent: unspecified, the server's onc
     const batch = shard.requests["submitBatch"]![0] as SubmitBatchRequest;
     assert.deepEqual(batch.tasks.map((t) => t.runWhen), [RunWhen.RUN_WHEN_DEPENDENCIES_ENDED, RunWhen.RUN_WHEN_UNSPECIFIED]);
   });
+});
+
+test("submit and submitBatch send the key mode, debounce, max debounce, key TTL and start deadline (absent: zero, unset), and answer replaced", async () => {
+  const task = Task.fromPartial({ id: TOP_BIT_ID, pool: "default", key: "reindex-7" });
+  const answers = {
+    submitTask: [SubmitTaskResponse.fromPartial({ task, replaced: true })],
+    submitBatch: [SubmitBatchResponse.fromPartial({ tasks: [task, task], deduplicatedIds: [], replacedIds: [TOP_BIT_ID] })],
+  };
+  await withClient(answers, async (client, shard) => {
+    const debounced = {
+      pool: "default", key: "reindex-7", keyMode: KeyMode.KEY_MODE_DEBOUNCE, debounceMs: 2000.4, maxDebounceMs: 30_000,
+      keyTtlMs: 86_400_000, startBy: new Date(1_700_000_000_250),
+    };
+    assert.deepEqual(await client.submit(debounced), { task, deduplicated: false, replaced: true });
+    const sent = shard.requests["submitTask"]![0] as SubmitTaskRequest;
+    assert.deepEqual([sent.keyMode, sent.debounceMs, sent.maxDebounceMs, sent.keyTtlMs, sent.startBy],
+      [KeyMode.KEY_MODE_DEBOUNCE, 2000n, 30_000n, 86_400_000n, { seconds: 1_700_000_000n, nanos: 250_000_000 }]);
+    const batch = await client.submitBatch([
+      { pool: "default", key: "a", keyMode: KeyMode.KEY_MODE_REPLACE_PENDING, startBy: 1_700_000_001_000 },
+      { pool: "default" },
+    ]);
+    assert.deepEqual(batch.replacedIds, [TOP_BIT_ID]);
+    const [replacing, plain] = (shard.requests["submitBatch"]![0] as SubmitBatchRequest).tasks;
+    assert.deepEqual([replacing!.keyMode, replacing!.startBy], [KeyMode.KEY_MODE_REPLACE_PENDING, { seconds: 1_700_000_001n, nanos: 0 }]);
+    assert.deepEqual([plain!.keyMode, plain!.debounceMs, plain!.maxDebounceMs, plain!.keyTtlMs, plain!.startBy],
+      [KeyMode.KEY_MODE_UNSPECIFIED, 0n, 0n, 0n, undefined]);
+  });
+});
+
+test("a duration that is not a number is refused before sending, naming the field; a negative one is the server's to refuse", async () => {
+  const task = Task.fromPartial({ id: 3n, pool: "default" });
+  await withClient({ submitTask: [SubmitTaskResponse.fromPartial({ task })] }, async (client, shard) => {
+    await assert.rejects(client.submit({ pool: "default", key: "k", keyTtlMs: Number.NaN }),
+      (err: unknown) => err instanceof InvalidArgumentError && err.message === "key_ttl_ms: NaN is not a number of milliseconds");
+    assert.equal(shard.requests["submitTask"], undefined);
+    await client.submit({ pool: "default", key: "k", keyMode: KeyMode.KEY_MODE_DEBOUNCE, debounceMs: -5 });
+    assert.equal((shard.requests["submitTask"]![0] as SubmitTaskRequest).debounceMs, -5n);
+  });
+});
+
+test("EXPIRED is terminal, with SUCCEEDED, FAILED and CANCELLED; PENDING, BLOCKED and RUNNING are not", () => {
+  const ended = Object.values(TaskState).filter((s): s is TaskState => typeof s === "number" && isTerminal(s));
+  assert.deepEqual(ended.sort((a, b) => a - b), [TaskState.TASK_STATE_SUCCEEDED, TaskState.TASK_STATE_FAILED, TaskState.TASK_STATE_CANCELLED, TaskState.TASK_STATE_EXPIRED]);
 });
 
 test("get asks for dependency results and children only when told; with includeChildren it answers the task and its children", async () => {

@@ -7,7 +7,7 @@ import { createInterface } from "node:readline";
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
 import pg from "pg";
-import { InvalidArgumentError, RunWhen } from "cronoq";
+import { InvalidArgumentError, KeyMode, RunWhen } from "cronoq";
 import { enqueue, enqueueMany, type Queryable } from "cronoq/outbox";
 import { SubmitTaskRequest } from "../src/gen/cronoq/v1/task_service.js";
 
@@ -77,6 +77,35 @@ describe("outbox: what enqueue refuses, before any query", () => {
     ["a dependency on id 0", { dependsOn: [7n, 0n] }, /^depends_on\[1\].id: 0 is not a task id$/],
     ["a dependency key with a control character", { dependsOn: [{ key: "a\u0007" }] }, /^depends_on\[0\].key: control character "\\u0007"/],
     ["an unknown run_when", { runWhen: 9 as RunWhen }, /^run_when: unknown value 9$/],
+    ["an unknown key mode", { key: "k", keyMode: 7 as KeyMode }, /^key_mode: unknown value 7$/],
+    ["replace pending without a key", { keyMode: KeyMode.KEY_MODE_REPLACE_PENDING }, /^key: required with key_mode KEY_MODE_REPLACE_PENDING$/],
+    ["debounce without a key", { keyMode: KeyMode.KEY_MODE_DEBOUNCE, debounceMs: 100 }, /^key: required with key_mode KEY_MODE_DEBOUNCE$/],
+    ["a key TTL without a key", { keyTtlMs: 1000 }, /^key: required with key_ttl_ms 1000$/],
+    ["a debounce without a key", { debounceMs: 100 }, /^key: required with debounce_ms 100$/],
+    ["a max debounce without a key", { maxDebounceMs: 100 }, /^key: required with max_debounce_ms 100$/],
+    ["a key TTL over 366 days", { key: "k", keyTtlMs: 31_622_400_001 }, /^key_ttl_ms: 31622400001 is not between 0 and 31622400000 \(at most 366 days; 0: the key is held until the task is deleted\)$/],
+    ["a negative key TTL", { key: "k", keyTtlMs: -1 }, /^key_ttl_ms: -1 is not between 0 and 31622400000/],
+    ["a debounce over 7 days", { key: "k", keyMode: KeyMode.KEY_MODE_DEBOUNCE, debounceMs: 604_800_001 }, /^debounce_ms: 604800001 is not between 0 and 604800000 \(at most 7 days\)$/],
+    ["a negative debounce", { key: "k", keyMode: KeyMode.KEY_MODE_DEBOUNCE, debounceMs: -1 }, /^debounce_ms: -1 is not between 0 and 604800000/],
+    ["debounceMs with replace pending", { key: "k", keyMode: KeyMode.KEY_MODE_REPLACE_PENDING, debounceMs: 500 },
+      /^debounce_ms: 500 applies only with KEY_MODE_DEBOUNCE, not KEY_MODE_REPLACE_PENDING$/],
+    ["debounceMs with return existing", { key: "k", keyMode: KeyMode.KEY_MODE_RETURN_EXISTING, debounceMs: 500 },
+      /^debounce_ms: 500 applies only with KEY_MODE_DEBOUNCE, not KEY_MODE_RETURN_EXISTING$/],
+    ["maxDebounceMs with replace pending", { key: "k", keyMode: KeyMode.KEY_MODE_REPLACE_PENDING, maxDebounceMs: 500 },
+      /^max_debounce_ms: 500 applies only with KEY_MODE_DEBOUNCE, not KEY_MODE_REPLACE_PENDING$/],
+    ["a max debounce under the debounce", { key: "k", keyMode: KeyMode.KEY_MODE_DEBOUNCE, debounceMs: 500, maxDebounceMs: 499 },
+      /^max_debounce_ms: 499 is less than debounce_ms 500$/],
+    ["a max debounce over 7 days", { key: "k", keyMode: KeyMode.KEY_MODE_DEBOUNCE, debounceMs: 500, maxDebounceMs: 604_800_001 },
+      /^max_debounce_ms: 604800001 is not between 0 and 604800000 \(at most 7 days; 0: no bound\)$/],
+    ["debounce with a run time", { key: "k", keyMode: KeyMode.KEY_MODE_DEBOUNCE, debounceMs: 500, runAt: Date.UTC(2030, 0, 1) },
+      /^run_at: not with KEY_MODE_DEBOUNCE \(debounce_ms says when it runs\)$/],
+    ["debounce with a delay", { key: "k", keyMode: KeyMode.KEY_MODE_DEBOUNCE, delayMs: 1000 }, /^run_at: not with KEY_MODE_DEBOUNCE/],
+    ["a start deadline at the run time", { runAt: Date.UTC(2030, 0, 1), startBy: Date.UTC(2030, 0, 1) },
+      /^start_by: 2030-01-01T00:00:00Z is not after run_at 2030-01-01T00:00:00Z$/],
+    ["a start deadline before the run time", { runAt: Date.UTC(2030, 0, 1, 0, 0, 0, 1), startBy: Date.UTC(2030, 0, 1) },
+      /^start_by: 2030-01-01T00:00:00Z is not after run_at 2030-01-01T00:00:00.001Z$/],
+    ["a start deadline after 9999", { startBy: Date.UTC(10000, 0, 1) }, /^start_by: 253402300800 s since the epoch is not between 0001-01-01 and 9999-12-31$/],
+    ["an invalid start deadline", { startBy: new Date("nonsense") }, /^start_by: Invalid Date is not a time$/],
     ["a malformed traceparent", { trace: { traceparent: "00-zz-01" } }, /^trace.traceparent: "00-zz-01" is not a W3C traceparent/],
     ["a bad schema", { schema: 'x"; DROP TABLE t; --' }, /^schema: "x\\"; DROP TABLE t; --" is not a plain identifier/],
     ["a schema of 64 characters", { schema: "s".repeat(64) }, /^schema: "s{64}" is not a plain identifier/],
@@ -106,6 +135,37 @@ describe("outbox: what enqueue refuses, before any query", () => {
     await enqueue(client, "p".repeat(256), big, { maxPayloadBytes: 2 << 20, key: "k".repeat(256), groupKey: "é".repeat(128),
       priority: -(2 ** 31), maxAttempts: 1000, timeoutMs: 604_800_000, runAt: Date.UTC(9999, 11, 31, 23, 59, 59), schema: "_" + "s".repeat(62) });
     assert.equal(client.queries.length, 1);
+  });
+
+  test("key modes, their durations and a start deadline at their bounds are accepted, and go in the row's request", async () => {
+    const requests: SubmitTaskRequest[] = [];
+    const client: Queryable = { query: async (_text, values) => (requests.push(...(values[1] as Buffer[]).map((b) => SubmitTaskRequest.decode(b))), { rows: [] }) };
+    await enqueueMany(client, [
+      { pool: "default", key: "a", keyMode: KeyMode.KEY_MODE_DEBOUNCE, debounceMs: 1, maxDebounceMs: 1, keyTtlMs: 31_622_400_000 },
+      { pool: "default", key: "b", keyMode: KeyMode.KEY_MODE_DEBOUNCE, debounceMs: 604_800_000, maxDebounceMs: 604_800_000, startBy: Date.UTC(9999, 11, 31, 23, 59, 59) },
+      { pool: "default", key: "c", keyMode: KeyMode.KEY_MODE_REPLACE_PENDING, runAt: Date.UTC(2030, 0, 1), startBy: Date.UTC(2030, 0, 1) + 1 },
+      { pool: "default", keyMode: KeyMode.KEY_MODE_RETURN_EXISTING },
+      // What depends on the pool's config is the server's to refuse: its default_key_mode, its debounce.
+      { pool: "default", key: "d", debounceMs: 500, maxDebounceMs: 100 },
+      { pool: "default", key: "e", keyMode: KeyMode.KEY_MODE_DEBOUNCE, maxDebounceMs: 100 },
+    ]);
+    assert.deepEqual(requests.map((r) => [r.key, r.keyMode, r.debounceMs, r.maxDebounceMs, r.keyTtlMs]), [
+      ["a", KeyMode.KEY_MODE_DEBOUNCE, 1n, 1n, 31_622_400_000n],
+      ["b", KeyMode.KEY_MODE_DEBOUNCE, 604_800_000n, 604_800_000n, 0n],
+      ["c", KeyMode.KEY_MODE_REPLACE_PENDING, 0n, 0n, 0n],
+      ["", KeyMode.KEY_MODE_RETURN_EXISTING, 0n, 0n, 0n],
+      ["d", KeyMode.KEY_MODE_UNSPECIFIED, 500n, 100n, 0n],
+      ["e", KeyMode.KEY_MODE_DEBOUNCE, 0n, 100n, 0n],
+    ]);
+    assert.deepEqual(requests.map((r) => r.startBy),
+      [undefined, { seconds: 253402300799n, nanos: 0 }, { seconds: 1893456000n, nanos: 1_000_000 }, undefined, undefined, undefined]);
+  });
+
+  test("enqueueMany names the task whose key option is refused", async () => {
+    const client = recorder();
+    await assert.rejects(enqueueMany(client, [{ pool: "default", key: "a" }, { pool: "default", keyMode: KeyMode.KEY_MODE_DEBOUNCE }]),
+      (err: Error) => err.message === "tasks[1].key: required with key_mode KEY_MODE_DEBOUNCE");
+    assert.deepEqual(client.queries, []);
   });
 
   test("an empty list inserts nothing and answers no ids", async () => {

@@ -409,7 +409,7 @@ test("the client keeps a top-bit id whole and raises the code's error with the s
 });
 
 test("watch resumes from the start a sharded server states and skips events replayed after a reconnect", async () => {
-  const event = (seq: bigint): TaskEvent => ({ task: undefined, time: undefined, shard: "cpu", seq, cursor: `1:${seq},2:7`, progress: false });
+  const event = (seq: bigint): TaskEvent => ({ task: undefined, time: undefined, shard: "cpu", seq, cursor: `1:${seq},2:7`, progress: false, replaced: false });
   const shard = await new FakeShard({
     watch: [
       { start: "1:5,2:7", events: [], fail: true }, // broke before any event: resume from its start
