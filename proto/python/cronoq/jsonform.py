@@ -65,7 +65,7 @@ def to_dict(msg: Message) -> dict[str, Any]:
 
 _STATE_NAMES = {v.number: v.name for v in task_pb2.TaskState.DESCRIPTOR.values}
 _RUN_WHEN_NAMES = {v.number: v.name for v in task_pb2.RunWhen.DESCRIPTOR.values}
-_TIMESTAMPS = ("run_at", "created_at", "started_at", "finished_at", "lease_expires_at")
+_TIMESTAMPS = ("run_at", "created_at", "started_at", "finished_at", "lease_expires_at", "start_by")
 
 
 def _timestamp(ts: Any) -> str:
@@ -106,6 +106,7 @@ def task_to_dict(task: task_pb2.Task, include_payloads: bool = True) -> dict[str
         "snoozes": task.snoozes,
         "parent_id": str(task.parent_id),
         "run_when": _RUN_WHEN_NAMES.get(task.run_when, task.run_when),
+        "key_ttl_ms": str(task.key_ttl_ms),
         "dependency_results": [
             {
                 "id": str(d.id),
@@ -144,6 +145,7 @@ def task_event_to_dict(event: task_pb2.TaskEvent, include_payloads: bool = True)
         "seq": str(event.seq),
         "cursor": event.cursor,
         "progress": event.progress,
+        "replaced": event.replaced,
     }
     if event.HasField("task"):
         out["task"] = task_to_dict(event.task, include_payloads)

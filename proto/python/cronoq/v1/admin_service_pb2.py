@@ -27,7 +27,7 @@ from cronoq.v1 import worker_service_pb2 as cronoq_dot_v1_dot_worker__service__p
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63ronoq/v1/admin_service.proto\x12\tcronoq.v1\x1a\x17\x63ronoq/v1/options.proto\x1a\x1e\x63ronoq/v1/worker_service.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xda\x01\n\nPoolCounts\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07pending\x18\x02 \x01(\x03\x12\x0f\n\x07\x62locked\x18\x03 \x01(\x03\x12\x0f\n\x07running\x18\x04 \x01(\x03\x12\x11\n\tsucceeded\x18\x05 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x06 \x01(\x03\x12\x11\n\tcancelled\x18\x07 \x01(\x03\x12\x0e\n\x06paused\x18\x08 \x01(\x08\x12\x1d\n\x15max_running_per_group\x18\t \x01(\x05\x12&\n\x06groups\x18\n \x03(\x0b\x32\x16.cronoq.v1.GroupCounts\"B\n\x0bGroupCounts\x12\x11\n\tgroup_key\x18\x01 \x01(\t\x12\x0f\n\x07pending\x18\x02 \x01(\x03\x12\x0f\n\x07running\x18\x03 \x01(\x03\"\x92\x01\n\rResourceUsage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06in_use\x18\x02 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x03\x12\x0c\n\x04rate\x18\x04 \x01(\x01\x12\r\n\x05\x62urst\x18\x05 \x01(\x03\x12\x0f\n\x07per_key\x18\x06 \x01(\x08\x12\x0c\n\x04keys\x18\x07 \x01(\x03\x12\x15\n\rkeys_at_limit\x18\x08 \x03(\t\"\xab\x02\n\rShardSnapshot\x12\r\n\x05shard\x18\x01 \x01(\t\x12\x0e\n\x06number\x18\x02 \x01(\r\x12\x0e\n\x06leader\x18\x03 \x01(\t\x12$\n\x05pools\x18\x04 \x03(\x0b\x32\x15.cronoq.v1.PoolCounts\x12+\n\tresources\x18\x05 \x03(\x0b\x32\x18.cronoq.v1.ResourceUsage\x12\"\n\x07workers\x18\x06 \x03(\x0b\x32\x11.cronoq.v1.Worker\x12\x0c\n\x04term\x18\x07 \x01(\x04\x12\x10\n\x08standbys\x18\x08 \x03(\t\x12)\n\x08\x61\x63tivity\x18\t \x03(\x0b\x32\x17.cronoq.v1.PoolActivity\x12)\n\x08outboxes\x18\n \x03(\x0b\x32\x17.cronoq.v1.OutboxStatus\"\x85\x01\n\x0cOutboxStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06schema\x18\x02 \x01(\t\x12\x0f\n\x07pending\x18\x03 \x01(\x03\x12\x13\n\x0blag_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07relayed\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x65\x61\x64\x18\x06 \x01(\x03\x12\x12\n\nlast_error\x18\x07 \x01(\t\"\xc9\x01\n\x0cPoolActivity\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x15\n\rstart_unix_ms\x18\x02 \x01(\x03\x12\x11\n\tbucket_ms\x18\x03 \x01(\r\x12\x11\n\tsubmitted\x18\x04 \x03(\r\x12\x0f\n\x07started\x18\x05 \x03(\r\x12\x11\n\tsucceeded\x18\x06 \x03(\r\x12\x0e\n\x06\x66\x61iled\x18\x07 \x03(\r\x12\x1c\n\x14start_latency_sum_ms\x18\x08 \x03(\x01\x12\x1c\n\x14start_latency_max_ms\x18\t \x03(\x01\" \n\x10PausePoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"8\n\x11PausePoolResponse\x12#\n\x05pause\x18\x01 \x01(\x0b\x32\x14.cronoq.v1.PoolPause\"!\n\x11ResumePoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"9\n\x12ResumePoolResponse\x12#\n\x05pause\x18\x01 \x01(\x0b\x32\x14.cronoq.v1.PoolPause\"k\n\tPoolPause\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12-\n\tpaused_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tpaused_by\x18\x04 \x01(\t\"\x14\n\x12GetSnapshotRequest\"[\n\x13GetSnapshotResponse\x12(\n\x06shards\x18\x01 \x03(\x0b\x32\x18.cronoq.v1.ShardSnapshot\x12\x1a\n\x12unavailable_shards\x18\x02 \x03(\t\"\x16\n\x14GetServerInfoRequest\"\xd3\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\t\x12\x14\n\x0cshard_number\x18\x03 \x01(\r\x12\x1d\n\x04role\x18\x04 \x01(\x0e\x32\x0f.cronoq.v1.Role\x12\x11\n\tserver_id\x18\x05 \x01(\t\x12\x11\n\tadvertise\x18\x06 \x01(\t\x12\x0e\n\x06leader\x18\x07 \x01(\t\x12\x0c\n\x04term\x18\x08 \x01(\x04\x12!\n\x06\x63\x61ller\x18\t \x01(\x0b\x32\x11.cronoq.v1.Caller\"M\n\x06\x43\x61ller\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tall_pools\x18\x02 \x01(\x08\x12\r\n\x05pools\x18\x03 \x03(\t\x12\x13\n\x0bpermissions\x18\x04 \x03(\t*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_LEADER\x10\x01\x12\x10\n\x0cROLE_STANDBY\x10\x02\x32\xd4\x03\n\x0c\x41\x64minService\x12m\n\x0bGetSnapshot\x12\x1d.cronoq.v1.GetSnapshotRequest\x1a\x1e.cronoq.v1.GetSnapshotResponse\"\x1f\xea\xe0\x18\x1b\x08\x06\x18\x04\"\x13\n\x03GET\x12\x0c/v1/snapshot(\x02\x12p\n\tPausePool\x12\x1b.cronoq.v1.PausePoolRequest\x1a\x1c.cronoq.v1.PausePoolResponse\"(\xea\xe0\x18$\x08\x06\x18\x02\"\x1e\n\x04POST\x12\x16/v1/pools/{pool}/pause\x12t\n\nResumePool\x12\x1c.cronoq.v1.ResumePoolRequest\x1a\x1d.cronoq.v1.ResumePoolResponse\")\xea\xe0\x18%\x08\x06\x18\x02\"\x1f\n\x04POST\x12\x17/v1/pools/{pool}/resume\x12m\n\rGetServerInfo\x12\x1f.cronoq.v1.GetServerInfoRequest\x1a .cronoq.v1.GetServerInfoResponse\"\x19\xea\xe0\x18\x15\x10\x01\x18\x01\"\x0f\n\x03GET\x12\x08/v1/infoB8Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63ronoq/v1/admin_service.proto\x12\tcronoq.v1\x1a\x17\x63ronoq/v1/options.proto\x1a\x1e\x63ronoq/v1/worker_service.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xeb\x01\n\nPoolCounts\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07pending\x18\x02 \x01(\x03\x12\x0f\n\x07\x62locked\x18\x03 \x01(\x03\x12\x0f\n\x07running\x18\x04 \x01(\x03\x12\x11\n\tsucceeded\x18\x05 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x06 \x01(\x03\x12\x11\n\tcancelled\x18\x07 \x01(\x03\x12\x0e\n\x06paused\x18\x08 \x01(\x08\x12\x1d\n\x15max_running_per_group\x18\t \x01(\x05\x12&\n\x06groups\x18\n \x03(\x0b\x32\x16.cronoq.v1.GroupCounts\x12\x0f\n\x07\x65xpired\x18\x0b \x01(\x03\"B\n\x0bGroupCounts\x12\x11\n\tgroup_key\x18\x01 \x01(\t\x12\x0f\n\x07pending\x18\x02 \x01(\x03\x12\x0f\n\x07running\x18\x03 \x01(\x03\"\x92\x01\n\rResourceUsage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06in_use\x18\x02 \x01(\x03\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x03\x12\x0c\n\x04rate\x18\x04 \x01(\x01\x12\r\n\x05\x62urst\x18\x05 \x01(\x03\x12\x0f\n\x07per_key\x18\x06 \x01(\x08\x12\x0c\n\x04keys\x18\x07 \x01(\x03\x12\x15\n\rkeys_at_limit\x18\x08 \x03(\t\"\xab\x02\n\rShardSnapshot\x12\r\n\x05shard\x18\x01 \x01(\t\x12\x0e\n\x06number\x18\x02 \x01(\r\x12\x0e\n\x06leader\x18\x03 \x01(\t\x12$\n\x05pools\x18\x04 \x03(\x0b\x32\x15.cronoq.v1.PoolCounts\x12+\n\tresources\x18\x05 \x03(\x0b\x32\x18.cronoq.v1.ResourceUsage\x12\"\n\x07workers\x18\x06 \x03(\x0b\x32\x11.cronoq.v1.Worker\x12\x0c\n\x04term\x18\x07 \x01(\x04\x12\x10\n\x08standbys\x18\x08 \x03(\t\x12)\n\x08\x61\x63tivity\x18\t \x03(\x0b\x32\x17.cronoq.v1.PoolActivity\x12)\n\x08outboxes\x18\n \x03(\x0b\x32\x17.cronoq.v1.OutboxStatus\"\x85\x01\n\x0cOutboxStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06schema\x18\x02 \x01(\t\x12\x0f\n\x07pending\x18\x03 \x01(\x03\x12\x13\n\x0blag_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07relayed\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x65\x61\x64\x18\x06 \x01(\x03\x12\x12\n\nlast_error\x18\x07 \x01(\t\"\xc9\x01\n\x0cPoolActivity\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x15\n\rstart_unix_ms\x18\x02 \x01(\x03\x12\x11\n\tbucket_ms\x18\x03 \x01(\r\x12\x11\n\tsubmitted\x18\x04 \x03(\r\x12\x0f\n\x07started\x18\x05 \x03(\r\x12\x11\n\tsucceeded\x18\x06 \x03(\r\x12\x0e\n\x06\x66\x61iled\x18\x07 \x03(\r\x12\x1c\n\x14start_latency_sum_ms\x18\x08 \x03(\x01\x12\x1c\n\x14start_latency_max_ms\x18\t \x03(\x01\" \n\x10PausePoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"8\n\x11PausePoolResponse\x12#\n\x05pause\x18\x01 \x01(\x0b\x32\x14.cronoq.v1.PoolPause\"!\n\x11ResumePoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"9\n\x12ResumePoolResponse\x12#\n\x05pause\x18\x01 \x01(\x0b\x32\x14.cronoq.v1.PoolPause\"k\n\tPoolPause\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12-\n\tpaused_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tpaused_by\x18\x04 \x01(\t\"\x14\n\x12GetSnapshotRequest\"[\n\x13GetSnapshotResponse\x12(\n\x06shards\x18\x01 \x03(\x0b\x32\x18.cronoq.v1.ShardSnapshot\x12\x1a\n\x12unavailable_shards\x18\x02 \x03(\t\"\x16\n\x14GetServerInfoRequest\"\xd3\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\t\x12\x14\n\x0cshard_number\x18\x03 \x01(\r\x12\x1d\n\x04role\x18\x04 \x01(\x0e\x32\x0f.cronoq.v1.Role\x12\x11\n\tserver_id\x18\x05 \x01(\t\x12\x11\n\tadvertise\x18\x06 \x01(\t\x12\x0e\n\x06leader\x18\x07 \x01(\t\x12\x0c\n\x04term\x18\x08 \x01(\x04\x12!\n\x06\x63\x61ller\x18\t \x01(\x0b\x32\x11.cronoq.v1.Caller\"M\n\x06\x43\x61ller\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tall_pools\x18\x02 \x01(\x08\x12\r\n\x05pools\x18\x03 \x03(\t\x12\x13\n\x0bpermissions\x18\x04 \x03(\t*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_LEADER\x10\x01\x12\x10\n\x0cROLE_STANDBY\x10\x02\x32\xd4\x03\n\x0c\x41\x64minService\x12m\n\x0bGetSnapshot\x12\x1d.cronoq.v1.GetSnapshotRequest\x1a\x1e.cronoq.v1.GetSnapshotResponse\"\x1f\xea\xe0\x18\x1b\x08\x06\x18\x04\"\x13\n\x03GET\x12\x0c/v1/snapshot(\x02\x12p\n\tPausePool\x12\x1b.cronoq.v1.PausePoolRequest\x1a\x1c.cronoq.v1.PausePoolResponse\"(\xea\xe0\x18$\x08\x06\x18\x02\"\x1e\n\x04POST\x12\x16/v1/pools/{pool}/pause\x12t\n\nResumePool\x12\x1c.cronoq.v1.ResumePoolRequest\x1a\x1d.cronoq.v1.ResumePoolResponse\")\xea\xe0\x18%\x08\x06\x18\x02\"\x1f\n\x04POST\x12\x17/v1/pools/{pool}/resume\x12m\n\rGetServerInfo\x12\x1f.cronoq.v1.GetServerInfoRequest\x1a .cronoq.v1.GetServerInfoResponse\"\x19\xea\xe0\x18\x15\x10\x01\x18\x01\"\x0f\n\x03GET\x12\x08/v1/infoB8Z6github.com/cronoq/cronoq/sdk-go/gen/cronoq/v1;cronoqv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,40 +43,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADMINSERVICE'].methods_by_name['ResumePool']._serialized_options = b'\352\340\030%\010\006\030\002\"\037\n\004POST\022\027/v1/pools/{pool}/resume'
   _globals['_ADMINSERVICE'].methods_by_name['GetServerInfo']._loaded_options = None
   _globals['_ADMINSERVICE'].methods_by_name['GetServerInfo']._serialized_options = b'\352\340\030\025\020\001\030\001\"\017\n\003GET\022\010/v1/info'
-  _globals['_ROLE']._serialized_start=1941
-  _globals['_ROLE']._serialized_end=2004
+  _globals['_ROLE']._serialized_start=1958
+  _globals['_ROLE']._serialized_end=2021
   _globals['_POOLCOUNTS']._serialized_start=135
-  _globals['_POOLCOUNTS']._serialized_end=353
-  _globals['_GROUPCOUNTS']._serialized_start=355
-  _globals['_GROUPCOUNTS']._serialized_end=421
-  _globals['_RESOURCEUSAGE']._serialized_start=424
-  _globals['_RESOURCEUSAGE']._serialized_end=570
-  _globals['_SHARDSNAPSHOT']._serialized_start=573
-  _globals['_SHARDSNAPSHOT']._serialized_end=872
-  _globals['_OUTBOXSTATUS']._serialized_start=875
-  _globals['_OUTBOXSTATUS']._serialized_end=1008
-  _globals['_POOLACTIVITY']._serialized_start=1011
-  _globals['_POOLACTIVITY']._serialized_end=1212
-  _globals['_PAUSEPOOLREQUEST']._serialized_start=1214
-  _globals['_PAUSEPOOLREQUEST']._serialized_end=1246
-  _globals['_PAUSEPOOLRESPONSE']._serialized_start=1248
-  _globals['_PAUSEPOOLRESPONSE']._serialized_end=1304
-  _globals['_RESUMEPOOLREQUEST']._serialized_start=1306
-  _globals['_RESUMEPOOLREQUEST']._serialized_end=1339
-  _globals['_RESUMEPOOLRESPONSE']._serialized_start=1341
-  _globals['_RESUMEPOOLRESPONSE']._serialized_end=1398
-  _globals['_POOLPAUSE']._serialized_start=1400
-  _globals['_POOLPAUSE']._serialized_end=1507
-  _globals['_GETSNAPSHOTREQUEST']._serialized_start=1509
-  _globals['_GETSNAPSHOTREQUEST']._serialized_end=1529
-  _globals['_GETSNAPSHOTRESPONSE']._serialized_start=1531
-  _globals['_GETSNAPSHOTRESPONSE']._serialized_end=1622
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1624
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1646
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=1649
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=1860
-  _globals['_CALLER']._serialized_start=1862
-  _globals['_CALLER']._serialized_end=1939
-  _globals['_ADMINSERVICE']._serialized_start=2007
-  _globals['_ADMINSERVICE']._serialized_end=2475
+  _globals['_POOLCOUNTS']._serialized_end=370
+  _globals['_GROUPCOUNTS']._serialized_start=372
+  _globals['_GROUPCOUNTS']._serialized_end=438
+  _globals['_RESOURCEUSAGE']._serialized_start=441
+  _globals['_RESOURCEUSAGE']._serialized_end=587
+  _globals['_SHARDSNAPSHOT']._serialized_start=590
+  _globals['_SHARDSNAPSHOT']._serialized_end=889
+  _globals['_OUTBOXSTATUS']._serialized_start=892
+  _globals['_OUTBOXSTATUS']._serialized_end=1025
+  _globals['_POOLACTIVITY']._serialized_start=1028
+  _globals['_POOLACTIVITY']._serialized_end=1229
+  _globals['_PAUSEPOOLREQUEST']._serialized_start=1231
+  _globals['_PAUSEPOOLREQUEST']._serialized_end=1263
+  _globals['_PAUSEPOOLRESPONSE']._serialized_start=1265
+  _globals['_PAUSEPOOLRESPONSE']._serialized_end=1321
+  _globals['_RESUMEPOOLREQUEST']._serialized_start=1323
+  _globals['_RESUMEPOOLREQUEST']._serialized_end=1356
+  _globals['_RESUMEPOOLRESPONSE']._serialized_start=1358
+  _globals['_RESUMEPOOLRESPONSE']._serialized_end=1415
+  _globals['_POOLPAUSE']._serialized_start=1417
+  _globals['_POOLPAUSE']._serialized_end=1524
+  _globals['_GETSNAPSHOTREQUEST']._serialized_start=1526
+  _globals['_GETSNAPSHOTREQUEST']._serialized_end=1546
+  _globals['_GETSNAPSHOTRESPONSE']._serialized_start=1548
+  _globals['_GETSNAPSHOTRESPONSE']._serialized_end=1639
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1641
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1663
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=1666
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=1877
+  _globals['_CALLER']._serialized_start=1879
+  _globals['_CALLER']._serialized_end=1956
+  _globals['_ADMINSERVICE']._serialized_start=2024
+  _globals['_ADMINSERVICE']._serialized_end=2492
 # @@protoc_insertion_point(module_scope)

@@ -52,6 +52,7 @@ class PoolCounts(_message.Message):
     PAUSED_FIELD_NUMBER: _builtins.int
     MAX_RUNNING_PER_GROUP_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
+    EXPIRED_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     pending: _builtins.int
     blocked: _builtins.int
@@ -63,6 +64,8 @@ class PoolCounts(_message.Message):
     """Paused (PausePool): nothing is leased."""
     max_running_per_group: _builtins.int
     """The pool's max_running_per_group (0: the pool has no per-group cap)."""
+    expired: _builtins.int
+    """Tasks that ended EXPIRED (not started by their start_by)."""
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupCounts]:
         """In a pool with max_running_per_group: the groups with the most tasks pending and running
@@ -82,10 +85,11 @@ class PoolCounts(_message.Message):
         paused: _builtins.bool = ...,
         max_running_per_group: _builtins.int = ...,
         groups: _abc.Iterable[Global___GroupCounts] | None = ...,
+        expired: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked", b"blocked", "cancelled", b"cancelled", "failed", b"failed", "groups", b"groups", "max_running_per_group", b"max_running_per_group", "paused", b"paused", "pending", b"pending", "pool", b"pool", "running", b"running", "succeeded", b"succeeded"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocked", b"blocked", "cancelled", b"cancelled", "expired", b"expired", "failed", b"failed", "groups", b"groups", "max_running_per_group", b"max_running_per_group", "paused", b"paused", "pending", b"pending", "pool", b"pool", "running", b"running", "succeeded", b"succeeded"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

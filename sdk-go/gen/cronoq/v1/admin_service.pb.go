@@ -86,7 +86,9 @@ type PoolCounts struct {
 	MaxRunningPerGroup int32 `protobuf:"varint,9,opt,name=max_running_per_group,json=maxRunningPerGroup,proto3" json:"max_running_per_group,omitempty"`
 	// In a pool with max_running_per_group: the groups with the most tasks pending and running
 	// (at most 10, most first).
-	Groups        []*GroupCounts `protobuf:"bytes,10,rep,name=groups,proto3" json:"groups,omitempty"`
+	Groups []*GroupCounts `protobuf:"bytes,10,rep,name=groups,proto3" json:"groups,omitempty"`
+	// Tasks that ended EXPIRED (not started by their start_by).
+	Expired       int64 `protobuf:"varint,11,opt,name=expired,proto3" json:"expired,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -189,6 +191,13 @@ func (x *PoolCounts) GetGroups() []*GroupCounts {
 		return x.Groups
 	}
 	return nil
+}
+
+func (x *PoolCounts) GetExpired() int64 {
+	if x != nil {
+		return x.Expired
+	}
+	return 0
 }
 
 // One group of a pool (SubmitTaskRequest.group_key; "" is the tasks without one).
@@ -1247,7 +1256,7 @@ var File_cronoq_v1_admin_service_proto protoreflect.FileDescriptor
 
 const file_cronoq_v1_admin_service_proto_rawDesc = "" +
 	"\n" +
-	"\x1dcronoq/v1/admin_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x1ecronoq/v1/worker_service.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xbd\x02\n" +
+	"\x1dcronoq/v1/admin_service.proto\x12\tcronoq.v1\x1a\x17cronoq/v1/options.proto\x1a\x1ecronoq/v1/worker_service.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd7\x02\n" +
 	"\n" +
 	"PoolCounts\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x18\n" +
@@ -1260,7 +1269,8 @@ const file_cronoq_v1_admin_service_proto_rawDesc = "" +
 	"\x06paused\x18\b \x01(\bR\x06paused\x121\n" +
 	"\x15max_running_per_group\x18\t \x01(\x05R\x12maxRunningPerGroup\x12.\n" +
 	"\x06groups\x18\n" +
-	" \x03(\v2\x16.cronoq.v1.GroupCountsR\x06groups\"^\n" +
+	" \x03(\v2\x16.cronoq.v1.GroupCountsR\x06groups\x12\x18\n" +
+	"\aexpired\x18\v \x01(\x03R\aexpired\"^\n" +
 	"\vGroupCounts\x12\x1b\n" +
 	"\tgroup_key\x18\x01 \x01(\tR\bgroupKey\x12\x18\n" +
 	"\apending\x18\x02 \x01(\x03R\apending\x12\x18\n" +

@@ -81,6 +81,8 @@ export interface PoolCounts {
    * (at most 10, most first).
    */
   groups: GroupCounts[];
+  /** Tasks that ended EXPIRED (not started by their start_by). */
+  expired: bigint;
 }
 
 /** One group of a pool (SubmitTaskRequest.group_key; "" is the tasks without one). */
@@ -244,6 +246,7 @@ function createBasePoolCounts(): PoolCounts {
     paused: false,
     maxRunningPerGroup: 0,
     groups: [],
+    expired: 0n,
   };
 }
 
@@ -296,6 +299,12 @@ export const PoolCounts: MessageFns<PoolCounts> = {
     }
     for (const v of message.groups) {
       GroupCounts.encode(v!, writer.uint32(82).fork()).join();
+    }
+    if (message.expired !== 0n) {
+      if (BigInt.asIntN(64, message.expired) !== message.expired) {
+        throw new globalThis.Error("value provided for field message.expired of type int64 too large");
+      }
+      writer.uint32(88).int64(message.expired);
     }
     return writer;
   },
@@ -393,6 +402,14 @@ export const PoolCounts: MessageFns<PoolCounts> = {
             message.groups.push(GroupCounts.decode(reader, reader.uint32()));
             continue;
           }
+          case 11: {
+            if (tag !== 88) {
+              break;
+            }
+
+            message.expired = reader.int64() as bigint;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -421,6 +438,7 @@ export const PoolCounts: MessageFns<PoolCounts> = {
         ? globalThis.Number(object.max_running_per_group)
         : 0,
       groups: globalThis.Array.isArray(object?.groups) ? object.groups.map((e: any) => GroupCounts.fromJSON(e)) : [],
+      expired: isSet(object.expired) ? BigInt(object.expired) : 0n,
     };
   },
 
@@ -456,6 +474,9 @@ export const PoolCounts: MessageFns<PoolCounts> = {
     if (message.groups?.length) {
       obj.groups = message.groups.map((e) => GroupCounts.toJSON(e));
     }
+    if (message.expired !== 0n) {
+      obj.expired = message.expired.toString();
+    }
     return obj;
   },
 
@@ -474,6 +495,7 @@ export const PoolCounts: MessageFns<PoolCounts> = {
     message.paused = object.paused ?? false;
     message.maxRunningPerGroup = object.maxRunningPerGroup ?? 0;
     message.groups = object.groups?.map((e) => GroupCounts.fromPartial(e)) || [];
+    message.expired = (object.expired !== undefined && object.expired !== null) ? BigInt(object.expired) : 0n;
     return message;
   },
 };
