@@ -1,0 +1,175 @@
+"""The SQLite store's actions on many tasks: cancel, match, retry and delete."""
+
+from __future__ import annotations
+
+import sqlite3
+
+from ..base import Changes, State, TaskFilter, TaskRow
+from ..logic import WorkflowTree, decide_restore, decide_retry, descendants_changed, match_sql
+from .core import MAX_VARS, _chunks
+from .finish import Finish
+from .sql import _DIALECT, _marks
+
+
+class Bulk(Finish):
+    async def cancel_workflow(
+        self, seq: int, now: int, cancellable: frozenset[str] | None
+    ) -> tuple[TaskRow | None, int, Changes]:
+        def cancel(db: sqlite3.Connection) -> tuple[TaskRow | None, int, Changes]:
+            def below(seqs: list[int]) -> list[tuple[int, str]]:
+                found: list[tuple[int, str]] = []
+                for chunk in _chunks(seqs, MAX_VARS // 2):
+                    marks = _marks(len(chunk))
+                    sql = (
+                        f"SELECT seq, pool FROM tasks WHERE parent_seq IN ({marks}) UNION SELECT d.task_seq, t.pool"
+                        f" FROM deps d JOIN tasks t ON t.seq = d.task_seq WHERE d.dep_seq IN ({marks})"
+                    )
+                    found += db.execute(sql, [*chunk, *chunk]).fetchall()
+                return found
+
+            tree = WorkflowTree(seq, cancellable)
+            while tree.frontier:
+                tree.add(below(tree.frontier))
+            _, changes = self._cancel_tasks(db, [seq, *tree.found], now)
+            rows = self._select(db, "seq = ?", (seq,))
+            return (rows[0] if rows else None), descendants_changed(seq, changes), changes
+
+        return await self._tx(cancel)
+
+    async def cancel(self, seq: int, now: int) -> tuple[TaskRow | None, Changes]:
+        def cancel(db: sqlite3.Connection) -> tuple[TaskRow | None, Changes]:
+            _, changes = self._cancel_tasks(db, [seq], now)
+            rows = self._select(db, "seq = ?", (seq,))
+            return (rows[0] if rows else None), changes
+
+        return await self._tx(cancel)
+
+    async def cancel_tasks(self, seqs: list[int], now: int) -> tuple[list[int], Changes]:
+        return await self._tx(self._cancel_tasks, seqs, now)
+
+    def _cancel_tasks(self, db: sqlite3.Connection, seqs: list[int], now: int) -> tuple[list[int], Changes]:
+        ended: list[tuple[int, State]] = []  # (seq, state it leaves)
+        requested: list[int] = []
+        for chunk in _chunks(sorted(set(seqs))):
+            sql = (
+                f"SELECT seq, state FROM tasks WHERE seq IN ({_marks(len(chunk))})"
+                " AND (state IN (1, 2) OR (state = 3 AND cancel_requested = 0))"
+            )
+            for seq, state in db.execute(sql, chunk):
+                if state == State.RUNNING:
+                    requested.append(seq)
+                else:
+                    ended.append((seq, State(state)))
+        db.executemany(
+            "UPDATE tasks SET state = 6, error = 'cancelled', finished_at = ? WHERE seq = ?",
+            [(now, seq) for seq, _ in ended],
+        )
+        db.executemany("UPDATE tasks SET cancel_requested = 1 WHERE seq = ?", [(seq,) for seq in requested])
+        changes: Changes = [(seq, State.CANCELLED) for seq, _ in ended] + [(seq, State.RUNNING) for seq in requested]
+        prev = [state for _, state in ended] + [State.RUNNING] * len(requested)
+        dependents = self._end_dependents(db, [seq for seq, _ in ended], State.CANCELLED, now)
+        changes += dependents
+        prev += [State.BLOCKED] * len(dependents)
+        self._record_events(db, changes, prev, now)
+        return sorted([seq for seq, _ in ended] + requested), changes
+
+    async def match_tasks(self, match: TaskFilter, after_seq: int, limit: int) -> list[tuple[int, State, str]]:
+        where, params = match_sql(match, after_seq, limit, _DIALECT)
+        sql = f"SELECT seq, state, pool FROM tasks WHERE {where}"
+        rows = await self._scan(lambda db: db.execute(sql, params).fetchall())
+        return [(seq, State(state), pool) for seq, state, pool in rows]
+
+    # -- an operator's actions on ended tasks ----------------------------------
+
+    async def retry_tasks(
+        self,
+        seqs: list[int],
+        now: int,
+        run_at: int | None,
+        extra_attempts: int,
+        restorable: frozenset[str] | None = None,
+    ) -> tuple[list[TaskRow], int, Changes]:
+        return await self._tx(self._retry_tasks, seqs, now, run_at, extra_attempts, restorable)
+
+    def _retry_tasks(
+        self,
+        db: sqlite3.Connection,
+        seqs: list[int],
+        now: int,
+        run_at: int | None,
+        extra_attempts: int,
+        restorable: frozenset[str] | None,
+    ) -> tuple[list[TaskRow], int, Changes]:
+        rows: list[tuple[int, State, int, int]] = []
+        for chunk in _chunks(seqs):
+            sql = (
+                "SELECT seq, state, attempt, max_attempts FROM tasks"
+                f" WHERE seq IN ({_marks(len(chunk))}) AND state IN (5, 6)"
+            )
+            rows += [(r[0], State(r[1]), r[2], r[3]) for r in db.execute(sql, chunk)]
+        plan = decide_retry(rows, self._dep_states(db, [r[0] for r in rows]), now, run_at, extra_attempts)
+        db.executemany(
+            "UPDATE tasks SET state = ?, run_at = ?, max_attempts = ?, blocked_on = ?, error = '', result = NULL,"
+            " result_content_type = '', finished_at = NULL, worker_id = NULL, started_at = NULL,"
+            f" lease_expires_at = NULL, cancel_requested = 0, {self._rank_reset} WHERE seq = ?",
+            plan.retried,
+        )
+        # Each step's events are recorded after its writes: they read the task as it left it.
+        self._record_events(db, plan.changes, plan.prev, now)
+        retried = frontier = [r[-1] for r in plan.retried]
+        while frontier:
+            recorded, restored, renamed = len(plan.changes), len(plan.restored), len(plan.renamed)
+            candidates: dict[int, tuple[int, State, str, str]] = {}
+            for chunk in _chunks(frontier):
+                sql = (
+                    "SELECT t.seq, t.state, t.error, t.pool FROM deps d JOIN tasks t ON t.seq = d.task_seq"
+                    f" WHERE d.dep_seq IN ({_marks(len(chunk))}) AND t.state IN (5, 6) AND t.attempt = 0"
+                )
+                candidates |= {r[0]: (r[0], State(r[1]), r[2], r[3]) for r in db.execute(sql, chunk)}
+            deps = self._dep_states(db, list(candidates))
+            frontier = decide_restore(plan, candidates.values(), frontier, deps, self._full_id, restorable)
+            db.executemany(
+                "UPDATE tasks SET state = 2, blocked_on = ?, error = '', finished_at = NULL WHERE seq = ?",
+                plan.restored[restored:],
+            )
+            db.executemany("UPDATE tasks SET error = ? WHERE seq = ?", plan.renamed[renamed:])
+            self._record_events(db, plan.changes[recorded:], plan.prev[recorded:], now)
+        # A finalizer still waiting counted these as ended: it waits for them again.
+        again = [seq for seq, _ in plan.changes]
+        for chunk in _chunks(again):
+            db.execute(
+                "UPDATE tasks SET blocked_on = blocked_on + (SELECT COUNT(*) FROM deps"
+                f" WHERE deps.task_seq = tasks.seq AND deps.dep_seq IN ({_marks(len(chunk))}))"
+                " WHERE state = 2 AND run_when = 2 AND seq IN (SELECT task_seq FROM deps"
+                f" WHERE dep_seq IN ({_marks(len(chunk))}))",
+                [*chunk, *chunk],
+            )
+        return self._select_seqs(db, retried), len(plan.restored), plan.changes
+
+    def _dep_states(self, db: sqlite3.Connection, seqs: list[int]) -> dict[int, list[tuple[int, State]]]:
+        """The dependencies still stored of each of these tasks, with their states."""
+        deps: dict[int, list[tuple[int, State]]] = {}
+        for chunk in _chunks(seqs):
+            sql = (
+                "SELECT d.task_seq, d.dep_seq, t.state FROM deps d JOIN tasks t ON t.seq = d.dep_seq"
+                f" WHERE d.task_seq IN ({_marks(len(chunk))})"
+            )
+            for seq, dep, state in db.execute(sql, chunk):
+                deps.setdefault(seq, []).append((dep, State(state)))
+        return deps
+
+    async def delete_tasks(self, seqs: list[int], events_through: int | None) -> list[int]:
+        return await self._tx(self._delete_tasks, seqs, events_through)
+
+    def _delete_tasks(self, db: sqlite3.Connection, seqs: list[int], events_through: int | None) -> list[int]:
+        deleted: list[int] = []
+        for chunk in _chunks(seqs):
+            sql = f"DELETE FROM tasks WHERE seq IN ({_marks(len(chunk))}) AND state IN (4, 5, 6) RETURNING seq"
+            deleted += [r[0] for r in db.execute(sql, chunk)]
+        for chunk in _chunks(deleted):
+            marks = _marks(len(chunk))
+            db.execute(f"DELETE FROM deps WHERE task_seq IN ({marks})", chunk)
+            db.execute(f"DELETE FROM attempts WHERE task_seq IN ({marks})", chunk)
+            if events_through is not None:
+                db.execute(f"DELETE FROM events WHERE task_seq IN ({marks}) AND id <= ?", (*chunk, events_through))
+        return sorted(deleted)

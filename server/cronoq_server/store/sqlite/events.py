@@ -1,0 +1,81 @@
+"""The SQLite store's event log: recorded with each change, read, counted and purged."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Sequence
+
+from ..base import COUNTED_COLUMNS, EVENT_COLUMNS, Changes, EventColumns, EventRow, State
+from ..logic import event_row
+from .core import SqliteCore
+from .sql import _RECORD_EVENT
+
+
+class Events(SqliteCore):
+    # -- events ---------------------------------------------------------------
+    #
+    # Written in the op that changes the task, so committed with it. One transaction commits at
+    # a time, so ids are in commit order: they are the event sequence (dense, since a rolled
+    # back op rolls back its ids too). Nothing to number: sequence_events reads the last id.
+
+    def _record_events(self, db: sqlite3.Connection, changes: Changes, prev: Sequence[int], now: int) -> None:
+        """An event per change, with the task's pool, state, attempt and EVENT_TASK_COLUMNS as the
+        op left them, and prev: the state each change left (0: a new task)."""
+        db.executemany(_RECORD_EVENT, [(now, int(p), seq) for (seq, _), p in zip(changes, prev, strict=True)])
+
+    def _last_event(self, db: sqlite3.Connection) -> int:
+        row = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'events'").fetchone()
+        return row[0] if row else 0
+
+    async def sequence_events(self) -> int:
+        return await self._run(self._last_event, self._conn)
+
+    async def read_events(self, after: int, limit: int) -> list[EventRow]:
+        sql = f"SELECT id, {EVENT_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?"
+        rows = await self._run(lambda: self._conn.execute(sql, (after, limit)).fetchall())
+        return [event_row(r) for r in rows]
+
+    async def read_event_columns(self, after: int, limit: int) -> list[EventColumns]:
+        sql = f"SELECT id, {COUNTED_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?"
+        rows = await self._run(lambda: self._conn.execute(sql, (after, limit)).fetchall())
+        return [EventColumns(*zip(*rows, strict=True))] if rows else []
+
+    async def count_unfinished(self) -> tuple[int, dict[tuple[str, State], int]]:
+        """Read in one read transaction on a connection of its own (WAL: one snapshot, and the
+        writes queued on the store's thread go on beside it)."""
+
+        def count() -> tuple[int, dict[tuple[str, State], int]]:
+            db = sqlite3.connect(self.path, isolation_level=None, timeout=30)
+            try:
+                db.execute("PRAGMA query_only = 1")
+                db.execute("BEGIN")
+                last = self._last_event(db)
+                sql = "SELECT pool, state, COUNT(*) FROM tasks WHERE state IN (1, 2, 3) GROUP BY pool, state"
+                counts = {(p, State(s)): n for p, s, n in db.execute(sql)}
+                db.execute("COMMIT")
+                return last, counts
+            finally:
+                db.close()
+
+        return await asyncio.get_running_loop().run_in_executor(None, count)
+
+    async def event_bounds(self) -> tuple[int, int]:
+        def bounds() -> tuple[int, int]:
+            purged = self._conn.execute("SELECT purged_through FROM event_log WHERE id = 1").fetchone()[0]
+            return purged, max(self._last_event(self._conn), purged)
+
+        return await self._run(bounds)
+
+    async def purge_events(self, before: int, limit: int) -> int:
+        return await self._tx(self._purge_events, before, limit)
+
+    def _purge_events(self, db: sqlite3.Connection, before: int, limit: int) -> int:
+        # Only the oldest `limit` events are looked at: the scan never reaches into the window.
+        sql = "SELECT max(id) FROM (SELECT id, at FROM events ORDER BY id LIMIT ?) WHERE at < ?"
+        bound = db.execute(sql, (limit, before)).fetchone()[0]
+        if bound is None:
+            return 0
+        deleted = db.execute("DELETE FROM events WHERE id <= ?", (bound,)).rowcount
+        db.execute("UPDATE event_log SET purged_through = max(purged_through, ?) WHERE id = 1", (bound,))
+        return deleted

@@ -1,0 +1,136 @@
+"""The SQLite store's submit path: new tasks, their dependencies and the pending limits."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from ...errors import not_found
+from ..base import TERMINAL, Changes, NewTask, State, Submitted
+from ..fair import first_rank
+from ..logic import (
+    check_dependency_bytes,
+    check_pending_limits,
+    encode_request,
+    initial_state,
+    key_of_another_pool,
+    keyed_entry,
+    limits_apply,
+    replay_request,
+    request_seqs,
+    trace_text,
+)
+from .events import Events
+from .reads import Reads
+from .sql import _marks
+
+
+class Submit(Reads, Events):
+    # -- submit ---------------------------------------------------------------
+
+    async def submit(
+        self, tasks: list[NewTask], now: int, request_id: str | None = None, visible: frozenset[str] | None = None
+    ) -> tuple[list[Submitted], Changes]:
+        return await self._tx(self._submit, tasks, now, request_id, visible)
+
+    def _submit(
+        self,
+        db: sqlite3.Connection,
+        tasks: list[NewTask],
+        now: int,
+        request_id: str | None,
+        visible: frozenset[str] | None,
+    ) -> tuple[list[Submitted], Changes]:
+        if request_id is not None:
+            known = db.execute("SELECT created FROM requests WHERE id = ?", (request_id,)).fetchone()
+            if known is not None:
+                return replay_request(known[0], self._select_seqs(db, request_seqs(known[0]))), []
+        out: list[Submitted] = []
+        changes: Changes = []
+        for task in tasks:
+            if task.key is not None:
+                existing = self._select(db, "key = ?", (task.key,))
+                if existing:
+                    key_of_another_pool(task.key, task.pool, existing[0].pool)
+                    out.append(Submitted(existing[0], True))
+                    continue
+            deps, dep_bytes = self._resolve_deps(db, task, out, visible)
+            check_dependency_bytes(
+                repr(task.key) if task.key else "the task",
+                dep_bytes,
+                self.settings.max_dependency_results_bytes,
+                self._full_id,
+            )
+            state, error, blocked_on = initial_state(deps, self._full_id, task.run_when)
+            finished_at = now if state in TERMINAL else None
+            run_at = task.run_at if task.run_at is not None else now
+            dep_list = [s for s, _ in deps]
+            cur = db.execute(
+                "INSERT INTO tasks (pool, key, payload, content_type, priority, run_at, max_attempts, depends_on,"
+                " resources, state, error, created_at, finished_at, blocked_on, timeout_ms, group_key, group_rank,"
+                " res_key, trace, parent_seq, run_when) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    task.pool,
+                    task.key,
+                    task.payload,
+                    task.content_type,
+                    task.priority,
+                    run_at,
+                    task.max_attempts,
+                    json.dumps(dep_list) if dep_list else None,
+                    json.dumps(task.resources) if task.resources else None,
+                    int(state),
+                    error,
+                    now,
+                    finished_at,
+                    blocked_on,
+                    task.timeout_ms,
+                    task.group_key,
+                    first_rank(self._ranks, task.pool, task.group_key, state == State.PENDING, run_at, now),
+                    keyed_entry(task.resources),
+                    trace_text(task.trace),
+                    task.parent_seq,
+                    task.run_when,
+                ),
+            )
+            seq = cur.lastrowid
+            assert seq is not None
+            if dep_list:
+                db.executemany("INSERT OR IGNORE INTO deps VALUES (?, ?)", [(seq, d) for d in dep_list])
+            out.append(Submitted(self._select(db, "seq = ?", (seq,))[0], False))
+            changes.append((seq, state))
+        self._check_limits(db, tasks, out)
+        self._record_events(db, changes, [0] * len(changes), now)
+        if request_id is not None:
+            db.execute("INSERT INTO requests VALUES (?, ?, ?)", (request_id, encode_request(out), now))
+        return out, changes
+
+    def _resolve_deps(
+        self, db: sqlite3.Connection, task: NewTask, earlier: list[Submitted], visible: frozenset[str] | None
+    ) -> tuple[list[tuple[int, State]], list[tuple[int, int]]]:
+        """The task's dependencies' (seq, state), and (seq, result bytes)."""
+        found: dict[int, State] = {}
+        sizes: dict[int, int] = {}
+        columns = "seq, state, pool, coalesce(length(CAST(result AS BLOB)), 0)"
+        if task.dep_seqs:
+            sql = f"SELECT {columns} FROM tasks WHERE seq IN ({_marks(len(task.dep_seqs))})"
+            rows = {r[0]: r for r in db.execute(sql, task.dep_seqs)}
+            for seq in task.dep_seqs:
+                if seq not in rows or (visible is not None and rows[seq][2] not in visible):
+                    raise not_found(f"depends_on: task {self._full_id(seq)} not found")
+                found[seq], sizes[seq] = State(rows[seq][1]), rows[seq][3]
+        for key in task.dep_keys:
+            row = db.execute(f"SELECT {columns} FROM tasks WHERE key = ?", (key,)).fetchone()
+            if row is None or (visible is not None and row[2] not in visible):
+                raise not_found(f"depends_on: no task with key {key!r}")
+            found[row[0]], sizes[row[0]] = State(row[1]), row[3]
+        for index in task.dep_batch:
+            dep = earlier[index].row
+            found[dep.seq] = dep.state
+        return list(found.items()), list(sizes.items())
+
+    def _check_limits(self, db: sqlite3.Connection, tasks: list[NewTask], out: list[Submitted]) -> None:
+        created = [r.row.pool for r in out if not r.deduplicated]
+        if created and limits_apply(self.settings):
+            counts = dict(db.execute("SELECT pool, COUNT(*) FROM tasks WHERE state IN (1, 2) GROUP BY pool"))
+            check_pending_limits(self.settings, counts, created)
