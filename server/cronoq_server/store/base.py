@@ -22,9 +22,10 @@ class State(enum.IntEnum):
     SUCCEEDED = 4
     FAILED = 5
     CANCELLED = 6
+    EXPIRED = 7  # not started by its start_by
 
 
-TERMINAL = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
+TERMINAL = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED, State.EXPIRED})
 # A stored state's member by number: a dict look-up, where State(n) costs a call (rows convert many).
 STATES: dict[int, State] = {int(s): s for s in State}
 
@@ -36,12 +37,20 @@ TASK_COLUMNS = (
     "seq, pool, key, payload, content_type, priority, run_at, max_attempts, depends_on, resources, "
     "state, attempt, worker_id, result, result_content_type, error, created_at, started_at, "
     "finished_at, cancel_requested, lease_expires_at, timeout_ms, group_key, snoozes, progress, checkpoint, "
-    "trace, parent_seq, run_when"
+    "trace, parent_seq, run_when, start_by, key_ttl_ms, released_key"
 )
 
 # SubmitTaskRequest.run_when as stored (0: not given, which is DEPENDENCIES_SUCCEEDED).
 RUN_WHEN_SUCCEEDED = 1
 RUN_WHEN_ENDED = 2
+
+# SubmitTaskRequest.key_mode (cronoq.v1.KeyMode), resolved by the core (never 0 in a NewTask).
+KEY_RETURN_EXISTING = 1
+KEY_REPLACE_PENDING = 2
+KEY_DEBOUNCE = 3
+
+# The error of a task that ended EXPIRED (no attempt started by its start_by).
+NOT_STARTED = "not started by its start_by"
 
 
 @dataclass(slots=True)
@@ -75,6 +84,8 @@ class TaskRow:
     trace: Trace | None = None  # the W3C trace context it was submitted in
     parent_seq: int | None = None  # the task whose handler spawned it
     run_when: int = 0  # RUN_WHEN_*; 0: not given
+    start_by: int | None = None  # µs: it ends EXPIRED unless an attempt starts before
+    key_ttl_ms: int = 0  # its key is free this long after it ended; 0: held until deleted
     # Filled by the core for a leased task (and GetTask's include_dependency_results), in
     # depends_on order; None: not filled.
     dependency_results: list[DependencyRow] | None = None
@@ -142,12 +153,18 @@ class NewTask:
     dep_batch: list[int] = field(default_factory=list)
     run_when: int = 0  # RUN_WHEN_*; 0: not given
     parent_seq: int | None = None  # set on the tasks a handler spawned
+    key_mode: int = KEY_RETURN_EXISTING  # KEY_*: what a key that names a task does
+    debounce_us: int = 0  # KEY_DEBOUNCE: due this long after each submission
+    max_debounce_us: int = 0  # KEY_DEBOUNCE: due at most this long after its creation; 0: no bound
+    key_ttl_ms: int = 0
+    start_by: int | None = None
 
 
 @dataclass(slots=True)
 class Submitted:
     row: TaskRow
     deduplicated: bool
+    replaced: bool = False  # the key's PENDING or BLOCKED task took this submission's payload
 
 
 class OutcomeKind(enum.Enum):
@@ -391,8 +408,10 @@ class StoreSettings:
     shard_name: str
     shard_number: int
     lease_ttl_us: dict[str, int]
-    retention_us: dict[str, int]
+    retention_us: dict[str, int]  # per pool, ended tasks kept this long; 0: forever
     retry_at: RetryAt
+    # Per pool, FAILED and EXPIRED tasks kept this long (a pool not in it: as retention_us).
+    retention_failed_us: dict[str, int] = field(default_factory=dict)
     max_pending_total: int | None = None
     max_pending_per_pool: int | None = None
     # Tasks' overhead in a lease reply beyond payload, key and content type (an estimate).
@@ -567,6 +586,12 @@ class Store(Protocol):
     async def expire_leases(self, now: int) -> tuple[Changes, list[tuple[int, int]]]:
         """Ends every lease past its expiry; returns the changes and the (seq, attempt) ended."""
 
+    async def expire_unstarted(self, now: int, limit: int) -> Changes:
+        """In one transaction, up to limit PENDING and BLOCKED tasks whose start_by is at or before
+        now end EXPIRED (error NOT_STARTED), earliest start_by first, and their dependents as a
+        failure ends them (a finalizer is released); returns the changes. A lease never hands out
+        such a task, so one leased before its start_by is never expired."""
+
     async def cancel(self, seq: int, now: int) -> tuple[TaskRow | None, Changes]:
         """cancel_tasks of one task; returns it as the call left it (None: no such task)."""
 
@@ -580,8 +605,11 @@ class Store(Protocol):
 
         Read aside (bulk_scans at once) within bulk_scan_timeout_us, else ScanTimedOut."""
 
-    async def purge(self, now: int) -> int:
-        """Deletes terminal tasks past their pool's retention, with their attempts; returns how many."""
+    async def purge(self, now: int, limit: int) -> int:
+        """In one transaction, deletes up to limit ended tasks past their pool's retention
+        (retention_failed_us for FAILED and EXPIRED ones; 0: kept), oldest first, with their
+        dependencies, attempts and events, and the request records older than any retention;
+        returns how many tasks. The caller repeats it while it deletes limit."""
 
     async def retry_tasks(
         self,

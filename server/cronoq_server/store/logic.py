@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -18,6 +18,8 @@ from ..core.limits import DEFAULT_MAX_SNOOZES
 from ..errors import ApiError
 from ..ids import seq_of
 from .base import (
+    KEY_DEBOUNCE,
+    KEY_RETURN_EXISTING,
     LEASE_EXPIRED,
     RUN_WHEN_ENDED,
     STATES,
@@ -26,6 +28,7 @@ from .base import (
     AttemptRow,
     Changes,
     EventRow,
+    NewTask,
     Outcome,
     OutcomeKind,
     OutcomeResult,
@@ -51,7 +54,7 @@ HEARTBEAT_COLUMNS = "seq, state, attempt, worker_id, cancel_requested, pool, sta
 
 def task_row(r: Any) -> TaskRow:
     """A TaskRow from a row read in TASK_COLUMNS order (JSON text for depends_on and resources)."""
-    return TaskRow(
+    row = TaskRow(
         seq=r[0],
         pool=r[1],
         key=r[2],
@@ -81,7 +84,12 @@ def task_row(r: Any) -> TaskRow:
         trace=trace_of(r[26]),
         parent_seq=r[27],
         run_when=r[28],
+        start_by=r[29],
+        key_ttl_ms=r[30],
     )
+    if r[31] is not None:  # a key released (key_ttl_ms): the task still shows the key it had
+        row.key = r[31]
+    return row
 
 
 def trace_of(text: str | None) -> Trace | None:
@@ -163,8 +171,8 @@ def initial_state(
     for dep_seq, dep_state in deps:
         if run_when == RUN_WHEN_ENDED:
             blocked_on += dep_state not in TERMINAL
-        elif dep_state == State.FAILED:
-            state, error = State.FAILED, f"dependency {full_id(dep_seq)} failed"
+        elif dep_state in (State.FAILED, State.EXPIRED):
+            state, error = State.FAILED, dependency_error(dep_state, full_id(dep_seq))
         elif dep_state == State.CANCELLED and state != State.FAILED:
             state, error = State.CANCELLED, f"dependency {full_id(dep_seq)} was cancelled"
         elif dep_state != State.SUCCEEDED:
@@ -360,28 +368,73 @@ def key_of_another_pool(key: str, pool: str, existing_pool: str) -> None:
         )
 
 
+def key_released(existing: TaskRow, now: int) -> bool:
+    """The task ended, and its key_ttl_ms has passed since: its key is free for a new task."""
+    return (
+        existing.key_ttl_ms > 0
+        and existing.finished_at is not None
+        and existing.state in TERMINAL
+        and existing.finished_at + existing.key_ttl_ms * 1000 <= now
+    )
+
+
+def replaces(task: NewTask, existing: TaskRow) -> bool:
+    """A submission with a key that names an existing task replaces what it carries (payload,
+    content_type, priority, run_at): with a replacing key mode, while it has not started."""
+    key_of_another_pool(task.key or "", task.pool, existing.pool)
+    return task.key_mode != KEY_RETURN_EXISTING and existing.state in (State.PENDING, State.BLOCKED)
+
+
+def keyed_run_at(task: NewTask, now: int, created_at: int | None = None) -> int:
+    """When a submitted task is due: its run_at (not given: now). KEY_DEBOUNCE: debounce after
+    now, but at most max_debounce after the task was created (created_at; None: now)."""
+    if task.key_mode == KEY_DEBOUNCE:
+        due = now + task.debounce_us
+        if task.max_debounce_us:
+            due = min(due, (now if created_at is None else created_at) + task.max_debounce_us)
+        return due
+    return task.run_at if task.run_at is not None else now
+
+
+def replaced(existing: TaskRow, task: NewTask, now: int) -> TaskRow:
+    """The existing task as a replacing submission leaves it."""
+    return replace(
+        existing,
+        payload=task.payload,
+        content_type=task.content_type,
+        priority=task.priority,
+        run_at=keyed_run_at(task, now, existing.created_at),
+    )
+
+
 def encode_request(subs: list[Submitted]) -> str:
-    """What a request created, kept under its request_id: [[seq, deduplicated], ...]."""
-    return json.dumps([[s.row.seq, s.deduplicated] for s in subs])
+    """What a request created, kept under its request_id: [[seq, deduplicated, replaced], ...]."""
+    return json.dumps([[s.row.seq, s.deduplicated, s.replaced] for s in subs])
 
 
 def replay_request(text: str, rows: list[TaskRow]) -> list[Submitted]:
     """The answer to a repeated request_id, from its record and the rows still stored."""
     by_seq = {r.seq: r for r in rows}
-    return [Submitted(by_seq[seq], dedup) for seq, dedup in json.loads(text) if seq in by_seq]
+    # Recorded before key modes: [seq, deduplicated].
+    return [Submitted(by_seq[seq], dedup, bool(rest and rest[0])) for seq, dedup, *rest in json.loads(text) if seq in by_seq]
 
 
 def request_seqs(text: str) -> list[int]:
-    return [seq for seq, _ in json.loads(text)]
+    return [seq for seq, *_ in json.loads(text)]
 
 
 def request_retention(settings: StoreSettings) -> int:
-    """How long a request_id is remembered: as long as any pool keeps its tasks (µs)."""
-    return max(settings.retention_us.values(), default=7 * 86_400_000_000)
+    """How long a request_id is remembered: as long as any pool keeps its tasks (µs); a pool that
+    keeps them forever counts as the longest other retention (at least 7 days)."""
+    return max((r for r in settings.retention_us.values() if r), default=7 * 86_400_000_000)
+
+
+_ENDED_AS = {State.FAILED: "failed", State.CANCELLED: "was cancelled", State.EXPIRED: "expired"}
 
 
 def dependency_error(state: State, dep_full_id: int) -> str:
-    return f"dependency {dep_full_id} {'failed' if state == State.FAILED else 'was cancelled'}"
+    """The error of a task ended by a dependency that ended unsuccessfully (in that state)."""
+    return f"dependency {dep_full_id} {_ENDED_AS[state]}"
 
 
 # -- an operator's retry ------------------------------------------------------------
@@ -391,7 +444,7 @@ def dependency_error(state: State, dep_full_id: int) -> str:
 # dependencies that is still ended: when the one it named waits again but another is still
 # ended, it names that other one, so that retrying it brings the task back.
 
-ENDED_UNSUCCESSFULLY = (State.FAILED, State.CANCELLED)
+ENDED_UNSUCCESSFULLY = (State.FAILED, State.CANCELLED, State.EXPIRED)
 # A task's dependencies still stored, each with its state now (one deleted is no longer waited for)
 DepStates = Mapping[int, Sequence[tuple[int, State]]]
 
@@ -411,7 +464,7 @@ class Retry:
 
 
 def _ended_dependency(deps: Sequence[tuple[int, State]], again: set[int]) -> tuple[int, State] | None:
-    """The first of a task's dependencies still FAILED or CANCELLED (those in `again` wait again)."""
+    """The first of a task's dependencies still ended unsuccessfully (those in `again` wait again)."""
     return next(((dep, state) for dep, state in deps if dep not in again and state in ENDED_UNSUCCESSFULLY), None)
 
 
