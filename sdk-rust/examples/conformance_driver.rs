@@ -12,9 +12,9 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use cronoq::{
     BulkResult, Client, DependencyResult, Error, GetTaskOptions, JSON_CONTENT_TYPE,
-    KeepaliveConfig, Options, PoolPause, RetryConfig, RetryTaskOptions, RunWhen, Task, TaskContext,
-    TaskError, TaskFilter, TaskRef, TaskResult, TaskSpec, TaskState, Worker, WorkerOptions,
-    code_name,
+    KeepaliveConfig, KeyMode, Options, PoolPause, RetryConfig, RetryTaskOptions, RunWhen, Task,
+    TaskContext, TaskError, TaskFilter, TaskRef, TaskResult, TaskSpec, TaskState, Worker,
+    WorkerOptions, code_name,
 };
 use opentelemetry::context::FutureExt as _;
 use opentelemetry::propagation::TextMapPropagator as _;
@@ -93,6 +93,19 @@ struct Step {
     depends_on: Vec<Value>,
     /// A RunWhen enum name.
     run_when: Option<String>,
+    /// Submit's key options: a KeyMode enum name, milliseconds, and start_by as now + this
+    /// many ms.
+    key_mode: Option<String>,
+    #[serde(default)]
+    debounce_ms: u64,
+    #[serde(default)]
+    max_debounce_ms: u64,
+    #[serde(default)]
+    key_ttl_ms: u64,
+    start_by_in_ms: Option<i64>,
+    /// sleep: how long.
+    #[serde(default)]
+    ms: u64,
     #[serde(default)]
     filter: serde_json::Map<String, Value>,
     #[serde(default)]
@@ -256,18 +269,35 @@ async fn client_op(client: &Client, step: &Step) -> Result<Value, Failed> {
                 .json(&step.payload)?
                 .key(&step.key)
                 .group_key(&step.group_key)
-                .run_when(run_when(step.run_when.as_deref())?);
+                .run_when(run_when(step.run_when.as_deref())?)
+                .key_mode(key_mode(step.key_mode.as_deref())?);
             for dependency in &step.depends_on {
                 spec = spec.depends_on(dependency_ref(dependency, None)?);
             }
+            // 0 leaves an option unset, as the protocol's absent field does.
+            let given = |n: u64| (n > 0).then(|| ms(n));
+            spec.debounce = given(step.debounce_ms);
+            spec.max_debounce = given(step.max_debounce_ms);
+            spec.key_ttl = given(step.key_ttl_ms);
+            spec.start_by = step.start_by_in_ms.map(in_ms);
             // In the context whose current span is the remote one the step gives (none: the
             // driver's, outside any trace).
-            let task = client
+            let submitted = client
                 .submit(spec)
                 .with_context(remote_context(step))
-                .await?
-                .task;
-            json!({"id": task.id.to_string(), "group_key": task.group_key, "error": null})
+                .await?;
+            let task = submitted.task;
+            json!({
+                "id": task.id.to_string(),
+                "group_key": task.group_key,
+                "replaced": submitted.replaced,
+                "deduplicated": submitted.deduplicated,
+                "error": null,
+            })
+        }
+        "sleep" => {
+            tokio::time::sleep(ms(step.ms)).await;
+            json!({"error": null})
         }
         "get" => {
             let opts = GetTaskOptions {
@@ -366,6 +396,23 @@ fn run_when(name: Option<&str>) -> Result<RunWhen, Failed> {
     name.map_or(Ok(RunWhen::Unspecified), |name| {
         RunWhen::from_str_name(name).ok_or_else(|| Failed::Input(format!("run_when {name:?}")))
     })
+}
+
+/// A KeyMode by its enum name (absent: the default).
+fn key_mode(name: Option<&str>) -> Result<KeyMode, Failed> {
+    name.map_or(Ok(KeyMode::Unspecified), |name| {
+        KeyMode::from_str_name(name).ok_or_else(|| Failed::Input(format!("key_mode {name:?}")))
+    })
+}
+
+/// Now plus `n` milliseconds (minus, when negative).
+fn in_ms(n: i64) -> SystemTime {
+    let offset = ms(n.unsigned_abs());
+    if n < 0 {
+        SystemTime::now() - offset
+    } else {
+        SystemTime::now() + offset
+    }
 }
 
 /// A dependency as the protocol names it: {"key": ".."}, {"id": "<decimal>"}, or (in a

@@ -1,7 +1,7 @@
 use std::time::{Duration, SystemTime};
 
 use crate::checks::check_submit;
-use crate::{RunWhen, TaskSpec};
+use crate::{KeyMode, RunWhen, TaskSpec};
 
 fn refusal(spec: TaskSpec) -> String {
     check_submit(&spec.proto(), "tasks[2].", 1 << 20)
@@ -20,8 +20,125 @@ fn a_valid_task_passes() {
         .timeout(Duration::from_millis(604_800_000))
         .depends_on(7u64)
         .depends_on("other")
-        .run_when(RunWhen::DependenciesEnded);
+        .run_when(RunWhen::DependenciesEnded)
+        .key_ttl(Duration::from_millis(31_622_400_000))
+        .start_by(SystemTime::now() + Duration::from_secs(60));
     check_submit(&spec.proto(), "", 1 << 20).unwrap();
+}
+
+#[test]
+fn key_options_the_server_takes_pass() {
+    let day = Duration::from_secs(86_400);
+    let debounced = TaskSpec::new("p")
+        .key("k")
+        .key_mode(KeyMode::Debounce)
+        .debounce(Duration::from_millis(604_800_000))
+        .max_debounce(7 * day)
+        .start_by(SystemTime::now() + day);
+    let replacing = TaskSpec::new("p")
+        .key("k")
+        .key_mode(KeyMode::ReplacePending)
+        .delay(day)
+        .start_by(SystemTime::now() + 2 * day);
+    // Unspecified takes the pool's default_key_mode, which may be a debounce, with its own
+    // debounce.
+    let pool_default = TaskSpec::new("p").key("k").debounce(Duration::from_secs(1));
+    let pool_debounce = TaskSpec::new("p").key("k").key_mode(KeyMode::Debounce);
+    let keyless = TaskSpec::new("p").key_mode(KeyMode::ReturnExisting);
+    for spec in [debounced, replacing, pool_default, pool_debounce, keyless] {
+        check_submit(&spec.proto(), "", 1 << 20).unwrap();
+    }
+}
+
+#[test]
+fn each_key_option_rule_names_the_field_and_value() {
+    let keyed = || TaskSpec::new("p").key("k");
+    let debounced = || keyed().key_mode(KeyMode::Debounce);
+    let ms = Duration::from_millis;
+    let cases = [
+        (
+            debounced().debounce(ms(604_800_001)),
+            "INVALID_ARGUMENT: tasks[2].debounce_ms: 604800001 is not between 0 and 604800000 (at most 7 days)",
+        ),
+        (
+            debounced().debounce(ms(5)).max_debounce(ms(604_800_001)),
+            "tasks[2].max_debounce_ms: 604800001 is not between 0 and 604800000",
+        ),
+        (
+            keyed().key_ttl(ms(31_622_400_001)),
+            "tasks[2].key_ttl_ms: 31622400001 is not between 0 and 31622400000",
+        ),
+        (
+            TaskSpec::new("p").key_mode(KeyMode::ReplacePending),
+            "tasks[2].key: required with key_mode KEY_MODE_REPLACE_PENDING",
+        ),
+        (
+            TaskSpec::new("p")
+                .key_mode(KeyMode::Debounce)
+                .debounce(ms(5)),
+            "tasks[2].key: required with key_mode KEY_MODE_DEBOUNCE",
+        ),
+        (
+            TaskSpec::new("p").key_ttl(ms(60_000)),
+            "tasks[2].key: required with key_ttl_ms 60000",
+        ),
+        (
+            TaskSpec::new("p").debounce(ms(5)),
+            "tasks[2].key: required with debounce_ms 5",
+        ),
+        (
+            TaskSpec::new("p").max_debounce(ms(5)),
+            "tasks[2].key: required with max_debounce_ms 5",
+        ),
+        (
+            keyed().key_mode(KeyMode::ReplacePending).debounce(ms(5)),
+            "tasks[2].debounce_ms: 5 applies only with KEY_MODE_DEBOUNCE, not KEY_MODE_REPLACE_PENDING",
+        ),
+        (
+            keyed()
+                .key_mode(KeyMode::ReturnExisting)
+                .max_debounce(ms(9)),
+            "tasks[2].max_debounce_ms: 9 applies only with KEY_MODE_DEBOUNCE, not KEY_MODE_RETURN_EXISTING",
+        ),
+        (
+            debounced().debounce(ms(10)).max_debounce(ms(9)),
+            "tasks[2].max_debounce_ms: 9 is less than debounce_ms 10",
+        ),
+        (
+            keyed().debounce(ms(10)).max_debounce(ms(9)),
+            "tasks[2].max_debounce_ms: 9 is less than debounce_ms 10",
+        ),
+        (
+            debounced().debounce(ms(10)).delay(ms(1000)),
+            "tasks[2].run_at: not with KEY_MODE_DEBOUNCE",
+        ),
+    ];
+    for (spec, expected) in cases {
+        let message = refusal(spec);
+        assert!(
+            message.contains(expected),
+            "{message:?} does not contain {expected:?}"
+        );
+    }
+}
+
+#[test]
+fn start_by_must_be_after_run_at_and_in_the_timestamp_range() {
+    let at = |s: u64| SystemTime::UNIX_EPOCH + Duration::from_secs(s);
+    let mut spec = TaskSpec::new("p").start_by(at(1_800_000_000));
+    spec.run_at = Some(at(1_800_000_000));
+    assert!(refusal(spec).contains(
+        "tasks[2].start_by: 2027-01-15T08:00:00Z is not after run_at 2027-01-15T08:00:00Z"
+    ));
+    let mut spec = TaskSpec::new("p").start_by(at(1_800_000_001));
+    spec.run_at = Some(at(1_800_000_000));
+    check_submit(&spec.proto(), "", 1 << 20).unwrap();
+    let spec = TaskSpec::new("p").start_by(at(253_402_300_800));
+    assert!(refusal(spec).contains("tasks[2].start_by: seconds 253402300800, nanos 0 is outside"));
+    let mut request = TaskSpec::new("p").key("k").proto();
+    request.key_mode = 9;
+    let refused = check_submit(&request, "", 1 << 20).unwrap_err().to_string();
+    assert!(refused.contains("key_mode: unknown value 9"), "{refused}");
 }
 
 #[test]

@@ -34,6 +34,12 @@ pub type BulkShardResult = proto::BulkShardResult;
 /// How one dependency of a task ended (the generated cronoq.v1.DependencyResult): its id,
 /// key, state (`dep.state()`), result and content type, and error.
 pub type DependencyResult = proto::DependencyResult;
+/// What a submission whose key already names a task does: `Unspecified` takes the pool's
+/// default_key_mode; `ReturnExisting` returns that task unchanged (deduplicated);
+/// `ReplacePending` replaces its payload, content type, priority and run_at while it is
+/// PENDING or BLOCKED (replaced); `Debounce` does so and makes it due a debounce after each
+/// submission.
+pub use proto::KeyMode;
 /// When a task with dependencies runs: once all succeeded (the default), or once all ended
 /// whatever their outcome (`RunWhen::DependenciesEnded`: a finalizer).
 pub use proto::RunWhen;
@@ -90,7 +96,8 @@ pub struct TaskSpec {
     pub payload: Vec<u8>,
     /// The payload's content type (`application/json` for JSON).
     pub content_type: String,
-    /// Deduplicates within a shard: a known key returns the existing task.
+    /// Deduplicates within a shard: a known key returns the existing task (or, by
+    /// `key_mode`, replaces it while it waits).
     pub key: String,
     /// Higher runs first.
     pub priority: i32,
@@ -110,6 +117,22 @@ pub struct TaskSpec {
     /// The task's group (a tenant, a user; empty: none): in a pool with
     /// max_running_per_group, at most that many tasks of one group run at once.
     pub group_key: String,
+    /// What a submission whose key already names a task does: `Unspecified` (the pool's
+    /// default_key_mode), `ReturnExisting`, `ReplacePending` or `Debounce` (needs a key).
+    pub key_mode: KeyMode,
+    /// With `KeyMode::Debounce` (1 ms to 7 days; None: the pool's debounce, which a pool
+    /// without one refuses): the task is due this long after the latest submission of its
+    /// key; run_at may not be given with it.
+    pub debounce: Option<Duration>,
+    /// With `KeyMode::Debounce` (None: no bound; else debounce to 7 days): the task is due at
+    /// most this long after the submission that created it, however long the burst lasts.
+    pub max_debounce: Option<Duration>,
+    /// Unique for a period: once the task has ended and this long has passed, its key is free
+    /// for a new task (at most 366 days; needs a key). None: held until the task is deleted.
+    pub key_ttl: Option<Duration>,
+    /// A deadline to start: not started by then, the task ends EXPIRED without running. After
+    /// run_at when both are given.
+    pub start_by: Option<SystemTime>,
     /// The W3C trace context sent with the task (its handler's span continues that trace).
     /// None: with the `otel` feature, the caller's current span context
     /// (`opentelemetry::Context::current()`) when it is valid; without it, none.
@@ -147,6 +170,46 @@ impl TaskSpec {
     /// Deduplicates within a shard.
     pub fn key(mut self, key: impl Into<String>) -> TaskSpec {
         self.key = key.into();
+        self
+    }
+
+    /// What a submission whose key already names a task does: `KeyMode::ReturnExisting`
+    /// returns it unchanged; `KeyMode::ReplacePending` replaces its payload, content type,
+    /// priority and run_at while it is PENDING or BLOCKED (once it runs or has ended, as
+    /// ReturnExisting); `KeyMode::Debounce` also makes it due [`TaskSpec::debounce`] after
+    /// each submission. Needs a key.
+    pub fn key_mode(mut self, key_mode: KeyMode) -> TaskSpec {
+        self.key_mode = key_mode;
+        self
+    }
+
+    /// With `KeyMode::Debounce` (1 ms to 7 days; unset: the pool's debounce, refused where
+    /// the pool has none): the task is due this long after the latest submission of its key,
+    /// so a burst of submissions runs once, after it.
+    pub fn debounce(mut self, debounce: Duration) -> TaskSpec {
+        self.debounce = Some(debounce);
+        self
+    }
+
+    /// With `KeyMode::Debounce`: the task is due at most this long after the submission that
+    /// created it, however long the burst lasts (debounce to 7 days).
+    pub fn max_debounce(mut self, max_debounce: Duration) -> TaskSpec {
+        self.max_debounce = Some(max_debounce);
+        self
+    }
+
+    /// Unique for a period: once the task has ended and this long has passed, a submission
+    /// with its key creates a new task (the old one stays readable by id). At most 366 days;
+    /// needs a key.
+    pub fn key_ttl(mut self, key_ttl: Duration) -> TaskSpec {
+        self.key_ttl = Some(key_ttl);
+        self
+    }
+
+    /// A deadline to start: a task none of whose attempts has started by then ends EXPIRED
+    /// without running (after run_at when both are given).
+    pub fn start_by(mut self, start_by: SystemTime) -> TaskSpec {
+        self.start_by = Some(start_by);
         self
     }
 
@@ -225,12 +288,25 @@ impl TaskSpec {
             depends_on: self.depends_on.iter().map(TaskRef::proto).collect(),
             resources: self.resources.clone(),
             request_id: String::new(),
-            timeout_ms: self.timeout.map_or(0, |t| t.as_millis().max(1) as i64),
+            timeout_ms: millis(self.timeout),
             group_key: self.group_key.clone(),
             trace: self.trace.clone().or_else(crate::otel::current_trace),
             run_when: self.run_when as i32,
+            key_mode: self.key_mode as i32,
+            debounce_ms: millis(self.debounce),
+            max_debounce_ms: millis(self.max_debounce),
+            key_ttl_ms: millis(self.key_ttl),
+            start_by: self.start_by.map(prost_types::Timestamp::from),
         }
     }
+}
+
+/// A duration option in whole milliseconds, rounded up to 1 (0 means unset to the server);
+/// None: 0.
+fn millis(duration: Option<Duration>) -> i64 {
+    duration.map_or(0, |d| {
+        i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
+    })
 }
 
 /// Reads a task's JSON payload.
@@ -276,7 +352,7 @@ impl DependencyResult {
 pub fn is_terminal(state: TaskState) -> bool {
     matches!(
         state,
-        TaskState::Succeeded | TaskState::Failed | TaskState::Cancelled
+        TaskState::Succeeded | TaskState::Failed | TaskState::Cancelled | TaskState::Expired
     )
 }
 
@@ -291,8 +367,12 @@ pub fn new_request_id() -> String {
 pub struct Submitted {
     /// The task created (or the one its key named).
     pub task: Task,
-    /// The key already named a task; nothing was created.
+    /// The key already named a task; nothing was created or changed.
     pub deduplicated: bool,
+    /// The key named a PENDING or BLOCKED task whose payload, content type, priority and
+    /// run_at this submission replaced (`KeyMode::ReplacePending`, `KeyMode::Debounce`);
+    /// nothing was created.
+    pub replaced: bool,
 }
 
 /// A wait's answer: the task, and whether it is terminal.
@@ -391,7 +471,7 @@ pub struct TaskFilter {
     /// Empty: every pool the caller may act on.
     pub pool: String,
     /// Empty: every state the action applies to (cancel: PENDING, BLOCKED, RUNNING; retry:
-    /// FAILED, CANCELLED; delete: SUCCEEDED, FAILED, CANCELLED).
+    /// FAILED, CANCELLED; delete: SUCCEEDED, FAILED, CANCELLED, EXPIRED).
     pub states: Vec<TaskState>,
     /// Created after this time.
     pub created_after: Option<SystemTime>,
@@ -527,11 +607,13 @@ impl Client {
         Ok(Submitted {
             task: resp.task.unwrap_or_default(),
             deduplicated: resp.deduplicated,
+            replaced: resp.replaced,
         })
     }
 
     /// Admits every task or none; tasks may depend on the batch's own keys. The answer
-    /// lists the tasks in the order given, and the ids that already existed. Each task
+    /// lists the tasks in the order given, the ids that already existed (deduplicated_ids)
+    /// and those whose pending task a submission replaced (replaced_ids). Each task
     /// carries the trace context as [`Client::submit`] says.
     pub async fn submit_batch(
         &self,
@@ -656,7 +738,7 @@ impl Client {
         })
     }
 
-    /// Makes a FAILED or CANCELLED task PENDING again, keeping its attempts and their
+    /// Makes a FAILED, CANCELLED or EXPIRED task PENDING again, keeping its attempts and their
     /// history; its dependents that ended because it ended wait for it again.
     pub async fn retry(
         &self,
@@ -682,7 +764,7 @@ impl Client {
         })
     }
 
-    /// Deletes an ended task (SUCCEEDED, FAILED or CANCELLED) with its attempts and events;
+    /// Deletes an ended task (SUCCEEDED, FAILED, CANCELLED or EXPIRED) with its attempts and events;
     /// returns its id.
     pub async fn delete(&self, task: impl Into<TaskRef>) -> Result<u64, Error> {
         let req = proto::DeleteTaskRequest {

@@ -10,8 +10,8 @@ use crate::proto;
 use crate::proto::admin_service_server::{AdminService, AdminServiceServer};
 use crate::proto::task_service_server::{TaskService, TaskServiceServer};
 use crate::{
-    AttemptOutcome, Client, Code, GetTaskOptions, Options, RetryConfig, RetryTaskOptions, RunWhen,
-    TaskFilter, TaskRef, TaskSpec, TaskState,
+    AttemptOutcome, Client, Code, GetTaskOptions, KeyMode, Options, RetryConfig, RetryTaskOptions,
+    RunWhen, TaskFilter, TaskRef, TaskSpec, TaskState,
 };
 
 /// A request of the calls that read or change existing tasks and pools, as the fake got it.
@@ -31,7 +31,7 @@ pub(crate) enum Call {
 }
 
 /// Refuses the first `unavailable` submissions and retries (RetryTask) with UNAVAILABLE, then
-/// accepts; records the submissions' request ids and authorization headers, and every call's
+/// accepts (a submission replacing by its key_mode answers replaced); records the submissions' request ids and authorization headers, and every call's
 /// request. Task 1 does not exist.
 #[derive(Clone, Default)]
 pub(crate) struct Fake {
@@ -57,6 +57,11 @@ impl Fake {
     pub(crate) fn calls(&self) -> Vec<Call> {
         self.calls.lock().unwrap().clone()
     }
+}
+
+/// Whether the fake answers the submission as one that replaced its key's pending task.
+fn replaces(req: &proto::SubmitTaskRequest) -> bool {
+    matches!(req.key_mode(), KeyMode::ReplacePending | KeyMode::Debounce)
 }
 
 fn id_of(task: &Option<proto::TaskRef>) -> u64 {
@@ -102,6 +107,7 @@ impl TaskService for Fake {
             .push((req.request_id.clone(), auth));
         self.record(Call::Submit(req.clone()));
         self.refuse()?;
+        let replaced = replaces(&req);
         Ok(Response::new(proto::SubmitTaskResponse {
             task: Some(proto::Task {
                 id: u64::MAX - 1,
@@ -110,6 +116,7 @@ impl TaskService for Fake {
                 ..Default::default()
             }),
             deduplicated: false,
+            replaced,
         }))
     }
 
@@ -119,6 +126,10 @@ impl TaskService for Fake {
     ) -> Result<Response<proto::SubmitBatchResponse>, Status> {
         let req = request.into_inner();
         self.record(Call::SubmitBatch(req.clone()));
+        let replaced_ids = (req.tasks.iter().zip(10..))
+            .filter(|(t, _)| replaces(t))
+            .map(|(_, id)| id)
+            .collect();
         let tasks = (req.tasks.iter().zip(10..))
             .map(|(t, id)| proto::Task {
                 id,
@@ -129,6 +140,7 @@ impl TaskService for Fake {
             .collect();
         Ok(Response::new(proto::SubmitBatchResponse {
             tasks,
+            replaced_ids,
             ..Default::default()
         }))
     }
@@ -590,6 +602,74 @@ async fn submit_sends_run_when_and_dependencies_by_key_and_id() {
                 vec![key("extract").unwrap(), by_id]
             ),
             (RunWhen::Unspecified, vec![]),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn submit_and_submit_batch_send_key_options_and_start_by_and_answer_replaced() {
+    let (endpoint, fake) = serve(0).await;
+    let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
+    let debounced = TaskSpec::new("default")
+        .key("reindex-7")
+        .key_mode(KeyMode::Debounce)
+        .debounce(Duration::from_secs(5))
+        .max_debounce(Duration::from_secs(60))
+        .key_ttl(Duration::from_micros(1))
+        .start_by(at(2000));
+    let submitted = client.submit(debounced.clone()).await.unwrap();
+    assert!(submitted.replaced && !submitted.deduplicated);
+    let plain = client.submit(TaskSpec::new("default")).await.unwrap();
+    assert!(!plain.replaced);
+    let specs = [
+        TaskSpec::new("default").key("a"),
+        TaskSpec::new("default")
+            .key("b")
+            .key_mode(KeyMode::ReplacePending),
+    ];
+    let batch = client.submit_batch(&specs).await.unwrap();
+    assert_eq!(batch.replaced_ids, vec![11]);
+    let calls = fake.calls();
+    let [
+        Call::Submit(one),
+        Call::Submit(none),
+        Call::SubmitBatch(sent),
+    ] = calls.as_slice()
+    else {
+        panic!("calls {calls:?}");
+    };
+    let options = |r: &proto::SubmitTaskRequest| {
+        (
+            r.key_mode(),
+            r.debounce_ms,
+            r.max_debounce_ms,
+            r.key_ttl_ms,
+            r.start_by,
+        )
+    };
+    assert_eq!(
+        options(one),
+        (KeyMode::Debounce, 5000, 60_000, 1, timestamp(2000)),
+        "a positive duration under 1 ms is 1 ms, not 0 (unset)"
+    );
+    assert_eq!(options(none), (KeyMode::Unspecified, 0, 0, 0, None));
+    let modes: Vec<KeyMode> = sent.tasks.iter().map(|t| t.key_mode()).collect();
+    assert_eq!(modes, [KeyMode::Unspecified, KeyMode::ReplacePending]);
+}
+
+#[test]
+fn expired_is_terminal() {
+    let terminal: Vec<TaskState> = (0..=7)
+        .filter_map(|n| TaskState::try_from(n).ok())
+        .filter(|s| crate::is_terminal(*s))
+        .collect();
+    assert_eq!(
+        terminal,
+        [
+            TaskState::Succeeded,
+            TaskState::Failed,
+            TaskState::Cancelled,
+            TaskState::Expired
         ]
     );
 }

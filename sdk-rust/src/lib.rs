@@ -27,9 +27,9 @@ mod worker_tests;
 
 pub use client::{
     Attempt, AttemptOutcome, BulkResult, BulkShardResult, Cancelled, Client, DependencyResult,
-    GetTaskOptions, JSON_CONTENT_TYPE, ListOptions, PoolPause, Retried, RetryTaskOptions, RunWhen,
-    Submitted, Task, TaskAttempts, TaskDetails, TaskFilter, TaskRef, TaskSpec, TaskState, Waited,
-    WatchOptions, decode_payload, decode_result, is_terminal, new_request_id,
+    GetTaskOptions, JSON_CONTENT_TYPE, KeyMode, ListOptions, PoolPause, Retried, RetryTaskOptions,
+    RunWhen, Submitted, Task, TaskAttempts, TaskDetails, TaskFilter, TaskRef, TaskSpec, TaskState,
+    Waited, WatchOptions, decode_payload, decode_result, is_terminal, new_request_id,
 };
 pub use error::{Error, RpcError, code_name};
 pub use otel::TRACER_NAME;

@@ -6,7 +6,9 @@ use prost::Message;
 
 use crate::outbox::{self, Outbox};
 use crate::proto::SubmitTaskRequest;
-use crate::{RunWhen, TaskSpec};
+use std::time::{Duration, SystemTime};
+
+use crate::{KeyMode, RunWhen, TaskSpec};
 
 const URL_VARIABLE: &str = "CRONOQ_TEST_DATABASE_URL";
 
@@ -54,7 +56,12 @@ fn specs() -> Vec<TaskSpec> {
             .unwrap()
             .key("receipt-1")
             .priority(-3)
-            .group_key("tenant-1"),
+            .group_key("tenant-1")
+            .key_mode(KeyMode::Debounce)
+            .debounce(Duration::from_secs(5))
+            .max_debounce(Duration::from_secs(60))
+            .key_ttl(Duration::from_secs(86_400))
+            .start_by(SystemTime::UNIX_EPOCH + Duration::from_secs(4_000_000_000)),
         TaskSpec::new("reports")
             .bytes(vec![0, 1, 2, 255], "application/octet-stream")
             .depends_on("receipt-1")
@@ -167,6 +174,12 @@ mod tokio_postgres_tx {
                 .to_string()
                 .contains("tasks[3].key: \"schedule:daily\""),
             "{refused}"
+        );
+        let no_key = TaskSpec::new("p").key_mode(KeyMode::ReplacePending);
+        let refused = outbox.enqueue(&tx, no_key).await.unwrap_err();
+        assert_eq!(
+            refused.to_string(),
+            "INVALID_ARGUMENT: key: required with key_mode KEY_MODE_REPLACE_PENDING"
         );
         let refused = outbox.enqueue(&tx, TaskSpec::new("")).await.unwrap_err();
         assert_eq!(refused.to_string(), "INVALID_ARGUMENT: pool: required");
