@@ -30,6 +30,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 from . import __version__, errors, outbox_schema
 from ._transport import RetryConfig, TlsConfig
 from .client import (
+    KEY_MODE_NAMES,
     RUN_WHEN_NAMES,
     TERMINAL_STATES,
     Client,
@@ -240,6 +241,11 @@ def _payload(json_flag: str, json_text: str | None, text: str | None) -> Any:
     return text.encode() if text is not None else None
 
 
+def _ms(seconds: float | None) -> int:
+    """A duration flag in ms (not given: 0)."""
+    return round(seconds * 1000) if seconds is not None else 0
+
+
 def _resources(given: list[tuple[str, int]]) -> dict[str, int]:
     resources: dict[str, int] = {}
     for name, amount in given:
@@ -270,12 +276,17 @@ async def cmd_submit(args: argparse.Namespace) -> int:
             resources=_resources(args.resource),
             timeout=args.timeout,
             group_key=args.group_key,
+            key_mode=args.key_mode,
+            debounce_ms=_ms(args.debounce),
+            max_debounce_ms=_ms(args.max_debounce),
+            key_ttl_ms=_ms(args.key_ttl),
+            start_by=args.start_by,
         )
         task, done = sub.task, True
         if args.wait is not None:
             waited = await client.wait(task.id, args.wait)
             task, done = waited.task, waited.done
-    print_task(task, args.json, deduplicated=sub.deduplicated)
+    print_task(task, args.json, deduplicated=sub.deduplicated, replaced=sub.replaced)
     return _waited(args, task, done) if args.wait is not None else 0
 
 
@@ -496,17 +507,22 @@ FILTER_FLAGS = (
 DONE = {"cancel": "cancelled", "retry": "retried", "delete": "deleted"}
 
 
-def time_arg(text: str) -> dt.datetime:
+def time_arg(text: str, sign: int = -1, said: str = "ago") -> dt.datetime:
     """An ISO 8601 time (no zone: UTC), or a DURATION meaning that long ago ("2h")."""
     if _DURATION.fullmatch(text.strip()):
-        return dt.datetime.now(dt.UTC) - dt.timedelta(seconds=duration_arg(text))
+        return dt.datetime.now(dt.UTC) + sign * dt.timedelta(seconds=duration_arg(text))
     try:
         when = dt.datetime.fromisoformat(text.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is neither a time such as 2026-12-01T09:30:00Z nor a DURATION ago such as 2h"
+            f"{text!r} is neither a time such as 2026-12-01T09:30:00Z nor a DURATION {said} such as 2h"
         ) from None
     return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
+
+
+def later_arg(text: str) -> dt.datetime:
+    """An ISO 8601 time (no zone: UTC), or a DURATION meaning that long from now ("10m")."""
+    return time_arg(text, 1, "from now")
 
 
 def states_arg(text: str) -> list[int]:
@@ -1133,6 +1149,37 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("submit", "submit a task", "Submit one task.", epilog=DURATION_HELP)
     p.add_argument("--pool", default="default")
     p.add_argument("--key", help="deduplication key (unique within a shard)")
+    p.add_argument(
+        "--key-mode",
+        choices=sorted(KEY_MODE_NAMES),
+        help="when --key already names a task: return it unchanged (return_existing), give a PENDING one this "
+        "payload, priority and due time (replace_pending), or that and due --debounce after this submission "
+        "(debounce); default: the pool's default_key_mode",
+    )
+    p.add_argument(
+        "--debounce",
+        type=duration_arg,
+        metavar="DURATION",
+        help="with --key-mode debounce: due this long after the latest submission",
+    )
+    p.add_argument(
+        "--max-debounce",
+        type=duration_arg,
+        metavar="DURATION",
+        help="with --key-mode debounce: due at most this long after the first submission",
+    )
+    p.add_argument(
+        "--key-ttl",
+        type=duration_arg,
+        metavar="DURATION",
+        help="the key is free again this long after the task ended (unique for a period)",
+    )
+    p.add_argument(
+        "--start-by",
+        type=later_arg,
+        metavar="TIME",
+        help="if it has not started by then (a time, or a DURATION from now), it ends EXPIRED without running",
+    )
     p.add_argument("--json-payload", "--payload-json", dest="json_payload", metavar="JSON", help="a JSON payload")
     p.add_argument("--data", help="a text payload, stored as bytes")
     p.add_argument("--file", help="payload bytes from a file ('-' for stdin)")

@@ -51,8 +51,12 @@ AttemptOutcome = task_pb2.AttemptOutcome
 TaskFilter = pb.TaskFilter
 TraceContext = task_pb2.TraceContext
 RunWhen = task_pb2.RunWhen
+KeyMode = task_pb2.KeyMode
 PoolPause = admin_service_pb2.PoolPause
-TERMINAL_STATES = frozenset({task_pb2.TASK_STATE_SUCCEEDED, task_pb2.TASK_STATE_FAILED, task_pb2.TASK_STATE_CANCELLED})
+TERMINAL_STATES = frozenset({
+    task_pb2.TASK_STATE_SUCCEEDED, task_pb2.TASK_STATE_FAILED, task_pb2.TASK_STATE_CANCELLED,
+    task_pb2.TASK_STATE_EXPIRED,
+})  # fmt: skip
 # A bulk action goes through its matches in bounded batches on every shard: it may take minutes.
 BULK_TIMEOUT = 300.0
 
@@ -129,6 +133,30 @@ def run_when_value(run_when: str | int | None) -> int:
     raise ValueError(f"run_when: {run_when!r} is not 'succeeded', 'ended' or a RunWhen value")
 
 
+# key_mode's names: what a submission does when its key already names a task.
+KEY_MODE_NAMES = {
+    "return_existing": task_pb2.KEY_MODE_RETURN_EXISTING,
+    "replace_pending": task_pb2.KEY_MODE_REPLACE_PENDING,
+    "debounce": task_pb2.KEY_MODE_DEBOUNCE,
+}
+
+
+def key_mode_value(key_mode: str | int | None) -> int:
+    """A KeyMode value from "return_existing", "replace_pending", "debounce", a KeyMode value
+    (or its name, "KEY_MODE_DEBOUNCE"), or None (unspecified: the pool's default)."""
+    if key_mode is None:
+        return task_pb2.KEY_MODE_UNSPECIFIED
+    if isinstance(key_mode, str) and key_mode in KEY_MODE_NAMES:
+        return KEY_MODE_NAMES[key_mode]
+    if isinstance(key_mode, str) and key_mode in KeyMode.keys():
+        return KeyMode.Value(key_mode)
+    if isinstance(key_mode, int) and not isinstance(key_mode, bool) and key_mode in KeyMode.values():
+        return key_mode
+    raise ValueError(
+        f"key_mode: {key_mode!r} is not 'return_existing', 'replace_pending', 'debounce' or a KeyMode value"
+    )
+
+
 def task_spec(
     pool: str,
     payload: Any = None,
@@ -144,6 +172,11 @@ def task_spec(
     timeout: float | None = None,
     group_key: str | None = None,
     trace: TraceContext | None = None,
+    key_mode: str | int | None = None,
+    debounce_ms: int = 0,
+    max_debounce_ms: int = 0,
+    key_ttl_ms: int = 0,
+    start_by: dt.datetime | None = None,
 ) -> pb.SubmitTaskRequest:
     """One task to submit. payload: bytes, or any JSON value. delay: seconds from now.
     depends_on: ids (int) and keys (str) of tasks it waits for; run_when: when it runs, given
@@ -152,7 +185,14 @@ def task_spec(
     timeout: seconds each attempt may run (capped by the pool's); the worker cancels it then.
     group_key: the task's group (a tenant, a user); in a pool with max_running_per_group, at
     most that many tasks of one group run at once. trace: the W3C trace context the task is
-    submitted in (default: the current OpenTelemetry span's, taken when it is submitted)."""
+    submitted in (default: the current OpenTelemetry span's, taken when it is submitted).
+    key_mode: what the submission does when its key already names a task: "return_existing"
+    (return it, changing nothing), "replace_pending" (a PENDING or BLOCKED one takes this
+    payload, priority and run_at: Submitted.replaced) or "debounce" (as replace_pending, and it
+    is due debounce_ms after the latest submission, at most max_debounce_ms after the first);
+    default: the pool's default_key_mode. key_ttl_ms: once the task has ended and this long has
+    passed, its key is free for a new task (unique for a period). start_by: if no attempt has
+    started by then, the task ends EXPIRED without running."""
     data, content_type = encode_payload(payload)
     req = pb.SubmitTaskRequest(
         pool=pool,
@@ -166,7 +206,12 @@ def task_spec(
         resources=dict(resources or {}),
         timeout_ms=max(int(timeout * 1000), 1) if timeout is not None else 0,
         group_key=group_key or "",
+        key_mode=key_mode_value(key_mode),  # type: ignore[arg-type]
+        debounce_ms=debounce_ms,
+        max_debounce_ms=max_debounce_ms,
+        key_ttl_ms=key_ttl_ms,
     )
+    _set_time(req, "start_by", start_by)
     if trace is not None:
         req.trace.SetInParent()
         req.trace.CopyFrom(trace)
@@ -263,7 +308,8 @@ def _metadata_value(metadata: Any, key: str) -> str | None:
 @dataclass(frozen=True)
 class Submitted:
     task: Task
-    deduplicated: bool
+    deduplicated: bool  # the key named a task: nothing was created or changed
+    replaced: bool = False  # the key named a PENDING or BLOCKED task: it took this submission
 
 
 @dataclass(frozen=True)
@@ -327,7 +373,7 @@ class Client:
         req.request_id = request_id or new_request_id()
         _tracing.set_current_trace(req)
         resp = await self._call("SubmitTask", req)
-        return Submitted(resp.task, resp.deduplicated)
+        return Submitted(resp.task, resp.deduplicated, resp.replaced)
 
     async def submit_batch(
         self, specs: Sequence[pb.SubmitTaskRequest], *, request_id: str | None = None

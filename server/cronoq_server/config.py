@@ -42,12 +42,15 @@ def _parse_duration(value: Any) -> float:
     return seconds
 
 
-def _duration(shortest: str, longest: str) -> BeforeValidator:
+def _duration(shortest: str, longest: str, zero: bool = False) -> BeforeValidator:
     """A duration from shortest to longest: each key's own finite range (inf, nan and 1e300
-    once started a server that then failed on use, or failed to start with a traceback)."""
+    once started a server that then failed on use, or failed to start with a traceback).
+    zero: 0 (or "0") is allowed too, meaning "never"."""
     low, high = _parse_duration(shortest), _parse_duration(longest)
 
     def parse(value: Any) -> float:
+        if zero and not isinstance(value, bool) and value in (0, "0"):
+            return 0.0
         seconds = _parse_duration(value)
         if not low <= seconds <= high:  # also false for nan
             raise ValueError(f"duration must be from {shortest} to {longest}, got {value!r}")
@@ -60,7 +63,8 @@ def _duration(shortest: str, longest: str) -> BeforeValidator:
 LeaseTtl = Annotated[float, _duration("1ms", "1d")]  # workers heartbeat a third of it, in uint32 ms
 Backoff = Annotated[float, _duration("1ms", "30d")]
 Timeout = Annotated[float, _duration("1ms", f"{MAX_TIMEOUT_MS // 86_400_000}d")]  # as a task's timeout_ms
-Retention = Annotated[float, _duration("1ms", "3650d")]
+Retention = Annotated[float, _duration("1ms", "3650d", zero=True)]  # 0: kept forever
+Debounce = Annotated[float, _duration("1ms", "7d")]  # as a task's debounce_ms
 Window = Annotated[float, _duration("1ms", "30d")]  # watch_window and worker_reap_after
 ForwardTimeout = Annotated[float, _duration("100ms", "10m")]
 ScanTimeout = Annotated[float, _duration("1ms", "1h")]
@@ -278,7 +282,16 @@ class PoolConfig(_Strict):
     retry_backoff: Backoff = 1.0
     retry_backoff_max: Backoff = 300.0
     retry_backoff_multiplier: float = Field(default=2.0, ge=1.0, le=10.0, allow_inf_nan=False)
+    # How long ended tasks are kept (with their attempts and events) before the leader purges
+    # them; 0: forever. retention_failed: FAILED and EXPIRED ones (default: as retention).
     retention: Retention = 7 * 86400.0
+    retention_failed: Retention | None = None
+    # What a submission does when its key names a task and it asks no key_mode of its own;
+    # "debounce" needs `debounce` (a submission's debounce_ms when it gives none; max_debounce
+    # likewise for max_debounce_ms, none when unset).
+    default_key_mode: Literal["return_existing", "replace_pending", "debounce"] = "return_existing"
+    debounce: Debounce | None = None
+    max_debounce: Debounce | None = None
     # Execution timeout of each attempt (none when unset); a task's timeout_ms is capped by it.
     timeout: Timeout | None = None
     # At most this many tasks of one group_key run at once, and leases take the groups with due
@@ -287,6 +300,14 @@ class PoolConfig(_Strict):
     # The snoozes a task of the pool may take (TaskSnoozed): one more is taken as a retryable
     # failure, which counts, so a handler that always snoozes ends the task FAILED.
     max_snoozes: int = Field(default=DEFAULT_MAX_SNOOZES, ge=0, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _debounce_given(self) -> PoolConfig:
+        if self.default_key_mode == "debounce" and self.debounce is None:
+            raise ValueError(f"pool {self.name!r}: default_key_mode 'debounce' needs 'debounce' (such as '2s')")
+        if self.max_debounce is not None and self.debounce is not None and self.max_debounce < self.debounce:
+            raise ValueError(f"pool {self.name!r}: 'max_debounce' is shorter than 'debounce'")
+        return self
 
 
 class ResourceConfig(_Strict):

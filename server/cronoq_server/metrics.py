@@ -16,8 +16,18 @@ TASKS_SUBMITTED = Counter(
 TASKS_LEASED = Counter("cronoq_tasks_leased_total", "Task attempts leased to workers.", ["pool"])
 TASKS_FINISHED = Counter(
     "cronoq_tasks_finished_total",
-    "Tasks that ended, by outcome (succeeded, failed, cancelled), counted by the leader from the shard's events.",
+    "Tasks that ended, by outcome (succeeded, failed, cancelled, expired), counted by the leader from the shard's "
+    "events.",
     ["pool", "outcome"],
+)
+TASKS_PURGED = Counter(
+    "cronoq_tasks_purged_total",
+    "Ended tasks the leader deleted past their pool's retention (with their attempts and dependencies).",
+)
+TASKS_EXPIRED = Counter(
+    "cronoq_tasks_expired_total",
+    "Tasks that ended EXPIRED: no attempt had started by their start_by.",
+    ["pool"],
 )
 TASKS_BY_STATE = Gauge(
     "cronoq_tasks",
@@ -98,6 +108,8 @@ def record_events(read: Sequence[EventColumns], moves: Mapping[tuple[str, int, i
     for (pool, prev_state, state), n in moves.items():
         if prev_state != state and state in TERMINAL:
             TASKS_FINISHED.labels(pool, STATES[state].name.lower()).inc(n)
+            if state == State.EXPIRED:
+                TASKS_EXPIRED.labels(pool).inc(n)
     retries: Counter_[tuple[str, str]] = Counter_()
     durations: dict[tuple[str, str], list[float]] = {}
     for c in read:

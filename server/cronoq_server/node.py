@@ -45,6 +45,8 @@ T = TypeVar("T")
 # often (never for a scrape); tasks by pool and state are kept from the events (core/counts.py).
 WORKER_GAUGES_EVERY_S = 5.0
 PENDING_AGE_EVERY_S = 5.0
+RETENTION_EVERY_S = 60.0  # the retention service: a step deletes all that is due, in batches
+START_BY_EVERY_S = 0.5  # the start_by sweep (a lease never hands out a task past it meanwhile)
 # The groups a pool that caps them shows in GetSnapshot (most tasks pending and running first).
 TOP_GROUPS = 10
 
@@ -113,7 +115,8 @@ class Node:
         self.services = Services()
         self.services.add(Periodic("lease expiry", 0.5, self.leases.expire_once))
         self.services.add(Periodic("long poll nudge", NUDGE_EVERY_S, self.leases.nudge_once))
-        self.services.add(Periodic("retention", 60.0, self.leases.purge_once))
+        self.services.add(Periodic("retention", RETENTION_EVERY_S, self.leases.purge_once))
+        self.services.add(Periodic("start deadlines", START_BY_EVERY_S, self.leases.start_by_once))
         reap_every = min(max(config.server.worker_reap_after / 4, 1.0), 60.0)
         self.services.add(Periodic("worker reaper", reap_every, self.leases.reap_once))
         self.services.add(Periodic("worker gauges", WORKER_GAUGES_EVERY_S, self._set_worker_gauges))
@@ -174,6 +177,11 @@ class Node:
             shard_number=self.shard_number,
             lease_ttl_us={p.name: int(p.lease_ttl * 1e6) for p in self.config.pools if p.name in self.pools},
             retention_us={p.name: int(p.retention * 1e6) for p in self.config.pools if p.name in self.pools},
+            retention_failed_us={
+                p.name: int((p.retention if p.retention_failed is None else p.retention_failed) * 1e6)
+                for p in self.config.pools
+                if p.name in self.pools
+            },
             retry_at=make_retry_at({p.name: p for p in self.config.pools}),
             max_pending_total=self.config.limits.max_pending_total,
             max_pending_per_pool=self.config.limits.max_pending_per_pool,

@@ -500,12 +500,12 @@ async def test_purge_deletes_only_terminal_tasks_past_retention(store: Store, se
     recent = await submit_one(store, pool="default", now=T0 + 10)
     await store.cancel(recent.seq, T0 + 10)
     keep_default = settings.retention_us["default"]
-    assert await store.purge(T0 + keep_default) == 0
-    assert await store.purge(T0 + keep_default + 1) == 1
+    assert await store.purge(T0 + keep_default, 1000) == 0
+    assert await store.purge(T0 + keep_default + 1, 1000) == 1
     assert await store.get(old_default.seq) is None
     assert await store.get(old_other.seq) is not None and await store.get(recent.seq) is not None
     far = T0 + settings.retention_us["other"] + keep_default
-    assert await store.purge(far) == 2
+    assert await store.purge(far, 1000) == 2
     left = sorted(r.seq for r in await store.list_tasks(None, None, 0, 100))
     assert left == sorted([pending.seq, blocked.seq, running.seq])
 

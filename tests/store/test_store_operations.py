@@ -307,5 +307,5 @@ async def test_purge_removes_attempts(store: Store, settings: StoreSettings) -> 
     old = await submit_one(store)
     await fail(store, old.seq, T0)
     assert len(await store.attempts(old.seq)) == 1
-    assert await store.purge(T0 + settings.retention_us["default"] + 1) == 1
+    assert await store.purge(T0 + settings.retention_us["default"] + 1, 1000) == 1
     assert await store.attempts(old.seq) == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime as dt
 import json
 import sys
 import time
@@ -64,6 +65,13 @@ def dependency_json(d: cronoq.DependencyResult) -> dict[str, Any]:
 def refs_of(items: list[dict[str, Any]], parent: int = 0) -> list[int | str]:
     """A step's depends_on: {"key"}, {"id"} (decimal), or {"parent": true} (the spawning task)."""
     return [item["key"] if "key" in item else parent if item.get("parent") else int(item["id"]) for item in items]
+
+
+def start_by_of(step: dict[str, Any]) -> dt.datetime | None:
+    """start_by_in_ms: the task's start_by, that many ms from now."""
+    if "start_by_in_ms" not in step:
+        return None
+    return dt.datetime.now(dt.UTC) + dt.timedelta(milliseconds=step["start_by_in_ms"])
 
 
 def run_when_of(spec: dict[str, Any]) -> int | None:
@@ -290,11 +298,25 @@ async def run_client_step(client: cronoq.Client, step: dict[str, Any]) -> dict[s
                     group_key=step.get("group_key"),
                     depends_on=refs_of(step.get("depends_on", [])),
                     run_when=run_when_of(step),
+                    key_mode=step.get("key_mode"),
+                    debounce_ms=step.get("debounce_ms", 0),
+                    max_debounce_ms=step.get("max_debounce_ms", 0),
+                    key_ttl_ms=step.get("key_ttl_ms", 0),
+                    start_by=start_by_of(step),
                 )
             finally:
                 if token is not None:
                     otel_context.detach(token)
-            return {"id": str(submitted.task.id), "group_key": submitted.task.group_key, "error": None}
+            return {
+                "id": str(submitted.task.id),
+                "group_key": submitted.task.group_key,
+                "deduplicated": submitted.deduplicated,
+                "replaced": submitted.replaced,
+                "error": None,
+            }
+        if op == "sleep":
+            await asyncio.sleep(step["ms"] / 1000)
+            return {"error": None}
         if op in ("bulk_cancel", "bulk_retry", "bulk_delete"):
             return await bulk_step(client, step)
         if op in ("pause_pool", "resume_pool"):

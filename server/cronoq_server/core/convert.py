@@ -14,7 +14,7 @@ from ..store.base import AttemptRow, DependencyRow, ScheduleRow, TaskRow, Trace,
 # The fields of a Task that are a TaskRow's of the same name, passed when set.
 _OPTIONAL_FIELDS = (
     "key", "content_type", "resources", "worker_id", "result", "result_content_type", "error", "cancel_requested",
-    "timeout_ms", "group_key", "snoozes", "checkpoint",
+    "timeout_ms", "group_key", "snoozes", "checkpoint", "key_ttl_ms",
 )  # fmt: skip
 
 
@@ -50,6 +50,8 @@ def to_task(row: TaskRow, shard_number: int) -> task_pb2.Task:
         set_time(task.finished_at, row.finished_at)
     if row.lease_expires_at is not None:
         set_time(task.lease_expires_at, row.lease_expires_at)
+    if row.start_by is not None:
+        set_time(task.start_by, row.start_by)
     if row.progress is not None:
         task.progress.value = row.progress.value
         task.progress.message = row.progress.message

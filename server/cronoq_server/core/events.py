@@ -484,6 +484,8 @@ class EventBus:
             cursor=make_cursor(self._shard_number, ev.seq),
             # RUNNING to RUNNING: only a handler's progress (store.heartbeat) changes nothing else
             progress=ev.prev_state == State.RUNNING and ev.state == State.RUNNING,
+            # PENDING to PENDING (or BLOCKED to BLOCKED): only a keyed submission's replace does that
+            replaced=ev.prev_state == ev.state and ev.state in (State.PENDING, State.BLOCKED),
         )
         event.time.FromMicroseconds(ev.at)
         return event, event.ByteSize()

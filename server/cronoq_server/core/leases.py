@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractContextManager
@@ -21,7 +22,7 @@ from ..auth import Principal
 from ..config import Config, PoolConfig
 from ..errors import ApiError, invalid
 from ..ids import make_task_id, seq_of, shard_of
-from ..metrics import START_LATENCY, TASKS_LEASED, WORK_STREAMS, observe_all
+from ..metrics import START_LATENCY, TASKS_LEASED, TASKS_PURGED, WORK_STREAMS, observe_all
 from ..store.base import (
     Changes,
     Held,
@@ -30,6 +31,7 @@ from ..store.base import (
     OutcomeResult,
     Progress,
     Report,
+    State,
     Store,
     StoreUnavailable,
     TaskRow,
@@ -64,6 +66,11 @@ from .tasks import Tasks, now_us
 log = logging.getLogger("cronoq.leases")
 # The expired leases of one sweep logged one line each (with task_id), at most.
 LOGGED_EXPIRIES = 100
+# Retention deletes at most this many tasks a transaction, and pauses between (the hot path
+# meanwhile waits for one batch at most); the start_by sweep ends at most this many a transaction.
+PURGE_BATCH = 1000
+PURGE_PAUSE_S = 0.05
+EXPIRE_BATCH = 1000
 
 
 MAX_LEASE_BATCH = 1000
@@ -769,9 +776,31 @@ class Leases:
             await self._events.publish(changes)
 
     async def purge_once(self) -> None:
-        purged = await self._store.purge(now_us())
+        """Deletes the ended tasks past their pool's retention, PURGE_BATCH at a time (each its
+        own short transaction), pausing between batches so the hot path never waits long."""
+        purged, started = 0, time.monotonic()
+        while True:
+            n = await self._store.purge(now_us(), PURGE_BATCH)
+            purged += n
+            TASKS_PURGED.inc(n)
+            if n < PURGE_BATCH:
+                break
+            await asyncio.sleep(PURGE_PAUSE_S)
         if purged:
-            log.info("purged %d task(s) past retention", purged)
+            log.info("purged %d task(s) past retention in %.1fs", purged, time.monotonic() - started)
+
+    async def start_by_once(self) -> None:
+        """Ends EXPIRED the tasks no attempt started by their start_by, EXPIRE_BATCH at a time (a
+        lease never hands one out meanwhile)."""
+        while True:
+            changes = await self._store.expire_unstarted(now_us(), EXPIRE_BATCH)
+            if not changes:
+                return
+            expired = sum(1 for _, state in changes if state == State.EXPIRED)
+            log.info("%d task(s) not started by their start_by ended EXPIRED", expired)
+            await self._events.publish(changes)
+            if expired < EXPIRE_BATCH:
+                return
 
     async def reap_once(self) -> None:
         """Removes workers silent for longer than server.worker_reap_after; their tasks were

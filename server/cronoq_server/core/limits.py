@@ -103,6 +103,15 @@ class Range:
     meaning: str
 
 
+# A keyed submission's debounce (debounce_ms, max_debounce_ms) and its key's hold after it ended.
+MAX_DEBOUNCE_MS = 7 * 86_400_000
+MAX_KEY_TTL_MS = 366 * 86_400_000
+KEY_RANGES = {
+    "debounce_ms": Range(0, MAX_DEBOUNCE_MS, "at most 7 days"),
+    "max_debounce_ms": Range(0, MAX_DEBOUNCE_MS, "at most 7 days; 0: no bound"),
+    "key_ttl_ms": Range(0, MAX_KEY_TTL_MS, "at most 366 days; 0: the key is held until the task is deleted"),
+}
+
 TASK_RANGES = {
     "priority": Range(-(2**31), 2**31 - 1, "any int32; higher runs first"),
     "max_attempts": Range(0, MAX_ATTEMPTS, "0 takes the pool's default"),

@@ -17,11 +17,13 @@ from cronoq.v1 import task_pb2
 from cronoq.v1 import task_service_pb2 as pb
 
 from ..auth import Principal
-from ..config import Config
+from ..config import Config, PoolConfig
 from ..errors import failed_precondition, invalid, not_found
 from ..ids import MAX_ID, make_task_id, seq_of, shard_of
 from ..metrics import TASK_RETRIES
 from ..store.base import (
+    KEY_DEBOUNCE,
+    KEY_RETURN_EXISTING,
     TERMINAL,
     AttemptOutcome,
     AttemptRow,
@@ -38,7 +40,9 @@ from ..store.logic import ENDED_UNSUCCESSFULLY, scans_far
 from .convert import to_attempt, to_task
 from .events import EventBus, Watcher, parse_cursor
 from .limits import (
+    KEY_RANGES,
     MAX_CONTENT_TYPE,
+    MAX_DEBOUNCE_MS,
     MAX_GROUP_KEY_BYTES,
     MAX_KEY_LENGTH,
     MAX_REQUEST_ID,
@@ -60,6 +64,8 @@ DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 MAX_CHILDREN = 1000  # GetTaskResponse.children at most (ListTasks' filter.parent_id pages through all)
 RUN_WHEN_VALUES = frozenset(task_pb2.RunWhen.values())
+KEY_MODES = {"return_existing": 1, "replace_pending": 2, "debounce": 3}  # a pool's default_key_mode
+KEY_MODE_VALUES = frozenset(task_pb2.KeyMode.values())
 DEFAULT_WAIT_MS = 30_000
 MAX_WAIT_MS = 3_600_000
 MAX_DEPENDENTS = 100  # listed by GetTask with include_dependents
@@ -172,9 +178,15 @@ class Tasks:
             group_key=req.group_key,
             trace=trace_of(req),
             run_when=req.run_when,
+            start_by=timestamp_us(f"{where}start_by", req.start_by) if req.HasField("start_by") else None,
         )
         if req.run_when not in RUN_WHEN_VALUES:
             raise invalid(f"{where}run_when: unknown value {req.run_when}")
+        if task.start_by is not None and task.run_at is not None and task.start_by <= task.run_at:
+            raise invalid(
+                f"{where}start_by: {req.start_by.ToJsonString()} is not after run_at {req.run_at.ToJsonString()}"
+            )
+        self._key_options(req, where, pool, task)
         for i, ref in enumerate(req.depends_on):
             kind = ref.WhichOneof("ref")
             if kind == "id":
@@ -192,6 +204,39 @@ class Tasks:
             else:
                 raise invalid(f"{where}depends_on[{i}]: give an id or a key")
         return task
+
+    def _key_options(self, req: pb.SubmitTaskRequest, where: str, pool: PoolConfig, task: NewTask) -> None:
+        """Sets what the task's key does when it names a task (key_mode; not given: the pool's
+        default_key_mode), refusing the options that need a key, or a mode, they lack."""
+        for field, allowed in KEY_RANGES.items():
+            check_range(f"{where}{field}", getattr(req, field), allowed)
+        if req.key_mode not in KEY_MODE_VALUES:
+            raise invalid(f"{where}key_mode: unknown value {req.key_mode}")
+        if not req.key:
+            asked = {"key_mode": req.key_mode > KEY_RETURN_EXISTING, "key_ttl_ms": req.key_ttl_ms}
+            asked |= {"debounce_ms": req.debounce_ms, "max_debounce_ms": req.max_debounce_ms}
+            for field, value in asked.items():
+                if value:
+                    raise invalid(f"{where}key: required with {field} {_key_option(req, field)}")
+            return
+        mode = req.key_mode or KEY_MODES[pool.default_key_mode]
+        if mode != KEY_DEBOUNCE:
+            for field in ("debounce_ms", "max_debounce_ms"):
+                if value := getattr(req, field):
+                    named = task_pb2.KeyMode.Name(mode)  # type: ignore[arg-type]
+                    raise invalid(f"{where}{field}: {value} applies only with KEY_MODE_DEBOUNCE, not {named}")
+        else:
+            debounce_ms = req.debounce_ms or _ms(pool.debounce)
+            max_debounce_ms = req.max_debounce_ms or (0 if req.debounce_ms else _ms(pool.max_debounce))
+            if not debounce_ms:
+                raise invalid(f"{where}debounce_ms: required with KEY_MODE_DEBOUNCE (1 to {MAX_DEBOUNCE_MS})")
+            if max_debounce_ms and max_debounce_ms < debounce_ms:
+                raise invalid(f"{where}max_debounce_ms: {max_debounce_ms} is less than debounce_ms {debounce_ms}")
+            if req.HasField("run_at"):
+                raise invalid(f"{where}run_at: not with KEY_MODE_DEBOUNCE (debounce_ms says when it runs)")
+            task.debounce_us, task.max_debounce_us = debounce_ms * 1000, max_debounce_ms * 1000
+        task.key_mode = mode
+        task.key_ttl_ms = req.key_ttl_ms
 
     def check_template(self, req: TaskTemplate, where: str) -> None:
         """What a task carries beyond its pool, key, run_at and dependencies, checked alike for a
@@ -248,7 +293,7 @@ class Tasks:
 
     def _submitted(self, sub: Submitted, caller: Principal) -> task_pb2.Task:
         """A deduplicated submission shows the existing task whole only to a caller who may read it."""
-        if sub.deduplicated and not caller.may("read", sub.row.pool):
+        if (sub.deduplicated or sub.replaced) and not caller.may("read", sub.row.pool):
             return task_pb2.Task(id=make_task_id(self._shard, sub.row.seq), pool=sub.row.pool, key=sub.row.key or "")
         return self._task(sub.row)
 
@@ -262,7 +307,9 @@ class Tasks:
         _check_replay(req.request_id, subs, 1)
         sub = subs[0]
         await self._events.publish(changes, [sub.row])
-        return pb.SubmitTaskResponse(task=self._submitted(sub, caller), deduplicated=sub.deduplicated)
+        return pb.SubmitTaskResponse(
+            task=self._submitted(sub, caller), deduplicated=sub.deduplicated, replaced=sub.replaced
+        )
 
     def _batch(
         self, reqs: Sequence[pb.SubmitTaskRequest], field: str, caller: Principal
@@ -312,6 +359,7 @@ class Tasks:
         return pb.SubmitBatchResponse(
             tasks=[self._submitted(s, caller) for s in by_original],
             deduplicated_ids=[make_task_id(self._shard, s.row.seq) for s in by_original if s.deduplicated],
+            replaced_ids=[make_task_id(self._shard, s.row.seq) for s in by_original if s.replaced],
         )
 
     # -- lookups --------------------------------------------------------------
@@ -556,6 +604,16 @@ class Tasks:
                 yield pb.WatchResponse(event=event)
         finally:
             await events.aclose()
+
+
+def _ms(seconds: float | None) -> int:
+    """A configured duration in ms (None: 0)."""
+    return round(seconds * 1000) if seconds else 0
+
+
+def _key_option(req: pb.SubmitTaskRequest, field: str) -> str:
+    """A key option's value as a refusal shows it."""
+    return task_pb2.KeyMode.Name(req.key_mode) if field == "key_mode" else str(getattr(req, field))
 
 
 def timestamp_us(field: str, ts: Timestamp) -> int:

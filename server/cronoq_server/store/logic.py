@@ -416,11 +416,24 @@ def replay_request(text: str, rows: list[TaskRow]) -> list[Submitted]:
     """The answer to a repeated request_id, from its record and the rows still stored."""
     by_seq = {r.seq: r for r in rows}
     # Recorded before key modes: [seq, deduplicated].
-    return [Submitted(by_seq[seq], dedup, bool(rest and rest[0])) for seq, dedup, *rest in json.loads(text) if seq in by_seq]
+    return [
+        Submitted(by_seq[seq], dedup, bool(rest and rest[0])) for seq, dedup, *rest in json.loads(text) if seq in by_seq
+    ]
 
 
 def request_seqs(text: str) -> list[int]:
     return [seq for seq, *_ in json.loads(text)]
+
+
+def retained(settings: StoreSettings) -> list[tuple[str, str, int]]:
+    """(pool, its ended states as SQL, how long they are kept in µs) of each retention that is
+    not forever (0): SUCCEEDED and CANCELLED tasks by retention_us, FAILED and EXPIRED ones by
+    retention_failed_us (default: retention_us)."""
+    out = []
+    for pool, keep in settings.retention_us.items():
+        keep_failed = settings.retention_failed_us.get(pool, keep)
+        out += [(pool, states, k) for states, k in (("4, 6", keep), ("5, 7", keep_failed)) if k]
+    return out
 
 
 def request_retention(settings: StoreSettings) -> int:

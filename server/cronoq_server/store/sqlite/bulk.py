@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import sqlite3
 
-from ..base import Changes, State, TaskFilter, TaskRow
+from ..base import NOT_STARTED, Changes, State, TaskFilter, TaskRow
 from ..logic import WorkflowTree, decide_restore, decide_retry, descendants_changed, match_sql
 from .core import MAX_VARS, _chunks
 from .finish import Finish
 from .sql import _DIALECT, _marks
+
+# The PENDING and BLOCKED tasks past their start_by (now, how many), earliest first; and ending one.
+_EXPIRED_NOW = (
+    "SELECT seq, state FROM tasks INDEXED BY tasks_start_by WHERE start_by <= ? AND state IN (1, 2)"
+    " ORDER BY start_by, seq LIMIT ?"
+)
+_EXPIRE = "UPDATE tasks SET state = 7, error = ?, finished_at = ?, blocked_on = 0 WHERE seq = ?"
 
 
 class Bulk(Finish):
@@ -73,6 +80,18 @@ class Bulk(Finish):
         self._record_events(db, changes, prev, now)
         return sorted([seq for seq, _ in ended] + requested), changes
 
+    async def expire_unstarted(self, now: int, limit: int) -> Changes:
+        def expire(db: sqlite3.Connection) -> Changes:
+            found = db.execute(_EXPIRED_NOW, (now, limit)).fetchall()
+            db.executemany(_EXPIRE, [(NOT_STARTED, now, seq) for seq, _ in found])
+            changes: Changes = [(seq, State.EXPIRED) for seq, _ in found]
+            prev = [state for _, state in found]
+            dependents = self._end_dependents(db, [seq for seq, _ in found], State.EXPIRED, now)
+            self._record_events(db, changes + dependents, prev + [State.BLOCKED] * len(dependents), now)
+            return changes + dependents
+
+        return await self._tx(expire)
+
     async def match_tasks(self, match: TaskFilter, after_seq: int, limit: int) -> list[tuple[int, State, str]]:
         where, params = match_sql(match, after_seq, limit, _DIALECT)
         sql = f"SELECT seq, state, pool FROM tasks WHERE {where}"
@@ -104,14 +123,14 @@ class Bulk(Finish):
         for chunk in _chunks(seqs):
             sql = (
                 "SELECT seq, state, attempt, max_attempts FROM tasks"
-                f" WHERE seq IN ({_marks(len(chunk))}) AND state IN (5, 6)"
+                f" WHERE seq IN ({_marks(len(chunk))}) AND state IN (5, 6, 7)"
             )
             rows += [(r[0], State(r[1]), r[2], r[3]) for r in db.execute(sql, chunk)]
         plan = decide_retry(rows, self._dep_states(db, [r[0] for r in rows]), now, run_at, extra_attempts)
         db.executemany(
             "UPDATE tasks SET state = ?, run_at = ?, max_attempts = ?, blocked_on = ?, error = '', result = NULL,"
             " result_content_type = '', finished_at = NULL, worker_id = NULL, started_at = NULL,"
-            f" lease_expires_at = NULL, cancel_requested = 0, {self._rank_reset} WHERE seq = ?",
+            f" lease_expires_at = NULL, cancel_requested = 0, start_by = NULL, {self._rank_reset} WHERE seq = ?",
             plan.retried,
         )
         # Each step's events are recorded after its writes: they read the task as it left it.
@@ -123,7 +142,7 @@ class Bulk(Finish):
             for chunk in _chunks(frontier):
                 sql = (
                     "SELECT t.seq, t.state, t.error, t.pool FROM deps d JOIN tasks t ON t.seq = d.task_seq"
-                    f" WHERE d.dep_seq IN ({_marks(len(chunk))}) AND t.state IN (5, 6) AND t.attempt = 0"
+                    f" WHERE d.dep_seq IN ({_marks(len(chunk))}) AND t.state IN (5, 6, 7) AND t.attempt = 0"
                 )
                 candidates |= {r[0]: (r[0], State(r[1]), r[2], r[3]) for r in db.execute(sql, chunk)}
             deps = self._dep_states(db, list(candidates))
@@ -164,7 +183,7 @@ class Bulk(Finish):
     def _delete_tasks(self, db: sqlite3.Connection, seqs: list[int], events_through: int | None) -> list[int]:
         deleted: list[int] = []
         for chunk in _chunks(seqs):
-            sql = f"DELETE FROM tasks WHERE seq IN ({_marks(len(chunk))}) AND state IN (4, 5, 6) RETURNING seq"
+            sql = f"DELETE FROM tasks WHERE seq IN ({_marks(len(chunk))}) AND state IN (4, 5, 6, 7) RETURNING seq"
             deleted += [r[0] for r in db.execute(sql, chunk)]
         for chunk in _chunks(deleted):
             marks = _marks(len(chunk))

@@ -153,9 +153,10 @@ class Finish(Lease, Submit):
 
     def _end_dependents(self, db: sqlite3.Connection, ended: list[int], state: State, now: int) -> Changes:
         """Fails (or cancels) BLOCKED dependents of ended tasks, transitively; finalizers among
-        them count those as done instead."""
+        them count those as done instead. Those of EXPIRED tasks fail."""
         changes: Changes = []
         frontier = ended
+        cause, state = state, State.FAILED if state == State.EXPIRED else state
         while frontier:
             changes += self._unblock_dependents(db, [], frontier)
             nxt: list[int] = []
@@ -168,11 +169,11 @@ class Finish(Lease, Submit):
                 ).fetchall()
                 db.executemany(
                     "UPDATE tasks SET state = ?, error = ?, finished_at = ? WHERE seq = ? AND state = 2",
-                    [(int(state), dependency_error(state, self._full_id(dep)), now, seq) for seq, dep in rows],
+                    [(int(state), dependency_error(cause, self._full_id(dep)), now, seq) for seq, dep in rows],
                 )
                 nxt += [seq for seq, _ in rows]
             changes += [(seq, state) for seq in nxt]
-            frontier = nxt
+            frontier, cause = nxt, state
         return changes
 
     async def expire_leases(self, now: int) -> tuple[Changes, list[tuple[int, int]]]:

@@ -33,6 +33,7 @@ from .sql import (
     _NEXT_KEY,
     _ORDER,
     LEASE_SIZE,
+    STARTABLE,
     _in_turns,
     _marks,
     _within_bytes,
@@ -135,7 +136,7 @@ class Lease(Events):
         head = " UNION ALL ".join(
             f"SELECT * FROM (SELECT seq, pool, group_key, {size}, resources, priority, group_rank FROM tasks"
             " INDEXED BY tasks_fair"
-            " WHERE state = 1 AND group_rank > 0 AND pool = ? AND run_at <= ?"
+            f" WHERE state = 1 AND group_rank > 0 AND pool = ? AND {STARTABLE}"
             " ORDER BY priority DESC, group_rank, seq LIMIT ?)"
             for _ in pools
         )
@@ -158,7 +159,7 @@ class Lease(Events):
         if len(pools) > 1:
             return self._lease_in_turns(db, worker_id, pools, limit, now, max_bytes, free)
         size = f"{LEASE_SIZE} + {int(self.settings.lease_overhead_bytes)}"
-        due = f"state = 1 AND pool IN ({_marks(len(pools))}) AND run_at <= ?"
+        due = f"state = 1 AND pool IN ({_marks(len(pools))}) AND {STARTABLE}"
         order = _ORDER
         # Tasks that name no resources, and those that do, are in indexes of their own: the
         # first never wait behind the second.
@@ -208,7 +209,7 @@ class Lease(Events):
         def each(columns: str, index: str, where: str, count: int) -> tuple[str, list[Any]]:
             sql = " UNION ALL ".join(
                 f"SELECT * FROM (SELECT {columns}, {place} AS place FROM tasks INDEXED BY {index}"
-                f" WHERE state = 1 AND pool = ? AND run_at <= ? AND {where} ORDER BY {_ORDER} LIMIT ?)"
+                f" WHERE state = 1 AND pool = ? AND {STARTABLE} AND {where} ORDER BY {_ORDER} LIMIT ?)"
                 for place in range(len(pools))
             )
             return sql, [v for p in pools for v in (p, now, count)]

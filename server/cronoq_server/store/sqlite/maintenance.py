@@ -17,11 +17,20 @@ from ..logic import (
     pool_pause,
     pool_pause_values,
     request_retention,
+    retained,
     schedule_row,
     schedule_values,
 )
+from .core import _chunks
 from .sql import WORKER_COLUMNS, _marks
 from .submit import Submit
+
+# The oldest ended tasks of a pool in some states (pool, finished before, how many): the partial
+# index of ended tasks, in finished_at order (its own condition first, so the planner takes it).
+_PAST_RETENTION = (
+    "SELECT finished_at, seq FROM tasks INDEXED BY tasks_finished WHERE state IN (4, 5, 6, 7) AND state IN ({states})"
+    " AND pool = ? AND finished_at < ? ORDER BY finished_at LIMIT ?"
+)
 
 
 def _worker(r: tuple[Any, ...]) -> WorkerRow:
@@ -29,20 +38,21 @@ def _worker(r: tuple[Any, ...]) -> WorkerRow:
 
 
 class Maintenance(Submit):
-    async def purge(self, now: int) -> int:
-        return await self._tx(self._purge, now)
+    async def purge(self, now: int, limit: int) -> int:
+        return await self._tx(self._purge, now, limit)
 
-    def _purge(self, db: sqlite3.Connection, now: int) -> int:
-        purged = 0
-        for pool, retention in self.settings.retention_us.items():
-            cond = "pool = ? AND state IN (4, 5, 6) AND finished_at < ?"
-            params = (pool, now - retention)
+    def _purge(self, db: sqlite3.Connection, now: int, limit: int) -> int:
+        found: list[tuple[int, int]] = []  # (finished_at, seq)
+        for pool, states, keep in retained(self.settings):
+            found += db.execute(_PAST_RETENTION.format(states=states), (pool, now - keep, limit)).fetchall()
+        victims = [seq for _, seq in sorted(found)[:limit]]
+        for chunk in _chunks(victims):
             for table in ("deps", "attempts"):
-                db.execute(f"DELETE FROM {table} WHERE task_seq IN (SELECT seq FROM tasks WHERE {cond})", params)
-            purged += db.execute(f"DELETE FROM tasks WHERE {cond}", params).rowcount
+                db.execute(f"DELETE FROM {table} WHERE task_seq IN ({_marks(len(chunk))})", chunk)
+            db.execute(f"DELETE FROM tasks WHERE seq IN ({_marks(len(chunk))})", chunk)
         # A request's record is kept as long as the tasks it created can be.
         db.execute("DELETE FROM requests WHERE created_at < ?", (now - request_retention(self.settings),))
-        return purged
+        return len(victims)
 
     # -- workers --------------------------------------------------------------
 

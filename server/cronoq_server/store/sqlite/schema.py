@@ -176,6 +176,17 @@ MIGRATIONS: dict[int, str] = {
     ALTER TABLE tasks ADD COLUMN run_when INTEGER NOT NULL DEFAULT 0;
     CREATE INDEX IF NOT EXISTS tasks_parent ON tasks (parent_seq) WHERE parent_seq IS NOT NULL;
     """,
+    # Key modes and start deadlines: a task's start_by (it ends EXPIRED, state 7, unless an
+    # attempt starts before), how long its key is held after it ended, and the key it had once
+    # that hold is over (key NULL: the key names a newer task).
+    12: """
+    ALTER TABLE tasks ADD COLUMN start_by INTEGER;
+    ALTER TABLE tasks ADD COLUMN key_ttl_ms INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE tasks ADD COLUMN released_key TEXT;
+    CREATE INDEX IF NOT EXISTS tasks_start_by ON tasks (start_by) WHERE start_by IS NOT NULL AND state IN (1, 2);
+    DROP INDEX IF EXISTS tasks_finished;
+    CREATE INDEX tasks_finished ON tasks (finished_at) WHERE state IN (4, 5, 6, 7);
+    """,
 }
 
 # Release 0.1.0 wrote its own schema version (5) whenever it opened a store, also one a newer

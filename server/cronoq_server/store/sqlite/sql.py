@@ -46,10 +46,13 @@ _FREE = "WITH free AS MATERIALIZED (SELECT key AS name, value AS amount FROM jso
 # A key's first due tasks (pool, key, now, how many) that fit alone in free (JSON, the first).
 _KEY_HEAD = (
     f"{_FREE} SELECT seq FROM tasks INDEXED BY tasks_keyed WHERE state = 1 AND pool = ? AND res_key = ?"
-    f" AND run_at <= ? AND {_FITS_ALONE} ORDER BY priority DESC, run_at, seq LIMIT ?"
+    f" AND ? BETWEEN run_at AND coalesce(start_by - 1, 9223372036854775807) AND {_FITS_ALONE}"
+    " ORDER BY priority DESC, run_at, seq LIMIT ?"
 )
 
 
+# A PENDING task a lease may take at now (the one parameter): due, and not past its start_by.
+STARTABLE = "? BETWEEN run_at AND coalesce(start_by - 1, 9223372036854775807)"
 # A lease's order within a pool.
 _ORDER = "priority DESC, run_at, seq"
 # Of a lease's candidates that name resources (cand), the running total of each resource they

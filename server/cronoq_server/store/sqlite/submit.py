@@ -14,8 +14,12 @@ from ..logic import (
     encode_request,
     initial_state,
     key_of_another_pool,
+    key_released,
     keyed_entry,
+    keyed_run_at,
     limits_apply,
+    replaced,
+    replaces,
     replay_request,
     request_seqs,
     trace_text,
@@ -23,6 +27,11 @@ from ..logic import (
 from .events import Events
 from .reads import Reads
 from .sql import _marks
+
+# A task whose key's hold is over (logic.key_released) keeps the key it had, apart: the key is free.
+RELEASE_KEY = "UPDATE tasks SET released_key = key, key = NULL WHERE seq = ?"
+# A replacing submission's (logic.replaced) due time, payload and priority.
+REPLACE = "UPDATE tasks SET payload = ?, content_type = ?, priority = ?, run_at = ? WHERE seq = ?"
 
 
 class Submit(Reads, Events):
@@ -47,10 +56,20 @@ class Submit(Reads, Events):
                 return replay_request(known[0], self._select_seqs(db, request_seqs(known[0]))), []
         out: list[Submitted] = []
         changes: Changes = []
+        prev: list[int] = []  # of each change, the state it left (0: a new task)
         for task in tasks:
             if task.key is not None:
                 existing = self._select(db, "key = ?", (task.key,))
-                if existing:
+                if existing and key_released(existing[0], now):
+                    db.execute(RELEASE_KEY, (existing[0].seq,))
+                elif existing and replaces(task, existing[0]):
+                    row = replaced(existing[0], task, now)
+                    db.execute(REPLACE, (row.payload, row.content_type, row.priority, row.run_at, row.seq))
+                    out.append(Submitted(row, False, replaced=True))
+                    changes.append((row.seq, row.state))
+                    prev.append(int(row.state))
+                    continue
+                elif existing:
                     key_of_another_pool(task.key, task.pool, existing[0].pool)
                     out.append(Submitted(existing[0], True))
                     continue
@@ -63,12 +82,13 @@ class Submit(Reads, Events):
             )
             state, error, blocked_on = initial_state(deps, self._full_id, task.run_when)
             finished_at = now if state in TERMINAL else None
-            run_at = task.run_at if task.run_at is not None else now
+            run_at = keyed_run_at(task, now)
             dep_list = [s for s, _ in deps]
             cur = db.execute(
                 "INSERT INTO tasks (pool, key, payload, content_type, priority, run_at, max_attempts, depends_on,"
                 " resources, state, error, created_at, finished_at, blocked_on, timeout_ms, group_key, group_rank,"
-                " res_key, trace, parent_seq, run_when) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " res_key, trace, parent_seq, run_when, start_by, key_ttl_ms)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     task.pool,
                     task.key,
@@ -91,6 +111,8 @@ class Submit(Reads, Events):
                     trace_text(task.trace),
                     task.parent_seq,
                     task.run_when,
+                    task.start_by,
+                    task.key_ttl_ms,
                 ),
             )
             seq = cur.lastrowid
@@ -99,8 +121,9 @@ class Submit(Reads, Events):
                 db.executemany("INSERT OR IGNORE INTO deps VALUES (?, ?)", [(seq, d) for d in dep_list])
             out.append(Submitted(self._select(db, "seq = ?", (seq,))[0], False))
             changes.append((seq, state))
+            prev.append(0)
         self._check_limits(db, tasks, out)
-        self._record_events(db, changes, [0] * len(changes), now)
+        self._record_events(db, changes, prev, now)
         if request_id is not None:
             db.execute("INSERT INTO requests VALUES (?, ?, ?)", (request_id, encode_request(out), now))
         return out, changes
@@ -130,7 +153,7 @@ class Submit(Reads, Events):
         return list(found.items()), list(sizes.items())
 
     def _check_limits(self, db: sqlite3.Connection, tasks: list[NewTask], out: list[Submitted]) -> None:
-        created = [r.row.pool for r in out if not r.deduplicated]
+        created = [r.row.pool for r in out if not (r.deduplicated or r.replaced)]
         if created and limits_apply(self.settings):
             counts = dict(db.execute("SELECT pool, COUNT(*) FROM tasks WHERE state IN (1, 2) GROUP BY pool"))
             check_pending_limits(self.settings, counts, created)
