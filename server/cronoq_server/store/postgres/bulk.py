@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncpg
 
-from ..base import Changes, State, TaskFilter, TaskRow
+from ..base import NOT_STARTED, Changes, State, TaskFilter, TaskRow
 from ..logic import WorkflowTree, decide_restore, decide_retry, descendants_changed, match_sql
 from .finish import Finish
-from .sql import _DIALECT, _tombstoned
+from .sql import _DIALECT, EXPIRE, EXPIRING
 
 
 class Bulk(Finish):
@@ -72,6 +72,23 @@ class Bulk(Finish):
         await self._record_events(conn, changes, prev, now)
         return sorted([seq for seq, _ in ended] + requested), changes
 
+    async def expire_unstarted(self, now: int, limit: int) -> Changes:
+        async def expire(conn: asyncpg.Connection) -> Changes:
+            rows = await conn.fetch(self._sql(EXPIRING), now, limit)
+            seqs = [r[0] for r in rows]
+            await conn.execute(self._sql(EXPIRE), now, NOT_STARTED, seqs)
+            changes: Changes = [(seq, State.EXPIRED) for seq in seqs]
+            prev = [State(r[1]) for r in rows]
+            dependents = await self._end_dependents(conn, seqs, State.EXPIRED, now)
+            changes += dependents
+            prev += [State.BLOCKED] * len(dependents)
+            await self._record_events(conn, changes, prev, now)
+            if any(state == State.PENDING for _, state in dependents):  # a finalizer released
+                await conn.execute("SELECT pg_notify($1, '')", self.channel)
+            return changes
+
+        return await self._tx(expire)
+
     async def match_tasks(self, match: TaskFilter, after_seq: int, limit: int) -> list[tuple[int, State, str]]:
         where, params = match_sql(match, after_seq, limit, _DIALECT)
         sql = self._sql(f"SELECT seq, state, pool FROM {{s}}.tasks WHERE {where}")
@@ -104,7 +121,7 @@ class Bulk(Finish):
         deps = await self._dep_states(conn, seqs)
         sql = self._sql(
             "SELECT seq, state, attempt, max_attempts FROM {s}.tasks WHERE seq = ANY($1::bigint[])"
-            " AND state IN (5, 6) ORDER BY seq FOR UPDATE"
+            " AND state IN (5, 6, 7) ORDER BY seq FOR UPDATE"
         )
         rows = [(r[0], State(r[1]), r[2], r[3]) for r in await conn.fetch(sql, seqs)]
         plan = decide_retry(rows, deps, now, run_at, extra_attempts)
@@ -114,8 +131,10 @@ class Bulk(Finish):
                     "UPDATE {s}.tasks t SET state = u.state, run_at = u.run_at, max_attempts = u.max_attempts,"
                     " blocked_on = u.blocked_on, error = '', result = NULL, result_content_type = '',"
                     " finished_at = NULL, worker_id = NULL, started_at = NULL, lease_expires_at = NULL,"
-                    f" cancel_requested = false, {self._rank_reset} FROM unnest($1::smallint[], $2::bigint[],"
-                    " $3::int[], $4::int[], $5::bigint[]) AS u(state, run_at, max_attempts, blocked_on, seq)"
+                    # An operator's retry means run it: its start deadline goes.
+                    f" cancel_requested = false, start_by = NULL, {self._rank_reset}"
+                    " FROM unnest($1::smallint[], $2::bigint[], $3::int[], $4::int[], $5::bigint[])"
+                    " AS u(state, run_at, max_attempts, blocked_on, seq)"
                     " WHERE t.seq = u.seq"
                 ),
                 *[list(c) for c in zip(*plan.retried, strict=True)],
@@ -127,12 +146,12 @@ class Bulk(Finish):
             recorded, restored, renamed = len(plan.changes), len(plan.restored), len(plan.renamed)
             sql = self._sql(
                 "SELECT DISTINCT d.task_seq FROM {s}.deps d JOIN {s}.tasks t ON t.seq = d.task_seq"
-                " WHERE d.dep_seq = ANY($1::bigint[]) AND t.state IN (5, 6) AND t.attempt = 0"
+                " WHERE d.dep_seq = ANY($1::bigint[]) AND t.state IN (5, 6, 7) AND t.attempt = 0"
             )
             found = [r[0] for r in await conn.fetch(sql, frontier)]
             deps = await self._dep_states(conn, found)
             sql = self._sql(
-                "SELECT seq, state, error, pool FROM {s}.tasks WHERE seq = ANY($1::bigint[]) AND state IN (5, 6)"
+                "SELECT seq, state, error, pool FROM {s}.tasks WHERE seq = ANY($1::bigint[]) AND state IN (5, 6, 7)"
                 " AND attempt = 0 ORDER BY seq FOR UPDATE"
             )
             candidates = [(r[0], State(r[1]), r[2], r[3]) for r in await conn.fetch(sql, found)]
@@ -180,16 +199,13 @@ class Bulk(Finish):
 
     async def delete_tasks(self, seqs: list[int], events_through: int | None) -> list[int]:
         sql = self._sql(
-            "WITH gone AS (DELETE FROM {s}.tasks WHERE seq = ANY($1::bigint[]) AND state IN (4, 5, 6) RETURNING seq),"
+            "WITH gone AS (DELETE FROM {s}.tasks WHERE seq = ANY($1::bigint[]) AND state IN (4, 5, 6, 7)"
+            " RETURNING seq),"
             " deps AS (DELETE FROM {s}.deps WHERE task_seq IN (SELECT seq FROM gone)),"
             " attempts AS (DELETE FROM {s}.attempts WHERE task_seq IN (SELECT seq FROM gone)),"
-            " events AS (DELETE FROM {s}.events WHERE task_seq IN (SELECT seq FROM gone) AND pos <= $2),"
-            # A row of event_batches keeps its positions: a deleted task's events in it get task_seq 0
-            # and no error, and readers pass them over.
-            " seqs AS (SELECT array_agg(seq) AS seqs FROM gone),"
-            " batches AS (UPDATE {s}.event_batches b SET"
-            f" task_seq = {_tombstoned('task_seq', '0')}, error = {_tombstoned('error', 'NULL')}"
-            " FROM seqs WHERE b.task_seq && seqs.seqs AND b.last_pos - b.n < $2)"
+            # Rows of event_batches are left as they are (rewriting them cost minutes for 20,000
+            # tasks): readers pass over the events of tasks no longer stored.
+            " events AS (DELETE FROM {s}.events WHERE task_seq IN (SELECT seq FROM gone) AND pos <= $2)"
             " SELECT seq FROM gone ORDER BY seq"
         )
         return [r[0] for r in await self._tx(lambda c: c.fetch(sql, seqs, events_through))]

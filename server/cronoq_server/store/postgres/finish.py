@@ -193,7 +193,7 @@ class Finish(Lease, Submit):
                 f"WITH changed AS (UPDATE {{s}}.tasks t SET state = 1, blocked_on = 0, {self._rank_reset}"
                 " WHERE t.state = 2 AND t.seq IN (SELECT task_seq FROM {s}.deps WHERE dep_seq = ANY($1::bigint[]))"
                 " AND NOT EXISTS (SELECT 1 FROM {s}.deps d JOIN {s}.tasks x ON x.seq = d.dep_seq"
-                " WHERE d.task_seq = t.seq AND x.state <> 4 AND (t.run_when <> 2 OR x.state NOT IN (5, 6)))"
+                " WHERE d.task_seq = t.seq AND x.state <> 4 AND (t.run_when <> 2 OR x.state NOT IN (5, 6, 7)))"
                 f" RETURNING t.seq, t.pool, t.attempt, {T_EVENT_TASK_COLUMNS}),"
                 f" ev AS ({events_of('1', 'attempt', '$2::bigint', '2', 'changed ORDER BY seq')})"
                 " SELECT seq FROM changed"
@@ -289,7 +289,8 @@ class Finish(Lease, Submit):
 
     async def _end_dependents(self, conn: asyncpg.Connection, ended: list[int], state: State, now: int) -> Changes:
         """Fails (or cancels) BLOCKED dependents of ended tasks, transitively; finalizers among
-        them count those as done instead."""
+        them count those as done instead. Those of EXPIRED tasks fail."""
+        cause, state = state, State.FAILED if state == State.EXPIRED else state
         changes: Changes = []
         frontier = ended
         while frontier:
@@ -311,9 +312,9 @@ class Finish(Lease, Submit):
                 int(state),
                 now,
                 [r[0] for r in rows],
-                [dependency_error(state, self._full_id(r[1])) for r in rows],
+                [dependency_error(cause, self._full_id(r[1])) for r in rows],
             )
-            frontier = [r[0] for r in rows]
+            frontier, cause = [r[0] for r in rows], state
             changes += [(seq, state) for seq in frontier]
         return changes
 

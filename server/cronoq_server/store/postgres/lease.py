@@ -34,7 +34,7 @@ from ..logic import (
     task_row,
 )
 from .events import Events
-from .sql import _FITS_ALONE, _KEYED, _ONCE, LEASE_SIZE, _free_for, _in_turns, events_of
+from .sql import _FITS_ALONE, _KEYED, _ONCE, LEASE_SIZE, _free_for, _in_turns, events_of, startable
 
 
 def _carried(fetched: Sequence[asyncpg.Record]) -> tuple[Sequence[Any], Sequence[Any]]:
@@ -197,10 +197,11 @@ class Lease(Events):
         sql = self._sql(
             f"(SELECT seq, pool, group_key, {LEASE_SIZE} + $3, resources, priority, 0::bigint, attempt"
             " FROM {s}.tasks t WHERE state = 1 AND group_rank = 0 AND pool = ANY($1::text[]) AND run_at <= $2"
+            f" AND {startable('$2')}"
             f" ORDER BY run_at, seq LIMIT {RANK_BATCH})"
             " UNION ALL (SELECT x.* FROM unnest($1::text[]) AS p(pool), LATERAL (SELECT t.seq, t.pool, t.group_key,"
             f" {LEASE_SIZE} + $3, t.resources, t.priority, t.group_rank, t.attempt FROM {{s}}.tasks t"
-            " WHERE t.state = 1 AND t.group_rank > 0 AND t.pool = p.pool AND t.run_at <= $2"
+            f" WHERE t.state = 1 AND t.group_rank > 0 AND t.pool = p.pool AND t.run_at <= $2 AND {startable('$2')}"
             " ORDER BY t.priority DESC, t.group_rank, t.seq LIMIT $4) AS x)"
         )
         read = await self._read(lambda c: c.fetch(sql, pools, now, self.settings.lease_overhead_bytes, window))
@@ -237,7 +238,10 @@ class Lease(Events):
         # Taken only while still PENDING (they were read without a lock): the state written as an
         # expression, so that no partial index on state = 1 applies, and the seqs named again as
         # an index condition: the tasks are looked up by seq, whatever the table's statistics.
-        take = "FROM chosen WHERE t.seq = chosen.seq AND t.seq = ANY($3::bigint[]) AND t.state::int = 1"
+        take = (
+            "FROM chosen WHERE t.seq = chosen.seq AND t.seq = ANY($3::bigint[]) AND t.state::int = 1"
+            f" AND {startable('$1')}"
+        )
         ctes = (
             "ranked AS (UPDATE {s}.tasks t SET group_rank = u.rank FROM unnest($6::bigint[], $7::bigint[])"
             " AS u(seq, rank) WHERE t.seq = u.seq AND t.state = 1 AND t.group_rank = 0 AND {fence}),"
@@ -285,7 +289,7 @@ class Lease(Events):
         plain = (
             f"SELECT x.seq, x.priority, x.run_at, x.size{place} FROM {unnest}, LATERAL"
             f" (SELECT seq, priority, run_at, {LEASE_SIZE} AS size FROM {{s}}.tasks t"
-            " WHERE state = 1 AND pool = p.pool AND run_at <= $1"
+            f" WHERE state = 1 AND pool = p.pool AND run_at <= $1 AND {startable('$1')}"
             " AND resources IS NULL ORDER BY priority DESC, run_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED) AS x"
             " WHERE {fence}"
         )
@@ -306,7 +310,8 @@ class Lease(Events):
                 f"SELECT x.seq, x.priority, x.run_at, x.size, x.resources{place}"
                 f" FROM {unnest}, LATERAL (SELECT seq, priority, run_at,"
                 f" {LEASE_SIZE} AS size, resources FROM {{s}}.tasks t"
-                " WHERE state = 1 AND pool = p.pool AND run_at <= $1 AND resources IS NOT NULL AND res_key IS NULL"
+                f" WHERE state = 1 AND pool = p.pool AND run_at <= $1 AND {startable('$1')}"
+                " AND resources IS NOT NULL AND res_key IS NULL"
                 # A task naming an entry with nothing free ($10) is passed over by one look-up,
                 # not a row per entry.
                 f" AND NOT resources::jsonb ?| $10::text[] AND {_FITS_ALONE}"

@@ -18,32 +18,25 @@ from ..logic import (
     pool_pause,
     pool_pause_values,
     request_retention,
+    retained,
     schedule_row,
     schedule_values,
 )
-from .sql import WORKER_COLUMNS
+from .sql import WORKER_COLUMNS, purge_sql
 from .submit import Submit
 
 
 class Maintenance(Submit):
     """Purges, workers, paused pools and schedules."""
 
-    async def purge(self, now: int) -> int:
-        async def purge(conn: asyncpg.Connection) -> int:
-            purged = 0
-            for pool, retention in self.settings.retention_us.items():
-                cond = "pool = $1 AND state IN (4, 5, 6) AND finished_at < $2"
-                for table in ("deps", "attempts"):
-                    sql = f"DELETE FROM {{s}}.{table} WHERE task_seq IN (SELECT seq FROM {{s}}.tasks WHERE {cond})"
-                    await conn.execute(self._sql(sql), pool, now - retention)
-                status = await conn.execute(self._sql(f"DELETE FROM {{s}}.tasks WHERE {cond}"), pool, now - retention)
-                purged += int(status.split()[-1])
-            # A request's record is kept as long as the tasks it created can be.
-            sql = self._sql("DELETE FROM {s}.requests WHERE created_at < $1")
-            await conn.execute(sql, now - request_retention(self.settings))
-            return purged
-
-        return await self._tx(purge)
+    async def purge(self, now: int, limit: int) -> int:
+        groups = retained(self.settings)
+        sql = self._sql(purge_sql([states for _, states, _ in groups]))
+        # A request's record is kept as long as the tasks it created can be.
+        args: list[Any] = [limit, now - request_retention(self.settings)]
+        for pool, _, keep in groups:
+            args += [pool, now - keep]
+        return await self._tx(lambda c: c.fetchval(sql, *args))
 
     async def register_worker(self, worker: WorkerRow) -> None:
         sql = self._sql(

@@ -225,6 +225,16 @@ MIGRATIONS: dict[int, list[str]] = {
         """ALTER TABLE {s}.tasks ADD COLUMN parent_seq bigint, ADD COLUMN run_when smallint NOT NULL DEFAULT 0""",
         """CREATE INDEX tasks_parent ON {s}.tasks (parent_seq) WHERE parent_seq IS NOT NULL""",
     ],
+    15: [
+        # Key modes and start deadlines: a task ends EXPIRED (7) unless an attempt starts before
+        # start_by; its key is free key_ttl_ms after it ended (0: held until it is deleted), and
+        # a task whose key was taken by a newer one keeps it apart (released_key).
+        """ALTER TABLE {s}.tasks ADD COLUMN start_by bigint, ADD COLUMN key_ttl_ms bigint NOT NULL DEFAULT 0,
+            ADD COLUMN released_key text""",
+        """CREATE INDEX tasks_start_by ON {s}.tasks (start_by) WHERE start_by IS NOT NULL AND state IN (1, 2)""",
+        """DROP INDEX {s}.tasks_finished""",
+        """CREATE INDEX tasks_finished ON {s}.tasks (finished_at) WHERE state IN (4, 5, 6, 7)""",
+    ],
 }
 
 

@@ -39,18 +39,62 @@ INSERT_ATTEMPTS = f"INSERT INTO {{s}}.attempts ({ATTEMPT_COLUMNS})"
 T_EVENT_TASK_COLUMNS = ", ".join(f"t.{c}" for c in EVENT_TASK_COLUMNS.split(", "))
 
 
+def startable(now: str) -> str:
+    """SQL: a PENDING task (of tasks, unaliased or t) may still start at now: not past its start_by."""
+    return f"(start_by IS NULL OR start_by > {now})"
+
+
+# A task whose key's hold is over (logic.key_released) keeps the key it had apart: the key is free.
+RELEASE_KEY = "UPDATE {s}.tasks SET released_key = key, key = NULL WHERE seq = $1"
+
+# Replacing submissions (logic.replaced): each task's payload, content type, priority and due
+# time, with an event that keeps its state (now $6).
+REPLACE = (
+    "WITH r AS (UPDATE {s}.tasks t SET payload = u.payload, content_type = u.content_type,"
+    " priority = u.priority, run_at = u.run_at FROM unnest($1::bigint[], $2::bytea[], $3::text[], $4::int[],"
+    " $5::bigint[]) AS u(seq, payload, content_type, priority, run_at) WHERE t.seq = u.seq"
+    f" RETURNING t.seq, t.pool, t.state, t.attempt, {T_EVENT_TASK_COLUMNS})"
+    f" {events_of('state', 'attempt', '$6::bigint', 'state', 'r ORDER BY seq')}"
+)
+
+# The PENDING and BLOCKED tasks past their start_by (now $1, at most $2), earliest first, locked
+# (a lease that holds one is taking it: it started in time); and ending them (error $2, seqs $3).
+EXPIRING = (
+    "SELECT seq, state FROM {s}.tasks WHERE start_by <= $1 AND state IN (1, 2)"
+    " ORDER BY start_by, seq LIMIT $2 FOR UPDATE SKIP LOCKED"
+)
+EXPIRE = "UPDATE {s}.tasks SET state = 7, error = $2, finished_at = $1, blocked_on = 0 WHERE seq = ANY($3::bigint[])"
+
+
+def purge_sql(groups: list[str]) -> str:
+    """The statement that deletes up to $1 ended tasks past retention, oldest finished first,
+    with their dependencies, attempts and rows of `events`, and up to $1 request records created
+    before $2. Each group (its states as SQL, from logic.retained; its pool and cutoff the next
+    two parameters) is one range of tasks_finished read in order, at most $1 rows of it."""
+    scans = " UNION ALL ".join(
+        f"(SELECT seq, finished_at FROM {{s}}.tasks WHERE state IN (4, 5, 6, 7) AND state IN ({states})"
+        f" AND pool = ${2 * i + 3} AND finished_at < ${2 * i + 4} ORDER BY finished_at LIMIT $1)"
+        for i, states in enumerate(groups)
+    )
+    return (
+        "WITH victims AS (SELECT seq FROM ("
+        + (scans or "SELECT NULL::bigint AS seq, NULL::bigint AS finished_at WHERE false")
+        + ") AS v ORDER BY finished_at, seq LIMIT $1),"
+        # A task retried meanwhile is no longer ended: the delete, which waited for it, leaves it.
+        " gone AS (DELETE FROM {s}.tasks WHERE seq IN (SELECT seq FROM victims) AND state IN (4, 5, 6, 7)"
+        " RETURNING seq),"
+        " deps AS (DELETE FROM {s}.deps WHERE task_seq IN (SELECT seq FROM gone)),"
+        " attempts AS (DELETE FROM {s}.attempts WHERE task_seq IN (SELECT seq FROM gone)),"
+        " events AS (DELETE FROM {s}.events WHERE task_seq IN (SELECT seq FROM gone)),"
+        " requests AS (DELETE FROM {s}.requests WHERE id IN (SELECT id FROM {s}.requests WHERE created_at < $2"
+        " ORDER BY created_at LIMIT $1))"
+        " SELECT count(*) FROM gone"
+    )
+
+
 # Two arrays a statement returns beside the rows it leased go in its first row only: in every
 # row, a step of n outcomes and n tasks would send and decode n² elements.
 _ONCE = "CASE WHEN row_number() OVER () = 1 THEN {} END"
-
-
-def _tombstoned(column: str, value: str) -> str:
-    """A column of a row of event_batches b, with value for the elements of deleted tasks (those in
-    seqs.seqs, at pos $2 or before)."""
-    return (
-        "(SELECT array_agg(CASE WHEN b.task_seq[x.i] = ANY(seqs.seqs) AND b.last_pos - b.n + x.i <= $2"
-        f" THEN {value} ELSE x.v END ORDER BY x.i) FROM unnest(b.{column}) WITH ORDINALITY AS x(v, i))"
-    )
 
 
 # What a task (alias t) weighs in a lease reply.
@@ -98,6 +142,8 @@ _KEYED = (
     f" keyed AS (SELECT x.*{{place}} FROM keys, LATERAL (SELECT seq, priority, run_at, {LEASE_SIZE} AS size, resources"
     " FROM {s}.tasks t"
     " WHERE state = 1 AND pool = keys.pool AND res_key = keys.key AND run_at <= $1 AND "
+    + startable("$1")
+    + " AND "
     + _FITS_ALONE
     + f" ORDER BY priority DESC, run_at, seq LIMIT least({_free_for('keys.key')}, $2) FOR UPDATE SKIP LOCKED)"
     f" AS x WHERE {_free_for('keys.key')} > 0 AND {{fence}})"

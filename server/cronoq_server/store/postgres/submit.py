@@ -12,22 +12,25 @@ from typing import Any
 import asyncpg
 
 from ...errors import not_found
-from ..base import EVENT_TASK_COLUMNS, TERMINAL, Changes, NewTask, State, Submitted, TaskRow
+from ..base import EVENT_TASK_COLUMNS, KEY_RETURN_EXISTING, TERMINAL, Changes, NewTask, State, Submitted, TaskRow
 from ..fair import first_rank
 from ..logic import (
     check_dependency_bytes,
     check_pending_limits,
     encode_request,
     initial_state,
-    key_of_another_pool,
+    key_released,
     keyed_entry,
+    keyed_run_at,
     limits_apply,
+    replaced,
+    replaces,
     replay_request,
     request_seqs,
     trace_text,
 )
 from .core import CONNECTION_ERRORS, _Core
-from .sql import events_of
+from .sql import RELEASE_KEY, REPLACE, events_of
 
 log = logging.getLogger("cronoq.store.postgres")
 
@@ -46,6 +49,10 @@ RETRYABLE = (asyncpg.exceptions.UniqueViolationError, asyncpg.exceptions.Deadloc
 
 
 SubmitResult = tuple[list[Submitted], Changes]
+
+
+# The tasks whose keys are $1.
+_BY_KEYS = "key = ANY($1::text[]) AND key IS NOT NULL"
 
 
 # PostgreSQL's autovacuum visits a table at most once a minute (autovacuum_naptime): after a
@@ -225,25 +232,25 @@ class Submit(_Core):
         Two calls of a group never share a request_id (_take_group defers the repeat).
         """
         tasks = [(i, op, t) for i, op in enumerate(ops, 1) for t in op.tasks]
-        run_at = [t.run_at if t.run_at is not None else op.now for _, op, t in tasks]
+        run_at = [keyed_run_at(t, op.now) for _, op, t in tasks]
         # ids maps each input position to its sequence number, whatever order rows are inserted in.
         sql = self._sql(
             "WITH ids AS MATERIALIZED (SELECT n, nextval(pg_get_serial_sequence('{s}.tasks', 'seq')) AS seq"
             " FROM generate_series(1, $10::int) AS n),"
             " u AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int[], $5::bigint[], $6::int[],"
             " $7::text[], $12::bigint[], $15::text[], $16::bigint[], $13::int[], $8::bigint[], $17::text[],"
-            " $18::text[])"
+            " $18::text[], $19::bigint[])"
             " WITH ORDINALITY AS u(pool, payload, content_type, priority, run_at, max_attempts, resources, timeout_ms,"
-            " group_key, group_rank, op, now, res_key, trace, n)),"
+            " group_key, group_rank, op, now, res_key, trace, start_by, n)),"
             " ops AS (SELECT * FROM unnest($11::text[], $14::bigint[]) WITH ORDINALITY AS o(rid, now, op)),"
             " req AS (INSERT INTO {s}.requests (id, created, created_at)"
-            " SELECT o.rid, (SELECT json_agg(json_build_array(ids.seq, false) ORDER BY ids.n) FROM u"
+            " SELECT o.rid, (SELECT json_agg(json_build_array(ids.seq, false, false) ORDER BY ids.n) FROM u"
             " JOIN ids ON ids.n = u.n WHERE u.op = o.op)::text, o.now FROM ops o WHERE o.rid IS NOT NULL AND {fence}"
             " ON CONFLICT (id) DO NOTHING RETURNING id),"
             " ins AS (INSERT INTO {s}.tasks (seq, pool, payload, content_type, priority, run_at, max_attempts,"
-            " resources, state, created_at, timeout_ms, group_key, group_rank, res_key, trace)"
+            " resources, state, created_at, timeout_ms, group_key, group_rank, res_key, trace, start_by)"
             " SELECT ids.seq, u.pool, u.payload, u.content_type, u.priority, u.run_at, u.max_attempts,"
-            " u.resources, 1, u.now, u.timeout_ms, u.group_key, u.group_rank, u.res_key, u.trace"
+            " u.resources, 1, u.now, u.timeout_ms, u.group_key, u.group_rank, u.res_key, u.trace, u.start_by"
             " FROM u JOIN ids ON ids.n = u.n JOIN ops ON ops.op = u.op"
             " WHERE {fence} AND (ops.rid IS NULL OR ops.rid IN (SELECT id FROM req))"
             f" RETURNING seq, pool, created_at, {EVENT_TASK_COLUMNS}),"
@@ -272,6 +279,7 @@ class Submit(_Core):
             ],
             [keyed_entry(t.resources) for _, _, t in tasks],
             [trace_text(t.trace) for _, _, t in tasks],
+            [t.start_by for _, _, t in tasks],
         )
         if conn is None:
             rows = await self._fenced_fetch(sql, *args)
@@ -293,7 +301,7 @@ class Submit(_Core):
                         depends_on=[], resources=t.resources, state=State.PENDING, attempt=0, worker_id=None,
                         result=None, result_content_type="", error="", created_at=op.now, started_at=None,
                         finished_at=None, cancel_requested=False, lease_expires_at=None, timeout_ms=t.timeout_ms,
-                        group_key=t.group_key, trace=t.trace,
+                        group_key=t.group_key, trace=t.trace, start_by=t.start_by,
                     ),
                     False,
                 )
@@ -319,13 +327,7 @@ class Submit(_Core):
             if await conn.fetchval(sql, request_id, now) is None:
                 created = await conn.fetchval(self._sql("SELECT created FROM {s}.requests WHERE id = $1"), request_id)
                 return await self._replay(conn, created), []
-        # Dependencies are read under a share lock: a dependency cannot end between this read
-        # and this commit, so its ending always sees the dependents created here.
-        keys = {t.key for t in tasks if t.key is not None} | {k for t in tasks for k in t.dep_keys}
-        by_key: dict[str, TaskRow] = {}
-        if keys:
-            found = await self._select(conn, "key = ANY($1::text[]) AND key IS NOT NULL FOR SHARE", list(keys))
-            by_key = {r.key: r for r in found if r.key}
+        by_key = await self._keyed(conn, tasks, now)
         dep_seqs = list({s for t in tasks for s in t.dep_seqs})
         dep_state: dict[int, State] = {}
         dep_bytes: dict[int, int] = {}  # of each dependency, its result's
@@ -337,18 +339,27 @@ class Submit(_Core):
             for r in await conn.fetch(sql, dep_seqs):
                 if visible is None or r[2] in visible:
                     dep_state[r[0]], dep_bytes[r[0]] = State(r[1]), r[3]
-        fresh = sum(1 for t in tasks if t.key is None or t.key not in by_key)
+        fresh = sum(1 for t in tasks if t.key is None or t.key not in by_key or key_released(by_key[t.key], now))
         seq_sql = self._sql("SELECT nextval(pg_get_serial_sequence('{s}.tasks', 'seq')) FROM generate_series(1, $1)")
         new_seqs = iter([r[0] for r in await conn.fetch(seq_sql, fresh)] if fresh else [])
         out: list[Submitted] = []
         changes: Changes = []
         inserts: list[tuple[Any, ...]] = []
         dep_rows: list[tuple[int, int]] = []
+        replacements: dict[int, TaskRow] = {}  # by seq, as the last submission of this call left it
         for task in tasks:
             if task.key is not None and task.key in by_key:
-                key_of_another_pool(task.key, task.pool, by_key[task.key].pool)
-                out.append(Submitted(by_key[task.key], True))
-                continue
+                existing = by_key[task.key]
+                if key_released(existing, now):  # then created as if the key were free
+                    await conn.execute(self._sql(RELEASE_KEY), existing.seq)
+                elif replaces(task, existing):
+                    row = replacements[existing.seq] = by_key[task.key] = replaced(existing, task, now)
+                    out.append(Submitted(row, False, replaced=True))
+                    changes.append((row.seq, row.state))
+                    continue
+                else:
+                    out.append(Submitted(existing, True))
+                    continue
             deps: dict[int, State] = {}
             for seq in task.dep_seqs:
                 if seq not in dep_state:
@@ -373,19 +384,21 @@ class Submit(_Core):
             dep_list = list(deps)
             row = TaskRow(
                 seq=seq, pool=task.pool, key=task.key, payload=task.payload, content_type=task.content_type,
-                priority=task.priority, run_at=task.run_at if task.run_at is not None else now,
+                priority=task.priority, run_at=keyed_run_at(task, now),
                 max_attempts=task.max_attempts, depends_on=dep_list, resources=task.resources, state=state,
                 attempt=0, worker_id=None, result=None, result_content_type="", error=error, created_at=now,
                 started_at=None, finished_at=now if state in TERMINAL else None, cancel_requested=False,
                 lease_expires_at=None, timeout_ms=task.timeout_ms, group_key=task.group_key, trace=task.trace,
-                parent_seq=task.parent_seq, run_when=task.run_when,
+                parent_seq=task.parent_seq, run_when=task.run_when, start_by=task.start_by,
+                key_ttl_ms=task.key_ttl_ms,
             )  # fmt: skip
             inserts.append((
                 seq, row.pool, row.key, row.payload, row.content_type, row.priority, row.run_at, row.max_attempts,
                 json.dumps(dep_list) if dep_list else None, json.dumps(row.resources) if row.resources else None,
                 int(state), error, now, row.finished_at, blocked_on, task.timeout_ms, task.group_key,
                 first_rank(self._ranks, row.pool, row.group_key, state == State.PENDING, row.run_at, now),
-                keyed_entry(row.resources), trace_text(task.trace), task.parent_seq, task.run_when,
+                keyed_entry(row.resources), trace_text(task.trace), task.parent_seq, task.run_when, task.start_by,
+                task.key_ttl_ms,
             ))  # fmt: skip
             dep_rows += [(seq, d) for d in dep_list]
             dep_state[seq] = state  # later tasks of this call may name it by id or key
@@ -399,13 +412,13 @@ class Submit(_Core):
                 self._sql(
                     "WITH ins AS (INSERT INTO {s}.tasks (seq, pool, key, payload, content_type, priority, run_at,"
                     " max_attempts, depends_on, resources, state, error, created_at, finished_at, blocked_on,"
-                    " timeout_ms, group_key, group_rank, res_key, trace, parent_seq, run_when)"
+                    " timeout_ms, group_key, group_rank, res_key, trace, parent_seq, run_when, start_by, key_ttl_ms)"
                     " SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::int[],"
                     " $7::bigint[], $8::int[], $9::text[], $10::text[], $11::smallint[], $12::text[], $13::bigint[],"
                     " $14::bigint[], $15::int[], $16::bigint[], $17::text[], $18::bigint[], $19::text[], $20::text[],"
-                    " $21::bigint[], $22::smallint[])"
+                    " $21::bigint[], $22::smallint[], $23::bigint[], $24::bigint[])"
                     f" RETURNING seq, pool, state, {EVENT_TASK_COLUMNS})"
-                    f" {events_of('state', '0', '$23::bigint', '0', 'ins ORDER BY seq')}"
+                    f" {events_of('state', '0', '$25::bigint', '0', 'ins ORDER BY seq')}"
                 ),
                 *[list(c) for c in columns],
                 now,
@@ -418,14 +431,46 @@ class Submit(_Core):
                 [a for a, _ in dep_rows],
                 [b for _, b in dep_rows],
             )
+        if replacements:  # after the inserts: a task of this call may be among them
+            kept = list(replacements.values())
+            await conn.execute(
+                self._sql(REPLACE),
+                [r.seq for r in kept],
+                [r.payload for r in kept],
+                [r.content_type for r in kept],
+                [r.priority for r in kept],
+                [r.run_at for r in kept],
+                now,
+            )
         if inserts:
-            await self._check_limits(conn, [s.row.pool for s in out if not s.deduplicated])
-            if any(state == State.PENDING for _, state in changes):
-                await conn.execute("SELECT pg_notify($1, '')", self.channel)
+            await self._check_limits(conn, [s.row.pool for s in out if not (s.deduplicated or s.replaced)])
+        if any(state == State.PENDING for _, state in changes):  # a replaced task may be due sooner
+            await conn.execute("SELECT pg_notify($1, '')", self.channel)
         if request_id is not None:
             sql = self._sql("UPDATE {s}.requests SET created = $2 WHERE id = $1")
             await conn.execute(sql, request_id, encode_request(out))
         return out, changes
+
+    async def _keyed(self, conn: asyncpg.Connection, tasks: list[NewTask], now: int) -> dict[str, TaskRow]:
+        """The tasks named by these tasks' keys and their dependencies' keys, by key.
+
+        Dependencies are read under a share lock: a dependency cannot end between this read and
+        this commit, so its ending always sees the dependents created here. A task this call may
+        change (replace, or take the key of) is locked for update: a lease skips it until this
+        commits (never taking it half replaced), and a lease that took it first commits before
+        this reads it (RUNNING: returned as it is)."""
+        own = {t.key for t in tasks if t.key is not None}
+        keys = own | {k for t in tasks for k in t.dep_keys}
+        if not keys:
+            return {}
+        replacing = {t.key for t in tasks if t.key is not None and t.key_mode != KEY_RETURN_EXISTING}
+        found = await self._select(conn, f"{_BY_KEYS} FOR UPDATE", list(replacing)) if replacing else []
+        found += await self._select(conn, f"{_BY_KEYS} FOR SHARE", list(keys - replacing))
+        releasing = [r.seq for r in found if r.key in own - replacing and key_released(r, now)]
+        if releasing:  # read again once locked: another submission may have taken the key meanwhile
+            locked = await self._select(conn, "seq = ANY($1::bigint[]) AND key IS NOT NULL FOR UPDATE", releasing)
+            found = [r for r in found if r.seq not in releasing] + locked
+        return {r.key: r for r in found if r.key}
 
     async def _check_limits(self, conn: asyncpg.Connection, created: list[str]) -> None:
         if created and limits_apply(self.settings):
