@@ -45,7 +45,7 @@ T = TypeVar("T")
 # often (never for a scrape); tasks by pool and state are kept from the events (core/counts.py).
 WORKER_GAUGES_EVERY_S = 5.0
 PENDING_AGE_EVERY_S = 5.0
-RETENTION_EVERY_S = 60.0  # the retention service: a step deletes all that is due, in batches
+RETENTION_EVERY_S = 60.0  # the retention service at most (a step deletes all that is due, in batches)
 START_BY_EVERY_S = 0.5  # the start_by sweep (a lease never hands out a task past it meanwhile)
 # The groups a pool that caps them shows in GetSnapshot (most tasks pending and running first).
 TOP_GROUPS = 10
@@ -115,7 +115,7 @@ class Node:
         self.services = Services()
         self.services.add(Periodic("lease expiry", 0.5, self.leases.expire_once))
         self.services.add(Periodic("long poll nudge", NUDGE_EVERY_S, self.leases.nudge_once))
-        self.services.add(Periodic("retention", RETENTION_EVERY_S, self.leases.purge_once))
+        self.services.add(Periodic("retention", self._retention_every(), self.leases.purge_once))
         self.services.add(Periodic("start deadlines", START_BY_EVERY_S, self.leases.start_by_once))
         reap_every = min(max(config.server.worker_reap_after / 4, 1.0), 60.0)
         self.services.add(Periodic("worker reaper", reap_every, self.leases.reap_once))
@@ -475,6 +475,13 @@ class Node:
             if self.is_leader and any(caller.may("read", p) for p in relay.outbox.pools):
                 snap.outboxes.append(relay.status())
         return admin_pb.GetSnapshotResponse(shards=[snap])
+
+    def _retention_every(self) -> float:
+        """How often the retention service runs: every minute, or a quarter of the shortest
+        retention of this shard's pools (at least a second)."""
+        pools = [p for p in self.config.pools if p.name in self.pools]
+        kept = [k for p in pools for k in (p.retention, p.retention_failed) if k]
+        return min([RETENTION_EVERY_S, *(max(k / 4, 1.0) for k in kept)])
 
     async def _set_worker_gauges(self) -> None:
         """Workers by pool, as listed: the workers table is small (one row a worker process)."""
