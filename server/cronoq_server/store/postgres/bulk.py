@@ -7,7 +7,7 @@ import asyncpg
 from ..base import NOT_STARTED, Changes, State, TaskFilter, TaskRow
 from ..logic import WorkflowTree, decide_restore, decide_retry, descendants_changed, match_sql
 from .finish import Finish
-from .sql import _DIALECT, EXPIRE, EXPIRING
+from .sql import _DIALECT, DELETE_WITH_TASKS, EXPIRE, EXPIRING
 
 
 class Bulk(Finish):
@@ -200,9 +200,7 @@ class Bulk(Finish):
     async def delete_tasks(self, seqs: list[int], events_through: int | None) -> list[int]:
         sql = self._sql(
             "WITH gone AS (DELETE FROM {s}.tasks WHERE seq = ANY($1::bigint[]) AND state IN (4, 5, 6, 7)"
-            " RETURNING seq),"
-            " deps AS (DELETE FROM {s}.deps WHERE task_seq IN (SELECT seq FROM gone)),"
-            " attempts AS (DELETE FROM {s}.attempts WHERE task_seq IN (SELECT seq FROM gone)),"
+            f" RETURNING seq),{DELETE_WITH_TASKS},"
             # Rows of event_batches are left as they are (rewriting them cost minutes for 20,000
             # tasks): readers pass over the events of tasks no longer stored.
             " events AS (DELETE FROM {s}.events WHERE task_seq IN (SELECT seq FROM gone) AND pos <= $2)"

@@ -232,8 +232,11 @@ MIGRATIONS: dict[int, list[str]] = {
         """ALTER TABLE {s}.tasks ADD COLUMN start_by bigint, ADD COLUMN key_ttl_ms bigint NOT NULL DEFAULT 0,
             ADD COLUMN released_key text""",
         """CREATE INDEX tasks_start_by ON {s}.tasks (start_by) WHERE start_by IS NOT NULL AND state IN (1, 2)""",
+        # Retention differs by pool and state: a purge reads, of each pool and ended state, the
+        # range past its retention, oldest first, never the rows kept longer (by finished_at
+        # alone, 1M ended rows made each call read every FAILED task still kept: 280 ms).
         """DROP INDEX {s}.tasks_finished""",
-        """CREATE INDEX tasks_finished ON {s}.tasks (finished_at) WHERE state IN (4, 5, 6, 7)""",
+        """CREATE INDEX tasks_finished ON {s}.tasks (pool, state, finished_at) WHERE state IN (4, 5, 6, 7)""",
     ],
 }
 

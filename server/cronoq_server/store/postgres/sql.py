@@ -66,28 +66,35 @@ EXPIRING = (
 EXPIRE = "UPDATE {s}.tasks SET state = 7, error = $2, finished_at = $1, blocked_on = 0 WHERE seq = ANY($3::bigint[])"
 
 
+# The CTEs that delete the dependencies and attempts of the tasks `gone` returns: looked up by
+# their seqs (an index condition; a join planned from the CTE's estimate read every attempt).
+DELETE_WITH_TASKS = (
+    " deps AS (DELETE FROM {s}.deps WHERE task_seq = ANY(ARRAY(SELECT seq FROM gone))),"
+    " attempts AS (DELETE FROM {s}.attempts WHERE task_seq = ANY(ARRAY(SELECT seq FROM gone)))"
+)
+
+
 def purge_sql(groups: list[str]) -> str:
     """The statement that deletes up to $1 ended tasks past retention, oldest finished first,
     with their dependencies, attempts and rows of `events`, and up to $1 request records created
     before $2. Each group (its states as SQL, from logic.retained; its pool and cutoff the next
-    two parameters) is one range of tasks_finished read in order, at most $1 rows of it."""
+    two parameters) is a range of tasks_finished per state, read in order, at most $1 rows each."""
     scans = " UNION ALL ".join(
-        f"(SELECT seq, finished_at FROM {{s}}.tasks WHERE state IN (4, 5, 6, 7) AND state IN ({states})"
+        f"(SELECT seq, finished_at FROM {{s}}.tasks WHERE state IN (4, 5, 6, 7) AND state = {state}"
         f" AND pool = ${2 * i + 3} AND finished_at < ${2 * i + 4} ORDER BY finished_at LIMIT $1)"
         for i, states in enumerate(groups)
+        for state in states.split(", ")
     )
     return (
         "WITH victims AS (SELECT seq FROM ("
         + (scans or "SELECT NULL::bigint AS seq, NULL::bigint AS finished_at WHERE false")
         + ") AS v ORDER BY finished_at, seq LIMIT $1),"
         # A task retried meanwhile is no longer ended: the delete, which waited for it, leaves it.
-        " gone AS (DELETE FROM {s}.tasks WHERE seq IN (SELECT seq FROM victims) AND state IN (4, 5, 6, 7)"
-        " RETURNING seq),"
-        " deps AS (DELETE FROM {s}.deps WHERE task_seq IN (SELECT seq FROM gone)),"
-        " attempts AS (DELETE FROM {s}.attempts WHERE task_seq IN (SELECT seq FROM gone)),"
-        " events AS (DELETE FROM {s}.events WHERE task_seq IN (SELECT seq FROM gone)),"
-        " requests AS (DELETE FROM {s}.requests WHERE id IN (SELECT id FROM {s}.requests WHERE created_at < $2"
-        " ORDER BY created_at LIMIT $1))"
+        " gone AS (DELETE FROM {s}.tasks WHERE seq = ANY(ARRAY(SELECT seq FROM victims)) AND state IN (4, 5, 6, 7)"
+        f" RETURNING seq),{DELETE_WITH_TASKS},"
+        " events AS (DELETE FROM {s}.events WHERE task_seq = ANY(ARRAY(SELECT seq FROM gone))),"
+        " requests AS (DELETE FROM {s}.requests WHERE id = ANY(ARRAY(SELECT id FROM {s}.requests"
+        " WHERE created_at < $2 ORDER BY created_at LIMIT $1)))"
         " SELECT count(*) FROM gone"
     )
 
