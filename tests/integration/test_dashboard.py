@@ -182,6 +182,7 @@ def test_overview_and_tasks_show_counts_and_hostile_text_literally(
         "succeeded": 0,
         "failed": 0,
         "cancelled": 1,
+        "expired": 0,
     }
     assert counts(page, shard, "other")["blocked"] == 1
     page.screenshot(path=str(shots / "overview.png"), full_page=True)
@@ -268,6 +269,7 @@ def test_overview_shows_both_shards_and_a_stopped_one_as_unavailable(
         "succeeded": 1,
         "failed": 1,
         "cancelled": 1,
+        "expired": 0,
     }
     assert counts(page, "gpu", "llm")["pending"] == 1
     page.screenshot(path=str(screenshots_dir(tmp_path) / "overview-two-shards.png"), full_page=True)

@@ -8,7 +8,7 @@ import { call, caller, may, notePools } from "./api.js";
 import { lineChart } from "./chart.js";
 import { ago, h, table } from "./dom.js";
 
-export const STATES = ["pending", "blocked", "running", "succeeded", "failed", "cancelled"];
+export const STATES = ["pending", "blocked", "running", "succeeded", "failed", "cancelled", "expired"];
 
 let refused = ""; // the last refused Pause / Resume, kept across the page's refreshes until the next success
 

@@ -10,10 +10,10 @@ import { call, caller, may, query, readablePools, workerNames } from "./api.js";
 import { duration, h, show, table, when } from "./dom.js";
 import { workflowSection } from "./workflow.js";
 
-const STATES = ["", "PENDING", "BLOCKED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"];
+const STATES = ["", "PENDING", "BLOCKED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"];
 const PAGE_SIZE = 50;
-const TERMINAL = new Set(["TASK_STATE_SUCCEEDED", "TASK_STATE_FAILED", "TASK_STATE_CANCELLED"]);
-const RETRYABLE = new Set(["TASK_STATE_FAILED", "TASK_STATE_CANCELLED"]);
+const TERMINAL = new Set(["TASK_STATE_SUCCEEDED", "TASK_STATE_FAILED", "TASK_STATE_CANCELLED", "TASK_STATE_EXPIRED"]);
+const RETRYABLE = new Set(["TASK_STATE_FAILED", "TASK_STATE_CANCELLED", "TASK_STATE_EXPIRED"]);
 const MAX_CHILDREN = 1000; // GetTask's children at most
 const ERROR_SHOWN = 80; // characters of an error in the list; the whole text is its title
 

@@ -269,7 +269,7 @@ function drawing(wf) {
   svg("g", { class: "nodes" }, ids.map((id) => node(wf.tasks.get(id), placed.at.get(id), wf.focus))));
 }
 
-const LEGEND_STATES = ["pending", "blocked", "running", "succeeded", "failed", "cancelled"];
+const LEGEND_STATES = ["pending", "blocked", "running", "succeeded", "failed", "cancelled", "expired"];
 
 function legend() {
   return h("p", { class: "legend workflow-legend" },
