@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..base import ATTEMPT_COLUMNS, EVENT_COLUMNS, EVENT_TASK_COLUMNS
+from ..base import ATTEMPT_COLUMNS, EVENT_COLUMNS, EVENT_TASK_COLUMNS, TASK_COLUMNS
 from ..logic import Dialect
 
 _DIALECT = Dialect(
@@ -43,6 +43,19 @@ def startable(now: str) -> str:
     """SQL: a PENDING task (of tasks, unaliased or t) may still start at now: not past its start_by."""
     return f"(start_by IS NULL OR start_by > {now})"
 
+
+# The tasks of the keys $1: those a submission may change locked for update, the others for share.
+# It may change those of its own keys ($2) that it replaces (keys $3) or whose hold is over at $4
+# (as logic.key_released decides): each lock taken at once (share then update could deadlock).
+_CHANGES = (
+    "(key = ANY($2::text[]) AND (key = ANY($3::text[]) OR (key_ttl_ms > 0 AND state IN (4, 5, 6, 7)"
+    " AND coalesce(finished_at + key_ttl_ms * 1000 <= $4, false))))"
+)
+KEYED_ROWS = (
+    f"WITH changed AS (SELECT {TASK_COLUMNS} FROM {{s}}.tasks WHERE key = ANY($1::text[]) AND {_CHANGES} FOR UPDATE),"
+    f" named AS (SELECT {TASK_COLUMNS} FROM {{s}}.tasks WHERE key = ANY($1::text[]) AND NOT {_CHANGES} FOR SHARE)"
+    " SELECT * FROM changed UNION ALL SELECT * FROM named"
+)
 
 # A task whose key's hold is over (logic.key_released) keeps the key it had apart: the key is free.
 RELEASE_KEY = "UPDATE {s}.tasks SET released_key = key, key = NULL WHERE seq = $1"

@@ -27,10 +27,11 @@ from ..logic import (
     replaces,
     replay_request,
     request_seqs,
+    task_row,
     trace_text,
 )
 from .core import CONNECTION_ERRORS, _Core
-from .sql import RELEASE_KEY, REPLACE, events_of
+from .sql import KEYED_ROWS, RELEASE_KEY, REPLACE, events_of
 
 log = logging.getLogger("cronoq.store.postgres")
 
@@ -49,10 +50,6 @@ RETRYABLE = (asyncpg.exceptions.UniqueViolationError, asyncpg.exceptions.Deadloc
 
 
 SubmitResult = tuple[list[Submitted], Changes]
-
-
-# The tasks whose keys are $1.
-_BY_KEYS = "key = ANY($1::text[]) AND key IS NOT NULL"
 
 
 # PostgreSQL's autovacuum visits a table at most once a minute (autovacuum_naptime): after a
@@ -463,14 +460,9 @@ class Submit(_Core):
         keys = own | {k for t in tasks for k in t.dep_keys}
         if not keys:
             return {}
-        replacing = {t.key for t in tasks if t.key is not None and t.key_mode != KEY_RETURN_EXISTING}
-        found = await self._select(conn, f"{_BY_KEYS} FOR UPDATE", list(replacing)) if replacing else []
-        found += await self._select(conn, f"{_BY_KEYS} FOR SHARE", list(keys - replacing))
-        releasing = [r.seq for r in found if r.key in own - replacing and key_released(r, now)]
-        if releasing:  # read again once locked: another submission may have taken the key meanwhile
-            locked = await self._select(conn, "seq = ANY($1::bigint[]) AND key IS NOT NULL FOR UPDATE", releasing)
-            found = [r for r in found if r.seq not in releasing] + locked
-        return {r.key: r for r in found if r.key}
+        replacing = [t.key for t in tasks if t.key is not None and t.key_mode != KEY_RETURN_EXISTING]
+        rows = await conn.fetch(self._sql(KEYED_ROWS), list(keys), list(own), replacing, now)
+        return {r.key: r for r in map(task_row, rows) if r.key}
 
     async def _check_limits(self, conn: asyncpg.Connection, created: list[str]) -> None:
         if created and limits_apply(self.settings):
