@@ -226,7 +226,7 @@ async def test_a_retried_expired_task_runs_and_brings_its_dependents_back(store:
 async def test_an_expired_task_can_be_deleted(store: Store) -> None:
     late = await submit(store, dataclasses.replace(new(), start_by=T0 + 1))
     await store.expire_unstarted(T0 + 1, 10)
-    assert await store.delete_tasks([late.row.seq], None) == [late.row.seq]
+    assert await store.delete_tasks([late.row.seq]) == [late.row.seq]
 
 
 # -- retention -----------------------------------------------------------------------------

@@ -516,9 +516,9 @@ class Tasks:
         )
 
     async def delete_seqs(self, seqs: list[int]) -> list[int]:
-        """Deletes the ended tasks among these (one transaction; see Store.delete_tasks) with their
-        events the leader has counted; the seqs deleted. For callers that checked permissions."""
-        return await self._store.delete_tasks(seqs, self._events.counts.position)
+        """Deletes the ended tasks among these (one transaction; see Store.delete_tasks); the seqs
+        deleted. For callers that checked permissions."""
+        return await self._store.delete_tasks(seqs)
 
     def readable_pools(self, pool: str, caller: Principal) -> list[str] | None:
         if pool:

@@ -197,13 +197,10 @@ class Bulk(Finish):
             deps.setdefault(seq, []).append((dep, State(state)))
         return deps
 
-    async def delete_tasks(self, seqs: list[int], events_through: int | None) -> list[int]:
+    async def delete_tasks(self, seqs: list[int]) -> list[int]:
         sql = self._sql(
             "WITH gone AS (DELETE FROM {s}.tasks WHERE seq = ANY($1::bigint[]) AND state IN (4, 5, 6, 7)"
-            f" RETURNING seq),{DELETE_WITH_TASKS},"
-            # Rows of event_batches are left as they are (rewriting them cost minutes for 20,000
-            # tasks): readers pass over the events of tasks no longer stored.
-            " events AS (DELETE FROM {s}.events WHERE task_seq IN (SELECT seq FROM gone) AND pos <= $2)"
+            f" RETURNING seq),{DELETE_WITH_TASKS}"
             " SELECT seq FROM gone ORDER BY seq"
         )
-        return [r[0] for r in await self._tx(lambda c: c.fetch(sql, seqs, events_through))]
+        return [r[0] for r in await self._tx(lambda c: c.fetch(sql, seqs))]

@@ -89,7 +89,8 @@ DELETE_WITH_TASKS = (
 
 def purge_sql(groups: list[str]) -> str:
     """The statement that deletes up to $1 ended tasks past retention, oldest finished first,
-    with their dependencies, attempts and rows of `events`, and up to $1 request records created
+    with their dependencies and attempts (their events age out of the watch window: Store.delete_tasks),
+    and up to $1 request records created
     before $2. Each group (its states as SQL, from logic.retained; its pool and cutoff the next
     two parameters) is a range of tasks_finished per state, read in order, at most $1 rows each."""
     scans = " UNION ALL ".join(
@@ -105,7 +106,6 @@ def purge_sql(groups: list[str]) -> str:
         # A task retried meanwhile is no longer ended: the delete, which waited for it, leaves it.
         " gone AS (DELETE FROM {s}.tasks WHERE seq = ANY(ARRAY(SELECT seq FROM victims)) AND state IN (4, 5, 6, 7)"
         f" RETURNING seq),{DELETE_WITH_TASKS},"
-        " events AS (DELETE FROM {s}.events WHERE task_seq = ANY(ARRAY(SELECT seq FROM gone))),"
         " requests AS (DELETE FROM {s}.requests WHERE id = ANY(ARRAY(SELECT id FROM {s}.requests"
         " WHERE created_at < $2 ORDER BY created_at LIMIT $1)))"
         " SELECT count(*) FROM gone"

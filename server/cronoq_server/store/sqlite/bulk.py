@@ -177,10 +177,10 @@ class Bulk(Finish):
                 deps.setdefault(seq, []).append((dep, State(state)))
         return deps
 
-    async def delete_tasks(self, seqs: list[int], events_through: int | None) -> list[int]:
-        return await self._tx(self._delete_tasks, seqs, events_through)
+    async def delete_tasks(self, seqs: list[int]) -> list[int]:
+        return await self._tx(self._delete_tasks, seqs)
 
-    def _delete_tasks(self, db: sqlite3.Connection, seqs: list[int], events_through: int | None) -> list[int]:
+    def _delete_tasks(self, db: sqlite3.Connection, seqs: list[int]) -> list[int]:
         deleted: list[int] = []
         for chunk in _chunks(seqs):
             sql = f"DELETE FROM tasks WHERE seq IN ({_marks(len(chunk))}) AND state IN (4, 5, 6, 7) RETURNING seq"
@@ -189,6 +189,4 @@ class Bulk(Finish):
             marks = _marks(len(chunk))
             db.execute(f"DELETE FROM deps WHERE task_seq IN ({marks})", chunk)
             db.execute(f"DELETE FROM attempts WHERE task_seq IN ({marks})", chunk)
-            if events_through is not None:
-                db.execute(f"DELETE FROM events WHERE task_seq IN ({marks}) AND id <= ?", (*chunk, events_through))
         return sorted(deleted)
