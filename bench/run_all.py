@@ -1,8 +1,10 @@
 """`./dev bench`: every benchmark in one run, and a summary table.
 
 cronoq on SQLite and on PostgreSQL (burn-down, submit→start and submit→Watch event latency, another
-caller's latency during a bulk retry of 50,000 FAILED tasks, fair share inside a pool (the
-burn-down over 1 to 100,000 groups, the noisy neighbour), the rate per key of a keyed rate
+caller's latency during a bulk retry of 50,000 FAILED tasks, a store full of ended tasks (the
+drain beside them, their purge past retention, bulk and single deletes) and debounced
+submissions, fair share inside a pool (the burn-down over 1 to 100,000 groups, the noisy
+neighbour), the rate per key of a keyed rate
 resource, and two shards: forwarded calls,
 ListTasks across shards, burn-down across shards, a workflow's fan-out of 10,000 children and a
 join), then the anchors PgQueuer and procrastinate
@@ -152,6 +154,48 @@ def fair_share_rows(store: str, quick: bool, extra: list[str]) -> list[tuple[str
     ]
 
 
+def history_rows(store: str, quick: bool, extra: list[str], step: Any) -> list[tuple[str, str]]:
+    """A store full of ended tasks: the drain beside them, their purge past retention, bulk
+    retry and delete, single deletes; and debounced submissions (bench/history.py)."""
+    history = ["--history", "100000" if quick else "1000000"]
+    step(f"cronoq on {store}: the drain beside ended tasks")
+    drain = run("history.py", "drain", "--pending", "20000" if quick else "100000", *history, *extra)
+    step(f"cronoq on {store}: the retention service purging ended tasks while another caller works")
+    purge = run("history.py", "purge", *history, *extra)
+    step(f"cronoq on {store}: bulk retry and bulk delete of FAILED tasks, DeleteTask beside ended tasks")
+    delete = run("history.py", "delete", "--tasks", "5000" if quick else "20000", *history, *extra)
+    step(f"cronoq on {store}: debounced submissions")
+    debounce = run("history.py", "debounce", "--calls", "10000" if quick else "100000", *extra)
+    q, d, single = purge["quiet"], purge["during"], delete["single"]
+    return [
+        (
+            f"cronoq {store}: drain of {drain['pending']:,} no-op tasks, 1 worker process, concurrency 64, "
+            f"no history / beside {drain['history']:,} ended tasks (target ≥ 0.8×)",
+            f"{drain['empty_tasks_per_s']:,} / {drain['history_tasks_per_s']:,} tasks/s = {drain['ratio']}×",
+        ),
+        (
+            f"cronoq {store}: the retention service purges {purge['history']:,} ended tasks; another caller's "
+            "GetTask/SubmitTask meanwhile (target p99 ≤ 1.5× quiet)",
+            f"{purge['purge_s']} s from the restart ({purge['rows_per_s']:,} rows/s); p99 {q['p99_ms']} ms quiet, "
+            f"{d['p99_ms']} ms during = {purge['p99_ratio']}× (p50 {q['p50_ms']} → {d['p50_ms']} ms)",
+        ),
+        (
+            f"cronoq {store}: RetryTasks / DeleteTasks of {delete['tasks']:,} FAILED tasks (target ≤ 2×)",
+            f"{delete['retry']['s']} / {delete['delete']['s']} s = {delete['ratio']}×",
+        ),
+        (
+            f"cronoq {store}: DeleteTask, one at a time, beside {delete['history']:,} ended tasks (target p99 ≤ 10 ms)",
+            f"p50 {single['p50_ms']} ms, p99 {single['p99_ms']} ms ({single['calls']} calls)",
+        ),
+        (
+            f"cronoq {store}: {debounce['calls']:,} SubmitTask with KEY_MODE_DEBOUNCE over {debounce['keys']} keys, "
+            f"{debounce['callers']} callers",
+            f"{debounce['submits_per_s']:,} submits/s, p50 {debounce['p50_ms']} ms, p99 {debounce['p99_ms']} ms; "
+            f"{debounce['tasks_created']} tasks created",
+        ),
+    ]
+
+
 def detail_rows(
     store: str, args: argparse.Namespace, tasks: str, seconds: str, extra: list[str], burn: dict[str, Any], step: Any
 ) -> tuple[list[tuple[str, str]], dict[str, dict[str, Any]]]:
@@ -226,6 +270,7 @@ def detail_rows(
     step(f"cronoq on {store}: a bulk retry of FAILED tasks while another caller works")
     bulk = run("bulk.py", "--tasks", "10000" if args.quick else "50000", *extra)
     rows.append((f"cronoq {store}: RetryTasks of {bulk['tasks']:,} FAILED tasks", bulk_text(bulk)))
+    rows += history_rows(store, args.quick, extra, step)
     step(f"cronoq on {store}: two shards (forwarding, ListTasks across shards, burn-down across shards)")
     small = ["--calls", "300", "--rounds", "1"] if args.quick else []
     rows += sharding_rows(store, run("sharding.py", "--tasks", tasks, *small, *extra))
