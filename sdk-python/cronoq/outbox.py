@@ -48,6 +48,8 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1 << 20
 SCHEDULE_KEY_PREFIX = "schedule:"
 MAX_ATTEMPTS = 1000
 MAX_TIMEOUT_MS = 604_800_000
+MAX_DEBOUNCE_MS = 604_800_000
+MAX_KEY_TTL_MS = 31_622_400_000
 MIN_TIMESTAMP_S, MAX_TIMESTAMP_S = -62_135_596_800, 253_402_300_799
 
 
@@ -85,6 +87,7 @@ def check_request(req: pb.SubmitTaskRequest, max_payload_bytes: int = DEFAULT_MA
         raise _invalid(f"run_at: {req.run_at.seconds} s is outside 0001-01-01 to 9999-12-31")
     if req.run_when not in task_pb2.RunWhen.values():
         raise _invalid(f"run_when: unknown value {req.run_when}")
+    _check_key_options(req)
     for i, ref in enumerate(req.depends_on):
         if ref.WhichOneof("ref") == "id" and ref.id == 0:
             raise _invalid(f"depends_on[{i}].id: 0 is not a task id")
@@ -92,6 +95,45 @@ def check_request(req: pb.SubmitTaskRequest, max_payload_bytes: int = DEFAULT_MA
             _check_text(f"depends_on[{i}].key", ref.key)
         if ref.WhichOneof("ref") is None:
             raise _invalid(f"depends_on[{i}]: give an id or a key")
+
+
+def _check_key_options(req: pb.SubmitTaskRequest) -> None:
+    """The key options the server refuses whatever the pool (what depends on the pool's
+    default_key_mode and debounce is left to it)."""
+    for field, high in (
+        ("debounce_ms", MAX_DEBOUNCE_MS),
+        ("max_debounce_ms", MAX_DEBOUNCE_MS),
+        ("key_ttl_ms", MAX_KEY_TTL_MS),
+    ):
+        if not 0 <= getattr(req, field) <= high:
+            raise _invalid(f"{field}: {getattr(req, field)} is not between 0 and {high}")
+    if req.key_mode not in task_pb2.KeyMode.values():
+        raise _invalid(f"key_mode: unknown value {req.key_mode}")
+    replacing = req.key_mode > task_pb2.KEY_MODE_RETURN_EXISTING
+    if not req.key:
+        for field, value in (
+            ("key_mode", replacing),
+            ("key_ttl_ms", req.key_ttl_ms),
+            ("debounce_ms", req.debounce_ms),
+            ("max_debounce_ms", req.max_debounce_ms),
+        ):
+            if value:
+                shown = task_pb2.KeyMode.Name(req.key_mode) if field == "key_mode" else getattr(req, field)
+                raise _invalid(f"key: required with {field} {shown}")
+    explicit = req.key_mode and req.key_mode != task_pb2.KEY_MODE_DEBOUNCE
+    for field in ("debounce_ms", "max_debounce_ms"):
+        if explicit and getattr(req, field):
+            named = task_pb2.KeyMode.Name(req.key_mode)
+            raise _invalid(f"{field}: {getattr(req, field)} applies only with KEY_MODE_DEBOUNCE, not {named}")
+    if req.max_debounce_ms and req.debounce_ms and req.max_debounce_ms < req.debounce_ms:
+        raise _invalid(f"max_debounce_ms: {req.max_debounce_ms} is less than debounce_ms {req.debounce_ms}")
+    if req.key_mode == task_pb2.KEY_MODE_DEBOUNCE and req.HasField("run_at"):
+        raise _invalid("run_at: not with KEY_MODE_DEBOUNCE (debounce_ms says when it runs)")
+    if req.HasField("start_by"):
+        if not MIN_TIMESTAMP_S <= req.start_by.seconds <= MAX_TIMESTAMP_S:
+            raise _invalid(f"start_by: {req.start_by.seconds} s is outside 0001-01-01 to 9999-12-31")
+        if req.HasField("run_at") and req.start_by.ToMicroseconds() <= req.run_at.ToMicroseconds():
+            raise _invalid(f"start_by: {req.start_by.ToJsonString()} is not after run_at {req.run_at.ToJsonString()}")
 
 
 async def enqueue(
@@ -110,6 +152,11 @@ async def enqueue(
     resources: Mapping[str, int] | None = None,
     timeout: float | None = None,
     group_key: str | None = None,
+    key_mode: str | int | None = None,
+    debounce_ms: int = 0,
+    max_debounce_ms: int = 0,
+    key_ttl_ms: int = 0,
+    start_by: dt.datetime | None = None,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
 ) -> int:
     """Inserts one task into the outbox in conn's transaction (the fields are submit's); returns
@@ -117,7 +164,8 @@ async def enqueue(
     spec = task_spec(
         pool, payload, key=key, priority=priority, run_at=run_at, delay=delay, max_attempts=max_attempts,
         depends_on=depends_on, run_when=run_when, resources=resources, timeout=timeout, group_key=group_key,
-        trace=None,
+        trace=None, key_mode=key_mode, debounce_ms=debounce_ms, max_debounce_ms=max_debounce_ms,
+        key_ttl_ms=key_ttl_ms, start_by=start_by,
     )  # fmt: skip
     (row_id,) = await enqueue_many(conn, [spec], schema=schema, max_payload_bytes=max_payload_bytes)
     return row_id

@@ -3,12 +3,14 @@ workflow options reach the server and the answers come back whole."""
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 import grpc
 import pytest
 
 import cronoq
+from cronoq.client import task_spec
 from cronoq.v1 import schedule_service_pb2, task_pb2
 from cronoq.v1 import task_service_pb2 as pb
 
@@ -200,3 +202,21 @@ def test_dependencies_of_decodes_a_tasks_dependency_results() -> None:
         cronoq.DependencyResult(1, "a", task_pb2.TASK_STATE_SUCCEEDED, 6, ""),
         cronoq.DependencyResult(2, "", task_pb2.TASK_STATE_CANCELLED, None, "cancelled"),
     ]
+
+
+def test_task_spec_carries_the_key_options() -> None:
+    start_by = dt.datetime(2030, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
+    spec = task_spec(
+        "p", key="k", key_mode="debounce", debounce_ms=200, max_debounce_ms=900, key_ttl_ms=60_000, start_by=start_by
+    )
+    assert (spec.key_mode, spec.debounce_ms, spec.max_debounce_ms, spec.key_ttl_ms) == (
+        task_pb2.KEY_MODE_DEBOUNCE, 200, 900, 60_000,
+    )  # fmt: skip
+    assert spec.start_by.ToDatetime(dt.UTC) == start_by
+    assert task_spec("p", key="k", key_mode="KEY_MODE_REPLACE_PENDING").key_mode == task_pb2.KEY_MODE_REPLACE_PENDING
+    assert task_spec("p", key_mode=task_pb2.KEY_MODE_RETURN_EXISTING).key_mode == task_pb2.KEY_MODE_RETURN_EXISTING
+    assert not task_spec("p").HasField("start_by") and task_spec("p").key_mode == task_pb2.KEY_MODE_UNSPECIFIED
+    with pytest.raises(ValueError, match="key_mode: 'sometimes'"):
+        task_spec("p", key_mode="sometimes")
+    with pytest.raises(ValueError, match="start_by: give a timezone-aware datetime"):
+        task_spec("p", start_by=dt.datetime(2030, 1, 1))

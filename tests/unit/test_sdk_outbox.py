@@ -4,6 +4,7 @@ field and value, before anything is inserted; the SQL it runs names the schema q
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 from typing import Any
 
 import pytest
@@ -30,6 +31,20 @@ from cronoq.v1 import task_service_pb2 as pb
         (pb.SubmitTaskRequest(pool="a", run_when=7), "run_when: unknown value 7"),
         (pb.SubmitTaskRequest(pool="a", depends_on=[cronoq.v1.task_pb2.TaskRef(id=0)]), "depends_on[0].id: 0"),
         (pb.SubmitTaskRequest(pool="a", request_id="mine"), "request_id: set by the relay"),
+        (pb.SubmitTaskRequest(pool="a", key_mode=2), "key: required with key_mode KEY_MODE_REPLACE_PENDING"),
+        (pb.SubmitTaskRequest(pool="a", key_ttl_ms=5), "key: required with key_ttl_ms 5"),
+        (pb.SubmitTaskRequest(pool="a", key="k", key_mode=9), "key_mode: unknown value 9"),
+        (pb.SubmitTaskRequest(pool="a", key="k", key_ttl_ms=-1), "key_ttl_ms: -1 is not between"),
+        (pb.SubmitTaskRequest(pool="a", key="k", key_mode=2, debounce_ms=5), "debounce_ms: 5 applies only with"),
+        (
+            pb.SubmitTaskRequest(pool="a", key="k", key_mode=3, debounce_ms=10, max_debounce_ms=5),
+            "max_debounce_ms: 5 is less than debounce_ms 10",
+        ),
+        (cronoq.task_spec("a", key="k", key_mode="debounce", debounce_ms=5, delay=1), "run_at: not with"),
+        (
+            cronoq.task_spec("a", delay=60, start_by=dt.datetime.now(dt.UTC)),
+            "start_by:",
+        ),
     ],
 )
 def test_a_bad_task_is_refused_before_any_insert(spec: pb.SubmitTaskRequest, message: str) -> None:
