@@ -620,10 +620,11 @@ class Store(Protocol):
         extra_attempts: int,
         restorable: frozenset[str] | None = None,
     ) -> tuple[list[TaskRow], int, Changes]:
-        """In one transaction, the FAILED and CANCELLED tasks among seqs wait again: PENDING due at
-        run_at (None: now), or BLOCKED while a dependency has not succeeded, keeping their attempt
+        """In one transaction, the FAILED, CANCELLED and EXPIRED tasks among seqs wait again (their
+        start_by cleared): PENDING due at run_at (None: now), or BLOCKED while a dependency has not
+        succeeded, keeping their attempt
         (one whose attempts are used up gets max(extra_attempts, 1) more); the rest are left
-        alone, as is a task whose dependency is still FAILED or CANCELLED (retry that one too).
+        alone, as is a task whose dependency is still ended unsuccessfully (retry that one too).
         The dependents they ended (never started, with the dependency error naming them) wait
         for them again (BLOCKED), transitively: those of the pools in restorable (None: every
         pool); one of another pool is left as it is, and so are the tasks it ended.
