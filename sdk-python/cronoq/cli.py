@@ -162,6 +162,10 @@ def print_task(task: Task, as_json: bool, **extra: Any) -> None:
         print(f"  error   {task.error}")
     if task.parent_id:
         print(f"  parent  {task.parent_id}")
+    if task.HasField("start_by") or task.key_ttl_ms:
+        start_by = f"start by {_ts(task, 'start_by')}" if task.HasField("start_by") else ""
+        key_ttl = f"key held {_duration_text(task.key_ttl_ms)} after it ends" if task.key_ttl_ms else ""
+        print("  " + "  ".join(p for p in (start_by, key_ttl) if p))
     if task.HasField("progress"):
         print(f"  progress {task.progress.value:g}  {task.progress.message}".rstrip())
     if task.snoozes or task.checkpoint:

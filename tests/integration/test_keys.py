@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import re
 import time
 import urllib.request
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _helpers import eventually, log_lines, start_worker, store_table
+from _helpers import cli, eventually, log_lines, start_worker, store_table
 
 import cronoq
 
@@ -155,9 +156,10 @@ def test_start_by_races_leases_never_both(srv: Any, tmp_path: Path) -> None:
     start_by (and ran) or never started and ended EXPIRED."""
     log = tmp_path / "worker.log"
     n = 300
-    specs = [{"pool": "default", "payload_json": {"sleep": 0.02}, "start_by": later(200 + 2 * i)} for i in range(n)]
     worker = start_worker(srv.endpoint, "default", log, concurrency=4)
     try:
+        eventually(lambda: srv.http("GET", "/v1/workers")[1].get("workers"), timeout=30, what="the worker registered")
+        specs = [{"pool": "default", "payload_json": {"sleep": 0.02}, "start_by": later(300 + 2 * i)} for i in range(n)]
         status, body = srv.http("POST", "/v1/batches", {"tasks": specs})
         assert status == 200, body
         ids = [t["id"] for t in body["tasks"]]
@@ -208,3 +210,17 @@ def test_retention_purges_ended_tasks_while_workers_run_never_a_live_one(srv: An
     finally:
         worker.terminate()
         worker.wait(20)
+
+
+def test_the_cli_submits_with_key_options(srv: Any) -> None:
+    first = json.loads(cli(srv, "--json", "submit", "--key", "c", "--key-mode", "debounce", "--debounce", "1m").stdout)
+    again = cli(srv, "--json", "submit", "--key", "c", "--key-mode", "debounce", "--debounce", "1m",
+                "--max-debounce", "1h", "--key-ttl", "1h", "--start-by", "2h")  # fmt: skip
+    replaced = json.loads(again.stdout)
+    assert (replaced["replaced"], replaced["id"]) == (True, first["id"])
+    shown = cli(srv, "get", "c").stdout
+    assert "state=pending" in shown and "start by" not in shown  # the replace keeps the first's deadline (none)
+    fresh = cli(srv, "submit", "--key", "d", "--key-ttl", "90s", "--start-by", "2h").stdout
+    assert "start by 20" in fresh and "key held 1m30s after it ends" in fresh
+    bad = cli(srv, "submit", "--key-mode", "debounce", "--debounce", "1s", check=False)
+    assert bad.returncode != 0 and "key: required with key_mode KEY_MODE_DEBOUNCE" in bad.stderr
