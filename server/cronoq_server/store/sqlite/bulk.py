@@ -8,14 +8,24 @@ from ..base import NOT_STARTED, Changes, State, TaskFilter, TaskRow
 from ..logic import WorkflowTree, decide_restore, decide_retry, descendants_changed, match_sql
 from .core import MAX_VARS, _chunks
 from .finish import Finish
-from .sql import _DIALECT, _marks
-
-# The PENDING and BLOCKED tasks past their start_by (now, how many), earliest first; and ending one.
-_EXPIRED_NOW = (
-    "SELECT seq, state FROM tasks INDEXED BY tasks_start_by WHERE start_by <= ? AND state IN (1, 2)"
-    " ORDER BY start_by, seq LIMIT ?"
+from .sql import BY_SEQ, DIALECT, delete_attempts, delete_deps
+from .sql.bulk import (
+    CANCEL_UNSTARTED,
+    EXPIRE,
+    EXPIRED_NOW,
+    REQUEST_CANCEL,
+    RESTORE,
+    SET_ERROR,
+    cancellable,
+    delete_ended,
+    dep_states,
+    matching,
+    restorable_dependents,
+    retry,
+    retryable,
+    wait_again,
+    workflow_below,
 )
-_EXPIRE = "UPDATE tasks SET state = 7, error = ?, finished_at = ?, blocked_on = 0 WHERE seq = ?"
 
 
 class Bulk(Finish):
@@ -26,19 +36,14 @@ class Bulk(Finish):
             def below(seqs: list[int]) -> list[tuple[int, str]]:
                 found: list[tuple[int, str]] = []
                 for chunk in _chunks(seqs, MAX_VARS // 2):
-                    marks = _marks(len(chunk))
-                    sql = (
-                        f"SELECT seq, pool FROM tasks WHERE parent_seq IN ({marks}) UNION SELECT d.task_seq, t.pool"
-                        f" FROM deps d JOIN tasks t ON t.seq = d.task_seq WHERE d.dep_seq IN ({marks})"
-                    )
-                    found += db.execute(sql, [*chunk, *chunk]).fetchall()
+                    found += db.execute(workflow_below(len(chunk)), [*chunk, *chunk]).fetchall()
                 return found
 
             tree = WorkflowTree(seq, cancellable)
             while tree.frontier:
                 tree.add(below(tree.frontier))
             _, changes = self._cancel_tasks(db, [seq, *tree.found], now)
-            rows = self._select(db, "seq = ?", (seq,))
+            rows = self._select(db, BY_SEQ, (seq,))
             return (rows[0] if rows else None), descendants_changed(seq, changes), changes
 
         return await self._tx(cancel)
@@ -46,7 +51,7 @@ class Bulk(Finish):
     async def cancel(self, seq: int, now: int) -> tuple[TaskRow | None, Changes]:
         def cancel(db: sqlite3.Connection) -> tuple[TaskRow | None, Changes]:
             _, changes = self._cancel_tasks(db, [seq], now)
-            rows = self._select(db, "seq = ?", (seq,))
+            rows = self._select(db, BY_SEQ, (seq,))
             return (rows[0] if rows else None), changes
 
         return await self._tx(cancel)
@@ -58,20 +63,13 @@ class Bulk(Finish):
         ended: list[tuple[int, State]] = []  # (seq, state it leaves)
         requested: list[int] = []
         for chunk in _chunks(sorted(set(seqs))):
-            sql = (
-                f"SELECT seq, state FROM tasks WHERE seq IN ({_marks(len(chunk))})"
-                " AND (state IN (1, 2) OR (state = 3 AND cancel_requested = 0))"
-            )
-            for seq, state in db.execute(sql, chunk):
+            for seq, state in db.execute(cancellable(len(chunk)), chunk):
                 if state == State.RUNNING:
                     requested.append(seq)
                 else:
                     ended.append((seq, State(state)))
-        db.executemany(
-            "UPDATE tasks SET state = 6, error = 'cancelled', finished_at = ? WHERE seq = ?",
-            [(now, seq) for seq, _ in ended],
-        )
-        db.executemany("UPDATE tasks SET cancel_requested = 1 WHERE seq = ?", [(seq,) for seq in requested])
+        db.executemany(CANCEL_UNSTARTED, [(now, seq) for seq, _ in ended])
+        db.executemany(REQUEST_CANCEL, [(seq,) for seq in requested])
         changes: Changes = [(seq, State.CANCELLED) for seq, _ in ended] + [(seq, State.RUNNING) for seq in requested]
         prev = [state for _, state in ended] + [State.RUNNING] * len(requested)
         dependents = self._end_dependents(db, [seq for seq, _ in ended], State.CANCELLED, now)
@@ -82,8 +80,8 @@ class Bulk(Finish):
 
     async def expire_unstarted(self, now: int, limit: int) -> Changes:
         def expire(db: sqlite3.Connection) -> Changes:
-            found = db.execute(_EXPIRED_NOW, (now, limit)).fetchall()
-            db.executemany(_EXPIRE, [(NOT_STARTED, now, seq) for seq, _ in found])
+            found = db.execute(EXPIRED_NOW, (now, limit)).fetchall()
+            db.executemany(EXPIRE, [(NOT_STARTED, now, seq) for seq, _ in found])
             changes: Changes = [(seq, State.EXPIRED) for seq, _ in found]
             prev = [state for _, state in found]
             dependents = self._end_dependents(db, [seq for seq, _ in found], State.EXPIRED, now)
@@ -93,8 +91,8 @@ class Bulk(Finish):
         return await self._tx(expire)
 
     async def match_tasks(self, match: TaskFilter, after_seq: int, limit: int) -> list[tuple[int, State, str]]:
-        where, params = match_sql(match, after_seq, limit, _DIALECT)
-        sql = f"SELECT seq, state, pool FROM tasks WHERE {where}"
+        where, params = match_sql(match, after_seq, limit, DIALECT)
+        sql = matching(where)
         rows = await self._scan(lambda db: db.execute(sql, params).fetchall())
         return [(seq, State(state), pool) for seq, state, pool in rows]
 
@@ -121,18 +119,9 @@ class Bulk(Finish):
     ) -> tuple[list[TaskRow], int, Changes]:
         rows: list[tuple[int, State, int, int]] = []
         for chunk in _chunks(seqs):
-            sql = (
-                "SELECT seq, state, attempt, max_attempts FROM tasks"
-                f" WHERE seq IN ({_marks(len(chunk))}) AND state IN (5, 6, 7)"
-            )
-            rows += [(r[0], State(r[1]), r[2], r[3]) for r in db.execute(sql, chunk)]
+            rows += [(r[0], State(r[1]), r[2], r[3]) for r in db.execute(retryable(len(chunk)), chunk)]
         plan = decide_retry(rows, self._dep_states(db, [r[0] for r in rows]), now, run_at, extra_attempts)
-        db.executemany(
-            "UPDATE tasks SET state = ?, run_at = ?, max_attempts = ?, blocked_on = ?, error = '', result = NULL,"
-            " result_content_type = '', finished_at = NULL, worker_id = NULL, started_at = NULL,"
-            f" lease_expires_at = NULL, cancel_requested = 0, start_by = NULL, {self._rank_reset} WHERE seq = ?",
-            plan.retried,
-        )
+        db.executemany(retry(self._rank_reset), plan.retried)
         # Each step's events are recorded after its writes: they read the task as it left it.
         self._record_events(db, plan.changes, plan.prev, now)
         retried = frontier = [r[-1] for r in plan.retried]
@@ -140,40 +129,24 @@ class Bulk(Finish):
             recorded, restored, renamed = len(plan.changes), len(plan.restored), len(plan.renamed)
             candidates: dict[int, tuple[int, State, str, str]] = {}
             for chunk in _chunks(frontier):
-                sql = (
-                    "SELECT t.seq, t.state, t.error, t.pool FROM deps d JOIN tasks t ON t.seq = d.task_seq"
-                    f" WHERE d.dep_seq IN ({_marks(len(chunk))}) AND t.state IN (5, 6, 7) AND t.attempt = 0"
-                )
-                candidates |= {r[0]: (r[0], State(r[1]), r[2], r[3]) for r in db.execute(sql, chunk)}
+                found = db.execute(restorable_dependents(len(chunk)), chunk)
+                candidates |= {r[0]: (r[0], State(r[1]), r[2], r[3]) for r in found}
             deps = self._dep_states(db, list(candidates))
             frontier = decide_restore(plan, candidates.values(), frontier, deps, self._full_id, restorable)
-            db.executemany(
-                "UPDATE tasks SET state = 2, blocked_on = ?, error = '', finished_at = NULL WHERE seq = ?",
-                plan.restored[restored:],
-            )
-            db.executemany("UPDATE tasks SET error = ? WHERE seq = ?", plan.renamed[renamed:])
+            db.executemany(RESTORE, plan.restored[restored:])
+            db.executemany(SET_ERROR, plan.renamed[renamed:])
             self._record_events(db, plan.changes[recorded:], plan.prev[recorded:], now)
         # A finalizer still waiting counted these as ended: it waits for them again.
         again = [seq for seq, _ in plan.changes]
         for chunk in _chunks(again):
-            db.execute(
-                "UPDATE tasks SET blocked_on = blocked_on + (SELECT COUNT(*) FROM deps"
-                f" WHERE deps.task_seq = tasks.seq AND deps.dep_seq IN ({_marks(len(chunk))}))"
-                " WHERE state = 2 AND run_when = 2 AND seq IN (SELECT task_seq FROM deps"
-                f" WHERE dep_seq IN ({_marks(len(chunk))}))",
-                [*chunk, *chunk],
-            )
+            db.execute(wait_again(len(chunk)), [*chunk, *chunk])
         return self._select_seqs(db, retried), len(plan.restored), plan.changes
 
     def _dep_states(self, db: sqlite3.Connection, seqs: list[int]) -> dict[int, list[tuple[int, State]]]:
         """The dependencies still stored of each of these tasks, with their states."""
         deps: dict[int, list[tuple[int, State]]] = {}
         for chunk in _chunks(seqs):
-            sql = (
-                "SELECT d.task_seq, d.dep_seq, t.state FROM deps d JOIN tasks t ON t.seq = d.dep_seq"
-                f" WHERE d.task_seq IN ({_marks(len(chunk))})"
-            )
-            for seq, dep, state in db.execute(sql, chunk):
+            for seq, dep, state in db.execute(dep_states(len(chunk)), chunk):
                 deps.setdefault(seq, []).append((dep, State(state)))
         return deps
 
@@ -183,10 +156,8 @@ class Bulk(Finish):
     def _delete_tasks(self, db: sqlite3.Connection, seqs: list[int]) -> list[int]:
         deleted: list[int] = []
         for chunk in _chunks(seqs):
-            sql = f"DELETE FROM tasks WHERE seq IN ({_marks(len(chunk))}) AND state IN (4, 5, 6, 7) RETURNING seq"
-            deleted += [r[0] for r in db.execute(sql, chunk)]
+            deleted += [r[0] for r in db.execute(delete_ended(len(chunk)), chunk)]
         for chunk in _chunks(deleted):
-            marks = _marks(len(chunk))
-            db.execute(f"DELETE FROM deps WHERE task_seq IN ({marks})", chunk)
-            db.execute(f"DELETE FROM attempts WHERE task_seq IN ({marks})", chunk)
+            db.execute(delete_deps(len(chunk)), chunk)
+            db.execute(delete_attempts(len(chunk)), chunk)
         return sorted(deleted)

@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 from ...ids import make_task_id
 from ..base import ScanTimedOut, StoreSettings
 from ..fair import GroupRanks, rank_keep, rank_reset
+from .sql import COMMIT, QUERY_ONLY
+from .sql.core import BEGIN_IMMEDIATE, RELEASE_OP, ROLLBACK, ROLLBACK_TO_OP, SAVEPOINT_OP
 
 T = TypeVar("T")
 
@@ -124,20 +126,20 @@ class SqliteCore:
         writes = [op for op in batch if op.write]
         try:
             if writes:
-                db.execute("BEGIN IMMEDIATE")
+                db.execute(BEGIN_IMMEDIATE)
                 for op in writes:
-                    db.execute("SAVEPOINT op")
+                    db.execute(SAVEPOINT_OP)
                     try:
                         done.append((op, True, op.fn(db, *op.args)))
-                        db.execute("RELEASE op")
+                        db.execute(RELEASE_OP)
                     except Exception as err:
-                        db.execute("ROLLBACK TO op")
-                        db.execute("RELEASE op")
+                        db.execute(ROLLBACK_TO_OP)
+                        db.execute(RELEASE_OP)
                         done.append((op, False, err))
-                db.execute("COMMIT")
+                db.execute(COMMIT)
         except Exception as err:
             if db.in_transaction:
-                db.execute("ROLLBACK")
+                db.execute(ROLLBACK)
             done = [(op, False, err) for op in writes]
         for op in batch:
             if not op.write:
@@ -171,7 +173,7 @@ class SqliteCore:
         def read() -> T:
             db = sqlite3.connect(self.path, isolation_level=None, timeout=30)
             try:
-                db.execute("PRAGMA query_only = 1")
+                db.execute(QUERY_ONLY)
                 if timeout_us is not None:
                     deadline = time.monotonic() + timeout_us / 1e6
                     db.set_progress_handler(lambda: time.monotonic() > deadline, PROGRESS_STEPS)

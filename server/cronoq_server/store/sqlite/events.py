@@ -6,10 +6,22 @@ import asyncio
 import sqlite3
 from collections.abc import Sequence
 
-from ..base import COUNTED_COLUMNS, EVENT_COLUMNS, Changes, EventColumns, EventRow, State
+from ..base import Changes, EventColumns, EventRow, State
 from ..logic import event_row
 from .core import SqliteCore
-from .sql import _RECORD_EVENT
+from .sql import COMMIT, QUERY_ONLY
+from .sql.events import (
+    BEGIN,
+    COUNT_UNFINISHED,
+    DELETE_EVENTS_THROUGH,
+    LAST_EVENT,
+    MARK_PURGED,
+    PURGE_BOUND,
+    PURGED_THROUGH,
+    READ_EVENT_COLUMNS,
+    READ_EVENTS,
+    RECORD_EVENT,
+)
 
 
 class Events(SqliteCore):
@@ -22,23 +34,21 @@ class Events(SqliteCore):
     def _record_events(self, db: sqlite3.Connection, changes: Changes, prev: Sequence[int], now: int) -> None:
         """An event per change, with the task's pool, state, attempt and EVENT_TASK_COLUMNS as the
         op left them, and prev: the state each change left (0: a new task)."""
-        db.executemany(_RECORD_EVENT, [(now, int(p), seq) for (seq, _), p in zip(changes, prev, strict=True)])
+        db.executemany(RECORD_EVENT, [(now, int(p), seq) for (seq, _), p in zip(changes, prev, strict=True)])
 
     def _last_event(self, db: sqlite3.Connection) -> int:
-        row = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'events'").fetchone()
+        row = db.execute(LAST_EVENT).fetchone()
         return row[0] if row else 0
 
     async def sequence_events(self) -> int:
         return await self._run(self._last_event, self._conn)
 
     async def read_events(self, after: int, limit: int) -> list[EventRow]:
-        sql = f"SELECT id, {EVENT_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?"
-        rows = await self._run(lambda: self._conn.execute(sql, (after, limit)).fetchall())
+        rows = await self._run(lambda: self._conn.execute(READ_EVENTS, (after, limit)).fetchall())
         return [event_row(r) for r in rows]
 
     async def read_event_columns(self, after: int, limit: int) -> list[EventColumns]:
-        sql = f"SELECT id, {COUNTED_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?"
-        rows = await self._run(lambda: self._conn.execute(sql, (after, limit)).fetchall())
+        rows = await self._run(lambda: self._conn.execute(READ_EVENT_COLUMNS, (after, limit)).fetchall())
         return [EventColumns(*zip(*rows, strict=True))] if rows else []
 
     async def count_unfinished(self) -> tuple[int, dict[tuple[str, State], int]]:
@@ -48,12 +58,11 @@ class Events(SqliteCore):
         def count() -> tuple[int, dict[tuple[str, State], int]]:
             db = sqlite3.connect(self.path, isolation_level=None, timeout=30)
             try:
-                db.execute("PRAGMA query_only = 1")
-                db.execute("BEGIN")
+                db.execute(QUERY_ONLY)
+                db.execute(BEGIN)
                 last = self._last_event(db)
-                sql = "SELECT pool, state, COUNT(*) FROM tasks WHERE state IN (1, 2, 3) GROUP BY pool, state"
-                counts = {(p, State(s)): n for p, s, n in db.execute(sql)}
-                db.execute("COMMIT")
+                counts = {(p, State(s)): n for p, s, n in db.execute(COUNT_UNFINISHED)}
+                db.execute(COMMIT)
                 return last, counts
             finally:
                 db.close()
@@ -62,7 +71,7 @@ class Events(SqliteCore):
 
     async def event_bounds(self) -> tuple[int, int]:
         def bounds() -> tuple[int, int]:
-            purged = self._conn.execute("SELECT purged_through FROM event_log WHERE id = 1").fetchone()[0]
+            purged = self._conn.execute(PURGED_THROUGH).fetchone()[0]
             return purged, max(self._last_event(self._conn), purged)
 
         return await self._run(bounds)
@@ -72,10 +81,9 @@ class Events(SqliteCore):
 
     def _purge_events(self, db: sqlite3.Connection, before: int, limit: int) -> int:
         # Only the oldest `limit` events are looked at: the scan never reaches into the window.
-        sql = "SELECT max(id) FROM (SELECT id, at FROM events ORDER BY id LIMIT ?) WHERE at < ?"
-        bound = db.execute(sql, (limit, before)).fetchone()[0]
+        bound = db.execute(PURGE_BOUND, (limit, before)).fetchone()[0]
         if bound is None:
             return 0
-        deleted = db.execute("DELETE FROM events WHERE id <= ?", (bound,)).rowcount
-        db.execute("UPDATE event_log SET purged_through = max(purged_through, ?) WHERE id = 1", (bound,))
+        deleted = db.execute(DELETE_EVENTS_THROUGH, (bound,)).rowcount
+        db.execute(MARK_PURGED, (bound,))
         return deleted

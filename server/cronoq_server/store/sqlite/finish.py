@@ -8,10 +8,27 @@ from typing import Any
 
 from ...errors import ApiError
 from ..base import Changes, Held, Outcome, OutcomeKind, OutcomeResult, State, TaskRow
-from ..logic import OUTCOME_COLUMNS, check_outcomes, decide_outcomes, dependency_error, expired_outcome, spawn_refused
+from ..logic import check_outcomes, decide_outcomes, dependency_error, expired_outcome, spawn_refused
 from .core import _chunks
 from .lease import Lease
-from .sql import _INSERT_ATTEMPT, _marks
+from .sql.finish import (
+    END_DEPENDENT,
+    END_TASK,
+    EXPIRED_LEASES,
+    FINALIZERS_ONLY,
+    INSERT_ATTEMPT,
+    RELEASE_SPAWN,
+    ROLLBACK_TO_SPAWN,
+    SAVEPOINT_SPAWN,
+    count_done,
+    done_dependents,
+    failing_dependents,
+    outcome_rows,
+    release,
+    retry_later,
+    snooze,
+    unblock,
+)
 from .submit import Submit
 
 
@@ -47,8 +64,7 @@ class Finish(Lease, Submit):
     ) -> tuple[list[OutcomeResult], Changes]:
         current: dict[int, tuple[Any, ...]] = {}
         for chunk in _chunks([o.seq for o in outcomes]):
-            sql = f"SELECT {OUTCOME_COLUMNS} FROM tasks WHERE seq IN ({_marks(len(chunk))})"
-            for r in db.execute(sql, chunk):
+            for r in db.execute(outcome_rows(len(chunk)), chunk):
                 current[r[0]] = r
         results, accepted = check_outcomes(worker_id, outcomes, current, self._full_id)
         accepted, spawned = self._spawn(db, accepted, now)
@@ -68,14 +84,14 @@ class Finish(Lease, Submit):
             if outcome.spawn and outcome.kind is OutcomeKind.SUCCESS and not current[5]:  # not cancel_requested
                 for task in outcome.spawn:
                     task.parent_seq = outcome.seq
-                db.execute("SAVEPOINT spawn")
+                db.execute(SAVEPOINT_SPAWN)
                 try:
                     _, created = self._submit(db, outcome.spawn, now, None, outcome.spawn_visible)
                     changes += created
                 except ApiError as err:
-                    db.execute("ROLLBACK TO spawn")
+                    db.execute(ROLLBACK_TO_SPAWN)
                     outcome = spawn_refused(outcome, err)
-                db.execute("RELEASE spawn")
+                db.execute(RELEASE_SPAWN)
             out.append((outcome, current))
         return out, changes
 
@@ -84,27 +100,11 @@ class Finish(Lease, Submit):
     ) -> Changes:
         self._keep_reports(db, [o.report for o, _ in accepted if o.report is not None], now)
         d = decide_outcomes(accepted, now, self.settings.retry_at, self.settings.max_snoozes)
-        db.executemany(_INSERT_ATTEMPT, d.attempts)
-        db.executemany(
-            "UPDATE tasks SET state = ?, result = ?, result_content_type = ?, error = ?, finished_at = ?,"
-            " lease_expires_at = NULL WHERE seq = ?",
-            d.terminal,
-        )
-        db.executemany(
-            "UPDATE tasks SET state = 1, run_at = ?, error = ?, worker_id = NULL, lease_expires_at = NULL,"
-            f" {self._rank_reset} WHERE seq = ?",
-            d.retries,
-        )
-        db.executemany(
-            "UPDATE tasks SET state = 1, attempt = attempt - 1, worker_id = NULL, started_at = NULL,"
-            f" lease_expires_at = NULL, {self._rank_keep} WHERE seq = ?",
-            [(seq,) for seq in d.released],
-        )
-        db.executemany(
-            "UPDATE tasks SET state = 1, run_at = ?, attempt = attempt - 1, snoozes = snoozes + 1, worker_id = NULL,"
-            f" started_at = NULL, lease_expires_at = NULL, {self._rank_reset} WHERE seq = ?",
-            d.snoozed,
-        )
+        db.executemany(INSERT_ATTEMPT, d.attempts)
+        db.executemany(END_TASK, d.terminal)
+        db.executemany(retry_later(self._rank_reset), d.retries)
+        db.executemany(release(self._rank_keep), [(seq,) for seq in d.released])
+        db.executemany(snooze(self._rank_reset), d.snoozed)
         changes = d.changes
         ended = len(changes)  # RUNNING before; the dependents after them were BLOCKED
         changes += self._unblock_dependents(db, d.succeeded, [])
@@ -118,37 +118,20 @@ class Finish(Lease, Submit):
         """BLOCKED dependents count these tasks as done: those that succeeded, for every one,
         and those that ended otherwise, for finalizers (run_when 2); at 0 they are PENDING."""
         changes: Changes = []
-        done = [(seq, "") for seq in succeeded] + [(seq, " AND t.run_when = 2") for seq in ended]
-        for kind in ("", " AND t.run_when = 2"):
+        done = [(seq, "") for seq in succeeded] + [(seq, FINALIZERS_ONLY) for seq in ended]
+        for kind in ("", FINALIZERS_ONLY):
             changes += self._count_done(db, [seq for seq, k in done if k == kind], kind)
         return changes
 
     def _count_done(self, db: sqlite3.Connection, done: list[int], only: str) -> Changes:
         changes: Changes = []
         for chunk in _chunks(done):
-            marks = _marks(len(chunk))
-            dependents = [
-                r[0]
-                for r in db.execute(
-                    f"SELECT d.task_seq, COUNT(*) FROM deps d JOIN tasks t ON t.seq = d.task_seq"
-                    f" WHERE d.dep_seq IN ({marks}) AND t.state = 2{only} GROUP BY d.task_seq",
-                    chunk,
-                )
-            ]
+            dependents = [r[0] for r in db.execute(done_dependents(len(chunk), only), chunk)]
             if not dependents:
                 continue
-            db.executemany(
-                "UPDATE tasks SET blocked_on = blocked_on"
-                f" - (SELECT COUNT(*) FROM deps WHERE task_seq = ? AND dep_seq IN ({marks}))"
-                " WHERE seq = ?",
-                [(d, *chunk, d) for d in dependents],
-            )
+            db.executemany(count_done(len(chunk)), [(d, *chunk, d) for d in dependents])
             for part in _chunks(dependents):
-                sql = (
-                    f"UPDATE tasks SET state = 1, {self._rank_reset} WHERE state = 2 AND blocked_on <= 0"
-                    f" AND seq IN ({_marks(len(part))}) RETURNING seq"
-                )
-                changes += [(r[0], State.PENDING) for r in db.execute(sql, part)]
+                changes += [(r[0], State.PENDING) for r in db.execute(unblock(len(part), self._rank_reset), part)]
         return changes
 
     def _end_dependents(self, db: sqlite3.Connection, ended: list[int], state: State, now: int) -> Changes:
@@ -161,14 +144,9 @@ class Finish(Lease, Submit):
             changes += self._unblock_dependents(db, [], frontier)
             nxt: list[int] = []
             for chunk in _chunks(frontier):
-                rows = db.execute(
-                    f"SELECT d.task_seq, MIN(d.dep_seq) FROM deps d JOIN tasks t ON t.seq = d.task_seq"
-                    f" WHERE d.dep_seq IN ({_marks(len(chunk))}) AND t.state = 2 AND t.run_when <> 2"
-                    " GROUP BY d.task_seq",
-                    chunk,
-                ).fetchall()
+                rows = db.execute(failing_dependents(len(chunk)), chunk).fetchall()
                 db.executemany(
-                    "UPDATE tasks SET state = ?, error = ?, finished_at = ? WHERE seq = ? AND state = 2",
+                    END_DEPENDENT,
                     [(int(state), dependency_error(cause, self._full_id(dep)), now, seq) for seq, dep in rows],
                 )
                 nxt += [seq for seq, _ in rows]
@@ -180,8 +158,7 @@ class Finish(Lease, Submit):
         return await self._tx(self._expire_leases, now)
 
     def _expire_leases(self, db: sqlite3.Connection, now: int) -> tuple[Changes, list[tuple[int, int]]]:
-        sql = f"SELECT {OUTCOME_COLUMNS} FROM tasks WHERE state = 3 AND lease_expires_at < ?"
-        expired = [expired_outcome(r) for r in db.execute(sql, (now,))]
+        expired = [expired_outcome(r) for r in db.execute(EXPIRED_LEASES, (now,))]
         if not expired:
             return [], []
         return self._apply_outcomes(db, expired, now), [(o.seq, o.attempt) for o, _ in expired]

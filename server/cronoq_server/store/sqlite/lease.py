@@ -7,10 +7,9 @@ import sqlite3
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..base import TASK_COLUMNS, Changes, Held, Report, State, TaskRow
-from ..fair import RANK_BATCH, Candidate, choose, fair_window, free_for, left_after, row_bytes, turn_share
+from ..base import Changes, Held, Report, State, TaskRow
+from ..fair import Candidate, choose, fair_window, free_for, left_after, row_bytes, turn_share
 from ..logic import (
-    HEARTBEAT_COLUMNS,
     KEY_SCAN,
     current_reports,
     decide_heartbeat,
@@ -22,21 +21,27 @@ from ..logic import (
 )
 from .core import _chunks
 from .events import Events
-from .sql import (
-    _FITS_ALONE,
-    _FITS_BESIDE,
-    _FREE,
-    _INSERT_EVENT,
-    _KEY_HEAD,
-    _NEED,
-    _NEXT_DUE,
-    _NEXT_KEY,
-    _ORDER,
-    LEASE_SIZE,
-    STARTABLE,
-    _in_turns,
-    _marks,
-    _within_bytes,
+from .sql import marks
+from .sql.lease import (
+    EXTEND_LEASE,
+    GROUP_RANKS,
+    INSERT_EVENT,
+    KEEP_REPORT,
+    KEY_HEAD,
+    LOWEST_RANK,
+    NEXT_DUE,
+    NEXT_KEY,
+    SET_GROUP_RANK,
+    TOUCH_WORKER,
+    UNRANKED_WHEN_DUE,
+    due_unranked,
+    fair_heads,
+    heartbeat_rows,
+    lease_in_turns,
+    lease_plain,
+    next_unranked,
+    running_resources,
+    take,
 )
 
 
@@ -91,7 +96,7 @@ class Lease(Events):
                 plain = [(row_bytes(r, overhead), r.resources) for r in rows]
                 chosen = choose(candidates, room, *left_after(limit, max_bytes, free, plain), fair)
         if chosen:
-            taken = self._take(db, worker_id, fair, now, f"{_marks(len(chosen))}", tuple(chosen))
+            taken = self._take(db, worker_id, fair, now, marks(len(chosen)), tuple(chosen))
             for r in taken:
                 self._ranks.served(*ranks[r.seq])
             rows += taken
@@ -104,12 +109,9 @@ class Lease(Events):
         # visited KEY_SCAN keys of a pool (the next lease visits the others).
         if any(p in self._key_after for p in others):
             return [], now
-        due = [db.execute(_NEXT_DUE, (p, now)).fetchone()[0] for p in others]
+        due = [db.execute(NEXT_DUE, (p, now)).fetchone()[0] for p in others]
         if fair:
-            unranked = (
-                f"SELECT min(run_at) FROM tasks WHERE state = 1 AND group_rank = 0 AND pool IN ({_marks(len(fair))})"
-            )
-            due.append(db.execute(unranked, fair).fetchone()[0])
+            due.append(db.execute(next_unranked(len(fair)), fair).fetchone()[0])
         return [], min((d for d in due if d is not None), default=None)
 
     def _fair_candidates(
@@ -124,22 +126,10 @@ class Lease(Events):
         the first by (priority, rank, seq): store/fair.py chooses among them (one statement more
         than a plain lease: the choice is made between the read and the update). With each
         one's pool and rank."""
-        marks = _marks(len(pools))
-        sql = (
-            f"SELECT seq, pool, group_key FROM tasks WHERE state = 1 AND group_rank = 0 AND pool IN ({marks})"
-            f" AND run_at <= ? ORDER BY run_at, seq LIMIT {RANK_BATCH}"
-        )
-        due = db.execute(sql, (*pools, now)).fetchall()
+        due = db.execute(due_unranked(len(pools)), (*pools, now)).fetchall()
         ranked = [(self._ranks.rank(pool, group), seq) for seq, pool, group in due]
-        db.executemany("UPDATE tasks SET group_rank = ? WHERE seq = ?", ranked)
-        size = f"{LEASE_SIZE} + {int(self.settings.lease_overhead_bytes)}"
-        head = " UNION ALL ".join(
-            f"SELECT * FROM (SELECT seq, pool, group_key, {size}, resources, priority, group_rank FROM tasks"
-            " INDEXED BY tasks_fair"
-            f" WHERE state = 1 AND group_rank > 0 AND pool = ? AND {STARTABLE}"
-            " ORDER BY priority DESC, group_rank, seq LIMIT ?)"
-            for _ in pools
-        )
+        db.executemany(SET_GROUP_RANK, ranked)
+        head = fair_heads(len(pools), self.settings.lease_overhead_bytes)
         window = fair_window(limit, room)
         found = db.execute(head, [v for p in pools for v in (p, now, window)]).fetchall()
         found.sort(key=lambda r: (-r[5], r[6], r[0]))
@@ -158,39 +148,14 @@ class Lease(Events):
     ) -> list[TaskRow]:
         if len(pools) > 1:
             return self._lease_in_turns(db, worker_id, pools, limit, now, max_bytes, free)
-        size = f"{LEASE_SIZE} + {int(self.settings.lease_overhead_bytes)}"
-        due = f"state = 1 AND pool IN ({_marks(len(pools))}) AND {STARTABLE}"
-        order = _ORDER
-        # Tasks that name no resources, and those that do, are in indexes of their own: the
-        # first never wait behind the second.
-        # INDEXED BY: the planner would rather range over tasks_due (pool, run_at) and sort every
-        # due task (a lease of 64 among 60,000 pending cost 30% of the burn-down).
-        plain = (
-            f"SELECT seq, priority, run_at, {size} AS size FROM tasks INDEXED BY tasks_lease"
-            f" WHERE {due} AND resources IS NULL"
-        )
-        ok = f"{plain} ORDER BY {order} LIMIT ?"
         params: tuple[Any, ...] = (*pools, now, limit)
         if free:
-            # Of the due tasks that name resources, the first whose every amount is available
-            # alone (in index order, checked only until enough are found: those of a resource
-            # used up never fill the window), and those of the keys with room a keyed resource
-            # names (_keyed); of those, the ones that still fit beside the tasks before them
-            # (running totals per resource).
+            # The keys with room of a keyed resource: their tasks are candidates beside the others.
             keyed = self._keyed(db, pools, now, limit, free) if has_keyed(free) else []
-            ok = (
-                f"{_FREE}, cand AS (SELECT * FROM (SELECT seq, priority, run_at, resources, {size} AS size FROM tasks"
-                f" INDEXED BY tasks_lease_resources WHERE {due} AND resources IS NOT NULL AND res_key IS NULL"
-                f" AND {_FITS_ALONE} ORDER BY {order} LIMIT ?)"
-                f" UNION ALL SELECT seq, priority, run_at, resources, {size} FROM tasks"
-                f" WHERE seq IN (SELECT value FROM json_each(?)) ORDER BY {order} LIMIT ?),"
-                f" {_NEED} SELECT * FROM (SELECT * FROM ({ok})"
-                f" UNION ALL SELECT seq, priority, run_at, size FROM cand WHERE {_FITS_BESIDE})"
-                f" ORDER BY {order} LIMIT ?"
-            )
             scan = lease_scan(limit)
             params = (json.dumps(dict(free)), *pools, now, scan, json.dumps(keyed), scan, *params, limit)
-        return self._take(db, worker_id, pools, now, _within_bytes(ok, order), (*params, max_bytes, max_bytes))
+        chosen = lease_plain(len(pools), self.settings.lease_overhead_bytes, bool(free))
+        return self._take(db, worker_id, pools, now, chosen, (*params, max_bytes, max_bytes))
 
     def _lease_in_turns(
         self,
@@ -204,42 +169,22 @@ class Lease(Events):
     ) -> list[TaskRow]:
         """_lease_plain of several pools, dealt round robin (in the order given): the first due
         tasks of each pool (its place), then each pool's first of those, its second, and so on."""
-        size = f"{LEASE_SIZE} + {int(self.settings.lease_overhead_bytes)}"
 
-        def each(columns: str, index: str, where: str, count: int) -> tuple[str, list[Any]]:
-            sql = " UNION ALL ".join(
-                f"SELECT * FROM (SELECT {columns}, {place} AS place FROM tasks INDEXED BY {index}"
-                f" WHERE state = 1 AND pool = ? AND {STARTABLE} AND {where} ORDER BY {_ORDER} LIMIT ?)"
-                for place in range(len(pools))
-            )
-            return sql, [v for p in pools for v in (p, now, count)]
+        def each(count: int) -> list[Any]:
+            return [v for p in pools for v in (p, now, count)]
 
-        ok, params = each(f"seq, priority, run_at, {size} AS size", "tasks_lease", "resources IS NULL", limit)
+        params = each(limit)
+        keyed = has_keyed(free) if free else False
         if free:
             # As _lease_plain's, each pool's own (those of a keyed resource by key: _keyed).
             scan = lease_scan(limit)
-            where = f"resources IS NOT NULL AND res_key IS NULL AND {_FITS_ALONE}"
-            cand, cand_params = each(
-                f"seq, priority, run_at, resources, {size} AS size", "tasks_lease_resources", where, scan
-            )
-            if has_keyed(free):
-                for place, pool in enumerate(pools):
-                    cand += (
-                        f" UNION ALL SELECT seq, priority, run_at, resources, {size}, {place} FROM tasks"
-                        " WHERE seq IN (SELECT value FROM json_each(?))"
-                    )
+            cand_params = each(scan)
+            if keyed:
+                for pool in pools:
                     cand_params.append(json.dumps(self._keyed(db, [pool], now, limit, free)))
-            ok = (
-                f"{_FREE}, cand AS ({_in_turns(f'({cand})')} LIMIT ?), {_NEED},"
-                f" picked AS ({ok} UNION ALL SELECT seq, priority, run_at, size, place FROM cand WHERE {_FITS_BESIDE})"
-                f" {_in_turns('picked')} LIMIT ?"
-            )
             params = [json.dumps(dict(free)), *cand_params, scan, *params]
-        else:
-            ok = f"{_in_turns(f'({ok})')} LIMIT ?"
-        return self._take(
-            db, worker_id, pools, now, _within_bytes(ok, "turn, place"), (*params, limit, max_bytes, max_bytes)
-        )
+        chosen = lease_in_turns(len(pools), self.settings.lease_overhead_bytes, bool(free), keyed)
+        return self._take(db, worker_id, pools, now, chosen, (*params, limit, max_bytes, max_bytes))
 
     def _keyed(
         self, db: sqlite3.Connection, pools: list[str], now: int, limit: int, free: Mapping[str, int]
@@ -253,7 +198,7 @@ class Lease(Events):
             for key in self._keys(db, pool):
                 room = min(free_for(free, key), limit)
                 if room > 0:  # one prepared statement a key (a compound of them is slower to prepare)
-                    seqs += [r[0] for r in db.execute(_KEY_HEAD, (free_json, pool, key, now, room))]
+                    seqs += [r[0] for r in db.execute(KEY_HEAD, (free_json, pool, key, now, room))]
         return seqs
 
     def _keys(self, db: sqlite3.Connection, pool: str) -> list[str]:
@@ -263,7 +208,7 @@ class Lease(Events):
         keys: list[str] = []
         key, wrapped = after, False
         while len(keys) < KEY_SCAN:
-            row = db.execute(_NEXT_KEY, (pool, key)).fetchone()
+            row = db.execute(NEXT_KEY, (pool, key)).fetchone()
             if row is None:
                 if wrapped or not after:
                     break
@@ -283,23 +228,16 @@ class Lease(Events):
         """Leases the PENDING tasks of these pools whose seqs chosen (SQL, with params) gives:
         RUNNING for worker_id from now, their events recorded; in lease order."""
         ttl = self.settings.lease_ttl_us
-        expiry = "CASE pool " + " ".join("WHEN ? THEN ?" for _ in pools) + " END"
         expiry_params: list[Any] = []
         for p in pools:
             expiry_params += [p, now + ttl[p]]
-        sql = (
-            f"UPDATE tasks SET state = 3, attempt = attempt + 1, worker_id = ?, started_at = ?,"
-            # Never past the attempt's deadline (started_at + timeout_ms).
-            f" lease_expires_at = CASE WHEN timeout_ms > 0 THEN min({expiry}, ? + timeout_ms * 1000) ELSE {expiry} END"
-            f" WHERE state = 1 AND seq IN ({chosen}) RETURNING {TASK_COLUMNS}"
-        )
         all_params = (worker_id, now, *expiry_params, now, *expiry_params, *params)
-        rows = [task_row(r) for r in db.execute(sql, all_params)]
+        rows = [task_row(r) for r in db.execute(take(len(pools), chosen), all_params)]
         rows.sort(key=lambda r: (-r.priority, r.run_at, r.seq))
         running = int(State.RUNNING)
         pending = int(State.PENDING)
         events = [(r.seq, running, r.attempt, now, r.pool, pending, *event_task_values(r)) for r in rows]
-        db.executemany(_INSERT_EVENT, events)
+        db.executemany(INSERT_EVENT, events)
         return rows
 
     async def heartbeat(
@@ -315,34 +253,29 @@ class Lease(Events):
         now: int,
         reports: Sequence[Report],
     ) -> tuple[list[int], list[int]]:
-        db.execute("UPDATE workers SET last_seen_at = ? WHERE id = ?", (now, worker_id))
+        db.execute(TOUCH_WORKER, (now, worker_id))
         current: dict[int, tuple[Any, ...]] = {}
         seqs = [s for s, _ in attempts] + [r.seq for r in reports]
         for chunk in _chunks(seqs):
-            sql = f"SELECT {HEARTBEAT_COLUMNS} FROM tasks WHERE seq IN ({_marks(len(chunk))})"
-            for r in db.execute(sql, chunk):
+            for r in db.execute(heartbeat_rows(len(chunk)), chunk):
                 current[r[0]] = r
         self._keep_reports(db, current_reports(reports, current, worker_id), now)
         cancelled, lost, extend = decide_heartbeat(worker_id, attempts, current, now, self.settings.lease_ttl_us)
-        db.executemany("UPDATE tasks SET lease_expires_at = ? WHERE seq = ?", extend)
+        db.executemany(EXTEND_LEASE, extend)
         return cancelled, lost
 
     def _keep_reports(self, db: sqlite3.Connection, reports: Sequence[Report], now: int) -> None:
         """Keeps the reports of current attempts with their tasks; a progress is an event."""
         seqs, progress, has_checkpoint, checkpoint = report_columns(reports, now)
         db.executemany(
-            "UPDATE tasks SET progress = coalesce(?, progress), checkpoint = CASE WHEN ? THEN ? ELSE checkpoint END"
-            " WHERE seq = ?",
+            KEEP_REPORT,
             zip(progress, has_checkpoint, checkpoint, seqs, strict=True),
         )
         progressed: Changes = [(r.seq, State.RUNNING) for r in reports if r.progress is not None]
         self._record_events(db, progressed, [State.RUNNING] * len(progressed), now)
 
     async def running_resources(self) -> list[tuple[str, Held]]:
-        sql = (
-            "SELECT worker_id, seq, attempt, resources, pool, group_key FROM tasks WHERE state = 3"
-            f" AND (resources IS NOT NULL OR pool IN ({_marks(len(self.settings.group_pools))}))"
-        )
+        sql = running_resources(len(self.settings.group_pools))
         rows = await self._run(lambda: self._conn.execute(sql, sorted(self.settings.group_pools)).fetchall())
         return [(r[0], Held(r[1], r[2], json.loads(r[3]) if r[3] else {}, r[4], r[5])) for r in rows]
 
@@ -352,11 +285,6 @@ class Lease(Events):
     def _load_ranks(self, db: sqlite3.Connection) -> None:
         for pool in sorted(self.settings.group_pools):
             # PENDING tasks stored before the pool capped its groups: ranked when due.
-            db.execute("UPDATE tasks SET group_rank = 0 WHERE state = 1 AND pool = ? AND group_rank IS NULL", (pool,))
-            sql = "SELECT min(group_rank) FROM tasks WHERE state = 1 AND group_rank > 0 AND pool = ?"
-            lowest = db.execute(sql, (pool,)).fetchone()[0]
-            sql = (
-                "SELECT group_key, max(group_rank) FROM tasks WHERE state = 1 AND group_rank > 0 AND pool = ?"
-                " GROUP BY group_key"
-            )
-            self._ranks.rebuild(pool, (lowest or 1) - 1, dict(db.execute(sql, (pool,)).fetchall()))
+            db.execute(UNRANKED_WHEN_DUE, (pool,))
+            lowest = db.execute(LOWEST_RANK, (pool,)).fetchone()[0]
+            self._ranks.rebuild(pool, (lowest or 1) - 1, dict(db.execute(GROUP_RANKS, (pool,)).fetchall()))

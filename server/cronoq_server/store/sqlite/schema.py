@@ -11,6 +11,17 @@ from concurrent.futures import ThreadPoolExecutor
 from ...backup import settle_restored
 from ..base import StoreOwnedElsewhere, schema_too_new
 from .core import SqliteCore, _yield_cpu
+from .sql.schema import (
+    CLAIM_SHARD_NAME,
+    CLAIM_SHARD_NUMBER,
+    HAS_META,
+    JOURNAL_WAL,
+    READ_META,
+    SCHEMA_VERSION,
+    SET_SCHEMA_VERSION,
+    synchronous,
+    table_info,
+)
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -197,7 +208,7 @@ _ADD_COLUMN = re.compile(r"^\s*ALTER TABLE (\w+) ADD COLUMN (\w+)", re.IGNORECAS
 def _column_exists(db: sqlite3.Connection, statement: str) -> bool:
     """Whether statement adds a column its table already has (see _ADD_COLUMN)."""
     add = _ADD_COLUMN.match(statement)
-    return add is not None and any(row[1] == add.group(2) for row in db.execute(f"PRAGMA table_info({add.group(1)})"))
+    return add is not None and any(row[1] == add.group(2) for row in db.execute(table_info(add.group(1))))
 
 
 class Schema(SqliteCore):
@@ -205,8 +216,8 @@ class Schema(SqliteCore):
 
     async def open(self) -> None:
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute(f"PRAGMA synchronous={self._synchronous}")
+        db.execute(JOURNAL_WAL)
+        db.execute(synchronous(self._synchronous))
         self._db = db
         self._thread = threading.Thread(target=self._serve_ops, name="cronoq-sqlite", daemon=True)
         self._thread.start()
@@ -214,10 +225,10 @@ class Schema(SqliteCore):
         await self._tx(self._migrate)
 
     def _migrate(self, db: sqlite3.Connection) -> None:
-        has_meta = db.execute("SELECT 1 FROM sqlite_master WHERE name='meta'").fetchone()
+        has_meta = db.execute(HAS_META).fetchone()
         version = 0
         if has_meta:
-            meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
+            meta = dict(db.execute(READ_META).fetchall())
             version = int(meta.get("schema_version", "0"))
             self._check_version(version)
             owner = (meta.get("shard_name"), meta.get("shard_number"))
@@ -232,9 +243,9 @@ class Schema(SqliteCore):
                 for statement in MIGRATIONS[v].split(";"):
                     if statement.strip() and not _column_exists(db, statement):
                         db.execute(statement)
-                db.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(v),))
-        db.execute("INSERT OR IGNORE INTO meta VALUES ('shard_name', ?)", (self.settings.shard_name,))
-        db.execute("INSERT OR IGNORE INTO meta VALUES ('shard_number', ?)", (str(self.settings.shard_number),))
+                db.execute(SET_SCHEMA_VERSION, (str(v),))
+        db.execute(CLAIM_SHARD_NAME, (self.settings.shard_name,))
+        db.execute(CLAIM_SHARD_NUMBER, (str(self.settings.shard_number),))
         settle_restored(db)  # a backup put in place by hand: no id the replaced store gave is given again
 
     def _check_version(self, version: int) -> None:
@@ -242,8 +253,7 @@ class Schema(SqliteCore):
             raise schema_too_new(f"store {self.path}", version, max(MIGRATIONS))
 
     async def check_schema(self) -> None:
-        sql = "SELECT value FROM meta WHERE key = 'schema_version'"
-        self._check_version(int((await self._run(lambda: self._conn.execute(sql).fetchone()))[0]))
+        self._check_version(int((await self._run(lambda: self._conn.execute(SCHEMA_VERSION).fetchone()))[0]))
 
     async def close(self) -> None:
         if self._thread is not None:

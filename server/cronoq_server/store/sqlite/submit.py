@@ -26,12 +26,18 @@ from ..logic import (
 )
 from .events import Events
 from .reads import Reads
-from .sql import _marks
-
-# A task whose key's hold is over (logic.key_released) keeps the key it had, apart: the key is free.
-RELEASE_KEY = "UPDATE tasks SET released_key = key, key = NULL WHERE seq = ?"
-# A replacing submission's (logic.replaced) due time, payload and priority.
-REPLACE = "UPDATE tasks SET payload = ?, content_type = ?, priority = ?, run_at = ? WHERE seq = ?"
+from .sql import BY_KEY, BY_SEQ
+from .sql.submit import (
+    COUNT_PENDING_BY_POOL,
+    DEP_BY_KEY,
+    INSERT_DEP,
+    INSERT_REQUEST,
+    INSERT_TASK,
+    RELEASE_KEY,
+    REPLACE,
+    REQUEST,
+    deps_by_seq,
+)
 
 
 class Submit(Reads, Events):
@@ -51,7 +57,7 @@ class Submit(Reads, Events):
         visible: frozenset[str] | None,
     ) -> tuple[list[Submitted], Changes]:
         if request_id is not None:
-            known = db.execute("SELECT created FROM requests WHERE id = ?", (request_id,)).fetchone()
+            known = db.execute(REQUEST, (request_id,)).fetchone()
             if known is not None:
                 return replay_request(known[0], self._select_seqs(db, request_seqs(known[0]))), []
         out: list[Submitted] = []
@@ -59,7 +65,7 @@ class Submit(Reads, Events):
         prev: list[int] = []  # of each change, the state it left (0: a new task)
         for task in tasks:
             if task.key is not None:
-                existing = self._select(db, "key = ?", (task.key,))
+                existing = self._select(db, BY_KEY, (task.key,))
                 if existing and key_released(existing[0], now):
                     db.execute(RELEASE_KEY, (existing[0].seq,))
                 elif existing and replaces(task, existing[0]):
@@ -85,10 +91,7 @@ class Submit(Reads, Events):
             run_at = keyed_run_at(task, now)
             dep_list = [s for s, _ in deps]
             cur = db.execute(
-                "INSERT INTO tasks (pool, key, payload, content_type, priority, run_at, max_attempts, depends_on,"
-                " resources, state, error, created_at, finished_at, blocked_on, timeout_ms, group_key, group_rank,"
-                " res_key, trace, parent_seq, run_when, start_by, key_ttl_ms)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                INSERT_TASK,
                 (
                     task.pool,
                     task.key,
@@ -118,14 +121,14 @@ class Submit(Reads, Events):
             seq = cur.lastrowid
             assert seq is not None
             if dep_list:
-                db.executemany("INSERT OR IGNORE INTO deps VALUES (?, ?)", [(seq, d) for d in dep_list])
-            out.append(Submitted(self._select(db, "seq = ?", (seq,))[0], False))
+                db.executemany(INSERT_DEP, [(seq, d) for d in dep_list])
+            out.append(Submitted(self._select(db, BY_SEQ, (seq,))[0], False))
             changes.append((seq, state))
             prev.append(0)
         self._check_limits(db, tasks, out)
         self._record_events(db, changes, prev, now)
         if request_id is not None:
-            db.execute("INSERT INTO requests VALUES (?, ?, ?)", (request_id, encode_request(out), now))
+            db.execute(INSERT_REQUEST, (request_id, encode_request(out), now))
         return out, changes
 
     def _resolve_deps(
@@ -134,16 +137,14 @@ class Submit(Reads, Events):
         """The task's dependencies' (seq, state), and (seq, result bytes)."""
         found: dict[int, State] = {}
         sizes: dict[int, int] = {}
-        columns = "seq, state, pool, coalesce(length(CAST(result AS BLOB)), 0)"
         if task.dep_seqs:
-            sql = f"SELECT {columns} FROM tasks WHERE seq IN ({_marks(len(task.dep_seqs))})"
-            rows = {r[0]: r for r in db.execute(sql, task.dep_seqs)}
+            rows = {r[0]: r for r in db.execute(deps_by_seq(len(task.dep_seqs)), task.dep_seqs)}
             for seq in task.dep_seqs:
                 if seq not in rows or (visible is not None and rows[seq][2] not in visible):
                     raise not_found(f"depends_on: task {self._full_id(seq)} not found")
                 found[seq], sizes[seq] = State(rows[seq][1]), rows[seq][3]
         for key in task.dep_keys:
-            row = db.execute(f"SELECT {columns} FROM tasks WHERE key = ?", (key,)).fetchone()
+            row = db.execute(DEP_BY_KEY, (key,)).fetchone()
             if row is None or (visible is not None and row[2] not in visible):
                 raise not_found(f"depends_on: no task with key {key!r}")
             found[row[0]], sizes[row[0]] = State(row[1]), row[3]
@@ -155,5 +156,5 @@ class Submit(Reads, Events):
     def _check_limits(self, db: sqlite3.Connection, tasks: list[NewTask], out: list[Submitted]) -> None:
         created = [r.row.pool for r in out if not (r.deduplicated or r.replaced)]
         if created and limits_apply(self.settings):
-            counts = dict(db.execute("SELECT pool, COUNT(*) FROM tasks WHERE state IN (1, 2) GROUP BY pool"))
+            counts = dict(db.execute(COUNT_PENDING_BY_POOL))
             check_pending_limits(self.settings, counts, created)
