@@ -2,7 +2,7 @@
 
 Each Store method runs as one function on that thread inside one transaction, so
 a batch costs one thread hop rather than one per statement (aiosqlite's model).
-One mixin per concern over the plumbing (core.SqliteCore); the statements they share are in sql.py.
+One mixin per concern over the plumbing (core.SqliteCore); their SQL is in sql/, a module a concern.
 """
 
 from __future__ import annotations
