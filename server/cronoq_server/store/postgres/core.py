@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import asyncpg
 
 from ...ids import make_task_id
-from ..base import TASK_COLUMNS, Fenced, ScanTimedOut, StoreSettings, StoreUnavailable, TaskRow
+from ..base import Fenced, ScanTimedOut, StoreSettings, StoreUnavailable, TaskRow
 from ..fair import GroupRanks, rank_keep, rank_reset
 from ..logic import task_row
+from .core_sql import LEADER_TERM, LEADER_TERM_FOR_SHARE, select_tasks, term_holds
 
 if TYPE_CHECKING:
     from .submit import _SubmitOp
@@ -97,7 +98,6 @@ class _Core:
         self._analyzed_rows = 0  # the table's size when last analyzed (pg_class.reltuples at open)
         self._submitted_since = 0  # tasks submitted since
         self._analyzer: asyncio.Task[None] | None = None
-        self._cols = ", ".join(f"t.{c.strip()}" for c in TASK_COLUMNS.split(","))
         # The leader's, used on its event loop (store/fair.py).
         self._ranks = GroupRanks(settings.group_pools)
         self._key_after: dict[str, str] = {}  # pool -> the last key a lease visited (_KEYED)
@@ -123,7 +123,7 @@ class _Core:
         try:
             async with self.pool.acquire() as conn, conn.transaction(isolation=isolation):
                 if fenced and self.term is not None:
-                    term = await conn.fetchval(self._sql("SELECT term FROM {s}.leader WHERE id = 1 FOR SHARE"))
+                    term = await conn.fetchval(self._sql(LEADER_TERM_FOR_SHARE))
                     if term != self.term:
                         if self.on_fenced is not None:
                             self.on_fenced()
@@ -136,7 +136,7 @@ class _Core:
         """A condition that holds only while this server's term is the store's (true when unfenced)."""
         if self.term is None:
             return "true"
-        return self._sql(f"EXISTS (SELECT 1 FROM {{s}}.leader WHERE id = 1 AND term = ${param} FOR SHARE)")
+        return self._sql(term_holds(param))
 
     async def _fenced_fetch(self, sql: str, *args: Any, planned_once: bool = False) -> list[Any]:
         """One statement in its own transaction (one round trip), fenced by `{fence}` in sql; on
@@ -154,7 +154,7 @@ class _Core:
             async with pool.acquire() as conn:
                 rows = await conn.fetch(fenced_sql, *params)
                 if not rows and self.term is not None:
-                    term = await conn.fetchval(self._sql("SELECT term FROM {s}.leader WHERE id = 1"))
+                    term = await conn.fetchval(self._sql(LEADER_TERM))
                     if term != self.term:
                         if self.on_fenced is not None:
                             self.on_fenced()
@@ -171,7 +171,7 @@ class _Core:
             raise StoreUnavailable(f"store unreachable: {type(err).__name__}: {err}") from None
 
     async def _select(self, conn: asyncpg.Connection, where: str, *args: Any) -> list[TaskRow]:
-        rows = await conn.fetch(self._sql(f"SELECT {TASK_COLUMNS} FROM {{s}}.tasks WHERE {where}"), *args)
+        rows = await conn.fetch(self._sql(select_tasks(where)), *args)
         return [task_row(r) for r in rows]
 
     def _nothing_blocked(self) -> bool:

@@ -11,14 +11,22 @@ import asyncpg
 from ..base import COUNTED_COLUMNS, EVENT_COLUMNS, Changes, EventColumns, EventRow, State
 from ..logic import event_row
 from .core import _Core
-from .sql import T_EVENT_TASK_COLUMNS, insert_events
+from .events_sql import (
+    EVENT_BOUNDS,
+    LAST_POS_FOR_UPDATE,
+    NUMBER_BATCH,
+    PURGE_EVENTS,
+    RECORD_EVENTS,
+    UNFINISHED_BY_POOL_AND_STATE,
+    events_after,
+)
 
 # How many rows of events or event_batches read_events reads at a time.
 READ_ROWS = 64
 
 
 def _row_columns(r: asyncpg.Record) -> tuple[range, list[Sequence[Any]]]:
-    """The positions of a row of _events_sql's (last pos, n, columns as arrays), and its columns
+    """The positions of a row of events_sql.events_after's (last pos, n, columns as arrays), and its columns
     (one that is NULL: a None an event)."""
     n = r[1]
     return range(r[0] - n + 1, r[0] + 1), [c if c is not None else (None,) * n for c in r[2:]]
@@ -54,13 +62,7 @@ class Events(_Core):
         if not changes:
             return
         await conn.execute(
-            self._sql(
-                insert_events(
-                    f"SELECT t.seq, t.state, t.attempt, $2::bigint, t.pool, u.prev, {T_EVENT_TASK_COLUMNS}"
-                    " FROM unnest($1::bigint[], $3::smallint[]) WITH ORDINALITY AS u(seq, prev, n)"
-                    " JOIN {s}.tasks t ON t.seq = u.seq ORDER BY u.n"
-                )
-            ),
+            self._sql(RECORD_EVENTS),
             [seq for seq, _ in changes],
             now,
             [int(p) for p in prev],
@@ -78,22 +80,9 @@ class Events(_Core):
         """Numbers up to limit committed rows of events, then of event_batches while fewer were
         left; (last pos, how many rows were numbered)."""
         # The lock first, then a new statement: its snapshot sees what earlier batches numbered.
-        last = await conn.fetchval(self._sql("SELECT last_pos FROM {s}.event_log WHERE id = 1 FOR UPDATE"))
+        last = await conn.fetchval(self._sql(LAST_POS_FOR_UPDATE))
         row = await conn.fetchrow(
-            self._sql(
-                "WITH todo_old AS (SELECT id, row_number() OVER (ORDER BY id) AS upto FROM {s}.events"
-                " WHERE pos IS NULL ORDER BY id LIMIT $2),"
-                " old AS (UPDATE {s}.events e SET pos = $1 + todo_old.upto FROM todo_old"
-                " WHERE e.id = todo_old.id AND e.pos IS NULL RETURNING e.pos),"
-                " base AS (SELECT coalesce(max(upto), 0) AS k FROM todo_old),"
-                " todo AS (SELECT id, sum(n) OVER (ORDER BY id) AS upto FROM {s}.event_batches"
-                " WHERE last_pos IS NULL ORDER BY id LIMIT $2),"
-                " new AS (UPDATE {s}.event_batches e SET last_pos = $1 + base.k + todo.upto FROM todo, base"
-                " WHERE e.id = todo.id AND e.last_pos IS NULL AND base.k < $2 RETURNING e.last_pos AS pos)"
-                " UPDATE {s}.event_log SET last_pos = coalesce(greatest((SELECT max(pos) FROM old),"
-                " (SELECT max(pos) FROM new)), last_pos)"
-                " WHERE id = 1 RETURNING last_pos, (SELECT count(*) FROM old) + (SELECT count(*) FROM new)"
-            ),
+            self._sql(NUMBER_BATCH),
             last,
             limit,
         )
@@ -106,21 +95,11 @@ class Events(_Core):
             if numbered < batch:
                 return last
 
-    def _events_sql(self, columns: str) -> str:
-        """Rows of both tables after pos $1 in pos order (at most $2), each a range of events:
-        its last pos, how many, and the columns as arrays."""
-        one = ", ".join(f"ARRAY[{c}]" for c in columns.split(", "))
-        return self._sql(
-            f"(SELECT pos, 1, {one} FROM {{s}}.events WHERE pos > $1 ORDER BY pos LIMIT $2)"
-            f" UNION ALL (SELECT last_pos, n, {columns} FROM {{s}}.event_batches"
-            " WHERE last_pos > $1 ORDER BY last_pos LIMIT $2) ORDER BY 1 LIMIT $2"
-        )
-
     async def _read_event_rows(self, columns: str, after: int, take: Callable[[asyncpg.Record], bool]) -> None:
-        """Hands take each row of both tables after pos `after` (_events_sql's, of these
+        """Hands take each row of both tables after pos `after` (events_sql.events_after's, of these
         columns), in pos order, READ_ROWS at a time (each read one statement: one snapshot),
         until take says it has enough or none is left."""
-        sql = self._events_sql(columns)
+        sql = self._sql(events_after(columns))
 
         async def read(conn: asyncpg.Connection) -> None:
             pos = after
@@ -169,7 +148,7 @@ class Events(_Core):
 
         async def count(conn: asyncpg.Connection) -> tuple[int, dict[tuple[str, State], int]]:
             last = await self._number_events(conn)
-            sql = self._sql("SELECT pool, state, count(*) FROM {s}.tasks WHERE state IN (1, 2, 3) GROUP BY pool, state")
+            sql = self._sql(UNFINISHED_BY_POOL_AND_STATE)
             return last, {(r[0], State(r[1])): r[2] for r in await conn.fetch(sql)}
 
         for attempt in range(20):
@@ -181,26 +160,10 @@ class Events(_Core):
         raise AssertionError("unreachable")
 
     async def event_bounds(self) -> tuple[int, int]:
-        sql = self._sql("SELECT purged_through, last_pos FROM {s}.event_log WHERE id = 1")
+        sql = self._sql(EVENT_BOUNDS)
         row = await self._read(lambda c: c.fetchrow(sql))
         return row[0], row[1]
 
     async def purge_events(self, before: int, limit: int) -> int:
-        # Only the oldest `limit` numbered rows of each table are looked at: the scan never
-        # reaches into the window. Rows of event_batches go whole: up to limit events, or the
-        # oldest row when it holds more.
-        sql = self._sql(
-            "WITH old AS (SELECT max(pos) AS pos FROM (SELECT pos, at FROM {s}.events WHERE pos IS NOT NULL"
-            " ORDER BY pos LIMIT $2) x WHERE at < $1),"
-            " new AS (SELECT max(last_pos) AS pos FROM (SELECT last_pos, last_at, sum(n) OVER w AS upto,"
-            " row_number() OVER w AS k FROM {s}.event_batches WHERE last_pos IS NOT NULL"
-            " WINDOW w AS (ORDER BY last_pos) ORDER BY last_pos LIMIT $2) x"
-            " WHERE last_at < $1 AND (upto <= $2 OR k = 1)),"
-            " bound AS (SELECT greatest(old.pos, new.pos) AS pos FROM old, new),"
-            " gone AS (DELETE FROM {s}.events WHERE pos <= (SELECT pos FROM old) RETURNING 1),"
-            " gone_batches AS (DELETE FROM {s}.event_batches WHERE last_pos <= (SELECT pos FROM new) RETURNING n),"
-            " mark AS (UPDATE {s}.event_log SET purged_through = greatest(purged_through, (SELECT pos FROM bound))"
-            " WHERE id = 1 AND (SELECT pos FROM bound) IS NOT NULL)"
-            " SELECT (SELECT count(*) FROM gone) + (SELECT coalesce(sum(n), 0) FROM gone_batches)"
-        )
+        sql = self._sql(PURGE_EVENTS)
         return await self._tx(lambda c: c.fetchval(sql, before, limit))

@@ -8,9 +8,8 @@ from typing import Any
 import asyncpg
 
 from ...errors import ApiError
-from ..base import AttemptOutcome, Changes, Held, Outcome, OutcomeKind, OutcomeResult, State, TaskRow
+from ..base import Changes, Held, Outcome, OutcomeKind, OutcomeResult, State, TaskRow
 from ..logic import (
-    OUTCOME_COLUMNS,
     check_outcomes,
     decide_outcomes,
     dependency_error,
@@ -19,8 +18,24 @@ from ..logic import (
     spawn_refused,
     task_row,
 )
+from .finish_sql import (
+    ANY_BLOCKED,
+    END_DEPENDENTS,
+    END_TASKS,
+    ENDING_DEPENDENTS,
+    EXPIRED_LEASES,
+    FINISH_SUCCESSES,
+    INSERT_ATTEMPT_ROWS,
+    LOCK_OUTCOME_ROWS,
+    UNBLOCK_DEPENDENTS,
+    finish_with,
+    release_attempts,
+    release_unblocked,
+    retry_later,
+    snooze,
+)
 from .lease import Lease, _carried
-from .sql import _ONCE, INSERT_ATTEMPTS, T_EVENT_TASK_COLUMNS, events_of
+from .sql import NOTIFY
 from .submit import Submit
 
 
@@ -40,12 +55,12 @@ class Finish(Lease, Submit):
     async def finish(self, worker_id: str, outcomes: list[Outcome], now: int) -> tuple[list[OutcomeResult], Changes]:
         if self._fast_finish(outcomes):
             generation = self._blocked_generation
-            sql = self._sql(f"WITH {self._success_ctes(1, '$5', '$6')} SELECT seq, state FROM ended")
+            sql = self._sql(FINISH_SUCCESSES)
             rows = await self._fenced_fetch(sql, *_success_args(outcomes), now, worker_id, planned_once=True)
             return await self._successes(worker_id, outcomes, {r[0]: State(r[1]) for r in rows}, generation, now)
 
         async def finish(conn: asyncpg.Connection) -> tuple[list[OutcomeResult], Changes]:
-            sql = self._sql(f"SELECT {OUTCOME_COLUMNS} FROM {{s}}.tasks WHERE seq = ANY($1::bigint[]) FOR UPDATE")
+            sql = self._sql(LOCK_OUTCOME_ROWS)
             current = {r[0]: tuple(r) for r in await conn.fetch(sql, [o.seq for o in outcomes])}
             results, accepted = check_outcomes(worker_id, outcomes, current, self._full_id)
             accepted, spawned = await self._spawn(conn, accepted, now)
@@ -132,41 +147,13 @@ class Finish(Lease, Submit):
     ) -> tuple[list[OutcomeResult], Changes, list[TaskRow], int | None]:
         """These successes (of the fast path, checked at generation) ended in the statement of a
         lease's CTEs (now at $1, the worker id at the parameter named): one round trip, one commit."""
-        # One row per leased task, or one without a task when none was: the ended tasks ride
-        # along as two arrays (none ended and none leased: no row, and the term is checked).
-        sql = self._sql(
-            f"WITH {ctes}, {self._success_ctes(len(args) + 1, '$1', worker)}"
-            f" SELECT l.*, {_ONCE.format('e.seqs')}, {_ONCE.format('e.states')} FROM (SELECT array_agg(seq) AS seqs,"
-            " array_agg(state) AS states FROM ended) AS e LEFT JOIN leased l ON true"
-            " WHERE e.seqs IS NOT NULL OR l.seq IS NOT NULL"
-        )
+        sql = self._sql(finish_with(ctes, len(args) + 1, worker))
         fetched = await self._fenced_fetch(sql, *args, *_success_args(outcomes), planned_once=not fair)
         seqs, states = _carried(fetched)
         ended = dict(zip(seqs, map(State, states), strict=True))
         results, changes = await self._successes(worker_id, outcomes, ended, generation, now)
         rows, due = await self._leased([task_row(r) for r in fetched if r[0] is not None], pools, now, fair)
         return results, changes, rows, due
-
-    def _success_ctes(self, first: int, now: str, worker: str) -> str:
-        """The CTEs that end successes while no task is BLOCKED ($first to $first + 3: the
-        seqs, attempts, results and their content types), fenced by worker and attempt in
-        their WHERE: `ended` returns seq and state. A cancel requested meanwhile still ends
-        the task CANCELLED, as decide_outcomes does."""
-        a, b, c, d = (f"${first + i}" for i in range(4))
-        return (
-            "ended AS (UPDATE {s}.tasks t SET state = CASE WHEN t.cancel_requested THEN 6 ELSE 4 END,"
-            " result = u.result, result_content_type = u.rct,"
-            " error = CASE WHEN t.cancel_requested THEN 'cancelled' ELSE '' END,"
-            f" finished_at = {now}, lease_expires_at = NULL"
-            f" FROM unnest({a}::bigint[], {b}::int[], {c}::bytea[], {d}::text[]) AS u(seq, attempt, result, rct)"
-            f" WHERE t.seq = ANY({a}::bigint[]) AND t.seq = u.seq AND t.state = 3 AND t.attempt = u.attempt"
-            f" AND t.worker_id = {worker} AND {{fence}}"
-            f" RETURNING t.seq, t.pool, t.state, t.attempt, {T_EVENT_TASK_COLUMNS}),"
-            f" ended_ev AS ({events_of('state', 'attempt', f'{now}::bigint', '3', 'ended')}),"
-            f" ended_attempts AS ({INSERT_ATTEMPTS} SELECT seq, attempt, worker_id, started_at, {now},"
-            f" CASE WHEN state = 6 THEN {int(AttemptOutcome.CANCELLED)} ELSE {int(AttemptOutcome.SUCCEEDED)} END,"
-            " error FROM ended)"
-        )
 
     async def _successes(
         self, worker_id: str, outcomes: list[Outcome], ended: dict[int, State], generation: int, now: int
@@ -189,20 +176,12 @@ class Finish(Lease, Submit):
         Reads the states themselves (not the blocked_on counts), so running it again is harmless.
         """
         rows = await conn.fetch(
-            self._sql(
-                f"WITH changed AS (UPDATE {{s}}.tasks t SET state = 1, blocked_on = 0, {self._rank_reset}"
-                " WHERE t.state = 2 AND t.seq IN (SELECT task_seq FROM {s}.deps WHERE dep_seq = ANY($1::bigint[]))"
-                " AND NOT EXISTS (SELECT 1 FROM {s}.deps d JOIN {s}.tasks x ON x.seq = d.dep_seq"
-                " WHERE d.task_seq = t.seq AND x.state <> 4 AND (t.run_when <> 2 OR x.state NOT IN (5, 6, 7)))"
-                f" RETURNING t.seq, t.pool, t.attempt, {T_EVENT_TASK_COLUMNS}),"
-                f" ev AS ({events_of('1', 'attempt', '$2::bigint', '2', 'changed ORDER BY seq')})"
-                " SELECT seq FROM changed"
-            ),
+            self._sql(release_unblocked(self._rank_reset)),
             succeeded,
             now,
         )
         if rows:
-            await conn.execute("SELECT pg_notify($1, '')", self.channel)
+            await conn.execute(NOTIFY, self.channel)
         return [(r[0], State.PENDING) for r in rows]
 
     async def _apply_outcomes(self, conn: asyncpg.Connection, accepted: list[tuple[Outcome, Any]], now: int) -> Changes:
@@ -210,48 +189,29 @@ class Finish(Lease, Submit):
         d = decide_outcomes(accepted, now, self.settings.retry_at, self.settings.max_snoozes)
         if d.attempts:
             await conn.execute(
-                self._sql(
-                    f"{INSERT_ATTEMPTS} SELECT * FROM unnest($1::bigint[], $2::int[], $3::text[], $4::bigint[],"
-                    " $5::bigint[], $6::smallint[], $7::text[])"
-                ),
+                self._sql(INSERT_ATTEMPT_ROWS),
                 *[list(c) for c in zip(*d.attempts, strict=True)],
             )
         if d.terminal:
             cols = list(zip(*d.terminal, strict=True))
             await conn.execute(
-                self._sql(
-                    "UPDATE {s}.tasks t SET state = u.state, result = u.result, result_content_type = u.rct,"
-                    " error = u.error, finished_at = u.fin, lease_expires_at = NULL"
-                    " FROM unnest($1::smallint[], $2::bytea[], $3::text[], $4::text[], $5::bigint[], $6::bigint[])"
-                    " AS u(state, result, rct, error, fin, seq) WHERE t.seq = u.seq"
-                ),
+                self._sql(END_TASKS),
                 *[list(c) for c in cols],
             )
         if d.retries:
             cols = list(zip(*d.retries, strict=True))
             await conn.execute(
-                self._sql(
-                    "UPDATE {s}.tasks t SET state = 1, run_at = u.run_at, error = u.error, worker_id = NULL,"
-                    f" lease_expires_at = NULL, {self._rank_reset} FROM unnest($1::bigint[], $2::text[], $3::bigint[])"
-                    " AS u(run_at, error, seq) WHERE t.seq = u.seq"
-                ),
+                self._sql(retry_later(self._rank_reset)),
                 *[list(c) for c in cols],
             )
         if d.released:
             await conn.execute(
-                self._sql(
-                    "UPDATE {s}.tasks SET state = 1, attempt = attempt - 1, worker_id = NULL, started_at = NULL,"
-                    f" lease_expires_at = NULL, {self._rank_keep} WHERE seq = ANY($1::bigint[])"
-                ),
+                self._sql(release_attempts(self._rank_keep)),
                 d.released,
             )
         if d.snoozed:
             await conn.execute(
-                self._sql(
-                    "UPDATE {s}.tasks t SET state = 1, run_at = u.run_at, attempt = t.attempt - 1,"
-                    " snoozes = t.snoozes + 1, worker_id = NULL, started_at = NULL, lease_expires_at = NULL,"
-                    f" {self._rank_reset} FROM unnest($1::bigint[], $2::bigint[]) AS u(run_at, seq) WHERE t.seq = u.seq"
-                ),
+                self._sql(snooze(self._rank_reset)),
                 *[list(c) for c in zip(*d.snoozed, strict=True)],
             )
         changes = d.changes
@@ -262,7 +222,7 @@ class Finish(Lease, Submit):
         prev = [State.RUNNING] * ended + [State.BLOCKED] * (len(changes) - ended)
         await self._record_events(conn, changes, prev, now)
         if any(state == State.PENDING for _, state in changes):
-            await conn.execute("SELECT pg_notify($1, '')", self.channel)
+            await conn.execute(NOTIFY, self.channel)
         return changes
 
     async def _unblock_dependents(
@@ -273,15 +233,7 @@ class Finish(Lease, Submit):
         if not (succeeded or ended) or self._nothing_blocked():
             return []  # no task waits for anything: nothing to unblock
         rows = await conn.fetch(
-            self._sql(
-                "WITH dec AS (SELECT d.task_seq, count(*) AS n FROM {s}.deps d"
-                " JOIN {s}.tasks w ON w.seq = d.task_seq WHERE w.state = 2"
-                " AND (d.dep_seq = ANY($1::bigint[]) OR (w.run_when = 2 AND d.dep_seq = ANY($2::bigint[])))"
-                " GROUP BY d.task_seq)"
-                " UPDATE {s}.tasks t SET blocked_on = t.blocked_on - dec.n,"
-                " state = CASE WHEN t.blocked_on - dec.n <= 0 THEN 1 ELSE 2 END"
-                " FROM dec WHERE t.seq = dec.task_seq AND t.state = 2 RETURNING t.seq, t.state"
-            ),
+            self._sql(UNBLOCK_DEPENDENTS),
             succeeded,
             list(ended),
         )
@@ -296,19 +248,13 @@ class Finish(Lease, Submit):
         while frontier:
             changes += await self._unblock_dependents(conn, [], frontier)
             rows = await conn.fetch(
-                self._sql(
-                    "SELECT d.task_seq, min(d.dep_seq) FROM {s}.deps d JOIN {s}.tasks t ON t.seq = d.task_seq"
-                    " WHERE d.dep_seq = ANY($1::bigint[]) AND t.state = 2 AND t.run_when <> 2 GROUP BY d.task_seq"
-                ),
+                self._sql(ENDING_DEPENDENTS),
                 frontier,
             )
             if not rows:
                 break
             await conn.execute(
-                self._sql(
-                    "UPDATE {s}.tasks t SET state = $1, error = u.error, finished_at = $2"
-                    " FROM unnest($3::bigint[], $4::text[]) AS u(seq, error) WHERE t.seq = u.seq AND t.state = 2"
-                ),
+                self._sql(END_DEPENDENTS),
                 int(state),
                 now,
                 [r[0] for r in rows],
@@ -322,16 +268,13 @@ class Finish(Lease, Submit):
         generation = self._blocked_generation
         if self._blocking_submits:
             return  # a BLOCKED task may be about to commit: this query could miss it
-        blocked = await conn.fetchval(self._sql("SELECT EXISTS (SELECT 1 FROM {s}.tasks WHERE state = 2)"))
+        blocked = await conn.fetchval(self._sql(ANY_BLOCKED))
         if not blocked:
             self._no_blocked_since = generation
 
     async def expire_leases(self, now: int) -> tuple[Changes, list[tuple[int, int]]]:
         async def expire(conn: asyncpg.Connection) -> tuple[Changes, list[tuple[int, int]]]:
-            sql = self._sql(
-                f"SELECT {OUTCOME_COLUMNS} FROM {{s}}.tasks WHERE state = 3 AND lease_expires_at < $1"
-                " FOR UPDATE SKIP LOCKED"
-            )
+            sql = self._sql(EXPIRED_LEASES)
             expired = [expired_outcome(tuple(r)) for r in await conn.fetch(sql, now)]
             changes = await self._apply_outcomes(conn, expired, now) if expired else []
             await self._check_blocked(conn)
@@ -341,7 +284,7 @@ class Finish(Lease, Submit):
 
 
 def _success_args(outcomes: list[Outcome]) -> tuple[list[Any], ...]:
-    """The arrays of _success_ctes, in order."""
+    """The arrays of finish_sql.success_ctes, in order."""
     return (
         [o.seq for o in outcomes],
         [o.attempt for o in outcomes],

@@ -8,6 +8,18 @@ import asyncpg
 
 from ..base import StoreOwnedElsewhere, StoreUnavailable, schema_too_new
 from .core import CONNECTION_ERRORS, STEP_SETTINGS, _Core
+from .schema_sql import (
+    APPLIED_VERSIONS,
+    CREATE_MIGRATIONS,
+    CREATE_SCHEMA,
+    MIGRATION_LOCK,
+    READ_META,
+    RECORD_MIGRATION,
+    SCHEMA_VERSION,
+    TABLE_ROWS,
+    TASKS_TABLE,
+    WRITE_META,
+)
 
 log = logging.getLogger("cronoq.store.postgres")
 
@@ -268,28 +280,22 @@ class Schema(_Core):
         except CONNECTION_ERRORS as err:
             raise StoreUnavailable(f"store unreachable: {err}") from None
         await self._tx(self._migrate, fenced=False)
-        sql = "SELECT greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass($1)"
-        self._analyzed_rows = await self._read(lambda c: c.fetchval(sql, self._sql("{s}.tasks")))
+        self._analyzed_rows = await self._read(lambda c: c.fetchval(TABLE_ROWS, self._sql(TASKS_TABLE)))
 
     async def _migrate(self, conn: asyncpg.Connection) -> None:
-        await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", f"cronoq-migrate:{self.schema}")
-        await conn.execute(self._sql("CREATE SCHEMA IF NOT EXISTS {s}"))
-        await conn.execute(
-            self._sql(
-                "CREATE TABLE IF NOT EXISTS {s}.migrations "
-                "(version int PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
-            )
-        )
-        applied = {r[0] for r in await conn.fetch(self._sql("SELECT version FROM {s}.migrations"))}
+        await conn.execute(MIGRATION_LOCK, f"cronoq-migrate:{self.schema}")
+        await conn.execute(self._sql(CREATE_SCHEMA))
+        await conn.execute(self._sql(CREATE_MIGRATIONS))
+        applied = {r[0] for r in await conn.fetch(self._sql(APPLIED_VERSIONS))}
         self._check_version(max(applied, default=0))
         for version in sorted(MIGRATIONS):
             if version in applied:
                 continue
             for statement in MIGRATIONS[version]:
                 await conn.execute(self._sql(statement))
-            await conn.execute(self._sql("INSERT INTO {s}.migrations (version) VALUES ($1)"), version)
+            await conn.execute(self._sql(RECORD_MIGRATION), version)
             log.info("schema %s: applied migration %d", self.schema, version)
-        meta = dict(await conn.fetch(self._sql("SELECT key, value FROM {s}.meta")))
+        meta = dict(await conn.fetch(self._sql(READ_META)))
         mine = {"shard_name": self.settings.shard_name, "shard_number": str(self.settings.shard_number)}
         if meta and any(meta.get(k) != v for k, v in mine.items()):
             raise StoreOwnedElsewhere(
@@ -297,14 +303,14 @@ class Schema(_Core):
                 f"not {mine['shard_name']!r} (number {mine['shard_number']})"
             )
         for k, v in mine.items():
-            await conn.execute(self._sql("INSERT INTO {s}.meta VALUES ($1, $2) ON CONFLICT DO NOTHING"), k, v)
+            await conn.execute(self._sql(WRITE_META), k, v)
 
     def _check_version(self, version: int) -> None:
         if version > max(MIGRATIONS):
             raise schema_too_new(f"schema {self.schema}", version, max(MIGRATIONS))
 
     async def check_schema(self) -> None:
-        sql = self._sql("SELECT max(version) FROM {s}.migrations")
+        sql = self._sql(SCHEMA_VERSION)
         self._check_version(await self._read(lambda c: c.fetchval(sql)) or 0)
 
     async def close(self) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import asyncpg
 
 from ...errors import not_found
-from ..base import EVENT_TASK_COLUMNS, KEY_RETURN_EXISTING, TERMINAL, Changes, NewTask, State, Submitted, TaskRow
+from ..base import KEY_RETURN_EXISTING, TERMINAL, Changes, NewTask, State, Submitted, TaskRow
 from ..fair import first_rank
 from ..logic import (
     check_dependency_bytes,
@@ -31,7 +31,23 @@ from ..logic import (
     trace_text,
 )
 from .core import CONNECTION_ERRORS, _Core
-from .sql import KEYED_ROWS, RELEASE_KEY, REPLACE, events_of
+from .core_sql import BY_SEQS
+from .sql import NOTIFY
+from .submit_sql import (
+    ANALYZE_TASKS,
+    INSERT_DEPS,
+    INSERT_PLAINS,
+    INSERT_TASKS,
+    KEYED_ROWS,
+    LOCK_DEPENDENCIES,
+    NEXT_SEQS,
+    RECORD_REQUEST,
+    RELEASE_KEY,
+    REPLACE,
+    REQUEST_CREATED,
+    UPDATE_REQUEST,
+    WAITING_BY_POOL,
+)
 
 log = logging.getLogger("cronoq.store.postgres")
 
@@ -112,7 +128,7 @@ class Submit(_Core):
         if result is not None:
             return result
         # A plain call repeating a recorded request_id: answer as the first time.
-        sql = self._sql("SELECT created FROM {s}.requests WHERE id = $1")
+        sql = self._sql(REQUEST_CREATED)
 
         async def replay(conn: asyncpg.Connection) -> list[Submitted]:
             created = await conn.fetchval(sql, request_id)
@@ -197,7 +213,7 @@ class Submit(_Core):
 
     async def _analyze(self) -> None:
         try:
-            await self._read(lambda c: c.execute(self._sql("ANALYZE {s}.tasks")))
+            await self._read(lambda c: c.execute(self._sql(ANALYZE_TASKS)))
         except Exception as err:  # not the table's owner, or the store is away: autovacuum will
             log.warning("could not analyze the tasks table: %s", err)
 
@@ -216,7 +232,7 @@ class Submit(_Core):
         raise AssertionError("unreachable")
 
     async def _replay(self, conn: asyncpg.Connection, created: str) -> list[Submitted]:
-        return replay_request(created, await self._select(conn, "seq = ANY($1::bigint[])", request_seqs(created)))
+        return replay_request(created, await self._select(conn, BY_SEQS, request_seqs(created)))
 
     async def _submit_plains(
         self, conn: asyncpg.Connection | None, ops: list[_SubmitOp]
@@ -230,30 +246,7 @@ class Submit(_Core):
         """
         tasks = [(i, op, t) for i, op in enumerate(ops, 1) for t in op.tasks]
         run_at = [keyed_run_at(t, op.now) for _, op, t in tasks]
-        # ids maps each input position to its sequence number, whatever order rows are inserted in.
-        sql = self._sql(
-            "WITH ids AS MATERIALIZED (SELECT n, nextval(pg_get_serial_sequence('{s}.tasks', 'seq')) AS seq"
-            " FROM generate_series(1, $10::int) AS n),"
-            " u AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::text[], $4::int[], $5::bigint[], $6::int[],"
-            " $7::text[], $12::bigint[], $15::text[], $16::bigint[], $13::int[], $8::bigint[], $17::text[],"
-            " $18::text[], $19::bigint[])"
-            " WITH ORDINALITY AS u(pool, payload, content_type, priority, run_at, max_attempts, resources, timeout_ms,"
-            " group_key, group_rank, op, now, res_key, trace, start_by, n)),"
-            " ops AS (SELECT * FROM unnest($11::text[], $14::bigint[]) WITH ORDINALITY AS o(rid, now, op)),"
-            " req AS (INSERT INTO {s}.requests (id, created, created_at)"
-            " SELECT o.rid, (SELECT json_agg(json_build_array(ids.seq, false, false) ORDER BY ids.n) FROM u"
-            " JOIN ids ON ids.n = u.n WHERE u.op = o.op)::text, o.now FROM ops o WHERE o.rid IS NOT NULL AND {fence}"
-            " ON CONFLICT (id) DO NOTHING RETURNING id),"
-            " ins AS (INSERT INTO {s}.tasks (seq, pool, payload, content_type, priority, run_at, max_attempts,"
-            " resources, state, created_at, timeout_ms, group_key, group_rank, res_key, trace, start_by)"
-            " SELECT ids.seq, u.pool, u.payload, u.content_type, u.priority, u.run_at, u.max_attempts,"
-            " u.resources, 1, u.now, u.timeout_ms, u.group_key, u.group_rank, u.res_key, u.trace, u.start_by"
-            " FROM u JOIN ids ON ids.n = u.n JOIN ops ON ops.op = u.op"
-            " WHERE {fence} AND (ops.rid IS NULL OR ops.rid IN (SELECT id FROM req))"
-            f" RETURNING seq, pool, created_at, {EVENT_TASK_COLUMNS}),"
-            f" ev AS ({events_of('1', '0', 'created_at', '0', 'ins ORDER BY seq')})"
-            " SELECT ids.n, ids.seq, (SELECT pg_notify($9, '')) FROM ins JOIN ids ON ids.seq = ins.seq"
-        )
+        sql = self._sql(INSERT_PLAINS)
         args = (
             [t.pool for _, _, t in tasks],
             [t.payload for _, _, t in tasks],
@@ -317,27 +310,21 @@ class Submit(_Core):
     ) -> tuple[list[Submitted], Changes]:
         if request_id is not None:
             # Recorded first: a concurrent call with the same request_id waits here for this one.
-            sql = self._sql(
-                "INSERT INTO {s}.requests (id, created, created_at) VALUES ($1, '[]', $2)"
-                " ON CONFLICT (id) DO NOTHING RETURNING 1"
-            )
+            sql = self._sql(RECORD_REQUEST)
             if await conn.fetchval(sql, request_id, now) is None:
-                created = await conn.fetchval(self._sql("SELECT created FROM {s}.requests WHERE id = $1"), request_id)
+                created = await conn.fetchval(self._sql(REQUEST_CREATED), request_id)
                 return await self._replay(conn, created), []
         by_key = await self._keyed(conn, tasks, now)
         dep_seqs = list({s for t in tasks for s in t.dep_seqs})
         dep_state: dict[int, State] = {}
         dep_bytes: dict[int, int] = {}  # of each dependency, its result's
         if dep_seqs:
-            sql = self._sql(
-                "SELECT seq, state, pool, coalesce(octet_length(result), 0) FROM {s}.tasks"
-                " WHERE seq = ANY($1::bigint[]) FOR SHARE"
-            )
+            sql = self._sql(LOCK_DEPENDENCIES)
             for r in await conn.fetch(sql, dep_seqs):
                 if visible is None or r[2] in visible:
                     dep_state[r[0]], dep_bytes[r[0]] = State(r[1]), r[3]
         fresh = sum(1 for t in tasks if t.key is None or t.key not in by_key or key_released(by_key[t.key], now))
-        seq_sql = self._sql("SELECT nextval(pg_get_serial_sequence('{s}.tasks', 'seq')) FROM generate_series(1, $1)")
+        seq_sql = self._sql(NEXT_SEQS)
         new_seqs = iter([r[0] for r in await conn.fetch(seq_sql, fresh)] if fresh else [])
         out: list[Submitted] = []
         changes: Changes = []
@@ -406,25 +393,13 @@ class Submit(_Core):
         if inserts:
             columns = list(zip(*inserts, strict=True))
             await conn.execute(
-                self._sql(
-                    "WITH ins AS (INSERT INTO {s}.tasks (seq, pool, key, payload, content_type, priority, run_at,"
-                    " max_attempts, depends_on, resources, state, error, created_at, finished_at, blocked_on,"
-                    " timeout_ms, group_key, group_rank, res_key, trace, parent_seq, run_when, start_by, key_ttl_ms)"
-                    " SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::int[],"
-                    " $7::bigint[], $8::int[], $9::text[], $10::text[], $11::smallint[], $12::text[], $13::bigint[],"
-                    " $14::bigint[], $15::int[], $16::bigint[], $17::text[], $18::bigint[], $19::text[], $20::text[],"
-                    " $21::bigint[], $22::smallint[], $23::bigint[], $24::bigint[])"
-                    f" RETURNING seq, pool, state, {EVENT_TASK_COLUMNS})"
-                    f" {events_of('state', '0', '$25::bigint', '0', 'ins ORDER BY seq')}"
-                ),
+                self._sql(INSERT_TASKS),
                 *[list(c) for c in columns],
                 now,
             )
         if dep_rows:
             await conn.execute(
-                self._sql(
-                    "INSERT INTO {s}.deps SELECT * FROM unnest($1::bigint[], $2::bigint[]) ON CONFLICT DO NOTHING"
-                ),
+                self._sql(INSERT_DEPS),
                 [a for a, _ in dep_rows],
                 [b for _, b in dep_rows],
             )
@@ -442,9 +417,9 @@ class Submit(_Core):
         if inserts:
             await self._check_limits(conn, [s.row.pool for s in out if not (s.deduplicated or s.replaced)])
         if any(state == State.PENDING for _, state in changes):  # a replaced task may be due sooner
-            await conn.execute("SELECT pg_notify($1, '')", self.channel)
+            await conn.execute(NOTIFY, self.channel)
         if request_id is not None:
-            sql = self._sql("UPDATE {s}.requests SET created = $2 WHERE id = $1")
+            sql = self._sql(UPDATE_REQUEST)
             await conn.execute(sql, request_id, encode_request(out))
         return out, changes
 
@@ -466,5 +441,5 @@ class Submit(_Core):
 
     async def _check_limits(self, conn: asyncpg.Connection, created: list[str]) -> None:
         if created and limits_apply(self.settings):
-            sql = self._sql("SELECT pool, count(*) FROM {s}.tasks WHERE state IN (1, 2) GROUP BY pool")
+            sql = self._sql(WAITING_BY_POOL)
             check_pending_limits(self.settings, {r[0]: r[1] for r in await conn.fetch(sql)}, created)
