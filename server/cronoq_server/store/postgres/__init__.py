@@ -7,8 +7,8 @@ write transaction first checks the term in the store under a share lock, so a de
 leader's writes fail instead of landing.
 
 One module a concern, each a mixin of PostgresStore over core._Core (the connection and
-transaction plumbing); the statements each one runs are in its <module>_sql.py, and the
-fragments several of them build on in sql.py.
+transaction plumbing); the statements each one runs are in sql/<module>.py, and the
+fragments several of them build on in sql/__init__.py.
 """
 
 from .bulk import Bulk
@@ -16,11 +16,11 @@ from .core import CONNECTION_ERRORS, STEP_SETTINGS, notify_channel, quote_ident
 from .events import READ_ROWS, Events, unbatched
 from .finish import Finish
 from .lease import Lease
-from .lease_sql import LEASE_SIZE
 from .maintenance import Maintenance
 from .reads import Reads
 from .schema import MIGRATIONS, Schema
 from .sql import INSERT_ATTEMPTS, T_EVENT_TASK_COLUMNS, WORKER_COLUMNS, events_of, insert_events
+from .sql.lease import LEASE_SIZE
 from .submit import (
     ANALYZE_AFTER_ROWS,
     ANALYZE_FIRST_ROWS,

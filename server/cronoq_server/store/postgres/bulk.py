@@ -6,7 +6,9 @@ import asyncpg
 
 from ..base import NOT_STARTED, Changes, State, TaskFilter, TaskRow
 from ..logic import WorkflowTree, decide_restore, decide_retry, descendants_changed, match_sql
-from .bulk_sql import (
+from .finish import Finish
+from .sql import _DIALECT, NOTIFY
+from .sql.bulk import (
     CANCEL_UNSTARTED,
     CHILDREN_AND_DEPENDENTS,
     DELETE_TASKS,
@@ -24,9 +26,7 @@ from .bulk_sql import (
     matching,
     retry_ended,
 )
-from .core_sql import BY_SEQ, BY_SEQS
-from .finish import Finish
-from .sql import _DIALECT, NOTIFY
+from .sql.core import BY_SEQ, BY_SEQS
 
 
 class Bulk(Finish):

@@ -14,7 +14,7 @@ from ...ids import make_task_id
 from ..base import Fenced, ScanTimedOut, StoreSettings, StoreUnavailable, TaskRow
 from ..fair import GroupRanks, rank_keep, rank_reset
 from ..logic import task_row
-from .core_sql import LEADER_TERM, LEADER_TERM_FOR_SHARE, select_tasks, term_holds
+from .sql.core import LEADER_TERM, LEADER_TERM_FOR_SHARE, select_tasks, term_holds
 
 if TYPE_CHECKING:
     from .submit import _SubmitOp

@@ -11,7 +11,7 @@ import asyncpg
 from ..base import COUNTED_COLUMNS, EVENT_COLUMNS, Changes, EventColumns, EventRow, State
 from ..logic import event_row
 from .core import _Core
-from .events_sql import (
+from .sql.events import (
     EVENT_BOUNDS,
     LAST_POS_FOR_UPDATE,
     NUMBER_BATCH,

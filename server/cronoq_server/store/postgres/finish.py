@@ -18,7 +18,9 @@ from ..logic import (
     spawn_refused,
     task_row,
 )
-from .finish_sql import (
+from .lease import Lease, _carried
+from .sql import NOTIFY
+from .sql.finish import (
     ANY_BLOCKED,
     END_DEPENDENTS,
     END_TASKS,
@@ -34,8 +36,6 @@ from .finish_sql import (
     retry_later,
     snooze,
 )
-from .lease import Lease, _carried
-from .sql import NOTIFY
 from .submit import Submit
 
 

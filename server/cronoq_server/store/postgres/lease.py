@@ -31,7 +31,7 @@ from ..logic import (
     task_row,
 )
 from .events import Events
-from .lease_sql import (
+from .sql.lease import (
     EXTEND_LEASES,
     FAIR_CANDIDATES,
     FAIR_TAKE_CTES,

@@ -18,7 +18,7 @@ from ..logic import (
     schedule_row,
     schedule_values,
 )
-from .maintenance_sql import (
+from .sql.maintenance import (
     DELETE_SCHEDULE,
     DEREGISTER_WORKER,
     DUE_SCHEDULES,

@@ -7,8 +7,9 @@ import asyncpg
 from ..base import AttemptRow, DependencyRow, State, TaskFilter, TaskRow
 from ..logic import attempt_row, list_filter, match_sql, scans_far
 from .core import _Core
-from .core_sql import BY_KEY, BY_SEQ, BY_SEQS
-from .reads_sql import (
+from .sql import _DIALECT
+from .sql.core import BY_KEY, BY_SEQ, BY_SEQS
+from .sql.reads import (
     ATTEMPTS,
     COUNT_BY_POOL_AND_STATE,
     DEPENDENCY_ROWS,
@@ -16,7 +17,6 @@ from .reads_sql import (
     OLDEST_DUE_PENDING,
     PENDING_BY_GROUP,
 )
-from .sql import _DIALECT
 
 
 class Reads(_Core):

@@ -8,7 +8,7 @@ import asyncpg
 
 from ..base import StoreOwnedElsewhere, StoreUnavailable, schema_too_new
 from .core import CONNECTION_ERRORS, STEP_SETTINGS, _Core
-from .schema_sql import (
+from .sql.schema import (
     APPLIED_VERSIONS,
     CREATE_MIGRATIONS,
     CREATE_SCHEMA,

@@ -31,9 +31,9 @@ from ..logic import (
     trace_text,
 )
 from .core import CONNECTION_ERRORS, _Core
-from .core_sql import BY_SEQS
 from .sql import NOTIFY
-from .submit_sql import (
+from .sql.core import BY_SEQS
+from .sql.submit import (
     ANALYZE_TASKS,
     INSERT_DEPS,
     INSERT_PLAINS,

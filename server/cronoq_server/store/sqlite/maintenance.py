@@ -52,7 +52,8 @@ class Maintenance(Submit):
     def _purge(self, db: sqlite3.Connection, now: int, limit: int) -> int:
         found: list[tuple[int, int]] = []  # (finished_at, seq)
         for pool, states, keep in retained(self.settings):
-            found += db.execute(past_retention(states), (pool, now - keep, limit)).fetchall()
+            for state in states.split(", "):
+                found += db.execute(past_retention(state), (pool, now - keep, limit)).fetchall()
         victims = [seq for _, seq in sorted(found)[:limit]]
         for chunk in _chunks(victims):
             for delete in (delete_deps, delete_attempts):

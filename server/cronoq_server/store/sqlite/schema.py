@@ -189,14 +189,15 @@ MIGRATIONS: dict[int, str] = {
     """,
     # Key modes and start deadlines: a task's start_by (it ends EXPIRED, state 7, unless an
     # attempt starts before), how long its key is held after it ended, and the key it had once
-    # that hold is over (key NULL: the key names a newer task).
+    # that hold is over (key NULL: the key names a newer task). Ended tasks by pool, state and
+    # end: retention reads each pool's oldest of a state as one index range.
     12: """
     ALTER TABLE tasks ADD COLUMN start_by INTEGER;
     ALTER TABLE tasks ADD COLUMN key_ttl_ms INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE tasks ADD COLUMN released_key TEXT;
     CREATE INDEX IF NOT EXISTS tasks_start_by ON tasks (start_by) WHERE start_by IS NOT NULL AND state IN (1, 2);
     DROP INDEX IF EXISTS tasks_finished;
-    CREATE INDEX tasks_finished ON tasks (finished_at) WHERE state IN (4, 5, 6, 7);
+    CREATE INDEX tasks_finished ON tasks (pool, state, finished_at) WHERE state IN (4, 5, 6, 7);
     """,
 }
 

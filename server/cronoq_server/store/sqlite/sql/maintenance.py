@@ -5,10 +5,10 @@ from __future__ import annotations
 from ...logic import POOL_PAUSE_COLUMNS, POOL_PAUSE_UPSERT, SCHEDULE_COLUMNS, SCHEDULE_UPSERT
 from . import marks
 
-# The oldest ended tasks of a pool in some states (pool, finished before, how many): the partial
-# index of ended tasks, in finished_at order (its own condition first, so the planner takes it).
+# The oldest ended tasks of a pool in one state (pool, finished before, how many): one range of
+# the partial index of ended tasks (its own condition first, so the planner takes it).
 _PAST_RETENTION = (
-    "SELECT finished_at, seq FROM tasks INDEXED BY tasks_finished WHERE state IN (4, 5, 6, 7) AND state IN ({states})"
+    "SELECT finished_at, seq FROM tasks INDEXED BY tasks_finished WHERE state IN (4, 5, 6, 7) AND state = {state}"
     " AND pool = ? AND finished_at < ? ORDER BY finished_at LIMIT ?"
 )
 # The requests recorded before a time.
@@ -41,9 +41,9 @@ FIRE_SCHEDULE = (
 )
 
 
-def past_retention(states: str) -> str:
-    """_PAST_RETENTION of the states given (logic.retained's, as SQL)."""
-    return _PAST_RETENTION.format(states=states)
+def past_retention(state: str) -> str:
+    """_PAST_RETENTION of one state (one of logic.retained's, as SQL)."""
+    return _PAST_RETENTION.format(state=state)
 
 
 def delete_tasks(seqs: int) -> str:

@@ -1,10 +1,10 @@
 """The SQL fragments statements of several modules build on: column lists, predicates, CTEs and
-the event log's insert. Each module's statements are in its <module>_sql.py."""
+the event log's insert. Each module's statements are in sql/<module>.py."""
 
 from __future__ import annotations
 
-from ..base import ATTEMPT_COLUMNS, EVENT_COLUMNS, EVENT_TASK_COLUMNS
-from ..logic import Dialect
+from ...base import ATTEMPT_COLUMNS, EVENT_COLUMNS, EVENT_TASK_COLUMNS
+from ...logic import Dialect
 
 _DIALECT = Dialect(
     mark=lambda n: f"${n}",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..base import ATTEMPT_COLUMNS
+from ...base import ATTEMPT_COLUMNS
 
 # The dependents of task $1 (seq and pool), in seq order, at most $2.
 DEPENDENTS = (

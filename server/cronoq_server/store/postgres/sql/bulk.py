@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .sql import DELETE_WITH_TASKS
+from . import DELETE_WITH_TASKS
 
 # The children (parent_seq) and dependents of the tasks $1: seq and pool.
 CHILDREN_AND_DEPENDENTS = (

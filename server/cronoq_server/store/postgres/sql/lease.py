@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from ...core.limits import MAX_TIMEOUT_MS
-from ..base import TASK_COLUMNS
-from ..fair import RANK_BATCH
-from ..logic import HEARTBEAT_COLUMNS
-from .sql import _ONCE, events_of, startable
+from ....core.limits import MAX_TIMEOUT_MS
+from ...base import TASK_COLUMNS
+from ...fair import RANK_BATCH
+from ...logic import HEARTBEAT_COLUMNS
+from . import _ONCE, events_of, startable
 
 # TASK_COLUMNS of tasks t.
 T_TASK_COLUMNS = ", ".join(f"t.{c.strip()}" for c in TASK_COLUMNS.split(","))

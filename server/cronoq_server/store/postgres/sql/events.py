@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .sql import T_EVENT_TASK_COLUMNS, insert_events
+from . import T_EVENT_TASK_COLUMNS, insert_events
 
 # An event per task $1[i] at $2, with the state it left $3[i] and the task as it is now.
 RECORD_EVENTS = insert_events(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..logic import POOL_PAUSE_COLUMNS, POOL_PAUSE_UPSERT, SCHEDULE_COLUMNS, SCHEDULE_UPSERT
-from .sql import DELETE_WITH_TASKS, WORKER_COLUMNS
+from ...logic import POOL_PAUSE_COLUMNS, POOL_PAUSE_UPSERT, SCHEDULE_COLUMNS, SCHEDULE_UPSERT
+from . import DELETE_WITH_TASKS, WORKER_COLUMNS
 
 
 def purge_sql(groups: list[str]) -> str:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..base import EVENT_TASK_COLUMNS, TASK_COLUMNS
-from .sql import T_EVENT_TASK_COLUMNS, events_of
+from ...base import EVENT_TASK_COLUMNS, TASK_COLUMNS
+from . import T_EVENT_TASK_COLUMNS, events_of
 
 # What request $1 created (encode_request's text), if it was recorded.
 REQUEST_CREATED = "SELECT created FROM {s}.requests WHERE id = $1"

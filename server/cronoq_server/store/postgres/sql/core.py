@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..base import TASK_COLUMNS
+from ...base import TASK_COLUMNS
 
 # The store's leadership term, share-locked: a write transaction's first statement when fenced.
 LEADER_TERM_FOR_SHARE = "SELECT term FROM {s}.leader WHERE id = 1 FOR SHARE"

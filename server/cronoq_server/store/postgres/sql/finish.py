@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..base import AttemptOutcome
-from ..logic import OUTCOME_COLUMNS
-from .sql import _ONCE, INSERT_ATTEMPTS, T_EVENT_TASK_COLUMNS, events_of
+from ...base import AttemptOutcome
+from ...logic import OUTCOME_COLUMNS
+from . import _ONCE, INSERT_ATTEMPTS, T_EVENT_TASK_COLUMNS, events_of
 
 
 def success_ctes(first: int, now: str, worker: str) -> str:
