@@ -197,3 +197,30 @@ async def test_the_tasks_table_is_analyzed_after_its_first_submissions_and_after
             await asyncio.sleep(0.1)
         else:
             raise AssertionError(f"the tasks table was not analyzed after {burst} submissions")
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+async def test_a_burst_beside_many_ended_tasks_is_analyzed(open_store: Any) -> None:
+    """Ended tasks make a large table: the analyzer compares submissions with the PENDING tasks,
+    not with the table's rows (beside 1,000,000 ended tasks, 100,000 submissions were leased
+    with a plan for no PENDING task, and drained at a third of their rate on an empty store)."""
+    store: Any = await open_store()
+    ended = (
+        "INSERT INTO {s}.tasks (pool, payload, run_at, max_attempts, state, created_at, finished_at)"
+        " SELECT 'default', ''::bytea, 0, 1, 4, 0, 0 FROM generate_series(1, 30000)"
+    )
+    await store._read(lambda c: c.execute(store._sql(ended)))
+    await store._read(lambda c: c.execute(store._sql("ANALYZE {s}.tasks")))
+    await store.close()
+    store = await open_store()  # as a server started on such a store
+    await store.submit([grouped("a") for _ in range(ANALYZE_AFTER_ROWS)], T0)
+    pending_seen = (  # the statistics know of PENDING tasks (state 1 among the most common values)
+        "SELECT count(*) FROM pg_stats WHERE schemaname = $1 AND tablename = 'tasks' AND attname = 'state'"
+        " AND '1' = ANY(most_common_vals::text::text[])"
+    )
+    for _ in range(100):
+        if await store._read(lambda c: c.fetchval(pending_seen, store.schema)):
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("the tasks table was not analyzed after a burst beside ended tasks")

@@ -95,7 +95,7 @@ class _Core:
         # wait (up to MAX_GROUP) into one transaction, each in its own savepoint.
         self._submits: deque[_SubmitOp] = deque()
         self._committer: asyncio.Task[None] | None = None
-        self._analyzed_rows = 0  # the table's size when last analyzed (pg_class.reltuples at open)
+        self._analyzed_rows = 0  # PENDING tasks when last analyzed (counted at open, then grown by submissions)
         self._submitted_since = 0  # tasks submitted since
         self._analyzer: asyncio.Task[None] | None = None
         # The leader's, used on its event loop (store/fair.py).

@@ -13,11 +13,10 @@ from .sql.schema import (
     CREATE_MIGRATIONS,
     CREATE_SCHEMA,
     MIGRATION_LOCK,
+    PENDING_ROWS,
     READ_META,
     RECORD_MIGRATION,
     SCHEMA_VERSION,
-    TABLE_ROWS,
-    TASKS_TABLE,
     WRITE_META,
 )
 
@@ -280,7 +279,7 @@ class Schema(_Core):
         except CONNECTION_ERRORS as err:
             raise StoreUnavailable(f"store unreachable: {err}") from None
         await self._tx(self._migrate, fenced=False)
-        self._analyzed_rows = await self._read(lambda c: c.fetchval(TABLE_ROWS, self._sql(TASKS_TABLE)))
+        self._analyzed_rows = await self._read(lambda c: c.fetchval(self._sql(PENDING_ROWS)))
 
     async def _migrate(self, conn: asyncpg.Connection) -> None:
         await conn.execute(MIGRATION_LOCK, f"cronoq-migrate:{self.schema}")

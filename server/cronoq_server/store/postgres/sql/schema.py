@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 # The estimated rows of table $1 (0 when never analyzed).
-TABLE_ROWS = "SELECT greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass($1)"
-TASKS_TABLE = "{s}.tasks"
+# The PENDING tasks (up to 1,000,000: what the analyzer compares submissions with), by tasks_due.
+PENDING_ROWS = "SELECT count(*) FROM (SELECT 1 FROM {s}.tasks WHERE state = 1 LIMIT 1000000) AS p"
 
 # Migrations of schema $1 (its name, hashed) go one at a time, until this transaction ends.
 MIGRATION_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))"
