@@ -66,10 +66,12 @@ from .tasks import Tasks, now_us
 log = logging.getLogger("cronoq.leases")
 # The expired leases of one sweep logged one line each (with task_id), at most.
 LOGGED_EXPIRIES = 100
-# Retention deletes at most this many tasks a transaction, and pauses between (the hot path
-# meanwhile waits for one batch at most); the start_by sweep ends at most this many a transaction.
-PURGE_BATCH = 1000
-PURGE_PAUSE_S = 0.05
+# Retention deletes at most this many tasks a transaction (a call that meets one waits for it,
+# about a ms), and pauses between, at least PURGE_DUTY times as long as the batch took (it takes
+# a fifth of the store's time at most); the start_by sweep ends at most EXPIRE_BATCH a transaction.
+PURGE_BATCH = 500
+PURGE_PAUSE_S = 0.01
+PURGE_DUTY = 4.0
 EXPIRE_BATCH = 1000
 
 
@@ -780,12 +782,13 @@ class Leases:
         own short transaction), pausing between batches so the hot path never waits long."""
         purged, started = 0, time.monotonic()
         while True:
+            batch_started = time.monotonic()
             n = await self._store.purge(now_us(), PURGE_BATCH)
             purged += n
             TASKS_PURGED.inc(n)
             if n < PURGE_BATCH:
                 break
-            await asyncio.sleep(PURGE_PAUSE_S)
+            await asyncio.sleep(max(PURGE_PAUSE_S, PURGE_DUTY * (time.monotonic() - batch_started)))
         if purged:
             log.info("purged %d task(s) past retention in %.1fs", purged, time.monotonic() - started)
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 from ...logic import POOL_PAUSE_COLUMNS, POOL_PAUSE_UPSERT, SCHEDULE_COLUMNS, SCHEDULE_UPSERT
 from . import DELETE_WITH_TASKS, WORKER_COLUMNS
 
+# A transaction whose commit does not wait for the WAL to reach the disk.
+SKIP_FLUSH = "SET LOCAL synchronous_commit = off"
+
 
 def purge_sql(groups: list[str]) -> str:
     """The statement that deletes up to $1 ended tasks past retention, oldest finished first,
