@@ -681,6 +681,10 @@ def test_a_certificate_caller_reads_only_the_receiving_shard(tmp_path: Path, sta
             except grpc.RpcError:
                 assert time.monotonic() < deadline and proc.proc.poll() is None, proc.log()  # type: ignore[union-attr]
                 time.sleep(0.1)
+    # cpu's first read above may have tried gpu before gpu listened: its channel retries within 2 s.
+    while cpu.tasks.ListTasks(tpb.ListTasksRequest(), metadata=bearer("full"), timeout=TIMEOUT).unavailable_shards:
+        assert time.monotonic() < deadline, procs[0].log()  # type: ignore[union-attr]
+        time.sleep(0.1)
 
     mine = cpu.tasks.SubmitTask(tpb.SubmitTaskRequest(pool="default", key="k"), timeout=TIMEOUT).task  # by certificate
     theirs = submit(cpu, "llm", key="k").task  # by token: forwarded over mTLS
