@@ -90,6 +90,7 @@ def insert_history(server: BenchServer, n: int, ended_ago_s: int) -> float:
                 # As a store that has lived with these rows: statistics, and hint bits set.
                 await db.execute(f"VACUUM ANALYZE {s}.tasks")
                 await db.execute(f"VACUUM ANALYZE {s}.attempts")
+                await db.execute("CHECKPOINT")  # its writes are not flushed while the probe is timed
             finally:
                 await db.close()
 
