@@ -81,6 +81,12 @@ PURGE_DUTY_BEHIND = 19.0
 EXPIRE_BATCH = 1000
 
 
+def purge_pause(batch_s: float, running_s: float) -> float:
+    """The pause after a purge batch that took batch_s, in a purge running for running_s."""
+    duty = PURGE_DUTY if running_s < PURGE_BEHIND_S else PURGE_DUTY_BEHIND
+    return max(PURGE_PAUSE_S, duty * batch_s)
+
+
 MAX_LEASE_BATCH = 1000
 # One step of a Work stream answers the messages received up to this many entries (a message,
 # its outcomes, its heartbeat's attempts; one message at least); its reader stops reading (gRPC's
@@ -794,8 +800,7 @@ class Leases:
             TASKS_PURGED.inc(n)
             if n < PURGE_BATCH:
                 break
-            duty = PURGE_DUTY if batch_started - started < PURGE_BEHIND_S else PURGE_DUTY_BEHIND
-            await asyncio.sleep(max(PURGE_PAUSE_S, duty * (time.monotonic() - batch_started)))
+            await asyncio.sleep(purge_pause(time.monotonic() - batch_started, batch_started - started))
         if purged:
             log.info("purged %d task(s) past retention in %.1fs", purged, time.monotonic() - started)
 
