@@ -27,6 +27,8 @@ except ImportError:  # the otel extra is not installed: nothing is traced
 else:
     ENABLED = True
     _PROPAGATOR = TraceContextTextMapPropagator()
+    # The global provider before one is set (the proxy), or the API's no-op: their spans record nothing.
+    _RECORDS_NOTHING = (otel_trace.ProxyTracerProvider, otel_trace.NoOpTracerProvider)
 
 TRACER_NAME = "cronoq"
 # TaskOutcome's oneof cases, each the span's cronoq.task.outcome as it is.
@@ -75,6 +77,11 @@ def start_task_span(task: task_pb2.Task) -> Any:
     if not ENABLED:
         return None
     remote = _remote(task.trace) if task.HasField("trace") else None
+    if isinstance(otel_trace.get_tracer_provider(), _RECORDS_NOTHING):  # no span object to make
+        if remote is not None and not task.trace.link:
+            return otel_trace.NonRecordingSpan(remote)
+        # A new root: the worker's own span context, if it has one, is not the handler's.
+        return otel_trace.INVALID_SPAN if otel_trace.get_current_span().get_span_context().is_valid else None
     links = None
     if remote is not None and not task.trace.link:  # the submitting span is the parent
         parent_span = otel_trace.NonRecordingSpan(remote)

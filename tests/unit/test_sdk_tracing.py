@@ -63,12 +63,13 @@ class InvalidSpanTracerProvider(trace.NoOpTracerProvider):
         return InvalidSpanTracer()
 
 
-@pytest.fixture(params=["no-op", "invalid-span"])
+@pytest.fixture(params=["unset", "no-op", "invalid-span"])
 def no_provider(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No tracer provider installed: the API's no-op, as this version or an older one has it."""
-    set_global_provider(
-        monkeypatch, trace.NoOpTracerProvider() if request.param == "no-op" else InvalidSpanTracerProvider()
-    )
+    """No tracer provider installed: none set (the API's proxy), or the API's no-op, as this
+    version or an older one has it."""
+    monkeypatch.delenv("OTEL_PYTHON_TRACER_PROVIDER", raising=False)
+    providers = {"unset": None, "no-op": trace.NoOpTracerProvider(), "invalid-span": InvalidSpanTracerProvider()}
+    set_global_provider(monkeypatch, providers[request.param])  # type: ignore[arg-type]
 
 
 def handler_spans(exporter: InMemorySpanExporter) -> list[ReadableSpan]:
