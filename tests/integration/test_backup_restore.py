@@ -21,6 +21,7 @@ import pytest
 from _helpers import Api
 from conftest import ServerProcess  # type: ignore[import-not-found]
 from pgserver import find_bin_dir
+from preconditions import missing  # type: ignore[import-not-found]
 from test_operations import cli_backup, list_all
 from test_sharding_faults import fresh_database, pg_fetch
 
@@ -146,7 +147,7 @@ def test_backup_temporary_file_is_its_own(tmp_path: Path) -> None:
 def small_disk(tmp_path: Path) -> Any:
     """A 64 KiB tmpfs (mounting needs root)."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
+        missing("mounting a small tmpfs needs root")
     folder = tmp_path / "small"
     folder.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)], check=True, timeout=30)
