@@ -62,7 +62,9 @@ def run_worker(
                     spent[1] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 worker.stop()
 
-        worker = cronoq.Worker(endpoint, "default", noop, concurrency=concurrency, prefetch=prefetch, **options)
+        worker = cronoq.Worker(
+            endpoint, "default", noop, concurrency=concurrency, prefetch=None if prefetch < 0 else prefetch, **options
+        )
         await worker.run()
 
     try:
@@ -82,7 +84,9 @@ ROOT = Path(__file__).parent.parent
 def run_sdk_worker(sdk: str, endpoint: str, concurrency: int, prefetch: int, total: int) -> tuple[float, float]:
     """Another SDK's worker drains the tasks (bench/go-worker, bench/ts-worker, sdk-rust's
     example bench_drain): (seconds from its start, from the spawn)."""
-    flags = {"endpoint": endpoint, "tasks": str(total), "concurrency": str(concurrency), "prefetch": str(prefetch)}
+    flags = {"endpoint": endpoint, "tasks": str(total), "concurrency": str(concurrency)}
+    if prefetch >= 0:  # else the SDK's default
+        flags["prefetch"] = str(prefetch)
     if sdk == "rust":
         manifest = ROOT / "sdk-rust" / "Cargo.toml"
         build = [
@@ -158,7 +162,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tasks", type=int, default=20_000)
     ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--prefetch", type=int, default=0, help="tasks the worker holds beyond its concurrency")
+    ap.add_argument(
+        "--prefetch", type=int, default=-1, help="tasks the worker holds beyond its concurrency (-1: its SDK's default)"
+    )
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--secure", action="store_true", help="TLS on both sides and a bearer token")

@@ -66,6 +66,18 @@ TRANSIENT = (Unavailable, Cancelled, DeadlineExceeded, Internal, Unknown)
 MAX_FINISH_BATCH = 1000
 # The most tasks a worker holds (concurrency + prefetch): the credits a Work stream may carry.
 MAX_HELD = 100_000
+# A worker's default prefetch, in tasks a slot (at concurrency 64 on PostgreSQL, no-op tasks:
+# prefetch 64 drains at 0.8x prefetch 256, and 1,024 no faster than 256).
+PREFETCH_PER_SLOT = 4
+
+
+def default_prefetch(concurrency: int) -> int:
+    """A worker's prefetch when none is given: PREFETCH_PER_SLOT tasks a slot (fewer when
+    both would pass MAX_HELD). The server sends it beyond its free slots only what it starts
+    within about a step (WorkRequest.slots), so a worker with slow handlers holds nothing."""
+    return min(PREFETCH_PER_SLOT * concurrency, MAX_HELD - concurrency)
+
+
 MiB = 1 << 20
 # What a server that does not say otherwise (RegisterWorkerResponse fields left 0) allows.
 DEFAULT_MAX_RESULT_BYTES = 4 * MiB
@@ -333,7 +345,7 @@ class Worker:
         handler: Handler,
         *,
         concurrency: int = 16,
-        prefetch: int = 0,
+        prefetch: int | None = None,
         name: str | None = None,
         token: str | None = None,
         tls: TlsConfig | None = None,
@@ -346,6 +358,8 @@ class Worker:
     ):
         if concurrency < 1:
             raise ValueError(f"concurrency: {concurrency} must be at least 1")
+        if prefetch is None:
+            prefetch = default_prefetch(concurrency)
         if prefetch < 0 or concurrency + prefetch > MAX_HELD:
             raise ValueError(f"prefetch: {prefetch} must be at least 0, and concurrency + prefetch at most {MAX_HELD}")
         self._conn = Connection(
@@ -597,7 +611,9 @@ class Worker:
         self._closed = False
         held = len(self._running) + len(self._held)
         free = 0 if self._stopping.is_set() else self.concurrency + self.prefetch - held
-        first = pb.WorkRequest(worker_id=self.worker_id, credits=free, max_bytes=self.lease_bytes)
+        first = pb.WorkRequest(
+            worker_id=self.worker_id, credits=free, max_bytes=self.lease_bytes, slots=self.concurrency
+        )
         if self._outcomes:
             self._wake.set()  # sent right after the first message
         sender = asyncio.create_task(self._send_loop(call, first))

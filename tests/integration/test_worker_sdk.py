@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import types
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -209,8 +210,16 @@ async def test_prefetch_runs_every_task_once_and_at_most_concurrency_at_once(sta
     assert {(S.Name(t.state), t.attempt) for t in tasks} == {("TASK_STATE_SUCCEEDED", 1)}
 
 
-async def test_a_prefetched_task_whose_timeout_runs_out_while_held_fails_without_running(start_server):
+async def test_a_prefetched_task_whose_timeout_runs_out_while_held_fails_without_running(start_server, monkeypatch):
+    # A worker that gives no slots (as one predating WorkRequest.slots) is sent every credit,
+    # so it holds the second task behind the first's handler.
     server = start_server({"pools": [{"name": "held", "lease_ttl": "30s", "max_attempts": 1}]})
+    pb = cronoq.worker.pb
+    monkeypatch.setattr(
+        cronoq.worker,
+        "pb",
+        types.SimpleNamespace(**{**vars(pb), "WorkRequest": lambda **kw: pb.WorkRequest(**{**kw, "slots": 0})}),
+    )
     seen: list[int] = []
 
     async def handle(task: cronoq.TaskContext) -> str:
@@ -229,6 +238,48 @@ async def test_a_prefetched_task_whose_timeout_runs_out_while_held_fails_without
     assert done.task.state == S.Value("TASK_STATE_FAILED"), S.Name(done.task.state)
     assert done.task.error in ("lease expired", "timed out after 300 ms, before it could start"), done.task.error
     assert seen == [first]
+
+
+@pytest.mark.parametrize("slow_first", [True, False], ids=["slow-first", "both-waiting"])
+async def test_a_slow_worker_holds_nothing_a_fast_one_could_start(start_server, slow_first):
+    # Both with the default prefetch (4 tasks a slot). The slow worker is sent its free slots
+    # and nothing beyond them (it starts nothing within a step), so every other task goes to the
+    # fast one at once rather than waiting a second behind the slow one's handlers.
+    server = start_server({"pools": [{"name": "mixed"}]})
+    slow_ran: list[int] = []
+    fast_ran: list[int] = []
+
+    async def slow(task: cronoq.TaskContext) -> None:
+        slow_ran.append(task.id)
+        await asyncio.sleep(1.5)
+
+    async def fast(task: cronoq.TaskContext) -> None:
+        fast_ran.append(task.id)
+
+    slow_worker, fast_worker = (
+        worker(server, "mixed", slow, concurrency=2),
+        worker(server, "mixed", fast, concurrency=2),
+    )
+    assert slow_worker.prefetch == fast_worker.prefetch == 8
+    async with cronoq.Client(server.endpoint) as client, running(slow_worker) as slow_run:
+        await until(lambda: slow_worker.worker_id, slow_run, 10, "the slow worker registered")
+        if not slow_first:
+            await asyncio.sleep(0.2)  # its Work stream waits for tasks
+        async with contextlib.AsyncExitStack() as stack:
+            if not slow_first:
+                fast_run = await stack.enter_async_context(running(fast_worker))
+                await until(lambda: fast_worker.worker_id, fast_run, 10, "the fast worker registered")
+                await asyncio.sleep(0.2)
+            ids = [t.id for t in (await client.submit_batch([cronoq.task_spec("mixed", {}) for _ in range(20)])).tasks]
+            if slow_first:
+                await until(lambda: slow_ran, slow_run, 10, "the slow worker started a task")
+                fast_run = await stack.enter_async_context(running(fast_worker))
+            # Everything the slow worker does not run ends well before its first handler does.
+            await until(
+                lambda: len(fast_ran) == len(ids) - len(slow_ran), fast_run, 1.2, "the fast worker ran the rest"
+            )
+    assert 1 <= len(slow_ran) <= 2 if slow_first else len(slow_ran) <= 2, slow_ran
+    assert sorted(slow_ran + fast_ran) == sorted(ids)
 
 
 def test_prefetch_is_checked():

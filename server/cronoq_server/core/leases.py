@@ -94,6 +94,14 @@ MAX_LEASE_BATCH = 1000
 # flow control then holds the worker back) while more than WORK_BACKLOG wait.
 WORK_STEP_ENTRIES = MAX_OUTCOMES
 WORK_BACKLOG = 4 * MAX_OUTCOMES
+# A worker that gives its slots (WorkRequest.slots) holds beyond them, of the credits it gives,
+# at most what it starts within HOLD_STEPS of its steps: its tasks reported a second (over the
+# last PACE_WINDOW_S or more) times a step's time, smoothed by STEP_SMOOTHING. Enough held
+# tasks to cover the round trip of the next step; none for a worker whose handlers are slow,
+# so a task never waits behind them while another worker could start it.
+HOLD_STEPS = 2.0
+PACE_WINDOW_S = 0.1
+STEP_SMOOTHING = 0.25
 MAX_LEASE_WAIT_MS = 60_000
 # A lease reply holds at most this many bytes of tasks (below the SDKs' 64 MiB receive limit);
 # a worker may ask for less with max_bytes. A single larger task is still leased alone.
@@ -520,6 +528,7 @@ class Leases:
         _check_counts(first)
         pools = self._lease_pools(worker, first.pools)
         max_bytes = min(first.max_bytes or MAX_LEASE_BYTES, MAX_LEASE_BYTES)
+        check_range("slots", first.slots, WORKER_CONCURRENCY)
         inbox = _WorkInbox(worker.id, first)
         reader = asyncio.create_task(inbox.read(requests))
         loop = asyncio.get_running_loop()
@@ -529,8 +538,16 @@ class Leases:
         most_steps = self._store.work_steps
         credits = 0  # given by the worker, not yet used or reserved by a step
         chunk = 1  # the most one step leases: a share of the most credits seen
-        # The steps under way, each with the waiter registered before its lease, and its limit.
-        steps: dict[asyncio.Task[tuple[pb.WorkResponse, float]], tuple[LeaseWaiter | None, int]] = {}
+        pace = _Pace(first.slots, loop.time())
+        # The steps under way, each with the waiter registered before its lease, its limit and
+        # when it began.
+        steps: dict[asyncio.Task[tuple[pb.WorkResponse, float]], tuple[LeaseWaiter | None, int, float]] = {}
+
+        def room() -> int:
+            """Of the credits, what the worker may be sent now (see _Pace)."""
+            reserved = sum(limit for _, limit, _ in steps.values())
+            return pace.room(credits, len(stream.running) + reserved, loop.time())
+
         look_again_at: float | None = None  # set: the last lease found less than it asked for
         unused_wake: tuple[str, ...] = ()  # the pools of a wake taken and not yet used by a lease
         try:
@@ -549,23 +566,24 @@ class Leases:
                 # another worker).
                 leasing = leading and not stream.silent and not inbox.closed and not inbox.closing
                 may_lease = leasing and look_again_at is None
-                if len(steps) < most_steps and (inbox.waiting or (credits and may_lease)):
+                if len(steps) < most_steps and (inbox.waiting or (may_lease and room())):
                     received = inbox.take()
                     stream.heard(received)
+                    pace.reported(sum(len(r.outcomes) for r in received), loop.time())
                     credits += sum(r.credits for r in received)
                     if credits > MAX_WORK_CREDITS:
                         raise invalid(f"credits: {credits} given and not used, more than {MAX_WORK_CREDITS}")
                     chunk = max(chunk, -(-credits // most_steps))
                     # Outcomes may free what a task waits for (a resource's slot): lease with them.
                     reported = leasing and any(r.outcomes for r in received)
-                    limit = min(credits, chunk, MAX_LEASE_BATCH) if may_lease or reported else 0
+                    limit = min(room(), chunk, MAX_LEASE_BATCH) if may_lease or reported else 0
                     credits -= limit
                     if limit:
                         unused_wake = ()
                     if limit and stream.waiter is None:
                         stream.waiter = self._events.lease_waiter(pools)
                     work = self._work_step(worker, caller, received, pools, limit, max_bytes, in_flight, stream.beating)
-                    steps[asyncio.create_task(work)] = (stream.waiter, limit)
+                    steps[asyncio.create_task(work)] = (stream.waiter, limit, loop.time())
                     continue
                 if not steps and (not leading or (inbox.closed and not inbox.waiting)):
                     if inbox.closing:
@@ -576,7 +594,7 @@ class Leases:
                 wakes: set[asyncio.Future[Any]] = set(steps)
                 if len(steps) < most_steps:
                     wakes.add(asyncio.ensure_future(inbox.arrived()))
-                    if stream.waiter is not None and credits:
+                    if stream.waiter is not None and room():
                         wakes.add(asyncio.ensure_future(stream.waiter.event.wait()))
                 if leading:
                     wakes.add(asyncio.ensure_future(self._streams_end.wait()))
@@ -587,9 +605,11 @@ class Leases:
                     for w in wakes - set(steps):
                         w.cancel()
                 for step in [t for t in steps if t.done()]:
-                    covered, limit = steps.pop(step)
+                    covered, limit, began = steps.pop(step)
                     answer, recheck_s = step.result()
                     credits += limit - len(answer.tasks)
+                    if limit:
+                        pace.stepped(loop.time() - began)
                     stream.leased(answer.tasks)
                     if inbox.closing:  # leased before the worker's closing was read: released, not sent
                         del answer.tasks[:]
@@ -833,6 +853,45 @@ class Leases:
         self._events.nudge_leasers()
 
 
+class _Pace:
+    """How many tasks a Work stream's worker may be sent: its free slots, and beyond them what it
+    starts within HOLD_STEPS of its steps (measured on this stream: its tasks reported a second
+    and the time of its steps that lease). A new stream, or one whose handlers are slow, holds
+    nothing beyond its slots; one without slots (0: a worker predating them) is sent every credit."""
+
+    __slots__ = ("_count", "_last_rate", "_since", "slots", "step_s")
+
+    def __init__(self, slots: int, now: float):
+        self.slots = slots
+        self.step_s = 0.0
+        self._since = now  # the window counting the tasks reported
+        self._count = 0
+        self._last_rate = 0.0  # the last window's tasks reported a second
+
+    def reported(self, count: int, now: float) -> None:
+        self._count += count
+        if now - self._since >= PACE_WINDOW_S:
+            self._last_rate = self._count / (now - self._since)
+            self._since, self._count = now, 0
+
+    def stepped(self, seconds: float) -> None:
+        self.step_s = seconds if not self.step_s else self.step_s + STEP_SMOOTHING * (seconds - self.step_s)
+
+    def rate(self, now: float) -> float:
+        """Tasks reported a second: the last window's, or less when none came for longer."""
+        elapsed = now - self._since
+        if elapsed < PACE_WINDOW_S:
+            return self._last_rate
+        return min(self._last_rate, self._count / elapsed)
+
+    def room(self, credits: int, outstanding: int, now: float) -> int:
+        """Of credits, what may be sent to a worker with outstanding tasks sent and not reported."""
+        if not self.slots:
+            return credits
+        held = int(self.rate(now) * self.step_s * HOLD_STEPS)
+        return max(0, min(credits, self.slots + held - outstanding))
+
+
 class _WorkStream:
     """What the leader's lease expiry needs to know of a Work stream: the attempts it sent and
     has not heard of since, and whether its worker has gone silent (a lease of it expired)."""
@@ -939,8 +998,8 @@ class _WorkInbox:
             async for req in requests:
                 if req.worker_id and req.worker_id != self._worker_id:
                     raise invalid(f"worker_id: {req.worker_id!r} sent on the Work stream of {self._worker_id!r}")
-                if req.pools or req.max_bytes:
-                    raise invalid("pools, max_bytes: given in the first message of a Work stream only")
+                if req.pools or req.max_bytes or req.slots:
+                    raise invalid("pools, max_bytes, slots: given in the first message of a Work stream only")
                 _check_counts(req)
                 self._received.append(req)
                 self._backlog += _entries(req)

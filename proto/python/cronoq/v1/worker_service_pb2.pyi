@@ -644,6 +644,7 @@ class WorkRequest(_message.Message):
     POOLS_FIELD_NUMBER: _builtins.int
     MAX_BYTES_FIELD_NUMBER: _builtins.int
     CLOSING_FIELD_NUMBER: _builtins.int
+    SLOTS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """The worker, as RegisterWorker named it: required in the first message; a later message
     may leave it empty or repeat it.
@@ -659,6 +660,13 @@ class WorkRequest(_message.Message):
     on. The server leases it nothing more and, as the stream ends, releases the tasks it sent
     and got no outcome for. A stream that ends without it (cut, or an older worker) keeps its
     leases: the worker may still be running them.
+    """
+    slots: _builtins.int
+    """First message only: the worker's slots (the handlers it runs at once). Credits beyond its
+    free slots are its prefetch: with slots given, the server sends it beyond them only what it
+    starts within about a step (its tasks reported a second times a step's time), so a task
+    never waits behind a busy worker's handlers while another worker could start it. 0: every
+    credit is a slot (a worker that predates this field). At most 100,000.
     """
     @_builtins.property
     def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskOutcome]:
@@ -688,10 +696,11 @@ class WorkRequest(_message.Message):
         pools: _abc.Iterable[_builtins.str] | None = ...,
         max_bytes: _builtins.int = ...,
         closing: _builtins.bool = ...,
+        slots: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["closing", b"closing", "credits", b"credits", "heartbeat", b"heartbeat", "max_bytes", b"max_bytes", "outcomes", b"outcomes", "pools", b"pools", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closing", b"closing", "credits", b"credits", "heartbeat", b"heartbeat", "max_bytes", b"max_bytes", "outcomes", b"outcomes", "pools", b"pools", "slots", b"slots", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

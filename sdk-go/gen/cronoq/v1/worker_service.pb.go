@@ -1291,7 +1291,13 @@ type WorkRequest struct {
 	// on. The server leases it nothing more and, as the stream ends, releases the tasks it sent
 	// and got no outcome for. A stream that ends without it (cut, or an older worker) keeps its
 	// leases: the worker may still be running them.
-	Closing       bool `protobuf:"varint,7,opt,name=closing,proto3" json:"closing,omitempty"`
+	Closing bool `protobuf:"varint,7,opt,name=closing,proto3" json:"closing,omitempty"`
+	// First message only: the worker's slots (the handlers it runs at once). Credits beyond its
+	// free slots are its prefetch: with slots given, the server sends it beyond them only what it
+	// starts within about a step (its tasks reported a second times a step's time), so a task
+	// never waits behind a busy worker's handlers while another worker could start it. 0: every
+	// credit is a slot (a worker that predates this field). At most 100,000.
+	Slots         uint32 `protobuf:"varint,8,opt,name=slots,proto3" json:"slots,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1373,6 +1379,13 @@ func (x *WorkRequest) GetClosing() bool {
 		return x.Closing
 	}
 	return false
+}
+
+func (x *WorkRequest) GetSlots() uint32 {
+	if x != nil {
+		return x.Slots
+	}
+	return 0
 }
 
 type WorkHeartbeat struct {
@@ -1766,7 +1779,7 @@ const file_cronoq_v1_worker_service_proto_rawDesc = "" +
 	"\x04code\x18\x03 \x01(\tR\x04code\x12\x18\n" +
 	"\amessage\x18\x04 \x01(\tR\amessage\"L\n" +
 	"\x13FinishTasksResponse\x125\n" +
-	"\aresults\x18\x01 \x03(\v2\x1b.cronoq.v1.FinishTaskResultR\aresults\"\xfd\x01\n" +
+	"\aresults\x18\x01 \x03(\v2\x1b.cronoq.v1.FinishTaskResultR\aresults\"\x93\x02\n" +
 	"\vWorkRequest\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12\x18\n" +
 	"\acredits\x18\x02 \x01(\rR\acredits\x122\n" +
@@ -1774,7 +1787,8 @@ const file_cronoq_v1_worker_service_proto_rawDesc = "" +
 	"\theartbeat\x18\x04 \x01(\v2\x18.cronoq.v1.WorkHeartbeatR\theartbeat\x12\x14\n" +
 	"\x05pools\x18\x05 \x03(\tR\x05pools\x12\x1b\n" +
 	"\tmax_bytes\x18\x06 \x01(\x04R\bmaxBytes\x12\x18\n" +
-	"\aclosing\x18\a \x01(\bR\aclosing\"n\n" +
+	"\aclosing\x18\a \x01(\bR\aclosing\x12\x14\n" +
+	"\x05slots\x18\b \x01(\rR\x05slots\"n\n" +
 	"\rWorkHeartbeat\x12,\n" +
 	"\x05tasks\x18\x01 \x03(\v2\x16.cronoq.v1.TaskAttemptR\x05tasks\x12/\n" +
 	"\areports\x18\x02 \x03(\v2\x15.cronoq.v1.TaskReportR\areports\"\xa8\x01\n" +

@@ -255,6 +255,14 @@ export interface WorkRequest {
    * leases: the worker may still be running them.
    */
   closing: boolean;
+  /**
+   * First message only: the worker's slots (the handlers it runs at once). Credits beyond its
+   * free slots are its prefetch: with slots given, the server sends it beyond them only what it
+   * starts within about a step (its tasks reported a second times a step's time), so a task
+   * never waits behind a busy worker's handlers while another worker could start it. 0: every
+   * credit is a slot (a worker that predates this field). At most 100,000.
+   */
+  slots: number;
 }
 
 export interface WorkHeartbeat {
@@ -2654,7 +2662,16 @@ export const FinishTasksResponse: MessageFns<FinishTasksResponse> = {
 };
 
 function createBaseWorkRequest(): WorkRequest {
-  return { workerId: "", credits: 0, outcomes: [], heartbeat: undefined, pools: [], maxBytes: 0n, closing: false };
+  return {
+    workerId: "",
+    credits: 0,
+    outcomes: [],
+    heartbeat: undefined,
+    pools: [],
+    maxBytes: 0n,
+    closing: false,
+    slots: 0,
+  };
 }
 
 export const WorkRequest: MessageFns<WorkRequest> = {
@@ -2682,6 +2699,9 @@ export const WorkRequest: MessageFns<WorkRequest> = {
     }
     if (message.closing !== false) {
       writer.uint32(56).bool(message.closing);
+    }
+    if (message.slots !== 0) {
+      writer.uint32(64).uint32(message.slots);
     }
     return writer;
   },
@@ -2755,6 +2775,14 @@ export const WorkRequest: MessageFns<WorkRequest> = {
             message.closing = reader.bool();
             continue;
           }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.slots = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2786,6 +2814,7 @@ export const WorkRequest: MessageFns<WorkRequest> = {
         ? BigInt(object.max_bytes)
         : 0n,
       closing: isSet(object.closing) ? globalThis.Boolean(object.closing) : false,
+      slots: isSet(object.slots) ? globalThis.Number(object.slots) : 0,
     };
   },
 
@@ -2812,6 +2841,9 @@ export const WorkRequest: MessageFns<WorkRequest> = {
     if (message.closing !== false) {
       obj.closing = message.closing;
     }
+    if (message.slots !== 0) {
+      obj.slots = Math.round(message.slots);
+    }
     return obj;
   },
 
@@ -2829,6 +2861,7 @@ export const WorkRequest: MessageFns<WorkRequest> = {
     message.pools = object.pools?.map((e) => e) || [];
     message.maxBytes = (object.maxBytes !== undefined && object.maxBytes !== null) ? BigInt(object.maxBytes) : 0n;
     message.closing = object.closing ?? false;
+    message.slots = object.slots ?? 0;
     return message;
   },
 };
