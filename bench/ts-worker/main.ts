@@ -2,7 +2,9 @@
 // bench/burndown.py --worker ts submitted, and prints one JSON line. Timed from the worker's
 // start to the last task's start, as the Python worker and the anchors time it.
 //
-//   node --import tsx bench/ts-worker/main.ts --endpoint URL [--tasks 20000] [--concurrency 64] [--prefetch 0]
+//   node --import tsx bench/ts-worker/main.ts --endpoint URL [--tasks 20000] [--concurrency 64] [--prefetch N]
+//
+// Without --prefetch the worker takes the SDK's default prefetch (4 tasks a slot).
 //
 // (from sdk-ts, after `npm ci` there: tsx is one of its dev dependencies)
 import { parseArgs } from "node:util";
@@ -16,7 +18,7 @@ async function main(): Promise<void> {
       endpoint: { type: "string", default: "" },
       tasks: { type: "string", default: "20000" },
       concurrency: { type: "string", default: "64" },
-      prefetch: { type: "string", default: "0" },
+      prefetch: { type: "string" },
     },
   });
   if (!values.endpoint) throw new Error("--endpoint is required");
@@ -32,7 +34,7 @@ async function main(): Promise<void> {
       logger: quiet,
       pools: ["default"],
       concurrency: Number(values.concurrency),
-      prefetch: Number(values.prefetch),
+      prefetch: values.prefetch === undefined ? undefined : Number(values.prefetch),
     },
     () => {
       if (++handled === total) allHandled();

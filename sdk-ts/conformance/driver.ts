@@ -419,7 +419,7 @@ async function runWorker(opts: ConnectionOptions, step: Step): Promise<Result> {
       ...opts,
       pools: step.pools ?? [],
       concurrency: step.concurrency && step.concurrency > 0 ? step.concurrency : 4,
-      prefetch: step.prefetch ?? 0,
+      prefetch: step.prefetch ?? undefined, // no "prefetch": the SDK's default; 0: none
       shutdownGraceMs: step.shutdown_grace_ms ?? 5000,
     }, handler);
   } catch (err) {

@@ -23,6 +23,7 @@ export type {
   WatchOptions,
 } from "./client.js";
 export {
+  defaultPrefetch,
   LeaseLostError,
   nonRetryable,
   retryAfter,

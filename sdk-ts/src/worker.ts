@@ -264,8 +264,10 @@ export interface WorkerOptions extends ConnectionOptions {
   concurrency?: number;
   /**
    * How many leased tasks the worker holds beyond those its handlers run, so a slot that frees
-   * starts the next task at once instead of after a round trip to the server; 0 when absent.
-   * A held task's lease and timeout run while it waits.
+   * starts the next task at once instead of after a round trip to the server; 0: none. When
+   * absent, 4 tasks a slot (`defaultPrefetch`): the server sends beyond the free slots only what
+   * the worker starts within about a step, so a worker with slow handlers holds nothing another
+   * worker could start. A held task's lease and timeout run while it waits.
    */
   prefetch?: number;
   /** Shown by ListWorkers; hostname-pid when absent. */
@@ -281,6 +283,18 @@ const MAX_REDIRECTS = 3;
 const MAX_FINISH_BATCH = 1000;
 // The most tasks a worker holds (concurrency + prefetch): the credits a Work stream may carry.
 const MAX_HELD = 100_000;
+// A worker's default prefetch, in tasks a slot (at concurrency 64 on PostgreSQL, no-op tasks:
+// prefetch 64 drains at 0.8x prefetch 256, and 1,024 no faster than 256).
+const PREFETCH_PER_SLOT = 4;
+
+/**
+ * A worker's prefetch when none is given: PREFETCH_PER_SLOT tasks a slot (fewer when both would
+ * pass MAX_HELD). The server sends beyond its free slots only what it starts within about a step
+ * (WorkRequest.slots), so a worker with slow handlers holds nothing.
+ */
+export function defaultPrefetch(concurrency: number): number {
+  return Math.min(PREFETCH_PER_SLOT * concurrency, MAX_HELD - concurrency);
+}
 const MIB = 1 << 20;
 const DEFAULT_MAX_RESULT_BYTES = 4 * MIB;
 const DEFAULT_MAX_LEASE_BYTES = 16 * MIB;
@@ -481,7 +495,7 @@ export class Worker {
     if (!Number.isInteger(concurrency) || concurrency < 1) {
       throw new InvalidArgumentError(Status.INVALID_ARGUMENT, `concurrency: ${concurrency} must be an integer of at least 1`);
     }
-    const prefetch = opts.prefetch ?? 0;
+    const prefetch = opts.prefetch ?? defaultPrefetch(concurrency);
     if (!Number.isInteger(prefetch) || prefetch < 0 || concurrency + prefetch > MAX_HELD) {
       throw new InvalidArgumentError(Status.INVALID_ARGUMENT,
         `prefetch: ${prefetch} must be an integer of at least 0, and concurrency + prefetch at most ${MAX_HELD}`);
@@ -702,7 +716,7 @@ export class Worker {
     }
   }
 
-  /** One Work stream: the first message gives the room left (slots and prefetch); the sender sends outcomes, freed slots and heartbeats; answers are read until the server ends it. */
+  /** One Work stream: the first message gives the worker's slots and the room left (slots and prefetch); the sender sends outcomes, freed slots and heartbeats; answers are read until the server ends it. */
   private async workStream(): Promise<Error | undefined> {
     const { clients, endpoint } = this.conn.clients();
     const call = clients.worker.work(this.conn.metadata());
@@ -714,7 +728,8 @@ export class Worker {
     this.freed = 0;
     this.closed = false;
     const free = this.stopping ? 0 : this.concurrency + this.prefetch - this.running.size - this.held.size;
-    const first = WorkRequest.fromPartial({ workerId: this.workerId, credits: Math.max(free, 0), maxBytes: BigInt(this.leaseBytes) });
+    const first = WorkRequest.fromPartial({ workerId: this.workerId, credits: Math.max(free, 0), maxBytes: BigInt(this.leaseBytes),
+      slots: this.concurrency });
     if (this.outcomes.length > 0) this.wake.notify(); // sent right after the first message
 
     const ended = new Promise<Error | undefined>((resolve) => {

@@ -85,6 +85,8 @@ export class FakeShard {
   url = "";
   readonly outcomes: TaskOutcome[] = [];
   readonly firstCredits: number[] = []; // each stream's first message's credits
+  readonly firstSlots: number[] = []; // each stream's first message's slots
+  laterSlots = 0; // messages after a stream's first that set slots (the server refuses them)
   readonly messagesWithOutcomes: number[] = [];
   readonly heartbeats: bigint[][] = [];
   readonly beatReports: BeatReports[] = [];
@@ -127,7 +129,12 @@ export class FakeShard {
             call.emit("error", { code: Status.UNAVAILABLE, details: "going away" });
             return;
           }
-          if (first) this.firstCredits.push(req.credits);
+          if (first) {
+            this.firstCredits.push(req.credits);
+            this.firstSlots.push(req.slots);
+          } else if (req.slots !== 0) {
+            this.laterSlots++;
+          }
           first = false;
           credits += req.credits;
           if (opts.failFirstStream && stream === 1 && req.outcomes.length > 0) {

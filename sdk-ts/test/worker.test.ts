@@ -5,6 +5,7 @@ import type { TaskReport } from "../src/gen/cronoq/v1/worker_service.js";
 import { Task, type TaskEvent } from "../src/gen/cronoq/v1/task.js";
 import {
   Client,
+  defaultPrefetch,
   InvalidArgumentError,
   NotFoundError,
   Snooze,
@@ -157,6 +158,32 @@ test("with prefetch a worker gives concurrency + prefetch credits, runs at most 
   assert.equal(seen.most, 1);
   assert.ok(shard.outcomes.every((o) => o.success !== undefined));
   assert.ok(shard.heartbeats.slice(0, beatsBefore3).some((ids) => ids.includes(3n)), "task 3 heartbeated while held");
+});
+
+test("the default prefetch is 4 tasks a slot, fewer when concurrency + prefetch would pass 100,000", () => {
+  assert.equal(defaultPrefetch(1), 4);
+  assert.equal(defaultPrefetch(16), 64);
+  assert.equal(defaultPrefetch(99_000), 1_000);
+  assert.equal(defaultPrefetch(100_000), 0);
+  for (const concurrency of [99_000, 100_000]) { // the default is always a valid prefetch
+    new Worker({ endpoint: "http://127.0.0.1:1", pools: ["default"], concurrency }, () => null);
+  }
+});
+
+test("each Work stream's first message gives slots = concurrency; credits add the default prefetch unless one is given, 0: none", async () => {
+  for (const [prefetch, credits] of [[undefined, 5 * 3], [0, 3], [2, 5]] as const) {
+    const shard = await new FakeShard({ tasks: [jsonTask(1n, {}), jsonTask(2n, {})], failFirstStream: true }).start();
+    const worker = tracked(new Worker({ endpoint: shard.url, pools: ["default"], concurrency: 3, prefetch, logger: silent,
+      retry: { initialBackoffMs: 5 } }, () => "ok"));
+    const run = worker.run();
+    await until(() => new Set(shard.outcomes.map((o) => o.taskId)).size === 2 && shard.heartbeats.length > 0);
+    worker.stop();
+    await run;
+    shard.stop();
+    assert.deepEqual(shard.firstCredits, [credits, credits], `prefetch ${prefetch}`);
+    assert.deepEqual(shard.firstSlots, [3, 3], `prefetch ${prefetch}`);
+    assert.equal(shard.laterSlots, 0, `prefetch ${prefetch}: slots only in a stream's first message`);
+  }
 });
 
 test("an invalid prefetch is refused", () => {
