@@ -3,6 +3,8 @@
 //! worker's start to the last task's start, as the Python worker and the anchors time it.
 //!
 //!     cargo run --release --example bench_drain -- ENDPOINT [TASKS] [CONCURRENCY] [PREFETCH]
+//!
+//! Without PREFETCH, the SDK's default (4 tasks a slot); 0: none.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,22 +21,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .ok_or("usage: bench_drain ENDPOINT [TASKS] [CONCURRENCY] [PREFETCH]")?;
     let total: u64 = args.next().map_or(Ok(20_000), |a| a.parse())?;
     let concurrency: usize = args.next().map_or(Ok(64), |a| a.parse())?;
-    let prefetch: usize = args.next().map_or(Ok(0), |a| a.parse())?;
+    let prefetch: Option<usize> = args.next().map(|a| a.parse()).transpose()?;
     let handled = Arc::new(AtomicU64::new(0));
     let done = Arc::new(Notify::new());
     let worker = {
         let (handled, done) = (handled.clone(), done.clone());
-        Worker::new(
-            WorkerOptions::new(Options::new(endpoint), ["default"])
-                .concurrency(concurrency)
-                .prefetch(prefetch),
-            move |_task, _cancelled| {
-                if handled.fetch_add(1, Ordering::SeqCst) + 1 == total {
-                    done.notify_one();
-                }
-                async { Ok::<(), cronoq::TaskError>(()) }
-            },
-        )?
+        let mut opts =
+            WorkerOptions::new(Options::new(endpoint), ["default"]).concurrency(concurrency);
+        if let Some(prefetch) = prefetch {
+            opts = opts.prefetch(prefetch);
+        }
+        Worker::new(opts, move |_task, _cancelled| {
+            if handled.fetch_add(1, Ordering::SeqCst) + 1 == total {
+                done.notify_one();
+            }
+            async { Ok::<(), cronoq::TaskError>(()) }
+        })?
     };
     let started = Instant::now();
     let running = {

@@ -116,8 +116,8 @@ struct Step {
     pools: Vec<String>,
     #[serde(default)]
     concurrency: usize,
-    #[serde(default)]
-    prefetch: usize,
+    /// None: the SDK's default; 0: none.
+    prefetch: Option<usize>,
     #[serde(default)]
     until_handled: usize,
     #[serde(default)]
@@ -645,10 +645,12 @@ async fn worker_step(input: &Input, step: &Step) -> Value {
     } else {
         15_000
     };
-    let opts = WorkerOptions::new(options(input), step.pools.clone())
+    let mut opts = WorkerOptions::new(options(input), step.pools.clone())
         .concurrency(concurrency)
-        .prefetch(step.prefetch)
         .shutdown_grace(ms(step.shutdown_grace_ms.unwrap_or(5000)));
+    if let Some(prefetch) = step.prefetch {
+        opts = opts.prefetch(prefetch);
+    }
     let worker = match Worker::new(opts, handler) {
         Ok(w) => w,
         Err(err) => {

@@ -32,6 +32,18 @@ use crate::transport::{
 const MAX_FINISH_BATCH: usize = 1000;
 /// The most tasks a worker holds (concurrency + prefetch): the credits a Work stream may carry.
 const MAX_HELD: usize = 100_000;
+/// A worker's default prefetch, in tasks a slot (at concurrency 64 on PostgreSQL, no-op tasks:
+/// prefetch 64 drains at 0.8x prefetch 256, and 1,024 no faster than 256).
+const PREFETCH_PER_SLOT: usize = 4;
+
+/// A worker's prefetch when none is given: PREFETCH_PER_SLOT tasks a slot (fewer when both
+/// would pass MAX_HELD). The server sends it beyond its free slots only what it starts within
+/// about a step (WorkRequest.slots), so a worker with slow handlers holds nothing.
+pub(crate) fn default_prefetch(concurrency: usize) -> usize {
+    PREFETCH_PER_SLOT
+        .saturating_mul(concurrency)
+        .min(MAX_HELD.saturating_sub(concurrency))
+}
 const MIB: u64 = 1 << 20;
 const DEFAULT_MAX_RESULT_BYTES: u64 = 4 * MIB;
 const DEFAULT_MAX_LEASE_BYTES: u64 = 16 * MIB;
@@ -427,7 +439,8 @@ pub struct WorkerOptions {
     options: Options,
     pools: Vec<String>,
     concurrency: usize,
-    prefetch: usize,
+    /// None: [`default_prefetch`] of the concurrency.
+    prefetch: Option<usize>,
     name: String,
     labels: HashMap<String, String>,
     shutdown_grace: Duration,
@@ -446,7 +459,7 @@ impl WorkerOptions {
             options,
             pools: pools.into_iter().map(Into::into).collect(),
             concurrency: 16,
-            prefetch: 0,
+            prefetch: None,
             name: format!("{host}-{}", std::process::id()),
             labels: HashMap::new(),
             shutdown_grace: Duration::from_secs(30),
@@ -462,10 +475,12 @@ impl WorkerOptions {
 
     /// How many leased tasks the worker may hold beyond the ones its handlers run, so a slot
     /// that frees starts the next task at once instead of after a round trip to the server:
-    /// 0 by default. A held task waits behind this worker's running ones, and its lease and
-    /// timeout run from its lease, not from its start.
+    /// 4 tasks a slot by default (at most 100,000 - concurrency), 0 for none. The server sends
+    /// beyond the free slots only what the worker starts within about a step, so a worker with
+    /// slow handlers holds nothing another worker could start. A held task's lease and timeout
+    /// run from its lease, not from its start.
     pub fn prefetch(mut self, n: usize) -> WorkerOptions {
-        self.prefetch = n;
+        self.prefetch = Some(n);
         self
     }
 
@@ -636,6 +651,8 @@ impl State {
 
 struct Shared {
     opts: WorkerOptions,
+    /// The tasks held beyond the running ones: the options' or the default.
+    prefetch: usize,
     handler: Handler,
     conn: Connection,
     started: AtomicBool,
@@ -704,14 +721,17 @@ impl Worker {
                 "concurrency: 0 must be at least 1".into(),
             ));
         }
+        let prefetch = opts
+            .prefetch
+            .unwrap_or_else(|| default_prefetch(opts.concurrency));
         if opts
             .concurrency
-            .checked_add(opts.prefetch)
+            .checked_add(prefetch)
             .is_none_or(|held| held > MAX_HELD)
         {
             return Err(Error::InvalidArgument(format!(
-                "prefetch: {} with concurrency {}: concurrency + prefetch must be at most {MAX_HELD}",
-                opts.prefetch, opts.concurrency
+                "prefetch: {prefetch} with concurrency {}: concurrency + prefetch must be at most {MAX_HELD}",
+                opts.concurrency
             )));
         }
         let conn = Connection::new(&opts.options)?;
@@ -722,6 +742,7 @@ impl Worker {
         Ok(Worker {
             shared: Arc::new(Shared {
                 opts,
+                prefetch,
                 handler,
                 conn,
                 started: AtomicBool::new(false),
@@ -1097,7 +1118,8 @@ impl Shared {
         Ok(())
     }
 
-    /// One Work stream: the first message gives the free slots; the sender sends outcomes,
+    /// One Work stream: the first message gives the slots (the concurrency) and, as credits,
+    /// what the worker can take (concurrency + prefetch - held); the sender sends outcomes,
     /// freed slots and heartbeats; answers are read here until the server ends it. The bool:
     /// the server sent a message on it.
     async fn work_stream(self: &Arc<Self>, calls: &CancellationToken) -> (bool, Result<(), Error>) {
@@ -1116,13 +1138,14 @@ impl Shared {
             let free = if st.stopping {
                 0
             } else {
-                (self.opts.concurrency + self.opts.prefetch)
+                (self.opts.concurrency + self.prefetch)
                     .saturating_sub(st.running.len() + st.held.len())
             };
             let first = proto::WorkRequest {
                 worker_id: st.worker_id.clone(),
                 credits: free as u32,
                 max_bytes: st.lease_bytes,
+                slots: self.opts.concurrency as u32,
                 ..Default::default()
             };
             (first, !st.outcomes.is_empty())

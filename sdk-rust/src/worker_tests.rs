@@ -299,7 +299,9 @@ async fn runs_tasks_within_credits_batches_outcomes_and_deregisters() {
     })
     .await;
     let worker = Worker::new(
-        WorkerOptions::new(options(&endpoint), ["default"]).concurrency(2),
+        WorkerOptions::new(options(&endpoint), ["default"])
+            .concurrency(2)
+            .prefetch(0),
         sleeper,
     )
     .unwrap();
@@ -307,7 +309,8 @@ async fn runs_tasks_within_credits_batches_outcomes_and_deregisters() {
     let rec = rec.lock().unwrap();
     let first = &rec.streams[0][0];
     assert_eq!(first.worker_id, "w1");
-    assert_eq!(first.credits, 2, "the first message gives the free slots");
+    assert_eq!(first.slots, 2, "the first message gives the concurrency");
+    assert_eq!(first.credits, 2, "prefetch 0: the free slots alone");
     let credits: u32 = rec.streams[0].iter().map(|m| m.credits).sum();
     assert!(credits <= 2 + 3, "credits only for slots freed: {credits}");
     let done = outcomes(&rec);
@@ -546,6 +549,11 @@ async fn prefetch_gives_concurrency_plus_prefetch_credits_and_runs_at_most_concu
     let rec = run_until(worker, recorded, |r| outcomes(r).len() >= 6).await;
     let rec = rec.lock().unwrap();
     assert_eq!(rec.streams[0][0].credits, 5, "concurrency + prefetch");
+    assert_eq!(rec.streams[0][0].slots, 2, "the concurrency alone");
+    assert!(
+        rec.streams[0][1..].iter().all(|m| m.slots == 0),
+        "slots in the first message only"
+    );
     let credits: u32 = rec.streams[0].iter().map(|m| m.credits).sum();
     assert!(credits <= 5 + 6, "a credit back per task done: {credits}");
     let seen = seen.lock().unwrap();
@@ -566,6 +574,64 @@ async fn prefetch_gives_concurrency_plus_prefetch_credits_and_runs_at_most_concu
         named,
         vec![1, 2, 3, 4, 5],
         "at 100 ms: tasks 1 and 2 running, 3 to 5 held, all named"
+    );
+}
+
+#[test]
+fn the_default_prefetch_is_four_tasks_a_slot_within_max_held() {
+    for (concurrency, prefetch) in [(1, 4), (16, 64), (20_000, 80_000), (99_000, 1_000)] {
+        assert_eq!(
+            crate::worker::default_prefetch(concurrency),
+            prefetch,
+            "concurrency {concurrency}"
+        );
+    }
+    assert_eq!(crate::worker::default_prefetch(100_000), 0);
+    assert_eq!(
+        crate::worker::default_prefetch(usize::MAX),
+        0,
+        "no overflow"
+    );
+}
+
+#[tokio::test]
+async fn no_prefetch_given_holds_the_default_and_every_stream_s_first_message_gives_slots() {
+    let recorded = Arc::new(Mutex::new(Recorded::default()));
+    let endpoint = serve(FakeShard {
+        tasks: Mutex::new(vec![task(1, 0), task(2, 300)]),
+        break_first_after_outcomes: 1,
+        recorded: recorded.clone(),
+        ..Default::default()
+    })
+    .await;
+    let opts = WorkerOptions::new(options(&endpoint), ["default"]).concurrency(2);
+    let worker = Worker::new(opts, sleeper).unwrap();
+    let rec = run_until(worker, recorded, |r| {
+        r.streams.len() >= 2 && outcomes(r).iter().any(|o| o.task_id == 2)
+    })
+    .await;
+    let rec = rec.lock().unwrap();
+    let firsts: Vec<(u32, u32)> = rec
+        .streams
+        .iter()
+        .map(|s| (s[0].credits, s[0].slots))
+        .collect();
+    assert_eq!(
+        firsts[..2],
+        [(2 + 8, 2), (2 + 8 - 1, 2)],
+        "concurrency + 4 a slot; the second stream's less task 2 running"
+    );
+    assert!(
+        rec.streams
+            .iter()
+            .flat_map(|s| &s[1..])
+            .all(|m| m.slots == 0),
+        "slots in each stream's first message only"
+    );
+    let big = WorkerOptions::new(options(&endpoint), ["default"]).concurrency(99_000);
+    assert!(
+        Worker::new(big, sleeper).is_ok(),
+        "the default stays within 100,000"
     );
 }
 
