@@ -117,7 +117,8 @@ func TestTraceGoesFromTheSubmitToTheHandlerOfEveryAttempt(t *testing.T) {
 	}
 	srvW := newWorkServer(attempt(1), attempt(2))
 	seen := &contextRecorder{}
-	w, done := startWorker(t, srvW, WorkerOptions{Concurrency: 1}, func(ctx context.Context, task *Task) (any, error) {
+	// No prefetch: the fake would send attempt 2 before attempt 1's outcome, as no server does.
+	w, done := startWorker(t, srvW, WorkerOptions{Concurrency: 1, Prefetch: NoPrefetch}, func(ctx context.Context, task *Task) (any, error) {
 		seen.record(ctx, task)
 		if task.GetAttempt() == 1 {
 			return nil, errors.New("boom")

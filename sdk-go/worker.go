@@ -114,7 +114,10 @@ type WorkerOptions struct {
 	Concurrency int
 	// Prefetch: how many leased tasks the worker may hold, not yet started, beyond the ones
 	// its handlers run, so a handler that ends starts the next task without a round trip to
-	// the server. A held task's lease and timeout run while it waits. 0 (none) by default.
+	// the server. A held task's lease and timeout run while it waits. When 0, 4 tasks a slot
+	// (fewer when Concurrency + Prefetch would pass 100,000); NoPrefetch: none. The server
+	// sends beyond the free slots only what the worker starts within about a step, so a
+	// worker with slow handlers holds nothing another worker could start.
 	Prefetch int
 	// Name shown by ListWorkers; hostname-pid when empty.
 	Name   string
@@ -126,6 +129,9 @@ type WorkerOptions struct {
 	// run; 2 ms when 0, none when negative.
 	FinishLinger time.Duration
 }
+
+// NoPrefetch as WorkerOptions.Prefetch: the worker holds no task beyond the ones its handlers run.
+const NoPrefetch = -1
 
 const (
 	maxFinishBatch        = 1000
@@ -141,6 +147,9 @@ const (
 	releaseReason   = "worker shut down"
 	// The most tasks a worker holds (Concurrency + Prefetch): the credits a Work stream may carry.
 	maxHeld = 100_000
+	// The default prefetch, in tasks a slot (at concurrency 64 on PostgreSQL, no-op tasks:
+	// prefetch 64 drains at 0.8x prefetch 256, and 1,024 no faster than 256).
+	prefetchPerSlot = 4
 	// After the shutdown grace: how long cancelled handlers get to return, and the time left
 	// (from the end of the grace) for them and for the last reports.
 	unwindTime        = time.Second
@@ -215,6 +224,12 @@ type heldTask struct {
 	received time.Time // its timeout counts from here
 }
 
+// defaultPrefetch is a worker's prefetch when none is given: prefetchPerSlot tasks a slot,
+// fewer when both would pass maxHeld.
+func defaultPrefetch(concurrency int) int {
+	return min(prefetchPerSlot*concurrency, maxHeld-concurrency)
+}
+
 // NewWorker checks the options and returns a worker that runs handler.
 func NewWorker(opts WorkerOptions, handler Handler) (*Worker, error) {
 	opts.Options = opts.Options.withDefaults()
@@ -227,9 +242,16 @@ func NewWorker(opts WorkerOptions, handler Handler) (*Worker, error) {
 	if opts.Concurrency == 0 {
 		opts.Concurrency = 16
 	}
-	if opts.Prefetch < 0 || opts.Concurrency+opts.Prefetch > maxHeld {
-		return nil, newError(codes.InvalidArgument, kindCode, "prefetch: %d must be at least 0, and concurrency (%d) + prefetch at most %d",
+	if opts.Prefetch < NoPrefetch || opts.Concurrency+max(opts.Prefetch, 0) > maxHeld {
+		return nil, newError(codes.InvalidArgument, kindCode,
+			"prefetch: %d must be at least 0 (or NoPrefetch), and concurrency (%d) + prefetch at most %d",
 			opts.Prefetch, opts.Concurrency, maxHeld)
+	}
+	switch opts.Prefetch {
+	case 0:
+		opts.Prefetch = defaultPrefetch(opts.Concurrency)
+	case NoPrefetch:
+		opts.Prefetch = 0
 	}
 	if handler == nil {
 		return nil, newError(codes.InvalidArgument, kindCode, "handler: give a Handler")
@@ -644,7 +666,9 @@ func (w *Worker) workStream(calls context.Context) (answered bool, err error) {
 	if !w.stopping {
 		free = w.opts.Concurrency + w.opts.Prefetch - len(w.running) - len(w.held)
 	}
-	first := &cronoqv1.WorkRequest{WorkerId: w.workerID, Credits: uint32(max(free, 0)), MaxBytes: w.leaseBytes}
+	first := &cronoqv1.WorkRequest{
+		WorkerId: w.workerID, Credits: uint32(max(free, 0)), MaxBytes: w.leaseBytes, Slots: uint32(w.opts.Concurrency),
+	}
 	resend := len(w.outcomes) > 0
 	w.mu.Unlock()
 	if resend {

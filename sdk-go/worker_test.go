@@ -38,6 +38,8 @@ type workServer struct {
 	deregistered bool
 	unused       int      // credits given and not used, on the current stream
 	firstCredits []uint32 // the credits of each stream's first message
+	firstSlots   []uint32 // the slots of each stream's first message
+	laterSlots   int      // messages after a stream's first that set slots
 	leased       int      // tasks sent and not yet reported
 	mostLeased   int
 	breakFirst   bool // end the first stream UNAVAILABLE once it has sent tasks
@@ -91,6 +93,9 @@ func (s *workServer) Work(stream grpc.BidiStreamingServer[cronoqv1.WorkRequest, 
 		s.mu.Lock()
 		if first {
 			s.firstCredits = append(s.firstCredits, req.GetCredits())
+			s.firstSlots = append(s.firstSlots, req.GetSlots())
+		} else if req.GetSlots() != 0 {
+			s.laterSlots++
 		}
 		s.mu.Unlock()
 		resp := s.step(req)
@@ -309,9 +314,9 @@ func TestWorkerOptionsAreChecked(t *testing.T) {
 	if _, err := NewWorker(WorkerOptions{Pools: []string{"p"}, Concurrency: -1}, handler); !errors.Is(err, ErrInvalidArgument) {
 		t.Errorf("negative concurrency: %v", err)
 	}
-	if _, err := NewWorker(WorkerOptions{Pools: []string{"p"}, Prefetch: -1}, handler); !errors.Is(err, ErrInvalidArgument) ||
-		!strings.Contains(err.Error(), "prefetch: -1") {
-		t.Errorf("negative prefetch: %v", err)
+	if _, err := NewWorker(WorkerOptions{Pools: []string{"p"}, Prefetch: -2}, handler); !errors.Is(err, ErrInvalidArgument) ||
+		!strings.Contains(err.Error(), "prefetch: -2") {
+		t.Errorf("prefetch -2: %v", err)
 	}
 	if _, err := NewWorker(WorkerOptions{Pools: []string{"p"}, Prefetch: 99_985}, handler); !errors.Is(err, ErrInvalidArgument) ||
 		!strings.Contains(err.Error(), "prefetch: 99985") {
@@ -320,12 +325,55 @@ func TestWorkerOptionsAreChecked(t *testing.T) {
 	if _, err := NewWorker(WorkerOptions{Pools: []string{"p"}, Prefetch: 99_984}, handler); err != nil {
 		t.Errorf("concurrency 16 + prefetch 99,984: %v", err)
 	}
+	if _, err := NewWorker(WorkerOptions{Pools: []string{"p"}, Concurrency: 100_001, Prefetch: NoPrefetch}, handler); !errors.Is(err, ErrInvalidArgument) ||
+		!strings.Contains(err.Error(), "concurrency (100001)") {
+		t.Errorf("concurrency 100,001 without prefetch: %v", err)
+	}
 	if _, err := NewWorker(WorkerOptions{Pools: []string{"p"}}, nil); !errors.Is(err, ErrInvalidArgument) {
 		t.Errorf("no handler: %v", err)
 	}
 	w, err := NewWorker(WorkerOptions{Pools: []string{"p"}}, handler)
-	if err != nil || w.opts.Concurrency != 16 || w.opts.ShutdownGrace != 30*time.Second || w.Endpoint().String() != DefaultEndpoint {
+	if err != nil || w.opts.Concurrency != 16 || w.opts.Prefetch != 64 || w.opts.ShutdownGrace != 30*time.Second ||
+		w.Endpoint().String() != DefaultEndpoint {
 		t.Errorf("defaults: %+v, %v", w.opts, err)
+	}
+}
+
+func TestWorkerPrefetchDefaultsToFourTasksASlot(t *testing.T) {
+	handler := func(context.Context, *Task) (any, error) { return nil, nil }
+	for _, c := range []struct{ concurrency, prefetch, want int }{
+		{1, 0, 4},
+		{16, 0, 64},
+		{20_000, 0, 80_000},
+		{99_000, 0, 1_000}, // 4 a slot would pass the most a worker holds
+		{100_000, 0, 0},
+		{16, NoPrefetch, 0},
+		{16, 7, 7},
+	} {
+		w, err := NewWorker(WorkerOptions{Pools: []string{"p"}, Concurrency: c.concurrency, Prefetch: c.prefetch}, handler)
+		if err != nil || w.opts.Prefetch != c.want {
+			t.Errorf("concurrency %d, prefetch %d: held beyond the slots %d (%v), want %d", c.concurrency, c.prefetch, w.opts.Prefetch, err, c.want)
+		}
+	}
+}
+
+func TestWorkerGivesItsSlotsInEachStreamsFirstMessage(t *testing.T) {
+	srv := newWorkServer(jsonTask(1, `{}`), jsonTask(2, `{}`))
+	srv.breakFirst = true
+	w, done := startWorker(t, srv, WorkerOptions{Concurrency: 3}, (&sleepHandler{}).handle)
+	waitFor(t, "2 outcomes", func() bool { return w.Processed() == 2 })
+	w.Stop()
+	<-done
+	srv.mu.Lock()
+	defer srv.mu.Unlock()
+	if len(srv.firstSlots) < 2 || srv.firstSlots[0] != 3 || srv.firstSlots[1] != 3 {
+		t.Errorf("slots of each stream's first message %v, want 3 on each of at least 2 streams", srv.firstSlots)
+	}
+	if srv.firstCredits[0] != 3+12 {
+		t.Errorf("first credits %v, want 15 (concurrency 3 + the default prefetch 12)", srv.firstCredits)
+	}
+	if srv.laterSlots != 0 {
+		t.Errorf("%d messages after a stream's first set slots", srv.laterSlots)
 	}
 }
 

@@ -2,7 +2,7 @@
 // bench/burndown.py --worker go submitted, and prints one JSON line. Timed from the
 // worker's start to the last task's start, as the Python worker and the anchors time it.
 //
-//	go -C bench/go-worker build -o go-worker . && bench/go-worker/go-worker -endpoint URL [-tasks 20000] [-concurrency 64] [-prefetch 0]
+//	go -C bench/go-worker build -o go-worker . && bench/go-worker/go-worker -endpoint URL [-tasks 20000] [-concurrency 64] [-prefetch N]
 package main
 
 import (
@@ -24,7 +24,7 @@ func main() {
 	endpoint := flag.String("endpoint", "", "the server whose pool default holds the tasks (required)")
 	tasks := flag.Int("tasks", 20000, "tasks to drain")
 	concurrency := flag.Int("concurrency", 64, "the worker's concurrency")
-	prefetch := flag.Int("prefetch", 0, "the tasks the worker holds beyond its concurrency")
+	prefetch := flag.Int("prefetch", -1, "the tasks the worker holds beyond its concurrency (-1: the SDK's default)")
 	flag.Parse()
 	if err := drain(*endpoint, *tasks, *concurrency, *prefetch); err != nil {
 		fmt.Fprintln(os.Stderr, "go-worker bench:", err)
@@ -37,6 +37,12 @@ func drain(endpoint string, total, concurrency, prefetch int) error {
 		return errors.New("-endpoint is required")
 	}
 	opts := cronoq.Options{Endpoint: endpoint, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	switch prefetch {
+	case -1:
+		prefetch = 0 // WorkerOptions' default
+	case 0:
+		prefetch = cronoq.NoPrefetch
+	}
 	var handled atomic.Int64
 	done := make(chan struct{})
 	worker, err := cronoq.NewWorker(cronoq.WorkerOptions{Options: opts, Pools: []string{"default"}, Concurrency: concurrency, Prefetch: prefetch},

@@ -71,7 +71,7 @@ type step struct {
 	TimeoutMs        int64           `json:"timeout_ms"`
 	Pools            []string        `json:"pools"`
 	Concurrency      int             `json:"concurrency"`
-	Prefetch         int             `json:"prefetch"`
+	Prefetch         *int            `json:"prefetch"` // nil: the SDK's default; 0: none
 	UntilHandled     int             `json:"until_handled"`
 	StopAfterStarted int             `json:"stop_after_started"`
 	ShutdownGraceMs  *int64          `json:"shutdown_grace_ms"`
@@ -671,11 +671,19 @@ func runWorker(in *input, s step, opts cronoq.Options) result {
 	if s.TimeoutMs > 0 {
 		timeout = s.TimeoutMs
 	}
+	prefetch := 0 // the SDK's default
+	switch {
+	case s.Prefetch == nil:
+	case *s.Prefetch == 0:
+		prefetch = cronoq.NoPrefetch
+	default:
+		prefetch = *s.Prefetch
+	}
 	worker, err := cronoq.NewWorker(cronoq.WorkerOptions{
 		Options:       opts,
 		Pools:         s.Pools,
 		Concurrency:   concurrency,
-		Prefetch:      s.Prefetch,
+		Prefetch:      prefetch,
 		ShutdownGrace: ms(grace),
 	}, handler)
 	if err != nil {
