@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,6 +231,32 @@ def outbox_deployment(workdir: Path, postgres: TempPostgres) -> Iterator[tuple[d
     finally:
         if server.proc is not None:
             server.stop()
+
+
+@contextmanager
+def fast_worker(endpoint: str, pool: str, workdir: Path) -> Iterator[Callable[[], int | None]]:
+    """A Python-SDK worker beside the driver's, whose handlers return at once
+    (conformance/fast_worker.py). Yields what stops it gracefully and answers how many tasks
+    it ran (None: it failed); stopped on the way out too."""
+    count_file = workdir / "fast-worker.count"
+    stderr = open(workdir / "fast-worker.stderr", "ab")
+    cmd = [sys.executable, str(HERE / "fast_worker.py"), endpoint, TOKEN, pool, str(count_file)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr)
+
+    def stop() -> int | None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        return int(count_file.read_text()) if count_file.exists() else None
+
+    try:
+        yield stop
+    finally:
+        stop()
 
 
 # -- expectations ------------------------------------------------------------
@@ -487,13 +513,21 @@ def run_case(
                 "steps": substitute(case["steps"], urls),
                 **database,
             }
+            fast = case.get("fast_worker")
+            fast_handled = None
+            if fast is not None:
+                stop_fast = stack.enter_context(fast_worker(urls[fast["endpoint"]], fast["pool"], workdir))
             observed, problems = run_driver(sdk, driver_input, workdir, verbose)
+            if fast is not None:
+                fast_handled = stop_fast()
         finally:
             log = scripted.stop()
         if observed is not None:
             expect = substitute(case.get("expect", {}), {**urls, **step_values(observed)})
             problems += match(expect.get("steps", []), observed.get("steps"), "steps")
             problems += check_servers(expect, log, token, sdk)
+            if "fast_worker_handled" in expect:
+                problems += match(expect["fast_worker_handled"], fast_handled, "fast_worker_handled")
         if problems and verbose:
             problems.append(f"driver input: {json.dumps(driver_input)}")
             problems.append(f"observed: {json.dumps(observed)}")

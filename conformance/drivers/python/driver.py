@@ -181,7 +181,7 @@ async def run_worker(case: dict[str, Any], step: dict[str, Any]) -> dict[str, An
         step["pools"],
         handler,
         concurrency=step.get("concurrency", 4),
-        prefetch=step.get("prefetch", 0),
+        prefetch=step.get("prefetch"),
         insecure_redirect_http=case.get("insecure_redirect_http", False),
         shutdown_grace=step.get("shutdown_grace_ms", 5000) / 1000,
         **options(case),
