@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import uuid
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -506,9 +507,8 @@ def _count_submitted(method: str, request: Any, response: Any) -> None:
             TASKS_SUBMITTED.labels(pool=request.pool).inc()
         return
     dedup = set(response.deduplicated_ids)
-    for task in response.tasks:
-        if task.id not in dedup:
-            TASKS_SUBMITTED.labels(pool=task.pool).inc()
+    for pool, n in Counter(t.pool for t in response.tasks if t.id not in dedup).items():
+        TASKS_SUBMITTED.labels(pool=pool).inc(n)
 
 
 # RPCs declared in the protos whose handlers are being built (answered UNIMPLEMENTED until then).

@@ -51,6 +51,7 @@ from .limits import (
     RETRY_EXTRA_ATTEMPTS,
     SCHEDULE_KEY_PREFIX,
     TASK_RANGES,
+    Range,
     check_range,
     check_text,
 )
@@ -159,7 +160,8 @@ class Tasks:
         pool = self._pools.get(req.pool)
         if pool is None:
             raise invalid(f"{where}pool: unknown pool {req.pool!r}")
-        check_text(f"{where}key", req.key, MAX_KEY_LENGTH)
+        if req.key:  # the checks below build their field's name: only for what is given
+            check_text(f"{where}key", req.key, MAX_KEY_LENGTH)
         if req.key.startswith(SCHEDULE_KEY_PREFIX):
             raise invalid(
                 f"{where}key: {req.key!r}: keys starting with {SCHEDULE_KEY_PREFIX!r} are reserved for schedules"
@@ -208,8 +210,7 @@ class Tasks:
     def _key_options(self, req: pb.SubmitTaskRequest, where: str, pool: PoolConfig, task: NewTask) -> None:
         """Sets what the task's key does when it names a task (key_mode; not given: the pool's
         default_key_mode), refusing the options that need a key, or a mode, they lack."""
-        for field, allowed in KEY_RANGES.items():
-            check_range(f"{where}{field}", getattr(req, field), allowed)
+        _check_ranges(req, where, KEY_RANGES)
         if req.key_mode not in KEY_MODE_VALUES:
             raise invalid(f"{where}key_mode: unknown value {req.key_mode}")
         if not req.key:
@@ -241,14 +242,16 @@ class Tasks:
     def check_template(self, req: TaskTemplate, where: str) -> None:
         """What a task carries beyond its pool, key, run_at and dependencies, checked alike for a
         submission and for a schedule's template (each field named with `where` before it)."""
-        check_text(f"{where}content_type", req.content_type, MAX_CONTENT_TYPE)
-        check_text(f"{where}group_key", req.group_key, MAX_GROUP_KEY_BYTES, in_bytes=True)
-        check_trace(f"{where}trace", req.trace)
+        if req.content_type:
+            check_text(f"{where}content_type", req.content_type, MAX_CONTENT_TYPE)
+        if req.group_key:
+            check_text(f"{where}group_key", req.group_key, MAX_GROUP_KEY_BYTES, in_bytes=True)
+        if req.trace.traceparent:
+            check_trace(f"{where}trace", req.trace)
         limit = self._config.limits.max_payload_bytes
         if len(req.payload) > limit:
             raise invalid(f"{where}payload: {len(req.payload)} bytes exceeds limits.max_payload_bytes {limit}")
-        for field, allowed in TASK_RANGES.items():
-            check_range(f"{where}{field}", getattr(req, field), allowed)
+        _check_ranges(req, where, TASK_RANGES)
         for name, amount in req.resources.items():
             base, colon, key = name.partition(":")
             res = self._resources.get(base)
@@ -657,6 +660,14 @@ def _check_replay(request_id: str, subs: list[Submitted], expected: int) -> None
         )
 
 
+def _check_ranges(req: object, where: str, ranges: Mapping[str, Range]) -> None:
+    """check_range of each field of req named in ranges (its name built only for a refusal)."""
+    for field, allowed in ranges.items():
+        value = getattr(req, field)
+        if not allowed.low <= value <= allowed.high:
+            check_range(f"{where}{field}", value, allowed)
+
+
 def _batch_order(tasks: list[NewTask]) -> list[int]:
     """Indices in an order where each task follows the batch tasks it depends on."""
     key_index: dict[str, int] = {}
@@ -665,6 +676,8 @@ def _batch_order(tasks: list[NewTask]) -> list[int]:
             if t.key in key_index:
                 raise invalid(f"tasks[{i}].key: {t.key!r} already names tasks[{key_index[t.key]}] of this batch")
             key_index[t.key] = i
+    if not any(t.dep_keys for t in tasks):
+        return list(range(len(tasks)))
     edges = [[key_index[k] for k in t.dep_keys if k in key_index] for t in tasks]
     order: list[int] = []
     state = [0] * len(tasks)  # 0 new, 1 on the path, 2 placed

@@ -92,6 +92,28 @@ def task_row(r: Any) -> TaskRow:
     return row
 
 
+def new_task_row(
+    seq: int,
+    task: NewTask,
+    run_at: int,
+    now: int,
+    state: State = State.PENDING,
+    depends_on: list[int] | None = None,
+    error: str = "",
+) -> TaskRow:
+    """The row a submission inserted, as reading it back would give it (a task ended by a
+    dependency's failure or cancellation is finished at now)."""
+    return TaskRow(
+        seq=seq, pool=task.pool, key=task.key, payload=task.payload, content_type=task.content_type,
+        priority=task.priority, run_at=run_at, max_attempts=task.max_attempts, depends_on=depends_on or [],
+        resources=task.resources, state=state, attempt=0, worker_id=None, result=None, result_content_type="",
+        error=error, created_at=now, started_at=None, finished_at=now if state in TERMINAL else None,
+        cancel_requested=False, lease_expires_at=None, timeout_ms=task.timeout_ms, group_key=task.group_key,
+        trace=task.trace, parent_seq=task.parent_seq, run_when=task.run_when, start_by=task.start_by,
+        key_ttl_ms=task.key_ttl_ms,
+    )  # fmt: skip
+
+
 def trace_of(text: str | None) -> Trace | None:
     """A Trace from its column (JSON text [traceparent, tracestate, link]; NULL: none)."""
     if not text:

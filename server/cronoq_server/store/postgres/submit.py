@@ -12,7 +12,7 @@ from typing import Any
 import asyncpg
 
 from ...errors import not_found
-from ..base import KEY_RETURN_EXISTING, TERMINAL, Changes, NewTask, State, Submitted, TaskRow
+from ..base import KEY_RETURN_EXISTING, Changes, NewTask, State, Submitted, TaskRow
 from ..fair import first_rank
 from ..logic import (
     check_dependency_bytes,
@@ -23,6 +23,7 @@ from ..logic import (
     keyed_entry,
     keyed_run_at,
     limits_apply,
+    new_task_row,
     replaced,
     replaces,
     replay_request,
@@ -286,19 +287,9 @@ class Submit(_Core):
                 done.append((op, True, None))
                 continue
             out = [
-                Submitted(
-                    TaskRow(
-                        seq=seqs[first + j], pool=t.pool, key=None, payload=t.payload, content_type=t.content_type,
-                        priority=t.priority, run_at=run_at[first + j - 1], max_attempts=t.max_attempts,
-                        depends_on=[], resources=t.resources, state=State.PENDING, attempt=0, worker_id=None,
-                        result=None, result_content_type="", error="", created_at=op.now, started_at=None,
-                        finished_at=None, cancel_requested=False, lease_expires_at=None, timeout_ms=t.timeout_ms,
-                        group_key=t.group_key, trace=t.trace, start_by=t.start_by,
-                    ),
-                    False,
-                )
+                Submitted(new_task_row(seqs[first + j], t, run_at[first + j - 1], op.now), False)
                 for j, t in enumerate(op.tasks)
-            ]  # fmt: skip
+            ]
             done.append((op, True, (out, [(s.row.seq, State.PENDING) for s in out])))
         return done
 
@@ -368,16 +359,7 @@ class Submit(_Core):
             state, error, blocked_on = initial_state(deps.items(), self._full_id, task.run_when)
             seq = next(new_seqs)
             dep_list = list(deps)
-            row = TaskRow(
-                seq=seq, pool=task.pool, key=task.key, payload=task.payload, content_type=task.content_type,
-                priority=task.priority, run_at=keyed_run_at(task, now),
-                max_attempts=task.max_attempts, depends_on=dep_list, resources=task.resources, state=state,
-                attempt=0, worker_id=None, result=None, result_content_type="", error=error, created_at=now,
-                started_at=None, finished_at=now if state in TERMINAL else None, cancel_requested=False,
-                lease_expires_at=None, timeout_ms=task.timeout_ms, group_key=task.group_key, trace=task.trace,
-                parent_seq=task.parent_seq, run_when=task.run_when, start_by=task.start_by,
-                key_ttl_ms=task.key_ttl_ms,
-            )  # fmt: skip
+            row = new_task_row(seq, task, keyed_run_at(task, now), now, state, dep_list, error)
             inserts.append((
                 seq, row.pool, row.key, row.payload, row.content_type, row.priority, row.run_at, row.max_attempts,
                 json.dumps(dep_list) if dep_list else None, json.dumps(row.resources) if row.resources else None,

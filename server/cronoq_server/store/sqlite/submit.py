@@ -18,6 +18,7 @@ from ..logic import (
     keyed_entry,
     keyed_run_at,
     limits_apply,
+    new_task_row,
     replaced,
     replaces,
     replay_request,
@@ -26,7 +27,7 @@ from ..logic import (
 )
 from .events import Events
 from .reads import Reads
-from .sql import BY_KEY, BY_SEQ
+from .sql import BY_KEY
 from .sql.submit import (
     COUNT_PENDING_BY_POOL,
     DEP_BY_KEY,
@@ -122,7 +123,7 @@ class Submit(Reads, Events):
             assert seq is not None
             if dep_list:
                 db.executemany(INSERT_DEP, [(seq, d) for d in dep_list])
-            out.append(Submitted(self._select(db, BY_SEQ, (seq,))[0], False))
+            out.append(Submitted(new_task_row(seq, task, run_at, now, state, dep_list, error), False))
             changes.append((seq, state))
             prev.append(0)
         self._check_limits(db, tasks, out)
