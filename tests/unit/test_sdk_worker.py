@@ -226,6 +226,7 @@ class FakeWorkerService:
 
 def make_worker(fake: FakeWorkerService, handler: Any, **options: Any) -> cronoq.Worker:
     options.setdefault("concurrency", 8)
+    options.setdefault("prefetch", 0)  # the fake sends every credit: no task held unless a test asks
     options.setdefault("retry", FAST)
     worker = cronoq.Worker("http://127.0.0.1:1", "default", handler, **options)
     worker._conn._stub = fake  # no channel: every call goes to the fake
@@ -328,6 +329,24 @@ async def test_credits_bound_the_tasks_running_and_each_finished_task_gives_its_
         ended += len(r.outcomes)
         assert given <= 3 + ended
     assert set(fake.accepted.values()) == {1}
+
+
+async def test_by_default_a_worker_prefetches_four_tasks_a_slot_and_gives_its_slots_first():
+    fake = FakeWorkerService()
+    fake.script = [[task(1)], rpc_error(grpc.StatusCode.UNAVAILABLE, "server restarting")]
+
+    async def handle(ctx: cronoq.TaskContext) -> Any:
+        return None
+
+    worker = make_worker(fake, handle, concurrency=3, prefetch=None)
+    assert worker.prefetch == 12
+    running = asyncio.create_task(worker.run())
+    await until(lambda: len(fake.streams) >= 2, what="a second stream", running=running)
+    await stop(worker, running)
+    assert [(s.first.credits, s.first.slots) for s in fake.streams[:2]] == [(15, 3), (15, 3)]
+    assert not any(r.slots for r in fake.requests if all(r is not s.first for s in fake.streams))
+    assert cronoq.worker.default_prefetch(16) == 64
+    assert cronoq.worker.default_prefetch(99_000) == 1_000
 
 
 async def test_a_new_stream_gives_the_slots_free_then_as_credits():
