@@ -1,7 +1,8 @@
 // River anchor of cronoq's bench: the burn-down workload (N no-op jobs inserted in
 // batches, then drained by one client) run with River (https://riverqueue.com) on the
-// same PostgreSQL server as cronoq's bench, and with --workload outbox the jobs inserted
-// in the application's own transactions (outbox.go, for bench/outbox.py). Built and run by
+// same PostgreSQL server as cronoq's bench, with --workload outbox the jobs inserted
+// in the application's own transactions (outbox.go, for bench/outbox.py), and with
+// --workload insert River's submit path (insert.go, for bench/submit.py). Built and run by
 // bench/anchors.py; never part of cronoq.
 //
 //	go build -o river-bench . && ./river-bench --url postgres://... --jobs 20000 --max-workers 64
@@ -73,6 +74,10 @@ type options struct {
 	rate              int
 	seconds           float64
 	rounds            int
+	rates             string
+	clients           int
+	stopP99           time.Duration
+	maxConns          int
 }
 
 func logf(format string, args ...any) {
@@ -90,16 +95,20 @@ func main() {
 	flag.DurationVar(&o.fetchPollInterval, "fetch-poll-interval", 20*time.Millisecond, "Config.FetchPollInterval (River's default: 1s)")
 	flag.BoolVar(&o.keepDB, "keep-db", false, "do not drop the run's database afterwards")
 	flag.DurationVar(&o.timeout, "timeout", 10*time.Minute, "deadline of the whole run")
-	flag.StringVar(&o.workload, "workload", "burndown", "burndown, or outbox (bench/outbox.py's: InsertTx/InsertManyTx in pgx transactions, commit→start)")
+	flag.StringVar(&o.workload, "workload", "burndown", "burndown, outbox (bench/outbox.py's: InsertTx/InsertManyTx in pgx transactions, commit→start) or insert (bench/submit.py's: InsertMany, single Inserts open loop)")
 	flag.IntVar(&o.rate, "rate", 50, "outbox: transactions of one job per second in the commit→start run")
-	flag.Float64Var(&o.seconds, "seconds", 10, "outbox: seconds of the commit→start run")
+	flag.Float64Var(&o.seconds, "seconds", 10, "outbox: seconds of the commit→start run; insert: of each rate")
 	flag.IntVar(&o.rounds, "rounds", 3, "outbox: rounds of each insert workload (the median is reported)")
+	flag.StringVar(&o.rates, "rates", "500,1000,2000,3000,4000", "insert: rates (inserts/s) of the single-insert runs, in order")
+	flag.IntVar(&o.clients, "clients", 64, "insert: goroutines making the single inserts")
+	flag.DurationVar(&o.stopP99, "stop-p99", 200*time.Millisecond, "insert: the ramp stops after the first rate whose p99 exceeds this")
+	flag.IntVar(&o.maxConns, "max-conns", 0, "the pgx pool's MaxConns (0: pgxpool's default, max(4, CPUs))")
 	flag.Parse()
-	if o.workload != "burndown" && o.workload != "outbox" {
+	if o.workload != "burndown" && o.workload != "outbox" && o.workload != "insert" {
 		flag.Usage()
 		os.Exit(2)
 	}
-	if o.url == "" || o.jobs <= 0 || o.maxWorkers <= 0 || o.batch <= 0 || o.rate <= 0 || o.rounds <= 0 {
+	if o.url == "" || o.jobs <= 0 || o.maxWorkers <= 0 || o.batch <= 0 || o.rate <= 0 || o.rounds <= 0 || o.clients <= 0 || o.maxConns < 0 {
 		flag.Usage()
 		os.Exit(2)
 	}
@@ -145,6 +154,9 @@ func run(ctx context.Context, o options) (map[string]any, error) {
 	defer pool.Close()
 	if o.workload == "outbox" {
 		return runOutbox(ctx, o, pool, driver)
+	}
+	if o.workload == "insert" {
+		return runInsert(ctx, o, driver)
 	}
 
 	var started, lastWorkAt atomic.Int64
@@ -284,7 +296,14 @@ func round2(x float64) float64 { return float64(int64(x*100+0.5)) / 100 }
 
 // setUp connects to the run's database and installs River's tables in o.schema there.
 func setUp(ctx context.Context, o options, dbURL string) (_ *pgxpool.Pool, _ *riverpgxv5.Driver, err error) {
-	pool, err := pgxpool.New(ctx, dbURL)
+	config, err := pgxpool.ParseConfig(dbURL)
+	if err != nil {
+		return nil, nil, err
+	}
+	if o.maxConns > 0 {
+		config.MaxConns = int32(o.maxConns)
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, config)
 	if err != nil {
 		return nil, nil, err
 	}
