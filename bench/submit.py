@@ -72,16 +72,33 @@ def run_loop(coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(coro)
 
 
-async def batch_grpc(endpoint: str, tasks: int) -> float:
-    """Seconds for tasks empty tasks in SubmitBatch calls of BATCH, after one untimed batch."""
+def cpu_now(server: BenchServer, url: str | None) -> dict[str, float]:
+    """CPU seconds so far of this process (the client), the server and PostgreSQL (when on it)."""
+    spent = {"client": time.process_time(), "server": cpu_seconds(server.proc.pid)}
+    postgres = postgres_cpu_seconds(url) if url else None
+    if postgres is not None:
+        spent["postgres"] = postgres
+    return spent
+
+
+def cpu_us_per(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float]:
+    return {k: round((after[k] - before[k]) / n * 1e6, 1) for k in before if k in after}
+
+
+async def batch_grpc(server: BenchServer, url: str | None, tasks: int) -> dict[str, Any]:
+    """tasks empty tasks in SubmitBatch calls of BATCH, after one untimed batch: tasks/s, and
+    the CPU µs a task of the timed calls."""
     specs = [cronoq.task_spec("default", b"") for _ in range(BATCH)]
     sizes = [min(BATCH, tasks - done) for done in range(0, tasks, BATCH)]
-    async with cronoq.Client(endpoint) as client:
+    async with cronoq.Client(server.endpoint) as client:
         await client.submit_batch(specs)
+        before = cpu_now(server, url)
         started = time.perf_counter()
         for n in sizes:
             await client.submit_batch(specs[:n])
-        return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        after = cpu_now(server, url)
+    return {"tasks_per_s": round(tasks / seconds), "cpu_us_per_task": cpu_us_per(before, after, tasks)}
 
 
 async def batch_http(http_url: str, tasks: int) -> float:
@@ -214,20 +231,20 @@ def ramp(server: BenchServer, url: str | None, args: argparse.Namespace) -> list
     parts = 2 if args.processes == "2" else 1
     for rate in args.rates:
         log(f"== cronoq {args.store}: single submits, open loop, {rate}/s for {args.seconds:g} s")
-        before = cpu_seconds(server.proc.pid), postgres_cpu_seconds(url) if url else None
+        before = cpu_now(server, url)
         result = open_loop(server.endpoint, rate, args.seconds, args.clients, parts, args.one_connection)
         if args.processes == "auto" and parts == 1 and result["client_core"] >= BUSY_CORE:
             log(f"   one process used {result['client_core']} of a core: again with 2 processes")
             single = result
-            before = cpu_seconds(server.proc.pid), postgres_cpu_seconds(url) if url else None
+            before = cpu_now(server, url)
             parts = 2
             result = open_loop(server.endpoint, rate, args.seconds, args.clients, parts, args.one_connection)
             result["one_process"] = {k: single[k] for k in ("achieved_rate", "p50_ms", "p99_ms", "client_core")}
-        after = cpu_seconds(server.proc.pid), postgres_cpu_seconds(url) if url else None
-        calls = result["tasks"]
-        result["server_cpu_us"] = round((after[0] - before[0]) / calls * 1e6, 1)
-        if before[1] is not None and after[1] is not None:
-            result["postgres_cpu_us"] = round((after[1] - before[1]) / calls * 1e6, 1)
+        # the calls are made by the generator processes: this process's CPU is not theirs
+        spent = cpu_us_per(before, cpu_now(server, url), result["tasks"])
+        result["server_cpu_us"] = spent["server"]
+        if "postgres" in spent:
+            result["postgres_cpu_us"] = spent["postgres"]
         log(f"   {single_text(result)}")
         results.append(result)
         if result["p99_ms"] > STOP_P99_MS:
@@ -241,19 +258,7 @@ def run_cronoq(url: str | None, args: argparse.Namespace) -> dict[str, Any]:
         log(f"== cronoq {args.store}: SubmitBatch of {BATCH:,}, {args.tasks:,} tasks")
         server = BenchServer(Path(tmp), url)
         try:
-            cpu = time.process_time()
-            before = cpu_seconds(server.proc.pid), postgres_cpu_seconds(url) if url else None
-            seconds = run_loop(batch_grpc(server.endpoint, args.tasks))
-            after = cpu_seconds(server.proc.pid), postgres_cpu_seconds(url) if url else None
-            # the untimed first batch is in the CPU figures: they are per task of all submitted
-            submitted = args.tasks + BATCH
-            spent = {"client": time.process_time() - cpu, "server": after[0] - before[0]}
-            if before[1] is not None and after[1] is not None:
-                spent["postgres"] = after[1] - before[1]
-            out["batch"] = {
-                "tasks_per_s": round(args.tasks / seconds),
-                "cpu_us_per_task": {k: round(v / submitted * 1e6, 1) for k, v in spent.items()},
-            }
+            out["batch"] = run_loop(batch_grpc(server, url, args.tasks))
         finally:
             server.stop()
     with tempfile.TemporaryDirectory() as tmp:
