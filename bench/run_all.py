@@ -15,7 +15,9 @@ InsertTx. Each run is its own process with its own
 servers and workers. `--quick` runs smaller sizes; `--no-anchors` skips the anchors;
 `--throughput` runs the burn-downs only (cronoq's at concurrency 64 and 1000 with each SDK's
 worker, at 64 with prefetch 256, and the CPU each task costs, PostgreSQL's for the store's Work steps
-alone (bench/store_steps.py), PgQueuer's, River's at both settings) and the ratios.
+alone (bench/store_steps.py), PgQueuer's, River's at both settings), the submit path
+(bench/submit.py: SubmitBatch, POST /v1/batches, single SubmitTask calls open loop; River's
+InsertMany and Insert beside them on PostgreSQL) and the ratios.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ sys.path.insert(0, str(HERE))
 from _servers import bench_store  # noqa: E402
 from keyed_lease_cost import keyed_lease_text  # noqa: E402
 from keyed_rate import keyed_rate_text  # noqa: E402
+from submit import rows as submit_rows  # noqa: E402
 
 
 def run(script: str, *args: str) -> dict[str, Any]:
@@ -284,13 +287,15 @@ def main() -> None:
     ap.add_argument(
         "--throughput",
         action="store_true",
-        help="the burn-downs only: cronoq's (concurrency 64 and 1000, each SDK's worker), PgQueuer's, River's",
+        help="the burn-downs only: cronoq's (concurrency 64 and 1000, each SDK's worker), PgQueuer's, River's; "
+        "the submit path (bench/submit.py)",
     )
     args = ap.parse_args()
     tasks = "5000" if args.quick else "20000"
     seconds = "3" if args.quick else "5"
     rows: list[tuple[str, str]] = []
     ratios: list[tuple[str, str]] = []
+    submit_batch: dict[str, int] = {}  # SubmitBatch tasks/s by store
 
     def step(title: str) -> None:
         print(f"== {title}", file=sys.stderr, flush=True)
@@ -349,6 +354,15 @@ def main() -> None:
                         f"({ratio:.2f}× / {ratio_wide:.2f}× the Python worker)",
                     )
                 )
+            if args.throughput:
+                with_river = store == "postgres" and not args.no_anchors
+                step(f"cronoq on {store}: the submit path" + (", River's inserts beside it" if with_river else ""))
+                quick = ["--quick"] if args.quick else []
+                sub = run("submit.py", *quick, *([] if with_river else ["--no-river"]), *extra)
+                more, more_ratios = submit_rows(store, sub)
+                rows += more
+                ratios += more_ratios
+                submit_batch[store] = sub["batch"]["tasks_per_s"]
             lat: dict[str, dict[str, Any]] = {}
             if not args.throughput:
                 more, lat = detail_rows(store, args, tasks, seconds, extra, burn, step)
@@ -424,6 +438,14 @@ def main() -> None:
                         ours = max(burn["drain_tasks_per_s"], wide["drain_tasks_per_s"], pre["drain_tasks_per_s"])
                         title = f"cronoq / River, burn-down, each at its best (River MaxWorkers {max_workers})"
                     ratios.append((title, f"{ours / river['jobs_per_s']:.2f}×"))
+    if len(submit_batch) == 2:
+        sqlite, postgres = submit_batch["sqlite"], submit_batch["postgres"]
+        ratios.append(
+            (
+                "cronoq SubmitBatch of 1,000, SQLite / PostgreSQL",
+                f"{sqlite:,} / {postgres:,} tasks/s = {sqlite / postgres:.2f}×",
+            )
+        )
     if not args.throughput:
         rows += contention_rows(args.quick, step)
     print("\n| run | result |\n|---|---|")

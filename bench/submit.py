@@ -307,7 +307,8 @@ def single_text(r: dict[str, Any]) -> str:
         f", {r['failed']} failed" if r.get("failed") else ""
     )
     if "client_core" in r:
-        text += f"; {r['processes']} generator process(es), the busiest at {r['client_core']} of a core"
+        generator = "one generator process" if r["processes"] == 1 else "2 generator processes, the busier"
+        text += f"; {generator} at {r['client_core']} of a core"
     if "one_process" in r:
         one = r["one_process"]
         text += (
