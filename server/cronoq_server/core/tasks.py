@@ -175,7 +175,7 @@ class Tasks:
             priority=req.priority,
             run_at=timestamp_us(f"{where}run_at", req.run_at) if req.HasField("run_at") else None,
             max_attempts=req.max_attempts or pool.max_attempts,
-            resources=dict(req.resources),
+            resources=dict(req.resources) if req.resources else {},
             timeout_ms=_timeout_ms(req.timeout_ms, pool.timeout),
             group_key=req.group_key,
             trace=trace_of(req),

@@ -102,15 +102,14 @@ def new_task_row(
     error: str = "",
 ) -> TaskRow:
     """The row a submission inserted, as reading it back would give it (a task ended by a
-    dependency's failure or cancellation is finished at now)."""
+    dependency's failure or cancellation is finished at now). Its fields in TaskRow's order,
+    positional: a third of the time by keyword, on every task submitted (a unit test holds
+    the two equal)."""
     return TaskRow(
-        seq=seq, pool=task.pool, key=task.key, payload=task.payload, content_type=task.content_type,
-        priority=task.priority, run_at=run_at, max_attempts=task.max_attempts, depends_on=depends_on or [],
-        resources=task.resources, state=state, attempt=0, worker_id=None, result=None, result_content_type="",
-        error=error, created_at=now, started_at=None, finished_at=now if state in TERMINAL else None,
-        cancel_requested=False, lease_expires_at=None, timeout_ms=task.timeout_ms, group_key=task.group_key,
-        trace=task.trace, parent_seq=task.parent_seq, run_when=task.run_when, start_by=task.start_by,
-        key_ttl_ms=task.key_ttl_ms,
+        seq, task.pool, task.key, task.payload, task.content_type, task.priority, run_at, task.max_attempts,
+        depends_on or [], task.resources, state, 0, None, None, "", error, now, None,
+        now if state in TERMINAL else None, False, None, task.timeout_ms, task.group_key, 0, None, None,
+        task.trace, task.parent_seq, task.run_when, task.start_by, task.key_ttl_ms,
     )  # fmt: skip
 
 
