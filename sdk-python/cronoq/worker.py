@@ -13,6 +13,7 @@ shutdown that gives unfinished tasks back to the server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -64,6 +65,8 @@ MAX_REDIRECTS = 3
 # Failures of a worker's own calls that say nothing about the request: they are retried.
 TRANSIENT = (Unavailable, Cancelled, DeadlineExceeded, Internal, Unknown)
 MAX_FINISH_BATCH = 1000
+# The deadline of a task without a timeout.
+_NO_DEADLINE = contextlib.nullcontext()
 # The most tasks a worker holds (concurrency + prefetch): the credits a Work stream may carry.
 MAX_HELD = 100_000
 # A worker's default prefetch, in tasks a slot (at concurrency 64 on PostgreSQL, no-op tasks:
@@ -759,16 +762,17 @@ class Worker:
         # The server never extends the lease past the attempt's deadline, which counts from the
         # lease: the handler is cancelled there (a prefetched task's wait counts too).
         left = timeout_ms / 1000 - (asyncio.get_running_loop().time() - received)
-        deadline = asyncio.timeout(left if timeout_ms > 0 else None)
+        # None without a timeout: no Timeout a task (it looks up the current task on entry).
+        deadline = asyncio.timeout(left) if timeout_ms > 0 else None
         try:
             try:
                 if timeout_ms > 0 and left <= 0:  # prefetched, and its time ran out before a slot freed
                     raise TaskError(f"timed out after {timeout_ms} ms, before it could start", retryable=True)
-                async with deadline:
+                async with deadline or _NO_DEADLINE:
                     with _tracing.active(span):
                         result = await self.handler(ctx)
             except TimeoutError:
-                if not deadline.expired():
+                if deadline is None or not deadline.expired():
                     raise
                 raise TaskError(f"timed out after {timeout_ms} ms", retryable=True) from None
             data, content_type = encode_payload(result)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 import cronoq
+from cronoq import worker as worker_mod
 
 S = cronoq.TaskState
 MB = 1_000_000
@@ -214,9 +215,9 @@ async def test_a_prefetched_task_whose_timeout_runs_out_while_held_fails_without
     # A worker that gives no slots (as one predating WorkRequest.slots) is sent every credit,
     # so it holds the second task behind the first's handler.
     server = start_server({"pools": [{"name": "held", "lease_ttl": "30s", "max_attempts": 1}]})
-    pb = cronoq.worker.pb
+    pb = worker_mod.pb
     monkeypatch.setattr(
-        cronoq.worker,
+        worker_mod,
         "pb",
         types.SimpleNamespace(**{**vars(pb), "WorkRequest": lambda **kw: pb.WorkRequest(**{**kw, "slots": 0})}),
     )

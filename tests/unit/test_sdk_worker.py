@@ -345,8 +345,8 @@ async def test_by_default_a_worker_prefetches_four_tasks_a_slot_and_gives_its_sl
     await stop(worker, running)
     assert [(s.first.credits, s.first.slots) for s in fake.streams[:2]] == [(15, 3), (15, 3)]
     assert not any(r.slots for r in fake.requests if all(r is not s.first for s in fake.streams))
-    assert cronoq.worker.default_prefetch(16) == 64
-    assert cronoq.worker.default_prefetch(99_000) == 1_000
+    assert worker_mod.default_prefetch(16) == 64
+    assert worker_mod.default_prefetch(99_000) == 1_000
 
 
 async def test_a_new_stream_gives_the_slots_free_then_as_credits():
