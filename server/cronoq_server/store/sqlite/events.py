@@ -21,6 +21,7 @@ from .sql.events import (
     READ_EVENT_COLUMNS,
     READ_EVENTS,
     RECORD_EVENT,
+    RECORD_EVENTS_OF_RANGE,
 )
 
 
@@ -34,7 +35,18 @@ class Events(SqliteCore):
     def _record_events(self, db: sqlite3.Connection, changes: Changes, prev: Sequence[int], now: int) -> None:
         """An event per change, with the task's pool, state, attempt and EVENT_TASK_COLUMNS as the
         op left them, and prev: the state each change left (0: a new task)."""
-        db.executemany(RECORD_EVENT, [(now, int(p), seq) for (seq, _), p in zip(changes, prev, strict=True)])
+        rows = [(now, int(p), seq) for (seq, _), p in zip(changes, prev, strict=True)]
+        # A run of consecutive tasks with the same prev (a batch's new tasks): one statement.
+        start = 0
+        while start < len(rows):
+            end = start + 1
+            while end < len(rows) and rows[end][2] == rows[end - 1][2] + 1 and rows[end][1] == rows[start][1]:
+                end += 1
+            if end - start > 1:
+                db.execute(RECORD_EVENTS_OF_RANGE, (now, rows[start][1], rows[start][2], rows[end - 1][2]))
+            else:
+                db.execute(RECORD_EVENT, rows[start])
+            start = end
 
     def _last_event(self, db: sqlite3.Connection) -> int:
         row = db.execute(LAST_EVENT).fetchone()

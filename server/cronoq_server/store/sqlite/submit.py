@@ -80,13 +80,15 @@ class Submit(Reads, Events):
                     key_of_another_pool(task.key, task.pool, existing[0].pool)
                     out.append(Submitted(existing[0], True))
                     continue
-            deps, dep_bytes = self._resolve_deps(db, task, out, visible)
-            check_dependency_bytes(
-                repr(task.key) if task.key else "the task",
-                dep_bytes,
-                self.settings.max_dependency_results_bytes,
-                self._full_id,
-            )
+            deps: list[tuple[int, State]] = []
+            if task.dep_seqs or task.dep_keys or task.dep_batch:
+                deps, dep_bytes = self._resolve_deps(db, task, out, visible)
+                check_dependency_bytes(
+                    repr(task.key) if task.key else "the task",
+                    dep_bytes,
+                    self.settings.max_dependency_results_bytes,
+                    self._full_id,
+                )
             state, error, blocked_on = initial_state(deps, self._full_id, task.run_when)
             finished_at = now if state in TERMINAL else None
             run_at = keyed_run_at(task, now)

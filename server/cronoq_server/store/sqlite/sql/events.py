@@ -9,6 +9,12 @@ RECORD_EVENT = (
     f"INSERT INTO events ({EVENT_COLUMNS})"
     f" SELECT seq, state, attempt, ?, pool, ?, {EVENT_TASK_COLUMNS} FROM tasks WHERE seq = ?"
 )
+# The events of the tasks seq $3 to $4 as they are now, in seq order (at, prev_state, first, last).
+RECORD_EVENTS_OF_RANGE = (
+    f"INSERT INTO events ({EVENT_COLUMNS})"
+    f" SELECT seq, state, attempt, ?, pool, ?, {EVENT_TASK_COLUMNS} FROM tasks WHERE seq BETWEEN ? AND ?"
+    " ORDER BY seq"
+)
 # The last event id given (AUTOINCREMENT's), none when no event was recorded yet.
 LAST_EVENT = "SELECT seq FROM sqlite_sequence WHERE name = 'events'"
 # The events after an id (after, how many), as event rows; as the columns counted.
