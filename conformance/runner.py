@@ -127,6 +127,19 @@ def task_json(task: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def terminate(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
+    """SIGTERM to each process still running, then each waited for grace seconds (killed after)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
 class Scripted:
     """The scripted server processes of one case (one per network namespace used)."""
 
@@ -155,15 +168,7 @@ class Scripted:
             time.sleep(0.02)
 
     def stop(self) -> list[dict[str, Any]]:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        terminate(self.procs, 10)
         entries = []
         for log in self.logs:
             if log.exists():
@@ -244,13 +249,7 @@ def fast_worker(endpoint: str, pool: str, workdir: Path) -> Iterator[Callable[[]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr)
 
     def stop() -> int | None:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        terminate([proc], 15)
         return int(count_file.read_text()) if count_file.exists() else None
 
     try:

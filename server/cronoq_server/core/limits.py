@@ -54,15 +54,17 @@ def is_control(c: str) -> bool:
     return ord(c) < 32 or 127 <= ord(c) < 160 or c in LINE_AND_BIDI_CONTROLS
 
 
-def check_text(field: str, value: str, limit: int, in_bytes: bool = False) -> None:
+def check_text(field: str, value: str, limit: int, in_bytes: bool = False, where: str = "") -> None:
     """A caller-chosen name or label: bounded (in characters, or in UTF-8 bytes), and free of
-    control characters (is_control: they forge log lines)."""
+    control characters (is_control: they forge log lines). A refusal names `where` + field
+    (built only then: submissions check several fields of every task)."""
     size, unit = (len(value.encode()), "bytes") if in_bytes else (len(value), "characters")
     if size > limit:
-        raise invalid(f"{field}: {size} {unit}, more than {limit}: {value[:64]!r}{'…' if len(value) > 64 else ''}")
+        shown = f"{value[:64]!r}{'…' if len(value) > 64 else ''}"
+        raise invalid(f"{where}{field}: {size} {unit}, more than {limit}: {shown}")
     bad = next((c for c in value if is_control(c)), None)
     if bad is not None:
-        raise invalid(f"{field}: control character {bad!r} in {value[:64]!r}")
+        raise invalid(f"{where}{field}: control character {bad!r} in {value[:64]!r}")
 
 
 def check_count(field: str, count: int, limit: int, what: str) -> None:
@@ -125,10 +127,10 @@ RETRY_EXTRA_ATTEMPTS = Range(0, MAX_ATTEMPTS, "0 gives one more")
 WORKER_CONCURRENCY = Range(0, MAX_WORK_CREDITS, "what the worker runs at once")
 
 
-def check_range(field: str, value: int, allowed: Range) -> None:
-    """Refuses a value outside its range, naming the field, the value and the range."""
+def check_range(field: str, value: int, allowed: Range, where: str = "") -> None:
+    """Refuses a value outside its range, naming `where` + field, the value and the range."""
     if not allowed.low <= value <= allowed.high:
-        raise invalid(f"{field}: {value} is not between {allowed.low} and {allowed.high} ({allowed.meaning})")
+        raise invalid(f"{where}{field}: {value} is not between {allowed.low} and {allowed.high} ({allowed.meaning})")
 
 
 # -- what one gRPC request message may hold ---------------------------------------

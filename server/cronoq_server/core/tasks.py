@@ -99,11 +99,13 @@ def now_us() -> int:
 TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
-def check_trace(field: str, t: task_pb2.TraceContext) -> None:
+def check_trace(field: str, t: task_pb2.TraceContext, where: str = "") -> None:
     """A trace context given with a task: unset, or a W3C traceparent (version 00's form; not
-    version ff, not all-zero ids) with a tracestate of at most MAX_TRACESTATE_BYTES."""
+    version ff, not all-zero ids) with a tracestate of at most MAX_TRACESTATE_BYTES (a refusal
+    names `where` + field)."""
     if not t.traceparent:
         return
+    field = where + field
     version, trace_id, parent_id, _ = t.traceparent.split("-") if TRACEPARENT.fullmatch(t.traceparent) else [""] * 4
     if not version or version == "ff" or trace_id == "0" * 32 or parent_id == "0" * 16:
         shown = t.traceparent[:80]
@@ -160,8 +162,7 @@ class Tasks:
         pool = self._pools.get(req.pool)
         if pool is None:
             raise invalid(f"{where}pool: unknown pool {req.pool!r}")
-        if req.key:  # the checks below build their field's name: only for what is given
-            check_text(f"{where}key", req.key, MAX_KEY_LENGTH)
+        check_text("key", req.key, MAX_KEY_LENGTH, where=where)
         if req.key.startswith(SCHEDULE_KEY_PREFIX):
             raise invalid(
                 f"{where}key: {req.key!r}: keys starting with {SCHEDULE_KEY_PREFIX!r} are reserved for schedules"
@@ -242,12 +243,9 @@ class Tasks:
     def check_template(self, req: TaskTemplate, where: str) -> None:
         """What a task carries beyond its pool, key, run_at and dependencies, checked alike for a
         submission and for a schedule's template (each field named with `where` before it)."""
-        if req.content_type:
-            check_text(f"{where}content_type", req.content_type, MAX_CONTENT_TYPE)
-        if req.group_key:
-            check_text(f"{where}group_key", req.group_key, MAX_GROUP_KEY_BYTES, in_bytes=True)
-        if req.trace.traceparent:
-            check_trace(f"{where}trace", req.trace)
+        check_text("content_type", req.content_type, MAX_CONTENT_TYPE, where=where)
+        check_text("group_key", req.group_key, MAX_GROUP_KEY_BYTES, in_bytes=True, where=where)
+        check_trace("trace", req.trace, where=where)
         limit = self._config.limits.max_payload_bytes
         if len(req.payload) > limit:
             raise invalid(f"{where}payload: {len(req.payload)} bytes exceeds limits.max_payload_bytes {limit}")
@@ -661,11 +659,9 @@ def _check_replay(request_id: str, subs: list[Submitted], expected: int) -> None
 
 
 def _check_ranges(req: object, where: str, ranges: Mapping[str, Range]) -> None:
-    """check_range of each field of req named in ranges (its name built only for a refusal)."""
+    """check_range of each field of req named in ranges."""
     for field, allowed in ranges.items():
-        value = getattr(req, field)
-        if not allowed.low <= value <= allowed.high:
-            check_range(f"{where}{field}", value, allowed)
+        check_range(field, getattr(req, field), allowed, where=where)
 
 
 def _batch_order(tasks: list[NewTask]) -> list[int]:
