@@ -46,6 +46,10 @@ def run_worker(
     options: dict[str, Any],
     spent: Any = None,  # mp.Array("d", 2): the CPU seconds of the drain, the peak RSS in KiB
 ) -> None:
+    # The SDK's modules loaded first (cronoq imports its worker on first use), as a Go or Rust
+    # worker's code is loaded with its binary: the clock starts with the process ready to connect.
+    worker_class = cronoq.Worker
+
     async def main() -> None:
         # The process is up and about to connect: where the anchors' workers start their clock.
         started_at.value = time.time()
@@ -62,7 +66,7 @@ def run_worker(
                     spent[1] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 worker.stop()
 
-        worker = cronoq.Worker(
+        worker = worker_class(
             endpoint, "default", noop, concurrency=concurrency, prefetch=None if prefetch < 0 else prefetch, **options
         )
         await worker.run()

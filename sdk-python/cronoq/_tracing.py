@@ -10,8 +10,7 @@ fails; with the API but no tracer provider, the handler still runs in the submit
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from . import __version__
@@ -31,6 +30,7 @@ else:
     _RECORDS_NOTHING = (otel_trace.ProxyTracerProvider, otel_trace.NoOpTracerProvider)
 
 TRACER_NAME = "cronoq"
+_NOTHING = nullcontext()
 # TaskOutcome's oneof cases, each the span's cronoq.task.outcome as it is.
 OUTCOMES = frozenset({"success", "failure", "snoozed", "cancelled", "released"})
 
@@ -110,14 +110,12 @@ def start_task_span(task: task_pb2.Task) -> Any:
     return span
 
 
-@contextmanager
-def active(span: Any) -> Iterator[None]:
-    """Runs the block with span as the current span (nothing without the API)."""
+def active(span: Any) -> AbstractContextManager[Any]:
+    """A context manager that runs its block with span as the current span (nothing without
+    the API, or without a span: no generator to enter for each task)."""
     if span is None:
-        yield
-        return
-    with otel_trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
-        yield
+        return _NOTHING
+    return otel_trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
 
 
 def end_task_span(span: Any, outcome: wpb.TaskOutcome | None) -> None:

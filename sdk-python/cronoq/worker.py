@@ -712,6 +712,7 @@ class Worker:
             if not r.accepted:
                 fields = task_fields(r.task_id, outcome.attempt if outcome is not None else 0, pool)
                 self._log.warning("outcome of task %d refused: %s %s", r.task_id, r.code, r.message, extra=fields)
+        now = asyncio.get_running_loop().time() if answer.tasks else 0.0
         for task in answer.tasks:
             ctx = TaskContext(task, self.max_checkpoint_bytes)
             if self._closed:  # sent as the stream closed: the server releases it, as nothing can be sent
@@ -724,9 +725,9 @@ class Worker:
                 self._report(pb.TaskOutcome(task_id=task.id, attempt=task.attempt, released=_released()), task.pool)
                 continue
             if len(self._running) < self.concurrency:
-                self._start(ctx, asyncio.get_running_loop().time())
+                self._start(ctx, now)
             else:  # prefetched: it starts as a handler ends
-                self._held[task.id] = (ctx, asyncio.get_running_loop().time())
+                self._held[task.id] = (ctx, now)
         if answer.HasField("heartbeat"):
             self._heartbeat_answered(answer.heartbeat)
         if self._finished:
@@ -760,14 +761,16 @@ class Worker:
         outcome = pb.TaskOutcome(task_id=ctx.id, attempt=ctx.attempt)
         timeout_ms = ctx.task.timeout_ms
         # The server never extends the lease past the attempt's deadline, which counts from the
-        # lease: the handler is cancelled there (a prefetched task's wait counts too).
-        left = timeout_ms / 1000 - (asyncio.get_running_loop().time() - received)
-        # None without a timeout: no Timeout a task (it looks up the current task on entry).
-        deadline = asyncio.timeout(left) if timeout_ms > 0 else None
+        # lease: the handler is cancelled there (a prefetched task's wait counts too). None
+        # without a timeout: no Timeout a task (it looks up the current task on entry).
+        deadline = None
         try:
             try:
-                if timeout_ms > 0 and left <= 0:  # prefetched, and its time ran out before a slot freed
-                    raise TaskError(f"timed out after {timeout_ms} ms, before it could start", retryable=True)
+                if timeout_ms > 0:
+                    left = timeout_ms / 1000 - (asyncio.get_running_loop().time() - received)
+                    if left <= 0:  # prefetched, and its time ran out before a slot freed
+                        raise TaskError(f"timed out after {timeout_ms} ms, before it could start", retryable=True)
+                    deadline = asyncio.timeout(left)
                 async with deadline or _NO_DEADLINE:
                     with _tracing.active(span):
                         result = await self.handler(ctx)
