@@ -46,7 +46,8 @@ TS_TESTS = sorted(str(p.relative_to(TS_SDK)) for p in (TS_SDK / "test").glob("*.
 RUST_MANIFEST = ROOT / "sdk-rust" / "Cargo.toml"
 RUST_PROTO = ROOT / "sdk-rust" / "proto"
 RUST_PROTO_FILES = [
-    f"cronoq/v1/{name}.proto" for name in ("admin_service", "options", "task", "task_service", "worker_service")
+    f"cronoq/v1/{name}.proto"
+    for name in ("admin_service", "options", "schedule_service", "task", "task_service", "worker_service")
 ]
 # cronoq-api first: the SDK and the server depend on it (uv takes it from here, not an index).
 PACKAGES = ["-e", "proto/python", "-e", "sdk-python[otel]", "-e", "server[otel]"]
@@ -225,7 +226,8 @@ def _ts_checks(session: nox.Session) -> None:
 
 
 def _rust_checks(session: nox.Session) -> None:
-    """The Rust SDK (sdk-rust, its Cargo.lock): cargo test, clippy with warnings as errors, rustfmt."""
+    """The Rust SDK (sdk-rust, its Cargo.lock): cargo test, clippy with warnings as errors, rustfmt,
+    rustdoc with warnings as errors."""
     manifest = ["--manifest-path", str(RUST_MANIFEST)]
     session.run("cargo", "test", "--locked", *manifest, external=True)
     session.run("cargo", "test", "--locked", *manifest, "--features", "otel", external=True)
@@ -233,6 +235,8 @@ def _rust_checks(session: nox.Session) -> None:
     clippy_otel = ["--all-targets", "--features", "otel,outbox", "--", "-D", "warnings"]  # the conformance driver's
     session.run("cargo", "clippy", "--locked", *manifest, *clippy_otel, external=True)
     session.run("cargo", "fmt", *manifest, "--check", external=True)
+    # The docs.rs build: broken intra-doc links and stray HTML in doc comments fail it.
+    session.run("cargo", "doc", "--locked", *manifest, "--no-deps", external=True, env={"RUSTDOCFLAGS": "-D warnings"})
 
 
 def _conformance(session: nox.Session, args: list[str]) -> None:

@@ -6,6 +6,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto_dir = "proto";
     let files = [
         "cronoq/v1/admin_service.proto",
+        "cronoq/v1/schedule_service.proto",
         "cronoq/v1/task.proto",
         "cronoq/v1/task_service.proto",
         "cronoq/v1/worker_service.proto",

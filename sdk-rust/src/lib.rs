@@ -43,6 +43,8 @@ pub use transport::{
 /// The generated cronoq.v1 messages and clients.
 pub mod proto {
     #![allow(clippy::all, missing_docs)]
+    // The protos' comments are not rustdoc: "[[outboxes]]" names a TOML table, not an item.
+    #![allow(rustdoc::broken_intra_doc_links)]
     tonic::include_proto!("cronoq.v1");
 }
 pub use worker::{TaskContext, TaskError, TaskResult, Worker, WorkerOptions};

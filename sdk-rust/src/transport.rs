@@ -196,7 +196,7 @@ impl Options {
         }
     }
 
-    /// Sent as "authorization: Bearer <token>" with every call.
+    /// Sent as `authorization: Bearer <token>` with every call.
     pub fn token(mut self, token: impl Into<String>) -> Options {
         self.token = Some(token.into()).filter(|t: &String| !t.is_empty());
         self
