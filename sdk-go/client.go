@@ -108,9 +108,9 @@ type TaskSpec struct {
 }
 
 func (s TaskSpec) proto() (*cronoqv1.SubmitTaskRequest, error) {
-	data, contentType, err := EncodePayload(s.Payload)
+	data, contentType, err := encodePayloadArg(s.Payload)
 	if err != nil {
-		return nil, newError(codes.InvalidArgument, kindCode, "payload: %v", err)
+		return nil, err
 	}
 	req := &cronoqv1.SubmitTaskRequest{
 		Pool:        s.Pool,
@@ -143,6 +143,16 @@ func (s TaskSpec) proto() (*cronoqv1.SubmitTaskRequest, error) {
 		req.DependsOn = append(req.DependsOn, ref)
 	}
 	return req, nil
+}
+
+// encodePayloadArg is EncodePayload for a payload given to a call: a value JSON cannot encode
+// is the call's ErrInvalidArgument error, as the server's refusal would be.
+func encodePayloadArg(v any) (data []byte, contentType string, err error) {
+	data, contentType, err = EncodePayload(v)
+	if err != nil {
+		return nil, "", newError(codes.InvalidArgument, kindCode, "payload: %v", err)
+	}
+	return data, contentType, nil
 }
 
 // milliseconds is d in whole milliseconds, at least 1 (or -1) for a d shorter than one, so
@@ -566,6 +576,132 @@ func (c *Client) ResumePool(ctx context.Context, pool string) (*PoolPause, error
 		return err
 	})
 	return resp.GetPause(), err
+}
+
+// ListWorkers lists the registered workers of pool, or of every pool the caller may read when
+// pool is empty, from every shard; the shards that could not be asked are in UnavailableShards.
+func (c *Client) ListWorkers(ctx context.Context, pool string) (*cronoqv1.ListWorkersResponse, error) {
+	var resp *cronoqv1.ListWorkersResponse
+	err := c.conn.invoke(ctx, "ListWorkers", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
+		resp, err = cronoqv1.NewWorkerServiceClient(cc).ListWorkers(ctx, &cronoqv1.ListWorkersRequest{Pool: pool}, opts...)
+		return err
+	})
+	return resp, err
+}
+
+// ScheduleSpec is one cron schedule: (Pool, Name) names it, and every task it fires takes
+// Payload and the options below, as a TaskSpec's.
+type ScheduleSpec struct {
+	Pool string
+	Name string
+	// Cron: five fields (minute hour day-of-month month day-of-week), or six with seconds
+	// first ("*/5 * * * * *": every five seconds); the server parses it.
+	Cron string
+	// Timezone: an IANA zone name ("Europe/Paris"); "" is UTC.
+	Timezone string
+	// Payload: []byte as it is, anything else as JSON (see EncodePayload).
+	Payload  any
+	Priority int32
+	// MaxAttempts: 0 takes the pool's default.
+	MaxAttempts int32
+	Resources   map[string]int64
+	// Timeout of each attempt of a fired task (capped by the pool's); 0: the pool's.
+	Timeout time.Duration
+	// GroupKey: the group of each fired task (TaskSpec.GroupKey); "": none.
+	GroupKey string
+	// Paused: stored, but fires nothing until put again unpaused.
+	Paused bool
+	// FireAllMissed: after downtime, fire every missed slot rather than only the latest.
+	FireAllMissed bool
+	// Trace: the trace context the schedule keeps (each fired task links to it); nil: the
+	// current span's context of PutSchedule's ctx, as Submit sends.
+	Trace *cronoqv1.TraceContext
+}
+
+func (s ScheduleSpec) proto(ctx context.Context) (*cronoqv1.Schedule, error) {
+	data, contentType, err := encodePayloadArg(s.Payload)
+	if err != nil {
+		return nil, err
+	}
+	trace := s.Trace
+	if trace == nil {
+		trace = traceContext(ctx)
+	}
+	return &cronoqv1.Schedule{
+		Pool:          s.Pool,
+		Name:          s.Name,
+		Cron:          s.Cron,
+		Timezone:      s.Timezone,
+		Payload:       data,
+		ContentType:   contentType,
+		Priority:      s.Priority,
+		MaxAttempts:   s.MaxAttempts,
+		Resources:     s.Resources,
+		TimeoutMs:     milliseconds(s.Timeout), // a negative one is sent, for the server to name it
+		GroupKey:      s.GroupKey,
+		Paused:        s.Paused,
+		FireAllMissed: s.FireAllMissed,
+		Trace:         trace,
+	}, nil
+}
+
+// PutSchedule creates or replaces the schedule (spec.Pool, spec.Name) and returns it as
+// stored, with its NextFireAt. A cron, time zone or option the server refuses is
+// ErrInvalidArgument, and nothing is stored.
+func (c *Client) PutSchedule(ctx context.Context, spec ScheduleSpec) (*Schedule, error) {
+	schedule, err := spec.proto(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var resp *cronoqv1.PutScheduleResponse
+	err = c.conn.invoke(ctx, "PutSchedule", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
+		resp, err = cronoqv1.NewScheduleServiceClient(cc).PutSchedule(ctx, &cronoqv1.PutScheduleRequest{Schedule: schedule}, opts...)
+		return err
+	})
+	return resp.GetSchedule(), err
+}
+
+// DeleteSchedule deletes the schedule (pool, name); the tasks it fired stay. A missing
+// schedule is ErrNotFound (so is a retry after UNAVAILABLE whose first attempt deleted it).
+func (c *Client) DeleteSchedule(ctx context.Context, pool, name string) error {
+	return c.conn.invoke(ctx, "DeleteSchedule", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) error {
+		_, err := cronoqv1.NewScheduleServiceClient(cc).DeleteSchedule(ctx, &cronoqv1.DeleteScheduleRequest{Pool: pool, Name: name}, opts...)
+		return err
+	})
+}
+
+// ListSchedules lists the schedules of pool, or of every pool the caller may read when pool
+// is empty, from every shard; the shards that could not be asked are in UnavailableShards.
+func (c *Client) ListSchedules(ctx context.Context, pool string) (*cronoqv1.ListSchedulesResponse, error) {
+	var resp *cronoqv1.ListSchedulesResponse
+	err := c.conn.invoke(ctx, "ListSchedules", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
+		resp, err = cronoqv1.NewScheduleServiceClient(cc).ListSchedules(ctx, &cronoqv1.ListSchedulesRequest{Pool: pool}, opts...)
+		return err
+	})
+	return resp, err
+}
+
+// Snapshot is every shard's state: its leader and term, standbys, task counts by pool and
+// state, resources, workers, recent activity and outboxes (UnavailableShards: those that
+// could not be asked).
+func (c *Client) Snapshot(ctx context.Context) (*cronoqv1.GetSnapshotResponse, error) {
+	var resp *cronoqv1.GetSnapshotResponse
+	err := c.conn.invoke(ctx, "GetSnapshot", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
+		resp, err = cronoqv1.NewAdminServiceClient(cc).GetSnapshot(ctx, &cronoqv1.GetSnapshotRequest{}, opts...)
+		return err
+	})
+	return resp, err
+}
+
+// ServerInfo is about the server this client talks to: its version, shard, role (a standby
+// answers too), leader and term, and who the caller is to it.
+func (c *Client) ServerInfo(ctx context.Context) (*cronoqv1.GetServerInfoResponse, error) {
+	var resp *cronoqv1.GetServerInfoResponse
+	err := c.conn.invoke(ctx, "GetServerInfo", c.conn.timeout, func(ctx context.Context, cc *grpc.ClientConn, opts ...grpc.CallOption) (err error) {
+		resp, err = cronoqv1.NewAdminServiceClient(cc).GetServerInfo(ctx, &cronoqv1.GetServerInfoRequest{}, opts...)
+		return err
+	})
+	return resp, err
 }
 
 // ListOptions select a page of tasks.

@@ -1,6 +1,7 @@
 // Package cronoq is the Go SDK of cronoq, a durable sharded task queue: a Client that
-// submits, reads, waits for, cancels, retries and deletes tasks (one by one or by filter) and
-// pauses pools, and a Worker that runs them.
+// submits, reads, waits for, cancels, retries and deletes tasks (one by one or by filter),
+// puts cron schedules, pauses pools and reads the workers and the servers' state, and a Worker
+// that runs them.
 //
 //	client, err := cronoq.NewClient(cronoq.Options{Endpoint: "http://127.0.0.1:7070"})
 //	sub, err := client.Submit(ctx, cronoq.TaskSpec{Pool: "default", Payload: map[string]int{"n": 21}})
@@ -67,6 +68,10 @@ const (
 // PoolPause is whether a pool is paused, since when and by whom (the generated
 // cronoq.v1.PoolPause): PausePool and ResumePool.
 type PoolPause = cronoqv1.PoolPause
+
+// Schedule is a cron schedule as the server holds it, with its NextFireAt and LastFireAt
+// (the generated cronoq.v1.Schedule): PutSchedule and ListSchedules.
+type Schedule = cronoqv1.Schedule
 
 // BulkShardResult is what a bulk action did in one shard (the generated cronoq.v1.BulkShardResult).
 type BulkShardResult = cronoqv1.BulkShardResult

@@ -3,9 +3,12 @@ package cronoq
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"go.opentelemetry.io/otel/trace"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -21,6 +24,8 @@ import (
 type opsServer struct {
 	cronoqv1.UnimplementedTaskServiceServer
 	cronoqv1.UnimplementedAdminServiceServer
+	cronoqv1.UnimplementedScheduleServiceServer
+	cronoqv1.UnimplementedWorkerServiceServer
 	mu          sync.Mutex
 	requests    []proto.Message
 	unavailable int
@@ -159,11 +164,77 @@ func (s *opsServer) ResumePool(_ context.Context, req *cronoqv1.ResumePoolReques
 	return &cronoqv1.ResumePoolResponse{Pause: &cronoqv1.PoolPause{Pool: req.GetPool()}}, nil
 }
 
+var opsNextFire = timestamppb.New(time.Date(2030, 1, 1, 2, 0, 0, 0, time.UTC))
+
+func (s *opsServer) PutSchedule(_ context.Context, req *cronoqv1.PutScheduleRequest) (*cronoqv1.PutScheduleResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	if req.GetSchedule().GetCron() == "" {
+		return nil, status.Error(codes.InvalidArgument, `schedule.cron: "" is not a cron expression`)
+	}
+	stored := proto.Clone(req.GetSchedule()).(*cronoqv1.Schedule)
+	stored.NextFireAt = opsNextFire
+	return &cronoqv1.PutScheduleResponse{Schedule: stored}, nil
+}
+
+func (s *opsServer) DeleteSchedule(_ context.Context, req *cronoqv1.DeleteScheduleRequest) (*cronoqv1.DeleteScheduleResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	if req.GetName() == "missing" {
+		return nil, status.Error(codes.NotFound, "no schedule missing in pool "+req.GetPool())
+	}
+	return &cronoqv1.DeleteScheduleResponse{}, nil
+}
+
+func (s *opsServer) ListSchedules(_ context.Context, req *cronoqv1.ListSchedulesRequest) (*cronoqv1.ListSchedulesResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	return &cronoqv1.ListSchedulesResponse{
+		Schedules:         []*cronoqv1.Schedule{{Pool: "llm", Name: "nightly", Cron: "0 2 * * *", NextFireAt: opsNextFire}},
+		UnavailableShards: []string{"tpu"},
+	}, nil
+}
+
+func (s *opsServer) ListWorkers(_ context.Context, req *cronoqv1.ListWorkersRequest) (*cronoqv1.ListWorkersResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	if req.GetPool() == "forbidden" {
+		return nil, status.Error(codes.PermissionDenied, "no read permission on pool forbidden")
+	}
+	return &cronoqv1.ListWorkersResponse{
+		Workers:           []*cronoqv1.Worker{{Id: "w-1", Pools: []string{"llm"}, Shard: "gpu", Concurrency: 8, Running: 3}},
+		UnavailableShards: []string{"tpu"},
+	}, nil
+}
+
+func (s *opsServer) GetSnapshot(_ context.Context, req *cronoqv1.GetSnapshotRequest) (*cronoqv1.GetSnapshotResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	return &cronoqv1.GetSnapshotResponse{
+		Shards:            []*cronoqv1.ShardSnapshot{{Shard: "cpu", Number: 0, Term: 3}, {Shard: "gpu", Number: 1, Leader: "http://gpu:7070"}},
+		UnavailableShards: []string{"tpu"},
+	}, nil
+}
+
+func (s *opsServer) GetServerInfo(_ context.Context, req *cronoqv1.GetServerInfoRequest) (*cronoqv1.GetServerInfoResponse, error) {
+	if err := s.record(req); err != nil {
+		return nil, err
+	}
+	return &cronoqv1.GetServerInfoResponse{Version: "0.2.0", Shard: "cpu", Role: cronoqv1.Role_ROLE_LEADER, Term: 3}, nil
+}
+
 func opsClient(t *testing.T, srv *opsServer) *Client {
 	t.Helper()
 	addr := serve(t, func(s *grpc.Server) {
 		cronoqv1.RegisterTaskServiceServer(s, srv)
 		cronoqv1.RegisterAdminServiceServer(s, srv)
+		cronoqv1.RegisterScheduleServiceServer(s, srv)
+		cronoqv1.RegisterWorkerServiceServer(s, srv)
 	})
 	client, err := NewClient(Options{Endpoint: "http://" + addr, Retry: fastRetry(), Logger: quietLogger()})
 	if err != nil {
@@ -427,4 +498,123 @@ func TestWorkflowCalls(t *testing.T) {
 		t.Fatal(err)
 	}
 	wantRequest(t, srv.last(), &cronoqv1.CancelTasksRequest{Filter: &cronoqv1.TaskFilter{ParentId: 7}, DryRun: true})
+}
+
+func TestPutScheduleSendsTheSpecAsSubmitDoesAndReturnsTheStoredSchedule(t *testing.T) {
+	srv := &opsServer{unavailable: 1} // UNAVAILABLE is retried, as for every call
+	client := opsClient(t, srv)
+	tid, _ := trace.TraceIDFromHex("0af7651916cd43dd8448eb211c80319c")
+	sid, _ := trace.SpanIDFromHex("b7ad6b7169203331")
+	ctx := trace.ContextWithRemoteSpanContext(context.Background(),
+		trace.NewSpanContext(trace.SpanContextConfig{TraceID: tid, SpanID: sid, TraceFlags: trace.FlagsSampled, Remote: true}))
+	spec := ScheduleSpec{
+		Pool: "llm", Name: "nightly", Cron: "0 2 * * *", Timezone: "Europe/Paris", Payload: map[string]int{"n": 1},
+		Priority: 5, MaxAttempts: 3, Resources: map[string]int64{"gpu": 1}, Timeout: 90 * time.Second,
+		GroupKey: "tenant-a", Paused: true, FireAllMissed: true,
+	}
+	schedule, err := client.PutSchedule(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := &cronoqv1.Schedule{
+		Pool: "llm", Name: "nightly", Cron: "0 2 * * *", Timezone: "Europe/Paris", Payload: []byte(`{"n":1}`),
+		ContentType: JSONContentType, Priority: 5, MaxAttempts: 3, Resources: map[string]int64{"gpu": 1}, TimeoutMs: 90_000,
+		GroupKey: "tenant-a", Paused: true, FireAllMissed: true,
+		Trace: &cronoqv1.TraceContext{Traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+	}
+	wantRequest(t, srv.last(), &cronoqv1.PutScheduleRequest{Schedule: want})
+	if len(srv.requests) != 2 || schedule.GetName() != "nightly" || !proto.Equal(schedule.GetNextFireAt(), opsNextFire) {
+		t.Errorf("%v after %d calls", schedule, len(srv.requests))
+	}
+
+	// A trace context given is sent instead of ctx's; bytes are sent as they are.
+	given := &cronoqv1.TraceContext{Traceparent: "00-11111111111111111111111111111111-2222222222222222-01"}
+	if _, err := client.PutSchedule(ctx, ScheduleSpec{Pool: "llm", Name: "raw", Cron: "* * * * *", Payload: []byte{1, 2}, Trace: given}); err != nil {
+		t.Fatal(err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.PutScheduleRequest{Schedule: &cronoqv1.Schedule{
+		Pool: "llm", Name: "raw", Cron: "* * * * *", Payload: []byte{1, 2}, Trace: given,
+	}})
+	// No span context, no payload: neither is sent.
+	if _, err := client.PutSchedule(context.Background(), ScheduleSpec{Pool: "llm", Name: "bare", Cron: "* * * * *"}); err != nil {
+		t.Fatal(err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.PutScheduleRequest{Schedule: &cronoqv1.Schedule{Pool: "llm", Name: "bare", Cron: "* * * * *"}})
+
+	// The server parses the cron: its refusal is the SDK's ErrInvalidArgument, with its message.
+	_, err = client.PutSchedule(context.Background(), ScheduleSpec{Pool: "llm", Name: "bad"})
+	var e *Error
+	if !errors.Is(err, ErrInvalidArgument) || !errors.As(err, &e) || e.Message != `schedule.cron: "" is not a cron expression` {
+		t.Errorf("an empty cron: %v, want the server's ErrInvalidArgument", err)
+	}
+	// A payload JSON cannot encode is refused before any call.
+	calls := len(srv.requests)
+	if _, err := client.PutSchedule(context.Background(), ScheduleSpec{Pool: "llm", Name: "x", Cron: "* * * * *", Payload: make(chan int)}); !errors.Is(err, ErrInvalidArgument) ||
+		!strings.HasPrefix(err.Error(), "INVALID_ARGUMENT: payload: ") || len(srv.requests) != calls {
+		t.Errorf("a channel payload: %v after %d calls", err, len(srv.requests)-calls)
+	}
+}
+
+func TestDeleteScheduleAndListSchedules(t *testing.T) {
+	srv := &opsServer{unavailable: 1}
+	client := opsClient(t, srv)
+	ctx := context.Background()
+	if err := client.DeleteSchedule(ctx, "llm", "nightly"); err != nil || len(srv.requests) != 2 {
+		t.Fatalf("%v after %d calls", err, len(srv.requests))
+	}
+	wantRequest(t, srv.last(), &cronoqv1.DeleteScheduleRequest{Pool: "llm", Name: "nightly"})
+	if err := client.DeleteSchedule(ctx, "llm", "missing"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("a missing schedule: %v, want ErrNotFound", err)
+	}
+
+	listed, err := client.ListSchedules(ctx, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.ListSchedulesRequest{})
+	if s := listed.GetSchedules(); len(s) != 1 || s[0].GetCron() != "0 2 * * *" || !proto.Equal(s[0].GetNextFireAt(), opsNextFire) ||
+		len(listed.GetUnavailableShards()) != 1 || listed.GetUnavailableShards()[0] != "tpu" {
+		t.Errorf("%v", listed)
+	}
+	if _, err := client.ListSchedules(ctx, "llm"); err != nil {
+		t.Fatal(err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.ListSchedulesRequest{Pool: "llm"})
+}
+
+func TestListWorkersSnapshotAndServerInfo(t *testing.T) {
+	srv := &opsServer{unavailable: 1}
+	client := opsClient(t, srv)
+	ctx := context.Background()
+
+	workers, err := client.ListWorkers(ctx, "llm")
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.ListWorkersRequest{Pool: "llm"})
+	if w := workers.GetWorkers(); len(srv.requests) != 2 || len(w) != 1 || w[0].GetId() != "w-1" || w[0].GetRunning() != 3 ||
+		len(workers.GetUnavailableShards()) != 1 {
+		t.Errorf("%v after %d calls", workers, len(srv.requests))
+	}
+	if _, err := client.ListWorkers(ctx, "forbidden"); !errors.Is(err, ErrPermissionDenied) {
+		t.Errorf("a pool not readable: %v, want ErrPermissionDenied", err)
+	}
+
+	snapshot, err := client.Snapshot(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.GetSnapshotRequest{})
+	if s := snapshot.GetShards(); len(s) != 2 || s[0].GetTerm() != 3 || s[1].GetLeader() != "http://gpu:7070" || snapshot.GetUnavailableShards()[0] != "tpu" {
+		t.Errorf("%v", snapshot)
+	}
+
+	info, err := client.ServerInfo(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantRequest(t, srv.last(), &cronoqv1.GetServerInfoRequest{})
+	if info.GetShard() != "cpu" || info.GetRole() != cronoqv1.Role_ROLE_LEADER || info.GetVersion() != "0.2.0" {
+		t.Errorf("%v", info)
+	}
 }
