@@ -4,6 +4,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/base64"
 	"encoding/json"
@@ -12,6 +13,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -94,6 +96,11 @@ type step struct {
 	// outbox_enqueue: commit (else roll back), then look the task up by key for this long.
 	Commit        bool  `json:"commit"`
 	RelayWithinMs int64 `json:"relay_within_ms"`
+	// put_schedule (and delete_schedule: the name): the schedule besides pool, payload and group_key.
+	Name     string `json:"name"`
+	Cron     string `json:"cron"`
+	Timezone string `json:"timezone"`
+	Paused   bool   `json:"paused"`
 }
 
 // dependsOn is one item of a depends_on: a key, a decimal id, or (in a spawn) the spawning task.
@@ -324,6 +331,13 @@ func clientStep(client *cronoq.Client, in *input, s step) result {
 		return bulkStep(ctx, client, s)
 	case "outbox_enqueue":
 		return outboxEnqueue(ctx, client, in, s)
+	case "put_schedule", "delete_schedule", "list_schedules", "list_workers", "server_info", "snapshot":
+		out, err := readStep(ctx, client, s)
+		if err != nil {
+			return result{"error": errorOf(err)}
+		}
+		out["error"] = nil
+		return out
 	}
 	ref, err := taskRef(s)
 	if err != nil {
@@ -407,6 +421,65 @@ func clientStep(client *cronoq.Client, in *input, s step) result {
 		out["result"] = value(task.GetResult(), task.GetResultContentType())
 	}
 	return out
+}
+
+// scheduleJSON is a schedule as the protocol gives it.
+func scheduleJSON(schedule *cronoq.Schedule) result {
+	return result{
+		"pool": schedule.GetPool(), "name": schedule.GetName(), "cron": schedule.GetCron(), "timezone": schedule.GetTimezone(),
+		"paused": schedule.GetPaused(), "group_key": schedule.GetGroupKey(), "next_fire_set": schedule.GetNextFireAt() != nil,
+	}
+}
+
+// readStep runs the schedule calls and the read calls (workers, the server's info, the snapshot).
+func readStep(ctx context.Context, client *cronoq.Client, s step) (result, error) {
+	switch s.Op {
+	case "put_schedule":
+		schedule, err := client.PutSchedule(ctx, cronoq.ScheduleSpec{
+			Pool: s.Pool, Name: s.Name, Cron: s.Cron, Payload: s.Payload, Timezone: s.Timezone, GroupKey: s.GroupKey, Paused: s.Paused,
+		})
+		if err != nil {
+			return nil, err
+		}
+		return scheduleJSON(schedule), nil
+	case "delete_schedule":
+		return result{}, client.DeleteSchedule(ctx, s.Pool, s.Name)
+	case "list_schedules":
+		listed, err := client.ListSchedules(ctx, s.Pool)
+		if err != nil {
+			return nil, err
+		}
+		sorted := slices.SortedFunc(slices.Values(listed.GetSchedules()), func(a, b *cronoq.Schedule) int {
+			return cmp.Or(cmp.Compare(a.GetPool(), b.GetPool()), cmp.Compare(a.GetName(), b.GetName()))
+		})
+		schedules := []result{}
+		for _, schedule := range sorted {
+			schedules = append(schedules, scheduleJSON(schedule))
+		}
+		return result{"schedules": schedules, "unavailable_shards": append([]string{}, listed.GetUnavailableShards()...)}, nil
+	case "list_workers":
+		workers, err := client.ListWorkers(ctx, s.Pool)
+		if err != nil {
+			return nil, err
+		}
+		return result{"count": len(workers.GetWorkers()), "unavailable_shards": append([]string{}, workers.GetUnavailableShards()...)}, nil
+	case "server_info":
+		info, err := client.ServerInfo(ctx)
+		if err != nil {
+			return nil, err
+		}
+		return result{"shard": info.GetShard(), "role": info.GetRole().String(), "version": info.GetVersion()}, nil
+	}
+	snapshot, err := client.Snapshot(ctx)
+	if err != nil {
+		return nil, err
+	}
+	shards := []string{}
+	for _, shard := range snapshot.GetShards() {
+		shards = append(shards, shard.GetShard())
+	}
+	slices.Sort(shards)
+	return result{"shards": shards, "unavailable_shards": append([]string{}, snapshot.GetUnavailableShards()...)}, nil
 }
 
 // outboxEnqueue enqueues one task with the outbox helper in a pgx transaction of the
