@@ -1,5 +1,6 @@
 // The client: submit, submitBatch, get, wait, cancel, list and watch, and the operator's calls
-// (retry, delete, attempts, bulk actions by filter, pause/resume a pool), on any shard's server
+// (retry, delete, attempts, bulk actions by filter, pause/resume a pool, schedules, the
+// workers, the snapshot and the server's info), on any shard's server
 // (or several servers), with the transport retries of the connection.
 import { randomBytes } from "node:crypto";
 import { status as Status, type Metadata, type StatusObject } from "@grpc/grpc-js";
@@ -23,7 +24,9 @@ import {
   type TaskFilter as TaskFilterProto,
   type WatchResponse,
 } from "./gen/cronoq/v1/task_service.js";
-import type { PausePoolResponse, PoolPause, ResumePoolResponse } from "./gen/cronoq/v1/admin_service.js";
+import type { GetServerInfoResponse, GetSnapshotResponse, PausePoolResponse, PoolPause, ResumePoolResponse } from "./gen/cronoq/v1/admin_service.js";
+import { Schedule, type ListSchedulesResponse, type PutScheduleResponse } from "./gen/cronoq/v1/schedule_service.js";
+import type { ListWorkersResponse } from "./gen/cronoq/v1/worker_service.js";
 import type { Timestamp } from "./gen/google/protobuf/timestamp.js";
 import { AbortedError, CancelledError, fromGrpcError, InternalError, InvalidArgumentError, UnavailableError } from "./errors.js";
 import { currentTrace, type W3CTrace } from "./otel.js";
@@ -99,6 +102,43 @@ export interface TaskTrace {
   tracestate?: string;
 }
 
+/**
+ * A cron schedule to put: (pool, name) names it; each time it fires it submits a task of pool
+ * with its payload and task options (0 or absent: the pool's defaults, as a submit's).
+ */
+export interface ScheduleSpec {
+  pool: string;
+  name: string;
+  /** Five fields (minute hour day-of-month month day-of-week), or six with seconds first ("*\/5 * * * * *": every five seconds); checked by the server. */
+  cron: string;
+  /** An IANA zone name ("Europe/Paris"); absent: UTC. */
+  timezone?: string;
+  /** Bytes as they are, anything else as JSON: every fired task's payload. */
+  payload?: unknown;
+  priority?: number;
+  maxAttempts?: number;
+  resources?: Record<string, bigint | number>;
+  /** Each fired task's attempt timeout; absent: the pool's. */
+  timeoutMs?: number;
+  /** Each fired task's groupKey. */
+  groupKey?: string;
+  /** Kept, but fires nothing until put again unpaused. */
+  paused?: boolean;
+  /** After downtime, fire every missed slot rather than only the latest. */
+  fireAllMissed?: boolean;
+  /**
+   * The trace context each fired task links to. Absent: the caller's current span's, when
+   * @opentelemetry/api is installed and a span is active (as submit's).
+   */
+  trace?: TaskTrace;
+}
+
+/** Which pool a read call answers for. */
+export interface PoolOptions {
+  /** Absent: every pool the caller may read. */
+  pool?: string;
+}
+
 function timestamp(ms: number): Timestamp {
   const whole = Math.floor(ms / 1000);
   return { seconds: BigInt(whole), nanos: Math.round((ms - whole * 1000) * 1e6) };
@@ -116,12 +156,27 @@ function optionalTimestamp(time: Date | number | undefined): Timestamp | undefin
   return time === undefined ? undefined : timestamp(Number(time));
 }
 
+/** Resource amounts as int64s. */
+function resourcesProto(resources: Record<string, bigint | number> | undefined): Record<string, bigint> {
+  const amounts: Record<string, bigint> = {};
+  for (const [name, n] of Object.entries(resources ?? {})) amounts[name] = BigInt(n);
+  return amounts;
+}
+
+/** An attempt's timeout as an int64 (absent or not positive: 0, the pool's). */
+function timeoutProto(ms: number | undefined): bigint {
+  return ms && ms > 0 ? BigInt(Math.max(Math.round(ms), 1)) : 0n;
+}
+
+/** The trace context given, else current (the caller's, when tracing). */
+function traceProto(given: TaskTrace | undefined, current: W3CTrace | undefined): W3CTrace | undefined {
+  return given ? { traceparent: given.traceparent, tracestate: given.tracestate ?? "" } : current;
+}
+
 /** A task to submit as its request; current: the caller's trace context, sent unless the spec gives one. */
 function specProto(spec: TaskSpec, current: W3CTrace | undefined): SubmitTaskRequest {
   const { data, contentType } = encodePayload(spec.payload);
   const runAtMs = spec.runAt !== undefined ? Number(spec.runAt) : spec.delayMs && spec.delayMs > 0 ? Date.now() + spec.delayMs : undefined;
-  const resources: Record<string, bigint> = {};
-  for (const [name, n] of Object.entries(spec.resources ?? {})) resources[name] = BigInt(n);
   return SubmitTaskRequest.fromPartial({
     pool: spec.pool,
     key: spec.key ?? "",
@@ -131,10 +186,10 @@ function specProto(spec: TaskSpec, current: W3CTrace | undefined): SubmitTaskReq
     runAt: runAtMs !== undefined ? timestamp(runAtMs) : undefined,
     maxAttempts: spec.maxAttempts ?? 0,
     dependsOn: (spec.dependsOn ?? []).map(refProto),
-    resources,
-    timeoutMs: spec.timeoutMs && spec.timeoutMs > 0 ? BigInt(Math.max(Math.round(spec.timeoutMs), 1)) : 0n,
+    resources: resourcesProto(spec.resources),
+    timeoutMs: timeoutProto(spec.timeoutMs),
     groupKey: spec.groupKey ?? "",
-    trace: spec.trace ? { traceparent: spec.trace.traceparent, tracestate: spec.trace.tracestate ?? "" } : current,
+    trace: traceProto(spec.trace, current),
     runWhen: spec.runWhen ?? 0,
     keyMode: spec.keyMode ?? 0,
     debounceMs: durationMs("debounce_ms", spec.debounceMs),
@@ -451,6 +506,62 @@ export class Client {
     const req = { pool };
     const resp = await this.conn.invoke<ResumePoolResponse>("ResumePool", (c, md, o, cb) => c.admin.resumePool(req, md, o, cb), this.conn.timeoutMs, opts.signal);
     return resp.pause!;
+  }
+
+  /** The registered workers (of opts.pool, or of every pool the caller may read), from every shard; unavailableShards: those that did not answer. */
+  async listWorkers(opts: PoolOptions & CallOptions = {}): Promise<ListWorkersResponse> {
+    const req = { pool: opts.pool ?? "" };
+    return this.conn.invoke<ListWorkersResponse>("ListWorkers", (c, md, o, cb) => c.worker.listWorkers(req, md, o, cb), this.conn.timeoutMs, opts.signal);
+  }
+
+  /**
+   * Creates or replaces the schedule (spec.pool, spec.name), in the caller's trace as submit
+   * (unless spec.trace is given); answers it as stored, with its nextFireAt. A bad cron or
+   * timezone is the server's InvalidArgumentError.
+   */
+  async putSchedule(spec: ScheduleSpec, opts: CallOptions = {}): Promise<Schedule> {
+    const { data, contentType } = encodePayload(spec.payload);
+    const schedule = Schedule.fromPartial({
+      pool: spec.pool,
+      name: spec.name,
+      cron: spec.cron,
+      timezone: spec.timezone ?? "",
+      payload: data,
+      contentType,
+      priority: spec.priority ?? 0,
+      maxAttempts: spec.maxAttempts ?? 0,
+      resources: resourcesProto(spec.resources),
+      timeoutMs: timeoutProto(spec.timeoutMs),
+      groupKey: spec.groupKey ?? "",
+      paused: spec.paused ?? false,
+      fireAllMissed: spec.fireAllMissed ?? false,
+      trace: traceProto(spec.trace, currentTrace()),
+    });
+    const req = { schedule };
+    const resp = await this.conn.invoke<PutScheduleResponse>("PutSchedule", (c, md, o, cb) => c.schedule.putSchedule(req, md, o, cb), this.conn.timeoutMs, opts.signal);
+    return resp.schedule!;
+  }
+
+  /** Deletes the schedule (pool, name); one that does not exist is a NotFoundError. */
+  async deleteSchedule(pool: string, name: string, opts: CallOptions = {}): Promise<void> {
+    const req = { pool, name };
+    await this.conn.invoke("DeleteSchedule", (c, md, o, cb) => c.schedule.deleteSchedule(req, md, o, cb), this.conn.timeoutMs, opts.signal);
+  }
+
+  /** The schedules (of opts.pool, or of every pool the caller may read), from every shard; unavailableShards: those that did not answer. */
+  async listSchedules(opts: PoolOptions & CallOptions = {}): Promise<ListSchedulesResponse> {
+    const req = { pool: opts.pool ?? "" };
+    return this.conn.invoke<ListSchedulesResponse>("ListSchedules", (c, md, o, cb) => c.schedule.listSchedules(req, md, o, cb), this.conn.timeoutMs, opts.signal);
+  }
+
+  /** Per shard: its leader and term, task counts by pool and state, resources, workers; unavailableShards: the shards that did not answer. */
+  async snapshot(opts: CallOptions = {}): Promise<GetSnapshotResponse> {
+    return this.conn.invoke<GetSnapshotResponse>("GetSnapshot", (c, md, o, cb) => c.admin.getSnapshot({}, md, o, cb), this.conn.timeoutMs, opts.signal);
+  }
+
+  /** The server the client talks to: its version, shard, role, leader, and what the caller may do (a standby answers too). */
+  async serverInfo(opts: CallOptions = {}): Promise<GetServerInfoResponse> {
+    return this.conn.invoke<GetServerInfoResponse>("GetServerInfo", (c, md, o, cb) => c.admin.getServerInfo({}, md, o, cb), this.conn.timeoutMs, opts.signal);
   }
 
   /** One page of tasks (nextPageToken: the next page's, "" after the last). */

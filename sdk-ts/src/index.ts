@@ -1,5 +1,5 @@
 // cronoq's TypeScript SDK: a Client (submit, get, wait, cancel, list, watch; retry, delete,
-// attempts, bulk actions, pause/resume) and a Worker (whose handlers read their dependencies'
+// attempts, bulk actions, pause/resume; schedules; workers, snapshot, server info) and a Worker (whose handlers read their dependencies'
 // results and spawn tasks: workflows).
 export { Client, isTerminal, newRequestId } from "./client.js";
 export type {
@@ -10,7 +10,9 @@ export type {
   CancelOptions,
   GetOptions,
   ListOptions,
+  PoolOptions,
   RetryOptions,
+  ScheduleSpec,
   SpawnOptions,
   Submitted,
   TaskFilter,
@@ -55,4 +57,19 @@ export {
 } from "./gen/cronoq/v1/task.js";
 export type { Attempt, Task, TaskEvent, TaskProgress } from "./gen/cronoq/v1/task.js";
 export type { BulkShardResult } from "./gen/cronoq/v1/task_service.js";
-export type { PoolPause } from "./gen/cronoq/v1/admin_service.js";
+export { Role, roleFromJSON, roleToJSON } from "./gen/cronoq/v1/admin_service.js";
+export type {
+  Caller,
+  GetServerInfoResponse,
+  GetSnapshotResponse,
+  GroupCounts,
+  OutboxStatus,
+  PoolActivity,
+  PoolCounts,
+  PoolPause,
+  ResourceUsage,
+  ShardSnapshot,
+} from "./gen/cronoq/v1/admin_service.js";
+export type { ListSchedulesResponse, Schedule } from "./gen/cronoq/v1/schedule_service.js";
+// Named apart from the SDK's Worker (the class that runs handlers): a worker the server lists.
+export type { ListWorkersResponse, Worker as RegisteredWorker } from "./gen/cronoq/v1/worker_service.js";

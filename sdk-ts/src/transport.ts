@@ -16,6 +16,7 @@ import {
   type ServiceError,
 } from "@grpc/grpc-js";
 import { AdminServiceClient } from "./gen/cronoq/v1/admin_service.js";
+import { ScheduleServiceClient } from "./gen/cronoq/v1/schedule_service.js";
 import { TaskServiceClient } from "./gen/cronoq/v1/task_service.js";
 import { WorkerServiceClient } from "./gen/cronoq/v1/worker_service.js";
 import { checkRedirect, Endpoint, parseTarget } from "./endpoint.js";
@@ -179,6 +180,7 @@ interface Clients {
   task: TaskServiceClient;
   worker: WorkerServiceClient;
   admin: AdminServiceClient;
+  schedule: ScheduleServiceClient;
 }
 
 interface TlsMaterial {
@@ -269,10 +271,12 @@ export class Connection {
         "grpc.keepalive_permit_without_calls": 1,
       };
       const task = new TaskServiceClient(ep.target, creds, options);
-      // The worker and admin services share the task service's channel.
-      const worker = new WorkerServiceClient(ep.target, creds, { ...options, channelOverride: task.getChannel() });
-      const admin = new AdminServiceClient(ep.target, creds, { ...options, channelOverride: task.getChannel() });
-      clients = { task, worker, admin };
+      // The other services share the task service's channel.
+      const shared = { ...options, channelOverride: task.getChannel() };
+      const worker = new WorkerServiceClient(ep.target, creds, shared);
+      const admin = new AdminServiceClient(ep.target, creds, shared);
+      const schedule = new ScheduleServiceClient(ep.target, creds, shared);
+      clients = { task, worker, admin, schedule };
       this.channels.set(key, clients);
     }
     return { clients, endpoint: ep };
@@ -371,6 +375,7 @@ export class Connection {
     for (const clients of this.channels.values()) {
       clients.worker.close();
       clients.admin.close();
+      clients.schedule.close();
       clients.task.close();
     }
     this.channels.clear();

@@ -1,5 +1,6 @@
 // A fake shard the worker tests share: an in-process grpc-js server that plays cronoq's worker
-// service (and the task service's submit, get and watch), and records what it was sent.
+// service (and the task service's submit, get and watch, the schedule service's put), and
+// records what it was sent.
 import { after } from "node:test";
 import {
   Metadata,
@@ -31,6 +32,7 @@ import {
   type WorkRequest,
   type WorkResponse,
 } from "../src/gen/cronoq/v1/worker_service.js";
+import { ScheduleServiceService, type PutScheduleRequest, type PutScheduleResponse, type Schedule } from "../src/gen/cronoq/v1/schedule_service.js";
 import { Task, TaskState, type TaskEvent } from "../src/gen/cronoq/v1/task.js";
 import { listenLocal, statusDetailsBin, TOP_BIT_ID } from "./helpers.js";
 
@@ -97,6 +99,8 @@ export class FakeShard {
   readonly watchCursors: string[] = [];
   /** Each SubmitTask's and SubmitBatch's tasks, as received; answered as tasks 1, 2, ... with what they gave (their trace too). */
   readonly submitted: SubmitTaskRequest[] = [];
+  /** Each PutSchedule's schedule, as received; answered as stored, with a next fire. */
+  readonly schedules: Schedule[] = [];
 
   constructor(private readonly opts: FakeOptions = {}) {
     const queue = [...(opts.tasks ?? [])]; // a task leased stays leased: never sent twice
@@ -213,6 +217,12 @@ export class FakeShard {
           return;
         }
         cb(null, GetTaskResponse.fromPartial({ task: Task.fromPartial({ id, state: TaskState.TASK_STATE_RUNNING }) }));
+      },
+    });
+    this.server.addService(ScheduleServiceService, {
+      putSchedule: (call: ServerUnaryCall<PutScheduleRequest, PutScheduleResponse>, cb: sendUnaryData<PutScheduleResponse>) => {
+        this.schedules.push(call.request.schedule!);
+        cb(null, { schedule: { ...call.request.schedule!, nextFireAt: { seconds: 1_700_000_060n, nanos: 0 } } });
       },
     });
   }

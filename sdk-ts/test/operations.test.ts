@@ -1,6 +1,6 @@
 // The client's submissions and day-2 calls (retry, delete, attempts, bulk actions,
-// pause/resume) against an in-process grpc-js server that plays cronoq's task and admin
-// services and records requests.
+// pause/resume, schedules, the read calls) against an in-process grpc-js server that plays
+// cronoq's task, admin, schedule and worker services and records requests.
 import { after, test } from "node:test";
 import assert from "node:assert/strict";
 import {
@@ -26,9 +26,11 @@ import {
   type SubmitBatchRequest,
   type SubmitTaskRequest,
 } from "../src/gen/cronoq/v1/task_service.js";
-import { AdminServiceService } from "../src/gen/cronoq/v1/admin_service.js";
+import { AdminServiceService, GetServerInfoResponse, GetSnapshotResponse, Role } from "../src/gen/cronoq/v1/admin_service.js";
+import { ListSchedulesResponse, Schedule, ScheduleServiceService, type PutScheduleRequest } from "../src/gen/cronoq/v1/schedule_service.js";
+import { ListWorkersResponse, WorkerServiceService } from "../src/gen/cronoq/v1/worker_service.js";
 import { Attempt, AttemptOutcome, DependencyResult, Task, TaskState } from "../src/gen/cronoq/v1/task.js";
-import { Client, FailedPreconditionError, InvalidArgumentError, isTerminal, KeyMode, NotFoundError, RunWhen, type BulkResult } from "../src/index.js";
+import { Client, FailedPreconditionError, InvalidArgumentError, isTerminal, KeyMode, NotFoundError, PermissionDeniedError, RunWhen, type BulkResult } from "../src/index.js";
 import { listenLocal, silent, statusDetailsBin, TOP_BIT_ID } from "./helpers.js";
 
 /** What a call of the fake answers: a response, or a gRPC error. */
@@ -58,7 +60,13 @@ class OpsShard {
     const task: UntypedServiceImplementation = {};
     for (const method of ["submitTask", "submitBatch", "getTask", "cancelTask", "listTasks", "retryTask", "deleteTask", "cancelTasks", "retryTasks", "deleteTasks"]) task[method] = handler(method);
     this.server.addService(TaskServiceService, task);
-    this.server.addService(AdminServiceService, { pausePool: handler("pausePool"), resumePool: handler("resumePool") });
+    const admin: UntypedServiceImplementation = {};
+    for (const method of ["pausePool", "resumePool", "getSnapshot", "getServerInfo"]) admin[method] = handler(method);
+    this.server.addService(AdminServiceService, admin);
+    const schedule: UntypedServiceImplementation = {};
+    for (const method of ["putSchedule", "deleteSchedule", "listSchedules"]) schedule[method] = handler(method);
+    this.server.addService(ScheduleServiceService, schedule);
+    this.server.addService(WorkerServiceService, { listWorkers: handler("listWorkers") });
   }
 
   async start(): Promise<this> {
@@ -337,5 +345,81 @@ test("list sends the filter's parentId (a top-bit id whole); absent, 0: any task
     assert.equal(page.tasks[0]!.parentId, TOP_BIT_ID);
     await client.list({ filter: { pool: "default" } });
     assert.deepEqual((shard.requests["listTasks"] as ListTasksRequest[]).map((r) => r.filter?.parentId), [TOP_BIT_ID, 0n]);
+  });
+});
+
+const nextFireAt = { seconds: 1_700_000_060n, nanos: 0 };
+
+test("putSchedule sends the schedule with its payload as submit encodes it and answers it stored, with its next fire", async () => {
+  const stored = Schedule.fromPartial({ pool: "llm", name: "nightly", cron: "0 3 * * *", timezone: "Europe/Paris", groupKey: "tenant-a", nextFireAt });
+  await withClient({ putSchedule: [{ schedule: stored }] }, async (client, shard) => {
+    const put = await client.putSchedule({
+      pool: "llm", name: "nightly", cron: "0 3 * * *", timezone: "Europe/Paris", payload: { n: 1 }, priority: 5, maxAttempts: 3,
+      resources: { gpu: 1, tokens: 2n ** 40n }, timeoutMs: 1500.4, groupKey: "tenant-a", paused: true, fireAllMissed: true,
+      trace: { traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01" },
+    });
+    assert.deepEqual(put, stored);
+    assert.deepEqual(shard.requests["putSchedule"], [{
+      schedule: Schedule.fromPartial({
+        pool: "llm", name: "nightly", cron: "0 3 * * *", timezone: "Europe/Paris", payload: Buffer.from('{"n":1}'), contentType: "application/json",
+        priority: 5, maxAttempts: 3, resources: { gpu: 1n, tokens: 2n ** 40n }, timeoutMs: 1500n, groupKey: "tenant-a", paused: true, fireAllMissed: true,
+        trace: { traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", tracestate: "", link: false },
+      }),
+    } satisfies PutScheduleRequest]);
+    assert.deepEqual(shard.tokens, ["Bearer t"]);
+  });
+});
+
+test("putSchedule with only its name and cron sends the server's defaults: UTC, no payload, the pool's options, no trace outside a span", async () => {
+  await withClient({ putSchedule: [{ schedule: Schedule.fromPartial({ pool: "default", name: "tick", nextFireAt }) }] }, async (client, shard) => {
+    await client.putSchedule({ pool: "default", name: "tick", cron: "*/5 * * * * *" });
+    await client.putSchedule({ pool: "default", name: "raw", cron: "* * * * *", payload: Buffer.from([0, 255]) });
+    const [plain, raw] = (shard.requests["putSchedule"] as PutScheduleRequest[]).map((r) => r.schedule!);
+    assert.deepEqual(plain, Schedule.fromPartial({ pool: "default", name: "tick", cron: "*/5 * * * * *", payload: Buffer.alloc(0) }));
+    assert.deepEqual([raw!.payload, raw!.contentType], [Buffer.from([0, 255]), ""]);
+  });
+});
+
+test("putSchedule is retried on UNAVAILABLE, a bad cron is the server's InvalidArgumentError (not retried); a missing schedule's delete is a NotFoundError", async () => {
+  await withClient({
+    putSchedule: [{ code: Status.UNAVAILABLE, details: "restarting" }, { code: Status.INVALID_ARGUMENT, details: 'cron: "61 * * * *" is not a cron expression' }],
+    deleteSchedule: [{}, { code: Status.NOT_FOUND, details: "no schedule llm/nightly", reason: "SCHEDULE_NOT_FOUND" }],
+  }, async (client, shard) => {
+    await assert.rejects(client.putSchedule({ pool: "llm", name: "nightly", cron: "61 * * * *" }),
+      (err: unknown) => err instanceof InvalidArgumentError && err.message === 'cron: "61 * * * *" is not a cron expression');
+    assert.equal(shard.requests["putSchedule"]!.length, 2);
+    assert.equal(await client.deleteSchedule("llm", "nightly"), undefined);
+    await assert.rejects(client.deleteSchedule("llm", "nightly"), (err: unknown) => err instanceof NotFoundError && err.reason === "SCHEDULE_NOT_FOUND");
+    assert.deepEqual(shard.requests["deleteSchedule"], [{ pool: "llm", name: "nightly" }, { pool: "llm", name: "nightly" }]);
+  });
+});
+
+test("listSchedules and listWorkers name the pool (absent: every pool) and answer the shards that did not answer", async () => {
+  const schedules = ListSchedulesResponse.fromPartial({ schedules: [{ pool: "llm", name: "nightly", nextFireAt }], unavailableShards: ["gpu"] });
+  const workers = ListWorkersResponse.fromPartial({ workers: [{ id: "w1", name: "box-1", pools: ["llm"], concurrency: 4, shard: "cpu" }], unavailableShards: ["gpu"] });
+  await withClient({ listSchedules: [schedules], listWorkers: [workers] }, async (client, shard) => {
+    assert.deepEqual(await client.listSchedules({ pool: "llm" }), schedules);
+    assert.deepEqual(await client.listSchedules(), schedules);
+    assert.deepEqual(await client.listWorkers({ pool: "llm" }), workers);
+    assert.deepEqual(await client.listWorkers(), workers);
+    assert.deepEqual(shard.requests["listSchedules"], [{ pool: "llm" }, { pool: "" }]);
+    assert.deepEqual(shard.requests["listWorkers"], [{ pool: "llm" }, { pool: "" }]);
+  });
+});
+
+test("snapshot and serverInfo answer the server's; a refusal is raised as the SDK's error", async () => {
+  const snapshot = GetSnapshotResponse.fromPartial({ shards: [{ shard: "cpu", number: 0, leader: "http://127.0.0.1:1", term: 3n, pools: [{ pool: "llm", pending: 2n }] }] });
+  const info = GetServerInfoResponse.fromPartial({ version: "0.2.0", shard: "cpu", role: Role.ROLE_LEADER, term: 3n, caller: { name: "ops", allPools: true } });
+  await withClient({
+    getSnapshot: [snapshot],
+    getServerInfo: [{ code: Status.UNAVAILABLE, details: "restarting" }, info],
+  }, async (client, shard) => {
+    assert.deepEqual(await client.snapshot(), snapshot);
+    assert.deepEqual(await client.serverInfo(), info);
+    assert.equal(shard.requests["getServerInfo"]!.length, 2);
+    assert.deepEqual(shard.requests["getSnapshot"], [{}]);
+  });
+  await withClient({ getSnapshot: [{ code: Status.PERMISSION_DENIED, details: "token ops may not read" }] }, async (client) => {
+    await assert.rejects(client.snapshot(), (err: unknown) => err instanceof PermissionDeniedError && err.message === "token ops may not read");
   });
 });

@@ -1,4 +1,4 @@
-// OpenTelemetry: the trace context a submit sends, the span each task runs in (recorded by the
+// OpenTelemetry: the trace context a submit and a putSchedule send, the span each task runs in (recorded by the
 // SDK's in-memory exporter), the handler's active span without a tracer provider; and the
 // fields of the worker's log lines.
 import { test } from "node:test";
@@ -100,6 +100,28 @@ test("a submit in a span sends its trace context; the task's handler spans conti
   });
   assert.deepEqual(spans[0]!.status, { code: SpanStatusCode.ERROR, message: "boom" });
   assert.equal(spans[1]!.status.code, SpanStatusCode.UNSET);
+});
+
+test("putSchedule in a span sends its trace context (the one given instead, when given); outside any span none", async () => {
+  useProvider(true);
+  const shard = await new FakeShard().start();
+  const client = new Client({ endpoint: shard.url, logger: silent });
+  let putter!: SpanContext;
+  await trace.getTracer("app").startActiveSpan("put", async (span) => {
+    putter = span.spanContext();
+    const put = await client.putSchedule({ pool: "default", name: "nightly", cron: "0 3 * * *" });
+    assert.deepEqual(put.nextFireAt, { seconds: 1_700_000_060n, nanos: 0 });
+    await client.putSchedule({ pool: "default", name: "given", cron: "0 3 * * *", trace: { traceparent: TRACEPARENT, tracestate: "k=v" } });
+    span.end();
+  });
+  await client.putSchedule({ pool: "default", name: "outside", cron: "0 3 * * *" });
+  client.close();
+  shard.stop();
+  assert.deepEqual(shard.schedules.map((s) => s.trace), [
+    { traceparent: `00-${putter.traceId}-${putter.spanId}-01`, tracestate: "", link: false },
+    { traceparent: TRACEPARENT, tracestate: "k=v", link: false },
+    undefined,
+  ]);
 });
 
 test("a schedule's task (link) runs in a new trace linked to the schedule's; one without a trace in a new trace", async () => {
