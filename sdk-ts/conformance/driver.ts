@@ -18,6 +18,7 @@ import {
   decodeResult,
   nonRetryable,
   RedirectRefusedError,
+  roleToJSON,
   runWhenFromJSON,
   Snooze,
   TaskFailure,
@@ -31,6 +32,7 @@ import {
   type DependencyResult,
   type Logger,
   type RunWhen,
+  type Schedule,
   type Task,
   type TaskContext,
   type TaskFilter,
@@ -88,6 +90,11 @@ interface Step {
   start_by_in_ms?: number;
   /** How long a sleep step sleeps. */
   ms?: number;
+  /** A schedule's (put_schedule, delete_schedule). */
+  name?: string;
+  cron?: string;
+  timezone?: string;
+  paused?: boolean;
 }
 
 /** A task named by a step's or a spawn's depends_on: its key, its id (decimal), or the spawning task. */
@@ -226,6 +233,48 @@ function gotResult(task: Task): Result {
   };
 }
 
+function scheduleJson(schedule: Schedule): Result {
+  return {
+    pool: schedule.pool, name: schedule.name, cron: schedule.cron, timezone: schedule.timezone, paused: schedule.paused,
+    group_key: schedule.groupKey, next_fire_set: schedule.nextFireAt !== undefined,
+  };
+}
+
+/** The schedule calls and the read calls (workers, the server's info, the snapshot); undefined for any other op. */
+async function readStep(client: Client, step: Step): Promise<Result | undefined> {
+  switch (step.op) {
+    case "put_schedule": {
+      const put = await client.putSchedule({
+        pool: step.pool ?? "", name: step.name ?? "", cron: step.cron ?? "", payload: step.payload, timezone: step.timezone,
+        groupKey: step.group_key, paused: step.paused,
+      });
+      return { ...scheduleJson(put), error: null };
+    }
+    case "delete_schedule":
+      await client.deleteSchedule(step.pool ?? "", step.name ?? "");
+      return { error: null };
+    case "list_schedules": {
+      const listed = await client.listSchedules({ pool: step.pool });
+      const byPoolAndName = (a: Schedule, b: Schedule) => (a.pool !== b.pool ? (a.pool < b.pool ? -1 : 1) : a.name < b.name ? -1 : a.name > b.name ? 1 : 0);
+      return { schedules: [...listed.schedules].sort(byPoolAndName).map(scheduleJson), unavailable_shards: listed.unavailableShards, error: null };
+    }
+    case "list_workers": {
+      const workers = await client.listWorkers({ pool: step.pool });
+      return { count: workers.workers.length, unavailable_shards: workers.unavailableShards, error: null };
+    }
+    case "server_info": {
+      const info = await client.serverInfo();
+      return { shard: info.shard, role: roleToJSON(info.role), version: info.version, error: null };
+    }
+    case "snapshot": {
+      const snapshot = await client.snapshot();
+      return { shards: snapshot.shards.map((s) => s.shard).sort(), unavailable_shards: snapshot.unavailableShards, error: null };
+    }
+    default:
+      return undefined;
+  }
+}
+
 /**
  * Enqueues one task with the outbox helper in a node-postgres transaction of the application's
  * database, commits or rolls it back; with relay_within_ms, looks the task up by key until it exists.
@@ -328,7 +377,7 @@ async function clientStep(client: Client, input: Input, step: Step): Promise<Res
     case "bulk_delete":
       return bulkResult(await client.deleteTasks(filterOf(step.filter), { dryRun: step.dry_run }));
     default:
-      return { error: { code: "", kind: "unsupported", message: `unknown op "${step.op}"` } };
+      return (await readStep(client, step)) ?? { error: { code: "", kind: "unsupported", message: `unknown op "${step.op}"` } };
   }
 }
 
