@@ -1,5 +1,6 @@
 //! The client: submit, read, wait for, cancel and list tasks; retry, delete and act in bulk
-//! on them; pause and resume pools.
+//! on them; pause and resume pools; put, list and delete cron schedules; list workers, read
+//! the cluster's snapshot and the server's info.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,8 +17,10 @@ use serde::Serialize;
 use crate::error::Error;
 use crate::proto;
 use crate::proto::admin_service_client::AdminServiceClient;
+use crate::proto::schedule_service_client::ScheduleServiceClient;
 use crate::proto::task_service_client::TaskServiceClient;
 use crate::transport::{Connection, Endpoint, HEALTHY_STREAM, MAX_MESSAGE_BYTES, Options};
+use crate::worker::workers;
 
 /// A task as the server holds it (the generated cronoq.v1.Task).
 pub type Task = proto::Task;
@@ -29,6 +32,11 @@ pub type Attempt = proto::Attempt;
 pub use proto::AttemptOutcome;
 /// Whether a pool is paused, since when and by whom (the generated cronoq.v1.PoolPause).
 pub type PoolPause = proto::PoolPause;
+/// A cron schedule as the server holds it, with its next_fire_at (the generated
+/// cronoq.v1.Schedule).
+pub type Schedule = proto::Schedule;
+/// A server's role in its shard (`GetServerInfoResponse.role()`): leader or standby.
+pub use proto::Role;
 /// What a bulk action did in one shard (the generated cronoq.v1.BulkShardResult).
 pub type BulkShardResult = proto::BulkShardResult;
 /// How one dependency of a task ended (the generated cronoq.v1.DependencyResult): its id,
@@ -150,8 +158,7 @@ impl TaskSpec {
 
     /// The payload as JSON.
     pub fn json<T: Serialize + ?Sized>(mut self, payload: &T) -> Result<TaskSpec, Error> {
-        self.payload = serde_json::to_vec(payload)
-            .map_err(|e| Error::InvalidArgument(format!("payload: {e}")))?;
+        self.payload = json_payload(payload)?;
         self.content_type = JSON_CONTENT_TYPE.to_string();
         Ok(self)
     }
@@ -268,11 +275,7 @@ impl TaskSpec {
         traceparent: impl Into<String>,
         tracestate: impl Into<String>,
     ) -> TaskSpec {
-        self.trace = Some(proto::TraceContext {
-            traceparent: traceparent.into(),
-            tracestate: tracestate.into(),
-            link: false,
-        });
+        self.trace = Some(trace_context(traceparent, tracestate));
         self
     }
 
@@ -297,6 +300,170 @@ impl TaskSpec {
             max_debounce_ms: millis(self.max_debounce),
             key_ttl_ms: millis(self.key_ttl),
             start_by: self.start_by.map(prost_types::Timestamp::from),
+        }
+    }
+}
+
+/// A payload's JSON encoding (the content type is [`JSON_CONTENT_TYPE`]).
+fn json_payload<T: Serialize + ?Sized>(payload: &T) -> Result<Vec<u8>, Error> {
+    serde_json::to_vec(payload).map_err(|e| Error::InvalidArgument(format!("payload: {e}")))
+}
+
+/// A W3C trace context given by the caller (not a link).
+fn trace_context(
+    traceparent: impl Into<String>,
+    tracestate: impl Into<String>,
+) -> proto::TraceContext {
+    proto::TraceContext {
+        traceparent: traceparent.into(),
+        tracestate: tracestate.into(),
+        link: false,
+    }
+}
+
+/// A cron schedule to put ([`Client::put_schedule`]):
+/// `ScheduleSpec::new(pool, name, cron).json(&payload)?` and the setters. The options other
+/// than the cron, its timezone and the flags are those of each task it fires, as a
+/// [`TaskSpec`]'s (0 or unset: the pool's default).
+#[derive(Debug, Clone, Default)]
+pub struct ScheduleSpec {
+    /// The pool its tasks run in (required).
+    pub pool: String,
+    /// Names the schedule within its pool: a put with the same (pool, name) replaces it.
+    pub name: String,
+    /// Five fields (minute hour day-of-month month day-of-week), or six with seconds first
+    /// (`*/5 * * * * *` is every five seconds); the server refuses a malformed one with
+    /// INVALID_ARGUMENT.
+    pub cron: String,
+    /// An IANA zone name the cron is read in (empty: UTC).
+    pub timezone: String,
+    /// The payload of each task it fires, as stored.
+    pub payload: Vec<u8>,
+    /// The payload's content type (`application/json` for JSON).
+    pub content_type: String,
+    /// Higher runs first.
+    pub priority: i32,
+    /// 0 takes the pool's default.
+    pub max_attempts: i32,
+    /// Units of named resources an attempt of each task holds while it runs.
+    pub resources: HashMap<String, i64>,
+    /// The timeout of each attempt (capped by the pool's); None: the pool's.
+    pub timeout: Option<Duration>,
+    /// The group of each task it fires (see [`TaskSpec::group_key`]; empty: none).
+    pub group_key: String,
+    /// Kept but not fired until put again unpaused.
+    pub paused: bool,
+    /// After downtime, fire every missed slot rather than only the latest.
+    pub fire_all_missed: bool,
+    /// The W3C trace context each fired task links to. None: as [`TaskSpec::trace`], the
+    /// caller's current span context with the `otel` feature.
+    pub trace: Option<proto::TraceContext>,
+}
+
+impl ScheduleSpec {
+    /// The schedule `name` of `pool`, firing by `cron`, with no payload.
+    pub fn new(
+        pool: impl Into<String>,
+        name: impl Into<String>,
+        cron: impl Into<String>,
+    ) -> ScheduleSpec {
+        ScheduleSpec {
+            pool: pool.into(),
+            name: name.into(),
+            cron: cron.into(),
+            ..ScheduleSpec::default()
+        }
+    }
+
+    /// The payload of each task, as JSON.
+    pub fn json<T: Serialize + ?Sized>(mut self, payload: &T) -> Result<ScheduleSpec, Error> {
+        self.payload = json_payload(payload)?;
+        self.content_type = JSON_CONTENT_TYPE.to_string();
+        Ok(self)
+    }
+
+    /// The payload of each task as bytes, stored as they are.
+    pub fn bytes(
+        mut self,
+        payload: impl Into<Vec<u8>>,
+        content_type: impl Into<String>,
+    ) -> ScheduleSpec {
+        self.payload = payload.into();
+        self.content_type = content_type.into();
+        self
+    }
+
+    /// The IANA zone the cron is read in (`Europe/Paris`; unset: UTC).
+    pub fn timezone(mut self, timezone: impl Into<String>) -> ScheduleSpec {
+        self.timezone = timezone.into();
+        self
+    }
+
+    /// Higher runs first.
+    pub fn priority(mut self, priority: i32) -> ScheduleSpec {
+        self.priority = priority;
+        self
+    }
+
+    /// The most attempts of each task (0: the pool's default).
+    pub fn max_attempts(mut self, n: i32) -> ScheduleSpec {
+        self.max_attempts = n;
+        self
+    }
+
+    /// The timeout of each attempt (capped by the pool's).
+    pub fn timeout(mut self, timeout: Duration) -> ScheduleSpec {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// The group of each task it fires (see [`TaskSpec::group_key`]).
+    pub fn group_key(mut self, group_key: impl Into<String>) -> ScheduleSpec {
+        self.group_key = group_key.into();
+        self
+    }
+
+    /// Kept but not fired (true) until put again unpaused.
+    pub fn paused(mut self, paused: bool) -> ScheduleSpec {
+        self.paused = paused;
+        self
+    }
+
+    /// After downtime, fire every missed slot (true) rather than only the latest.
+    pub fn fire_all_missed(mut self, fire_all_missed: bool) -> ScheduleSpec {
+        self.fire_all_missed = fire_all_missed;
+        self
+    }
+
+    /// The W3C trace context each fired task links to, whatever the caller's current
+    /// context (the forms of [`TaskSpec::trace`]).
+    pub fn trace(
+        mut self,
+        traceparent: impl Into<String>,
+        tracestate: impl Into<String>,
+    ) -> ScheduleSpec {
+        self.trace = Some(trace_context(traceparent, tracestate));
+        self
+    }
+
+    fn proto(&self) -> proto::Schedule {
+        proto::Schedule {
+            pool: self.pool.clone(),
+            name: self.name.clone(),
+            cron: self.cron.clone(),
+            timezone: self.timezone.clone(),
+            payload: self.payload.clone(),
+            content_type: self.content_type.clone(),
+            priority: self.priority,
+            max_attempts: self.max_attempts,
+            resources: self.resources.clone(),
+            paused: self.paused,
+            next_fire_at: None,
+            last_fire_at: None,
+            timeout_ms: millis(self.timeout),
+            fire_all_missed: self.fire_all_missed,
+            group_key: self.group_key.clone(),
+            trace: self.trace.clone().or_else(crate::otel::current_trace),
         }
     }
 }
@@ -572,6 +739,12 @@ fn tasks(ch: tonic::transport::Channel) -> TaskServiceClient<tonic::transport::C
 
 fn admin(ch: tonic::transport::Channel) -> AdminServiceClient<tonic::transport::Channel> {
     AdminServiceClient::new(ch)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+fn schedules(ch: tonic::transport::Channel) -> ScheduleServiceClient<tonic::transport::Channel> {
+    ScheduleServiceClient::new(ch)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES)
 }
@@ -877,6 +1050,108 @@ impl Client {
             })
             .await?;
         Ok(resp.pause.unwrap_or_default())
+    }
+
+    /// Creates or replaces the schedule (pool, name); returns it as stored, with its
+    /// next_fire_at. A malformed cron or timezone is the server's INVALID_ARGUMENT. With the
+    /// `otel` feature, the schedule keeps the caller's current trace context (unless its spec
+    /// sets one), and each task it fires links to it.
+    pub async fn put_schedule(&self, spec: ScheduleSpec) -> Result<Schedule, Error> {
+        let req = proto::PutScheduleRequest {
+            schedule: Some(spec.proto()),
+        };
+        let timeout = self.conn.timeout;
+        let resp = self
+            .conn
+            .invoke("PutSchedule", timeout, |ch| {
+                let r = self.conn.request(req.clone(), Some(timeout));
+                async move { schedules(ch).put_schedule(r).await }
+            })
+            .await?;
+        Ok(resp.schedule.unwrap_or_default())
+    }
+
+    /// Deletes the schedule (pool, name); NOT_FOUND when there is none. The tasks it fired stay.
+    pub async fn delete_schedule(
+        &self,
+        pool: impl Into<String>,
+        name: impl Into<String>,
+    ) -> Result<(), Error> {
+        let req = proto::DeleteScheduleRequest {
+            pool: pool.into(),
+            name: name.into(),
+        };
+        let timeout = self.conn.timeout;
+        self.conn
+            .invoke("DeleteSchedule", timeout, |ch| {
+                let r = self.conn.request(req.clone(), Some(timeout));
+                async move { schedules(ch).delete_schedule(r).await }
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// The schedules of `pool`, or (None) of every pool the caller may read, in every shard
+    /// that answered (the others are in unavailable_shards).
+    pub async fn list_schedules(
+        &self,
+        pool: Option<&str>,
+    ) -> Result<proto::ListSchedulesResponse, Error> {
+        let req = proto::ListSchedulesRequest {
+            pool: pool.unwrap_or_default().to_string(),
+        };
+        let timeout = self.conn.timeout;
+        self.conn
+            .invoke("ListSchedules", timeout, |ch| {
+                let r = self.conn.request(req.clone(), Some(timeout));
+                async move { schedules(ch).list_schedules(r).await }
+            })
+            .await
+    }
+
+    /// The registered workers of `pool`, or (None) of every pool the caller may read, in
+    /// every shard that answered (the others are in unavailable_shards).
+    pub async fn list_workers(
+        &self,
+        pool: Option<&str>,
+    ) -> Result<proto::ListWorkersResponse, Error> {
+        let req = proto::ListWorkersRequest {
+            pool: pool.unwrap_or_default().to_string(),
+        };
+        let timeout = self.conn.timeout;
+        self.conn
+            .invoke("ListWorkers", timeout, |ch| {
+                let r = self.conn.request(req.clone(), Some(timeout));
+                async move { workers(ch).list_workers(r).await }
+            })
+            .await
+    }
+
+    /// Per shard: its leader and term, standbys, task counts by pool and state, resources,
+    /// workers, recent activity and outboxes (the shards that did not answer are in
+    /// unavailable_shards). Needs the read or the admin permission.
+    pub async fn snapshot(&self) -> Result<proto::GetSnapshotResponse, Error> {
+        let req = proto::GetSnapshotRequest {};
+        let timeout = self.conn.timeout;
+        self.conn
+            .invoke("GetSnapshot", timeout, |ch| {
+                let r = self.conn.request(req, Some(timeout));
+                async move { admin(ch).get_snapshot(r).await }
+            })
+            .await
+    }
+
+    /// The server this client talks to: its version, shard, role (a standby answers too),
+    /// leader and term, and who the caller is and what it may do.
+    pub async fn server_info(&self) -> Result<proto::GetServerInfoResponse, Error> {
+        let req = proto::GetServerInfoRequest {};
+        let timeout = self.conn.timeout;
+        self.conn
+            .invoke("GetServerInfo", timeout, |ch| {
+                let r = self.conn.request(req, Some(timeout));
+                async move { admin(ch).get_server_info(r).await }
+            })
+            .await
     }
 
     /// Streams task events as they happen. Unless `no_resume`, a stream that ends or breaks

@@ -8,10 +8,12 @@ use tonic::{Request, Response, Status};
 
 use crate::proto;
 use crate::proto::admin_service_server::{AdminService, AdminServiceServer};
+use crate::proto::schedule_service_server::{ScheduleService, ScheduleServiceServer};
 use crate::proto::task_service_server::{TaskService, TaskServiceServer};
+use crate::worker_tests::{self, FakeShard};
 use crate::{
     AttemptOutcome, Client, Code, GetTaskOptions, KeyMode, Options, RetryConfig, RetryTaskOptions,
-    RunWhen, TaskFilter, TaskRef, TaskSpec, TaskState,
+    Role, RunWhen, ScheduleSpec, TaskFilter, TaskRef, TaskSpec, TaskState,
 };
 
 /// A request of the calls that read or change existing tasks and pools, as the fake got it.
@@ -28,11 +30,18 @@ pub(crate) enum Call {
     DeleteTasks(proto::DeleteTasksRequest),
     Pause(proto::PausePoolRequest),
     Resume(proto::ResumePoolRequest),
+    PutSchedule(proto::PutScheduleRequest),
+    DeleteSchedule(proto::DeleteScheduleRequest),
+    ListSchedules(proto::ListSchedulesRequest),
+    Snapshot,
+    ServerInfo,
 }
 
-/// Refuses the first `unavailable` submissions and retries (RetryTask) with UNAVAILABLE, then
-/// accepts (a submission replacing by its key_mode answers replaced); records the submissions' request ids and authorization headers, and every call's
-/// request. Task 1 does not exist.
+/// Refuses the first `unavailable` submissions, retries (RetryTask) and schedule puts with
+/// UNAVAILABLE, then accepts (a submission replacing by its key_mode answers replaced);
+/// records the submissions' request ids (a put's schedule name) and authorization headers,
+/// and every call's request. Task 1 and the schedules named "missing" do not exist; an empty
+/// cron is refused.
 #[derive(Clone, Default)]
 pub(crate) struct Fake {
     unavailable: Arc<Mutex<usize>>,
@@ -56,6 +65,16 @@ impl Fake {
 
     pub(crate) fn calls(&self) -> Vec<Call> {
         self.calls.lock().unwrap().clone()
+    }
+
+    fn authorized<M>(&self, request: &Request<M>, id: String) {
+        let auth = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        self.seen.lock().unwrap().push((id, auth));
     }
 }
 
@@ -94,17 +113,8 @@ impl TaskService for Fake {
         &self,
         request: Request<proto::SubmitTaskRequest>,
     ) -> Result<Response<proto::SubmitTaskResponse>, Status> {
-        let auth = request
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_string();
+        self.authorized(&request, request.get_ref().request_id.clone());
         let req = request.into_inner();
-        self.seen
-            .lock()
-            .unwrap()
-            .push((req.request_id.clone(), auth));
         self.record(Call::Submit(req.clone()));
         self.refuse()?;
         let replaced = replaces(&req);
@@ -331,11 +341,26 @@ impl TaskService for Fake {
 
 #[tonic::async_trait]
 impl AdminService for Fake {
+    /// Shard cpu answers; gpu is down.
     async fn get_snapshot(
         &self,
         _: Request<proto::GetSnapshotRequest>,
     ) -> Result<Response<proto::GetSnapshotResponse>, Status> {
-        Err(Status::unimplemented("fake"))
+        self.record(Call::Snapshot);
+        Ok(Response::new(proto::GetSnapshotResponse {
+            shards: vec![proto::ShardSnapshot {
+                shard: "cpu".into(),
+                leader: "cpu-1:7070".into(),
+                term: 3,
+                pools: vec![proto::PoolCounts {
+                    pool: "llm".into(),
+                    pending: 5,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+            unavailable_shards: vec!["gpu".into()],
+        }))
     }
 
     async fn pause_pool(
@@ -375,7 +400,86 @@ impl AdminService for Fake {
         &self,
         _: Request<proto::GetServerInfoRequest>,
     ) -> Result<Response<proto::GetServerInfoResponse>, Status> {
-        Err(Status::unimplemented("fake"))
+        self.record(Call::ServerInfo);
+        Ok(Response::new(proto::GetServerInfoResponse {
+            version: "0.2.0".into(),
+            shard: "cpu".into(),
+            shard_number: 1,
+            role: Role::Leader as i32,
+            leader: "cpu-1:7070".into(),
+            term: 3,
+            caller: Some(proto::Caller {
+                name: "ops".into(),
+                all_pools: true,
+                permissions: vec!["read".into(), "admin".into()],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl ScheduleService for Fake {
+    /// Stores nothing: answers the schedule with its next fire at 3000 s.
+    async fn put_schedule(
+        &self,
+        request: Request<proto::PutScheduleRequest>,
+    ) -> Result<Response<proto::PutScheduleResponse>, Status> {
+        let schedule = request.get_ref().schedule.clone().unwrap_or_default();
+        self.authorized(&request, schedule.name.clone());
+        self.record(Call::PutSchedule(request.into_inner()));
+        self.refuse()?;
+        if schedule.cron.is_empty() {
+            return Err(Status::invalid_argument(
+                "schedule.cron: \"\" is not a cron expression",
+            ));
+        }
+        Ok(Response::new(proto::PutScheduleResponse {
+            schedule: Some(proto::Schedule {
+                next_fire_at: timestamp(3000),
+                ..schedule
+            }),
+        }))
+    }
+
+    async fn delete_schedule(
+        &self,
+        request: Request<proto::DeleteScheduleRequest>,
+    ) -> Result<Response<proto::DeleteScheduleResponse>, Status> {
+        let req = request.into_inner();
+        self.record(Call::DeleteSchedule(req.clone()));
+        if req.name == "missing" {
+            return Err(Status::not_found(format!(
+                "no schedule {:?} in pool {:?}",
+                req.name, req.pool
+            )));
+        }
+        Ok(Response::new(proto::DeleteScheduleResponse {}))
+    }
+
+    /// Schedule "nightly" of the pool asked for (none: of "default"); shard gpu is down.
+    async fn list_schedules(
+        &self,
+        request: Request<proto::ListSchedulesRequest>,
+    ) -> Result<Response<proto::ListSchedulesResponse>, Status> {
+        let req = request.into_inner();
+        self.record(Call::ListSchedules(req.clone()));
+        let pool = if req.pool.is_empty() {
+            "default".to_string()
+        } else {
+            req.pool
+        };
+        Ok(Response::new(proto::ListSchedulesResponse {
+            schedules: vec![proto::Schedule {
+                pool,
+                name: "nightly".into(),
+                cron: "0 2 * * *".into(),
+                next_fire_at: timestamp(3000),
+                ..Default::default()
+            }],
+            unavailable_shards: vec!["gpu".into()],
+        }))
     }
 }
 
@@ -391,6 +495,7 @@ pub(crate) async fn serve(unavailable: usize) -> (String, Fake) {
         tonic::transport::Server::builder()
             .add_service(TaskServiceServer::new(fake.clone()))
             .add_service(AdminServiceServer::new(fake.clone()))
+            .add_service(ScheduleServiceServer::new(fake.clone()))
             .serve_with_incoming(TcpListenerStream::new(listener)),
     );
     (format!("http://{addr}"), fake)
@@ -836,6 +941,212 @@ async fn pause_and_resume_a_pool_answer_its_pause() {
             Call::Resume(proto::ResumePoolRequest { pool: "llm".into() }),
         ]
     );
+}
+
+#[tokio::test]
+async fn put_schedule_sends_the_spec_with_the_token_is_retried_on_unavailable_and_answers_it_stored()
+ {
+    let (endpoint, fake) = serve(2).await;
+    let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
+    let mut spec = ScheduleSpec::new("llm", "nightly", "0 2 * * *")
+        .json(&serde_json::json!({"report": "daily"}))
+        .unwrap()
+        .timezone("Europe/Paris")
+        .priority(7)
+        .max_attempts(3)
+        .timeout(Duration::from_millis(1500))
+        .group_key("tenant-a")
+        .paused(true)
+        .fire_all_missed(true);
+    spec.resources.insert("gpu".into(), 2);
+    let put = client.put_schedule(spec).await.unwrap();
+    let sent = proto::Schedule {
+        pool: "llm".into(),
+        name: "nightly".into(),
+        cron: "0 2 * * *".into(),
+        timezone: "Europe/Paris".into(),
+        payload: br#"{"report":"daily"}"#.to_vec(),
+        content_type: "application/json".into(),
+        priority: 7,
+        max_attempts: 3,
+        resources: [("gpu".to_string(), 2)].into(),
+        paused: true,
+        timeout_ms: 1500,
+        fire_all_missed: true,
+        group_key: "tenant-a".into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        put,
+        proto::Schedule {
+            next_fire_at: timestamp(3000),
+            ..sent.clone()
+        },
+        "the schedule as stored, with its next fire"
+    );
+    let call = Call::PutSchedule(proto::PutScheduleRequest {
+        schedule: Some(sent),
+    });
+    assert_eq!(fake.calls(), vec![call.clone(), call.clone(), call]);
+    let seen = fake.seen.lock().unwrap();
+    assert_eq!(
+        *seen,
+        vec![("nightly".to_string(), "Bearer secret".to_string()); 3]
+    );
+}
+
+#[tokio::test]
+async fn put_schedule_sends_bytes_as_they_are_and_a_spec_s_trace_and_none_outside_a_trace() {
+    let (endpoint, fake) = serve(0).await;
+    let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
+    let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let traced = ScheduleSpec::new("llm", "raw", "*/5 * * * * *")
+        .bytes(vec![0, 159, 255], "application/octet-stream")
+        .trace(traceparent, "vendor=abc");
+    client.put_schedule(traced).await.unwrap();
+    client
+        .put_schedule(ScheduleSpec::new("llm", "plain", "0 * * * *"))
+        .await
+        .unwrap();
+    let sent: Vec<_> = fake
+        .calls()
+        .into_iter()
+        .map(|c| match c {
+            Call::PutSchedule(r) => {
+                let s = r.schedule.unwrap();
+                (s.payload, s.content_type, s.trace, s.timeout_ms, s.paused)
+            }
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    let trace = proto::TraceContext {
+        traceparent: traceparent.into(),
+        tracestate: "vendor=abc".into(),
+        link: false,
+    };
+    assert_eq!(
+        sent,
+        vec![
+            (
+                vec![0, 159, 255],
+                "application/octet-stream".to_string(),
+                Some(trace),
+                0,
+                false
+            ),
+            (vec![], String::new(), None, 0, false),
+        ],
+        "no payload, no current span: none sent"
+    );
+}
+
+#[tokio::test]
+async fn a_bad_cron_is_invalid_argument_and_deleting_a_missing_schedule_not_found_not_retried() {
+    let (endpoint, fake) = serve(0).await;
+    let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
+    let err = client
+        .put_schedule(ScheduleSpec::new("llm", "bad", ""))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_eq!(
+        err.to_string(),
+        "INVALID_ARGUMENT: schedule.cron: \"\" is not a cron expression"
+    );
+    client.delete_schedule("llm", "nightly").await.unwrap();
+    let err = client.delete_schedule("llm", "missing").await.unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    assert_eq!(err.message(), "no schedule \"missing\" in pool \"llm\"");
+    let deleted = |name: &str| {
+        Call::DeleteSchedule(proto::DeleteScheduleRequest {
+            pool: "llm".into(),
+            name: name.into(),
+        })
+    };
+    let calls = fake.calls();
+    assert_eq!(calls.len(), 3, "each once: {calls:?}");
+    assert_eq!(calls[1..], [deleted("nightly"), deleted("missing")]);
+}
+
+#[tokio::test]
+async fn list_schedules_sends_the_pool_or_none_and_answers_the_unavailable_shards() {
+    let (endpoint, fake) = serve(0).await;
+    let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
+    let listed = client.list_schedules(Some("llm")).await.unwrap();
+    let names: Vec<_> = listed
+        .schedules
+        .iter()
+        .map(|s| (s.pool.as_str(), s.name.as_str(), s.next_fire_at))
+        .collect();
+    assert_eq!(names, vec![("llm", "nightly", timestamp(3000))]);
+    assert_eq!(listed.unavailable_shards, vec!["gpu".to_string()]);
+    let every = client.list_schedules(None).await.unwrap();
+    assert_eq!(every.schedules[0].pool, "default");
+    assert_eq!(
+        fake.calls(),
+        vec![
+            Call::ListSchedules(proto::ListSchedulesRequest { pool: "llm".into() }),
+            Call::ListSchedules(proto::ListSchedulesRequest::default()),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn list_workers_sends_the_pool_or_none_and_answers_the_unavailable_shards() {
+    let shard = FakeShard::default();
+    let recorded = shard.recorded.clone();
+    let endpoint = worker_tests::serve(shard).await;
+    let client = Client::new(worker_tests::options(&endpoint)).unwrap();
+    let listed = client.list_workers(Some("llm")).await.unwrap();
+    let workers: Vec<_> = listed
+        .workers
+        .iter()
+        .map(|w| (w.id.as_str(), w.pools.clone(), w.running))
+        .collect();
+    assert_eq!(workers, vec![("w-1", vec!["llm".to_string()], 1)]);
+    assert_eq!(listed.unavailable_shards, vec!["gpu".to_string()]);
+    let every = client.list_workers(None).await.unwrap();
+    assert_eq!(every.workers[0].pools, vec!["default".to_string()]);
+    assert_eq!(
+        recorded.lock().unwrap().listed,
+        vec![
+            proto::ListWorkersRequest { pool: "llm".into() },
+            proto::ListWorkersRequest::default(),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn snapshot_and_server_info_answer_the_server_s() {
+    let (endpoint, fake) = serve(0).await;
+    let client = Client::new(options(&endpoint, Duration::from_secs(5))).unwrap();
+    let snapshot = client.snapshot().await.unwrap();
+    let shards: Vec<_> = snapshot
+        .shards
+        .iter()
+        .map(|s| {
+            (
+                s.shard.as_str(),
+                s.leader.as_str(),
+                s.term,
+                s.pools[0].pending,
+            )
+        })
+        .collect();
+    assert_eq!(shards, vec![("cpu", "cpu-1:7070", 3, 5)]);
+    assert_eq!(snapshot.unavailable_shards, vec!["gpu".to_string()]);
+    let info = client.server_info().await.unwrap();
+    assert_eq!(
+        (info.shard.as_str(), info.role(), info.role().as_str_name()),
+        ("cpu", Role::Leader, "ROLE_LEADER")
+    );
+    assert_eq!((info.version.as_str(), info.term), ("0.2.0", 3));
+    let caller = info.caller.unwrap();
+    assert_eq!(
+        (caller.name.as_str(), caller.all_pools, caller.permissions),
+        ("ops", true, vec!["read".to_string(), "admin".to_string()])
+    );
+    assert_eq!(fake.calls(), vec![Call::Snapshot, Call::ServerInfo]);
 }
 
 /// A raw TCP server that answers a TLS ClientHello with a TLS alert (fatal

@@ -1,8 +1,9 @@
 //! The Rust SDK of cronoq, a durable sharded task queue: a [`Client`] that submits, reads,
-//! waits for, cancels, retries and deletes tasks (one by one or by filter) and pauses pools,
-//! and a [`Worker`] that runs them over the bidirectional `WorkerService.Work` stream; with
-//! feature `outbox` (tokio-postgres) or `outbox-sqlx`, `outbox` enqueues a task in the
-//! application's own PostgreSQL transaction.
+//! waits for, cancels, retries and deletes tasks (one by one or by filter), pauses pools,
+//! puts cron schedules and reads the cluster's workers, snapshot and server info, and a
+//! [`Worker`] that runs tasks over the bidirectional `WorkerService.Work` stream; with feature
+//! `outbox` (tokio-postgres) or `outbox-sqlx`, `outbox` enqueues a task in the application's
+//! own PostgreSQL transaction.
 
 #![warn(missing_docs)]
 
@@ -28,8 +29,9 @@ mod worker_tests;
 pub use client::{
     Attempt, AttemptOutcome, BulkResult, BulkShardResult, Cancelled, Client, DependencyResult,
     GetTaskOptions, JSON_CONTENT_TYPE, KeyMode, ListOptions, PoolPause, Retried, RetryTaskOptions,
-    RunWhen, Submitted, Task, TaskAttempts, TaskDetails, TaskFilter, TaskRef, TaskSpec, TaskState,
-    Waited, WatchOptions, decode_payload, decode_result, is_terminal, new_request_id,
+    Role, RunWhen, Schedule, ScheduleSpec, Submitted, Task, TaskAttempts, TaskDetails, TaskFilter,
+    TaskRef, TaskSpec, TaskState, Waited, WatchOptions, decode_payload, decode_result, is_terminal,
+    new_request_id,
 };
 pub use error::{Error, RpcError, code_name};
 pub use otel::TRACER_NAME;

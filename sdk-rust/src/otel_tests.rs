@@ -18,8 +18,8 @@ use crate::otel::{extract, inject};
 use crate::proto;
 use crate::worker_tests::{FakeShard, options, outcomes, run_until, serve, task};
 use crate::{
-    CancellationToken, Client, Task, TaskContext, TaskError, TaskResult, TaskSpec, Worker,
-    WorkerOptions,
+    CancellationToken, Client, ScheduleSpec, Task, TaskContext, TaskError, TaskResult, TaskSpec,
+    Worker, WorkerOptions,
 };
 
 /// The global tracer provider is the process's: the tests that set it take turns.
@@ -292,6 +292,41 @@ async fn without_a_tracer_provider_the_handler_runs_in_the_submitter_s_span_cont
     assert_eq!(current(9201), remote());
     assert!(!current(9202).is_valid(), "a link: outside the trace");
     assert!(!current(9203).is_valid(), "no trace");
+}
+
+#[tokio::test]
+async fn a_put_schedule_keeps_the_caller_s_trace_context_unless_its_spec_sets_one() {
+    let (endpoint, fake) = client_tests::serve(0).await;
+    let client = Client::new(client_tests::options(&endpoint, Duration::from_secs(5))).unwrap();
+    let cx = Context::new().with_remote_span_context(remote());
+    let mine = "00-11111111111111111111111111111111-2222222222222222-00";
+    for spec in [
+        ScheduleSpec::new("llm", "nightly", "0 2 * * *"),
+        ScheduleSpec::new("llm", "hourly", "0 * * * *").trace(mine, ""),
+    ] {
+        client
+            .put_schedule(spec)
+            .with_context(cx.clone())
+            .await
+            .unwrap();
+    }
+    let sent: Vec<_> = fake
+        .calls()
+        .into_iter()
+        .map(|c| match c {
+            Call::PutSchedule(r) => r.schedule.unwrap().trace.unwrap(),
+            other => panic!("{other:?}"),
+        })
+        .map(|t| (t.traceparent, t.tracestate, t.link))
+        .collect();
+    assert_eq!(
+        sent,
+        vec![
+            (TRACEPARENT.into(), "vendor=abc".into(), false),
+            (mine.into(), String::new(), false),
+        ],
+        "the current span context; the spec's wins"
+    );
 }
 
 #[test]

@@ -674,7 +674,7 @@ pub struct Worker {
     shared: Arc<Shared>,
 }
 
-fn workers(ch: Channel) -> WorkerServiceClient<Channel> {
+pub(crate) fn workers(ch: Channel) -> WorkerServiceClient<Channel> {
     WorkerServiceClient::new(ch)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES)

@@ -24,6 +24,8 @@ pub(crate) struct Recorded {
     deregistered: bool,
     /// The answers sent with `heartbeat` set.
     beats_answered: usize,
+    /// The ListWorkers requests received.
+    pub(crate) listed: Vec<proto::ListWorkersRequest>,
 }
 
 /// Hands out `tasks` as credits allow, answering heartbeats that name an id of `cancel` or
@@ -208,11 +210,29 @@ impl WorkerService for FakeShard {
         Ok(Response::new(proto::DeregisterWorkerResponse::default()))
     }
 
+    /// One worker, of the pool asked for (none: of "default"); shard gpu is down.
     async fn list_workers(
         &self,
-        _: Request<proto::ListWorkersRequest>,
+        request: Request<proto::ListWorkersRequest>,
     ) -> Result<Response<proto::ListWorkersResponse>, Status> {
-        Err(Status::unimplemented("fake"))
+        let req = request.into_inner();
+        self.recorded.lock().unwrap().listed.push(req.clone());
+        let pool = if req.pool.is_empty() {
+            "default".to_string()
+        } else {
+            req.pool
+        };
+        Ok(Response::new(proto::ListWorkersResponse {
+            workers: vec![proto::Worker {
+                id: "w-1".into(),
+                pools: vec![pool],
+                concurrency: 4,
+                running: 1,
+                shard: "cpu".into(),
+                ..Default::default()
+            }],
+            unavailable_shards: vec!["gpu".into()],
+        }))
     }
 }
 
