@@ -12,9 +12,9 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use cronoq::{
     BulkResult, Client, DependencyResult, Error, GetTaskOptions, JSON_CONTENT_TYPE,
-    KeepaliveConfig, KeyMode, Options, PoolPause, RetryConfig, RetryTaskOptions, RunWhen, Task,
-    TaskContext, TaskError, TaskFilter, TaskRef, TaskResult, TaskSpec, TaskState, Worker,
-    WorkerOptions, code_name,
+    KeepaliveConfig, KeyMode, Options, PoolPause, RetryConfig, RetryTaskOptions, RunWhen, Schedule,
+    ScheduleSpec, Task, TaskContext, TaskError, TaskFilter, TaskRef, TaskResult, TaskSpec,
+    TaskState, Worker, WorkerOptions, code_name,
 };
 use opentelemetry::context::FutureExt as _;
 use opentelemetry::propagation::TextMapPropagator as _;
@@ -128,6 +128,16 @@ struct Step {
     commit: bool,
     #[serde(default)]
     relay_within_ms: u64,
+    /// put_schedule and delete_schedule: the schedule's name; put_schedule: its cron,
+    /// timezone and paused flag (and pool, payload, group_key).
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    cron: String,
+    #[serde(default)]
+    timezone: String,
+    #[serde(default)]
+    paused: bool,
 }
 
 fn ms(n: u64) -> Duration {
@@ -362,7 +372,62 @@ async fn client_op(client: &Client, step: &Step) -> Result<Value, Failed> {
             bulk_output(&done)
         }
         "bulk_delete" => bulk_output(&client.delete_tasks(&filter(step)?, step.dry_run).await?),
+        "put_schedule" => {
+            let mut spec = ScheduleSpec::new(&step.pool, &step.name, &step.cron)
+                .timezone(&step.timezone)
+                .group_key(&step.group_key)
+                .paused(step.paused);
+            if !step.payload.is_null() {
+                spec = spec.json(&step.payload)?;
+            }
+            let mut result = schedule_json(&client.put_schedule(spec).await?);
+            result["error"] = Value::Null;
+            result
+        }
+        "delete_schedule" => {
+            client.delete_schedule(&step.pool, &step.name).await?;
+            json!({"error": null})
+        }
+        "list_schedules" => {
+            let listed = client.list_schedules(step_pool(step)).await?;
+            let mut schedules: Vec<&Schedule> = listed.schedules.iter().collect();
+            schedules.sort_by(|a, b| (&a.pool, &a.name).cmp(&(&b.pool, &b.name)));
+            let schedules: Vec<Value> = schedules.into_iter().map(schedule_json).collect();
+            json!({"schedules": schedules, "unavailable_shards": listed.unavailable_shards, "error": null})
+        }
+        "list_workers" => {
+            let listed = client.list_workers(step_pool(step)).await?;
+            json!({"count": listed.workers.len(), "unavailable_shards": listed.unavailable_shards, "error": null})
+        }
+        "server_info" => {
+            let info = client.server_info().await?;
+            json!({"shard": info.shard, "role": info.role().as_str_name(), "version": info.version, "error": null})
+        }
+        "snapshot" => {
+            let snapshot = client.snapshot().await?;
+            let mut shards: Vec<&str> = snapshot.shards.iter().map(|s| s.shard.as_str()).collect();
+            shards.sort_unstable();
+            json!({"shards": shards, "unavailable_shards": snapshot.unavailable_shards, "error": null})
+        }
         op => return Err(Failed::Unsupported(op.to_string())),
+    })
+}
+
+/// A list call's pool: the step's, or none (every pool) when it gives none.
+fn step_pool(step: &Step) -> Option<&str> {
+    Some(step.pool.as_str()).filter(|p| !p.is_empty())
+}
+
+/// A schedule as the protocol shows it (without its payload and fire times).
+fn schedule_json(schedule: &Schedule) -> Value {
+    json!({
+        "pool": schedule.pool,
+        "name": schedule.name,
+        "cron": schedule.cron,
+        "timezone": schedule.timezone,
+        "paused": schedule.paused,
+        "group_key": schedule.group_key,
+        "next_fire_set": schedule.next_fire_at.is_some(),
     })
 }
 
