@@ -192,7 +192,7 @@ def two_shards(workdir: Path) -> Iterator[dict[str, str]]:
                 "name": "conformance",
                 "sha256": hashlib.sha256(TOKEN.encode()).hexdigest(),
                 "pools": ["*"],
-                "permissions": ["submit", "read", "cancel", "work", "admin"],
+                "permissions": ["submit", "read", "cancel", "work", "schedule", "admin"],
             }
         ],
     }
@@ -224,7 +224,7 @@ def outbox_deployment(workdir: Path, postgres: TempPostgres) -> Iterator[tuple[d
                 "name": "conformance",
                 "sha256": hashlib.sha256(TOKEN.encode()).hexdigest(),
                 "pools": ["*"],
-                "permissions": ["submit", "read", "cancel", "work", "admin"],
+                "permissions": ["submit", "read", "cancel", "work", "schedule", "admin"],
             }
         ],
         "outboxes": [{"url": postgres.url, "schema": schema, "pools": ["default"], "notify": True}],

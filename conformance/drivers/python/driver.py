@@ -20,6 +20,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 import cronoq
 import cronoq.outbox
 from cronoq.errors import RedirectRefused, TlsError, TooManyRedirects
+from cronoq.v1 import admin_service_pb2
 
 # The SDK's errors that are more than their gRPC code, by the protocol's kind names.
 KINDS = ((TooManyRedirects, "too_many_redirects"), (RedirectRefused, "redirect_refused"), (TlsError, "tls"))
@@ -282,6 +283,58 @@ async def outbox_enqueue(client: cronoq.Client, case: dict[str, Any], step: dict
         return {"error": error_of(err)}
 
 
+def schedule_json(schedule: Any) -> dict[str, Any]:
+    return {
+        "pool": schedule.pool,
+        "name": schedule.name,
+        "cron": schedule.cron,
+        "timezone": schedule.timezone,
+        "paused": schedule.paused,
+        "group_key": schedule.group_key,
+        "next_fire_set": schedule.HasField("next_fire_at"),
+    }
+
+
+async def read_step(client: cronoq.Client, step: dict[str, Any]) -> dict[str, Any]:
+    """The schedule calls and the read calls (workers, the server's info, the snapshot)."""
+    op = step["op"]
+    if op == "put_schedule":
+        put = await client.put_schedule(
+            step["pool"],
+            step["name"],
+            step["cron"],
+            payload=step.get("payload"),
+            timezone=step.get("timezone"),
+            group_key=step.get("group_key"),
+            paused=step.get("paused", False),
+        )
+        return schedule_json(put) | {"error": None}
+    if op == "delete_schedule":
+        await client.delete_schedule(step["pool"], step["name"])
+        return {"error": None}
+    if op == "list_schedules":
+        listed = await client.list_schedules(step.get("pool"))
+        schedules = sorted((schedule_json(s) for s in listed.schedules), key=lambda s: (s["pool"], s["name"]))
+        return {"schedules": schedules, "unavailable_shards": list(listed.unavailable_shards), "error": None}
+    if op == "list_workers":
+        workers = await client.list_workers(step.get("pool"))
+        return {"count": len(workers.workers), "unavailable_shards": list(workers.unavailable_shards), "error": None}
+    if op == "server_info":
+        info = await client.server_info()
+        return {
+            "shard": info.shard,
+            "role": admin_service_pb2.Role.Name(info.role),
+            "version": info.version,
+            "error": None,
+        }
+    snapshot = await client.snapshot()
+    shards = sorted(s.shard for s in snapshot.shards)
+    return {"shards": shards, "unavailable_shards": list(snapshot.unavailable_shards), "error": None}
+
+
+READ_OPS = ("put_schedule", "delete_schedule", "list_schedules", "list_workers", "server_info", "snapshot")
+
+
 async def run_client_step(client: cronoq.Client, step: dict[str, Any]) -> dict[str, Any]:
     op = step["op"]
     extra: dict[str, Any] = {}
@@ -319,6 +372,8 @@ async def run_client_step(client: cronoq.Client, step: dict[str, Any]) -> dict[s
             return {"error": None}
         if op in ("bulk_cancel", "bulk_retry", "bulk_delete"):
             return await bulk_step(client, step)
+        if op in READ_OPS:
+            return await read_step(client, step)
         if op in ("pause_pool", "resume_pool"):
             pause = await (client.pause_pool if op == "pause_pool" else client.resume_pool)(step["pool"])
             return {"pool": pause.pool, "paused": pause.paused, "error": None}
