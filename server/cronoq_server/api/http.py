@@ -31,6 +31,7 @@ from .http_listener import Connection, GuardedRunner, add_security_headers, conn
 from .http_origin import check_browser_request
 from .http_request import build_request
 from .listen import ListenError, os_reason, split_listen
+from .openapi import openapi_json
 from .tls import http_cert_subject, http_site
 
 log = logging.getLogger("cronoq.http")
@@ -192,6 +193,7 @@ class HttpApi:
             for route in rpc.http:
                 handle = self._sse(rpc, route) if route.sse else self._handler(rpc, route)
                 self.app.router.add_route(route.method, route.aiohttp_path, handle, expect_handler=_expect)
+        self.app.router.add_get("/v1/openapi.json", self._openapi)
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_get("/healthz", self._healthz)
         self.app.router.add_get("/readyz", self._readyz)
@@ -329,6 +331,10 @@ class HttpApi:
                     )
                 )
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _openapi(self, request: web.Request) -> web.Response:
+        """The API's description, open to anyone: it is the same for every server of a version."""
+        return web.Response(body=openapi_json(), content_type="application/json")
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -31,7 +31,7 @@ _INT_MAX = {
 }
 _TIMESTAMP = "google.protobuf.Timestamp"
 # Messages whose JSON form takes `payload_json` (any JSON value) instead of base64 `payload`.
-_JSON_PAYLOAD_MESSAGES = frozenset({"cronoq.v1.SubmitTaskRequest", "cronoq.v1.Schedule"})
+JSON_PAYLOAD_MESSAGES = frozenset({"cronoq.v1.SubmitTaskRequest", "cronoq.v1.Schedule"})
 
 
 def build_request(
@@ -71,11 +71,11 @@ def _checked_body(body: Any, desc: Any, where: str) -> Any:
         if name in out:
             raise invalid(f"{where}{name}: given twice (as {name} and as its JSON name)")
         out[name] = value
-    known = set(fields) | ({"payload_json"} if desc.full_name in _JSON_PAYLOAD_MESSAGES else set())
+    known = set(fields) | ({"payload_json"} if desc.full_name in JSON_PAYLOAD_MESSAGES else set())
     unknown = sorted(k for k in out if k not in known)
     if unknown:
         raise invalid(f"{where.rstrip('.') or 'body'}: unknown field {unknown[0]!r} (fields: {', '.join(fields)})")
-    if desc.full_name in _JSON_PAYLOAD_MESSAGES:
+    if desc.full_name in JSON_PAYLOAD_MESSAGES:
         if "payload_json" in out:
             if "payload" in out:
                 raise invalid(f"{where}payload_json: give payload or payload_json, not both")
@@ -105,7 +105,7 @@ def _checked_body(body: Any, desc: Any, where: str) -> Any:
     return out
 
 
-def _query_fields(desc: Any, prefix: str, skip: set[str]) -> dict[str, tuple[str, Any]]:
+def query_fields(desc: Any, prefix: str, skip: set[str]) -> dict[str, tuple[str, Any]]:
     """Each query parameter a request message takes: (its path by proto field names, the field),
     by that path and by its JSON names. A nested message's fields are named by their path
     (filter.key_prefix), as in the JSON body; a Timestamp is one parameter (RFC 3339)."""
@@ -117,7 +117,7 @@ def _query_fields(desc: Any, prefix: str, skip: set[str]) -> dict[str, tuple[str
         names = {path, prefix + field.json_name}
         nested = field.message_type
         if nested is not None and nested.full_name != _TIMESTAMP and not field.is_repeated:
-            for name, (inner, f) in _query_fields(nested, path + ".", set()).items():
+            for name, (inner, f) in query_fields(nested, path + ".", set()).items():
                 fields[name] = (inner, f)
                 fields[prefix + field.json_name + name.removeprefix(path)] = (inner, f)
             continue
@@ -126,7 +126,7 @@ def _query_fields(desc: Any, prefix: str, skip: set[str]) -> dict[str, tuple[str
 
 
 def _from_query(message: Message, query: MultiMapping[str], from_path: set[str]) -> None:
-    known = _query_fields(message.DESCRIPTOR, "", {var.split(".")[0] for var in from_path})
+    known = query_fields(message.DESCRIPTOR, "", {var.split(".")[0] for var in from_path})
     for name in query:
         if name not in known:
             listed = sorted({path for path, _ in known.values()})
