@@ -45,6 +45,7 @@ TS_TESTS = sorted(str(p.relative_to(TS_SDK)) for p in (TS_SDK / "test").glob("*.
 # protos it compiles (and those they import) are copied into the crate, so that it packages alone.
 RUST_MANIFEST = ROOT / "sdk-rust" / "Cargo.toml"
 RUST_PROTO = ROOT / "sdk-rust" / "proto"
+OPENAPI = ROOT / "docs" / "openapi.json"
 RUST_PROTO_FILES = [
     f"cronoq/v1/{name}.proto"
     for name in ("admin_service", "options", "schedule_service", "task", "task_service", "worker_service")
@@ -61,6 +62,9 @@ TEST_DEPS = [
     "psycopg[binary]>=3.1",  # cronoq.outbox with psycopg connections (tests/integration/test_outbox.py)
     "setuptools>=68",
     "playwright==1.65.2",  # drives Debian's chromium 156 (executable_path) in the browser tests: a known pair
+    "openapi-spec-validator>=0.7",  # the OpenAPI document (tests/unit/test_openapi.py)
+    "openapi-core>=0.19",  # every HTTP exchange of the integration tests against it (tests/openapi_check.py)
+    "openapi-python-client>=0.21",  # a client generated from it (tests/integration/test_openapi.py)
 ]
 
 
@@ -159,6 +163,11 @@ def proto(session: nox.Session) -> None:
     session.log(f"generated {TS_GENERATED.relative_to(ROOT)}")
     _copy_rust_protos(RUST_PROTO)
     session.log(f"copied {RUST_PROTO.relative_to(ROOT)}")
+    # The HTTP API's OpenAPI document, built from the protos' rules as the server builds its
+    # routes (tests/unit/test_openapi.py fails when it is stale).
+    session.install(*PACKAGES)
+    session.run("python", "-m", "cronoq_server.api.openapi", str(OPENAPI))
+    session.log(f"generated {OPENAPI.relative_to(ROOT)}")
 
 
 def check_generated(session: nox.Session) -> None:
@@ -188,8 +197,8 @@ def check_generated(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Every test: generated-code check, buf lint, unit, store and integration tests; without
     arguments also the Go SDK's vet and unit tests, the TypeScript SDK's strict type check and
-    unit tests, the Rust SDK's tests, clippy and rustfmt check, the conformance corpus, and the
-    mutation check of the security-critical lines."""
+    unit tests, the Rust SDK's tests, clippy and rustfmt check, the conformance corpus, the
+    mutation check of the security-critical lines and the documentation site (strict)."""
     session.install(*PACKAGES, *TEST_DEPS)
     check_generated(session)
     args = session.posargs or ["-n", "2", "--dist", "loadfile"]
@@ -200,6 +209,7 @@ def tests(session: nox.Session) -> None:
         _rust_checks(session)
         _conformance(session, [])
         session.run("python", "tests/mutants.py", "--no-baseline", "--if-clean")  # their tests just passed
+        _docs(session)
 
 
 def _go_checks(session: nox.Session) -> None:
@@ -237,6 +247,23 @@ def _rust_checks(session: nox.Session) -> None:
     session.run("cargo", "fmt", *manifest, "--check", external=True)
     # The docs.rs build: broken intra-doc links and stray HTML in doc comments fail it.
     session.run("cargo", "doc", "--locked", *manifest, "--no-deps", external=True, env={"RUSTDOCFLAGS": "-D warnings"})
+
+
+DOCS_TOOLS = ["mkdocs==1.6.1", "mkdocs-material==9.8.2"]
+
+
+def _docs(session: nox.Session) -> None:
+    """The documentation site from docs/ (mkdocs.yml), in strict mode: a broken link or anchor,
+    a page missing from the navigation or a link to a repository file that does not exist
+    fails it."""
+    session.install(*DOCS_TOOLS)
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"), env={"NO_MKDOCS_2_WARNING": "1"})
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Builds the documentation site into site/ (strict: any warning fails); also run by `./dev tests`."""
+    _docs(session)
 
 
 def _conformance(session: nox.Session, args: list[str]) -> None:
