@@ -86,6 +86,8 @@ def build_go(program: str, scratch: Path) -> list[str]:
         f"replace github.com/cronoq/cronoq/sdk-go => {GO_SDK}\n"
     )
     shutil.copyfile(GO_SDK / "go.sum", scratch / "go.sum")  # the SDK's dependencies, as it pins them
+    unformatted = subprocess.run([_tool("gofmt"), "-d", "main.go"], cwd=scratch, capture_output=True, text=True)
+    assert unformatted.stdout == "", f"gofmt would change the Go program:\n{unformatted.stdout}"
     _run([go, "build", "-mod=mod", "-o", "program", "."], scratch)
     return [str(scratch / "program")]
 
