@@ -44,7 +44,11 @@ def route_of(method: str, path: str) -> str:
 
 
 def check(method: str, path: str, data: bytes | None, status: int, answer: bytes, content_type: str) -> None:
-    """Raises AssertionError naming what does not match the document."""
+    """Raises AssertionError naming what does not match the document. A path it does not list
+    (the dashboard's files, a path made up on purpose) is not the document's to describe:
+    tests/integration/test_openapi.py calls every route it does list."""
+    if route_of(method, path).endswith("(not in the document)"):
+        return
     url = urllib.parse.urlsplit(path)
     args = dict(urllib.parse.parse_qsl(url.query, keep_blank_values=True))
     request = MockRequest(HOST, method.lower(), url.path, args=args, data=data or b"")
