@@ -1,11 +1,12 @@
 """What README.md and docs/ say about the HTTP API agrees with the routes the server has: every
-route they write out is served, and every RPC they say is reachable over HTTP has a route."""
+route they write out is served (its OpenAPI document lists it), and every RPC they say is reachable over HTTP has a route."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+from cronoq_server.api.openapi import document
 from cronoq_server.registry import registry
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,11 +22,11 @@ def blocks(text: str) -> list[str]:
 
 
 def served(method: str, path: str) -> bool:
-    for rpc in registry().values():
-        for route in rpc.http:
-            pattern = re.sub(r"\\\{[^}]*\\\}", "[^/]+", re.escape(route.path))
-            if route.method == method and re.fullmatch(pattern, path):
-                return True
+    """The server's OpenAPI document lists the route: every RPC's, and the document's own."""
+    for template, operations in document()["paths"].items():
+        pattern = re.sub(r"\\\{[^}]*\\\}", "[^/]+", re.escape(template))
+        if method.lower() in operations and re.fullmatch(pattern, path):
+            return True
     return False
 
 
