@@ -174,7 +174,7 @@ def _operation(rpc: Rpc, index: int, route: HttpRoute, schemas: _Schemas) -> dic
             "description": f"a stream of {_name(rpc.response.DESCRIPTOR)} as server-sent events",
             "content": {"text/event-stream": {"schema": {"type": "string"}}},
         }
-        schemas.ref(rpc.response.DESCRIPTOR)
+        schemas.ref(rpc.response.DESCRIPTOR)  # each event's schema, named in the description
     else:
         answer = {
             "description": "the answer",
