@@ -202,7 +202,10 @@ def tests(session: nox.Session) -> None:
     session.install(*PACKAGES, *TEST_DEPS)
     check_generated(session)
     args = session.posargs or ["-n", "2", "--dist", "loadfile"]
-    session.run("pytest", *args, env={"PYTHONDONTWRITEBYTECODE": "1"})
+    env = {"PYTHONDONTWRITEBYTECODE": "1"}
+    if not session.posargs:  # the browser tests retake the docs' screenshots of the dashboard
+        env["CRONOQ_DOCS_IMAGES"] = str(ROOT / "docs" / "images")
+    session.run("pytest", *args, env=env)
     if not session.posargs:  # the whole suite: the SDKs' own checks, the conformance corpus with every driver
         _go_checks(session)
         _ts_checks(session)
