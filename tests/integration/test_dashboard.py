@@ -86,6 +86,39 @@ def screenshots_dir(tmp_path: Path) -> Path:
     return out
 
 
+# The screenshots the docs show (docs/images), by the name the test gives its shot: the tests
+# write them there too when CRONOQ_DOCS_IMAGES names that folder (`./dev tests` does), so the
+# docs' pictures are the dashboard as the last full run saw it.
+DOCS_IMAGES = {
+    "overview-two-shards": "dashboard-overview.png",
+    "task-attempts": "dashboard-task.png",
+    "bulk-confirm": "dashboard-bulk.png",
+    "workflow": "dashboard-workflow.png",
+    "schedules": "dashboard-schedules.png",
+    "live": "dashboard-live.png",
+}
+
+
+def screenshot(target: Any, tmp_path: Path, name: str, **options: Any) -> None:
+    """`target` (a page or a locator) as NAME.png in the screenshots folder, and in the docs'
+    images when NAME is one of theirs and CRONOQ_DOCS_IMAGES is set."""
+    path = screenshots_dir(tmp_path) / f"{name}.png"
+    target.screenshot(path=str(path), **options)
+    docs = os.environ.get("CRONOQ_DOCS_IMAGES")
+    if docs and name in DOCS_IMAGES:
+        shutil.copyfile(path, Path(docs) / DOCS_IMAGES[name])
+
+
+def test_every_image_of_the_docs_is_a_screenshot_a_test_takes() -> None:
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    pages = "".join(page.read_text() for page in docs.glob("*.md"))
+    images = {image.name for image in (docs / "images").glob("*.png")}
+    assert images == set(DOCS_IMAGES.values()), "docs/images holds a picture no test takes, or lacks one"
+    assert {image for image in images if f"images/{image}" not in pages} == set(), "an image no page shows"
+    source = Path(__file__).read_text()
+    assert {name for name in DOCS_IMAGES if f'tmp_path, "{name}"' not in source} == set(), "an image no test takes"
+
+
 def submit(srv: Any, body: dict[str, Any], token: str | None = None) -> dict[str, Any]:
     status, answer = srv.http("POST", "/v1/tasks", body, token=token)
     assert status == 200, answer
@@ -163,7 +196,6 @@ def test_overview_and_tasks_show_counts_and_hostile_text_literally(
     start_server: Any, browser_page: Any, tmp_path: Path
 ) -> None:
     srv = start_server({"pools": [{"name": "default"}, {"name": "other"}]})
-    shots = screenshots_dir(tmp_path)
     hostile = submit(srv, {"pool": "default", "key": XSS, "payload_json": {"html": XSS, "script": SCRIPT_XSS}})
     submit(srv, {"pool": "default", "key": SCRIPT_XSS, "payload_json": SCRIPT_XSS})
     plain = [submit(srv, {"pool": "default", "payload_json": {"n": n}}) for n in range(3)]
@@ -185,19 +217,19 @@ def test_overview_and_tasks_show_counts_and_hostile_text_literally(
         "expired": 0,
     }
     assert counts(page, shard, "other")["blocked"] == 1
-    page.screenshot(path=str(shots / "overview.png"), full_page=True)
+    screenshot(page, tmp_path, "overview", full_page=True)
 
     page.goto(srv.http_url + "/ui/#/tasks?pool=default")
     tasks_ms = loaded_ms(page, "tasks")
     keys = column(page, "key")
     assert XSS in keys and SCRIPT_XSS in keys
-    page.screenshot(path=str(shots / "tasks.png"), full_page=True)
+    screenshot(page, tmp_path, "tasks", full_page=True)
 
     page.goto(srv.http_url + f"/ui/#/task/{hostile['id']}")
     loaded_ms(page, "task")
     assert json.loads(page.inner_text("pre.payload")) == {"html": XSS, "script": SCRIPT_XSS}
     assert XSS in page.inner_text("dl")
-    page.screenshot(path=str(shots / "task.png"), full_page=True)
+    screenshot(page, tmp_path, "task", full_page=True)
 
     # Search by key reaches the same task.
     page.fill("#search input[name=q]", XSS)
@@ -217,7 +249,7 @@ def test_the_page_asks_for_a_token_once_and_sends_it(start_server: Any, browser_
     page = browser_page
     page.goto(srv.http_url + "/ui/")
     page.wait_for_selector("#token-form:not([hidden])")
-    page.screenshot(path=str(screenshots_dir(tmp_path) / "token.png"))
+    screenshot(page, tmp_path, "token")
     page.fill("#token-form input[name=token]", "wrong")
     page.click("#token-form button")
     page.wait_for_selector("text=That token was refused.")
@@ -272,7 +304,7 @@ def test_overview_shows_both_shards_and_a_stopped_one_as_unavailable(
         "expired": 0,
     }
     assert counts(page, "gpu", "llm")["pending"] == 1
-    page.screenshot(path=str(screenshots_dir(tmp_path) / "overview-two-shards.png"), full_page=True)
+    screenshot(page, tmp_path, "overview-two-shards", full_page=True)
 
     # A key in both shards: the search lists both tasks and says why.
     both = [submit(cpu, {"pool": pool, "key": "twice", "payload_json": 1}) for pool in ("default", "llm")]
@@ -280,7 +312,7 @@ def test_overview_shows_both_shards_and_a_stopped_one_as_unavailable(
     page.click("#search button")
     page.wait_for_selector("text=This key names tasks in 2 shards")
     assert column(page, "id") == [t["id"] for t in both]
-    page.screenshot(path=str(screenshots_dir(tmp_path) / "key-in-two-shards.png"), full_page=True)
+    screenshot(page, tmp_path, "key-in-two-shards", full_page=True)
     page.goto(cpu.http_url + "/ui/#/overview")
     loaded_ms(page, "overview")
 
@@ -289,7 +321,7 @@ def test_overview_shows_both_shards_and_a_stopped_one_as_unavailable(
     page.wait_for_selector('section.shard.unavailable[data-shard="gpu"]', timeout=15_000)
     print(f"dashboard: a stopped shard shown as unavailable after {time.monotonic() - stopped:.1f}s")
     assert counts(page, "cpu", "default")["succeeded"] == 1 and counts(page, "cpu", "default")["pending"] == 3
-    page.screenshot(path=str(screenshots_dir(tmp_path) / "overview-shard-down.png"), full_page=True)
+    screenshot(page, tmp_path, "overview-shard-down", full_page=True)
     assert page.dialogs == []
 
 
@@ -309,7 +341,7 @@ def test_cancel_from_the_task_page(start_server: Any, browser_page: Any, tmp_pat
     assert page.locator("button.danger").count() == 0  # no Cancel on a finished task
     status, body = srv.http("GET", f"/v1/tasks/{task['id']}")
     assert status == 200 and body["task"]["state"] == "TASK_STATE_CANCELLED"
-    page.screenshot(path=str(screenshots_dir(tmp_path) / "task-cancelled.png"), full_page=True)
+    screenshot(page, tmp_path, "task-cancelled", full_page=True)
     assert page.dialogs == [] and page.console_errors == []
 
 
@@ -357,13 +389,12 @@ def test_a_failed_task_shows_its_error_and_hostile_results_and_worker_names_stay
         wait_task(srv, done["id"], "SUCCEEDED")
         wait_task(srv, held["id"], "RUNNING")
         page = browser_page
-        shots = screenshots_dir(tmp_path)
 
         page.goto(srv.http_url + f"/ui/#/task/{failed['id']}")
         loaded_ms(page, "task")
         assert page.inner_text("pre.error") == f"{XSS} {SCRIPT_XSS}"
         assert "FAILED" in page.inner_text("dl") and page.locator("button.danger").count() == 0
-        page.screenshot(path=str(shots / "task-failed.png"), full_page=True)
+        screenshot(page, tmp_path, "task-failed", full_page=True)
 
         page.goto(srv.http_url + f"/ui/#/task/{done['id']}")
         loaded_ms(page, "task")
@@ -373,13 +404,15 @@ def test_a_failed_task_shows_its_error_and_hostile_results_and_worker_names_stay
         loaded_ms(page, "workers")
         row = page.locator("table.workers tbody tr").first
         assert XSS in row.inner_text() and f"note={SCRIPT_XSS}" in row.inner_text()
-        page.screenshot(path=str(shots / "workers.png"), full_page=True)
+        screenshot(page, tmp_path, "workers", full_page=True)
 
         page.goto(srv.http_url + "/ui/#/overview")
         loaded_ms(page, "overview")
         assert XSS in page.inner_text("table.workers")
         assert page.locator("figure[data-chart=throughput] svg").count() == 1
-        assert page.locator("figure[data-chart=latency] svg[data-scale=log]").count() == 1  # an outlier flattens no bucket
+        assert (
+            page.locator("figure[data-chart=latency] svg[data-scale=log]").count() == 1
+        )  # an outlier flattens no bucket
         assert page.locator("main img").count() == 0 and page.locator("main script").count() == 0
         assert page.dialogs == [] and page.console_errors == []
     finally:
@@ -417,7 +450,7 @@ def test_live_view_shows_new_tasks_and_resumes_after_the_server_restarts(
     while_paused = submit(srv, {"pool": "default", "payload_json": 4})
     page.click("button.pause")
     page.wait_for_selector(f'table.live tr[data-task="{while_paused["id"]}"]', timeout=10_000)
-    page.screenshot(path=str(screenshots_dir(tmp_path) / "live.png"), full_page=True)
+    screenshot(page, tmp_path, "live", full_page=True)
     assert page.dialogs == []
 
 
@@ -454,7 +487,7 @@ def test_a_token_that_reads_one_pool_sees_only_that_pool_and_cannot_change_anyth
     assert page.locator(f'section[data-shard="{shard}"] table.counts tbody tr').count() == 1
     assert "gpu" not in page.inner_text("main")  # resources need admin
     assert page.locator("main button").count() == 0  # no admin: no Pause / Resume
-    page.screenshot(path=str(screenshots_dir(tmp_path) / "overview-reader.png"), full_page=True)
+    screenshot(page, tmp_path, "overview-reader", full_page=True)
 
     page.goto(srv.http_url + "/ui/#/tasks")
     loaded_ms(page, "tasks")
@@ -531,7 +564,7 @@ def test_schedules_pause_resume_and_delete_from_the_page(start_server: Any, brow
     loaded_ms(page, "schedules")
     row = page.locator("table.schedules tbody tr").first
     assert "reports" in row.inner_text() and "active" in row.inner_text()
-    page.screenshot(path=str(screenshots_dir(tmp_path) / "schedules.png"), full_page=True)
+    screenshot(page, tmp_path, "schedules", full_page=True)
 
     def listed() -> dict[str, Any]:
         status, body = srv.http("GET", "/v1/schedules")
@@ -664,7 +697,7 @@ def test_a_standbys_dashboard_shows_the_shard_as_read_from_its_leader(
     banner = page.locator("#standby")
     banner.wait_for(state="visible")
     assert "standby" in banner.inner_text() and leader.endpoint in banner.inner_text()
-    page.screenshot(path=str(screenshots_dir(tmp_path) / "standby-overview.png"), full_page=True)
+    screenshot(page, tmp_path, "standby-overview", full_page=True)
 
     page.goto(standby.http_url + "/ui/#/tasks")
     loaded_ms(page, "tasks")
@@ -853,7 +886,9 @@ def test_tasks_newest_first_with_pool_choice_zones_worker_names_and_plain_words(
         assert page.dialogs == [] and page.console_errors == []
 
 
-def test_retry_and_delete_from_the_task_page_which_shows_its_attempts(start_server: Any, browser_page: Any) -> None:
+def test_retry_and_delete_from_the_task_page_which_shows_its_attempts(
+    start_server: Any, browser_page: Any, tmp_path: Path
+) -> None:
     srv = start_server({"pools": [{"name": "default"}]})
     api, worker = register_worker(srv, "night-shift", ["default"])
     task = submit(srv, {"pool": "default", "payload_json": 1, "max_attempts": 1})
@@ -867,6 +902,7 @@ def test_retry_and_delete_from_the_task_page_which_shows_its_attempts(start_serv
     assert column(page, "error", "table.attempts") == ["boom"]
     assert column(page, "ended", "table.attempts")[0].endswith(" UTC")
     assert page.locator("button.cancel").count() == 0
+    screenshot(page, tmp_path, "task-attempts", full_page=True)
     page.click("button.retry")
     page.wait_for_selector("dd:text-is('PENDING')", timeout=10_000)
     assert page.locator("button.retry").count() == 0  # no Retry on a pending task
@@ -885,7 +921,9 @@ def test_retry_and_delete_from_the_task_page_which_shows_its_attempts(start_serv
     assert page.dialogs == [] and page.console_errors == []
 
 
-def test_bulk_cancel_of_all_that_match_counts_and_asks_on_the_page_first(start_server: Any, browser_page: Any) -> None:
+def test_bulk_cancel_of_all_that_match_counts_and_asks_on_the_page_first(
+    start_server: Any, browser_page: Any, tmp_path: Path
+) -> None:
     srv = start_server({"pools": [{"name": "default"}, {"name": "other"}]})
     mine = [submit(srv, {"pool": "default", "payload_json": n})["id"] for n in range(5)]
     others = [submit(srv, {"pool": "other", "payload_json": n})["id"] for n in range(2)]
@@ -912,6 +950,7 @@ def test_bulk_cancel_of_all_that_match_counts_and_asks_on_the_page_first(start_s
     page.click("button.bulk-cancel")
     page.wait_for_selector(".confirm:not([hidden])", timeout=10_000)
     assert page.inner_text(".confirm .question") == "Cancel 5 tasks that match pool default, state PENDING?"
+    screenshot(page, tmp_path, "bulk-confirm", full_page=True)
     assert set(states().values()) == {"PENDING"}
     page.click(".confirm button.confirm-action")
     page.wait_for_selector(".bulk-result", timeout=10_000)
@@ -989,7 +1028,7 @@ def test_a_capped_pool_shows_its_cap_and_its_groups_with_hostile_keys_as_text(
         assert page.locator('section.groups[data-pool="other"]').count() == 0
         # No keyed resource: the resources table is as before, with no keys column.
         assert page.locator("table.resources thead th").all_inner_texts() == ["resource", "in use / capacity", "rate"]
-        page.screenshot(path=str(screenshots_dir(tmp_path) / "groups.png"), full_page=True)
+        screenshot(page, tmp_path, "groups", full_page=True)
         assert page.locator("main img").count() == 0 and page.locator("main script").count() == 0
         assert page.dialogs == [] and page.console_errors == []
     finally:
@@ -1020,7 +1059,7 @@ def test_a_keyed_resource_shows_its_keys_in_use_and_those_at_their_limit_as_text
         keyed, plain = column(page, "keys", "table.resources")
         assert keyed.startswith("per key · 2 keys in use · at limit: ") and plain == ""
         assert sorted(page.locator("table.resources .keyed code").all_inner_texts()) == sorted([XSS, "b"])
-        page.screenshot(path=str(screenshots_dir(tmp_path) / "keyed-resources.png"), full_page=True)
+        screenshot(page, tmp_path, "keyed-resources", full_page=True)
         assert page.locator("main img").count() == 0 and page.locator("main script").count() == 0
         assert page.dialogs == [] and page.console_errors == []
     finally:
@@ -1170,7 +1209,7 @@ def test_the_task_page_draws_a_50_task_workflow_as_a_readable_graph_with_hostile
     assert XSS in hostile.locator("title").text_content()
     assert SCRIPT_XSS in page.locator(f"a.node[data-id='{children[SCRIPT_XSS]['id']}'] title").text_content()
     assert page.locator("main img").count() == 0 and page.locator("main script").count() == 0
-    page.locator("section.workflow").screenshot(path=str(screenshots_dir(tmp_path) / "workflow.png"))
+    screenshot(page.locator("section.workflow"), tmp_path, "workflow")
 
     # On demand, the next generation: the one grandchild, spawned by the child that succeeded.
     page.click("button.workflow-expand")
