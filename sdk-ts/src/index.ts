@@ -1,6 +1,10 @@
-// cronoq's TypeScript SDK: a Client (submit, get, wait, cancel, list, watch; retry, delete,
-// attempts, bulk actions, pause/resume; schedules; workers, snapshot, server info) and a Worker (whose handlers read their dependencies'
-// results and spawn tasks: workflows).
+/**
+ * cronoq's TypeScript SDK: a Client (submit, get, wait, cancel, list, watch; retry, delete,
+ * attempts, bulk actions, pause/resume; schedules; workers, snapshot, server info) and a Worker (whose handlers read their dependencies'
+ * results and spawn tasks: workflows).
+ *
+ * @module cronoq
+ */
 export { Client, isTerminal, newRequestId } from "./client.js";
 export type {
   BulkOptions,

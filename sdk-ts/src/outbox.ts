@@ -1,7 +1,11 @@
-// Transactional enqueue: tasks inserted into the outbox table of the application's own
-// PostgreSQL database, in the application's transaction, on the node-postgres client it gives
-// (`pg` is never imported here: any object with query(text, values) does). A cronoq-server
-// relay submits the committed rows; a rolled-back transaction leaves none.
+/**
+ * Transactional enqueue: tasks inserted into the outbox table of the application's own
+ * PostgreSQL database, in the application's transaction, on the node-postgres client it gives
+ * (`pg` is never imported here: any object with query(text, values) does). A cronoq-server
+ * relay submits the committed rows; a rolled-back transaction leaves none.
+ *
+ * @module cronoq/outbox
+ */
 import { status as Status } from "@grpc/grpc-js";
 import { submitRequest, type TaskSpec } from "./client.js";
 import { InvalidArgumentError } from "./errors.js";
