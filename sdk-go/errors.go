@@ -48,6 +48,7 @@ const (
 	kindTLS
 )
 
+// Error is the code's name and the server's message (a TLS error: the message alone).
 func (e *Error) Error() string {
 	if e.kind == kindTLS {
 		return e.Message

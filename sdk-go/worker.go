@@ -53,7 +53,10 @@ type TaskError struct {
 	RetryAfter time.Duration
 }
 
+// Error is the wrapped error's message.
 func (e *TaskError) Error() string { return e.Err.Error() }
+
+// Unwrap returns the wrapped error, for errors.Is and errors.As.
 func (e *TaskError) Unwrap() error { return e.Err }
 
 // NonRetryable fails the attempt and the task, whatever attempts remain.
@@ -74,6 +77,7 @@ type SnoozeError struct {
 	Reason string
 }
 
+// Error says for how long, and why when a reason is given.
 func (e *SnoozeError) Error() string {
 	if e.Reason == "" {
 		return fmt.Sprintf("snoozed for %v", e.Duration)
