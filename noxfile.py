@@ -7,6 +7,7 @@ Run them through ./dev (which installs nox itself), e.g. `./dev demo`, `./dev te
 from __future__ import annotations
 
 import filecmp
+import html
 import json
 import os
 import shutil
@@ -109,8 +110,8 @@ def _generate_go(session: nox.Session, out: Path) -> None:
 
 
 def _npm_ci_ts(session: nox.Session) -> None:
-    """Installs the TypeScript SDK's locked dependencies (its tsc, tsx and ts-proto) once."""
-    if not (TS_SDK / "node_modules" / ".bin" / "protoc-gen-ts_proto").exists():
+    """Installs the TypeScript SDK's locked dependencies (its tsc, tsx, ts-proto and TypeDoc) once."""
+    if not all((TS_SDK / "node_modules" / ".bin" / tool).exists() for tool in ("protoc-gen-ts_proto", "typedoc")):
         session.run("npm", "--prefix", str(TS_SDK), "ci", "--no-audit", "--no-fund", external=True)
 
 
@@ -248,19 +249,97 @@ def _rust_checks(session: nox.Session) -> None:
     clippy_otel = ["--all-targets", "--features", "otel,outbox", "--", "-D", "warnings"]  # the conformance driver's
     session.run("cargo", "clippy", "--locked", *manifest, *clippy_otel, external=True)
     session.run("cargo", "fmt", *manifest, "--check", external=True)
-    # The docs.rs build: broken intra-doc links and stray HTML in doc comments fail it.
-    session.run("cargo", "doc", "--locked", *manifest, "--no-deps", external=True, env={"RUSTDOCFLAGS": "-D warnings"})
+    _rust_doc(session)  # the docs.rs build (default features)
 
 
-DOCS_TOOLS = ["mkdocs==1.6.1", "mkdocs-material==9.8.2"]
+def _rust_doc(session: nox.Session, *args: str) -> None:
+    """rustdoc of the Rust SDK into sdk-rust/target/doc: broken intra-doc links and stray HTML in doc
+    comments fail it."""
+    manifest = ["--manifest-path", str(RUST_MANIFEST)]
+    session.run(
+        "cargo", "doc", "--locked", *manifest, "--no-deps", *args, external=True, env={"RUSTDOCFLAGS": "-D warnings"}
+    )
+
+
+DOCS_TOOLS = ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "pdoc==16.0.0"]
+SITE = ROOT / "site"
+# Each SDK's API reference, built after the mkdocs site into SITE / "api" / <sdk> (the hook
+# docs/_hooks/repo_links.py holds the same names for the site's links to them).
+API_SITE = SITE / "api"
 
 
 def _docs(session: nox.Session) -> None:
     """The documentation site from docs/ (mkdocs.yml), in strict mode: a broken link or anchor,
     a page missing from the navigation or a link to a repository file that does not exist
-    fails it."""
-    session.install(*DOCS_TOOLS)
-    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"), env={"NO_MKDOCS_2_WARNING": "1"})
+    fails it. Then each SDK's API reference by the language's own tool, warnings as errors, into
+    site/api/<sdk>/: pdoc, TypeDoc, rustdoc, and go doc with a check that every exported Go
+    identifier has a doc comment."""
+    session.install(*PACKAGES, *DOCS_TOOLS)
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(SITE), env={"NO_MKDOCS_2_WARNING": "1"})
+    for sdk, build in (("python", _api_python), ("typescript", _api_typescript), ("rust", _api_rust), ("go", _api_go)):
+        out = API_SITE / sdk
+        shutil.rmtree(out, ignore_errors=True)  # mkdocs' placeholder page
+        build(session, out)
+        session.log(f"API reference: {(out / 'index.html').relative_to(ROOT)}")
+
+
+def _api_python(session: nox.Session, out: Path) -> None:
+    """pdoc of the package's public API: `cronoq` (its __all__) and `cronoq.outbox`."""
+    # pdoc reports what it cannot render (an import that fails, a docstring it cannot parse) as warnings.
+    args = ["--docformat", "markdown", "--output-directory", str(out), "cronoq", "cronoq.outbox"]
+    session.run("python", "-W", "error", "-m", "pdoc", *args, env={"PYTHONDONTWRITEBYTECODE": "1"})
+
+
+def _api_typescript(session: nox.Session, out: Path) -> None:
+    """TypeDoc (sdk-ts/typedoc.json: warnings as errors) of the sources of package.json's "exports"."""
+    _npm_ci_ts(session)
+    exports = json.loads((TS_SDK / "package.json").read_text())["exports"]
+    # ./dist/X.d.ts is tsc's output of src/X.ts (tsconfig.build.json)
+    sources = [
+        str(Path("src", Path(e["types"]).relative_to("dist"))).removesuffix(".d.ts") + ".ts" for e in exports.values()
+    ]
+    with session.chdir(TS_SDK):
+        session.run(str(TS_SDK / "node_modules" / ".bin" / "typedoc"), "--out", str(out), *sources, external=True)
+
+
+def _api_rust(session: nox.Session, out: Path) -> None:
+    """rustdoc of the crate with every feature (the outbox and OpenTelemetry APIs too)."""
+    _rust_doc(session, "--all-features")
+    shutil.copytree(RUST_MANIFEST.parent / "target" / "doc", out)
+    (out / "index.html").write_text(
+        '<!doctype html><meta charset="utf-8"><meta http-equiv="refresh" content="0; url=cronoq/index.html">'
+        '<title>cronoq (Rust SDK)</title><a href="cronoq/index.html">cronoq</a>\n'
+    )
+
+
+def _api_go(session: nox.Session, out: Path) -> None:
+    """`go doc -all` of each importable package of sdk-go (not main, not internal) as one page; fails
+    when an exported identifier of theirs has no doc comment (sdk-go/internal/doccheck)."""
+    listed = session.run(
+        "go",
+        "-C",
+        str(GO_SDK),
+        "list",
+        "-f",
+        "{{.Name}} {{.ImportPath}} {{.Dir}}",
+        "./...",
+        external=True,
+        silent=True,
+        stderr=None,
+    )
+    packages = [line.split(" ", 2)[1:] for line in str(listed).splitlines() if not line.startswith("main ")]
+    packages = [(path, directory) for path, directory in packages if "/internal/" not in path + "/"]
+    session.run("go", "-C", str(GO_SDK), "run", "./internal/doccheck", *(d for _, d in packages), external=True)
+    sections = []
+    for path, _ in packages:
+        text = session.run("go", "-C", str(GO_SDK), "doc", "-all", path, external=True, silent=True, stderr=None)
+        sections.append(f'<h2 id="{html.escape(path)}">{html.escape(path)}</h2>\n<pre>{html.escape(str(text))}</pre>')
+    toc = "".join(f'<li><a href="#{html.escape(p)}">{html.escape(p)}</a></li>' for p, _ in packages)
+    out.mkdir(parents=True)
+    (out / "index.html").write_text(
+        '<!doctype html>\n<html lang="en"><meta charset="utf-8"><title>cronoq (Go SDK): go doc -all</title>\n'
+        f"<h1>cronoq Go SDK: <code>go doc -all</code></h1>\n<ul>{toc}</ul>\n" + "\n".join(sections) + "\n</html>\n"
+    )
 
 
 @nox.session
