@@ -1,8 +1,9 @@
 """The worker programs of the documentation run as a reader would run them: README.md's
 "A worker in each SDK" and docs/getting-started.md's "A worker and a client in each SDK" show one
-whole program per SDK, the same text in both. Each is built against this checkout's SDK, run
-against a real server until the task it submitted has SUCCEEDED, then stopped with Ctrl-C
-(SIGINT), which must exit 0."""
+whole program per SDK, the same text in both, and the Go, TypeScript and Rust SDKs' READMEs open
+with their own ("A worker"). Each is built against this checkout's SDK, run against a real server
+until the task it submitted has SUCCEEDED, then stopped with Ctrl-C (SIGINT), which must exit 0.
+A program that ends by itself (the TypeScript README's workflows and schedules) must exit 0."""
 
 from __future__ import annotations
 
@@ -23,29 +24,38 @@ import pytest
 pytestmark = pytest.mark.timeout(1800)
 
 REPO = Path(__file__).resolve().parents[2]
-# Each page's section that holds the programs.
+GO_SDK = REPO / "sdk-go"
+TS_SDK = REPO / "sdk-ts"
+RUST_SDK = REPO / "sdk-rust"
+README = REPO / "README.md"
+GETTING_STARTED = REPO / "docs" / "getting-started.md"
+# Each page's section that holds the programs, one subsection per SDK.
 SECTIONS = {
-    REPO / "README.md": "## A worker in each SDK",
-    REPO / "docs" / "getting-started.md": "## A worker and a client in each SDK",
+    GETTING_STARTED: "## A worker and a client in each SDK",
+    README: "## A worker in each SDK",
 }
+# Each SDK README's section that opens with its program; its subsections ("### Prefetch") show fragments.
+SDK_SECTIONS = {sdk / "README.md": "## A worker" for sdk in (GO_SDK, TS_SDK, RUST_SDK)}
+# The SDK READMEs' sections whose program runs to its end by itself, with what it prints (at least).
+FINISHING_SECTIONS = {(TS_SDK / "README.md", "## Workflows"): "5050", (TS_SDK / "README.md", "## Schedules"): ""}
+# The pools the finishing programs use.
+FINISHING_POOLS = ("default", "reports")
 LANGUAGES = ("python", "go", "ts", "rust")
 # The endpoint the programs use; the test's server replaces it.
 DOCS_ENDPOINT = "http://127.0.0.1:7070"
 # The key of the task each program submits.
 DOCS_KEY = "job-1"
-GO_SDK = REPO / "sdk-go"
-TS_SDK = REPO / "sdk-ts"
-RUST_SDK = REPO / "sdk-rust"
 # The crate's own target dir, which its cargo test and examples fill: the dependencies are built already.
 RUST_TARGET = RUST_SDK / "target"
 
 
-def section_programs(page: Path) -> dict[str, list[str]]:
-    """The code blocks of the page's section, by language (shell lines left out)."""
+def section_programs(page: Path, heading: str | None = None) -> dict[str, list[str]]:
+    """The code blocks of the page's section (its heading in SECTIONS or SDK_SECTIONS unless given), by
+    language (shell lines left out)."""
     text = page.read_text()
-    start = text.index(f"\n{SECTIONS[page]}\n")
-    end = text.find("\n## ", start + 1)
-    section = text[start : end if end >= 0 else None]
+    start = text.index(f"\n{heading or SECTIONS.get(page) or SDK_SECTIONS[page]}\n") + 1
+    end = re.compile(r"^## " if page in SECTIONS else r"^##+ ", flags=re.M).search(text, start + 1)
+    section = text[start : end.start() if end else None]
     programs: dict[str, list[str]] = {}
     for language, block in re.findall(r"^```(\w+)\n(.*?)^```$", section, flags=re.M | re.S):
         if language != "sh":
@@ -53,9 +63,31 @@ def section_programs(page: Path) -> dict[str, list[str]]:
     return programs
 
 
-def docs_program(language: str) -> str:
-    (block,) = section_programs(REPO / "docs" / "getting-started.md")[language]
-    return block
+def docs_programs() -> dict[str, tuple[str, str]]:
+    """Every distinct program of the sections, by the page and language it is first shown in, with
+    its language and text: README.md's are getting-started's (checked below), run once."""
+    programs: dict[str, tuple[str, str]] = {}
+    for page in [*SECTIONS, *SDK_SECTIONS]:
+        for language, blocks in section_programs(page).items():
+            for block in blocks:
+                if (language, block) not in programs.values():
+                    programs[f"{page.relative_to(REPO)}:{language}"] = (language, block)
+    return programs
+
+
+def finishing_programs() -> dict[str, tuple[str, str, str]]:
+    """FINISHING_SECTIONS' programs, by page and heading, with their language, text and expected output."""
+    programs: dict[str, tuple[str, str, str]] = {}
+    for (page, heading), printed in FINISHING_SECTIONS.items():
+        ((language, (block,)),) = section_programs(page, heading).items()
+        programs[f"{page.relative_to(REPO)}:{heading.lstrip('# ')}"] = (language, block, printed)
+    return programs
+
+
+def run_programs() -> dict[str, tuple[str, str]]:
+    """Every program this file runs, with its language and text."""
+    finishing = {where: (language, block) for where, (language, block, _) in finishing_programs().items()}
+    return {**docs_programs(), **finishing}
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
@@ -144,7 +176,7 @@ BUILDS = {"python": build_python, "go": build_go, "ts": build_ts, "rust": build_
 
 
 def test_each_sdk_has_one_program_the_same_in_the_readme_and_getting_started() -> None:
-    readme, getting_started = (section_programs(page) for page in SECTIONS)
+    readme, getting_started = section_programs(README), section_programs(GETTING_STARTED)
     assert sorted(getting_started) == sorted(LANGUAGES), f"docs/getting-started.md: {sorted(getting_started)}"
     for language in LANGUAGES:
         assert len(getting_started[language]) == 1, f"docs/getting-started.md shows {language} more than once"
@@ -160,12 +192,21 @@ def _docs_task(server: Any) -> dict[str, Any]:
     return body["task"] if status == 200 else {}
 
 
-@pytest.mark.parametrize("language", LANGUAGES)
-def test_docs_program_runs_its_task_and_stops_on_ctrl_c(language: str, start_server: Any, tmp_path: Path) -> None:
+def test_each_sdk_readme_opens_with_one_worker_program_of_its_language() -> None:
+    for page, language in zip(SDK_SECTIONS, ("go", "ts", "rust"), strict=True):
+        programs = section_programs(page)
+        assert list(programs) == [language] and len(programs[language]) == 1, f"{page}: {programs}"
+        (program,) = programs[language]
+        assert DOCS_ENDPOINT in program and DOCS_KEY in program, f"{page}'s program does not submit {DOCS_KEY}"
+
+
+@pytest.mark.parametrize("where", list(docs_programs()))
+def test_docs_program_runs_its_task_and_stops_on_ctrl_c(where: str, start_server: Any, tmp_path: Path) -> None:
+    language, program = docs_programs()[where]
     server = start_server()
     scratch = tmp_path / "program"
     scratch.mkdir()
-    cmd = BUILDS[language](docs_program(language).replace(DOCS_ENDPOINT, server.endpoint), scratch)
+    cmd = BUILDS[language](program.replace(DOCS_ENDPOINT, server.endpoint), scratch)
     output = tmp_path / "program.out"
     with open(output, "wb") as sink:
         proc = subprocess.Popen(cmd, cwd=scratch, stdout=sink, stderr=subprocess.STDOUT)
@@ -183,3 +224,15 @@ def test_docs_program_runs_its_task_and_stops_on_ctrl_c(language: str, start_ser
             proc.kill()
             proc.wait()
     assert code == 0, f"the {language} program exited {code} on Ctrl-C:\n{output.read_text()}"
+
+
+@pytest.mark.parametrize("where", list(finishing_programs()))
+def test_docs_program_runs_to_its_end(where: str, start_server: Any, tmp_path: Path) -> None:
+    language, program, printed = finishing_programs()[where]
+    server = start_server({"pools": [{"name": pool} for pool in FINISHING_POOLS]})
+    scratch = tmp_path / "program"
+    scratch.mkdir()
+    cmd = BUILDS[language](program.replace(DOCS_ENDPOINT, server.endpoint), scratch)
+    done = subprocess.run(cmd, cwd=scratch, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, f"the program exited {done.returncode}:\n{done.stdout}{done.stderr}"
+    assert printed in done.stdout, done.stdout
