@@ -35,6 +35,9 @@ from _servers import BenchServer, add_store_arguments, bench_store, cpu_seconds,
 
 import cronoq
 
+# run_worker's prefetch that leaves the SDK's default (every SDK's --prefetch -1 too).
+SDK_PREFETCH = -1
+
 
 def run_worker(
     endpoint: str,
@@ -167,7 +170,10 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=20_000)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument(
-        "--prefetch", type=int, default=-1, help="tasks the worker holds beyond its concurrency (-1: its SDK's default)"
+        "--prefetch",
+        type=int,
+        default=SDK_PREFETCH,
+        help="tasks the worker holds beyond its concurrency (-1: its SDK's default)",
     )
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--json", action="store_true", help="print one JSON line")

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _anchor_common import percentile
 from _servers import BenchServer, add_store_arguments, bench_store
-from burndown import run_worker
+from burndown import SDK_PREFETCH, run_worker
 
 import cronoq
 
@@ -56,7 +56,8 @@ def one_run(store_url: str | None, tasks: int, late: int, cap: int) -> dict[str,
             spawn = mp.get_context("spawn")
             started_at, done_at = spawn.Value("d", 0.0), spawn.Value("d", 0.0)
             worker = spawn.Process(
-                target=run_worker, args=(server.endpoint, CONCURRENCY, tasks + late, started_at, done_at, {})
+                target=run_worker,
+                args=(server.endpoint, CONCURRENCY, SDK_PREFETCH, tasks + late, started_at, done_at, {}),
             )
             worker.start()
             while not started_at.value:

@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _servers import BenchServer, add_store_arguments, bench_store
-from burndown import run_worker, wait_all_done
+from burndown import SDK_PREFETCH, run_worker, wait_all_done
 
 import cronoq
 
@@ -79,7 +79,9 @@ def main() -> None:
             asyncio.run(submit_keys(server.endpoint, args.keys, per_key, args.by_key))
             spawn = mp.get_context("spawn")  # not a fork: see burndown.py
             started_at, done_at = spawn.Value("d", 0.0), spawn.Value("d", 0.0)
-            proc = spawn.Process(target=run_worker, args=(server.endpoint, 64, total, started_at, done_at, {}))
+            proc = spawn.Process(
+                target=run_worker, args=(server.endpoint, 64, SDK_PREFETCH, total, started_at, done_at, {})
+            )
             proc.start()
             proc.join(600)
             assert asyncio.run(wait_all_done(server.endpoint, total, {})) == total
