@@ -48,7 +48,7 @@ import grpc
 from _anchor_common import percentile
 from _servers import BenchServer, add_store_arguments, bench_store
 from bulk import QUIET_S, figures, make_tasks, probe
-from burndown import SDK_PREFETCH, run_worker, submit_all
+from burndown import run_worker, submit_all
 
 from cronoq.v1 import task_pb2, task_service_pb2_grpc, worker_service_pb2_grpc
 from cronoq.v1 import task_service_pb2 as tpb
@@ -153,9 +153,7 @@ def drain_rate(server: BenchServer, pending: int) -> float:
     # A spawned process, not a fork, as burndown.py: a fork after gRPC was used can hang.
     spawn = mp.get_context("spawn")
     started_at, done_at = spawn.Value("d", 0.0), spawn.Value("d", 0.0)
-    proc = spawn.Process(
-        target=run_worker, args=(server.endpoint, CONCURRENCY, SDK_PREFETCH, pending, started_at, done_at, {})
-    )
+    proc = spawn.Process(target=run_worker, args=(server.endpoint, CONCURRENCY, 0, pending, started_at, done_at, {}))
     proc.start()
     proc.join(1800)
     if not done_at.value:

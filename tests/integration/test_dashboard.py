@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from _helpers import Api, eventually, log_lines, start_worker
+from conftest import CALL_PASSED
 from ports import free_port
 from preconditions import missing
 
@@ -99,14 +100,27 @@ DOCS_IMAGES = {
 }
 
 
+# The docs' screenshots the running test took, copied to CRONOQ_DOCS_IMAGES once it has passed.
+_docs_shots: list[tuple[Path, str]] = []
+
+
+@pytest.fixture(autouse=True)
+def docs_images(request: pytest.FixtureRequest) -> Iterator[None]:
+    _docs_shots.clear()
+    yield
+    docs = os.environ.get("CRONOQ_DOCS_IMAGES")
+    if docs and request.node.stash.get(CALL_PASSED, False):
+        for path, image in _docs_shots:
+            shutil.copyfile(path, Path(docs) / image)
+
+
 def screenshot(target: Any, tmp_path: Path, name: str, **options: Any) -> None:
-    """`target` (a page or a locator) as NAME.png in the screenshots folder, and in the docs'
-    images when NAME is one of theirs and CRONOQ_DOCS_IMAGES is set."""
+    """`target` (a page or a locator) as NAME.png in the screenshots folder; when NAME is one of
+    the docs' images, it goes there too if the test passes and CRONOQ_DOCS_IMAGES is set."""
     path = screenshots_dir(tmp_path) / f"{name}.png"
     target.screenshot(path=str(path), **options)
-    docs = os.environ.get("CRONOQ_DOCS_IMAGES")
-    if docs and name in DOCS_IMAGES:
-        shutil.copyfile(path, Path(docs) / DOCS_IMAGES[name])
+    if name in DOCS_IMAGES:
+        _docs_shots.append((path, DOCS_IMAGES[name]))
 
 
 def test_every_image_of_the_docs_is_a_screenshot_a_test_takes() -> None:

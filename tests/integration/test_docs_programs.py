@@ -37,7 +37,7 @@ SECTIONS = {
 # Each SDK README's section that opens with its program; its subsections ("### Prefetch") show fragments.
 SDK_SECTIONS = {sdk / "README.md": "## A worker" for sdk in (GO_SDK, TS_SDK, RUST_SDK)}
 # The SDK READMEs' sections whose program runs to its end by itself, with what it prints (at least).
-FINISHING_SECTIONS = {(TS_SDK / "README.md", "## Workflows"): "5050", (TS_SDK / "README.md", "## Schedules"): ""}
+FINISHING_SECTIONS = {(TS_SDK / "README.md", "## Workflows"): "5050", (TS_SDK / "README.md", "## Schedules"): "seconds:"}
 # The pools the finishing programs use.
 FINISHING_POOLS = ("default", "reports")
 LANGUAGES = ("python", "go", "ts", "rust")

@@ -6,12 +6,20 @@ by `./dev docs` (strict)."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-READMES = [ROOT / "README.md", *sorted(ROOT.glob("*/README.md"))]
+# The repository's READMEs at the top and one folder down (git's files: no tool's cache or build output).
+READMES = [
+    ROOT / name
+    for name in subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "README.md", "*/README.md"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    if name.count("/") <= 1
+]
 # ](target) of a link or an image, outside code blocks.
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```.*?^```$", flags=re.M | re.S)
