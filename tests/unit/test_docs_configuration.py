@@ -7,17 +7,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from md_pages import sections
 from pydantic import BaseModel
 
 from cronoq_server import config
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
-
-
-def sections() -> dict[str, str]:
-    """The page's text under each `##` heading, by the heading."""
-    parts = re.split(r"^## (.+)$", PAGE.read_text(), flags=re.M)
-    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
 def models() -> dict[str, type[BaseModel]]:
@@ -38,7 +33,7 @@ def models() -> dict[str, type[BaseModel]]:
 
 
 def test_every_key_of_every_section_has_its_row() -> None:
-    pages = sections()
+    pages = sections(PAGE.read_text())
     missing = []
     for section, model in models().items():
         heading = next((h for h in pages if re.search(rf"`\[+{re.escape(section)}\]+`", h)), None)

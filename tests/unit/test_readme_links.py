@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from md_pages import without_code
 
 ROOT = Path(__file__).resolve().parents[2]
 # The repository's READMEs at the top and one folder down (git's files: no tool's cache or build output).
@@ -22,7 +23,6 @@ READMES = [
 ]
 # ](target) of a link or an image, outside code blocks.
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-FENCE = re.compile(r"^```.*?^```$", flags=re.M | re.S)
 
 
 def github_anchor(heading: str) -> str:
@@ -32,12 +32,12 @@ def github_anchor(heading: str) -> str:
 
 
 def anchors(page: Path) -> set[str]:
-    text = FENCE.sub("", page.read_text())
+    text = without_code(page.read_text())
     return {github_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
 
 
 def links(readme: Path) -> list[str]:
-    return [t for t in LINK.findall(FENCE.sub("", readme.read_text())) if not re.match(r"[a-z]+:", t)]
+    return [t for t in LINK.findall(without_code(readme.read_text())) if not re.match(r"[a-z]+:", t)]
 
 
 def test_the_anchor_of_a_heading_is_githubs() -> None:

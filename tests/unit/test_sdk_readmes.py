@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from md_pages import sections
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("install", "a worker", "a client", "errors", "options", "api reference")
@@ -20,14 +21,9 @@ REFERENCES = {
 }
 
 
-def sections(readme: Path) -> dict[str, str]:
-    """The README's text under each `##` heading (lower-cased), fenced code blocks left out of
-    the search for headings (a `## ` line in a shell block is no heading)."""
-    text = re.sub(
-        r"^```.*?^```", lambda m: re.sub(r"^## ", "   ", m.group(0), flags=re.M), readme.read_text(), flags=re.M | re.S
-    )
-    parts = re.split(r"^## (.+)$", text, flags=re.M)
-    return {heading.strip().lower(): body for heading, body in zip(parts[1::2], parts[2::2], strict=True)}
+def readme_sections(readme: Path) -> dict[str, str]:
+    """The README's text under each `##` heading, by the heading lower-cased."""
+    return {heading.lower(): body for heading, body in sections(readme.read_text()).items()}
 
 
 def find(found: dict[str, str], wanted: str) -> str | None:
@@ -37,13 +33,13 @@ def find(found: dict[str, str], wanted: str) -> str | None:
 
 @pytest.mark.parametrize("sdk", sorted(REFERENCES))
 def test_readme_has_every_section(sdk: str) -> None:
-    found = sections(ROOT / sdk / "README.md")
+    found = readme_sections(ROOT / sdk / "README.md")
     assert [s for s in SECTIONS if find(found, s) is None] == [], f"{sdk}/README.md lacks these sections"
 
 
 @pytest.mark.parametrize("sdk", sorted(REFERENCES))
 def test_api_reference_names_its_tool_and_page(sdk: str) -> None:
-    found = sections(ROOT / sdk / "README.md")
+    found = readme_sections(ROOT / sdk / "README.md")
     heading = find(found, "api reference")
     assert heading is not None, f"{sdk}/README.md has no API reference section"
     tool, site = REFERENCES[sdk]
